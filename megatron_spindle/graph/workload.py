@@ -1,0 +1,413 @@
+"""Workload specification: modules, tasks and their flows (YAML or the Python API).
+
+A workload declares *modules* (encoder towers, an LLM backbone, projectors, heads) and *tasks*. A task is
+a DAG of flows over modules with its own global batch size, the tokens per sample at each module's input,
+and a loss. Modules are shared by every task that uses them unless declared ``shared: false``.
+
+YAML form (see examples/workloads/)::
+
+    name: tiny-vl
+    modules:
+      vision: {kind: encoder, num_layers: 4, hidden_size: 64, num_heads: 4, ffn_hidden_size: 256,
+               frontend: {type: patch, image_size: 32, patch_size: 8, in_channels: 3}}
+      vis_proj: {kind: projector, input_size: 64, hidden_size: 128}
+      llm: {kind: llm, num_layers: 4, hidden_size: 128, num_heads: 8, ffn_hidden_size: 512,
+            frontend: {type: text, vocab_size: 1000}}
+    tasks:
+      - name: caption
+        batch_size: 8
+        tokens: {vision: 17, vis_proj: 16, llm: 48}
+        flows: [[vision, vis_proj], [vis_proj, llm]]
+        loss: {kind: lm, module: llm}
+
+Python form, in the spirit of the paper's ``SpindleTask``/``add_flow``::
+
+    task = SpindleTask("caption", batch_size=8, loss=LossSpec("lm", ("llm",)))
+    task.add_flow("vision", "vis_proj", src_tokens=17, dst_tokens=16)
+    task.add_flow("vis_proj", "llm", dst_tokens=48)
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MODULE_KINDS = ("encoder", "llm", "projector", "head")
+FRONTEND_TYPES = ("patch", "audio", "imu", "text")
+LOSS_KINDS = ("contrastive", "lm")
+
+
+class WorkloadError(ValueError):
+    """A workload spec that cannot be planned. The message names the offending item."""
+
+
+@dataclass
+class FrontendSpec:
+    """Turns raw samples into the first layer's token sequence.
+
+    patch: images [C, image_size, image_size] -> (image_size/patch_size)^2 patches (+1 class token)
+    audio: spectrogram [in_channels=mel bins, frames] -> frames/patch_size patches
+    imu:   sensor windows [in_channels, samples] -> samples/patch_size windows
+    text:  token ids -> embeddings (vocab_size)
+    """
+
+    type: str
+    image_size: int = 0
+    patch_size: int = 0
+    in_channels: int = 0
+    vocab_size: int = 0
+    class_token: bool = True
+
+
+@dataclass
+class ModuleSpec:
+    """One model component. ``hidden_size`` is the width of its token sequence (for a projector: output)."""
+
+    name: str
+    kind: str
+    hidden_size: int
+    num_layers: int = 1
+    num_heads: int = 1
+    ffn_hidden_size: int = 0
+    num_query_groups: int | None = None  # GQA groups (None: = num_heads)
+    frontend: FrontendSpec | None = None
+    embed_dim: int | None = None  # pooled output projected to a shared embedding (contrastive towers)
+    input_size: int | None = None  # projector input width
+    pool: int = 1  # projector: token pooling factor (e.g. 1500 audio frames -> 750)
+    vocab_size: int = 0  # llm: output vocabulary for the LM head (defaults to the text frontend's)
+    causal: bool | None = None  # default: True for llm, False otherwise
+    cross_attention: bool = False  # encoder-decoder decoders (OFASys); planner/simulator only
+    shared: bool = True  # one set of weights for all tasks that use it
+
+    @property
+    def in_size(self) -> int:
+        return self.input_size if self.kind == "projector" else self.hidden_size
+
+    @property
+    def out_size(self) -> int:
+        return self.hidden_size
+
+    @property
+    def is_causal(self) -> bool:
+        return self.kind == "llm" if self.causal is None else self.causal
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_heads
+
+    @property
+    def lm_vocab(self) -> int:
+        if self.vocab_size:
+            return self.vocab_size
+        return self.frontend.vocab_size if self.frontend and self.frontend.type == "text" else 0
+
+    @property
+    def has_layers(self) -> bool:
+        """Transformer layers (encoder/llm) vs a single light op (projector/head)."""
+        return self.kind in ("encoder", "llm")
+
+
+@dataclass
+class LossSpec:
+    """contrastive: InfoNCE between the pooled embeddings of two modules; lm: next-token CE on one module."""
+
+    kind: str
+    modules: tuple[str, ...]
+    weight: float = 1.0
+    temperature: float = 0.07
+
+
+@dataclass
+class SpindleTask:
+    """One task: a DAG of flows over modules, with a global batch and tokens per sample at each module input."""
+
+    name: str
+    batch_size: int
+    loss: LossSpec | None = None
+    tokens: dict[str, int] = field(default_factory=dict)  # module -> tokens per sample at its input
+    flows: list[tuple[str, str]] = field(default_factory=list)
+    sampling_weight: float = 1.0
+
+    def use(self, module: str, tokens: int) -> SpindleTask:
+        """Declare that the task runs ``module`` with ``tokens`` tokens per sample at its input."""
+        self.tokens[module] = tokens
+        return self
+
+    def add_flow(self, src: str, dst: str, src_tokens: int | None = None, dst_tokens: int | None = None) -> SpindleTask:
+        """Data flows from ``src``'s output into ``dst``'s input (the paper's add_flow)."""
+        if src_tokens is not None:
+            self.tokens[src] = src_tokens
+        if dst_tokens is not None:
+            self.tokens[dst] = dst_tokens
+        self.flows.append((src, dst))
+        return self
+
+    @property
+    def modules(self) -> list[str]:
+        return list(self.tokens)
+
+    def predecessors(self, module: str) -> list[str]:
+        return [s for s, d in self.flows if d == module]
+
+    def topo_modules(self) -> list[str]:
+        """Modules in a topological order of the task's flows (declaration order breaks ties)."""
+        indeg = {m: 0 for m in self.tokens}
+        for _, d in self.flows:
+            indeg[d] += 1
+        order, ready = [], [m for m in self.tokens if indeg[m] == 0]
+        while ready:
+            m = ready.pop(0)
+            order.append(m)
+            for s, d in self.flows:
+                if s == m:
+                    indeg[d] -= 1
+                    if indeg[d] == 0:
+                        ready.append(d)
+        if len(order) != len(self.tokens):
+            cyc = sorted(m for m, k in indeg.items() if k > 0)
+            raise WorkloadError(f"task '{self.name}': flows form a cycle through modules {cyc}")
+        return order
+
+
+@dataclass
+class Workload:
+    name: str
+    modules: dict[str, ModuleSpec]
+    tasks: list[SpindleTask]
+
+    def __post_init__(self):
+        validate_workload(self)
+
+    def task(self, name: str) -> SpindleTask:
+        for t in self.tasks:
+            if t.name == name:
+                return t
+        raise KeyError(f"unknown task '{name}'")
+
+    def param_owner(self, module: str, task: str) -> str:
+        """Name of the weights a task uses for a module: shared modules have one owner for all tasks."""
+        return module if self.modules[module].shared else f"{module}@{task}"
+
+    def to_dict(self) -> dict[str, Any]:
+        mods = {}
+        for name, m in self.modules.items():
+            d = {k: v for k, v in asdict(m).items() if k != "name"}
+            mods[name] = d
+        tasks = []
+        for t in self.tasks:
+            d = asdict(t)
+            d["flows"] = [list(f) for f in t.flows]
+            if t.loss is not None:
+                d["loss"]["modules"] = list(t.loss.modules)
+            tasks.append(d)
+        return {"name": self.name, "modules": mods, "tasks": tasks}
+
+    def digest(self) -> str:
+        """Content hash of the spec (canonical JSON): plans and profiles are keyed by it."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def subset(self, task_names: list[str]) -> Workload:
+        """The same modules with only some tasks (e.g. CLIP-4 out of CLIP-10)."""
+        tasks = [copy.deepcopy(self.task(n)) for n in task_names]
+        used = {m for t in tasks for m in t.tokens}
+        mods = {k: v for k, v in self.modules.items() if k in used}
+        return Workload(f"{self.name}[{len(tasks)}]", mods, tasks)
+
+
+# ----------------------------------------------------------------------------------------------- parsing
+
+
+def _positive(where: str, what: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise WorkloadError(f"{where}: {what} must be a positive integer, got {value!r}")
+
+
+def _module_from_dict(name: str, d: dict[str, Any]) -> ModuleSpec:
+    d = dict(d)
+    fe = d.pop("frontend", None)
+    known = set(ModuleSpec.__dataclass_fields__) - {"name", "frontend"}
+    unknown = set(d) - known
+    if unknown:
+        raise WorkloadError(f"module '{name}': unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+    if fe is not None:
+        if not isinstance(fe, dict) or "type" not in fe:
+            raise WorkloadError(f"module '{name}': frontend must be a mapping with a 'type'")
+        bad = set(fe) - set(FrontendSpec.__dataclass_fields__)
+        if bad:
+            raise WorkloadError(f"module '{name}': unknown frontend field(s) {sorted(bad)}")
+        fe = FrontendSpec(**fe)
+    if "kind" not in d or "hidden_size" not in d:
+        raise WorkloadError(f"module '{name}': 'kind' and 'hidden_size' are required")
+    return ModuleSpec(name=name, frontend=fe, **d)
+
+
+def _task_from_dict(d: dict[str, Any]) -> SpindleTask:
+    d = dict(d)
+    if "name" not in d or "batch_size" not in d:
+        raise WorkloadError(f"task {d!r}: 'name' and 'batch_size' are required")
+    loss = d.pop("loss", None)
+    if loss is not None:
+        loss = dict(loss)
+        mods = loss.pop("modules", None) or ([loss.pop("module")] if "module" in loss else [])
+        loss = LossSpec(modules=tuple(mods), **loss)
+    flows = [tuple(f) for f in d.pop("flows", [])]
+    for f in flows:
+        if len(f) != 2:
+            raise WorkloadError(f"task '{d['name']}': a flow is [src, dst], got {list(f)}")
+    unknown = set(d) - set(SpindleTask.__dataclass_fields__)
+    if unknown:
+        raise WorkloadError(f"task '{d['name']}': unknown field(s) {sorted(unknown)}")
+    return SpindleTask(loss=loss, flows=flows, **d)
+
+
+def workload_from_dict(d: dict[str, Any]) -> Workload:
+    if not isinstance(d, dict) or "modules" not in d or "tasks" not in d:
+        raise WorkloadError("a workload needs 'modules' and 'tasks'")
+    mods = {name: _module_from_dict(name, m) for name, m in d["modules"].items()}
+    tasks = [_task_from_dict(t) for t in d["tasks"]]
+    return Workload(d.get("name", "workload"), mods, tasks)
+
+
+def load_workload(path: str | Path) -> Workload:
+    """Load a workload YAML file, or a built-in workload by name (see ``builtin_workloads``)."""
+    from megatron_spindle.graph.builtin import builtin_workload_path
+
+    p = Path(path)
+    if not p.exists():
+        builtin = builtin_workload_path(str(path))
+        if builtin is None:
+            raise WorkloadError(f"workload '{path}': no such file and no built-in workload of that name")
+        p = builtin
+    with open(p) as f:
+        try:
+            d = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise WorkloadError(f"{p}: not valid YAML: {e}") from e
+    return workload_from_dict(d)
+
+
+# -------------------------------------------------------------------------------------------- validation
+
+
+def validate_workload(w: Workload) -> None:
+    """Raise WorkloadError naming the first problem found."""
+    if not w.tasks:
+        raise WorkloadError(f"workload '{w.name}' has no tasks")
+    for name, m in w.modules.items():
+        where = f"module '{name}'"
+        if m.kind not in MODULE_KINDS:
+            raise WorkloadError(f"{where}: unknown kind '{m.kind}' (expected one of {', '.join(MODULE_KINDS)})")
+        _positive(where, "hidden_size", m.hidden_size)
+        _positive(where, "num_layers", m.num_layers)
+        _positive(where, "num_heads", m.num_heads)
+        _positive(where, "pool", m.pool)
+        if m.has_layers:
+            _positive(where, "ffn_hidden_size", m.ffn_hidden_size)
+            if m.hidden_size % m.num_heads:
+                raise WorkloadError(f"{where}: hidden_size {m.hidden_size} is not divisible by num_heads {m.num_heads}")
+            if m.num_heads % m.query_groups:
+                raise WorkloadError(f"{where}: num_heads {m.num_heads} not divisible by num_query_groups {m.query_groups}")
+        if m.kind == "projector":
+            _positive(where, "input_size", m.input_size)
+        if m.embed_dim is not None:
+            _positive(where, "embed_dim", m.embed_dim)
+        if m.frontend is not None:
+            fe = m.frontend
+            if fe.type not in FRONTEND_TYPES:
+                raise WorkloadError(f"{where}: unknown frontend type '{fe.type}' (expected one of {FRONTEND_TYPES})")
+            if fe.type == "text":
+                _positive(where, "frontend vocab_size", fe.vocab_size)
+            else:
+                _positive(where, "frontend patch_size", fe.patch_size)
+                _positive(where, "frontend in_channels", fe.in_channels)
+                if fe.type == "patch":
+                    _positive(where, "frontend image_size", fe.image_size)
+    names = set()
+    for t in w.tasks:
+        where = f"task '{t.name}'"
+        if t.name in names:
+            raise WorkloadError(f"{where}: duplicate task name")
+        names.add(t.name)
+        _positive(where, "batch_size", t.batch_size)
+        if not t.tokens:
+            raise WorkloadError(f"{where}: uses no modules (give 'tokens' per module or flows)")
+        for mod, n in t.tokens.items():
+            if mod not in w.modules:
+                raise WorkloadError(f"{where}: unknown module '{mod}' (declared: {sorted(w.modules)})")
+            _positive(where, f"tokens of '{mod}'", n)
+        for src, dst in t.flows:
+            for mod in (src, dst):
+                if mod not in w.modules:
+                    raise WorkloadError(f"{where}: flow {src} -> {dst} names unknown module '{mod}'")
+                if mod not in t.tokens:
+                    raise WorkloadError(f"{where}: flow {src} -> {dst}: tokens of '{mod}' not given")
+            if src == dst:
+                raise WorkloadError(f"{where}: flow {src} -> {dst} is a cycle (a module feeding itself)")
+            ms, md = w.modules[src], w.modules[dst]
+            if ms.out_size != md.in_size:
+                raise WorkloadError(
+                    f"{where}: flow {src} -> {dst}: hidden size {ms.out_size} of '{src}' does not match input size "
+                    f"{md.in_size} of '{dst}' and there is no projector between them"
+                )
+        t.topo_modules()  # raises on cycles
+        _validate_tokens(w, t)
+        _validate_loss(w, t)
+
+
+def _validate_tokens(w: Workload, t: SpindleTask) -> None:
+    """Token counts must be consistent along flows (the runtime builds real tensors from them)."""
+    for mod in t.tokens:
+        m = w.modules[mod]
+        preds = t.predecessors(mod)
+        if not preds:
+            continue  # a source module: its front end (or precomputed features) makes its input
+        incoming = sum(output_tokens(w, t, p) for p in preds)
+        own = t.tokens[mod] - incoming
+        if m.kind == "projector" and len(preds) != 1:
+            raise WorkloadError(f"task '{t.name}': projector '{mod}' needs exactly one input, has {preds}")
+        if own < 0:
+            raise WorkloadError(
+                f"task '{t.name}': module '{mod}' gets {incoming} tokens from {preds} but its input is declared as "
+                f"{t.tokens[mod]} tokens"
+            )
+        if own > 0 and not (m.frontend is not None and m.frontend.type == "text"):
+            if m.kind != "projector":
+                raise WorkloadError(
+                    f"task '{t.name}': module '{mod}' input is {t.tokens[mod]} tokens but its inputs {preds} give "
+                    f"{incoming} and it has no text front end for the other {own}"
+                )
+
+
+def output_tokens(w: Workload, t: SpindleTask, mod: str) -> int:
+    """Tokens per sample that ``mod`` emits in task ``t`` (projectors may pool)."""
+    m = w.modules[mod]
+    return t.tokens[mod] // m.pool if m.kind == "projector" else t.tokens[mod]
+
+
+def _validate_loss(w: Workload, t: SpindleTask) -> None:
+    if t.loss is None:
+        return
+    where = f"task '{t.name}'"
+    if t.loss.kind not in LOSS_KINDS:
+        raise WorkloadError(f"{where}: unknown loss kind '{t.loss.kind}' (expected one of {LOSS_KINDS})")
+    for mod in t.loss.modules:
+        if mod not in t.tokens:
+            raise WorkloadError(f"{where}: loss uses module '{mod}' which the task does not run")
+    if t.loss.kind == "contrastive":
+        if len(t.loss.modules) != 2:
+            raise WorkloadError(f"{where}: a contrastive loss pairs exactly two modules, got {list(t.loss.modules)}")
+        dims = [w.modules[m].embed_dim for m in t.loss.modules]
+        if None in dims or dims[0] != dims[1]:
+            raise WorkloadError(f"{where}: contrastive modules {list(t.loss.modules)} need equal embed_dim, got {dims}")
+    else:
+        if len(t.loss.modules) != 1:
+            raise WorkloadError(f"{where}: an lm loss names exactly one module, got {list(t.loss.modules)}")
+        if not w.modules[t.loss.modules[0]].lm_vocab:
+            raise WorkloadError(f"{where}: lm loss on '{t.loss.modules[0]}' which has no vocab_size")

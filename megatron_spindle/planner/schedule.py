@@ -1,0 +1,47 @@
+"""The wavefront schedule before placement: which MetaOp layers run in which wave, on how many devices.
+
+Produced by the wavefront scheduler (or a baseline / the CP-SAT model), consumed by placement, which picks
+the concrete devices and turns it into a ``Plan``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScheduledSlice:
+    metaop: str
+    n: int  # devices
+    tp: int
+    dp: int
+    layer_start: int  # relative to the MetaOp's chain
+    layer_end: int
+    time: float  # seconds: T_m(n) * (layer_end - layer_start)
+    devices: list[int] | None = None  # filled by placement (or pinned by a planner that places itself)
+
+
+@dataclass
+class ScheduledWave:
+    level: int
+    start: float
+    duration: float
+    slices: list[ScheduledSlice] = field(default_factory=list)
+
+    @property
+    def end(self) -> float:
+        return self.start + self.duration
+
+    @property
+    def devices_used(self) -> int:
+        return sum(s.n for s in self.slices)
+
+
+@dataclass
+class LevelAllocation:
+    """The allocator's answer for one MetaLevel: C~*, the continuous n*, and the rounded bi-point tuples."""
+
+    level: int
+    c_star: float
+    n_star: dict[str, float]
+    tuples: dict[str, list[tuple[int, int]]]  # metaop -> [(n, l), ...], larger n first, l summing to L
