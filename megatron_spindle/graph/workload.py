@@ -350,13 +350,14 @@ def validate_workload(w: Workload) -> None:
                     raise WorkloadError(f"{where}: flow {src} -> {dst}: tokens of '{mod}' not given")
             if src == dst:
                 raise WorkloadError(f"{where}: flow {src} -> {dst} is a cycle (a module feeding itself)")
+        t.topo_modules()  # raises on cycles
+        for src, dst in t.flows:
             ms, md = w.modules[src], w.modules[dst]
             if ms.out_size != md.in_size:
                 raise WorkloadError(
                     f"{where}: flow {src} -> {dst}: hidden size {ms.out_size} of '{src}' does not match input size "
                     f"{md.in_size} of '{dst}' and there is no projector between them"
                 )
-        t.topo_modules()  # raises on cycles
         _validate_tokens(w, t)
         _validate_loss(w, t)
 

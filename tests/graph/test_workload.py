@@ -1,0 +1,90 @@
+"""Workload spec: YAML and Python API agree, and every validation error names the problem."""
+
+import copy
+
+import pytest
+import yaml
+
+from megatron_spindle.graph.workload import (LossSpec, ModuleSpec, SpindleTask, Workload, WorkloadError,
+                                             load_workload, workload_from_dict)
+
+BASE = {
+    "name": "vl",
+    "modules": {
+        "vision": {"kind": "encoder", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "ffn_hidden_size": 64,
+                   "frontend": {"type": "patch", "image_size": 8, "patch_size": 4, "in_channels": 3}},
+        "proj": {"kind": "projector", "input_size": 32, "hidden_size": 48},
+        "llm": {"kind": "llm", "num_layers": 2, "hidden_size": 48, "num_heads": 4, "ffn_hidden_size": 96,
+                "frontend": {"type": "text", "vocab_size": 100}},
+    },
+    "tasks": [{"name": "cap", "batch_size": 4, "tokens": {"vision": 5, "proj": 5, "llm": 9},
+               "flows": [["vision", "proj"], ["proj", "llm"]], "loss": {"kind": "lm", "module": "llm"}}],
+}
+
+
+def spec(**edits):
+    d = copy.deepcopy(BASE)
+    for path, value in edits.items():
+        node = d
+        keys = path.split(".")
+        for k in keys[:-1]:
+            node = node[int(k)] if k.isdigit() else node[k]
+        last = keys[-1]
+        if value is None:
+            del node[last]
+        else:
+            node[int(last) if last.isdigit() else last] = value
+    return d
+
+
+def test_yaml_and_python_api_build_the_same_workload(tmp_path):
+    p = tmp_path / "w.yaml"
+    p.write_text(yaml.safe_dump(BASE))
+    from_yaml = load_workload(p)
+    mods = {n: m for n, m in workload_from_dict(BASE).modules.items()}
+    task = SpindleTask("cap", batch_size=4, loss=LossSpec("lm", ("llm",)))
+    task.add_flow("vision", "proj", src_tokens=5, dst_tokens=5).add_flow("proj", "llm", dst_tokens=9)
+    from_api = Workload("vl", mods, [task])
+    assert from_api.digest() == from_yaml.digest()
+
+
+def test_builtin_workloads_load_by_name():
+    assert load_workload("tiny-clip").name == "tiny-clip"
+    assert len(load_workload("tiny-vlm").tasks) == 2
+
+
+@pytest.mark.parametrize("edits, message", [
+    ({"tasks.0.flows": [["vision", "proj"], ["proj", "llm"], ["llm", "vision"]]}, "cycle"),
+    ({"tasks.0.tokens": {"vision": 5, "proj": 5, "llm": 9, "sonar": 3}}, "unknown module 'sonar'"),
+    ({"tasks.0.flows": [["vision", "proj"], ["proj", "decoder"]]}, "unknown module 'decoder'"),
+    ({"tasks.0.flows": [["vision", "llm"]], "tasks.0.tokens": {"vision": 5, "llm": 9}},
+     "hidden size 32 of 'vision' does not match input size 48 of 'llm' and there is no projector"),
+    ({"modules.vision.hidden_size": 0}, "module 'vision': hidden_size must be a positive integer, got 0"),
+    ({"modules.llm.num_layers": -2}, "module 'llm': num_layers must be a positive integer, got -2"),
+    ({"tasks.0.batch_size": -4}, "task 'cap': batch_size must be a positive integer, got -4"),
+    ({"tasks.0.batch_size": 2.5}, "task 'cap': batch_size must be a positive integer, got 2.5"),
+    ({"tasks.0.tokens": {"vision": 0, "proj": 5, "llm": 9}}, "tokens of 'vision' must be a positive integer"),
+    ({"modules.vision.kind": "transformer"}, "unknown kind 'transformer'"),
+    ({"modules.vision.num_heads": 5}, "hidden_size 32 is not divisible by num_heads 5"),
+    ({"tasks.0.tokens": {"vision": 5, "proj": 5, "llm": 3}}, "gets 5 tokens from ['proj']"),
+    ({"tasks.0.loss": {"kind": "contrastive", "modules": ["vision", "llm"]}}, "need equal embed_dim"),
+    ({"tasks.0.loss": {"kind": "mse", "module": "llm"}}, "unknown loss kind 'mse'"),
+    ({"modules.vision.frontend": {"type": "lidar", "patch_size": 4, "in_channels": 3}}, "unknown frontend type"),
+    ({"modules.vision.depth": 3}, "module 'vision': unknown field(s) ['depth']"),
+])
+def test_validation_errors_name_the_problem(edits, message):
+    with pytest.raises(WorkloadError) as e:
+        workload_from_dict(spec(**edits))
+    assert message in str(e.value)
+
+
+def test_unknown_builtin_name_is_reported():
+    with pytest.raises(WorkloadError, match="no such file and no built-in workload"):
+        load_workload("no-such-workload")
+
+
+def test_unshared_module_gets_per_task_weights():
+    w = workload_from_dict(spec(**{"modules.vision.shared": False}))
+    assert w.param_owner("vision", "cap") == "vision@cap"
+    assert w.param_owner("llm", "cap") == "llm"
+    assert isinstance(w.modules["vision"], ModuleSpec)
