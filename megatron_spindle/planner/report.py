@@ -1,0 +1,113 @@
+"""Human-readable views of a plan: the summary table and the Gantt chart of waves per device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_spindle.planner.plan import Plan
+
+
+def _fmt_time(s: float) -> str:
+    return f"{s * 1e3:.2f} ms" if s < 10 else f"{s:.2f} s"
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def plan_summary(plan: Plan) -> str:
+    """The table tools/plan.py and pretrain_multitask.py print at start."""
+    p = plan.predicted
+    lines = [
+        f"plan for workload '{plan.workload_name}' on {plan.num_devices} devices "
+        f"({plan.cluster['num_nodes']} x {plan.cluster['gpus_per_node']} {plan.cluster['gpu']['name']}), "
+        f"planner={plan.planner.get('planner')}",
+        f"  predicted iteration time {_fmt_time(p['iteration_time'])}   C* {_fmt_time(p['c_star'])}   "
+        f"gap {100 * p['gap']:.1f}%   mean utilisation {100 * p['utilisation']:.1f}%",
+        f"  waves {len(plan.waves)}   levels {len(plan.levels)}   inter-island {_fmt_bytes(p.get('inter_island_bytes', 0))}"
+        f"   intra-island {_fmt_bytes(p.get('intra_island_bytes', 0))}   local {_fmt_bytes(p.get('local_bytes', 0))}",
+    ]
+    if plan.memory_per_device:
+        mem = plan.memory_per_device
+        lines.append(f"  memory per device: max {_fmt_bytes(max(mem))}  min {_fmt_bytes(min(mem))}  "
+                     f"capacity {_fmt_bytes(plan.cluster['gpu']['memory_bytes'])}")
+    solver = plan.planner.get("solver")
+    if solver:
+        lines.append("  cp-sat: " + ", ".join(f"{k}={v}" for k, v in solver.items()
+                                              if not isinstance(v, (dict, list))))
+    if "planning_seconds" in plan.planner:
+        lines.append(f"  planning took {plan.planner['planning_seconds']:.3f} s")
+    lines.append("")
+    lines.append(f"  {'MetaOp':<34}{'lvl':>4}{'L':>4}  {'n*':>6}  {'allocation (n x layers)':<26}{'curve':<18}")
+    for m in plan.metaops:
+        alloc = " + ".join(f"{int(n)}x{int(l)}" for n, l in m.allocation) or "-"
+        curve = f"{m.curve_source} ({100 * m.curve_fit_error:.1f}%)"
+        lines.append(f"  {m.id:<34}{m.level:>4}{m.num_layers:>4}  {m.n_star:>6.2f}  {alloc:<26}{curve:<18}")
+    lines.append("")
+    lines.append(f"  {'wave':>4} {'lvl':>4} {'start':>11} {'duration':>11}  slices (MetaOp[layers] tp x dp @ devices)")
+    for w in plan.waves:
+        parts = [f"{s.metaop}[{s.layer_start}:{s.layer_end}] {s.tp}x{s.dp}@{_fmt_devices(s.devices)}"
+                 for s in w.slices]
+        lines.append(f"  {w.index:>4} {w.level:>4} {_fmt_time(w.start):>11} {_fmt_time(w.duration):>11}  "
+                     + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def _fmt_devices(devs: list[int]) -> str:
+    devs = sorted(devs)
+    if devs == list(range(devs[0], devs[-1] + 1)) and len(devs) > 1:
+        return f"{devs[0]}-{devs[-1]}"
+    return ",".join(map(str, devs))
+
+
+def draw_gantt(plan: Plan, path: str | Path, title: str | None = None) -> Path:
+    """Waves per device over time: one row per device, one bar per slice coloured by module, labelled with
+    its task; thin lines at wave boundaries, thick ones at MetaLevel boundaries, shading per island."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n_dev = plan.num_devices
+    scale, unit = (1e3, "ms") if plan.iteration_time < 10 else (1.0, "s")
+    modules = sorted({s.module or s.kind for s in plan.slices()})
+    cmap = plt.get_cmap("tab20" if len(modules) > 10 else "tab10")
+    color = {m: cmap(i % cmap.N) for i, m in enumerate(modules)}
+    fig, ax = plt.subplots(figsize=(14, max(3.0, 0.32 * n_dev + 1.5)))
+    per_node = int(plan.cluster["gpus_per_node"])
+    for isl in range(0, n_dev, per_node):
+        if (isl // per_node) % 2:
+            ax.axhspan(isl - 0.5, isl + per_node - 0.5, color="0.94", zorder=0)
+    for w in plan.waves:
+        for s in w.slices:
+            label = s.task if s.kind == "layer" else f"{s.task}:{s.kind}"
+            for d in s.devices:
+                ax.barh(d, s.predicted_time * scale, left=w.start * scale, height=0.8,
+                        color=color[s.module or s.kind], edgecolor="black", linewidth=0.3, zorder=2)
+            if w.duration > 0.04 * plan.iteration_time:
+                ax.text((w.start + s.predicted_time / 2) * scale, sum(s.devices) / len(s.devices), label,
+                        ha="center", va="center", fontsize=6, zorder=3, clip_on=True)
+        ax.axvline(w.start * scale, color="0.6", linewidth=0.4, zorder=1)
+    for lv in plan.levels:
+        ax.axvline(lv.end * scale, color="black", linewidth=1.2, zorder=1)
+    ax.set_ylim(n_dev - 0.5, -0.5)
+    ax.set_yticks(range(n_dev))
+    ax.set_yticklabels([f"{d} (n{d // per_node})" for d in range(n_dev)], fontsize=6 if n_dev > 32 else 8)
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_ylabel("device (node)")
+    p = plan.predicted
+    ax.set_title(title or f"{plan.workload_name}: {len(plan.waves)} waves, predicted "
+                 f"{p['iteration_time'] * scale:.1f} {unit} (C* {p['c_star'] * scale:.1f}), "
+                 f"utilisation {100 * p['utilisation']:.0f}%")
+    ax.legend(handles=[Patch(color=color[m], label=m) for m in modules], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=8, title="module")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,60 @@
+#!/usr/bin/env python
+"""Plan a multi-task multi-modal workload with Spindle's wavefront scheduling.
+
+Example:
+    python tools/plan.py --workload clip-10 --num-gpus 16 --out plan.json --gantt plan.png
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_spindle.arguments import (add_cluster_args, add_spindle_args, add_workload_args, build_parser,  # noqa: E402
+                                        cluster_from_args, planner_config_from_args, workload_from_args)
+from megatron_spindle.errors import exit_on_user_error  # noqa: E402
+
+
+def add_output_args(parser):
+    g = parser.add_argument_group("output")
+    g.add_argument("--out", default=None, help="Write the plan JSON here (atomically).")
+    g.add_argument("--gantt", default=None, help="Draw the Gantt chart of waves per device to this PNG.")
+    g.add_argument("--quiet", action="store_true", help="Print only the headline, not the per-wave table.")
+    return parser
+
+
+def main(argv=None, extra_args_provider=None):
+    parser = build_parser(__doc__.strip().splitlines()[0],
+                          [add_workload_args, add_cluster_args, add_spindle_args, add_output_args],
+                          extra_args_provider)
+    args = parser.parse_args(argv)
+    with exit_on_user_error():
+        from megatron_spindle.planner.pipeline import plan_workload
+        from megatron_spindle.planner.report import draw_gantt, plan_summary
+
+        workload = workload_from_args(args)
+        cluster = cluster_from_args(args)
+        profile = None
+        if args.spindle_profile:
+            from megatron_spindle.estimator.profile import load_profile_points
+
+            profile = load_profile_points(args.spindle_profile, workload, cluster)
+        t0 = time.perf_counter()
+        result = plan_workload(workload, cluster, planner_config_from_args(args), profile=profile,
+                               progress=lambda msg: print(f"[plan] {msg}", flush=True))
+        plan = result.plan
+        print(f"[plan] done in {time.perf_counter() - t0:.3f} s", flush=True)
+        summary = plan_summary(plan)
+        print(summary.split("\n\n")[0] if args.quiet else summary)
+        if args.out:
+            plan.save(args.out)
+            print(f"plan written to {args.out}")
+        if args.gantt:
+            draw_gantt(plan, args.gantt)
+            print(f"Gantt chart written to {args.gantt}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
