@@ -72,6 +72,9 @@ class Transfer:
     kind: str  # local | intra_island | inter_island
     src_devices: list[int] = field(default_factory=list)
     dst_devices: list[int] = field(default_factory=list)
+    # bytes received per route, summed over consumer devices (a consumer with tp > 1 receives its rows on every
+    # TP rank): {"local": .., "intra_island": .., "inter_island": ..}
+    bytes_by_kind: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

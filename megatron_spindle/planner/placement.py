@@ -1,0 +1,602 @@
+"""Device placement (paper section 3.5): which concrete devices run each slice of a wavefront schedule.
+
+The "spindle" strategy places greedily, wave by wave. Inside a wave the slices with the most communication
+go first (activation bytes flowing in from their producer slices plus their own TP/DP traffic), so the
+biggest flows get the best spots. For each slice:
+
+- its devices sit in one island (node) when ``n <= gpus_per_node``; a larger slice takes whole nodes (plus
+  one partial node for the remainder), so TP groups never straddle nodes;
+- an island is chosen so that the wave stays packable (later slices still find an island each), then by the
+  bytes of incoming rows already inside that island, then by the bytes that become local copies;
+- inside the island, device ``devices[r]`` is preferably the device that already holds the rows data-parallel
+  rank ``r // tp`` needs (the producer's samples), then a device that already holds the slice's weights
+  (MetaOps sharing parameters co-locate, weights stored once), then the device with the most free memory.
+
+Memory is tracked per device as the plan's predicted peak: the parameter state of every unit a device runs,
+each unit once (selective storage), plus the activations of every slice it runs (all are held from forward
+to backward, and every forward finishes before the first backward). Devices a slice does not fit on are never
+candidates, so an overflow falls back to worse-communication choices; when a wave cannot be placed at all, it
+is placed again memory-first ("balance"), then up to ``max_backtrack`` earlier waves are placed again
+memory-first. If that fails too, ``PlacementError`` names the wave, the MetaOp and the bytes.
+
+The "sequential" strategy is the paper's ablation baseline (Sp*): in each wave, slice after slice takes the
+next run of consecutive device ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from megatron_spindle.graph.cluster import ClusterSpec
+from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
+from megatron_spindle.graph.workload import Workload
+from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
+
+PLACEMENT_STRATEGIES = ("spindle", "sequential")
+DEFAULT_MAX_BACKTRACK = 4
+GRAD_BYTES_PER_PARAM = 2  # bf16 gradients in the data-parallel all-reduce
+TP_COLLECTIVES_PER_LAYER = 4  # Megatron TP: two all-reduces forward, two backward per transformer layer
+
+SliceKey = tuple[int, int]  # (wave index, slice index in the wave)
+
+
+class PlacementError(ValueError):
+    """The schedule cannot be placed: malformed input, or a slice that fits on no devices."""
+
+
+class FlowCostModel(Protocol):
+    """What placement needs from the estimator's ``AnalyticCostModel``."""
+
+    def activation_bytes(self, metaop: MetaOp) -> float: ...
+
+    def param_count(self, param_name: str) -> int: ...
+
+
+class DeviceMemoryModel(Protocol):
+    """What placement needs from the estimator's ``MemoryModel``."""
+
+    def param_state_bytes(self, param_name: str, tp: int) -> float: ...
+
+    def activation_bytes(self, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> float: ...
+
+
+# ------------------------------------------------------------------------------------- shared helpers
+
+
+def slice_units(metaop: MetaOp, layer_start: int, layer_end: int) -> list[str]:
+    """Parameter units a slice runs, in chain order, each once."""
+    units: dict[str, None] = {}
+    for names in metaop.params[layer_start:layer_end]:
+        for name in names:
+            units[name] = None
+    return list(units)
+
+
+def sample_range(position: int, tp: int, dp: int, batch: int) -> tuple[int, int]:
+    """Samples ``[lo, hi)`` that device ``devices[position]`` of a (tp, dp) slice works on."""
+    rank = position // tp
+    per_rank = batch // dp
+    return rank * per_rank, (rank + 1) * per_rank
+
+
+def producer_slices(waves: Sequence[ScheduledWave], metagraph: MetaGraph) -> dict[SliceKey, list[SliceKey]]:
+    """For every slice, the earlier slices whose output it reads.
+
+    The previous slice of the same MetaOp (the one ending at this slice's first layer), and, for a slice that
+    starts a MetaOp, the slice holding each producer MetaOp's last layer. Producers that are not scheduled in
+    an earlier wave are left out (the plan validator reports such ordering errors).
+    """
+    ending_at: dict[tuple[str, int], SliceKey] = {}
+    for wi, w in enumerate(waves):
+        for si, s in enumerate(w.slices):
+            ending_at[(s.metaop, s.layer_end)] = (wi, si)
+    producers: dict[SliceKey, list[SliceKey]] = {}
+    for wi, w in enumerate(waves):
+        for si, s in enumerate(w.slices):
+            if s.layer_start > 0:
+                wanted = [(s.metaop, s.layer_start)]
+            else:
+                preds = metagraph.predecessors(s.metaop)
+                wanted = [(p, metagraph.metaops[p].num_layers) for p in preds]
+            found = [ending_at[k] for k in wanted if k in ending_at]
+            producers[(wi, si)] = [k for k in found if k[0] < wi]
+    return producers
+
+
+@dataclass(frozen=True)
+class PlacedRows:
+    """Where a placed slice's output rows live: device -> samples ``[lo, hi)`` it holds."""
+
+    held: dict[int, tuple[int, int]]
+    batch: int
+    bytes_per_sample: float
+
+    @classmethod
+    def of(cls, devices: Sequence[int], tp: int, dp: int, batch: int, total_bytes: float) -> PlacedRows:
+        held = {d: sample_range(r, tp, dp, batch) for r, d in enumerate(devices)}
+        return cls(held, batch, total_bytes / batch)
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
+    return max(0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def flow_bytes_by_kind(src: PlacedRows, dst_devices: Sequence[int], dst_tp: int, dst_dp: int,
+                       cluster: ClusterSpec) -> dict[str, float]:
+    """Bytes every consumer device receives, by route: rows it already holds ("local"), rows a producer device
+    on its own island holds ("intra_island"), rows only another island holds ("inter_island").
+
+    Summed over consumer devices: a consumer with tp > 1 needs its data-parallel rows on every TP rank.
+    """
+    out = {"local": 0.0, "intra_island": 0.0, "inter_island": 0.0}
+    shards: dict[tuple[int, int], list[int]] = {}
+    for d, rows in src.held.items():
+        shards.setdefault(rows, []).append(d)
+    for r, d in enumerate(dst_devices):
+        need = sample_range(r, dst_tp, dst_dp, src.batch)
+        island = cluster.island(d)
+        for rows, holders in shards.items():
+            common = _overlap(need, rows)
+            if not common:
+                continue
+            if d in holders:
+                route = "local"
+            elif any(cluster.island(h) == island for h in holders):
+                route = "intra_island"
+            else:
+                route = "inter_island"
+            out[route] += common * src.bytes_per_sample
+    return out
+
+
+def transfer_kind(bytes_by_kind: dict[str, float]) -> str:
+    """"local" when nothing moves, "intra_island" when all moved bytes stay inside nodes, else "inter_island"."""
+    if bytes_by_kind.get("inter_island", 0.0) > 0:
+        return "inter_island"
+    if bytes_by_kind.get("intra_island", 0.0) > 0:
+        return "intra_island"
+    return "local"
+
+
+@dataclass
+class DeviceMemory:
+    """Predicted peak bytes per device: each parameter unit's state once, plus every slice's activations."""
+
+    capacity: float
+    used: list[float]
+    held: list[dict[str, float]]  # device -> unit -> parameter-state bytes stored there
+
+    @classmethod
+    def empty(cls, num_devices: int, capacity: float) -> DeviceMemory:
+        return cls(capacity, [0.0] * num_devices, [{} for _ in range(num_devices)])
+
+    def free(self, device: int) -> float:
+        return self.capacity - self.used[device]
+
+    def extra_param_bytes(self, device: int, unit_bytes: dict[str, float]) -> float:
+        """Parameter state the device must add to run these units (a unit already held counts once;
+        held as a smaller TP shard, only the difference)."""
+        have = self.held[device]
+        return sum(max(0.0, b - have.get(u, 0.0)) for u, b in unit_bytes.items())
+
+    def shared_param_bytes(self, device: int, unit_bytes: dict[str, float]) -> float:
+        """Parameter state of these units the device already holds (weights co-location saves this)."""
+        have = self.held[device]
+        return sum(min(b, have[u]) for u, b in unit_bytes.items() if u in have)
+
+    def need(self, device: int, unit_bytes: dict[str, float], activation_bytes: float) -> float:
+        return activation_bytes + self.extra_param_bytes(device, unit_bytes)
+
+    def add(self, device: int, unit_bytes: dict[str, float], activation_bytes: float) -> None:
+        self.used[device] += self.need(device, unit_bytes, activation_bytes)
+        have = self.held[device]
+        for u, b in unit_bytes.items():
+            if b > have.get(u, 0.0):
+                have[u] = b
+
+    def copy(self) -> DeviceMemory:
+        return DeviceMemory(self.capacity, list(self.used), [dict(h) for h in self.held])
+
+
+def slice_memory(metaop: MetaOp, s: ScheduledSlice, memory_model: DeviceMemoryModel) -> tuple[dict[str, float], float]:
+    """(parameter-state bytes per unit, activation bytes) one device of the slice holds."""
+    units = {u: float(memory_model.param_state_bytes(u, s.tp)) for u in slice_units(metaop, s.layer_start, s.layer_end)}
+    act = float(memory_model.activation_bytes(metaop, s.tp, s.dp, s.layer_end - s.layer_start))
+    return units, act
+
+
+def predicted_memory(waves: Sequence[ScheduledWave], metagraph: MetaGraph, memory_model: DeviceMemoryModel,
+                     cluster: ClusterSpec) -> list[float]:
+    """Predicted peak bytes per device of placed waves (the same accounting placement uses)."""
+    memory = DeviceMemory.empty(cluster.num_devices, cluster.gpu.memory_bytes)
+    for wi, w in enumerate(waves):
+        for s in w.slices:
+            if s.devices is None:
+                raise PlacementError(f"wave {wi}: slice of MetaOp '{s.metaop}' has no devices yet")
+            units, act = slice_memory(metagraph.metaops[s.metaop], s, memory_model)
+            for d in s.devices:
+                memory.add(d, units, act)
+    return memory.used
+
+
+# ------------------------------------------------------------------------------------------ the entry
+
+
+def place(waves: Sequence[ScheduledWave], metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec,
+          cost_model: FlowCostModel, memory_model: DeviceMemoryModel, strategy: str = "spindle",
+          max_backtrack: int = DEFAULT_MAX_BACKTRACK) -> list[ScheduledWave]:
+    """Copies of ``waves`` with every slice's ``devices`` filled (any devices already set are replaced).
+
+    Deterministic: the same inputs give the same placement.
+    """
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise PlacementError(f"unknown placement strategy '{strategy}' (expected one of {PLACEMENT_STRATEGIES})")
+    if not isinstance(max_backtrack, int) or max_backtrack < 0:
+        raise PlacementError(f"max_backtrack must be a non-negative integer, got {max_backtrack!r}")
+    _check_schedule(waves, metagraph, workload, cluster)
+    problem = _Problem.build(waves, metagraph, cluster, cost_model, memory_model)
+    if strategy == "sequential":
+        devices = _place_sequential(problem)
+    else:
+        devices = _place_spindle(problem, max_backtrack)
+    return [
+        replace(w, slices=[replace(s, devices=list(devices[(wi, si)])) for si, s in enumerate(w.slices)])
+        for wi, w in enumerate(waves)
+    ]
+
+
+def _check_schedule(waves: Sequence[ScheduledWave], metagraph: MetaGraph, workload: Workload,
+                    cluster: ClusterSpec) -> None:
+    tasks = {t.name for t in workload.tasks}
+    for wi, w in enumerate(waves):
+        for s in w.slices:
+            where = f"wave {wi}: slice of MetaOp '{s.metaop}'"
+            m = metagraph.metaops.get(s.metaop)
+            if m is None:
+                raise PlacementError(f"{where}: the MetaGraph has no such MetaOp")
+            if m.task and m.task not in tasks:
+                raise PlacementError(f"{where}: task '{m.task}' is not in workload '{workload.name}'")
+            if s.n < 1 or s.tp < 1 or s.dp < 1 or s.tp * s.dp != s.n:
+                raise PlacementError(f"{where}: n {s.n} must equal tp {s.tp} x dp {s.dp} (all positive)")
+            if m.batch % s.dp:
+                raise PlacementError(f"{where}: dp {s.dp} does not divide the batch {m.batch}")
+            if not 0 <= s.layer_start < s.layer_end <= m.num_layers:
+                raise PlacementError(f"{where}: layer range [{s.layer_start}, {s.layer_end}) is not inside its "
+                                     f"{m.num_layers} layers")
+        if w.devices_used > cluster.num_devices:
+            raise PlacementError(f"wave {wi}: slices need {w.devices_used} devices, the cluster has "
+                                 f"{cluster.num_devices}")
+
+
+# ------------------------------------------------------------------------------- per-slice precompute
+
+
+@dataclass
+class _SliceInfo:
+    key: SliceKey
+    metaop: MetaOp
+    sched: ScheduledSlice
+    units: dict[str, float]  # parameter-state bytes per unit on one device
+    activation_memory: float  # bytes held per device from forward to backward
+    producers: list[SliceKey]
+    flow_bytes: dict[SliceKey, float]  # producer -> activation bytes it sends (whole batch)
+    volume: float  # incoming flow bytes + own TP/DP traffic: the ordering key inside a wave
+
+    @property
+    def n(self) -> int:
+        return self.sched.n
+
+
+@dataclass
+class _Problem:
+    waves: Sequence[ScheduledWave]
+    cluster: ClusterSpec
+    info: dict[SliceKey, _SliceInfo]
+
+    @classmethod
+    def build(cls, waves, metagraph, cluster, cost_model, memory_model) -> _Problem:
+        producers = producer_slices(waves, metagraph)
+        info = {}
+        for wi, w in enumerate(waves):
+            for si, s in enumerate(w.slices):
+                m = metagraph.metaops[s.metaop]
+                units, act = slice_memory(m, s, memory_model)
+                flows = {p: float(cost_model.activation_bytes(metagraph.metaops[waves[p[0]].slices[p[1]].metaop]))
+                         for p in producers[(wi, si)]}
+                volume = sum(flows.values()) + _own_traffic_bytes(m, s, cost_model)
+                info[(wi, si)] = _SliceInfo((wi, si), m, s, units, act, producers[(wi, si)], flows, volume)
+        return cls(waves, cluster, info)
+
+    def slice_order(self, wi: int) -> list[SliceKey]:
+        """Biggest communication first; larger slices before smaller ones on ties (they are harder to fit)."""
+        keys = [(wi, si) for si in range(len(self.waves[wi].slices))]
+        return sorted(keys, key=lambda k: (-self.info[k].volume, -self.info[k].n, k[1]))
+
+
+def _own_traffic_bytes(m: MetaOp, s: ScheduledSlice, cost_model: FlowCostModel) -> float:
+    """Bytes a slice moves inside its own device group: TP all-reduces of activations (ring: 2(tp-1)/tp of the
+    tensor per device) and the DP all-reduce of its bf16 gradients."""
+    layers = s.layer_end - s.layer_start
+    tp_bytes = 0.0
+    if s.tp > 1 and m.kind == "layer":
+        tp_bytes = layers * TP_COLLECTIVES_PER_LAYER * 2 * (s.tp - 1) * float(cost_model.activation_bytes(m))
+    dp_bytes = 0.0
+    if s.dp > 1:
+        params = sum(cost_model.param_count(u) for u in slice_units(m, s.layer_start, s.layer_end))
+        dp_bytes = 2 * (s.dp - 1) * GRAD_BYTES_PER_PARAM * params
+    return tp_bytes + dp_bytes
+
+
+# ---------------------------------------------------------------------------------------- sequential
+
+
+def _place_sequential(problem: _Problem) -> dict[SliceKey, list[int]]:
+    memory = DeviceMemory.empty(problem.cluster.num_devices, problem.cluster.gpu.memory_bytes)
+    devices: dict[SliceKey, list[int]] = {}
+    for wi, w in enumerate(problem.waves):
+        cursor = 0
+        for si in range(len(w.slices)):
+            sl = problem.info[(wi, si)]
+            chosen = list(range(cursor, cursor + sl.n))
+            cursor += sl.n
+            over = [d for d in chosen if memory.need(d, sl.units, sl.activation_memory) > memory.free(d)]
+            if over:
+                raise _overflow_error(sl, memory, chosen, "sequential placement")
+            for d in chosen:
+                memory.add(d, sl.units, sl.activation_memory)
+            devices[(wi, si)] = chosen
+    return devices
+
+
+# ------------------------------------------------------------------------------------------- spindle
+
+
+class _WaveDoesNotFit(Exception):
+    def __init__(self, sl: _SliceInfo, candidates: list[int]):
+        super().__init__(sl.key)
+        self.slice = sl
+        self.candidates = candidates
+
+
+@dataclass
+class _State:
+    memory: DeviceMemory
+    devices: dict[SliceKey, list[int]] = field(default_factory=dict)
+
+    def copy(self) -> _State:
+        return _State(self.memory.copy(), dict(self.devices))
+
+
+def _place_spindle(problem: _Problem, max_backtrack: int) -> dict[SliceKey, list[int]]:
+    num_waves = len(problem.waves)
+    modes = ["comm"] * num_waves
+    depth_tried = [0] * num_waves
+    snapshots: list[_State | None] = [None] * (num_waves + 1)
+    snapshots[0] = _State(DeviceMemory.empty(problem.cluster.num_devices, problem.cluster.gpu.memory_bytes))
+    wi = 0
+    while wi < num_waves:
+        state = snapshots[wi].copy()
+        try:
+            _place_wave(problem, wi, state, modes[wi])
+        except _WaveDoesNotFit as failure:
+            if modes[wi] == "comm":
+                modes[wi] = "balance"  # the same wave again, memory first
+                continue
+            depth_tried[wi] += 1
+            depth = depth_tried[wi]
+            if depth > max_backtrack or depth > wi:
+                tried = min(depth - 1, wi)
+                raise _overflow_error(failure.slice, snapshots[wi].memory, failure.candidates,
+                                      f"placement (backtracked {tried} wave(s))") from None
+            start = wi - depth
+            for k in range(start, wi + 1):
+                modes[k] = "balance"
+            wi = start
+            continue
+        snapshots[wi + 1] = state
+        wi += 1
+    return snapshots[num_waves].devices
+
+
+def _overflow_error(sl: _SliceInfo, memory: DeviceMemory, candidates: list[int], what: str) -> PlacementError:
+    s = sl.sched
+    needs = [memory.need(d, sl.units, sl.activation_memory) for d in candidates] or [
+        sl.activation_memory + sum(sl.units.values())]
+    need = min(needs)
+    free = max((memory.free(d) for d in candidates), default=0.0)
+    gib = 2**30
+    return PlacementError(
+        f"wave {sl.key[0]}: {what} found no {s.n} devices for MetaOp '{sl.metaop.id}' layers "
+        f"[{s.layer_start}, {s.layer_end}) (tp {s.tp}, dp {s.dp}): it needs {need:.0f} bytes ({need / gib:.2f} GiB) "
+        f"per device (activations {sl.activation_memory:.0f} bytes, parameter state "
+        f"{sum(sl.units.values()):.0f} bytes), but at most {free:.0f} bytes ({free / gib:.2f} GiB) are free on "
+        f"the devices left in the wave (capacity {memory.capacity:.0f} bytes per device)"
+    )
+
+
+def _place_wave(problem: _Problem, wi: int, state: _State, mode: str) -> None:
+    cluster = problem.cluster
+    free_devices = set(range(cluster.num_devices))
+    order = problem.slice_order(wi)
+    for pos, key in enumerate(order):
+        sl = problem.info[key]
+        later_blocks = [b for k in order[pos + 1:] for b in _blocks(problem.info[k].n, cluster.gpus_per_node)]
+        chosen = _place_slice(problem, sl, state, free_devices, later_blocks, mode)
+        for d in chosen:
+            state.memory.add(d, sl.units, sl.activation_memory)
+            free_devices.discard(d)
+        state.devices[key] = chosen
+
+
+def _blocks(n: int, gpus_per_node: int) -> list[int]:
+    """A slice's island-sized pieces: itself when it fits a node, else whole nodes plus the remainder."""
+    if n <= gpus_per_node:
+        return [n]
+    return [gpus_per_node] * (n // gpus_per_node) + ([n % gpus_per_node] if n % gpus_per_node else [])
+
+
+def _packable(capacities: list[int], sizes: list[int]) -> bool:
+    """First-fit decreasing: can every block still get an island of its own?"""
+    caps = sorted(capacities, reverse=True)
+    for size in sorted(sizes, reverse=True):
+        for i, c in enumerate(caps):
+            if c >= size:
+                caps[i] = c - size
+                break
+        else:
+            return False
+    return True
+
+
+class _Scorer:
+    """Communication and memory scores of putting a slice's positions on devices."""
+
+    def __init__(self, problem: _Problem, sl: _SliceInfo, state: _State):
+        self.cluster = problem.cluster
+        self.sl = sl
+        self.memory = state.memory
+        s = sl.sched
+        self.needs = [sample_range(r, s.tp, s.dp, sl.metaop.batch) for r in range(s.n)]
+        self.sources: list[PlacedRows] = []
+        for p in sl.producers:
+            ps = problem.info[p].sched
+            self.sources.append(PlacedRows.of(state.devices[p], ps.tp, ps.dp, problem.info[p].metaop.batch,
+                                              sl.flow_bytes[p]))
+        self._island_rows: dict[int, list[tuple[set[tuple[int, int]], float]]] = {}
+
+    def local_bytes(self, position: int, device: int) -> float:
+        need = self.needs[position]
+        total = 0.0
+        for src in self.sources:
+            rows = src.held.get(device)
+            if rows is not None:
+                total += _overlap(need, rows) * src.bytes_per_sample
+        return total
+
+    def island_bytes(self, positions: range, island: int) -> float:
+        """Bytes these positions need that some producer device on the island already holds."""
+        if island not in self._island_rows:
+            self._island_rows[island] = [
+                ({rows for d, rows in src.held.items() if self.cluster.island(d) == island}, src.bytes_per_sample)
+                for src in self.sources
+            ]
+        total = 0.0
+        for shard_rows, bps in self._island_rows[island]:
+            for r in positions:
+                total += sum(_overlap(self.needs[r], rows) for rows in shard_rows) * bps
+        return total
+
+    def shared(self, device: int) -> float:
+        return self.memory.shared_param_bytes(device, self.sl.units)
+
+    def free_after(self, device: int) -> float:
+        return self.memory.free(device) - self.memory.need(device, self.sl.units, self.sl.activation_memory)
+
+    def match(self, positions: range, devices: list[int], mode: str) -> dict[int, int]:
+        """Greedy matching position -> device. comm: local rows, then shared weights, then free memory;
+        balance: free memory first."""
+        pairs = []
+        for d in devices:
+            shared, free = self.shared(d), self.free_after(d)
+            for r in positions:
+                local = self.local_bytes(r, d) if self.sources else 0.0
+                key = (local, shared, free) if mode == "comm" else (free, local, shared)
+                pairs.append((key, -d, -r))
+        pairs.sort(reverse=True)
+        out: dict[int, int] = {}
+        used: set[int] = set()
+        for _, neg_d, neg_r in pairs:
+            r, d = -neg_r, -neg_d
+            if r in out or d in used:
+                continue
+            out[r] = d
+            used.add(d)
+            if len(out) == len(positions):
+                break
+        return out
+
+
+def _place_slice(problem: _Problem, sl: _SliceInfo, state: _State, free_devices: set[int],
+                 later_blocks: list[int], mode: str) -> list[int]:
+    cluster = problem.cluster
+    scorer = _Scorer(problem, sl, state)
+    fitting = sorted(d for d in free_devices if scorer.free_after(d) >= 0)
+    if len(fitting) < sl.n:
+        raise _WaveDoesNotFit(sl, sorted(free_devices))
+    free_count = [0] * cluster.num_nodes
+    for d in free_devices:
+        free_count[cluster.island(d)] += 1
+    available: dict[int, list[int]] = {}
+    for d in fitting:
+        available.setdefault(cluster.island(d), []).append(d)
+    blocks = _blocks(sl.n, cluster.gpus_per_node)
+    assignment: dict[int, int] = {}
+    start = 0
+    for bi, size in enumerate(blocks):
+        positions = range(start, start + size)
+        start += size
+        pending = blocks[bi + 1:] + later_blocks
+        picked = _pick_island(scorer, positions, available, free_count, pending, mode)
+        if picked is None:
+            return _place_split(scorer, fitting, mode)
+        island, matched = picked
+        assignment.update(matched)
+        available[island] = [d for d in available[island] if d not in matched.values()]
+        free_count[island] -= size
+    return [assignment[r] for r in range(sl.n)]
+
+
+def _pick_island(scorer: _Scorer, positions: range, available: dict[int, list[int]], free_count: list[int],
+                 pending: list[int], mode: str) -> tuple[int, dict[int, int]] | None:
+    """Best island for one block of positions, keeping the rest of the wave packable when possible."""
+    size = len(positions)
+    candidates = []
+    for island, devs in available.items():
+        if len(devs) < size:
+            continue
+        matched = scorer.match(positions, devs, mode)
+        chosen = list(matched.values())
+        in_island = scorer.island_bytes(positions, island) if scorer.sources else 0.0
+        local = sum(scorer.local_bytes(r, d) for r, d in matched.items()) if scorer.sources else 0.0
+        shared = sum(scorer.shared(d) for d in chosen)
+        min_free = min(scorer.free_after(d) for d in chosen)
+        key = (in_island, local, shared, min_free) if mode == "comm" else (min_free, in_island, local, shared)
+        caps = list(free_count)
+        caps[island] -= size
+        candidates.append((_packable(caps, pending), key, -island, matched))
+    if not candidates:
+        return None
+    candidates.sort(key=lambda c: (c[0], c[1], c[2]), reverse=True)
+    packable, _, neg_island, matched = candidates[0]
+    return -neg_island, matched
+
+
+def _place_split(scorer: _Scorer, fitting: list[int], mode: str) -> list[int]:
+    """No island can take the slice: spread it over the fewest islands, TP groups kept inside nodes where the
+    free devices allow it."""
+    cluster = scorer.cluster
+    s = scorer.sl.sched
+    by_island: dict[int, list[int]] = {}
+    for d in fitting:
+        by_island.setdefault(cluster.island(d), []).append(d)
+    everyone = range(s.n)
+    island_rank = sorted(by_island, key=lambda i: (-len(by_island[i]), -scorer.island_bytes(everyone, i), i))
+    chosen: list[int] = []
+    for whole_groups in (True, False):
+        for island in island_rank:
+            devs = [d for d in by_island[island] if d not in chosen]
+            take = min(len(devs), s.n - len(chosen))
+            if whole_groups:
+                take -= take % s.tp
+            chosen += sorted(devs, key=lambda d: (-scorer.free_after(d), d))[:take]
+    # positions of one TP group go to devices of one node: match block by block in island order
+    chosen.sort(key=lambda d: (island_rank.index(cluster.island(d)), d))
+    assignment: dict[int, int] = {}
+    for g in range(0, s.n, s.tp):
+        positions = range(g, g + s.tp)
+        group_devices = chosen[g:g + s.tp]
+        assignment.update(scorer.match(positions, group_devices, mode))
+    return [assignment[r] for r in range(s.n)]
+
