@@ -1,0 +1,165 @@
+"""Run megatron-core 0.16.1 on a CPU-only torch, and choose Transformer Engine or local layer specs.
+
+``apply_cpu_shim()`` installs four small patches, each needed by a named piece of megatron-core code (measured in
+/work/shared/megatron-core-on-cpu.md). It does nothing when CUDA is available and is idempotent.
+``te_available()`` and ``layer_spec(module_spec)`` pick megatron's Transformer Engine spec only where TE can work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CUDA_TO_CPU_MODE: TorchFunctionMode | None = None
+_DEFAULT_MODEL_PARALLEL_SEED = 1234 + 2718  # megatron's offset for the model-parallel stream
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+class CudaToCpuFactoryMode(TorchFunctionMode):
+    """Rewrites ``device="cuda"`` in torch calls to the CPU.
+
+    Needed by megatron-core code that hard-codes the device: ``transformer/utils.py get_default_causal_mask``
+    (``torch.ones(sq, sq, device="cuda")``, hit by causal attention with ``attention_mask=None``) and
+    ``pipeline_parallel/schedules.py`` (``total_num_tokens = torch.zeros([], ..., device="cuda")``).
+    Torch function modes are thread-local: the mode is active in the thread that applied the shim.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _cpu_current_device() -> str:
+    """Stands in for ``torch.cuda.current_device()``.
+
+    Needed by megatron-core's ``utils.GlobalMemoryBuffer.get_tensor`` (the attention score buffer in
+    ``transformer/dot_product_attention.py``), the all-gather/reduce-scatter outputs in
+    ``tensor_parallel/mappings.py``, ``tensor_parallel/layers.py`` and ``RotaryEmbedding`` buffers, which allocate
+    on ``torch.cuda.current_device()``.
+    """
+    return "cpu"
+
+
+def _no_cuda_synchronize(*args, **kwargs) -> None:
+    """Stands in for ``torch.cuda.synchronize()``.
+
+    Needed by ``pipeline_parallel/p2p_communication.py`` (after ``batch_isend_irecv`` when ``batch_p2p_sync``)
+    and ``parallel_state.update_pg_timeout``.
+    """
+    return None
+
+
+def _install_cpu_rng_tracker() -> None:
+    """Replaces megatron's CUDA RNG tracker by one that forks the CPU generator.
+
+    Needed by ``tensor_parallel/random.py``: ``CudaRNGStatesTracker.add`` calls ``torch.cuda.get_rng_state`` (so
+    ``model_parallel_cuda_manual_seed`` fails on CPU) and ``fork`` (used around attention dropout in
+    ``transformer/dot_product_attention.py`` and GPU-style weight init) swaps CUDA RNG states.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Named RNG streams on the CPU generator (same contract as megatron's CUDA tracker)."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            saved = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+    tracker = CpuRNGStatesTracker()
+    # DotProductAttention forks this stream on every forward (even with dropout 0); megatron's
+    # model_parallel_cuda_manual_seed(seed) resets the tracker and re-adds it with per-TP-rank seeds.
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, _DEFAULT_MODEL_PARALLEL_SEED)
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def cpu_shim_applied() -> bool:
+    return _CUDA_TO_CPU_MODE is not None
+
+
+def apply_cpu_shim() -> bool:
+    """Install the CPU patches when CUDA is absent. Idempotent; returns True when the shim is (now) active.
+
+    Do not call megatron's ``model_parallel_cuda_manual_seed(..., force_reset_rng=True)`` afterwards: that
+    re-creates the CUDA RNG tracker.
+    """
+    global _CUDA_TO_CPU_MODE
+    if torch.cuda.is_available():
+        return False
+    if _CUDA_TO_CPU_MODE is not None:
+        return True
+    torch.cuda.current_device = _cpu_current_device
+    torch.cuda.synchronize = _no_cuda_synchronize
+    _install_cpu_rng_tracker()
+    mode = CudaToCpuFactoryMode()
+    mode.__enter__()  # stays active for this thread
+    _CUDA_TO_CPU_MODE = mode
+    return True
+
+
+@functools.cache
+def te_available() -> bool:
+    """True when CUDA is available and Transformer Engine imports cleanly.
+
+    ``except Exception``: a TE install without its CUDA libraries raises RuntimeError, not ImportError.
+    """
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def layer_spec(module_spec):
+    """megatron-core layer spec for a workload module (graph.workload.ModuleSpec): the Transformer Engine spec when
+    ``te_available()``, else the local spec; RMSNorm for LLMs; the attention mask type from ``is_causal``
+    (bidirectional encoders use ``AttnMaskType.no_mask``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.transformer.enums import AttnMaskType
+
+    normalization = "RMSNorm" if module_spec.kind == "llm" else "LayerNorm"
+    if te_available():
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = get_gpt_layer_local_spec(normalization=normalization)
+    spec = copy.deepcopy(spec)
+    mask_type = AttnMaskType.causal if module_spec.is_causal else AttnMaskType.no_mask
+    spec.submodules.self_attention.params = {**spec.submodules.self_attention.params, "attn_mask_type": mask_type}
+    return spec
