@@ -1,0 +1,36 @@
+"""Scalability estimator (paper section 3.2): valid (tp, dp) configs, an analytic cost model, piecewise
+alpha-beta scaling curves and a memory model. Pure Python + numpy; never imports torch."""
+
+from megatron_spindle.estimator.configs import LIGHT_KINDS, valid_configs, valid_ns, valid_tp_degrees
+from megatron_spindle.estimator.cost_model import AnalyticCostModel, CostModelConfig, LayerCost
+from megatron_spindle.estimator.curve import (
+    CURVE_SOURCES,
+    CurvePiece,
+    CurvePoint,
+    ScalingCurve,
+    choose_breakpoints,
+)
+from megatron_spindle.estimator.errors import EstimatorError
+from megatron_spindle.estimator.estimate import analytic_points, estimate_curve, estimate_curves
+from megatron_spindle.estimator.memory import BYTES_PER_PARAM, MemoryModel
+
+__all__ = [
+    "AnalyticCostModel",
+    "BYTES_PER_PARAM",
+    "CURVE_SOURCES",
+    "CostModelConfig",
+    "CurvePiece",
+    "CurvePoint",
+    "EstimatorError",
+    "LIGHT_KINDS",
+    "LayerCost",
+    "MemoryModel",
+    "ScalingCurve",
+    "analytic_points",
+    "choose_breakpoints",
+    "estimate_curve",
+    "estimate_curves",
+    "valid_configs",
+    "valid_ns",
+    "valid_tp_degrees",
+]

@@ -1,0 +1,112 @@
+"""Scaling curves for every MetaOp of a MetaGraph: analytic points, optionally overridden by profiled ones."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from megatron_spindle.estimator.configs import valid_configs
+from megatron_spindle.estimator.cost_model import AnalyticCostModel
+from megatron_spindle.estimator.curve import CurvePoint, ScalingCurve
+from megatron_spindle.estimator.errors import EstimatorError
+from megatron_spindle.graph.cluster import ClusterSpec
+from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
+from megatron_spindle.graph.workload import Workload
+
+
+def analytic_points(
+    metaop: MetaOp, workload: Workload, cluster: ClusterSpec, cost_model: AnalyticCostModel
+) -> list[CurvePoint]:
+    """One point per valid (tp, dp) of the MetaOp, timed by the cost model."""
+    return [
+        CurvePoint(tp * dp, tp, dp, cost_model.layer_cost(metaop, tp, dp).total, "analytic")
+        for tp, dp in valid_configs(metaop, workload, cluster)
+    ]
+
+
+def _check_profiled(
+    metaop: MetaOp, points: Sequence[CurvePoint], valid: set[tuple[int, int]]
+) -> list[CurvePoint]:
+    checked = []
+    for p in points:
+        if not isinstance(p, CurvePoint):
+            raise EstimatorError(f"profile of '{metaop.id}': expected CurvePoint, got {type(p).__name__}")
+        if (p.tp, p.dp) not in valid:
+            raise EstimatorError(
+                f"profile of '{metaop.id}': (tp={p.tp}, dp={p.dp}) is not a valid config of this MetaOp on this "
+                f"cluster (valid: {sorted(valid, key=lambda c: (c[0] * c[1], c[0]))})"
+            )
+        checked.append(CurvePoint(p.n, p.tp, p.dp, p.seconds, "profiled"))
+    return checked
+
+
+def _best_per_n(points: Sequence[CurvePoint]) -> dict[int, CurvePoint]:
+    best: dict[int, CurvePoint] = {}
+    for p in points:
+        if p.n not in best or (p.seconds, p.tp) < (best[p.n].seconds, best[p.n].tp):
+            best[p.n] = p
+    return best
+
+
+def _calibration(profiled: dict[int, CurvePoint], analytic: dict[int, CurvePoint]) -> float:
+    """Geometric mean of measured / modelled time at the profiled n: the analytic fill keeps its shape but
+    takes the measured level, so a curve mixing both has no artificial jump where the profile ends."""
+    ratios = [profiled[n].seconds / analytic[n].seconds for n in profiled if n in analytic]
+    if not ratios:
+        return 1.0
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+
+
+def estimate_curve(
+    metaop: MetaOp,
+    workload: Workload,
+    cluster: ClusterSpec,
+    cost_model: AnalyticCostModel,
+    profiled: Sequence[CurvePoint] = (),
+    calibrate: bool = True,
+) -> ScalingCurve:
+    """The curve of one MetaOp: fastest config per valid n; profiled points win over analytic ones."""
+    configs = valid_configs(metaop, workload, cluster)
+    measured = _best_per_n(_check_profiled(metaop, profiled, set(configs)))
+    modelled = _best_per_n(analytic_points(metaop, workload, cluster, cost_model))
+    scale = _calibration(measured, modelled) if calibrate else 1.0
+    points = [measured[n] if n in measured else _scaled(modelled[n], scale) for n in modelled]
+    return ScalingCurve.from_points(
+        metaop.id,
+        points,
+        c=cost_model.communication_bytes(metaop),
+        w=cost_model.flops(metaop),
+        hop_bytes=cluster.intra_node_latency * cluster.intra_node_bw,
+        source="profiled" if measured else "analytic",
+        node_size=cluster.gpus_per_node,
+    )
+
+
+def _scaled(point: CurvePoint, scale: float) -> CurvePoint:
+    return (
+        point
+        if scale == 1.0
+        else CurvePoint(point.n, point.tp, point.dp, point.seconds * scale, point.source)
+    )
+
+
+def estimate_curves(
+    metagraph: MetaGraph,
+    workload: Workload,
+    cluster: ClusterSpec,
+    cost_model: AnalyticCostModel | None = None,
+    profile: Mapping[str, Sequence[CurvePoint]] | None = None,
+    calibrate: bool = True,
+) -> dict[str, ScalingCurve]:
+    """metaop id -> ScalingCurve. ``profile``: metaop id -> measured points (any subset of valid configs);
+    they take precedence, and the analytic model fills the other n (scaled to the measured level when
+    ``calibrate``)."""
+    cost_model = cost_model or AnalyticCostModel(workload, cluster)
+    profile = profile or {}
+    unknown = sorted(set(profile) - set(metagraph.metaops))
+    if unknown:
+        raise EstimatorError(f"profile names MetaOps not in the graph: {unknown}")
+    return {
+        mid: estimate_curve(m, workload, cluster, cost_model, profile.get(mid, ()), calibrate)
+        for mid, m in metagraph.metaops.items()
+    }

@@ -1,0 +1,112 @@
+"""Device memory of a slice: parameter state (weights, gradients, optimizer) and activations kept for backward.
+
+Mixed-precision training with Adam and no optimizer sharding holds 18 bytes per parameter: a bf16 weight (2),
+an fp32 main gradient (4), an fp32 master weight (4) and the two fp32 Adam moments (4 + 4).
+"""
+
+from __future__ import annotations
+
+from megatron_spindle.estimator.cost_model import AnalyticCostModel
+from megatron_spindle.estimator.errors import EstimatorError
+from megatron_spindle.graph.cluster import ClusterSpec
+from megatron_spindle.graph.opgraph import MetaOp
+from megatron_spindle.graph.workload import ModuleSpec, Workload
+
+BYTES_PER_PARAM = 2 + 4 + 4 + 4 + 4  # bf16 weight, fp32 grad, fp32 master, Adam m and v
+
+
+class MemoryModel:
+    """Bytes per device for the slices of a plan."""
+
+    def __init__(self, workload: Workload, cluster: ClusterSpec, cost_model: AnalyticCostModel | None = None):
+        self.workload = workload
+        self.cluster = cluster
+        self.cost_model = cost_model or AnalyticCostModel(workload, cluster)
+        self.dtype_bytes = self.cost_model.dtype_bytes
+
+    # ---------------------------------------------------------------------------------------- parameters
+
+    def param_state_bytes(self, param_name: str, tp: int) -> float:
+        """Weights + gradients + Adam state of one parameter unit on each of its tp ranks. Norms and some
+        biases are replicated rather than split by TP; they are tiny, so we divide everything by tp."""
+        _check_positive("tp", tp)
+        return self.cost_model.param_count(param_name) / tp * BYTES_PER_PARAM
+
+    def slice_param_state_bytes(self, metaop: MetaOp, tp: int, layer_start: int, layer_end: int) -> float:
+        """Parameter state of layers [layer_start, layer_end) of the MetaOp's chain on one device."""
+        _check_layer_range(metaop, layer_start, layer_end)
+        units = {p for ps in metaop.params[layer_start:layer_end] for p in ps}
+        return sum(self.param_state_bytes(p, tp) for p in units)
+
+    # --------------------------------------------------------------------------------------- activations
+
+    def _transformer_layer(self, module: ModuleSpec, micro_batch: float, tokens: int, tp: int) -> float:
+        """Activations of one layer (Korthikanti et al. 2022, no sequence parallelism), generalised to any FFN
+        width, GQA and SwiGLU. Replicated on TP ranks: norm inputs (4 sbh), QKV and FC1 inputs (2 + 2), dropout
+        masks (1 + 1). Split by TP: Q and the output-projection input (2 + 2), K and V (2 + 2 per KV width),
+        the MLP intermediates (GELU: FC1 output + activation, 4 sbF; SwiGLU: gate, up, SiLU and product, 8 sbF)
+        and the attention scores 5 a s^2 b (softmax output, dropout mask and output; kept as an upper bound:
+        a flash-attention kernel stores none of them)."""
+        s, b, h = tokens, micro_batch, module.hidden_size
+        kv = h // module.num_heads * module.query_groups
+        mlp = (8 if module.kind == "llm" else 4) * module.ffn_hidden_size
+        replicated = 10 * s * b * h
+        split = s * b * (4 * h + 4 * kv + mlp) + 5 * module.num_heads * s * s * b
+        if module.cross_attention:
+            replicated += 5 * s * b * h  # norm input, query input, dropout mask
+            split += s * b * (4 * h + 4 * kv) + 5 * module.num_heads * s * s * b
+        return replicated + split / tp
+
+    def _light_op(self, metaop: MetaOp, micro_batch: float) -> float:
+        d = self.dtype_bytes
+        b, s = micro_batch, metaop.tokens
+        if metaop.kind == "loss":
+            # Both towers' embeddings gathered from all DP ranks, and the fp32 softmax of b x B logits.
+            return 2 * metaop.batch * metaop.hidden * d + b * metaop.batch * 4
+        module = self.workload.modules[metaop.module]
+        h = module.hidden_size
+        if metaop.kind == "frontend":
+            fe = module.frontend
+            if fe is None or fe.type == "text":
+                return b * s * 8  # int64 token ids for the embedding gradient
+            k = 2 if fe.type == "patch" else 1
+            return b * s * fe.in_channels * fe.patch_size**k * d  # raw patches for the weight gradient
+        if metaop.kind == "projector":
+            return b * s * (module.in_size + 2 * h) * d  # input, FC1 output, activation output
+        if metaop.kind == "head":
+            return b * (2 * s * h + h) * d  # norm input, normed tokens, pooled vector
+        if metaop.kind == "lm_head":
+            return b * s * 2 * h * d + b * s * module.lm_vocab * 4  # norm in/out and fp32 logits for CE
+        raise EstimatorError(f"MetaOp '{metaop.id}': unknown kind '{metaop.kind}'")
+
+    def activation_bytes(self, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> float:
+        """Bytes held on one device from forward to backward by ``num_layers`` operators of the MetaOp run
+        with (tp, dp): each DP rank keeps its B/dp samples."""
+        _check_positive("tp", tp)
+        _check_positive("dp", dp)
+        if metaop.batch % dp:
+            raise EstimatorError(f"MetaOp '{metaop.id}': dp {dp} does not divide the batch {metaop.batch}")
+        if not isinstance(num_layers, int) or not 0 <= num_layers <= metaop.num_layers:
+            raise EstimatorError(
+                f"MetaOp '{metaop.id}': num_layers must be an integer in 0..{metaop.num_layers}, got {num_layers!r}"
+            )
+        if metaop.kind != "loss" and metaop.module not in self.workload.modules:
+            raise EstimatorError(f"MetaOp '{metaop.id}': module '{metaop.module}' is not in the workload")
+        micro_batch = metaop.batch / dp
+        if metaop.kind == "layer":
+            module = self.workload.modules[metaop.module]
+            per_layer = self._transformer_layer(module, micro_batch, metaop.tokens, tp) * self.dtype_bytes / 2
+            return num_layers * per_layer
+        return num_layers * self._light_op(metaop, micro_batch)
+
+
+def _check_positive(what: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise EstimatorError(f"{what} must be a positive integer, got {value!r}")
+
+
+def _check_layer_range(metaop: MetaOp, layer_start: int, layer_end: int) -> None:
+    if not 0 <= layer_start <= layer_end <= metaop.num_layers:
+        raise EstimatorError(
+            f"MetaOp '{metaop.id}': layers [{layer_start}, {layer_end}) outside its chain of {metaop.num_layers}"
+        )
