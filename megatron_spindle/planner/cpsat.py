@@ -1,0 +1,731 @@
+"""CP-SAT planner (issue 4): per-slice (n, tp, dp), layer split, wave order and devices chosen by OR-Tools.
+
+Why a *wave-indexed* model rather than free start times
+-------------------------------------------------------
+The plan format (planner/plan.py) is a sequence of waves: within a wave the allocation is fixed, slices have
+disjoint devices, and transfers happen only at wave boundaries; a wave lasts as long as its longest slice.
+A continuous-time model (start times + NoOverlap2D rectangles) optimises a schedule that must afterwards be
+cut into waves, and that cut either splits slices at non-layer boundaries or stretches waves, so the
+solver's makespan is not the plan's makespan. Instead the model has a fixed number of wave *slots* in time
+order and decides, per (MetaOp, slot), whether the MetaOp runs there, with which configuration and how many
+layers. The objective ``sum_w D_w`` (D_w >= every slice time in slot w) is then exactly the iteration time of
+the plan it encodes (up to the reported rounding), and the greedy plan maps one-to-one onto a solution (the
+warm-start hint). A MetaOp's slices in successive slots run its layers in order, so "slices of one MetaOp
+never overlap and run in order" holds by construction; the number of slices per MetaOp is bounded by the
+number of slots it may use (the greedy's wave count of its level plus ``extra_waves``).
+
+Linearisation: for every (MetaOp m, slot w, option c) one boolean ``y`` (m runs in w with option c) and one
+integer ``l`` in [0, L_m] with ``y <= l <= L_m * y``. The slice time is ``sum_c T_c * l_c`` (only the chosen
+c is non-zero), so ``D_w >= sum_c T_c * l_c`` is linear; ``sum_{w,c} l = L_m`` runs every layer once.
+
+Options c are the MetaOp's scaling-curve points (``curve.valid_ns`` with ``curve.config(n)``; the fastest
+(tp, dp) for each n) plus any configuration the greedy plan uses that is not among them.
+
+Devices: each slice is a contiguous device range ``[o, o + n)`` (one optional interval per slot, with a
+``NoOverlap`` per slot). A range with n <= gpus_per_node lies inside one island; a larger one starts at an
+island boundary; ``o`` is a multiple of tp, so with tp dividing the node size every TP group stays inside a
+node and gets rank layout ``devices[r] -> tp rank r % tp`` from planner/plan.py. Ranges rather than device
+booleans keep the model small (one integer per slot instead of N booleans) and make the island rules
+linear; per-device booleans are added only when the memory constraint can bind (below).
+
+Memory: device d holds, for every slice placed on it, the slice's parameter state (MemoryModel
+``param_state_bytes`` of its layers at its tp) and its activations (``activation_bytes(metaop, tp, dp, l)``)
+for the whole iteration (forward to backward). Summing per slice ignores that co-located MetaOps sharing
+weights store them once, so the constraint is conservative. It is added only if the worst case (every
+MetaOp's largest per-device footprint on one device) exceeds the capacity; otherwise it cannot bind.
+A MetaOp whose single layer cannot fit a device in any configuration raises ``CpSatMemoryError`` naming it.
+
+Levels: by default a slot belongs to one MetaLevel (the paper's level barrier), so precedence holds. With
+``cross_level_overlap`` slots are global and a MetaOp may use the slots of its own level's block and of the
+``level_window`` neighbouring blocks on each side; precedence is explicit: a consumer's first slot comes after
+each producer's last slot. Communication (second objective): each MetaOp has a home island; a slice outside
+it pays the MetaOp's activation bytes, an edge between MetaOps with different homes pays the producer's
+activation bytes, and MetaOps sharing weights with different homes pay the bf16 bytes of the shared weights
+(the soft co-location preference). It is solved as a second phase with the makespan capped at the phase-one
+value (lexicographic), only when the cluster has more than one island.
+
+Time is integer: ``unit = 2 * rounding_tolerance * greedy_makespan / total_layers`` so the rounding error of
+any plan's makespan is at most ``sum_m L_m * max_c |T_c - unit * round(T_c / unit)|`` seconds, which is
+reported (``rounding_error_bound``) and is at most ``rounding_tolerance * greedy_makespan`` (plus one unit
+per layer of ops shorter than half a unit, which are kept at one unit so they are never free).
+
+Never worse than greedy: the greedy plan is added as a complete hint (its device sets are re-packed into
+ranges if they are not ranges already), and the returned plan is re-timed in floating point; unless it is
+strictly better (shorter makespan, or equal makespan and fewer inter-island bytes) the greedy waves come back
+unchanged with ``used_hint_only=True``. A zero time limit skips the solver.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ortools.sat.python import cp_model
+
+from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
+
+_REL_EPS = 1e-9
+
+
+class CpSatMemoryError(ValueError):
+    """A MetaOp whose smallest possible slice does not fit one device's memory."""
+
+
+@dataclass
+class CpSatOptions:
+    """Knobs of the model; the defaults suit the 10 s / 64-GPU target."""
+
+    extra_waves: int = 2  # slots per level block beyond the greedy plan's wave count
+    rounding_tolerance: float = 1e-4  # target relative rounding error of the makespan
+    comm_time_fraction: float = 0.25  # share of the time limit for the communication phase
+    level_window: int = 1  # cross-level overlap: neighbouring level blocks a MetaOp may move into
+    memory_unit_bytes: int = 2**20
+    comm_unit_bytes: int = 2**20
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SliceOption:
+    n: int
+    tp: int
+    dp: int
+    seconds: float  # per layer
+    units: int  # per layer, integer time units
+
+
+@dataclass
+class CpSatResult:
+    waves: list[ScheduledWave]
+    status: str
+    objective: float  # seconds: makespan of the returned waves (re-timed in floating point)
+    best_bound: float | None  # seconds: lower bound on any plan of the model (None if not run), rounding included
+    time_unit: float
+    rounding_error_bound: float
+    used_hint_only: bool
+    greedy_makespan: float = 0.0
+    c_star: float | None = None
+    inter_island_bytes: float = 0.0
+    greedy_inter_island_bytes: float = 0.0
+    cross_level_overlap: bool = False
+    solve_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def gap_to_bound(self) -> float | None:
+        if not self.best_bound:
+            return None
+        return self.objective / self.best_bound - 1.0
+
+    def gap_to_c_star(self) -> float | None:
+        if not self.c_star:
+            return None
+        return self.objective / self.c_star - 1.0
+
+    def improvement(self) -> float:
+        """Relative makespan reduction over the greedy plan (0 when the greedy plan is returned)."""
+        return 1.0 - self.objective / self.greedy_makespan if self.greedy_makespan else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """Flat JSON-able dict for plan.planner['solver'] and the plan summary line."""
+        return {
+            "status": self.status,
+            "used_hint_only": self.used_hint_only,
+            "makespan": self.objective,
+            "greedy_makespan": self.greedy_makespan,
+            "improvement": self.improvement(),
+            "best_bound": self.best_bound,
+            "gap_to_bound": self.gap_to_bound(),
+            "c_star": self.c_star,
+            "gap_to_c_star": self.gap_to_c_star(),
+            "time_unit": self.time_unit,
+            "rounding_error_bound": self.rounding_error_bound,
+            "inter_island_bytes": self.inter_island_bytes,
+            "greedy_inter_island_bytes": self.greedy_inter_island_bytes,
+            "cross_level_overlap": self.cross_level_overlap,
+            "solve_seconds": self.solve_seconds,
+            "notes": "; ".join(self.notes),
+        }
+
+
+# ------------------------------------------------------------------------------------------ entry point
+
+
+def solve_cpsat(metagraph, workload, cluster, curves, greedy_waves: list[ScheduledWave], cost_model, memory_model,
+                time_limit: float, workers: int = 2, cross_level_overlap: bool = False,
+                options: CpSatOptions | None = None, level_allocs=None) -> CpSatResult:
+    """Refine the greedy (placed) waves with CP-SAT; see the module docstring for the model.
+
+    ``level_allocs`` (the allocator's LevelAllocations) supply C*; without them C* is left out.
+    """
+    opts = options or CpSatOptions()
+    greedy_makespan = makespan(greedy_waves)
+    c_star = sum(a.c_star for a in level_allocs) if level_allocs else None
+    greedy_comm = inter_island_bytes(greedy_waves, metagraph, cluster, cost_model)
+    slice_options = {m: _options_for(m, curves[m], greedy_waves) for m in metagraph.metaops}
+    if memory_model is not None:
+        check_memory_fits(metagraph, slice_options, memory_model, cluster)
+    base = dict(greedy_makespan=greedy_makespan, c_star=c_star, greedy_inter_island_bytes=greedy_comm,
+                inter_island_bytes=greedy_comm, cross_level_overlap=cross_level_overlap)
+    if time_limit <= 0 or not greedy_waves:
+        return CpSatResult(greedy_waves, "NOT_RUN", greedy_makespan, None, 0.0, 0.0, True,
+                           notes=["time limit 0: the greedy plan is returned unchanged"], **base)
+    unit = _time_unit(greedy_makespan, metagraph, opts.rounding_tolerance)
+    slice_options = {m: _with_units(o, unit) for m, o in slice_options.items()}
+    builder = _ModelBuilder(metagraph, cluster, slice_options, greedy_waves, cost_model, memory_model,
+                            cross_level_overlap, opts)
+    builder.build()
+    builder.add_greedy_hint()
+    outcome = builder.solve(time_limit, workers)
+    rounding = _rounding_bound(metagraph, slice_options, unit)
+    # the solver bounds the rounded makespan; minus the rounding bound it bounds the real one
+    bound_s = max(0.0, outcome.bound_units * unit - rounding) if outcome.bound_units is not None else None
+    if outcome.waves is None:
+        return CpSatResult(greedy_waves, outcome.status, greedy_makespan, bound_s, unit, rounding, True,
+                           solve_seconds=outcome.seconds,
+                           notes=outcome.notes + ["no solution from the solver: greedy plan returned"], **base)
+    new_makespan = makespan(outcome.waves)
+    new_comm = inter_island_bytes(outcome.waves, metagraph, cluster, cost_model)
+    if not _strictly_better(new_makespan, new_comm, greedy_makespan, greedy_comm):
+        return CpSatResult(greedy_waves, outcome.status, greedy_makespan, bound_s, unit, rounding, True,
+                           solve_seconds=outcome.seconds,
+                           notes=outcome.notes + [f"solver plan ({new_makespan:.6g} s) is not better than greedy: "
+                                                  "greedy plan returned unchanged"], **base)
+    base["inter_island_bytes"] = new_comm
+    return CpSatResult(outcome.waves, outcome.status, new_makespan, bound_s, unit, rounding, False,
+                       solve_seconds=outcome.seconds, notes=outcome.notes, **base)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def makespan(waves: list[ScheduledWave]) -> float:
+    return max((w.end for w in waves), default=0.0)
+
+
+def _strictly_better(ms: float, comm: float, ms_ref: float, comm_ref: float) -> bool:
+    tol = _REL_EPS * max(1.0, ms_ref)
+    if ms < ms_ref - tol:
+        return True
+    return ms <= ms_ref + tol and comm < comm_ref * (1 - 1e-9) - 1e-6
+
+
+def _options_for(mid: str, curve, greedy_waves: list[ScheduledWave]) -> list[SliceOption]:
+    """Curve points (fastest config per n) plus the greedy plan's own configs, so the hint is in the model."""
+    opts: dict[tuple[int, int, int], SliceOption] = {}
+    for n in curve.valid_ns:
+        tp, dp = curve.config(n)
+        opts[(n, tp, dp)] = SliceOption(n, tp, dp, float(curve.time(n)), 0)
+    for w in greedy_waves:
+        for s in w.slices:
+            key = (s.n, s.tp, s.dp)
+            if s.metaop == mid and key not in opts:
+                layers = s.layer_end - s.layer_start
+                opts[key] = SliceOption(s.n, s.tp, s.dp, s.time / layers, 0)
+    return sorted(opts.values(), key=lambda o: (o.n, o.tp))
+
+
+def _time_unit(greedy_makespan: float, metagraph, tolerance: float) -> float:
+    total_layers = sum(m.num_layers for m in metagraph.metaops.values())
+    return 2.0 * tolerance * max(greedy_makespan, 1e-12) / max(total_layers, 1)
+
+
+def _with_units(options: list[SliceOption], unit: float) -> list[SliceOption]:
+    return [SliceOption(o.n, o.tp, o.dp, o.seconds, max(1, round(o.seconds / unit))) for o in options]
+
+
+def _rounding_bound(metagraph, slice_options: dict[str, list[SliceOption]], unit: float) -> float:
+    """|true makespan - unit * model makespan| <= sum over waves of the worst slice error <= this."""
+    return sum(m.num_layers * max(abs(o.seconds - o.units * unit) for o in slice_options[mid])
+               for mid, m in metagraph.metaops.items())
+
+
+def _layer_param_bytes(metaop, tp: int, memory_model) -> float:
+    """Parameter state of one layer of the MetaOp on one device (layers of a MetaOp are identical)."""
+    if not metaop.params:
+        return 0.0
+    return float(sum(memory_model.param_state_bytes(p, tp) for p in metaop.params[0]))
+
+
+def _layer_bytes(metaop, o: SliceOption, memory_model) -> float:
+    """Per-device bytes one layer of the MetaOp holds for the iteration under option o."""
+    return _layer_param_bytes(metaop, o.tp, memory_model) + float(memory_model.activation_bytes(metaop, o.tp, o.dp, 1))
+
+
+def check_memory_fits(metagraph, slice_options: dict[str, list[SliceOption]], memory_model, cluster) -> None:
+    """Raise CpSatMemoryError if some MetaOp cannot place even one layer on a device in any configuration."""
+    cap = cluster.gpu.memory_bytes
+    for mid, m in metagraph.metaops.items():
+        need = min(_layer_bytes(m, o, memory_model) for o in slice_options[mid])
+        if need > cap:
+            raise CpSatMemoryError(
+                f"MetaOp '{mid}' does not fit: one layer needs {need / 2**30:.2f} GiB per device in its most "
+                f"sharded configuration, but a {cluster.gpu.name} device has {cap / 2**30:.2f} GiB")
+
+
+def inter_island_bytes(waves: list[ScheduledWave], metagraph, cluster, cost_model) -> float:
+    """Activation bytes crossing islands, following plan.py's transfer rules (forward direction)."""
+    if cost_model is None or cluster.num_nodes <= 1:
+        return 0.0
+    order = sorted(((w.start, i, s) for i, w in enumerate(waves) for s in w.slices), key=lambda x: (x[0], x[1]))
+    by_op: dict[str, list[ScheduledSlice]] = {}
+    for _, _, s in order:
+        by_op.setdefault(s.metaop, []).append(s)
+    for slices in by_op.values():
+        slices.sort(key=lambda s: s.layer_start)
+
+    def islands(s: ScheduledSlice) -> set[int]:
+        return {cluster.island(d) for d in (s.devices or [])}
+
+    def crosses(a: ScheduledSlice, b: ScheduledSlice) -> bool:
+        return bool(islands(b) - islands(a)) or bool(islands(a) - islands(b))
+
+    total = 0.0
+    for mid, slices in by_op.items():
+        nbytes = float(cost_model.activation_bytes(metagraph.metaops[mid]))
+        total += sum(nbytes for a, b in zip(slices, slices[1:]) if crosses(a, b))
+    for src, dst in metagraph.edges:
+        if src in by_op and dst in by_op and crosses(by_op[src][-1], by_op[dst][0]):
+            total += float(cost_model.activation_bytes(metagraph.metaops[src]))
+    return total
+
+
+# ------------------------------------------------------------------------------------------ placement of hints
+
+
+def pack_ranges(sizes: list[tuple[int, int]], cluster) -> list[int] | None:
+    """Contiguous start offsets for slices of (n, tp) obeying the model's island/alignment rules, or None.
+
+    Largest first; a slice that fits a node goes to the first island with room at a tp-aligned offset, a
+    larger one to the first run of free whole islands.
+    """
+    G, I = cluster.gpus_per_node, cluster.num_nodes
+    free = [[True] * G for _ in range(I)]
+    starts: list[int | None] = [None] * len(sizes)
+    for idx in sorted(range(len(sizes)), key=lambda i: (-sizes[i][0], -sizes[i][1])):
+        n, tp = sizes[idx]
+        starts[idx] = _first_fit(free, n, tp, G, I)
+        if starts[idx] is None:
+            return None
+    return starts  # type: ignore[return-value]
+
+
+def _first_fit(free: list[list[bool]], n: int, tp: int, G: int, I: int) -> int | None:
+    if n <= G:
+        for isl in range(I):
+            for off in range(0, G - n + 1, tp):
+                if all(free[isl][off:off + n]):
+                    for k in range(off, off + n):
+                        free[isl][k] = False
+                    return isl * G + off
+        return None
+    span = math.ceil(n / G)
+    for isl in range(I - span + 1):
+        devs = [(isl + k // G, k % G) for k in range(n)]
+        if all(free[a][b] for a, b in devs):
+            for a, b in devs:
+                free[a][b] = False
+            return isl * G
+    return None
+
+
+# ------------------------------------------------------------------------------------------ the model
+
+
+@dataclass
+class _Outcome:
+    status: str
+    waves: list[ScheduledWave] | None
+    bound_units: float | None
+    seconds: float
+    notes: list[str]
+
+
+@dataclass
+class _Slot:
+    """Variables of one (MetaOp, wave slot) pair."""
+
+    metaop: str
+    wave: int
+    y: list[Any]  # bool per option
+    l: list[Any]  # layers per option
+    present: Any
+    size: Any
+    offset: Any
+    island: Any = None  # island of the range (ranges of n <= gpus_per_node) or its first island
+    aligned: dict[int, Any] = field(default_factory=dict)  # tp -> q with offset == tp * q
+    home: Any = None  # bool: the range lies in the MetaOp's home island
+
+
+class _ModelBuilder:
+    """Builds the wave-slot model; small methods per constraint family."""
+
+    def __init__(self, metagraph, cluster, slice_options, greedy_waves, cost_model, memory_model,
+                 cross_level_overlap: bool, opts: CpSatOptions):
+        self.g = metagraph
+        self.cluster = cluster
+        self.options = slice_options
+        self.greedy = sorted(greedy_waves, key=lambda w: w.start)
+        self.cost_model = cost_model
+        self.memory_model = memory_model
+        self.overlap = cross_level_overlap
+        self.opts = opts
+        self.model = cp_model.CpModel()
+        self.N = cluster.num_devices
+        self.blocks = self._level_blocks()
+        self.num_slots = self.blocks[-1][1] if self.blocks else 0
+        self.slots: dict[tuple[str, int], _Slot] = {}
+        self.durations: list[Any] = []
+        self.used: list[Any] = []
+        self.home_island: dict[str, Any] = {}
+        self.makespan_expr = None
+        self.comm_expr = None
+        self.notes: list[str] = []
+
+    # ---------------------------------------------------------------- structure
+    def _level_blocks(self) -> list[tuple[int, int]]:
+        """[start, end) slot indices per MetaLevel: the greedy's wave count there plus extra_waves."""
+        counts = [0] * len(self.g.levels)
+        for w in self.greedy:
+            counts[self._wave_level(w)] += 1
+        blocks, pos = [], 0
+        for k, lv in enumerate(self.g.levels):
+            size = counts[k] + self.opts.extra_waves if lv else 0
+            blocks.append((pos, pos + size))
+            pos += size
+        return blocks
+
+    def _wave_level(self, w: ScheduledWave) -> int:
+        return min(self.g.metaops[s.metaop].level for s in w.slices) if w.slices else w.level
+
+    def _slot_range(self, mid: str) -> range:
+        k = self.g.metaops[mid].level
+        if not self.overlap:
+            return range(*self.blocks[k])
+        lo = self.blocks[max(0, k - self.opts.level_window)][0]
+        hi = self.blocks[min(len(self.blocks) - 1, k + self.opts.level_window)][1]
+        return range(lo, hi)
+
+    # ---------------------------------------------------------------- build
+    def build(self) -> None:
+        horizon = sum(m.num_layers * max(o.units for o in self.options[mid])
+                      for mid, m in self.g.metaops.items())
+        self.durations = [self.model.NewIntVar(0, horizon, f"D{w}") for w in range(self.num_slots)]
+        for mid in self.g.metaops:
+            for w in self._slot_range(mid):
+                self.slots[(mid, w)] = self._new_slot(mid, w)
+        self._layers_and_durations()
+        self._devices()
+        if self.overlap:
+            self._precedence()
+        self._symmetry()
+        if self._memory_can_bind():
+            self._memory()
+        self.makespan_expr = sum(self.durations)
+        if self.cluster.num_nodes > 1 and self.cost_model is not None:
+            self.comm_expr = self._communication()
+
+    def _new_slot(self, mid: str, w: int) -> _Slot:
+        m, L = self.model, self.g.metaops[mid].num_layers
+        opts = self.options[mid]
+        y = [m.NewBoolVar(f"y[{mid},{w},{c}]") for c in range(len(opts))]
+        lay = [m.NewIntVar(0, L, f"l[{mid},{w},{c}]") for c in range(len(opts))]
+        present = m.NewBoolVar(f"p[{mid},{w}]")
+        m.Add(sum(y) == present)
+        for yc, lc in zip(y, lay):
+            m.Add(lc >= yc)
+            m.Add(lc <= L * yc)
+        max_n = max(o.n for o in opts)
+        size = m.NewIntVar(0, max_n, f"n[{mid},{w}]")
+        m.Add(size == sum(o.n * yc for o, yc in zip(opts, y)))
+        offset = m.NewIntVar(0, self.N - 1, f"o[{mid},{w}]")
+        return _Slot(mid, w, y, lay, present, size, offset)
+
+    def _layers_and_durations(self) -> None:
+        for mid, mo in self.g.metaops.items():
+            slots = [s for (m, _), s in self.slots.items() if m == mid]
+            self.model.Add(sum(lc for s in slots for lc in s.l) == mo.num_layers)
+        for s in self.slots.values():
+            opts = self.options[s.metaop]
+            self.model.Add(self.durations[s.wave] >= sum(o.units * lc for o, lc in zip(opts, s.l)))
+
+    def _devices(self) -> None:
+        """Ranges per slot: NoOverlap per wave, inside [0, N), island and tp alignment per option."""
+        G, I = self.cluster.gpus_per_node, self.cluster.num_nodes
+        per_wave: dict[int, list[Any]] = {}
+        for s in self.slots.values():
+            end = self.model.NewIntVar(0, self.N, f"e[{s.metaop},{s.wave}]")
+            iv = self.model.NewOptionalIntervalVar(s.offset, s.size, end, s.present, f"iv[{s.metaop},{s.wave}]")
+            per_wave.setdefault(s.wave, []).append(iv)
+            s.island = self.model.NewIntVar(0, I - 1, f"isl[{s.metaop},{s.wave}]")
+            for o, yc in zip(self.options[s.metaop], s.y):
+                self._option_placement(s, o, yc, s.island, G)
+        for ivs in per_wave.values():
+            self.model.AddNoOverlap(ivs)
+
+    def _option_placement(self, s: _Slot, o: SliceOption, yc, island, G: int) -> None:
+        m = self.model
+        if o.n <= G:
+            m.Add(s.offset >= G * island).OnlyEnforceIf(yc)
+            m.Add(s.offset + o.n <= G * island + G).OnlyEnforceIf(yc)
+            if o.tp > 1:
+                if o.tp not in s.aligned:
+                    s.aligned[o.tp] = m.NewIntVar(0, self.N // o.tp, f"q[{s.metaop},{s.wave},{o.tp}]")
+                m.Add(s.offset == o.tp * s.aligned[o.tp]).OnlyEnforceIf(yc)
+        else:
+            m.Add(s.offset == G * island).OnlyEnforceIf(yc)
+
+    def _precedence(self) -> None:
+        """Cross-level mode: a consumer's first slot is after each producer's last slot."""
+        first, last = {}, {}
+        for mid in self.g.metaops:
+            rng = self._slot_range(mid)
+            first[mid] = self.model.NewIntVar(rng.start, rng.stop - 1, f"first[{mid}]")
+            last[mid] = self.model.NewIntVar(rng.start, rng.stop - 1, f"last[{mid}]")
+            for w in rng:
+                p = self.slots[(mid, w)].present
+                self.model.Add(first[mid] <= w).OnlyEnforceIf(p)
+                self.model.Add(last[mid] >= w).OnlyEnforceIf(p)
+        for src, dst in self.g.edges:
+            self.model.Add(first[dst] >= last[src] + 1)
+
+    def _symmetry(self) -> None:
+        """Empty slots go last in each level block: slot w used => slot w-1 used (removes equivalent orders).
+
+        Also right with cross-level overlap: moving an empty slot to the end of its block only shifts later
+        slots of the same block, which stay inside every window that contained them."""
+        used = []
+        for w in range(self.num_slots):
+            u = self.model.NewBoolVar(f"used[{w}]")
+            ps = [s.present for s in self.slots.values() if s.wave == w]
+            if ps:
+                self.model.AddBoolOr(ps).OnlyEnforceIf(u)
+            else:
+                self.model.Add(u == 0)
+            for p in ps:
+                self.model.AddImplication(p, u)
+            used.append(u)
+        self.used = used
+        for lo, hi in self.blocks:
+            for w in range(lo + 1, hi):
+                self.model.AddImplication(used[w], used[w - 1])
+
+    # ---------------------------------------------------------------- memory
+    def _slot_bytes(self, s: _Slot) -> list[float]:
+        mo = self.g.metaops[s.metaop]
+        return [_layer_bytes(mo, o, self.memory_model) for o in self.options[s.metaop]]
+
+    def _memory_can_bind(self) -> bool:
+        if self.memory_model is None:
+            return False
+        worst = sum(mo.num_layers * max(_layer_bytes(mo, o, self.memory_model) for o in self.options[mid])
+                    for mid, mo in self.g.metaops.items())
+        binds = worst > self.cluster.gpu.memory_bytes
+        self.notes.append("memory constraint " + ("active" if binds else "cannot bind (skipped)"))
+        return binds
+
+    def _memory(self) -> None:
+        """Per-device booleans a[s, d] <=> d in the slot's range; sum of the slot bytes on d <= capacity."""
+        mu = self.opts.memory_unit_bytes
+        cap = int(self.cluster.gpu.memory_bytes // mu)
+        load: dict[int, list[Any]] = {d: [] for d in range(self.N)}
+        for s in self.slots.values():
+            per_layer = [math.ceil(b / mu) for b in self._slot_bytes(s)]
+            big = self.g.metaops[s.metaop].num_layers * max(per_layer)
+            slot_bytes = sum(b * lc for b, lc in zip(per_layer, s.l))
+            on = []
+            for d in range(self.N):
+                a = self.model.NewBoolVar(f"a[{s.metaop},{s.wave},{d}]")
+                self.model.Add(s.offset <= d).OnlyEnforceIf(a)
+                self.model.Add(s.offset + s.size >= d + 1).OnlyEnforceIf(a)
+                z = self.model.NewIntVar(0, big, f"z[{s.metaop},{s.wave},{d}]")
+                self.model.Add(z >= slot_bytes - big * (1 - a))
+                load[d].append(z)
+                on.append(a)
+            self.model.Add(sum(on) == s.size)
+        for d, zs in load.items():
+            self.model.Add(sum(zs) <= cap)
+
+    # ---------------------------------------------------------------- communication
+    def _communication(self):
+        """Home islands, slices away from home, edges and weight sharing across islands (module docstring)."""
+        m, G, I = self.model, self.cluster.gpus_per_node, self.cluster.num_nodes
+        cu = self.opts.comm_unit_bytes
+        terms = []
+        for mid in self.g.metaops:
+            self.home_island[mid] = m.NewIntVar(0, I - 1, f"home[{mid}]")
+        for s in self.slots.values():
+            h = self.home_island[s.metaop]
+            s.home = m.NewBoolVar(f"athome[{s.metaop},{s.wave}]")
+            m.Add(s.offset >= G * h).OnlyEnforceIf(s.home)
+            m.Add(s.offset + s.size <= G * h + G).OnlyEnforceIf(s.home)
+            away = m.NewBoolVar(f"away[{s.metaop},{s.wave}]")
+            m.AddBoolOr([s.present.Not(), s.home, away])
+            terms.append(self._mb(self.cost_model.activation_bytes(self.g.metaops[s.metaop]), cu) * away)
+        for src, dst in self.g.edges:
+            terms.append(self._mb(self.cost_model.activation_bytes(self.g.metaops[src]), cu)
+                         * self._differ(src, dst))
+        for a, b, nbytes in self._sharing_pairs():
+            terms.append(self._mb(nbytes, cu) * self._differ(a, b))
+        return sum(terms)
+
+    @staticmethod
+    def _mb(nbytes: float, unit: int) -> int:
+        return max(1, math.ceil(float(nbytes) / unit))
+
+    def _differ(self, a: str, b: str):
+        d = self.model.NewBoolVar(f"differ[{a},{b}]")
+        self.model.Add(self.home_island[a] == self.home_island[b]).OnlyEnforceIf(d.Not())
+        return d
+
+    def _sharing_pairs(self) -> list[tuple[str, str, float]]:
+        ids = list(self.g.metaops)
+        pairs = []
+        for i, a in enumerate(ids):
+            for b in ids[i + 1:]:
+                shared = self.g.metaops[a].param_names() & self.g.metaops[b].param_names()
+                if shared:
+                    pairs.append((a, b, 2.0 * sum(self._param_count(p) for p in shared)))
+        return pairs
+
+    def _param_count(self, name: str) -> float:
+        try:
+            return float(self.cost_model.param_count(name))
+        except (AttributeError, KeyError, ValueError):
+            return 0.0
+
+    # ---------------------------------------------------------------- hint
+    def add_greedy_hint(self) -> None:
+        """The greedy plan as a complete solution: wave i of level k -> slot block_k.start + i."""
+        counters = {k: lo for k, (lo, _) in enumerate(self.blocks)}
+        hinted: set[tuple[str, int]] = set()
+        durations = [0] * self.num_slots
+        for w in self.greedy:
+            k = self._wave_level(w)
+            slot = counters[k]
+            counters[k] += 1
+            durations[slot] = self._hint_wave(w, slot, hinted)
+        for key, s in self.slots.items():
+            if key not in hinted:
+                self._hint_slot(s, None, 0, 0)
+        for d, v in zip(self.durations, durations):
+            self.model.AddHint(d, v)
+        for w, u in enumerate(self.used):
+            self.model.AddHint(u, any(slot == w for _, slot in hinted))
+
+    def _hint_wave(self, w: ScheduledWave, slot: int, hinted: set) -> int:
+        starts = [_range_start(s.devices, s.n) for s in w.slices]
+        if any(st is None for st in starts) or not self._ranges_valid(w.slices, starts):
+            starts = pack_ranges([(s.n, s.tp) for s in w.slices], self.cluster)
+            if starts is None:
+                starts = [0] * len(w.slices)
+        longest = 0
+        for s, st in zip(w.slices, starts):
+            opts = self.options[s.metaop]
+            c = next(i for i, o in enumerate(opts) if (o.n, o.tp, o.dp) == (s.n, s.tp, s.dp))
+            layers = s.layer_end - s.layer_start
+            self._hint_slot(self.slots[(s.metaop, slot)], c, layers, st)
+            hinted.add((s.metaop, slot))
+            longest = max(longest, opts[c].units * layers)
+        return longest
+
+    def _ranges_valid(self, slices: list[ScheduledSlice], starts: list[int]) -> bool:
+        G = self.cluster.gpus_per_node
+        for s, st in zip(slices, starts):
+            if st % s.tp:
+                return False
+            if s.n <= G and st // G != (st + s.n - 1) // G:
+                return False
+            if s.n > G and st % G:
+                return False
+        return True
+
+    def _hint_slot(self, s: _Slot, c: int | None, layers: int, start: int) -> None:
+        m = self.model
+        m.AddHint(s.present, c is not None)
+        for i, (yc, lc) in enumerate(zip(s.y, s.l)):
+            m.AddHint(yc, i == c)
+            m.AddHint(lc, layers if i == c else 0)
+        if c is None:
+            m.AddHint(s.size, 0)
+            return
+        m.AddHint(s.offset, start)
+        m.AddHint(s.size, self.options[s.metaop][c].n)
+        m.AddHint(s.island, start // self.cluster.gpus_per_node)
+        o = self.options[s.metaop][c]
+        if o.tp in s.aligned:
+            m.AddHint(s.aligned[o.tp], start // o.tp)
+
+    # ---------------------------------------------------------------- solve
+    def solve(self, time_limit: float, workers: int) -> _Outcome:
+        comm_share = self.opts.comm_time_fraction if self.comm_expr is not None else 0.0
+        solver = _solver(time_limit * (1 - comm_share), workers, self.opts.seed)
+        self.model.Minimize(self.makespan_expr)
+        status = solver.Solve(self.model)
+        seconds = solver.WallTime()
+        name = solver.StatusName(status)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return _Outcome(name, None, None, seconds, self.notes)
+        bound = solver.BestObjectiveBound()
+        best = int(solver.ObjectiveValue())
+        if self.comm_expr is not None:
+            solver, seconds = self._solve_comm(solver, best, time_limit * comm_share, workers, seconds)
+        waves = self._extract(solver)
+        return _Outcome(name, waves, bound, seconds, self.notes)
+
+    def _solve_comm(self, phase1, best: int, limit: float, workers: int, seconds: float):
+        """Phase two: same model, makespan capped at phase one's, minimise inter-island bytes."""
+        self.model.ClearHints()
+        for v in self._all_vars():
+            self.model.AddHint(v, phase1.Value(v))
+        self.model.Add(self.makespan_expr <= best)
+        self.model.Minimize(self.comm_expr)
+        solver = _solver(max(limit, 0.01), workers, self.opts.seed)
+        status = solver.Solve(self.model)
+        seconds += solver.WallTime()
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            self.notes.append(f"communication phase {solver.StatusName(status)}")
+            return solver, seconds
+        self.notes.append(f"communication phase {solver.StatusName(status)}: phase-one solution kept")
+        return phase1, seconds
+
+    def _all_vars(self) -> list[Any]:
+        proto = self.model.Proto()
+        return [self.model.GetIntVarFromProtoIndex(i) for i in range(len(proto.variables))]
+
+    def _extract(self, solver) -> list[ScheduledWave]:
+        """Slots in order -> waves with float times; layer ranges accumulate per MetaOp."""
+        done = {mid: 0 for mid in self.g.metaops}
+        waves: list[ScheduledWave] = []
+        t = 0.0
+        for w in range(self.num_slots):
+            slices = []
+            for (mid, slot), s in self.slots.items():
+                if slot != w or not solver.Value(s.present):
+                    continue
+                c = next(i for i, yc in enumerate(s.y) if solver.Value(yc))
+                o, layers, start = self.options[mid][c], solver.Value(s.l[c]), solver.Value(s.offset)
+                slices.append(ScheduledSlice(mid, o.n, o.tp, o.dp, done[mid], done[mid] + layers,
+                                             o.seconds * layers, list(range(start, start + o.n))))
+                done[mid] += layers
+            if not slices:
+                continue
+            duration = max(s.time for s in slices)
+            level = min(self.g.metaops[s.metaop].level for s in slices)
+            waves.append(ScheduledWave(level, t, duration, slices))
+            t += duration
+        return waves
+
+
+def _solver(limit: float, workers: int, seed: int) -> cp_model.CpSolver:
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(limit, 0.01)
+    solver.parameters.num_workers = max(1, workers)
+    solver.parameters.random_seed = seed
+    return solver
+
+
+def _range_start(devices: list[int] | None, n: int) -> int | None:
+    if not devices or len(devices) != n:
+        return None
+    lo = min(devices)
+    return lo if list(devices) == list(range(lo, lo + n)) else None
