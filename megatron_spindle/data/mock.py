@@ -1,0 +1,101 @@
+"""Deterministic mock batches for every task of a workload (the CPU runs and the equivalence tests use them).
+
+A ``TaskBatch`` holds the raw inputs of a task's front ends, keyed by module name:
+
+- ``patch`` front end: images ``[B, in_channels, image_size, image_size]`` (float)
+- ``audio`` front end: spectrograms ``[B, in_channels (mel bins), tokens * patch_size (frames)]`` (float)
+- ``imu`` front end: sensor windows ``[B, in_channels, tokens * patch_size (samples)]`` (float)
+- ``text`` front end: token ids ``[B, T]`` (int64), T = the module's own text tokens
+
+and, for an LM loss, ``labels`` ``[B, T]``: the next text token of every text position of the loss module
+(``ignore_index`` = -100 marks positions without a label). ``num_label_tokens`` counts the labelled tokens of the
+whole global batch and is kept by ``shard``, so a shard can normalise its LM loss by the global count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from megatron_spindle.graph.workload import Workload, output_tokens
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class TaskBatch:
+    task: str
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> raw front-end input, batch first
+    labels: torch.Tensor | None = None  # [B, T] next-token ids of the LM loss module's text, or None
+    global_batch_size: int = 0
+    num_label_tokens: int = 0  # labelled tokens in the GLOBAL batch (LM loss normaliser)
+    dp_rank: int = 0
+    dp: int = 1
+
+    @property
+    def batch_size(self) -> int:
+        """Rows held by this (possibly sharded) batch."""
+        return self.global_batch_size // self.dp
+
+    def shard(self, dp_rank: int, dp: int) -> TaskBatch:
+        """Rows ``[k*B/dp, (k+1)*B/dp)`` of the global batch for data-parallel rank k (of a full batch)."""
+        if self.dp != 1:
+            raise ValueError(f"task '{self.task}': shard() takes the full global batch, this is shard {self.dp_rank}/{self.dp}")
+        if dp <= 0 or self.global_batch_size % dp:
+            raise ValueError(f"task '{self.task}': dp={dp} does not divide the batch of {self.global_batch_size}")
+        if not 0 <= dp_rank < dp:
+            raise ValueError(f"task '{self.task}': dp_rank {dp_rank} out of range for dp={dp}")
+        rows = self.global_batch_size // dp
+        lo, hi = dp_rank * rows, (dp_rank + 1) * rows
+        return replace(
+            self,
+            inputs={m: t[lo:hi] for m, t in self.inputs.items()},
+            labels=None if self.labels is None else self.labels[lo:hi],
+            dp_rank=dp_rank,
+            dp=dp,
+        )
+
+
+def own_text_tokens(workload: Workload, task: str, module: str) -> int:
+    """Tokens per sample that ``module``'s own front end makes in ``task`` (its input minus incoming flows)."""
+    t = workload.task(task)
+    return t.tokens[module] - sum(output_tokens(workload, t, p) for p in t.predecessors(module))
+
+
+def _generator(task: str, step: int, seed: int, module: str) -> torch.Generator:
+    digest = hashlib.sha256(f"mock/{seed}/{task}/{step}/{module}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def _frontend_input(workload: Workload, task: str, module: str, batch: int, gen: torch.Generator) -> torch.Tensor:
+    fe = workload.modules[module].frontend
+    own = own_text_tokens(workload, task, module)
+    if fe.type == "patch":
+        return torch.randn(batch, fe.in_channels, fe.image_size, fe.image_size, generator=gen)
+    if fe.type in ("audio", "imu"):
+        return torch.randn(batch, fe.in_channels, own * fe.patch_size, generator=gen)
+    return torch.randint(0, fe.vocab_size, (batch, own), generator=gen)
+
+
+def mock_batch(workload: Workload, task_name: str, step: int, seed: int = 0) -> TaskBatch:
+    """The full global batch of ``task_name`` at ``step``: a deterministic function of (task, step, seed)."""
+    task = workload.task(task_name)
+    B = task.batch_size
+    batch = TaskBatch(task=task_name, global_batch_size=B)
+    lm_module = task.loss.modules[0] if task.loss is not None and task.loss.kind == "lm" else None
+    for module in task.topo_modules():
+        spec = workload.modules[module]
+        if spec.frontend is None or own_text_tokens(workload, task_name, module) <= 0:
+            continue
+        gen = _generator(task_name, step, seed, module)
+        if module == lm_module and spec.frontend.type == "text":
+            own = own_text_tokens(workload, task_name, module)
+            text = torch.randint(0, spec.frontend.vocab_size, (B, own + 1), generator=gen)
+            batch.inputs[module] = text[:, :own].contiguous()
+            batch.labels = text[:, 1:].contiguous()
+            batch.num_label_tokens = int((batch.labels != IGNORE_INDEX).sum())
+        else:
+            batch.inputs[module] = _frontend_input(workload, task_name, module, B, gen)
+    return batch
