@@ -168,39 +168,44 @@ def _piece_coefficients(points: list[tuple[int, float]], L: int, c: float, mode:
     return (t_hi * n_lo - t_lo * n_hi) / (t_hi - t_lo), 0.0, (n_hi - n_lo) / (L * (t_hi - t_lo))
 
 
-def _solve_piece(points: Mapping[str, list[tuple[int, float]]], num_layers: Mapping[str, int], c_low: float,
-                 c_high: float, num_devices: int, mode: str) -> float | None:
-    """The exact C in [c_low, c_high] with sum n(C) = N, if no curve changes piece inside the bracket.
+def _solve_on_piece(points: Mapping[str, list[tuple[int, float]]], num_layers: Mapping[str, int], c_left: float,
+                    c_right: float, num_devices: int, mode: str) -> float | None:
+    """The C in [c_left, c_right] with sum n(C) = N, given that no curve changes piece strictly inside.
 
-    Inside one piece each n_m(C) is a + b/C + d*C (rate mode: d = 0; time mode: b = 0 unless the share
-    rule applies), so sum n(C) = N is at most a quadratic. Bisection alone leaves C~* up to rel_eps too
-    high; this makes it exact to rounding, so schedules that hit C~* exactly are not reported below it.
+    Inside one piece each n_m(C) is a + b/C + d*C (rate mode: d = 0), so the equation is at most quadratic.
     """
-    mid = 0.5 * (c_low + c_high)
+    mid = 0.5 * (c_left + c_right)
     a = b = d = 0.0
     for m, p in points.items():
-        if _piece_coefficients(p, num_layers[m], c_low, mode) != _piece_coefficients(p, num_layers[m], c_high,
-                                                                                       mode):
-            return None
         pa, pb, pd = _piece_coefficients(p, num_layers[m], mid, mode)
         a, b, d = a + pa, b + pb, d + pd
     # d*C^2 + (a - N)*C + b = 0
     if d == 0.0:
-        if a >= num_devices:
-            return None
-        root = b / (num_devices - a)
+        roots = [b / (num_devices - a)] if a < num_devices else []
     else:
         disc = (a - num_devices) ** 2 - 4.0 * d * b
-        if disc < 0.0:
-            return None
-        roots = [(-(a - num_devices) + s * math.sqrt(disc)) / (2.0 * d) for s in (1.0, -1.0)]
-        inside = [r for r in roots if c_low <= r <= c_high]
-        if not inside:
-            return None
-        root = inside[0]
-    if not c_low <= root <= c_high:
-        return None
-    return root
+        roots = [] if disc < 0.0 else [(num_devices - a + s * math.sqrt(disc)) / (2.0 * d) for s in (1.0, -1.0)]
+    slack = 1e-9 * (c_right - c_left)
+    inside = [min(max(r, c_left), c_right) for r in roots if c_left - slack <= r <= c_right + slack]
+    return inside[0] if inside else None
+
+
+def _solve_exact(points: Mapping[str, list[tuple[int, float]]], num_layers: Mapping[str, int], c_low: float,
+                 c_high: float, num_devices: int, mode: str) -> float:
+    """Refine the bisection bracket to the exact C~*: sum n(C~*) = N up to rounding.
+
+    The breakpoints C = T_m(n) L_m inside the bracket cut it into pieces where every n_m(C) is smooth;
+    the sum (non-increasing in C) crosses N in one of them, and there it is solved in closed form.
+    Bisection alone leaves C~* up to rel_eps too high, which would report a schedule that meets C~*
+    exactly as beating it.
+    """
+    cuts = sorted({t * num_layers[m] for m, p in points.items() for _, t in p if c_low < t * num_layers[m] < c_high})
+    edges = [c_low, *cuts, c_high]
+    for left, right in zip(edges, edges[1:]):
+        if _total_devices(points, num_layers, right, mode) <= num_devices:
+            root = _solve_on_piece(points, num_layers, left, right, num_devices, mode)
+            return right if root is None else root
+    return c_high
 
 
 def bisect_level(metaop_ids: Sequence[str], num_layers: Mapping[str, int], curves: Mapping[str, Curve],
@@ -209,8 +214,7 @@ def bisect_level(metaop_ids: Sequence[str], num_layers: Mapping[str, int], curve
 
     Bounds: C_low = max_m T_m(N) L_m (T_m at its largest valid n <= N: no MetaOp can finish sooner) and
     C_high = sum_m T_m(1) L_m (everything in sequence on one device). The bracket is halved until its
-    width is at most ``rel_eps`` * C_high, then solved exactly on the final piece when no curve changes
-    piece inside it. The C~* returned never needs more than N devices (sum n* <= N up to rounding); it is
+    width is at most ``rel_eps`` * C_high, then solved exactly inside it (``_solve_exact``). The C~* returned never needs more than N devices (sum n* <= N up to rounding); it is
     below N only when every MetaOp is already at its largest valid allocation. With concave rate curves
     (diminishing returns), C~* is a lower bound on the makespan of any schedule of the level.
     """
@@ -233,8 +237,7 @@ def bisect_level(metaop_ids: Sequence[str], num_layers: Mapping[str, int], curve
                 c_high = c_mid  # devices left over: the level can finish sooner
             else:
                 c_low = c_mid
-        exact = _solve_piece(points, num_layers, c_low, c_high, num_devices, mode)
-        c_star = c_high if exact is None else exact
+        c_star = _solve_exact(points, num_layers, c_low, c_high, num_devices, mode)
     n_star = {m: _inverse_on_points(p, c_star / num_layers[m], mode) for m, p in points.items()}
     return c_star, n_star
 
