@@ -1,0 +1,102 @@
+"""Process groups for a plan: every distinct device tuple becomes one torch.distributed group, exactly once.
+
+``torch.distributed.new_group`` is collective over the whole world: every rank must call it for every group,
+in the same order, member or not. ``PlanGroups`` therefore walks the plan in one deterministic order on all
+ranks (waves, then slices in plan order: TP groups, then DP groups; then the parameter device groups) and
+caches groups by their ordered device tuple.
+
+Group ranks follow the plan's layout conventions (``planner/plan.py``): the TP group of a slice lists its
+devices ``devices[k*tp : (k+1)*tp]`` in plan order, so torch's group rank equals the plan's TP rank
+``r % tp``; the DP group lists ``devices[t::tp]``, so its group rank equals the plan's DP rank ``r // tp``
+(we pass ``sort_ranks=False``; torch would otherwise sort the ranks). Parameter device groups are sorted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from megatron_spindle.planner.plan import Plan, Slice
+
+
+def tp_group_devices(s: Slice, device: int) -> tuple[int, ...]:
+    """Devices of the TP group of ``device`` inside slice ``s`` (plan order = TP rank order)."""
+    r = s.devices.index(device)
+    k = r // s.tp
+    return tuple(s.devices[k * s.tp:(k + 1) * s.tp])
+
+
+def dp_group_devices(s: Slice, device: int) -> tuple[int, ...]:
+    """Devices of the DP group of ``device`` inside slice ``s`` (plan order = DP rank order)."""
+    r = s.devices.index(device)
+    return tuple(s.devices[r % s.tp::s.tp])
+
+
+def all_tp_groups(s: Slice) -> list[tuple[int, ...]]:
+    return [tuple(s.devices[k * s.tp:(k + 1) * s.tp]) for k in range(s.dp)]
+
+
+def all_dp_groups(s: Slice) -> list[tuple[int, ...]]:
+    return [tuple(s.devices[t::s.tp]) for t in range(s.tp)]
+
+
+@dataclass
+class GroupCache:
+    """Ordered device tuple -> process group (``None`` on ranks outside the group). Creation is collective:
+    call ``get`` with the same tuples in the same order on every rank."""
+
+    rank: int
+    backend: str | None = None
+    groups: dict[tuple[int, ...], object] = field(default_factory=dict)
+    created: list[tuple[int, ...]] = field(default_factory=list)  # creation order (for tests and debugging)
+
+    def get(self, devices: tuple[int, ...]):
+        devices = tuple(devices)
+        if devices not in self.groups:
+            g = dist.new_group(list(devices), backend=self.backend, sort_ranks=False)
+            self.groups[devices] = g if self.rank in devices else None
+            self.created.append(devices)
+        return self.groups[devices]
+
+
+class PlanGroups:
+    """All process groups one plan needs.
+
+    ``slice_pgs(slice_id)`` -> megatron-core ``ProcessGroupCollection`` with ``tp``, ``dp``, ``cp`` and ``pp``
+    for this rank's position in that slice (``cp``/``pp`` are this rank alone: Spindle uses neither);
+    ``param_group(devices)`` -> the group of one parameter device group (sorted devices).
+    """
+
+    def __init__(self, plan: Plan, rank: int, backend: str | None = None, cache: GroupCache | None = None):
+        self.plan = plan
+        self.rank = rank
+        self.cache = cache if cache is not None else GroupCache(rank, backend)
+        self._slice_pgs: dict[str, object] = {}
+        self._build()
+
+    def _build(self) -> None:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        world = dist.get_world_size()
+        singletons = [self.cache.get((d,)) for d in range(world)]  # one per rank, created on all ranks
+        for s in self.plan.slices():
+            for devs in all_tp_groups(s):
+                self.cache.get(devs)
+            for devs in all_dp_groups(s):
+                self.cache.get(devs)
+        for g in self.plan.param_groups:
+            self.cache.get(tuple(sorted(g.devices)))
+        me = singletons[self.rank]
+        for s in self.plan.slices():
+            if self.rank in s.devices:
+                self._slice_pgs[s.id] = ProcessGroupCollection(
+                    tp=self.cache.get(tp_group_devices(s, self.rank)),
+                    dp=self.cache.get(dp_group_devices(s, self.rank)),
+                    cp=me, pp=me)
+
+    def slice_pgs(self, slice_id: str):
+        return self._slice_pgs[slice_id]
+
+    def param_group(self, devices) -> object:
+        return self.cache.get(tuple(sorted(devices)))

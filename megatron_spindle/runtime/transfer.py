@@ -1,0 +1,122 @@
+"""Inter-wave data flow: activations forward, their gradients backward (paper section 3.6, step 2).
+
+One ``TransferOp`` per plan transfer. Each direction is one ``dist.batch_isend_irecv`` batch holding every
+message this rank sends or receives for that transfer, in a deterministic order (sorted by (src, dst)), with a
+tag unique to the transfer and direction. Within one batch there is at most one message per ordered
+(src, dst) pair, so gloo cannot confuse same-peer same-shape messages; batches are waited on before the next
+transfer starts, and every rank walks the transfers in the same order.
+
+Shapes are not exchanged: both ends derive them from the workload (``ActivationSpec``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_spindle.graph.workload import Workload
+from megatron_spindle.planner.plan import MetaOpInfo, Slice
+from megatron_spindle.runtime.layout import Message, backward_messages, dp_rank, forward_messages, rows
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """Shape of a MetaOp's output for ``batch`` samples; ``batch_dim`` is where samples are."""
+
+    shape: tuple[int, ...]
+    batch_dim: int
+
+
+def default_activation_spec(workload: Workload, m: MetaOpInfo, batch: int) -> ActivationSpec:
+    """megatron-core layout: token sequences are [tokens, batch, hidden]; a contrastive head emits pooled
+    embeddings [batch, embed_dim]. Terminal ops (loss, lm_head) emit a loss and are never transferred."""
+    mod = workload.modules[m.module] if m.module else None
+    if m.kind in ("frontend", "layer"):
+        return ActivationSpec((m.input_shape[1], batch, mod.hidden_size), 1)
+    if m.kind == "projector":
+        return ActivationSpec((m.input_shape[1] // mod.pool, batch, mod.hidden_size), 1)
+    if m.kind == "head":
+        return ActivationSpec((batch, mod.embed_dim), 0)
+    raise ValueError(f"MetaOp '{m.id}' ({m.kind}) has no transferable output")
+
+
+SpecFn = Callable[[Workload, MetaOpInfo, int], ActivationSpec]
+
+
+def _shard_shape(spec: ActivationSpec, n: int) -> tuple[int, ...]:
+    shape = list(spec.shape)
+    shape[spec.batch_dim] = n
+    return tuple(shape)
+
+
+def run_messages(messages: list[Message], rank: int, src_tensor: torch.Tensor | None, dst_shape: tuple[int, ...],
+                 batch_dim: int, tag: int, dtype: torch.dtype, device: torch.device,
+                 group=None) -> torch.Tensor | None:
+    """Execute one direction of a transfer on this rank. ``src_tensor`` is this rank's local shard when it
+    sends; returns the assembled local shard when this rank receives (``None`` otherwise)."""
+    mine = sorted((m for m in messages if rank in (m.src, m.dst)), key=lambda m: (m.src, m.dst))
+    receives = any(m.dst == rank for m in mine)
+    out = torch.empty(dst_shape, dtype=dtype, device=device) if receives else None
+    ops, pending = [], []
+    for m in mine:
+        if m.src == rank and m.dst == rank:
+            out.narrow(batch_dim, m.dst_start, m.n).copy_(src_tensor.narrow(batch_dim, m.src_start, m.n))
+        elif m.src == rank:
+            buf = src_tensor.narrow(batch_dim, m.src_start, m.n).contiguous()
+            ops.append(dist.P2POp(dist.isend, buf, peer=m.dst, group=group, tag=tag))
+        else:
+            shape = list(dst_shape)
+            shape[batch_dim] = m.n
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            ops.append(dist.P2POp(dist.irecv, buf, peer=m.src, group=group, tag=tag))
+            pending.append((m, buf))
+    if ops:
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+    for m, buf in pending:
+        out.narrow(batch_dim, m.dst_start, m.n).copy_(buf)
+    return out
+
+
+class TransferOp:
+    """A plan transfer between a producer and a consumer slice of one task (same batch size B)."""
+
+    def __init__(self, index: int, producer: Slice, consumer: Slice, spec_full: ActivationSpec, batch: int):
+        self.index = index
+        self.producer = producer
+        self.consumer = consumer
+        self.batch = batch
+        self.spec = spec_full
+        self.fwd = forward_messages(producer, consumer, batch)
+        self.bwd = backward_messages(producer, consumer, batch)
+
+    def involves(self, rank: int) -> bool:
+        return rank in self.producer.devices or rank in self.consumer.devices
+
+    def _local_rows(self, s: Slice, rank: int) -> int:
+        a, b = rows(s, dp_rank(s, rank), self.batch)
+        return b - a
+
+    def forward(self, rank: int, output: torch.Tensor | None, dtype, device) -> torch.Tensor | None:
+        """Producer output shard -> consumer input shard (on consumer devices)."""
+        if rank not in self.consumer.devices and rank not in self.producer.devices:
+            return None
+        if output is not None:
+            expect = _shard_shape(self.spec, self._local_rows(self.producer, rank))
+            if tuple(output.shape) != expect:
+                raise RuntimeError(f"slice '{self.producer.id}' produced shape {tuple(output.shape)} but the "
+                                   f"runtime expects {expect} (transfer to '{self.consumer.id}')")
+        n = self._local_rows(self.consumer, rank) if rank in self.consumer.devices else 0
+        return run_messages(self.fwd, rank, output, _shard_shape(self.spec, n), self.spec.batch_dim,
+                            tag=2 * self.index, dtype=dtype, device=device)
+
+    def backward(self, rank: int, input_grad: torch.Tensor | None, dtype, device) -> torch.Tensor | None:
+        """Consumer input-gradient shard -> producer output-gradient shard (on producer devices)."""
+        if rank not in self.consumer.devices and rank not in self.producer.devices:
+            return None
+        n = self._local_rows(self.producer, rank) if rank in self.producer.devices else 0
+        return run_messages(self.bwd, rank, input_grad, _shard_shape(self.spec, n), self.spec.batch_dim,
+                            tag=2 * self.index + 1, dtype=dtype, device=device)

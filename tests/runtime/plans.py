@@ -1,0 +1,119 @@
+"""Plans the runtime tests control: built from an explicit list of waves of slices with devices.
+
+``build_plan`` fills the Plan dataclasses directly (transfers and parameter device groups derived from the
+slices) for a ``make_cluster(world_size, gpu_type_name="CPU")`` cluster. Generators give the plan families
+the tests need: Megatron-style sequential (every MetaOp on all devices), and seeded random Spindle-like
+plans (concurrent slices on disjoint device subsets, layer chains split across waves, TP=2 slices).
+"""
+
+from __future__ import annotations
+
+import random
+
+from megatron_spindle.graph.cluster import make_cluster
+from megatron_spindle.graph.opgraph import build_metagraph
+from megatron_spindle.graph.workload import Workload
+from megatron_spindle.planner.plan import LevelInfo, MetaOpInfo, Plan, Slice, Transfer, Wave
+from megatron_spindle.planner.validate import validate_plan
+from megatron_spindle.runtime.layout import derive_param_groups, expected_transfers
+
+# one slice: (metaop id, layer_start, layer_end, devices, tp)
+SliceSpec = tuple[str, int, int, list[int], int]
+
+
+def build_plan(workload: Workload, world_size: int, waves: list[list[SliceSpec]], validate: bool = True) -> Plan:
+    g = build_metagraph(workload)
+    cluster = make_cluster(world_size, gpu_type_name="CPU")
+    metaops = [MetaOpInfo(id=m.id, task=m.task, module=m.module, kind=m.kind, num_layers=m.num_layers,
+                          layer_offset=m.layer_offset, input_shape=list(m.input_shape), level=m.level,
+                          preds=g.predecessors(m.id), params=[p for ps in m.params for p in ps])
+               for m in g.metaops.values()]
+    plan_waves = []
+    for wi, specs in enumerate(waves):
+        slices = [Slice(id=f"w{wi}:{mid}@{ls}", metaop=mid, module=g.metaops[mid].module, task=g.metaops[mid].task,
+                        kind=g.metaops[mid].kind, layer_start=ls, layer_end=le, devices=list(devs), tp=tp,
+                        dp=len(devs) // tp, predicted_time=1.0)
+                  for mid, ls, le, devs, tp in specs]
+        plan_waves.append(Wave(index=wi, level=0, start=float(wi), duration=1.0, slices=slices))
+    plan = Plan(workload_name=workload.name, workload_digest=workload.digest(), cluster=cluster.to_dict(),
+                cluster_digest=cluster.digest(), planner={"planner": "test"}, metaops=metaops,
+                levels=[LevelInfo(i, lv, 0.0, 0.0, 0.0) for i, lv in enumerate(g.levels)], waves=plan_waves,
+                transfers=[], param_groups=[], memory_per_device=[], predicted={})
+    for p, c in expected_transfers(plan):
+        ps, cs = plan.slice(p), plan.slice(c)
+        plan.transfers.append(Transfer(p, c, 0.0, "local" if ps.devices == cs.devices else "intra_island",
+                                       list(ps.devices), list(cs.devices)))
+    plan.param_groups = derive_param_groups(plan, g)
+    if validate:
+        validate_plan(plan, workload, cluster, g)
+    return plan
+
+
+def _tp_options(workload: Workload, m, n: int, max_tp: int) -> list[int]:
+    out = [1]
+    if m.kind == "layer":
+        mod = workload.modules[m.module]
+        for tp in (2, 4):
+            if tp <= max_tp and n % tp == 0 and mod.num_heads % tp == 0 and mod.query_groups % tp == 0 \
+                    and mod.ffn_hidden_size % tp == 0:
+                out.append(tp)
+    return out
+
+
+def sequential_plan(workload: Workload, world_size: int, tp: int = 1) -> Plan:
+    """Megatron-style: one wave per MetaOp, each on all devices (layers at TP ``tp`` where valid)."""
+    g = build_metagraph(workload)
+    waves = []
+    for level in g.levels:
+        for mid in level:
+            m = g.metaops[mid]
+            t = tp if tp in _tp_options(workload, m, world_size, tp) else 1
+            waves.append([(mid, 0, m.num_layers, list(range(world_size)), t)])
+    return build_plan(workload, world_size, waves)
+
+
+def random_plan(workload: Workload, world_size: int, seed: int, max_tp: int = 2, split_layers: bool = True) -> Plan:
+    """Spindle-like: per MetaLevel, MetaOps packed into waves on disjoint random device subsets (1, 2 or 4
+    devices, shuffled order), random TP where valid, layer chains cut into two slices in different waves."""
+    rng = random.Random(seed)
+    g = build_metagraph(workload)
+    waves: list[list[SliceSpec]] = []
+    for level in g.levels:
+        phases: list[list[tuple[str, int, int]]] = [[], []]
+        for mid in level:
+            m = g.metaops[mid]
+            if split_layers and m.num_layers >= 2 and rng.random() < 0.7:
+                cut = rng.randint(1, m.num_layers - 1)
+                phases[0].append((mid, 0, cut))
+                phases[1].append((mid, cut, m.num_layers))
+            else:
+                phases[0].append((mid, 0, m.num_layers))
+        for pending in phases:
+            rng.shuffle(pending)
+            while pending:
+                free = list(range(world_size))
+                rng.shuffle(free)
+                wave, rest = [], []
+                for mid, ls, le in pending:
+                    m = g.metaops[mid]
+                    opts = [(n, tp) for n in (1, 2, 4) if n <= len(free)
+                            for tp in _tp_options(workload, m, n, max_tp) if m.batch % (n // tp) == 0]
+                    if not opts:
+                        rest.append((mid, ls, le))
+                        continue
+                    n, tp = rng.choice(opts)
+                    wave.append((mid, ls, le, free[:n], tp))
+                    free = free[n:]
+                waves.append(wave)
+                pending = rest
+    return build_plan(workload, world_size, waves)
+
+
+def unit_device_sets(plan: Plan, unit_prefix: str) -> set[tuple[int, ...]]:
+    """Distinct device sets of the slices whose MetaOp's parameters include a unit starting with the prefix."""
+    out = set()
+    for s in plan.slices():
+        m = plan.metaop(s.metaop)
+        if any(p.startswith(unit_prefix) for p in m.params):
+            out.add(tuple(s.devices))
+    return out
