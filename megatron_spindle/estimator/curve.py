@@ -14,9 +14,9 @@ of magnitude, and fit_error is relative too) with non-negative coefficients, so 
 or shrinking-overhead times.
 
 Breakpoints: the kernels a MetaOp runs and the links its collectives use change with n, so the coefficients
-differ by piece. We split first at the node size (collectives leave NVLink for the network there) and then
-at powers of two nearest the middle of a piece, while every piece keeps at least ``min_points_per_piece``
-points (3 = the number of coefficients, so a piece is never under-determined).
+differ by piece. We always split at the node size (collectives leave NVLink for the network there), then at
+powers of two nearest the middle of a piece while both sides keep at least ``min_points_per_piece`` points
+(3 = the number of coefficients). A piece with fewer points fits only as many coefficients as it has points.
 
 ``time(n)`` is exact at the points and the fit elsewhere. It is NOT forced to be non-increasing: at a valid n
 the time must match ``config(n)``, whose tp * dp is n (the plan validator checks that), and data can make a
@@ -103,8 +103,10 @@ def choose_breakpoints(ns: list[int], node_size: int | None, min_points_per_piec
             return split(left, False) + [b] + split(right, False)
 
         if at_node and node_size is not None:
+            # The regime change at the node boundary is physical (NVLink -> network), so split there even when
+            # a side has few points; such a piece just fits fewer coefficients.
             inside = [n for n in segment if n <= node_size]
-            if inside and fits(inside[-1]):
+            if 0 < len(inside) < len(segment):
                 return recurse(inside[-1])
         candidates = [n for n in segment[:-1] if _is_power_of_two(n) and fits(n)]
         if not candidates:

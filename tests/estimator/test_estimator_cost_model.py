@@ -1,0 +1,221 @@
+import pytest
+from conftest import clip_like_spec
+
+from megatron_spindle.estimator import AnalyticCostModel, CostModelConfig, EstimatorError, LayerCost
+from megatron_spindle.graph.cluster import make_cluster
+from megatron_spindle.graph.opgraph import build_metagraph
+from megatron_spindle.graph.workload import workload_from_dict
+
+
+def test_encoder_layer_flops_match_a_hand_count(tiny_clip, cluster8):
+    workload, graph = tiny_clip
+    model = AnalyticCostModel(workload, cluster8)
+    # tiny-clip vision: B=4, S=17, H=64, 4 heads (no GQA), FFN 256, GELU MLP.
+    qkv = 2 * 4 * 17 * 64 * (3 * 64)
+    attention = 4 * 4 * 17 * 17 * 64
+    out_proj = 2 * 4 * 17 * 64 * 64
+    mlp = 2 * (2 * 4 * 17 * 64 * 256)
+    assert model.flops(graph.metaops["vision_depth/vision"]) == 3 * (qkv + attention + out_proj + mlp)
+
+
+def test_llm_layer_flops_use_gqa_and_swiglu(tiny_vlm, cluster8):
+    workload, graph = tiny_vlm
+    model = AnalyticCostModel(workload, cluster8)
+    # tiny-vlm llm in "caption": B=4, S=25, H=64, 4 heads in 2 query groups (KV width 32), FFN 176, SwiGLU.
+    qkv = 2 * 4 * 25 * 64 * (64 + 2 * 32)
+    attention = 4 * 4 * 25 * 25 * 64
+    out_proj = 2 * 4 * 25 * 64 * 64
+    mlp = 3 * (2 * 4 * 25 * 64 * 176)
+    assert model.flops(graph.metaops["caption/llm"]) == 3 * (qkv + attention + out_proj + mlp)
+
+
+def test_light_op_flops(tiny_clip, tiny_vlm, cluster8):
+    workload, graph = tiny_clip
+    model = AnalyticCostModel(workload, cluster8)
+    # patch frontend of vision: conv 3 x 4 x 4 -> 64 per token, B=4, 17 tokens.
+    assert model.flops(graph.metaops["vision_depth/vision.frontend"]) == 3 * 2 * 4 * 17 * (3 * 16) * 64
+    # audio frontend: 1D windows of 4 frames x 16 mel bins -> 48, B=8, 16 tokens.
+    assert model.flops(graph.metaops["text_audio/audio.frontend"]) == 3 * 2 * 8 * 16 * (16 * 4) * 48
+    assert model.flops(graph.metaops["text_audio/text.frontend"]) == 0  # gather: memory-bound
+    assert model.memory_bytes(graph.metaops["text_audio/text.frontend"]) > 0
+    assert model.flops(graph.metaops["text_audio/text.head"]) == 3 * 2 * 8 * 32 * 32
+    assert model.flops(graph.metaops["text_audio/loss"]) == 3 * 2 * 8 * 8 * 32
+    workload, graph = tiny_vlm
+    model = AnalyticCostModel(workload, cluster8)
+    assert model.flops(graph.metaops["caption/vis_proj"]) == 3 * 2 * 4 * 17 * (48 * 64 + 64 * 64)
+    assert model.flops(graph.metaops["caption/llm.lm_head"]) == 3 * 2 * 4 * 25 * 64 * 256
+
+
+def test_cross_attention_adds_an_attention_block(cluster8):
+    plain = workload_from_dict(clip_like_spec())
+    crossed = workload_from_dict(clip_like_spec(cross_attention=True))
+    op_plain = build_metagraph(plain).metaops["vt/vision"]
+    op_crossed = build_metagraph(crossed).metaops["vt/vision"]
+    b, s, h = 256, 257, 1024
+    block = 2 * b * s * h * 3 * h + 4 * b * s * s * h + 2 * b * s * h * h
+    extra = AnalyticCostModel(crossed, cluster8).flops(op_crossed) - AnalyticCostModel(plain, cluster8).flops(
+        op_plain
+    )
+    assert extra == 3 * block
+
+
+def test_heavy_metaop_scales_better_than_light_ones(clip_like, cluster8):
+    workload, graph = clip_like
+    model = AnalyticCostModel(workload, cluster8)
+
+    def speedup(metaop_id, n):
+        metaop = graph.metaops[metaop_id]
+        return model.layer_cost(metaop, 1, 1).total / model.layer_cost(metaop, 1, n).total
+
+    vision = speedup("vt/vision", 8)
+    assert vision > 6  # a ViT-L layer on batch 256: close to linear
+    assert vision > speedup("vt/text", 8) > speedup("vt/text.head", 8)
+    assert speedup("vt/text.head", 8) < 2
+
+
+def test_efficiency_rises_with_work_and_saturates(clip_like, cluster8):
+    workload, _ = clip_like
+    model = AnalyticCostModel(workload, cluster8)
+    effs = [model.efficiency(w) for w in (1e6, 1e9, 1e12, 1e15)]
+    assert effs == sorted(effs)
+    assert effs[0] < 0.01 and effs[-1] == pytest.approx(model.config.efficiency_max, rel=1e-3)
+
+
+def test_tp_comm_only_with_tensor_parallelism(tiny_clip, cluster8):
+    workload, graph = tiny_clip
+    model = AnalyticCostModel(workload, cluster8)
+    vision = graph.metaops["vision_depth/vision"]
+    assert model.layer_cost(vision, 1, 4).tp_comm == 0
+    assert model.layer_cost(vision, 2, 2).tp_comm > 0
+    assert model.layer_cost(vision, 4, 1).tp_comm > model.layer_cost(vision, 2, 1).tp_comm
+
+
+def test_tensor_parallel_replaces_grad_sync_by_activation_all_reduces(clip_like, cluster8):
+    workload, graph = clip_like
+    model = AnalyticCostModel(workload, cluster8)
+    vision = graph.metaops["vt/vision"]
+    dp_only, tp_only = model.layer_cost(vision, 1, 8), model.layer_cost(vision, 8, 1)
+    assert tp_only.dp_sync == 0 and dp_only.tp_comm == 0
+    assert dp_only.dp_sync > 0 and tp_only.tp_comm > 0
+
+
+def test_inter_node_collectives_are_slower_than_intra_node(clip_like):
+    workload, graph = clip_like
+    vision = graph.metaops["vt/vision"]
+    two_nodes = AnalyticCostModel(workload, make_cluster(16, gpus_per_node=8))
+    one_node = AnalyticCostModel(workload, make_cluster(16, gpus_per_node=16))
+    assert two_nodes.layer_cost(vision, 1, 16).dp_sync > one_node.layer_cost(vision, 1, 16).dp_sync
+    assert two_nodes.layer_cost(vision, 1, 8).dp_sync == one_node.layer_cost(vision, 1, 8).dp_sync
+    volume = 1e8
+    assert two_nodes.allreduce_seconds(volume, 8, 16) > two_nodes.allreduce_seconds(volume, 8, 8)
+
+
+def test_grad_sync_is_a_ring_all_reduce_of_the_operator_params(clip_like, cluster8):
+    workload, graph = clip_like
+    model = AnalyticCostModel(workload, cluster8)
+    vision = graph.metaops["vt/vision"]
+    grad_bytes = model.param_count("vision.layers.0") * 4  # fp32 grads
+    expected = 2 * 3 / 4 * grad_bytes / cluster8.intra_node_bw + 2 * 3 * cluster8.intra_node_latency
+    assert model.layer_cost(vision, 1, 4).dp_sync == pytest.approx(expected)
+    assert model.layer_cost(vision, 2, 2).dp_sync == pytest.approx(
+        2 * 1 / 2 * grad_bytes / 2 / cluster8.intra_node_bw + 2 * cluster8.intra_node_latency
+    )
+    assert model.layer_cost(vision, 1, 1).dp_sync == 0
+
+
+def test_launch_floor_bounds_tiny_ops(tiny_clip, cluster8):
+    workload, graph = tiny_clip
+    model = AnalyticCostModel(workload, cluster8)
+    for metaop in graph.metaops.values():
+        cost = model.layer_cost(metaop, 1, 1)
+        assert cost.compute + cost.launch >= model.launch_floor_seconds(metaop, 1) - 1e-15
+        assert cost.total == pytest.approx(
+            cost.compute + cost.tp_comm + cost.dp_sync + cost.launch + cost.data_comm
+        )
+
+
+def test_layer_cost_total_sums_its_parts():
+    cost = LayerCost(compute=1.0, tp_comm=0.5, dp_sync=0.25, launch=0.125)
+    assert cost.total == 1.875
+
+
+def test_contrastive_loss_gathers_embeddings_only_with_dp(tiny_clip, cluster8):
+    workload, graph = tiny_clip
+    model = AnalyticCostModel(workload, cluster8)
+    loss = graph.metaops["text_audio/loss"]
+    assert model.layer_cost(loss, 1, 1).data_comm == 0
+    assert model.layer_cost(loss, 1, 4).data_comm > 0
+
+
+def test_activation_bytes_per_kind(tiny_clip, tiny_vlm, cluster8):
+    workload, graph = tiny_clip
+    model = AnalyticCostModel(workload, cluster8)
+    assert model.activation_bytes(graph.metaops["vision_depth/vision"]) == 4 * 17 * 64 * 2
+    assert model.activation_bytes(graph.metaops["vision_depth/vision.frontend"]) == 4 * 17 * 64 * 2
+    assert model.activation_bytes(graph.metaops["vision_depth/vision.head"]) == 4 * 32 * 2  # B x embed_dim
+    assert model.activation_bytes(graph.metaops["vision_depth/loss"]) == 0
+    workload, graph = tiny_vlm
+    model = AnalyticCostModel(workload, cluster8)
+    assert model.activation_bytes(graph.metaops["asr/aud_proj"]) == 4 * (16 // 2) * 64 * 2  # pooled by 2
+    assert model.activation_bytes(graph.metaops["caption/llm.lm_head"]) == 0
+
+
+def test_param_counts_by_unit(tiny_clip, tiny_vlm, cluster8):
+    workload, _ = tiny_clip
+    model = AnalyticCostModel(workload, cluster8)
+    h, f = 64, 256  # vision encoder: LayerNorms and biases
+    layer = 2 * 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + (2 * h * f + f + h)
+    assert model.param_count("vision.layers.3") == layer
+    assert model.param_count("vision.frontend") == 3 * 16 * h + h + h + 17 * h  # conv, bias, cls, positions
+    assert model.param_count("vision.head") == 2 * h + h * 32
+    assert model.param_count("text.frontend") == 128 * 32
+    workload, _ = tiny_vlm
+    model = AnalyticCostModel(workload, cluster8)
+    h, kv, f = 64, 32, 176  # llama style: RMSNorm, GQA, SwiGLU, no biases
+    assert model.param_count("llm.layers.0") == 2 * h + h * (h + 2 * kv) + h * h + 3 * h * f
+    assert model.param_count("llm.lm_head") == h + h * 256
+    assert model.param_count("vis_proj.projector") == 48 * 64 + 64 + 64 * 64 + 64
+
+
+def test_param_count_of_a_per_task_owner(cluster8):
+    spec = clip_like_spec(shared=False)
+    workload = workload_from_dict(spec)
+    graph = build_metagraph(workload)
+    model = AnalyticCostModel(workload, cluster8)
+    units = model.param_units(graph.metaops["vt/vision"])
+    assert units == ["vision@vt.layers.0", "vision@vt.layers.1"]
+    assert model.param_count("vision@vt.layers.1") == model.param_count("vision.layers.1")
+    assert model.operator_param_count(graph.metaops["vt/vision"]) == model.param_count("vision.layers.0")
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("vision", "expected '<module>.<unit>'"),
+        ("ghost.layers.0", "module 'ghost'"),
+        ("vision.layers.9", "layer index"),
+        ("vision.projector", "not a projector"),
+        ("vision.lm_head", "no vocab_size"),
+        ("vision.weird", "unknown unit 'weird'"),
+    ],
+)
+def test_bad_param_names_are_clear_errors(tiny_clip, cluster8, name, message):
+    workload, _ = tiny_clip
+    with pytest.raises(EstimatorError, match=message):
+        AnalyticCostModel(workload, cluster8).param_count(name)
+
+
+def test_invalid_configs_are_rejected(tiny_clip, cluster8):
+    workload, graph = tiny_clip
+    model = AnalyticCostModel(workload, cluster8)
+    with pytest.raises(EstimatorError, match="does not divide the batch"):
+        model.layer_cost(graph.metaops["vision_depth/vision"], 1, 3)
+    with pytest.raises(EstimatorError, match="tp 2 is not valid"):
+        model.layer_cost(graph.metaops["vision_depth/vision.head"], 2, 1)
+    with pytest.raises(EstimatorError, match="tp must be a positive integer"):
+        model.layer_cost(graph.metaops["vision_depth/vision"], 0, 1)
+
+
+def test_bad_cost_model_constants_are_rejected():
+    with pytest.raises(EstimatorError, match="efficiencies"):
+        CostModelConfig(efficiency_max=1.5)
