@@ -1,0 +1,105 @@
+"""Model settings shared by every operator, and the megatron-core TransformerConfig of a workload module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+
+from megatron_spindle.graph.workload import ModuleSpec
+
+
+@dataclass
+class ModelConfig:
+    """Numerics and initialisation of the operators (the same for every module).
+
+    ``bf16`` keeps parameters in bfloat16 and needs CUDA; on CPU parameters are fp32.
+    ``init_seed`` is mixed into every parameter unit's seed: two runs with the same seed start from identical
+    full weights whatever their TP layout or plan.
+    """
+
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    bf16: bool = False
+    init_std: float = 0.02
+    init_seed: int = 0
+    layernorm_epsilon: float = 1e-5
+    rotary_base: int = 10000
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+    def __post_init__(self):
+        if self.bf16 and not torch.cuda.is_available():
+            raise ValueError("ModelConfig(bf16=True) needs CUDA; CPU runs keep fp32 parameters")
+
+
+def _base_kwargs(cfg: ModelConfig, tp_size: int) -> dict:
+    """Settings every config needs on CPU/gloo (see shared/megatron-core-on-cpu.md)."""
+    return dict(
+        tensor_model_parallel_size=tp_size,
+        sequence_parallel=False,
+        use_cpu_initialization=True,
+        perform_initialization=True,  # overwritten by the deterministic per-unit init
+        params_dtype=cfg.params_dtype,
+        bf16=cfg.bf16,
+        pipeline_dtype=cfg.params_dtype,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        layernorm_epsilon=cfg.layernorm_epsilon,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        batch_p2p_comm=False,
+    )
+
+
+def transformer_config(module: ModuleSpec, num_layers: int, tp_size: int, cfg: ModelConfig) -> TransformerConfig:
+    """Encoders: LayerNorm, GELU MLP with biases, bidirectional. LLMs: RMSNorm, SwiGLU without biases, GQA."""
+    is_llm = module.kind == "llm"
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=module.hidden_size,
+        num_attention_heads=module.num_heads,
+        num_query_groups=module.query_groups,
+        ffn_hidden_size=module.ffn_hidden_size,
+        kv_channels=module.hidden_size // module.num_heads,
+        normalization="RMSNorm" if is_llm else "LayerNorm",
+        gated_linear_unit=is_llm,
+        activation_func=F.silu if is_llm else F.gelu,
+        add_bias_linear=not is_llm,
+        **_base_kwargs(cfg, tp_size),
+    )
+
+
+def projector_config(module: ModuleSpec, tp_size: int, cfg: ModelConfig) -> TransformerConfig:
+    """The projector MLP ``input_size -> hidden -> hidden`` with GELU (megatron MLP: ffn_hidden_size = hidden)."""
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=module.hidden_size,
+        num_attention_heads=1,
+        ffn_hidden_size=module.hidden_size,
+        activation_func=F.gelu,
+        add_bias_linear=True,
+        **_base_kwargs(cfg, tp_size),
+    )
+
+
+def lm_head_config(module: ModuleSpec, tp_size: int, cfg: ModelConfig) -> TransformerConfig:
+    """Config for the LM output layer (ColumnParallelLinear) and its final RMSNorm."""
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=module.hidden_size,
+        num_attention_heads=module.num_heads,
+        num_query_groups=module.query_groups,
+        ffn_hidden_size=module.ffn_hidden_size or 4 * module.hidden_size,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        **_base_kwargs(cfg, tp_size),
+    )

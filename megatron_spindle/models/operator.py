@@ -1,0 +1,369 @@
+"""Operator API: one torch module per slice of a MetaOp (a contiguous layer range on an explicit TP group).
+
+``build_operator(workload, metaop, layer_start, layer_end, pg_collection=None, dp_group=None, config=None)``
+returns a ``SliceOperator`` for MetaOp kinds frontend | layer | projector | head | lm_head | loss.
+
+Conventions (the runtime depends on them):
+
+- ``forward(inputs, batch)``: ``inputs[i]`` is the output of ``metaop.preds[i]`` (what the runtime received from
+  that producer; a slice after the first of a MetaOp gets the previous slice's output as its only input).
+  Front ends read ``batch`` (the local DP shard's ``TaskBatch``) and take no inputs. Activations are
+  ``[batch, seq, hidden]``, batch first, on the local DP shard, replicated over the TP group.
+- The first layer of a module concatenates its inputs along the sequence in flow order (``task.flows``), followed
+  by its own text front end's output; the operator reorders ``inputs`` itself from ``metaop.preds``.
+- A contrastive head returns ``[b, 1, embed_dim]``; the loss operator pairs the two heads of ``loss.modules``.
+- Loss operators (``loss`` and ``lm_head``) return this DP rank's SHARE of the task loss: the task loss is the sum
+  of the shares over the DP ranks and gradients are to be SUMMED over DP ranks (see models/losses.py). The
+  contrastive share is L/dp of the loss over the DP-gathered batch; the LM share is this shard's token-loss sum
+  over the labelled tokens of the global batch. With ``dp_group=None`` (or dp=1) the share is the whole loss.
+- Weights: each parameter unit (``units()``, e.g. ``"vision.layers.3"``, ``"vision.frontend"``,
+  ``"llm.lm_head"``, ``"vis_proj.projector"``; ``"<module>@<task>"`` for ``shared: false`` modules) is
+  initialised from full tensors drawn from a generator seeded by the parameter name (``models/state.py``), so
+  every TP layout and plan starts from the same full weights. ``export_full_state`` / ``export_full_grads`` /
+  ``load_full_state`` use full TP-unsharded tensors named ``"<unit>.<submodule path>"``; export is collective over
+  the TP group (every TP rank must call it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.transformer_block import TransformerBlock
+from torch import nn
+
+from megatron_spindle.compat.cpu import apply_cpu_shim, layer_spec, te_available
+from megatron_spindle.compat.groups import (
+    ensure_global_memory_buffer,
+    ensure_torch_distributed,
+    group_rank,
+    group_size,
+    make_pg_collection,
+)
+from megatron_spindle.data.mock import TaskBatch, own_text_tokens
+from megatron_spindle.graph.opgraph import build_metagraph
+from megatron_spindle.graph.workload import Workload
+from megatron_spindle.models.config import (
+    ModelConfig,
+    lm_head_config,
+    projector_config,
+    transformer_config,
+)
+from megatron_spindle.models.frontends import PatchFrontend, TextFrontend, WindowFrontend
+from megatron_spindle.models.heads import LMHead, PooledHead
+from megatron_spindle.models.losses import contrastive_loss, lm_loss
+from megatron_spindle.models.state import full_shape, gather_full, init_full_tensor, shard_full_tensor
+from megatron_spindle.planner.plan import MetaOpInfo
+
+METAOP_KINDS = ("frontend", "layer", "projector", "head", "lm_head", "loss")
+
+
+def metaop_infos(workload: Workload) -> dict[str, MetaOpInfo]:
+    """MetaOpInfo of every MetaOp of the workload's graph (as planner/assemble.py writes them into a Plan)."""
+    g = build_metagraph(workload)
+    return {
+        mid: MetaOpInfo(
+            id=mid, task=m.task, module=m.module, kind=m.kind, num_layers=m.num_layers,
+            layer_offset=m.layer_offset, input_shape=list(m.input_shape), level=m.level,
+            preds=g.predecessors(mid), params=[p for names in m.params for p in names],
+        )
+        for mid, m in g.metaops.items()
+    }
+
+
+def _pred_modules(workload: Workload, metaop: MetaOpInfo) -> list[tuple[str, str]]:
+    """(module, kind) of each predecessor MetaOp."""
+    graph = build_metagraph(workload).metaops
+    out = []
+    for pid in metaop.preds:
+        if pid in graph:
+            out.append((graph[pid].module, graph[pid].kind))
+        else:  # unknown id: parse "<task>/<module>[.<kind>|@<layer>]"
+            tail = pid.split("/", 1)[-1]
+            out.append((tail.split("@")[0].split(".")[0], tail.split(".")[1] if "." in tail else "layer"))
+    return out
+
+
+class SliceOperator(nn.Module):
+    """Base class: parameter units, full-state export/load and deterministic initialisation."""
+
+    def __init__(self, workload: Workload, metaop: MetaOpInfo, layer_start: int, layer_end: int,
+                 pg_collection: ProcessGroupCollection | None, dp_group, config: ModelConfig):
+        super().__init__()
+        self.workload = workload
+        self.metaop = metaop
+        self.layer_start, self.layer_end = layer_start, layer_end
+        self.pg_collection = make_pg_collection(base=pg_collection)
+        self.tp_group = self.pg_collection.tp
+        self.dp_group = dp_group
+        self.config = config
+        self.owner = workload.param_owner(metaop.module, metaop.task) if metaop.module else ""
+
+    @property
+    def tp_size(self) -> int:
+        return group_size(self.tp_group)
+
+    @property
+    def tp_rank(self) -> int:
+        return group_rank(self.tp_group)
+
+    # ------------------------------------------------------------------------------------------ units
+    def unit_modules(self) -> dict[str, nn.Module]:
+        """Parameter unit name -> the module holding that unit's parameters."""
+        return {}
+
+    def units(self) -> list[str]:
+        """Names of the parameter units this operator holds, e.g. ``["vision.layers.2", "vision.layers.3"]``."""
+        return list(self.unit_modules())
+
+    named_units = units  # docs/architecture.md spelling
+
+    def full_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(``"<unit>.<path>"``, local parameter) for every parameter of every unit."""
+        for unit, module in self.unit_modules().items():
+            for path, param in module.named_parameters():
+                yield f"{unit}.{path}", param
+
+    # ------------------------------------------------------------------------------------------ full state
+    def export_full_state(self) -> dict[str, torch.Tensor]:
+        """Full (TP-unsharded) copies of the parameters. Collective over the TP group."""
+        return {name: gather_full(p, p, self.tp_group) for name, p in self.full_named_parameters()}
+
+    def export_full_grads(self) -> dict[str, torch.Tensor]:
+        """Full (TP-unsharded) gradients (zeros where no gradient was produced). Collective over the TP group."""
+        out = {}
+        for name, p in self.full_named_parameters():
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            out[name] = gather_full(grad, p, self.tp_group)
+        return out
+
+    @torch.no_grad()
+    def load_full_state(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load full tensors (any TP layout's export) into this rank's shards. ``strict``: every parameter of the
+        operator must be present (extra names, e.g. other units', are ignored)."""
+        for name, p in self.full_named_parameters():
+            if name not in state:
+                if strict:
+                    raise KeyError(f"{self.metaop.id}: full state lacks '{name}'")
+                continue
+            full = state[name]
+            if tuple(full.shape) != full_shape(p, self.tp_size):
+                raise ValueError(f"{name}: full shape {tuple(full.shape)} != expected {full_shape(p, self.tp_size)}")
+            p.copy_(shard_full_tensor(full.to(p.dtype), p, self.tp_rank, self.tp_size))
+
+    def initial_full_state(self) -> dict[str, torch.Tensor]:
+        cfg = self.config
+        return {
+            name: init_full_tensor(name, full_shape(p, self.tp_size), cfg.init_std, cfg.init_seed)
+            for name, p in self.full_named_parameters()
+        }
+
+    def init_weights(self) -> None:
+        """Deterministic initialisation from the parameter names (independent of TP layout and plan)."""
+        self.load_full_state(self.initial_full_state())
+
+    def forward(self, inputs: list[torch.Tensor], batch: TaskBatch) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"metaop={self.metaop.id}, layers=[{self.layer_start}, {self.layer_end}), tp={self.tp_size}"
+
+
+class FrontendOperator(SliceOperator):
+    """The module's front end on ``batch.inputs[module]`` -> ``[b, own tokens, hidden]``."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        spec = self.workload.modules[self.metaop.module]
+        fe, dtype = spec.frontend, self.config.params_dtype
+        max_tokens = max(
+            own_text_tokens(self.workload, t.name, spec.name) for t in self.workload.tasks if spec.name in t.tokens
+        )
+        if fe.type == "patch":
+            self.frontend = PatchFrontend(fe, spec.hidden_size, dtype)
+        elif fe.type in ("audio", "imu"):
+            self.frontend = WindowFrontend(fe, spec.hidden_size, max_tokens, dtype)
+        else:
+            tcfg = lm_head_config(spec, self.tp_size, self.config)
+            positions = None if spec.kind == "llm" else max_tokens  # LLMs: RoPE in the layers
+            self.frontend = TextFrontend(fe, spec.hidden_size, positions, tcfg, self.tp_group)
+
+    def unit_modules(self):
+        return {f"{self.owner}.frontend": self.frontend}
+
+    def forward(self, inputs, batch):
+        return self.frontend(batch.inputs[self.metaop.module])
+
+
+class LayerRangeOperator(SliceOperator):
+    """Transformer layers ``[layer_start, layer_end)`` of the MetaOp (a megatron-core TransformerBlock).
+    Encoders: bidirectional. LLMs: causal with RoPE over the whole (concatenated) sequence."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        spec = self.workload.modules[self.metaop.module]
+        self.module_spec = spec
+        self.first_layer = self.metaop.layer_offset + self.layer_start  # module layer of the first layer here
+        tcfg = transformer_config(spec, self.layer_end - self.layer_start, self.tp_size, self.config)
+        self.block = TransformerBlock(tcfg, layer_spec(spec), post_layer_norm=False, pg_collection=self.pg_collection)
+        self.rotary = None
+        if spec.kind == "llm":
+            self.rotary = RotaryEmbedding(tcfg.kv_channels, rotary_percent=1.0, rotary_base=self.config.rotary_base,
+                                          use_cpu_initialization=True)
+        self.input_order = self._flow_order() if self.layer_start == 0 else None
+
+    def _flow_order(self) -> list[int]:
+        """Order of ``inputs`` (given in ``metaop.preds`` order): flows into the module in ``task.flows`` order,
+        then the module's own front end."""
+        task = self.workload.task(self.metaop.task)
+        flow_rank = {m: i for i, m in enumerate(task.predecessors(self.metaop.module))}
+
+        def key(i_pred):
+            module, kind = i_pred[1]
+            if kind == "frontend" and module == self.metaop.module:
+                return (1, 0)
+            return (0, flow_rank.get(module, len(flow_rank)))
+
+        pairs = list(enumerate(_pred_modules(self.workload, self.metaop)))
+        return [i for i, _ in sorted(pairs, key=key)]
+
+    def unit_modules(self):
+        return {f"{self.owner}.layers.{self.first_layer + i}": layer for i, layer in enumerate(self.block.layers)}
+
+    def assemble_input(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        if len(inputs) == 1:
+            return inputs[0]
+        order = self.input_order if self.input_order and len(self.input_order) == len(inputs) else range(len(inputs))
+        return torch.cat([inputs[i] for i in order], dim=1)
+
+    def forward(self, inputs, batch):
+        hidden = self.assemble_input(inputs).transpose(0, 1).contiguous()  # [s, b, h]
+        seq = hidden.shape[0]
+        rotary = self.rotary(seq) if self.rotary is not None else None
+        mask = None
+        if self.module_spec.is_causal and not te_available():
+            mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=hidden.device), diagonal=1)[None, None]
+        out = self.block(hidden, attention_mask=mask, rotary_pos_emb=rotary)
+        return out.transpose(0, 1).contiguous()
+
+
+class ProjectorOperator(SliceOperator):
+    """Token pooling (mean of each group of ``pool`` consecutive tokens), then megatron's MultimodalProjector: a
+    2-layer MLP ``input_size -> hidden -> hidden`` with GELU."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        spec = self.workload.modules[self.metaop.module]
+        self.pool = spec.pool
+        self.projector = MultimodalProjector(
+            projector_config(spec, self.tp_size, self.config),
+            MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            projector_type="mlp", input_size=spec.in_size, tp_group=self.tp_group,
+        )
+
+    def unit_modules(self):
+        return {f"{self.owner}.projector": self.projector}
+
+    def forward(self, inputs, batch):
+        x = inputs[0]
+        if self.pool > 1:
+            B, S, H = x.shape
+            n = S // self.pool
+            x = x[:, : n * self.pool].reshape(B, n, self.pool, H).mean(dim=2)
+        return self.projector(x.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
+
+
+class PooledHeadOperator(SliceOperator):
+    """Contrastive head of a tower (or a standalone ``head`` module): ``[b, S, H] -> [b, 1, embed_dim]``."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        spec = self.workload.modules[self.metaop.module]
+        fe = spec.frontend
+        pool_class = fe is not None and fe.type == "patch" and fe.class_token
+        out_dim = spec.embed_dim or spec.hidden_size
+        self.head = PooledHead(spec.hidden_size, out_dim, pool_class, self.config.layernorm_epsilon,
+                               self.config.params_dtype)
+
+    def unit_modules(self):
+        return {f"{self.owner}.head": self.head}
+
+    def forward(self, inputs, batch):
+        return self.head(inputs[0])
+
+
+class LMHeadOperator(SliceOperator):
+    """Final RMSNorm + vocab-parallel output layer + LM loss on the sequence's last T positions (the module's own
+    text; positions from projected modalities carry no label). Returns this DP rank's loss share."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        spec = self.workload.modules[self.metaop.module]
+        tcfg = lm_head_config(spec, self.tp_size, self.config)
+        self.lm_head = LMHead(spec.hidden_size, spec.lm_vocab, tcfg, self.tp_group)
+
+    def unit_modules(self):
+        return {f"{self.owner}.lm_head": self.lm_head}
+
+    def forward(self, inputs, batch):
+        if batch.labels is None:
+            raise ValueError(f"{self.metaop.id}: the batch of task '{batch.task}' has no LM labels")
+        text = batch.labels.shape[1]
+        hidden = inputs[0][:, -text:].transpose(0, 1).contiguous()  # [T, b, H]
+        logits = self.lm_head(hidden)  # [T, b, V/tp]
+        return lm_loss(logits, batch.labels.t(), batch.num_label_tokens, self.tp_group)
+
+
+class ContrastiveLossOperator(SliceOperator):
+    """Symmetric InfoNCE between the two towers' embeddings gathered over ``dp_group``. No parameters."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        loss = self.workload.task(self.metaop.task).loss
+        self.loss_modules = tuple(loss.modules)
+        self.temperature = loss.temperature
+        pred_modules = [m for m, _ in _pred_modules(self.workload, self.metaop)]
+        self.input_order = [pred_modules.index(m) for m in self.loss_modules] if set(pred_modules) == set(
+            self.loss_modules) and len(pred_modules) == 2 else [0, 1]
+
+    def forward(self, inputs, batch):
+        a, b = (inputs[i].reshape(inputs[i].shape[0], -1) for i in self.input_order)
+        return contrastive_loss(a, b, self.temperature, self.dp_group)
+
+
+_OPERATOR_CLASSES = {
+    "frontend": FrontendOperator,
+    "layer": LayerRangeOperator,
+    "projector": ProjectorOperator,
+    "head": PooledHeadOperator,
+    "lm_head": LMHeadOperator,
+    "loss": ContrastiveLossOperator,
+}
+
+
+def build_operator(workload: Workload, metaop: MetaOpInfo, layer_start: int, layer_end: int,
+                   pg_collection: ProcessGroupCollection | None = None, dp_group=None,
+                   config: ModelConfig | None = None) -> SliceOperator:
+    """The operator running layers ``[layer_start, layer_end)`` (relative to the MetaOp) of ``metaop`` with the TP
+    group ``pg_collection.tp`` (TP=1 when None) and, for contrastive losses, the DP group ``dp_group``.
+
+    Applies the CPU shim when CUDA is absent and, when torch.distributed has no world yet, creates a one-process
+    gloo world (megatron-core's tensor-parallel mappings need one; see compat/groups.py).
+    """
+    if metaop.kind not in _OPERATOR_CLASSES:
+        raise ValueError(f"{metaop.id}: unknown MetaOp kind '{metaop.kind}' (expected one of {METAOP_KINDS})")
+    limit = metaop.num_layers if metaop.kind == "layer" else 1
+    if not 0 <= layer_start < layer_end <= limit:
+        raise ValueError(f"{metaop.id}: layer range [{layer_start}, {layer_end}) outside [0, {limit})")
+    apply_cpu_shim()
+    ensure_torch_distributed()
+    ensure_global_memory_buffer()
+    cls = _OPERATOR_CLASSES[metaop.kind]
+    op = cls(workload, metaop, layer_start, layer_end, pg_collection, dp_group, config or ModelConfig())
+    op.init_weights()
+    return op
