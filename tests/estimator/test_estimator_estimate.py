@@ -1,0 +1,96 @@
+import math
+
+import pytest
+
+from megatron_spindle.estimator import (
+    AnalyticCostModel,
+    CostModelConfig,
+    CurvePoint,
+    EstimatorError,
+    estimate_curves,
+    valid_configs,
+    valid_ns,
+)
+
+
+@pytest.mark.parametrize("name", ["tiny_clip", "tiny_vlm"])
+def test_curves_for_builtin_workloads(name, request, cluster8):
+    workload, graph = request.getfixturevalue(name)
+    model = AnalyticCostModel(workload, cluster8)
+    curves = estimate_curves(graph, workload, cluster8)
+    assert set(curves) == set(graph.metaops)
+    for metaop_id, curve in curves.items():
+        metaop = graph.metaops[metaop_id]
+        assert curve.metaop == metaop_id and curve.source == "analytic"
+        assert curve.valid_ns == valid_ns(metaop, workload, cluster8)
+        for n in curve.valid_ns:
+            tp, dp = curve.config(n)
+            assert tp * dp == n
+            candidates = [
+                model.layer_cost(metaop, t, d).total
+                for t, d in valid_configs(metaop, workload, cluster8)
+                if t * d == n
+            ]
+            assert curve.time(n) == min(candidates)  # the fastest config at n
+        assert curve.fit_error < 0.1
+
+
+def test_heavy_curve_scales_better_than_light_curve(clip_like, cluster8):
+    workload, graph = clip_like
+    curves = estimate_curves(graph, workload, cluster8)
+    assert curves["vt/vision"].speedup(8) > curves["vt/text.head"].speedup(8)
+
+
+def test_profiled_points_take_precedence(tiny_clip, cluster8):
+    workload, graph = tiny_clip
+    analytic = estimate_curves(graph, workload, cluster8)["vision_depth/vision"]
+    measured = [CurvePoint(1, 1, 1, 3e-3), CurvePoint(2, 1, 2, 1.8e-3), CurvePoint(2, 2, 1, 1.6e-3)]
+    profile = {"vision_depth/vision": measured}
+    curves = estimate_curves(graph, workload, cluster8, profile=profile, calibrate=False)
+    curve = curves["vision_depth/vision"]
+    assert curve.source == "profiled"
+    assert curve.time(1) == 3e-3
+    assert curve.time(2) == 1.6e-3 and curve.config(2) == (2, 1)  # fastest profiled config at n=2
+    assert curve.points[2].source == "profiled"
+    for n in (4, 8):  # not profiled: the analytic model fills in
+        assert curve.points[n].source == "analytic"
+        assert curve.time(n) == analytic.time(n) and curve.config(n) == analytic.config(n)
+    assert curves["vision_text/vision"].source == "analytic"  # other MetaOps untouched
+
+
+def test_analytic_fill_is_calibrated_to_the_profile(tiny_clip, cluster8):
+    workload, graph = tiny_clip
+    analytic = estimate_curves(graph, workload, cluster8)["vision_depth/vision"]
+    ratio_1, ratio_2 = 4.0, 9.0
+    measured = [
+        CurvePoint(1, 1, 1, analytic.time(1) * ratio_1),
+        CurvePoint(2, *analytic.config(2), analytic.time(2) * ratio_2),
+    ]
+    curve = estimate_curves(graph, workload, cluster8, profile={"vision_depth/vision": measured})[
+        "vision_depth/vision"
+    ]
+    scale = math.sqrt(ratio_1 * ratio_2)  # geometric mean of measured / modelled
+    assert curve.time(4) == pytest.approx(analytic.time(4) * scale)
+    assert curve.time(1) == measured[0].seconds
+
+
+def test_profile_with_an_invalid_config_is_rejected(tiny_clip, cluster8):
+    workload, graph = tiny_clip
+    bad = {"vision_depth/vision.head": [CurvePoint(2, 2, 1, 1e-3)]}  # light op: tp must be 1
+    with pytest.raises(EstimatorError, match=r"profile of 'vision_depth/vision.head': \(tp=2, dp=1\)"):
+        estimate_curves(graph, workload, cluster8, profile=bad)
+
+
+def test_profile_of_an_unknown_metaop_is_rejected(tiny_clip, cluster8):
+    workload, graph = tiny_clip
+    with pytest.raises(EstimatorError, match="t9/ghost"):
+        estimate_curves(graph, workload, cluster8, profile={"t9/ghost": [CurvePoint(1, 1, 1, 1.0)]})
+
+
+def test_a_custom_cost_model_is_used(tiny_clip, cluster8):
+    workload, graph = tiny_clip
+    slow_launches = AnalyticCostModel(workload, cluster8, config=CostModelConfig(launch_seconds=1e-3))
+    custom = estimate_curves(graph, workload, cluster8, cost_model=slow_launches)
+    frontend = graph.metaops["text_audio/audio.frontend"]
+    assert custom["text_audio/audio.frontend"].time(1) == slow_launches.layer_cost(frontend, 1, 1).total
+    assert custom["text_audio/audio.frontend"].time(1) >= 9e-3  # 9 kernels of 1 ms

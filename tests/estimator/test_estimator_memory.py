@@ -1,0 +1,69 @@
+import pytest
+from conftest import clip_like_spec
+
+from megatron_spindle.estimator import AnalyticCostModel, EstimatorError, MemoryModel
+from megatron_spindle.graph.opgraph import build_metagraph
+from megatron_spindle.graph.workload import workload_from_dict
+
+
+def test_param_state_is_18_bytes_per_param_split_by_tp(tiny_clip, cluster8):
+    workload, _ = tiny_clip
+    memory = MemoryModel(workload, cluster8)
+    count = AnalyticCostModel(workload, cluster8).param_count("vision.layers.0")
+    assert memory.param_state_bytes("vision.layers.0", 1) == 18 * count
+    assert memory.param_state_bytes("vision.layers.0", 4) == 18 * count / 4
+
+
+def test_slice_param_state_sums_its_layers(tiny_clip, cluster8):
+    workload, graph = tiny_clip
+    memory = MemoryModel(workload, cluster8)
+    vision = graph.metaops["vision_depth/vision"]
+    one = memory.param_state_bytes("vision.layers.0", 2)
+    assert memory.slice_param_state_bytes(vision, 2, 1, 4) == pytest.approx(3 * one)
+    with pytest.raises(EstimatorError, match=r"layers \[2, 7\)"):
+        memory.slice_param_state_bytes(vision, 1, 2, 7)
+
+
+def test_layer_activations_match_the_korthikanti_formula(cluster8):
+    # GELU MLP with F = 4H and no GQA: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes per layer (fp16/bf16).
+    workload = workload_from_dict(clip_like_spec())
+    vision = build_metagraph(workload).metaops["vt/vision"]
+    memory = MemoryModel(workload, cluster8)
+    s, h, a = 257, 1024, 16
+    for tp, dp in ((1, 1), (2, 4), (8, 1)):
+        b = 256 / dp
+        expected = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+        assert memory.activation_bytes(vision, tp, dp, 1) == pytest.approx(expected)
+        assert memory.activation_bytes(vision, tp, dp, 2) == pytest.approx(2 * expected)
+
+
+def test_activations_shrink_with_dp_and_tp_and_grow_with_layers(tiny_vlm, cluster8):
+    workload, graph = tiny_vlm
+    memory = MemoryModel(workload, cluster8)
+    llm = graph.metaops["caption/llm"]
+    base = memory.activation_bytes(llm, 1, 1, 1)
+    assert memory.activation_bytes(llm, 1, 2, 1) == pytest.approx(base / 2)
+    assert memory.activation_bytes(llm, 2, 1, 1) < base
+    assert memory.activation_bytes(llm, 1, 1, 3) == pytest.approx(3 * base)
+    assert memory.activation_bytes(llm, 1, 1, 0) == 0
+
+
+def test_light_ops_hold_less_than_a_layer(tiny_vlm, cluster8):
+    workload, graph = tiny_vlm
+    memory = MemoryModel(workload, cluster8)
+    layer = memory.activation_bytes(graph.metaops["caption/vision"], 1, 1, 1)
+    for metaop_id in ("caption/vision.frontend", "caption/llm.frontend", "caption/vis_proj"):
+        light = memory.activation_bytes(graph.metaops[metaop_id], 1, 1, 1)
+        assert 0 < light < layer, metaop_id
+
+
+def test_bad_memory_queries_are_rejected(tiny_clip, cluster8):
+    workload, graph = tiny_clip
+    memory = MemoryModel(workload, cluster8)
+    vision = graph.metaops["vision_depth/vision"]
+    with pytest.raises(EstimatorError, match="does not divide the batch"):
+        memory.activation_bytes(vision, 1, 3, 1)
+    with pytest.raises(EstimatorError, match="num_layers must be an integer in 0..4"):
+        memory.activation_bytes(vision, 1, 1, 5)
+    with pytest.raises(EstimatorError, match="tp must be a positive integer"):
+        memory.param_state_bytes("vision.layers.0", 0)
