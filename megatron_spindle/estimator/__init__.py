@@ -13,6 +13,7 @@ from megatron_spindle.estimator.curve import (
 from megatron_spindle.estimator.errors import EstimatorError
 from megatron_spindle.estimator.estimate import analytic_points, estimate_curve, estimate_curves
 from megatron_spindle.estimator.memory import BYTES_PER_PARAM, MemoryModel
+from megatron_spindle.estimator.profile import load_profile_points, save_profile_points
 
 __all__ = [
     "AnalyticCostModel",
@@ -30,6 +31,8 @@ __all__ = [
     "choose_breakpoints",
     "estimate_curve",
     "estimate_curves",
+    "load_profile_points",
+    "save_profile_points",
     "valid_configs",
     "valid_ns",
     "valid_tp_degrees",

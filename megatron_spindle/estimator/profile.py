@@ -1,0 +1,139 @@
+"""Profile files: measured per-operator times of MetaOps, the ``profile`` argument of ``estimate_curves``.
+
+A profile is a JSON document (written by tools/profile.py through ``save_profile_points``)::
+
+    {"format": "megatron-spindle-profile", "version": 1,
+     "workload": "tiny-clip", "workload_digest": "<Workload.digest()>", "gpu": "A800-80GB",
+     "points": {"t1/vision": [{"n": 2, "tp": 1, "dp": 2, "seconds": 0.0012}, ...], ...}}
+
+Seconds are per operator (one layer), forward + backward. Profiles are keyed by the workload digest: input
+shapes decide MetaOp identity and times, so a profile of another workload is refused. Times also depend on the
+GPU, so its type must match; the cluster may differ in size: points for more devices than the cluster has are
+dropped, the rest keep their meaning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from megatron_spindle.estimator.configs import valid_configs
+from megatron_spindle.estimator.curve import CurvePoint
+from megatron_spindle.estimator.errors import EstimatorError
+from megatron_spindle.graph.cluster import ClusterSpec
+from megatron_spindle.graph.opgraph import build_metagraph
+from megatron_spindle.graph.workload import Workload
+
+PROFILE_FORMAT = "megatron-spindle-profile"
+PROFILE_VERSION = 1
+
+
+def profile_to_dict(
+    workload: Workload, cluster: ClusterSpec, points: Mapping[str, Sequence[CurvePoint]]
+) -> dict[str, Any]:
+    return {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "workload": workload.name,
+        "workload_digest": workload.digest(),
+        "gpu": cluster.gpu.name,
+        "points": {
+            metaop: [
+                {"n": p.n, "tp": p.tp, "dp": p.dp, "seconds": p.seconds} for p in sorted(pts, key=_order)
+            ]
+            for metaop, pts in sorted(points.items())
+        },
+    }
+
+
+def _order(p: CurvePoint) -> tuple[int, int]:
+    return p.n, p.tp
+
+
+def save_profile_points(
+    path: str | Path, workload: Workload, cluster: ClusterSpec, points: Mapping[str, Sequence[CurvePoint]]
+) -> None:
+    """Write a profile atomically (a temporary file renamed into place)."""
+    path = Path(path)
+    blob = json.dumps(profile_to_dict(workload, cluster, points), indent=1)
+    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(blob)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _header_problem(d: Any, workload: Workload, cluster: ClusterSpec) -> str | None:
+    if not isinstance(d, dict) or d.get("format") != PROFILE_FORMAT:
+        return f"not a {PROFILE_FORMAT} document"
+    if d.get("version") != PROFILE_VERSION:
+        return f"version {d.get('version')!r} is not supported (expected {PROFILE_VERSION})"
+    if d.get("workload_digest") != workload.digest():
+        return (
+            f"profiled workload '{d.get('workload')}' (digest {d.get('workload_digest')}) is not workload "
+            f"'{workload.name}' (digest {workload.digest()}); profile it again"
+        )
+    if d.get("gpu") != cluster.gpu.name:
+        return f"profiled on GPU '{d.get('gpu')}' but the cluster has '{cluster.gpu.name}'"
+    if not isinstance(d.get("points"), dict):
+        return "'points' must map MetaOp ids to lists of points"
+    return None
+
+
+def _point(where: str, raw: Any) -> CurvePoint:
+    if not isinstance(raw, dict) or set(raw) != {"n", "tp", "dp", "seconds"}:
+        raise EstimatorError(f"{where}: a point is {{n, tp, dp, seconds}}, got {raw!r}")
+    try:
+        return CurvePoint(raw["n"], raw["tp"], raw["dp"], raw["seconds"], "profiled")
+    except EstimatorError as e:
+        raise EstimatorError(f"{where}: {e}") from None
+
+
+def profile_from_dict(
+    d: Any, workload: Workload, cluster: ClusterSpec, where: str = "profile"
+) -> dict[str, list[CurvePoint]]:
+    """metaop id -> measured points usable on ``cluster`` (see the module docstring for what is checked)."""
+    problem = _header_problem(d, workload, cluster)
+    if problem:
+        raise EstimatorError(f"{where}: {problem}")
+    metaops = build_metagraph(workload).metaops
+    out: dict[str, list[CurvePoint]] = {}
+    for metaop_id, raw_points in d["points"].items():
+        if metaop_id not in metaops:
+            raise EstimatorError(f"{where}: MetaOp '{metaop_id}' is not in workload '{workload.name}'")
+        if not isinstance(raw_points, list):
+            raise EstimatorError(f"{where}: points of '{metaop_id}' must be a list")
+        configs = set(valid_configs(metaops[metaop_id], workload, cluster))
+        kept = []
+        for i, raw in enumerate(raw_points):
+            point = _point(f"{where}: '{metaop_id}' point {i}", raw)
+            if point.n > cluster.num_devices:
+                continue  # measured on a larger cluster: not usable here
+            if (point.tp, point.dp) not in configs:
+                raise EstimatorError(
+                    f"{where}: '{metaop_id}' point {i}: (tp={point.tp}, dp={point.dp}) is not a valid config"
+                )
+            kept.append(point)
+        if kept:
+            out[metaop_id] = kept
+    return out
+
+
+def load_profile_points(
+    path: str | Path, workload: Workload, cluster: ClusterSpec
+) -> dict[str, list[CurvePoint]]:
+    """Read a profile file written by ``save_profile_points`` for use with ``estimate_curves(profile=...)``."""
+    path = Path(path)
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except json.JSONDecodeError as e:
+        raise EstimatorError(f"{path}: not valid JSON: {e}") from None
+    return profile_from_dict(d, workload, cluster, where=str(path))
