@@ -1,0 +1,366 @@
+"""Discrete-event simulation of one training iteration of any ``Plan`` (Spindle's, a baseline's, hand-made).
+
+Execution model (the same for every plan, so that plans from different planners compare fairly):
+
+- **Order.** Waves run in order of their start time. The plan's ``planner["segments"]`` (optional) groups wave
+  indices into segments that run forward then backward one after another (temporal decoupling: each task is
+  a segment); without it the whole plan is one segment: forward wave by wave, then backward in reverse wave
+  order (plan.py). Every device executes its own slices in that global order.
+- **Dataflow, no global barrier.** A slice starts when all its devices are free and its inputs have arrived:
+  a wave boundary is a point-to-point dependency, not a cluster-wide barrier (a device only waits for the
+  devices it receives from). On wave-aligned Spindle plans this changes little; it lets the baselines whose
+  tasks run side by side on disjoint devices (Spindle-Optimus) proceed independently.
+- **Compute.** A slice takes ``layers x (compute + tp_comm + launch + data_comm)`` of the cost model's
+  ``layer_cost(metaop, tp, dp)``: one third forward, two thirds backward (``FWD_BWD_FACTOR``). The per-layer
+  ``dp_sync`` is *not* charged here: gradients are synchronised per parameter device group after the
+  backward (below). With ZeRO stage 3 (``planner["zero_stage"]``) every layer also all-gathers its weights
+  forward and again backward, on the critical path like the gradient synchronisation (no overlap is
+  modelled for either), so stage 3 moves 1.5x the data of stages 0-2 and costs accordingly.
+- **Transfers** (activations forward, their gradients backward, same bytes) happen between a producer slice
+  and a consumer slice: they start when the producer finishes and the links of every device involved are
+  free (one transfer at a time per device), and take the time of their busiest device (``comm.py``). They
+  sit on the critical path of the consumer (forward) or producer (backward) and may overlap compute of
+  unrelated slices.
+- **Gradient synchronisation.** After a device's last backward, each parameter device group (the plan's
+  ``param_groups``) all-reduces its gradients (fp32, the cost model's ``grad_bytes``) inside its device set,
+  as a ring over the data-parallel replicas of each TP shard. Groups sharing a device run one after
+  another, device-disjoint groups overlap; groups go in order of readiness, larger first. ZeRO stages 1 and
+  2 move the same volume (reduce-scatter + all-gather), stage 3 only the reduce-scatter (half) since its
+  gathers happen in the forward and backward.
+- **Memory.** Per device: the parameter state of every unit it runs, once (weights + fp32 grads + Adam,
+  sharded by TP and by ZeRO stage over the slice's DP ranks), plus activations held from a slice's forward
+  to its backward, at the peak of the device's order.
+
+The planner's predicted time (``plan.predicted["iteration_time"]``) sums wave durations of T(n), which
+amortises the DP all-reduce of every layer into T(n) and ignores transfers. The simulator instead times the
+grouped all-reduces after the backward and the transfers; on Spindle plans the two agree within about 15 %
+(tests/simulator check 25 %; benchmarks/paper_eval.py prints the ratio for every configuration).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_spindle.graph.cluster import ClusterSpec
+from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
+from megatron_spindle.graph.workload import Workload
+from megatron_spindle.planner.plan import TRANSFER_KINDS, Plan, Slice
+from megatron_spindle.simulator.comm import (
+    ROUTE_INTER,
+    ROUTE_INTRA,
+    ROUTE_LOCAL,
+    TransferLoad,
+    ring_allgather_seconds,
+    ring_allreduce_seconds,
+    transfer_load,
+    transfer_seconds,
+)
+from megatron_spindle.simulator.result import GroupSync, Interval, SimResult
+
+FWD, BWD = "fwd", "bwd"
+WEIGHT_BYTES = 2  # bf16 weights (ZeRO-3 gathers)
+# Mixed-precision training state per parameter: bf16 weights, fp32 gradients, fp32 master weights + Adam m, v.
+WEIGHT_STATE, GRAD_STATE, OPTIMIZER_STATE = 2, 4, 12
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass
+class SimSettings:
+    """Knobs of the execution model (defaults: see the module docstring)."""
+
+    forward_fraction: float | None = None  # share of fwd+bwd compute in the forward; None: 1 / FWD_BWD_FACTOR
+    transfers: bool = True  # False: transfers are free (used for the breakdown)
+    grad_sync: bool = True  # False: no gradient synchronisation
+
+
+@dataclass
+class _Edge:
+    producer: str
+    consumer: str
+    devices: tuple[int, ...]
+    seconds: float
+    bytes_by_route: dict[str, float]
+    seconds_by_route: dict[str, float]
+
+
+@dataclass
+class _Context:
+    plan: Plan
+    cluster: ClusterSpec
+    slices: dict[str, Slice]
+    metaops: dict[str, MetaOp]
+    order: list[tuple[str, str]]  # (slice id, phase) in global execution order
+    fwd_time: dict[str, float]
+    bwd_time: dict[str, float]
+    in_edges: dict[str, list[_Edge]]
+    out_edges: dict[str, list[_Edge]]
+    zero_stage: int
+    units: dict[str, list[str]] = field(default_factory=dict)  # slice id -> parameter units
+
+
+def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=None, memory_model=None,
+             settings: SimSettings | None = None, metagraph: MetaGraph | None = None) -> SimResult:
+    """Simulate one iteration of ``plan``; see the module docstring for the execution model."""
+    settings = settings or SimSettings()
+    if cost_model is None:
+        from megatron_spindle.estimator import AnalyticCostModel
+
+        cost_model = AnalyticCostModel(workload, cluster)
+    if memory_model is None:
+        from megatron_spindle.estimator import MemoryModel
+
+        memory_model = MemoryModel(workload, cluster, cost_model)
+    metagraph = metagraph or build_metagraph(workload)
+    ctx = _build_context(plan, cluster, metagraph, cost_model, settings)
+    run = _run(ctx, with_transfers=settings.transfers)
+    bare = _run(ctx, with_transfers=False)
+    compute_end = max(run.dev_free, default=0.0)
+    syncs = _grad_sync(ctx, run, cost_model) if settings.grad_sync else []
+    iteration = max([compute_end] + [g.end for g in syncs])
+    compute = max(bare.dev_free, default=0.0)
+    transfer = max(0.0, compute_end - compute)
+    compute = min(compute, compute_end)
+    seconds_by_kind = {k: 0.0 for k in TRANSFER_KINDS}
+    bytes_by_kind = {k: 0.0 for k in TRANSFER_KINDS}
+    for edges in ctx.in_edges.values():
+        for e in edges:
+            for k in TRANSFER_KINDS:
+                seconds_by_kind[k] += 2 * e.seconds_by_route[k]  # forward activations + backward gradients
+                bytes_by_kind[k] += e.bytes_by_route[k]
+    total_route_seconds = sum(seconds_by_kind.values())
+    transfer_by_kind = {k: (transfer * v / total_route_seconds if total_route_seconds > 0 else 0.0)
+                        for k, v in seconds_by_kind.items()}
+    return SimResult(
+        iteration_time=iteration,
+        compute_time=compute,
+        transfer_time=transfer,
+        grad_sync_time=iteration - compute_end,
+        transfer_by_kind=transfer_by_kind,
+        transfer_bytes_by_kind=bytes_by_kind,
+        transfer_seconds_by_kind=seconds_by_kind,
+        grad_sync=syncs,
+        busy=run.busy,
+        peak_memory=_peak_memory(ctx, memory_model, cost_model),
+        forward_end=run.forward_end,
+        num_devices=plan.num_devices,
+        extras={"planner_predicted": float(plan.predicted.get("iteration_time", 0.0)),
+                "zero_stage": ctx.zero_stage},
+    )
+
+
+# ------------------------------------------------------------------------------------------ context
+
+
+def _build_context(plan: Plan, cluster: ClusterSpec, metagraph: MetaGraph, cost_model, settings: SimSettings) -> _Context:
+    slices = {s.id: s for s in plan.slices()}
+    metaops = {}
+    for s in slices.values():
+        if s.metaop not in metagraph.metaops:
+            raise ValueError(f"slice '{s.id}': MetaOp '{s.metaop}' is not in the workload's MetaGraph")
+        metaops[s.metaop] = metagraph.metaops[s.metaop]
+    zero = int(plan.planner.get("zero_stage", 0))
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"plan: zero_stage must be one of {ZERO_STAGES}, got {zero}")
+    fraction = settings.forward_fraction
+    if fraction is None:
+        from megatron_spindle.estimator.cost_model import FWD_BWD_FACTOR
+
+        fraction = 1.0 / FWD_BWD_FACTOR
+    fwd_time, bwd_time, units = {}, {}, {}
+    for sid, s in slices.items():
+        m = metaops[s.metaop]
+        lc = cost_model.layer_cost(m, s.tp, s.dp)
+        per_layer = lc.compute + lc.tp_comm + lc.launch + getattr(lc, "data_comm", 0.0)
+        fwd, bwd = fraction * per_layer, (1.0 - fraction) * per_layer
+        if zero == 3 and s.dp > 1:
+            layer_params = sum(cost_model.param_count(p) for p in m.params[0]) if m.params else 0
+            gather = ring_allgather_seconds(layer_params * WEIGHT_BYTES / s.tp, s.dp,
+                                            not cluster.same_island(s.devices), cluster)
+            fwd, bwd = fwd + gather, bwd + gather
+        fwd_time[sid] = fwd * s.num_layers
+        bwd_time[sid] = bwd * s.num_layers
+        units[sid] = list(dict.fromkeys(p for ps in m.params[s.layer_start:s.layer_end] for p in ps))
+    in_edges, out_edges = _edges(plan, slices, metaops, cluster, cost_model)
+    return _Context(plan, cluster, slices, metaops, _order(plan), fwd_time, bwd_time, in_edges, out_edges, zero,
+                    units)
+
+
+def _order(plan: Plan) -> list[tuple[str, str]]:
+    waves = sorted(plan.waves, key=lambda w: (w.start, w.index))
+    by_index = {w.index: w for w in waves}
+    segments = plan.planner.get("segments")
+    if segments:
+        listed = [i for seg in segments for i in seg]
+        if sorted(listed) != sorted(by_index):
+            raise ValueError("plan: planner['segments'] must list every wave index exactly once")
+        groups = [sorted((by_index[i] for i in seg), key=lambda w: (w.start, w.index)) for seg in segments]
+    else:
+        groups = [waves]
+    order = []
+    for group in groups:
+        fwd = [s.id for w in group for s in w.slices]
+        order += [(sid, FWD) for sid in fwd] + [(sid, BWD) for sid in reversed(fwd)]
+    return order
+
+
+def _edges(plan: Plan, slices: dict[str, Slice], metaops: dict[str, MetaOp], cluster: ClusterSpec,
+           cost_model) -> tuple[dict[str, list[_Edge]], dict[str, list[_Edge]]]:
+    """Producer -> consumer slice pairs: consecutive slices of a MetaOp, and a producer MetaOp's last slice to
+    the consumer MetaOp's first slice (derived from the plan's layout, not trusted from its transfer list)."""
+    by_metaop: dict[str, list[Slice]] = {}
+    for s in slices.values():
+        by_metaop.setdefault(s.metaop, []).append(s)
+    for lst in by_metaop.values():
+        lst.sort(key=lambda s: s.layer_start)
+    preds = {m.id: list(m.preds) for m in plan.metaops}
+    pairs = []
+    for mid, lst in by_metaop.items():
+        pairs += list(zip(lst, lst[1:]))
+        for p in preds.get(mid, []):
+            if p in by_metaop:
+                pairs.append((by_metaop[p][-1], lst[0]))
+    in_edges: dict[str, list[_Edge]] = {sid: [] for sid in slices}
+    out_edges: dict[str, list[_Edge]] = {sid: [] for sid in slices}
+    for src, dst in pairs:
+        m = metaops[src.metaop]
+        load = transfer_load(float(cost_model.activation_bytes(m)), m.batch, src.devices, src.tp, src.dp,
+                             dst.devices, dst.tp, dst.dp, cluster)
+        edge = _edge(src.id, dst.id, load, cluster)
+        in_edges[dst.id].append(edge)
+        out_edges[src.id].append(edge)
+    return in_edges, out_edges
+
+
+def _edge(producer: str, consumer: str, load: TransferLoad, cluster: ClusterSpec) -> _Edge:
+    seconds = transfer_seconds(load, cluster)
+    by_route = load.total_by_route()
+    bw = {ROUTE_LOCAL: cluster.gpu.memory_bandwidth / 2, ROUTE_INTRA: cluster.intra_node_bw,
+          ROUTE_INTER: cluster.inter_node_bw}
+    raw = {k: by_route[k] / bw[k] for k in TRANSFER_KINDS}
+    total_raw = sum(raw.values())
+    by_seconds = {k: (seconds * raw[k] / total_raw if total_raw > 0 else 0.0) for k in TRANSFER_KINDS}
+    moving = tuple(sorted(load.devices)) if any(by_route[k] > 0 for k in (ROUTE_INTRA, ROUTE_INTER)) else ()
+    return _Edge(producer, consumer, moving, seconds, by_route, by_seconds)
+
+
+# ------------------------------------------------------------------------------------------ timeline
+
+
+@dataclass
+class _Run:
+    dev_free: list[float]
+    busy: list[list[Interval]]
+    fwd_end: dict[str, float]
+    bwd_end: dict[str, float]
+    last_bwd: list[float]
+    forward_end: float
+
+
+def _run(ctx: _Context, with_transfers: bool) -> _Run:
+    n = ctx.plan.num_devices
+    dev_free = [0.0] * n
+    link_free = [0.0] * n
+    busy: list[list[Interval]] = [[] for _ in range(n)]
+    fwd_end: dict[str, float] = {}
+    bwd_end: dict[str, float] = {}
+
+    def arrive(edge: _Edge, sent_at: float) -> float:
+        if not with_transfers or not edge.devices:
+            return sent_at + (edge.seconds if with_transfers else 0.0)
+        start = max([sent_at] + [link_free[d] for d in edge.devices])
+        end = start + edge.seconds
+        for d in edge.devices:
+            link_free[d] = end
+        return end
+
+    forward_end = 0.0
+    for sid, phase in ctx.order:
+        s = ctx.slices[sid]
+        if phase == FWD:
+            ready = max([arrive(e, fwd_end[e.producer]) for e in ctx.in_edges[sid] if e.producer in fwd_end],
+                        default=0.0)
+            duration = ctx.fwd_time[sid]
+        else:
+            ready = max([arrive(e, bwd_end[e.consumer]) for e in ctx.out_edges[sid] if e.consumer in bwd_end],
+                        default=0.0)
+            duration = ctx.bwd_time[sid]
+        start = max([ready] + [dev_free[d] for d in s.devices])
+        end = start + duration
+        for d in s.devices:
+            dev_free[d] = end
+            if duration > 0:
+                busy[d].append(Interval(start, end, sid, phase))
+        if phase == FWD:
+            fwd_end[sid] = end
+            forward_end = max(forward_end, end)
+        else:
+            bwd_end[sid] = end
+    return _Run(dev_free, busy, fwd_end, bwd_end, list(dev_free), forward_end)
+
+
+def _grad_sync(ctx: _Context, run: _Run, cost_model) -> list[GroupSync]:
+    """List-schedule the parameter device groups' all-reduces after each device's backward."""
+    grad_bytes = getattr(getattr(cost_model, "config", None), "grad_bytes", 4)
+    unit_tp: dict[str, int] = {}
+    for sid, units in ctx.units.items():
+        tp = ctx.slices[sid].tp
+        for u in units:
+            unit_tp[u] = min(unit_tp.get(u, tp), tp)
+    jobs = []
+    for g in ctx.plan.param_groups:
+        if len(g.devices) <= 1 or not g.params:
+            continue
+        tp = min((unit_tp.get(u, 1) for u in g.params), default=1)
+        ranks = len(g.devices) // tp
+        volume = sum(cost_model.param_count(u) for u in g.params) * grad_bytes / tp
+        cross = not ctx.cluster.same_island(g.devices)
+        seconds = ring_allreduce_seconds(volume, ranks, cross, ctx.cluster)
+        if ctx.zero_stage == 3:
+            seconds /= 2  # reduce-scatter only: the weights are gathered in the forward and backward
+        ready = max(run.last_bwd[d] for d in g.devices)
+        jobs.append((ready, -volume, g, tp, ranks, volume, cross, seconds))
+    jobs.sort(key=lambda j: (j[0], j[1], j[2].devices))
+    sync_free = list(run.last_bwd)
+    out = []
+    for ready, _, g, tp, ranks, volume, cross, seconds in jobs:
+        start = max([ready] + [sync_free[d] for d in g.devices])
+        end = start + seconds
+        for d in g.devices:
+            sync_free[d] = end
+        out.append(GroupSync(list(g.devices), len(g.params), volume, ranks, cross, start, end))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+
+def zero_state_bytes_per_param(stage: int, dp: int) -> float:
+    """Training-state bytes per parameter on one device under ZeRO ``stage`` with ``dp`` data-parallel ranks."""
+    if stage == 0:
+        return WEIGHT_STATE + GRAD_STATE + OPTIMIZER_STATE
+    if stage == 1:
+        return WEIGHT_STATE + GRAD_STATE + OPTIMIZER_STATE / dp
+    if stage == 2:
+        return WEIGHT_STATE + (GRAD_STATE + OPTIMIZER_STATE) / dp
+    return (WEIGHT_STATE + GRAD_STATE + OPTIMIZER_STATE) / dp
+
+
+def _peak_memory(ctx: _Context, memory_model, cost_model) -> list[float]:
+    n = ctx.plan.num_devices
+    held: list[dict[str, float]] = [{} for _ in range(n)]
+    for sid, units in ctx.units.items():
+        s = ctx.slices[sid]
+        per_param = zero_state_bytes_per_param(ctx.zero_stage, s.dp)
+        for u in units:
+            b = memory_model.param_state_bytes(u, s.tp) * per_param / zero_state_bytes_per_param(0, 1)
+            for d in s.devices:
+                held[d][u] = max(held[d].get(u, 0.0), b)
+    act = {sid: float(memory_model.activation_bytes(ctx.metaops[s.metaop], s.tp, s.dp, s.num_layers))
+           for sid, s in ctx.slices.items()}
+    live = [0.0] * n
+    peak = [0.0] * n
+    for sid, phase in ctx.order:
+        for d in ctx.slices[sid].devices:
+            live[d] += act[sid] if phase == FWD else -act[sid]
+            peak[d] = max(peak[d], live[d])
+    return [sum(held[d].values()) + peak[d] for d in range(n)]
