@@ -149,7 +149,9 @@ class AnalyticCostModel:
     def _layer_forward_flops(self, module: ModuleSpec, batch: int, tokens: int) -> float:
         b, s, h, f = batch, tokens, module.hidden_size, module.ffn_hidden_size
         qkv = 2 * b * s * h * (h + 2 * self._kv_width(module))
-        attention = 4 * b * s * s * h  # scores QK^T and the weighted sum of V, each 2*B*S^2*H
+        # Scores QK^T and the weighted sum of V, each 2*B*S^2*H. Causal masks are not discounted: the tokens
+        # per MetaOp are short enough that attention kernels gain little from skipping masked blocks.
+        attention = 4 * b * s * s * h
         out_proj = 2 * b * s * h * h
         mlp = (6 if self._is_swiglu(module) else 4) * b * s * h * f  # 3 GEMMs (gate, up, down) or 2
         total = qkv + attention + out_proj + mlp
@@ -385,12 +387,11 @@ class AnalyticCostModel:
             raise EstimatorError(f"MetaOp '{metaop.id}' ({metaop.kind}): tp {tp} is not valid (valid: {tps})")
 
     def compute_seconds(self, metaop: MetaOp, tp: int, dp: int) -> float:
+        """GEMM time at the efficiency the per-device work reaches, plus memory-bound time at HBM bandwidth."""
         per_device_flops = self.flops(metaop) / (tp * dp)
-        gemm = (
-            per_device_flops / (self.cluster.gpu.peak_flops * self.efficiency(per_device_flops))
-            if (per_device_flops > 0)
-            else 0.0
-        )
+        gemm = 0.0
+        if per_device_flops > 0:
+            gemm = per_device_flops / (self.cluster.gpu.peak_flops * self.efficiency(per_device_flops))
         traffic = self._traffic(metaop)
         per_device_bytes = traffic.tp_sharded / (tp * dp) + traffic.tp_replicated / dp
         memory = per_device_bytes / (self.cluster.gpu.memory_bandwidth * self.config.memory_efficiency)
