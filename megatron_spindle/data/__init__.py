@@ -1,0 +1,1 @@
+"""Data: per-task datasets (mock, tar shards), the deterministic multi-task sampler, decoding and tokenizer."""

@@ -1,0 +1,235 @@
+"""Per-task datasets (mock or tar shards), collation into ``TaskBatch`` and the multi-task loader.
+
+A task's *fields* are the modules whose front end reads raw data in that task (data/mock.py's ``TaskBatch``
+convention): ``patch`` -> an image ``[C, S, S]``, ``audio`` -> a spectrogram ``[bins, tokens * patch_size]``,
+``imu`` -> a window ``[channels, tokens * patch_size]``, ``text`` -> token ids ``[tokens]``; the text of the task's LM
+loss module holds one more token, split into inputs ``ids[:-1]`` and labels ``ids[1:]`` (PAD labels ignored).
+A dataset returns one sample as ``{module: tensor}``; ``collate`` stacks a list of them into a ``TaskBatch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from megatron_spindle.data import decode as dec
+from megatron_spindle.data.mock import IGNORE_INDEX, TaskBatch, mock_batch, own_text_tokens
+from megatron_spindle.data.sampler import MixedBatch, MultiTaskSampler
+from megatron_spindle.data.shards import DatasetError, ShardReader, read_index
+from megatron_spindle.data.tokenizer import PAD, ByteTokenizer
+from megatron_spindle.graph.workload import Workload
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    module: str
+    type: str  # front-end type: patch | audio | imu | text
+    shape: tuple[int, ...]  # one sample
+    lm: bool = False  # the text of the task's LM loss (one extra token for the shifted labels)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.long if self.type == "text" else torch.float32
+
+
+def task_fields(workload: Workload, task: str) -> dict[str, FieldSpec]:
+    """The raw inputs one sample of ``task`` needs, keyed by module."""
+    t = workload.task(task)
+    lm_module = t.loss.modules[0] if t.loss is not None and t.loss.kind == "lm" else None
+    out = {}
+    for module in t.topo_modules():
+        spec = workload.modules[module]
+        own = own_text_tokens(workload, task, module)
+        if spec.frontend is None or own <= 0:
+            continue
+        fe = spec.frontend
+        if fe.type == "patch":
+            shape = (fe.in_channels, fe.image_size, fe.image_size)
+        elif fe.type in ("audio", "imu"):
+            shape = (fe.in_channels, own * fe.patch_size)
+        else:
+            lm = module == lm_module
+            out[module] = FieldSpec(module, "text", (own + 1 if lm else own,), lm)
+            continue
+        out[module] = FieldSpec(module, fe.type, shape)
+    return out
+
+
+class TaskDataset(Protocol):
+    task: str
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]: ...
+
+
+class MockTaskDataset:
+    """``size`` deterministic samples per task, taken row by row from data/mock.py's ``mock_batch`` stream
+    (sample i = row ``i % B`` of the mock batch of step ``i // B``), so a small mock dataset repeats and a
+    model can fit it (losses fall)."""
+
+    def __init__(self, workload: Workload, task: str, size: int = 256, seed: int = 0):
+        if size <= 0:
+            raise ValueError(f"mock dataset size must be positive, got {size}")
+        self.workload, self.task, self.size, self.seed = workload, task, size, seed
+        self.fields = task_fields(workload, task)
+        self.batch_size = workload.task(task).batch_size
+        self._cache: tuple[int, TaskBatch] | None = None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < self.size:
+            raise IndexError(i)
+        step, row = divmod(i, self.batch_size)
+        if self._cache is None or self._cache[0] != step:
+            self._cache = (step, mock_batch(self.workload, self.task, step, self.seed))
+        b = self._cache[1]
+        out = {}
+        for m, f in self.fields.items():
+            x = b.inputs[m][row]
+            if f.lm:
+                x = torch.cat([x, b.labels[row, -1:]])
+            out[m] = x.clone()
+        return out
+
+
+class ShardedTaskDataset:
+    """A task's samples from a tar-shard folder (data/shards.py), decoded for the task's front ends."""
+
+    def __init__(self, workload: Workload, task: str, path: str | Path):
+        self.workload, self.task, self.path = workload, task, Path(path)
+        self.fields = task_fields(workload, task)
+        self.index = read_index(self.path)
+        missing = sorted(set(self.fields) - set(self.index.fields))
+        if missing:
+            raise DatasetError(f"data path {self.path} for task '{task}' has no field(s) {missing} (it has "
+                               f"{sorted(self.index.fields)}; the task's front ends need {sorted(self.fields)})")
+        for m, f in self.fields.items():
+            ext = self.index.fields[m]
+            ok = {"patch": dec.IMAGE_EXTS + dec.ARRAY_EXTS, "audio": dec.AUDIO_EXTS + dec.ARRAY_EXTS,
+                  "imu": dec.ARRAY_EXTS, "text": dec.TEXT_EXTS + dec.ARRAY_EXTS}[f.type]
+            if ext not in ok:
+                raise DatasetError(f"data path {self.path}: field '{m}' is .{ext}, but module '{m}' has a {f.type} "
+                                   f"front end that reads {', '.join('.' + e for e in ok)}")
+        self.reader = ShardReader(self.index)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        raw = self.reader.read(i)
+        out = {}
+        for m, f in self.fields.items():
+            ext, data = raw[m]
+            try:
+                out[m] = decode_field(self.workload, f, ext, data)
+            except dec.DecodeError as e:
+                raise DatasetError(f"data path {self.path}: sample '{self.reader.key(i)}' field '{m}': {e}") from None
+        return out
+
+
+def decode_field(workload: Workload, f: FieldSpec, ext: str, data: bytes) -> torch.Tensor:
+    """Raw bytes of one field -> the tensor its front end needs (shape checked)."""
+    fe = workload.modules[f.module].frontend
+    if f.type == "text" and ext in dec.TEXT_EXTS:
+        x = dec.decode_text(data, ByteTokenizer(fe.vocab_size), f.shape[0])
+    elif f.type == "patch" and ext in dec.IMAGE_EXTS:
+        x = dec.decode_image(data, fe.image_size, fe.in_channels)
+    elif f.type == "audio" and ext in dec.AUDIO_EXTS:
+        wav, rate = dec.read_wav(data)
+        x = dec.log_mel_features(wav, rate, fe.in_channels, f.shape[1])
+    else:
+        x = dec.decode_npy(data)
+        if f.type == "audio" and x.ndim == 1:
+            x = dec.log_mel_features(x.float(), dec.DEFAULT_SAMPLE_RATE, fe.in_channels, f.shape[1])
+        x = x.long() if f.type == "text" else x.float()
+        if f.type == "text" and x.ndim == 1 and x.numel() != f.shape[0]:
+            x = torch.cat([x, torch.full((f.shape[0],), PAD, dtype=torch.long)])[: f.shape[0]]
+        if f.type == "text" and x.numel() and (int(x.min()) < 0 or int(x.max()) >= fe.vocab_size):
+            raise dec.DecodeError(f"token ids must lie in [0, {fe.vocab_size}), got [{int(x.min())}, {int(x.max())}]")
+    if tuple(x.shape) != f.shape:
+        raise dec.DecodeError(f"decoded to shape {tuple(x.shape)}, module '{f.module}' needs {f.shape}")
+    return x
+
+
+def collate(workload: Workload, task: str, samples: list[dict[str, torch.Tensor]]) -> TaskBatch:
+    """Stack samples into the task's global ``TaskBatch`` (LM text split into inputs and shifted labels)."""
+    fields = task_fields(workload, task)
+    batch = TaskBatch(task=task, global_batch_size=len(samples))
+    for m, f in fields.items():
+        x = torch.stack([s[m] for s in samples])
+        if f.lm:
+            batch.inputs[m] = x[:, :-1].contiguous()
+            labels = x[:, 1:].clone()
+            labels[labels == PAD] = IGNORE_INDEX
+            batch.labels = labels
+            batch.num_label_tokens = int((labels != IGNORE_INDEX).sum())
+        else:
+            batch.inputs[m] = x
+    return batch
+
+
+class MultiTaskDataLoader:
+    """Each iteration's mixed batch: ``advance()`` moves the sampler one iteration (every rank, in step),
+    ``batch(task)`` reads and collates that task's global batch (only for tasks this rank runs).
+    ``batch_fn`` has the runtime engine's ``(workload, task, step, seed)`` signature."""
+
+    def __init__(self, workload: Workload, datasets: dict[str, TaskDataset], seed: int = 0,
+                 sampling_weights: dict[str, float] | None = None):
+        self.workload = workload
+        self.datasets = datasets
+        batch_sizes = {t: workload.task(t).batch_size for t in datasets}
+        self.sampler = MultiTaskSampler({t: len(d) for t, d in datasets.items()}, batch_sizes, seed,
+                                        sampling_weights)
+        self.current: MixedBatch | None = None
+        self._batches: dict[str, TaskBatch] = {}
+
+    def advance(self) -> MixedBatch:
+        self.current = self.sampler.next()
+        self._batches = {}
+        return self.current
+
+    def batch(self, task: str) -> TaskBatch:
+        if self.current is None:
+            raise RuntimeError("MultiTaskDataLoader.batch() before advance()")
+        if task not in self._batches:
+            ds = self.datasets[task]
+            self._batches[task] = collate(self.workload, task, [ds[i] for i in self.current.indices[task]])
+        return self._batches[task]
+
+    def batch_fn(self, workload: Workload, task: str, step: int, seed: int = 0) -> TaskBatch:
+        if self.current is None or step != self.current.iteration:
+            raise RuntimeError(f"data loader is at iteration {None if self.current is None else self.current.iteration}"
+                               f", the engine asked for step {step}")
+        return self.batch(task)
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+        self.current, self._batches = None, {}
+
+
+def build_datasets(workload: Workload, data_paths: dict[str, str] | None, mock: bool, seed: int = 0,
+                   mock_size: int = 256) -> dict[str, TaskDataset]:
+    """One dataset per task: shards from ``data_paths[task]``, or mock data (``mock``) for every task."""
+    tasks = [t.name for t in workload.tasks]
+    data_paths = data_paths or {}
+    unknown = sorted(set(data_paths) - set(tasks))
+    if unknown:
+        raise DatasetError(f"--data-path given for unknown task(s) {unknown} (tasks: {tasks})")
+    if mock:
+        if data_paths:
+            raise DatasetError("give either --mock-data or --data-path, not both")
+        return {t: MockTaskDataset(workload, t, mock_size, seed) for t in tasks}
+    missing = [t for t in tasks if t not in data_paths]
+    if missing:
+        raise DatasetError(f"no --data-path for task(s) {missing} (give --data-path TASK=PATH for each task, "
+                           f"or --mock-data)")
+    return {t: ShardedTaskDataset(workload, t, data_paths[t]) for t in tasks}

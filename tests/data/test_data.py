@@ -1,0 +1,240 @@
+import io
+import json
+import os
+import sys
+import tarfile
+import wave
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from megatron_spindle.data.datasets import (MockTaskDataset, MultiTaskDataLoader, ShardedTaskDataset,
+                                            build_datasets, collate, task_fields)
+from megatron_spindle.data.decode import decode_image, log_mel_features, read_wav
+from megatron_spindle.data.mock import IGNORE_INDEX, mock_batch
+from megatron_spindle.data.sampler import MultiTaskSampler
+from megatron_spindle.data.shards import DatasetError
+from megatron_spindle.data.tokenizer import BOS, EOS, PAD, ByteTokenizer
+from megatron_spindle.graph.workload import load_workload
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+import build_multitask_dataset  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def clip():
+    return load_workload("tiny-clip")
+
+
+def test_tokenizer_is_byte_level_and_capped():
+    tok = ByteTokenizer(300)
+    ids = tok.encode("héllo", 10)
+    assert ids[0] == BOS and ids.tolist().count(EOS) == 1 and ids[-1] == PAD
+    assert tok.decode(ids) == "héllo"
+    small = ByteTokenizer(16)
+    ids = small.encode("a long sentence that is cut", 6)
+    assert ids.tolist()[-1] == EOS and len(ids) == 6 and int(ids.max()) < 16
+    assert torch.equal(small.encode("same"), small.encode("same"))
+    with pytest.raises(ValueError):
+        ByteTokenizer(3)
+
+
+def test_sampler_is_deterministic_covers_epochs_and_restores_position():
+    sizes, bs = {"a": 10, "b": 7}, {"a": 4, "b": 3}
+    s1 = MultiTaskSampler(sizes, bs, seed=3)
+    first = [s1.next() for _ in range(5)]
+    # epoch 0 of 'a' is a permutation of all 10 samples, in 4+4+2(+2 of epoch 1)
+    seen = first[0].indices["a"] + first[1].indices["a"] + first[2].indices["a"][:2]
+    assert sorted(seen) == list(range(10))
+    state = json.loads(json.dumps(s1.state_dict()))
+    rest = [s1.next().indices for _ in range(4)]
+    s2 = MultiTaskSampler(sizes, bs, seed=3)
+    s2.load_state_dict(state)
+    assert [s2.next().indices for _ in range(4)] == rest
+    other = MultiTaskSampler(sizes, bs, seed=4)
+    assert [other.next().indices for _ in range(5)] != [b.indices for b in first]
+    with pytest.raises(ValueError, match="dataset of 10 samples"):
+        MultiTaskSampler({"a": 11, "b": 7}, bs, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="--seed 3"):
+        MultiTaskSampler(sizes, bs, seed=5).load_state_dict(state)
+
+
+def test_sampling_weights_set_participation():
+    s = MultiTaskSampler({"a": 50, "b": 50}, {"a": 2, "b": 2}, seed=0, sampling_weights={"a": 1.0, "b": 0.25})
+    active_b, pos_b = 0, []
+    for _ in range(200):
+        before = dict(s.state_dict()["tasks"]["b"])
+        mb = s.next()
+        assert mb.active["a"]
+        after = s.state_dict()["tasks"]["b"]
+        assert (before != after) == mb.active["b"]  # sitting out keeps the position
+        active_b += mb.active["b"]
+    assert 25 < active_b < 75
+    with pytest.raises(ValueError, match="unknown task"):
+        MultiTaskSampler({"a": 5}, {"a": 1}, sampling_weights={"z": 1.0})
+    with pytest.raises(ValueError, match="must be > 0"):
+        MultiTaskSampler({"a": 5}, {"a": 1}, sampling_weights={"a": 0.0})
+
+
+def test_mock_dataset_wraps_mock_batches(clip):
+    ds = MockTaskDataset(clip, "vision_text", size=12, seed=1)
+    b1 = mock_batch(clip, "vision_text", 1, 1)
+    s = ds[4 + 2]  # batch size 4: row 2 of step 1
+    assert torch.equal(s["vision"], b1.inputs["vision"][2]) and torch.equal(s["text"], b1.inputs["text"][2])
+    batch = collate(clip, "vision_text", [ds[i] for i in range(4)])
+    b0 = mock_batch(clip, "vision_text", 0, 1)
+    assert torch.equal(batch.inputs["vision"], b0.inputs["vision"])
+    assert batch.global_batch_size == 4 and batch.shard(1, 2).inputs["text"].shape == (2, 12)
+
+
+def test_lm_text_field_gives_shifted_labels():
+    w = load_workload("tiny-vlm")
+    t = next(t for t in w.tasks if t.loss and t.loss.kind == "lm")
+    fields = task_fields(w, t.name)
+    lm = next(f for f in fields.values() if f.lm)
+    ds = MockTaskDataset(w, t.name, size=t.batch_size, seed=0)
+    b = collate(w, t.name, [ds[i] for i in range(t.batch_size)])
+    ref = mock_batch(w, t.name, 0, 0)
+    assert torch.equal(b.inputs[lm.module], ref.inputs[lm.module]) and torch.equal(b.labels, ref.labels)
+    pad = {k: v.clone() for k, v in ds[0].items()}
+    pad[lm.module][-3:] = PAD
+    b = collate(w, t.name, [pad] * t.batch_size)
+    assert (b.labels[:, -3:] == IGNORE_INDEX).all() and b.num_label_tokens == t.batch_size * (lm.shape[0] - 4)
+
+
+def _wav_bytes(x: np.ndarray, rate=16000) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def _png_bytes(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_decoders():
+    img = decode_image(_png_bytes(np.full((20, 30, 3), 255, np.uint8)), 16, 3)
+    assert img.shape == (3, 16, 16) and torch.allclose(img, torch.ones_like(img))
+    gray = decode_image(_png_bytes(np.zeros((8, 8), np.uint8)), 4, 1)
+    assert gray.shape == (1, 4, 4) and float(gray.max()) == -1.0
+    t = np.arange(16000) / 16000
+    low, high = np.sin(2 * np.pi * 200 * t), np.sin(2 * np.pi * 6000 * t)
+    wl, rate = read_wav(_wav_bytes(low))
+    assert rate == 16000 and abs(float(wl.abs().max()) - 1.0) < 1e-3
+    fl = log_mel_features(wl, rate, 16, 60)
+    fh = log_mel_features(read_wav(_wav_bytes(high))[0], rate, 16, 60)
+    assert fl.shape == (16, 60)
+    assert int(fl[:, 10].argmax()) < int(fh[:, 10].argmax())  # low tone in lower bands than high tone
+    short = log_mel_features(wl[:100], rate, 16, 60)
+    assert short.shape == (16, 60) and float(short[:, -1].max()) == pytest.approx(np.log(1e-6))
+
+
+def _write_raw(folder, n=7):
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        key = f"s{i:03d}"
+        (folder / f"{key}.vision.png").write_bytes(_png_bytes(rng.integers(0, 255, (24, 24, 3), dtype=np.uint8)))
+        (folder / f"{key}.text.txt").write_text(f"caption number {i}")
+        (folder / f"{key}.audio.wav").write_bytes(_wav_bytes(rng.standard_normal(3000) * 0.1))
+        np.save(folder / f"{key}.depth.npy", rng.standard_normal((1, 16, 16)).astype(np.float32))
+
+
+def test_shards_round_trip_through_the_build_tool(clip, tmp_path, capsys):
+    raw = tmp_path / "raw"
+    _write_raw(raw)
+    # vision_text: build, then read back the same tensors as decoding the raw files directly
+    vt = tmp_path / "vt"
+    vt_raw = tmp_path / "vt_raw"
+    vt_raw.mkdir()
+    for p in raw.iterdir():
+        if ".vision." in p.name or ".text." in p.name:
+            (vt_raw / p.name).write_bytes(p.read_bytes())
+    assert build_multitask_dataset.main(["--input", str(vt_raw), "--output", str(vt), "--workload", "tiny-clip",
+                                         "--task", "vision_text", "--samples-per-shard", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "[build] 7/7 samples, 3 shard(s)" in out and "wrote 7 samples in 3 shard(s)" in out
+    ds = ShardedTaskDataset(clip, "vision_text", vt)
+    assert len(ds) == 7
+    with tarfile.open(vt / "shard-000000.tar") as tar:  # plain tars, WebDataset member names
+        assert tar.getnames()[:3] == ["s000.text.txt", "s000.vision.png", "s001.text.txt"]
+    for i in (0, 4, 6):
+        s = ds[i]
+        key = f"s{i:03d}"
+        assert torch.equal(s["vision"], decode_image((raw / f"{key}.vision.png").read_bytes(), 16, 3))
+        assert torch.equal(s["text"], ByteTokenizer(128).encode(f"caption number {i}", 12))
+    # audio + npy: audio_depth
+    ad = tmp_path / "ad"
+    ad_raw = tmp_path / "ad_raw"
+    ad_raw.mkdir()
+    for p in raw.iterdir():
+        if ".audio." in p.name or ".depth." in p.name:
+            (ad_raw / p.name).write_bytes(p.read_bytes())
+    build_multitask_dataset.main(["--input", str(ad_raw), "--output", str(ad), "--workload", "tiny-clip",
+                                  "--task", "audio_depth", "--quiet"])
+    ds = ShardedTaskDataset(clip, "audio_depth", ad)
+    s = ds[2]
+    wav, rate = read_wav((raw / "s002.audio.wav").read_bytes())
+    assert torch.equal(s["audio"], log_mel_features(wav, rate, 16, 64))
+    assert torch.equal(s["depth"], torch.from_numpy(np.load(raw / "s002.depth.npy")))
+    # the loader over shards + mock gives batches of each task's batch size
+    datasets = {"vision_text": ShardedTaskDataset(clip, "vision_text", vt),
+                "audio_depth": ShardedTaskDataset(clip, "audio_depth", ad)}
+    loader = MultiTaskDataLoader(clip, datasets, seed=0)
+    loader.advance()
+    assert loader.batch_fn(clip, "vision_text", 0).inputs["vision"].shape == (4, 3, 16, 16)
+    assert loader.batch("audio_depth").inputs["audio"].shape == (8, 16, 64)
+    with pytest.raises(RuntimeError, match="engine asked for step 5"):
+        loader.batch_fn(clip, "vision_text", 5)
+
+
+def test_build_tool_and_dataset_errors(clip, tmp_path, capsys):
+    raw = tmp_path / "raw"
+    _write_raw(raw, n=2)
+    out = tmp_path / "out"
+    # missing field for the task
+    with pytest.raises(SystemExit) as e:
+        build_multitask_dataset.main(["--input", str(raw), "--output", str(out), "--workload", "tiny-clip",
+                                      "--task", "vision_text"])
+    assert e.value.code != 0
+    assert "expected ['text', 'vision']" in capsys.readouterr().err and not out.exists()
+    # corrupt image, reported by file name; nothing written
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "a.vision.png").write_bytes(b"not a png")
+    (only / "a.text.txt").write_text("x")
+    with pytest.raises(SystemExit):
+        build_multitask_dataset.main(["--input", str(only), "--output", str(out), "--workload", "tiny-clip",
+                                      "--task", "vision_text"])
+    err = capsys.readouterr().err
+    assert "a.vision.png: not a readable image" in err and not out.exists()
+    assert not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+    # existing output is kept without --overwrite
+    (only / "a.vision.png").write_bytes(_png_bytes(np.zeros((4, 4, 3), np.uint8)))
+    build_multitask_dataset.main(["--input", str(only), "--output", str(out), "--quiet"])
+    with pytest.raises(SystemExit):
+        build_multitask_dataset.main(["--input", str(only), "--output", str(out)])
+    assert "already exists" in capsys.readouterr().err and (out / "index.json").exists()
+    # dataset-side errors
+    with pytest.raises(DatasetError, match="does not exist"):
+        ShardedTaskDataset(clip, "vision_text", tmp_path / "nope")
+    with pytest.raises(DatasetError, match="has no index.json"):
+        ShardedTaskDataset(clip, "vision_text", raw)
+    with pytest.raises(DatasetError, match=r"has no field\(s\) \['depth'\]"):
+        ShardedTaskDataset(clip, "vision_depth", out)
+    shard = next(out.glob("shard-*.tar"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(DatasetError, match="truncated or rewritten"):
+        ShardedTaskDataset(clip, "vision_text", out)
+    with pytest.raises(DatasetError, match=r"no --data-path for task\(s\)"):
+        build_datasets(clip, {"vision_text": str(out)}, mock=False)
+    with pytest.raises(DatasetError, match="unknown task"):
+        build_datasets(clip, {"nope": str(out)}, mock=False)

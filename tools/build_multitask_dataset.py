@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""Pack raw paired files (images, audio, text, numpy arrays) into tar shards for one task of a workload.
+
+The input folder holds one file per sample and field, named ``<key>.<field>.<ext>`` where ``field`` is the
+module the file feeds (WebDataset naming), e.g.::
+
+    raw/0001.vision.jpg  raw/0001.text.txt  raw/0002.vision.jpg  raw/0002.text.txt ...
+
+Extensions: .jpg/.jpeg/.png/.bmp/.webp (Pillow), .wav (PCM), .txt (UTF-8), .npy. With --workload and --task every
+sample is decoded once as training will decode it (resized image, log-mel features, tokens), so bad files are
+reported now, by name, not mid-training. The output folder is written under a temporary name and renamed at
+the end: an interrupted build leaves nothing half-written, and an existing dataset is only replaced with
+--overwrite.
+
+Example:
+    python tools/build_multitask_dataset.py --input raw/ --output data/vision_text \\
+        --workload tiny-clip --task vision_text --samples-per-shard 1000
+"""
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_spindle.arguments import build_parser  # noqa: E402
+from megatron_spindle.errors import exit_on_user_error  # noqa: E402
+
+
+def add_input_args(parser):
+    g = parser.add_argument_group("input")
+    g.add_argument("--input", required=True, help="Folder of raw files named <key>.<field>.<ext>.")
+    g.add_argument("--workload", default=None, help="Workload YAML or built-in name: check fields and decoding.")
+    g.add_argument("--task", default=None, help="The task of --workload the data is for.")
+    return parser
+
+
+def add_output_args(parser):
+    g = parser.add_argument_group("output")
+    g.add_argument("--output", required=True, help="Dataset folder to write (index.json + shard-*.tar).")
+    g.add_argument("--samples-per-shard", type=int, default=1000, help="Samples per tar shard.")
+    g.add_argument("--overwrite", action="store_true", help="Replace an existing dataset at --output.")
+    g.add_argument("--quiet", action="store_true", help="No progress lines.")
+    return parser
+
+
+def collect_samples(root: Path) -> dict[str, dict[str, Path]]:
+    from megatron_spindle.data.decode import KNOWN_EXTS
+    from megatron_spindle.data.shards import DatasetError, split_member
+
+    if not root.is_dir():
+        raise DatasetError(f"input {root} is not a folder")
+    samples: dict[str, dict[str, Path]] = {}
+    for p in sorted(root.iterdir()):
+        if p.name.startswith(".") or not p.is_file():
+            continue
+        key, field, ext = split_member(p.name)
+        if ext not in KNOWN_EXTS:
+            raise DatasetError(f"{p}: unsupported extension .{ext} (supported: {', '.join(KNOWN_EXTS)})")
+        if field in samples.setdefault(key, {}):
+            raise DatasetError(f"sample '{key}' has two files for field '{field}': "
+                               f"{samples[key][field].name} and {p.name}")
+        samples[key][field] = p
+    if not samples:
+        raise DatasetError(f"input {root} holds no files named <key>.<field>.<ext>")
+    return samples
+
+
+def main(argv=None, extra_args_provider=None):
+    parser = build_parser(__doc__.strip().splitlines()[0], [add_input_args, add_output_args], extra_args_provider)
+    args = parser.parse_args(argv)
+    if (args.workload is None) != (args.task is None):
+        parser.error("--workload and --task go together")
+    if args.samples_per_shard <= 0:
+        parser.error(f"--samples-per-shard must be positive, got {args.samples_per_shard}")
+    with exit_on_user_error():
+        from megatron_spindle.data.datasets import decode_field, task_fields
+        from megatron_spindle.data.decode import DecodeError
+        from megatron_spindle.data.shards import INDEX_FILE, DatasetError, ShardWriter
+        from megatron_spindle.graph.workload import load_workload
+
+        out = Path(args.output)
+        if out.exists() and not args.overwrite:
+            raise DatasetError(f"output {out} already exists (give --overwrite to replace it)")
+        samples = collect_samples(Path(args.input))
+        fields = None
+        workload = None
+        if args.workload:
+            workload = load_workload(args.workload)
+            try:
+                workload.task(args.task)
+            except KeyError:
+                raise DatasetError(f"workload '{workload.name}' has no task '{args.task}' "
+                                   f"(tasks: {[t.name for t in workload.tasks]})") from None
+            fields = task_fields(workload, args.task)
+        first = sorted(samples)[0]
+        want = sorted(fields) if fields is not None else sorted(samples[first])
+        tmp = out.with_name(f".{out.name}.building")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        writer = ShardWriter(tmp, args.samples_per_shard)
+        t0, n, step = time.perf_counter(), len(samples), max(1, len(samples) // 10)
+        try:
+            for i, key in enumerate(sorted(samples)):
+                files = samples[key]
+                if sorted(files) != want:
+                    raise DatasetError(f"sample '{key}' has fields {sorted(files)}, expected {want}"
+                                       + (f" (the front ends of task '{args.task}')" if fields else
+                                          f" (as sample '{first}')"))
+                raw = {f: (p.name.rsplit(".", 1)[1].lower(), p.read_bytes()) for f, p in files.items()}
+                if fields is not None:
+                    for f, (ext, data) in raw.items():
+                        try:
+                            decode_field(workload, fields[f], ext, data)
+                        except DecodeError as e:
+                            raise DatasetError(f"{files[f]}: {e}") from None
+                writer.write(key, raw)
+                if not args.quiet and ((i + 1) % step == 0 or i + 1 == n):
+                    print(f"[build] {i + 1}/{n} samples, {len(writer.shards)} shard(s), "
+                          f"{time.perf_counter() - t0:.1f} s", flush=True)
+            writer.close()
+            if out.exists():
+                old = out.with_name(f".{out.name}.old")
+                os.replace(out, old)
+                os.replace(tmp, out)
+                shutil.rmtree(old)
+            else:
+                os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        print(f"wrote {n} samples in {len(writer.shards)} shard(s) to {out} (fields: "
+              f"{', '.join(f'{f}.{e}' for f, e in writer.fields.items())}; index {out / INDEX_FILE})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
