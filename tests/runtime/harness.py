@@ -1,0 +1,92 @@
+"""Shared machinery of the runtime tests: spawning gloo workers, a single-process reference trajectory and
+the comparison of an engine run against it."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RTOL = 1e-5
+STEPS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, world_size: int, *args) -> None:
+    """Run ``fn(rank, world_size, port, *args)`` on ``world_size`` spawned gloo processes; re-raises failures."""
+    mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True,
+                       start_method="spawn")
+
+
+def _entry(rank, fn, world_size, port, args):
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    den = float(b.double().norm())
+    num = float((a.double() - b.double()).norm())
+    return num / den if den > 0 else num
+
+
+@dataclass
+class Trajectory:
+    """Reference losses and gradients for steps 0..STEPS-1 and the weights after STEPS AdamW steps."""
+
+    losses: list[dict[str, float]]
+    grads: list[dict[str, torch.Tensor]]
+    initial: dict[str, torch.Tensor]
+    final: dict[str, torch.Tensor]
+
+
+def reference_trajectory(model, params: dict[str, torch.nn.Parameter], loss_weights: dict[str, float],
+                         optim_cfg, steps: int = STEPS) -> Trajectory:
+    """``model(step) -> {task: loss}``; ``params`` full-name -> the shared Parameter the model uses."""
+    opt = torch.optim.AdamW(list(params.values()), lr=optim_cfg.lr, betas=optim_cfg.betas, eps=optim_cfg.eps,
+                            weight_decay=optim_cfg.weight_decay)
+    initial = {k: p.detach().clone() for k, p in params.items()}
+    losses, grads = [], []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        out = model(step)
+        total = sum(loss_weights[t] * v for t, v in out.items())
+        total.backward()
+        losses.append({t: float(v) for t, v in out.items()})
+        grads.append({k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+                      for k, p in params.items()})
+        opt.step()
+    return Trajectory(losses, grads, initial, {k: p.detach().clone() for k, p in params.items()})
+
+
+def check_engine_against(engine, ref: Trajectory, label: str, steps: int = STEPS) -> int:
+    """Train ``steps`` steps; per step the losses and every synchronised full gradient this rank holds must
+    match the reference, and so must the weights at the end. Returns the number of tensors compared."""
+    compared = 0
+    for step in range(steps):
+        losses = engine.train_step(step)
+        for t, v in ref.losses[step].items():
+            assert abs(losses[t] - v) <= RTOL * max(1.0, abs(v)), f"{label} step {step} loss[{t}] {losses[t]} != {v}"
+        assert set(engine.grads) <= set(ref.grads[step]), f"{label}: unknown parameters"
+        for k, g in engine.grads.items():
+            e = rel_err(g, ref.grads[step][k])
+            assert e <= RTOL, f"{label} step {step}: grad of '{k}' rel err {e:.2e}"
+            compared += 1
+    for k, w in engine.full_state().items():
+        e = rel_err(w, ref.final[k])
+        assert e <= RTOL, f"{label}: weight '{k}' after {steps} steps rel err {e:.2e}"
+        compared += 1
+    return compared
