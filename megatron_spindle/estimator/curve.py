@@ -160,7 +160,7 @@ class ScalingCurve:
     metaop: str
     points: dict[int, CurvePoint]
     source: str = "analytic"
-    c: float = 0.0  # gradient bytes of one operator (the paper's c_m)
+    c: float = 0.0  # bytes one operator exchanges across DP ranks: its gradients (the paper's c_m)
     w: float = 1.0  # FLOPs of one operator (the paper's w_m)
     hop_bytes: float = 0.0  # latency x bandwidth of one collective hop, in bytes (see the module docstring)
     node_size: int | None = None
