@@ -1,0 +1,363 @@
+"""Reproduce the Spindle paper's evaluation (spindle-paper.md section 4) with the simulator, side by side.
+
+Prints, in one run: Fig. 8 (iteration time of every system on every workload x 8/16/32/64 GPUs and the
+speedup over DeepSpeed, the paper's speedup beside ours), Fig. 10 (share of the iteration spent on inter-wave
+transfers with Spindle's placement vs sequential placement), Fig. 11 (makespan / C*), Fig. 12 (planning wall
+time), Table 2 (QWen-VAL 30B / 70B on 256 GPUs), a scale row (1024 GPUs, 20 tasks) and the issue's targets
+marked met / missed. Writes the tables as JSON and a speedup figure to --out-dir.
+
+    python benchmarks/paper_eval.py [--quick] [--with-cpsat] [--out-dir benchmarks/results]
+
+Memory: our analytic memory model has no activation checkpointing and no gradient accumulation (the paper
+tuned both for the baselines). When the Spindle planner cannot place a configuration in 80 GiB, the cell
+is planned and timed on the same cluster with the memory cap lifted ("mem-relaxed" in the tables), and all
+systems of that cell use that cluster; peak memory is reported beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_spindle.graph.cluster import ClusterSpec, make_cluster  # noqa: E402
+from megatron_spindle.graph.workload import Workload, load_workload  # noqa: E402
+from megatron_spindle.planner.baselines import BASELINES, BaselineContext  # noqa: E402
+from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload  # noqa: E402
+from megatron_spindle.planner.placement import PlacementError  # noqa: E402
+from megatron_spindle.simulator import simulate  # noqa: E402
+
+# ------------------------------------------------------------------------------------------ paper numbers
+
+# Fig. 8 speedups over DeepSpeed: Spindle / Spindle-Optimus / DistMM-MT / Megatron-LM, and DeepSpeed's ms.
+PAPER_FIG8: dict[str, dict[int, tuple[float, float, float, float, float]]] = {
+    "clip-4": {8: (1.21, 0.96, 1.09, 1.02, 850), 16: (1.22, 1.00, 1.08, 1.05, 520), 32: (1.52, 1.36, 1.20, 1.09, 450)},
+    "clip-7": {8: (1.31, 0.73, 1.09, 1.02, 1260), 16: (1.26, 0.84, 1.09, 1.04, 760), 32: (1.54, 1.15, 1.17, 1.01, 590)},
+    "clip-10": {8: (1.37, 0.50, 1.08, 1.01, 1550), 16: (1.33, 0.93, 1.08, 1.02, 890), 32: (1.71, 1.38, 1.14, 1.05, 750)},
+    "ofasys-4": {8: (1.53, 1.23, 1.01, 0.99, 1600), 16: (1.42, 1.20, 1.01, 0.98, 850), 32: (1.51, 1.28, 1.04, 1.01, 520)},
+    "ofasys-7": {8: (1.71, 1.17, 1.07, 1.02, 3100), 16: (1.43, 1.12, 1.03, 0.98, 1560), 32: (1.33, 1.13, 1.06, 1.01, 880)},
+    "qwen-val": {32: (1.16, 1.04, 1.04, 1.02, 2520), 64: (1.63, 1.44, 1.11, 1.03, 2000)},
+}
+PAPER_SYSTEMS = ("spindle", "optimus", "distmm", "megatron")
+PAPER_FIG10 = {("clip-10", 8): (3.2, 9.7), ("clip-10", 16): (5.7, 27.0), ("ofasys-7", 8): (3.8, 10.3),
+               ("ofasys-7", 16): (6.2, 20.6), ("qwen-val", 32): (1.7, 6.1), ("qwen-val", 64): (2.5, 8.7)}
+PAPER_TABLE2 = {"qwen-val-30b": {"spindle": 1.34, "optimus": 1.05, "distmm": 1.04, "deepspeed": 1.0},
+                "qwen-val-70b": {"spindle": 1.36, "optimus": 1.09, "distmm": 1.04, "deepspeed": 1.0}}
+FIG11_CELLS = [(w, n) for w in ("clip-4", "clip-7", "clip-10") for n in (16, 32)]
+
+# ------------------------------------------------------------------------------------------ systems
+
+# The columns of every table, in order. Each entry: (name, planner). A Spindle planner returns (plan,
+# planning seconds, PlanningResult); a baseline returns its plan. The CP-SAT planner is one more Spindle
+# column (--with-cpsat).
+SPINDLE_SYSTEMS: list[tuple[str, PlannerConfig]] = [("spindle", PlannerConfig(planner="wavefront"))]
+CPSAT_SYSTEM = ("spindle-cpsat", PlannerConfig(planner="cpsat", solver_time_limit=10.0))
+BASELINE_SYSTEMS: list[str] = ["optimus", "distmm", "megatron", "deepspeed", "spindle-seq"]
+SOTA_BASELINES = ("optimus", "distmm", "megatron", "deepspeed")  # "the best baseline" of the targets
+
+
+def relaxed(cluster: ClusterSpec, factor: float = 16.0) -> ClusterSpec:
+    return dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, memory_bytes=cluster.gpu.memory_bytes * factor))
+
+
+def plan_spindle(workload: Workload, cluster: ClusterSpec, config: PlannerConfig):
+    t0 = time.perf_counter()
+    result = plan_workload(workload, cluster, config)
+    return result, time.perf_counter() - t0
+
+
+def run_cell(name: str, num_gpus: int, spindle_systems, baselines: list[str], log: Callable[[str], None]) -> dict:
+    """Plan and simulate every system on one (workload, cluster) cell."""
+    workload = load_workload(name)
+    cluster = make_cluster(num_gpus)
+    cell: dict[str, Any] = {"workload": name, "gpus": num_gpus, "mem_relaxed": False, "systems": {}}
+    first = spindle_systems[0][1]
+    try:
+        result, seconds = plan_spindle(workload, cluster, first)
+    except PlacementError:
+        cluster = relaxed(cluster)
+        cell["mem_relaxed"] = True
+        result, seconds = plan_spindle(workload, cluster, first)
+    results = {spindle_systems[0][0]: (result, seconds)}
+    for sys_name, config in spindle_systems[1:]:
+        results[sys_name] = plan_spindle(workload, cluster, config)
+    for sys_name, (res, secs) in results.items():
+        sim = simulate(res.plan, workload, cluster, res.cost_model, res.memory_model, metagraph=res.metagraph)
+        pred = res.plan.predicted
+        cell["systems"][sys_name] = {
+            "iteration_time": sim.iteration_time, "planning_seconds": secs,
+            "predicted_iteration_time": pred["iteration_time"], "c_star": pred.get("c_star", 0.0),
+            "makespan_over_c_star": pred["iteration_time"] / pred["c_star"] if pred.get("c_star") else None,
+            "sim_over_predicted": sim.iteration_time / pred["iteration_time"] if pred["iteration_time"] else None,
+            "breakdown": sim.breakdown(), "transfer_share": sim.transfer_share,
+            "grad_sync_share": sim.grad_sync_share, "peak_memory_gib": max(sim.peak_memory) / 2**30,
+            "mean_utilisation": sim.mean_utilisation,
+        }
+    ctx = BaselineContext(workload, cluster, result.metagraph, result.cost_model, result.memory_model)
+    for b in baselines:
+        t0 = time.perf_counter()
+        plan = BASELINES[b](workload, cluster, ctx)
+        secs = time.perf_counter() - t0
+        sim = simulate(plan, workload, cluster, ctx.cost_model, ctx.memory_model, metagraph=ctx.metagraph)
+        cell["systems"][b] = {"iteration_time": sim.iteration_time, "planning_seconds": secs,
+                              "breakdown": sim.breakdown(), "transfer_share": sim.transfer_share,
+                              "grad_sync_share": sim.grad_sync_share, "peak_memory_gib": max(sim.peak_memory) / 2**30,
+                              "memory_ok": plan.planner.get("memory_ok"), "zero_stage": plan.planner.get("zero_stage"),
+                              "mean_utilisation": sim.mean_utilisation}
+    ds = cell["systems"].get("deepspeed", {}).get("iteration_time")
+    for s in cell["systems"].values():
+        s["speedup_vs_deepspeed"] = ds / s["iteration_time"] if ds else None
+    best = min((cell["systems"][b]["iteration_time"] for b in SOTA_BASELINES if b in cell["systems"]), default=None)
+    cell["spindle_over_best_baseline"] = best / cell["systems"]["spindle"]["iteration_time"] if best else None
+    log(f"  {name:<9} {num_gpus:>4} GPUs done ({'mem-relaxed' if cell['mem_relaxed'] else 'fits'})")
+    return cell
+
+
+# ------------------------------------------------------------------------------------------ tables
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:8.0f}"
+
+
+def fig8_table(cells: list[dict], systems: list[str]) -> str:
+    lines = ["Fig. 8: simulated iteration time (ms) and speedup over DeepSpeed, ours | paper",
+             f"{'workload':<10}{'GPUs':>5} " + "".join(f"{s:>22}" for s in systems)
+             + f"{'DS paper ms':>12}{'Sp/best ours|paper':>22}"]
+    for c in cells:
+        paper = PAPER_FIG8.get(c["workload"], {}).get(c["gpus"])
+        row = f"{c['workload']:<10}{c['gpus']:>5} "
+        for s in systems:
+            d = c["systems"].get(s)
+            if d is None:
+                row += f"{'-':>22}"
+                continue
+            ps = ""
+            if paper and s in PAPER_SYSTEMS:
+                ps = f"|{paper[PAPER_SYSTEMS.index(s)]:.2f}"
+            elif paper and s == "deepspeed":
+                ps = "|1.00"
+            row += f"{_ms(d['iteration_time'])} {d['speedup_vs_deepspeed']:5.2f}{ps:>5}   "[:22].rjust(22)
+        ours = c.get("spindle_over_best_baseline")
+        theirs = paper_over_best(paper) if paper else None
+        row += f"{paper[4] if paper else '-':>12}" + f"{ours or 0:>13.2f} | {theirs or 0:.2f}"
+        if c["mem_relaxed"]:
+            row += "  (mem-relaxed)"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def paper_over_best(paper: tuple) -> float:
+    """The paper's Spindle speedup over its best baseline (DeepSpeed = 1)."""
+    return paper[0] / max(max(paper[1:4]), 1.0)
+
+
+def fig10_rows(cells_by_key: dict, quick: bool, log) -> list[dict]:
+    rows = []
+    keys = list(PAPER_FIG10) if not quick else [("clip-10", 8)]
+    for name, n in keys:
+        workload = load_workload(name)
+        cell = cells_by_key.get((name, n))
+        cluster = make_cluster(n)
+        if cell and cell["mem_relaxed"]:
+            cluster = relaxed(cluster)
+        out = {"workload": name, "gpus": n, "paper": PAPER_FIG10[(name, n)]}
+        for placement in ("spindle", "sequential"):
+            try:
+                res, _ = plan_spindle(workload, cluster, PlannerConfig(planner="wavefront", placement=placement))
+            except PlacementError:
+                res, _ = plan_spindle(workload, relaxed(cluster), PlannerConfig(planner="wavefront", placement=placement))
+            sim = simulate(res.plan, workload, res.cost_model.cluster, res.cost_model, res.memory_model,
+                           metagraph=res.metagraph)
+            out[placement] = {"transfer_share": sim.transfer_share, "by_kind": sim.transfer_by_kind,
+                              "inter_island_bytes": sim.transfer_bytes_by_kind["inter_island"]}
+        rows.append(out)
+        log(f"  fig10 {name} {n} done")
+    return rows
+
+
+def fig10_table(rows: list[dict]) -> str:
+    lines = ["Fig. 10: share of iteration time on inter-wave transfers (%), Spindle placement vs sequential",
+             f"{'workload':<10}{'GPUs':>5}{'ours Sp':>10}{'ours Sp*':>10}{'paper Sp':>10}{'paper Sp*':>10}"
+             f"{'inter-island GB Sp':>20}{'Sp*':>8}"]
+    for r in rows:
+        lines.append(f"{r['workload']:<10}{r['gpus']:>5}{100 * r['spindle']['transfer_share']:>10.1f}"
+                     f"{100 * r['sequential']['transfer_share']:>10.1f}{r['paper'][0]:>10.1f}{r['paper'][1]:>10.1f}"
+                     f"{r['spindle']['inter_island_bytes'] / 1e9:>20.2f}{r['sequential']['inter_island_bytes'] / 1e9:>8.2f}")
+    return "\n".join(lines)
+
+
+def fig11_12_table(cells: list[dict], spindle_names: list[str]) -> str:
+    lines = ["Fig. 11 / 12: plan makespan / C* (planner's prediction; simulated / C* beside) and planning wall time",
+             f"{'workload':<10}{'GPUs':>5}" + "".join(f"{s + ' mk/C*':>20}{'sim/C*':>8}{'sim/pred':>9}{'plan s':>8}"
+                                                     for s in spindle_names)]
+    for c in cells:
+        row = f"{c['workload']:<10}{c['gpus']:>5}"
+        for s in spindle_names:
+            d = c["systems"][s]
+            ratio = d["makespan_over_c_star"]
+            sim_ratio = d["iteration_time"] / d["c_star"] if d["c_star"] else None
+            row += (f"{ratio if ratio else float('nan'):>20.3f}{sim_ratio if sim_ratio else float('nan'):>8.3f}"
+                    f"{d['sim_over_predicted']:>9.3f}{d['planning_seconds']:>8.2f}")
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def table2(quick: bool, log) -> list[dict]:
+    if quick:
+        return []
+    rows = []
+    for name in ("qwen-val-30b", "qwen-val-70b"):
+        cell = run_cell(name, 256, SPINDLE_SYSTEMS, ["optimus", "distmm", "deepspeed"], log)
+        cell["paper"] = PAPER_TABLE2[name]
+        rows.append(cell)
+    return rows
+
+
+def table2_text(rows: list[dict]) -> str:
+    lines = ["Table 2: QWen-VAL on 256 GPUs, speedup over DeepSpeed, ours | paper",
+             f"{'system':<14}" + "".join(f"{r['workload']:>26}" for r in rows)]
+    for s in ("spindle", "optimus", "distmm", "deepspeed"):
+        row = f"{s:<14}"
+        for r in rows:
+            d = r["systems"][s]
+            row += f"{_ms(d['iteration_time'])} ms {d['speedup_vs_deepspeed']:5.2f} | {r['paper'][s]:.2f}".rjust(26)
+        lines.append(row)
+    if any(r["mem_relaxed"] for r in rows):
+        lines.append("  (mem-relaxed: " + ", ".join(r["workload"] for r in rows if r["mem_relaxed"]) + ")")
+    return "\n".join(lines)
+
+
+def scale_row(quick: bool, log) -> dict | None:
+    if quick:
+        return None
+    workload = load_workload("clip-20")
+    cluster = make_cluster(1024)
+    mem_relaxed = False
+    try:
+        res, secs = plan_spindle(workload, cluster, SPINDLE_SYSTEMS[0][1])
+    except PlacementError:
+        cluster, mem_relaxed = relaxed(cluster), True
+        res, secs = plan_spindle(workload, cluster, SPINDLE_SYSTEMS[0][1])
+    sim = simulate(res.plan, workload, cluster, res.cost_model, res.memory_model, metagraph=res.metagraph)
+    ctx = BaselineContext(workload, cluster, res.metagraph, res.cost_model, res.memory_model)
+    ds = BASELINES["deepspeed"](workload, cluster, ctx)
+    ds_sim = simulate(ds, workload, cluster, ctx.cost_model, ctx.memory_model, metagraph=ctx.metagraph)
+    log("  scale row done")
+    return {"workload": "clip-20", "gpus": 1024, "tasks": len(workload.tasks), "planning_seconds": secs,
+            "timings": res.timings, "iteration_time": sim.iteration_time, "deepspeed_iteration_time": ds_sim.iteration_time,
+            "speedup_vs_deepspeed": ds_sim.iteration_time / sim.iteration_time,
+            "makespan_over_c_star": res.plan.predicted["iteration_time"] / res.plan.predicted["c_star"],
+            "mem_relaxed": mem_relaxed}
+
+
+def targets(cells: list[dict], scale: dict | None) -> list[tuple[str, bool, str]]:
+    fig8 = [c for c in cells if c["gpus"] in PAPER_FIG8.get(c["workload"], {})]
+    wins = [c for c in fig8 if c["spindle_over_best_baseline"] is not None
+            and c["spindle_over_best_baseline"] >= paper_over_best(PAPER_FIG8[c["workload"]][c["gpus"]])]
+    ratios = [c["systems"]["spindle"]["makespan_over_c_star"] for c in cells
+              if c["systems"]["spindle"]["makespan_over_c_star"] is not None]
+    plan64 = [c["systems"]["spindle"]["planning_seconds"] for c in cells if c["gpus"] <= 64]
+    out = [
+        (f"Spindle/best baseline >= paper's in >= 12 of 17 Fig. 8 cells", len(wins) >= 12,
+         f"{len(wins)} of {len(fig8)} cells"),
+        ("makespan / C* <= 1.07 everywhere", bool(ratios) and max(ratios) <= 1.07,
+         f"max {max(ratios):.3f} over {len(ratios)} cells" if ratios else "no cells"),
+        ("planning < 3 s at <= 64 GPUs", bool(plan64) and max(plan64) < 3.0,
+         f"max {max(plan64):.2f} s" if plan64 else "no cells"),
+    ]
+    if scale is not None:
+        out.append(("planning < 30 s at 1024 GPUs with 20 tasks", scale["planning_seconds"] < 30.0,
+                    f"{scale['planning_seconds']:.2f} s"))
+    return out
+
+
+def speedup_figure(cells: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig8 = [c for c in cells if c["gpus"] in PAPER_FIG8.get(c["workload"], {})]
+    labels = [f"{c['workload']}\n{c['gpus']}" for c in fig8]
+    ours = [c["systems"]["spindle"]["speedup_vs_deepspeed"] for c in fig8]
+    paper = [PAPER_FIG8[c["workload"]][c["gpus"]][0] for c in fig8]
+    x = range(len(fig8))
+    fig, ax = plt.subplots(figsize=(max(6, len(fig8) * 0.8), 3.5))
+    ax.bar([i - 0.2 for i in x], ours, width=0.4, label="Spindle, simulated (ours)")
+    ax.bar([i + 0.2 for i in x], paper, width=0.4, label="Spindle, paper Fig. 8")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("speedup over DeepSpeed")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a small subset (3 Fig. 8 cells, no Table 2 / scale)")
+    parser.add_argument("--with-cpsat", action="store_true", help="add the CP-SAT planner as a column")
+    parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args(argv)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    spindle = SPINDLE_SYSTEMS + ([CPSAT_SYSTEM] if args.with_cpsat else [])
+    spindle_names = [s for s, _ in spindle]
+    systems = spindle_names + BASELINE_SYSTEMS
+    grid = [(w, n) for w, ns in PAPER_FIG8.items() for n in ns]
+    if args.quick:
+        grid = [("clip-4", 8), ("clip-4", 16), ("ofasys-4", 8)]
+    t0 = time.perf_counter()
+    cells = [run_cell(w, n, spindle, BASELINE_SYSTEMS, log) for w, n in grid]
+    by_key = {(c["workload"], c["gpus"]): c for c in cells}
+    for key in FIG11_CELLS:
+        if key not in by_key and not args.quick:
+            pass  # every Fig. 11 cell is a Fig. 8 cell
+    f10 = fig10_rows(by_key, args.quick, log)
+    t2 = table2(args.quick, log)
+    scale = scale_row(args.quick, log)
+    marks = targets(cells, scale)
+
+    print(fig8_table(cells, systems))
+    print()
+    print(fig10_table(f10))
+    print()
+    print(fig11_12_table(cells, spindle_names))
+    if t2:
+        print()
+        print(table2_text(t2))
+    if scale:
+        print()
+        print(f"Scale: {scale['workload']} ({scale['tasks']} tasks) on {scale['gpus']} GPUs: planning "
+              f"{scale['planning_seconds']:.2f} s, simulated {scale['iteration_time'] * 1e3:.0f} ms, DeepSpeed "
+              f"{scale['deepspeed_iteration_time'] * 1e3:.0f} ms ({scale['speedup_vs_deepspeed']:.2f}x), makespan/C* "
+              f"{scale['makespan_over_c_star']:.3f}{' (mem-relaxed)' if scale['mem_relaxed'] else ''}")
+    print()
+    print("Targets (issue 3):")
+    for what, ok, detail in marks:
+        print(f"  [{'met' if ok else 'MISSED'}] {what}: {detail}")
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+
+    doc = {"fig8": cells, "fig10": f10, "table2": t2, "scale": scale, "systems": systems,
+           "targets": [{"target": w, "met": ok, "detail": d} for w, ok, d in marks]}
+    (out_dir / "paper_eval.json").write_text(json.dumps(doc, indent=1, default=float))
+    speedup_figure(cells, out_dir / "speedup_fig8.png")
+    print(f"wrote {out_dir / 'paper_eval.json'} and {out_dir / 'speedup_fig8.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
