@@ -1,0 +1,161 @@
+"""Argument groups of pretrain_multitask.py beyond the shared ones in megatron_spindle/arguments.py:
+training, per-task, checkpointing, logging and data (Megatron-LM flag names where Megatron has the flag)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from megatron_spindle.graph.workload import Workload
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("training")
+    g.add_argument("--train-iters", type=int, required=True, help="Total iterations to train for.")
+    g.add_argument("--lr", type=float, default=1e-3, help="Peak learning rate (AdamW).")
+    g.add_argument("--min-lr", type=float, default=0.0, help="Learning rate at the end of the decay.")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="Linear warmup from 0 over these iterations.")
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear",
+                   help="Decay from --lr to --min-lr after warmup.")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="Iterations to decay over (default: "
+                   "--train-iters).")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay.")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--seed", type=int, default=1234, help="Seed of the data order and the RNGs.")
+    g.add_argument("--bf16", action="store_true", help="Run the operators in bfloat16 (GPU only; masters and "
+                   "optimizer state stay fp32).")
+    return parser
+
+
+def add_task_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("tasks")
+    g.add_argument("--task-loss-weights", default=None, metavar="TASK=W,...",
+                   help="Loss weight per task (default: the workload's loss weights); the total loss is "
+                        "sum_t w_t * loss_t.")
+    g.add_argument("--task-sampling-weights", default=None, metavar="TASK=W,...",
+                   help="Relative sampling weight per task: a task takes part in an iteration with probability "
+                        "w_t / max w (default: every task every iteration). See data/sampler.py.")
+    return parser
+
+
+def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("spindle plan")
+    g.add_argument("--spindle-plan", default=None, help="Run this saved plan JSON (tools/plan.py --out) instead of "
+                   "planning at start; it must be for this workload and world size.")
+    return parser
+
+
+def add_checkpointing_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="Folder to save checkpoints (and the plan and its Gantt chart) in.")
+    g.add_argument("--load", default=None, help="Folder to resume from (its latest checkpoint); the plan and world "
+                   "size may differ from the run that saved it.")
+    g.add_argument("--save-interval", type=int, default=None, help="Save every N iterations (and at the end).")
+    g.add_argument("--no-load-optim", action="store_true", help="Do not restore the optimizer state.")
+    g.add_argument("--no-load-rng", action="store_true", help="Do not restore the RNG states.")
+    return parser
+
+
+def add_logging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=10, help="Print a log line every N iterations.")
+    g.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
+    g.add_argument("--plan-gantt", default=None, help="Gantt chart PNG of the plan (default: <save>/plan.png).")
+    return parser
+
+
+def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", action="append", default=[], metavar="TASK=PATH",
+                   help="Tar-shard dataset of a task (tools/build_multitask_dataset.py); repeat per task.")
+    g.add_argument("--mock-data", action="store_true", help="Deterministic mock samples for every task.")
+    g.add_argument("--mock-data-samples", type=int, default=256, help="Mock samples per task (they repeat).")
+    return parser
+
+
+def parse_task_values(text: str | None, flag: str, workload: Workload, positive: bool) -> dict[str, float]:
+    """``"a=1,b=0.5"`` -> {"a": 1.0, "b": 0.5}, tasks checked against the workload."""
+    if not text:
+        return {}
+    tasks = [t.name for t in workload.tasks]
+    out = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"{flag}: '{part}' is not TASK=VALUE")
+        name = name.strip()
+        if name not in tasks:
+            raise ValueError(f"{flag}: unknown task '{name}' (tasks: {', '.join(tasks)})")
+        try:
+            v = float(value)
+        except ValueError:
+            raise ValueError(f"{flag}: value of '{name}' is not a number: {value!r}") from None
+        if not math.isfinite(v) or v < 0 or (positive and v == 0):
+            raise ValueError(f"{flag}: value of '{name}' must be {'> 0' if positive else '>= 0'}, got {value}")
+        out[name] = v
+    return out
+
+
+def parse_data_paths(items: list[str], workload: Workload) -> dict[str, str]:
+    tasks = [t.name for t in workload.tasks]
+    out = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--data-path: '{item}' is not TASK=PATH")
+        if name not in tasks:
+            raise ValueError(f"--data-path: unknown task '{name}' (tasks: {', '.join(tasks)})")
+        if name in out:
+            raise ValueError(f"--data-path: task '{name}' given twice")
+        if not Path(path).exists():
+            raise FileNotFoundError(f"--data-path: {path} (task '{name}') does not exist")
+        out[name] = path
+    return out
+
+
+def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None:
+    """Checks argparse cannot express; raises ValueError naming the flag."""
+    if args.bf16 and not cuda:
+        raise ValueError("--bf16 needs a GPU: torch.cuda.is_available() is False on this machine (drop --bf16 "
+                         "to train in fp32 on CPU)")
+    if args.train_iters <= 0:
+        raise ValueError(f"--train-iters must be positive, got {args.train_iters}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be positive, got {args.lr}")
+    if args.min_lr < 0 or args.min_lr > args.lr:
+        raise ValueError(f"--min-lr must lie in [0, --lr={args.lr}], got {args.min_lr}")
+    if args.lr_warmup_iters < 0:
+        raise ValueError(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    if args.lr_decay_iters is not None and args.lr_decay_iters <= 0:
+        raise ValueError(f"--lr-decay-iters must be positive, got {args.lr_decay_iters}")
+    if args.weight_decay < 0:
+        raise ValueError(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if args.log_interval <= 0:
+        raise ValueError(f"--log-interval must be positive, got {args.log_interval}")
+    if args.save_interval is not None and args.save_interval <= 0:
+        raise ValueError(f"--save-interval must be positive, got {args.save_interval}")
+    if args.save_interval is not None and not args.save:
+        raise ValueError("--save-interval needs --save FOLDER")
+    if args.mock_data_samples <= 0:
+        raise ValueError(f"--mock-data-samples must be positive, got {args.mock_data_samples}")
+    if args.mock_data and args.data_path:
+        raise ValueError("give either --mock-data or --data-path TASK=PATH, not both")
+    if not args.mock_data and not args.data_path:
+        raise ValueError("no training data: give --data-path TASK=PATH for each task, or --mock-data")
+    if args.num_gpus is not None and args.num_gpus != world_size:
+        raise ValueError(f"--num-gpus {args.num_gpus} does not match the world size {world_size} (the runtime "
+                         f"runs one rank per device; leave --num-gpus out to plan for the world size)")
+    if args.load and not Path(args.load).exists() and args.load != args.save:
+        raise FileNotFoundError(f"--load {args.load}: no such folder")
+    if args.load and Path(args.load).exists() and not Path(args.load).is_dir():
+        raise ValueError(f"--load {args.load} is not a folder")
+    if args.spindle_plan and not Path(args.spindle_plan).is_file():
+        raise FileNotFoundError(f"--spindle-plan {args.spindle_plan}: no such file")

@@ -1,0 +1,270 @@
+"""The training driver behind pretrain_multitask.py: plan (or load a plan), build the runtime engine and the
+data loader, resume, train with the LR schedule, log in Megatron's format, save layout-independent checkpoints.
+
+Megatron-LM shape: ``pretrain(datasets_provider, engine_provider, extra_args_provider=...)``; the providers are
+the model/data hooks an entry point supplies (pretrain_multitask.py has the defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_spindle.arguments import (add_cluster_args, add_spindle_args, add_workload_args, build_parser,
+                                        cluster_from_args, planner_config_from_args, workload_from_args)
+from megatron_spindle.errors import USER_ERRORS, exit_on_user_error
+from megatron_spindle.training.arguments import (add_checkpointing_args, add_data_args, add_logging_args,
+                                                 add_plan_args, add_task_args, add_training_args,
+                                                 parse_data_paths, parse_task_values, validate_args)
+
+ARG_GROUPS = [add_workload_args, add_cluster_args, add_spindle_args, add_plan_args, add_training_args,
+              add_task_args, add_data_args, add_checkpointing_args, add_logging_args]
+
+
+def build_pretrain_parser(description: str, extra_args_provider: Callable | None = None) -> argparse.ArgumentParser:
+    return build_parser(description, ARG_GROUPS, extra_args_provider)
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    owns_group: bool  # we initialised torch.distributed (and tear it down)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(cuda: bool) -> DistInfo:
+    """torchrun's env:// rendezvous when WORLD_SIZE is set, else a one-process group (the engine needs one)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if dist.is_initialized():
+        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, False)
+    backend = "nccl" if cuda else "gloo"
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, init_method="env://")
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, True)
+
+
+def agree(error: str | None) -> str | None:
+    """Collective: the first rank's error (by rank), so all ranks stop together instead of hanging."""
+    if dist.get_world_size() == 1:
+        return error
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
+
+
+def print_rank_0(*a, **k) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*a, **k, flush=True)
+
+
+def get_plan(args, workload, world_size: int, rank: int):
+    """The saved plan (--spindle-plan) or a fresh one made on rank 0 and broadcast (CP-SAT with a time limit
+    is not deterministic, so ranks must not plan separately)."""
+    from megatron_spindle.planner.plan import Plan, PlanError
+    from megatron_spindle.planner.validate import validate_plan
+
+    if args.spindle_plan:
+        plan = Plan.load(args.spindle_plan)
+        validate_plan(plan, workload, check_memory=False)
+        if plan.num_devices != world_size:
+            raise PlanError(f"--spindle-plan {args.spindle_plan} is for {plan.num_devices} devices, the world size "
+                            f"is {world_size}")
+        return plan
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            from megatron_spindle.planner.pipeline import make_plan
+
+            cluster = cluster_from_args(args, default_num_gpus=world_size)
+            profile = None
+            if args.spindle_profile:
+                from megatron_spindle.estimator.profile import load_profile_points
+
+                profile = load_profile_points(args.spindle_profile, workload, cluster)
+            t0 = time.perf_counter()
+            plan = make_plan(workload, cluster, planner_config_from_args(args),
+                             profile=profile, progress=lambda m: print(f"[plan] {m}", flush=True))
+            print(f"[plan] done in {time.perf_counter() - t0:.3f} s", flush=True)
+            box = [("ok", plan.to_dict())]
+        except USER_ERRORS as e:
+            box = [("error", str(e))]
+    if world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    status, payload = box[0]
+    if status == "error":
+        raise PlanError(payload)
+    return Plan.from_dict(payload)
+
+
+def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[str] | None = None,
+             extra_args_provider: Callable | None = None, description: str = "Multi-task multi-modal training "
+             "with Spindle plans") -> int:
+    """Parse flags, check them, and train. User errors end in one line on stderr and exit code 2."""
+    parser = build_pretrain_parser(description, extra_args_provider)
+    args = parser.parse_args(argv)
+    prog = Path(sys.argv[0]).name if argv is None else "pretrain_multitask.py"
+    with exit_on_user_error(prog):
+        cuda = torch.cuda.is_available()
+        validate_args(args, int(os.environ.get("WORLD_SIZE", 1)), cuda)
+        workload = workload_from_args(args)
+        loss_weights = parse_task_values(args.task_loss_weights, "--task-loss-weights", workload, positive=False)
+        sampling_weights = parse_task_values(args.task_sampling_weights, "--task-sampling-weights", workload,
+                                             positive=True)
+        data_paths = parse_data_paths(args.data_path, workload)
+        datasets = datasets_provider(workload, args, data_paths)
+        info = init_distributed(cuda)
+        try:
+            train(args, workload, datasets, engine_provider, info, loss_weights, sampling_weights)
+        finally:
+            if info.owns_group and dist.is_initialized():
+                dist.destroy_process_group()
+    return 0
+
+
+def _unit_owners(plan) -> dict[str, int]:
+    from megatron_spindle.checkpointing import unit_owners
+
+    return unit_owners([(g.devices, g.params) for g in plan.param_groups])
+
+
+def save(args, iteration: int, engine, loader, plan, workload, info: DistInfo) -> Path:
+    from megatron_spindle.checkpointing import save_checkpoint
+    from megatron_spindle.training.engine_state import engine_units
+
+    owners = _unit_owners(plan)
+    mine = {u: s for u, s in engine_units(engine).items() if owners.get(u, 0) == info.rank}
+    t0 = time.perf_counter()
+    path = save_checkpoint(args.save, iteration, mine, rank=info.rank, world_size=info.world_size,
+                           workload_name=workload.name, workload_digest=workload.digest(),
+                           data_position=loader.state_dict(), plan=plan.to_dict(),
+                           extra={"args": {k: v for k, v in vars(args).items()
+                                           if isinstance(v, (int, float, str, bool, list, type(None)))}},
+                           expected_units=sorted(owners))
+    print_rank_0(f"saved checkpoint at iteration {iteration:8d} to {path} ({time.perf_counter() - t0:.2f} s)")
+    return path
+
+
+def load(args, engine, loader, workload, info: DistInfo) -> int:
+    """Restore model, optimizer, RNG and data position from --load; returns the iteration to start at."""
+    from megatron_spindle.checkpointing import load_checkpoint, set_rng_state
+    from megatron_spindle.training.engine_state import engine_expected_shapes, load_engine_units
+
+    err, ck = None, None
+    if not Path(args.load).exists():
+        print_rank_0(f"no checkpoint at {args.load} yet: training from scratch")
+        return 0
+    expected = engine_expected_shapes(engine)
+    try:
+        ck = load_checkpoint(args.load, units=sorted(expected), expected=expected, rank=info.rank,
+                             workload_digest=workload.digest())
+        if ck is not None:
+            load_engine_units(engine, ck.units, load_optim=not args.no_load_optim)
+            if ck.rng is not None and not args.no_load_rng:
+                set_rng_state(ck.rng)
+            loader.load_state_dict(ck.data_position)
+            if loader.sampler.iteration != ck.iteration:
+                raise ValueError(f"checkpoint {ck.path}: data position is at iteration {loader.sampler.iteration}, "
+                                 f"the checkpoint at {ck.iteration}")
+    except USER_ERRORS as e:
+        err = str(e)
+    err = agree(err)
+    if err:
+        raise ValueError(err)
+    if ck is None:
+        print_rank_0(f"no checkpoint in {args.load} yet: training from scratch")
+        return 0
+    old = ck.metadata.get("world_size")
+    print_rank_0(f"loaded checkpoint {ck.path} at iteration {ck.iteration} (saved by {old} rank(s), "
+                 f"now {info.world_size})")
+    return ck.iteration
+
+
+def train(args, workload, datasets, engine_provider, info: DistInfo, loss_weights: dict[str, float],
+          sampling_weights: dict[str, float]) -> None:
+    from megatron_spindle.data.datasets import MultiTaskDataLoader
+    from megatron_spindle.planner.report import draw_gantt, plan_summary
+    from megatron_spindle.training.engine_state import (WaveTimer, set_learning_rate, set_loss_weights)
+    from megatron_spindle.training.log import StepRecord, TensorBoardLogger, format_log_line, format_wave_line
+    from megatron_spindle.training.schedule import LRSchedule
+
+    plan = get_plan(args, workload, info.world_size, info.rank)
+    gantt = args.plan_gantt or (str(Path(args.save) / "plan.png") if args.save else None)
+    if info.rank == 0:
+        print(plan_summary(plan), flush=True)
+        if args.save:
+            plan.save(Path(args.save) / "plan.json")
+        if gantt:
+            draw_gantt(plan, gantt)
+            print(f"plan Gantt chart written to {gantt}", flush=True)
+    if not torch.cuda.is_available():
+        from megatron_spindle.compat.cpu import apply_cpu_shim
+
+        apply_cpu_shim()
+    torch.manual_seed(args.seed)
+    loader = MultiTaskDataLoader(workload, datasets, seed=args.seed, sampling_weights=sampling_weights)
+    engine = engine_provider(plan, workload, info.rank, info.world_size, args, loader.batch_fn)
+    timer = WaveTimer(engine)
+    start = load(args, engine, loader, workload, info) if args.load else 0
+    sched = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters or args.train_iters,
+                       args.lr_decay_style)
+    base = {t.name: loss_weights.get(t.name, t.loss.weight if t.loss else 1.0) for t in workload.tasks}
+    gbs = sum(t.batch_size for t in workload.tasks)
+    tb = TensorBoardLogger(args.tensorboard_dir if info.rank == 0 else None)
+    predicted_ms = plan.predicted.get("iteration_time", plan.iteration_time) * 1e3
+    last_saved = start if args.load and args.load == args.save else None
+    n, elapsed = 0, 0.0
+    print_rank_0(f"training {workload.name} for {args.train_iters} iterations from iteration {start} on "
+                 f"{info.world_size} rank(s)")
+    try:
+        for it in range(start, args.train_iters):
+            lr = sched(it)
+            set_learning_rate(engine, lr)
+            mb = loader.advance()
+            weights = {t: (base[t] if mb.active[t] else 0.0) for t in base}
+            set_loss_weights(engine, weights)
+            t0 = time.perf_counter()
+            losses = engine.train_step(it)
+            elapsed += time.perf_counter() - t0
+            n += 1
+            if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
+                waves = [t / n * 1e3 for t in timer.collect()]
+                rec = StepRecord(it + 1, args.train_iters, (it + 1) * gbs, lr, losses, weights, elapsed / n * 1e3,
+                                 predicted_ms, waves, gbs)
+                print_rank_0(format_log_line(rec))
+                print_rank_0(format_wave_line(rec))
+                tb.log(rec)
+                timer.reset()
+                n, elapsed = 0, 0.0
+            if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
+                save(args, it + 1, engine, loader, plan, workload, info)
+                last_saved = it + 1
+        if args.save and last_saved != args.train_iters:
+            save(args, args.train_iters, engine, loader, plan, workload, info)
+    finally:
+        tb.close()
+    if info.rank == 0:
+        where = [f"checkpoints: {args.save}"] if args.save else []
+        where += [f"plan picture: {gantt}"] if gantt else []
+        where += [f"TensorBoard logs: {args.tensorboard_dir}"] if args.tensorboard_dir else []
+        if where:
+            print("done. " + "; ".join(where), flush=True)
