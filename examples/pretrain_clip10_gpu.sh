@@ -1,0 +1,94 @@
+#!/bin/bash
+# Multitask-CLIP-10 (10 contrastive tasks over shared modality towers) on 1-8 nodes of 8 GPUs.
+#
+# Run the same command on every node:
+#   NUM_NODES=4 NODE_RANK=<0..3> MASTER_ADDR=<node 0 address> bash examples/pretrain_clip10_gpu.sh \
+#       [--data-path TASK=PATH ...] [extra pretrain_multitask.py flags]
+#
+# Without --data-path flags it trains on mock data. Flags given on the command line come last and override.
+
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT_DIR="$(dirname "$SCRIPT_DIR")"
+
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+NUM_NODES=${NUM_NODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-6000}
+WORLD_SIZE=$(( GPUS_PER_NODE * NUM_NODES ))
+
+if [ "$NUM_NODES" -lt 1 ] || [ "$NUM_NODES" -gt 8 ]; then
+    echo "error: NUM_NODES must be 1..8 for Multitask-CLIP-10, got $NUM_NODES" >&2
+    exit 2
+fi
+
+CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/clip10_${NUM_NODES}n}
+TENSORBOARD_LOGS_PATH=${TENSORBOARD_LOGS_PATH:-$CHECKPOINT_PATH/tensorboard}
+GPU_TYPE=${GPU_TYPE:-A800-80GB}
+
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+
+DISTRIBUTED_ARGS=(
+    --nproc-per-node "$GPUS_PER_NODE"
+    --nnodes "$NUM_NODES"
+    --node-rank "$NODE_RANK"
+    --master-addr "$MASTER_ADDR"
+    --master-port "$MASTER_PORT"
+)
+
+MODEL_ARGS=(
+    --workload clip-10
+)
+
+SPINDLE_ARGS=(
+    --gpus-per-node "$GPUS_PER_NODE"
+    --gpu-type "$GPU_TYPE"
+    --spindle-planner cpsat
+    --spindle-solver-time-limit 60
+    --spindle-solver-workers 8
+    --spindle-placement spindle
+)
+
+TRAINING_ARGS=(
+    --train-iters 20000
+    --lr 5e-4
+    --min-lr 1e-5
+    --lr-warmup-iters 500
+    --lr-decay-style cosine
+    --weight-decay 0.2
+    --adam-beta2 0.98
+    --adam-eps 1e-6
+    --seed 1234
+    --bf16
+)
+
+DATA_ARGS=()
+HAS_DATA=0
+for arg in "$@"; do
+    if [ "$arg" = "--data-path" ]; then HAS_DATA=1; fi
+done
+if [ "$HAS_DATA" = 0 ]; then
+    DATA_ARGS=(--mock-data --mock-data-samples 100000)
+fi
+
+CHECKPOINT_ARGS=(
+    --save "$CHECKPOINT_PATH"
+    --load "$CHECKPOINT_PATH"
+    --save-interval 1000
+)
+
+LOGGING_ARGS=(
+    --log-interval 10
+    --tensorboard-dir "$TENSORBOARD_LOGS_PATH"
+)
+
+torchrun "${DISTRIBUTED_ARGS[@]}" "$ROOT_DIR/pretrain_multitask.py" \
+    "${MODEL_ARGS[@]}" \
+    "${SPINDLE_ARGS[@]}" \
+    "${TRAINING_ARGS[@]}" \
+    "${DATA_ARGS[@]}" \
+    "${CHECKPOINT_ARGS[@]}" \
+    "${LOGGING_ARGS[@]}" \
+    "$@"
