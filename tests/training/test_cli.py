@@ -1,0 +1,87 @@
+"""Flag and data-path errors of pretrain_multitask.py: one clear line, non-zero exit, before any training."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_spindle.training.log import StepRecord, format_log_line, format_wave_line
+from megatron_spindle.training.schedule import LRSchedule
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+import pretrain_multitask  # noqa: E402
+
+BASE = ["--workload", "tiny-clip", "--train-iters", "2"]
+
+
+def _fails(capsys, argv, match):
+    with pytest.raises(SystemExit) as e:
+        pretrain_multitask.main(argv)
+    assert e.value.code not in (0, None)
+    err = capsys.readouterr().err
+    assert match in err, err
+    return err
+
+
+def test_bad_flags_and_values(capsys, tmp_path):
+    _fails(capsys, BASE + ["--mock-data", "--no-such-flag"], "unrecognized arguments: --no-such-flag")
+    _fails(capsys, BASE + ["--mock-data", "--lr-decay-style", "exp"], "invalid choice: 'exp'")
+    _fails(capsys, ["--workload", "tiny-clip", "--mock-data"], "--train-iters")
+    _fails(capsys, BASE + ["--mock-data", "--bf16"], "--bf16 needs a GPU")
+    _fails(capsys, BASE, "no training data: give --data-path TASK=PATH")
+    _fails(capsys, BASE + ["--mock-data", "--lr", "-1"], "--lr must be positive")
+    _fails(capsys, BASE + ["--mock-data", "--min-lr", "1"], "--min-lr must lie in")
+    _fails(capsys, BASE + ["--mock-data", "--num-gpus", "4"], "--num-gpus 4 does not match the world size 1")
+    _fails(capsys, BASE + ["--mock-data", "--save-interval", "2"], "--save-interval needs --save")
+    _fails(capsys, BASE + ["--mock-data", "--task-loss-weights", "vision_text=1,nope=2"],
+           "--task-loss-weights: unknown task 'nope'")
+    _fails(capsys, BASE + ["--mock-data", "--task-sampling-weights", "vision_text=0"],
+           "--task-sampling-weights: value of 'vision_text' must be > 0")
+    _fails(capsys, BASE + ["--mock-data", "--task-loss-weights", "vision_text"], "is not TASK=VALUE")
+    _fails(capsys, ["--workload", "no-such-workload", "--train-iters", "2", "--mock-data"],
+           "no such file and no built-in workload")
+    _fails(capsys, BASE + ["--mock-data", "--load", str(tmp_path / "missing")], "--load")
+    _fails(capsys, BASE + ["--mock-data", "--spindle-plan", str(tmp_path / "plan.json")],
+           "--spindle-plan")
+
+
+def test_bad_data_paths(capsys, tmp_path):
+    _fails(capsys, BASE + ["--data-path", f"vision_text={tmp_path / 'nope'}"], "does not exist")
+    _fails(capsys, BASE + ["--data-path", "vision_text"], "is not TASK=PATH")
+    _fails(capsys, BASE + ["--data-path", f"nope={tmp_path}"], "unknown task 'nope'")
+    _fails(capsys, BASE + ["--mock-data", "--data-path", f"vision_text={tmp_path}"], "not both")
+    paths = [f"{t}={tmp_path}" for t in ("text_audio", "vision_depth", "vision_text", "audio_depth")]
+    _fails(capsys, BASE + sum((["--data-path", p] for p in paths[:2]), []),
+           "no --data-path for task(s) ['vision_text', 'audio_depth']")
+    _fails(capsys, BASE + sum((["--data-path", p] for p in paths), []), "has no index.json")
+
+
+def test_entry_point_exit_code_in_a_real_process(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_multitask.py"), *BASE, "--data-path",
+                        f"vision_text={tmp_path / 'missing'}"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "pretrain_multitask.py: error: --data-path:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_lr_schedules():
+    s = LRSchedule(1.0, 0.1, warmup_iters=2, decay_iters=12, style="cosine")
+    assert [s(0), s(1)] == [0.5, 1.0]
+    assert s(2) == 1.0 and s(7) == pytest.approx(0.1 + 0.9 * 0.5) and s(12) == pytest.approx(0.1)
+    assert s(100) == pytest.approx(0.1)
+    lin = LRSchedule(1.0, 0.0, decay_iters=10, style="linear")
+    assert lin(5) == pytest.approx(0.5) and lin(10) == 0.0
+    assert LRSchedule(0.3, style="constant")(99) == 0.3
+    assert all(math.isfinite(LRSchedule(1.0, 0.0, 3, 3, "cosine")(i)) for i in range(6))
+
+
+def test_megatron_log_format():
+    r = StepRecord(10, 100, 240, 1e-3, {"a": 2.0, "b": 1.0}, {"a": 1.0, "b": 0.5}, 12.5, 2.8, [1.0, 2.25], 24)
+    line = format_log_line(r)
+    assert " iteration       10/     100 |" in line
+    assert "consumed samples:          240 |" in line and "learning rate: 1.000000E-03 |" in line
+    assert "total loss: 2.500000E+00 |" in line and "a loss: 2.000000E+00 | b loss: 1.000000E+00 |" in line
+    assert "elapsed time per iteration (ms): 12.5 | predicted iteration time (ms): 2.80" in line
+    assert format_wave_line(r) == "  measured wave time (ms): w0=1.0 w1=2.2 | sum 3.2"
