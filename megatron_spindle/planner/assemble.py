@@ -151,7 +151,7 @@ def _metaop_infos(metagraph: MetaGraph, allocs: dict[int, LevelAllocation], curv
             preds=metagraph.predecessors(mid), params=[p for names in m.params for p in names],
             curve_source=curve.source if curve is not None else "analytic",
             curve_fit_error=float(curve.fit_error) if curve is not None else 0.0,
-            allocation=[[int(n), int(l)] for n, l in alloc.tuples.get(mid, [])] if alloc else [],
+            allocation=[[int(n), int(layers)] for n, layers in alloc.tuples.get(mid, [])] if alloc else [],
             n_star=float(alloc.n_star.get(mid, 0.0)) if alloc else 0.0,
         ))
     return out

@@ -178,13 +178,13 @@ class DeviceMemory:
     def extra_param_bytes(self, device: int, unit_bytes: dict[str, float]) -> float:
         """Parameter state the device must add to run these units (a unit already held counts once;
         held as a smaller TP shard, only the difference)."""
-        have = self.held[device]
-        return sum(max(0.0, b - have.get(u, 0.0)) for u, b in unit_bytes.items())
+        return sum(unit_bytes.values()) - self.shared_param_bytes(device, unit_bytes)
 
     def shared_param_bytes(self, device: int, unit_bytes: dict[str, float]) -> float:
         """Parameter state of these units the device already holds (weights co-location saves this)."""
         have = self.held[device]
-        return sum(min(b, have[u]) for u, b in unit_bytes.items() if u in have)
+        common = have.keys() & unit_bytes.keys()
+        return sum(min(unit_bytes[u], have[u]) for u in common) if common else 0.0
 
     def need(self, device: int, unit_bytes: dict[str, float], activation_bytes: float) -> float:
         return activation_bytes + self.extra_param_bytes(device, unit_bytes)
@@ -451,7 +451,7 @@ def _packable(capacities: list[int], sizes: list[int]) -> bool:
 
 
 class _Scorer:
-    """Communication and memory scores of putting a slice's positions on devices."""
+    """Communication and memory scores of putting one slice's positions on devices (cached per device)."""
 
     def __init__(self, problem: _Problem, sl: _SliceInfo, state: _State):
         self.cluster = problem.cluster
@@ -464,19 +464,37 @@ class _Scorer:
             ps = problem.info[p].sched
             self.sources.append(PlacedRows.of(state.devices[p], ps.tp, ps.dp, problem.info[p].metaop.batch,
                                               sl.flow_bytes[p]))
+        # device -> {position: bytes of that position's rows the device already holds}, sparse
+        self.local: dict[int, dict[int, float]] = {}
+        per_rank = sl.metaop.batch // s.dp
+        for src in self.sources:
+            for d, rows in src.held.items():
+                table = self.local.setdefault(d, {})
+                for rank in range(rows[0] // per_rank, (rows[1] - 1) // per_rank + 1):
+                    common = _overlap(rows, (rank * per_rank, (rank + 1) * per_rank)) * src.bytes_per_sample
+                    for r in range(rank * s.tp, (rank + 1) * s.tp):
+                        table[r] = table.get(r, 0.0) + common
         self._island_rows: dict[int, list[tuple[set[tuple[int, int]], float]]] = {}
+        self._shared: dict[int, float] = {}
+        self._free_after: dict[int, float] = {}
 
     def local_bytes(self, position: int, device: int) -> float:
-        need = self.needs[position]
-        total = 0.0
-        for src in self.sources:
-            rows = src.held.get(device)
-            if rows is not None:
-                total += _overlap(need, rows) * src.bytes_per_sample
-        return total
+        table = self.local.get(device)
+        return table.get(position, 0.0) if table else 0.0
+
+    def best_local_bytes(self, positions: range, devices: list[int]) -> float:
+        """Upper bound of the local-copy bytes these devices can give the positions (one device each)."""
+        best: dict[int, float] = {}
+        for d in devices:
+            for r, b in self.local.get(d, {}).items():
+                if r in positions and b > best.get(r, 0.0):
+                    best[r] = b
+        return sum(best.values())
 
     def island_bytes(self, positions: range, island: int) -> float:
         """Bytes these positions need that some producer device on the island already holds."""
+        if not self.sources:
+            return 0.0
         if island not in self._island_rows:
             self._island_rows[island] = [
                 ({rows for d, rows in src.held.items() if self.cluster.island(d) == island}, src.bytes_per_sample)
@@ -489,33 +507,52 @@ class _Scorer:
         return total
 
     def shared(self, device: int) -> float:
-        return self.memory.shared_param_bytes(device, self.sl.units)
+        if device not in self._shared:
+            self._shared[device] = self.memory.shared_param_bytes(device, self.sl.units)
+        return self._shared[device]
 
     def free_after(self, device: int) -> float:
-        return self.memory.free(device) - self.memory.need(device, self.sl.units, self.sl.activation_memory)
+        if device not in self._free_after:
+            need = self.memory.need(device, self.sl.units, self.sl.activation_memory)
+            self._free_after[device] = self.memory.free(device) - need
+        return self._free_after[device]
 
     def match(self, positions: range, devices: list[int], mode: str) -> dict[int, int]:
         """Greedy matching position -> device. comm: local rows, then shared weights, then free memory;
         balance: free memory first."""
+        if mode == "comm":
+            return self._match_comm(positions, devices)
+        pairs = sorted((((self.free_after(d), self.local_bytes(r, d), self.shared(d)), -d, -r)
+                        for d in devices for r in positions), reverse=True)
+        return _greedy(pairs, len(positions), {}, set())
+
+    def _match_comm(self, positions: range, devices: list[int]) -> dict[int, int]:
+        # pairs that make a local copy first; the rest only depends on the device
         pairs = []
         for d in devices:
-            shared, free = self.shared(d), self.free_after(d)
-            for r in positions:
-                local = self.local_bytes(r, d) if self.sources else 0.0
-                key = (local, shared, free) if mode == "comm" else (free, local, shared)
-                pairs.append((key, -d, -r))
+            for r, local in self.local.get(d, {}).items():
+                if local > 0 and r in positions:
+                    pairs.append(((local, self.shared(d), self.free_after(d)), -d, -r))
         pairs.sort(reverse=True)
-        out: dict[int, int] = {}
-        used: set[int] = set()
-        for _, neg_d, neg_r in pairs:
-            r, d = -neg_r, -neg_d
-            if r in out or d in used:
-                continue
+        out = _greedy(pairs, len(positions), {}, set())
+        used = set(out.values())
+        rest = sorted((d for d in devices if d not in used), key=lambda d: (-self.shared(d), -self.free_after(d), d))
+        for r, d in zip((r for r in positions if r not in out), rest):
             out[r] = d
-            used.add(d)
-            if len(out) == len(positions):
-                break
         return out
+
+
+def _greedy(pairs: list, wanted: int, out: dict[int, int], used: set[int]) -> dict[int, int]:
+    """Take (key, -device, -position) pairs best first while both sides are free."""
+    for _, neg_d, neg_r in pairs:
+        r, d = -neg_r, -neg_d
+        if r in out or d in used:
+            continue
+        out[r] = d
+        used.add(d)
+        if len(out) == wanted:
+            break
+    return out
 
 
 def _place_slice(problem: _Problem, sl: _SliceInfo, state: _State, free_devices: set[int],
@@ -550,27 +587,28 @@ def _place_slice(problem: _Problem, sl: _SliceInfo, state: _State, free_devices:
 
 def _pick_island(scorer: _Scorer, positions: range, available: dict[int, list[int]], free_count: list[int],
                  pending: list[int], mode: str) -> tuple[int, dict[int, int]] | None:
-    """Best island for one block of positions, keeping the rest of the wave packable when possible."""
+    """Best island for one block of positions, keeping the rest of the wave packable when possible.
+
+    Islands are ranked on cheap bounds (rows already in the island, the best local copy per position, the
+    weights and free memory of its best devices); only the winner is matched device by device."""
     size = len(positions)
     candidates = []
     for island, devs in available.items():
         if len(devs) < size:
             continue
-        matched = scorer.match(positions, devs, mode)
-        chosen = list(matched.values())
-        in_island = scorer.island_bytes(positions, island) if scorer.sources else 0.0
-        local = sum(scorer.local_bytes(r, d) for r, d in matched.items()) if scorer.sources else 0.0
-        shared = sum(scorer.shared(d) for d in chosen)
-        min_free = min(scorer.free_after(d) for d in chosen)
+        in_island = scorer.island_bytes(positions, island)
+        local = scorer.best_local_bytes(positions, devs)
+        shared = sum(sorted((scorer.shared(d) for d in devs), reverse=True)[:size])
+        min_free = sorted((scorer.free_after(d) for d in devs), reverse=True)[size - 1]
         key = (in_island, local, shared, min_free) if mode == "comm" else (min_free, in_island, local, shared)
         caps = list(free_count)
         caps[island] -= size
-        candidates.append((_packable(caps, pending), key, -island, matched))
+        candidates.append((_packable(caps, pending), key, -island))
     if not candidates:
         return None
-    candidates.sort(key=lambda c: (c[0], c[1], c[2]), reverse=True)
-    packable, _, neg_island, matched = candidates[0]
-    return -neg_island, matched
+    _, _, neg_island = max(candidates)
+    island = -neg_island
+    return island, scorer.match(positions, available[island], mode)
 
 
 def _place_split(scorer: _Scorer, fitting: list[int], mode: str) -> list[int]:
