@@ -6,7 +6,8 @@ A profile is a JSON document (written by tools/profile.py through ``save_profile
      "workload": "tiny-clip", "workload_digest": "<Workload.digest()>", "gpu": "A800-80GB",
      "points": {"t1/vision": [{"n": 2, "tp": 1, "dp": 2, "seconds": 0.0012}, ...], ...}}
 
-Seconds are per operator (one layer), forward + backward. Profiles are keyed by the workload digest: input
+Seconds are per operator (one layer), forward + backward. ``extra`` top-level sections (tools/profile.py writes
+"hardware", "versions", "bandwidth", "settings", "measurements") are kept as given and ignored when loading. Profiles are keyed by the workload digest: input
 shapes decide MetaOp identity and times, so a profile of another workload is refused. Times also depend on the
 GPU, so its type must match; the cluster may differ in size: points for more devices than the cluster has are
 dropped, the rest keep their meaning.
@@ -32,9 +33,18 @@ PROFILE_FORMAT = "megatron-spindle-profile"
 PROFILE_VERSION = 1
 
 
+RESERVED_KEYS = ("format", "version", "workload", "workload_digest", "gpu", "points")
+
+
 def profile_to_dict(
-    workload: Workload, cluster: ClusterSpec, points: Mapping[str, Sequence[CurvePoint]]
+    workload: Workload,
+    cluster: ClusterSpec,
+    points: Mapping[str, Sequence[CurvePoint]],
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    clash = sorted(set(extra or {}) & set(RESERVED_KEYS))
+    if clash:
+        raise EstimatorError(f"profile: extra sections may not replace {clash}")
     return {
         "format": PROFILE_FORMAT,
         "version": PROFILE_VERSION,
@@ -47,6 +57,7 @@ def profile_to_dict(
             ]
             for metaop, pts in sorted(points.items())
         },
+        **dict(extra or {}),
     }
 
 
@@ -55,11 +66,15 @@ def _order(p: CurvePoint) -> tuple[int, int]:
 
 
 def save_profile_points(
-    path: str | Path, workload: Workload, cluster: ClusterSpec, points: Mapping[str, Sequence[CurvePoint]]
+    path: str | Path,
+    workload: Workload,
+    cluster: ClusterSpec,
+    points: Mapping[str, Sequence[CurvePoint]],
+    extra: Mapping[str, Any] | None = None,
 ) -> None:
-    """Write a profile atomically (a temporary file renamed into place)."""
+    """Write a profile atomically (a temporary file renamed into place); ``extra``: more top-level sections."""
     path = Path(path)
-    blob = json.dumps(profile_to_dict(workload, cluster, points), indent=1)
+    blob = json.dumps(profile_to_dict(workload, cluster, points, extra), indent=1)
     fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:
