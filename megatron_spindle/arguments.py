@@ -46,6 +46,9 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--spindle-solver-workers", type=int, default=2, help="CP-SAT search workers.")
     g.add_argument("--spindle-cross-level-overlap", action="store_true",
                    help="CP-SAT: let a MetaOp start when its own producers end instead of at the level barrier.")
+    g.add_argument("--spindle-recompute", choices=["auto", "none", "full"], default="auto",
+                   help="Full activation recomputation of transformer layers: auto plans without it and switches "
+                        "it on only when the plan does not fit device memory otherwise.")
     g.add_argument("--spindle-profile", default=None,
                    help="Profile JSON from tools/profile.py; its measured points replace the analytic cost model.")
     return parser
@@ -73,7 +76,8 @@ def planner_config_from_args(args: argparse.Namespace):
     return PlannerConfig(planner=args.spindle_planner, inverse=args.spindle_inverse,
                          placement=args.spindle_placement, solver_time_limit=args.spindle_solver_time_limit,
                          solver_workers=args.spindle_solver_workers,
-                         cross_level_overlap=args.spindle_cross_level_overlap)
+                         cross_level_overlap=args.spindle_cross_level_overlap,
+                         recompute=args.spindle_recompute)
 
 
 def build_parser(description: str, groups: list[Callable], extra_args_provider: Callable | None = None):

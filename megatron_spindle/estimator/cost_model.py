@@ -55,6 +55,10 @@ class CostModelConfig:
     launch_seconds: float = 6e-6
     # Gradients are reduced in fp32 (main grads of mixed precision; the memory model counts 4 bytes for them).
     grad_bytes: int = 4
+    # Full activation recomputation of transformer layers (Megatron's --recompute-granularity full): the
+    # backward pass reruns each layer's forward, so a layer costs 4 forward passes instead of 3, and only each
+    # layer's input is kept from forward to backward (see MemoryModel).
+    recompute: bool = False
 
     def __post_init__(self):
         if not 0 < self.efficiency_max <= 1 or not 0 < self.memory_efficiency <= 1:
@@ -187,7 +191,8 @@ class AnalyticCostModel:
 
     def flops(self, metaop: MetaOp) -> float:
         """Forward + backward FLOPs of ONE operator of ``metaop`` for its whole batch (backward = 2x forward)."""
-        return FWD_BWD_FACTOR * self.forward_flops(metaop)
+        factor = FWD_BWD_FACTOR + (1 if self.config.recompute and metaop.kind == "layer" else 0)
+        return factor * self.forward_flops(metaop)
 
     # ------------------------------------------------------------------------------ memory-bound bytes
 

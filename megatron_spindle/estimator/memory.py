@@ -96,6 +96,11 @@ class MemoryModel:
         if metaop.kind == "layer":
             module = self.workload.modules[metaop.module]
             per_layer = self._transformer_layer(module, micro_batch, metaop.tokens, tp) * self.dtype_bytes / 2
+            if self.cost_model.config.recompute and num_layers:
+                # Only each layer's input stays (replicated on TP ranks); one layer's full activations exist
+                # while it is recomputed in backward.
+                layer_input = micro_batch * metaop.tokens * module.hidden_size * self.dtype_bytes
+                return num_layers * layer_input + per_layer
             return num_layers * per_layer
         return num_layers * self._light_op(metaop, micro_batch)
 

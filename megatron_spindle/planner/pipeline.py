@@ -11,20 +11,23 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel, estimate_curves
+from megatron_spindle.estimator.cost_model import CostModelConfig
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.planner.allocator import allocate_level
 from megatron_spindle.planner.assemble import assemble_plan
-from megatron_spindle.planner.placement import place
-from megatron_spindle.planner.plan import Plan
+from megatron_spindle.planner.placement import PlacementError, place
+from megatron_spindle.planner.plan import Plan, PlanError
 from megatron_spindle.planner.schedule import LevelAllocation, ScheduledWave
 from megatron_spindle.planner.validate import validate_plan
 from megatron_spindle.planner.wavefront import schedule_levels
 
 PLANNERS = ("wavefront", "cpsat")
+MEMORY_SHARES = (0.5, 0.25, 0.125, 0.0625)
 INVERSES = ("rate", "time")
 PLACEMENTS = ("spindle", "sequential")
+RECOMPUTE = ("auto", "none", "full")
 
 
 @dataclass
@@ -35,10 +38,11 @@ class PlannerConfig:
     solver_time_limit: float = 10.0
     solver_workers: int = 2
     cross_level_overlap: bool = False
+    recompute: str = "auto"  # activation recomputation: auto = only when the plan does not fit otherwise
 
     def __post_init__(self):
         for name, value, allowed in (("planner", self.planner, PLANNERS), ("inverse", self.inverse, INVERSES),
-                                     ("placement", self.placement, PLACEMENTS)):
+                                     ("placement", self.placement, PLACEMENTS), ("recompute", self.recompute, RECOMPUTE)):
             if value not in allowed:
                 raise ValueError(f"unknown {name} '{value}' (expected one of {', '.join(allowed)})")
         if self.solver_time_limit < 0:
@@ -83,23 +87,26 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
     metagraph = build_metagraph(workload)
     say(f"graph: {len(metagraph.metaops)} MetaOps in {len(metagraph.levels)} MetaLevels")
     lap("contract")
-    cost_model = AnalyticCostModel(workload, cluster)
-    memory_model = MemoryModel(workload, cluster, cost_model)
-    curves = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile)
-    say(f"scaling curves: {len(curves)} ({sum(c.source == 'profiled' for c in curves.values())} profiled)")
-    lap("estimate")
-    N = cluster.num_devices
-    level_allocs = [
-        allocate_level(k, [metagraph.metaops[m] for m in level], curves, N, mode=config.inverse)
-        for k, level in enumerate(metagraph.levels)
-    ]
-    lap("allocate")
-    waves = schedule_levels(level_allocs, metagraph, curves, N)
-    say(f"wavefront: {len(waves)} waves")
-    lap("schedule")
-    placed = place(waves, metagraph, workload, cluster, cost_model, memory_model, strategy=config.placement)
-    lap("place")
-    settings: dict[str, Any] = {"planner": "wavefront", "requested": asdict(config)}
+    recompute_modes = {"none": [False], "full": [True], "auto": [False, True]}[config.recompute]
+    for i, recompute in enumerate(recompute_modes):
+        cost_model = AnalyticCostModel(workload, cluster, config=CostModelConfig(recompute=recompute))
+        memory_model = MemoryModel(workload, cluster, cost_model)
+        curves = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile)
+        say(f"scaling curves: {len(curves)} ({sum(c.source == 'profiled' for c in curves.values())} profiled)"
+            + (", activation recomputation on" if recompute else ""))
+        try:
+            curves, level_allocs, placed = _allocate_schedule_place(metagraph, workload, cluster, config, curves,
+                                                                    cost_model, memory_model, say)
+            break
+        except PlanError:
+            if i == len(recompute_modes) - 1:
+                raise
+            say("the plan does not fit device memory without recomputation; replanning with "
+                "full activation recomputation")
+    say(f"wavefront: {len(placed)} waves")
+    lap("estimate+allocate+schedule+place")
+    settings: dict[str, Any] = {"planner": "wavefront", "requested": asdict(config),
+                                "recompute": cost_model.config.recompute}
     solver = None
     final = placed
     if config.planner == "cpsat":
@@ -120,3 +127,57 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
     lap("assemble")
     plan.planner["planning_seconds"] = sum(timings.values())
     return PlanningResult(plan, metagraph, curves, level_allocs, placed, cost_model, memory_model, timings, solver)
+
+
+def _allocate_schedule_place(metagraph, workload, cluster, config, curves, cost_model, memory_model, say):
+    """Allocation, waves and placement, memory-aware: the paper's allocator ignores memory, and a heavy MetaOp on
+    too few devices cannot hold its activations. Each MetaOp may first use at most half a device for its own
+    chain; when placement still runs out of memory the share is halved and everything is replanned."""
+    N = cluster.num_devices
+    for attempt, share in enumerate(MEMORY_SHARES):
+        bounded = memory_bounded_curves(metagraph, curves, memory_model, cluster, share)
+        level_allocs = [
+            allocate_level(k, [metagraph.metaops[m] for m in level], bounded, N, mode=config.inverse)
+            for k, level in enumerate(metagraph.levels)
+        ]
+        waves = schedule_levels(level_allocs, metagraph, bounded, N)
+        try:
+            placed = place(waves, metagraph, workload, cluster, cost_model, memory_model,
+                           strategy=config.placement)
+            return bounded, level_allocs, placed
+        except PlacementError as e:
+            if attempt == len(MEMORY_SHARES) - 1:
+                raise PlanError(f"the plan does not fit device memory: {e}") from e
+            say(f"placement out of memory; replanning with at most {100 * MEMORY_SHARES[attempt + 1]:.0f}% "
+                f"of a device per MetaOp")
+    raise AssertionError("unreachable")
+
+
+def memory_footprint(metaop, tp: int, dp: int, memory_model: MemoryModel) -> float:
+    """Bytes per device of a MetaOp's whole chain at (tp, dp): parameter state plus activations held for backward."""
+    L = metaop.num_layers
+    return (memory_model.slice_param_state_bytes(metaop, tp, 0, L)
+            + memory_model.activation_bytes(metaop, tp, dp, L))
+
+
+def memory_bounded_curves(metagraph: MetaGraph, curves: dict[str, Any], memory_model: MemoryModel,
+                          cluster: ClusterSpec, share: float) -> dict[str, Any]:
+    """Each curve restricted to the device counts whose footprint fits ``share`` of a device; when none does,
+    the largest count that fits the whole device. A MetaOp that fits on no valid count is an error naming it."""
+    capacity = cluster.gpu.memory_bytes
+    bounded = {}
+    for mid, curve in curves.items():
+        m = metagraph.metaops[mid]
+        need = {n: memory_footprint(m, *curve.config(n), memory_model) for n in curve.valid_ns}
+        fits = [n for n in curve.valid_ns if need[n] <= share * capacity]
+        if not fits:
+            fits = [n for n in curve.valid_ns if need[n] <= capacity][-1:]
+        if not fits:
+            n_max = curve.valid_ns[-1]
+            raise PlanError(
+                f"MetaOp '{mid}' (batch {m.batch}, {m.num_layers} layers) does not fit device memory: it needs "
+                f"{need[n_max] / 2**30:.1f} GiB per device even on {n_max} devices (tp x dp = "
+                f"{'x'.join(map(str, curve.config(n_max)))}), the device has {capacity / 2**30:.1f} GiB; no "
+                f"allocation can split it further (more devices, a batch with more divisors or a smaller batch)")
+        bounded[mid] = curve.at_least(fits[0]) if fits[0] > curve.valid_ns[0] else curve
+    return bounded
