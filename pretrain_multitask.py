@@ -38,9 +38,10 @@ def engine_provider(plan, workload, rank, world_size, args, batch_fn):
     return RuntimeEngine(plan, workload, rank, world_size, config, batch_fn=batch_fn)
 
 
-def main(argv=None, extra_args_provider=None):
+def main(argv=None, extra_args_provider=None, history=None):
     return pretrain(train_valid_test_datasets_provider, engine_provider, argv=argv,
-                    extra_args_provider=extra_args_provider, description=__doc__.strip().splitlines()[0])
+                    extra_args_provider=extra_args_provider, description=__doc__.strip().splitlines()[0],
+                    history=history)
 
 
 if __name__ == "__main__":

@@ -118,8 +118,9 @@ def get_plan(args, workload, world_size: int, rank: int):
 
 def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[str] | None = None,
              extra_args_provider: Callable | None = None, description: str = "Multi-task multi-modal training "
-             "with Spindle plans") -> int:
-    """Parse flags, check them, and train. User errors end in one line on stderr and exit code 2."""
+             "with Spindle plans", history: list | None = None) -> int:
+    """Parse flags, check them, and train. User errors end in one line on stderr and exit code 2.
+    ``history``, when given, receives the StepRecord of every logged iteration (rank 0)."""
     parser = build_pretrain_parser(description, extra_args_provider)
     args = parser.parse_args(argv)
     prog = Path(sys.argv[0]).name if argv is None else "pretrain_multitask.py"
@@ -134,7 +135,9 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
         datasets = datasets_provider(workload, args, data_paths)
         info = init_distributed(cuda)
         try:
-            train(args, workload, datasets, engine_provider, info, loss_weights, sampling_weights)
+            records = train(args, workload, datasets, engine_provider, info, loss_weights, sampling_weights)
+            if history is not None:
+                history.extend(records)
         finally:
             if info.owns_group and dist.is_initialized():
                 dist.destroy_process_group()
@@ -200,7 +203,7 @@ def load(args, engine, loader, workload, info: DistInfo) -> int:
 
 
 def train(args, workload, datasets, engine_provider, info: DistInfo, loss_weights: dict[str, float],
-          sampling_weights: dict[str, float]) -> None:
+          sampling_weights: dict[str, float]) -> list:
     from megatron_spindle.data.datasets import MultiTaskDataLoader
     from megatron_spindle.planner.report import draw_gantt, plan_summary
     from megatron_spindle.training.engine_state import (WaveTimer, set_learning_rate, set_loss_weights)
@@ -232,7 +235,7 @@ def train(args, workload, datasets, engine_provider, info: DistInfo, loss_weight
     tb = TensorBoardLogger(args.tensorboard_dir if info.rank == 0 else None)
     predicted_ms = plan.predicted.get("iteration_time", plan.iteration_time) * 1e3
     last_saved = start if args.load and args.load == args.save else None
-    n, elapsed = 0, 0.0
+    n, elapsed, records = 0, 0.0, []
     print_rank_0(f"training {workload.name} for {args.train_iters} iterations from iteration {start} on "
                  f"{info.world_size} rank(s)")
     try:
@@ -253,6 +256,7 @@ def train(args, workload, datasets, engine_provider, info: DistInfo, loss_weight
                 print_rank_0(format_log_line(rec))
                 print_rank_0(format_wave_line(rec))
                 tb.log(rec)
+                records.append(rec)
                 timer.reset()
                 n, elapsed = 0, 0.0
             if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
@@ -268,3 +272,4 @@ def train(args, workload, datasets, engine_provider, info: DistInfo, loss_weight
         where += [f"TensorBoard logs: {args.tensorboard_dir}"] if args.tensorboard_dir else []
         if where:
             print("done. " + "; ".join(where), flush=True)
+    return records
