@@ -152,7 +152,8 @@ def _total_devices(points: Mapping[str, list[tuple[int, float]]], num_layers: Ma
     return sum(_inverse_on_points(p, c / num_layers[m], mode) for m, p in points.items())
 
 
-def _piece_coefficients(points: list[tuple[int, float]], L: int, c: float, mode: str) -> tuple[float, float, float]:
+def _piece_coefficients(points: list[tuple[int, float]], L: int, c: float,
+                        mode: str) -> tuple[float, float, float]:
     """(a, b, d) with T^-1(C/L) = a + b/C + d*C for C near ``c`` (inside one piece of the curve)."""
     target = c / L
     n_min, t_n_min = points[0]
@@ -168,8 +169,8 @@ def _piece_coefficients(points: list[tuple[int, float]], L: int, c: float, mode:
     return (t_hi * n_lo - t_lo * n_hi) / (t_hi - t_lo), 0.0, (n_hi - n_lo) / (L * (t_hi - t_lo))
 
 
-def _solve_on_piece(points: Mapping[str, list[tuple[int, float]]], num_layers: Mapping[str, int], c_left: float,
-                    c_right: float, num_devices: int, mode: str) -> float | None:
+def _solve_on_piece(points: Mapping[str, list[tuple[int, float]]], num_layers: Mapping[str, int],
+                    c_left: float, c_right: float, num_devices: int, mode: str) -> float | None:
     """The C in [c_left, c_right] with sum n(C) = N, given that no curve changes piece strictly inside.
 
     Inside one piece each n_m(C) is a + b/C + d*C (rate mode: d = 0), so the equation is at most quadratic.
@@ -184,7 +185,8 @@ def _solve_on_piece(points: Mapping[str, list[tuple[int, float]]], num_layers: M
         roots = [b / (num_devices - a)] if a < num_devices else []
     else:
         disc = (a - num_devices) ** 2 - 4.0 * d * b
-        roots = [] if disc < 0.0 else [(num_devices - a + s * math.sqrt(disc)) / (2.0 * d) for s in (1.0, -1.0)]
+        sqrt_disc = math.sqrt(max(disc, 0.0))
+        roots = [] if disc < 0.0 else [(num_devices - a + s * sqrt_disc) / (2.0 * d) for s in (1.0, -1.0)]
     slack = 1e-9 * (c_right - c_left)
     inside = [min(max(r, c_left), c_right) for r in roots if c_left - slack <= r <= c_right + slack]
     return inside[0] if inside else None
@@ -199,7 +201,8 @@ def _solve_exact(points: Mapping[str, list[tuple[int, float]]], num_layers: Mapp
     Bisection alone leaves C~* up to rel_eps too high, which would report a schedule that meets C~*
     exactly as beating it.
     """
-    cuts = sorted({t * num_layers[m] for m, p in points.items() for _, t in p if c_low < t * num_layers[m] < c_high})
+    breakpoints = {t * num_layers[m] for m, p in points.items() for _, t in p}
+    cuts = sorted(c for c in breakpoints if c_low < c < c_high)
     edges = [c_low, *cuts, c_high]
     for left, right in zip(edges, edges[1:]):
         if _total_devices(points, num_layers, right, mode) <= num_devices:
@@ -209,13 +212,16 @@ def _solve_exact(points: Mapping[str, list[tuple[int, float]]], num_layers: Mapp
 
 
 def bisect_level(metaop_ids: Sequence[str], num_layers: Mapping[str, int], curves: Mapping[str, Curve],
-                 num_devices: int, mode: str = "rate", rel_eps: float = 1e-6) -> tuple[float, dict[str, float]]:
+                 num_devices: int, mode: str = "rate",
+                 rel_eps: float = 1e-6) -> tuple[float, dict[str, float]]:
     """Alg. 2: bisection on C~ until sum_m T_m^-1(C~ / L_m) = N. Returns (C~*, {m: n_m*}).
 
     Bounds: C_low = max_m T_m(N) L_m (T_m at its largest valid n <= N: no MetaOp can finish sooner) and
     C_high = sum_m T_m(1) L_m (everything in sequence on one device). The bracket is halved until its
-    width is at most ``rel_eps`` * C_high, then solved exactly inside it (``_solve_exact``). The C~* returned never needs more than N devices (sum n* <= N up to rounding); it is
-    below N only when every MetaOp is already at its largest valid allocation. With concave rate curves
+    width is at most ``rel_eps`` * C_high, then solved exactly inside it (``_solve_exact``).
+
+    sum n* = N up to rounding, except when C~* = C_low: the slowest MetaOp at its largest valid
+    allocation bounds the level and the others leave devices over (sum n* < N). With concave rate curves
     (diminishing returns), C~* is a lower bound on the makespan of any schedule of the level.
     """
     _check_mode(mode)
@@ -293,7 +299,7 @@ def discretise(metaop_id: str, L: int, n_star: float, c_star: float, curve: Curv
     if rest:
         n_lo = rest[0][0]
         tuples.append((n_lo, L - l_hi))
-    return [(n, l) for n, l in tuples if n > 0 and l > 0]
+    return [(n, layers) for n, layers in tuples if n > 0 and layers > 0]
 
 
 # ------------------------------------------------------------------------------------ one MetaLevel

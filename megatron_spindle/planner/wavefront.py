@@ -90,24 +90,24 @@ def _initial_states(alloc: LevelAllocation, metaops: list[MetaOp], curves: Mappi
         if not tuples:
             raise ScheduleError(f"MetaOp '{mo.id}': allocation has no tuples")
         valid = set(curve.valid_ns)
-        for n, l in tuples:
+        for n, layers in tuples:
+            where = f"MetaOp '{mo.id}': tuple (n={n}, l={layers})"
             if n > num_devices:
-                raise ScheduleError(f"MetaOp '{mo.id}': tuple (n={n}, l={l}) needs more devices than the "
-                                    f"{num_devices} available")
+                raise ScheduleError(f"{where} needs more devices than the {num_devices} available")
             if n not in valid:
-                raise ScheduleError(f"MetaOp '{mo.id}': tuple (n={n}, l={l}) uses a device count that is not "
-                                    f"valid for its curve {sorted(valid)}")
-            if isinstance(l, bool) or not isinstance(l, int) or l < 1:
-                raise ScheduleError(f"MetaOp '{mo.id}': tuple (n={n}, l={l}) must have a positive integer "
-                                    f"layer count")
-        total = sum(l for _, l in tuples)
+                raise ScheduleError(f"{where}: {n} is not a valid device count for its curve {sorted(valid)}")
+            if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+                raise ScheduleError(f"{where} must have a positive integer layer count")
+        total = sum(layers for _, layers in tuples)
         if total != mo.num_layers:
-            raise ScheduleError(f"MetaOp '{mo.id}': tuples cover {total} layers, the MetaOp has {mo.num_layers}")
+            raise ScheduleError(f"MetaOp '{mo.id}': tuples cover {total} layers, the MetaOp has "
+                                f"{mo.num_layers}")
         try:
             faster = [n for n, _ in efficient_points(curve, num_devices, name=f"MetaOp '{mo.id}'")]
         except AllocationError as err:
             raise ScheduleError(str(err)) from err
-        states.append(_MetaOpState(mo.id, curve, [_PendingTuple(n, l) for n, l in tuples], 0, faster))
+        pending = [_PendingTuple(n, layers) for n, layers in tuples]
+        states.append(_MetaOpState(mo.id, curve, pending, next_layer=0, faster_ns=faster))
     return states
 
 

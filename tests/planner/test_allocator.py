@@ -9,6 +9,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from megatron_spindle.estimator.curve import ScalingCurve
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.planner.allocator import (
     AllocationError,
@@ -21,8 +22,8 @@ from megatron_spindle.planner.allocator import (
 
 
 @dataclass
-class TableCurve:
-    """Test double of the estimator's ScalingCurve: per-operator seconds at each valid n, pure DP config."""
+class RawCurve:
+    """A bare duck-typed curve that skips ScalingCurve's own checks: for malformed-curve tests only."""
 
     metaop: str
     table: dict[int, float]
@@ -46,7 +47,7 @@ def make_metaop(metaop_id: str, num_layers: int, level: int = 0) -> MetaOp:
 
 
 @st.composite
-def concave_curves(draw, metaop_id: str = "m", max_n: int = 16) -> TableCurve:
+def concave_curves(draw, metaop_id: str = "m", max_n: int = 16) -> ScalingCurve:
     """Strictly decreasing T whose rate 1/T is concave in n (diminishing returns), valid n including 1."""
     extra = draw(st.lists(st.integers(2, max_n), max_size=5, unique=True))
     ns = sorted({1, *extra})
@@ -57,7 +58,7 @@ def concave_curves(draw, metaop_id: str = "m", max_n: int = 16) -> TableCurve:
         slope *= draw(st.floats(0.05, 1.0))
         rate += (n - prev_n) * slope
         table[n], prev_n = 1.0 / rate, n
-    return TableCurve(metaop_id, table)
+    return ScalingCurve.from_table(metaop_id, table)
 
 
 # ------------------------------------------------------------------------------------ paper Fig. 5a
@@ -74,8 +75,8 @@ FIG5A_LAYERS = {"m1": 8, "m2": 12, "m3": 6}
 FIG5A_TIMES = {"m1": {1: 0.22, 2: 0.12}, "m2": {1: 0.71 / 6, 2: 0.41 / 6}, "m3": {1: 0.1, 2: 0.06}}
 
 
-def fig5a_curves() -> dict[str, TableCurve]:
-    return {m: TableCurve(m, t) for m, t in FIG5A_TIMES.items()}
+def fig5a_curves() -> dict[str, ScalingCurve]:
+    return {m: ScalingCurve.from_table(m, t) for m, t in FIG5A_TIMES.items()}
 
 
 def test_fig5a_rate_mode_matches_the_figure():
@@ -91,7 +92,7 @@ def test_fig5a_rate_mode_matches_the_figure():
         for (_, got), (_, want) in zip(splits[m], tuples):
             assert got == pytest.approx(want, abs=0.5)
     # The real bi-point plans of MetaOps 1 and 2 end exactly at C~* (eq. 10b); MetaOp 3's dummy ends early.
-    spans = {m: sum(curves[m].time(n) * l for n, l in split if n > 0) for m, split in splits.items()}
+    spans = {m: sum(curves[m].time(n) * count for n, count in split if n > 0) for m, split in splits.items()}
     assert spans["m1"] == pytest.approx(c_star, rel=1e-9)
     assert spans["m2"] == pytest.approx(c_star, rel=1e-9)
     assert spans["m3"] == pytest.approx(6 * 0.1) and spans["m3"] < c_star
@@ -122,9 +123,9 @@ def test_bipoint_plan_uses_n_devices_on_average_only_in_rate_mode(mode):
     c_star, n_star = bisect_level(list(curves), FIG5A_LAYERS, curves, FIG5A_N, mode=mode)
     device_seconds = 0.0
     for m, curve in curves.items():
-        for n, l in bipoint_split(m, FIG5A_LAYERS[m], n_star[m], c_star, curve):
+        for n, layers in bipoint_split(m, FIG5A_LAYERS[m], n_star[m], c_star, curve):
             if n > 0:
-                device_seconds += n * curve.time(n) * l
+                device_seconds += n * curve.time(n) * layers
     average_devices = device_seconds / c_star
     if mode == "rate":
         assert average_devices == pytest.approx(FIG5A_N, rel=1e-9)
@@ -139,8 +140,8 @@ def test_fig5a_allocate_level_rounds_and_keeps_layers():
     assert alloc.level == 0
     assert set(alloc.tuples) == set(FIG5A_LAYERS)
     for m, tuples in alloc.tuples.items():
-        assert sum(l for _, l in tuples) == FIG5A_LAYERS[m]
-        assert all(l >= 1 and 1 <= n <= FIG5A_N for n, l in tuples)
+        assert sum(layers for _, layers in tuples) == FIG5A_LAYERS[m]
+        assert all(layers >= 1 and 1 <= n <= FIG5A_N for n, layers in tuples)
         assert [n for n, _ in tuples] == sorted((n for n, _ in tuples), reverse=True)
     assert alloc.tuples["m2"] == [(2, 8), (1, 4)]
     assert alloc.tuples["m3"] == [(1, 6)]
@@ -175,7 +176,7 @@ def test_time_mode_lies_above_rate_mode_between_points(curve, frac):
 
 
 def test_inverse_share_and_saturation():
-    curve = TableCurve("m", {1: 4.0, 2: 2.5, 4: 1.5})
+    curve = ScalingCurve.from_table("m", {1: 4.0, 2: 2.5, 4: 1.5})
     assert inverse_time(curve, 8.0) == pytest.approx(0.5)  # T(1)/target: half a device
     assert inverse_time(curve, 8.0, mode="time") == pytest.approx(0.5)
     assert inverse_time(curve, 1.0) == 4  # faster than T(4) is impossible: the largest valid n
@@ -188,12 +189,12 @@ def test_inverse_share_and_saturation():
 
 def test_inverse_ignores_valid_points_that_are_not_faster():
     # n=3 is slower than n=2 (a bad config): nobody should pay 3 devices for it.
-    curve = TableCurve("m", {1: 4.0, 2: 2.0, 3: 2.5, 4: 1.0})
+    curve = ScalingCurve.from_table("m", {1: 4.0, 2: 2.0, 3: 2.5, 4: 1.0})
     assert inverse_time(curve, 1.5) == pytest.approx(2 + (1 / 1.5 - 0.5) / (1.0 - 0.5) * 2)
 
 
 def test_inverse_without_single_device_config_shares_smallest_allocation():
-    curve = TableCurve("m", {2: 3.0, 4: 2.0})  # e.g. TP=2 is the smallest config that fits memory
+    curve = ScalingCurve.from_table("m", {2: 3.0, 4: 2.0})  # e.g. no single device fits the weights
     assert inverse_time(curve, 6.0) == pytest.approx(1.0)  # 2 devices busy half the time
 
 
@@ -207,7 +208,7 @@ def test_inverse_without_single_device_config_shares_smallest_allocation():
 ])
 def test_inverse_rejects_bad_input(table, target, mode, message):
     with pytest.raises(AllocationError, match=message):
-        inverse_time(TableCurve("m", table), target, mode=mode)
+        inverse_time(RawCurve("m", table), target, mode=mode)
 
 
 # ------------------------------------------------------------------------------------ bisection
@@ -244,7 +245,7 @@ def test_bisection_within_bounds_and_uses_n_devices(mode, level):
     # Theorem 1: every MetaOp's bi-point plan ends at the same C~*.
     for m in ids:
         split = bipoint_split(m, layers[m], n_star[m], c_star, curves[m], max_n=num_devices)
-        span = sum(curves[m].time(n) * l for n, l in split if n > 0)
+        span = sum(curves[m].time(n) * layers for n, layers in split if n > 0)
         if n_star[m] < fastest[m] - 1e-9 and n_star[m] >= 1:
             assert span == pytest.approx(c_star, rel=1e-9)
         else:
@@ -252,7 +253,8 @@ def test_bisection_within_bounds_and_uses_n_devices(mode, level):
 
 
 def test_bisection_single_device_runs_everything_in_sequence():
-    curves = {"a": TableCurve("a", {1: 2.0, 2: 1.2}), "b": TableCurve("b", {1: 0.5})}
+    curves = {"a": ScalingCurve.from_table("a", {1: 2.0, 2: 1.2}),
+              "b": ScalingCurve.from_table("b", {1: 0.5})}
     c_star, n_star = bisect_level(["a", "b"], {"a": 3, "b": 4}, curves, 1)
     assert c_star == pytest.approx(3 * 2.0 + 4 * 0.5)
     assert n_star == pytest.approx({"a": 0.75, "b": 0.25})
@@ -260,7 +262,7 @@ def test_bisection_single_device_runs_everything_in_sequence():
 
 def test_bisection_saturated_level_stops_at_lower_bound():
     # One MetaOp that cannot use more than 4 of 8 devices: C~* is its time on 4.
-    curves = {"a": TableCurve("a", {1: 4.0, 2: 2.2, 4: 1.3})}
+    curves = {"a": ScalingCurve.from_table("a", {1: 4.0, 2: 2.2, 4: 1.3})}
     c_star, n_star = bisect_level(["a"], {"a": 10}, curves, 8)
     assert c_star == pytest.approx(13.0)
     assert n_star == {"a": 4.0}
@@ -268,7 +270,7 @@ def test_bisection_saturated_level_stops_at_lower_bound():
 
 def test_bisection_hits_exact_optimum_on_valid_points():
     # Two identical MetaOps on 2 devices: the optimum is exactly one device each, C~* = T(1) L.
-    curves = {m: TableCurve(m, {1: 1.0, 2: 0.6}) for m in "ab"}
+    curves = {m: ScalingCurve.from_table(m, {1: 1.0, 2: 0.6}) for m in "ab"}
     c_star, n_star = bisect_level(["a", "b"], {"a": 5, "b": 5}, curves, 2)
     assert c_star == pytest.approx(5.0, rel=1e-12)
     assert n_star == pytest.approx({"a": 1.0, "b": 1.0}, rel=1e-9)
@@ -283,11 +285,11 @@ def test_bisection_hits_exact_optimum_on_valid_points():
     (dict(ids=["a", "x"]), "'x' has no scaling curve"),
     (dict(mode="exact"), "unknown inverse mode"),
     (dict(rel_eps=0.0), "rel_eps"),
-    (dict(curves={"a": TableCurve("a", {8: 1.0})}), "smallest valid device count 8"),
+    (dict(curves={"a": ScalingCurve.from_table("a", {8: 1.0})}), "smallest valid device count 8"),
 ])
 def test_bisection_rejects_bad_input(kwargs, message):
-    args = dict(ids=["a"], layers={"a": 2}, curves={"a": TableCurve("a", {1: 1.0, 2: 0.6})}, num_devices=4,
-                mode="rate", rel_eps=1e-6)
+    args = dict(ids=["a"], layers={"a": 2}, curves={"a": ScalingCurve.from_table("a", {1: 1.0, 2: 0.6})},
+                num_devices=4, mode="rate", rel_eps=1e-6)
     args.update(kwargs)
     with pytest.raises(AllocationError, match=message):
         bisect_level(args["ids"], args["layers"], args["curves"], args["num_devices"], mode=args["mode"],
@@ -298,7 +300,7 @@ def test_bisection_rejects_bad_input(kwargs, message):
 
 
 def test_discretise_solves_10a_10b_and_rounds_to_nearest():
-    curve = TableCurve("m", {1: 2.0, 2: 1.0, 4: 0.6})
+    curve = ScalingCurve.from_table("m", {1: 2.0, 2: 1.0, 4: 0.6})
     # l_hi = (T(1) L - C) / (T(1) - T(2)) = (20 - C) / 1
     assert bipoint_split("m", 10, 1.5, 14.6, curve) == [(2, pytest.approx(5.4)), (1, pytest.approx(4.6))]
     assert discretise("m", 10, 1.5, 14.6, curve) == [(2, 5), (1, 5)]
@@ -317,8 +319,8 @@ def test_discretise_keeps_layers_exact_and_non_negative(curve, L, target_frac, c
     # consistent: the C~* that goes with n*; otherwise one deliberately off the bracket
     c_star = target * L if consistent else c_scale * curve.time(1) * L
     tuples = discretise("m", L, n_star, c_star, curve)
-    assert sum(l for _, l in tuples) == L
-    assert all(l >= 1 for _, l in tuples)
+    assert sum(layers for _, layers in tuples) == L
+    assert all(layers >= 1 for _, layers in tuples)
     assert all(n in curve.valid_ns for n, _ in tuples)
     assert 1 <= len(tuples) <= 2
     assert [n for n, _ in tuples] == sorted({n for n, _ in tuples}, reverse=True)
@@ -335,7 +337,7 @@ def test_discretise_keeps_layers_exact_and_non_negative(curve, L, target_frac, c
 ])
 def test_discretise_rejects_bad_input(L, n_star, c_star, message):
     with pytest.raises(AllocationError, match=message):
-        discretise("m", L, n_star, c_star, TableCurve("m", {1: 1.0}))
+        discretise("m", L, n_star, c_star, ScalingCurve.from_table("m", {1: 1.0}))
 
 
 @given(level=levels())
@@ -347,5 +349,6 @@ def test_allocate_level_tuples_cover_every_layer(level):
     assert alloc.level == 3
     assert set(alloc.tuples) == set(ids) == set(alloc.n_star)
     for m in ids:
-        assert sum(l for _, l in alloc.tuples[m]) == layers[m]
-        assert all(l >= 1 and 1 <= n <= num_devices and n in curves[m].valid_ns for n, l in alloc.tuples[m])
+        assert sum(count for _, count in alloc.tuples[m]) == layers[m]
+        for n, count in alloc.tuples[m]:
+            assert count >= 1 and 1 <= n <= num_devices and n in curves[m].valid_ns

@@ -8,30 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_spindle.estimator.curve import CurvePoint, ScalingCurve
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
 from megatron_spindle.planner.allocator import allocate_level
 from megatron_spindle.planner.schedule import LevelAllocation, ScheduledWave
 from megatron_spindle.planner.wavefront import ScheduleError, schedule_level, schedule_levels
-
-
-@dataclass
-class TableCurve:
-    """Test double of the estimator's ScalingCurve: per-operator seconds at each valid n."""
-
-    metaop: str
-    table: dict[int, float]
-    tp: int = 1  # tensor-parallel degree reported by config(n) when it divides n
-
-    @property
-    def valid_ns(self) -> list[int]:
-        return sorted(self.table)
-
-    def time(self, n: int) -> float:
-        return self.table[n]
-
-    def config(self, n: int) -> tuple[int, int]:
-        tp = self.tp if n % self.tp == 0 else 1
-        return tp, n // tp
 
 
 def make_metaop(metaop_id: str, num_layers: int, level: int = 0) -> MetaOp:
@@ -51,7 +32,8 @@ def summary(waves: list[ScheduledWave]) -> list[list[tuple[str, int, int, int]]]
 def test_wave_that_does_not_fill_the_cluster_is_extended():
     # N=4. Wave 1: a(2) + b(2) fill the devices; a's 2 layers (2 s) are shortest, b runs 2 of its 6.
     # Wave 2: only b is left, planned on 2 devices: extension moves it to 4 (0.6 s per layer).
-    curves = {"a": TableCurve("a", {1: 2.0, 2: 1.0}), "b": TableCurve("b", {1: 2.0, 2: 1.0, 4: 0.6})}
+    curves = {"a": ScalingCurve.from_table("a", {1: 2.0, 2: 1.0}),
+              "b": ScalingCurve.from_table("b", {1: 2.0, 2: 1.0, 4: 0.6})}
     alloc = LevelAllocation(level=0, c_star=0.0, n_star={}, tuples={"a": [(2, 2)], "b": [(2, 6)]})
     waves = schedule_level(alloc, [make_metaop("a", 2), make_metaop("b", 6)], curves, 4, t_start=1.5)
     assert summary(waves) == [[("a", 2, 0, 2), ("b", 2, 0, 2)], [("b", 4, 2, 6)]]
@@ -67,15 +49,15 @@ def test_fig5b_first_level_waves_one_and_two():
     # ours, chosen so that, as in the figure, MetaOp 4 (3 layers on 2 devices, 3 s) is the shortest of
     # wave 2: T1(4) = 2 s fits 1 layer, T2(2) = 1.2 s fits 2 layers (2.4 s) into 3 s.
     curves = {
-        "1": TableCurve("1", {1: 7.0, 2: 3.8, 4: 2.0, 8: 1.1}),
-        "2": TableCurve("2", {1: 2.0, 2: 1.2, 4: 0.8}),
-        "4": TableCurve("4", {1: 1.8, 2: 1.0, 4: 0.7}),
-        "5": TableCurve("5", {1: 1.0, 2: 0.6}),
-        "6": TableCurve("6", {1: 1.0, 2: 0.6}),
+        "1": ScalingCurve.from_table("1", {1: 7.0, 2: 3.8, 4: 2.0, 8: 1.1}),
+        "2": ScalingCurve.from_table("2", {1: 2.0, 2: 1.2, 4: 0.8}),
+        "4": ScalingCurve.from_table("4", {1: 1.8, 2: 1.0, 4: 0.7}),
+        "5": ScalingCurve.from_table("5", {1: 1.0, 2: 0.6}),
+        "6": ScalingCurve.from_table("6", {1: 1.0, 2: 0.6}),
     }
     tuples = {"1": [(8, 2), (4, 9)], "2": [(2, 14), (1, 2)], "4": [(2, 3), (1, 13)], "5": [(1, 6)],
               "6": [(1, 6)]}
-    metaops = [make_metaop(m, sum(l for _, l in t)) for m, t in tuples.items()]
+    metaops = [make_metaop(m, sum(layers for _, layers in t)) for m, t in tuples.items()]
     waves = schedule_level(LevelAllocation(0, 0.0, {}, tuples), metaops, curves, 8, t_start=0.0)
     # Wave 1: MetaOp 1's 8-device tuple fills the cluster alone.
     assert summary(waves)[0] == [("1", 8, 0, 2)]
@@ -89,7 +71,7 @@ def test_fig5b_first_level_waves_one_and_two():
 
 
 def test_propose_breaks_device_ties_towards_more_remaining_work():
-    curves = {m: TableCurve(m, {1: 1.0, 2: 0.5}) for m in ("light", "heavy")}
+    curves = {m: ScalingCurve.from_table(m, {1: 1.0, 2: 0.5}) for m in ("light", "heavy")}
     tuples = {"light": [(2, 1)], "heavy": [(2, 8)]}
     metaops = [make_metaop("light", 1), make_metaop("heavy", 8)]
     waves = schedule_level(LevelAllocation(0, 0.0, {}, tuples), metaops, curves, 2, t_start=0.0)
@@ -99,7 +81,7 @@ def test_propose_breaks_device_ties_towards_more_remaining_work():
 def test_extend_raises_the_metaop_with_most_remaining_work_first():
     # N=3: a(1) + b(1) leave one device; a has 4 s of work left, b 2 s, so a moves to 2 devices.
     # T_wave = b's 2 s; a fits floor(2 / 0.6) = 3 layers. Wave 2: a's last layer, extended again.
-    curves = {m: TableCurve(m, {1: 1.0, 2: 0.6}) for m in ("a", "b")}
+    curves = {m: ScalingCurve.from_table(m, {1: 1.0, 2: 0.6}) for m in ("a", "b")}
     tuples = {"a": [(1, 4)], "b": [(1, 2)]}
     waves = schedule_level(LevelAllocation(0, 0.0, {}, tuples), [make_metaop("a", 4), make_metaop("b", 2)],
                            curves, 3, t_start=0.0)
@@ -109,7 +91,7 @@ def test_extend_raises_the_metaop_with_most_remaining_work_first():
 
 def test_align_runs_at_least_one_layer():
     # b's single layer (1 s) is shorter than one layer of a (3 s): a still runs one layer.
-    curves = {"a": TableCurve("a", {1: 3.0}), "b": TableCurve("b", {1: 1.0})}
+    curves = {"a": ScalingCurve.from_table("a", {1: 3.0}), "b": ScalingCurve.from_table("b", {1: 1.0})}
     tuples = {"a": [(1, 2)], "b": [(1, 1)]}
     waves = schedule_level(LevelAllocation(0, 0.0, {}, tuples), [make_metaop("a", 2), make_metaop("b", 1)],
                            curves, 2, t_start=0.0)
@@ -118,8 +100,11 @@ def test_align_runs_at_least_one_layer():
 
 
 def test_slices_take_tp_and_dp_from_the_curve():
-    curves = {"a": TableCurve("a", {1: 2.0, 2: 1.1, 4: 0.6}, tp=2)}
-    waves = schedule_level(LevelAllocation(0, 0.0, {}, {"a": [(4, 3)]}), [make_metaop("a", 3)], curves, 4, 0.0)
+    points = [CurvePoint(1, 1, 1, 2.0), CurvePoint(2, 1, 2, 1.1), CurvePoint(4, 2, 2, 0.6),
+              CurvePoint(4, 1, 4, 0.7)]
+    curves = {"a": ScalingCurve.from_points("a", points)}  # the fastest config at n=4 is tp=2 x dp=2
+    alloc = LevelAllocation(0, 0.0, {}, {"a": [(4, 3)]})
+    waves = schedule_level(alloc, [make_metaop("a", 3)], curves, 4, 0.0)
     assert [(s.n, s.tp, s.dp) for s in waves[0].slices] == [(4, 2, 2)]
 
 
@@ -127,7 +112,7 @@ def test_slices_take_tp_and_dp_from_the_curve():
 
 
 def _one_op(tuples, table=None, layers=3, num_devices=4, metaop_ids=("a",)):
-    curves = {"a": TableCurve("a", table or {1: 2.0, 2: 1.0, 4: 0.6})}
+    curves = {"a": ScalingCurve.from_table("a", table or {1: 2.0, 2: 1.0, 4: 0.6})}
     metaops = [make_metaop(m, layers) for m in metaop_ids]
     return schedule_level(LevelAllocation(0, 0.0, {}, tuples), metaops, curves, num_devices, 0.0)
 
@@ -135,7 +120,7 @@ def _one_op(tuples, table=None, layers=3, num_devices=4, metaop_ids=("a",)):
 @pytest.mark.parametrize("call, message", [
     (lambda: _one_op({"a": [(8, 3)]}, table={1: 2.0, 8: 0.3}), "more devices than the 4 available"),
     (lambda: _one_op({"a": [(2, 2)]}), "cover 2 layers, the MetaOp has 3"),
-    (lambda: _one_op({"a": [(3, 3)]}), "not valid for its curve"),
+    (lambda: _one_op({"a": [(3, 3)]}), "3 is not a valid device count"),
     (lambda: _one_op({"a": [(2, 0), (1, 3)]}), "positive integer layer count"),
     (lambda: _one_op({"a": []}), "no tuples"),
     (lambda: _one_op({"a": [(2, 3)], "z": [(1, 1)]}), r"unknown \['z'\]"),
@@ -148,11 +133,17 @@ def test_schedule_level_rejects_bad_allocations(call, message):
 
 
 def test_config_that_does_not_match_n_is_an_error():
-    class BadConfigCurve(TableCurve):
+    @dataclass
+    class BadConfigCurve:  # duck-typed: ScalingCurve itself refuses tp * dp != n
+        valid_ns = [1, 2]
+
+        def time(self, n: int) -> float:
+            return {1: 1.0, 2: 0.6}[n]
+
         def config(self, n: int) -> tuple[int, int]:
             return 1, 1
 
-    curves = {"a": BadConfigCurve("a", {1: 1.0, 2: 0.6})}
+    curves = {"a": BadConfigCurve()}
     with pytest.raises(ScheduleError, match=r"config\(2\)"):
         schedule_level(LevelAllocation(0, 0.0, {}, {"a": [(2, 1)]}), [make_metaop("a", 1)], curves, 2, 0.0)
 
@@ -161,7 +152,7 @@ def test_config_that_does_not_match_n_is_an_error():
 
 
 @st.composite
-def concave_curves(draw, metaop_id: str, max_n: int = 16) -> TableCurve:
+def concave_curves(draw, metaop_id: str, max_n: int = 16) -> ScalingCurve:
     """Strictly decreasing T whose rate 1/T is concave in n (diminishing returns), valid n including 1."""
     extra = draw(st.lists(st.integers(2, max_n), max_size=5, unique=True))
     ns = sorted({1, *extra})
@@ -172,7 +163,7 @@ def concave_curves(draw, metaop_id: str, max_n: int = 16) -> TableCurve:
         slope *= draw(st.floats(0.05, 1.0))
         rate += (n - prev_n) * slope
         table[n], prev_n = 1.0 / rate, n
-    return TableCurve(metaop_id, table)
+    return ScalingCurve.from_table(metaop_id, table)
 
 
 @st.composite
@@ -237,7 +228,7 @@ def test_time_mode_allocations_schedule_too(level, mode):
 # ------------------------------------------------------------------------------------ several levels
 
 
-def two_level_graph() -> tuple[MetaGraph, dict[str, TableCurve]]:
+def two_level_graph() -> tuple[MetaGraph, dict[str, ScalingCurve]]:
     metaops = {
         "t1/audio": make_metaop("t1/audio", 6, level=0),
         "t2/vision": make_metaop("t2/vision", 4, level=0),
@@ -246,16 +237,17 @@ def two_level_graph() -> tuple[MetaGraph, dict[str, TableCurve]]:
     edges = [("t1/audio", "t1/lm"), ("t2/vision", "t1/lm")]
     graph = MetaGraph(metaops=metaops, edges=edges, levels=[["t1/audio", "t2/vision"], ["t1/lm"]])
     curves = {
-        "t1/audio": TableCurve("t1/audio", {1: 1.0, 2: 0.6, 4: 0.45}),
-        "t2/vision": TableCurve("t2/vision", {1: 2.0, 2: 1.05, 4: 0.6}),
-        "t1/lm": TableCurve("t1/lm", {1: 4.0, 2: 2.1, 4: 1.2}),
+        "t1/audio": ScalingCurve.from_table("t1/audio", {1: 1.0, 2: 0.6, 4: 0.45}),
+        "t2/vision": ScalingCurve.from_table("t2/vision", {1: 2.0, 2: 1.05, 4: 0.6}),
+        "t1/lm": ScalingCurve.from_table("t1/lm", {1: 4.0, 2: 2.1, 4: 1.2}),
     }
     return graph, curves
 
 
 def test_schedule_levels_concatenates_levels_in_order():
     graph, curves = two_level_graph()
-    allocs = [allocate_level(k, [graph.metaops[m] for m in ids], curves, 4) for k, ids in enumerate(graph.levels)]
+    allocs = [allocate_level(k, [graph.metaops[m] for m in ids], curves, 4)
+              for k, ids in enumerate(graph.levels)]
     waves = schedule_levels(allocs, graph, curves, 4)
     levels = [w.level for w in waves]
     assert levels == sorted(levels) and set(levels) == {0, 1}
@@ -268,7 +260,8 @@ def test_schedule_levels_concatenates_levels_in_order():
 
 def test_schedule_levels_needs_one_allocation_per_level_in_order():
     graph, curves = two_level_graph()
-    allocs = [allocate_level(k, [graph.metaops[m] for m in ids], curves, 4) for k, ids in enumerate(graph.levels)]
+    allocs = [allocate_level(k, [graph.metaops[m] for m in ids], curves, 4)
+              for k, ids in enumerate(graph.levels)]
     with pytest.raises(ScheduleError, match=r"got levels \[1, 0\]"):
         schedule_levels(list(reversed(allocs)), graph, curves, 4)
     with pytest.raises(ScheduleError, match=r"got levels \[0\]"):
