@@ -31,6 +31,7 @@ from megatron_spindle.graph.workload import Workload, load_workload  # noqa: E40
 from megatron_spindle.planner.baselines import BASELINES, BaselineContext  # noqa: E402
 from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload  # noqa: E402
 from megatron_spindle.planner.placement import PlacementError  # noqa: E402
+from megatron_spindle.planner.plan import PlanError  # noqa: E402
 from megatron_spindle.simulator import simulate  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ paper numbers
@@ -80,7 +81,7 @@ def run_cell(name: str, num_gpus: int, spindle_systems, baselines: list[str], lo
     first = spindle_systems[0][1]
     try:
         result, seconds = plan_spindle(workload, cluster, first)
-    except PlacementError:
+    except (PlacementError, PlanError):
         cluster = relaxed(cluster)
         cell["mem_relaxed"] = True
         result, seconds = plan_spindle(workload, cluster, first)
@@ -171,7 +172,7 @@ def fig10_rows(cells_by_key: dict, quick: bool, log) -> list[dict]:
         for placement in ("spindle", "sequential"):
             try:
                 res, _ = plan_spindle(workload, cluster, PlannerConfig(planner="wavefront", placement=placement))
-            except PlacementError:
+            except (PlacementError, PlanError):
                 res, _ = plan_spindle(workload, relaxed(cluster), PlannerConfig(planner="wavefront", placement=placement))
             sim = simulate(res.plan, workload, res.cost_model.cluster, res.cost_model, res.memory_model,
                            metagraph=res.metagraph)
@@ -242,7 +243,7 @@ def scale_row(quick: bool, log) -> dict | None:
     mem_relaxed = False
     try:
         res, secs = plan_spindle(workload, cluster, SPINDLE_SYSTEMS[0][1])
-    except PlacementError:
+    except (PlacementError, PlanError):
         cluster, mem_relaxed = relaxed(cluster), True
         res, secs = plan_spindle(workload, cluster, SPINDLE_SYSTEMS[0][1])
     sim = simulate(res.plan, workload, cluster, res.cost_model, res.memory_model, metagraph=res.metagraph)

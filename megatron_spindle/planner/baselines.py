@@ -16,14 +16,20 @@ All of them run on the same runtime model as Spindle (``simulator/``), so one si
 - ``spindle_seq_plan``: Spindle's runtime with each task given the whole cluster in turn (paper appendix H):
   every MetaOp on the largest valid n with its fastest (tp, dp).
 
+Memory options are tuned like the paper's hand tuning: a plan that does not fit 80 GiB is also built with
+full activation recomputation (and, for DeepSpeed, every ZeRO stage; for Megatron, the distributed optimizer),
+keeping the fastest that fits.
+
 Plan conventions used here (read by the simulator): ``planner["segments"]`` lists the waves of each
 segment that runs forward then backward before the next one (a task of a temporally decoupled system);
-``planner["zero_stage"]`` is the ZeRO stage of the whole plan. Wave start times are a serialisation that
+``planner["zero_stage"]`` is the ZeRO stage of the whole plan, ``planner["recompute"]`` whether layers
+recompute their activations (the cost and memory models must match it). Wave start times are a serialisation that
 ``validate_plan`` accepts; the simulator runs device-disjoint work concurrently (Spindle-Optimus tasks).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +64,25 @@ class BaselineContext:
         cost_model = cost_model or AnalyticCostModel(workload, cluster)
         memory_model = memory_model or MemoryModel(workload, cluster, cost_model)
         return cls(workload, cluster, metagraph or build_metagraph(workload), cost_model, memory_model)
+
+    @property
+    def recompute(self) -> bool:
+        return bool(getattr(getattr(self.cost_model, "config", None), "recompute", False))
+
+    def recomputing(self, flag: bool) -> BaselineContext:
+        """The same context with full activation recomputation on or off (cost and memory models rebuilt)."""
+        if flag == self.recompute:
+            return self
+        key = ("recompute", flag)
+        if key not in self._best:
+            config = dataclasses.replace(self.cost_model.config, recompute=flag)
+            cost_model = AnalyticCostModel(self.workload, self.cluster, dtype_bytes=self.cost_model.dtype_bytes,
+                                           config=config)
+            variant = BaselineContext(self.workload, self.cluster, self.metagraph, cost_model,
+                                      MemoryModel(self.workload, self.cluster, cost_model))
+            variant._best[("recompute", self.recompute)] = self
+            self._best[key] = variant
+        return self._best[key]
 
     def op_time(self, m: MetaOp, tp: int, dp: int) -> float:
         """Planner-style seconds of the whole MetaOp: T(n) (with amortised DP sync) times its layers."""
@@ -112,7 +137,7 @@ def _assemble(ctx: BaselineContext, waves: list[ScheduledWave], segments: list[l
     """Assemble and validate; the plan's memory is the simulator's (ZeRO-aware) peak per device."""
     from megatron_spindle.simulator import simulate
 
-    settings = {**settings, "segments": segments, "zero_stage": zero_stage}
+    settings = {**settings, "segments": segments, "zero_stage": zero_stage, "recompute": ctx.recompute}
     plan = assemble_plan(ctx.workload, ctx.cluster, ctx.metagraph, waves, ctx.cost_model, ctx.memory_model,
                          settings, validate=False)
     result = simulate(plan, ctx.workload, ctx.cluster, ctx.cost_model, ctx.memory_model, metagraph=ctx.metagraph)
@@ -136,6 +161,14 @@ def _pick(plans: Sequence[Plan]) -> Plan:
     best = min(_sim_time(p) for p in fitting)
     close = [p for p in fitting if _sim_time(p) <= best * (1 + TIE)]
     return min(close, key=lambda p: max(p.memory_per_device))
+
+
+def _with_recompute_if_needed(ctx: BaselineContext, build: Callable[[BaselineContext], Plan]) -> Plan:
+    """Build without activation recomputation; when that does not fit memory, also with it, keep the better."""
+    plan = build(ctx.recomputing(False))
+    if plan.planner["memory_ok"]:
+        return plan
+    return _pick([plan, build(ctx.recomputing(True))])
 
 
 def _temporal(ctx: BaselineContext, per_task: Callable[[str], list[list[ScheduledSlice]]], settings: dict[str, Any],
@@ -170,14 +203,18 @@ def deepspeed_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineContex
     """ZeRO data parallel on the whole cluster, task after task; the ZeRO stage picked by the simulator."""
     ctx = ctx or BaselineContext.build(workload, cluster)
     n = cluster.num_devices
+    plans = []
+    for recompute in (False, True):  # the ZeRO stage and activation checkpointing, tuned together
+        c = ctx.recomputing(recompute)
 
-    def per_task(task: str):
-        return _whole_cluster_waves(ctx, task, lambda m: (1, _largest_dp(m.batch, n)))
+        def per_task(task: str, c=c):
+            return _whole_cluster_waves(c, task, lambda m: (1, _largest_dp(m.batch, n)))
 
-    plans = [_temporal(ctx, per_task, {"planner": "deepspeed"}, zero_stage=z) for z in ZERO_STAGES]
+        plans += [_temporal(c, per_task, {"planner": "deepspeed"}, zero_stage=z) for z in ZERO_STAGES]
     plan = _pick(plans)
-    plan.planner["search"] = {f"zero{p.planner['zero_stage']}": {"time": _sim_time(p), "memory_ok": p.planner["memory_ok"]}
-                              for p in plans}
+    plan.planner["search"] = {
+        f"zero{p.planner['zero_stage']}{'+recompute' if p.planner['recompute'] else ''}":
+            {"time": _sim_time(p), "memory_ok": p.planner["memory_ok"]} for p in plans}
     return plan
 
 
@@ -194,15 +231,17 @@ def _megatron_config(ctx: BaselineContext, m: MetaOp, tp: int) -> tuple[int, int
 
 def megatron_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineContext | None = None) -> Plan:
     """TP x DP per task on the whole cluster, task after task; per-task TP by simulated coordinate descent."""
-    ctx = ctx or BaselineContext.build(workload, cluster)
+    ctx = (ctx or BaselineContext.build(workload, cluster)).recomputing(False)
     candidates = [tp for tp in (1, 2, 4, 8, 16) if tp <= cluster.gpus_per_node and cluster.gpus_per_node % tp == 0]
     choice = {t.name: 1 for t in workload.tasks}
 
-    def build(choice: dict[str, int], zero: int) -> Plan:
-        def per_task(task: str):
-            return _whole_cluster_waves(ctx, task, lambda m: _megatron_config(ctx, m, choice[task]))
+    def build(choice: dict[str, int], zero: int, recompute: bool = False) -> Plan:
+        c = ctx.recomputing(recompute)
 
-        return _temporal(ctx, per_task, {"planner": "megatron", "tp_per_task": dict(choice)}, zero_stage=zero)
+        def per_task(task: str):
+            return _whole_cluster_waves(c, task, lambda m: _megatron_config(c, m, choice[task]))
+
+        return _temporal(c, per_task, {"planner": "megatron", "tp_per_task": dict(choice)}, zero_stage=zero)
 
     best = build(choice, 0)
     for task in workload.tasks:
@@ -212,8 +251,8 @@ def megatron_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineContext
                 trials.append(build({**choice, task.name: tp}, 0))
         best = _pick(trials)
         choice = dict(best.planner["tp_per_task"])
-    if not best.planner["memory_ok"]:  # the distributed optimizer (ZeRO-1) as Megatron's memory option
-        best = _pick([best, build(choice, 1)])
+    if not best.planner["memory_ok"]:  # memory options: distributed optimizer (ZeRO-1), recomputation
+        best = _pick([best, build(choice, 1), build(choice, 0, True), build(choice, 1, True)])
     return best
 
 
@@ -275,10 +314,13 @@ def distmm_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineContext |
     ctx = ctx or BaselineContext.build(workload, cluster)
     n = cluster.num_devices
 
-    def per_task(task: str):
-        return [g for level in task_metaops(ctx.metagraph, task) for g in _distmm_level(ctx, level, n)]
+    def build(c: BaselineContext) -> Plan:
+        def per_task(task: str):
+            return [g for level in task_metaops(c.metagraph, task) for g in _distmm_level(c, level, n)]
 
-    return _temporal(ctx, per_task, {"planner": "distmm"})
+        return _temporal(c, per_task, {"planner": "distmm"})
+
+    return _with_recompute_if_needed(ctx, build)
 
 
 # ------------------------------------------------------------------------------------------ Spindle-Optimus
@@ -323,7 +365,10 @@ def optimus_allocation(ctx: BaselineContext) -> list[tuple[list[str], int]]:
 
 def optimus_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineContext | None = None) -> Plan:
     """Tasks concurrently on disjoint device groups sized by marginal gain (Spindle-Optimus)."""
-    ctx = ctx or BaselineContext.build(workload, cluster)
+    return _with_recompute_if_needed(ctx or BaselineContext.build(workload, cluster), _optimus)
+
+
+def _optimus(ctx: BaselineContext) -> Plan:
     groups = sorted(optimus_allocation(ctx), key=lambda g: -g[1])
     all_groups, segments, offset = [], [], 0
     for names, size in groups:
@@ -347,10 +392,13 @@ def spindle_seq_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineCont
     ctx = ctx or BaselineContext.build(workload, cluster)
     n = cluster.num_devices
 
-    def per_task(task: str):
-        return _whole_cluster_waves(ctx, task, lambda m: ctx.best_config(m, n, exact_n=True)[:2])
+    def build(c: BaselineContext) -> Plan:
+        def per_task(task: str):
+            return _whole_cluster_waves(c, task, lambda m: c.best_config(m, n, exact_n=True)[:2])
 
-    return _temporal(ctx, per_task, {"planner": "spindle-seq"})
+        return _temporal(c, per_task, {"planner": "spindle-seq"})
+
+    return _with_recompute_if_needed(ctx, build)
 
 
 BASELINES: dict[str, Callable[..., Plan]] = {

@@ -11,7 +11,8 @@ Execution model (the same for every plan, so that plans from different planners 
   devices it receives from). On wave-aligned Spindle plans this changes little; it lets the baselines whose
   tasks run side by side on disjoint devices (Spindle-Optimus) proceed independently.
 - **Compute.** A slice takes ``layers x (compute + tp_comm + launch + data_comm)`` of the cost model's
-  ``layer_cost(metaop, tp, dp)``: one third forward, two thirds backward (``FWD_BWD_FACTOR``). The per-layer
+  ``layer_cost(metaop, tp, dp)``: one third forward, two thirds backward (``FWD_BWD_FACTOR``; with
+  activation recomputation, ``planner["recompute"]``, a layer's backward also reruns its forward: 1/4, 3/4). The per-layer
   ``dp_sync`` is *not* charged here: gradients are synchronised per parameter device group after the
   backward (below). With ZeRO stage 3 (``planner["zero_stage"]``) every layer also all-gathers its weights
   forward and again backward, on the critical path like the gradient synchronisation (no overlap is
@@ -29,7 +30,10 @@ Execution model (the same for every plan, so that plans from different planners 
   gathers happen in the forward and backward.
 - **Memory.** Per device: the parameter state of every unit it runs, once (weights + fp32 grads + Adam,
   sharded by TP and by ZeRO stage over the slice's DP ranks), plus activations held from a slice's forward
-  to its backward, at the peak of the device's order.
+  to its backward (the memory model's; only layer inputs under recomputation), at the peak of the
+  device's order.
+- **Models.** The cost and memory models must match the plan's ``planner["recompute"]``; ``simulate``
+  rebuilds them when they do not (``matching_models``).
 
 The planner's predicted time (``plan.predicted["iteration_time"]``) sums wave durations of T(n), which
 amortises the DP all-reduce of every layer into T(n) and ignores transfers. The simulator instead times the
@@ -39,6 +43,7 @@ grouped all-reduces after the backward and the transfers; on Spindle plans the t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_spindle.graph.cluster import ClusterSpec
@@ -102,14 +107,7 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=No
              settings: SimSettings | None = None, metagraph: MetaGraph | None = None) -> SimResult:
     """Simulate one iteration of ``plan``; see the module docstring for the execution model."""
     settings = settings or SimSettings()
-    if cost_model is None:
-        from megatron_spindle.estimator import AnalyticCostModel
-
-        cost_model = AnalyticCostModel(workload, cluster)
-    if memory_model is None:
-        from megatron_spindle.estimator import MemoryModel
-
-        memory_model = MemoryModel(workload, cluster, cost_model)
+    cost_model, memory_model = matching_models(plan, workload, cluster, cost_model, memory_model)
     metagraph = metagraph or build_metagraph(workload)
     ctx = _build_context(plan, cluster, metagraph, cost_model, settings)
     run = _run(ctx, with_transfers=settings.transfers)
@@ -151,6 +149,27 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=No
 # ------------------------------------------------------------------------------------------ context
 
 
+def matching_models(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=None, memory_model=None):
+    """Cost and memory models that match the plan's activation recomputation (``planner["recompute"]``):
+    the given ones when they do (or cannot tell: stand-ins without ``config.recompute``), else rebuilt."""
+    from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
+    from megatron_spindle.estimator.cost_model import CostModelConfig
+
+    recompute = bool(plan.planner.get("recompute", False))
+    if cost_model is None:
+        cost_model = AnalyticCostModel(workload, cluster, config=CostModelConfig(recompute=recompute))
+        memory_model = None
+    else:
+        config = getattr(cost_model, "config", None)
+        if isinstance(config, CostModelConfig) and config.recompute != recompute:
+            cost_model = AnalyticCostModel(workload, cluster, dtype_bytes=cost_model.dtype_bytes,
+                                           config=dataclasses.replace(config, recompute=recompute))
+            memory_model = None
+    if memory_model is None:
+        memory_model = MemoryModel(workload, cluster, cost_model)
+    return cost_model, memory_model
+
+
 def _build_context(plan: Plan, cluster: ClusterSpec, metagraph: MetaGraph, cost_model, settings: SimSettings) -> _Context:
     slices = {s.id: s for s in plan.slices()}
     metaops = {}
@@ -161,14 +180,15 @@ def _build_context(plan: Plan, cluster: ClusterSpec, metagraph: MetaGraph, cost_
     zero = int(plan.planner.get("zero_stage", 0))
     if zero not in ZERO_STAGES:
         raise ValueError(f"plan: zero_stage must be one of {ZERO_STAGES}, got {zero}")
-    fraction = settings.forward_fraction
-    if fraction is None:
-        from megatron_spindle.estimator.cost_model import FWD_BWD_FACTOR
+    from megatron_spindle.estimator.cost_model import FWD_BWD_FACTOR
 
-        fraction = 1.0 / FWD_BWD_FACTOR
+    recompute = bool(getattr(getattr(cost_model, "config", None), "recompute", False))
     fwd_time, bwd_time, units = {}, {}, {}
     for sid, s in slices.items():
         m = metaops[s.metaop]
+        fraction = settings.forward_fraction
+        if fraction is None:  # recomputation reruns a layer's forward inside its backward
+            fraction = 1.0 / (FWD_BWD_FACTOR + (1 if recompute and m.kind == "layer" else 0))
         lc = cost_model.layer_cost(m, s.tp, s.dp)
         per_layer = lc.compute + lc.tp_comm + lc.launch + getattr(lc, "data_comm", 0.0)
         fwd, bwd = fraction * per_layer, (1.0 - fraction) * per_layer

@@ -241,3 +241,22 @@ def test_bad_segments_and_zero_stage_are_rejected():
     with pytest.raises(ValueError, match="zero_stage"):
         simulate(_two_wave_plan(w, cluster, [0], [0], [], planner={"zero_stage": 5}), w, cluster, cost,
                  StubMemoryModel(cost, 0.0))
+
+
+def test_recompute_flag_of_the_plan_selects_matching_models():
+    """planner["recompute"]: layers cost 4 forward passes instead of 3 and hold only their inputs; simulate()
+    rebuilds a cost model given for the other setting."""
+    from megatron_spindle.estimator import AnalyticCostModel
+    from megatron_spindle.graph.cluster import make_cluster
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.planner.baselines import BaselineContext, spindle_seq_plan
+
+    w, c = load_workload("tiny-clip"), make_cluster(4)
+    plan = spindle_seq_plan(w, c, BaselineContext.build(w, c))
+    assert plan.planner["recompute"] is False
+    plain = simulate(plan, w, c, AnalyticCostModel(w, c))
+    plan.planner["recompute"] = True
+    again = simulate(plan, w, c, AnalyticCostModel(w, c))  # the given model does not recompute: rebuilt
+    assert again.compute_time > plain.compute_time
+    assert max(again.peak_memory) < max(plain.peak_memory)
+    assert again.iteration_time == pytest.approx(simulate(plan, w, c).iteration_time)
