@@ -80,6 +80,7 @@ class CpSatOptions:
     rounding_tolerance: float = 1e-4  # target relative rounding error of the makespan
     comm_time_fraction: float = 0.25  # share of the time limit for the communication phase
     level_window: int = 1  # cross-level overlap: neighbouring level blocks a MetaOp may move into
+    exact_memory_devices: int = 16  # per-device memory variables only up to this many devices
     memory_unit_bytes: int = 2**20
     comm_unit_bytes: int = 2**20
     seed: int = 0
@@ -108,6 +109,7 @@ class CpSatResult:
     inter_island_bytes: float = 0.0
     greedy_inter_island_bytes: float = 0.0
     cross_level_overlap: bool = False
+    barrier_makespan: float | None = None  # best level-barrier plan, when cross_level_overlap ran
     solve_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -124,6 +126,12 @@ class CpSatResult:
     def improvement(self) -> float:
         """Relative makespan reduction over the greedy plan (0 when the greedy plan is returned)."""
         return 1.0 - self.objective / self.greedy_makespan if self.greedy_makespan else 0.0
+
+    def overlap_gain(self) -> float | None:
+        """Relative makespan reduction of cross-level overlap over the best level-barrier plan."""
+        if self.barrier_makespan is None or not self.barrier_makespan:
+            return None
+        return 1.0 - self.objective / self.barrier_makespan
 
     def summary(self) -> dict[str, Any]:
         """Flat JSON-able dict for plan.planner['solver'] and the plan summary line."""
@@ -142,8 +150,10 @@ class CpSatResult:
             "inter_island_bytes": self.inter_island_bytes,
             "greedy_inter_island_bytes": self.greedy_inter_island_bytes,
             "cross_level_overlap": self.cross_level_overlap,
+            "barrier_makespan": self.barrier_makespan,
+            "overlap_gain": self.overlap_gain(),
             "solve_seconds": self.solve_seconds,
-            "notes": "; ".join(self.notes),
+            "notes": "; ".join(dict.fromkeys(self.notes)),
         }
 
 
@@ -155,44 +165,241 @@ def solve_cpsat(metagraph, workload, cluster, curves, greedy_waves: list[Schedul
                 options: CpSatOptions | None = None, level_allocs=None) -> CpSatResult:
     """Refine the greedy (placed) waves with CP-SAT; see the module docstring for the model.
 
-    ``level_allocs`` (the allocator's LevelAllocations) supply C*; without them C* is left out.
+    ``level_allocs`` (the allocator's LevelAllocations) supply C*; without them C* is recomputed with the
+    allocator's default inverse. With ``cross_level_overlap`` the level-barrier model is solved first (half
+    the time) and its answer is the hint of the overlap model, so the gain of overlap is measured against the
+    best barrier plan (``barrier_makespan`` in the summary).
     """
     opts = options or CpSatOptions()
     greedy_makespan = makespan(greedy_waves)
-    c_star = sum(a.c_star for a in level_allocs) if level_allocs else None
     greedy_comm = inter_island_bytes(greedy_waves, metagraph, cluster, cost_model)
     slice_options = {m: _options_for(m, curves[m], greedy_waves) for m in metagraph.metaops}
     if memory_model is not None:
         check_memory_fits(metagraph, slice_options, memory_model, cluster)
-    base = dict(greedy_makespan=greedy_makespan, c_star=c_star, greedy_inter_island_bytes=greedy_comm,
-                inter_island_bytes=greedy_comm, cross_level_overlap=cross_level_overlap)
+    base = dict(greedy_makespan=greedy_makespan, c_star=_c_star(level_allocs, metagraph, curves, cluster),
+                greedy_inter_island_bytes=greedy_comm, inter_island_bytes=greedy_comm,
+                cross_level_overlap=cross_level_overlap)
     if time_limit <= 0 or not greedy_waves:
         return CpSatResult(greedy_waves, "NOT_RUN", greedy_makespan, None, 0.0, 0.0, True,
                            notes=["time limit 0: the greedy plan is returned unchanged"], **base)
     unit = _time_unit(greedy_makespan, metagraph, opts.rounding_tolerance)
     slice_options = {m: _with_units(o, unit) for m, o in slice_options.items()}
-    builder = _ModelBuilder(metagraph, cluster, slice_options, greedy_waves, cost_model, memory_model,
-                            cross_level_overlap, opts)
-    builder.build()
-    builder.add_greedy_hint()
-    outcome = builder.solve(time_limit, workers)
     rounding = _rounding_bound(metagraph, slice_options, unit)
+    ctx = _Context(metagraph, cluster, slice_options, cost_model, memory_model, opts, workers, workload)
+    stage = _run_stages(ctx, greedy_waves, time_limit, cross_level_overlap)
+    if stage.waves is not None:
+        stage.waves = _finish_placement(ctx, stage.waves, stage.notes)
+    if cross_level_overlap:
+        base["barrier_makespan"] = stage.barrier_makespan
     # the solver bounds the rounded makespan; minus the rounding bound it bounds the real one
-    bound_s = max(0.0, outcome.bound_units * unit - rounding) if outcome.bound_units is not None else None
-    if outcome.waves is None:
-        return CpSatResult(greedy_waves, outcome.status, greedy_makespan, bound_s, unit, rounding, True,
-                           solve_seconds=outcome.seconds,
-                           notes=outcome.notes + ["no solution from the solver: greedy plan returned"], **base)
-    new_makespan = makespan(outcome.waves)
-    new_comm = inter_island_bytes(outcome.waves, metagraph, cluster, cost_model)
+    bound_s = max(0.0, stage.bound_units * unit - rounding) if stage.bound_units is not None else None
+    common = dict(status=stage.status, best_bound=bound_s, time_unit=unit, rounding_error_bound=rounding,
+                  solve_seconds=stage.seconds)
+    if stage.waves is None:
+        return CpSatResult(greedy_waves, objective=greedy_makespan, used_hint_only=True, **common, **base,
+                           notes=stage.notes + ["the solver found no better plan: greedy plan returned unchanged"])
+    new_makespan = makespan(stage.waves)
+    new_comm = inter_island_bytes(stage.waves, metagraph, cluster, cost_model)
     if not _strictly_better(new_makespan, new_comm, greedy_makespan, greedy_comm):
-        return CpSatResult(greedy_waves, outcome.status, greedy_makespan, bound_s, unit, rounding, True,
-                           solve_seconds=outcome.seconds,
-                           notes=outcome.notes + [f"solver plan ({new_makespan:.6g} s) is not better than greedy: "
-                                                  "greedy plan returned unchanged"], **base)
+        return CpSatResult(greedy_waves, objective=greedy_makespan, used_hint_only=True, **common, **base,
+                           notes=stage.notes + [f"solver plan ({new_makespan:.6g} s) is not better than "
+                                                "greedy: greedy plan returned unchanged"])
     base["inter_island_bytes"] = new_comm
-    return CpSatResult(outcome.waves, outcome.status, new_makespan, bound_s, unit, rounding, False,
-                       solve_seconds=outcome.seconds, notes=outcome.notes, **base)
+    return CpSatResult(stage.waves, objective=new_makespan, used_hint_only=False, notes=stage.notes, **common,
+                       **base)
+
+
+@dataclass
+class _Context:
+    """What every model of one solve_cpsat call shares."""
+
+    metagraph: Any
+    cluster: Any
+    slice_options: dict[str, list[SliceOption]]
+    cost_model: Any
+    memory_model: Any
+    opts: CpSatOptions
+    workers: int
+    workload: Any = None
+
+    def builder(self, hint: list[ScheduledWave], overlap: bool, metagraph=None, exact_memory: bool = False,
+                with_comm: bool = False) -> _ModelBuilder:
+        b = _ModelBuilder(metagraph or self.metagraph, self.cluster, self.slice_options, hint, self.cost_model,
+                          self.memory_model, overlap, self.opts, with_comm, exact_memory)
+        b.build()
+        b.add_greedy_hint()
+        return b
+
+    @property
+    def exact_memory(self) -> bool:
+        """Per-device memory in the model: only when it can bind and the cluster is small (the variables
+        grow with devices x slots); otherwise per-slice fit in the model and a check after it."""
+        return (self.cluster.num_devices <= self.opts.exact_memory_devices
+                and _memory_can_bind(self.metagraph, self.slice_options, self.memory_model, self.cluster))
+
+    @property
+    def has_comm(self) -> bool:
+        return self.cluster.num_nodes > 1 and self.cost_model is not None
+
+
+@dataclass
+class _Stage:
+    """The best waves so far and what the solver said about them."""
+
+    waves: list[ScheduledWave] | None
+    status: str
+    bound_units: float | None
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+    barrier_makespan: float | None = None
+
+
+def _run_stages(ctx: _Context, greedy: list[ScheduledWave], time_limit: float, overlap: bool) -> _Stage:
+    """Makespan with the level barrier (per level when memory cannot bind: the levels are independent), then
+    optionally the cross-level overlap model hinted by it, then the communication phase."""
+    comm_time = time_limit * ctx.opts.comm_time_fraction if ctx.has_comm else 0.0
+    main_time = time_limit - comm_time
+    memory_binds = ctx.exact_memory
+    notes = ["memory constraint " + ("active" if memory_binds else "per slice in the model, per device checked after")]
+    barrier_time = main_time / 2 if overlap else main_time
+    if memory_binds:
+        stage = _solve_whole(ctx, greedy, False, barrier_time)
+    else:
+        stage = _solve_per_level(ctx, greedy, barrier_time)
+    stage.notes = notes + stage.notes
+    best = stage.waves if stage.waves is not None and makespan(stage.waves) < makespan(greedy) else greedy
+    stage.barrier_makespan = makespan(best)
+    if overlap:
+        ov = _solve_whole(ctx, best, True, main_time - stage.seconds)
+        stage.notes += [f"barrier stage {stage.status}"] + ov.notes
+        stage.status, stage.bound_units, stage.seconds = ov.status, ov.bound_units, stage.seconds + ov.seconds
+        if ov.waves is not None and makespan(ov.waves) < makespan(best):
+            best = ov.waves
+    if ctx.has_comm:
+        builder = ctx.builder(best, overlap, exact_memory=memory_binds, with_comm=True)
+        waves, seconds, note = builder.solve_comm(time_limit - stage.seconds, ctx.workers)
+        stage.seconds += seconds
+        stage.notes.append(note)
+        best = waves if waves is not None else best
+    stage.waves = None if best is greedy else best
+    return stage
+
+
+def _finish_placement(ctx: _Context, waves: list[ScheduledWave], notes: list[str]) -> list[ScheduledWave] | None:
+    """Devices for the solver's schedule: placement.place() (islands, big flows first, weight co-location,
+    memory with backtracking) unless it fails or moves more bytes across islands than the solver's own
+    ranges; the solver's ranges otherwise. Either must fit every device's memory (shared weights counted
+    once, as the assembler does); if neither does, None (the caller keeps the greedy plan)."""
+    candidates = []
+    replaced = _replace(ctx, waves)
+    if replaced is not None and _fits_memory(ctx, replaced):
+        candidates.append(("placement heuristics", replaced))
+    if _fits_memory(ctx, waves):
+        candidates.append(("solver ranges", waves))
+    if not candidates:
+        notes.append("no placement of the solver schedule fits memory")
+        return None
+    name, best = min(candidates, key=lambda c: inter_island_bytes(c[1], ctx.metagraph, ctx.cluster, ctx.cost_model))
+    notes.append(f"devices from {name}")
+    return best
+
+
+def _replace(ctx: _Context, waves: list[ScheduledWave]) -> list[ScheduledWave] | None:
+    if ctx.workload is None or ctx.cost_model is None or ctx.memory_model is None:
+        return None
+    try:
+        from megatron_spindle.planner.placement import PlacementError, place
+    except ImportError:
+        return None
+    try:
+        return place(waves, ctx.metagraph, ctx.workload, ctx.cluster, ctx.cost_model, ctx.memory_model)
+    except PlacementError:
+        return None
+
+
+def _fits_memory(ctx: _Context, waves: list[ScheduledWave]) -> bool:
+    if ctx.memory_model is None:
+        return True
+    cap = ctx.cluster.gpu.memory_bytes
+    return all(b <= cap for b in device_memory(waves, ctx.metagraph, ctx.memory_model, ctx.cluster))
+
+
+def device_memory(waves: list[ScheduledWave], metagraph, memory_model, cluster) -> list[float]:
+    """Per-device bytes of placed waves: each parameter unit's state once per device (at the largest shard
+    held), plus every slice's activations; the accounting of placement.predicted_memory."""
+    held: list[dict[str, float]] = [{} for _ in range(cluster.num_devices)]
+    act = [0.0] * cluster.num_devices
+    for w in waves:
+        for s in w.slices:
+            mo = metagraph.metaops[s.metaop]
+            units = {u: float(memory_model.param_state_bytes(u, s.tp))
+                     for names in mo.params[s.layer_start:s.layer_end] for u in names}
+            a = float(memory_model.activation_bytes(mo, s.tp, s.dp, s.layer_end - s.layer_start))
+            for d in s.devices or []:
+                act[d] += a
+                for u, b in units.items():
+                    held[d][u] = max(held[d].get(u, 0.0), b)
+    return [act[d] + sum(held[d].values()) for d in range(cluster.num_devices)]
+
+
+def _solve_whole(ctx: _Context, hint: list[ScheduledWave], overlap: bool, limit: float) -> _Stage:
+    builder = ctx.builder(hint, overlap, exact_memory=ctx.exact_memory)
+    status, solver, seconds = builder.solve_makespan(limit, ctx.workers)
+    if solver is None:
+        return _Stage(None, status, None, seconds)
+    return _Stage(builder.extract(solver), status, solver.BestObjectiveBound(), seconds)
+
+
+def _solve_per_level(ctx: _Context, greedy: list[ScheduledWave], limit: float) -> _Stage:
+    """One model per MetaLevel (exact for the barrier objective when memory cannot bind); the time left is
+    shared out in proportion to the levels' model sizes, so levels solved early leave time to the others."""
+    levels = [lv for lv in ctx.metagraph.levels if lv]
+    level_of = {m: k for k, lv in enumerate(levels) for m in lv}
+    hints = [[w for w in greedy if w.slices and level_of[w.slices[0].metaop] == k] for k in range(len(levels))]
+    weights = [len(lv) * (len(h) + ctx.opts.extra_waves) for lv, h in zip(levels, hints)]
+    parts, statuses, bound, seconds, left = [], [], 0.0, 0.0, limit
+    for k, (lv, hint) in enumerate(zip(levels, hints)):
+        share = left * weights[k] / sum(weights[k:])
+        sub = type(ctx.metagraph)({m: ctx.metagraph.metaops[m] for m in lv}, [], [list(lv)])
+        builder = ctx.builder(hint, False, metagraph=sub)
+        status, solver, spent = builder.solve_makespan(share, ctx.workers)
+        seconds, left = seconds + spent, left - spent
+        statuses.append(status)
+        if solver is None:
+            parts.append(hint)
+            bound = None
+            continue
+        parts.append(builder.extract(solver))
+        bound = None if bound is None else bound + solver.BestObjectiveBound()
+    status = "OPTIMAL" if all(s == "OPTIMAL" for s in statuses) else (
+        "FEASIBLE" if all(s in ("OPTIMAL", "FEASIBLE") for s in statuses) else "PARTIAL")
+    return _Stage(_concatenate(parts), status, bound, seconds,
+                  [f"per-level solves: {sum(s == 'OPTIMAL' for s in statuses)}/{len(statuses)} optimal"])
+
+
+def _concatenate(parts: list[list[ScheduledWave]]) -> list[ScheduledWave]:
+    """Waves of consecutive levels, re-timed back to back (each part may start at any time)."""
+    out, t = [], 0.0
+    for waves in parts:
+        for w in sorted(waves, key=lambda w: w.start):
+            out.append(ScheduledWave(w.level, t, w.duration, w.slices))
+            t += w.duration
+    return out
+
+
+def _c_star(level_allocs, metagraph, curves, cluster) -> float | None:
+    """Sum of the levels' relaxed optima C~* (paper eq. 8-9): from the allocator's answers when given."""
+    if level_allocs:
+        return float(sum(a.c_star for a in level_allocs))
+    try:
+        from megatron_spindle.planner.allocator import allocate_level
+    except ImportError:
+        return None
+    try:
+        return float(sum(allocate_level(k, [metagraph.metaops[m] for m in lv], curves, cluster.num_devices).c_star
+                         for k, lv in enumerate(metagraph.levels) if lv))
+    except (ValueError, KeyError, AttributeError, TypeError):
+        return None
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -293,11 +500,16 @@ def inter_island_bytes(waves: list[ScheduledWave], metagraph, cluster, cost_mode
 
 
 def pack_ranges(sizes: list[tuple[int, int]], cluster) -> list[int] | None:
-    """Contiguous start offsets for slices of (n, tp) obeying the model's island/alignment rules, or None.
+    """Contiguous, tp-aligned start offsets for slices of (n, tp) that fit side by side, or None.
 
-    Largest first; a slice that fits a node goes to the first island with room at a tp-aligned offset, a
-    larger one to the first run of free whole islands.
+    First island-friendly (largest first: a slice that fits a node goes into one island, a larger one starts
+    at an island boundary), else plain left-to-right by decreasing tp, which always succeeds when the total
+    fits and the tp degrees divide one another (each start is then a multiple of the next tp).
     """
+    return _pack_islands(sizes, cluster) or _pack_line(sizes, cluster.num_devices)
+
+
+def _pack_islands(sizes: list[tuple[int, int]], cluster) -> list[int] | None:
     G, I = cluster.gpus_per_node, cluster.num_nodes
     free = [[True] * G for _ in range(I)]
     starts: list[int | None] = [None] * len(sizes)
@@ -307,6 +519,23 @@ def pack_ranges(sizes: list[tuple[int, int]], cluster) -> list[int] | None:
         if starts[idx] is None:
             return None
     return starts  # type: ignore[return-value]
+
+
+def _pack_line(sizes: list[tuple[int, int]], num_devices: int) -> list[int] | None:
+    starts: list[int] = [0] * len(sizes)
+    cursor = 0
+    for idx in sorted(range(len(sizes)), key=lambda i: (-sizes[i][1], -sizes[i][0])):
+        n, tp = sizes[idx]
+        cursor = -(-cursor // tp) * tp
+        starts[idx] = cursor
+        cursor += n
+    return starts if cursor <= num_devices else None
+
+
+def tp_degrees_nest(slice_options: dict[str, list[SliceOption]]) -> bool:
+    """True when every pair of tp degrees in use divides one another (then any wave packs into ranges)."""
+    tps = sorted({o.tp for opts in slice_options.values() for o in opts})
+    return all(b % a == 0 for a, b in zip(tps, tps[1:]))
 
 
 def _first_fit(free: list[list[bool]], n: int, tp: int, G: int, I: int) -> int | None:
@@ -332,15 +561,6 @@ def _first_fit(free: list[list[bool]], n: int, tp: int, G: int, I: int) -> int |
 
 
 @dataclass
-class _Outcome:
-    status: str
-    waves: list[ScheduledWave] | None
-    bound_units: float | None
-    seconds: float
-    notes: list[str]
-
-
-@dataclass
 class _Slot:
     """Variables of one (MetaOp, wave slot) pair."""
 
@@ -350,8 +570,8 @@ class _Slot:
     l: list[Any]  # layers per option
     present: Any
     size: Any
-    offset: Any
-    island: Any = None  # island of the range (ranges of n <= gpus_per_node) or its first island
+    offset: Any = None  # first device of the range (models with ranges only)
+    end: Any = None  # offset + size (the interval's end)
     aligned: dict[int, Any] = field(default_factory=dict)  # tp -> q with offset == tp * q
     home: Any = None  # bool: the range lies in the MetaOp's home island
 
@@ -360,8 +580,15 @@ class _ModelBuilder:
     """Builds the wave-slot model; small methods per constraint family."""
 
     def __init__(self, metagraph, cluster, slice_options, greedy_waves, cost_model, memory_model,
-                 cross_level_overlap: bool, opts: CpSatOptions):
+                 cross_level_overlap: bool, opts: CpSatOptions, with_comm: bool = False,
+                 exact_memory: bool = False):
         self.g = metagraph
+        self.level_of = {m: k for k, lv in enumerate(metagraph.levels) for m in lv}
+        self.with_comm = with_comm and cluster.num_nodes > 1 and cost_model is not None
+        self.exact_memory = exact_memory and memory_model is not None
+        # device ranges as variables only where they matter to the objective or the constraints; otherwise
+        # a device count per wave, and ranges packed afterwards (always possible when tp degrees nest)
+        self.ranges = self.exact_memory or self.with_comm or not tp_degrees_nest(slice_options)
         self.cluster = cluster
         self.options = slice_options
         self.greedy = sorted(greedy_waves, key=lambda w: w.start)
@@ -376,10 +603,12 @@ class _ModelBuilder:
         self.slots: dict[tuple[str, int], _Slot] = {}
         self.durations: list[Any] = []
         self.used: list[Any] = []
+        self.first: dict[str, Any] = {}  # cross-level overlap: first / last slot of each MetaOp
+        self.last: dict[str, Any] = {}
         self.home_island: dict[str, Any] = {}
         self.makespan_expr = None
         self.comm_expr = None
-        self.notes: list[str] = []
+        self.hint_units = 0  # model makespan of the hint
 
     # ---------------------------------------------------------------- structure
     def _level_blocks(self) -> list[tuple[int, int]]:
@@ -395,10 +624,10 @@ class _ModelBuilder:
         return blocks
 
     def _wave_level(self, w: ScheduledWave) -> int:
-        return min(self.g.metaops[s.metaop].level for s in w.slices) if w.slices else w.level
+        return min(self.level_of[s.metaop] for s in w.slices)
 
     def _slot_range(self, mid: str) -> range:
-        k = self.g.metaops[mid].level
+        k = self.level_of[mid]
         if not self.overlap:
             return range(*self.blocks[k])
         lo = self.blocks[max(0, k - self.opts.level_window)][0]
@@ -414,14 +643,19 @@ class _ModelBuilder:
             for w in self._slot_range(mid):
                 self.slots[(mid, w)] = self._new_slot(mid, w)
         self._layers_and_durations()
-        self._devices()
+        if self.ranges:
+            self._devices()
+        else:
+            self._capacity()
         if self.overlap:
             self._precedence()
         self._symmetry()
-        if self._memory_can_bind():
+        if self.memory_model is not None:
+            self._slice_memory()
+        if self.exact_memory:
             self._memory()
         self.makespan_expr = sum(self.durations)
-        if self.cluster.num_nodes > 1 and self.cost_model is not None:
+        if self.with_comm:
             self.comm_expr = self._communication()
 
     def _new_slot(self, mid: str, w: int) -> _Slot:
@@ -437,46 +671,49 @@ class _ModelBuilder:
         max_n = max(o.n for o in opts)
         size = m.NewIntVar(0, max_n, f"n[{mid},{w}]")
         m.Add(size == sum(o.n * yc for o, yc in zip(opts, y)))
-        offset = m.NewIntVar(0, self.N - 1, f"o[{mid},{w}]")
-        return _Slot(mid, w, y, lay, present, size, offset)
+        return _Slot(mid, w, y, lay, present, size)
 
     def _layers_and_durations(self) -> None:
         for mid, mo in self.g.metaops.items():
             slots = [s for (m, _), s in self.slots.items() if m == mid]
             self.model.Add(sum(lc for s in slots for lc in s.l) == mo.num_layers)
+        energy: dict[int, list[Any]] = {}
         for s in self.slots.values():
             opts = self.options[s.metaop]
             self.model.Add(self.durations[s.wave] >= sum(o.units * lc for o, lc in zip(opts, s.l)))
+            energy.setdefault(s.wave, []).append(sum(o.n * o.units * lc for o, lc in zip(opts, s.l)))
+        for w, terms in energy.items():
+            # redundant (implied by disjoint devices) but it lifts the LP bound towards C*
+            self.model.Add(self.N * self.durations[w] >= sum(terms))
 
-    def _devices(self) -> None:
-        """Ranges per slot: NoOverlap per wave, inside [0, N), island and tp alignment per option."""
-        G, I = self.cluster.gpus_per_node, self.cluster.num_nodes
+    def _capacity(self) -> None:
+        """Without ranges: the slices of a wave use at most N devices."""
         per_wave: dict[int, list[Any]] = {}
         for s in self.slots.values():
-            end = self.model.NewIntVar(0, self.N, f"e[{s.metaop},{s.wave}]")
-            iv = self.model.NewOptionalIntervalVar(s.offset, s.size, end, s.present, f"iv[{s.metaop},{s.wave}]")
+            per_wave.setdefault(s.wave, []).append(s.size)
+        for sizes in per_wave.values():
+            self.model.Add(sum(sizes) <= self.N)
+
+    def _devices(self) -> None:
+        """Ranges per slot: NoOverlap per wave, inside [0, N), start a multiple of tp (TP groups stay in a
+        node). Ranges may cross islands (the greedy plan's do); the communication phase prices that."""
+        per_wave: dict[int, list[Any]] = {}
+        for s in self.slots.values():
+            s.offset = self.model.NewIntVar(0, self.N - 1, f"o[{s.metaop},{s.wave}]")
+            s.end = self.model.NewIntVar(0, self.N, f"e[{s.metaop},{s.wave}]")
+            iv = self.model.NewOptionalIntervalVar(s.offset, s.size, s.end, s.present, f"iv[{s.metaop},{s.wave}]")
             per_wave.setdefault(s.wave, []).append(iv)
-            s.island = self.model.NewIntVar(0, I - 1, f"isl[{s.metaop},{s.wave}]")
             for o, yc in zip(self.options[s.metaop], s.y):
-                self._option_placement(s, o, yc, s.island, G)
+                if o.tp > 1:
+                    if o.tp not in s.aligned:
+                        s.aligned[o.tp] = self.model.NewIntVar(0, self.N // o.tp, f"q[{s.metaop},{s.wave},{o.tp}]")
+                    self.model.Add(s.offset == o.tp * s.aligned[o.tp]).OnlyEnforceIf(yc)
         for ivs in per_wave.values():
             self.model.AddNoOverlap(ivs)
 
-    def _option_placement(self, s: _Slot, o: SliceOption, yc, island, G: int) -> None:
-        m = self.model
-        if o.n <= G:
-            m.Add(s.offset >= G * island).OnlyEnforceIf(yc)
-            m.Add(s.offset + o.n <= G * island + G).OnlyEnforceIf(yc)
-            if o.tp > 1:
-                if o.tp not in s.aligned:
-                    s.aligned[o.tp] = m.NewIntVar(0, self.N // o.tp, f"q[{s.metaop},{s.wave},{o.tp}]")
-                m.Add(s.offset == o.tp * s.aligned[o.tp]).OnlyEnforceIf(yc)
-        else:
-            m.Add(s.offset == G * island).OnlyEnforceIf(yc)
-
     def _precedence(self) -> None:
         """Cross-level mode: a consumer's first slot is after each producer's last slot."""
-        first, last = {}, {}
+        first, last = self.first, self.last
         for mid in self.g.metaops:
             rng = self._slot_range(mid)
             first[mid] = self.model.NewIntVar(rng.start, rng.stop - 1, f"first[{mid}]")
@@ -514,14 +751,13 @@ class _ModelBuilder:
         mo = self.g.metaops[s.metaop]
         return [_layer_bytes(mo, o, self.memory_model) for o in self.options[s.metaop]]
 
-    def _memory_can_bind(self) -> bool:
-        if self.memory_model is None:
-            return False
-        worst = sum(mo.num_layers * max(_layer_bytes(mo, o, self.memory_model) for o in self.options[mid])
-                    for mid, mo in self.g.metaops.items())
-        binds = worst > self.cluster.gpu.memory_bytes
-        self.notes.append("memory constraint " + ("active" if binds else "cannot bind (skipped)"))
-        return binds
+    def _slice_memory(self) -> None:
+        """Each device of a slice holds all its layers: l <= capacity / per-layer bytes, per option."""
+        cap = self.cluster.gpu.memory_bytes
+        for s in self.slots.values():
+            for per_layer, lc in zip(self._slot_bytes(s), s.l):
+                if per_layer > 0:
+                    self.model.Add(lc <= int(cap // per_layer))
 
     def _memory(self) -> None:
         """Per-device booleans a[s, d] <=> d in the slot's range; sum of the slot bytes on d <= capacity."""
@@ -609,8 +845,13 @@ class _ModelBuilder:
                 self._hint_slot(s, None, 0, 0)
         for d, v in zip(self.durations, durations):
             self.model.AddHint(d, v)
+        self.hint_units = sum(durations)
         for w, u in enumerate(self.used):
             self.model.AddHint(u, any(slot == w for _, slot in hinted))
+        for mid, var in self.first.items():
+            self.model.AddHint(var, min(w for m, w in hinted if m == mid))
+        for mid, var in self.last.items():
+            self.model.AddHint(var, max(w for m, w in hinted if m == mid))
 
     def _hint_wave(self, w: ScheduledWave, slot: int, hinted: set) -> int:
         starts = [_range_start(s.devices, s.n) for s in w.slices]
@@ -628,16 +869,9 @@ class _ModelBuilder:
             longest = max(longest, opts[c].units * layers)
         return longest
 
-    def _ranges_valid(self, slices: list[ScheduledSlice], starts: list[int]) -> bool:
-        G = self.cluster.gpus_per_node
-        for s, st in zip(slices, starts):
-            if st % s.tp:
-                return False
-            if s.n <= G and st // G != (st + s.n - 1) // G:
-                return False
-            if s.n > G and st % G:
-                return False
-        return True
+    @staticmethod
+    def _ranges_valid(slices: list[ScheduledSlice], starts: list[int]) -> bool:
+        return all(st % s.tp == 0 for s, st in zip(slices, starts))
 
     def _hint_slot(self, s: _Slot, c: int | None, layers: int, start: int) -> None:
         m = self.model
@@ -647,52 +881,40 @@ class _ModelBuilder:
             m.AddHint(lc, layers if i == c else 0)
         if c is None:
             m.AddHint(s.size, 0)
+            if self.ranges:
+                m.AddHint(s.offset, 0)
+                m.AddHint(s.end, 0)
+            return
+        m.AddHint(s.size, self.options[s.metaop][c].n)
+        if not self.ranges:
             return
         m.AddHint(s.offset, start)
-        m.AddHint(s.size, self.options[s.metaop][c].n)
-        m.AddHint(s.island, start // self.cluster.gpus_per_node)
+        m.AddHint(s.end, start + self.options[s.metaop][c].n)
         o = self.options[s.metaop][c]
         if o.tp in s.aligned:
             m.AddHint(s.aligned[o.tp], start // o.tp)
 
     # ---------------------------------------------------------------- solve
-    def solve(self, time_limit: float, workers: int) -> _Outcome:
-        comm_share = self.opts.comm_time_fraction if self.comm_expr is not None else 0.0
-        solver = _solver(time_limit * (1 - comm_share), workers, self.opts.seed)
+    def solve_makespan(self, limit: float, workers: int) -> tuple[str, Any, float]:
+        """(status name, solver holding a solution or None, seconds)."""
         self.model.Minimize(self.makespan_expr)
+        solver = _solver(limit, workers, self.opts.seed)
         status = solver.Solve(self.model)
-        seconds = solver.WallTime()
+        found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+        return solver.StatusName(status), solver if found else None, solver.WallTime()
+
+    def solve_comm(self, limit: float, workers: int) -> tuple[list[ScheduledWave] | None, float, str]:
+        """Second objective: inter-island bytes, with the makespan capped at the hint's (lexicographic)."""
+        self.model.Add(self.makespan_expr <= self.hint_units)
+        self.model.Minimize(self.comm_expr)
+        solver = _solver(limit, workers, self.opts.seed)
+        status = solver.Solve(self.model)
         name = solver.StatusName(status)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return _Outcome(name, None, None, seconds, self.notes)
-        bound = solver.BestObjectiveBound()
-        best = int(solver.ObjectiveValue())
-        if self.comm_expr is not None:
-            solver, seconds = self._solve_comm(solver, best, time_limit * comm_share, workers, seconds)
-        waves = self._extract(solver)
-        return _Outcome(name, waves, bound, seconds, self.notes)
+            return None, solver.WallTime(), f"communication phase {name}: makespan-phase plan kept"
+        return self.extract(solver), solver.WallTime(), f"communication phase {name}"
 
-    def _solve_comm(self, phase1, best: int, limit: float, workers: int, seconds: float):
-        """Phase two: same model, makespan capped at phase one's, minimise inter-island bytes."""
-        self.model.ClearHints()
-        for v in self._all_vars():
-            self.model.AddHint(v, phase1.Value(v))
-        self.model.Add(self.makespan_expr <= best)
-        self.model.Minimize(self.comm_expr)
-        solver = _solver(max(limit, 0.01), workers, self.opts.seed)
-        status = solver.Solve(self.model)
-        seconds += solver.WallTime()
-        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            self.notes.append(f"communication phase {solver.StatusName(status)}")
-            return solver, seconds
-        self.notes.append(f"communication phase {solver.StatusName(status)}: phase-one solution kept")
-        return phase1, seconds
-
-    def _all_vars(self) -> list[Any]:
-        proto = self.model.Proto()
-        return [self.model.GetIntVarFromProtoIndex(i) for i in range(len(proto.variables))]
-
-    def _extract(self, solver) -> list[ScheduledWave]:
+    def extract(self, solver) -> list[ScheduledWave]:
         """Slots in order -> waves with float times; layer ranges accumulate per MetaOp."""
         done = {mid: 0 for mid in self.g.metaops}
         waves: list[ScheduledWave] = []
@@ -703,17 +925,37 @@ class _ModelBuilder:
                 if slot != w or not solver.Value(s.present):
                     continue
                 c = next(i for i, yc in enumerate(s.y) if solver.Value(yc))
-                o, layers, start = self.options[mid][c], solver.Value(s.l[c]), solver.Value(s.offset)
+                o, layers = self.options[mid][c], solver.Value(s.l[c])
+                start = solver.Value(s.offset) if self.ranges else 0
                 slices.append(ScheduledSlice(mid, o.n, o.tp, o.dp, done[mid], done[mid] + layers,
                                              o.seconds * layers, list(range(start, start + o.n))))
                 done[mid] += layers
             if not slices:
                 continue
+            if not self.ranges:
+                self._pack(slices)
             duration = max(s.time for s in slices)
             level = min(self.g.metaops[s.metaop].level for s in slices)
             waves.append(ScheduledWave(level, t, duration, slices))
             t += duration
         return waves
+
+    def _pack(self, slices: list[ScheduledSlice]) -> None:
+        starts = pack_ranges([(s.n, s.tp) for s in slices], self.cluster)
+        if starts is None:  # cannot happen when the tp degrees nest and the wave fits N (checked in build)
+            raise RuntimeError("cp-sat: a wave of the solver does not pack into device ranges")
+        for s, st in zip(slices, starts):
+            s.devices = list(range(st, st + s.n))
+
+
+def _memory_can_bind(metagraph, slice_options: dict[str, list[SliceOption]], memory_model, cluster) -> bool:
+    """False when even every MetaOp's largest per-device footprint on one device fits: then the per-device
+    memory variables are left out."""
+    if memory_model is None:
+        return False
+    worst = sum(mo.num_layers * max(_layer_bytes(mo, o, memory_model) for o in slice_options[mid])
+                for mid, mo in metagraph.metaops.items())
+    return worst > cluster.gpu.memory_bytes
 
 
 def _solver(limit: float, workers: int, seed: int) -> cp_model.CpSolver:

@@ -280,16 +280,28 @@ def test_greedy_with_scattered_devices_is_still_a_valid_hint():
     assert res.objective <= 1.2 + 1e-12
 
 
-def test_pack_ranges_respects_islands_and_alignment():
-    cluster = make_cluster(8, gpus_per_node=4, gpu_type_name="CPU")
-    starts = pack_ranges([(2, 2), (1, 1), (4, 2), (1, 1)], cluster)
-    assert starts is not None
-    ranges = [(st, st + n) for st, (n, _) in zip(starts, [(2, 2), (1, 1), (4, 2), (1, 1)])]
-    for (lo, hi), (n, tp) in zip(ranges, [(2, 2), (1, 1), (4, 2), (1, 1)]):
-        assert lo % tp == 0 and lo // 4 == (hi - 1) // 4
-    cells = [d for lo, hi in ranges for d in range(lo, hi)]
+def _cells(starts, sizes):
+    cells = [d for st, (n, _) in zip(starts, sizes) for d in range(st, st + n)]
     assert len(cells) == len(set(cells))
-    assert pack_ranges([(3, 1), (3, 1), (2, 1)], cluster) is None  # 3 + 3 + 2 = 8 but no island fits the 2
+    return cells
+
+
+def test_pack_ranges_prefers_islands_and_keeps_tp_alignment():
+    cluster = make_cluster(8, gpus_per_node=4, gpu_type_name="CPU")
+    sizes = [(2, 2), (1, 1), (4, 2), (1, 1)]
+    starts = pack_ranges(sizes, cluster)
+    for st, (n, tp) in zip(starts, sizes):
+        assert st % tp == 0 and st // 4 == (st + n - 1) // 4  # each range inside one island
+    _cells(starts, sizes)
+
+
+def test_pack_ranges_crosses_islands_only_when_it_must():
+    cluster = make_cluster(8, gpus_per_node=4, gpu_type_name="CPU")
+    sizes = [(3, 1), (3, 1), (2, 2)]  # 3 + 3 + 2 = 8, but no island keeps the 2 whole
+    starts = pack_ranges(sizes, cluster)
+    assert max(_cells(starts, sizes)) < 8
+    assert starts[2] % 2 == 0
+    assert pack_ranges([(4, 1), (4, 1), (1, 1)], cluster) is None  # more than 8 devices
 
 
 # ------------------------------------------------------------------------------------------ memory
