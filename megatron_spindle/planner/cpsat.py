@@ -81,6 +81,7 @@ class CpSatOptions:
     comm_time_fraction: float = 0.25  # share of the time limit for the communication phase
     level_window: int = 1  # cross-level overlap: neighbouring level blocks a MetaOp may move into
     exact_memory_devices: int = 16  # per-device memory variables only up to this many devices
+    deepening_share: float = 0.25  # slot deepening: share of a level's remaining time per step
     memory_unit_bytes: int = 2**20
     comm_unit_bytes: int = 2**20
     seed: int = 0
@@ -223,9 +224,9 @@ class _Context:
     workload: Any = None
 
     def builder(self, hint: list[ScheduledWave], overlap: bool, metagraph=None, exact_memory: bool = False,
-                with_comm: bool = False) -> _ModelBuilder:
+                with_comm: bool = False, block_size: int | None = None) -> _ModelBuilder:
         b = _ModelBuilder(metagraph or self.metagraph, self.cluster, self.slice_options, hint, self.cost_model,
-                          self.memory_model, overlap, self.opts, with_comm, exact_memory)
+                          self.memory_model, overlap, self.opts, with_comm, exact_memory, block_size)
         b.build()
         b.add_greedy_hint()
         return b
@@ -361,20 +362,44 @@ def _solve_per_level(ctx: _Context, greedy: list[ScheduledWave], limit: float) -
     for k, (lv, hint) in enumerate(zip(levels, hints)):
         share = left * weights[k] / sum(weights[k:])
         sub = type(ctx.metagraph)({m: ctx.metagraph.metaops[m] for m in lv}, [], [list(lv)])
-        builder = ctx.builder(hint, False, metagraph=sub)
-        status, solver, spent = builder.solve_makespan(share, ctx.workers)
-        seconds, left = seconds + spent, left - spent
-        statuses.append(status)
-        if solver is None:
-            parts.append(hint)
-            bound = None
-            continue
-        parts.append(builder.extract(solver))
-        bound = None if bound is None else bound + solver.BestObjectiveBound()
+        level = _solve_level(ctx, sub, hint, share)
+        seconds, left = seconds + level.seconds, left - level.seconds
+        statuses.append(level.status)
+        parts.append(level.waves)
+        bound = None if bound is None or level.bound_units is None else bound + level.bound_units
     status = "OPTIMAL" if all(s == "OPTIMAL" for s in statuses) else (
         "FEASIBLE" if all(s in ("OPTIMAL", "FEASIBLE") for s in statuses) else "PARTIAL")
     return _Stage(_concatenate(parts), status, bound, seconds,
                   [f"per-level solves: {sum(s == 'OPTIMAL' for s in statuses)}/{len(statuses)} optimal"])
+
+
+def _solve_level(ctx: _Context, sub, greedy: list[ScheduledWave], limit: float) -> _Stage:
+    """Slot deepening: models of 1, 2, ... wave slots, each hinted by the best plan so far, while they solve
+    to optimality (small models solve fast and good plans often need few waves), then the full model
+    (greedy's waves + extra_waves slots) hinted by the best plan, whose bound is the level's bound."""
+    full = len(greedy) + ctx.opts.extra_waves
+    best, seconds, left = greedy, 0.0, limit
+    for slots in range(1, full):
+        if left < limit * 0.5:
+            break
+        hint = best if len(best) <= slots else []
+        builder = ctx.builder(hint, False, metagraph=sub, block_size=slots)
+        status, solver, spent = builder.solve_makespan(left * ctx.opts.deepening_share, ctx.workers)
+        seconds, left = seconds + spent, left - spent
+        if solver is not None:
+            candidate = builder.extract(solver)
+            if makespan(candidate) < makespan(best):
+                best = candidate
+        if status != "OPTIMAL":
+            break
+    builder = ctx.builder(best, False, metagraph=sub, block_size=max(full, len(best)))
+    status, solver, spent = builder.solve_makespan(left, ctx.workers)
+    seconds += spent
+    if solver is None:
+        return _Stage(best, status, None, seconds)
+    candidate = builder.extract(solver)
+    return _Stage(candidate if makespan(candidate) < makespan(best) else best, status,
+                  solver.BestObjectiveBound(), seconds)
 
 
 def _concatenate(parts: list[list[ScheduledWave]]) -> list[ScheduledWave]:
@@ -581,7 +606,7 @@ class _ModelBuilder:
 
     def __init__(self, metagraph, cluster, slice_options, greedy_waves, cost_model, memory_model,
                  cross_level_overlap: bool, opts: CpSatOptions, with_comm: bool = False,
-                 exact_memory: bool = False):
+                 exact_memory: bool = False, block_size: int | None = None):
         self.g = metagraph
         self.level_of = {m: k for k, lv in enumerate(metagraph.levels) for m in lv}
         self.with_comm = with_comm and cluster.num_nodes > 1 and cost_model is not None
@@ -596,6 +621,7 @@ class _ModelBuilder:
         self.memory_model = memory_model
         self.overlap = cross_level_overlap
         self.opts = opts
+        self.block_size = block_size  # slots per level; default: the hint's waves there plus extra_waves
         self.model = cp_model.CpModel()
         self.N = cluster.num_devices
         self.blocks = self._level_blocks()
@@ -618,7 +644,8 @@ class _ModelBuilder:
             counts[self._wave_level(w)] += 1
         blocks, pos = [], 0
         for k, lv in enumerate(self.g.levels):
-            size = counts[k] + self.opts.extra_waves if lv else 0
+            wanted = counts[k] + self.opts.extra_waves if self.block_size is None else self.block_size
+            size = max(counts[k], wanted) if lv else 0
             blocks.append((pos, pos + size))
             pos += size
         return blocks
@@ -832,6 +859,8 @@ class _ModelBuilder:
     # ---------------------------------------------------------------- hint
     def add_greedy_hint(self) -> None:
         """The greedy plan as a complete solution: wave i of level k -> slot block_k.start + i."""
+        if not self.greedy:
+            return
         counters = {k: lo for k, (lo, _) in enumerate(self.blocks)}
         hinted: set[tuple[str, int]] = set()
         durations = [0] * self.num_slots
