@@ -151,6 +151,7 @@ def test_fig5a_allocate_level_rounds_and_keeps_layers():
 
 
 @pytest.mark.parametrize("mode", ["rate", "time"])
+@settings(deadline=None)  # curve fitting time varies with the machine
 @given(curve=concave_curves())
 def test_inverse_is_exact_at_valid_points(mode, curve):
     for n in curve.valid_ns:
@@ -158,6 +159,7 @@ def test_inverse_is_exact_at_valid_points(mode, curve):
 
 
 @pytest.mark.parametrize("mode", ["rate", "time"])
+@settings(deadline=None)  # curve fitting time varies with the machine
 @given(curve=concave_curves(), fractions=st.lists(st.floats(0.01, 3.0), min_size=2, max_size=20))
 def test_inverse_is_monotone_non_increasing(mode, curve, fractions):
     targets = sorted(f * curve.time(1) for f in fractions)
@@ -166,6 +168,7 @@ def test_inverse_is_monotone_non_increasing(mode, curve, fractions):
     assert all(0 < n <= curve.valid_ns[-1] for n in ns)
 
 
+@settings(deadline=None)  # curve fitting time varies with the machine
 @given(curve=concave_curves(), frac=st.floats(0.01, 0.99))
 def test_time_mode_lies_above_rate_mode_between_points(curve, frac):
     # n(c) is linear in c for "time" and convex in c for "rate" (linear in 1/c): the chord lies above.
@@ -226,7 +229,7 @@ def levels(draw, max_metaops: int = 5):
 
 @pytest.mark.parametrize("mode", ["rate", "time"])
 @given(level=levels())
-@settings(max_examples=150)
+@settings(max_examples=150, deadline=None)
 def test_bisection_within_bounds_and_uses_n_devices(mode, level):
     ids, layers, curves, num_devices = level
     c_star, n_star = bisect_level(ids, layers, curves, num_devices, mode=mode)
@@ -311,6 +314,7 @@ def test_discretise_solves_10a_10b_and_rounds_to_nearest():
     assert discretise("m", 10, 4.0, 6.0, curve) == [(4, 10)]
 
 
+@settings(deadline=None)
 @given(curve=concave_curves(), L=st.integers(1, 64), target_frac=st.floats(0.3, 3.0),
        c_scale=st.floats(0.01, 10.0), consistent=st.booleans())
 def test_discretise_keeps_layers_exact_and_non_negative(curve, L, target_frac, c_scale, consistent):
@@ -341,7 +345,7 @@ def test_discretise_rejects_bad_input(L, n_star, c_star, message):
 
 
 @given(level=levels())
-@settings(max_examples=100)
+@settings(max_examples=100, deadline=None)
 def test_allocate_level_tuples_cover_every_layer(level):
     ids, layers, curves, num_devices = level
     metaops = [make_metaop(m, layers[m]) for m in ids]
