@@ -83,7 +83,7 @@ def projector_config(module: ModuleSpec, tp_size: int, cfg: ModelConfig) -> Tran
     return TransformerConfig(
         num_layers=1,
         hidden_size=module.hidden_size,
-        num_attention_heads=1,
+        num_attention_heads=tp_size,  # unused by the MLP; megatron requires heads % tp == 0
         ffn_hidden_size=module.hidden_size,
         activation_func=F.gelu,
         add_bias_linear=True,
@@ -92,12 +92,11 @@ def projector_config(module: ModuleSpec, tp_size: int, cfg: ModelConfig) -> Tran
 
 
 def lm_head_config(module: ModuleSpec, tp_size: int, cfg: ModelConfig) -> TransformerConfig:
-    """Config for the LM output layer (ColumnParallelLinear) and its final RMSNorm."""
+    """Config for the LM output layer (ColumnParallelLinear), its final RMSNorm and text word embeddings."""
     return TransformerConfig(
         num_layers=1,
         hidden_size=module.hidden_size,
-        num_attention_heads=module.num_heads,
-        num_query_groups=module.query_groups,
+        num_attention_heads=tp_size,  # no attention here; megatron requires heads % tp == 0
         ffn_hidden_size=module.ffn_hidden_size or 4 * module.hidden_size,
         normalization="RMSNorm",
         add_bias_linear=False,
