@@ -420,14 +420,44 @@ def _place_wave(problem: _Problem, wi: int, state: _State, mode: str) -> None:
     cluster = problem.cluster
     free_devices = set(range(cluster.num_devices))
     order = problem.slice_order(wi)
+    # producers sit in earlier waves and a device taken in this wave is no candidate any more, so each
+    # slice's scores can be computed once, up front
+    scorers = {key: _Scorer(problem, problem.info[key], state) for key in order}
     for pos, key in enumerate(order):
         sl = problem.info[key]
-        later_blocks = [b for k in order[pos + 1:] for b in _blocks(problem.info[k].n, cluster.gpus_per_node)]
-        chosen = _place_slice(problem, sl, state, free_devices, later_blocks, mode)
+        pending = _Pending.of([scorers[k] for k in order[pos + 1:]], cluster)
+        chosen = _place_slice(scorers[key], free_devices, pending, mode)
         for d in chosen:
             state.memory.add(d, sl.units, sl.activation_memory)
             free_devices.discard(d)
         state.devices[key] = chosen
+
+
+@dataclass
+class _Pending:
+    """What the slices not yet placed in this wave want, so that an earlier slice leaves it alone when it can:
+    their island-sized blocks (to keep the wave packable), the island holding most of each block's rows, and
+    the bytes of their rows on every device (local copies they could make)."""
+
+    blocks: list[int]
+    island_wants: list[tuple[int, int, float]]  # (favourite island, block size, bytes of the block's rows there)
+    device_demand: dict[int, float]
+
+    @classmethod
+    def of(cls, scorers: list[_Scorer], cluster: ClusterSpec) -> _Pending:
+        blocks: list[int] = []
+        wants: list[tuple[int, int, float]] = []
+        demand: dict[int, float] = {}
+        for sc in scorers:
+            blocks += _blocks(sc.sl.n, cluster.gpus_per_node)
+            wants += sc.block_wants()
+            for d, table in sc.local.items():
+                demand[d] = demand.get(d, 0.0) + max(table.values(), default=0.0)
+        return cls(blocks, wants, demand)
+
+    def displaced_bytes(self, island: int, free_before: int, taken: int) -> float:
+        """Rows of later slices that could have stayed on ``island`` but no longer find room there."""
+        return sum(b for i, n, b in self.island_wants if i == island and free_before >= n > free_before - taken)
 
 
 def _blocks(n: int, gpus_per_node: int) -> list[int]:
@@ -517,16 +547,34 @@ class _Scorer:
             self._free_after[device] = self.memory.free(device) - need
         return self._free_after[device]
 
-    def match(self, positions: range, devices: list[int], mode: str) -> dict[int, int]:
-        """Greedy matching position -> device. comm: local rows, then shared weights, then free memory;
+    def block_wants(self) -> list[tuple[int, int, float]]:
+        """For each island-sized block of the slice: (island holding most of the block's rows, block size,
+        those bytes); blocks without rows anywhere are left out."""
+        islands = sorted({self.cluster.island(d) for d in self.local})
+        wants = []
+        start = 0
+        for size in _blocks(self.sl.n, self.cluster.gpus_per_node):
+            positions = range(start, start + size)
+            start += size
+            scored = [(self.island_bytes(positions, i), -i) for i in islands]
+            if scored:
+                best, neg_island = max(scored)
+                if best > 0:
+                    wants.append((-neg_island, size, best))
+        return wants
+
+    def match(self, positions: range, devices: list[int], mode: str,
+              demand: dict[int, float] | None = None) -> dict[int, int]:
+        """Greedy matching position -> device. comm: local rows, then devices later slices of the wave want
+        least (``demand``: bytes of their rows on the device), then shared weights, then free memory;
         balance: free memory first."""
         if mode == "comm":
-            return self._match_comm(positions, devices)
+            return self._match_comm(positions, devices, demand or {})
         pairs = sorted((((self.free_after(d), self.local_bytes(r, d), self.shared(d)), -d, -r)
                         for d in devices for r in positions), reverse=True)
         return _greedy(pairs, len(positions), {}, set())
 
-    def _match_comm(self, positions: range, devices: list[int]) -> dict[int, int]:
+    def _match_comm(self, positions: range, devices: list[int], demand: dict[int, float]) -> dict[int, int]:
         # pairs that make a local copy first; the rest only depends on the device
         pairs = []
         for d in devices:
@@ -536,7 +584,8 @@ class _Scorer:
         pairs.sort(reverse=True)
         out = _greedy(pairs, len(positions), {}, set())
         used = set(out.values())
-        rest = sorted((d for d in devices if d not in used), key=lambda d: (-self.shared(d), -self.free_after(d), d))
+        rest = sorted((d for d in devices if d not in used),
+                      key=lambda d: (demand.get(d, 0.0), -self.shared(d), -self.free_after(d), d))
         for r, d in zip((r for r in positions if r not in out), rest):
             out[r] = d
         return out
@@ -555,10 +604,9 @@ def _greedy(pairs: list, wanted: int, out: dict[int, int], used: set[int]) -> di
     return out
 
 
-def _place_slice(problem: _Problem, sl: _SliceInfo, state: _State, free_devices: set[int],
-                 later_blocks: list[int], mode: str) -> list[int]:
-    cluster = problem.cluster
-    scorer = _Scorer(problem, sl, state)
+def _place_slice(scorer: _Scorer, free_devices: set[int], pending: _Pending, mode: str) -> list[int]:
+    cluster = scorer.cluster
+    sl = scorer.sl
     fitting = sorted(d for d in free_devices if scorer.free_after(d) >= 0)
     if len(fitting) < sl.n:
         raise _WaveDoesNotFit(sl, sorted(free_devices))
@@ -574,8 +622,7 @@ def _place_slice(problem: _Problem, sl: _SliceInfo, state: _State, free_devices:
     for bi, size in enumerate(blocks):
         positions = range(start, start + size)
         start += size
-        pending = blocks[bi + 1:] + later_blocks
-        picked = _pick_island(scorer, positions, available, free_count, pending, mode)
+        picked = _pick_island(scorer, positions, available, free_count, blocks[bi + 1:], pending, mode)
         if picked is None:
             return _place_split(scorer, fitting, mode)
         island, matched = picked
@@ -586,29 +633,32 @@ def _place_slice(problem: _Problem, sl: _SliceInfo, state: _State, free_devices:
 
 
 def _pick_island(scorer: _Scorer, positions: range, available: dict[int, list[int]], free_count: list[int],
-                 pending: list[int], mode: str) -> tuple[int, dict[int, int]] | None:
+                 own_blocks: list[int], pending: _Pending, mode: str) -> tuple[int, dict[int, int]] | None:
     """Best island for one block of positions, keeping the rest of the wave packable when possible.
 
-    Islands are ranked on cheap bounds (rows already in the island, the best local copy per position, the
-    weights and free memory of its best devices); only the winner is matched device by device."""
+    comm: the slice's rows already in the island minus the rows of later slices it pushes out, then the best
+    local copy per position, the weights and the free memory of its best devices (cheap bounds: only the
+    winner is matched device by device). balance: free memory first."""
     size = len(positions)
+    later_blocks = own_blocks + pending.blocks
     candidates = []
     for island, devs in available.items():
         if len(devs) < size:
             continue
         in_island = scorer.island_bytes(positions, island)
+        in_island -= pending.displaced_bytes(island, free_count[island], size)
         local = scorer.best_local_bytes(positions, devs)
         shared = sum(sorted((scorer.shared(d) for d in devs), reverse=True)[:size])
         min_free = sorted((scorer.free_after(d) for d in devs), reverse=True)[size - 1]
         key = (in_island, local, shared, min_free) if mode == "comm" else (min_free, in_island, local, shared)
         caps = list(free_count)
         caps[island] -= size
-        candidates.append((_packable(caps, pending), key, -island))
+        candidates.append((_packable(caps, later_blocks), key, -island))
     if not candidates:
         return None
     _, _, neg_island = max(candidates)
     island = -neg_island
-    return island, scorer.match(positions, available[island], mode)
+    return island, scorer.match(positions, available[island], mode, pending.device_demand)
 
 
 def _place_split(scorer: _Scorer, fitting: list[int], mode: str) -> list[int]:

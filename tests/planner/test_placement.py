@@ -148,6 +148,34 @@ def test_flow_stays_in_the_producer_island_when_its_devices_are_taken():
     assert {cluster.island(d) for d in devices_of(out, "a/aux", 1)} == {a_island}
 
 
+def test_a_slice_without_flows_leaves_the_island_a_later_slice_needs():
+    """2 nodes x 2. Wave 0: F (big activations) on one node, Qp on the other. Wave 1: R (no producer, big TP
+    traffic, placed first) would pick the emptier node, Qp's, and push Q (Qp's consumer) across nodes."""
+    cluster = make_cluster(4, 2, "CPU")
+    f = op("f/enc", "f", "f", (0, 1), tokens=1024)  # two layers: more gradient traffic, placed first
+    qp, q = op("q/enc", "q", "q", (0,), tokens=256), op("q/top", "q", "q", (1,), tokens=256, level=1)
+    r = op("r/enc", "r", "r", tokens=2048, level=1)
+    g = graph([f, qp, q, r], [("q/enc", "q/top")])
+    out = placed(waves_of([sl(f, 2), sl(qp, 2)], [sl(r, 2, tp=2), sl(q, 2)]), g, cluster)
+    f_island, q_island = cluster.island(devices_of(out, "f/enc", 0)[0]), cluster.island(devices_of(out, "q/enc", 0)[0])
+    assert f_island != q_island
+    assert {cluster.island(d) for d in devices_of(out, "r/enc", 1)} == {f_island}
+    assert devices_of(out, "q/top", 1) == devices_of(out, "q/enc", 0)
+
+
+def test_a_slice_without_flows_leaves_the_devices_a_later_slice_copies_from():
+    """1 node x 4. Wave 0: F (big activations) on three devices, Qp on the fourth, the emptiest. Wave 1: R
+    (gradient traffic, placed first) would take the emptiest device and force Q to copy Qp's rows over."""
+    cluster = make_cluster(4, 4, "CPU")
+    f = op("f/enc", "f", "f", batch=6, tokens=1024)
+    qp, q = op("q/enc", "q", "q", (0,), tokens=64), op("q/top", "q", "q", (1,), tokens=64, level=1)
+    r = op("r/enc", "r", "r", tokens=8, level=1)
+    g = graph([f, qp, q, r], [("q/enc", "q/top")])
+    out = placed(waves_of([sl(f, 3), sl(qp, 1)], [sl(r, 2), sl(q, 1)]), g, cluster)
+    assert devices_of(out, "q/top", 1) == devices_of(out, "q/enc", 0)
+    assert set(devices_of(out, "r/enc", 1)) <= set(devices_of(out, "f/enc", 0))
+
+
 def test_slice_larger_than_a_node_takes_whole_nodes():
     cluster = make_cluster(12, 4, "CPU")
     a, b = op("a/enc", "a", "a"), op("b/enc", "b", "b")
