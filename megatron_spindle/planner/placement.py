@@ -7,10 +7,12 @@ biggest flows get the best spots. For each slice:
 - its devices sit in one island (node) when ``n <= gpus_per_node``; a larger slice takes whole nodes (plus
   one partial node for the remainder), so TP groups never straddle nodes;
 - an island is chosen so that the wave stays packable (later slices still find an island each), then by the
-  bytes of incoming rows already inside that island, then by the bytes that become local copies;
+  bytes of incoming rows already inside that island less the rows of later slices it would push out of their
+  favourite island, then by the bytes that become local copies;
 - inside the island, device ``devices[r]`` is preferably the device that already holds the rows data-parallel
-  rank ``r // tp`` needs (the producer's samples), then a device that already holds the slice's weights
-  (MetaOps sharing parameters co-locate, weights stored once), then the device with the most free memory.
+  rank ``r // tp`` needs (the producer's samples), then a device holding no rows later slices could copy
+  locally, then a device that already holds the slice's weights (MetaOps sharing parameters co-locate,
+  weights stored once), then the device with the most free memory.
 
 Memory is tracked per device as the plan's predicted peak: the parameter state of every unit a device runs,
 each unit once (selective storage), plus the activations of every slice it runs (all are held from forward
