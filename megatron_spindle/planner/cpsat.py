@@ -58,6 +58,7 @@ unchanged with ``used_hint_only=True``. A zero time limit skips the solver.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,8 @@ class CpSatOptions:
     level_window: int = 1  # cross-level overlap: neighbouring level blocks a MetaOp may move into
     exact_memory_devices: int = 16  # per-device memory variables only up to this many devices
     deepening_share: float = 0.25  # slot deepening: share of a level's remaining time per step
+    comm_model_devices: int = 16  # communication phase in CP-SAT up to this many devices (placement beyond)
+    reserve_fraction: float = 0.1  # of the time limit, kept for extraction and placement after the solves
     memory_unit_bytes: int = 2**20
     comm_unit_bytes: int = 2**20
     seed: int = 0
@@ -186,7 +189,8 @@ def solve_cpsat(metagraph, workload, cluster, curves, greedy_waves: list[Schedul
     unit = _time_unit(greedy_makespan, metagraph, opts.rounding_tolerance)
     slice_options = {m: _with_units(o, unit) for m, o in slice_options.items()}
     rounding = _rounding_bound(metagraph, slice_options, unit)
-    ctx = _Context(metagraph, cluster, slice_options, cost_model, memory_model, opts, workers, workload)
+    deadline = time.perf_counter() + time_limit * (1 - opts.reserve_fraction)
+    ctx = _Context(metagraph, cluster, slice_options, cost_model, memory_model, opts, workers, workload, deadline)
     stage = _run_stages(ctx, greedy_waves, time_limit, cross_level_overlap)
     if stage.waves is not None:
         stage.waves = _finish_placement(ctx, stage.waves, stage.notes)
@@ -222,6 +226,10 @@ class _Context:
     opts: CpSatOptions
     workers: int
     workload: Any = None
+    deadline: float = math.inf  # time.perf_counter() by which every solve must be over (model building counts)
+
+    def left(self) -> float:
+        return max(0.0, self.deadline - time.perf_counter())
 
     def builder(self, hint: list[ScheduledWave], overlap: bool, metagraph=None, exact_memory: bool = False,
                 with_comm: bool = False, block_size: int | None = None) -> _ModelBuilder:
@@ -240,7 +248,10 @@ class _Context:
 
     @property
     def has_comm(self) -> bool:
-        return self.cluster.num_nodes > 1 and self.cost_model is not None
+        """Communication phase in CP-SAT: several islands, and few enough devices for the range model to
+        solve in time; larger clusters get their devices from placement.place() (see _finish_placement)."""
+        return (self.cluster.num_nodes > 1 and self.cost_model is not None
+                and self.cluster.num_devices <= self.opts.comm_model_devices)
 
 
 @dataclass
@@ -258,11 +269,11 @@ class _Stage:
 def _run_stages(ctx: _Context, greedy: list[ScheduledWave], time_limit: float, overlap: bool) -> _Stage:
     """Makespan with the level barrier (per level when memory cannot bind: the levels are independent), then
     optionally the cross-level overlap model hinted by it, then the communication phase."""
-    comm_time = time_limit * ctx.opts.comm_time_fraction if ctx.has_comm else 0.0
-    main_time = time_limit - comm_time
+    start = time.perf_counter()
+    comm_share = ctx.opts.comm_time_fraction if ctx.has_comm else 0.0
     memory_binds = ctx.exact_memory
     notes = ["memory constraint " + ("active" if memory_binds else "per slice in the model, per device checked after")]
-    barrier_time = main_time / 2 if overlap else main_time
+    barrier_time = ctx.left() * (1 - comm_share) * (0.5 if overlap else 1.0)
     if memory_binds:
         stage = _solve_whole(ctx, greedy, False, barrier_time)
     else:
@@ -271,18 +282,18 @@ def _run_stages(ctx: _Context, greedy: list[ScheduledWave], time_limit: float, o
     best = stage.waves if stage.waves is not None and makespan(stage.waves) < makespan(greedy) else greedy
     stage.barrier_makespan = makespan(best)
     if overlap:
-        ov = _solve_whole(ctx, best, True, main_time - stage.seconds)
-        stage.notes += [f"barrier stage {stage.status}"] + ov.notes
-        stage.status, stage.bound_units, stage.seconds = ov.status, ov.bound_units, stage.seconds + ov.seconds
+        ov = _solve_whole(ctx, best, True, ctx.left() * (1 - comm_share))
+        stage.notes += [f"barrier stage {stage.status}", f"overlap model {ov.status}"] + ov.notes
+        stage.status, stage.bound_units = ov.status, ov.bound_units
         if ov.waves is not None and makespan(ov.waves) < makespan(best):
             best = ov.waves
-    if ctx.has_comm:
+    if ctx.has_comm and ctx.left() > 0:
         builder = ctx.builder(best, overlap, exact_memory=memory_binds, with_comm=True)
-        waves, seconds, note = builder.solve_comm(time_limit - stage.seconds, ctx.workers)
-        stage.seconds += seconds
+        waves, _, note = builder.solve_comm(ctx.left(), ctx.workers)
         stage.notes.append(note)
         best = waves if waves is not None else best
     stage.waves = None if best is greedy else best
+    stage.seconds = time.perf_counter() - start
     return stage
 
 
@@ -344,32 +355,33 @@ def device_memory(waves: list[ScheduledWave], metagraph, memory_model, cluster) 
 
 
 def _solve_whole(ctx: _Context, hint: list[ScheduledWave], overlap: bool, limit: float) -> _Stage:
+    start = time.perf_counter()
     builder = ctx.builder(hint, overlap, exact_memory=ctx.exact_memory)
-    status, solver, seconds = builder.solve_makespan(limit, ctx.workers)
+    status, solver, _ = builder.solve_makespan(min(limit, ctx.left()), ctx.workers)
     if solver is None:
-        return _Stage(None, status, None, seconds)
-    return _Stage(builder.extract(solver), status, solver.BestObjectiveBound(), seconds)
+        return _Stage(None, status, None, time.perf_counter() - start)
+    return _Stage(builder.extract(solver), status, solver.BestObjectiveBound(), time.perf_counter() - start)
 
 
 def _solve_per_level(ctx: _Context, greedy: list[ScheduledWave], limit: float) -> _Stage:
     """One model per MetaLevel (exact for the barrier objective when memory cannot bind); the time left is
     shared out in proportion to the levels' model sizes, so levels solved early leave time to the others."""
+    start = time.perf_counter()
     levels = [lv for lv in ctx.metagraph.levels if lv]
     level_of = {m: k for k, lv in enumerate(levels) for m in lv}
     hints = [[w for w in greedy if w.slices and level_of[w.slices[0].metaop] == k] for k in range(len(levels))]
     weights = [len(lv) * (len(h) + ctx.opts.extra_waves) for lv, h in zip(levels, hints)]
-    parts, statuses, bound, seconds, left = [], [], 0.0, 0.0, limit
+    parts, statuses, bound = [], [], 0.0
     for k, (lv, hint) in enumerate(zip(levels, hints)):
-        share = left * weights[k] / sum(weights[k:])
+        left = limit - (time.perf_counter() - start)
         sub = type(ctx.metagraph)({m: ctx.metagraph.metaops[m] for m in lv}, [], [list(lv)])
-        level = _solve_level(ctx, sub, hint, share)
-        seconds, left = seconds + level.seconds, left - level.seconds
+        level = _solve_level(ctx, sub, hint, max(0.0, left * weights[k] / sum(weights[k:])))
         statuses.append(level.status)
         parts.append(level.waves)
         bound = None if bound is None or level.bound_units is None else bound + level.bound_units
     status = "OPTIMAL" if all(s == "OPTIMAL" for s in statuses) else (
         "FEASIBLE" if all(s in ("OPTIMAL", "FEASIBLE") for s in statuses) else "PARTIAL")
-    return _Stage(_concatenate(parts), status, bound, seconds,
+    return _Stage(_concatenate(parts), status, bound, time.perf_counter() - start,
                   [f"per-level solves: {sum(s == 'OPTIMAL' for s in statuses)}/{len(statuses)} optimal"])
 
 
@@ -377,15 +389,17 @@ def _solve_level(ctx: _Context, sub, greedy: list[ScheduledWave], limit: float) 
     """Slot deepening: models of 1, 2, ... wave slots, each hinted by the best plan so far, while they solve
     to optimality (small models solve fast and good plans often need few waves), then the full model
     (greedy's waves + extra_waves slots) hinted by the best plan, whose bound is the level's bound."""
+    start = time.perf_counter()
+    deadline = min(start + limit, ctx.deadline)
     full = len(greedy) + ctx.opts.extra_waves
-    best, seconds, left = greedy, 0.0, limit
+    best = greedy
     for slots in range(1, full):
+        left = deadline - time.perf_counter()
         if left < limit * 0.5:
             break
         hint = best if len(best) <= slots else []
         builder = ctx.builder(hint, False, metagraph=sub, block_size=slots)
-        status, solver, spent = builder.solve_makespan(left * ctx.opts.deepening_share, ctx.workers)
-        seconds, left = seconds + spent, left - spent
+        status, solver, _ = builder.solve_makespan(left * ctx.opts.deepening_share, ctx.workers)
         if solver is not None:
             candidate = builder.extract(solver)
             if makespan(candidate) < makespan(best):
@@ -393,13 +407,12 @@ def _solve_level(ctx: _Context, sub, greedy: list[ScheduledWave], limit: float) 
         if status != "OPTIMAL":
             break
     builder = ctx.builder(best, False, metagraph=sub, block_size=max(full, len(best)))
-    status, solver, spent = builder.solve_makespan(left, ctx.workers)
-    seconds += spent
+    status, solver, _ = builder.solve_makespan(max(0.0, deadline - time.perf_counter()), ctx.workers)
     if solver is None:
-        return _Stage(best, status, None, seconds)
+        return _Stage(best, status, None, time.perf_counter() - start)
     candidate = builder.extract(solver)
     return _Stage(candidate if makespan(candidate) < makespan(best) else best, status,
-                  solver.BestObjectiveBound(), seconds)
+                  solver.BestObjectiveBound(), time.perf_counter() - start)
 
 
 def _concatenate(parts: list[list[ScheduledWave]]) -> list[ScheduledWave]:
@@ -989,7 +1002,7 @@ def _memory_can_bind(metagraph, slice_options: dict[str, list[SliceOption]], mem
 
 def _solver(limit: float, workers: int, seed: int) -> cp_model.CpSolver:
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(limit, 0.01)
+    solver.parameters.max_time_in_seconds = max(limit, 0.001)
     solver.parameters.num_workers = max(1, workers)
     solver.parameters.random_seed = seed
     return solver
