@@ -120,7 +120,7 @@ def tflops_table(measurements) -> str:
     lines = [f"  {'MetaOp':<34}{'tp':>3}{'dp':>4}{'ms/op (compute)':>17}{'GFLOP/op':>11}{'TFLOP/s/dev':>13}"]
     for m in measurements:
         lines.append(f"  {m.metaop:<34}{m.tp:>3}{m.dp:>4}{m.compute_seconds * 1e3:>17.3f}{m.flops / 1e9:>11.2f}"
-                     f"{m.tflops_per_device:>13.3f}")
+                     f"{m.tflops_per_device:>13.3g}")
     return "\n".join(lines)
 
 

@@ -221,7 +221,7 @@ def describe_hardware(world: ProfileWorld) -> dict[str, Any]:
         "devices_per_node": world.local_world_size,
         "nodes": world.num_nodes,
         "world_size": world.world_size,
-        "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else "none",
+        "backend": dist.get_backend() if world.distributed else "none",
     }
 
 

@@ -1,0 +1,196 @@
+"""tools/profile.py and estimator/profiler.py: profiling on CPU with 1 rank (in-process) and 2 gloo ranks
+(torchrun), fitted curves against the measured points, planning from a profile, the cache, and the GPU
+script's CPU dry run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_spindle.estimator import estimate_curves
+from megatron_spindle.estimator.profile import load_profile_points
+from megatron_spindle.graph.builtin import builtin_workload_path
+from megatron_spindle.graph.cluster import make_cluster
+from megatron_spindle.graph.opgraph import build_metagraph
+from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
+from megatron_spindle.planner.report import plan_summary
+from megatron_spindle.planner.validate import validate_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+TASKS = "text_audio"  # one task of tiny-clip: 7 MetaOps, keeps every run small
+FAST = ["--profile-layers", "1", "--profile-warmup", "1", "--profile-repeats", "2"]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("spindle_tools_profile", ROOT / "tools" / "profile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _workload():
+    return load_workload("tiny-clip").subset([TASKS])
+
+
+def _check_curves_and_plan(path: Path, cluster) -> dict:
+    """The fit reproduces every measured point within the reported error; the planner makes a valid plan
+    whose MetaOps report the curve source and fit error of these curves."""
+    workload = _workload()
+    points = load_profile_points(path, workload, cluster)
+    graph = build_metagraph(workload)
+    assert set(points) == set(graph.metaops)  # every MetaOp measured (same-shape ones share points)
+    curves = estimate_curves(graph, workload, cluster, profile=points)
+    for mid, curve in curves.items():
+        assert curve.source == "profiled"
+        measured = {(p.tp, p.dp): p.seconds for p in points[mid]}
+        for n, p in curve.points.items():
+            if p.source == "profiled":
+                assert measured[(p.tp, p.dp)] == p.seconds
+                assert abs(curve.fitted(n) - p.seconds) / p.seconds <= curve.fit_error + 1e-9
+        assert curve.fit_error >= 0
+    plan = make_plan(workload, cluster, PlannerConfig(planner="wavefront"), profile=points)
+    validate_plan(plan, workload, cluster, graph)
+    for m in plan.metaops:
+        assert m.curve_source == "profiled"
+        assert m.curve_fit_error == pytest.approx(curves[m.id].fit_error)
+    assert "profiled (" in plan_summary(plan)
+    return curves
+
+
+@pytest.fixture
+def one_thread():
+    """Single-threaded torch: on a shared 2-core machine, oversubscribed threads make runs very slow."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_one_rank_profile_plans_and_is_cached(tmp_path, capsys, monkeypatch, one_thread):
+    tool = _tool()
+    out, cache = tmp_path / "tiny.profile.json", tmp_path / "cache"
+    argv = ["--workload", "tiny-clip", "--tasks", TASKS, "--num-gpus", "4", "--gpus-per-node", "4",
+            "--out", str(out), "--profile-cache-dir", str(cache), *FAST]
+    assert tool.main(argv) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["format"] == "megatron-spindle-profile" and doc["version"] == 1 and doc["gpu"] == "CPU"
+    assert doc["versions"]["torch"] and doc["versions"]["megatron-core"] == "0.16.1"
+    assert doc["hardware"]["world_size"] == 1 and doc["hardware"]["device"]["type"] == "cpu"
+    assert doc["bandwidth"] == {"intra_node": None, "inter_node": None}  # one rank: nothing to measure
+    # one progress line per measured MetaOp group and config: 7 MetaOps, none share a shape, dp in {1, 2, 4}
+    assert printed.count("[profile] [") == len(doc["measurements"]) == 7 * 3
+    assert all(m["tp"] == 1 for m in doc["measurements"])
+    sources = {(m["dp"], m["dp_comm_source"]) for m in doc["measurements"] if m["metaop"] == "text_audio/audio"}
+    assert sources == {(1, "none"), (2, "nominal"), (4, "nominal")}  # no second rank: the cluster's links
+    # TP > 1 needs ranks: left to the analytic model, and said so
+    assert doc["unmeasured"]["text_audio/audio"] == [[2, 1], [2, 2], [4, 1]]
+    assert "left to the analytic model" in printed
+    cluster = make_cluster(4, 4, "CPU")
+    curves = _check_curves_and_plan(out, cluster)
+    assert {p.source for p in curves["text_audio/audio"].points.values()} == {"profiled"}  # tp=1 wins per n
+    assert len(list((cache / "profiles").glob("*.json"))) == 1
+
+    # second run with the same key: read from the cache, nothing measured
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again despite the cache")
+
+    from megatron_spindle.estimator import profiler
+
+    monkeypatch.setattr(profiler, "run_profile", no_measuring)
+    out2 = tmp_path / "again.json"
+    assert tool.main([*argv[:-len(FAST) - 4], "--out", str(out2), "--profile-cache-dir", str(cache), *FAST]) == 0
+    assert "cache hit" in capsys.readouterr().out
+    assert json.loads(out2.read_text()) == doc
+    # other settings are another key, and --force measures again
+    with pytest.raises(AssertionError, match="measured again"):
+        tool.main([*argv, "--force"])
+    with pytest.raises(AssertionError, match="measured again"):
+        tool.main([*argv[:-1], "3"])  # --profile-repeats 3
+
+
+def test_two_gloo_ranks_under_torchrun(tmp_path):
+    out = tmp_path / "two.profile.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "tools" / "profile.py"), "--workload", "tiny-clip", "--tasks", TASKS, "--num-gpus", "2",
+           "--out", str(out), "--no-profile-cache", *FAST]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["hardware"]["world_size"] == 2 and doc["hardware"]["backend"] == "gloo"
+    link = doc["bandwidth"]["intra_node"]
+    assert link["p2p_bytes_per_s"] > 0 and link["allreduce_bus_bytes_per_s"] > 0
+    assert link["allreduce_ranks"] == [0, 1] and doc["bandwidth"]["inter_node"] is None
+    configs = {(m["metaop"], m["tp"], m["dp"]): m for m in doc["measurements"]}
+    # tp=2 runs on a real 2-rank TP group; the DP all-reduce of dp=2 is timed on a real dp group
+    assert ("text_audio/audio", 2, 1) in configs and ("text_audio/text", 2, 1) in configs
+    assert configs[("text_audio/audio", 1, 2)]["dp_comm_source"] == "measured"
+    assert configs[("text_audio/audio", 1, 2)]["dp_comm_seconds"] > 0
+    assert configs[("text_audio/loss", 1, 2)]["dp_comm_source"] == "bandwidth"  # no weights: all-gather model
+    assert not doc["unmeasured"]  # every valid config of a 2-device cluster fits 2 ranks
+    _check_curves_and_plan(out, make_cluster(2, 2, "CPU"))
+
+
+def test_grouping_configs_and_cost_model():
+    from megatron_spindle.estimator.profiler import (Measurement, ProfiledCostModel, ProfilerSettings,
+                                                     ProfileWorld, cluster_with_bandwidth, group_metaops,
+                                                     profile_configs, profile_key)
+
+    workload = load_workload("tiny-clip")
+    groups = group_metaops(workload)
+    assert ["vision_depth/vision", "vision_text/vision"] in groups  # same module, kind, input shape
+    assert ["text_audio/text"] in groups and ["vision_text/text"] in groups  # other batch: other shape
+    assert group_metaops(workload, ["*/vision"]) == [["vision_depth/vision", "vision_text/vision"]]
+    graph, cluster = build_metagraph(workload), make_cluster(8, 8, "CPU")
+    audio = graph.metaops["text_audio/audio"]
+    two = ProfileWorld(0, 2, 2)
+    measured, left = profile_configs(audio, workload, cluster, two, ProfilerSettings())
+    assert measured == [(1, 1), (1, 2), (2, 1), (1, 4), (2, 2), (1, 8), (2, 4)]
+    assert left == [(4, 1), (4, 2)]
+    measured, left = profile_configs(audio, workload, cluster, two, ProfilerSettings(max_n=2))
+    assert max(tp * dp for tp, dp in measured) == 2 and (1, 4) in left
+    hw = {"device": "x"}
+    key = profile_key(workload, cluster, hw, {"torch": "1"}, ProfilerSettings())
+    assert key == profile_key(workload, cluster, hw, {"torch": "1"}, ProfilerSettings())
+    assert key != profile_key(workload, cluster, hw, {"torch": "2"}, ProfilerSettings())
+    assert key != profile_key(workload, cluster, {"device": "y"}, {"torch": "1"}, ProfilerSettings())
+    assert key != profile_key(workload.subset(["text_audio"]), cluster, hw, {"torch": "1"}, ProfilerSettings())
+    link = {"allreduce_bus_bytes_per_s": 2e9, "allreduce_latency_s": 1e-4}
+    fast = cluster_with_bandwidth(cluster, {"intra_node": link, "inter_node": None})
+    assert fast.intra_node_bw == 2e9 and fast.intra_node_latency == 1e-4
+    assert fast.inter_node_bw == cluster.inter_node_bw
+    meas = Measurement("text_audio/audio", ["text_audio/audio", "audio_depth/audio"], 1, 2, 1, 0.01, 0.002,
+                       "measured", 1e6)
+    model = ProfiledCostModel(workload, cluster, [meas])
+    lc = model.layer_cost(graph.metaops["audio_depth/audio"], 1, 2)
+    assert (lc.compute, lc.dp_sync, lc.total) == (0.01, 0.002, 0.012)
+    # unmeasured configs: the analytic model scaled to the measured level of the MetaOp
+    from megatron_spindle.estimator import AnalyticCostModel
+
+    base = AnalyticCostModel(workload, cluster)
+    scale = 0.012 / base.layer_cost(audio, 1, 2).total
+    assert model.layer_cost(audio, 1, 4).total == pytest.approx(scale * base.layer_cost(audio, 1, 4).total)
+
+
+def test_gpu_script_dry_run_on_cpu(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               MEGATRON_SPINDLE_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_profile.sh"), "--device", "cpu",
+                           "--out-dir", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "TFLOP/s" in proc.stdout
+    doc = json.loads((tmp_path / "gpu_profile.json").read_text())
+    kinds = {m["metaop"] for m in doc["measurements"]}
+    assert len(kinds) == 2  # one encoder MetaOp and the LLM MetaOp
+    assert all(m["flops"] > 0 and m["compute_seconds"] > 0 for m in doc["measurements"])
