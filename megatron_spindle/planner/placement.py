@@ -453,8 +453,8 @@ class _Pending:
         for sc in scorers:
             blocks += _blocks(sc.sl.n, cluster.gpus_per_node)
             wants += sc.block_wants()
-            for d, table in sc.local.items():
-                demand[d] = demand.get(d, 0.0) + max(table.values(), default=0.0)
+            for d, b in sc.device_demand().items():
+                demand[d] = demand.get(d, 0.0) + b
         return cls(blocks, wants, demand)
 
     def displaced_bytes(self, island: int, free_before: int, taken: int) -> float:
@@ -496,19 +496,21 @@ class _Scorer:
             ps = problem.info[p].sched
             self.sources.append(PlacedRows.of(state.devices[p], ps.tp, ps.dp, problem.info[p].metaop.batch,
                                               sl.flow_bytes[p]))
-        # device -> {position: bytes of that position's rows the device already holds}, sparse
+        # device -> {position: bytes of that position's rows the device already holds}, and the same per island
+        # (a row range held by several TP replicas of an island counts once), both sparse
         self.local: dict[int, dict[int, float]] = {}
-        per_rank = sl.metaop.batch // s.dp
+        self.in_island: dict[int, dict[int, float]] = {}
+        self._per_rank = sl.metaop.batch // s.dp
         for src in self.sources:
             for d, rows in src.held.items():
-                table = self.local.setdefault(d, {})
-                for rank in range(rows[0] // per_rank, (rows[1] - 1) // per_rank + 1):
-                    common = _overlap(rows, (rank * per_rank, (rank + 1) * per_rank)) * src.bytes_per_sample
-                    for r in range(rank * s.tp, (rank + 1) * s.tp):
-                        table[r] = table.get(r, 0.0) + common
-        self._island_rows: dict[int, list[tuple[set[tuple[int, int]], float]]] = {}
+                self._add_rows(self.local.setdefault(d, {}), rows, src.bytes_per_sample)
+            island_rows = {(self.cluster.island(d), rows) for d, rows in src.held.items()}
+            for island, rows in sorted(island_rows):
+                self._add_rows(self.in_island.setdefault(island, {}), rows, src.bytes_per_sample)
         self._shared: dict[int, float] = {}
         self._free_after: dict[int, float] = {}
+        self._block_wants: list[tuple[int, int, float]] | None = None
+        self._device_demand: dict[int, float] | None = None
 
     def local_bytes(self, position: int, device: int) -> float:
         table = self.local.get(device)
@@ -523,20 +525,18 @@ class _Scorer:
                     best[r] = b
         return sum(best.values())
 
+    def _add_rows(self, table: dict[int, float], rows: tuple[int, int], bytes_per_sample: float) -> None:
+        """Credit every position whose samples overlap ``rows`` with the overlapping bytes."""
+        per_rank, tp = self._per_rank, self.sl.sched.tp
+        for rank in range(rows[0] // per_rank, (rows[1] - 1) // per_rank + 1):
+            common = _overlap(rows, (rank * per_rank, (rank + 1) * per_rank)) * bytes_per_sample
+            for r in range(rank * tp, (rank + 1) * tp):
+                table[r] = table.get(r, 0.0) + common
+
     def island_bytes(self, positions: range, island: int) -> float:
         """Bytes these positions need that some producer device on the island already holds."""
-        if not self.sources:
-            return 0.0
-        if island not in self._island_rows:
-            self._island_rows[island] = [
-                ({rows for d, rows in src.held.items() if self.cluster.island(d) == island}, src.bytes_per_sample)
-                for src in self.sources
-            ]
-        total = 0.0
-        for shard_rows, bps in self._island_rows[island]:
-            for r in positions:
-                total += sum(_overlap(self.needs[r], rows) for rows in shard_rows) * bps
-        return total
+        table = self.in_island.get(island)
+        return sum(b for r, b in table.items() if r in positions) if table else 0.0
 
     def shared(self, device: int) -> float:
         if device not in self._shared:
@@ -552,6 +552,8 @@ class _Scorer:
     def block_wants(self) -> list[tuple[int, int, float]]:
         """For each island-sized block of the slice: (island holding most of the block's rows, block size,
         those bytes); blocks without rows anywhere are left out."""
+        if self._block_wants is not None:
+            return self._block_wants
         islands = sorted({self.cluster.island(d) for d in self.local})
         wants = []
         start = 0
@@ -563,7 +565,14 @@ class _Scorer:
                 best, neg_island = max(scored)
                 if best > 0:
                     wants.append((-neg_island, size, best))
+        self._block_wants = wants
         return wants
+
+    def device_demand(self) -> dict[int, float]:
+        """Bytes of this slice's rows on each device holding some (the most it could copy locally there)."""
+        if self._device_demand is None:
+            self._device_demand = {d: max(table.values(), default=0.0) for d, table in self.local.items()}
+        return self._device_demand
 
     def match(self, positions: range, devices: list[int], mode: str,
               demand: dict[int, float] | None = None) -> dict[int, int]:
