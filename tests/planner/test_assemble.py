@@ -174,6 +174,9 @@ def test_assembled_plan_is_valid_and_survives_save_load(tmp_path, name, strategy
     assert p["c_star"] == pytest.approx(c_star) and p["gap"] == pytest.approx(makespan / c_star - 1)
     for kind in ("local", "intra_island", "inter_island"):
         assert p[f"{kind}_bytes"] == pytest.approx(sum(t.bytes_by_kind[kind] for t in plan.transfers))
+    for t in plan.transfers:  # every consumer device receives the rows of its data-parallel rank once
+        assert sum(t.bytes_by_kind.values()) == pytest.approx(t.bytes * plan.slice(t.consumer).tp)
+        assert t.bytes == cost.activation_bytes(g.metaops[plan.slice(t.producer).metaop])
     assert plan.memory_per_device == predicted_memory(waves, g, memory, cluster)
     assert (plan.workload_digest, plan.cluster_digest) == (w.digest(), cluster.digest())
     assert plan.cluster == cluster.to_dict() and plan.planner == {"placement": strategy}
