@@ -119,6 +119,7 @@ class AnalyticCostModel:
         self.cluster = cluster
         self.dtype_bytes = dtype_bytes
         self.config = config or CostModelConfig()
+        self._param_counts: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------------------ shapes
 
@@ -293,7 +294,13 @@ class AnalyticCostModel:
 
     def param_count(self, param_name: str) -> int:
         """Number of parameters of one unit: 'vision.layers.3', 'vision.frontend', 'vision.head',
-        'llm.lm_head', 'vis_proj.projector', 'vision@t1.layers.0'."""
+        'llm.lm_head', 'vis_proj.projector', 'vision@t1.layers.0'. Memoised: placement asks per candidate."""
+        count = self._param_counts.get(param_name)
+        if count is None:
+            count = self._param_counts[param_name] = self._count_params(param_name)
+        return count
+
+    def _count_params(self, param_name: str) -> int:
         owner, unit = _parse_unit(param_name)
         module = self._module_of_owner(param_name, owner)
         h = module.hidden_size

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from megatron_spindle.estimator.configs import valid_configs
 from megatron_spindle.estimator.cost_model import AnalyticCostModel
@@ -64,11 +64,20 @@ def estimate_curve(
     cost_model: AnalyticCostModel,
     profiled: Sequence[CurvePoint] = (),
     calibrate: bool = True,
+    allowed: Callable[[MetaOp, int, int], bool] | None = None,
 ) -> ScalingCurve:
-    """The curve of one MetaOp: fastest config per valid n; profiled points win over analytic ones."""
+    """The curve of one MetaOp: fastest config per valid n; profiled points win over analytic ones.
+    ``allowed(metaop, tp, dp)`` filters configurations (e.g. those that fit device memory)."""
     configs = valid_configs(metaop, workload, cluster)
-    measured = _best_per_n(_check_profiled(metaop, profiled, set(configs)))
-    modelled = _best_per_n(analytic_points(metaop, workload, cluster, cost_model))
+    measured = _check_profiled(metaop, profiled, set(configs))
+    modelled = analytic_points(metaop, workload, cluster, cost_model)
+    if allowed is not None:
+        measured = [p for p in measured if allowed(metaop, p.tp, p.dp)]
+        modelled = [p for p in modelled if allowed(metaop, p.tp, p.dp)]
+        if not modelled:
+            raise EstimatorError(f"MetaOp '{metaop.id}': none of its valid (tp, dp) configurations is allowed")
+    measured = _best_per_n(measured)
+    modelled = _best_per_n(modelled)
     scale = _calibration(measured, modelled) if calibrate else 1.0
     points = [measured[n] if n in measured else _scaled(modelled[n], scale) for n in modelled]
     return ScalingCurve.from_points(
@@ -97,6 +106,7 @@ def estimate_curves(
     cost_model: AnalyticCostModel | None = None,
     profile: Mapping[str, Sequence[CurvePoint]] | None = None,
     calibrate: bool = True,
+    allowed: Callable[[MetaOp, int, int], bool] | None = None,
 ) -> dict[str, ScalingCurve]:
     """metaop id -> ScalingCurve. ``profile``: metaop id -> measured points (any subset of valid configs);
     they take precedence, and the analytic model fills the other n (scaled to the measured level when
@@ -107,6 +117,6 @@ def estimate_curves(
     if unknown:
         raise EstimatorError(f"profile names MetaOps not in the graph: {unknown}")
     return {
-        mid: estimate_curve(m, workload, cluster, cost_model, profile.get(mid, ()), calibrate)
+        mid: estimate_curve(m, workload, cluster, cost_model, profile.get(mid, ()), calibrate, allowed)
         for mid, m in metagraph.metaops.items()
     }

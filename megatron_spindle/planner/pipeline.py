@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from megatron_spindle.estimator import AnalyticCostModel, MemoryModel, estimate_curves
+from megatron_spindle.estimator import AnalyticCostModel, MemoryModel, estimate_curves, valid_configs
 from megatron_spindle.estimator.cost_model import CostModelConfig
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
@@ -91,11 +91,10 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
     for i, recompute in enumerate(recompute_modes):
         cost_model = AnalyticCostModel(workload, cluster, config=CostModelConfig(recompute=recompute))
         memory_model = MemoryModel(workload, cluster, cost_model)
-        curves = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile)
-        say(f"scaling curves: {len(curves)} ({sum(c.source == 'profiled' for c in curves.values())} profiled)"
-            + (", activation recomputation on" if recompute else ""))
+        if recompute:
+            say("activation recomputation on")
         try:
-            curves, level_allocs, placed = _allocate_schedule_place(metagraph, workload, cluster, config, curves,
+            curves, level_allocs, placed = _allocate_schedule_place(metagraph, workload, cluster, config, profile,
                                                                     cost_model, memory_model, say)
             break
         except PlanError:
@@ -103,6 +102,7 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
                 raise
             say("the plan does not fit device memory without recomputation; replanning with "
                 "full activation recomputation")
+    say(f"scaling curves: {len(curves)} ({sum(c.source == 'profiled' for c in curves.values())} profiled)")
     say(f"wavefront: {len(placed)} waves")
     lap("estimate+allocate+schedule+place")
     settings: dict[str, Any] = {"planner": "wavefront", "requested": asdict(config),
@@ -129,22 +129,26 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
     return PlanningResult(plan, metagraph, curves, level_allocs, placed, cost_model, memory_model, timings, solver)
 
 
-def _allocate_schedule_place(metagraph, workload, cluster, config, curves, cost_model, memory_model, say):
-    """Allocation, waves and placement, memory-aware: the paper's allocator ignores memory, and a heavy MetaOp on
-    too few devices cannot hold its activations. Each MetaOp may first use at most half a device for its own
-    chain; when placement still runs out of memory the share is halved and everything is replanned."""
+def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost_model, memory_model, say):
+    """Curves, allocation, waves and placement, memory-aware: the paper's allocator ignores memory, and a heavy
+    MetaOp on too few devices cannot hold its activations. Each MetaOp's configurations are first limited to
+    those whose whole chain fits half a device; when placement still runs out of memory the share is halved
+    and everything is replanned."""
     N = cluster.num_devices
+    needs = memory_needs(metagraph, workload, cluster, memory_model)
     for attempt, share in enumerate(MEMORY_SHARES):
-        bounded = memory_bounded_curves(metagraph, curves, memory_model, cluster, share)
+        allowed = memory_allowed_configs(metagraph, needs, cluster, share)
+        curves = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
+                                 allowed=lambda m, tp, dp: (tp, dp) in allowed[m.id])
         level_allocs = [
-            allocate_level(k, [metagraph.metaops[m] for m in level], bounded, N, mode=config.inverse)
+            allocate_level(k, [metagraph.metaops[m] for m in level], curves, N, mode=config.inverse)
             for k, level in enumerate(metagraph.levels)
         ]
-        waves = schedule_levels(level_allocs, metagraph, bounded, N)
+        waves = schedule_levels(level_allocs, metagraph, curves, N)
         try:
             placed = place(waves, metagraph, workload, cluster, cost_model, memory_model,
                            strategy=config.placement)
-            return bounded, level_allocs, placed
+            return curves, level_allocs, placed
         except PlacementError as e:
             if attempt == len(MEMORY_SHARES) - 1:
                 raise PlanError(f"the plan does not fit device memory: {e}") from e
@@ -160,24 +164,28 @@ def memory_footprint(metaop, tp: int, dp: int, memory_model: MemoryModel) -> flo
             + memory_model.activation_bytes(metaop, tp, dp, L))
 
 
-def memory_bounded_curves(metagraph: MetaGraph, curves: dict[str, Any], memory_model: MemoryModel,
-                          cluster: ClusterSpec, share: float) -> dict[str, Any]:
-    """Each curve restricted to the device counts whose footprint fits ``share`` of a device; when none does,
-    the largest count that fits the whole device. A MetaOp that fits on no valid count is an error naming it."""
+def memory_needs(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec,
+                 memory_model: MemoryModel) -> dict[str, dict[tuple[int, int], float]]:
+    """Per MetaOp, the footprint of each valid (tp, dp)."""
+    return {mid: {c: memory_footprint(m, *c, memory_model) for c in valid_configs(m, workload, cluster)}
+            for mid, m in metagraph.metaops.items()}
+
+
+def memory_allowed_configs(metagraph: MetaGraph, needs: dict[str, dict[tuple[int, int], float]],
+                           cluster: ClusterSpec, share: float) -> dict[str, set[tuple[int, int]]]:
+    """Per MetaOp, the valid (tp, dp) whose footprint fits ``share`` of a device; when none does, those that fit
+    the whole device. A MetaOp that fits under no configuration is an error naming it and the memory it needs."""
     capacity = cluster.gpu.memory_bytes
-    bounded = {}
-    for mid, curve in curves.items():
-        m = metagraph.metaops[mid]
-        need = {n: memory_footprint(m, *curve.config(n), memory_model) for n in curve.valid_ns}
-        fits = [n for n in curve.valid_ns if need[n] <= share * capacity]
+    allowed = {}
+    for mid, need in needs.items():
+        fits = {c for c, b in need.items() if b <= share * capacity} or {c for c, b in need.items() if b <= capacity}
         if not fits:
-            fits = [n for n in curve.valid_ns if need[n] <= capacity][-1:]
-        if not fits:
-            n_max = curve.valid_ns[-1]
+            m = metagraph.metaops[mid]
+            (tp, dp), least = min(need.items(), key=lambda item: item[1])
             raise PlanError(
                 f"MetaOp '{mid}' (batch {m.batch}, {m.num_layers} layers) does not fit device memory: it needs "
-                f"{need[n_max] / 2**30:.1f} GiB per device even on {n_max} devices (tp x dp = "
-                f"{'x'.join(map(str, curve.config(n_max)))}), the device has {capacity / 2**30:.1f} GiB; no "
-                f"allocation can split it further (more devices, a batch with more divisors or a smaller batch)")
-        bounded[mid] = curve.at_least(fits[0]) if fits[0] > curve.valid_ns[0] else curve
-    return bounded
+                f"{least / 2**30:.1f} GiB per device even at its best configuration (tp {tp} x dp {dp} on "
+                f"{tp * dp} devices), the device has {capacity / 2**30:.1f} GiB; no allocation of this batch fits "
+                f"(use more devices, a batch with more divisors, or a smaller batch)")
+        allowed[mid] = fits
+    return allowed
