@@ -272,7 +272,7 @@ def _run_stages(ctx: _Context, greedy: list[ScheduledWave], time_limit: float, o
     start = time.perf_counter()
     comm_share = ctx.opts.comm_time_fraction if ctx.has_comm else 0.0
     memory_binds = ctx.exact_memory
-    notes = ["memory constraint " + ("active" if memory_binds else "per slice in the model, per device checked after")]
+    notes = [_memory_note(ctx, memory_binds)]
     barrier_time = ctx.left() * (1 - comm_share) * (0.5 if overlap else 1.0)
     if memory_binds:
         stage = _solve_whole(ctx, greedy, False, barrier_time)
@@ -352,6 +352,12 @@ def device_memory(waves: list[ScheduledWave], metagraph, memory_model, cluster) 
                 for u, b in units.items():
                     held[d][u] = max(held[d].get(u, 0.0), b)
     return [act[d] + sum(held[d].values()) for d in range(cluster.num_devices)]
+
+
+def _memory_note(ctx: _Context, exact: bool) -> str:
+    if ctx.memory_model is None:
+        return "no memory model"
+    return "memory constraint " + ("active" if exact else "per slice in the model, per device checked after")
 
 
 def _solve_whole(ctx: _Context, hint: list[ScheduledWave], overlap: bool, limit: float) -> _Stage:

@@ -126,24 +126,25 @@ def check_waves(waves: list[ScheduledWave], g: MetaGraph, num_devices: int) -> N
 # ------------------------------------------------------------------------------------------ brute force
 
 
-def brute_force(g: MetaGraph, curves, num_devices: int, barrier: bool = True) -> float:
-    """Exact optimum over all wave plans: DP over the layers still to run, every wave choice enumerated
-    (each MetaOp idle or one option with 1..remaining layers, devices summing to at most N)."""
+def brute_force(g: MetaGraph, curves, num_devices: int, barrier: bool = True) -> tuple[float, int]:
+    """Exact optimum over all wave plans and the fewest waves that reach it: DP over the layers still to
+    run, every wave choice enumerated (each MetaOp idle or one option with 1..remaining layers, devices
+    summing to at most N). Ties within 1e-9 s prefer fewer waves."""
     ids = list(g.metaops)
     preds = {m: g.predecessors(m) for m in ids}
     opts = {m: [(n, curves[m].time(n)) for n in curves[m].valid_ns] for m in ids}
 
     @lru_cache(maxsize=None)
-    def best(rem: tuple[int, ...]) -> float:
+    def best(rem: tuple[int, ...]) -> tuple[float, int]:
         if not any(rem):
-            return 0.0
+            return 0.0, 0
         left = dict(zip(ids, rem))
         ready = [m for m in ids if left[m] and all(left[p] == 0 for p in preds[m])]
         if barrier:
             lowest = min(g.metaops[m].level for m in ids if left[m])
             ready = [m for m in ready if g.metaops[m].level == lowest]
         choices = [[None] + [(n, t, l) for n, t in opts[m] for l in range(1, left[m] + 1)] for m in ready]
-        result = float("inf")
+        result = (float("inf"), 0)
         for pick in product(*choices):
             if all(p is None for p in pick) or sum(p[0] for p in pick if p) > num_devices:
                 continue
@@ -151,8 +152,9 @@ def brute_force(g: MetaGraph, curves, num_devices: int, barrier: bool = True) ->
             for m, p in zip(ready, pick):
                 if p:
                     nxt[m] -= p[2]
-            dur = max(p[1] * p[2] for p in pick if p)
-            result = min(result, dur + best(tuple(nxt[m] for m in ids)))
+            rest, waves = best(tuple(nxt[m] for m in ids))
+            candidate = (round(max(p[1] * p[2] for p in pick if p) + rest, 9), waves + 1)
+            result = min(result, candidate)
         return result
 
     return best(tuple(g.metaops[m].num_layers for m in ids))
@@ -179,9 +181,9 @@ def test_matches_brute_force_one_level(layers, times, devices):
     curves = {m: dp_only(t) for m, t in times.items()}
     cluster = make_cluster(devices, gpu_type_name="CPU")
     greedy = sequential_waves(g, curves)
-    opt = brute_force(g, curves, devices)
+    opt, waves = brute_force(g, curves, devices)
     res = solve_cpsat(g, None, cluster, curves, greedy, None, None, time_limit=LIMIT, workers=1,
-                      options=CpSatOptions(extra_waves=sum(layers.values())))
+                      options=CpSatOptions(extra_waves=waves))  # enough slots for the optimum
     assert res.status == "OPTIMAL"
     assert opt - 1e-9 <= res.objective <= opt + res.rounding_error_bound + 1e-9
     assert res.objective <= makespan(greedy) + 1e-12
@@ -195,9 +197,10 @@ def test_matches_brute_force_with_tensor_parallel_options():
               "b": FakeCurve({1: (1, 1, 0.8), 2: (1, 2, 0.5)})}
     cluster = make_cluster(4, gpu_type_name="CPU")
     greedy = sequential_waves(g, curves)
+    opt, waves = brute_force(g, curves, 4)
     res = solve_cpsat(g, None, cluster, curves, greedy, None, None, time_limit=LIMIT, workers=1,
-                      options=CpSatOptions(extra_waves=4))
-    assert res.objective == pytest.approx(brute_force(g, curves, 4), abs=res.rounding_error_bound + 1e-9)
+                      options=CpSatOptions(extra_waves=waves))
+    assert res.objective == pytest.approx(opt, abs=res.rounding_error_bound + 1e-9)
     check_waves(res.waves, g, 4)
     for w in res.waves:
         for s in w.slices:
@@ -217,7 +220,7 @@ def test_level_barrier_matches_brute_force():
     cluster = make_cluster(2, gpu_type_name="CPU")
     res = solve_cpsat(g, None, cluster, curves, sequential_waves(g, curves), None, None, time_limit=LIMIT,
                       workers=1, options=CpSatOptions(extra_waves=4))
-    opt = brute_force(g, curves, 2, barrier=True)
+    opt, _ = brute_force(g, curves, 2, barrier=True)
     assert res.objective == pytest.approx(opt, abs=res.rounding_error_bound + 1e-9)
     check_waves(res.waves, g, 2)
     # the barrier: every level-1 slice starts after every level-0 slice ended
@@ -234,7 +237,7 @@ def test_cross_level_overlap_matches_brute_force_and_gains():
     barrier = solve_cpsat(g, None, cluster, curves, greedy, None, None, time_limit=LIMIT, workers=1, options=opts)
     overlap = solve_cpsat(g, None, cluster, curves, greedy, None, None, time_limit=LIMIT, workers=1, options=opts,
                           cross_level_overlap=True)
-    opt = brute_force(g, curves, 2, barrier=False)
+    opt, _ = brute_force(g, curves, 2, barrier=False)
     assert overlap.objective == pytest.approx(opt, abs=overlap.rounding_error_bound + 1e-9)
     assert overlap.objective < barrier.objective - 0.1  # d runs beside a instead of after it
     check_waves(overlap.waves, g, 2)
@@ -378,3 +381,49 @@ def test_summary_is_flat_json_with_gaps():
     assert s["c_star"] == 2.0 and s["gap_to_c_star"] == pytest.approx(res.objective / 2.0 - 1)
     assert s["gap_to_bound"] >= -1e-6
     assert s["improvement"] > 0 and not s["used_hint_only"]
+
+
+# ------------------------------------------------------------------------------------------ whole pipeline
+
+
+def _pipeline():
+    return pytest.importorskip("megatron_spindle.planner.pipeline")
+
+
+@pytest.mark.parametrize("workload_name,cluster_args", [
+    ("tiny-clip", dict(num_gpus=4, gpu_type_name="CPU")),
+    ("tiny-clip", dict(num_gpus=8, gpu_type_name="A800-80GB")),
+    ("tiny-vlm", dict(num_gpus=16, gpu_type_name="A800-80GB")),
+])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_pipeline_plans_are_valid_and_never_worse_than_greedy(workload_name, cluster_args, overlap):
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.planner.plan import Plan
+    from megatron_spindle.planner.validate import validate_plan
+
+    pipeline = _pipeline()
+    workload, cluster = load_workload(workload_name), make_cluster(**cluster_args)
+    config = pipeline.PlannerConfig(planner="cpsat", solver_time_limit=1.0, solver_workers=1,
+                                    cross_level_overlap=overlap)
+    result = pipeline.plan_workload(workload, cluster, config)
+    validate_plan(result.plan, workload, cluster, result.metagraph)
+    assert result.plan.iteration_time <= makespan(result.greedy_waves) * (1 + 1e-9)
+    solver = result.plan.planner["solver"]
+    assert solver["makespan"] == pytest.approx(result.plan.iteration_time)
+    assert solver["c_star"] is not None
+    if not overlap:  # the level barrier cannot beat the sum of the levels' relaxed optima
+        assert solver["gap_to_c_star"] >= -1e-9
+    assert Plan.from_dict(json.loads(json.dumps(result.plan.to_dict()))).to_dict() == result.plan.to_dict()
+
+
+def test_pipeline_cpsat_beats_greedy_on_tiny_vlm():
+    """4 CPU devices: the greedy plan of tiny-vlm leaves devices idle that CP-SAT uses (solved to optimality)."""
+    from megatron_spindle.graph.workload import load_workload
+
+    pipeline = _pipeline()
+    workload, cluster = load_workload("tiny-vlm"), make_cluster(4, gpu_type_name="CPU")
+    result = pipeline.plan_workload(workload, cluster, pipeline.PlannerConfig(
+        planner="cpsat", solver_time_limit=5.0, solver_workers=1))
+    solver = result.plan.planner["solver"]
+    assert not solver["used_hint_only"]
+    assert result.plan.iteration_time < makespan(result.greedy_waves) * 0.95
