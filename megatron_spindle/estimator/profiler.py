@@ -681,6 +681,8 @@ class ProfiledCostModel(AnalyticCostModel):
     def layer_cost(self, metaop: MetaOp, tp: int, dp: int) -> LayerCost:
         meas = self.measured.get((metaop.id, tp, dp))
         if meas is not None:
+            if metaop.kind == "loss":  # no weights: its DP communication is the embeddings' all-gather
+                return LayerCost(meas.compute_seconds, 0.0, 0.0, 0.0, data_comm=meas.dp_comm_seconds)
             return LayerCost(compute=meas.compute_seconds, tp_comm=0.0, dp_sync=meas.dp_comm_seconds, launch=0.0)
         base = super().layer_cost(metaop, tp, dp)
         s = self._calibration(metaop)

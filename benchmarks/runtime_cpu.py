@@ -1,0 +1,218 @@
+#!/usr/bin/env python
+"""Runtime engine on CPU: overhead against plain PyTorch, and measured against simulated iteration time.
+
+1. One rank: seconds per training step of ``runtime.RuntimeEngine`` (a plan for one CPU device) against a plain
+   PyTorch loop over the same megatron-core modules (``models.reference.ReferenceModel`` + AdamW). Steps of the
+   two alternate so that machine load hits both alike. Target: engine / plain <= 1.05.
+2. Two gloo ranks (spawned): the workload is profiled on the two ranks (tools/profile.py's measuring code), a
+   plan is made from the profiled curves, and the engine's measured iteration time is compared with the
+   simulator's prediction from the same measurements (``ProfiledCostModel``, links at the measured bandwidth).
+   Target: within 20 %.
+
+Printed, not asserted. Example:
+    python benchmarks/runtime_cpu.py --workload tiny-clip --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from megatron_spindle.arguments import add_workload_args, build_parser, workload_from_args  # noqa: E402
+
+OVERHEAD_TARGET = 1.05
+SIMULATION_TARGET = 0.20
+
+
+def add_benchmark_args(parser):
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--steps", type=int, default=6, help="Timed steps (the median is reported).")
+    g.add_argument("--warmup", type=int, default=2, help="Untimed steps first.")
+    g.add_argument("--threads", type=int, default=1, help="torch threads per process.")
+    g.add_argument("--planner", choices=["wavefront", "cpsat"], default="wavefront")
+    g.add_argument("--profile", default=None,
+                   help="Use this 2-device CPU profile (tools/profile.py) instead of profiling first.")
+    g.add_argument("--profile-layers", type=int, default=2)
+    g.add_argument("--profile-repeats", type=int, default=5)
+    g.add_argument("--skip-one-rank", action="store_true")
+    g.add_argument("--skip-two-ranks", action="store_true")
+    return parser
+
+
+def _median_after_warmup(times: list[float], warmup: int) -> float:
+    return statistics.median(times[warmup:] or times)
+
+
+# ------------------------------------------------------------------------------------------------ one rank
+
+
+def one_rank(workload, args) -> dict[str, float]:
+    from megatron_spindle.compat.cpu import apply_cpu_shim
+    from megatron_spindle.compat.groups import ensure_torch_distributed
+    from megatron_spindle.data.mock import mock_batch
+    from megatron_spindle.graph.cluster import make_cluster
+    from megatron_spindle.models.reference import ReferenceModel
+    from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
+    from megatron_spindle.runtime.engine import EngineConfig, RuntimeEngine
+
+    apply_cpu_shim()
+    ensure_torch_distributed()
+    plan = make_plan(workload, make_cluster(1, 1, "CPU"), PlannerConfig(planner=args.planner))
+    config = EngineConfig()
+    engine = RuntimeEngine(plan, workload, 0, 1, config)
+    model = ReferenceModel(workload)
+    params = list(dict.fromkeys(model.full_named_parameters().values()))
+    opt_cfg = config.optimizer
+    optimizer = torch.optim.AdamW(params, lr=opt_cfg.lr, betas=opt_cfg.betas, eps=opt_cfg.eps,
+                                  weight_decay=opt_cfg.weight_decay)
+    tasks = [t.name for t in workload.tasks]
+
+    def plain_step(step: int) -> None:
+        batches = {t: mock_batch(workload, t, step, config.data_seed) for t in tasks}
+        optimizer.zero_grad(set_to_none=True)
+        model.total_loss(model(batches)).backward()
+        optimizer.step()
+
+    engine_times, plain_times = [], []
+    for step in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        engine.train_step(step)
+        engine_times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        plain_step(step)
+        plain_times.append(time.perf_counter() - t0)
+    return {"engine": _median_after_warmup(engine_times, args.warmup),
+            "plain": _median_after_warmup(plain_times, args.warmup), "waves": len(plan.waves)}
+
+
+# ------------------------------------------------------------------------------------------------ two ranks
+
+
+def _two_rank_worker(rank: int, world_size: int, port: int, workload, args, queue) -> None:
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        result = _two_ranks(rank, world_size, workload, args)
+        if rank == 0:
+            queue.put(result)
+    except BaseException as e:  # report instead of hanging the parent
+        if rank == 0:
+            queue.put({"error": repr(e)})
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
+    from megatron_spindle.compat.cpu import apply_cpu_shim
+    from megatron_spindle.estimator.profiler import (ProfiledCostModel, ProfilerSettings, ProfileWorld,
+                                                     cluster_with_bandwidth, load_profile, run_profile)
+    from megatron_spindle.graph.cluster import make_cluster
+    from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
+    from megatron_spindle.planner.plan import Plan
+    from megatron_spindle.runtime.engine import RuntimeEngine
+    from megatron_spindle.simulator import simulate
+
+    apply_cpu_shim()
+    cluster = make_cluster(world_size, world_size, "CPU")
+    world = ProfileWorld.current("cpu")
+    t0 = time.perf_counter()
+    if args.profile:
+        points, measurements, bandwidth = load_profile(args.profile, workload, cluster)
+    else:
+        settings = ProfilerSettings(layers=args.profile_layers, repeats=args.profile_repeats, warmup=1)
+        profile = run_profile(workload, cluster, settings, world)
+        points, measurements, bandwidth = profile.points, profile.measurements, profile.bandwidth
+    profiling = time.perf_counter() - t0
+    plan = None
+    if rank == 0:
+        plan = make_plan(workload, cluster, PlannerConfig(planner=args.planner), profile=points).to_dict()
+    plan = Plan.from_dict(world.broadcast(plan))
+    measured_cluster = cluster_with_bandwidth(cluster, bandwidth)
+    cost_model = ProfiledCostModel(workload, measured_cluster, measurements)
+    sim = simulate(plan, workload, measured_cluster, cost_model=cost_model)
+
+    engine = RuntimeEngine(plan, workload, rank, world_size)
+    times = []
+    for step in range(args.warmup + args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.train_step(step)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    times = world.all_max(times)
+    return {"measured": _median_after_warmup(times, args.warmup), "simulated": sim.iteration_time,
+            "sim_compute": sim.compute_time, "sim_transfer": sim.transfer_time, "sim_grad_sync": sim.grad_sync_time,
+            "planner": float(plan.predicted["iteration_time"]), "waves": len(plan.waves), "profiling": profiling}
+
+
+def two_ranks(workload, args, world_size: int = 2) -> dict[str, float]:
+    from megatron_spindle.estimator.profiler import ProfileWorld  # noqa: F401  (import check before spawning)
+
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    mp.start_processes(_two_rank_worker, args=(world_size, port, workload, args, queue), nprocs=world_size,
+                       join=True, start_method="spawn")
+    result = queue.get(timeout=5)
+    if "error" in result:
+        raise RuntimeError(f"two-rank run failed: {result['error']}")
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:10.2f} ms"
+
+
+def main(argv=None) -> int:
+    parser = build_parser(__doc__.strip().splitlines()[0], [add_workload_args, add_benchmark_args])
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    workload = workload_from_args(args)
+    rows = []
+    if not args.skip_one_rank:
+        r = one_rank(workload, args)
+        ratio = r["engine"] / r["plain"]
+        rows += [("1 rank: RuntimeEngine.train_step", _ms(r["engine"]), ""),
+                 ("1 rank: plain PyTorch (ReferenceModel + AdamW)", _ms(r["plain"]), ""),
+                 ("1 rank: engine / plain", f"{ratio:10.3f} x ", f"target <= {OVERHEAD_TARGET:.2f}: "
+                  + ("met" if ratio <= OVERHEAD_TARGET else "NOT met"))]
+    if not args.skip_two_ranks:
+        r = two_ranks(workload, args)
+        err = r["measured"] / r["simulated"] - 1
+        rows += [("2 ranks: measured iteration", _ms(r["measured"]), f"{r['waves']} waves"),
+                 ("2 ranks: simulated (profiled curves)", _ms(r["simulated"]),
+                  f"compute {r['sim_compute'] * 1e3:.1f} + transfer {r['sim_transfer'] * 1e3:.1f} + "
+                  f"grad sync {r['sim_grad_sync'] * 1e3:.1f} ms"),
+                 ("2 ranks: planner prediction", _ms(r["planner"]), ""),
+                 ("2 ranks: measured / simulated", f"{r['measured'] / r['simulated']:10.3f} x ",
+                  f"target within {SIMULATION_TARGET:.0%}: " + ("met" if abs(err) <= SIMULATION_TARGET
+                                                                else "NOT met"))]
+        if not args.profile:
+            rows.append(("2 ranks: profiling took", f"{r['profiling']:10.2f} s ", ""))
+    print(f"\nruntime_cpu: workload '{workload.name}', {args.steps} timed steps (median) after {args.warmup} "
+          f"warm-up, {args.threads} thread(s) per rank, planner {args.planner}")
+    width = max(len(r[0]) for r in rows)
+    for name, value, note in rows:
+        print(f"  {name:<{width}}  {value}  {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
