@@ -82,3 +82,14 @@ def ensure_torch_distributed() -> bool:
         return False
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return True
+
+
+def ensure_model_parallel_rng(seed: int = 1234 + 2718) -> None:
+    """megatron-core's ``DotProductAttention`` forks the tracker's ``model-parallel-rng`` stream on every forward
+    (dropout or not). Add the stream when nobody has (``model_parallel_cuda_manual_seed`` does it in Megatron
+    launches; the CPU shim already adds it). Dropout masks then depend on ``seed`` only, not the TP rank."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.get_cuda_rng_tracker()
+    if mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME not in tracker.get_states():
+        tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed)

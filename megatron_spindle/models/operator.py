@@ -40,6 +40,7 @@ from torch import nn
 from megatron_spindle.compat.cpu import apply_cpu_shim, layer_spec, te_available
 from megatron_spindle.compat.groups import (
     ensure_global_memory_buffer,
+    ensure_model_parallel_rng,
     ensure_torch_distributed,
     group_rank,
     group_size,
@@ -353,7 +354,10 @@ def build_operator(workload: Workload, metaop: MetaOpInfo, layer_start: int, lay
     group ``pg_collection.tp`` (TP=1 when None) and, for contrastive losses, the DP group ``dp_group``.
 
     Applies the CPU shim when CUDA is absent and, when torch.distributed has no world yet, creates a one-process
-    gloo world (megatron-core's tensor-parallel mappings need one; see compat/groups.py).
+    gloo world (megatron-core's tensor-parallel mappings need one; see compat/groups.py): a process that wants its
+    own multi-process world must call ``init_process_group`` before building operators. Also creates megatron's
+    global memory buffer and ``model-parallel-rng`` stream when missing (``initialize_model_parallel`` would
+    otherwise do it; do not call that after building operators: it asserts the buffer is unset).
     """
     if metaop.kind not in _OPERATOR_CLASSES:
         raise ValueError(f"{metaop.id}: unknown MetaOp kind '{metaop.kind}' (expected one of {METAOP_KINDS})")
@@ -363,6 +367,7 @@ def build_operator(workload: Workload, metaop: MetaOpInfo, layer_start: int, lay
     apply_cpu_shim()
     ensure_torch_distributed()
     ensure_global_memory_buffer()
+    ensure_model_parallel_rng()
     cls = _OPERATOR_CLASSES[metaop.kind]
     op = cls(workload, metaop, layer_start, layer_end, pg_collection, dp_group, config or ModelConfig())
     op.init_weights()

@@ -1,0 +1,67 @@
+"""The CPU shim and the layer-spec choice (no CUDA on the test machines)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_spindle.compat import apply_cpu_shim, layer_spec, te_available
+from megatron_spindle.graph.workload import load_workload
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+
+
+def test_cpu_shim_is_idempotent_and_patches_megatron_needs():
+    assert apply_cpu_shim() and apply_cpu_shim()
+    assert torch.cuda.current_device() == "cpu"
+    torch.cuda.synchronize()  # a no-op instead of an error
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    mask = get_default_causal_mask(4)  # hard-codes device="cuda"
+    assert mask.device.type == "cpu" and mask.tolist()[0] == [False, True, True, True]
+    with get_cuda_rng_tracker().fork():  # the CPU tracker forks the CPU generator and restores it
+        inside = torch.rand(3)
+    after_a = torch.rand(3)
+    with get_cuda_rng_tracker().fork():
+        inside_again = torch.rand(3)
+    assert not torch.equal(inside, inside_again)  # the stream advances
+    assert not torch.equal(after_a, inside_again)
+
+
+def test_layer_spec_picks_local_spec_and_mask_types():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    assert te_available() is False
+    vlm = load_workload("tiny-vlm")
+    enc, llm = layer_spec(vlm.modules["vision"]), layer_spec(vlm.modules["llm"])
+    assert enc.submodules.self_attention.params["attn_mask_type"] == AttnMaskType.no_mask
+    assert llm.submodules.self_attention.params["attn_mask_type"] == AttnMaskType.causal
+    # the shared megatron spec is not modified
+    assert layer_spec(vlm.modules["llm"]).submodules.self_attention.params["attn_mask_type"] == AttnMaskType.causal
+
+
+def test_dropout_is_configurable():
+    from megatron_spindle.data.mock import mock_batch
+    from megatron_spindle.models import ModelConfig, build_operator, metaop_infos
+
+    w = load_workload("tiny-clip")
+    info = metaop_infos(w)["vision_text/vision"]
+    op = build_operator(w, info, 0, 1, config=ModelConfig(hidden_dropout=0.5, attention_dropout=0.5))
+    x, batch = [torch.randn(2, 17, 64)], mock_batch(w, "vision_text", 0)
+    assert not torch.equal(op(x, batch), op(x, batch))
+    op.eval()
+    assert torch.equal(op(x, batch), op(x, batch))
+
+
+def test_llm_layers_are_llama_style_and_encoders_clip_style():
+    from megatron_spindle.models import build_operator, metaop_infos
+
+    w = load_workload("tiny-vlm")
+    infos = metaop_infos(w)
+    llm = build_operator(w, infos["caption/llm"], 0, 1).block.layers[0]
+    enc = build_operator(w, infos["caption/vision"], 0, 1).block.layers[0]
+    assert isinstance(llm.input_layernorm, torch.nn.RMSNorm) and isinstance(enc.input_layernorm, torch.nn.LayerNorm)
+    assert llm.mlp.linear_fc1.weight.shape == (2 * 176, 64)  # SwiGLU: [gate; up]
+    assert llm.self_attention.linear_qkv.weight.shape == (64 + 2 * 2 * 16, 64)  # GQA: 4 q heads, 2 kv groups
+    assert llm.self_attention.linear_qkv.bias is None and enc.self_attention.linear_qkv.bias is not None
