@@ -403,18 +403,20 @@ def _place_spindle(problem: _Problem, max_backtrack: int) -> dict[SliceKey, list
 
 
 def _overflow_error(sl: _SliceInfo, memory: DeviceMemory, candidates: list[int], what: str) -> PlacementError:
+    """Name the slice, what one of its devices needs, and how many of the candidate devices have that room."""
     s = sl.sched
-    needs = [memory.need(d, sl.units, sl.activation_memory) for d in candidates] or [
-        sl.activation_memory + sum(sl.units.values())]
-    need = min(needs)
+    needs = {d: memory.need(d, sl.units, sl.activation_memory) for d in candidates}
+    need = min(needs.values(), default=sl.activation_memory + sum(sl.units.values()))
+    roomy = sum(1 for d in candidates if needs[d] <= memory.free(d))
     free = max((memory.free(d) for d in candidates), default=0.0)
     gib = 2**30
     return PlacementError(
-        f"wave {sl.key[0]}: {what} found no {s.n} devices for MetaOp '{sl.metaop.id}' layers "
+        f"wave {sl.key[0]}: {what} found no {s.n} devices with room for MetaOp '{sl.metaop.id}' layers "
         f"[{s.layer_start}, {s.layer_end}) (tp {s.tp}, dp {s.dp}): it needs {need:.0f} bytes ({need / gib:.2f} GiB) "
-        f"per device (activations {sl.activation_memory:.0f} bytes, parameter state "
-        f"{sum(sl.units.values()):.0f} bytes), but at most {free:.0f} bytes ({free / gib:.2f} GiB) are free on "
-        f"the devices left in the wave (capacity {memory.capacity:.0f} bytes per device)"
+        f"per device (activations {sl.activation_memory:.0f} bytes, parameter state up to "
+        f"{sum(sl.units.values()):.0f} bytes), but only {roomy} of its {len(candidates)} candidate devices "
+        f"have that much free (the most: {free:.0f} bytes, {free / gib:.2f} GiB; capacity {memory.capacity:.0f} "
+        f"bytes per device)"
     )
 
 
