@@ -1,0 +1,100 @@
+"""The planning pipeline: memory-aware allocation, activation recomputation when needed, clear errors."""
+
+import dataclasses
+
+import pytest
+
+from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
+from megatron_spindle.estimator.cost_model import CostModelConfig
+from megatron_spindle.graph.cluster import make_cluster
+from megatron_spindle.graph.opgraph import build_metagraph
+from megatron_spindle.graph.workload import workload_from_dict
+from megatron_spindle.planner.pipeline import PlannerConfig, make_plan, memory_footprint, memory_needs
+from megatron_spindle.planner.plan import PlanError
+from megatron_spindle.planner.validate import validate_plan
+
+HEAVY = {
+    "name": "heavy",
+    "modules": {
+        "vision": {"kind": "encoder", "num_layers": 8, "hidden_size": 1024, "num_heads": 16,
+                   "ffn_hidden_size": 4096, "embed_dim": 256,
+                   "frontend": {"type": "patch", "image_size": 224, "patch_size": 14, "in_channels": 3}},
+        "text": {"kind": "encoder", "num_layers": 4, "hidden_size": 512, "num_heads": 8, "ffn_hidden_size": 2048,
+                 "embed_dim": 256, "frontend": {"type": "text", "vocab_size": 32000}},
+    },
+    "tasks": [{"name": "vt", "batch_size": 64, "tokens": {"vision": 257, "text": 77},
+               "loss": {"kind": "contrastive", "modules": ["vision", "text"]}}],
+}
+
+
+def cluster_with_memory(num_gpus: int, memory_bytes: float):
+    c = make_cluster(num_gpus, num_gpus, "A800-80GB")
+    return dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, memory_bytes=memory_bytes))
+
+
+def least_footprint(workload, cluster, recompute: bool) -> float:
+    """The vision layers' smallest per-device footprint over all valid configurations."""
+    cost = AnalyticCostModel(workload, cluster, config=CostModelConfig(recompute=recompute))
+    needs = memory_needs(build_metagraph(workload), workload, cluster, MemoryModel(workload, cluster, cost))
+    return min(needs["vt/vision"].values())
+
+
+def test_recompute_shrinks_memory_and_costs_a_forward_pass():
+    w = workload_from_dict(HEAVY)
+    cluster = make_cluster(8)
+    mg = build_metagraph(w)
+    vision = mg.metaops["vt/vision"]
+    plain = AnalyticCostModel(w, cluster)
+    recomp = AnalyticCostModel(w, cluster, config=CostModelConfig(recompute=True))
+    assert recomp.flops(vision) == pytest.approx(plain.flops(vision) * 4 / 3)
+    held = {name: MemoryModel(w, cluster, cost).activation_bytes(vision, 1, 8, vision.num_layers)
+            for name, cost in (("plain", plain), ("recompute", recomp))}
+    assert held["recompute"] < 0.25 * held["plain"]
+
+
+def test_auto_recompute_switches_on_only_when_memory_requires_it():
+    w = workload_from_dict(HEAVY)
+    roomy = make_plan(w, make_cluster(4, 4), PlannerConfig(planner="wavefront"))
+    assert roomy.planner["recompute"] is False
+    # Memory between the least footprint with and without recomputation: only a recomputing plan fits.
+    base = make_cluster(4, 4)
+    with_rc, without_rc = least_footprint(w, base, True), least_footprint(w, base, False)
+    assert with_rc < without_rc
+    tight = cluster_with_memory(4, (with_rc + without_rc) / 2)
+    plan = make_plan(w, tight, PlannerConfig(planner="wavefront"))
+    assert plan.planner["recompute"] is True
+    validate_plan(plan, w, tight, build_metagraph(w))
+    with pytest.raises(PlanError, match="does not fit device memory"):
+        make_plan(w, tight, PlannerConfig(planner="wavefront", recompute="none"))
+
+
+def test_a_metaop_that_fits_nowhere_is_named_with_the_memory_it_needs():
+    w = workload_from_dict(HEAVY)
+    tiny = cluster_with_memory(4, least_footprint(w, make_cluster(4, 4), True) / 3)
+    with pytest.raises(PlanError) as e:
+        make_plan(w, tiny, PlannerConfig(planner="wavefront"))
+    msg = str(e.value)
+    assert "MetaOp 'vt/vision'" in msg and "does not fit device memory" in msg and "GiB per device" in msg
+
+
+def test_heavy_metaops_get_enough_devices_to_hold_their_activations():
+    w = workload_from_dict(HEAVY)
+    base = make_cluster(8, 8)
+    mg = build_metagraph(w)
+    memory = MemoryModel(w, base, AnalyticCostModel(w, base))
+    on_one = memory_footprint(mg.metaops["vt/vision"], 1, 1, memory)
+    least = least_footprint(w, base, False)
+    mem = max(4 * least, on_one / 2)
+    assert mem < on_one  # the vision chain cannot run on a single device
+    cluster = cluster_with_memory(8, mem)
+    plan = make_plan(w, cluster, PlannerConfig(planner="wavefront", recompute="none"))
+    validate_plan(plan, w, cluster, mg)
+    assert max(plan.memory_per_device) <= mem
+    assert all(s.tp * s.dp > 1 for s in plan.slices() if s.metaop == "vt/vision")
+
+
+def test_planner_config_rejects_unknown_choices():
+    with pytest.raises(ValueError, match="unknown placement 'random'"):
+        PlannerConfig(placement="random")
+    with pytest.raises(ValueError, match="unknown recompute 'sometimes'"):
+        PlannerConfig(recompute="sometimes")
