@@ -129,6 +129,8 @@ def main(argv=None, extra_args_provider=None):
                           [add_workload_args, add_cluster_args, add_profile_args], extra_args_provider)
     parser.set_defaults(gpu_type=None)  # detected from the devices here (CPU, or the CUDA device's name)
     args = parser.parse_args(argv)
+    if args.no_profile_cache and not args.out:
+        parser.error("--no-profile-cache needs --out (the profile would be written nowhere)")
     with exit_on_user_error():
         import torch.distributed as dist
 

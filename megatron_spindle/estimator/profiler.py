@@ -110,6 +110,8 @@ class ProfileWorld:
         if device is None:
             device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         if not (dist.is_available() and dist.is_initialized()):
             return cls(0, 1, 1, device)
         world = dist.get_world_size()
