@@ -85,6 +85,7 @@ class CpSatOptions:
     deepening_share: float = 0.25  # slot deepening: share of a level's remaining time per step
     comm_model_devices: int = 16  # communication phase in CP-SAT up to this many devices (placement beyond)
     reserve_fraction: float = 0.1  # of the time limit, kept for extraction and placement after the solves
+    light_presolve_slots: int = 150  # models with more slots skip presolve (it alone can eat the limit)
     memory_unit_bytes: int = 2**20
     comm_unit_bytes: int = 2**20
     seed: int = 0
@@ -180,7 +181,9 @@ def solve_cpsat(metagraph, workload, cluster, curves, greedy_waves: list[Schedul
     slice_options = {m: _options_for(m, curves[m], greedy_waves) for m in metagraph.metaops}
     if memory_model is not None:
         check_memory_fits(metagraph, slice_options, memory_model, cluster)
-    base = dict(greedy_makespan=greedy_makespan, c_star=_c_star(level_allocs, metagraph, curves, cluster),
+    level_c_stars = _level_c_stars(level_allocs, metagraph, curves, cluster)
+    c_star = sum(level_c_stars.values()) if level_c_stars else None
+    base = dict(greedy_makespan=greedy_makespan, c_star=c_star,
                 greedy_inter_island_bytes=greedy_comm, inter_island_bytes=greedy_comm,
                 cross_level_overlap=cross_level_overlap)
     if time_limit <= 0 or not greedy_waves:
@@ -190,7 +193,8 @@ def solve_cpsat(metagraph, workload, cluster, curves, greedy_waves: list[Schedul
     slice_options = {m: _with_units(o, unit) for m, o in slice_options.items()}
     rounding = _rounding_bound(metagraph, slice_options, unit)
     deadline = time.perf_counter() + time_limit * (1 - opts.reserve_fraction)
-    ctx = _Context(metagraph, cluster, slice_options, cost_model, memory_model, opts, workers, workload, deadline)
+    ctx = _Context(metagraph, cluster, slice_options, cost_model, memory_model, opts, workers, workload, deadline,
+                   level_c_stars or {})
     stage = _run_stages(ctx, greedy_waves, time_limit, cross_level_overlap)
     if stage.waves is not None:
         stage.waves = _finish_placement(ctx, stage.waves, stage.notes)
@@ -227,6 +231,7 @@ class _Context:
     workers: int
     workload: Any = None
     deadline: float = math.inf  # time.perf_counter() by which every solve must be over (model building counts)
+    level_c_stars: dict[int, float] = field(default_factory=dict)  # MetaLevel index -> C~*
 
     def left(self) -> float:
         return max(0.0, self.deadline - time.perf_counter())
@@ -373,10 +378,11 @@ def _solve_per_level(ctx: _Context, greedy: list[ScheduledWave], limit: float) -
     """One model per MetaLevel (exact for the barrier objective when memory cannot bind); the time left is
     shared out in proportion to the levels' model sizes, so levels solved early leave time to the others."""
     start = time.perf_counter()
-    levels = [lv for lv in ctx.metagraph.levels if lv]
+    indices = [k for k, lv in enumerate(ctx.metagraph.levels) if lv]
+    levels = [ctx.metagraph.levels[k] for k in indices]
     level_of = {m: k for k, lv in enumerate(levels) for m in lv}
     hints = [[w for w in greedy if w.slices and level_of[w.slices[0].metaop] == k] for k in range(len(levels))]
-    weights = [len(lv) * (len(h) + ctx.opts.extra_waves) for lv, h in zip(levels, hints)]
+    weights = [_level_weight(hint, ctx.level_c_stars.get(k)) for k, hint in zip(indices, hints)]
     parts, statuses, bound = [], [], 0.0
     for k, (lv, hint) in enumerate(zip(levels, hints)):
         left = limit - (time.perf_counter() - start)
@@ -389,6 +395,15 @@ def _solve_per_level(ctx: _Context, greedy: list[ScheduledWave], limit: float) -
         "FEASIBLE" if all(s in ("OPTIMAL", "FEASIBLE") for s in statuses) else "PARTIAL")
     return _Stage(_concatenate(parts), status, bound, time.perf_counter() - start,
                   [f"per-level solves: {sum(s == 'OPTIMAL' for s in statuses)}/{len(statuses)} optimal"])
+
+
+def _level_weight(hint: list[ScheduledWave], c_star: float | None) -> float:
+    """Time share of a level: what the greedy plan leaves above the level's relaxed optimum (at least 2% of
+    its duration, so every level gets some time), or its duration when C~* is unknown."""
+    duration = sum(w.duration for w in hint)
+    if c_star is None:
+        return max(duration, 1e-12)
+    return max(duration - c_star, 0.02 * duration, 1e-12)
 
 
 def _solve_level(ctx: _Context, sub, greedy: list[ScheduledWave], limit: float) -> _Stage:
@@ -431,17 +446,18 @@ def _concatenate(parts: list[list[ScheduledWave]]) -> list[ScheduledWave]:
     return out
 
 
-def _c_star(level_allocs, metagraph, curves, cluster) -> float | None:
-    """Sum of the levels' relaxed optima C~* (paper eq. 8-9): from the allocator's answers when given."""
+def _level_c_stars(level_allocs, metagraph, curves, cluster) -> dict[int, float] | None:
+    """Relaxed optimum C~* per MetaLevel (paper eq. 8-9): the allocator's answers when given, else the
+    allocator run here with its default inverse."""
     if level_allocs:
-        return float(sum(a.c_star for a in level_allocs))
+        return {a.level: float(a.c_star) for a in level_allocs}
     try:
         from megatron_spindle.planner.allocator import allocate_level
     except ImportError:
         return None
     try:
-        return float(sum(allocate_level(k, [metagraph.metaops[m] for m in lv], curves, cluster.num_devices).c_star
-                         for k, lv in enumerate(metagraph.levels) if lv))
+        return {k: float(allocate_level(k, [metagraph.metaops[m] for m in lv], curves, cluster.num_devices).c_star)
+                for k, lv in enumerate(metagraph.levels) if lv}
     except (ValueError, KeyError, AttributeError, TypeError):
         return None
 
@@ -946,7 +962,7 @@ class _ModelBuilder:
     def solve_makespan(self, limit: float, workers: int) -> tuple[str, Any, float]:
         """(status name, solver holding a solution or None, seconds)."""
         self.model.Minimize(self.makespan_expr)
-        solver = _solver(limit, workers, self.opts.seed)
+        solver = _solver(limit, workers, self.opts.seed, presolve=len(self.slots) <= self.opts.light_presolve_slots)
         status = solver.Solve(self.model)
         found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
         return solver.StatusName(status), solver if found else None, solver.WallTime()
@@ -955,7 +971,7 @@ class _ModelBuilder:
         """Second objective: inter-island bytes, with the makespan capped at the hint's (lexicographic)."""
         self.model.Add(self.makespan_expr <= self.hint_units)
         self.model.Minimize(self.comm_expr)
-        solver = _solver(limit, workers, self.opts.seed)
+        solver = _solver(limit, workers, self.opts.seed, presolve=len(self.slots) <= self.opts.light_presolve_slots)
         status = solver.Solve(self.model)
         name = solver.StatusName(status)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -1006,8 +1022,11 @@ def _memory_can_bind(metagraph, slice_options: dict[str, list[SliceOption]], mem
     return worst > cluster.gpu.memory_bytes
 
 
-def _solver(limit: float, workers: int, seed: int) -> cp_model.CpSolver:
+def _solver(limit: float, workers: int, seed: int, presolve: bool = True) -> cp_model.CpSolver:
+    """Presolve (probing in particular) pays off on the per-level models, which it helps prove optimal, but
+    on whole-graph models of large clusters it can take the whole limit before the hint is even loaded."""
     solver = cp_model.CpSolver()
+    solver.parameters.cp_model_presolve = presolve
     solver.parameters.max_time_in_seconds = max(limit, 0.001)
     solver.parameters.num_workers = max(1, workers)
     solver.parameters.random_seed = seed

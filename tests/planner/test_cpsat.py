@@ -370,11 +370,12 @@ def test_summary_is_flat_json_with_gaps():
     curves = {"a": dp_only({1: 1.0, 2: 0.6}), "b": dp_only({1: 1.0, 2: 0.5})}
 
     @dataclass
-    class Alloc:
+    class Alloc:  # the part of LevelAllocation solve_cpsat reads
+        level: int
         c_star: float
 
     res = solve_cpsat(g, None, make_cluster(2, gpu_type_name="CPU"), curves, sequential_waves(g, curves), None,
-                      None, time_limit=LIMIT, workers=1, level_allocs=[Alloc(2.0)])
+                      None, time_limit=LIMIT, workers=1, level_allocs=[Alloc(0, 2.0)])
     s = res.summary()
     json.dumps(s)
     assert all(not isinstance(v, (dict, list)) for v in s.values())
