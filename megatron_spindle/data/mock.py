@@ -39,6 +39,14 @@ class TaskBatch:
         """Rows held by this (possibly sharded) batch."""
         return self.global_batch_size // self.dp
 
+    def to(self, device) -> TaskBatch:
+        """The same batch with its tensors on ``device``."""
+        return replace(
+            self,
+            inputs={m: t.to(device) for m, t in self.inputs.items()},
+            labels=None if self.labels is None else self.labels.to(device),
+        )
+
     def shard(self, dp_rank: int, dp: int) -> TaskBatch:
         """Rows ``[k*B/dp, (k+1)*B/dp)`` of the global batch for data-parallel rank k (of a full batch)."""
         if self.dp != 1:

@@ -16,6 +16,11 @@ from megatron_spindle.compat.groups import group_rank, group_size
 from megatron_spindle.data.mock import IGNORE_INDEX
 
 
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """Losses are computed in fp32 (fp64 stays fp64)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 class _GatherAlongBatch(torch.autograd.Function):
     """All-gather along dim 0 over a group; backward sums the gradients of all ranks and keeps this rank's rows."""
 
@@ -44,8 +49,8 @@ def gather_along_batch(local: torch.Tensor, dp_group) -> torch.Tensor:
 def contrastive_loss(emb_a: torch.Tensor, emb_b: torch.Tensor, temperature: float, dp_group=None) -> torch.Tensor:
     """Symmetric InfoNCE between L2-normalised embeddings ``[b, D]`` of the local DP shard, over the batch gathered
     from all DP ranks. Returns this rank's share ``L / dp`` of the global loss L (sum over ranks = L)."""
-    a = gather_along_batch(F.normalize(emb_a.float(), dim=-1), dp_group)
-    b = gather_along_batch(F.normalize(emb_b.float(), dim=-1), dp_group)
+    a = gather_along_batch(F.normalize(_at_least_fp32(emb_a), dim=-1), dp_group)
+    b = gather_along_batch(F.normalize(_at_least_fp32(emb_b), dim=-1), dp_group)
     logits = a @ b.t() / temperature
     target = torch.arange(logits.shape[0], device=logits.device)
     loss = 0.5 * (F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target))
@@ -58,7 +63,7 @@ def vocab_parallel_token_losses(logits: torch.Tensor, target: torch.Tensor, tp_g
 
     Written here because megatron-core 0.16.1's ``vocab_parallel_cross_entropy`` only uses the global TP group.
     """
-    logits = logits.float()
+    logits = _at_least_fp32(logits)
     tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
     vocab_local = logits.shape[-1]
     logits_max = logits.detach().amax(dim=-1)

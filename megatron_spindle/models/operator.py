@@ -198,7 +198,10 @@ class FrontendOperator(SliceOperator):
         return {f"{self.owner}.frontend": self.frontend}
 
     def forward(self, inputs, batch):
-        return self.frontend(batch.inputs[self.metaop.module])
+        raw = batch.inputs[self.metaop.module]
+        if raw.is_floating_point():  # images / spectrograms / IMU: to the parameters' dtype and device
+            raw = raw.to(self.frontend.position_embeddings)
+        return self.frontend(raw)
 
 
 class LayerRangeOperator(SliceOperator):
