@@ -11,48 +11,66 @@ order and decides, per (MetaOp, slot), whether the MetaOp runs there, with which
 layers. The objective ``sum_w D_w`` (D_w >= every slice time in slot w) is then exactly the iteration time of
 the plan it encodes (up to the reported rounding), and the greedy plan maps one-to-one onto a solution (the
 warm-start hint). A MetaOp's slices in successive slots run its layers in order, so "slices of one MetaOp
-never overlap and run in order" holds by construction; the number of slices per MetaOp is bounded by the
-number of slots it may use (the greedy's wave count of its level plus ``extra_waves``).
+never overlap and run in order" holds by construction, and the waves need no cutting afterwards. The slots
+bound the slices per MetaOp (the issue's K): the hint's wave count of its level plus ``extra_waves``.
 
 Linearisation: for every (MetaOp m, slot w, option c) one boolean ``y`` (m runs in w with option c) and one
 integer ``l`` in [0, L_m] with ``y <= l <= L_m * y``. The slice time is ``sum_c T_c * l_c`` (only the chosen
-c is non-zero), so ``D_w >= sum_c T_c * l_c`` is linear; ``sum_{w,c} l = L_m`` runs every layer once.
-
-Options c are the MetaOp's scaling-curve points (``curve.valid_ns`` with ``curve.config(n)``; the fastest
+c is non-zero), so ``D_w >= sum_c T_c * l_c`` is linear; ``sum_{w,c} l = L_m`` runs every layer once. A
+redundant energy cut ``N * D_w >= sum n_c * T_c * l_c`` lifts the LP bound to about C*.
+Options c are the MetaOp's scaling-curve points (``curve.valid_ns`` with ``curve.config(n)``: the fastest
 (tp, dp) for each n) plus any configuration the greedy plan uses that is not among them.
 
-Devices: each slice is a contiguous device range ``[o, o + n)`` (one optional interval per slot, with a
-``NoOverlap`` per slot). A range with n <= gpus_per_node lies inside one island; a larger one starts at an
-island boundary; ``o`` is a multiple of tp, so with tp dividing the node size every TP group stays inside a
-node and gets rank layout ``devices[r] -> tp rank r % tp`` from planner/plan.py. Ranges rather than device
-booleans keep the model small (one integer per slot instead of N booleans) and make the island rules
-linear; per-device booleans are added only when the memory constraint can bind (below).
+Devices: a slice gets a contiguous device range ``[o, o + n)`` with ``o`` a multiple of tp, so with tp
+dividing the node size every TP group stays inside a node and gets the rank layout of planner/plan.py.
+Ranges rather than device booleans keep the model small (one integer per slot instead of N booleans).
+When nothing in the model depends on *which* devices (no communication phase, no per-device memory) the
+model keeps only a device count per wave, ``sum n <= N``, and the ranges are packed afterwards
+(``pack_ranges``: inside islands when possible, else left to right by decreasing tp, which always fits
+when the tp degrees divide one another; otherwise the range variables stay in the model). Otherwise each
+slot has an optional interval ``[o, o + n)`` and every slot a ``NoOverlap``. Ranges may cross islands, as the
+greedy plan's device sets do (else its plan would not be a valid hint); the communication phase prices it.
+The final devices come from ``placement.place()`` (islands, big flows first, weight co-location, memory
+with backtracking) run on the solver's schedule, unless it fails or moves more bytes across islands than
+the solver's own ranges.
 
-Memory: device d holds, for every slice placed on it, the slice's parameter state (MemoryModel
-``param_state_bytes`` of its layers at its tp) and its activations (``activation_bytes(metaop, tp, dp, l)``)
-for the whole iteration (forward to backward). Summing per slice ignores that co-located MetaOps sharing
-weights store them once, so the constraint is conservative. It is added only if the worst case (every
-MetaOp's largest per-device footprint on one device) exceeds the capacity; otherwise it cannot bind.
-A MetaOp whose single layer cannot fit a device in any configuration raises ``CpSatMemoryError`` naming it.
+Memory: a device of a slice holds the parameter state of its layers at its tp (``param_state_bytes``) and
+its activations (``activation_bytes(metaop, tp, dp, l)``) for the iteration. In every model, per option,
+``l <= capacity / per-layer bytes``. Per-device memory (booleans ``a[slot, d]`` for ``d`` in the range and a
+linear load per device, conservative: shared weights summed, not stored once) is modelled only when it
+can bind (every MetaOp's largest footprint on one device exceeds the capacity) on clusters of at most
+``exact_memory_devices``; beyond that the number of variables grows with devices x slots, and the plan's
+per-device memory (shared weights once, as the assembler counts) is checked after the solve instead, the
+greedy plan being kept if no placement fits. A MetaOp whose single layer cannot fit a device in any
+configuration raises ``CpSatMemoryError`` naming the MetaOp and the bytes it needs.
 
-Levels: by default a slot belongs to one MetaLevel (the paper's level barrier), so precedence holds. With
-``cross_level_overlap`` slots are global and a MetaOp may use the slots of its own level's block and of the
-``level_window`` neighbouring blocks on each side; precedence is explicit: a consumer's first slot comes after
-each producer's last slot. Communication (second objective): each MetaOp has a home island; a slice outside
-it pays the MetaOp's activation bytes, an edge between MetaOps with different homes pays the producer's
-activation bytes, and MetaOps sharing weights with different homes pay the bf16 bytes of the shared weights
-(the soft co-location preference). It is solved as a second phase with the makespan capped at the phase-one
-value (lexicographic), only when the cluster has more than one island.
+Levels and search: under the level barrier (default) the makespan is the sum of independent per-level
+makespans, so when per-device memory is not modelled each MetaLevel is its own model, solved by *slot
+deepening*: 1, 2, ... slots, each hinted by the best plan so far, while they solve to optimality (good
+plans often need few waves, and small models solve fast), then the full model hinted by the best plan,
+which also gives the level's bound. Levels share the time by what the greedy plan leaves above their C~*.
+With ``cross_level_overlap`` a whole-graph model follows, hinted by the barrier plan: slots are global, a
+MetaOp may use the slots of its own level's block and of the ``level_window`` neighbouring blocks, and
+precedence is explicit (a consumer's first slot after each producer's last slot); the summary reports the
+barrier makespan and the gain. Large models skip CP-SAT's presolve, which otherwise can take the whole
+limit before the hint is loaded.
 
-Time is integer: ``unit = 2 * rounding_tolerance * greedy_makespan / total_layers`` so the rounding error of
-any plan's makespan is at most ``sum_m L_m * max_c |T_c - unit * round(T_c / unit)|`` seconds, which is
-reported (``rounding_error_bound``) and is at most ``rounding_tolerance * greedy_makespan`` (plus one unit
-per layer of ops shorter than half a unit, which are kept at one unit so they are never free).
+Communication (second objective, lexicographic: a second solve with the makespan capped at the first
+one's): each MetaOp has a home island; a slice outside it pays the MetaOp's activation bytes, an edge between
+MetaOps with different homes the producer's activation bytes, and MetaOps sharing weights with different
+homes the bf16 bytes of the shared weights (the soft co-location preference). It runs on clusters of several
+islands up to ``comm_model_devices``; larger ones rely on the placement heuristics.
 
-Never worse than greedy: the greedy plan is added as a complete hint (its device sets are re-packed into
-ranges if they are not ranges already), and the returned plan is re-timed in floating point; unless it is
-strictly better (shorter makespan, or equal makespan and fewer inter-island bytes) the greedy waves come back
-unchanged with ``used_hint_only=True``. A zero time limit skips the solver.
+Time is integer: ``unit = 2 * rounding_tolerance * greedy_makespan / total_layers``; the rounding error of
+any plan's makespan is at most ``sum_m L_m * max_c |T_c - unit * round(T_c / unit)|`` seconds, reported as
+``rounding_error_bound`` (about ``rounding_tolerance * greedy_makespan``; ops shorter than half a unit are
+kept at one unit so they are never free). ``best_bound`` is the solver's bound minus that error, so it
+bounds the real makespan of every plan in the model.
+
+Never worse than greedy: the greedy plan is a complete hint, every answer is re-timed in floating point,
+and unless it is strictly better (shorter makespan, or equal makespan and fewer inter-island bytes) the
+greedy waves come back unchanged with ``used_hint_only=True``. A zero time limit skips the solver. All
+solves share one wall-clock deadline (model building included), leaving ``reserve_fraction`` for placement.
 """
 
 from __future__ import annotations
