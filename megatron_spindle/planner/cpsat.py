@@ -34,7 +34,7 @@ The final devices come from ``placement.place()`` (islands, big flows first, wei
 with backtracking) run on the solver's schedule, unless it fails or moves more bytes across islands than
 the solver's own ranges.
 
-Memory: a device of a slice holds the parameter state of its layers at its tp (``param_state_bytes``) and
+Memory: a device of a slice holds the parameter state of its layers (``param_state_bytes(unit, tp, dp)``) and
 its activations (``activation_bytes(metaop, tp, dp, l)``) for the iteration. In every model, per option,
 ``l <= capacity / per-layer bytes``. Per-device memory (booleans ``a[slot, d]`` for ``d`` in the range and a
 linear load per device, conservative: shared weights summed, not stored once) is modelled only when it
@@ -348,7 +348,7 @@ def _replace(ctx: _Context, waves: list[ScheduledWave]) -> list[ScheduledWave] |
         return None
     try:
         return place(waves, ctx.metagraph, ctx.workload, ctx.cluster, ctx.cost_model, ctx.memory_model)
-    except PlacementError:
+    except (PlacementError, ValueError):
         return None
 
 
@@ -361,13 +361,20 @@ def _fits_memory(ctx: _Context, waves: list[ScheduledWave]) -> bool:
 
 def device_memory(waves: list[ScheduledWave], metagraph, memory_model, cluster) -> list[float]:
     """Per-device bytes of placed waves: each parameter unit's state once per device (at the largest shard
-    held), plus every slice's activations; the accounting of placement.predicted_memory."""
+    held), plus every slice's activations; placement.predicted_memory when available (the assembler's
+    accounting), the same rule here otherwise."""
+    try:
+        from megatron_spindle.planner.placement import predicted_memory
+    except ImportError:
+        predicted_memory = None
+    if predicted_memory is not None:
+        return list(predicted_memory(waves, metagraph, memory_model, cluster))
     held: list[dict[str, float]] = [{} for _ in range(cluster.num_devices)]
     act = [0.0] * cluster.num_devices
     for w in waves:
         for s in w.slices:
             mo = metagraph.metaops[s.metaop]
-            units = {u: float(memory_model.param_state_bytes(u, s.tp))
+            units = {u: float(memory_model.param_state_bytes(u, s.tp, s.dp))
                      for names in mo.params[s.layer_start:s.layer_end] for u in names}
             a = float(memory_model.activation_bytes(mo, s.tp, s.dp, s.layer_end - s.layer_start))
             for d in s.devices or []:
@@ -524,16 +531,18 @@ def _rounding_bound(metagraph, slice_options: dict[str, list[SliceOption]], unit
                for mid, m in metagraph.metaops.items())
 
 
-def _layer_param_bytes(metaop, tp: int, memory_model) -> float:
-    """Parameter state of one layer of the MetaOp on one device (layers of a MetaOp are identical)."""
+def _layer_param_bytes(metaop, tp: int, dp: int, memory_model) -> float:
+    """Parameter state of one layer of the MetaOp on one device (layers of a MetaOp are identical; dp
+    matters with the distributed optimizer)."""
     if not metaop.params:
         return 0.0
-    return float(sum(memory_model.param_state_bytes(p, tp) for p in metaop.params[0]))
+    return float(sum(memory_model.param_state_bytes(p, tp, dp) for p in metaop.params[0]))
 
 
 def _layer_bytes(metaop, o: SliceOption, memory_model) -> float:
     """Per-device bytes one layer of the MetaOp holds for the iteration under option o."""
-    return _layer_param_bytes(metaop, o.tp, memory_model) + float(memory_model.activation_bytes(metaop, o.tp, o.dp, 1))
+    return (_layer_param_bytes(metaop, o.tp, o.dp, memory_model)
+            + float(memory_model.activation_bytes(metaop, o.tp, o.dp, 1)))
 
 
 def check_memory_fits(metagraph, slice_options: dict[str, list[SliceOption]], memory_model, cluster) -> None:

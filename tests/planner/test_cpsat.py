@@ -58,7 +58,7 @@ class FakeMemoryModel:
     unit_bytes: float
     act_bytes: float = 0.0
 
-    def param_state_bytes(self, name: str, tp: int) -> float:
+    def param_state_bytes(self, name: str, tp: int, dp: int = 1) -> float:
         return self.unit_bytes / tp
 
     def activation_bytes(self, metaop, tp: int, dp: int, num_layers: int) -> float:
@@ -316,7 +316,7 @@ def test_memory_error_names_metaop_and_bytes():
     cluster = make_cluster(2, gpu_type_name="CPU")  # 8 GiB devices
 
     class Mem(FakeMemoryModel):
-        def param_state_bytes(self, name, tp):
+        def param_state_bytes(self, name, tp, dp=1):
             return (40 * 2**30 if name.startswith("huge") else 1e6) / tp
 
     with pytest.raises(CpSatMemoryError, match=r"MetaOp 'huge'.*20\.00 GiB.*8\.00 GiB"):
@@ -340,6 +340,32 @@ def test_memory_capacity_constrains_placement():
     assert all(len(v) <= 1 for v in held.values())
     assert "memory constraint active" in res.summary()["notes"]
     check_waves(res.waves, g, 2)
+
+
+def _memory_trap():
+    """a and b of 2 layers; on both devices each runs 2.5x faster, but a device then holds all four layers
+    (4 x 3 GiB > 8 GiB). The greedy plan (a on device 0, b on device 1: 2.0 s) fits."""
+    g = make_graph({"a": 2, "b": 2})
+    curves = {"a": dp_only({1: 1.0, 2: 0.4}), "b": dp_only({1: 1.0, 2: 0.4})}
+    greedy = [ScheduledWave(0, 0.0, 2.0, [ScheduledSlice("a", 1, 1, 1, 0, 2, 2.0, [0]),
+                                          ScheduledSlice("b", 1, 1, 1, 0, 2, 2.0, [1])])]
+    return g, curves, greedy, FakeMemoryModel(unit_bytes=3 * 2**30)
+
+
+@pytest.mark.parametrize("exact_memory_devices", [16, 0])
+def test_memory_is_respected_in_the_model_or_checked_after(exact_memory_devices):
+    from megatron_spindle.planner.cpsat import device_memory
+
+    g, curves, greedy, mem = _memory_trap()
+    cluster = make_cluster(2, gpu_type_name="CPU")
+    res = solve_cpsat(g, None, cluster, curves, greedy, None, mem, time_limit=LIMIT, workers=1,
+                      options=CpSatOptions(exact_memory_devices=exact_memory_devices))
+    assert max(device_memory(res.waves, g, mem, cluster)) <= cluster.gpu.memory_bytes
+    assert res.objective <= 2.0 + 1e-12
+    check_waves(res.waves, g, 2)
+    if exact_memory_devices == 0:  # the unconstrained optimum (1.6 s) does not fit: greedy plan kept
+        assert res.used_hint_only
+        assert "no placement of the solver schedule fits memory" in res.summary()["notes"]
 
 
 # ------------------------------------------------------------------------------------------ communication
