@@ -597,12 +597,12 @@ def pack_ranges(sizes: list[tuple[int, int]], cluster) -> list[int] | None:
 
 
 def _pack_islands(sizes: list[tuple[int, int]], cluster) -> list[int] | None:
-    G, I = cluster.gpus_per_node, cluster.num_nodes
-    free = [[True] * G for _ in range(I)]
+    G, islands = cluster.gpus_per_node, cluster.num_nodes
+    free = [[True] * G for _ in range(islands)]
     starts: list[int | None] = [None] * len(sizes)
     for idx in sorted(range(len(sizes)), key=lambda i: (-sizes[i][0], -sizes[i][1])):
         n, tp = sizes[idx]
-        starts[idx] = _first_fit(free, n, tp, G, I)
+        starts[idx] = _first_fit(free, n, tp, G, islands)
         if starts[idx] is None:
             return None
     return starts  # type: ignore[return-value]
@@ -625,9 +625,9 @@ def tp_degrees_nest(slice_options: dict[str, list[SliceOption]]) -> bool:
     return all(b % a == 0 for a, b in zip(tps, tps[1:]))
 
 
-def _first_fit(free: list[list[bool]], n: int, tp: int, G: int, I: int) -> int | None:
+def _first_fit(free: list[list[bool]], n: int, tp: int, G: int, islands: int) -> int | None:
     if n <= G:
-        for isl in range(I):
+        for isl in range(islands):
             for off in range(0, G - n + 1, tp):
                 if all(free[isl][off:off + n]):
                     for k in range(off, off + n):
@@ -635,7 +635,7 @@ def _first_fit(free: list[list[bool]], n: int, tp: int, G: int, I: int) -> int |
                     return isl * G + off
         return None
     span = math.ceil(n / G)
-    for isl in range(I - span + 1):
+    for isl in range(islands - span + 1):
         devs = [(isl + k // G, k % G) for k in range(n)]
         if all(free[a][b] for a, b in devs):
             for a, b in devs:
@@ -654,7 +654,7 @@ class _Slot:
     metaop: str
     wave: int
     y: list[Any]  # bool per option
-    l: list[Any]  # layers per option
+    layers: list[Any]  # layer count per option
     present: Any
     size: Any
     offset: Any = None  # first device of the range (models with ranges only)
@@ -765,12 +765,12 @@ class _ModelBuilder:
     def _layers_and_durations(self) -> None:
         for mid, mo in self.g.metaops.items():
             slots = [s for (m, _), s in self.slots.items() if m == mid]
-            self.model.Add(sum(lc for s in slots for lc in s.l) == mo.num_layers)
+            self.model.Add(sum(lc for s in slots for lc in s.layers) == mo.num_layers)
         energy: dict[int, list[Any]] = {}
         for s in self.slots.values():
             opts = self.options[s.metaop]
-            self.model.Add(self.durations[s.wave] >= sum(o.units * lc for o, lc in zip(opts, s.l)))
-            energy.setdefault(s.wave, []).append(sum(o.n * o.units * lc for o, lc in zip(opts, s.l)))
+            self.model.Add(self.durations[s.wave] >= sum(o.units * lc for o, lc in zip(opts, s.layers)))
+            energy.setdefault(s.wave, []).append(sum(o.n * o.units * lc for o, lc in zip(opts, s.layers)))
         for w, terms in energy.items():
             # redundant (implied by disjoint devices) but it lifts the LP bound towards C*
             self.model.Add(self.N * self.durations[w] >= sum(terms))
@@ -844,7 +844,7 @@ class _ModelBuilder:
         """Each device of a slice holds all its layers: l <= capacity / per-layer bytes, per option."""
         cap = self.cluster.gpu.memory_bytes
         for s in self.slots.values():
-            for per_layer, lc in zip(self._slot_bytes(s), s.l):
+            for per_layer, lc in zip(self._slot_bytes(s), s.layers):
                 if per_layer > 0:
                     self.model.Add(lc <= int(cap // per_layer))
 
@@ -856,7 +856,7 @@ class _ModelBuilder:
         for s in self.slots.values():
             per_layer = [math.ceil(b / mu) for b in self._slot_bytes(s)]
             big = self.g.metaops[s.metaop].num_layers * max(per_layer)
-            slot_bytes = sum(b * lc for b, lc in zip(per_layer, s.l))
+            slot_bytes = sum(b * lc for b, lc in zip(per_layer, s.layers))
             on = []
             for d in range(self.N):
                 a = self.model.NewBoolVar(f"a[{s.metaop},{s.wave},{d}]")
@@ -867,17 +867,17 @@ class _ModelBuilder:
                 load[d].append(z)
                 on.append(a)
             self.model.Add(sum(on) == s.size)
-        for d, zs in load.items():
+        for zs in load.values():
             self.model.Add(sum(zs) <= cap)
 
     # ---------------------------------------------------------------- communication
     def _communication(self):
         """Home islands, slices away from home, edges and weight sharing across islands (module docstring)."""
-        m, G, I = self.model, self.cluster.gpus_per_node, self.cluster.num_nodes
+        m, G, islands = self.model, self.cluster.gpus_per_node, self.cluster.num_nodes
         cu = self.opts.comm_unit_bytes
         terms = []
         for mid in self.g.metaops:
-            self.home_island[mid] = m.NewIntVar(0, I - 1, f"home[{mid}]")
+            self.home_island[mid] = m.NewIntVar(0, islands - 1, f"home[{mid}]")
         for s in self.slots.values():
             h = self.home_island[s.metaop]
             s.home = m.NewBoolVar(f"athome[{s.metaop},{s.wave}]")
@@ -967,7 +967,7 @@ class _ModelBuilder:
     def _hint_slot(self, s: _Slot, c: int | None, layers: int, start: int) -> None:
         m = self.model
         m.AddHint(s.present, c is not None)
-        for i, (yc, lc) in enumerate(zip(s.y, s.l)):
+        for i, (yc, lc) in enumerate(zip(s.y, s.layers)):
             m.AddHint(yc, i == c)
             m.AddHint(lc, layers if i == c else 0)
         if c is None:
@@ -1016,7 +1016,7 @@ class _ModelBuilder:
                 if slot != w or not solver.Value(s.present):
                     continue
                 c = next(i for i, yc in enumerate(s.y) if solver.Value(yc))
-                o, layers = self.options[mid][c], solver.Value(s.l[c])
+                o, layers = self.options[mid][c], solver.Value(s.layers[c])
                 start = solver.Value(s.offset) if self.ranges else 0
                 slices.append(ScheduledSlice(mid, o.n, o.tp, o.dp, done[mid], done[mid] + layers,
                                              o.seconds * layers, list(range(start, start + o.n))))

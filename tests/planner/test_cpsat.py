@@ -12,8 +12,14 @@ import pytest
 
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
-from megatron_spindle.planner.cpsat import (CpSatMemoryError, CpSatOptions, inter_island_bytes, makespan,
-                                            pack_ranges, solve_cpsat)
+from megatron_spindle.planner.cpsat import (
+    CpSatMemoryError,
+    CpSatOptions,
+    inter_island_bytes,
+    makespan,
+    pack_ranges,
+    solve_cpsat,
+)
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
 
 LIMIT = 5.0  # seconds; the tiny instances solve to optimality far sooner
@@ -143,7 +149,7 @@ def brute_force(g: MetaGraph, curves, num_devices: int, barrier: bool = True) ->
         if barrier:
             lowest = min(g.metaops[m].level for m in ids if left[m])
             ready = [m for m in ready if g.metaops[m].level == lowest]
-        choices = [[None] + [(n, t, l) for n, t in opts[m] for l in range(1, left[m] + 1)] for m in ready]
+        choices = [[None] + [(n, t, k) for n, t in opts[m] for k in range(1, left[m] + 1)] for m in ready]
         result = (float("inf"), 0)
         for pick in product(*choices):
             if all(p is None for p in pick) or sum(p[0] for p in pick if p) > num_devices:
