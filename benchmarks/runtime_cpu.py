@@ -15,7 +15,6 @@ Printed, not asserted. Example:
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -114,8 +113,14 @@ def _two_rank_worker(rank: int, world_size: int, port: int, workload, args, queu
 
 def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
     from megatron_spindle.compat.cpu import apply_cpu_shim
-    from megatron_spindle.estimator.profiler import (ProfiledCostModel, ProfilerSettings, ProfileWorld,
-                                                     cluster_with_bandwidth, load_profile, run_profile)
+    from megatron_spindle.estimator.profiler import (
+        ProfiledCostModel,
+        ProfilerSettings,
+        ProfileWorld,
+        cluster_with_bandwidth,
+        load_profile,
+        run_profile,
+    )
     from megatron_spindle.graph.cluster import make_cluster
     from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
     from megatron_spindle.planner.plan import Plan
@@ -162,8 +167,6 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
 
 
 def two_ranks(workload, args, world_size: int = 2) -> dict[str, float]:
-    from megatron_spindle.estimator.profiler import ProfileWorld  # noqa: F401  (import check before spawning)
-
     import socket
 
     with socket.socket() as s:

@@ -22,8 +22,13 @@ _TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _TOOLS_DIR]
 sys.path.insert(0, os.path.dirname(_TOOLS_DIR))
 
-from megatron_spindle.arguments import (add_cluster_args, add_workload_args, build_parser,  # noqa: E402
-                                        cluster_from_args, workload_from_args)
+from megatron_spindle.arguments import (  # noqa: E402
+    add_cluster_args,
+    add_workload_args,
+    build_parser,
+    cluster_from_args,
+    workload_from_args,
+)
 from megatron_spindle.errors import exit_on_user_error  # noqa: E402
 
 
@@ -135,9 +140,16 @@ def main(argv=None, extra_args_provider=None):
         import torch.distributed as dist
 
         from megatron_spindle.compat.cpu import apply_cpu_shim
-        from megatron_spindle.estimator.profiler import (ProfileWorld, cache_path, default_cache_dir,
-                                                         describe_hardware, load_measurements, profile_key,
-                                                         run_profile, software_versions)
+        from megatron_spindle.estimator.profiler import (
+            ProfileWorld,
+            cache_path,
+            default_cache_dir,
+            describe_hardware,
+            load_measurements,
+            profile_key,
+            run_profile,
+            software_versions,
+        )
 
         device_kind = _device_kind(args.device)
         created = _init_distributed(device_kind)

@@ -15,7 +15,6 @@ import pytest
 
 from megatron_spindle.estimator import estimate_curves
 from megatron_spindle.estimator.profile import load_profile_points
-from megatron_spindle.graph.builtin import builtin_workload_path
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
@@ -142,9 +141,16 @@ def test_two_gloo_ranks_under_torchrun(tmp_path):
 
 
 def test_grouping_configs_and_cost_model():
-    from megatron_spindle.estimator.profiler import (Measurement, ProfiledCostModel, ProfilerSettings,
-                                                     ProfileWorld, cluster_with_bandwidth, group_metaops,
-                                                     profile_configs, profile_key)
+    from megatron_spindle.estimator.profiler import (
+        Measurement,
+        ProfiledCostModel,
+        ProfilerSettings,
+        ProfileWorld,
+        cluster_with_bandwidth,
+        group_metaops,
+        profile_configs,
+        profile_key,
+    )
 
     workload = load_workload("tiny-clip")
     groups = group_metaops(workload)
