@@ -20,7 +20,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from megatron_spindle.compat.groups import group_rank, group_size
+from megatron_spindle.compat.groups import group_size
 
 
 def _is_sharded(param: torch.Tensor) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -152,5 +153,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.multiproc
 def test_tensor_and_data_parallel_match_single_process():
     mp.start_processes(_worker, args=(2, _free_port()), nprocs=2, join=True, start_method="spawn")
