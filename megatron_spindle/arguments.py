@@ -49,6 +49,9 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--spindle-recompute", choices=["auto", "none", "full"], default="auto",
                    help="Full activation recomputation of transformer layers: auto plans without it and switches "
                         "it on only when the plan does not fit device memory otherwise.")
+    g.add_argument("--spindle-distributed-optimizer", choices=["auto", "off", "on"], default="auto",
+                   help="Shard each unit's optimizer state over the data-parallel ranks that run it (ZeRO-1, "
+                        "like --use-distributed-optimizer): auto switches it on only when memory requires it.")
     g.add_argument("--spindle-profile", default=None,
                    help="Profile JSON from tools/profile.py; its measured points replace the analytic cost model.")
     return parser
@@ -77,7 +80,8 @@ def planner_config_from_args(args: argparse.Namespace):
                          placement=args.spindle_placement, solver_time_limit=args.spindle_solver_time_limit,
                          solver_workers=args.spindle_solver_workers,
                          cross_level_overlap=args.spindle_cross_level_overlap,
-                         recompute=args.spindle_recompute)
+                         recompute=args.spindle_recompute,
+                         distributed_optimizer=args.spindle_distributed_optimizer)
 
 
 def build_parser(description: str, groups: list[Callable], extra_args_provider: Callable | None = None):

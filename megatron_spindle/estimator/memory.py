@@ -12,13 +12,19 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.graph.workload import ModuleSpec, Workload
 
-BYTES_PER_PARAM = 2 + 4 + 4 + 4 + 4  # bf16 weight, fp32 grad, fp32 master, Adam m and v
+WEIGHT_AND_GRAD_BYTES = 2 + 4  # bf16 weight, fp32 main gradient
+OPTIMIZER_BYTES = 4 + 4 + 4  # fp32 master weight, Adam m and v
+BYTES_PER_PARAM = WEIGHT_AND_GRAD_BYTES + OPTIMIZER_BYTES
 
 
 class MemoryModel:
     """Bytes per device for the slices of a plan."""
 
-    def __init__(self, workload: Workload, cluster: ClusterSpec, cost_model: AnalyticCostModel | None = None):
+    def __init__(self, workload: Workload, cluster: ClusterSpec, cost_model: AnalyticCostModel | None = None,
+                 distributed_optimizer: bool = False):
+        # distributed_optimizer: the optimizer state (master weights, Adam moments) of a unit is sharded over
+        # the data-parallel ranks that run it (ZeRO-1, Megatron's --use-distributed-optimizer).
+        self.distributed_optimizer = distributed_optimizer
         self.workload = workload
         self.cluster = cluster
         self.cost_model = cost_model or AnalyticCostModel(workload, cluster)
@@ -26,17 +32,21 @@ class MemoryModel:
 
     # ---------------------------------------------------------------------------------------- parameters
 
-    def param_state_bytes(self, param_name: str, tp: int) -> float:
-        """Weights + gradients + Adam state of one parameter unit on each of its tp ranks. Norms and some
-        biases are replicated rather than split by TP; they are tiny, so we divide everything by tp."""
+    def param_state_bytes(self, param_name: str, tp: int, dp: int = 1) -> float:
+        """Weights + gradients + Adam state of one parameter unit on each of its tp ranks (the optimizer state
+        split over ``dp`` ranks with the distributed optimizer). Norms and some biases are replicated rather
+        than split by TP; they are tiny, so we divide everything by tp."""
         _check_positive("tp", tp)
-        return self.cost_model.param_count(param_name) / tp * BYTES_PER_PARAM
+        _check_positive("dp", dp)
+        optimizer = OPTIMIZER_BYTES / dp if self.distributed_optimizer else OPTIMIZER_BYTES
+        return self.cost_model.param_count(param_name) / tp * (WEIGHT_AND_GRAD_BYTES + optimizer)
 
-    def slice_param_state_bytes(self, metaop: MetaOp, tp: int, layer_start: int, layer_end: int) -> float:
+    def slice_param_state_bytes(self, metaop: MetaOp, tp: int, layer_start: int, layer_end: int,
+                                dp: int = 1) -> float:
         """Parameter state of layers [layer_start, layer_end) of the MetaOp's chain on one device."""
         _check_layer_range(metaop, layer_start, layer_end)
         units = {p for ps in metaop.params[layer_start:layer_end] for p in ps}
-        return sum(self.param_state_bytes(p, tp) for p in units)
+        return sum(self.param_state_bytes(p, tp, dp) for p in units)
 
     # --------------------------------------------------------------------------------------- activations
 

@@ -24,10 +24,11 @@ from megatron_spindle.planner.validate import validate_plan
 from megatron_spindle.planner.wavefront import schedule_levels
 
 PLANNERS = ("wavefront", "cpsat")
-MEMORY_SHARES = (0.5, 0.25, 0.125, 0.0625)
+MEMORY_SHARES = (0.5, 0.25, 0.125)
 INVERSES = ("rate", "time")
 PLACEMENTS = ("spindle", "sequential")
 RECOMPUTE = ("auto", "none", "full")
+RECOMPUTE_OR_SHARD = ("auto", "off", "on")
 
 
 @dataclass
@@ -39,10 +40,12 @@ class PlannerConfig:
     solver_workers: int = 2
     cross_level_overlap: bool = False
     recompute: str = "auto"  # activation recomputation: auto = only when the plan does not fit otherwise
+    distributed_optimizer: str = "auto"  # optimizer state sharded over DP ranks: auto = only when needed
 
     def __post_init__(self):
         for name, value, allowed in (("planner", self.planner, PLANNERS), ("inverse", self.inverse, INVERSES),
-                                     ("placement", self.placement, PLACEMENTS), ("recompute", self.recompute, RECOMPUTE)):
+                                     ("placement", self.placement, PLACEMENTS), ("recompute", self.recompute, RECOMPUTE),
+                                     ("distributed_optimizer", self.distributed_optimizer, RECOMPUTE_OR_SHARD)):
             if value not in allowed:
                 raise ValueError(f"unknown {name} '{value}' (expected one of {', '.join(allowed)})")
         if self.solver_time_limit < 0:
@@ -87,26 +90,27 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
     metagraph = build_metagraph(workload)
     say(f"graph: {len(metagraph.metaops)} MetaOps in {len(metagraph.levels)} MetaLevels")
     lap("contract")
-    recompute_modes = {"none": [False], "full": [True], "auto": [False, True]}[config.recompute]
-    for i, recompute in enumerate(recompute_modes):
+    ladder = memory_ladder(config)
+    for i, (recompute, sharded) in enumerate(ladder):
         cost_model = AnalyticCostModel(workload, cluster, config=CostModelConfig(recompute=recompute))
-        memory_model = MemoryModel(workload, cluster, cost_model)
-        if recompute:
-            say("activation recomputation on")
+        memory_model = MemoryModel(workload, cluster, cost_model, distributed_optimizer=sharded)
         try:
             curves, level_allocs, placed = _allocate_schedule_place(metagraph, workload, cluster, config, profile,
                                                                     cost_model, memory_model, say)
             break
         except PlanError:
-            if i == len(recompute_modes) - 1:
+            if i == len(ladder) - 1:
                 raise
-            say("the plan does not fit device memory without recomputation; replanning with "
-                "full activation recomputation")
+            nxt = ladder[i + 1]
+            say("the plan does not fit device memory; replanning with "
+                + " and ".join(what for what, on in (("the distributed optimizer", nxt[1]),
+                                                    ("full activation recomputation", nxt[0])) if on))
     say(f"scaling curves: {len(curves)} ({sum(c.source == 'profiled' for c in curves.values())} profiled)")
     say(f"wavefront: {len(placed)} waves")
     lap("estimate+allocate+schedule+place")
     settings: dict[str, Any] = {"planner": "wavefront", "requested": asdict(config),
-                                "recompute": cost_model.config.recompute}
+                                "recompute": cost_model.config.recompute,
+                                "zero_stage": 1 if memory_model.distributed_optimizer else 0}
     solver = None
     final = placed
     if config.planner == "cpsat":
@@ -136,6 +140,12 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
     and everything is replanned."""
     N = cluster.num_devices
     needs = memory_needs(metagraph, workload, cluster, memory_model)
+    memory_allowed_configs(metagraph, needs, cluster, 1.0)  # a MetaOp that fits nowhere is named first
+    total = sum(min(b * c[0] * c[1] for c, b in need.items()) for need in needs.values())
+    if total > N * cluster.gpu.memory_bytes:
+        # Even spread perfectly (and with weights stored per MetaOp), the chains need more than the cluster has.
+        raise PlanError(f"the plan does not fit device memory: the MetaOps need at least {total / 2**30:.0f} GiB "
+                        f"in all, the {N} devices have {N * cluster.gpu.memory_bytes / 2**30:.0f} GiB")
     for attempt, share in enumerate(MEMORY_SHARES):
         allowed = memory_allowed_configs(metagraph, needs, cluster, share)
         curves = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
@@ -157,10 +167,21 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
     raise AssertionError("unreachable")
 
 
+def memory_ladder(config: PlannerConfig) -> list[tuple[bool, bool]]:
+    """(recompute, distributed optimizer) settings to try in order, cheapest first: sharding the optimizer state
+    costs nothing in time (its reduce-scatter + all-gather moves what an all-reduce moves); recomputation costs
+    a forward pass per layer."""
+    recompute = {"none": [False], "full": [True], "auto": [False, True]}[config.recompute]
+    sharded = {"off": [False], "on": [True], "auto": [False, True]}[config.distributed_optimizer]
+    ladder = sorted({(r, s) for r in recompute for s in sharded})
+    # With recomputation on, sharding is free, so an unsharded recomputing rung is never worth trying.
+    return [rung for rung in ladder if not (rung[0] and not rung[1] and (True, True) in ladder)]
+
+
 def memory_footprint(metaop, tp: int, dp: int, memory_model: MemoryModel) -> float:
     """Bytes per device of a MetaOp's whole chain at (tp, dp): parameter state plus activations held for backward."""
     L = metaop.num_layers
-    return (memory_model.slice_param_state_bytes(metaop, tp, 0, L)
+    return (memory_model.slice_param_state_bytes(metaop, tp, 0, L, dp)
             + memory_model.activation_bytes(metaop, tp, dp, L))
 
 
@@ -178,10 +199,11 @@ def memory_allowed_configs(metagraph: MetaGraph, needs: dict[str, dict[tuple[int
     capacity = cluster.gpu.memory_bytes
     allowed = {}
     for mid, need in needs.items():
-        fits = {c for c, b in need.items() if b <= share * capacity} or {c for c, b in need.items() if b <= capacity}
-        if not fits:
+        (tp, dp), least = min(need.items(), key=lambda item: item[1])
+        # When no configuration fits the share, only the leanest ones (usually the widest DP) are allowed.
+        fits = {c for c, b in need.items() if b <= max(share * capacity, least)}
+        if least > capacity:
             m = metagraph.metaops[mid]
-            (tp, dp), least = min(need.items(), key=lambda item: item[1])
             raise PlanError(
                 f"MetaOp '{mid}' (batch {m.batch}, {m.num_layers} layers) does not fit device memory: it needs "
                 f"{least / 2**30:.1f} GiB per device even at its best configuration (tp {tp} x dp {dp} on "

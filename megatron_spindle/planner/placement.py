@@ -204,7 +204,8 @@ class DeviceMemory:
 
 def slice_memory(metaop: MetaOp, s: ScheduledSlice, memory_model: DeviceMemoryModel) -> tuple[dict[str, float], float]:
     """(parameter-state bytes per unit, activation bytes) one device of the slice holds."""
-    units = {u: float(memory_model.param_state_bytes(u, s.tp)) for u in slice_units(metaop, s.layer_start, s.layer_end)}
+    units = {u: float(memory_model.param_state_bytes(u, s.tp, s.dp))
+             for u in slice_units(metaop, s.layer_start, s.layer_end)}
     act = float(memory_model.activation_bytes(metaop, s.tp, s.dp, s.layer_end - s.layer_start))
     return units, act
 
