@@ -104,6 +104,7 @@ class CpSatOptions:
     comm_model_devices: int = 16  # communication phase in CP-SAT up to this many devices (placement beyond)
     reserve_fraction: float = 0.1  # of the time limit, kept for extraction and placement after the solves
     light_presolve_slots: int = 150  # models with more slots skip presolve (it alone can eat the limit)
+    min_level_seconds: float = 0.2  # floor of a level's time share (enough to load its hint)
     memory_unit_bytes: int = 2**20
     comm_unit_bytes: int = 2**20
     seed: int = 0
@@ -213,9 +214,7 @@ def solve_cpsat(metagraph, workload, cluster, curves, greedy_waves: list[Schedul
     deadline = time.perf_counter() + time_limit * (1 - opts.reserve_fraction)
     ctx = _Context(metagraph, cluster, slice_options, cost_model, memory_model, opts, workers, workload, deadline,
                    level_c_stars or {})
-    stage = _run_stages(ctx, greedy_waves, time_limit, cross_level_overlap)
-    if stage.waves is not None:
-        stage.waves = _finish_placement(ctx, stage.waves, stage.notes)
+    stage = _run_stages(ctx, greedy_waves, cross_level_overlap)
     if cross_level_overlap:
         base["barrier_makespan"] = stage.barrier_makespan
     # the solver bounds the rounded makespan; minus the rounding bound it bounds the real one
@@ -289,35 +288,55 @@ class _Stage:
     barrier_makespan: float | None = None
 
 
-def _run_stages(ctx: _Context, greedy: list[ScheduledWave], time_limit: float, overlap: bool) -> _Stage:
-    """Makespan with the level barrier (per level when memory cannot bind: the levels are independent), then
-    optionally the cross-level overlap model hinted by it, then the communication phase."""
+def _run_stages(ctx: _Context, greedy: list[ScheduledWave], overlap: bool) -> _Stage:
+    """Barrier plan per level; if no placement of it fits memory, the whole-graph model with per-device
+    memory (small clusters) from the greedy hint; then optionally the cross-level overlap model and the
+    communication phase, each hinted by the best plan so far. Returns placed waves, or None for greedy."""
     start = time.perf_counter()
     comm_share = ctx.opts.comm_time_fraction if ctx.has_comm else 0.0
-    memory_binds = ctx.exact_memory
-    notes = [_memory_note(ctx, memory_binds)]
-    barrier_time = ctx.left() * (1 - comm_share) * (0.5 if overlap else 1.0)
-    if memory_binds:
-        stage = _solve_whole(ctx, greedy, False, barrier_time)
-    else:
-        stage = _solve_per_level(ctx, greedy, barrier_time)
+    exact_possible = ctx.exact_memory
+    notes = [_memory_note(ctx, exact_possible)]
+    split = 0.5 if overlap or exact_possible else 1.0
+    stage = _solve_per_level(ctx, greedy, ctx.left() * (1 - comm_share) * split)
     stage.notes = notes + stage.notes
-    best = stage.waves if stage.waves is not None and makespan(stage.waves) < makespan(greedy) else greedy
+    placed = [_finish_placement(ctx, stage.waves, stage.notes)] if _better(stage.waves, greedy) else []
+    exact = exact_possible and placed == [None]
+    if exact:
+        whole = _solve_whole(ctx, greedy, False, ctx.left() * (1 - comm_share) * (0.5 if overlap else 1.0),
+                             exact_memory=True)
+        stage.notes.append(f"whole model with per-device memory {whole.status}")
+        stage.status, stage.bound_units = whole.status, whole.bound_units
+        placed = [_finish_placement(ctx, whole.waves, stage.notes)] if _better(whole.waves, greedy) else []
+    best = placed[0] if placed and placed[0] is not None else greedy
     stage.barrier_makespan = makespan(best)
     if overlap:
-        ov = _solve_whole(ctx, best, True, ctx.left() * (1 - comm_share))
-        stage.notes += [f"barrier stage {stage.status}", f"overlap model {ov.status}"] + ov.notes
-        stage.status, stage.bound_units = ov.status, ov.bound_units
-        if ov.waves is not None and makespan(ov.waves) < makespan(best):
-            best = ov.waves
+        ov = _solve_whole(ctx, best, True, ctx.left() * (1 - comm_share), exact_memory=exact)
+        stage.notes += [f"overlap model {ov.status}"]
+        stage.bound_units = ov.bound_units  # only the overlap model bounds overlap plans
+        if ov.waves is not None:
+            stage.status = ov.status
+        best = _prefer(ctx, ov.waves, best, stage.notes)
     if ctx.has_comm and ctx.left() > 0:
-        builder = ctx.builder(best, overlap, exact_memory=memory_binds, with_comm=True)
+        builder = ctx.builder(best, overlap, exact_memory=exact, with_comm=True)
         waves, _, note = builder.solve_comm(ctx.left(), ctx.workers)
         stage.notes.append(note)
-        best = waves if waves is not None else best
+        best = _prefer(ctx, waves, best, stage.notes, allow_equal=True)
     stage.waves = None if best is greedy else best
     stage.seconds = time.perf_counter() - start
     return stage
+
+
+def _better(waves: list[ScheduledWave] | None, than: list[ScheduledWave]) -> bool:
+    return waves is not None and makespan(waves) < makespan(than)
+
+
+def _prefer(ctx: _Context, waves: list[ScheduledWave] | None, best: list[ScheduledWave], notes: list[str],
+            allow_equal: bool = False) -> list[ScheduledWave]:
+    """The new waves, placed, if they beat ``best`` (or tie, for the communication phase) and fit memory."""
+    if waves is None or makespan(waves) > makespan(best) or (not allow_equal and makespan(waves) == makespan(best)):
+        return best
+    placed = _finish_placement(ctx, waves, notes)
+    return placed if placed is not None else best
 
 
 def _finish_placement(ctx: _Context, waves: list[ScheduledWave], notes: list[str]) -> list[ScheduledWave] | None:
@@ -390,9 +409,10 @@ def _memory_note(ctx: _Context, exact: bool) -> str:
     return "memory constraint " + ("active" if exact else "per slice in the model, per device checked after")
 
 
-def _solve_whole(ctx: _Context, hint: list[ScheduledWave], overlap: bool, limit: float) -> _Stage:
+def _solve_whole(ctx: _Context, hint: list[ScheduledWave], overlap: bool, limit: float,
+                 exact_memory: bool = False) -> _Stage:
     start = time.perf_counter()
-    builder = ctx.builder(hint, overlap, exact_memory=ctx.exact_memory)
+    builder = ctx.builder(hint, overlap, exact_memory=exact_memory)
     status, solver, _ = builder.solve_makespan(min(limit, ctx.left()), ctx.workers)
     if solver is None:
         return _Stage(None, status, None, time.perf_counter() - start)
@@ -412,12 +432,13 @@ def _solve_per_level(ctx: _Context, greedy: list[ScheduledWave], limit: float) -
     for k, (lv, hint) in enumerate(zip(levels, hints)):
         left = limit - (time.perf_counter() - start)
         sub = type(ctx.metagraph)({m: ctx.metagraph.metaops[m] for m in lv}, [], [list(lv)])
-        level = _solve_level(ctx, sub, hint, max(0.0, left * weights[k] / sum(weights[k:])))
+        share = max(left * weights[k] / sum(weights[k:]), min(left, ctx.opts.min_level_seconds))
+        level = _solve_level(ctx, sub, hint, max(0.0, share))
         statuses.append(level.status)
         parts.append(level.waves)
         bound = None if bound is None or level.bound_units is None else bound + level.bound_units
-    status = "OPTIMAL" if all(s == "OPTIMAL" for s in statuses) else (
-        "FEASIBLE" if all(s in ("OPTIMAL", "FEASIBLE") for s in statuses) else "PARTIAL")
+    # every level has a plan (at worst its greedy waves); OPTIMAL only if every level was proven optimal
+    status = "OPTIMAL" if all(s == "OPTIMAL" for s in statuses) else "FEASIBLE"
     return _Stage(_concatenate(parts), status, bound, time.perf_counter() - start,
                   [f"per-level solves: {sum(s == 'OPTIMAL' for s in statuses)}/{len(statuses)} optimal"])
 
