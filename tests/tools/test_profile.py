@@ -186,6 +186,12 @@ def test_grouping_configs_and_cost_model():
     base = AnalyticCostModel(workload, cluster)
     scale = 0.012 / base.layer_cost(audio, 1, 2).total
     assert model.layer_cost(audio, 1, 4).total == pytest.approx(scale * base.layer_cost(audio, 1, 4).total)
+    # extra sections of a profile file may not replace the format's own keys
+    from megatron_spindle.estimator import EstimatorError
+    from megatron_spindle.estimator.profile import profile_to_dict
+
+    with pytest.raises(EstimatorError, match="may not replace"):
+        profile_to_dict(workload, cluster, {}, extra={"points": {}})
 
 
 def test_gpu_script_dry_run_on_cpu(tmp_path):
