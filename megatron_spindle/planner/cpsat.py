@@ -105,6 +105,7 @@ class CpSatOptions:
     reserve_fraction: float = 0.1  # of the time limit, kept for extraction and placement after the solves
     light_presolve_slots: int = 150  # models with more slots skip presolve (it alone can eat the limit)
     min_level_seconds: float = 0.2  # floor of a level's time share (enough to load its hint)
+    final_slots_from_best: bool = True  # last model of a level: best plan's waves + extra_waves slots
     memory_unit_bytes: int = 2**20
     comm_unit_bytes: int = 2**20
     seed: int = 0
@@ -420,27 +421,39 @@ def _solve_whole(ctx: _Context, hint: list[ScheduledWave], overlap: bool, limit:
 
 
 def _solve_per_level(ctx: _Context, greedy: list[ScheduledWave], limit: float) -> _Stage:
-    """One model per MetaLevel (exact for the barrier objective when memory cannot bind); the time left is
-    shared out in proportion to the levels' model sizes, so levels solved early leave time to the others."""
+    """One model per MetaLevel (exact for the barrier objective when memory cannot bind). The time is shared
+    by _level_weight; levels solved early pass their time on, and what is left at the end goes to a second
+    round on the levels not proven optimal."""
     start = time.perf_counter()
     indices = [k for k, lv in enumerate(ctx.metagraph.levels) if lv]
     levels = [ctx.metagraph.levels[k] for k in indices]
     level_of = {m: k for k, lv in enumerate(levels) for m in lv}
     hints = [[w for w in greedy if w.slices and level_of[w.slices[0].metaop] == k] for k in range(len(levels))]
     weights = [_level_weight(hint, ctx.level_c_stars.get(k)) for k, hint in zip(indices, hints)]
-    parts, statuses, bound = [], [], 0.0
-    for k, (lv, hint) in enumerate(zip(levels, hints)):
+    subs = [type(ctx.metagraph)({m: ctx.metagraph.metaops[m] for m in lv}, [], [list(lv)]) for lv in levels]
+    results: list[_Stage] = []
+    for k, hint in enumerate(hints):
+        share = _share(limit - (time.perf_counter() - start), weights[k:], ctx.opts.min_level_seconds)
+        results.append(_solve_level(ctx, subs[k], hint, share))
+    pending = [k for k, r in enumerate(results) if r.status != "OPTIMAL"]
+    for i, k in enumerate(pending):
         left = limit - (time.perf_counter() - start)
-        sub = type(ctx.metagraph)({m: ctx.metagraph.metaops[m] for m in lv}, [], [list(lv)])
-        share = max(left * weights[k] / sum(weights[k:]), min(left, ctx.opts.min_level_seconds))
-        level = _solve_level(ctx, sub, hint, max(0.0, share))
-        statuses.append(level.status)
-        parts.append(level.waves)
-        bound = None if bound is None or level.bound_units is None else bound + level.bound_units
+        if left < ctx.opts.min_level_seconds:
+            break
+        share = _share(left, [weights[j] for j in pending[i:]], ctx.opts.min_level_seconds)
+        again = _final_model(ctx, subs[k], results[k].waves, len(hints[k]), time.perf_counter() + share)
+        if again.bound_units is not None:
+            results[k] = again
+    bound = None if any(r.bound_units is None for r in results) else sum(r.bound_units for r in results)
     # every level has a plan (at worst its greedy waves); OPTIMAL only if every level was proven optimal
-    status = "OPTIMAL" if all(s == "OPTIMAL" for s in statuses) else "FEASIBLE"
-    return _Stage(_concatenate(parts), status, bound, time.perf_counter() - start,
-                  [f"per-level solves: {sum(s == 'OPTIMAL' for s in statuses)}/{len(statuses)} optimal"])
+    optimal = sum(r.status == "OPTIMAL" for r in results)
+    return _Stage(_concatenate([r.waves for r in results]), "OPTIMAL" if optimal == len(results) else "FEASIBLE",
+                  bound, time.perf_counter() - start, [f"per-level solves: {optimal}/{len(results)} optimal"])
+
+
+def _share(left: float, weights: list[float], floor: float) -> float:
+    """The first level's share of ``left`` seconds by weight, at least ``floor`` (if there is that much)."""
+    return max(0.0, left * weights[0] / sum(weights), min(left, floor))
 
 
 def _level_weight(hint: list[ScheduledWave], c_star: float | None) -> float:
@@ -454,10 +467,8 @@ def _level_weight(hint: list[ScheduledWave], c_star: float | None) -> float:
 
 def _solve_level(ctx: _Context, sub, greedy: list[ScheduledWave], limit: float) -> _Stage:
     """Slot deepening: models of 1, 2, ... wave slots, each hinted by the best plan so far, while they solve
-    to optimality (small models solve fast and good plans often need few waves), then the full model
-    (greedy's waves + extra_waves slots) hinted by the best plan, whose bound is the level's bound."""
-    start = time.perf_counter()
-    deadline = min(start + limit, ctx.deadline)
+    to optimality (small models solve fast and good plans often need few waves), then _final_model."""
+    deadline = min(time.perf_counter() + limit, ctx.deadline)
     full = len(greedy) + ctx.opts.extra_waves
     best = greedy
     for slots in range(1, full):
@@ -473,8 +484,18 @@ def _solve_level(ctx: _Context, sub, greedy: list[ScheduledWave], limit: float) 
                 best = candidate
         if status != "OPTIMAL":
             break
-    builder = ctx.builder(best, False, metagraph=sub, block_size=max(full, len(best)))
-    status, solver, _ = builder.solve_makespan(max(0.0, deadline - time.perf_counter()), ctx.workers)
+    return _final_model(ctx, sub, best, len(greedy), deadline)
+
+
+def _final_model(ctx: _Context, sub, best: list[ScheduledWave], greedy_waves: int, deadline: float) -> _Stage:
+    """The level's last model, hinted by its best plan: best's waves + extra_waves slots (or the greedy's
+    count + extra_waves); its bound is the level's bound."""
+    start = time.perf_counter()
+    extra = ctx.opts.extra_waves
+    slots = len(best) + extra if ctx.opts.final_slots_from_best else max(greedy_waves + extra, len(best))
+    builder = ctx.builder(best, False, metagraph=sub, block_size=slots)
+    status, solver, _ = builder.solve_makespan(max(0.0, min(deadline, ctx.deadline) - time.perf_counter()),
+                                               ctx.workers)
     if solver is None:
         return _Stage(best, status, None, time.perf_counter() - start)
     candidate = builder.extract(solver)
