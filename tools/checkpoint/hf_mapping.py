@@ -1,0 +1,382 @@
+"""Weight mappings between Hugging Face towers / decoders and megatron-spindle parameter units.
+
+Supported (``family`` names):
+
+- ``clip_vision``: ``CLIPVisionModel`` / ``CLIPVisionModelWithProjection`` / the vision half of ``CLIPModel``
+  -> an encoder with a ``patch`` front end (class token) and its contrastive head;
+- ``clip_text``: ``CLIPTextModel`` / ``...WithProjection`` / the text half of ``CLIPModel`` -> an encoder with a
+  ``text`` front end (learned positions; declare ``causal: true`` in the workload, CLIP's text tower is causal);
+- ``whisper_encoder``: the encoder of ``WhisperModel`` / ``WhisperForConditionalGeneration`` / a bare
+  ``WhisperEncoder`` -> an encoder's transformer layers and final LayerNorm (the conv stem has no counterpart);
+- ``llama`` / ``qwen2``: ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` -> an ``llm`` module (front end, layers,
+  LM head).
+
+Layouts on our side (megatron-core): ``linear_qkv`` is grouped by query group
+(``[q heads of group 0, k_0, v_0, q heads of group 1, k_1, v_1, ...]``), SwiGLU ``linear_fc1`` is ``[gate; up]``,
+a patch front end is a Linear over ``(channel, row, column)``-flattened patches (= the Conv2d weight reshaped).
+
+Each mapping works on plain tensors and on meta tensors (shape-only dry runs). ``import_unit`` returns the
+unit's tensors plus the HF names it used; ``export_unit`` returns HF tensors plus "inexact" notes for what our
+tensors hold that the HF layout cannot (a non-zero bias HF does not have, spindle-only parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tools.checkpoint.hf_io import HFCheckpointError, HFFolder
+from tools.checkpoint.layout import layer_index
+
+FAMILIES = ("clip_vision", "clip_text", "whisper_encoder", "llama", "qwen2")
+IGNORED_SUFFIXES = ("position_ids", "rotary_emb.inv_freq", "embed_positions._float_tensor")
+EPS_OURS = 1e-5  # models.config.ModelConfig.layernorm_epsilon (one value for every module)
+ROPE_BASE_OURS = 10000.0  # models.config.ModelConfig.rotary_base
+
+
+@dataclass
+class Tower:
+    """Where one workload module's weights live in a Hugging Face folder, and its config."""
+
+    family: str
+    prefix: str  # e.g. "vision_model.", "model.encoder.", "model."
+    config: dict
+    projection: str | None = None  # "visual_projection.weight" / "text_projection.weight" (at the root)
+    claimed: list[str] = field(default_factory=list)  # key prefixes this tower owns (unused ones are reported)
+
+    @property
+    def layer_prefix(self) -> str:
+        return {"clip_vision": "encoder.layers.", "clip_text": "encoder.layers."}.get(self.family, "layers.")
+
+
+# ------------------------------------------------------------------------------------------ fused layouts
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
+    """Separate q [heads*d, ...], k, v [groups*d, ...] -> megatron's fused rows grouped by query group."""
+    d = q.shape[0] // heads
+    rest = tuple(q.shape[1:])
+    qg = q.reshape(groups, heads // groups * d, *rest)
+    kg, vg = k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)
+    return torch.cat([qg, kg, vg], dim=1).reshape((heads + 2 * groups) * d, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of ``fuse_qkv``."""
+    d = qkv.shape[0] // (heads + 2 * groups)
+    rest = tuple(qkv.shape[1:])
+    per = heads // groups * d
+    g = qkv.reshape(groups, per + 2 * d, *rest)
+    q, k, v = g[:, :per], g[:, per:per + d], g[:, per + d:]
+    return q.reshape(heads * d, *rest), k.reshape(groups * d, *rest), v.reshape(groups * d, *rest)
+
+
+def _is_zero(t: torch.Tensor) -> bool:
+    return t.device.type == "meta" or not bool(t.any())
+
+
+# ------------------------------------------------------------------------------------------ towers
+
+
+def _sub_config(cfg: dict, key: str) -> dict:
+    sub = cfg.get(key)
+    if not isinstance(sub, dict):
+        raise HFCheckpointError(f"CLIPModel config has no '{key}'")
+    return sub
+
+
+def find_tower(folder: HFFolder, module_kind: str, frontend_type: str | None) -> Tower:
+    """The tower of ``folder`` that feeds a workload module of this kind / front end type."""
+    cfg, mt = folder.config, folder.config.get("model_type")
+    if mt in ("clip", "clip_vision_model", "clip_text_model"):
+        vision = frontend_type == "patch" if mt == "clip" else mt == "clip_vision_model"
+        family = "clip_vision" if vision else "clip_text"
+        sub = (_sub_config(cfg, "vision_config" if vision else "text_config") if mt == "clip" else cfg)
+        model_prefix = "vision_model." if vision else "text_model."
+        anchor = "embeddings.patch_embedding.weight" if vision else "embeddings.token_embedding.weight"
+        prefix = folder.find_prefix([model_prefix, ""], anchor)
+        proj = "visual_projection.weight" if vision else "text_projection.weight"
+        sub = dict(sub, projection_dim=cfg.get("projection_dim", sub.get("projection_dim")))
+        claimed = [prefix, proj] if prefix else [""]
+        return Tower(family, prefix, sub, proj if proj in folder else None, claimed)
+    if mt == "whisper":
+        prefix = folder.find_prefix(["model.encoder.", "encoder.", ""], "conv1.weight")
+        return Tower("whisper_encoder", prefix, cfg, None, [prefix])
+    if mt in ("llama", "qwen2"):
+        prefix = folder.find_prefix(["model.", ""], "embed_tokens.weight")
+        return Tower(mt, prefix, cfg, None, [""])
+    raise HFCheckpointError(f"{folder.path}: model_type {mt!r} is not supported (supported: clip, "
+                            f"clip_vision_model, clip_text_model, whisper, llama, qwen2)")
+
+
+def tower_dims(tower: Tower) -> dict[str, int]:
+    """Layers, width, heads, query groups, FFN width of a tower (HF config)."""
+    c = tower.config
+    if tower.family == "whisper_encoder":
+        return {"num_layers": c["encoder_layers"], "hidden_size": c["d_model"],
+                "num_heads": c["encoder_attention_heads"], "query_groups": c["encoder_attention_heads"],
+                "ffn_hidden_size": c["encoder_ffn_dim"]}
+    heads = c["num_attention_heads"]
+    return {"num_layers": c["num_hidden_layers"], "hidden_size": c["hidden_size"], "num_heads": heads,
+            "query_groups": c.get("num_key_value_heads") or heads, "ffn_hidden_size": c["intermediate_size"]}
+
+
+def check_module_fits(tower: Tower, module, where: str) -> None:
+    """Config-level checks that tensor shapes cannot catch (layer count, heads, query groups)."""
+    dims = tower_dims(tower)  # widths are left to the tensor shape check, which names the tensor
+    ours = {"num_layers": module.num_layers, "num_heads": module.num_heads, "query_groups": module.query_groups}
+    for key, value in ours.items():
+        if dims[key] != value:
+            raise HFCheckpointError(f"module '{module.name}': {key} is {value} in the workload but {dims[key]} in "
+                                    f"{where} ({tower.family})")
+    c = tower.config
+    if tower.family in ("llama", "qwen2"):
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        if head_dim * c["num_attention_heads"] != c["hidden_size"]:
+            raise HFCheckpointError(f"module '{module.name}': {where} has head_dim {head_dim} x "
+                                    f"{c['num_attention_heads']} heads != hidden_size {c['hidden_size']}; our "
+                                    f"layers use kv_channels = hidden_size / num_heads")
+        if module.kind != "llm":
+            raise HFCheckpointError(f"module '{module.name}' is a {module.kind}; {tower.family} feeds llm modules")
+    elif module.kind != "encoder":
+        raise HFCheckpointError(f"module '{module.name}' is a {module.kind}; {tower.family} feeds encoder modules")
+
+
+def numerics_notes(tower: Tower, module) -> list[str]:
+    """Where our model computes something else than the HF model with these weights (models/ options needed)."""
+    c, notes = tower.config, []
+    act = c.get("activation_function") if tower.family == "whisper_encoder" else c.get("hidden_act")
+    expected_act = "silu" if tower.family in ("llama", "qwen2") else "gelu"
+    if act != expected_act:
+        notes.append(f"activation {act!r}: our {module.kind} layers use {expected_act} (models/config.py "
+                     f"transformer_config has no activation option)")
+    eps = c.get("rms_norm_eps") if tower.family in ("llama", "qwen2") else c.get("layer_norm_eps", 1e-5)
+    if eps is not None and abs(float(eps) - EPS_OURS) > 1e-12:
+        notes.append(f"norm epsilon {eps}: our model uses ModelConfig.layernorm_epsilon = {EPS_OURS} for every module")
+    if tower.family == "clip_vision":
+        notes.append("CLIP applies pre_layrnorm to the embeddings; our patch front end has no LayerNorm "
+                     "(the tensors are dropped)")
+    if tower.family == "clip_text":
+        notes.append("CLIP pools the EOS token's hidden state; our contrastive head pools the mean over tokens")
+        if not module.is_causal:
+            notes.append(f"CLIP's text tower is causal; declare `causal: true` for module '{module.name}'")
+    if tower.family == "whisper_encoder":
+        notes.append("Whisper's conv stem (conv1, conv2, GELU) and sinusoidal positions have no counterpart in "
+                     "our audio front end (non-overlapping windows + learned positions)")
+    if tower.family in ("llama", "qwen2"):
+        rope = c.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", c.get("rope_theta", ROPE_BASE_OURS))
+        if abs(float(theta) - ROPE_BASE_OURS) > 1e-6:
+            notes.append(f"rope_theta {theta}: our model uses ModelConfig.rotary_base = {ROPE_BASE_OURS}")
+        rtype = rope.get("rope_type", (c.get("rope_scaling") or {}).get("rope_type", "default"))
+        if rtype not in (None, "default"):
+            notes.append(f"rope_type {rtype!r} (RoPE scaling) is not implemented by our layers")
+        if c.get("mlp_bias") or (tower.family == "llama" and c.get("attention_bias")):
+            notes.append("linear biases in the HF decoder: our llm layers have none")
+    return notes
+
+
+# ------------------------------------------------------------------------------------------ per-layer names
+
+
+def _enc_layer_names(family: str) -> dict[str, str]:
+    if family == "whisper_encoder":
+        return {"ln1": "self_attn_layer_norm", "ln2": "final_layer_norm", "fc1": "fc1", "fc2": "fc2"}
+    return {"ln1": "layer_norm1", "ln2": "layer_norm2", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
+
+
+def _import_encoder_layer(get, p: str, family: str, heads: int, groups: int) -> dict[str, torch.Tensor]:
+    n = _enc_layer_names(family)
+    a = p + "self_attn."
+    q_b, v_b = get(a + "q_proj.bias"), get(a + "v_proj.bias")
+    k_b = get(a + "k_proj.bias") if family != "whisper_encoder" else torch.zeros_like(q_b[: v_b.shape[0]])
+    return {
+        "input_layernorm.weight": get(p + n["ln1"] + ".weight"), "input_layernorm.bias": get(p + n["ln1"] + ".bias"),
+        "self_attention.linear_qkv.weight": fuse_qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"),
+                                                     get(a + "v_proj.weight"), heads, groups),
+        "self_attention.linear_qkv.bias": fuse_qkv(q_b, k_b, v_b, heads, groups),
+        "self_attention.linear_proj.weight": get(a + "out_proj.weight"),
+        "self_attention.linear_proj.bias": get(a + "out_proj.bias"),
+        "pre_mlp_layernorm.weight": get(p + n["ln2"] + ".weight"), "pre_mlp_layernorm.bias": get(p + n["ln2"] + ".bias"),
+        "mlp.linear_fc1.weight": get(p + n["fc1"] + ".weight"), "mlp.linear_fc1.bias": get(p + n["fc1"] + ".bias"),
+        "mlp.linear_fc2.weight": get(p + n["fc2"] + ".weight"), "mlp.linear_fc2.bias": get(p + n["fc2"] + ".bias"),
+    }
+
+
+def _export_encoder_layer(t: dict, p: str, family: str, heads: int, groups: int, notes: list[str],
+                          unit: str) -> dict[str, torch.Tensor]:
+    n = _enc_layer_names(family)
+    a = p + "self_attn."
+    q, k, v = split_qkv(t["self_attention.linear_qkv.weight"], heads, groups)
+    qb, kb, vb = split_qkv(t["self_attention.linear_qkv.bias"], heads, groups)
+    out = {p + n["ln1"] + ".weight": t["input_layernorm.weight"], p + n["ln1"] + ".bias": t["input_layernorm.bias"],
+           a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v,
+           a + "q_proj.bias": qb, a + "v_proj.bias": vb,
+           a + "out_proj.weight": t["self_attention.linear_proj.weight"],
+           a + "out_proj.bias": t["self_attention.linear_proj.bias"],
+           p + n["ln2"] + ".weight": t["pre_mlp_layernorm.weight"], p + n["ln2"] + ".bias": t["pre_mlp_layernorm.bias"],
+           p + n["fc1"] + ".weight": t["mlp.linear_fc1.weight"], p + n["fc1"] + ".bias": t["mlp.linear_fc1.bias"],
+           p + n["fc2"] + ".weight": t["mlp.linear_fc2.weight"], p + n["fc2"] + ".bias": t["mlp.linear_fc2.bias"]}
+    if family == "whisper_encoder":
+        if not _is_zero(kb):
+            notes.append(f"{unit}: the key part of linear_qkv.bias is non-zero; Whisper's k_proj has no bias")
+    else:
+        out[a + "k_proj.bias"] = kb
+    return out
+
+
+def _import_llm_layer(get, has, p: str, heads: int, groups: int, notes: list[str]) -> dict[str, torch.Tensor]:
+    a, m = p + "self_attn.", p + "mlp."
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if has(a + proj + ".bias") and not _is_zero(get(a + proj + ".bias")):
+            notes.append(f"{a}{proj}.bias is non-zero; our llm layers have no attention biases "
+                         f"(megatron add_qkv_bias is not set by models/config.py)")
+    return {
+        "input_layernorm.weight": get(p + "input_layernorm.weight"),
+        "self_attention.linear_qkv.weight": fuse_qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"),
+                                                     get(a + "v_proj.weight"), heads, groups),
+        "self_attention.linear_proj.weight": get(a + "o_proj.weight"),
+        "pre_mlp_layernorm.weight": get(p + "post_attention_layernorm.weight"),
+        "mlp.linear_fc1.weight": torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")], dim=0),
+        "mlp.linear_fc2.weight": get(m + "down_proj.weight"),
+    }
+
+
+def _export_llm_layer(t: dict, p: str, family: str, heads: int, groups: int) -> dict[str, torch.Tensor]:
+    a, m = p + "self_attn.", p + "mlp."
+    q, k, v = split_qkv(t["self_attention.linear_qkv.weight"], heads, groups)
+    gate, up = torch.chunk(t["mlp.linear_fc1.weight"], 2, dim=0)
+    out = {p + "input_layernorm.weight": t["input_layernorm.weight"],
+           a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v,
+           a + "o_proj.weight": t["self_attention.linear_proj.weight"],
+           p + "post_attention_layernorm.weight": t["pre_mlp_layernorm.weight"],
+           m + "gate_proj.weight": gate, m + "up_proj.weight": up, m + "down_proj.weight": t["mlp.linear_fc2.weight"]}
+    if family == "qwen2":  # Qwen2 always has q/k/v biases; ours are zero
+        for name, w in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+            out[a + name + ".bias"] = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ units
+
+
+def import_unit(folder: HFFolder, tower: Tower, module, part: str, fill) -> tuple[dict[str, torch.Tensor], set[str], list[str]]:
+    """Our tensors of one unit part (``"frontend"``, ``"layers.3"``, ``"head"``, ``"lm_head"``; names relative to
+    the unit) from ``folder``; ``fill(rel_name, shape)`` gives tensors HF lacks (spindle-only parameters).
+    Returns (tensors, HF names used, notes). An empty dict: the HF model has nothing for this part."""
+    used: set[str] = set()
+    notes: list[str] = []
+
+    def get(name: str) -> torch.Tensor:
+        used.add(name)
+        return folder.get(name)
+
+    has = folder.__contains__
+    p, fam = tower.prefix, tower.family
+    heads, groups = module.num_heads, module.query_groups
+    idx = layer_index(part)
+    if idx is not None:
+        lp = p + tower.layer_prefix + f"{idx}."
+        if fam in ("llama", "qwen2"):
+            return _import_llm_layer(get, has, lp, heads, groups, notes), used, notes
+        return _import_encoder_layer(get, lp, fam, heads, groups), used, notes
+    if part == "frontend":
+        return _import_frontend(get, tower, module), used, notes
+    if part == "head":
+        norm = {"clip_vision": "post_layernorm", "clip_text": "final_layer_norm", "whisper_encoder": "layer_norm"}
+        if fam not in norm:
+            return {}, used, notes
+        h = module.hidden_size
+        out = {"final_norm.weight": get(p + norm[fam] + ".weight"), "final_norm.bias": get(p + norm[fam] + ".bias")}
+        shape = (module.embed_dim or h, h)
+        if tower.projection is not None:
+            out["projection.weight"] = get(tower.projection)
+        else:
+            out["projection.weight"] = fill("projection.weight", shape)
+            notes.append(f"{module.name}.head.projection.weight: no projection in the HF model, initialised")
+        return out, used, notes
+    if part == "lm_head" and fam in ("llama", "qwen2"):
+        out = {"final_norm.weight": get(p + "norm.weight")}
+        out["output_layer.weight"] = get("lm_head.weight") if has("lm_head.weight") else get(p + "embed_tokens.weight")
+        return out, used, notes
+    return {}, used, notes
+
+
+def _import_frontend(get, tower: Tower, module) -> dict[str, torch.Tensor]:
+    p, fam = tower.prefix, tower.family
+    if fam == "clip_vision":
+        w = get(p + "embeddings.patch_embedding.weight")
+        return {"patch_proj.weight": w.reshape(w.shape[0], -1),
+                "patch_proj.bias": torch.zeros(w.shape[0], dtype=w.dtype, device=w.device),
+                "class_token": get(p + "embeddings.class_embedding"),
+                "position_embeddings": get(p + "embeddings.position_embedding.weight")}
+    if fam == "clip_text":
+        return {"word_embeddings.weight": get(p + "embeddings.token_embedding.weight"),
+                "position_embeddings": get(p + "embeddings.position_embedding.weight")}
+    if fam in ("llama", "qwen2"):
+        return {"word_embeddings.weight": get(p + "embed_tokens.weight")}
+    return {}  # whisper: conv stem, no counterpart
+
+
+def export_unit(tower: Tower, module, part: str, unit: str, t: dict[str, torch.Tensor],
+                base_shape) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """HF tensors for one of our unit parts (``t`` named relative to the unit). ``base_shape(name)`` is the shape
+    of a tensor in the base HF folder (None if absent). Returns (HF tensors, inexact notes)."""
+    notes: list[str] = []
+    p, fam = tower.prefix, tower.family
+    heads, groups = module.num_heads, module.query_groups
+    idx = layer_index(part)
+    if idx is not None:
+        lp = p + tower.layer_prefix + f"{idx}."
+        if fam in ("llama", "qwen2"):
+            return _export_llm_layer(t, lp, fam, heads, groups), notes
+        return _export_encoder_layer(t, lp, fam, heads, groups, notes, unit), notes
+    if part == "frontend":
+        return _export_frontend(tower, unit, t, base_shape, notes), notes
+    if part == "head" and fam in ("clip_vision", "clip_text", "whisper_encoder"):
+        norm = {"clip_vision": "post_layernorm", "clip_text": "final_layer_norm", "whisper_encoder": "layer_norm"}[fam]
+        out = {p + norm + ".weight": t["final_norm.weight"], p + norm + ".bias": t["final_norm.bias"]}
+        if tower.projection is not None:
+            out[tower.projection] = t["projection.weight"]
+        else:
+            notes.append(f"{unit}.projection.weight has no place in the HF model (dropped)")
+        return out, notes
+    if part == "lm_head" and fam in ("llama", "qwen2"):
+        return {p + "norm.weight": t["final_norm.weight"], "lm_head.weight": t["output_layer.weight"]}, notes
+    notes.append(f"{unit}: {len(t)} tensor(s) have no place in the {fam} model (dropped)")
+    return {}, notes
+
+
+def _export_frontend(tower: Tower, unit: str, t: dict, base_shape, notes: list[str]) -> dict[str, torch.Tensor]:
+    p, fam = tower.prefix, tower.family
+    if fam == "clip_vision":
+        name = p + "embeddings.patch_embedding.weight"
+        shape = base_shape(name)
+        if shape is None:
+            raise HFCheckpointError(f"base HF folder has no '{name}'")
+        if not _is_zero(t["patch_proj.bias"]):
+            notes.append(f"{unit}.patch_proj.bias is non-zero; CLIP's patch embedding has no bias")
+        return {name: t["patch_proj.weight"].reshape(shape),
+                p + "embeddings.class_embedding": t["class_token"],
+                p + "embeddings.position_embedding.weight": t["position_embeddings"]}
+    if fam == "clip_text":
+        return {p + "embeddings.token_embedding.weight": t["word_embeddings.weight"],
+                p + "embeddings.position_embedding.weight": t["position_embeddings"]}
+    if fam in ("llama", "qwen2"):
+        return {p + "embed_tokens.weight": t["word_embeddings.weight"]}
+    notes.append(f"{unit}: the {fam} front end has no counterpart in our model (dropped; the base's is kept)")
+    return {}
+
+
+def unused_keys(folder: HFFolder, tower: Tower, used: set[str]) -> list[str]:
+    """HF tensors of this tower that no unit took (dropped by the conversion)."""
+    out = []
+    for k in folder.keys():
+        if k in used or k.endswith(IGNORED_SUFFIXES):
+            continue
+        if any(k.startswith(c) for c in tower.claimed if c) or "" in tower.claimed:
+            if tower.family == "whisper_encoder" and tower.prefix == "" and k.startswith("decoder."):
+                continue
+            out.append(k)
+    return sorted(out)
