@@ -120,7 +120,7 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
             f"{config.solver_workers} workers)")
         solver = solve_cpsat(metagraph, workload, cluster, curves, placed, cost_model, memory_model,
                              time_limit=config.solver_time_limit, workers=config.solver_workers,
-                             cross_level_overlap=config.cross_level_overlap)
+                             cross_level_overlap=config.cross_level_overlap, level_allocs=level_allocs)
         final = solver.waves
         settings["planner"] = "cpsat"
         settings["solver"] = solver.summary()
