@@ -117,6 +117,7 @@ def test_one_rank_profile_plans_and_is_cached(tmp_path, capsys, monkeypatch, one
         tool.main([*argv[:-1], "3"])  # --profile-repeats 3
 
 
+@pytest.mark.multiproc
 def test_two_gloo_ranks_under_torchrun(tmp_path):
     out = tmp_path / "two.profile.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
