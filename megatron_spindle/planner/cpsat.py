@@ -298,7 +298,10 @@ def _run_stages(ctx: _Context, greedy: list[ScheduledWave], overlap: bool) -> _S
     exact_possible = ctx.exact_memory
     notes = [_memory_note(ctx, exact_possible)]
     split = 0.5 if overlap or exact_possible else 1.0
-    stage = _solve_per_level(ctx, greedy, ctx.left() * (1 - comm_share) * split)
+    if _levels_mixed(ctx.metagraph, greedy):  # a hint across levels has no per-level decomposition
+        stage = _solve_whole(ctx, greedy, False, ctx.left() * (1 - comm_share) * split)
+    else:
+        stage = _solve_per_level(ctx, greedy, ctx.left() * (1 - comm_share) * split)
     stage.notes = notes + stage.notes
     placed = [_finish_placement(ctx, stage.waves, stage.notes)] if _better(stage.waves, greedy) else []
     exact = exact_possible and placed == [None]
@@ -325,6 +328,10 @@ def _run_stages(ctx: _Context, greedy: list[ScheduledWave], overlap: bool) -> _S
     stage.waves = None if best is greedy else best
     stage.seconds = time.perf_counter() - start
     return stage
+
+
+def _levels_mixed(metagraph, waves: list[ScheduledWave]) -> bool:
+    return any(len({metagraph.metaops[s.metaop].level for s in w.slices}) > 1 for w in waves)
 
 
 def _better(waves: list[ScheduledWave] | None, than: list[ScheduledWave]) -> bool:
@@ -994,6 +1001,8 @@ class _ModelBuilder:
                 starts = [0] * len(w.slices)
         longest = 0
         for s, st in zip(w.slices, starts):
+            if (s.metaop, slot) not in self.slots:  # a cross-level hint in a barrier model: partial hint
+                continue
             opts = self.options[s.metaop]
             c = next(i for i, o in enumerate(opts) if (o.n, o.tp, o.dp) == (s.n, s.tp, s.dp))
             layers = s.layer_end - s.layer_start

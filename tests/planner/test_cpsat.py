@@ -460,3 +460,17 @@ def test_pipeline_cpsat_beats_greedy_on_tiny_vlm():
     solver = result.plan.planner["solver"]
     assert not solver["used_hint_only"]
     assert result.plan.iteration_time < makespan(result.greedy_waves) * 0.95
+
+
+def test_cross_level_greedy_hint_is_tolerated():
+    """A hint whose wave mixes levels (d beside a) cannot seed the barrier model; the answer stays valid,
+    respects the barrier if it replaces the hint, and is never worse."""
+    g, curves = _two_level_instance()
+    mixed = [ScheduledWave(0, 0.0, 0.5, [ScheduledSlice("b", 1, 1, 1, 0, 1, 0.5, [0])]),
+             ScheduledWave(0, 0.5, 2.0, [ScheduledSlice("a", 1, 1, 1, 0, 2, 2.0, [0]),
+                                         ScheduledSlice("d", 1, 1, 1, 0, 2, 1.5, [1])]),
+             ScheduledWave(1, 2.5, 0.5, [ScheduledSlice("c", 1, 1, 1, 0, 1, 0.5, [0])])]
+    res = solve_cpsat(g, None, make_cluster(2, gpu_type_name="CPU"), curves, mixed, None, None,
+                      time_limit=LIMIT, workers=1)
+    assert res.objective <= makespan(mixed) + 1e-12
+    check_waves(res.waves, g, 2)
