@@ -31,15 +31,16 @@ class ActivationSpec:
 
 
 def default_activation_spec(workload: Workload, m: MetaOpInfo, batch: int) -> ActivationSpec:
-    """megatron-core layout: token sequences are [tokens, batch, hidden]; a contrastive head emits pooled
-    embeddings [batch, embed_dim]. Terminal ops (loss, lm_head) emit a loss and are never transferred."""
+    """The operator layout of models/operator.py: token sequences are batch first ``[batch, tokens, hidden]``;
+    a contrastive head emits ``[batch, 1, embed_dim]``. Terminal ops (loss, lm_head) emit a loss and are never
+    transferred."""
     mod = workload.modules[m.module] if m.module else None
     if m.kind in ("frontend", "layer"):
-        return ActivationSpec((m.input_shape[1], batch, mod.hidden_size), 1)
+        return ActivationSpec((batch, m.input_shape[1], mod.hidden_size), 0)
     if m.kind == "projector":
-        return ActivationSpec((m.input_shape[1] // mod.pool, batch, mod.hidden_size), 1)
+        return ActivationSpec((batch, m.input_shape[1] // mod.pool, mod.hidden_size), 0)
     if m.kind == "head":
-        return ActivationSpec((batch, mod.embed_dim), 0)
+        return ActivationSpec((batch, 1, mod.embed_dim or mod.hidden_size), 0)
     raise ValueError(f"MetaOp '{m.id}' ({m.kind}) has no transferable output")
 
 

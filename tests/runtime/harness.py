@@ -12,6 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 RTOL = 1e-5
+LOOSE = 1e-3  # per tensor after optimizer steps
+LATER = 1e-4  # all gradients of steps after the first (their weights went through fp32 AdamW noise)
 STEPS = 3
 
 
@@ -72,21 +74,48 @@ def reference_trajectory(model, params: dict[str, torch.nn.Parameter], loss_weig
     return Trajectory(losses, grads, initial, {k: p.detach().clone() for k, p in params.items()})
 
 
-def check_engine_against(engine, ref: Trajectory, label: str, steps: int = STEPS) -> int:
-    """Train ``steps`` steps; per step the losses and every synchronised full gradient this rank holds must
-    match the reference, and so must the weights at the end. Returns the number of tensors compared."""
-    compared = 0
+def global_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    keys = sorted(a)
+    return rel_err(torch.cat([a[k].reshape(-1) for k in keys]), torch.cat([b[k].reshape(-1) for k in keys]))
+
+
+def check_engine_against(engine, ref: Trajectory, label: str, steps: int = STEPS) -> dict[str, float]:
+    """Train ``steps`` steps against the reference trajectory. Returns the worst errors seen.
+
+    - losses, every step: relative error <= RTOL;
+    - step 0 gradients (same weights, same data): every parameter tensor's relative error <= RTOL;
+    - the weights after the last step: relative error over all parameters this rank holds <= RTOL, and per
+      tensor <= LOOSE; gradients of later steps: over all parameters <= LATER, per tensor <= LOOSE. Adam divides each element's gradient by its own magnitude, so
+      elements whose true gradient is ~0 (e.g. the attention key bias, exactly 0 by softmax shift
+      invariance) turn fp32 summation-order noise into +-lr updates; per-tensor 1e-5 is meaningful only
+      before the first optimizer step.
+    """
+    worst = {"loss": 0.0, "grad0": 0.0, "grad_global": 0.0, "weights_global": 0.0, "tensor": 0.0}
     for step in range(steps):
         losses = engine.train_step(step)
         for t, v in ref.losses[step].items():
-            assert abs(losses[t] - v) <= RTOL * max(1.0, abs(v)), f"{label} step {step} loss[{t}] {losses[t]} != {v}"
+            e = abs(losses[t] - v) / max(1.0, abs(v))
+            worst["loss"] = max(worst["loss"], e)
+            assert e <= RTOL, f"{label} step {step} loss[{t}] {losses[t]} != {v}"
+        if not engine.grads:
+            continue
         assert set(engine.grads) <= set(ref.grads[step]), f"{label}: unknown parameters"
         for k, g in engine.grads.items():
             e = rel_err(g, ref.grads[step][k])
-            assert e <= RTOL, f"{label} step {step}: grad of '{k}' rel err {e:.2e}"
-            compared += 1
-    for k, w in engine.full_state().items():
-        e = rel_err(w, ref.final[k])
-        assert e <= RTOL, f"{label}: weight '{k}' after {steps} steps rel err {e:.2e}"
-        compared += 1
-    return compared
+            worst["tensor"] = max(worst["tensor"], e)
+            if step == 0:
+                worst["grad0"] = max(worst["grad0"], e)
+            assert e <= (RTOL if step == 0 else LOOSE), f"{label} step {step}: grad of '{k}' rel err {e:.2e}"
+        e = global_rel_err(engine.grads, ref.grads[step])
+        worst["grad_global"] = max(worst["grad_global"], e)
+        assert e <= (RTOL if step == 0 else LATER), f"{label} step {step}: gradients rel err {e:.2e}"
+    state = engine.full_state()
+    if state:
+        for k, w in state.items():
+            e = rel_err(w, ref.final[k])
+            worst["tensor"] = max(worst["tensor"], e)
+            assert e <= LOOSE, f"{label}: weight '{k}' after {steps} steps rel err {e:.2e}"
+        e = global_rel_err(state, ref.final)
+        worst["weights_global"] = e
+        assert e <= RTOL, f"{label}: weights after {steps} steps rel err {e:.2e}"
+    return worst

@@ -117,3 +117,8 @@ def unit_device_sets(plan: Plan, unit_prefix: str) -> set[tuple[int, ...]]:
         if any(p.startswith(unit_prefix) for p in m.params):
             out.add(tuple(s.devices))
     return out
+
+
+def unit_tp_degrees(plan: Plan, unit_prefix: str) -> set[int]:
+    """TP degrees of the slices whose MetaOp's parameters include a unit starting with the prefix."""
+    return {s.tp for s in plan.slices() if any(p.startswith(unit_prefix) for p in plan.metaop(s.metaop).params)}

@@ -2,7 +2,7 @@
 ``megatron_spindle.runtime.engine`` (models/ ``build_operator``) with real TP sharding, DP-aware losses and
 weights initialised from unit names, plus a single-process reference over the same functions.
 
-Layouts follow megatron-core: token sequences [tokens, batch, hidden], pooled embeddings [batch, embed].
+Layouts follow models/operator.py: token sequences [batch, tokens, hidden], pooled embeddings [batch, 1, embed].
 A transformer "layer" is a pre-scaled MLP block with a column-parallel fc1 and a row-parallel fc2 (gradient
 all-reduce of the input over TP in backward, output all-reduce in forward) plus a replicated scale ``norm``,
 and a token-mixing term so that token order matters.
@@ -218,10 +218,10 @@ class StandinOp(torch.nn.Module):
             y = self.p(f"{owner}.frontend.emb")[x]
         else:
             y = x @ self.p(f"{owner}.frontend.proj").t()
-        return y.transpose(0, 1).contiguous()  # [S, b, H]
+        return y  # [b, S, H]
 
     def _fwd_layer(self, inputs, batch):
-        x = torch.cat(inputs, 0) if len(inputs) > 1 else inputs[0]
+        x = torch.cat(inputs, 1) if len(inputs) > 1 else inputs[0]
         owner = self.w.param_owner(self.info.module, self.info.task)
         for i in range(self.ls, self.le):
             u = f"{owner}.layers.{self.info.layer_offset + i}"
@@ -231,7 +231,7 @@ class StandinOp(torch.nn.Module):
             y = F.gelu(h @ self.p(f"{u}.fc1").t()) @ self.p(f"{u}.fc2").t()
             if self.tp > 1 and self.shared is None:
                 y = _ReduceFromTP.apply(y, self.tp_group)
-            prefix = torch.cumsum(x, 0) / torch.arange(1, x.shape[0] + 1, dtype=x.dtype).view(-1, 1, 1)
+            prefix = torch.cumsum(x, 1) / torch.arange(1, x.shape[1] + 1, dtype=x.dtype).view(1, -1, 1)
             x = x + y + torch.tanh(prefix) * self.p(f"{u}.mix")
         return x
 
@@ -239,24 +239,24 @@ class StandinOp(torch.nn.Module):
         (x,) = inputs
         mod = self.w.modules[self.info.module]
         if mod.pool > 1:
-            S = x.shape[0] // mod.pool * mod.pool
-            x = x[:S].reshape(S // mod.pool, mod.pool, *x.shape[1:]).mean(1)
+            B, S, H = x.shape
+            x = x[:, :S // mod.pool * mod.pool].reshape(B, S // mod.pool, mod.pool, H).mean(2)
         return x @ self.p(f"{self.w.param_owner(self.info.module, self.info.task)}.projector.proj").t()
 
     def _fwd_head(self, inputs, batch):
         (x,) = inputs
-        return x.mean(0) @ self.p(f"{self.w.param_owner(self.info.module, self.info.task)}.head.proj").t()
+        return x.mean(1, keepdim=True) @ self.p(f"{self.w.param_owner(self.info.module, self.info.task)}.head.proj").t()
 
     def _fwd_lm_head(self, inputs, batch):
-        (x,) = inputs  # [S, b, H]
+        (x,) = inputs  # [b, S, H]
         logits = x @ self.p(f"{self.w.param_owner(self.info.module, self.info.task)}.lm_head.proj").t()
         B, S = self.info.input_shape[0], self.info.input_shape[1]
-        ce = F.cross_entropy(logits.transpose(0, 1).reshape(-1, logits.shape[-1]), batch.labels.reshape(-1),
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.labels.reshape(-1),
                              reduction="sum")
         return ce / (B * S)  # summed over DP ranks = mean over the task batch
 
     def _fwd_loss(self, inputs, batch):
-        a, b = inputs
+        a, b = (x.reshape(x.shape[0], -1) for x in inputs)
         dp = 1
         if self.dp_group is not None and self.shared is None:
             dp = dist.get_world_size(self.dp_group)
