@@ -37,8 +37,15 @@ import importlib  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 
-from tools.checkpoint.common import (USER_ERRORS, ConversionError, Metadata, Note, UnitMessage,  # noqa: E402
-                                     handle_notes, tensor_bytes)
+from tools.checkpoint.common import (  # noqa: E402
+    USER_ERRORS,
+    ConversionError,
+    Metadata,
+    Note,
+    UnitMessage,
+    handle_notes,
+    tensor_bytes,
+)
 
 LOADERS = ("hf", "mcore", "spindle")
 SAVERS = ("spindle", "hf")

@@ -14,7 +14,13 @@ import torch
 
 from tools.checkpoint.common import Metadata, Note, UnitMessage, check_mapped_modules, parse_mapping
 from tools.checkpoint.hf_io import HFFolder
-from tools.checkpoint.hf_mapping import check_module_fits, find_tower, import_unit, numerics_notes, unused_keys
+from tools.checkpoint.hf_mapping import (
+    check_module_fits,
+    find_tower,
+    import_unit,
+    numerics_notes,
+    unused_keys,
+)
 from tools.checkpoint.layout import split_unit, unit_shapes, workload_units
 
 

@@ -16,8 +16,14 @@ from pathlib import Path
 
 import torch
 
-from tools.checkpoint.common import (ConversionError, UnitMessage, check_mapped_modules, handle_notes, parse_mapping,
-                                     staged_output)
+from tools.checkpoint.common import (
+    ConversionError,
+    UnitMessage,
+    check_mapped_modules,
+    handle_notes,
+    parse_mapping,
+    staged_output,
+)
 from tools.checkpoint.hf_io import INDEX_FILE, SINGLE_FILE, HFFolder, ShardWriter
 from tools.checkpoint.hf_mapping import IGNORED_SUFFIXES, check_module_fits, export_unit, find_tower
 from tools.checkpoint.layout import from_te_names, split_unit

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tools.checkpoint.common import (ConversionError, Metadata, UnitMessage, parse_dtype, staged_output)
+from tools.checkpoint.common import ConversionError, Metadata, UnitMessage, parse_dtype, staged_output
 from tools.checkpoint.layout import expected_units, to_te_names
 
 
