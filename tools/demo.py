@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         return rc
     import torch
 
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(1)  # tiny operators: threads only add contention on a 2-core machine
     import pretrain_multitask
 
     ckpt, tb = os.path.join(out, "checkpoints"), os.path.join(out, "tensorboard")

@@ -19,12 +19,27 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_spindle.arguments import (add_cluster_args, add_spindle_args, add_workload_args, build_parser,
-                                        cluster_from_args, planner_config_from_args, workload_from_args)
+from megatron_spindle.arguments import (
+    add_cluster_args,
+    add_spindle_args,
+    add_workload_args,
+    build_parser,
+    cluster_from_args,
+    planner_config_from_args,
+    workload_from_args,
+)
 from megatron_spindle.errors import USER_ERRORS, exit_on_user_error
-from megatron_spindle.training.arguments import (add_checkpointing_args, add_data_args, add_logging_args,
-                                                 add_plan_args, add_task_args, add_training_args,
-                                                 parse_data_paths, parse_task_values, validate_args)
+from megatron_spindle.training.arguments import (
+    add_checkpointing_args,
+    add_data_args,
+    add_logging_args,
+    add_plan_args,
+    add_task_args,
+    add_training_args,
+    parse_data_paths,
+    parse_task_values,
+    validate_args,
+)
 
 ARG_GROUPS = [add_workload_args, add_cluster_args, add_spindle_args, add_plan_args, add_training_args,
               add_task_args, add_data_args, add_checkpointing_args, add_logging_args]
@@ -206,7 +221,7 @@ def train(args, workload, datasets, engine_provider, info: DistInfo, loss_weight
           sampling_weights: dict[str, float]) -> list:
     from megatron_spindle.data.datasets import MultiTaskDataLoader
     from megatron_spindle.planner.report import draw_gantt, plan_summary
-    from megatron_spindle.training.engine_state import (WaveTimer, set_learning_rate, set_loss_weights)
+    from megatron_spindle.training.engine_state import WaveTimer, set_learning_rate, set_loss_weights
     from megatron_spindle.training.log import StepRecord, TensorBoardLogger, format_log_line, format_wave_line
     from megatron_spindle.training.schedule import LRSchedule
 

@@ -4,9 +4,18 @@ import threading
 import pytest
 import torch
 
-from megatron_spindle.checkpointing import (LATEST_FILE, CheckpointError, UnitState, get_rng_state,
-                                            iteration_dir, load_checkpoint, read_latest, save_checkpoint,
-                                            set_rng_state, unit_owners)
+from megatron_spindle.checkpointing import (
+    LATEST_FILE,
+    CheckpointError,
+    UnitState,
+    get_rng_state,
+    iteration_dir,
+    load_checkpoint,
+    read_latest,
+    save_checkpoint,
+    set_rng_state,
+    unit_owners,
+)
 from megatron_spindle.checkpointing import checkpoint as ckpt_mod
 
 

@@ -10,8 +10,14 @@ import pytest
 import torch
 from PIL import Image
 
-from megatron_spindle.data.datasets import (MockTaskDataset, MultiTaskDataLoader, ShardedTaskDataset,
-                                            build_datasets, collate, task_fields)
+from megatron_spindle.data.datasets import (
+    MockTaskDataset,
+    MultiTaskDataLoader,
+    ShardedTaskDataset,
+    build_datasets,
+    collate,
+    task_fields,
+)
 from megatron_spindle.data.decode import decode_image, log_mel_features, read_wav
 from megatron_spindle.data.mock import IGNORE_INDEX, mock_batch
 from megatron_spindle.data.sampler import MultiTaskSampler
@@ -63,7 +69,7 @@ def test_sampler_is_deterministic_covers_epochs_and_restores_position():
 
 def test_sampling_weights_set_participation():
     s = MultiTaskSampler({"a": 50, "b": 50}, {"a": 2, "b": 2}, seed=0, sampling_weights={"a": 1.0, "b": 0.25})
-    active_b, pos_b = 0, []
+    active_b = 0
     for _ in range(200):
         before = dict(s.state_dict()["tasks"]["b"])
         mb = s.next()

@@ -59,6 +59,22 @@ def test_bad_data_paths(capsys, tmp_path):
     _fails(capsys, BASE + sum((["--data-path", p] for p in paths), []), "has no index.json")
 
 
+def test_saved_plan_for_another_workload_or_world_size(capsys, tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import plan as plan_tool
+
+    for workload, n in (("tiny-vlm", 1), ("tiny-clip", 2)):
+        out = tmp_path / f"{workload}-{n}.json"
+        assert plan_tool.main(["--workload", workload, "--num-gpus", str(n), "--spindle-planner", "wavefront",
+                               "--out", str(out), "--quiet"]) == 0
+    _fails(capsys, BASE + ["--mock-data", "--spindle-plan", str(tmp_path / "tiny-vlm-1.json")],
+           "plan was made for workload 'tiny-vlm'")
+    _fails(capsys, BASE + ["--mock-data", "--spindle-plan", str(tmp_path / "tiny-clip-2.json")],
+           "is for 2 devices, the world size is 1")
+    (tmp_path / "bad.json").write_text("{oops")
+    _fails(capsys, BASE + ["--mock-data", "--spindle-plan", str(tmp_path / "bad.json")], "not valid JSON")
+
+
 def test_entry_point_exit_code_in_a_real_process(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_multitask.py"), *BASE, "--data-path",
                         f"vision_text={tmp_path / 'missing'}"], capture_output=True, text=True, timeout=120)

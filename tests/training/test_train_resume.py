@@ -4,6 +4,7 @@ checkpoint in 1 process under another plan matches a straight run; TensorBoard, 
 One multi-process launch (the script) and two single-process runs in this process.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -97,3 +98,21 @@ def test_launch_script_then_resume_on_one_rank_under_another_plan(tmp_path, caps
     assert (iteration_dir(resumed, 6) / "plan.json").exists()
     assert ck_a.plan["cluster"]["num_nodes"] * ck_a.plan["cluster"]["gpus_per_node"] == 1
     assert load_checkpoint(first).plan["cluster"]["gpus_per_node"] == 2  # the first half ran another plan
+
+    # a corrupt or mismatched checkpoint stops the run with the reason, and leaves the folder as it was
+    unit_file = next((iteration_dir(resumed, 6) / "units").glob("vision.layers.0.pt"))
+    unit_file.write_bytes(unit_file.read_bytes()[:100])
+    with pytest.raises(SystemExit) as e:
+        pretrain_multitask.main(COMMON + ["--train-iters", "7", "--load", str(resumed), "--save", str(resumed)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "units/vision.layers.0.pt of unit 'vision.layers.0' fails its checksum" in err, err[-2000:]
+    assert read_latest(resumed) == 6 and not (resumed / "iter_0000007").exists()
+    meta_path = iteration_dir(straight, 6) / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    name = next(iter(meta["units"]["vision.layers.0"]["tensors"]))
+    meta["units"]["vision.layers.0"]["tensors"][name]["shape"] = [7, 7]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(SystemExit):
+        pretrain_multitask.main(COMMON + ["--train-iters", "7", "--load", str(straight)])
+    assert f"tensor '{name}' has shape (7, 7) in the checkpoint but the model expects" in capsys.readouterr().err
