@@ -105,6 +105,7 @@ class CpSatOptions:
     reserve_fraction: float = 0.1  # of the time limit, kept for extraction and placement after the solves
     light_presolve_slots: int = 150  # models with more slots skip presolve (it alone can eat the limit)
     min_level_seconds: float = 0.2  # floor of a level's time share (enough to load its hint)
+    overlap_time_fraction: float = 0.3  # cross-level overlap: share of the solve time for the overlap model
     final_slots_from_best: bool = True  # last model of a level: best plan's waves + extra_waves slots
     memory_unit_bytes: int = 2**20
     comm_unit_bytes: int = 2**20
@@ -191,7 +192,7 @@ def solve_cpsat(metagraph, workload, cluster, curves, greedy_waves: list[Schedul
     """Refine the greedy (placed) waves with CP-SAT; see the module docstring for the model.
 
     ``level_allocs`` (the allocator's LevelAllocations) supply C*; without them C* is recomputed with the
-    allocator's default inverse. With ``cross_level_overlap`` the level-barrier model is solved first (half
+    allocator's default inverse. With ``cross_level_overlap`` the level-barrier model is solved first (70% of
     the time) and its answer is the hint of the overlap model, so the gain of overlap is measured against the
     best barrier plan (``barrier_makespan`` in the summary).
     """
@@ -297,7 +298,7 @@ def _run_stages(ctx: _Context, greedy: list[ScheduledWave], overlap: bool) -> _S
     comm_share = ctx.opts.comm_time_fraction if ctx.has_comm else 0.0
     exact_possible = ctx.exact_memory
     notes = [_memory_note(ctx, exact_possible)]
-    split = 0.5 if overlap or exact_possible else 1.0
+    split = 0.5 if exact_possible else (1 - ctx.opts.overlap_time_fraction if overlap else 1.0)
     if _levels_mixed(ctx.metagraph, greedy):  # a hint across levels has no per-level decomposition
         stage = _solve_whole(ctx, greedy, False, ctx.left() * (1 - comm_share) * split)
     else:
