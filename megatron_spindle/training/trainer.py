@@ -243,6 +243,9 @@ def train(args, workload, datasets, engine_provider, info: DistInfo, loss_weight
     engine = engine_provider(plan, workload, info.rank, info.world_size, args, loader.batch_fn)
     timer = WaveTimer(engine)
     start = load(args, engine, loader, workload, info) if args.load else 0
+    if start >= args.train_iters:
+        print_rank_0(f"the checkpoint is at iteration {start}, --train-iters is {args.train_iters}: nothing to do")
+        return []
     sched = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters or args.train_iters,
                        args.lr_decay_style)
     base = {t.name: loss_weights.get(t.name, t.loss.weight if t.loss else 1.0) for t in workload.tasks}
