@@ -47,8 +47,9 @@ configuration raises ``CpSatMemoryError`` naming the MetaOp and the bytes it nee
 Levels and search: under the level barrier (default) the makespan is the sum of independent per-level
 makespans, so when per-device memory is not modelled each MetaLevel is its own model, solved by *slot
 deepening*: 1, 2, ... slots, each hinted by the best plan so far, while they solve to optimality (good
-plans often need few waves, and small models solve fast), then the full model hinted by the best plan,
-which also gives the level's bound. Levels share the time by what the greedy plan leaves above their C~*.
+plans often need few waves, and small models solve fast), then a model of the best plan's waves plus
+``final_extra_slots`` hinted by it, which also gives the level's bound (for plans of that many waves);
+time left at the end goes to a second round on the levels not proven optimal. Levels share the time by what the greedy plan leaves above their C~*.
 With ``cross_level_overlap`` a whole-graph model follows, hinted by the barrier plan: slots are global, a
 MetaOp may use the slots of its own level's block and of the ``level_window`` neighbouring blocks, and
 precedence is explicit (a consumer's first slot after each producer's last slot); the summary reports the
@@ -100,9 +101,10 @@ class CpSatOptions:
     comm_time_fraction: float = 0.25  # share of the time limit for the communication phase
     level_window: int = 1  # cross-level overlap: neighbouring level blocks a MetaOp may move into
     exact_memory_devices: int = 16  # per-device memory variables only up to this many devices
-    deepening_share: float = 0.25  # slot deepening: share of a level's remaining time per step
+    deepening_share: float = 0.5  # slot deepening: share of a level's remaining time per step
+    final_extra_slots: int = 1  # a level's last model: the best plan's waves plus this many slots
     comm_model_devices: int = 16  # communication phase in CP-SAT up to this many devices (placement beyond)
-    reserve_fraction: float = 0.1  # of the time limit, kept for extraction and placement after the solves
+    reserve_fraction: float = 0.15  # of the time limit, kept for extraction and placement after the solves
     light_presolve_slots: int = 150  # models with more slots skip presolve (it alone can eat the limit)
     min_level_seconds: float = 0.2  # floor of a level's time share (enough to load its hint)
     overlap_time_fraction: float = 0.3  # cross-level overlap: share of the solve time for the overlap model
@@ -496,11 +498,14 @@ def _solve_level(ctx: _Context, sub, greedy: list[ScheduledWave], limit: float) 
 
 
 def _final_model(ctx: _Context, sub, best: list[ScheduledWave], greedy_waves: int, deadline: float) -> _Stage:
-    """The level's last model, hinted by its best plan: best's waves + extra_waves slots (or the greedy's
-    count + extra_waves); its bound is the level's bound."""
+    """The level's last model, hinted by its best plan: best's waves + final_extra_slots slots (or the
+    greedy's count + extra_waves); its bound is the level's bound (for plans of that many waves)."""
     start = time.perf_counter()
     extra = ctx.opts.extra_waves
-    slots = len(best) + extra if ctx.opts.final_slots_from_best else max(greedy_waves + extra, len(best))
+    if ctx.opts.final_slots_from_best:
+        slots = len(best) + ctx.opts.final_extra_slots
+    else:
+        slots = max(greedy_waves + extra, len(best))
     builder = ctx.builder(best, False, metagraph=sub, block_size=slots)
     status, solver, _ = builder.solve_makespan(max(0.0, min(deadline, ctx.deadline) - time.perf_counter()),
                                                ctx.workers)
