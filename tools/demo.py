@@ -27,7 +27,12 @@ def runtime_available() -> str | None:
 
 
 def plan_only(out: str) -> int:
-    import plan as plan_tool
+    import importlib.util
+
+    # by file path: putting tools/ on sys.path would let tools/profile.py shadow the standard library's profile
+    spec = importlib.util.spec_from_file_location("spindle_plan_tool", os.path.join(ROOT, "tools", "plan.py"))
+    plan_tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_tool)
 
     return plan_tool.main(["--workload", "tiny-clip", "--num-gpus", "2", "--spindle-planner", "wavefront",
                            "--out", os.path.join(out, "plan.json"), "--gantt", os.path.join(out, "plan.png")])
@@ -42,7 +47,6 @@ def main(argv=None) -> int:
     if os.path.isdir(out):
         shutil.rmtree(out)
     os.makedirs(out)
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
     why = runtime_available()
     if why is not None:
         print(f"training is not available yet ({why}); planning only")

@@ -1,7 +1,7 @@
+import importlib.util
 import io
 import json
 import os
-import sys
 import tarfile
 import wave
 
@@ -25,8 +25,17 @@ from megatron_spindle.data.shards import DatasetError
 from megatron_spindle.data.tokenizer import BOS, EOS, PAD, ByteTokenizer
 from megatron_spindle.graph.workload import load_workload
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-import build_multitask_dataset  # noqa: E402
+
+def _load_tool(name):
+    """tools/<name>.py by path (tools/ on sys.path would shadow the standard library's profile module)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"spindle_tool_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+build_multitask_dataset = _load_tool("build_multitask_dataset")
 
 
 @pytest.fixture(scope="module")

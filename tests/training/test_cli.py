@@ -1,5 +1,6 @@
 """Flag and data-path errors of pretrain_multitask.py: one clear line, non-zero exit, before any training."""
 
+import importlib.util
 import math
 import os
 import subprocess
@@ -60,8 +61,9 @@ def test_bad_data_paths(capsys, tmp_path):
 
 
 def test_saved_plan_for_another_workload_or_world_size(capsys, tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import plan as plan_tool
+    spec = importlib.util.spec_from_file_location("spindle_tool_plan", os.path.join(ROOT, "tools", "plan.py"))
+    plan_tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_tool)
 
     for workload, n in (("tiny-vlm", 1), ("tiny-clip", 2)):
         out = tmp_path / f"{workload}-{n}.json"
