@@ -5,7 +5,7 @@ Streaming: each incoming unit is spilled to its own safetensors file in a tempor
 per-unit views of those files (one unit in memory at a time), and the folder is renamed to ``--save-dir``.
 Units of the workload the loader did not produce (projectors, unmapped towers, heads) get the training run's
 deterministic initialisation (``--no-fill-missing``: fail instead), so ``pretrain_multitask.py --load`` finds
-every unit it expects.
+every unit it expects; the data position is the start of every task's data and there is no optimizer state.
 """
 
 from __future__ import annotations
@@ -69,6 +69,13 @@ def _initial_unit(unit: str, shapes: dict, seed: int) -> dict[str, torch.Tensor]
     return {name: init_full_tensor(name, shape, std, seed) for name, shape in shapes.items()}
 
 
+def start_of_data(workload, iteration: int) -> dict:
+    """A data position at the start of every task's data (what a fresh run uses), in the sampler's format
+    (data/sampler.py) without dataset sizes or seed, so ``pretrain_multitask.py --load`` accepts it for any
+    dataset of the workload's tasks."""
+    return {"iteration": iteration, "tasks": {t.name: {"epoch": 0, "offset": 0} for t in workload.tasks}}
+
+
 def save_checkpoint(messages: Iterator, args, workload) -> Path:
     from megatron_spindle.checkpointing import UnitState
     from megatron_spindle.checkpointing import save_checkpoint as write_checkpoint
@@ -103,6 +110,7 @@ def save_checkpoint(messages: Iterator, args, workload) -> Path:
         out = tmp / "checkpoint"
         write_checkpoint(out, args.iteration, units, workload_name=workload.name,
                          workload_digest=workload.digest(), plan=meta.plan,
+                         data_position=start_of_data(workload, args.iteration),
                          extra={"converted_from": meta.source, "converter": "tools/checkpoint/convert.py",
                                 "source_iteration": meta.iteration})
         for p in out.iterdir():
