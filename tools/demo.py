@@ -12,6 +12,8 @@ import shutil
 import sys
 import time
 
+# run as a script, tools/ is sys.path[0] and tools/profile.py would shadow the standard library's profile
+sys.path[:] = [q for q in sys.path if os.path.abspath(q or os.curdir) != os.path.dirname(os.path.abspath(__file__))]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
