@@ -9,11 +9,15 @@ degrees in different waves). Tolerances: see harness.check_engine_against.
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 from harness import check_engine_against, reference_trajectory, spawn
 from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.planner.plan import PlanError
+from megatron_spindle.runtime.__main__ import main
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
 from plans import random_plan, sequential_plan, unit_device_sets, unit_tp_degrees
 from standin import StandinReference, standin_batch, standin_factory
@@ -87,9 +91,21 @@ def _worker(rank, world):
         seen["tower_mixed_tp"] |= len(unit_tp_degrees(plan, tower)) > 1
         kw = dict(operator_factory=standin_factory, batch_fn=standin_batch) if ops == "standin" else {}
         engine = RuntimeEngine(plan, w, rank, world, cfg, **kw)
+        created = engine.groups.cache.created
+        assert len(created) == len(set(created)), "a process group was created twice"
         check_engine_against(engine, refs[ops, wname], f"rank {rank} {ops} {wname} {label}")
     if world > 1:
         assert all(seen.values()), seen
+    # 3) the command line entry point (plan JSON, workload by name, mock data) inside this world
+    with tempfile.TemporaryDirectory() as tmp:  # per rank: the plan is deterministic, every rank writes it
+        path = os.path.join(tmp, "plan.json")
+        random_plan(workloads["tiny-vlm"], world, 2).save(path)
+        history = main(["--plan", path, "--workload", "tiny-vlm", "--steps", "2", "--lr", str(OPT.lr)])
+    assert len(history) == 2
+    ref0 = refs["real", "tiny-vlm"].losses[0] if ("real", "tiny-vlm") in refs else real_trajectory(
+        workloads["tiny-vlm"]).losses[0]
+    for t, v in ref0.items():
+        assert abs(history[0][t] - v) <= 1e-5 * max(1.0, abs(v)), (t, history[0][t], v)
 
 
 @pytest.mark.multiproc

@@ -1,0 +1,93 @@
+"""Pure layout logic of the runtime (no processes): message routes, derived transfers and parameter device
+groups, and the plan checks that run before any communication."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from megatron_spindle.graph.opgraph import build_metagraph
+from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.planner.plan import PlanError, Slice
+from megatron_spindle.runtime.layout import (
+    backward_messages,
+    check_runnable,
+    dp_rank,
+    expected_param_groups,
+    forward_messages,
+    rows,
+)
+from plans import build_plan, random_plan, sequential_plan
+
+
+def _slice(devices, tp):
+    return Slice(id="s", metaop="m", module="x", task="t", kind="layer", layer_start=0, layer_end=1,
+                 devices=list(devices), tp=tp, dp=len(devices) // tp, predicted_time=0.0)
+
+
+LAYOUTS = [([0], 1), ([1], 1), ([0, 1], 1), ([0, 1], 2), ([1, 0], 2), ([2, 3, 0, 1], 1), ([2, 3, 0, 1], 2),
+           ([3, 1, 2, 0], 4), ([0, 1, 2, 3], 2)]
+
+
+@pytest.mark.parametrize("prod,cons", list(itertools.product(LAYOUTS, LAYOUTS)))
+def test_routes_deliver_every_row_once_from_a_holder(prod, cons):
+    B = 8
+    p, c = _slice(*prod), _slice(*cons)
+    for msgs, holders, needers in ((forward_messages(p, c, B), p, c), (backward_messages(p, c, B), c, p)):
+        pairs = [(m.src, m.dst) for m in msgs]
+        assert len(pairs) == len(set(pairs)), "one message per (src, dst) pair and direction"
+        for d in needers.devices:
+            j = dp_rank(needers, d)
+            lo, hi = rows(needers, j, B)
+            got = []
+            for m in msgs:
+                if m.dst != d:
+                    continue
+                k = dp_rank(holders, m.src)
+                h0, _ = rows(holders, k, B)
+                # the source holds these global rows, and they land where the receiver keeps them
+                assert h0 + m.src_start == lo + m.dst_start
+                got += range(lo + m.dst_start, lo + m.dst_start + m.n)
+                if d in holders.devices and dp_rank(holders, d) == k:
+                    assert m.src == d, "rows a device already holds are copied locally"
+            assert sorted(got) == list(range(lo, hi))
+
+
+def test_param_groups_follow_shared_weights():
+    w = load_workload("tiny-clip")
+    plan = random_plan(w, 4, 1)
+    groups = expected_param_groups(plan, build_metagraph(w))
+    for unit, devs in groups.items():
+        users = {d for s in plan.slices() for d in s.devices if unit in plan.metaop(s.metaop).params[
+            s.layer_start:s.layer_end] or (s.kind != "layer" and unit in plan.metaop(s.metaop).params)}
+        assert set(devs) == users, unit
+    assert len(groups["vision.layers.0"]) > 1
+
+
+def test_checks_name_the_problem():
+    w = load_workload("tiny-vlm")
+    g = build_metagraph(w)
+    plan = sequential_plan(w, 2)
+    check_runnable(plan, w, g, 2)
+    with pytest.raises(PlanError, match="beyond the world size 1"):
+        check_runnable(plan, w, g, 1)
+    dropped = sequential_plan(w, 2)
+    dropped.transfers.pop(0)
+    with pytest.raises(PlanError, match="lacks the transfers"):
+        check_runnable(dropped, w, g, 2)
+    moved = sequential_plan(w, 2)
+    moved.param_groups[0].devices = [0]
+    with pytest.raises(PlanError, match="param_groups"):
+        check_runnable(moved, w, g, 2)
+    other = sequential_plan(load_workload("tiny-clip"), 2)
+    with pytest.raises(PlanError, match="was made for workload"):
+        check_runnable(other, w, g, 2)
+
+
+def test_build_plan_rejects_overlapping_devices_in_a_wave():
+    w = load_workload("tiny-vlm")
+    g = build_metagraph(w)
+    lv0 = g.levels[0]
+    with pytest.raises(PlanError, match="used by both"):
+        build_plan(w, 2, [[(lv0[0], 0, 1, [0], 1), (lv0[1], 0, 1, [0, 1], 1)]])
