@@ -1,14 +1,16 @@
 #!/usr/bin/env python
 """`make demo`: plan and train the tiny Multitask-CLIP on CPU, save a checkpoint, show where everything is.
 
-Plans tiny-clip with Spindle's wavefront planner, trains it for a few dozen iterations on mock data in one
-process (gloo), checks that the losses fall, saves a layout-independent checkpoint into demo_output/, and
-prints where the plan's Gantt chart and the TensorBoard logs are. Runs in about a minute on 2 cores.
+Plans tiny-clip with Spindle's wavefront planner, trains it for a few dozen iterations on mock data, checks
+that the losses fall, saves a layout-independent checkpoint into demo_output/, and the plan's Gantt chart and the TensorBoard logs are. Trains on 2 gloo processes by default
+(--nproc 1: in this process). Runs in one to two minutes on 2 cores.
 """
 
 import argparse
 import os
+import re
 import shutil
+import subprocess
 import sys
 import time
 
@@ -40,10 +42,44 @@ def plan_only(out: str) -> int:
                            "--out", os.path.join(out, "plan.json"), "--gantt", os.path.join(out, "plan.png")])
 
 
+LOG_LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*?total loss: (\S+) \|(.*)$")
+TASK_LOSS = re.compile(r"\s*(\S+) loss: (\S+)\s*")
+
+
+def parse_log_line(line: str):
+    """(iteration, {task: loss}, total) from a Megatron-format log line, or None."""
+    m = LOG_LINE.search(line)
+    if not m:
+        return None
+    losses = {}
+    for part in m.group(3).split("|"):
+        t = TASK_LOSS.fullmatch(part)
+        if t:
+            losses[t.group(1)] = float(t.group(2))
+    return int(m.group(1)), losses, float(m.group(2))
+
+
+def run_torchrun(nproc: int, flags: list[str]):
+    """pretrain_multitask.py on ``nproc`` gloo processes; its output is shown as it comes and parsed."""
+    port = 20000 + os.getpid() % 20000
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(port), os.path.join(ROOT, "pretrain_multitask.py"), *flags]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    records = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            rec = parse_log_line(line)
+            if rec:
+                records.append(rec)
+    return proc.returncode, records
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--out", default=os.path.join(ROOT, "demo_output"), help="Output folder (replaced).")
     p.add_argument("--train-iters", type=int, default=40)
+    p.add_argument("--nproc", type=int, default=2, help="gloo processes (torchrun); 1 trains in this process.")
     args = p.parse_args(argv)
     out = os.path.abspath(args.out)
     if os.path.isdir(out):
@@ -55,32 +91,39 @@ def main(argv=None) -> int:
         rc = plan_only(out)
         print(f"plan: {out}/plan.json, Gantt chart: {out}/plan.png")
         return rc
-    import torch
-
-    torch.set_num_threads(1)  # tiny operators: threads only add contention on a 2-core machine
-    import pretrain_multitask
-
     ckpt, tb = os.path.join(out, "checkpoints"), os.path.join(out, "tensorboard")
-    history: list = []
-    t0 = time.perf_counter()
-    rc = pretrain_multitask.main([
+    flags = [
         "--workload", "tiny-clip", "--spindle-planner", "wavefront",
         "--mock-data", "--mock-data-samples", "32",
         "--train-iters", str(args.train_iters), "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "3",
         "--lr-decay-style", "cosine", "--weight-decay", "0.0", "--seed", "1234",
         "--save", ckpt, "--save-interval", str(max(1, args.train_iters // 2)), "--log-interval", "5",
         "--tensorboard-dir", tb, "--plan-gantt", os.path.join(out, "plan.png"),
-    ], history=history)
+    ]
+    t0 = time.perf_counter()
+    if args.nproc == 1:
+        import torch
+
+        torch.set_num_threads(1)  # tiny operators: threads only add contention on a 2-core machine
+        import pretrain_multitask
+
+        history: list = []
+        rc = pretrain_multitask.main(flags, history=history)
+        records = [(r.iteration, r.losses, r.total_loss) for r in history]
+    else:
+        rc, records = run_torchrun(args.nproc, flags)
     if rc:
         return rc
-    first, last = history[0], history[-1]
+    if len(records) < 2:
+        print("demo: no training log lines found", file=sys.stderr)
+        return 1
+    (it0, first, total0), (it1, last, total1) = records[0], records[-1]
     print()
-    print(f"demo: trained {last.iteration} iterations in {time.perf_counter() - t0:.1f} s")
-    for task in first.losses:
-        print(f"  {task:<14} loss {first.losses[task]:.4f} (iteration {first.iteration}) -> "
-              f"{last.losses[task]:.4f} (iteration {last.iteration})")
-    fell = last.total_loss < first.total_loss
-    print(f"  total loss {first.total_loss:.4f} -> {last.total_loss:.4f}: {'falling' if fell else 'NOT falling'}")
+    print(f"demo: trained {it1} iterations on {args.nproc} process(es) in {time.perf_counter() - t0:.1f} s")
+    for task in first:
+        print(f"  {task:<14} loss {first[task]:.4f} (iteration {it0}) -> {last[task]:.4f} (iteration {it1})")
+    fell = total1 < total0
+    print(f"  total loss {total0:.4f} -> {total1:.4f}: {'falling' if fell else 'NOT falling'}")
     print(f"  plan picture:     {out}/plan.png")
     print(f"  checkpoint:       {ckpt} (resume with --load {ckpt}, under any plan or world size)")
     print(f"  TensorBoard logs: {tb}   (tensorboard --logdir {tb})")
