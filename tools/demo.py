@@ -2,8 +2,9 @@
 """`make demo`: plan and train the tiny Multitask-CLIP on CPU, save a checkpoint, show where everything is.
 
 Plans tiny-clip with Spindle's wavefront planner, trains it for a few dozen iterations on mock data, checks
-that the losses fall, saves a layout-independent checkpoint into demo_output/, and the plan's Gantt chart and the TensorBoard logs are. Trains on 2 gloo processes by default
-(--nproc 1: in this process). Runs in one to two minutes on 2 cores.
+that the losses fall, saves a layout-independent checkpoint into demo_output/, and prints where the plan's
+Gantt chart and the TensorBoard logs are. Trains on 2 gloo processes by default (--nproc 1: in this process).
+Runs in one to two minutes on 2 cores.
 """
 
 import argparse
