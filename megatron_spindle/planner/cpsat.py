@@ -102,13 +102,13 @@ class CpSatOptions:
     level_window: int = 1  # cross-level overlap: neighbouring level blocks a MetaOp may move into
     exact_memory_devices: int = 16  # per-device memory variables only up to this many devices
     deepening_share: float = 0.5  # slot deepening: share of a level's remaining time per step
-    final_extra_slots: int = 1  # a level's last model: the best plan's waves plus this many slots
+    final_extra_slots: int = 2  # a level's last model: the best plan's waves plus this many slots
     comm_model_devices: int = 16  # communication phase in CP-SAT up to this many devices (placement beyond)
     reserve_fraction: float = 0.15  # of the time limit, kept for extraction and placement after the solves
     light_presolve_slots: int = 150  # models with more slots skip presolve (it alone can eat the limit)
     min_level_seconds: float = 0.2  # floor of a level's time share (enough to load its hint)
     overlap_time_fraction: float = 0.3  # cross-level overlap: share of the solve time for the overlap model
-    final_slots_from_best: bool = True  # last model of a level: best plan's waves + extra_waves slots
+    final_slots_from_best: bool = True  # last model of a level sized from its best plan (else from greedy)
     memory_unit_bytes: int = 2**20
     comm_unit_bytes: int = 2**20
     seed: int = 0
@@ -492,7 +492,7 @@ def _solve_level(ctx: _Context, sub, greedy: list[ScheduledWave], limit: float) 
             candidate = builder.extract(solver)
             if makespan(candidate) < makespan(best):
                 best = candidate
-        if status != "OPTIMAL":
+        if status not in ("OPTIMAL", "INFEASIBLE"):  # too few slots is a quick proof: go on
             break
     return _final_model(ctx, sub, best, len(greedy), deadline)
 
