@@ -34,6 +34,7 @@ elif _ROOT not in sys.path:
 
 import argparse  # noqa: E402
 import importlib  # noqa: E402
+import importlib.util  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 
@@ -55,11 +56,12 @@ def load_plugin(kind: str, name: str):
     """``tools.checkpoint.<kind>_<name>``, else a module ``<kind>_<name>`` or ``<name>`` on the path."""
     for module in (f"tools.checkpoint.{kind}_{name}", f"{kind}_{name}", name):
         try:
-            plugin = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name not in (module, module.rsplit(".", 1)[0]) and not module.endswith(e.name or ""):
-                raise
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
             continue
+        plugin = importlib.import_module(module)
         entry = "load_checkpoint" if kind == "loader" else "save_checkpoint"
         if not hasattr(plugin, entry) or not hasattr(plugin, "add_arguments"):
             raise ConversionError(f"plugin {module} lacks add_arguments() or {entry}()")
@@ -80,6 +82,9 @@ def build_parser(loader_name: str | None = None, saver_name: str | None = None) 
                              "module; repeatable; or a file of MODULE=PATH lines.")
     parser.add_argument("--allow-inexact", action="store_true",
                         help="Convert even where our model cannot reproduce the source exactly (listed as warnings).")
+    parser.add_argument("--init-seed", type=int, default=0,
+                        help="Seed of the deterministic initialisation (ModelConfig.init_seed of the training run) "
+                             "given to tensors and units the source does not have.")
     parser.add_argument("--quiet", action="store_true", help="No per-unit progress lines.")
     for kind, name in (("loader", loader_name), ("saver", saver_name)):
         if name:
@@ -95,13 +100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser(known.loader, known.saver).parse_args(argv)
 
 
-def checked_stream(messages: Iterator, expected: dict, args, progress: bool) -> Iterator:
+def checked_stream(messages: Iterator, expected: dict, args, progress: bool, total: int | None = None) -> Iterator:
     """Pass messages on, failing on units or tensors the workload does not have or whose shape differs, and on
     inexact notes (unless --allow-inexact); one progress line per unit."""
     log = args.log
     seen: set[str] = set()
     start = time.perf_counter()
-    total = len(expected)
+    total = total or len(expected)
     for msg in messages:
         if isinstance(msg, Note):
             if msg.inexact:
@@ -156,19 +161,18 @@ def convert(args: argparse.Namespace) -> str:
     args.log(f"checked {units} unit(s) against workload '{workload.name}' ({time.perf_counter() - t0:.1f} s); "
              f"converting with saver {args.saver}")
     stream = checked_stream(loader.load_checkpoint(args, workload, meta=False), expected, args,
-                            progress=not args.quiet)
+                            progress=not args.quiet, total=units)
     out = saver.save_checkpoint(stream, args, workload)
     args.log(f"done: {out} ({time.perf_counter() - t0:.1f} s)")
     return str(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     from megatron_spindle.checkpointing import CheckpointError
     from megatron_spindle.graph.workload import WorkloadError
 
     try:
-        convert(args)
+        convert(parse_args(argv))
     except (*USER_ERRORS, CheckpointError, WorkloadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

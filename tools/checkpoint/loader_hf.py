@@ -25,10 +25,7 @@ from tools.checkpoint.layout import split_unit, unit_shapes, workload_units
 
 
 def add_arguments(parser) -> None:
-    group = parser.add_argument_group(title="Hugging Face loader")
-    group.add_argument("--init-seed", type=int, default=0,
-                       help="Seed of the deterministic initialisation used for tensors the HF model lacks "
-                            "(ModelConfig.init_seed of the training run).")
+    """No options of its own: --mapping and --init-seed are converter-wide."""
 
 
 def _fill(unit: str, workload, meta: bool, seed: int):

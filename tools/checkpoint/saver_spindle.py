@@ -100,7 +100,7 @@ def save_checkpoint(messages: Iterator, args, workload) -> Path:
         if missing and args.no_fill_missing:
             raise ConversionError(f"the loader produced no tensors for unit(s) {missing[:8]} (--no-fill-missing)")
         for unit in missing:
-            tensors = _initial_unit(unit, expected[unit], getattr(args, "init_seed", 0))
+            tensors = _initial_unit(unit, expected[unit], args.init_seed)
             files[unit] = spill / f"{len(files):06d}.safetensors"
             save_file(to_te_names(tensors) if te_names else tensors, str(files[unit]))
         if missing:
