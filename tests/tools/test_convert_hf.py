@@ -475,3 +475,20 @@ def test_command_line_progress_and_inspect(env, tmp_path):
                         "--summary"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "iteration: 0" in r.stdout and "llm.lm_head" in r.stdout
+
+
+def test_transformer_engine_names_and_mapping_file(env, tmp_path):
+    """--layer-names te writes Transformer Engine spellings (fused pre-norms) that the spindle loader reads back;
+    the mapping may come from a file; the round trip is still exact."""
+    tmp = env["tmp"]
+    (tmp_path / "map.txt").write_text(f"# module: HF folder\nllm: {tmp / 'llama'}\n")
+    _run(["--loader", "hf", "--saver", "spindle", "--workload", str(tmp / "w.yaml"), "--mapping",
+          str(tmp_path / "map.txt"), "--save-dir", str(tmp_path / "te"), "--layer-names", "te"])
+    names = set(load_checkpoint(tmp_path / "te").units["llm.layers.0"].model)
+    assert "llm.layers.0.self_attention.linear_qkv.layer_norm_weight" in names
+    assert "llm.layers.0.mlp.linear_fc1.layer_norm_weight" in names
+    assert not any("input_layernorm" in n or "pre_mlp_layernorm" in n for n in names)
+    _run(["--loader", "spindle", "--saver", "hf", "--workload", str(tmp / "w.yaml"), "--load-dir",
+          str(tmp_path / "te"), "--mapping", str(tmp_path / "map.txt"), "--save-dir", str(tmp_path / "back")])
+    _assert_same_weights(env["models"]["llama"],
+                         transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back" / "llm"))

@@ -261,7 +261,8 @@ def _export_llm_layer(t: dict, p: str, family: str, heads: int, groups: int) -> 
 # ------------------------------------------------------------------------------------------ units
 
 
-def import_unit(folder: HFFolder, tower: Tower, module, part: str, fill) -> tuple[dict[str, torch.Tensor], set[str], list[str]]:
+def import_unit(folder: HFFolder, tower: Tower, module, part: str,
+                fill) -> tuple[dict[str, torch.Tensor], set[str], list[str]]:
     """Our tensors of one unit part (``"frontend"``, ``"layers.3"``, ``"head"``, ``"lm_head"``; names relative to
     the unit) from ``folder``; ``fill(rel_name, shape)`` gives tensors HF lacks (spindle-only parameters).
     Returns (tensors, HF names used, notes). An empty dict: the HF model has nothing for this part."""
@@ -370,13 +371,8 @@ def _export_frontend(tower: Tower, unit: str, t: dict, base_shape, notes: list[s
 
 
 def unused_keys(folder: HFFolder, tower: Tower, used: set[str]) -> list[str]:
-    """HF tensors of this tower that no unit took (dropped by the conversion)."""
-    out = []
-    for k in folder.keys():
-        if k in used or k.endswith(IGNORED_SUFFIXES):
-            continue
-        if any(k.startswith(c) for c in tower.claimed if c) or "" in tower.claimed:
-            if tower.family == "whisper_encoder" and tower.prefix == "" and k.startswith("decoder."):
-                continue
-            out.append(k)
-    return sorted(out)
+    """HF tensors of this tower (under its claimed prefixes) that no unit took: dropped by the conversion."""
+    def claimed(key: str) -> bool:
+        return any(key.startswith(prefix) for prefix in tower.claimed)  # "" claims the whole folder
+
+    return sorted(k for k in folder.keys() if k not in used and not k.endswith(IGNORED_SUFFIXES) and claimed(k))
