@@ -153,6 +153,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
     if args.num_gpus is not None and args.num_gpus != world_size:
         raise ValueError(f"--num-gpus {args.num_gpus} does not match the world size {world_size} (the runtime "
                          f"runs one rank per device; leave --num-gpus out to plan for the world size)")
+    for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
+        if path and Path(path).exists() and not Path(path).is_dir():
+            raise ValueError(f"{flag} {path} is a file, not a folder")
     if args.load and not Path(args.load).exists() and args.load != args.save:
         raise FileNotFoundError(f"--load {args.load}: no such folder")
     if args.load and Path(args.load).exists() and not Path(args.load).is_dir():

@@ -45,6 +45,8 @@ def test_bad_flags_and_values(capsys, tmp_path):
     _fails(capsys, ["--workload", "no-such-workload", "--train-iters", "2", "--mock-data"],
            "no such file and no built-in workload")
     _fails(capsys, BASE + ["--mock-data", "--load", str(tmp_path / "missing")], "--load")
+    (tmp_path / "afile").write_text("x")
+    _fails(capsys, BASE + ["--mock-data", "--save", str(tmp_path / "afile")], "is a file, not a folder")
     _fails(capsys, BASE + ["--mock-data", "--spindle-plan", str(tmp_path / "plan.json")],
            "--spindle-plan")
 
