@@ -889,6 +889,10 @@ class _ModelBuilder:
         for lo, hi in self.blocks:
             for w in range(lo + 1, hi):
                 self.model.AddImplication(used[w], used[w - 1])
+                if not self.overlap:
+                    # no precedence inside a level: any order of its waves is the same plan (layer ranges
+                    # follow the slot order), so keep the longest first
+                    self.model.Add(self.durations[w - 1] >= self.durations[w])
 
     # ---------------------------------------------------------------- memory
     def _slot_bytes(self, s: _Slot) -> list[float]:
@@ -981,7 +985,8 @@ class _ModelBuilder:
         counters = {k: lo for k, (lo, _) in enumerate(self.blocks)}
         hinted: set[tuple[str, int]] = set()
         durations = [0] * self.num_slots
-        for w in self.greedy:
+        order = self.greedy if self.overlap else sorted(self.greedy, key=lambda w: -self._wave_units(w))
+        for w in order:
             k = self._wave_level(w)
             slot = counters[k]
             counters[k] += 1
@@ -998,6 +1003,11 @@ class _ModelBuilder:
             self.model.AddHint(var, min(w for m, w in hinted if m == mid))
         for mid, var in self.last.items():
             self.model.AddHint(var, max(w for m, w in hinted if m == mid))
+
+    def _wave_units(self, w: ScheduledWave) -> int:
+        """The wave's duration in the model's time units (its longest slice)."""
+        return max(next(o.units for o in self.options[s.metaop] if (o.n, o.tp, o.dp) == (s.n, s.tp, s.dp))
+                   * (s.layer_end - s.layer_start) for s in w.slices)
 
     def _hint_wave(self, w: ScheduledWave, slot: int, hinted: set) -> int:
         starts = [_range_start(s.devices, s.n) for s in w.slices]
