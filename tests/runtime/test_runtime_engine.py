@@ -9,10 +9,12 @@ degrees in different waves). Tolerances: see harness.check_engine_against.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 
 import pytest
+import torch.distributed as dist
 
 from harness import check_engine_against, reference_trajectory, spawn
 from megatron_spindle.graph.workload import load_workload
@@ -41,18 +43,27 @@ def real_trajectory(workload):
     return reference_trajectory(run, ref.full_named_parameters(), {t.name: t.loss.weight for t in workload.tasks}, OPT)
 
 
+def planner_plan(workload, world: int):
+    """The real planner's plan (wavefront path: deterministic, so every rank computes the same plan)."""
+    from megatron_spindle.graph.cluster import make_cluster
+    from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
+
+    return make_plan(workload, make_cluster(world, gpu_type_name="CPU"), PlannerConfig(planner="wavefront"))
+
+
 def plan_cases(world: int):
     """(operators, label, workload, plan factory): every plan family on the stand-ins; a spread on the real
     operators (they cost seconds per plan on 2 cores)."""
     seq = lambda w: sequential_plan(w, world)  # noqa: E731
     tp2 = lambda w: sequential_plan(w, world, tp=2)  # noqa: E731
     sp = lambda s: (lambda w: random_plan(w, world, s))  # noqa: E731
-    families = [("sequential", seq)] + ([("sequential-tp2", tp2)] if world > 1 else [])
+    planned = lambda w: planner_plan(w, world)  # noqa: E731
+    families = [("sequential", seq), ("planner", planned)] + ([("sequential-tp2", tp2)] if world > 1 else [])
     families += [(f"spindle-{s}", sp(s)) for s in ((1, 2) if world > 1 else (1,))]
     cases = [("standin", label, wn, make) for label, make in families for wn in WORKLOADS]
     real = {1: [("sequential", "tiny-clip", seq), ("sequential", "tiny-vlm", seq)],
-            2: [("sequential-tp2", "tiny-clip", tp2), ("spindle-2", "tiny-vlm", sp(2))],
-            4: [("spindle-1", "tiny-clip", sp(1)), ("sequential-tp2", "tiny-vlm", tp2), ("spindle-2", "tiny-vlm", sp(2))]}
+            2: [("sequential-tp2", "tiny-clip", tp2), ("planner", "tiny-vlm", planned), ("spindle-2", "tiny-vlm", sp(2))],
+            4: [("planner", "tiny-clip", planned), ("sequential-tp2", "tiny-vlm", tp2), ("spindle-2", "tiny-vlm", sp(2))]}
     return cases + [("real", label, wn, make) for label, wn, make in real[world]]
 
 
@@ -84,6 +95,11 @@ def _worker(rank, world):
         if (ops, wname) not in refs:
             refs[ops, wname] = (standin_trajectory if ops == "standin" else real_trajectory)(w)
         plan = make(w)
+        if label == "planner":  # the runtime needs the same plan on every rank
+            digests = [None] * world
+            d = plan.to_dict()
+            dist.all_gather_object(digests, json.dumps([d["waves"], d["transfers"], d["param_groups"]]))
+            assert len(set(digests)) == 1, "ranks computed different plans"
         seen["tp2"] |= any(s.tp == 2 for s in plan.slices())
         seen["concurrent"] |= any(len(wv.slices) > 1 for wv in plan.waves)
         tower = "vision.layers.0" if wname == "tiny-clip" else "llm.layers.0"
