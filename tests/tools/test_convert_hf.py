@@ -454,23 +454,19 @@ def test_inspect_prints_units_shapes_iteration_and_plan(env, capsys):
     json.loads(json.dumps(out))
 
 
-def test_command_line_progress_and_inspect(env, tmp_path):
-    """The scripts as users run them (from another folder: tools/checkpoint/inspect.py must not shadow the
-    standard library's inspect): one progress line per unit, then inspect on the result."""
+def test_command_line_progress_and_inspect(env, tmp_path, capsys):
+    """convert.main prints one progress line per unit; inspect.py runs as users run it (a script from another
+    folder: being named inspect.py it must not shadow the standard library's inspect)."""
+    import re
     import subprocess
 
     tmp = env["tmp"]
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "checkpoint" / "convert.py"), "--loader", "hf",
-                        "--saver", "spindle", "--workload", str(tmp / "w.yaml"), "--mapping",
-                        f"llm={tmp / 'llama'}", "--save-dir", str(tmp_path / "out")],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    import re
-
-    lines = re.findall(r"^\[\s*(\d+)/4\] (\S+): ", r.stdout, flags=re.M)
-    assert [unit for _, unit in lines] == ["llm.frontend", "llm.layers.0", "llm.layers.1",
-                                                         "llm.lm_head"]
-    assert "initialised 13 unit(s) the source does not have" in r.stdout
+    assert convert.main(["--loader", "hf", "--saver", "spindle", "--workload", str(tmp / "w.yaml"), "--mapping",
+                         f"llm={tmp / 'llama'}", "--save-dir", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    lines = re.findall(r"^\[\s*(\d+)/4\] (\S+): ", out, flags=re.M)
+    assert [unit for _, unit in lines] == ["llm.frontend", "llm.layers.0", "llm.layers.1", "llm.lm_head"]
+    assert "initialised 13 unit(s) the source does not have" in out
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "checkpoint" / "inspect.py"), str(tmp_path / "out"),
                         "--summary"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
