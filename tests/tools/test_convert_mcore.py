@@ -46,7 +46,7 @@ def _tokens() -> torch.Tensor:
     return torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(11))
 
 
-def _gpt(tp: int):
+def _gpt(tp: int, pp: int = 1, pre: bool = True, post: bool = True):
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -55,12 +55,14 @@ def _gpt(tp: int):
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=48, kv_channels=8, normalization="RMSNorm", layernorm_epsilon=1e-5,
                             gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-                            tensor_model_parallel_size=tp, use_cpu_initialization=True, hidden_dropout=0.0,
+                            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            pipeline_dtype=torch.float32, use_cpu_initialization=True, hidden_dropout=0.0,
                             attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
                             masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
                             gradient_accumulation_fusion=False, batch_p2p_comm=False)
     return GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=64, max_sequence_length=16,
-                    position_embedding_type="rope", rotary_base=10000, share_embeddings_and_output_weights=False)
+                    position_embedding_type="rope", rotary_base=10000, share_embeddings_and_output_weights=False,
+                    pre_process=pre, post_process=post)
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -88,6 +90,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                     p.add_(torch.randn(p.shape, generator=gen) * 0.2)
         if rank == 0:
             (ckpt / "iter_0000010").mkdir(parents=True)
+            (Path(out) / "mcore_pp2").mkdir()
         dist.barrier()
         dist_checkpointing.save(model.sharded_state_dict(), str(ckpt / "iter_0000010"))
         if rank == 0:
@@ -102,6 +105,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             with torch.no_grad():
                 logits = model(tokens, pos, None)
             torch.save(logits, Path(out) / "logits_tp1.pt")
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)  # PP=2 copy
+        first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        model = _gpt(tp=1, pp=2, pre=first, post=last)
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(ckpt / "iter_0000010")))
+        dist_checkpointing.save(model.sharded_state_dict(), str(Path(out) / "mcore_pp2"))
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
@@ -113,22 +122,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.multiproc
-def test_mcore_tp2_checkpoint_gives_tp1_logits(tmp_path, capsys):
-    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
-    (tmp_path / "w.yaml").write_text(WORKLOAD)
+def _convert(tmp_path: Path, source: str, dest: str) -> list[str]:
     args = convert.parse_args(["--loader", "mcore", "--saver", "spindle", "--workload", str(tmp_path / "w.yaml"),
-                               "--load-dir", str(tmp_path / "mcore"), "--save-dir", str(tmp_path / "spindle")])
+                               "--load-dir", str(tmp_path / source), "--save-dir", str(tmp_path / dest)])
     lines: list[str] = []
     args.log = lines.append
     convert.convert(args)
-    assert any("llm.layers.1" in line for line in lines)  # progress per unit
-    ck = load_checkpoint(tmp_path / "spindle")
-    assert ck.metadata["extra"]["source_iteration"] == 10
-    state = {k: v for u in ck.units.values() for k, v in u.model.items()}
+    return lines
 
+
+def _our_logits(tmp_path: Path, ckpt: str) -> torch.Tensor:
     from megatron_spindle.models import build_operator, metaop_infos
 
+    state = {k: v for u in load_checkpoint(tmp_path / ckpt).units.values() for k, v in u.model.items()}
     workload = load_workload(tmp_path / "w.yaml")
     infos = metaop_infos(workload)
     ops = [build_operator(workload, infos[m], 0, infos[m].num_layers) for m in ("lm/llm.frontend", "lm/llm",
@@ -137,10 +143,27 @@ def test_mcore_tp2_checkpoint_gives_tp1_logits(tmp_path, capsys):
         op.load_full_state(state)
     with torch.no_grad():
         x = ops[1]([ops[0].frontend(_tokens())], None)
-        ours = ops[2].lm_head(x.transpose(0, 1).contiguous()).transpose(0, 1)
+        return ops[2].lm_head(x.transpose(0, 1).contiguous()).transpose(0, 1)
+
+
+@pytest.mark.multiproc
+def test_mcore_tp2_checkpoint_gives_tp1_logits(tmp_path, capsys):
+    """Also the PP=2 copy (1 layer per stage) converts to the same weights."""
+    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    (tmp_path / "w.yaml").write_text(WORKLOAD)
+    lines = _convert(tmp_path, "mcore", "spindle")
+    assert any("llm.layers.1" in line for line in lines)  # progress per unit
+    assert load_checkpoint(tmp_path / "spindle").metadata["extra"]["source_iteration"] == 10
+    ours = _our_logits(tmp_path, "spindle")
     theirs = torch.load(tmp_path / "logits_tp1.pt")
     assert ours.shape == theirs.shape == (2, 9, 64)
     assert float((ours - theirs).norm() / theirs.norm()) <= 1e-5
+    _convert(tmp_path, "mcore_pp2", "spindle_pp2")
+    a, b = (load_checkpoint(tmp_path / d).units for d in ("spindle", "spindle_pp2"))
+    assert sorted(a) == sorted(b)
+    for unit in a:
+        for name, t in a[unit].model.items():
+            assert torch.equal(t, b[unit].model[name]), name
 
     from tools.checkpoint import inspect as inspect_tool
 
