@@ -100,6 +100,10 @@ def save_checkpoint(messages: Iterator, args, workload) -> Path:
     if not mapping:
         raise ConversionError("--saver hf needs --mapping MODULE=BASE_HF_FOLDER[,...]")
     check_mapped_modules(mapping, workload)
+    unshared = sorted(m for m in mapping if not workload.modules[m].shared)
+    if unshared:
+        raise ConversionError(f"module(s) {unshared} are `shared: false` (one copy per task); exporting one task's "
+                              f"copy to Hugging Face is not supported")
     log = getattr(args, "log", print)
     by_base: dict[str, list[str]] = {}
     for module, base in mapping.items():
