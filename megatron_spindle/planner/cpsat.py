@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ortools.sat.python import cp_model
@@ -103,6 +103,7 @@ class CpSatOptions:
     exact_memory_devices: int = 16  # per-device memory variables only up to this many devices
     deepening_share: float = 0.5  # slot deepening: share of a level's remaining time per step
     final_extra_slots: int = 2  # a level's last model: the best plan's waves plus this many slots
+    bracket_share: float = 0.35  # of a level's time, for the models with options bracketed around n*
     comm_model_devices: int = 16  # communication phase in CP-SAT up to this many devices (placement beyond)
     reserve_fraction: float = 0.15  # of the time limit, kept for extraction and placement after the solves
     light_presolve_slots: int = 150  # models with more slots skip presolve (it alone can eat the limit)
@@ -204,7 +205,9 @@ def solve_cpsat(metagraph, workload, cluster, curves, greedy_waves: list[Schedul
     slice_options = {m: _options_for(m, curves[m], greedy_waves) for m in metagraph.metaops}
     if memory_model is not None:
         check_memory_fits(metagraph, slice_options, memory_model, cluster)
-    level_c_stars = _level_c_stars(level_allocs, metagraph, curves, cluster)
+    allocs = _allocations(level_allocs, metagraph, curves, cluster)
+    level_c_stars = {a.level: float(a.c_star) for a in allocs}
+    n_star = {m: float(n) for a in allocs for m, n in (getattr(a, "n_star", None) or {}).items()}
     c_star = sum(level_c_stars.values()) if level_c_stars else None
     base = dict(greedy_makespan=greedy_makespan, c_star=c_star,
                 greedy_inter_island_bytes=greedy_comm, inter_island_bytes=greedy_comm,
@@ -217,7 +220,7 @@ def solve_cpsat(metagraph, workload, cluster, curves, greedy_waves: list[Schedul
     rounding = _rounding_bound(metagraph, slice_options, unit)
     deadline = time.perf_counter() + time_limit * (1 - opts.reserve_fraction)
     ctx = _Context(metagraph, cluster, slice_options, cost_model, memory_model, opts, workers, workload, deadline,
-                   level_c_stars or {})
+                   level_c_stars, n_star)
     stage = _run_stages(ctx, greedy_waves, cross_level_overlap)
     if cross_level_overlap:
         base["barrier_makespan"] = stage.barrier_makespan
@@ -253,6 +256,21 @@ class _Context:
     workload: Any = None
     deadline: float = math.inf  # time.perf_counter() by which every solve must be over (model building counts)
     level_c_stars: dict[int, float] = field(default_factory=dict)  # MetaLevel index -> C~*
+    n_star: dict[str, float] = field(default_factory=dict)  # MetaOp -> continuous optimum allocation
+
+    def bracketed(self, metaops: list[str], plan: list[ScheduledWave]) -> _Context | None:
+        """The same context with each MetaOp's options cut to the two device counts around its n* and the
+        configurations ``plan`` uses; None without n*. Far fewer options: such models solve in a fraction
+        of the time and seed the full ones."""
+        if not all(m in self.n_star for m in metaops):
+            return None
+        used = {(s.metaop, s.n, s.tp, s.dp) for w in plan for s in w.slices}
+        options = dict(self.slice_options)
+        for m in metaops:
+            ns = sorted({o.n for o in options[m]})
+            keep = set([n for n in ns if n <= self.n_star[m]][-1:] + [n for n in ns if n > self.n_star[m]][:1])
+            options[m] = [o for o in options[m] if o.n in keep or (m, o.n, o.tp, o.dp) in used]
+        return replace(self, slice_options=options)
 
     def left(self) -> float:
         return max(0.0, self.deadline - time.perf_counter())
@@ -476,17 +494,30 @@ def _level_weight(hint: list[ScheduledWave], c_star: float | None) -> float:
 
 
 def _solve_level(ctx: _Context, sub, greedy: list[ScheduledWave], limit: float) -> _Stage:
-    """Slot deepening: models of 1, 2, ... wave slots, each hinted by the best plan so far, while they solve
-    to optimality (small models solve fast and good plans often need few waves), then _final_model."""
+    """Slot deepening: the 1-slot model; then, with options bracketed around n* (ctx.bracketed), models of
+    2, 3, ... slots for up to ``bracket_share`` of the level's time; then full-option models of 2, 3, ...
+    slots, each hinted by the best plan so far, while they solve to optimality (small models solve fast and
+    good plans often need few waves); then _final_model."""
     deadline = min(time.perf_counter() + limit, ctx.deadline)
     full = len(greedy) + ctx.opts.extra_waves
-    best = greedy
-    for slots in range(1, full):
-        left = deadline - time.perf_counter()
+    best = _deepen(ctx, sub, greedy, range(1, 2), deadline, limit)
+    bracketed = ctx.bracketed(list(sub.metaops), best)
+    if bracketed is not None:
+        best = _deepen(bracketed, sub, best, range(2, full), time.perf_counter() + limit * ctx.opts.bracket_share,
+                       limit * ctx.opts.bracket_share)
+    best = _deepen(ctx, sub, best, range(max(2, len(best)), full), deadline, limit)
+    return _final_model(ctx, sub, best, len(greedy), deadline)
+
+
+def _deepen(ctx: _Context, sub, best: list[ScheduledWave], slot_counts: range, deadline: float,
+            limit: float) -> list[ScheduledWave]:
+    """Models of each slot count in turn, hinted by the best plan so far, each given half the time left,
+    while they are proven (optimal or infeasible) and half of ``limit`` remains."""
+    for slots in slot_counts:
+        left = min(deadline, ctx.deadline) - time.perf_counter()
         if left < limit * 0.5:
             break
-        hint = best if len(best) <= slots else []
-        builder = ctx.builder(hint, False, metagraph=sub, block_size=slots)
+        builder = ctx.builder(best if len(best) <= slots else [], False, metagraph=sub, block_size=slots)
         status, solver, _ = builder.solve_makespan(left * ctx.opts.deepening_share, ctx.workers)
         if solver is not None:
             candidate = builder.extract(solver)
@@ -494,7 +525,7 @@ def _solve_level(ctx: _Context, sub, greedy: list[ScheduledWave], limit: float) 
                 best = candidate
         if status not in ("OPTIMAL", "INFEASIBLE"):  # too few slots is a quick proof: go on
             break
-    return _final_model(ctx, sub, best, len(greedy), deadline)
+    return best
 
 
 def _final_model(ctx: _Context, sub, best: list[ScheduledWave], greedy_waves: int, deadline: float) -> _Stage:
@@ -526,20 +557,20 @@ def _concatenate(parts: list[list[ScheduledWave]]) -> list[ScheduledWave]:
     return out
 
 
-def _level_c_stars(level_allocs, metagraph, curves, cluster) -> dict[int, float] | None:
-    """Relaxed optimum C~* per MetaLevel (paper eq. 8-9): the allocator's answers when given, else the
-    allocator run here with its default inverse."""
+def _allocations(level_allocs, metagraph, curves, cluster) -> list:
+    """The allocator's LevelAllocations (C~* and n* per MetaLevel, paper eq. 8-9): as given, else the
+    allocator run here with its default inverse; [] if it cannot run."""
     if level_allocs:
-        return {a.level: float(a.c_star) for a in level_allocs}
+        return list(level_allocs)
     try:
         from megatron_spindle.planner.allocator import allocate_level
     except ImportError:
-        return None
+        return []
     try:
-        return {k: float(allocate_level(k, [metagraph.metaops[m] for m in lv], curves, cluster.num_devices).c_star)
-                for k, lv in enumerate(metagraph.levels) if lv}
+        return [allocate_level(k, [metagraph.metaops[m] for m in lv], curves, cluster.num_devices)
+                for k, lv in enumerate(metagraph.levels) if lv]
     except (ValueError, KeyError, AttributeError, TypeError):
-        return None
+        return []
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -1006,7 +1037,7 @@ class _ModelBuilder:
 
     def _wave_units(self, w: ScheduledWave) -> int:
         """The wave's duration in the model's time units (its longest slice)."""
-        return max(next(o.units for o in self.options[s.metaop] if (o.n, o.tp, o.dp) == (s.n, s.tp, s.dp))
+        return max(next((o.units for o in self.options[s.metaop] if (o.n, o.tp, o.dp) == (s.n, s.tp, s.dp)), 0)
                    * (s.layer_end - s.layer_start) for s in w.slices)
 
     def _hint_wave(self, w: ScheduledWave, slot: int, hinted: set) -> int:
@@ -1020,7 +1051,9 @@ class _ModelBuilder:
             if (s.metaop, slot) not in self.slots:  # a cross-level hint in a barrier model: partial hint
                 continue
             opts = self.options[s.metaop]
-            c = next(i for i, o in enumerate(opts) if (o.n, o.tp, o.dp) == (s.n, s.tp, s.dp))
+            c = next((i for i, o in enumerate(opts) if (o.n, o.tp, o.dp) == (s.n, s.tp, s.dp)), None)
+            if c is None:  # not an option of this (restricted) model: partial hint
+                continue
             layers = s.layer_end - s.layer_start
             self._hint_slot(self.slots[(s.metaop, slot)], c, layers, st)
             hinted.add((s.metaop, slot))
