@@ -46,10 +46,14 @@ configuration raises ``CpSatMemoryError`` naming the MetaOp and the bytes it nee
 
 Levels and search: under the level barrier (default) the makespan is the sum of independent per-level
 makespans, so when per-device memory is not modelled each MetaLevel is its own model, solved by *slot
-deepening*: 1, 2, ... slots, each hinted by the best plan so far, while they solve to optimality (good
-plans often need few waves, and small models solve fast), then a model of the best plan's waves plus
-``final_extra_slots`` hinted by it, which also gives the level's bound (for plans of that many waves);
-time left at the end goes to a second round on the levels not proven optimal. Levels share the time by what the greedy plan leaves above their C~*.
+deepening*: models of 1, 2, ... slots, each hinted by the best plan so far, while they solve to optimality
+(good plans often need few waves, and small models solve fast). After the 1-slot model, a first round keeps
+only the two device counts around each MetaOp's continuous optimum n* (from the allocator) plus the
+configurations of the best plan: with ~3 options instead of ~10 per MetaOp those models solve in a fraction
+of the time and seed the full-option ones. Then a model of the best plan's waves plus ``final_extra_slots``
+slots, hinted by it, which also gives the level's bound (for plans of that many waves); time left at the end
+goes to a second round on the levels not proven optimal. Levels share the time by what the greedy plan
+leaves above their C~*. Within a level the waves are interchangeable, so they are ordered longest first.
 With ``cross_level_overlap`` a whole-graph model follows, hinted by the barrier plan: slots are global, a
 MetaOp may use the slots of its own level's block and of the ``level_window`` neighbouring blocks, and
 precedence is explicit (a consumer's first slot after each producer's last slot); the summary reports the
