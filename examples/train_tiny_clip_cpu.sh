@@ -37,6 +37,7 @@ MODEL_ARGS=(
 
 SPINDLE_ARGS=(
     --spindle-planner wavefront
+    --gpu-type CPU
     --gpus-per-node "$NPROC_PER_NODE"
 )
 

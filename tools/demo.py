@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         return rc
     ckpt, tb = os.path.join(out, "checkpoints"), os.path.join(out, "tensorboard")
     flags = [
-        "--workload", "tiny-clip", "--spindle-planner", "wavefront",
+        "--workload", "tiny-clip", "--spindle-planner", "wavefront", "--gpu-type", "CPU",
         "--mock-data", "--mock-data-samples", "32",
         "--train-iters", str(args.train_iters), "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "3",
         "--lr-decay-style", "cosine", "--weight-decay", "0.0", "--seed", "1234",
