@@ -488,3 +488,35 @@ def test_transformer_engine_names_and_mapping_file(env, tmp_path):
           str(tmp_path / "te"), "--mapping", str(tmp_path / "map.txt"), "--save-dir", str(tmp_path / "back")])
     _assert_same_weights(env["models"]["llama"],
                          transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back" / "llm"))
+
+
+@torch.no_grad()
+def test_whisper_key_bias_is_dropped_exactly(env, tmp_path):
+    """Whisper's k_proj has no bias; a non-zero key bias in our layers (training moves it) is dropped on export
+    and the exported encoder still computes what our layers compute (softmax ignores a per-query constant)."""
+    from megatron_spindle.checkpointing import UnitState, save_checkpoint
+    from megatron_spindle.models import build_operator, metaop_infos
+    from tools.checkpoint.hf_mapping import fuse_qkv, split_qkv
+
+    tmp = env["tmp"]
+    ck = load_checkpoint(tmp / "spindle")
+    units = dict(ck.units)
+    for i in range(2):
+        name = f"audio.layers.{i}.self_attention.linear_qkv.bias"
+        model = dict(units[f"audio.layers.{i}"].model)
+        q, k, v = split_qkv(model[name], 2, 2)
+        model[name] = fuse_qkv(q, k + torch.randn(k.shape) * 0.5, v, 2, 2)
+        units[f"audio.layers.{i}"] = UnitState(model)
+    save_checkpoint(tmp_path / "edited", 1, units)
+    _run(["--loader", "spindle", "--saver", "hf", "--workload", str(tmp / "w.yaml"), "--load-dir",
+          str(tmp_path / "edited"), "--mapping", f"audio={tmp / 'whisper'}", "--save-dir", str(tmp_path / "out"),
+          "--allow-inexact"])
+    enc = transformers.WhisperModel.from_pretrained(tmp_path / "out" / "audio").encoder.eval()
+    info = metaop_infos(env["workload"])["audio_text/audio"]
+    op = build_operator(env["workload"], info, 0, info.num_layers)
+    op.load_full_state(_state(tmp_path / "edited"))
+    x = torch.randn(2, 6, H, generator=torch.Generator().manual_seed(12))
+    theirs = x
+    for layer in enc.layers:
+        theirs = layer(theirs, None)
+    assert _rel(op([x], None), theirs) <= RTOL

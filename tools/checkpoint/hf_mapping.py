@@ -204,8 +204,7 @@ def _import_encoder_layer(get, p: str, family: str, heads: int, groups: int) -> 
     }
 
 
-def _export_encoder_layer(t: dict, p: str, family: str, heads: int, groups: int, notes: list[str],
-                          unit: str) -> dict[str, torch.Tensor]:
+def _export_encoder_layer(t: dict, p: str, family: str, heads: int, groups: int) -> dict[str, torch.Tensor]:
     n = _enc_layer_names(family)
     a = p + "self_attn."
     q, k, v = split_qkv(t["self_attention.linear_qkv.weight"], heads, groups)
@@ -218,11 +217,10 @@ def _export_encoder_layer(t: dict, p: str, family: str, heads: int, groups: int,
            p + n["ln2"] + ".weight": t["pre_mlp_layernorm.weight"], p + n["ln2"] + ".bias": t["pre_mlp_layernorm.bias"],
            p + n["fc1"] + ".weight": t["mlp.linear_fc1.weight"], p + n["fc1"] + ".bias": t["mlp.linear_fc1.bias"],
            p + n["fc2"] + ".weight": t["mlp.linear_fc2.weight"], p + n["fc2"] + ".bias": t["mlp.linear_fc2.bias"]}
-    if family == "whisper_encoder":
-        if not _is_zero(kb):
-            notes.append(f"{unit}: the key part of linear_qkv.bias is non-zero; Whisper's k_proj has no bias")
-    else:
+    if family != "whisper_encoder":
         out[a + "k_proj.bias"] = kb
+    # Whisper's k_proj has no bias. Dropping ours is exact: q.(k + b) adds q.b to every key's score of a query,
+    # which softmax ignores (training moves it anyway: AdamW turns its ~0 gradient into lr-sized steps).
     return out
 
 
@@ -332,7 +330,7 @@ def export_unit(tower: Tower, module, part: str, unit: str, t: dict[str, torch.T
         lp = p + tower.layer_prefix + f"{idx}."
         if fam in ("llama", "qwen2"):
             return _export_llm_layer(t, lp, fam, heads, groups), notes
-        return _export_encoder_layer(t, lp, fam, heads, groups, notes, unit), notes
+        return _export_encoder_layer(t, lp, fam, heads, groups), notes
     if part == "frontend":
         return _export_frontend(tower, unit, t, base_shape, notes), notes
     if part == "head" and fam in ("clip_vision", "clip_text", "whisper_encoder"):
