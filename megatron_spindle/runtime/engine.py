@@ -27,6 +27,7 @@ or device sets the uses of a weight have, at the price of full-size optimizer st
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -259,9 +260,7 @@ class RuntimeEngine:
         if any(x is None for x in ls.inputs):
             raise RuntimeError(f"slice '{s.id}': inputs {[i for i, x in enumerate(ls.inputs) if x is None]} "
                                f"were never received")
-        batch = batches[s.task].shard(dp_rank(s, self.rank), s.dp)
-        if hasattr(batch, "to"):
-            batch = batch.to(self.device)
+        batch = _to_device(batches[s.task].shard(dp_rank(s, self.rank), s.dp), self.device)
         ls.output = ls.op(list(ls.inputs), batch)
 
     def _reduce_losses(self) -> dict[str, float]:
@@ -324,6 +323,24 @@ class RuntimeEngine:
 
 
 # ---------------------------------------------------------------------------------------- full-state helpers
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    """Move a batch's tensors (fields, or dicts of tensors) to the compute device; a no-op on the CPU."""
+    if device.type == "cpu":
+        return batch
+    if hasattr(batch, "to"):
+        return batch.to(device)
+    if dataclasses.is_dataclass(batch):
+        changes = {}
+        for f in dataclasses.fields(batch):
+            v = getattr(batch, f.name)
+            if isinstance(v, torch.Tensor):
+                changes[f.name] = v.to(device)
+            elif isinstance(v, dict) and any(isinstance(x, torch.Tensor) for x in v.values()):
+                changes[f.name] = {k: x.to(device) if isinstance(x, torch.Tensor) else x for k, x in v.items()}
+        return dataclasses.replace(batch, **changes)
+    return batch
 
 
 def _swap_params(op: torch.nn.Module, make: Callable[[torch.nn.Parameter], torch.Tensor]):

@@ -17,15 +17,25 @@ import pytest
 import torch.distributed as dist
 
 from harness import check_engine_against, reference_trajectory, spawn
-from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.graph.workload import load_workload, workload_from_dict
 from megatron_spindle.planner.plan import PlanError
 from megatron_spindle.runtime.__main__ import main
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
+from megatron_spindle.runtime.layout import slice_units
 from plans import random_plan, sequential_plan, unit_device_sets, unit_tp_degrees
 from standin import StandinReference, standin_batch, standin_factory
 
 OPT = OptimizerConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
 WORKLOADS = ("tiny-clip", "tiny-vlm")
+
+
+def weighted_clip():
+    """tiny-clip with unequal task loss weights (every built-in task has weight 1)."""
+    d = load_workload("tiny-clip").to_dict()
+    for t, wt in zip(d["tasks"], (0.5, 2.0, 1.0, 0.25)):
+        t["loss"]["weight"] = wt
+    d["name"] = "tiny-clip-weighted"
+    return workload_from_dict(d)
 
 
 def standin_trajectory(workload):
@@ -61,6 +71,7 @@ def plan_cases(world: int):
     families = [("sequential", seq), ("planner", planned)] + ([("sequential-tp2", tp2)] if world > 1 else [])
     families += [(f"spindle-{s}", sp(s)) for s in ((1, 2) if world > 1 else (1,))]
     cases = [("standin", label, wn, make) for label, make in families for wn in WORKLOADS]
+    cases.append(("standin", "spindle-1", "tiny-clip-weighted", sp(1)))
     real = {1: [("sequential", "tiny-clip", seq), ("sequential", "tiny-vlm", seq)],
             2: [("sequential-tp2", "tiny-clip", tp2), ("planner", "tiny-vlm", planned), ("spindle-2", "tiny-vlm", sp(2))],
             4: [("planner", "tiny-clip", planned), ("sequential-tp2", "tiny-vlm", tp2), ("spindle-2", "tiny-vlm", sp(2))]}
@@ -82,6 +93,7 @@ def bad_plans(workload, world: int):
 def _worker(rank, world):
     cfg = EngineConfig(optimizer=OPT)
     workloads = {n: load_workload(n) for n in WORKLOADS}
+    workloads["tiny-clip-weighted"] = weighted_clip()
     # 1) wrong plans fail on every rank before any communication (no rank is left hanging in a collective)
     for plan, words in bad_plans(workloads["tiny-clip"], world):
         with pytest.raises(PlanError, match=words):
@@ -102,11 +114,14 @@ def _worker(rank, world):
             assert len(set(digests)) == 1, "ranks computed different plans"
         seen["tp2"] |= any(s.tp == 2 for s in plan.slices())
         seen["concurrent"] |= any(len(wv.slices) > 1 for wv in plan.waves)
-        tower = "vision.layers.0" if wname == "tiny-clip" else "llm.layers.0"
+        tower = "vision.layers.0" if wname.startswith("tiny-clip") else "llm.layers.0"
         seen["tower_on_several_device_sets"] |= len(unit_device_sets(plan, tower)) > 1
         seen["tower_mixed_tp"] |= len(unit_tp_degrees(plan, tower)) > 1
         kw = dict(operator_factory=standin_factory, batch_fn=standin_batch) if ops == "standin" else {}
         engine = RuntimeEngine(plan, w, rank, world, cfg, **kw)
+        mine = [s for s in plan.slices() if rank in s.devices]  # selective storage: only the units it runs
+        assert set(engine.key_unit.values()) == {u for s in mine for u in slice_units(engine.metagraph, s)}
+        assert set(engine.local) == {s.id for s in mine}
         created = engine.groups.cache.created
         assert len(created) == len(set(created)), "a process group was created twice"
         check_engine_against(engine, refs[ops, wname], f"rank {rank} {ops} {wname} {label}")
