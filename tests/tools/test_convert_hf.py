@@ -335,7 +335,7 @@ def test_qwen2_nonzero_bias_is_refused(env, tmp_path):
 
 
 @pytest.mark.xfail(strict=True, reason="models/config.py transformer_config sets add_bias_linear=False for llm "
-                                       "modules and no add_qkv_bias: Qwen2's q/k/v biases are dropped (needs an "
+                                       "modules and no add_qkv_bias: Qwen2's q/k/v biases are dropped (needs a "
                                        "`qkv_bias` field on ModuleSpec -> TransformerConfig.add_qkv_bias)")
 @torch.no_grad()
 def test_qwen2_with_biases_equals_hf(env, tmp_path):
