@@ -474,3 +474,14 @@ def test_cross_level_greedy_hint_is_tolerated():
                       time_limit=LIMIT, workers=1)
     assert res.objective <= makespan(mixed) + 1e-12
     check_waves(res.waves, g, 2)
+
+
+def test_pipeline_zero_time_limit_gives_the_wavefront_plan():
+    from megatron_spindle.graph.workload import load_workload
+
+    pipeline = _pipeline()
+    workload, cluster = load_workload("tiny-clip"), make_cluster(4, gpu_type_name="CPU")
+    greedy = pipeline.make_plan(workload, cluster, pipeline.PlannerConfig(planner="wavefront"))
+    plan = pipeline.make_plan(workload, cluster, pipeline.PlannerConfig(planner="cpsat", solver_time_limit=0))
+    assert [w.__dict__ for w in plan.waves] == [w.__dict__ for w in greedy.waves]
+    assert plan.planner["solver"]["status"] == "NOT_RUN" and plan.planner["solver"]["used_hint_only"]
