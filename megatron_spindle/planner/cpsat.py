@@ -460,7 +460,9 @@ def _solve_per_level(ctx: _Context, greedy: list[ScheduledWave], limit: float) -
     indices = [k for k, lv in enumerate(ctx.metagraph.levels) if lv]
     levels = [ctx.metagraph.levels[k] for k in indices]
     level_of = {m: k for k, lv in enumerate(levels) for m in lv}
-    hints = [[w for w in greedy if w.slices and level_of[w.slices[0].metaop] == k] for k in range(len(levels))]
+    # each level's greedy waves re-timed from 0, so that makespans compare within the level
+    hints = [_concatenate([[w for w in greedy if w.slices and level_of[w.slices[0].metaop] == k]])
+             for k in range(len(levels))]
     weights = [_level_weight(hint, ctx.level_c_stars.get(k)) for k, hint in zip(indices, hints)]
     subs = [type(ctx.metagraph)({m: ctx.metagraph.metaops[m] for m in lv}, [], [list(lv)]) for lv in levels]
     results: list[_Stage] = []

@@ -485,3 +485,16 @@ def test_pipeline_zero_time_limit_gives_the_wavefront_plan():
     plan = pipeline.make_plan(workload, cluster, pipeline.PlannerConfig(planner="cpsat", solver_time_limit=0))
     assert [w.__dict__ for w in plan.waves] == [w.__dict__ for w in greedy.waves]
     assert plan.planner["solver"]["status"] == "NOT_RUN" and plan.planner["solver"]["used_hint_only"]
+
+
+def test_no_level_gets_worse_than_its_greedy_waves():
+    """Levels are solved separately: each keeps its greedy waves unless the solver finds shorter ones
+    (the second level's greedy waves start late in the plan; that must not make them look long)."""
+    g, curves = _two_level_instance()
+    greedy = sequential_waves(g, curves)
+    res = solve_cpsat(g, None, make_cluster(2, gpu_type_name="CPU"), curves, greedy, None, None,
+                      time_limit=LIMIT, workers=1)
+    for level in range(len(g.levels)):
+        before = sum(w.duration for w in greedy if w.level == level)
+        after = sum(w.duration for w in res.waves if w.level == level)
+        assert after <= before + 1e-12
