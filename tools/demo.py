@@ -95,8 +95,8 @@ def main(argv=None) -> int:
     ckpt, tb = os.path.join(out, "checkpoints"), os.path.join(out, "tensorboard")
     flags = [
         "--workload", "tiny-clip", "--spindle-planner", "wavefront", "--gpu-type", "CPU",
-        "--mock-data", "--mock-data-samples", "32",
-        "--train-iters", str(args.train_iters), "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "3",
+        "--mock-data", "--mock-data-samples", "16",
+        "--train-iters", str(args.train_iters), "--lr", "5e-3", "--min-lr", "5e-4", "--lr-warmup-iters", "3",
         "--lr-decay-style", "cosine", "--weight-decay", "0.0", "--seed", "1234",
         "--save", ckpt, "--save-interval", str(max(1, args.train_iters // 2)), "--log-interval", "5",
         "--tensorboard-dir", tb, "--plan-gantt", os.path.join(out, "plan.png"),

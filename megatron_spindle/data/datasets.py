@@ -9,6 +9,7 @@ A dataset returns one sample as ``{module: tensor}``; ``collate`` stacks a list 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -67,17 +68,17 @@ class TaskDataset(Protocol):
 
 
 class MockTaskDataset:
-    """``size`` deterministic samples per task, taken row by row from data/mock.py's ``mock_batch`` stream
-    (sample i = row ``i % B`` of the mock batch of step ``i // B``), so a small mock dataset repeats and a
-    model can fit it (losses fall)."""
+    """``size`` deterministic mock samples of a task: sample i is data/mock.py's ``mock_batch`` of a one-sample
+    copy of the task at step i (so each sample costs one sample's worth of random numbers, and has exactly the
+    shapes and value ranges of the mock batches). A small mock dataset repeats, so a model can fit it."""
 
     def __init__(self, workload: Workload, task: str, size: int = 256, seed: int = 0):
         if size <= 0:
             raise ValueError(f"mock dataset size must be positive, got {size}")
         self.workload, self.task, self.size, self.seed = workload, task, size, seed
         self.fields = task_fields(workload, task)
-        self.batch_size = workload.task(task).batch_size
-        self._cache: tuple[int, TaskBatch] | None = None
+        self._one = copy.deepcopy(workload)
+        self._one.task(task).batch_size = 1
 
     def __len__(self) -> int:
         return self.size
@@ -85,16 +86,13 @@ class MockTaskDataset:
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not 0 <= i < self.size:
             raise IndexError(i)
-        step, row = divmod(i, self.batch_size)
-        if self._cache is None or self._cache[0] != step:
-            self._cache = (step, mock_batch(self.workload, self.task, step, self.seed))
-        b = self._cache[1]
+        b = mock_batch(self._one, self.task, i, self.seed)
         out = {}
         for m, f in self.fields.items():
-            x = b.inputs[m][row]
+            x = b.inputs[m][0]
             if f.lm:
-                x = torch.cat([x, b.labels[row, -1:]])
-            out[m] = x.clone()
+                x = torch.cat([x, b.labels[0, -1:]])
+            out[m] = x
         return out
 
 

@@ -1,3 +1,4 @@
+import copy
 import importlib.util
 import io
 import json
@@ -95,13 +96,16 @@ def test_sampling_weights_set_participation():
 
 def test_mock_dataset_wraps_mock_batches(clip):
     ds = MockTaskDataset(clip, "vision_text", size=12, seed=1)
-    b1 = mock_batch(clip, "vision_text", 1, 1)
-    s = ds[4 + 2]  # batch size 4: row 2 of step 1
-    assert torch.equal(s["vision"], b1.inputs["vision"][2]) and torch.equal(s["text"], b1.inputs["text"][2])
+    one = copy.deepcopy(clip)
+    one.task("vision_text").batch_size = 1
+    s = ds[6]
+    ref = mock_batch(one, "vision_text", 6, 1)
+    assert torch.equal(s["vision"], ref.inputs["vision"][0]) and torch.equal(s["text"], ref.inputs["text"][0])
+    assert not torch.equal(ds[5]["vision"], s["vision"]) and torch.equal(ds[6]["vision"], s["vision"])
+    assert s["vision"].shape == (3, 16, 16) and s["text"].shape == (12,) and int(s["text"].max()) < 128
     batch = collate(clip, "vision_text", [ds[i] for i in range(4)])
-    b0 = mock_batch(clip, "vision_text", 0, 1)
-    assert torch.equal(batch.inputs["vision"], b0.inputs["vision"])
-    assert batch.global_batch_size == 4 and batch.shard(1, 2).inputs["text"].shape == (2, 12)
+    assert batch.global_batch_size == 4 and batch.inputs["vision"].shape == (4, 3, 16, 16)
+    assert batch.shard(1, 2).inputs["text"].shape == (2, 12)
 
 
 def test_lm_text_field_gives_shifted_labels():
@@ -111,8 +115,11 @@ def test_lm_text_field_gives_shifted_labels():
     lm = next(f for f in fields.values() if f.lm)
     ds = MockTaskDataset(w, t.name, size=t.batch_size, seed=0)
     b = collate(w, t.name, [ds[i] for i in range(t.batch_size)])
-    ref = mock_batch(w, t.name, 0, 0)
-    assert torch.equal(b.inputs[lm.module], ref.inputs[lm.module]) and torch.equal(b.labels, ref.labels)
+    one = copy.deepcopy(w)
+    one.task(t.name).batch_size = 1
+    ref = mock_batch(one, t.name, 2, 0)
+    assert torch.equal(b.inputs[lm.module][2], ref.inputs[lm.module][0]) and torch.equal(b.labels[2], ref.labels[0])
+    assert b.labels.shape == b.inputs[lm.module].shape == (t.batch_size, lm.shape[0] - 1)
     pad = {k: v.clone() for k, v in ds[0].items()}
     pad[lm.module][-3:] = PAD
     b = collate(w, t.name, [pad] * t.batch_size)
