@@ -16,6 +16,7 @@ megatron-core marks tensor-parallel parameters with ``tensor_model_parallel``, `
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -73,11 +74,25 @@ def unit_seed(name: str, seed: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
+    """Whisper's position table ``[length, channels]``: ``[sin | cos]`` of position * timescale_i, with channels/2
+    timescales geometric from 1 down to 1/max_timescale (an odd last channel is 0)."""
+    half = channels // 2
+    step = math.log(max_timescale) / max(half - 1, 1)
+    inv_timescales = torch.exp(-step * torch.arange(half, dtype=torch.float32))
+    angles = torch.arange(length, dtype=torch.float32)[:, None] * inv_timescales[None, :]
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    return torch.nn.functional.pad(table, (0, channels - 2 * half))
+
+
 def init_full_tensor(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
     """Deterministic full initial value of parameter ``name`` (``"<unit>.<path>"``), independent of TP layout:
-    norms weight 1 and bias 0; everything else normal(0, std) from a generator seeded by the name."""
+    norms weight 1 and bias 0; ``sinusoidal_positions`` (the conv audio stem's) Whisper's sinusoids; everything
+    else normal(0, std) from a generator seeded by the name."""
     parts = name.split(".")
     owner, leaf = (parts[-2] if len(parts) >= 2 else ""), parts[-1]
+    if leaf == "sinusoidal_positions":
+        return sinusoids(*shape)
     if "norm" in owner or leaf.startswith("layer_norm_"):  # local norms; TE's fused layer_norm_weight/bias
         return torch.ones(shape) if leaf.endswith("weight") else torch.zeros(shape)
     gen = torch.Generator().manual_seed(unit_seed(name, seed))
