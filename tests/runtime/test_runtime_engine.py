@@ -38,6 +38,21 @@ def weighted_clip():
     return workload_from_dict(d)
 
 
+def fanout():
+    """One encoder feeding two projectors that both feed the LLM: a producer with two consumers (gradients
+    from both must be summed) and a first LLM layer with three inputs."""
+    return workload_from_dict({"name": "fanout", "modules": {
+        "enc": {"kind": "encoder", "num_layers": 2, "hidden_size": 32, "num_heads": 2, "ffn_hidden_size": 64,
+                "frontend": {"type": "patch", "image_size": 8, "patch_size": 4, "in_channels": 3}},
+        "pa": {"kind": "projector", "input_size": 32, "hidden_size": 32},
+        "pb": {"kind": "projector", "input_size": 32, "hidden_size": 32, "pool": 5},
+        "llm": {"kind": "llm", "num_layers": 2, "hidden_size": 32, "num_heads": 2, "ffn_hidden_size": 64,
+                "frontend": {"type": "text", "vocab_size": 64}}},
+        "tasks": [{"name": "t", "batch_size": 4, "tokens": {"enc": 5, "pa": 5, "pb": 5, "llm": 12},
+                   "flows": [["enc", "pa"], ["enc", "pb"], ["pa", "llm"], ["pb", "llm"]],
+                   "loss": {"kind": "lm", "module": "llm"}}]})
+
+
 def standin_trajectory(workload):
     ref = StandinReference(workload)
     params = {k.replace("__", "."): p for k, p in ref.full.items()}
@@ -71,9 +86,13 @@ def plan_cases(world: int):
     families = [("sequential", seq), ("planner", planned)] + ([("sequential-tp2", tp2)] if world > 1 else [])
     families += [(f"spindle-{s}", sp(s)) for s in ((1, 2) if world > 1 else (1,))]
     cases = [("standin", label, wn, make) for label, make in families for wn in WORKLOADS]
-    cases.append(("standin", "spindle-1", "tiny-clip-weighted", sp(1)))
+    cases += [("standin", "spindle-1", "tiny-clip-weighted", sp(1)), ("standin", "sequential", "fanout", seq)]
+    cases += [("standin", f"spindle-{s}", "fanout", sp(s)) for s in (1, 2)]
+    if world > 1:  # a plan for fewer devices than ranks: the others only join the collectives of the step
+        cases.append(("standin", "idle-ranks", "tiny-vlm", lambda w: random_plan(w, world // 2, 3)))
     real = {1: [("sequential", "tiny-clip", seq), ("sequential", "tiny-vlm", seq)],
-            2: [("sequential-tp2", "tiny-clip", tp2), ("planner", "tiny-vlm", planned), ("spindle-2", "tiny-vlm", sp(2))],
+            2: [("sequential-tp2", "tiny-clip", tp2), ("planner", "tiny-vlm", planned), ("spindle-2", "tiny-vlm", sp(2)),
+                ("spindle-1", "fanout", sp(1))],
             4: [("planner", "tiny-clip", planned), ("sequential-tp2", "tiny-vlm", tp2), ("spindle-2", "tiny-vlm", sp(2))]}
     return cases + [("real", label, wn, make) for label, wn, make in real[world]]
 
@@ -94,6 +113,7 @@ def _worker(rank, world):
     cfg = EngineConfig(optimizer=OPT)
     workloads = {n: load_workload(n) for n in WORKLOADS}
     workloads["tiny-clip-weighted"] = weighted_clip()
+    workloads["fanout"] = fanout()
     # 1) wrong plans fail on every rank before any communication (no rank is left hanging in a collective)
     for plan, words in bad_plans(workloads["tiny-clip"], world):
         with pytest.raises(PlanError, match=words):
