@@ -40,7 +40,13 @@ from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.planner.plan import Plan, Slice
 from megatron_spindle.runtime.groups import PlanGroups
-from megatron_spindle.runtime.layout import check_runnable, dp_rank, is_tp_leader, slice_units, transfer_input_index
+from megatron_spindle.runtime.layout import (
+    check_runnable,
+    dp_rank,
+    is_tp_leader,
+    slice_units,
+    transfer_input_index,
+)
 from megatron_spindle.runtime.transfer import SpecFn, TransferOp, default_activation_spec
 
 TERMINAL_KINDS = ("loss", "lm_head")

@@ -15,15 +15,15 @@ import tempfile
 
 import pytest
 import torch.distributed as dist
-
 from harness import check_engine_against, reference_trajectory, spawn
+from plans import random_plan, sequential_plan, unit_device_sets, unit_tp_degrees
+from standin import StandinReference, standin_batch, standin_factory
+
 from megatron_spindle.graph.workload import load_workload, workload_from_dict
 from megatron_spindle.planner.plan import PlanError
 from megatron_spindle.runtime.__main__ import main
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
 from megatron_spindle.runtime.layout import slice_units
-from plans import random_plan, sequential_plan, unit_device_sets, unit_tp_degrees
-from standin import StandinReference, standin_batch, standin_factory
 
 OPT = OptimizerConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
 WORKLOADS = ("tiny-clip", "tiny-vlm")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from plans import build_plan, random_plan, sequential_plan
 
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
@@ -18,7 +19,6 @@ from megatron_spindle.runtime.layout import (
     forward_messages,
     rows,
 )
-from plans import build_plan, random_plan, sequential_plan
 
 
 def _slice(devices, tp):
