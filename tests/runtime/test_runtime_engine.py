@@ -142,6 +142,11 @@ def _worker(rank, world):
         mine = [s for s in plan.slices() if rank in s.devices]  # selective storage: only the units it runs
         assert set(engine.key_unit.values()) == {u for s in mine for u in slice_units(engine.metagraph, s)}
         assert set(engine.local) == {s.id for s in mine}
+        for s in mine:  # group ranks follow the plan layout: TP rank r % tp, DP rank r // tp
+            pgs = engine.groups.slice_pgs(s.id)
+            r = s.devices.index(rank)
+            assert (dist.get_rank(pgs.tp), dist.get_rank(pgs.dp)) == (r % s.tp, r // s.tp), s.id
+            assert (pgs.tp.size(), pgs.dp.size()) == (s.tp, s.dp), s.id
         created = engine.groups.cache.created
         assert len(created) == len(set(created)), "a process group was created twice"
         check_engine_against(engine, refs[ops, wname], f"rank {rank} {ops} {wname} {label}")
