@@ -91,3 +91,19 @@ def test_build_plan_rejects_overlapping_devices_in_a_wave():
     lv0 = g.levels[0]
     with pytest.raises(PlanError, match="used by both"):
         build_plan(w, 2, [[(lv0[0], 0, 1, [0], 1), (lv0[1], 0, 1, [0, 1], 1)]])
+
+
+def test_cli_refuses_a_wrong_plan_with_a_clear_message(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    w = load_workload("tiny-vlm")
+    plan = sequential_plan(w, 2)  # two devices, but the command runs as one process
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    r = subprocess.run([sys.executable, "-m", "megatron_spindle.runtime", "--plan", str(path), "--workload",
+                        "tiny-vlm", "--steps", "1"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "beyond the world size 1" in r.stderr
