@@ -287,6 +287,7 @@ def test_greedy_with_scattered_devices_is_still_a_valid_hint():
     res = solve_cpsat(g, None, make_cluster(4, gpu_type_name="CPU"), curves, greedy, None, None,
                       time_limit=LIMIT, workers=1)
     assert res.objective <= 1.2 + 1e-12
+    check_waves(res.waves, g, 4)
 
 
 def _cells(starts, sizes):
