@@ -180,6 +180,8 @@ class AnalyticCostModel:
                 raise EstimatorError(f"MetaOp '{metaop.id}': module '{module.name}' has no frontend")
             if fe.type == "text":
                 return 0.0  # an embedding gather: memory-bound, counted in bytes
+            if fe.stem == "conv":  # conv1 (k3) at the frame rate (s * patch_size frames), conv2 (k3) per token
+                return 2.0 * b * s * (fe.patch_size * 3 * fe.in_channels * h + 3 * h * h)
             k = 2 if fe.type == "patch" else 1  # 2D patches vs 1D windows; the conv is a matmul per patch
             return 2.0 * b * s * (fe.in_channels * fe.patch_size**k) * h
         if metaop.kind == "projector":
@@ -220,7 +222,10 @@ class AnalyticCostModel:
                 # Gather rows (read + write) forward; backward reads the gradient and scatter-adds into the fp32
                 # embedding gradient (read + write 4 bytes).
                 return _Traffic(b * s * h * (3 * d + 8.0), 0.0)
-            return _Traffic(FWD_BWD_FACTOR * d * b * s * h * 3, 0.0)  # bias, position add, layout copy
+            passes = 3 + (2 if fe is not None and fe.pre_norm else 0)  # bias, position add, layout copy, norm
+            if fe is not None and fe.stem == "conv":  # two GELUs (read + write), conv1's at the frame rate
+                passes += 2 * fe.patch_size + 2
+            return _Traffic(FWD_BWD_FACTOR * d * b * s * h * passes, 0.0)
         if metaop.kind == "projector":
             return _Traffic(FWD_BWD_FACTOR * d * b * s * h * 3, 0.0)  # activation read + write, pooling read
         if metaop.kind == "head":
@@ -270,6 +275,8 @@ class AnalyticCostModel:
         bias = module.kind != "llm"  # encoders (ViT/BERT style) carry biases; llama-style LLMs do not
         norm = 2 * h if bias else h  # LayerNorm (weight + bias) vs RMSNorm (weight)
         attention = h * (h + 2 * kv) + h * h + ((h + 2 * kv) + h if bias else 0)
+        if module.qkv_bias and not bias:
+            attention += h + 2 * kv  # q/k/v biases of an llm (Qwen2)
         if self._is_swiglu(module):
             mlp = 3 * h * f
         else:
@@ -289,7 +296,10 @@ class AnalyticCostModel:
         if fe.type == "patch":
             patches = (fe.image_size // fe.patch_size) ** 2 + (1 if fe.class_token else 0)
             cls = h if fe.class_token else 0
-            return fe.in_channels * fe.patch_size**2 * h + h + cls + patches * h  # conv, bias, cls, positions
+            pre_norm = 2 * h if fe.pre_norm else 0
+            return fe.in_channels * fe.patch_size**2 * h + h + cls + patches * h + pre_norm  # conv, bias, cls, pos
+        if fe.stem == "conv":
+            return 3 * fe.in_channels * h + h + 3 * h * h + h  # two k3 convs with biases; sinusoidal positions
         return fe.in_channels * fe.patch_size * h + h  # 1D conv + bias; fixed position encodings
 
     def param_count(self, param_name: str) -> int:

@@ -79,8 +79,11 @@ class MemoryModel:
             fe = module.frontend
             if fe is None or fe.type == "text":
                 return b * s * 8  # int64 token ids for the embedding gradient
+            if fe.stem == "conv":  # input frames, conv1 output + GELU (frame rate), conv2 output + GELU
+                return b * s * (fe.patch_size * (fe.in_channels + 2 * h) + 2 * h) * d
             k = 2 if fe.type == "patch" else 1
-            return b * s * fe.in_channels * fe.patch_size**k * d  # raw patches for the weight gradient
+            extra = 2 * s * h if fe.pre_norm else 0  # the norm's input and output
+            return b * (s * fe.in_channels * fe.patch_size**k + extra) * d  # raw patches for the weight gradient
         if metaop.kind == "projector":
             return b * s * (module.in_size + 2 * h) * d  # input, FC1 output, activation output
         if metaop.kind == "head":

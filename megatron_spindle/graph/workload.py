@@ -41,6 +41,9 @@ import yaml
 MODULE_KINDS = ("encoder", "llm", "projector", "head")
 FRONTEND_TYPES = ("patch", "audio", "imu", "text")
 LOSS_KINDS = ("contrastive", "lm")
+ACTIVATIONS = ("gelu", "quick_gelu", "silu")
+HEAD_POOLS = ("cls", "mean", "eos")
+FRONTEND_STEMS = ("linear", "conv")
 
 
 class WorkloadError(ValueError):
@@ -55,6 +58,14 @@ class FrontendSpec:
     audio: spectrogram [in_channels=mel bins, frames] -> frames/patch_size patches
     imu:   sensor windows [in_channels, samples] -> samples/patch_size windows
     text:  token ids -> embeddings (vocab_size)
+
+    Options (defaults keep the original model):
+    pre_norm: patch only: a LayerNorm over the embeddings (after positions), as CLIP's ``pre_layrnorm``.
+    stem: audio only: ``linear`` (a linear over non-overlapping windows of patch_size frames, learned positions)
+          or ``conv`` (Whisper: conv1d k3 pad 1 + GELU, conv1d k3 stride patch_size pad 1 + GELU, positions
+          initialised to Whisper's sinusoids). Both make frames // patch_size tokens (frames beyond a multiple of
+          patch_size are dropped), so a task declares tokens = frames / patch_size either way (Whisper:
+          patch_size 2, 3000 frames -> 1500 tokens).
     """
 
     type: str
@@ -63,6 +74,8 @@ class FrontendSpec:
     in_channels: int = 0
     vocab_size: int = 0
     class_token: bool = True
+    pre_norm: bool = False
+    stem: str = "linear"
 
 
 @dataclass
@@ -84,6 +97,18 @@ class ModuleSpec:
     causal: bool | None = None  # default: True for llm, False otherwise
     cross_attention: bool = False  # encoder-decoder decoders (OFASys); planner/simulator only
     shared: bool = True  # one set of weights for all tasks that use it
+    # Numerics options (defaults: the original model; see validate_workload for where each applies)
+    activation: str | None = None  # gelu | quick_gelu | silu; None: gelu for encoders, silu (SwiGLU) for llm
+    qkv_bias: bool = False  # llm: biases on the q/k/v projections (Qwen2); encoders always have them
+    norm_epsilon: float | None = None  # every norm of the module; None: ModelConfig.layernorm_epsilon
+    rotary_base: float | None = None  # llm RoPE base; None: ModelConfig.rotary_base
+    rope_scaling_factor: float | None = None  # llm: Llama-3.x RoPE scaling (low/high freq factors 1/4, 8192 ctx)
+    # contrastive head pooling: cls (position 0) | mean | eos (own text's EOS token, see eos_token_id);
+    # None: cls for patch front ends with a class token, else mean
+    head_pool: str | None = None
+    # eos pooling: the first position of this token id in the module's own text; None: the argmax of the token ids
+    # (original CLIP: the EOS token has the largest id of the vocabulary)
+    eos_token_id: int | None = None
 
     @property
     def in_size(self) -> int:
@@ -106,6 +131,19 @@ class ModuleSpec:
         if self.vocab_size:
             return self.vocab_size
         return self.frontend.vocab_size if self.frontend and self.frontend.type == "text" else 0
+
+    @property
+    def act(self) -> str:
+        """Activation of the MLP (gated for llm modules: silu = SwiGLU)."""
+        return self.activation or ("silu" if self.kind == "llm" else "gelu")
+
+    @property
+    def pooling(self) -> str:
+        """Pooling of the contrastive head (``head_pool`` or the default by front end)."""
+        if self.head_pool:
+            return self.head_pool
+        fe = self.frontend
+        return "cls" if fe is not None and fe.type == "patch" and fe.class_token else "mean"
 
     @property
     def has_layers(self) -> bool:
@@ -198,6 +236,9 @@ class Workload:
         mods = {}
         for name, m in self.modules.items():
             d = {k: v for k, v in asdict(m).items() if k != "name"}
+            _drop_defaults(d, _NEW_MODULE_DEFAULTS)
+            if d.get("frontend"):
+                _drop_defaults(d["frontend"], _NEW_FRONTEND_DEFAULTS)
             mods[name] = d
         tasks = []
         for t in self.tasks:
@@ -219,6 +260,19 @@ class Workload:
         used = {m for t in tasks for m in t.tokens}
         mods = {k: v for k, v in self.modules.items() if k in used}
         return Workload(f"{self.name}[{len(tasks)}]", mods, tasks)
+
+
+# Options added after plans and checkpoints were first keyed by ``digest()``: left out of ``to_dict`` while at
+# their defaults, so existing workloads keep their digests.
+_NEW_MODULE_DEFAULTS = {"activation": None, "qkv_bias": False, "norm_epsilon": None, "rotary_base": None,
+                        "rope_scaling_factor": None, "head_pool": None, "eos_token_id": None}
+_NEW_FRONTEND_DEFAULTS = {"pre_norm": False, "stem": "linear"}
+
+
+def _drop_defaults(d: dict[str, Any], defaults: dict[str, Any]) -> None:
+    for k, v in defaults.items():
+        if k in d and d[k] == v and type(d[k]) is type(v):
+            del d[k]
 
 
 # ----------------------------------------------------------------------------------------------- parsing
@@ -329,6 +383,15 @@ def validate_workload(w: Workload) -> None:
                 _positive(where, "frontend in_channels", fe.in_channels)
                 if fe.type == "patch":
                     _positive(where, "frontend image_size", fe.image_size)
+            if not isinstance(fe.pre_norm, bool):
+                raise WorkloadError(f"{where}: frontend pre_norm must be true or false, got {fe.pre_norm!r}")
+            if fe.pre_norm and fe.type != "patch":
+                raise WorkloadError(f"{where}: frontend pre_norm is for patch front ends, not '{fe.type}'")
+            if fe.stem not in FRONTEND_STEMS:
+                raise WorkloadError(f"{where}: unknown frontend stem {fe.stem!r} (expected one of {FRONTEND_STEMS})")
+            if fe.stem == "conv" and fe.type != "audio":
+                raise WorkloadError(f"{where}: frontend stem 'conv' is for audio front ends, not '{fe.type}'")
+        _validate_options(where, m)
     names = set()
     for t in w.tasks:
         where = f"task '{t.name}'"
@@ -360,6 +423,44 @@ def validate_workload(w: Workload) -> None:
                 )
         _validate_tokens(w, t)
         _validate_loss(w, t)
+
+
+def _validate_options(where: str, m: ModuleSpec) -> None:
+    """The numerics options of a module: known values, and only where the module has the part they change."""
+    if m.activation is not None:
+        if m.activation not in ACTIVATIONS:
+            raise WorkloadError(f"{where}: unknown activation {m.activation!r} (expected one of {ACTIVATIONS})")
+        if not m.has_layers:
+            raise WorkloadError(f"{where}: activation applies to encoder/llm layers, not a {m.kind}")
+    if not isinstance(m.qkv_bias, bool):
+        raise WorkloadError(f"{where}: qkv_bias must be true or false, got {m.qkv_bias!r}")
+    if m.qkv_bias and m.kind != "llm":
+        raise WorkloadError(f"{where}: qkv_bias is for llm modules (encoder layers always have q/k/v biases)")
+    for what in ("norm_epsilon", "rotary_base", "rope_scaling_factor"):
+        value = getattr(m, what)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise WorkloadError(f"{where}: {what} must be a positive number, got {value!r}")
+        if what != "norm_epsilon" and m.kind != "llm":
+            raise WorkloadError(f"{where}: {what} applies to llm modules (RoPE), not a {m.kind}")
+    if m.norm_epsilon is not None and m.kind == "projector":
+        raise WorkloadError(f"{where}: norm_epsilon: a projector has no norms")
+    if m.head_pool is not None:
+        if m.head_pool not in HEAD_POOLS:
+            raise WorkloadError(f"{where}: unknown head_pool {m.head_pool!r} (expected one of {HEAD_POOLS}; the "
+                                f"projector's token pooling factor is 'pool')")
+        if m.kind == "projector":
+            raise WorkloadError(f"{where}: head_pool is for modules with a contrastive head, not a projector")
+        if m.head_pool == "eos" and not (m.frontend is not None and m.frontend.type == "text"):
+            raise WorkloadError(f"{where}: head_pool 'eos' needs a text front end (the EOS position comes from the "
+                                f"module's token ids)")
+    if m.eos_token_id is not None:
+        if m.head_pool != "eos":
+            raise WorkloadError(f"{where}: eos_token_id is only used with head_pool: eos")
+        vocab = m.frontend.vocab_size
+        if isinstance(m.eos_token_id, bool) or not isinstance(m.eos_token_id, int) or not 0 <= m.eos_token_id < vocab:
+            raise WorkloadError(f"{where}: eos_token_id must be a token id in [0, {vocab}), got {m.eos_token_id!r}")
 
 
 def _validate_tokens(w: Workload, t: SpindleTask) -> None:

@@ -37,7 +37,25 @@ class ModelConfig:
             raise ValueError("ModelConfig(bf16=True) needs CUDA; CPU runs keep fp32 parameters")
 
 
-def _base_kwargs(cfg: ModelConfig, tp_size: int) -> dict:
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """CLIP's activation: ``x * sigmoid(1.702 x)``."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATION_FUNCS = {"gelu": F.gelu, "quick_gelu": quick_gelu, "silu": F.silu}
+
+
+def norm_epsilon(module: ModuleSpec, cfg: ModelConfig) -> float:
+    """Epsilon of every norm of ``module``: its ``norm_epsilon`` or the ModelConfig default."""
+    return cfg.layernorm_epsilon if module.norm_epsilon is None else float(module.norm_epsilon)
+
+
+def rotary_base(module: ModuleSpec, cfg: ModelConfig) -> float:
+    """RoPE base of an llm module: its ``rotary_base`` or the ModelConfig default."""
+    return cfg.rotary_base if module.rotary_base is None else module.rotary_base
+
+
+def _base_kwargs(cfg: ModelConfig, tp_size: int, module: ModuleSpec | None = None) -> dict:
     """Settings every config needs on CPU/gloo (see shared/megatron-core-on-cpu.md)."""
     return dict(
         tensor_model_parallel_size=tp_size,
@@ -49,7 +67,7 @@ def _base_kwargs(cfg: ModelConfig, tp_size: int) -> dict:
         pipeline_dtype=cfg.params_dtype,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
-        layernorm_epsilon=cfg.layernorm_epsilon,
+        layernorm_epsilon=cfg.layernorm_epsilon if module is None else norm_epsilon(module, cfg),
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -61,7 +79,9 @@ def _base_kwargs(cfg: ModelConfig, tp_size: int) -> dict:
 
 
 def transformer_config(module: ModuleSpec, num_layers: int, tp_size: int, cfg: ModelConfig) -> TransformerConfig:
-    """Encoders: LayerNorm, GELU MLP with biases, bidirectional. LLMs: RMSNorm, SwiGLU without biases, GQA."""
+    """Encoders: LayerNorm, GELU MLP with biases, bidirectional. LLMs: RMSNorm, SwiGLU without biases, GQA.
+    Module options: ``activation`` (the MLP's; gated for llm modules), ``qkv_bias`` (llm q/k/v biases,
+    megatron's add_qkv_bias), ``norm_epsilon``."""
     is_llm = module.kind == "llm"
     return TransformerConfig(
         num_layers=num_layers,
@@ -72,9 +92,10 @@ def transformer_config(module: ModuleSpec, num_layers: int, tp_size: int, cfg: M
         kv_channels=module.hidden_size // module.num_heads,
         normalization="RMSNorm" if is_llm else "LayerNorm",
         gated_linear_unit=is_llm,
-        activation_func=F.silu if is_llm else F.gelu,
+        activation_func=ACTIVATION_FUNCS[module.act],
         add_bias_linear=not is_llm,
-        **_base_kwargs(cfg, tp_size),
+        add_qkv_bias=is_llm and module.qkv_bias,
+        **_base_kwargs(cfg, tp_size, module),
     )
 
 
@@ -100,5 +121,5 @@ def lm_head_config(module: ModuleSpec, tp_size: int, cfg: ModelConfig) -> Transf
         ffn_hidden_size=module.ffn_hidden_size or 4 * module.hidden_size,
         normalization="RMSNorm",
         add_bias_linear=False,
-        **_base_kwargs(cfg, tp_size),
+        **_base_kwargs(cfg, tp_size, module),
     )

@@ -1,9 +1,12 @@
 """Front ends: raw task inputs -> the first layer's token sequence ``[batch, tokens, hidden]``.
 
 patch: images -> non-overlapping patches, a linear projection (a Conv2d with stride = kernel, as a linear over
-       flattened patches) + class token + learned positions
+       flattened patches) + class token + learned positions (+ a LayerNorm with ``pre_norm``, CLIP's pre_layrnorm)
 audio / imu: ``[in_channels, frames]`` -> non-overlapping windows of ``patch_size`` frames, a linear projection +
        learned positions
+audio with ``stem: conv`` (Whisper): conv1d(in_channels -> hidden, k3, pad 1) + GELU, conv1d(hidden -> hidden, k3,
+       stride patch_size, pad 1) + GELU, + positions initialised to Whisper's sinusoids (``sinusoidal_positions``,
+       trainable like every other parameter). ``frames // patch_size`` tokens, as the linear stem makes.
 text:  token ids -> word embedding (megatron VocabParallelEmbedding) + learned positions for encoders; LLMs get
        positions from RoPE in their layers, so their text front end is the word embedding alone.
 """
@@ -13,12 +16,13 @@ from __future__ import annotations
 import torch
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 from torch import nn
+from torch.nn import functional as F
 
 from megatron_spindle.graph.workload import FrontendSpec
 
 
 class PatchFrontend(nn.Module):
-    def __init__(self, fe: FrontendSpec, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, fe: FrontendSpec, hidden_size: int, dtype: torch.dtype, eps: float = 1e-5):
         super().__init__()
         self.patch_size = fe.patch_size
         self.use_class_token = fe.class_token
@@ -28,6 +32,7 @@ class PatchFrontend(nn.Module):
         if fe.class_token:
             self.class_token = nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
         self.position_embeddings = nn.Parameter(torch.zeros(num_positions, hidden_size, dtype=dtype))
+        self.pre_norm = nn.LayerNorm(hidden_size, eps=eps, dtype=dtype) if fe.pre_norm else None
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         B, C, H, W = images.shape
@@ -36,7 +41,8 @@ class PatchFrontend(nn.Module):
         x = self.patch_proj(patches.reshape(B, (H // p) * (W // p), C * p * p))
         if self.use_class_token:
             x = torch.cat([self.class_token.expand(B, 1, -1), x], dim=1)
-        return x + self.position_embeddings[: x.shape[1]]
+        x = x + self.position_embeddings[: x.shape[1]]
+        return self.pre_norm(x) if self.pre_norm is not None else x
 
 
 class WindowFrontend(nn.Module):
@@ -54,6 +60,24 @@ class WindowFrontend(nn.Module):
         windows = signal[:, :, : n * self.patch_size].reshape(B, C, n, self.patch_size).permute(0, 2, 1, 3)
         x = self.window_proj(windows.reshape(B, n, C * self.patch_size))
         return x + self.position_embeddings[:n]
+
+
+class ConvStemFrontend(nn.Module):
+    """Whisper's stem: ``[B, in_channels, frames]`` -> ``[B, frames // patch_size, H]`` (frames past a multiple of
+    patch_size are dropped first, so the token count is the linear stem's)."""
+
+    def __init__(self, fe: FrontendSpec, hidden_size: int, max_tokens: int, dtype: torch.dtype):
+        super().__init__()
+        self.patch_size = fe.patch_size
+        self.conv1 = nn.Conv1d(fe.in_channels, hidden_size, kernel_size=3, padding=1, dtype=dtype)
+        self.conv2 = nn.Conv1d(hidden_size, hidden_size, kernel_size=3, stride=fe.patch_size, padding=1, dtype=dtype)
+        self.sinusoidal_positions = nn.Parameter(torch.zeros(max_tokens, hidden_size, dtype=dtype))
+
+    def forward(self, signal: torch.Tensor) -> torch.Tensor:
+        n = signal.shape[-1] // self.patch_size
+        x = F.gelu(self.conv1(signal[..., : n * self.patch_size]))
+        x = F.gelu(self.conv2(x)).transpose(1, 2)  # [B, n, H]
+        return x + self.sinusoidal_positions[:n]
 
 
 class TextFrontend(nn.Module):

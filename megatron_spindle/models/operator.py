@@ -52,11 +52,13 @@ from megatron_spindle.graph.workload import Workload
 from megatron_spindle.models.config import (
     ModelConfig,
     lm_head_config,
+    norm_epsilon,
     projector_config,
+    rotary_base,
     transformer_config,
 )
-from megatron_spindle.models.frontends import PatchFrontend, TextFrontend, WindowFrontend
-from megatron_spindle.models.heads import LMHead, PooledHead
+from megatron_spindle.models.frontends import ConvStemFrontend, PatchFrontend, TextFrontend, WindowFrontend
+from megatron_spindle.models.heads import LMHead, PooledHead, eos_positions
 from megatron_spindle.models.losses import contrastive_loss, lm_loss
 from megatron_spindle.models.state import full_shape, gather_full, init_full_tensor, shard_full_tensor
 from megatron_spindle.planner.plan import MetaOpInfo
@@ -186,7 +188,9 @@ class FrontendOperator(SliceOperator):
             own_text_tokens(self.workload, t.name, spec.name) for t in self.workload.tasks if spec.name in t.tokens
         )
         if fe.type == "patch":
-            self.frontend = PatchFrontend(fe, spec.hidden_size, dtype)
+            self.frontend = PatchFrontend(fe, spec.hidden_size, dtype, norm_epsilon(spec, self.config))
+        elif fe.type == "audio" and fe.stem == "conv":
+            self.frontend = ConvStemFrontend(fe, spec.hidden_size, max_tokens, dtype)
         elif fe.type in ("audio", "imu"):
             self.frontend = WindowFrontend(fe, spec.hidden_size, max_tokens, dtype)
         else:
@@ -200,7 +204,7 @@ class FrontendOperator(SliceOperator):
     def forward(self, inputs, batch):
         raw = batch.inputs[self.metaop.module]
         if raw.is_floating_point():  # images / spectrograms / IMU: to the parameters' dtype and device
-            raw = raw.to(self.frontend.position_embeddings)
+            raw = raw.to(next(self.frontend.parameters()))
         return self.frontend(raw)
 
 
@@ -217,7 +221,10 @@ class LayerRangeOperator(SliceOperator):
         self.block = TransformerBlock(tcfg, layer_spec(spec), post_layer_norm=False, pg_collection=self.pg_collection)
         self.rotary = None
         if spec.kind == "llm":
-            self.rotary = RotaryEmbedding(tcfg.kv_channels, rotary_percent=1.0, rotary_base=self.config.rotary_base,
+            scaling = spec.rope_scaling_factor is not None
+            self.rotary = RotaryEmbedding(tcfg.kv_channels, rotary_percent=1.0,
+                                          rotary_base=rotary_base(spec, self.config), rope_scaling=scaling,
+                                          rope_scaling_factor=spec.rope_scaling_factor if scaling else 8.0,
                                           use_cpu_initialization=True)
         self.input_order = self._flow_order() if self.layer_start == 0 else None
 
@@ -283,22 +290,30 @@ class ProjectorOperator(SliceOperator):
 
 
 class PooledHeadOperator(SliceOperator):
-    """Contrastive head of a tower (or a standalone ``head`` module): ``[b, S, H] -> [b, 1, embed_dim]``."""
+    """Contrastive head of a tower (or a standalone ``head`` module): ``[b, S, H] -> [b, 1, embed_dim]``.
+    Pooling: the module's ``pooling`` (cls, mean, or eos: the EOS token of the module's own text, which is the
+    last part of the sequence, found in ``batch.inputs[module]`` by ``heads.eos_positions``)."""
 
     def __init__(self, *args):
         super().__init__(*args)
         spec = self.workload.modules[self.metaop.module]
-        fe = spec.frontend
-        pool_class = fe is not None and fe.type == "patch" and fe.class_token
+        self.eos_token_id = spec.eos_token_id
         out_dim = spec.embed_dim or spec.hidden_size
-        self.head = PooledHead(spec.hidden_size, out_dim, pool_class, self.config.layernorm_epsilon,
+        self.head = PooledHead(spec.hidden_size, out_dim, spec.pooling, norm_epsilon(spec, self.config),
                                self.config.params_dtype)
 
     def unit_modules(self):
         return {f"{self.owner}.head": self.head}
 
     def forward(self, inputs, batch):
-        return self.head(inputs[0])
+        hidden = inputs[0]
+        positions = None
+        if self.head.pool == "eos":
+            if batch is None or self.metaop.module not in batch.inputs:
+                raise ValueError(f"{self.metaop.id}: eos pooling needs the token ids of '{self.metaop.module}'")
+            ids = batch.inputs[self.metaop.module]
+            positions = hidden.shape[1] - ids.shape[1] + eos_positions(ids, self.eos_token_id)
+        return self.head(hidden, positions)
 
 
 class LMHeadOperator(SliceOperator):
