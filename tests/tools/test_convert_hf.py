@@ -5,9 +5,10 @@ trivially 1/0) and saved with save_pretrained. Each is converted into a megatron
 workload (CLIP vision + text towers, a Whisper encoder for audio, a Llama decoder for the LLM), loaded into our
 operators (ReferenceModel), and the outputs are compared with the HF modules' on the same inputs (fp32, relative
 error <= 1e-5). Then the checkpoint is converted back out over the original folders and reloaded with
-from_pretrained: every weight is identical. Where our model cannot reproduce the HF model (CLIP's pre-LayerNorm,
-EOS pooling and quick_gelu, Whisper's conv stem, Qwen2's q/k/v biases) the test is an xfail naming the models/
-change needed, and the converter itself refuses without --allow-inexact.
+from_pretrained: every weight is identical. The workload declares the module options that make the conversions
+exact (CLIP: `pre_norm` on the patch front end, `head_pool: eos` on the text tower, `activation: quick_gelu` where
+the checkpoint uses it; Whisper: the `conv` audio stem; Qwen2: `qkv_bias`), so the hf -> spindle conversion needs
+no --allow-inexact; without an option the converter refuses, naming what differs.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ modules:
     num_heads: 2
     ffn_hidden_size: 64
     embed_dim: 16
-    frontend: {{type: patch, image_size: 8, patch_size: 4, in_channels: 3}}
+    frontend: {{type: patch, image_size: 8, patch_size: 4, in_channels: 3, pre_norm: true}}
   text:
     kind: encoder
     causal: true
@@ -52,6 +53,8 @@ modules:
     num_heads: 2
     ffn_hidden_size: 64
     embed_dim: 16
+    head_pool: eos
+    eos_token_id: 1
     frontend: {{type: text, vocab_size: 50}}
   audio:
     kind: encoder
@@ -60,7 +63,7 @@ modules:
     num_heads: 2
     ffn_hidden_size: 64
     embed_dim: 16
-    frontend: {{type: audio, patch_size: 2, in_channels: 8}}
+    frontend: {{type: audio, stem: conv, patch_size: 2, in_channels: 8}}
   vis_proj: {{kind: projector, input_size: {H}, hidden_size: {H}}}
   llm:
     kind: llm
@@ -152,7 +155,7 @@ def env(tmp_path_factory):
         model.save_pretrained(tmp / name)
     mapping = f"vision={tmp / 'clip'},text={tmp / 'clip'},audio={tmp / 'whisper'},llm={tmp / 'llama'}"
     _run(["--loader", "hf", "--saver", "spindle", "--workload", str(tmp / "w.yaml"), "--mapping", mapping,
-          "--save-dir", str(tmp / "spindle"), "--allow-inexact"])
+          "--save-dir", str(tmp / "spindle")])  # exact: no --allow-inexact
     workload = load_workload(tmp / "w.yaml")
     ref = ReferenceModel(workload)
     ref.load_full_state(_state(tmp / "spindle"))
@@ -179,9 +182,9 @@ def test_clip_vision_pieces_equal_hf(env):
     hf, ref = env["models"]["clip"], env["ref"]
     images = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(5))
     vm = hf.vision_model
-    emb = ref.operator("vision_text/vision.frontend").frontend(images)
-    assert _rel(emb, vm.embeddings(images)) <= RTOL
+    emb = ref.operator("vision_text/vision.frontend").frontend(images)  # pre_norm: true
     x = vm.pre_layrnorm(vm.embeddings(images))
+    assert _rel(emb, x) <= RTOL
     ours = ref.operator("vision_text/vision")([x], None)
     theirs = vm.encoder(inputs_embeds=x).last_hidden_state
     assert _rel(ours, theirs) <= RTOL
@@ -189,10 +192,9 @@ def test_clip_vision_pieces_equal_hf(env):
     assert _rel(head, hf.visual_projection(vm.post_layernorm(theirs[:, 0]))) <= RTOL
 
 
-@pytest.mark.xfail(strict=True, reason="models/frontends.py PatchFrontend has no LayerNorm after the embeddings: "
-                                       "CLIP applies pre_layrnorm (needs a `pre_norm` option on patch front ends)")
 @torch.no_grad()
 def test_clip_vision_tower_equals_hf(env):
+    """Front end with `pre_norm: true` (CLIP's pre_layrnorm), layers, class-token head: CLIP's image embedding."""
     hf, ref = env["models"]["clip"], env["ref"]
     images = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(5))
     x = ref.operator("vision_text/vision.frontend").frontend(images)
@@ -202,19 +204,26 @@ def test_clip_vision_tower_equals_hf(env):
     assert _rel(ours, theirs) <= RTOL
 
 
-@pytest.mark.xfail(strict=True, reason="models/config.py transformer_config uses F.gelu for every encoder; CLIP "
-                                       "checkpoints use quick_gelu (x * sigmoid(1.702 x)): needs an activation "
-                                       "field on ModuleSpec")
 @torch.no_grad()
 def test_clip_quick_gelu_layers_equal_hf(env, tmp_path):
+    """A quick_gelu CLIP converts exactly into a module declaring `activation: quick_gelu`; the gelu workload
+    refuses it (naming the option)."""
     hf = _clip(act="quick_gelu")
     hf.save_pretrained(tmp_path / "clip")
-    _run(["--loader", "hf", "--saver", "spindle", "--workload", str(env["tmp"] / "w.yaml"), "--mapping",
-          f"vision={tmp_path / 'clip'}", "--save-dir", str(tmp_path / "out"), "--allow-inexact"])
+    with pytest.raises(ConversionError, match="declare `activation: quick_gelu`"):
+        _run(["--loader", "hf", "--saver", "spindle", "--workload", str(env["tmp"] / "w.yaml"), "--mapping",
+              f"vision={tmp_path / 'clip'}", "--save-dir", str(tmp_path / "refused")])
+    (tmp_path / "w.yaml").write_text(WORKLOAD.replace("    embed_dim: 16\n    frontend: {type: patch",
+                                                      "    embed_dim: 16\n    activation: quick_gelu\n"
+                                                      "    frontend: {type: patch", 1))
+    workload = load_workload(tmp_path / "w.yaml")
+    assert workload.modules["vision"].activation == "quick_gelu"
+    _run(["--loader", "hf", "--saver", "spindle", "--workload", str(tmp_path / "w.yaml"), "--mapping",
+          f"vision={tmp_path / 'clip'}", "--save-dir", str(tmp_path / "out")])
     from megatron_spindle.models import build_operator, metaop_infos
 
-    info = metaop_infos(env["workload"])["vision_text/vision"]
-    op = build_operator(env["workload"], info, 0, info.num_layers)
+    info = metaop_infos(workload)["vision_text/vision"]
+    op = build_operator(workload, info, 0, info.num_layers)
     op.load_full_state(_state(tmp_path / "out"), strict=True)
     x = torch.randn(2, 5, H)
     assert _rel(op([x], None), hf.vision_model.encoder(inputs_embeds=x).last_hidden_state) <= RTOL
@@ -235,16 +244,18 @@ def test_clip_text_tower_hidden_states_equal_hf(env):
     assert _rel(ours, hf.text_model(input_ids=ids).last_hidden_state) <= RTOL
 
 
-@pytest.mark.xfail(strict=True, reason="models/heads.py PooledHead pools the mean over tokens for text towers; "
-                                       "CLIP pools the first EOS token (needs a `pool: eos` option)")
 @torch.no_grad()
 def test_clip_text_embedding_equals_hf(env):
+    """`head_pool: eos, eos_token_id: 1`: the head pools the first EOS token's row, as CLIPTextModel does."""
+    from megatron_spindle.data.mock import TaskBatch
+
     hf, ref = env["models"]["clip"], env["ref"]
     ids = torch.randint(2, 50, (2, 7), generator=torch.Generator().manual_seed(6))
-    ids[:, 4] = 1  # EOS
+    ids[0, 4] = ids[1, 2] = ids[1, 5] = 1  # EOS (sample 1: the first one counts)
     x = ref.operator("vision_text/text.frontend").frontend(ids)
     x = ref.operator("vision_text/text")([x], None)
-    ours = ref.operator("vision_text/text.head")([x], None)[:, 0]
+    batch = TaskBatch("vision_text", inputs={"text": ids}, global_batch_size=2)
+    ours = ref.operator("vision_text/text.head")([x], batch)[:, 0]
     assert _rel(ours, hf.text_projection(hf.text_model(input_ids=ids).pooler_output)) <= RTOL
 
 
@@ -264,11 +275,9 @@ def test_whisper_encoder_layers_equal_hf(env):
     assert _rel(final, enc.layer_norm(theirs)) <= RTOL
 
 
-@pytest.mark.xfail(strict=True, reason="models/frontends.py WindowFrontend is a linear over non-overlapping windows "
-                                       "with learned positions; Whisper's stem is conv1d(k3)+GELU, conv1d(k3, s2)+GELU "
-                                       "and sinusoidal positions (needs a `conv` audio front end)")
 @torch.no_grad()
 def test_whisper_encoder_equals_hf(env):
+    """`stem: conv, patch_size: 2`: 12 frames -> 6 tokens through Whisper's conv stem and position table."""
     enc, ref = env["models"]["whisper"].encoder, env["ref"]
     features = torch.randn(2, 8, 12, generator=torch.Generator().manual_seed(8))
     x = ref.operator("audio_text/audio.frontend").frontend(features)
@@ -334,15 +343,24 @@ def test_qwen2_nonzero_bias_is_refused(env, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]
 
 
-@pytest.mark.xfail(strict=True, reason="models/config.py transformer_config sets add_bias_linear=False for llm "
-                                       "modules and no add_qkv_bias: Qwen2's q/k/v biases are dropped (needs a "
-                                       "`qkv_bias` field on ModuleSpec -> TransformerConfig.add_qkv_bias)")
 @torch.no_grad()
 def test_qwen2_with_biases_equals_hf(env, tmp_path):
+    """`qkv_bias: true` (megatron add_qkv_bias): Qwen2 with non-zero q/k/v biases converts exactly, gives the same
+    logits, and exports back identical."""
     model = _decoder("qwen2", bias_seed=1)
-    state = _decoder_roundtrip(env, tmp_path, model, allow_inexact=True)
+    (tmp_path / "w.yaml").write_text(WORKLOAD.replace("    num_query_groups: 2\n",
+                                                      "    num_query_groups: 2\n    qkv_bias: true\n", 1))
+    workload = load_workload(tmp_path / "w.yaml")
+    assert workload.modules["llm"].qkv_bias
+    model.save_pretrained(tmp_path / "hf")
+    _run(["--loader", "hf", "--saver", "spindle", "--workload", str(tmp_path / "w.yaml"), "--mapping",
+          f"llm={tmp_path / 'hf'}", "--save-dir", str(tmp_path / "spindle")])
+    state = _state(tmp_path / "spindle")
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(9))
-    assert _rel(_our_logits(state, env["workload"], ids), model(input_ids=ids).logits) <= RTOL
+    assert _rel(_our_logits(state, workload, ids), model(input_ids=ids).logits) <= RTOL
+    _run(["--loader", "spindle", "--saver", "hf", "--workload", str(tmp_path / "w.yaml"), "--load-dir",
+          str(tmp_path / "spindle"), "--mapping", f"llm={tmp_path / 'hf'}", "--save-dir", str(tmp_path / "back")])
+    _assert_same_weights(model, transformers.Qwen2ForCausalLM.from_pretrained(tmp_path / "back" / "llm"))
 
 
 # ----------------------------------------------------------------------------------------------- round trip
@@ -394,8 +412,10 @@ def test_export_of_changed_weights_lands_in_hf(env, tmp_path):
 
 
 def test_inexact_conversion_is_refused_by_default(env, tmp_path):
+    """Without `pre_norm` on the patch front end CLIP's pre_layrnorm has no place: refused, nothing written."""
+    (tmp_path / "w.yaml").write_text(WORKLOAD.replace(", pre_norm: true", ""))
     with pytest.raises(ConversionError, match="pre_layrnorm"):
-        _run(["--loader", "hf", "--saver", "spindle", "--workload", str(env["tmp"] / "w.yaml"), "--mapping",
+        _run(["--loader", "hf", "--saver", "spindle", "--workload", str(tmp_path / "w.yaml"), "--mapping",
               f"vision={env['tmp'] / 'clip'}", "--save-dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 

@@ -3,13 +3,19 @@
 Supported (``family`` names):
 
 - ``clip_vision``: ``CLIPVisionModel`` / ``CLIPVisionModelWithProjection`` / the vision half of ``CLIPModel``
-  -> an encoder with a ``patch`` front end (class token) and its contrastive head;
+  -> an encoder with a ``patch`` front end (class token; ``pre_norm: true`` holds ``pre_layrnorm``) and its
+  contrastive head;
 - ``clip_text``: ``CLIPTextModel`` / ``...WithProjection`` / the text half of ``CLIPModel`` -> an encoder with a
-  ``text`` front end (learned positions; declare ``causal: true`` in the workload, CLIP's text tower is causal);
+  ``text`` front end (learned positions; declare ``causal: true`` and ``head_pool: eos`` with the config's
+  ``eos_token_id``, or none when it is 2: CLIP then pools the largest token id);
 - ``whisper_encoder``: the encoder of ``WhisperModel`` / ``WhisperForConditionalGeneration`` / a bare
-  ``WhisperEncoder`` -> an encoder's transformer layers and final LayerNorm (the conv stem has no counterpart);
+  ``WhisperEncoder`` -> an encoder's transformer layers and final LayerNorm, and with an ``audio`` front end
+  declared ``stem: conv, patch_size: 2`` the conv stem and position table;
 - ``llama`` / ``qwen2``: ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` -> an ``llm`` module (front end, layers,
-  LM head).
+  LM head; ``qkv_bias: true`` holds the q/k/v biases).
+
+The module options (``activation``, ``norm_epsilon``, ``rotary_base``, ``rope_scaling_factor``, ...) must match
+the HF config for an exact conversion; ``numerics_notes`` names each difference and the option that fixes it.
 
 Layouts on our side (megatron-core): ``linear_qkv`` is grouped by query group
 (``[q heads of group 0, k_0, v_0, q heads of group 1, k_1, v_1, ...]``), SwiGLU ``linear_fc1`` is ``[gate; up]``,
@@ -31,8 +37,11 @@ from tools.checkpoint.layout import layer_index
 
 FAMILIES = ("clip_vision", "clip_text", "whisper_encoder", "llama", "qwen2")
 IGNORED_SUFFIXES = ("position_ids", "rotary_emb.inv_freq", "embed_positions._float_tensor")
-EPS_OURS = 1e-5  # models.config.ModelConfig.layernorm_epsilon (one value for every module)
-ROPE_BASE_OURS = 10000.0  # models.config.ModelConfig.rotary_base
+EPS_OURS = 1e-5  # models.config.ModelConfig.layernorm_epsilon (modules without norm_epsilon)
+ROPE_BASE_OURS = 10000.0  # models.config.ModelConfig.rotary_base (llm modules without rotary_base)
+HF_ACTIVATIONS = {"gelu": "gelu", "quick_gelu": "quick_gelu", "silu": "silu", "swish": "silu"}
+# megatron-core's Llama-3 RoPE scaling (RotaryEmbedding._apply_scaling) takes only the factor
+LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 @dataclass
@@ -143,37 +152,69 @@ def check_module_fits(tower: Tower, module, where: str) -> None:
         raise HFCheckpointError(f"module '{module.name}' is a {module.kind}; {tower.family} feeds encoder modules")
 
 
+def clip_eos_token_id(config: dict) -> int | None:
+    """The ``eos_token_id`` option matching a CLIP text config: HF's CLIP pools the argmax of the token ids when
+    the config's eos_token_id is 2 (the original checkpoints), else the first position of eos_token_id."""
+    eos = config.get("eos_token_id", 2)
+    return None if eos == 2 else int(eos)
+
+
 def numerics_notes(tower: Tower, module) -> list[str]:
-    """Where our model computes something else than the HF model with these weights (models/ options needed)."""
+    """Where our model computes something else than the HF model with these weights (and the workload option that
+    would make it exact)."""
     c, notes = tower.config, []
     act = c.get("activation_function") if tower.family == "whisper_encoder" else c.get("hidden_act")
-    expected_act = "silu" if tower.family in ("llama", "qwen2") else "gelu"
-    if act != expected_act:
-        notes.append(f"activation {act!r}: our {module.kind} layers use {expected_act} (models/config.py "
-                     f"transformer_config has no activation option)")
+    if HF_ACTIVATIONS.get(act) != module.act:
+        fix = f"declare `activation: {HF_ACTIVATIONS[act]}`" if act in HF_ACTIVATIONS else "not supported"
+        notes.append(f"activation {act!r}: module '{module.name}' uses {module.act} ({fix})")
     eps = c.get("rms_norm_eps") if tower.family in ("llama", "qwen2") else c.get("layer_norm_eps", 1e-5)
-    if eps is not None and abs(float(eps) - EPS_OURS) > 1e-12:
-        notes.append(f"norm epsilon {eps}: our model uses ModelConfig.layernorm_epsilon = {EPS_OURS} for every module")
+    ours = EPS_OURS if module.norm_epsilon is None else float(module.norm_epsilon)
+    if eps is not None and abs(float(eps) - ours) > 1e-12:
+        notes.append(f"norm epsilon {eps}: module '{module.name}' uses {ours} (declare `norm_epsilon: {eps}`)")
+    fe = module.frontend
     if tower.family == "clip_vision":
-        notes.append("CLIP applies pre_layrnorm to the embeddings; our patch front end has no LayerNorm "
-                     "(the tensors are dropped)")
+        if not (fe is not None and fe.pre_norm):
+            notes.append("CLIP applies pre_layrnorm to the embeddings; declare `pre_norm: true` in the patch front "
+                         "end (without it the tensors are dropped)")
+        if module.pooling != "cls":
+            notes.append(f"CLIP pools the class token; module '{module.name}' pools '{module.pooling}'")
     if tower.family == "clip_text":
-        notes.append("CLIP pools the EOS token's hidden state; our contrastive head pools the mean over tokens")
+        want = clip_eos_token_id(c)
+        if module.pooling != "eos" or module.eos_token_id != want:
+            how = "the largest token id" if want is None else f"the first token {want}"
+            notes.append(f"CLIP pools the EOS token's hidden state ({how}); module '{module.name}' pools "
+                         f"'{module.pooling}' (declare `head_pool: eos`"
+                         f"{'' if want is None else f', eos_token_id: {want}'})")
         if not module.is_causal:
             notes.append(f"CLIP's text tower is causal; declare `causal: true` for module '{module.name}'")
     if tower.family == "whisper_encoder":
-        notes.append("Whisper's conv stem (conv1, conv2, GELU) and sinusoidal positions have no counterpart in "
-                     "our audio front end (non-overlapping windows + learned positions)")
+        if not (fe is not None and fe.type == "audio" and fe.stem == "conv" and fe.patch_size == 2):
+            notes.append("Whisper's conv stem (conv1, conv2 stride 2, GELU) and sinusoidal positions: declare "
+                         "`frontend: {type: audio, stem: conv, patch_size: 2}` (without it they are dropped)")
     if tower.family in ("llama", "qwen2"):
         rope = c.get("rope_parameters") or {}
+        scaling = c.get("rope_scaling") or {}
         theta = rope.get("rope_theta", c.get("rope_theta", ROPE_BASE_OURS))
-        if abs(float(theta) - ROPE_BASE_OURS) > 1e-6:
-            notes.append(f"rope_theta {theta}: our model uses ModelConfig.rotary_base = {ROPE_BASE_OURS}")
-        rtype = rope.get("rope_type", (c.get("rope_scaling") or {}).get("rope_type", "default"))
-        if rtype not in (None, "default"):
+        base = ROPE_BASE_OURS if module.rotary_base is None else float(module.rotary_base)
+        if abs(float(theta) - base) > 1e-6:
+            notes.append(f"rope_theta {theta}: module '{module.name}' uses {base} (declare `rotary_base: {theta}`)")
+        params = {**scaling, **{k: v for k, v in rope.items() if k != "rope_theta"}}
+        rtype = params.get("rope_type", params.get("type", "default"))
+        if rtype == "llama3":
+            fixed = all(abs(float(params.get(k, v)) - v) < 1e-9 for k, v in LLAMA3_ROPE_FIXED.items())
+            factor = float(params.get("factor", 8.0))
+            if not fixed:
+                notes.append(f"llama3 RoPE scaling with {params}: our layers support factor only (low/high "
+                             f"frequency factors 1/4, 8192 original positions)")
+            elif module.rope_scaling_factor is None or abs(float(module.rope_scaling_factor) - factor) > 1e-9:
+                notes.append(f"llama3 RoPE scaling, factor {factor}: declare `rope_scaling_factor: {factor}` for "
+                             f"module '{module.name}'")
+        elif rtype not in (None, "default"):
             notes.append(f"rope_type {rtype!r} (RoPE scaling) is not implemented by our layers")
-        if c.get("mlp_bias") or (tower.family == "llama" and c.get("attention_bias")):
-            notes.append("linear biases in the HF decoder: our llm layers have none")
+        elif module.rope_scaling_factor is not None:
+            notes.append(f"module '{module.name}' declares rope_scaling_factor but the HF model has no RoPE scaling")
+        if c.get("mlp_bias"):
+            notes.append("MLP biases in the HF decoder: our llm layers have none")
     return notes
 
 
@@ -224,13 +265,26 @@ def _export_encoder_layer(t: dict, p: str, family: str, heads: int, groups: int)
     return out
 
 
-def _import_llm_layer(get, has, p: str, heads: int, groups: int, notes: list[str]) -> dict[str, torch.Tensor]:
+def _import_llm_layer(get, has, p: str, heads: int, groups: int, qkv_bias: bool,
+                      notes: list[str]) -> dict[str, torch.Tensor]:
     a, m = p + "self_attn.", p + "mlp."
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        if has(a + proj + ".bias") and not _is_zero(get(a + proj + ".bias")):
-            notes.append(f"{a}{proj}.bias is non-zero; our llm layers have no attention biases "
-                         f"(megatron add_qkv_bias is not set by models/config.py)")
-    return {
+        if has(a + proj + ".bias") and not _is_zero(get(a + proj + ".bias")) and not (qkv_bias and proj != "o_proj"):
+            what = "no output-projection bias" if proj == "o_proj" else "no q/k/v biases (declare `qkv_bias: true`)"
+            notes.append(f"{a}{proj}.bias is non-zero; the llm module has {what}")
+    out = {}
+    if qkv_bias:
+        q_w, k_w = get(a + "q_proj.weight"), get(a + "k_proj.weight")
+
+        def bias(proj: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+            if has(a + proj + ".bias"):
+                return get(a + proj + ".bias")
+            return torch.zeros(rows, dtype=like.dtype, device=like.device)  # HF has none: zero is exact
+
+        out["self_attention.linear_qkv.bias"] = fuse_qkv(bias("q_proj", q_w.shape[0], q_w),
+                                                         bias("k_proj", k_w.shape[0], k_w),
+                                                         bias("v_proj", k_w.shape[0], k_w), heads, groups)
+    return out | {
         "input_layernorm.weight": get(p + "input_layernorm.weight"),
         "self_attention.linear_qkv.weight": fuse_qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"),
                                                      get(a + "v_proj.weight"), heads, groups),
@@ -241,7 +295,8 @@ def _import_llm_layer(get, has, p: str, heads: int, groups: int, notes: list[str
     }
 
 
-def _export_llm_layer(t: dict, p: str, family: str, heads: int, groups: int) -> dict[str, torch.Tensor]:
+def _export_llm_layer(t: dict, p: str, family: str, heads: int, groups: int, base_shape,
+                      notes: list[str]) -> dict[str, torch.Tensor]:
     a, m = p + "self_attn.", p + "mlp."
     q, k, v = split_qkv(t["self_attention.linear_qkv.weight"], heads, groups)
     gate, up = torch.chunk(t["mlp.linear_fc1.weight"], 2, dim=0)
@@ -250,9 +305,13 @@ def _export_llm_layer(t: dict, p: str, family: str, heads: int, groups: int) -> 
            a + "o_proj.weight": t["self_attention.linear_proj.weight"],
            p + "post_attention_layernorm.weight": t["pre_mlp_layernorm.weight"],
            m + "gate_proj.weight": gate, m + "up_proj.weight": up, m + "down_proj.weight": t["mlp.linear_fc2.weight"]}
-    if family == "qwen2":  # Qwen2 always has q/k/v biases; ours are zero
-        for name, w in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-            out[a + name + ".bias"] = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+    ours = t.get("self_attention.linear_qkv.bias")
+    biases = split_qkv(ours, heads, groups) if ours is not None else [None] * 3
+    for name, w, b in (("q_proj", q, biases[0]), ("k_proj", k, biases[1]), ("v_proj", v, biases[2])):
+        if base_shape(a + name + ".bias") is not None or family == "qwen2":  # Qwen2 always has q/k/v biases
+            out[a + name + ".bias"] = b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+        elif b is not None and not _is_zero(b):
+            notes.append(f"{a}{name}.bias: the HF model has no q/k/v biases, ours are non-zero (dropped)")
     return out
 
 
@@ -278,7 +337,7 @@ def import_unit(folder: HFFolder, tower: Tower, module, part: str,
     if idx is not None:
         lp = p + tower.layer_prefix + f"{idx}."
         if fam in ("llama", "qwen2"):
-            return _import_llm_layer(get, has, lp, heads, groups, notes), used, notes
+            return _import_llm_layer(get, has, lp, heads, groups, module.qkv_bias, notes), used, notes
         return _import_encoder_layer(get, lp, fam, heads, groups), used, notes
     if part == "frontend":
         return _import_frontend(get, tower, module), used, notes
@@ -306,16 +365,24 @@ def _import_frontend(get, tower: Tower, module) -> dict[str, torch.Tensor]:
     p, fam = tower.prefix, tower.family
     if fam == "clip_vision":
         w = get(p + "embeddings.patch_embedding.weight")
-        return {"patch_proj.weight": w.reshape(w.shape[0], -1),
-                "patch_proj.bias": torch.zeros(w.shape[0], dtype=w.dtype, device=w.device),
-                "class_token": get(p + "embeddings.class_embedding"),
-                "position_embeddings": get(p + "embeddings.position_embedding.weight")}
+        out = {"patch_proj.weight": w.reshape(w.shape[0], -1),
+               "patch_proj.bias": torch.zeros(w.shape[0], dtype=w.dtype, device=w.device),
+               "class_token": get(p + "embeddings.class_embedding"),
+               "position_embeddings": get(p + "embeddings.position_embedding.weight")}
+        if module.frontend.pre_norm:
+            out.update({"pre_norm.weight": get(p + "pre_layrnorm.weight"), "pre_norm.bias": get(p + "pre_layrnorm.bias")})
+        return out
     if fam == "clip_text":
         return {"word_embeddings.weight": get(p + "embeddings.token_embedding.weight"),
                 "position_embeddings": get(p + "embeddings.position_embedding.weight")}
     if fam in ("llama", "qwen2"):
         return {"word_embeddings.weight": get(p + "embed_tokens.weight")}
-    return {}  # whisper: conv stem, no counterpart
+    fe = module.frontend
+    if fam == "whisper_encoder" and fe is not None and fe.type == "audio" and fe.stem == "conv":
+        return {"conv1.weight": get(p + "conv1.weight"), "conv1.bias": get(p + "conv1.bias"),
+                "conv2.weight": get(p + "conv2.weight"), "conv2.bias": get(p + "conv2.bias"),
+                "sinusoidal_positions": get(p + "embed_positions.weight")}
+    return {}  # whisper with a linear stem: no counterpart
 
 
 def export_unit(tower: Tower, module, part: str, unit: str, t: dict[str, torch.Tensor],
@@ -329,7 +396,7 @@ def export_unit(tower: Tower, module, part: str, unit: str, t: dict[str, torch.T
     if idx is not None:
         lp = p + tower.layer_prefix + f"{idx}."
         if fam in ("llama", "qwen2"):
-            return _export_llm_layer(t, lp, fam, heads, groups), notes
+            return _export_llm_layer(t, lp, fam, heads, groups, base_shape, notes), notes
         return _export_encoder_layer(t, lp, fam, heads, groups), notes
     if part == "frontend":
         return _export_frontend(tower, unit, t, base_shape, notes), notes
@@ -356,14 +423,21 @@ def _export_frontend(tower: Tower, unit: str, t: dict, base_shape, notes: list[s
             raise HFCheckpointError(f"base HF folder has no '{name}'")
         if not _is_zero(t["patch_proj.bias"]):
             notes.append(f"{unit}.patch_proj.bias is non-zero; CLIP's patch embedding has no bias")
-        return {name: t["patch_proj.weight"].reshape(shape),
-                p + "embeddings.class_embedding": t["class_token"],
-                p + "embeddings.position_embedding.weight": t["position_embeddings"]}
+        out = {name: t["patch_proj.weight"].reshape(shape),
+               p + "embeddings.class_embedding": t["class_token"],
+               p + "embeddings.position_embedding.weight": t["position_embeddings"]}
+        if "pre_norm.weight" in t:
+            out.update({p + "pre_layrnorm.weight": t["pre_norm.weight"], p + "pre_layrnorm.bias": t["pre_norm.bias"]})
+        return out
     if fam == "clip_text":
         return {p + "embeddings.token_embedding.weight": t["word_embeddings.weight"],
                 p + "embeddings.position_embedding.weight": t["position_embeddings"]}
     if fam in ("llama", "qwen2"):
         return {p + "embed_tokens.weight": t["word_embeddings.weight"]}
+    if fam == "whisper_encoder" and "conv1.weight" in t:
+        return {p + "conv1.weight": t["conv1.weight"], p + "conv1.bias": t["conv1.bias"],
+                p + "conv2.weight": t["conv2.weight"], p + "conv2.bias": t["conv2.bias"],
+                p + "embed_positions.weight": t["sinusoidal_positions"]}
     notes.append(f"{unit}: the {fam} front end has no counterpart in our model (dropped; the base's is kept)")
     return {}
 

@@ -65,7 +65,12 @@ def _frontend_shapes(workload: Workload, spec: ModuleSpec) -> dict[str, Shape]:
         if fe.class_token:
             out["class_token"] = (h,)
         out["position_embeddings"] = (grid * grid + (1 if fe.class_token else 0), h)
+        if fe.pre_norm:
+            out.update({"pre_norm.weight": (h,), "pre_norm.bias": (h,)})
         return out
+    if fe.type == "audio" and fe.stem == "conv":
+        return {"conv1.weight": (h, fe.in_channels, 3), "conv1.bias": (h,), "conv2.weight": (h, h, 3),
+                "conv2.bias": (h,), "sinusoidal_positions": (frontend_max_tokens(workload, spec.name), h)}
     if fe.type in ("audio", "imu"):
         return {"window_proj.weight": (h, fe.in_channels * fe.patch_size), "window_proj.bias": (h,),
                 "position_embeddings": (frontend_max_tokens(workload, spec.name), h)}
@@ -79,10 +84,13 @@ def _layer_shapes(spec: ModuleSpec) -> dict[str, Shape]:
     h, f = spec.hidden_size, spec.ffn_hidden_size
     d = h // spec.num_heads
     qkv = (spec.num_heads + 2 * spec.query_groups) * d
-    if spec.kind == "llm":  # RMSNorm, SwiGLU ([gate; up] in linear_fc1), no biases
-        return {"input_layernorm.weight": (h,), "self_attention.linear_proj.weight": (h, spec.num_heads * d),
-                "self_attention.linear_qkv.weight": (qkv, h), "pre_mlp_layernorm.weight": (h,),
-                "mlp.linear_fc1.weight": (2 * f, h), "mlp.linear_fc2.weight": (h, f)}
+    if spec.kind == "llm":  # RMSNorm, SwiGLU ([gate; up] in linear_fc1), no biases (but q/k/v with qkv_bias)
+        out = {"input_layernorm.weight": (h,), "self_attention.linear_proj.weight": (h, spec.num_heads * d),
+               "self_attention.linear_qkv.weight": (qkv, h), "pre_mlp_layernorm.weight": (h,),
+               "mlp.linear_fc1.weight": (2 * f, h), "mlp.linear_fc2.weight": (h, f)}
+        if spec.qkv_bias:
+            out["self_attention.linear_qkv.bias"] = (qkv,)
+        return out
     return {"input_layernorm.weight": (h,), "input_layernorm.bias": (h,),
             "self_attention.linear_proj.weight": (h, spec.num_heads * d), "self_attention.linear_proj.bias": (h,),
             "self_attention.linear_qkv.weight": (qkv, h), "self_attention.linear_qkv.bias": (qkv,),
