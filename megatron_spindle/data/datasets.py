@@ -10,6 +10,8 @@ A dataset returns one sample as ``{module: tensor}``; ``collate`` stacks a list 
 from __future__ import annotations
 
 import copy
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -175,30 +177,55 @@ def collate(workload: Workload, task: str, samples: list[dict[str, torch.Tensor]
 class MultiTaskDataLoader:
     """Each iteration's mixed batch: ``advance()`` moves the sampler one iteration (every rank, in step),
     ``batch(task)`` reads and collates that task's global batch (only for tasks this rank runs).
-    ``batch_fn`` has the runtime engine's ``(workload, task, step, seed)`` signature."""
+    ``batch_fn`` has the runtime engine's ``(workload, task, step, seed)`` signature.
+
+    With ``num_workers > 0`` a thread pool decodes the samples of a batch in parallel and, once a task has been
+    asked for, prepares its batch of the *next* iteration while the current step runs (the sampler's indices
+    are known in advance). The batches are the same as without workers."""
 
     def __init__(self, workload: Workload, datasets: dict[str, TaskDataset], seed: int = 0,
-                 sampling_weights: dict[str, float] | None = None):
+                 sampling_weights: dict[str, float] | None = None, num_workers: int = 0):
+        if num_workers < 0:
+            raise ValueError(f"number of data workers must be >= 0, got {num_workers}")
         self.workload = workload
         self.datasets = datasets
         batch_sizes = {t: workload.task(t).batch_size for t in datasets}
         self.sampler = MultiTaskSampler({t: len(d) for t, d in datasets.items()}, batch_sizes, seed,
                                         sampling_weights)
         self.current: MixedBatch | None = None
-        self._batches: dict[str, TaskBatch] = {}
+        self._batches: dict[str, TaskBatch | Future] = {}
+        self._ahead: dict[str, Future] = {}
+        self._wanted: set[str] = set()
+        self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="data") if num_workers else None
+
+    def _collate(self, task: str, indices: list[int]) -> TaskBatch:
+        ds = self.datasets[task]
+        if self._pool is not None and threading.current_thread() is threading.main_thread():
+            samples = list(self._pool.map(ds.__getitem__, indices))
+        else:
+            samples = [ds[i] for i in indices]
+        return collate(self.workload, task, samples)
 
     def advance(self) -> MixedBatch:
         self.current = self.sampler.next()
-        self._batches = {}
+        self._batches, self._ahead = dict(self._ahead), {}
+        if self._pool is not None and self._wanted:
+            upcoming = self.sampler.peek()
+            for task in sorted(self._wanted):
+                self._ahead[task] = self._pool.submit(self._collate, task, upcoming.indices[task])
         return self.current
 
     def batch(self, task: str) -> TaskBatch:
         if self.current is None:
             raise RuntimeError("MultiTaskDataLoader.batch() before advance()")
-        if task not in self._batches:
-            ds = self.datasets[task]
-            self._batches[task] = collate(self.workload, task, [ds[i] for i in self.current.indices[task]])
-        return self._batches[task]
+        self._wanted.add(task)
+        b = self._batches.get(task)
+        if b is None:
+            b = self._collate(task, self.current.indices[task])
+        elif isinstance(b, Future):
+            b = b.result()
+        self._batches[task] = b
+        return b
 
     def batch_fn(self, workload: Workload, task: str, step: int, seed: int = 0) -> TaskBatch:
         if self.current is None or step != self.current.iteration:
@@ -211,7 +238,12 @@ class MultiTaskDataLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
-        self.current, self._batches = None, {}
+        self.current, self._batches, self._ahead = None, {}, {}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
 
 def build_datasets(workload: Workload, data_paths: dict[str, str] | None, mock: bool, seed: int = 0,

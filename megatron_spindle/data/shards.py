@@ -21,6 +21,7 @@ import io
 import json
 import os
 import tarfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,11 +163,13 @@ def read_index(root: str | Path) -> ShardIndex:
 
 
 class ShardReader:
-    """Random access to the raw bytes of sample i: ``{field: (ext, bytes)}``. Opens shard files lazily."""
+    """Random access to the raw bytes of sample i: ``{field: (ext, bytes)}``. Opens shard files lazily and reads
+    with ``os.pread`` (no shared file position), so several threads may read at once."""
 
     def __init__(self, index: ShardIndex):
         self.index = index
-        self._files: dict[int, object] = {}
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.index)
@@ -174,24 +177,32 @@ class ShardReader:
     def key(self, i: int) -> str:
         return self.index.samples[i][0]
 
+    def _fd(self, shard: int) -> int:
+        with self._lock:
+            fd = self._fds.get(shard)
+            if fd is None:
+                fd = self._fds[shard] = os.open(self.index.root / self.index.shards[shard]["file"], os.O_RDONLY)
+            return fd
+
     def read(self, i: int) -> dict[str, tuple[str, bytes]]:
         key, shard, where = self.index.samples[i]
-        f = self._files.get(shard)
-        if f is None:
-            f = self._files[shard] = open(self.index.root / self.index.shards[shard]["file"], "rb")
+        fd = self._fd(shard)
         out = {}
         for field, (offset, size) in where.items():
-            f.seek(offset)
-            data = f.read(size)
+            data = os.pread(fd, size, offset)
             if len(data) != size:
                 raise DatasetError(f"{self.index.root}: sample '{key}' field '{field}' is cut short")
             out[field] = (self.index.fields[field], data)
         return out
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
     def __getstate__(self):  # picklable for worker processes: reopen lazily
-        return {"index": self.index, "_files": {}}
+        return {"index": self.index}
+
+    def __setstate__(self, state):
+        self.__init__(state["index"])

@@ -75,6 +75,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Tar-shard dataset of a task (tools/build_multitask_dataset.py); repeat per task.")
     g.add_argument("--mock-data", action="store_true", help="Deterministic mock samples for every task.")
     g.add_argument("--mock-data-samples", type=int, default=256, help="Mock samples per task (they repeat).")
+    g.add_argument("--num-workers", type=int, default=2, help="Data threads: decode a batch's samples in parallel "
+                   "and prepare the next iteration's batches during the step (0: decode inline).")
     return parser
 
 
@@ -144,6 +146,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
         raise ValueError(f"--save-interval must be positive, got {args.save_interval}")
     if args.save_interval is not None and not args.save:
         raise ValueError("--save-interval needs --save FOLDER")
+    if args.num_workers < 0:
+        raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
     if args.mock_data_samples <= 0:
         raise ValueError(f"--mock-data-samples must be positive, got {args.mock_data_samples}")
     if args.mock_data and args.data_path:

@@ -221,9 +221,6 @@ def train(args, workload, datasets, engine_provider, info: DistInfo, loss_weight
           sampling_weights: dict[str, float]) -> list:
     from megatron_spindle.data.datasets import MultiTaskDataLoader
     from megatron_spindle.planner.report import draw_gantt, plan_summary
-    from megatron_spindle.training.engine_state import WaveTimer, set_learning_rate, set_loss_weights
-    from megatron_spindle.training.log import StepRecord, TensorBoardLogger, format_log_line, format_wave_line
-    from megatron_spindle.training.schedule import LRSchedule
 
     plan = get_plan(args, workload, info.world_size, info.rank)
     gantt = args.plan_gantt or (str(Path(args.save) / "plan.png") if args.save else None)
@@ -239,7 +236,20 @@ def train(args, workload, datasets, engine_provider, info: DistInfo, loss_weight
 
         apply_cpu_shim()
     torch.manual_seed(args.seed)
-    loader = MultiTaskDataLoader(workload, datasets, seed=args.seed, sampling_weights=sampling_weights)
+    loader = MultiTaskDataLoader(workload, datasets, seed=args.seed, sampling_weights=sampling_weights,
+                                 num_workers=args.num_workers)
+    try:
+        return _train_loop(args, workload, plan, loader, engine_provider, info, loss_weights, gantt)
+    finally:
+        loader.close()
+
+
+def _train_loop(args, workload, plan, loader, engine_provider, info: DistInfo, loss_weights: dict[str, float],
+                gantt: str | None) -> list:
+    from megatron_spindle.training.engine_state import WaveTimer, set_learning_rate, set_loss_weights
+    from megatron_spindle.training.log import StepRecord, TensorBoardLogger, format_log_line, format_wave_line
+    from megatron_spindle.training.schedule import LRSchedule
+
     engine = engine_provider(plan, workload, info.rank, info.world_size, args, loader.batch_fn)
     timer = WaveTimer(engine)
     start = load(args, engine, loader, workload, info) if args.load else 0

@@ -210,6 +210,16 @@ def test_shards_round_trip_through_the_build_tool(clip, tmp_path, capsys):
     # the loader over shards + mock gives batches of each task's batch size
     datasets = {"vision_text": ShardedTaskDataset(clip, "vision_text", vt),
                 "audio_depth": ShardedTaskDataset(clip, "audio_depth", ad)}
+    # decoding threads and next-iteration prefetch give the very same batches (with sampling weights too)
+    plain = MultiTaskDataLoader(clip, datasets, seed=3, sampling_weights={"audio_depth": 0.5})
+    threaded = MultiTaskDataLoader(clip, datasets, seed=3, sampling_weights={"audio_depth": 0.5}, num_workers=3)
+    for _ in range(5):
+        assert plain.advance() == threaded.advance()
+        for task in ("vision_text", "audio_depth"):
+            a, b = plain.batch(task), threaded.batch(task)
+            assert all(torch.equal(a.inputs[m], b.inputs[m]) for m in a.inputs)
+    assert set(threaded._ahead) == {"vision_text", "audio_depth"}  # the next iteration is being prepared
+    threaded.close()
     loader = MultiTaskDataLoader(clip, datasets, seed=0)
     loader.advance()
     assert loader.batch_fn(clip, "vision_text", 0).inputs["vision"].shape == (4, 3, 16, 16)
