@@ -23,6 +23,7 @@ from megatron_spindle.graph.workload import load_workload, workload_from_dict
 from megatron_spindle.planner.plan import PlanError
 from megatron_spindle.runtime.__main__ import main
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
+from megatron_spindle.runtime.groups import GroupCache
 from megatron_spindle.runtime.layout import slice_units
 
 OPT = OptimizerConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
@@ -121,6 +122,7 @@ def _worker(rank, world):
                           batch_fn=standin_batch)
     # 2) every plan reproduces its reference
     refs = {}
+    cache = GroupCache(rank)  # shared by the engines of this worker: a device tuple's group is created once
     seen = {"tp2": False, "concurrent": False, "tower_on_several_device_sets": False, "tower_mixed_tp": False}
     for ops, label, wname, make in plan_cases(world):
         w = workloads[wname]
@@ -138,7 +140,7 @@ def _worker(rank, world):
         seen["tower_on_several_device_sets"] |= len(unit_device_sets(plan, tower)) > 1
         seen["tower_mixed_tp"] |= len(unit_tp_degrees(plan, tower)) > 1
         kw = dict(operator_factory=standin_factory, batch_fn=standin_batch) if ops == "standin" else {}
-        engine = RuntimeEngine(plan, w, rank, world, cfg, **kw)
+        engine = RuntimeEngine(plan, w, rank, world, cfg, groups=cache, **kw)
         mine = [s for s in plan.slices() if rank in s.devices]  # selective storage: only the units it runs
         assert set(engine.key_unit.values()) == {u for s in mine for u in slice_units(engine.metagraph, s)}
         assert set(engine.local) == {s.id for s in mine}
