@@ -12,8 +12,8 @@ class StepRecord:
     train_iters: int
     consumed_samples: int
     lr: float
-    losses: dict[str, float]  # per task
-    weights: dict[str, float]  # per task loss weight used this step (0 = sat out)
+    losses: dict[str, float]  # per task, mean over the log interval
+    weights: dict[str, float]  # per task loss weight of the logged iteration (0 = the task sat out)
     elapsed_ms: float  # measured wall time per iteration (mean over the log interval)
     predicted_ms: float  # the plan's predicted iteration time
     wave_ms: list[float]  # measured per-wave time (mean over the log interval)

@@ -263,7 +263,7 @@ def _train_loop(args, workload, plan, loader, engine_provider, info: DistInfo, l
     tb = TensorBoardLogger(args.tensorboard_dir if info.rank == 0 else None)
     predicted_ms = plan.predicted.get("iteration_time", plan.iteration_time) * 1e3
     last_saved = start if args.load and args.load == args.save else None
-    n, elapsed, records = 0, 0.0, []
+    n, elapsed, loss_sum, records = 0, 0.0, {}, []
     print_rank_0(f"training {workload.name} for {args.train_iters} iterations from iteration {start} on "
                  f"{info.world_size} rank(s)")
     try:
@@ -277,16 +277,18 @@ def _train_loop(args, workload, plan, loader, engine_provider, info: DistInfo, l
             losses = engine.train_step(it)
             elapsed += time.perf_counter() - t0
             n += 1
+            loss_sum = {t: loss_sum.get(t, 0.0) + v for t, v in losses.items()}
             if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
                 waves = [t / n * 1e3 for t in timer.collect()]
-                rec = StepRecord(it + 1, args.train_iters, (it + 1) * gbs, lr, losses, weights, elapsed / n * 1e3,
-                                 predicted_ms, waves, gbs)
+                mean_losses = {t: v / n for t, v in loss_sum.items()}  # Megatron: averaged over the interval
+                rec = StepRecord(it + 1, args.train_iters, (it + 1) * gbs, lr, mean_losses, weights,
+                                 elapsed / n * 1e3, predicted_ms, waves, gbs)
                 print_rank_0(format_log_line(rec))
                 print_rank_0(format_wave_line(rec))
                 tb.log(rec)
                 records.append(rec)
                 timer.reset()
-                n, elapsed = 0, 0.0
+                n, elapsed, loss_sum = 0, 0.0, {}
             if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
                 save(args, it + 1, engine, loader, plan, workload, info)
                 last_saved = it + 1
