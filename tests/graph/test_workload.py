@@ -88,3 +88,44 @@ def test_unshared_module_gets_per_task_weights():
     assert w.param_owner("vision", "cap") == "vision@cap"
     assert w.param_owner("llm", "cap") == "llm"
     assert isinstance(w.modules["vision"], ModuleSpec)
+
+
+@pytest.mark.parametrize("edits, message", [
+    ({"modules.vision.activation": "relu"}, "module 'vision': unknown activation 'relu'"),
+    ({"modules.proj.activation": "silu"}, "module 'proj': activation applies to encoder/llm layers, not a projector"),
+    ({"modules.vision.qkv_bias": True}, "module 'vision': qkv_bias is for llm modules"),
+    ({"modules.llm.qkv_bias": "yes"}, "module 'llm': qkv_bias must be true or false, got 'yes'"),
+    ({"modules.llm.norm_epsilon": 0}, "module 'llm': norm_epsilon must be a positive number, got 0"),
+    ({"modules.llm.rotary_base": "1e6"}, "module 'llm': rotary_base must be a positive number, got '1e6'"),
+    ({"modules.vision.rotary_base": 10000}, "module 'vision': rotary_base applies to llm modules (RoPE)"),
+    ({"modules.llm.rope_scaling_factor": -8}, "module 'llm': rope_scaling_factor must be a positive number"),
+    ({"modules.proj.norm_epsilon": 1e-6}, "module 'proj': norm_epsilon: a projector has no norms"),
+    ({"modules.vision.head_pool": "max"}, "module 'vision': unknown head_pool 'max'"),
+    ({"modules.proj.head_pool": "mean"}, "module 'proj': head_pool is for modules with a contrastive head"),
+    ({"modules.vision.head_pool": "eos"}, "module 'vision': head_pool 'eos' needs a text front end"),
+    ({"modules.llm.eos_token_id": 1}, "module 'llm': eos_token_id is only used with head_pool: eos"),
+    ({"modules.llm.head_pool": "eos", "modules.llm.eos_token_id": 100},
+     "module 'llm': eos_token_id must be a token id in [0, 100), got 100"),
+    ({"modules.vision.frontend.pre_norm": "yes"}, "module 'vision': frontend pre_norm must be true or false"),
+    ({"modules.llm.frontend.pre_norm": True}, "module 'llm': frontend pre_norm is for patch front ends, not 'text'"),
+    ({"modules.vision.frontend.stem": "conv"}, "module 'vision': frontend stem 'conv' is for audio front ends"),
+    ({"modules.vision.frontend.stem": "mlp"}, "module 'vision': unknown frontend stem 'mlp'"),
+])
+def test_module_option_errors_name_the_problem(edits, message):
+    with pytest.raises(WorkloadError) as e:
+        workload_from_dict(spec(**edits))
+    assert message in str(e.value)
+
+
+def test_module_options_default_to_the_original_model():
+    w = workload_from_dict(BASE)
+    vision, llm = w.modules["vision"], w.modules["llm"]
+    assert (vision.act, llm.act) == ("gelu", "silu")
+    assert vision.pooling == "cls" and llm.pooling == "mean"
+    assert not llm.qkv_bias and llm.norm_epsilon is None and llm.rotary_base is None
+    assert not vision.frontend.pre_norm and vision.frontend.stem == "linear"
+    assert "qkv_bias" not in w.to_dict()["modules"]["llm"]
+    w2 = workload_from_dict(spec(**{"modules.llm.qkv_bias": True, "modules.llm.rotary_base": 1e6,
+                                    "modules.vision.frontend.pre_norm": True}))
+    assert w2.digest() != w.digest()
+    assert workload_from_dict(w2.to_dict()).modules["llm"].rotary_base == 1e6
