@@ -2,8 +2,9 @@
 
 ``--mapping MODULE=BASE_HF_FOLDER`` names, per workload module, the Hugging Face folder the module was converted
 from (or one of the same architecture and size). The base supplies the config, tokenizer files and every tensor
-our model does not hold (CLIP's pre-LayerNorm, Whisper's conv stem and decoder, the other CLIP tower); the saver
-writes our weights over it, in the base's dtypes, one unit at a time. Modules sharing a base are written together
+our model does not hold (Whisper's decoder, the other CLIP tower; CLIP's pre-LayerNorm and Whisper's conv stem when
+the workload does not declare ``pre_norm`` / ``stem: conv``); the saver writes our weights over it, in the base's
+dtypes, one unit at a time. Modules sharing a base are written together
 into ``<save-dir>/<module>[+<module>...]``; modules not in the mapping (projectors) are not exported.
 """
 
