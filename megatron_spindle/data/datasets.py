@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -157,10 +157,20 @@ def decode_field(workload: Workload, f: FieldSpec, ext: str, data: bytes) -> tor
     return x
 
 
-def collate(workload: Workload, task: str, samples: list[dict[str, torch.Tensor]]) -> TaskBatch:
-    """Stack samples into the task's global ``TaskBatch`` (LM text split into inputs and shifted labels)."""
+@dataclass
+class LoaderBatch(TaskBatch):
+    """A ``TaskBatch`` that can move itself to the training device (the engine calls ``batch.to(device)`` on the
+    shard it runs when the batch has a ``to``); ``shard`` keeps the class."""
+
+    def to(self, device) -> LoaderBatch:
+        return replace(self, inputs={m: t.to(device) for m, t in self.inputs.items()},
+                       labels=None if self.labels is None else self.labels.to(device))
+
+
+def collate(workload: Workload, task: str, samples: list[dict[str, torch.Tensor]]) -> LoaderBatch:
+    """Stack samples into the task's global batch (LM text split into inputs and shifted labels)."""
     fields = task_fields(workload, task)
-    batch = TaskBatch(task=task, global_batch_size=len(samples))
+    batch = LoaderBatch(task=task, global_batch_size=len(samples))
     for m, f in fields.items():
         x = torch.stack([s[m] for s in samples])
         if f.lm:

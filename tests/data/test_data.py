@@ -106,6 +106,8 @@ def test_mock_dataset_wraps_mock_batches(clip):
     batch = collate(clip, "vision_text", [ds[i] for i in range(4)])
     assert batch.global_batch_size == 4 and batch.inputs["vision"].shape == (4, 3, 16, 16)
     assert batch.shard(1, 2).inputs["text"].shape == (2, 12)
+    moved = batch.shard(1, 2).to("cpu")  # the engine moves the shard it runs to its device
+    assert moved.dp == 2 and torch.equal(moved.inputs["vision"], batch.inputs["vision"][2:])
 
 
 def test_lm_text_field_gives_shifted_labels():
