@@ -170,3 +170,11 @@ def test_mcore_tp2_checkpoint_gives_tp1_logits(tmp_path, capsys):
     assert inspect_tool.main([str(tmp_path / "mcore")]) == 0
     out = capsys.readouterr().out
     assert "iteration: 10" in out and "decoder.layers.mlp.linear_fc1.weight" in out and "(2, 96, 32)" in out
+
+    # An llm declaring `qkv_bias: true`: a checkpoint without biases converts with zero q/k/v biases (exact).
+    (tmp_path / "w.yaml").write_text(WORKLOAD.replace("    num_query_groups: 2\n",
+                                                      "    num_query_groups: 2\n    qkv_bias: true\n"))
+    _convert(tmp_path, "mcore", "spindle_bias")
+    biased = load_checkpoint(tmp_path / "spindle_bias").units["llm.layers.0"].model
+    assert not biased["llm.layers.0.self_attention.linear_qkv.bias"].any()
+    assert float((_our_logits(tmp_path, "spindle_bias") - theirs).norm() / theirs.norm()) <= 1e-5

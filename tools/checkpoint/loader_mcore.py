@@ -7,9 +7,9 @@ read as a slice of the stored chunks with ``torch.distributed.checkpoint`` (no p
 megatron-core import). ``--load-dir`` is a Megatron-LM checkpoint root (``latest_checkpointed_iteration.txt``), an
 ``iter_XXXXXXX`` folder, or any folder holding a ``.metadata`` file.
 
-Supported: the llama-style GPT our ``llm`` modules are (RoPE, RMSNorm, SwiGLU, GQA, no linear biases), local or
-Transformer Engine layer specs, tied or untied output layer. Anything else found (biases, learned absolute
-positions) is reported as an inexact conversion.
+Supported: the llama-style GPT our ``llm`` modules are (RoPE, RMSNorm, SwiGLU, GQA, no linear biases but q/k/v
+biases for a module declaring ``qkv_bias: true``), local or Transformer Engine layer specs, tied or untied output
+layer. Anything else found (other biases, learned absolute positions) is reported as an inexact conversion.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ _LAYER_KEYS = {
     "mlp.linear_fc2.weight": "mlp.linear_fc2.weight",
 }
 _EMBED = "embedding.word_embeddings.weight"
+_QKV_BIAS = "self_attention.linear_qkv.bias"
 
 
 def add_arguments(parser) -> None:
@@ -131,16 +132,17 @@ def _llm_module(workload, name: str | None):
     return llms[0]
 
 
-def _layer_keys(reader: TorchDistReader, prefix: str) -> tuple[dict[str, str], list[str]]:
+def _layer_keys(reader: TorchDistReader, prefix: str, qkv_bias: bool = False) -> tuple[dict[str, str], list[str]]:
     """(mcore key -> our name, other per-layer keys) of the stacked ``decoder.layers.*`` tensors."""
     lp = prefix + "decoder.layers."
+    keys = dict(_LAYER_KEYS, **({_QKV_BIAS: _QKV_BIAS} if qkv_bias else {}))
     mapped, other = {}, []
     for key in reader.tensors:
         if not key.startswith(lp):
             continue
         suffix = key[len(lp):]
-        if suffix in _LAYER_KEYS:
-            mapped[key] = _LAYER_KEYS[suffix]
+        if suffix in keys:
+            mapped[key] = keys[suffix]
         else:
             other.append(key)
     return mapped, other
@@ -156,7 +158,7 @@ def load_checkpoint(args, workload, meta: bool = False) -> Iterator[Metadata | U
     prefix = _find_prefix(reader)
     spec = _llm_module(workload, args.mcore_module)
     owner = workload.param_owner(spec.name, next(t.name for t in workload.tasks if spec.name in t.tokens))
-    mapped, other = _layer_keys(reader, prefix)
+    mapped, other = _layer_keys(reader, prefix, spec.qkv_bias)
     if not mapped:
         raise ConversionError(f"{folder}: no stacked 'decoder.layers.*' tensors (torch_dist format expected)")
     num_layers = reader.shape(next(iter(mapped)))[0]
@@ -173,7 +175,11 @@ def load_checkpoint(args, workload, meta: bool = False) -> Iterator[Metadata | U
     for i in range(num_layers):
         tensors = reader.read({k: i for k in mapped}, meta)
         unit = f"{owner}.layers.{i}"
-        yield UnitMessage(unit, {f"{unit}.{mapped[k]}": v for k, v in tensors.items()}, origin=str(folder))
+        out = {f"{unit}.{mapped[k]}": v for k, v in tensors.items()}
+        if spec.qkv_bias and f"{unit}.{_QKV_BIAS}" not in out:  # no biases in the checkpoint: zero ones are exact
+            qkv = out[f"{unit}.self_attention.linear_qkv.weight"]
+            out[f"{unit}.{_QKV_BIAS}"] = torch.zeros(qkv.shape[0], dtype=qkv.dtype, device=qkv.device)
+        yield UnitMessage(unit, out, origin=str(folder))
     out_key = prefix + "output_layer.weight"
     output = reader.read({out_key: None}, meta)[out_key] if out_key in reader.tensors else embed
     norm_key = prefix + "decoder.final_layernorm.weight"
