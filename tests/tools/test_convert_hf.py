@@ -540,3 +540,36 @@ def test_whisper_key_bias_is_dropped_exactly(env, tmp_path):
     for layer in enc.layers:
         theirs = layer(theirs, None)
     assert _rel(op([x], None), theirs) <= RTOL
+
+
+@torch.no_grad()
+def test_llama3_rope_and_norm_epsilon_options(env, tmp_path):
+    """A Llama-3.1-style decoder (rope_theta 500000, llama3 RoPE scaling, rms_norm_eps 1e-6): the default workload
+    refuses it naming the options; declaring `rotary_base`, `rope_scaling_factor` and `norm_epsilon` converts it
+    exactly (the scaled, smoothed and unscaled RoPE frequency bands all occur at head_dim 8)."""
+    cfg = transformers.LlamaConfig(hidden_size=H, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=64, rms_norm_eps=1e-6, bos_token_id=0,
+                                   eos_token_id=1, max_position_embeddings=131072, rope_theta=500000.0,
+                                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    torch.manual_seed(0)
+    model = _perturb(transformers.LlamaForCausalLM(cfg), 4)
+    model.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConversionError, match=r"declare `norm_epsilon: 1e-06`"):
+        _decoder_roundtrip(env, tmp_path, model)
+    from tools.checkpoint.hf_io import HFFolder
+    from tools.checkpoint.hf_mapping import find_tower, numerics_notes
+
+    tower = find_tower(HFFolder(tmp_path / "hf"), "llm", "text")
+    notes = " | ".join(numerics_notes(tower, env["workload"].modules["llm"]))
+    assert "declare `rotary_base: 500000.0`" in notes and "declare `rope_scaling_factor: 8.0`" in notes
+    (tmp_path / "w.yaml").write_text(WORKLOAD.replace(
+        "    num_query_groups: 2\n",
+        "    num_query_groups: 2\n    rotary_base: 500000.0\n    rope_scaling_factor: 8.0\n    norm_epsilon: 1.0e-6\n",
+        1))
+    workload = load_workload(tmp_path / "w.yaml")
+    _run(["--loader", "hf", "--saver", "spindle", "--workload", str(tmp_path / "w.yaml"), "--mapping",
+          f"llm={tmp_path / 'hf'}", "--save-dir", str(tmp_path / "spindle")])
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(9))
+    ours = _our_logits(_state(tmp_path / "spindle"), workload, ids)
+    assert _rel(ours, model(input_ids=ids).logits) <= RTOL
