@@ -177,6 +177,36 @@ def test_param_counts_by_unit(tiny_clip, tiny_vlm, cluster8):
     assert model.param_count("vis_proj.projector") == 48 * 64 + 64 + 64 * 64 + 64
 
 
+def test_module_options_add_parameters_and_work(cluster8):
+    """pre_norm adds a LayerNorm (params, memory traffic), the conv audio stem two k3 convs (params, FLOPs at the
+    frame and token rates), qkv_bias an llm's q/k/v biases; activations add nothing."""
+    spec = clip_like_spec()
+    base = AnalyticCostModel(workload_from_dict(spec), cluster8)
+    h = 1024
+    spec = clip_like_spec(frontend={"type": "patch", "image_size": 224, "patch_size": 14, "in_channels": 3,
+                                    "pre_norm": True}, activation="quick_gelu")
+    w = workload_from_dict(spec)
+    model = AnalyticCostModel(w, cluster8)
+    assert model.param_count("vision.frontend") == base.param_count("vision.frontend") + 2 * h
+    assert model.param_count("vision.layers.0") == base.param_count("vision.layers.0")
+    fe = build_metagraph(w).metaops["vt/vision.frontend"]
+    assert model.memory_bytes(fe) > base.memory_bytes(build_metagraph(base.workload).metaops["vt/vision.frontend"])
+    audio = {"name": "a", "modules": {
+        "audio": {"kind": "encoder", "num_layers": 1, "hidden_size": 64, "num_heads": 4, "ffn_hidden_size": 128,
+                  "frontend": {"type": "audio", "patch_size": 2, "in_channels": 80, "stem": "conv"}},
+        "llm": {"kind": "llm", "num_layers": 1, "hidden_size": 64, "num_heads": 4, "num_query_groups": 2,
+                "ffn_hidden_size": 128, "qkv_bias": True, "frontend": {"type": "text", "vocab_size": 100}}},
+        "tasks": [{"name": "t", "batch_size": 4, "tokens": {"audio": 10, "llm": 16}, "flows": [["audio", "llm"]],
+                   "loss": {"kind": "lm", "module": "llm"}}]}
+    w = workload_from_dict(audio)
+    model = AnalyticCostModel(w, cluster8)
+    h, kv, f = 64, 32, 128
+    assert model.param_count("audio.frontend") == 3 * 80 * h + h + 3 * h * h + h
+    assert model.param_count("llm.layers.0") == 2 * h + h * (h + 2 * kv) + (h + 2 * kv) + h * h + 3 * h * f
+    fe = build_metagraph(w).metaops["t/audio.frontend"]
+    assert model.forward_flops(fe) == 2.0 * 4 * 10 * (2 * 3 * 80 * h + 3 * h * h)
+
+
 def test_param_count_of_a_per_task_owner(cluster8):
     spec = clip_like_spec(shared=False)
     workload = workload_from_dict(spec)
