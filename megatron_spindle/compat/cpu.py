@@ -104,6 +104,20 @@ def _install_cpu_rng_tracker() -> None:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
+def _no_cuda_rng_state(*args, **kwargs) -> None:
+    """megatron/core/tensor_parallel/random.py ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``: activation
+    recomputation (``CheckpointFunction``, ``_fork_rng``) saves and restores the CUDA generator next to the CPU one.
+    On CPU there is no CUDA generator; the CPU state it also saves is what dropout draws from, so nothing is lost."""
+    return None
+
+
+def _patch_cuda_rng_state() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = _no_cuda_rng_state
+    mrandom._set_cuda_rng_state = _no_cuda_rng_state
+
+
 def cpu_shim_applied() -> bool:
     return _CUDA_TO_CPU_MODE is not None
 
@@ -122,6 +136,7 @@ def apply_cpu_shim() -> bool:
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = _no_cuda_synchronize
     _install_cpu_rng_tracker()
+    _patch_cuda_rng_state()
     mode = CudaToCpuFactoryMode()
     mode.__enter__()  # stays active for this thread
     _CUDA_TO_CPU_MODE = mode

@@ -27,6 +27,9 @@ class ModelConfig:
     init_seed: int = 0
     layernorm_epsilon: float = 1e-5
     rotary_base: int = 10000
+    # Full activation recomputation of transformer layers (the plan's planner["recompute"]): each layer keeps only
+    # its input and reruns its forward in backward (megatron-core's recompute_granularity="full").
+    recompute: bool = False
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -75,6 +78,8 @@ def _base_kwargs(cfg: ModelConfig, tp_size: int, module: ModuleSpec | None = Non
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         batch_p2p_comm=False,
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+           if cfg.recompute else {}),
     )
 
 

@@ -89,9 +89,15 @@ class _LocalSlice:
     out_grad: torch.Tensor | None = None
 
 
-def _default_factory():
-    from megatron_spindle.models import build_operator
+def _default_factory(plan: Plan):
+    """megatron-core operators, recomputing activations when the plan was made with recomputation."""
+    import functools
 
+    from megatron_spindle.models import build_operator
+    from megatron_spindle.models.config import ModelConfig
+
+    if plan.planner.get("recompute"):
+        return functools.partial(build_operator, config=ModelConfig(recompute=True))
     return build_operator
 
 
@@ -118,7 +124,7 @@ class RuntimeEngine:
                                f"the engine was given rank {rank} of {world_size}")
         self.device = torch.device(self.config.device or (f"cuda:{torch.cuda.current_device()}"
                                                            if torch.cuda.is_available() else "cpu"))
-        self.factory = operator_factory or _default_factory()
+        self.factory = operator_factory or _default_factory(plan)
         self.batch_fn = batch_fn or _default_batch_fn()
         self.spec_fn = activation_spec or default_activation_spec
         self.groups = PlanGroups(plan, rank, cache=groups)
