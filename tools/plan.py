@@ -9,7 +9,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# tools/ must not be on the import path: tools/profile.py would shadow the standard library's profile module.
+_TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _TOOLS_DIR]
+sys.path.insert(0, os.path.dirname(_TOOLS_DIR))
 
 from megatron_spindle.arguments import (add_cluster_args, add_spindle_args, add_workload_args, build_parser,  # noqa: E402
                                         cluster_from_args, planner_config_from_args, workload_from_args)

@@ -8,6 +8,8 @@ from megatron_spindle.planner.plan import Plan
 
 
 def _fmt_time(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:.2f} us"
     return f"{s * 1e3:.2f} ms" if s < 10 else f"{s:.2f} s"
 
 
@@ -36,8 +38,7 @@ def plan_summary(plan: Plan) -> str:
                      f"capacity {_fmt_bytes(plan.cluster['gpu']['memory_bytes'])}")
     solver = plan.planner.get("solver")
     if solver:
-        lines.append("  cp-sat: " + ", ".join(f"{k}={v}" for k, v in solver.items()
-                                              if not isinstance(v, (dict, list))))
+        lines += _solver_lines(solver)
     if "planning_seconds" in plan.planner:
         lines.append(f"  planning took {plan.planner['planning_seconds']:.3f} s")
     lines.append("")
@@ -54,6 +55,29 @@ def plan_summary(plan: Plan) -> str:
         lines.append(f"  {w.index:>4} {w.level:>4} {_fmt_time(w.start):>11} {_fmt_time(w.duration):>11}  "
                      + "; ".join(parts))
     return "\n".join(lines)
+
+
+def _solver_lines(solver: dict) -> list[str]:
+    """CP-SAT status, its best bound, C*, and the returned plan's gap to both (issue 4's summary)."""
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    def ms(x):
+        return "-" if x is None else _fmt_time(x)
+
+    head = (f"  cp-sat: {solver.get('status')}"
+            + (" (no better plan than the greedy hint)" if solver.get("used_hint_only") else "")
+            + f" in {solver.get('solve_seconds', 0):.1f} s; makespan {ms(solver.get('makespan'))} vs greedy "
+              f"{ms(solver.get('greedy_makespan'))} ({pct(solver.get('improvement'))} better); best bound "
+              f"{ms(solver.get('best_bound'))} (gap {pct(solver.get('gap_to_bound'))}); C* {ms(solver.get('c_star'))} "
+              f"(gap {pct(solver.get('gap_to_c_star'))}); time rounding <= {ms(solver.get('rounding_error_bound'))}")
+    lines = [head]
+    if solver.get("cross_level_overlap"):
+        lines.append(f"  cross-level overlap: barrier makespan {ms(solver.get('barrier_makespan'))}, gain "
+                     f"{pct(solver.get('overlap_gain'))}")
+    if solver.get("notes"):
+        lines.append(f"  cp-sat notes: {solver['notes']}")
+    return lines
 
 
 def _fmt_devices(devs: list[int]) -> str:
