@@ -115,7 +115,8 @@ def draw_gantt(plan: Plan, path: str | Path, title: str | None = None) -> Path:
                 ax.barh(d, s.predicted_time * scale, left=w.start * scale, height=0.8,
                         color=color[s.module or s.kind], edgecolor="black", linewidth=0.3, zorder=2)
             if w.duration > 0.04 * plan.iteration_time:
-                ax.text((w.start + s.predicted_time / 2) * scale, sum(s.devices) / len(s.devices), label,
+                row = sorted(s.devices)[len(s.devices) // 2]  # a row the slice occupies, even when scattered
+                ax.text((w.start + s.predicted_time / 2) * scale, row, label,
                         ha="center", va="center", fontsize=6, zorder=3, clip_on=True)
         ax.axvline(w.start * scale, color="0.6", linewidth=0.4, zorder=1)
     for lv in plan.levels:
