@@ -29,6 +29,7 @@ recompute their activations (the cost and memory models must match it). Wave sta
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -133,20 +134,26 @@ def _serialise(groups: Sequence[Sequence[ScheduledSlice]], metagraph: MetaGraph)
 
 
 def _assemble(ctx: BaselineContext, waves: list[ScheduledWave], segments: list[list[int]],
-              settings: dict[str, Any], zero_stage: int = 0) -> Plan:
-    """Assemble and validate; the plan's memory is the simulator's (ZeRO-aware) peak per device."""
+              settings: dict[str, Any], zero_stages: Sequence[int] = (0,)) -> list[Plan]:
+    """Assemble once, then one validated plan per ZeRO stage (the stage changes only the settings and the
+    memory); each plan's memory is the simulator's (ZeRO-aware) peak per device."""
     from megatron_spindle.simulator import simulate
 
-    settings = {**settings, "segments": segments, "zero_stage": zero_stage, "recompute": ctx.recompute}
-    plan = assemble_plan(ctx.workload, ctx.cluster, ctx.metagraph, waves, ctx.cost_model, ctx.memory_model,
+    settings = {**settings, "segments": segments, "recompute": ctx.recompute}
+    base = assemble_plan(ctx.workload, ctx.cluster, ctx.metagraph, waves, ctx.cost_model, ctx.memory_model,
                          settings, validate=False)
-    result = simulate(plan, ctx.workload, ctx.cluster, ctx.cost_model, ctx.memory_model, metagraph=ctx.metagraph)
-    plan.memory_per_device = list(result.peak_memory)
-    fits = max(result.peak_memory, default=0.0) <= ctx.cluster.gpu.memory_bytes
-    plan.planner["memory_ok"] = fits
-    plan.planner["simulated_iteration_time"] = result.iteration_time
-    validate_plan(plan, ctx.workload, ctx.cluster, ctx.metagraph, check_memory=fits)
-    return plan
+    plans = []
+    for i, stage in enumerate(zero_stages):
+        plan = base if i == len(zero_stages) - 1 else copy.deepcopy(base)
+        plan.planner["zero_stage"] = stage
+        result = simulate(plan, ctx.workload, ctx.cluster, ctx.cost_model, ctx.memory_model, metagraph=ctx.metagraph)
+        plan.memory_per_device = list(result.peak_memory)
+        fits = max(result.peak_memory, default=0.0) <= ctx.cluster.gpu.memory_bytes
+        plan.planner["memory_ok"] = fits
+        plan.planner["simulated_iteration_time"] = result.iteration_time
+        validate_plan(plan, ctx.workload, ctx.cluster, ctx.metagraph, check_memory=fits)
+        plans.append(plan)
+    return plans
 
 
 def _sim_time(plan: Plan) -> float:
@@ -171,15 +178,20 @@ def _with_recompute_if_needed(ctx: BaselineContext, build: Callable[[BaselineCon
     return _pick([plan, build(ctx.recomputing(True))])
 
 
-def _temporal(ctx: BaselineContext, per_task: Callable[[str], list[list[ScheduledSlice]]], settings: dict[str, Any],
-              zero_stage: int = 0) -> Plan:
+def _temporal_variants(ctx: BaselineContext, per_task: Callable[[str], list[list[ScheduledSlice]]],
+                       settings: dict[str, Any], zero_stages: Sequence[int]) -> list[Plan]:
     """Tasks one after another (each a segment); ``per_task`` gives a task's waves as lists of slices."""
     groups, segments = [], []
     for task in ctx.workload.tasks:
         task_groups = per_task(task.name)
         segments.append(list(range(len(groups), len(groups) + len(task_groups))))
         groups += task_groups
-    return _assemble(ctx, _serialise(groups, ctx.metagraph), segments, settings, zero_stage)
+    return _assemble(ctx, _serialise(groups, ctx.metagraph), segments, settings, zero_stages)
+
+
+def _temporal(ctx: BaselineContext, per_task: Callable[[str], list[list[ScheduledSlice]]], settings: dict[str, Any],
+              zero_stage: int = 0) -> Plan:
+    return _temporal_variants(ctx, per_task, settings, (zero_stage,))[0]
 
 
 def _whole_cluster_waves(ctx: BaselineContext, task: str, config: Callable[[MetaOp], tuple[int, int]]):
@@ -210,7 +222,7 @@ def deepspeed_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineContex
         def per_task(task: str, c=c):
             return _whole_cluster_waves(c, task, lambda m: (1, _largest_dp(m.batch, n)))
 
-        plans += [_temporal(c, per_task, {"planner": "deepspeed"}, zero_stage=z) for z in ZERO_STAGES]
+        plans += _temporal_variants(c, per_task, {"planner": "deepspeed"}, ZERO_STAGES)
     plan = _pick(plans)
     plan.planner["search"] = {
         f"zero{p.planner['zero_stage']}{'+recompute' if p.planner['recompute'] else ''}":
@@ -381,7 +393,7 @@ def _optimus(ctx: BaselineContext) -> Plan:
             segments.append(list(range(first, len(all_groups))))
         offset += size
     settings = {"planner": "optimus", "groups": [{"tasks": names, "devices": size} for names, size in groups]}
-    return _assemble(ctx, _serialise(all_groups, ctx.metagraph), segments, settings)
+    return _assemble(ctx, _serialise(all_groups, ctx.metagraph), segments, settings)[0]
 
 
 # ------------------------------------------------------------------------------------------ Spindle-Seq
