@@ -15,20 +15,38 @@ TP degree; collective over the TP group), and ``load_full_state(dict)``. A termi
 returns its task's loss as a scalar whose sum over the slice's DP ranks is the task loss (set the attribute
 ``dp_loss_reduction = "mean"`` if instead every DP rank returns a loss whose DP-mean is the task loss).
 
-Gradients and optimizer (the "full master" scheme): every rank keeps one full fp32 master copy of each
-parameter unit it holds (even when a slice holds only a TP shard of it) and the AdamW state for it. After
-backward, each slice's gradients are gathered to full tensors over its TP group (``export_full_state`` on
-gradients); only TP rank 0 of each slice contributes them, so each TP group counts once; contributions are
-summed on the device and all-reduced inside the unit's parameter device group. Every holder then has the
-exact total gradient d(sum_t w_t loss_t)/dW, runs the same elementwise AdamW step on its master, and loads the
-result back into its operators (re-sharded by ``load_full_state``). This is exact whatever TP degrees, waves
-or device sets the uses of a weight have, at the price of full-size optimizer state on TP ranks.
+Gradients and optimizer: every rank keeps fp32 master weights and the AdamW state of each parameter unit it
+holds (even when a slice holds only a TP shard of it). After backward, each slice's gradients are gathered to
+full tensors over its TP group (``export_full_state`` on gradients); only TP rank 0 of each slice contributes
+them, so each TP group counts once; contributions are summed on the device and all-reduced inside the unit's
+parameter device group, so every holder has the exact total gradient d(sum_t w_t loss_t)/dW (``self.grads``).
+The AdamW step is elementwise, so it may run on any partition of a unit's elements:
+
+- ``zero_stage`` 0 (default): replicated. Every holder keeps the whole unit's master and moments, steps them,
+  and loads the result back into its operators (re-sharded by ``load_full_state``).
+- ``zero_stage`` 1 (``plan.planner["zero_stage"] == 1``, the distributed optimizer): the master and moments of
+  a unit are sharded over the members of its parameter device group. The unit is flattened (its tensors sorted
+  by name, each row-major) into N elements; the member with index i in the group's sorted device list keeps
+  elements [i*S, (i+1)*S), S = ceil(N / group size) (the last shards zero-padded, see runtime/shards.py). Each
+  member slices its shard out of the all-reduced gradient, steps it, and the updated shards of all units of the
+  group are all-gathered in one collective, so every holder loads identical full weights. Numerically equal
+  to zero_stage 0; the optimizer memory of a unit drops to 1/size of the group.
+
+Whatever the layout, ``export_units`` / ``load_units`` / ``full_state`` speak full (unsharded) tensors, so
+checkpoints are layout-independent: save under one plan, zero stage and world size, resume under another.
+With zero_stage 1, ``export_units`` and ``full_state`` are collective (every rank must call them, as the
+trainer does); ``load_units`` and ``load_full_state`` never communicate.
+
+Trainer hooks: ``set_lr``, ``set_loss_weights``, ``export_units``/``load_units``/``expected_shapes`` and
+``on_wave(phase, wave_index, seconds)``, called after the forward ("forward") and backward ("backward") part
+of each wave on this rank (its slice and the transfers into that wave; no synchronisation is added).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_spindle.checkpointing.checkpoint import CheckpointError, UnitState
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.planner.plan import Plan, Slice
@@ -47,6 +66,7 @@ from megatron_spindle.runtime.layout import (
     slice_units,
     transfer_input_index,
 )
+from megatron_spindle.runtime.shards import UnitShard, gather_units
 from megatron_spindle.runtime.transfer import SpecFn, TransferOp, default_activation_spec
 
 TERMINAL_KINDS = ("loss", "lm_head")
@@ -114,7 +134,8 @@ class RuntimeEngine:
     def __init__(self, plan: Plan, workload: Workload, rank: int, world_size: int,
                  config: EngineConfig | None = None, *, operator_factory: Callable | None = None,
                  batch_fn: Callable | None = None, activation_spec: SpecFn | None = None,
-                 metagraph: MetaGraph | None = None, groups=None):
+                 metagraph: MetaGraph | None = None, groups=None,
+                 on_wave: Callable[[str, int, float], None] | None = None):
         self.plan, self.workload, self.rank, self.world_size = plan, workload, rank, world_size
         self.config = config or EngineConfig()
         self.metagraph = metagraph or build_metagraph(workload)
@@ -131,8 +152,14 @@ class RuntimeEngine:
         self.wave_index = {s.id: wi for wi, w in enumerate(plan.waves) for s in w.slices}
         self.transfers = self._build_transfers()
         self.local = self._build_local()
+        self.on_wave = on_wave
+        self.zero_stage = int(plan.planner.get("zero_stage", 0) or 0)
+        if self.zero_stage not in (0, 1):
+            raise ValueError(f"zero_stage {self.zero_stage}: the runtime supports 0 and 1 (distributed optimizer)")
         self.key_unit: dict[str, str] = {}
-        self.masters: dict[str, torch.nn.Parameter] = {}
+        self.shards: dict[str, UnitShard] = {}  # unit -> its flat layout and this rank's shard of it
+        self.masters: dict[str, torch.nn.Parameter] = {}  # unit -> fp32 master shard (the whole unit at stage 0)
+        self._opt_groups: list[tuple[tuple[int, ...], list[str]]] = []  # (sorted devices, units), plan order
         self._init_masters()
         self.grads: dict[str, torch.Tensor] = {}
         opt = self.config.optimizer
@@ -176,7 +203,27 @@ class RuntimeEngine:
         return local
 
     def _init_masters(self) -> None:
-        """Full masters from the operators' own (deterministic) initialisation; collective per TP group."""
+        """Masters from the operators' own (deterministic) initialisation; collective per TP group."""
+        full = self._initial_weights()
+        for pg in self.plan.param_groups:
+            devices = tuple(sorted(pg.devices))
+            units = sorted({self.key_unit[k] for k in full} & set(pg.params))
+            if self.rank not in devices or not units:
+                continue
+            members, index = (len(devices), devices.index(self.rank)) if self.zero_stage == 1 else (1, 0)
+            for u in units:
+                keys = sorted(k for k in full if self.key_unit[k] == u)
+                sh = UnitShard(u, keys, [full[k].shape for k in keys], members, index)
+                self.shards[u] = sh
+                self.masters[u] = torch.nn.Parameter(sh.shard_of(sh.flatten(full)))
+            self._opt_groups.append((devices, units))
+        orphans = sorted(set(self.key_unit.values()) - set(self.shards))
+        if orphans:
+            raise RuntimeError(f"rank {self.rank} holds units {orphans[:5]} that no parameter device group of the "
+                               f"plan lists with this rank")
+
+    def _initial_weights(self) -> dict[str, torch.Tensor]:
+        full: dict[str, torch.Tensor] = {}
         for ls in self._local_in_order():
             state = ls.op.export_full_state()
             ls.param_keys = _param_keys(ls.op)
@@ -186,46 +233,135 @@ class RuntimeEngine:
                     raise RuntimeError(f"slice '{ls.slice.id}': exported parameter '{k}' belongs to none of its "
                                        f"units {ls.units}")
                 v = state[k].detach().to(self.device, torch.float32)
-                if k in self.masters:
-                    if not torch.equal(self.masters[k].data, v):
+                if k in full:
+                    if not torch.equal(full[k], v):
                         raise RuntimeError(f"parameter '{k}' was initialised differently by two slices on rank "
                                            f"{self.rank}: operators must initialise weights from unit names")
                     continue
-                self.masters[k] = torch.nn.Parameter(v.clone())
+                full[k] = v.clone()
                 self.key_unit[k] = unit
+        return full
 
     def _local_in_order(self) -> list[_LocalSlice]:
         return sorted(self.local.values(), key=lambda ls: ls.wave)
 
     # -------------------------------------------------------------------------------------------- state
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Full master weights this rank holds ("<unit>.<path>" -> tensor)."""
-        return {k: v.detach().clone() for k, v in self.masters.items()}
+        """Full master weights this rank holds ("<unit>.<path>" -> tensor). Collective at zero_stage 1."""
+        return {k: v.clone() for k, v in self._full_weights().items()}
 
     def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
         """Overwrite the weights this rank holds (keys it does not hold are ignored; missing keys raise)."""
-        missing = sorted(set(self.masters) - set(state))
+        missing = sorted(set(self.key_unit) - set(state))
         if missing:
             raise KeyError(f"load_full_state: missing {missing[:5]}")
+        full = {k: state[k].detach().to(self.device, torch.float32) for k in self.key_unit}
         with torch.no_grad():
-            for k, p in self.masters.items():
-                p.copy_(state[k].to(p.device, p.dtype))
-        self._push_masters()
+            for u, p in self.masters.items():
+                sh = self.shards[u]
+                p.copy_(sh.shard_of(sh.flatten(full)))
+        self._push_weights(full)
 
-    def _push_masters(self) -> None:
+    def expected_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """unit -> {"<unit>.<path>": full shape} for every unit this rank holds."""
+        return {u: {k: tuple(shape) for k, shape in zip(sh.keys, sh.shapes)} for u, sh in self.shards.items()}
+
+    def export_units(self) -> dict[str, UnitState]:
+        """Every unit this rank holds in full form: fp32 weights and AdamW state (``optim`` empty before the
+        first step), whatever the zero stage. Collective over the parameter device groups at zero_stage 1."""
+        out: dict[str, UnitState] = {}
+        for devices, units in self._opt_groups:
+            states = [self._adam_state(u) for u in units]
+            parts = [[self.masters[u].detach()] + ([st["exp_avg"], st["exp_avg_sq"]] if st else [])
+                     for u, st in zip(units, states)]
+            fulls = gather_units([self.shards[u] for u in units], parts, self.groups.param_group(devices))
+            for u, st, vecs in zip(units, states, fulls):
+                sh = self.shards[u]
+                model = {k: v.clone() for k, v in sh.unflatten(vecs[0]).items()}
+                optim = {}
+                if st:
+                    avg, sq = sh.unflatten(vecs[1]), sh.unflatten(vecs[2])
+                    optim = {k: {"exp_avg": avg[k].clone(), "exp_avg_sq": sq[k].clone(), "step": float(st["step"])}
+                             for k in sh.keys}
+                out[u] = UnitState(model, optim)
+        return out
+
+    def load_units(self, units: dict[str, UnitState], load_optim: bool = True) -> None:
+        """Load the weights (and AdamW state) of every unit this rank holds from their full forms; each rank
+        keeps its own shard. A unit without optimizer state starts AdamW afresh. Never communicates."""
+        missing = sorted(set(self.shards) - set(units))
+        if missing:
+            raise KeyError(f"load_units: missing units {missing[:5]}")
+        self.load_full_state({k: v for u in self.shards for k, v in units[u].model.items()})
+        if not load_optim or self.optimizer is None:
+            return
+        for u, p in self.masters.items():
+            self._load_adam_state(u, p, units[u].optim)
+
+    def _adam_state(self, unit: str) -> dict[str, Any] | None:
+        if self.optimizer is None:
+            return None
+        return self.optimizer.state.get(self.masters[unit]) or None
+
+    def _load_adam_state(self, unit: str, p: torch.nn.Parameter, optim: dict[str, dict[str, Any]]) -> None:
+        sh = self.shards[unit]
+        present = [k for k in sh.keys if k in optim]
+        if not present:
+            self.optimizer.state.pop(p, None)
+            return
+        steps = {float(optim[k]["step"]) for k in present}
+        if len(present) != len(sh.keys) or len(steps) != 1:
+            raise CheckpointError(f"unit '{unit}': AdamW state for {len(present)} of its {len(sh.keys)} tensors, "
+                                  f"steps {sorted(steps)}: a unit's tensors must share one optimizer state")
+        moment = lambda name: sh.shard_of(sh.flatten({k: optim[k][name].to(self.device) for k in sh.keys}))  # noqa: E731
+        self.optimizer.state[p] = {"step": torch.tensor(steps.pop(), dtype=torch.float32),
+                                   "exp_avg": moment("exp_avg"), "exp_avg_sq": moment("exp_avg_sq")}
+
+    def set_lr(self, lr: float) -> None:
+        """Learning rate of the next optimizer steps."""
+        if self.optimizer is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+
+    def set_loss_weights(self, weights: dict[str, float]) -> None:
+        """Loss weight w_t of each named task for the next steps (0: the task sits out); others keep theirs."""
+        unknown = sorted(set(weights) - {t.name for t in self.workload.tasks})
+        if unknown:
+            raise KeyError(f"set_loss_weights: unknown tasks {unknown}")
+        for ls in self.local.values():
+            if ls.terminal and ls.slice.task in weights:
+                ls.weight = float(weights[ls.slice.task])
+
+    def optimizer_numel(self) -> dict[str, tuple[int, int]]:
+        """unit -> (fp32 elements of its master shard on this rank, elements of the full unit). Each of the
+        master, exp_avg and exp_avg_sq has the shard's size."""
+        return {u: (self.masters[u].numel(), sh.numel) for u, sh in self.shards.items()}
+
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        """Full fp32 master weights (views; gathered over the parameter device groups at zero_stage 1)."""
+        full: dict[str, torch.Tensor] = {}
+        for devices, units in self._opt_groups:
+            vecs = gather_units([self.shards[u] for u in units], [[self.masters[u].detach()] for u in units],
+                                self.groups.param_group(devices))
+            for u, (v,) in zip(units, vecs):
+                full.update(self.shards[u].unflatten(v))
+        return full
+
+    def _push_weights(self, full: dict[str, torch.Tensor]) -> None:
         for ls in self._local_in_order():
-            ls.op.load_full_state({k: self.masters[k].detach().to(self.config.dtype) for k in ls.param_keys})
+            ls.op.load_full_state({k: full[k].to(self.config.dtype) for k in ls.param_keys})
 
     # --------------------------------------------------------------------------------------------- step
     def train_step(self, step: int) -> dict[str, float]:
         """Forward, backward, gradient sync, AdamW. Returns the per-task losses (the same on every rank)."""
         losses = self.forward_backward(step)
         if self.optimizer is not None:
-            for k, p in self.masters.items():
-                p.grad = self.grads[k]
+            for u, p in self.masters.items():
+                sh = self.shards[u]
+                p.grad = sh.shard_of(sh.flatten(self.grads))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            self._push_masters()
+            self._push_weights(self._full_weights())
         return losses
 
     def forward_backward(self, step: int) -> dict[str, float]:
@@ -239,20 +375,28 @@ class RuntimeEngine:
             by_wave.setdefault(self.wave_index[t.consumer.id], []).append(t)
         mine = {ls.wave: ls for ls in self.local.values()}
         for wi in range(len(self.plan.waves)):
+            t0 = time.perf_counter()
             for t in by_wave.get(wi, []):
                 self._forward_transfer(t)
             if wi in mine:
                 self._forward_slice(mine[wi], batches)
+            self._wave_done("forward", wi, t0)
         losses = self._reduce_losses()
         for wi in reversed(range(len(self.plan.waves))):
+            t0 = time.perf_counter()
             if wi in mine:
                 self._backward_slice(mine[wi])
             for t in by_wave.get(wi, []):
                 self._backward_transfer(t)
+            self._wave_done("backward", wi, t0)
         self._sync_grads()
         for ls in self.local.values():
             ls.inputs, ls.output, ls.out_grad = [], None, None
         return losses
+
+    def _wave_done(self, phase: str, wave: int, t0: float) -> None:
+        if self.on_wave is not None:
+            self.on_wave(phase, wave, time.perf_counter() - t0)
 
     def _batches(self, step: int) -> dict[str, Any]:
         tasks = {ls.slice.task for ls in self.local.values()}
@@ -310,7 +454,8 @@ class RuntimeEngine:
             src.out_grad = out if src.out_grad is None else src.out_grad + out
 
     def _sync_grads(self) -> None:
-        acc = {k: torch.zeros_like(p, dtype=torch.float32) for k, p in self.masters.items()}
+        acc = {k: torch.zeros(shape, dtype=torch.float32, device=self.device)
+               for sh in self.shards.values() for k, shape in zip(sh.keys, sh.shapes)}
         for ls in self._local_in_order():  # TP-group collectives: wave order on every rank
             g = _full_grads(ls.op, ls.param_keys)
             if ls.tp_leader:

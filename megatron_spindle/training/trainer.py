@@ -167,10 +167,10 @@ def _unit_owners(plan) -> dict[str, int]:
 
 def save(args, iteration: int, engine, loader, plan, workload, info: DistInfo) -> Path:
     from megatron_spindle.checkpointing import save_checkpoint
-    from megatron_spindle.training.engine_state import engine_units
 
     owners = _unit_owners(plan)
-    mine = {u: s for u, s in engine_units(engine).items() if owners.get(u, 0) == info.rank}
+    # collective with the distributed optimizer: every rank exports, the owner of each unit writes it
+    mine = {u: s for u, s in engine.export_units().items() if owners.get(u, 0) == info.rank}
     t0 = time.perf_counter()
     path = save_checkpoint(args.save, iteration, mine, rank=info.rank, world_size=info.world_size,
                            workload_name=workload.name, workload_digest=workload.digest(),
@@ -185,18 +185,17 @@ def save(args, iteration: int, engine, loader, plan, workload, info: DistInfo) -
 def load(args, engine, loader, workload, info: DistInfo) -> int:
     """Restore model, optimizer, RNG and data position from --load; returns the iteration to start at."""
     from megatron_spindle.checkpointing import load_checkpoint, set_rng_state
-    from megatron_spindle.training.engine_state import engine_expected_shapes, load_engine_units
 
     err, ck = None, None
     if not Path(args.load).exists():
         print_rank_0(f"no checkpoint at {args.load} yet: training from scratch")
         return 0
-    expected = engine_expected_shapes(engine)
+    expected = engine.expected_shapes()
     try:
         ck = load_checkpoint(args.load, units=sorted(expected), expected=expected, rank=info.rank,
                              workload_digest=workload.digest())
         if ck is not None:
-            load_engine_units(engine, ck.units, load_optim=not args.no_load_optim)
+            engine.load_units(ck.units, load_optim=not args.no_load_optim)
             if ck.rng is not None and not args.no_load_rng:
                 set_rng_state(ck.rng)
             loader.load_state_dict(ck.data_position)
@@ -246,7 +245,7 @@ def train(args, workload, datasets, engine_provider, info: DistInfo, loss_weight
 
 def _train_loop(args, workload, plan, loader, engine_provider, info: DistInfo, loss_weights: dict[str, float],
                 gantt: str | None) -> list:
-    from megatron_spindle.training.engine_state import WaveTimer, set_learning_rate, set_loss_weights
+    from megatron_spindle.training.engine_state import WaveTimer
     from megatron_spindle.training.log import StepRecord, TensorBoardLogger, format_log_line, format_wave_line
     from megatron_spindle.training.schedule import LRSchedule
 
@@ -269,10 +268,10 @@ def _train_loop(args, workload, plan, loader, engine_provider, info: DistInfo, l
     try:
         for it in range(start, args.train_iters):
             lr = sched(it)
-            set_learning_rate(engine, lr)
+            engine.set_lr(lr)
             mb = loader.advance()
             weights = {t: (base[t] if mb.active[t] else 0.0) for t in base}
-            set_loss_weights(engine, weights)
+            engine.set_loss_weights(weights)
             t0 = time.perf_counter()
             losses = engine.train_step(it)
             elapsed += time.perf_counter() - t0

@@ -9,13 +9,16 @@ degrees in different waves). Tolerances: see harness.check_engine_against.
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 import tempfile
 
 import pytest
+import torch
 import torch.distributed as dist
-from harness import check_engine_against, reference_trajectory, spawn
+from harness import LATER, RTOL, STEPS, check_engine_against, global_rel_err, reference_trajectory, spawn
 from plans import random_plan, sequential_plan, unit_device_sets, unit_tp_degrees
 from standin import StandinReference, standin_batch, standin_factory
 
@@ -154,7 +157,8 @@ def _worker(rank, world):
         check_engine_against(engine, refs[ops, wname], f"rank {rank} {ops} {wname} {label}")
     if world > 1:
         assert all(seen.values()), seen
-    # 3) the command line entry point (plan JSON, workload by name, mock data) inside this world
+        check_distributed_optimizer(rank, world, workloads, refs, cfg, cache)
+    # 4) the command line entry point (plan JSON, workload by name, mock data) inside this world
     with tempfile.TemporaryDirectory() as tmp:  # per rank: the plan is deterministic, every rank writes it
         path = os.path.join(tmp, "plan.json")
         random_plan(workloads["tiny-vlm"], world, 2).save(path)
@@ -164,6 +168,91 @@ def _worker(rank, world):
         workloads["tiny-vlm"]).losses[0]
     for t, v in ref0.items():
         assert abs(history[0][t] - v) <= 1e-5 * max(1.0, abs(v)), (t, history[0][t], v)
+
+
+def zero1(plan):
+    """The same plan with the distributed optimizer (the planner's choice when memory needs it)."""
+    plan = copy.deepcopy(plan)
+    plan.planner = {**plan.planner, "zero_stage": 1}
+    return plan
+
+
+def zero1_cases(world: int):
+    """(operators, label, workload, plan factory) run again at zero_stage 1; the spindle plans put the shared
+    towers on several device sets."""
+    sp = lambda s: (lambda w: random_plan(w, world, s))  # noqa: E731
+    return [("standin", "spindle-1", "tiny-clip", sp(1)), ("standin", "spindle-2", "tiny-vlm", sp(2)),
+            ("standin", "sequential-tp2", "tiny-vlm", lambda w: sequential_plan(w, world, tp=2)),
+            ("standin", "spindle-1", "fanout", sp(1)), ("real", "spindle-2", "tiny-vlm", sp(2))]
+
+
+def check_sharded_state(engine, label: str) -> None:
+    """Each rank keeps ceil(N / group size) elements of a unit's master and moments; exports are full."""
+    sizes = {u: len(g.devices) for g in engine.plan.param_groups for u in g.params}
+    numel = engine.optimizer_numel()
+    for u, (local, full) in numel.items():
+        assert local == math.ceil(full / sizes[u]), (label, u, local, full, sizes[u])
+        st = engine.optimizer.state[engine.masters[u]]
+        assert st["exp_avg"].numel() == st["exp_avg_sq"].numel() == local, (label, u)
+    if numel:
+        assert any(local < full for local, full in numel.values()), f"{label}: nothing is sharded"
+    exported, weights = engine.export_units(), engine.full_state()
+    assert set(exported) == set(numel)
+    for u, st in exported.items():
+        assert set(st.model) == set(st.optim) == set(engine.expected_shapes()[u]), (label, u)
+        for k, v in st.model.items():
+            assert torch.equal(v, weights[k]), (label, k)
+            assert st.optim[k]["exp_avg"].shape == v.shape and st.optim[k]["step"] == STEPS, (label, k)
+
+
+def all_units(engine) -> dict:
+    """Every rank's exported units merged (collective)."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, engine.export_units())
+    return {u: st for p in parts for u, st in p.items()}
+
+
+def check_resume_across_layouts(engine, w, rank, world, cfg, cache, label: str) -> None:
+    """The zero_stage 1 engine's full units load exactly into a zero_stage 0 engine of another plan and a
+    zero_stage 1 engine on half the devices; one more step on each agrees with the original engine."""
+    units = all_units(engine)
+    kw = dict(operator_factory=standin_factory, batch_fn=standin_batch, groups=cache)
+    others = [RuntimeEngine(sequential_plan(w, world), w, rank, world, cfg, **kw),
+              RuntimeEngine(zero1(random_plan(w, max(1, world // 2), 3)), w, rank, world, cfg, **kw)]
+    for other in others:
+        other.load_units(units)
+        for u, st in other.export_units().items():  # collective at zero_stage 1
+            for k, v in st.model.items():
+                assert torch.equal(v, units[u].model[k]), (label, k)
+                for m in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(st.optim[k][m], units[u].optim[k][m]), (label, k, m)
+                assert st.optim[k]["step"] == units[u].optim[k]["step"]
+    for e in [engine] + others:
+        e.train_step(STEPS)
+    after = [all_units(e) for e in [engine] + others]
+    flat = [({k: v for s in a.values() for k, v in s.model.items()},
+             {k: o["exp_avg"] for s in a.values() for k, o in s.optim.items()}) for a in after]
+    for weights, avg in flat[1:]:
+        assert global_rel_err(weights, flat[0][0]) <= RTOL, label
+        assert global_rel_err(avg, flat[0][1]) <= LATER, label
+
+
+def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache) -> None:
+    """zero_stage 1 copies of some plans follow the reference trajectory with the same tolerances."""
+    several = False
+    for ops, case, wname, make in zero1_cases(world):
+        w = workloads[wname]
+        plan = zero1(make(w))
+        tower = "vision.layers.0" if wname.startswith("tiny-clip") else "llm.layers.0"
+        several |= len(unit_device_sets(plan, tower)) > 1
+        kw = dict(operator_factory=standin_factory, batch_fn=standin_batch) if ops == "standin" else {}
+        engine = RuntimeEngine(plan, w, rank, world, cfg, groups=cache, **kw)
+        label = f"rank {rank} {ops} {wname} {case} zero1"
+        check_engine_against(engine, refs[ops, wname], label)
+        check_sharded_state(engine, label)
+        if (ops, case) == ("standin", "spindle-2"):
+            check_resume_across_layouts(engine, w, rank, world, cfg, cache, label)
+    assert several, "no zero_stage 1 plan put a shared tower on several device sets"
 
 
 @pytest.mark.multiproc

@@ -1,0 +1,79 @@
+"""Flat per-unit layout of the optimizer state, replicated or sharded over a parameter device group.
+
+A parameter unit's tensors ("<unit>.<path>", sorted by name) are flattened, in that order, into one fp32 vector
+of ``numel`` elements. Sharded over a group of ``members`` ranks (the group's devices sorted ascending), the
+member with index ``index`` in that sorted list keeps elements ``[index * size, (index + 1) * size)`` with
+``size = ceil(numel / members)``; the last shard(s) are zero-padded to ``size``. The replicated optimizer
+(zero_stage 0) is the case ``members = 1``, ``index = 0``: the shard is the whole unit.
+
+Collectives over a group move one buffer of ``members`` rows: row ``j`` is member ``j``'s shards of every unit
+of the group (units in the group's order), so all units of a group travel in one all-gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class UnitShard:
+    unit: str
+    keys: list[str]  # sorted "<unit>.<path>" names
+    shapes: list[torch.Size]
+    members: int
+    index: int
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel() for s in self.shapes)
+
+    @property
+    def size(self) -> int:
+        """Elements of one shard (padding included)."""
+        return -(-self.numel // self.members)
+
+    def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Full tensors of the unit (name -> tensor) -> one flat fp32 vector of ``numel`` elements."""
+        return torch.cat([tensors[k].reshape(-1).to(torch.float32) for k in self.keys])
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A flat vector of ``numel`` elements -> the unit's full tensors (views of ``flat``)."""
+        out, off = {}, 0
+        for k, shape in zip(self.keys, self.shapes):
+            n = shape.numel()
+            out[k] = flat[off:off + n].view(shape)
+            off += n
+        return out
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """A full flat vector -> this member's shard (a new tensor of ``size`` elements, zero-padded)."""
+        lo = min(self.index * self.size, self.numel)
+        hi = min(lo + self.size, self.numel)
+        out = flat.new_zeros(self.size)
+        out[:hi - lo] = flat[lo:hi]
+        return out
+
+
+def gather_units(shards: list[UnitShard], parts: list[list[torch.Tensor]], group) -> list[list[torch.Tensor]]:
+    """All-gather the shards of a group's units: ``parts[u]`` are same-layout shard vectors of unit ``u`` on this
+    rank (e.g. master, exp_avg, exp_avg_sq; the same count on every member). Returns the full flat vectors
+    (``numel`` elements each) in the same nesting. Collective over ``group`` when the units are sharded."""
+    if not shards:
+        return []
+    members = shards[0].members
+    if members == 1:
+        return [[p[:s.numel] for p in ps] for s, ps in zip(shards, parts)]
+    row = torch.cat([p.reshape(-1) for ps in parts for p in ps])
+    rows = row.new_empty(members, row.numel())
+    dist.all_gather(list(rows.unbind(0)), row, group=group)
+    out, off = [], 0
+    for s, ps in zip(shards, parts):
+        full = []
+        for _ in ps:
+            full.append(rows[:, off:off + s.size].reshape(-1)[:s.numel])
+            off += s.size
+        out.append(full)
+    return out
