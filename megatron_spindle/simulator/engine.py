@@ -342,7 +342,7 @@ def _grad_sync(ctx: _Context, run: _Run, cost_model) -> list[GroupSync]:
     jobs.sort(key=lambda j: (j[0], j[1], j[2].devices))
     sync_free = list(run.last_bwd)
     out = []
-    for ready, _, g, tp, ranks, volume, cross, seconds in jobs:
+    for ready, _, g, _tp, ranks, volume, cross, seconds in jobs:
         start = max([ready] + [sync_free[d] for d in g.devices])
         end = start + seconds
         for d in g.devices:
