@@ -158,6 +158,7 @@ def _worker(rank, world):
     if world > 1:
         assert all(seen.values()), seen
         check_distributed_optimizer(rank, world, workloads, refs, cfg, cache)
+    check_trainer_hooks(rank, world, workloads["tiny-clip"], cfg, cache)
     # 4) the command line entry point (plan JSON, workload by name, mock data) inside this world
     with tempfile.TemporaryDirectory() as tmp:  # per rank: the plan is deterministic, every rank writes it
         path = os.path.join(tmp, "plan.json")
@@ -235,6 +236,30 @@ def check_resume_across_layouts(engine, w, rank, world, cfg, cache, label: str) 
     for weights, avg in flat[1:]:
         assert global_rel_err(weights, flat[0][0]) <= RTOL, label
         assert global_rel_err(avg, flat[0][1]) <= LATER, label
+
+
+def check_trainer_hooks(rank, world, w, cfg, cache) -> None:
+    """on_wave reports every wave forward then backward; set_loss_weights scales a task's gradients and
+    refuses unknown tasks; set_lr changes the step."""
+    plan = sequential_plan(w, world)
+    calls = []
+    kw = dict(operator_factory=standin_factory, batch_fn=standin_batch, groups=cache)
+    engine = RuntimeEngine(plan, w, rank, world, cfg, on_wave=lambda *a: calls.append(a), **kw)
+    engine.forward_backward(0)
+    n = len(plan.waves)
+    assert [(p, i) for p, i, _ in calls] == [("forward", i) for i in range(n)] + [("backward", i)
+                                                                                   for i in reversed(range(n))]
+    assert all(sec >= 0 for *_, sec in calls)
+    base = {k: g.clone() for k, g in engine.grads.items()}
+    engine.set_loss_weights({t.name: 2.0 * t.loss.weight for t in w.tasks})
+    engine.forward_backward(0)
+    assert global_rel_err(engine.grads, {k: 2 * g for k, g in base.items()}) <= RTOL
+    with pytest.raises(KeyError, match="unknown tasks"):
+        engine.set_loss_weights({"no-such-task": 1.0})
+    engine.set_lr(0.0)
+    before = engine.full_state()
+    engine.train_step(0)
+    assert all(torch.equal(v, before[k]) for k, v in engine.full_state().items())  # lr 0, weight decay lr-scaled
 
 
 def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache) -> None:

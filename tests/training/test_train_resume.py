@@ -1,5 +1,6 @@
-"""End to end: the CPU launch script (2 gloo processes under torchrun) trains and saves; resuming its
-checkpoint in 1 process under another plan matches a straight run; TensorBoard, Gantt and logs are there.
+"""End to end: the CPU launch script (2 gloo processes under torchrun, distributed optimizer on) trains and
+saves; resuming its checkpoint in 1 process under another plan without the distributed optimizer matches a
+straight run; TensorBoard, Gantt and logs are there.
 
 One multi-process launch (the script) and two single-process runs in this process.
 """
@@ -63,7 +64,7 @@ def test_launch_script_then_resume_on_one_rank_under_another_plan(tmp_path, caps
     env = dict(os.environ, CHECKPOINT_PATH=str(first), TENSORBOARD_LOGS_PATH=str(tmp_path / "tb"),
                PYTHON=sys.executable, OMP_NUM_THREADS="1")
     r = subprocess.run(["bash", os.path.join(ROOT, "examples", "train_tiny_clip_cpu.sh"), *COMMON,
-                        "--train-iters", "3", "--save-interval", "100"],
+                        "--train-iters", "3", "--save-interval", "100", "--spindle-distributed-optimizer", "on"],
                        capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout
@@ -74,6 +75,8 @@ def test_launch_script_then_resume_on_one_rank_under_another_plan(tmp_path, caps
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
     meta = load_checkpoint(first).metadata
     assert meta["world_size"] == 2 and meta["data_position"]["iteration"] == 3
+    first_plan = load_checkpoint(first).plan  # sharded optimizer state (units held by both ranks), full checkpoint
+    assert first_plan["planner"]["zero_stage"] == 1 and any(len(g["devices"]) > 1 for g in first_plan["param_groups"])
     assert {m["rank"] for m in meta["units"].values()} == {0, 1}  # both ranks wrote the units they own
 
     # 6 iterations straight, one process
@@ -103,6 +106,7 @@ def test_launch_script_then_resume_on_one_rank_under_another_plan(tmp_path, caps
     assert (iteration_dir(resumed, 6) / "plan.json").exists()
     assert ck_a.plan["cluster"]["num_nodes"] * ck_a.plan["cluster"]["gpus_per_node"] == 1
     assert load_checkpoint(first).plan["cluster"]["gpus_per_node"] == 2  # the first half ran another plan
+    assert ck_a.plan["planner"]["zero_stage"] == ck_b.plan["planner"]["zero_stage"] == 0
 
     # a corrupt or mismatched checkpoint stops the run with the reason, and leaves the folder as it was
     unit_file = next((iteration_dir(resumed, 6) / "units").glob("vision.layers.0.pt"))

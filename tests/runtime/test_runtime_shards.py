@@ -1,0 +1,31 @@
+"""The flat per-unit shard layout of the distributed optimizer (runtime/shards.py), without processes."""
+
+import torch
+
+from megatron_spindle.runtime.shards import UnitShard, gather_units
+
+
+def _unit(members: int, index: int) -> tuple[UnitShard, dict[str, torch.Tensor]]:
+    tensors = {"u.b": torch.arange(3.0), "u.a": torch.arange(10.0).view(2, 5) + 100}
+    keys = sorted(tensors)
+    return UnitShard("u", keys, [tensors[k].shape for k in keys], members, index), tensors
+
+
+def test_shards_tile_the_flattened_unit_by_sorted_index_with_zero_padding():
+    sh, tensors = _unit(3, 0)
+    flat = sh.flatten(tensors)
+    assert sh.numel == 13 and sh.size == 5
+    assert torch.equal(flat[:10], tensors["u.a"].reshape(-1)) and torch.equal(flat[10:], tensors["u.b"])
+    shards = [UnitShard("u", sh.keys, sh.shapes, 3, i).shard_of(flat) for i in range(3)]
+    assert all(s.numel() == 5 for s in shards)
+    assert torch.equal(torch.cat(shards)[:13], flat) and torch.equal(shards[2][3:], torch.zeros(2))
+    back = sh.unflatten(torch.cat(shards)[:13])
+    assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+def test_unsharded_unit_is_one_shard_and_gathers_without_communication():
+    sh, tensors = _unit(1, 0)
+    flat = sh.flatten(tensors)
+    assert torch.equal(sh.shard_of(flat), flat)
+    (full,), = gather_units([sh], [[sh.shard_of(flat)]], group=None)
+    assert torch.equal(full, flat)
