@@ -30,7 +30,10 @@ The AdamW step is elementwise, so it may run on any partition of a unit's elemen
   elements [i*S, (i+1)*S), S = ceil(N / group size) (the last shards zero-padded, see runtime/shards.py). Each
   member slices its shard out of the all-reduced gradient, steps it, and the updated shards of all units of the
   group are all-gathered in one collective, so every holder loads identical full weights. Numerically equal
-  to zero_stage 0; the optimizer memory of a unit drops to 1/size of the group.
+  to zero_stage 0. Master + moments of a unit drop to 1/size of the group (every device holding the unit, so
+  at most what estimator/memory.py counts: the slice's TP shard over its DP ranks); the fp32 gradients
+  (``self.grads``) stay full, and the gradient is all-reduced then sliced (gloo has no reduce-scatter), so a
+  step moves one all-gather of the weights more than zero_stage 0.
 
 Whatever the layout, ``export_units`` / ``load_units`` / ``full_state`` speak full (unsharded) tensors, so
 checkpoints are layout-independent: save under one plan, zero stage and world size, resume under another.
