@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
-	$(PY) benchmarks/paper_eval.py
+	$(PY) benchmarks/paper_eval.py --with-cpsat
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megatron_spindle tools tests benchmarks pretrain_multitask.py

@@ -311,12 +311,14 @@ def speedup_figure(cells: list[dict], path: Path) -> None:
 
     fig8 = [c for c in cells if c["gpus"] in PAPER_FIG8.get(c["workload"], {})]
     labels = [f"{c['workload']}\n{c['gpus']}" for c in fig8]
-    ours = [c["systems"]["spindle"]["speedup_vs_deepspeed"] for c in fig8]
-    paper = [PAPER_FIG8[c["workload"]][c["gpus"]][0] for c in fig8]
+    series = [(f"{name}, simulated (ours)", [c["systems"][name]["speedup_vs_deepspeed"] for c in fig8])
+              for name in ("spindle", "spindle-cpsat") if all(name in c["systems"] for c in fig8)]
+    series.append(("Spindle, paper Fig. 8", [PAPER_FIG8[c["workload"]][c["gpus"]][0] for c in fig8]))
     x = range(len(fig8))
+    width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(max(6, len(fig8) * 0.8), 3.5))
-    ax.bar([i - 0.2 for i in x], ours, width=0.4, label="Spindle, simulated (ours)")
-    ax.bar([i + 0.2 for i in x], paper, width=0.4, label="Spindle, paper Fig. 8")
+    for k, (label, values) in enumerate(series):
+        ax.bar([i + (k - (len(series) - 1) / 2) * width for i in x], values, width=width, label=label)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(list(x))
     ax.set_xticklabels(labels, fontsize=7)
