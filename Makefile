@@ -25,6 +25,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/paper_eval.py --with-cpsat
+	$(PY) benchmarks/planning_time.py
+	$(PY) benchmarks/runtime_cpu.py --workload tiny-clip
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megatron_spindle tools tests benchmarks pretrain_multitask.py

@@ -14,8 +14,15 @@ _TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _TOOLS_DIR]
 sys.path.insert(0, os.path.dirname(_TOOLS_DIR))
 
-from megatron_spindle.arguments import (add_cluster_args, add_spindle_args, add_workload_args, build_parser,  # noqa: E402
-                                        cluster_from_args, planner_config_from_args, workload_from_args)
+from megatron_spindle.arguments import (  # noqa: E402
+    add_cluster_args,
+    add_spindle_args,
+    add_workload_args,
+    build_parser,
+    cluster_from_args,
+    planner_config_from_args,
+    workload_from_args,
+)
 from megatron_spindle.errors import exit_on_user_error  # noqa: E402
 
 

@@ -149,7 +149,7 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
     for attempt, share in enumerate(MEMORY_SHARES):
         allowed = memory_allowed_configs(metagraph, needs, cluster, share)
         curves = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
-                                 allowed=lambda m, tp, dp: (tp, dp) in allowed[m.id])
+                                 allowed=lambda m, tp, dp, fits=allowed: (tp, dp) in fits[m.id])
         level_allocs = [
             allocate_level(k, [metagraph.metaops[m] for m in level], curves, N, mode=config.inverse)
             for k, level in enumerate(metagraph.levels)

@@ -44,7 +44,7 @@ def plan_summary(plan: Plan) -> str:
     lines.append("")
     lines.append(f"  {'MetaOp':<34}{'lvl':>4}{'L':>4}  {'n*':>6}  {'allocation (n x layers)':<26}{'curve':<18}")
     for m in plan.metaops:
-        alloc = " + ".join(f"{int(n)}x{int(l)}" for n, l in m.allocation) or "-"
+        alloc = " + ".join(f"{int(n)}x{int(layers)}" for n, layers in m.allocation) or "-"
         curve = f"{m.curve_source} ({100 * m.curve_fit_error:.1f}%)"
         lines.append(f"  {m.id:<34}{m.level:>4}{m.num_layers:>4}  {m.n_star:>6.2f}  {alloc:<26}{curve:<18}")
     lines.append("")

@@ -5,8 +5,15 @@ import copy
 import pytest
 import yaml
 
-from megatron_spindle.graph.workload import (LossSpec, ModuleSpec, SpindleTask, Workload, WorkloadError,
-                                             load_workload, workload_from_dict)
+from megatron_spindle.graph.workload import (
+    LossSpec,
+    ModuleSpec,
+    SpindleTask,
+    Workload,
+    WorkloadError,
+    load_workload,
+    workload_from_dict,
+)
 
 BASE = {
     "name": "vl",
