@@ -34,10 +34,10 @@ class CudaToCpuFactoryMode(TorchFunctionMode):
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
+        # Every torch call of the thread passes through here: touch only calls that name a CUDA device.
+        if kwargs and _is_cuda_device(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **(kwargs or {}))
 
 
 def _cpu_current_device() -> str:
