@@ -36,7 +36,6 @@ import io
 import json
 import os
 import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ from typing import Any, Callable
 import torch
 
 from megatron_spindle.checkpointing.rng import get_rng_state
+from megatron_spindle.fileio import fsync_dir, write_text_atomic
 
 CHECKPOINT_FORMAT = "megatron-spindle-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -92,40 +92,12 @@ def unit_file_name(unit: str) -> str:
     return f"units/{safe}.pt"
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
 
 
 def _serialise(obj: Any) -> tuple[bytes, str]:
@@ -266,7 +238,7 @@ def _publish(save_dir: Path, tmp: Path, final: Path, iteration: int, world_size:
             "data_position": data_position, "extra": extra, "units": manifest}
     _write_bytes(tmp / METADATA_FILE, json.dumps(meta, indent=1).encode())
     for d in (tmp / "units", tmp / "rng", tmp):
-        _fsync_dir(d)
+        fsync_dir(d)
     if final.exists():  # re-saving an iteration: move the old copy aside, swap, then drop it
         old = final.with_name(final.name + ".old")
         if old.exists():
@@ -276,14 +248,14 @@ def _publish(save_dir: Path, tmp: Path, final: Path, iteration: int, world_size:
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
-    _fsync_dir(save_dir)
+    fsync_dir(save_dir)
     _update_latest(save_dir, iteration)
     return final
 
 
 def _update_latest(save_dir: Path, iteration: int) -> None:
     """The last step of a save: point ``latest`` at the new iteration (atomic replace)."""
-    _write_text_atomic(save_dir / LATEST_FILE, f"{iteration}\n")
+    write_text_atomic(save_dir / LATEST_FILE, f"{iteration}\n")
 
 
 # ----------------------------------------------------------------------------------------------- loading
