@@ -511,16 +511,21 @@ def _swap_params(op: torch.nn.Module, make: Callable[[torch.nn.Parameter], torch
     return params, saved
 
 
-def _param_keys(op: torch.nn.Module) -> list[str]:
-    """Keys of ``export_full_state`` that come from parameters (not buffers): export once with every
-    parameter set to NaN and keep the all-NaN entries."""
-    params, saved = _swap_params(op, lambda p: torch.full_like(p, math.nan))
+def _export_swapped(op: torch.nn.Module, replacement: Callable) -> dict[str, torch.Tensor]:
+    """``export_full_state`` with every parameter's data temporarily replaced by ``replacement(p)``."""
+    params, saved = _swap_params(op, replacement)
     try:
         with torch.no_grad():
-            st = op.export_full_state()
+            return op.export_full_state()
     finally:
         for p, d in zip(params, saved):
             p.data = d
+
+
+def _param_keys(op: torch.nn.Module) -> list[str]:
+    """Keys of ``export_full_state`` that come from parameters (not buffers): export once with every
+    parameter set to NaN and keep the all-NaN entries."""
+    st = _export_swapped(op, lambda p: torch.full_like(p, math.nan))
     return sorted(k for k, v in st.items() if v.is_floating_point() and v.numel() and bool(torch.isnan(v).all()))
 
 
@@ -529,11 +534,5 @@ def _full_grads(op: torch.nn.Module, keys: list[str]) -> dict[str, torch.Tensor]
     ``export_full_state`` run on the gradients in place of the weights."""
     if hasattr(op, "export_full_grads"):
         return op.export_full_grads()
-    params, saved = _swap_params(op, lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
-    try:
-        with torch.no_grad():
-            st = op.export_full_state()
-    finally:
-        for p, d in zip(params, saved):
-            p.data = d
+    st = _export_swapped(op, lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
     return {k: st[k] for k in keys}
