@@ -25,6 +25,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_spindle.fileio import write_text_atomic
+
 SHARDS_FORMAT = "megatron-spindle-shards"
 SHARDS_VERSION = 1
 INDEX_FILE = "index.json"
@@ -112,12 +114,7 @@ class ShardWriter:
         index = {"format": SHARDS_FORMAT, "version": SHARDS_VERSION, "fields": self.fields,
                  "num_samples": len(self.samples), "shards": self.shards, "samples": self.samples}
         path = self.out_dir / INDEX_FILE
-        tmp = path.with_name(f".{INDEX_FILE}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(index, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(index))
         return path
 
 

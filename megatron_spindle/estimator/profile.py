@@ -16,8 +16,6 @@ dropped, the rest keep their meaning.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ from typing import Any
 from megatron_spindle.estimator.configs import valid_configs
 from megatron_spindle.estimator.curve import CurvePoint
 from megatron_spindle.estimator.errors import EstimatorError
+from megatron_spindle.fileio import write_text_atomic
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import Workload
@@ -73,16 +72,7 @@ def save_profile_points(
     extra: Mapping[str, Any] | None = None,
 ) -> None:
     """Write a profile atomically (a temporary file renamed into place); ``extra``: more top-level sections."""
-    path = Path(path)
-    blob = json.dumps(profile_to_dict(workload, cluster, points, extra), indent=1)
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(blob)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_text_atomic(path, json.dumps(profile_to_dict(workload, cluster, points, extra), indent=1))
 
 
 def _header_problem(d: Any, workload: Workload, cluster: ClusterSpec) -> str | None:
