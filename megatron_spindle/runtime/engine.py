@@ -16,7 +16,8 @@ returns its task's loss as a scalar whose sum over the slice's DP ranks is the t
 ``dp_loss_reduction = "mean"`` if instead every DP rank returns a loss whose DP-mean is the task loss).
 
 Gradients and optimizer: every rank keeps fp32 master weights and the AdamW state of each parameter unit it
-holds (even when a slice holds only a TP shard of it). After backward, each slice's gradients are gathered to
+holds (even when a slice holds only a TP shard of it). After backward (generic path: direct units, below, skip
+the export and the load), each slice's gradients are gathered to
 full tensors over its TP group (``export_full_state`` on gradients); only TP rank 0 of each slice contributes
 them, so each TP group counts once; contributions are summed on the device and all-reduced inside the unit's
 parameter device group, so every holder has the exact total gradient d(sum_t w_t loss_t)/dW (``self.grads``).
@@ -34,6 +35,23 @@ The AdamW step is elementwise, so it may run on any partition of a unit's elemen
   at most what estimator/memory.py counts: the slice's TP shard over its DP ranks); the fp32 gradients
   (``self.grads``) stay full, and the gradient is all-reduced then sliced (gloo has no reduce-scatter), so a
   step moves one all-gather of the weights more than zero_stage 0.
+
+Gradient buffers: each parameter device group has one flat fp32 gradient buffer on each member (its units
+sorted, each flattened like its master), zeroed at the start of every step and all-reduced as one tensor;
+``self.grads`` maps each key to a view of it (valid until the next step). At zero_stage 0 it is also the
+masters' ``.grad``, so the optimizer reads it without a copy.
+
+Fast path ("direct units", ``self.direct_units``): a unit is direct on this rank when zero_stage is 0, the
+engine's dtype is float32, and every local slice holding it has tp == 1 and an operator whose parameters are
+the unit's canonical tensors themselves (checked once at init by a probe: every parameter filled with distinct
+random values; each exported key must equal exactly one parameter, not shared with another key, so a permuted
+layout such as a QKV reorder stays generic). The parameters of a direct unit are bound to views of its master
+(``.data``) and of its gradient buffer (``.grad``); local slices holding the same key share the views (tied
+storage). Autograd then accumulates every slice's contribution in place into the buffer (GradMode is off in
+backward), AdamW's in-place update of the master is the operators' update, and nothing is exported or pushed
+for these units. Units that are not direct (TP shards, ZeRO-1, low precision, other layouts) take the generic
+path above: exported, added to the same buffers before the all-reduce, and pushed back after the step.
+Directness is decided per rank, but the buffers' layout is not, so ranks may differ.
 
 Whatever the layout, ``export_units`` / ``load_units`` / ``full_state`` speak full (unsharded) tensors, so
 checkpoints are layout-independent: save under one plan, zero stage and world size, resume under another.
@@ -107,6 +125,8 @@ class _LocalSlice:
     tp_leader: bool
     num_inputs: int
     param_keys: list[str] = field(default_factory=list)
+    generic_keys: list[str] = field(default_factory=list)  # keys of units that are not direct on this rank
+    free_params: list[torch.nn.Parameter] = field(default_factory=list)  # parameters not bound to a direct unit
     inputs: list[torch.Tensor | None] = field(default_factory=list)
     output: torch.Tensor | None = None
     out_grad: torch.Tensor | None = None
@@ -165,6 +185,11 @@ class RuntimeEngine:
         self._opt_groups: list[tuple[tuple[int, ...], list[str]]] = []  # (sorted devices, units), plan order
         self._init_masters()
         self.grads: dict[str, torch.Tensor] = {}
+        self._grad_bufs: list[tuple[tuple[int, ...], torch.Tensor]] = []  # (sorted devices, flat fp32 gradient)
+        self._unit_grads: dict[str, torch.Tensor] = {}  # unit -> its flat gradient (a view of its group's buffer)
+        self._key_grads: dict[str, torch.Tensor] = {}  # "<unit>.<path>" -> full gradient (a view, as above)
+        self._init_grad_buffers()
+        self.direct_units: list[str] = self._bind_direct_units()
         opt = self.config.optimizer
         self.optimizer = torch.optim.AdamW(list(self.masters.values()), lr=opt.lr, betas=opt.betas,
                                            eps=opt.eps, weight_decay=opt.weight_decay) if self.masters else None
@@ -224,6 +249,40 @@ class RuntimeEngine:
         if orphans:
             raise RuntimeError(f"rank {self.rank} holds units {orphans[:5]} that no parameter device group of the "
                                f"plan lists with this rank")
+
+    def _init_grad_buffers(self) -> None:
+        """One flat fp32 gradient buffer per parameter device group: its units sorted, each flattened like its
+        master (runtime/shards.py), the same layout on every member, so the sync is one all-reduce per group."""
+        for devices, units in self._opt_groups:
+            buf = torch.zeros(sum(self.shards[u].numel for u in units), dtype=torch.float32, device=self.device)
+            off = 0
+            for u in units:
+                sh = self.shards[u]
+                self._unit_grads[u] = buf[off:off + sh.numel]
+                self._key_grads.update(sh.unflatten(self._unit_grads[u]))
+                off += sh.numel
+                if self.zero_stage == 0:  # the whole unit is the shard: AdamW reads the buffer itself
+                    self.masters[u].grad = self._unit_grads[u]
+            self._grad_bufs.append((devices, buf))
+
+    def _bind_direct_units(self) -> list[str]:
+        """The fast path (see the module docstring): bind the parameters of every eligible unit to views of its
+        master (data) and of its gradient buffer (grad). Returns the direct units, sorted."""
+        direct = set(self.shards) if self.zero_stage == 0 and self.config.dtype == torch.float32 else set()
+        bound: dict[str, dict[str, torch.nn.Parameter]] = {}
+        for ls in self.local.values():
+            bound[ls.slice.id] = _identical_params(ls.op, ls.param_keys, self.device) if ls.slice.tp == 1 else {}
+            direct -= {self.key_unit[k] for k in ls.param_keys if k not in bound[ls.slice.id]}
+        weights = {k: v for u in direct for k, v in self.shards[u].unflatten(self.masters[u].detach()).items()}
+        for ls in self.local.values():
+            tied = set()
+            for k, p in bound[ls.slice.id].items():
+                if self.key_unit[k] in direct:
+                    p.data, p.grad = weights[k], self._key_grads[k]
+                    tied.add(id(p))
+            ls.generic_keys = [k for k in ls.param_keys if self.key_unit[k] not in direct]
+            ls.free_params = [p for p in ls.op.parameters() if id(p) not in tied]
+        return sorted(direct)
 
     def _initial_weights(self) -> dict[str, torch.Tensor]:
         full: dict[str, torch.Tensor] = {}
@@ -351,27 +410,33 @@ class RuntimeEngine:
         return full
 
     def _push_weights(self, full: dict[str, torch.Tensor]) -> None:
+        """Load the masters into the operators that hold non-direct units (direct ones alias their masters)."""
         for ls in self._local_in_order():
-            ls.op.load_full_state({k: full[k].to(self.config.dtype) for k in ls.param_keys})
+            if ls.generic_keys:
+                ls.op.load_full_state({k: full[k].to(self.config.dtype) for k in ls.param_keys})
 
     # --------------------------------------------------------------------------------------------- step
     def train_step(self, step: int) -> dict[str, float]:
         """Forward, backward, gradient sync, AdamW. Returns the per-task losses (the same on every rank)."""
         losses = self.forward_backward(step)
-        if self.optimizer is not None:
+        if self.optimizer is None:
+            return losses
+        if self.zero_stage == 1:  # at stage 0 each master's grad is its unit's gradient buffer (set at init)
             for u, p in self.masters.items():
-                sh = self.shards[u]
-                p.grad = sh.shard_of(sh.flatten(self.grads))
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self._push_weights(self._full_weights())
+                p.grad = self.shards[u].shard_of(self._unit_grads[u])
+        self.optimizer.step()
+        if self.zero_stage == 1 or any(ls.generic_keys for ls in self.local.values()):
+            self._push_weights(self._full_weights())  # collective at zero_stage 1
         return losses
 
     def forward_backward(self, step: int) -> dict[str, float]:
         """One step without the optimizer; afterwards ``self.grads`` holds the synchronised full gradients."""
         batches = self._batches(step)
+        for _, buf in self._grad_bufs:
+            buf.zero_()
         for ls in self.local.values():
-            ls.op.zero_grad(set_to_none=True)
+            for p in ls.free_params:
+                p.grad = None
             ls.inputs, ls.output, ls.out_grad = [None] * ls.num_inputs, None, None
         by_wave: dict[int, list[TransferOp]] = {}
         for t in self.transfers:
@@ -457,29 +522,20 @@ class RuntimeEngine:
             src.out_grad = out if src.out_grad is None else src.out_grad + out
 
     def _sync_grads(self) -> None:
-        acc = {k: torch.zeros(shape, dtype=torch.float32, device=self.device)
-               for sh in self.shards.values() for k, shape in zip(sh.keys, sh.shapes)}
+        """Add the exported gradients of non-direct units to the buffers (direct ones are there already), then
+        all-reduce each group's buffer."""
+        acc = self._key_grads
         for ls in self._local_in_order():  # TP-group collectives: wave order on every rank
+            if not ls.generic_keys:
+                continue
             g = _full_grads(ls.op, ls.param_keys)
             if ls.tp_leader:
-                for k in ls.param_keys:
+                for k in ls.generic_keys:
                     acc[k] += g[k].to(acc[k].device, torch.float32)
-        for pg in self.plan.param_groups:
-            if self.rank not in pg.devices:
-                continue
-            units = set(pg.params)
-            keys = sorted(k for k in acc if self.key_unit[k] in units)
-            if not keys:
-                continue
-            flat = torch.cat([acc[k].reshape(-1) for k in keys])
-            if len(pg.devices) > 1:
-                dist.all_reduce(flat, group=self.groups.param_group(pg.devices))
-            off = 0
-            for k in keys:
-                n = acc[k].numel()
-                acc[k] = flat[off:off + n].view_as(acc[k])
-                off += n
-        self.grads = acc
+        for devices, buf in self._grad_bufs:
+            if len(devices) > 1:
+                dist.all_reduce(buf, group=self.groups.param_group(devices))
+        self.grads = dict(acc)
 
 
 # ---------------------------------------------------------------------------------------- full-state helpers
@@ -527,6 +583,24 @@ def _param_keys(op: torch.nn.Module) -> list[str]:
     parameter set to NaN and keep the all-NaN entries."""
     st = _export_swapped(op, lambda p: torch.full_like(p, math.nan))
     return sorted(k for k, v in st.items() if v.is_floating_point() and v.numel() and bool(torch.isnan(v).all()))
+
+
+def _identical_params(op: torch.nn.Module, keys: list[str], device: torch.device) -> dict[str, torch.nn.Parameter]:
+    """key -> the one fp32 parameter on ``device`` that ``export_full_state`` returns unchanged as that key,
+    found by a probe: every parameter filled with distinct random values, each key's export compared with
+    every probe. Keys that match no parameter, several, or a parameter another key matches are left out (a
+    permuted layout, e.g. a QKV reorder, or a TP shard fails the comparison)."""
+    gen = torch.Generator().manual_seed(0)
+    probes = {id(p): torch.randn(p.shape, generator=gen).to(p.device, p.dtype) for p in op.parameters()}
+    state = _export_swapped(op, lambda p: probes[id(p)])
+    found: dict[str, torch.nn.Parameter] = {}
+    for k in keys:
+        hits = [p for p in op.parameters() if p.dtype == torch.float32 and p.device == device
+                and p.shape == state[k].shape and torch.equal(probes[id(p)], state[k])]
+        if len(hits) == 1:
+            found[k] = hits[0]
+    owners = [id(p) for p in found.values()]
+    return {k: p for k, p in found.items() if owners.count(id(p)) == 1}
 
 
 def _full_grads(op: torch.nn.Module, keys: list[str]) -> dict[str, torch.Tensor]:

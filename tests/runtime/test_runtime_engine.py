@@ -147,6 +147,8 @@ def _worker(rank, world):
         mine = [s for s in plan.slices() if rank in s.devices]  # selective storage: only the units it runs
         assert set(engine.key_unit.values()) == {u for s in mine for u in slice_units(engine.metagraph, s)}
         assert set(engine.local) == {s.id for s in mine}
+        tp_units = {u for s in mine if s.tp > 1 for u in slice_units(engine.metagraph, s)}
+        assert set(engine.direct_units) == set(engine.shards) - tp_units, "fast path: every unit without a TP>1 slice"
         for s in mine:  # group ranks follow the plan layout: TP rank r % tp, DP rank r // tp
             pgs = engine.groups.slice_pgs(s.id)
             r = s.devices.index(rank)
@@ -272,6 +274,7 @@ def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache) -> Non
         several |= len(unit_device_sets(plan, tower)) > 1
         kw = dict(operator_factory=standin_factory, batch_fn=standin_batch) if ops == "standin" else {}
         engine = RuntimeEngine(plan, w, rank, world, cfg, groups=cache, **kw)
+        assert engine.direct_units == []  # the fast path is for the replicated optimizer only
         label = f"rank {rank} {ops} {wname} {case} zero1"
         check_engine_against(engine, refs[ops, wname], label)
         check_sharded_state(engine, label)
