@@ -2,7 +2,7 @@
 alpha-beta scaling curves and a memory model. Pure Python + numpy; never imports torch."""
 
 from megatron_spindle.estimator.configs import LIGHT_KINDS, valid_configs, valid_ns, valid_tp_degrees
-from megatron_spindle.estimator.cost_model import AnalyticCostModel, CostModelConfig, LayerCost
+from megatron_spindle.estimator.cost_model import AnalyticCostModel, CostModelConfig, LayerCost, OptimizerCost
 from megatron_spindle.estimator.curve import (
     CURVE_SOURCES,
     CurvePiece,
@@ -13,7 +13,11 @@ from megatron_spindle.estimator.curve import (
 from megatron_spindle.estimator.errors import EstimatorError
 from megatron_spindle.estimator.estimate import analytic_points, estimate_curve, estimate_curves
 from megatron_spindle.estimator.memory import BYTES_PER_PARAM, MemoryModel
-from megatron_spindle.estimator.profile import load_profile_points, save_profile_points
+from megatron_spindle.estimator.profile import (
+    load_profile_points,
+    optimizer_cost_from_dict,
+    save_profile_points,
+)
 
 __all__ = [
     "AnalyticCostModel",
@@ -26,12 +30,14 @@ __all__ = [
     "LIGHT_KINDS",
     "LayerCost",
     "MemoryModel",
+    "OptimizerCost",
     "ScalingCurve",
     "analytic_points",
     "choose_breakpoints",
     "estimate_curve",
     "estimate_curves",
     "load_profile_points",
+    "optimizer_cost_from_dict",
     "save_profile_points",
     "valid_configs",
     "valid_ns",

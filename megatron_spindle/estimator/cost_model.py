@@ -37,6 +37,8 @@ KERNELS_PER_OPERATOR = {"layer": 36, "frontend": 9, "projector": 15, "head": 12,
 CROSS_ATTENTION_KERNELS = 15  # norm, Q and KV GEMMs, attention, output GEMM, residual; fwd + bwd
 TP_ALLREDUCES_PER_LAYER = 4  # Megatron TP: one after attention and one after the MLP, forward and backward
 TP_ALLREDUCES_PER_CROSS_ATTENTION = 2  # the extra cross-attention block's output projection, fwd and bwd
+# AdamW per fp32 master element: reads the master, exp_avg, exp_avg_sq and the gradient, writes the first three.
+ADAMW_BYTES_PER_ELEMENT = 28
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,30 @@ class CostModelConfig:
             raise EstimatorError(
                 "cost model: half_efficiency_seconds and launch_seconds must be >= 0, grad_bytes > 0"
             )
+
+
+@dataclass(frozen=True)
+class OptimizerCost:
+    """Seconds of one AdamW step: ``seconds_per_element`` per fp32 master element plus ``seconds_per_tensor``
+    per stepped tensor (the engine steps one master per parameter unit; fused multi-tensor kernels make the
+    latter ~0 on GPUs). ``source``: "analytic" (memory bandwidth of the cluster spec) or "measured"."""
+
+    seconds_per_element: float
+    seconds_per_tensor: float = 0.0
+    source: str = "analytic"
+
+    def __post_init__(self):
+        if self.seconds_per_element < 0 or self.seconds_per_tensor < 0:
+            raise EstimatorError("optimizer cost: seconds must be >= 0")
+
+    def seconds(self, elements: float, tensors: int = 0) -> float:
+        if elements <= 0:
+            return 0.0
+        return elements * self.seconds_per_element + tensors * self.seconds_per_tensor
+
+    def to_dict(self) -> dict:
+        return {"seconds_per_element": self.seconds_per_element, "seconds_per_tensor": self.seconds_per_tensor,
+                "source": self.source}
 
 
 @dataclass(frozen=True)
@@ -372,6 +398,15 @@ class AnalyticCostModel:
         if devices_spanned <= self.cluster.gpus_per_node:
             return self.cluster.intra_node_bw, self.cluster.intra_node_latency
         return self.cluster.inter_node_bw, self.cluster.inter_node_latency
+
+    def optimizer_cost(self) -> OptimizerCost:
+        """AdamW is a streaming element-wise update: ``ADAMW_BYTES_PER_ELEMENT`` of HBM traffic per element."""
+        bandwidth = self.cluster.gpu.memory_bandwidth * self.config.memory_efficiency
+        return OptimizerCost(ADAMW_BYTES_PER_ELEMENT / bandwidth, 0.0, "analytic")
+
+    def optimizer_seconds(self, elements: float, tensors: int = 0) -> float:
+        """One AdamW step over ``tensors`` master tensors of ``elements`` fp32 elements in all."""
+        return self.optimizer_cost().seconds(elements, tensors)
 
     def allreduce_seconds(self, num_bytes: float, ranks: int, devices_spanned: int) -> float:
         """Ring all-reduce of ``num_bytes`` per rank: 2(p-1)/p of the data over each link, 2(p-1) hops."""

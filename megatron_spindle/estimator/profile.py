@@ -7,7 +7,10 @@ A profile is a JSON document (written by tools/profile.py through ``save_profile
      "points": {"t1/vision": [{"n": 2, "tp": 1, "dp": 2, "seconds": 0.0012}, ...], ...}}
 
 Seconds are per operator (one layer), forward + backward. ``extra`` top-level sections (tools/profile.py writes
-"hardware", "versions", "bandwidth", "settings", "measurements") are kept as given and ignored when loading. Profiles are keyed by the workload digest: input
+"hardware", "versions", "bandwidth", "settings", "measurements", "optimizer") are kept as given and ignored when
+loading the points. The "optimizer" section (``{"seconds_per_element": .., "seconds_per_tensor": ..}``, the
+measured AdamW step) is read by ``optimizer_cost_from_dict``; profiles written before it existed lack it and
+get None (the cost model's analytic optimizer cost applies). Profiles are keyed by the workload digest: input
 shapes decide MetaOp identity and times, so a profile of another workload is refused. Times also depend on the
 GPU, so its type must match; the cluster may differ in size: points for more devices than the cluster has are
 dropped, the rest keep their meaning.
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_spindle.estimator.configs import valid_configs
+from megatron_spindle.estimator.cost_model import OptimizerCost
 from megatron_spindle.estimator.curve import CurvePoint
 from megatron_spindle.estimator.errors import EstimatorError
 from megatron_spindle.fileio import write_text_atomic
@@ -142,3 +146,15 @@ def load_profile_points(
     except json.JSONDecodeError as e:
         raise EstimatorError(f"{path}: not valid JSON: {e}") from None
     return profile_from_dict(d, workload, cluster, where=str(path))
+
+
+def optimizer_cost_from_dict(d: Any) -> OptimizerCost | None:
+    """The measured AdamW cost of a profile document (its "optimizer" section), or None when it has none."""
+    section = d.get("optimizer") if isinstance(d, dict) else None
+    if not section:
+        return None
+    try:
+        return OptimizerCost(float(section["seconds_per_element"]), float(section.get("seconds_per_tensor", 0.0)),
+                             str(section.get("source", "measured")))
+    except (KeyError, TypeError, ValueError) as e:
+        raise EstimatorError(f"profile: malformed 'optimizer' section {section!r}: {e}") from None

@@ -17,6 +17,10 @@ the MetaOp, forward + backward, on n = tp * dp devices =
   cluster): source "measured"; otherwise the ring model with the all-reduce bandwidth measured here
   ("bandwidth"), or with the cluster's nominal links when there is one rank only ("nominal").
 
+The optimizer step is measured too (``measure_optimizer``): torch.optim.AdamW, as the runtime engine runs it,
+over one large fp32 tensor and over many tiny ones, on every rank at once, giving seconds per element and per
+stepped tensor (the "optimizer" section of the profile; ``ProfiledCostModel(optimizer=...)``).
+
 MetaOps with the same (module, kind, input shape) are timed once and share the points. Configs the local world
 cannot run (tp larger than the ranks of a node, or ``max_n``) are left out: the estimator fills them from the
 analytic model (calibrated to the measured level) and ``ProfileResult.unmeasured`` lists them.
@@ -46,15 +50,21 @@ import torch
 import torch.distributed as dist
 
 from megatron_spindle.estimator.configs import valid_configs
-from megatron_spindle.estimator.cost_model import AnalyticCostModel, LayerCost
+from megatron_spindle.estimator.cost_model import AnalyticCostModel, LayerCost, OptimizerCost
 from megatron_spindle.estimator.curve import CurvePoint
 from megatron_spindle.estimator.errors import EstimatorError
-from megatron_spindle.estimator.profile import load_profile_points, save_profile_points
+from megatron_spindle.estimator.profile import (
+    load_profile_points,
+    optimizer_cost_from_dict,
+    save_profile_points,
+)
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
 
-PROFILER_VERSION = 1
+PROFILER_VERSION = 2  # 2: the "optimizer" section
+OPTIMIZER_PROBE_ELEMENTS = 1 << 20  # one fp32 tensor: the per-element cost
+OPTIMIZER_PROBE_TENSORS = 64  # tiny tensors: the per-tensor cost
 GRAD_BYTES = 4  # fp32 main gradients, as the cost model and the runtime engine reduce them
 DP_COMM_SOURCES = ("none", "measured", "bandwidth", "nominal")
 
@@ -426,6 +436,28 @@ def time_operator(op: torch.nn.Module, inputs: list[torch.Tensor], batch, world:
     return _median_seconds(step, world, warmup, repeats)
 
 
+def measure_optimizer(world: ProfileWorld, settings: ProfilerSettings) -> OptimizerCost:
+    """Seconds of torch.optim.AdamW (default implementation for the device, as the runtime engine steps its
+    masters) per element, from one tensor of ``OPTIMIZER_PROBE_ELEMENTS``, and per tensor, from
+    ``OPTIMIZER_PROBE_TENSORS`` tensors of 16 elements. Every rank measures at once (as every rank steps at
+    once in training); max-reduced over the ranks. Collective."""
+
+    def seconds(tensors: list[torch.Tensor]) -> float:
+        params = [torch.nn.Parameter(t) for t in tensors]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+        return _median_seconds(opt.step, world, max(1, settings.warmup), settings.repeats)
+
+    gen = torch.Generator().manual_seed(settings.seed)
+    big = seconds([torch.randn(OPTIMIZER_PROBE_ELEMENTS, generator=gen).to(world.device)])
+    small = seconds([torch.randn(16, generator=gen).to(world.device) for _ in range(OPTIMIZER_PROBE_TENSORS)])
+    big, small = world.all_max([big, small])
+    per_tensor = small / OPTIMIZER_PROBE_TENSORS
+    per_element = max(0.0, big - per_tensor) / OPTIMIZER_PROBE_ELEMENTS
+    return OptimizerCost(per_element, per_tensor, "measured")
+
+
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
@@ -485,6 +517,7 @@ class ProfileResult:
     settings: ProfilerSettings
     key: str
     seconds: float = 0.0
+    optimizer: OptimizerCost | None = None  # measured AdamW step (None: not measured)
 
     @property
     def points(self) -> dict[str, list[CurvePoint]]:
@@ -507,6 +540,7 @@ class ProfileResult:
             "unmeasured": {k: [list(c) for c in v] for k, v in sorted(self.unmeasured.items())},
             "failed": {k: [list(c) for c in v] for k, v in sorted(self.failed.items())},
             "profiling_seconds": self.seconds,
+            **({"optimizer": self.optimizer.to_dict()} if self.optimizer is not None else {}),
         }
 
     def save(self, path: str | Path) -> Path:
@@ -524,6 +558,11 @@ def read_profile_document(path: str | Path) -> dict[str, Any]:
 
 def load_measurements(path: str | Path) -> list[Measurement]:
     return [Measurement.from_dict(d) for d in read_profile_document(path).get("measurements", [])]
+
+
+def load_optimizer_cost(path: str | Path) -> OptimizerCost | None:
+    """The measured AdamW cost of a profile file; None for profiles written before it was measured."""
+    return optimizer_cost_from_dict(read_profile_document(path))
 
 
 # ------------------------------------------------------------------------------------------------ profiling
@@ -649,11 +688,14 @@ def run_profile(workload: Workload, cluster: ClusterSpec, settings: ProfilerSett
         say(f"[{i}/{len(plan)}] {rep}{shared} tp={tp} dp={dp}: {meas.seconds * 1e3:.3f} ms/op = compute "
             f"{compute * 1e3:.3f} + dp comm {comm * 1e3:.3f} ({source}); {layers} op(s) timed, "
             f"{meas.tflops_per_device:.3g} TFLOP/s per device")
+    optimizer = measure_optimizer(world, settings)
+    say(f"optimizer: AdamW {optimizer.seconds_per_element * 1e9:.3f} ns/element + "
+        f"{optimizer.seconds_per_tensor * 1e6:.1f} us/tensor")
     world.barrier()
     for mid in unmeasured:
         unmeasured[mid] = sorted(set(unmeasured[mid]), key=lambda c: (c[0] * c[1], c[0]))
     return ProfileResult(workload, cluster, measurements, unmeasured, failed, bandwidth, hardware, versions,
-                         settings, key, time.perf_counter() - t_start)
+                         settings, key, time.perf_counter() - t_start, optimizer)
 
 
 # ------------------------------------------------------------------------------------------------ consumers
@@ -663,10 +705,13 @@ class ProfiledCostModel(AnalyticCostModel):
     """The analytic cost model with ``layer_cost`` replaced by measurements where they exist: compute (TP
     communication included) and the DP communication kept apart, as the simulator charges the gradient
     synchronisation itself. Other configs fall back to the analytic model scaled per MetaOp to the measured
-    level (geometric mean of measured / modelled totals)."""
+    level (geometric mean of measured / modelled totals). ``optimizer``: the measured AdamW cost (profiles
+    without one keep the analytic cost of the cluster spec)."""
 
-    def __init__(self, workload: Workload, cluster: ClusterSpec, measurements: Sequence[Measurement], **kwargs):
+    def __init__(self, workload: Workload, cluster: ClusterSpec, measurements: Sequence[Measurement],
+                 optimizer: OptimizerCost | None = None, **kwargs):
         super().__init__(workload, cluster, **kwargs)
+        self.measured_optimizer = optimizer
         self.measured: dict[tuple[str, int, int], Measurement] = {}
         for meas in measurements:
             for mid in meas.members:
@@ -679,6 +724,9 @@ class ProfiledCostModel(AnalyticCostModel):
                     for (mid, tp, dp), meas in self.measured.items() if mid == metaop.id]
             self._scale[metaop.id] = math.exp(sum(logs) / len(logs)) if logs else 1.0
         return self._scale[metaop.id]
+
+    def optimizer_cost(self) -> OptimizerCost:
+        return self.measured_optimizer if self.measured_optimizer is not None else super().optimizer_cost()
 
     def layer_cost(self, metaop: MetaOp, tp: int, dp: int) -> LayerCost:
         meas = self.measured.get((metaop.id, tp, dp))

@@ -28,6 +28,12 @@ Execution model (the same for every plan, so that plans from different planners 
   another, device-disjoint groups overlap; groups go in order of readiness, larger first. ZeRO stages 1 and
   2 move the same volume (reduce-scatter + all-gather), stage 3 only the reduce-scatter (half) since its
   gathers happen in the forward and backward.
+- **Optimizer step.** After a device's last backward and the gradient synchronisation of every group it is
+  in, it runs AdamW over the fp32 master elements it holds: per unit, the unit's TP shard (the smallest TP
+  degree of its slices on the device, as the memory model counts it), divided over the slice's DP ranks
+  with ZeRO stage >= 1. It takes the cost model's ``optimizer_seconds(elements, tensors)`` (one tensor per
+  unit): analytic from the device memory bandwidth of the cluster spec, or measured by the profiler
+  (``ProfiledCostModel``). Devices step independently; the iteration ends with the last one.
 - **Memory.** Per device: the parameter state of every unit it runs, once (weights + fp32 grads + Adam,
   sharded by TP and by ZeRO stage over the slice's DP ranks), plus activations held from a slice's forward
   to its backward (the memory model's; only layer inputs under recomputation), at the peak of the
@@ -79,6 +85,7 @@ class SimSettings:
     forward_fraction: float | None = None  # share of fwd+bwd compute in the forward; None: 1 / FWD_BWD_FACTOR
     transfers: bool = True  # False: transfers are free (used for the breakdown)
     grad_sync: bool = True  # False: no gradient synchronisation
+    optimizer: bool = True  # False: no optimizer step
 
 
 @dataclass
@@ -117,7 +124,9 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=No
     bare = _run(ctx, with_transfers=False)
     compute_end = max(run.dev_free, default=0.0)
     syncs = _grad_sync(ctx, run, cost_model) if settings.grad_sync else []
-    iteration = max([compute_end] + [g.end for g in syncs])
+    synced = max([compute_end] + [g.end for g in syncs])
+    optimizer = _optimizer_steps(ctx, run, syncs, cost_model) if settings.optimizer else []
+    iteration = max([synced] + [end for _, end in optimizer])
     compute = max(bare.dev_free, default=0.0)
     transfer = max(0.0, compute_end - compute)
     compute = min(compute, compute_end)
@@ -135,7 +144,9 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=No
         iteration_time=iteration,
         compute_time=compute,
         transfer_time=transfer,
-        grad_sync_time=iteration - compute_end,
+        grad_sync_time=synced - compute_end,
+        optimizer_time=iteration - synced,
+        optimizer_steps=optimizer,
         transfer_by_kind=transfer_by_kind,
         transfer_bytes_by_kind=bytes_by_kind,
         transfer_seconds_by_kind=seconds_by_kind,
@@ -352,6 +363,34 @@ def _grad_sync(ctx: _Context, run: _Run, cost_model) -> list[GroupSync]:
             sync_free[d] = end
         out.append(GroupSync(list(g.devices), len(g.params), volume, ranks, cross, start, end))
     return out
+
+
+def optimizer_elements(ctx: _Context, cost_model) -> list[dict[str, float]]:
+    """Per device: unit -> fp32 master elements the device steps (its TP shard; over DP with ZeRO >= 1)."""
+    held: list[dict[str, float]] = [{} for _ in range(ctx.plan.num_devices)]
+    for sid, units in ctx.units.items():
+        s = ctx.slices[sid]
+        for u in units:
+            elements = cost_model.param_count(u) / s.tp / (s.dp if ctx.zero_stage >= 1 else 1)
+            for d in s.devices:
+                held[d][u] = max(held[d].get(u, 0.0), elements)
+    return held
+
+
+def _optimizer_steps(ctx: _Context, run: _Run, syncs: list[GroupSync], cost_model) -> list[tuple[float, float]]:
+    """(start, end) of each device's AdamW step: after its last backward and its groups' gradient syncs."""
+    seconds = getattr(cost_model, "optimizer_seconds", None)
+    if seconds is None:  # a cost model without one (stand-ins): no optimizer term
+        return [(t, t) for t in run.last_bwd]
+    ready = list(run.last_bwd)
+    for g in syncs:
+        for d in g.devices:
+            ready[d] = max(ready[d], g.end)
+    steps = []
+    for d, units in enumerate(optimizer_elements(ctx, cost_model)):
+        duration = seconds(sum(units.values()), len(units)) if units else 0.0
+        steps.append((ready[d], ready[d] + duration))
+    return steps
 
 
 # ------------------------------------------------------------------------------------------ memory

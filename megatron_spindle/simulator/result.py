@@ -39,14 +39,16 @@ class GroupSync:
 class SimResult:
     """Simulated iteration of a plan.
 
-    The breakdown is additive: ``compute + transfer + grad_sync == iteration_time``, where
+    The breakdown is additive: ``compute + transfer + grad_sync + optimizer == iteration_time``, where
 
     - ``compute`` is the makespan with free transfers and no gradient synchronisation (forward + backward
       compute, TP all-reduces, ZeRO-3 gathers not hidden by compute, kernel-launch floor);
     - ``transfer`` is what inter-wave transfers (activations forward, their gradients backward) add to it;
       ``transfer_by_kind`` splits it in proportion to the seconds each route (local copy, NVLink inside an
       island, network across islands) spends moving data;
-    - ``grad_sync`` is what the gradient all-reduces of the parameter device groups add after the backward.
+    - ``grad_sync`` is what the gradient all-reduces of the parameter device groups add after the backward;
+    - ``optimizer`` is what the devices' AdamW steps (``optimizer_steps``: per device (start, end)) add after
+      that.
     """
 
     iteration_time: float
@@ -62,6 +64,8 @@ class SimResult:
     forward_end: float = 0.0
     num_devices: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
+    optimizer_time: float = 0.0
+    optimizer_steps: list[tuple[float, float]] = field(default_factory=list)  # per device: AdamW (start, end)
 
     # --------------------------------------------------------------------------------- derived
     @property
@@ -84,6 +88,10 @@ class SimResult:
     def grad_sync_share(self) -> float:
         return self.grad_sync_time / self.iteration_time if self.iteration_time > 0 else 0.0
 
+    @property
+    def optimizer_share(self) -> float:
+        return self.optimizer_time / self.iteration_time if self.iteration_time > 0 else 0.0
+
     def utilisation_over_time(self, num_bins: int = 50) -> list[float]:
         """Fraction of devices computing in each of ``num_bins`` equal slices of the iteration."""
         if self.iteration_time <= 0 or num_bins <= 0:
@@ -102,7 +110,7 @@ class SimResult:
 
     def breakdown(self) -> dict[str, float]:
         out = {"iteration_time": self.iteration_time, "compute": self.compute_time,
-               "transfer": self.transfer_time, "grad_sync": self.grad_sync_time}
+               "transfer": self.transfer_time, "grad_sync": self.grad_sync_time, "optimizer": self.optimizer_time}
         for k in TRANSFER_KINDS:
             out[f"transfer_{k}"] = self.transfer_by_kind.get(k, 0.0)
         return out

@@ -260,3 +260,62 @@ def test_recompute_flag_of_the_plan_selects_matching_models():
     assert again.compute_time > plain.compute_time
     assert max(again.peak_memory) < max(plain.peak_memory)
     assert again.iteration_time == pytest.approx(simulate(plan, w, c).iteration_time)
+
+
+class TimedOptimizerCost(StubCostModel):
+    """The stub plus an AdamW cost: 1 ns per element and 10 ms per stepped tensor (one per unit)."""
+
+    def optimizer_seconds(self, elements, tensors=0):
+        from megatron_spindle.estimator import OptimizerCost
+
+        return OptimizerCost(1e-9, 0.01).seconds(elements, tensors)
+
+
+def test_optimizer_step_follows_the_grad_sync_and_scales_with_held_elements():
+    """a on devices 0-1, b on device 1 only: device 1 steps twice the units and elements of device 0, after the
+    all-reduce of a's group; the iteration ends with its step."""
+    w, cluster = _workload(), _cluster()
+    cost = TimedOptimizerCost({"a": 6.0, "b": 3.0}, activation=0.0, params_per_unit=100_000_000)
+    groups = [ParamGroup([0, 1], ["a.layers.0", "a.layers.1"]), ParamGroup([1], ["b.layers.0", "b.layers.1"])]
+    plan = _two_wave_plan(w, cluster, [0, 1], [1], groups)
+    r = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0))
+    (s0, e0), (s1, e1) = r.optimizer_steps[:2]
+    assert e0 - s0 == pytest.approx(2 * 0.1 + 2 * 0.01)  # 2 units of 100 M elements
+    assert e1 - s1 == pytest.approx(4 * 0.1 + 4 * 0.01)
+    assert r.optimizer_steps[2:] == [(0.0, 0.0), (0.0, 0.0)]  # idle devices hold nothing
+    sync = r.grad_sync[0]
+    assert s0 == s1 == pytest.approx(sync.end)  # after the all-reduce both devices take part in
+    assert r.iteration_time == pytest.approx(e1)
+    assert r.optimizer_time == pytest.approx(r.iteration_time - sync.end)
+    assert r.breakdown()["optimizer"] == r.optimizer_time
+    assert r.compute_time + r.transfer_time + r.grad_sync_time + r.optimizer_time == pytest.approx(r.iteration_time)
+    assert simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0),
+                    SimSettings(optimizer=False)).iteration_time == pytest.approx(sync.end)
+
+
+def test_optimizer_step_shards_with_zero_and_is_free_without_parameters():
+    w, cluster = _workload(), _cluster()
+    cost = TimedOptimizerCost({"a": 6.0, "b": 3.0}, activation=0.0, params_per_unit=100_000_000)
+    groups = [ParamGroup([0, 1], ["a.layers.0", "a.layers.1", "b.layers.0", "b.layers.1"])]
+    steps = {}
+    for zero in (0, 1):
+        plan = _two_wave_plan(w, cluster, [0, 1], [0, 1], groups, planner={"zero_stage": zero})
+        r = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0))
+        steps[zero] = r.optimizer_steps[0][1] - r.optimizer_steps[0][0]
+        assert r.optimizer_time == pytest.approx(steps[zero])
+    assert steps[0] == pytest.approx(4 * 0.1 + 4 * 0.01)
+    assert steps[1] == pytest.approx(4 * 0.05 + 4 * 0.01)  # each of the 2 DP ranks steps half of the elements
+    empty = TimedOptimizerCost({"a": 6.0, "b": 3.0}, activation=0.0, params_per_unit=0)
+    r = simulate(_two_wave_plan(w, cluster, [0, 1], [0, 1], []), w, cluster, empty, StubMemoryModel(empty, 0.0))
+    assert r.optimizer_time == 0.0 and all(s == e for s, e in r.optimizer_steps)
+
+
+def test_analytic_optimizer_cost_streams_adamw_state_at_memory_bandwidth():
+    from megatron_spindle.estimator import AnalyticCostModel
+    from megatron_spindle.estimator.cost_model import ADAMW_BYTES_PER_ELEMENT
+
+    w, cluster = _workload(), _cluster()
+    model = AnalyticCostModel(w, cluster)
+    bandwidth = cluster.gpu.memory_bandwidth * model.config.memory_efficiency
+    assert model.optimizer_seconds(1e9, 100) == pytest.approx(1e9 * ADAMW_BYTES_PER_ELEMENT / bandwidth)
+    assert model.optimizer_seconds(0, 100) == 0.0

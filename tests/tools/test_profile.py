@@ -86,6 +86,8 @@ def test_one_rank_profile_plans_and_is_cached(tmp_path, capsys, monkeypatch, one
     assert doc["versions"]["torch"] and doc["versions"]["megatron-core"] == "0.16.1"
     assert doc["hardware"]["world_size"] == 1 and doc["hardware"]["device"]["type"] == "cpu"
     assert doc["bandwidth"] == {"intra_node": None, "inter_node": None}  # one rank: nothing to measure
+    opt = doc["optimizer"]  # the measured AdamW step
+    assert opt["source"] == "measured" and opt["seconds_per_element"] > 0 and opt["seconds_per_tensor"] > 0
     # one progress line per measured MetaOp group and config: 7 MetaOps, none share a shape, dp in {1, 2, 4}
     assert printed.count("[profile] [") == len(doc["measurements"]) == 7 * 3
     assert all(m["tp"] == 1 for m in doc["measurements"])
@@ -181,8 +183,17 @@ def test_grouping_configs_and_cost_model():
     model = ProfiledCostModel(workload, cluster, [meas])
     lc = model.layer_cost(graph.metaops["audio_depth/audio"], 1, 2)
     assert (lc.compute, lc.dp_sync, lc.total) == (0.01, 0.002, 0.012)
+    # the optimizer step: analytic from the memory bandwidth unless the profile measured it (older ones did not)
+    from megatron_spindle.estimator import AnalyticCostModel, OptimizerCost, optimizer_cost_from_dict
+
+    assert model.optimizer_cost() == AnalyticCostModel(workload, cluster).optimizer_cost()
+    assert optimizer_cost_from_dict({"format": "megatron-spindle-profile", "points": {}}) is None
+    measured_opt = optimizer_cost_from_dict({"optimizer": {"seconds_per_element": 2e-9, "seconds_per_tensor": 1e-5}})
+    assert measured_opt == OptimizerCost(2e-9, 1e-5, "measured")
+    timed = ProfiledCostModel(workload, cluster, [meas], optimizer=measured_opt)
+    assert timed.optimizer_seconds(1_000_000, 10) == pytest.approx(2e-3 + 1e-4)
+    assert timed.optimizer_seconds(0, 10) == 0.0
     # unmeasured configs: the analytic model scaled to the measured level of the MetaOp
-    from megatron_spindle.estimator import AnalyticCostModel
 
     base = AnalyticCostModel(workload, cluster)
     scale = 0.012 / base.layer_cost(audio, 1, 2).total
