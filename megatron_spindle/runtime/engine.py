@@ -421,9 +421,11 @@ class RuntimeEngine:
         losses = self.forward_backward(step)
         if self.optimizer is None:
             return losses
-        if self.zero_stage == 1:  # at stage 0 each master's grad is its unit's gradient buffer (set at init)
-            for u, p in self.masters.items():
+        for u, p in self.masters.items():  # stage 0: the unit's gradient buffer itself (set at init)
+            if self.zero_stage == 1:
                 p.grad = self.shards[u].shard_of(self._unit_grads[u])
+            elif p.grad is None:  # someone called zero_grad(set_to_none=True) on the optimizer
+                p.grad = self._unit_grads[u]
         self.optimizer.step()
         if self.zero_stage == 1 or any(ls.generic_keys for ls in self.local.values()):
             self._push_weights(self._full_weights())  # collective at zero_stage 1

@@ -73,6 +73,10 @@ def test_real_operators_take_the_fast_path_and_match_the_reference():
     run = lambda step: ref({t.name: mock_batch(w, t.name, step, 0) for t in w.tasks})  # noqa: E731
     traj = reference_trajectory(run, ref.full_named_parameters(), {t.name: t.loss.weight for t in w.tasks}, OPT)
     check_engine_against(engine, traj, "real tiny-clip direct")
+    engine.optimizer.zero_grad(set_to_none=True)  # detaches the masters from their buffers: the step reattaches
+    before = engine.full_state()
+    engine.train_step(3)
+    assert any(not torch.equal(v, before[k]) for k, v in engine.full_state().items())
 
 
 @pytest.mark.parametrize("wname", ["tiny-clip", "tiny-vlm"])
