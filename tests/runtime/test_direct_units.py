@@ -9,12 +9,12 @@ from harness import check_engine_against, reference_trajectory
 from plans import random_plan, sequential_plan
 from standin import StandinOp, StandinReference, standin_batch
 
+from megatron_spindle.compat.groups import ensure_torch_distributed
 from megatron_spindle.data.mock import mock_batch
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.models.reference import ReferenceModel
 from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
-from megatron_spindle.runtime.__main__ import init_distributed
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
 
 OPT = OptimizerConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
@@ -54,7 +54,7 @@ def aliases(p: torch.Tensor, master: torch.Tensor) -> bool:
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_world():
     torch.set_num_threads(1)
-    init_distributed("gloo")
+    ensure_torch_distributed()  # a one-process gloo world on a HashStore (no MASTER_PORT in the environment)
 
 
 def test_real_operators_take_the_fast_path_and_match_the_reference():

@@ -7,13 +7,13 @@ import pytest
 import torch
 from megatron.core.transformer import TransformerConfig
 
+from megatron_spindle.compat.groups import ensure_torch_distributed
 from megatron_spindle.data.mock import mock_batch
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.models import build_operator, metaop_infos
 from megatron_spindle.models.config import ModelConfig
 from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
-from megatron_spindle.runtime.__main__ import init_distributed
 from megatron_spindle.runtime.engine import EngineConfig, RuntimeEngine
 
 
@@ -46,7 +46,7 @@ def test_recomputing_operator_gives_identical_outputs_and_gradients_with_dropout
 
 def test_engine_follows_the_plans_recompute_setting():
     torch.set_num_threads(1)
-    init_distributed("gloo")
+    ensure_torch_distributed()  # HashStore world: no MASTER_PORT leaks into later tests (launch scripts read it)
     w = load_workload("tiny-clip")
     plan = make_plan(w, make_cluster(1, 1, "CPU"), PlannerConfig(planner="wavefront"))
     assert plan.planner["recompute"] is False
