@@ -45,15 +45,21 @@ greedy plan being kept if no placement fits. A MetaOp whose single layer cannot 
 configuration raises ``CpSatMemoryError`` naming the MetaOp and the bytes it needs.
 
 Levels and search: under the level barrier (default) the makespan is the sum of independent per-level
-makespans, so when per-device memory is not modelled each MetaLevel is its own model, solved by *slot
-deepening*: models of 1, 2, ... slots, each hinted by the best plan so far, while they solve to optimality
-(good plans often need few waves, and small models solve fast). After the 1-slot model, a first round keeps
-only the two device counts around each MetaOp's continuous optimum n* (from the allocator) plus the
-configurations of the best plan: with ~3 options instead of ~10 per MetaOp those models solve in a fraction
-of the time and seed the full-option ones. Then a model of the best plan's waves plus ``final_extra_slots``
-slots, hinted by it, which also gives the level's bound (for plans of that many waves); time left at the end
-goes to a second round on the levels not proven optimal. Levels share the time by what the greedy plan
-leaves above their C~*. Within a level the waves are interchangeable, so they are ordered longest first.
+makespans, so when per-device memory is not modelled each MetaLevel is its own model. The slot model proves
+bounds well but finds good plans for large levels slowly, so each level starts from the best of the greedy
+waves and two constructions (planner/level_plans.py: ``efficient_waves``, wave by wave the most useful work
+per device-second, a small portfolio of its knobs; ``few_wave_plans``, plans of at most K waves that hint the
+K-slot models). Then *slot deepening*: models of 1, 2, ... slots with the options bracketed around each
+MetaOp's continuous optimum n* (from the allocator) while they are proven (too few slots is a quick
+infeasibility proof); *growth*: full-option models of the best plan's waves + ``final_extra_slots`` slots,
+each hinted by the previous answer, while they improve (the last gives the level's bound); and a
+*wave-window search* (``_lns_level``): a window of 2-3 waves re-solved exactly with each MetaOp's layer total
+in the window fixed, spliced back when shorter. Levels share the time by what the greedy plan leaves above
+their C~*; time left at the end goes to more rounds on the levels not proven optimal. Within a level the
+waves are interchangeable, so they are ordered longest first. Levels are solved without the other levels'
+per-device memory (activations are held for the whole iteration): if their union does not place, levels go
+back to their greedy waves, least gain first, until it does; only if none does, the whole-graph model with
+per-device memory runs (on clusters of at most ``exact_memory_devices``), hinted by the greedy plan.
 With ``cross_level_overlap`` a whole-graph model follows, hinted by the barrier plan: slots are global, a
 MetaOp may use the slots of its own level's block and of the ``level_window`` neighbouring blocks, and
 precedence is explicit (a consumer's first slot after each producer's last slot); the summary reports the
@@ -87,6 +93,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
+from megatron_spindle.planner.level_plans import efficient_waves, few_wave_plans
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
 
 _REL_EPS = 1e-9
@@ -112,6 +119,11 @@ class CpSatOptions:
     reserve_fraction: float = 0.15  # of the time limit, kept for extraction and placement after the solves
     light_presolve_slots: int = 150  # models with more slots skip presolve (it alone can eat the limit)
     min_level_seconds: float = 0.2  # floor of a level's time share (enough to load its hint)
+    heuristic_share: float = 0.3  # of a level's time, at most, for the constructive plans (few_wave_plans)
+    lns_window: int = 2  # waves re-solved together by the wave-window search
+    lns_step_seconds: float = 0.25  # limit of one window model
+    lns_max_failures: int = 60  # windows in a row without improvement before the search stops
+    lns_share: float = 0.5  # of a level's time left after deepening, for the wave-window search
     overlap_time_fraction: float = 0.3  # cross-level overlap: share of the solve time for the overlap model
     final_slots_from_best: bool = True  # last model of a level sized from its best plan (else from greedy)
     memory_unit_bytes: int = 2**20
@@ -279,6 +291,29 @@ class _Context:
     def left(self) -> float:
         return max(0.0, self.deadline - time.perf_counter())
 
+    def few_wave_plans(self, sub, max_waves: int, deadline: float = math.inf) -> dict[int, list[ScheduledWave]]:
+        """few_wave_plans() and efficient_waves() for one level's sub-graph, with the per-slice memory bound
+        of the models: the best plan found for each wave count."""
+        caps = {}
+        if self.memory_model is not None:
+            cap = self.cluster.gpu.memory_bytes
+            for m, mo in sub.metaops.items():
+                for c, o in enumerate(self.slice_options[m]):
+                    per_layer = _layer_bytes(mo, o, self.memory_model)
+                    if per_layer > 0:
+                        caps[(m, c)] = int(cap // per_layer)
+        level = min((mo.level for mo in sub.metaops.values()), default=0)
+        options = {m: self.slice_options[m] for m in sub.metaops}
+        plans = few_wave_plans(sub.metaops, options, self.cluster.num_devices, max_waves, caps, level)
+        # a small portfolio: which urgency and duration grid is best varies from level to level
+        for urgency, grid in [(u, g) for u in (0.0, 2.0, 4.0, 8.0, 16.0) for g in (16, 24, 40)]:
+            if time.perf_counter() > deadline:
+                break
+            waves = efficient_waves(sub.metaops, options, self.cluster.num_devices, caps, level, urgency, grid)
+            if waves and (len(waves) not in plans or makespan(waves) < makespan(plans[len(waves)])):
+                plans[len(waves)] = waves
+        return {k: waves for k, waves in plans.items() if _with_ranges(waves, self.cluster)}
+
     def builder(self, hint: list[ScheduledWave], overlap: bool, metagraph=None, exact_memory: bool = False,
                 with_comm: bool = False, block_size: int | None = None) -> _ModelBuilder:
         b = _ModelBuilder(metagraph or self.metagraph, self.cluster, self.slice_options, hint, self.cost_model,
@@ -312,6 +347,26 @@ class _Stage:
     seconds: float
     notes: list[str] = field(default_factory=list)
     barrier_makespan: float | None = None
+    levels: _Levels | None = None  # per-level solves, kept so that spare time can go on improving them
+
+
+@dataclass
+class _Levels:
+    """Per-MetaLevel sub-problems of the level-barrier objective and the best result of each so far."""
+
+    subs: list[Any]  # one MetaGraph per level
+    hints: list[list[ScheduledWave]]  # the greedy waves of each level, re-timed from 0
+    weights: list[float]  # time shares (_level_weight)
+    results: list[_Stage] = field(default_factory=list)
+
+    def stage(self, seconds: float) -> _Stage:
+        bound = (None if any(r.bound_units is None for r in self.results)
+                 else sum(r.bound_units for r in self.results))
+        # every level has a plan (at worst its greedy waves); OPTIMAL only if every level was proven optimal
+        optimal = sum(r.status == "OPTIMAL" for r in self.results)
+        return _Stage(_concatenate([r.waves for r in self.results]),
+                      "OPTIMAL" if optimal == len(self.results) else "FEASIBLE", bound, seconds,
+                      [f"per-level solves: {optimal}/{len(self.results)} optimal"], levels=self)
 
 
 def _run_stages(ctx: _Context, greedy: list[ScheduledWave], overlap: bool) -> _Stage:
@@ -329,6 +384,16 @@ def _run_stages(ctx: _Context, greedy: list[ScheduledWave], overlap: bool) -> _S
         stage = _solve_per_level(ctx, greedy, ctx.left() * (1 - comm_share) * split)
     stage.notes = notes + stage.notes
     placed = [_finish_placement(ctx, stage.waves, stage.notes)] if _better(stage.waves, greedy) else []
+    if exact_possible and placed != [None] and stage.levels is not None:
+        # the per-level plan places within memory: the time held back for the whole-graph model goes to it
+        more = _improve_levels(ctx, stage.levels, ctx.left() * (1 - comm_share) * split)
+        if _better(more.waves, placed[0] if placed else greedy):
+            again = _finish_placement(ctx, more.waves, stage.notes)
+            if again is not None:
+                placed, stage.status, stage.bound_units = [again], more.status, more.bound_units
+                stage.notes = stage.notes[:1] + more.notes + stage.notes[1:]
+    if placed == [None] and stage.levels is not None:
+        placed = [_revert_until_placed(ctx, stage.levels, stage.notes)]
     exact = exact_possible and placed == [None]
     if exact:
         whole = _solve_whole(ctx, greedy, False, ctx.left() * (1 - comm_share) * (0.5 if overlap else 1.0),
@@ -353,6 +418,25 @@ def _run_stages(ctx: _Context, greedy: list[ScheduledWave], overlap: bool) -> _S
     stage.waves = None if best is greedy else best
     stage.seconds = time.perf_counter() - start
     return stage
+
+
+def _revert_until_placed(ctx: _Context, levels: _Levels, notes: list[str]) -> list[ScheduledWave] | None:
+    """Per-level plans are solved without the per-device memory of the other levels (activations are held
+    for the whole iteration), so their union may not place. Put levels back to their greedy waves, the
+    least gain first, until a placement fits; None if only the greedy plan does."""
+    results = [r.waves for r in levels.results]
+    gain = [makespan(h) - makespan(r) for h, r in zip(levels.hints, results)]
+    for k in sorted((k for k in range(len(results)) if gain[k] > 0), key=lambda k: gain[k]):
+        results[k] = levels.hints[k]
+        if all(r is h for r, h in zip(results, levels.hints)):
+            return None
+        attempt: list[str] = []
+        placed = _finish_placement(ctx, _concatenate(results), attempt)
+        if placed is not None:
+            kept = sum(r is not h for r, h in zip(results, levels.hints))
+            notes.extend(attempt + [f"kept the solver plans of {kept}/{len(results)} levels (memory)"])
+            return placed
+    return None
 
 
 def _levels_mixed(metagraph, waves: list[ScheduledWave]) -> bool:
@@ -454,8 +538,8 @@ def _solve_whole(ctx: _Context, hint: list[ScheduledWave], overlap: bool, limit:
 
 def _solve_per_level(ctx: _Context, greedy: list[ScheduledWave], limit: float) -> _Stage:
     """One model per MetaLevel (exact for the barrier objective when memory cannot bind). The time is shared
-    by _level_weight; levels solved early pass their time on, and what is left at the end goes to a second
-    round on the levels not proven optimal."""
+    by _level_weight; levels solved early pass their time on, and what is left at the end goes to
+    _improve_levels on the levels not proven optimal."""
     start = time.perf_counter()
     indices = [k for k, lv in enumerate(ctx.metagraph.levels) if lv]
     levels = [ctx.metagraph.levels[k] for k in indices]
@@ -465,24 +549,34 @@ def _solve_per_level(ctx: _Context, greedy: list[ScheduledWave], limit: float) -
              for k in range(len(levels))]
     weights = [_level_weight(hint, ctx.level_c_stars.get(k)) for k, hint in zip(indices, hints)]
     subs = [type(ctx.metagraph)({m: ctx.metagraph.metaops[m] for m in lv}, [], [list(lv)]) for lv in levels]
-    results: list[_Stage] = []
+    state = _Levels(subs, hints, weights)
     for k, hint in enumerate(hints):
         share = _share(limit - (time.perf_counter() - start), weights[k:], ctx.opts.min_level_seconds)
-        results.append(_solve_level(ctx, subs[k], hint, share))
-    pending = [k for k, r in enumerate(results) if r.status != "OPTIMAL"]
-    for i, k in enumerate(pending):
-        left = limit - (time.perf_counter() - start)
-        if left < ctx.opts.min_level_seconds:
-            break
-        share = _share(left, [weights[j] for j in pending[i:]], ctx.opts.min_level_seconds)
-        again = _final_model(ctx, subs[k], results[k].waves, len(hints[k]), time.perf_counter() + share)
-        if again.bound_units is not None:
-            results[k] = again
-    bound = None if any(r.bound_units is None for r in results) else sum(r.bound_units for r in results)
-    # every level has a plan (at worst its greedy waves); OPTIMAL only if every level was proven optimal
-    optimal = sum(r.status == "OPTIMAL" for r in results)
-    return _Stage(_concatenate([r.waves for r in results]), "OPTIMAL" if optimal == len(results) else "FEASIBLE",
-                  bound, time.perf_counter() - start, [f"per-level solves: {optimal}/{len(results)} optimal"])
+        state.results.append(_solve_level(ctx, subs[k], hint, share))
+    return _improve_levels(ctx, state, limit - (time.perf_counter() - start))
+
+
+def _improve_levels(ctx: _Context, state: _Levels, limit: float) -> _Stage:
+    """Rounds of _final_model over the levels not proven optimal, each hinted by its best plan and sized from
+    it (its waves + final_extra_slots: a plan that improves on its predecessor with fewer waves gets a
+    smaller, faster model next round), sharing ``limit`` by weight, until the time is spent or a round
+    improves no level."""
+    start = time.perf_counter()
+    while True:
+        pending = [k for k, r in enumerate(state.results) if r.status != "OPTIMAL"]
+        improved = False
+        for i, k in enumerate(pending):
+            left = limit - (time.perf_counter() - start)
+            if left < ctx.opts.min_level_seconds:
+                break
+            share = _share(left, [state.weights[j] for j in pending[i:]], ctx.opts.min_level_seconds)
+            old = state.results[k]
+            again = _final_model(ctx, state.subs[k], old.waves, len(state.hints[k]), time.perf_counter() + share)
+            if again.bound_units is not None:
+                improved |= makespan(again.waves) < makespan(old.waves) * (1 - _REL_EPS)
+                state.results[k] = again
+        if not improved or not pending or limit - (time.perf_counter() - start) < ctx.opts.min_level_seconds:
+            return state.stage(time.perf_counter() - start)
 
 
 def _share(left: float, weights: list[float], floor: float) -> float:
@@ -500,38 +594,78 @@ def _level_weight(hint: list[ScheduledWave], c_star: float | None) -> float:
 
 
 def _solve_level(ctx: _Context, sub, greedy: list[ScheduledWave], limit: float) -> _Stage:
-    """Slot deepening: the 1-slot model; then, with options bracketed around n* (ctx.bracketed), models of
-    2, 3, ... slots for up to ``bracket_share`` of the level's time; then full-option models of 2, 3, ...
-    slots, each hinted by the best plan so far, while they solve to optimality (small models solve fast and
-    good plans often need few waves); then _final_model."""
+    """Slot deepening, then growth. The 1-slot model; then, with options bracketed around n*
+    (ctx.bracketed), models of 2, 3, ... slots while they are proven (too few slots is a quick infeasibility
+    proof); the first unproven slot count K gets ``bracket_share`` of the level's time. Then growth from the
+    better start of that K-wave plan and the best plan so far: full-option models of the start's waves +
+    ``final_extra_slots`` slots, each hinted by the previous answer, while they improve. Small models search
+    far better than one large model in the same time (good plans need few waves: a level of 20 encoders on 8
+    devices needs about 6, the greedy plan has 15), so growth starts from the K-wave plan even when it is
+    still worse than the greedy one."""
     deadline = min(time.perf_counter() + limit, ctx.deadline)
     full = len(greedy) + ctx.opts.extra_waves
-    best = _deepen(ctx, sub, greedy, range(1, 2), deadline, limit)
+    few = ctx.few_wave_plans(sub, full, time.perf_counter() + limit * ctx.opts.heuristic_share)
+    best = min([greedy, *few.values()], key=makespan)
+    best, _ = _deepen(ctx, sub, best, range(1, 2), deadline, limit, few)
+    small = None
     bracketed = ctx.bracketed(list(sub.metaops), best)
     if bracketed is not None:
-        best = _deepen(bracketed, sub, best, range(2, full), time.perf_counter() + limit * ctx.opts.bracket_share,
-                       limit * ctx.opts.bracket_share)
-    best = _deepen(ctx, sub, best, range(max(2, len(best)), full), deadline, limit)
-    return _final_model(ctx, sub, best, len(greedy), deadline)
+        best, small = _deepen(bracketed, sub, best, range(2, full), deadline, limit, few,
+                              last_limit=limit * ctx.opts.bracket_share)
+    grown = _grow(ctx, sub, best, small, time.perf_counter() + (deadline - time.perf_counter()) * (1 - ctx.opts.lns_share))
+    searched = _lns_level(ctx, sub, grown.waves, deadline)
+    if makespan(searched) < makespan(grown.waves):
+        grown.waves = searched
+    return grown
 
 
-def _deepen(ctx: _Context, sub, best: list[ScheduledWave], slot_counts: range, deadline: float,
-            limit: float) -> list[ScheduledWave]:
-    """Models of each slot count in turn, hinted by the best plan so far, each given half the time left,
-    while they are proven (optimal or infeasible) and half of ``limit`` remains."""
+def _deepen(ctx: _Context, sub, best: list[ScheduledWave], slot_counts: range, deadline: float, limit: float,
+            few: dict[int, list[ScheduledWave]], last_limit: float | None = None,
+            ) -> tuple[list[ScheduledWave], list[ScheduledWave] | None]:
+    """Models of each slot count in turn, hinted by the best plan so far (or, if it has more waves than the
+    model has slots, by the best few-wave plan that fits), while they are proven (optimal or infeasible) and
+    half of ``limit`` remains; each gets ``deepening_share`` of the time left, or ``last_limit`` if given
+    (proofs are quick, so only the first unproven model uses much of it). Returns the best plan and the
+    answer of the last model (None if it found nothing)."""
+    last = None
     for slots in slot_counts:
         left = min(deadline, ctx.deadline) - time.perf_counter()
         if left < limit * 0.5:
             break
-        builder = ctx.builder(best if len(best) <= slots else [], False, metagraph=sub, block_size=slots)
-        status, solver, _ = builder.solve_makespan(left * ctx.opts.deepening_share, ctx.workers)
-        if solver is not None:
-            candidate = builder.extract(solver)
-            if makespan(candidate) < makespan(best):
-                best = candidate
+        fitting = [w for w in (best, *few.values()) if len(w) <= slots]
+        hint = min(fitting, key=makespan) if fitting else []
+        builder = ctx.builder(hint, False, metagraph=sub, block_size=slots)
+        budget = left * ctx.opts.deepening_share if last_limit is None else min(left, last_limit)
+        status, solver, _ = builder.solve_makespan(budget, ctx.workers)
+        last = builder.extract(solver) if solver is not None else None
+        if last is not None and makespan(last) < makespan(best):
+            best = last
         if status not in ("OPTIMAL", "INFEASIBLE"):  # too few slots is a quick proof: go on
             break
-    return best
+    return best, last
+
+
+def _grow(ctx: _Context, sub, best: list[ScheduledWave], small: list[ScheduledWave] | None,
+          deadline: float) -> _Stage:
+    """Models of (start's waves + final_extra_slots) slots, each hinted by the previous answer and given
+    half the time left (the last one all of it), from ``small`` if it has fewer waves than ``best``, while
+    they improve. The last model's bound is the level's bound (for plans of that many waves)."""
+    start = time.perf_counter()
+    current = small if small is not None and len(small) < len(best) else best
+    stage = _Stage(best, "UNKNOWN", None, 0.0)
+    while True:
+        left = min(deadline, ctx.deadline) - time.perf_counter()
+        last = left < 2 * ctx.opts.min_level_seconds
+        step = _final_model(ctx, sub, current, 0, time.perf_counter() + (left if last else left / 2))
+        improved = makespan(step.waves) < makespan(current) * (1 - _REL_EPS)
+        if makespan(step.waves) < makespan(best):
+            best = step.waves
+        if step.bound_units is not None:
+            stage = _Stage(best, step.status, step.bound_units, 0.0)
+        current = step.waves
+        if last or not improved or step.status == "OPTIMAL":
+            stage.waves, stage.seconds = best, time.perf_counter() - start
+            return stage
 
 
 def _final_model(ctx: _Context, sub, best: list[ScheduledWave], greedy_waves: int, deadline: float) -> _Stage:
@@ -735,6 +869,106 @@ def _first_fit(free: list[list[bool]], n: int, tp: int, G: int, islands: int) ->
             return isl * G
     return None
 
+
+# ------------------------------------------------------------------------------------------ wave-window LNS
+
+
+def _lns_level(ctx: _Context, sub, waves: list[ScheduledWave], deadline: float) -> list[ScheduledWave]:
+    """Large-neighbourhood search over a level's waves: re-solve a small window of waves exactly, keeping
+    each MetaOp's layer total inside the window, and splice the answer back if it is shorter.
+
+    Waves of one level are interchangeable (a MetaOp's layer ranges follow the wave order, re-numbered after
+    every splice), so a window is any set of waves: the one with the most idle device time and up to
+    ``lns_window - 1`` others that share the most MetaOps with it (ties broken at random). Its model has
+    a handful of MetaOps and slots and usually solves to optimality in milliseconds, which the full level
+    model, with its hundreds of variables, rarely does within the limit. A window that cannot improve is
+    not tried again until the plan changes."""
+    import random
+
+    rng = random.Random(ctx.opts.seed)
+    best = _renumber(waves)
+    tried: set[frozenset[int]] = set()
+    failures = 0
+    while min(deadline, ctx.deadline) - time.perf_counter() > ctx.opts.lns_step_seconds / 4:
+        window = _pick_window(best, ctx.cluster.num_devices, ctx.opts.lns_window, rng, tried)
+        if window is None or failures > ctx.opts.lns_max_failures:
+            break
+        tried.add(frozenset(window))
+        old = [best[i] for i in window]
+        new = _solve_window(ctx, sub, old, min(ctx.opts.lns_step_seconds,
+                                               min(deadline, ctx.deadline) - time.perf_counter()))
+        if new is not None and makespan(new) < sum(w.duration for w in old) * (1 - 1e-6):
+            rest = [w for i, w in enumerate(best) if i not in set(window)]
+            best = _renumber(rest + new)
+            tried.clear()
+            failures = 0
+        else:
+            failures += 1
+    return best
+
+
+def _idle(w: ScheduledWave, N: int) -> float:
+    return N * w.duration - sum(s.n * s.time for s in w.slices)
+
+
+def _pick_window(waves: list[ScheduledWave], N: int, size: int, rng, tried) -> list[int] | None:
+    """Indices of a window not tried yet: an anchor by idle time (the worst untried first) plus the waves
+    sharing the most MetaOps with it."""
+    order = sorted(range(len(waves)), key=lambda i: -_idle(waves[i], N))
+    ops = [{s.metaop for s in w.slices} for w in waves]
+    for anchor in order:
+        others = sorted((i for i in range(len(waves)) if i != anchor),
+                        key=lambda i: (-len(ops[i] & ops[anchor]), rng.random()))
+        for k in range(min(size, len(waves)), 1, -1):
+            window = [anchor] + others[:k - 1]
+            if frozenset(window) not in tried:
+                return window
+        for i in others:  # pairs with every other wave
+            if frozenset((anchor, i)) not in tried:
+                return [anchor, i]
+    return None
+
+
+def _solve_window(ctx: _Context, sub, old: list[ScheduledWave], limit: float) -> list[ScheduledWave] | None:
+    """The window's waves re-planned by the slot model over its MetaOps, each with its layer total there."""
+    totals: dict[str, int] = {}
+    for w in old:
+        for s in w.slices:
+            totals[s.metaop] = totals.get(s.metaop, 0) + s.layer_end - s.layer_start
+    ops = {m: replace(sub.metaops[m], ops=sub.metaops[m].ops[:n], params=sub.metaops[m].params[:n])
+           for m, n in totals.items()}
+    window_graph = type(sub)(ops, [], [list(ops)])
+    hint = _renumber([ScheduledWave(w.level, 0.0, w.duration, [replace(s) for s in w.slices]) for w in old])
+    builder = ctx.builder(hint, False, metagraph=window_graph, block_size=len(old))
+    status, solver, _ = builder.solve_makespan(limit, ctx.workers)
+    return builder.extract(solver) if solver is not None else None
+
+
+def _renumber(waves: list[ScheduledWave]) -> list[ScheduledWave]:
+    """The waves longest first, re-timed from 0, each MetaOp's layer ranges consecutive in that order."""
+    done: dict[str, int] = {}
+    out, t = [], 0.0
+    for w in sorted(waves, key=lambda w: -w.duration):
+        slices = []
+        for s in w.slices:
+            a = done.get(s.metaop, 0)
+            b = a + s.layer_end - s.layer_start
+            slices.append(replace(s, layer_start=a, layer_end=b))
+            done[s.metaop] = b
+        out.append(ScheduledWave(w.level, t, w.duration, slices))
+        t += w.duration
+    return out
+
+
+def _with_ranges(waves: list[ScheduledWave], cluster) -> bool:
+    """Give every slice a packed device range (pack_ranges); False if some wave does not pack."""
+    for w in waves:
+        starts = pack_ranges([(s.n, s.tp) for s in w.slices], cluster)
+        if starts is None:
+            return False
+        for s, st in zip(w.slices, starts):
+            s.devices = list(range(st, st + s.n))
+    return True
 
 # ------------------------------------------------------------------------------------------ the model
 
