@@ -10,7 +10,8 @@
    the AdamW step at the measured per-element and per-tensor cost). The CPU's speed drifts by tens of percent
    within seconds (shared machine), so ``--rounds`` rounds each profile again and then time ``--steps`` steps;
    each round's median step is compared with the simulation of the one plan (made from the first profile)
-   from that round's profile, and the median of the per-round ratios is the result. Target: within 20 %.
+   from that round's profile, and the median of the per-round ratios is the result. Each rank is pinned to its
+   own core (``--no-pin`` to leave them to the scheduler). Target: within 20 %.
 
 Printed, not asserted. Example:
     python benchmarks/runtime_cpu.py --workload tiny-clip --steps 8
@@ -47,6 +48,7 @@ def add_benchmark_args(parser):
     g.add_argument("--profile-repeats", type=int, default=5)
     g.add_argument("--rounds", type=int, default=5,
                    help="Two ranks: rounds of (profile, timed steps); the median per-round ratio is the result.")
+    g.add_argument("--no-pin", action="store_true", help="Do not pin each of the two ranks to its own core.")
     g.add_argument("--skip-one-rank", action="store_true")
     g.add_argument("--skip-two-ranks", action="store_true")
     return parser
@@ -101,7 +103,19 @@ def one_rank(workload, args) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------ two ranks
 
 
+def _pin_to_core(rank: int, world_size: int) -> None:
+    """One core per rank, as a GPU launch binds one process per device. Unpinned, the two ranks' compute ran
+    about 2x slower and erratically on a 2-core machine (the scheduler moves them and their gloo threads)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= world_size:
+        os.sched_setaffinity(0, {cpus[rank]})
+
+
 def _two_rank_worker(rank: int, world_size: int, port: int, workload, args, queue) -> None:
+    if not args.no_pin:
+        _pin_to_core(rank, world_size)
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
