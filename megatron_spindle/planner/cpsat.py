@@ -304,7 +304,7 @@ class _Context:
                         caps[(m, c)] = int(cap // per_layer)
         level = min((mo.level for mo in sub.metaops.values()), default=0)
         options = {m: self.slice_options[m] for m in sub.metaops}
-        plans = few_wave_plans(sub.metaops, options, self.cluster.num_devices, max_waves, caps, level)
+        plans = few_wave_plans(sub.metaops, options, self.cluster.num_devices, max_waves, caps, level, deadline)
         # a small portfolio: which urgency and duration grid is best varies from level to level
         for urgency, grid in [(u, g) for u in (0.0, 2.0, 4.0, 8.0, 16.0) for g in (16, 24, 40)]:
             if time.perf_counter() > deadline:

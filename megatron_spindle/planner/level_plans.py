@@ -16,6 +16,7 @@ Options are duck-typed: anything with ``n``, ``tp``, ``dp`` and ``seconds`` (per
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Protocol
 
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
@@ -30,7 +31,7 @@ class SliceOption(Protocol):
 
 def few_wave_plans(metaops: dict[str, Any], options: dict[str, list[SliceOption]], num_devices: int,
                    max_waves: int, layer_cap: dict[tuple[str, int], int] | None = None,
-                   level: int = 0) -> dict[int, list[ScheduledWave]]:
+                   level: int = 0, deadline: float = math.inf) -> dict[int, list[ScheduledWave]]:
     """Plans of one MetaLevel with at most K waves, for K = 1 .. max_waves (those that exist): hints for the
     K-slot models, which otherwise start from nothing when the best plan has more waves than K.
 
@@ -39,9 +40,12 @@ def few_wave_plans(metaops: dict[str, Any], options: dict[str, list[SliceOption]
     option with the fewest device-waves ``n * k`` (then the shortest time). The MetaOps' k occurrences are
     packed into K waves of N devices (at most one per wave and MetaOp; widest first, each into the k waves
     with the most free devices) and the layers spread evenly over a MetaOp's occurrences. Bisection finds the smallest D that packs; the wave durations are then the longest slices.
-    ``layer_cap[(metaop, option index)]`` is the memory bound on layers per slice (none if absent)."""
+    ``layer_cap[(metaop, option index)]`` is the memory bound on layers per slice (none if absent). Stops at
+    ``deadline`` (time.perf_counter()) with the plans found so far."""
     plans = {}
     for K in range(1, max_waves + 1):
+        if time.perf_counter() > deadline:
+            break
         lo = max(min(o.seconds for o in opts) * metaops[m].num_layers / K for m, opts in options.items())
         hi = sum(max(o.seconds for o in opts) * metaops[m].num_layers for m, opts in options.items())
         if _pack_waves(metaops, options, num_devices, K, hi, layer_cap) is None:
