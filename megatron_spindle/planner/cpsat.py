@@ -878,7 +878,7 @@ def _lns_level(ctx: _Context, sub, waves: list[ScheduledWave], deadline: float) 
     each MetaOp's layer total inside the window, and splice the answer back if it is shorter.
 
     Waves of one level are interchangeable (a MetaOp's layer ranges follow the wave order, re-numbered after
-    every splice), so a window is any set of waves: the one with the most idle device time and up to
+    every splice), so a window is any set of waves: the one that wastes the most device time and up to
     ``lns_window - 1`` others that share the most MetaOps with it (ties broken at random). Its model has
     a handful of MetaOps and slots and usually solves to optimality in milliseconds, which the full level
     model, with its hundreds of variables, rarely does within the limit. A window that cannot improve is
@@ -886,11 +886,12 @@ def _lns_level(ctx: _Context, sub, waves: list[ScheduledWave], deadline: float) 
     import random
 
     rng = random.Random(ctx.opts.seed)
+    area = {m: min(o.n * o.seconds for o in ctx.slice_options[m]) for m in sub.metaops}
     best = _renumber(waves)
     tried: set[frozenset[int]] = set()
     failures = 0
     while min(deadline, ctx.deadline) - time.perf_counter() > ctx.opts.lns_step_seconds / 4:
-        window = _pick_window(best, ctx.cluster.num_devices, ctx.opts.lns_window, rng, tried)
+        window = _pick_window(best, ctx.cluster.num_devices, ctx.opts.lns_window, rng, tried, area)
         if window is None or failures > ctx.opts.lns_max_failures:
             break
         tried.add(frozenset(window))
@@ -907,14 +908,17 @@ def _lns_level(ctx: _Context, sub, waves: list[ScheduledWave], deadline: float) 
     return best
 
 
-def _idle(w: ScheduledWave, N: int) -> float:
-    return N * w.duration - sum(s.n * s.time for s in w.slices)
+def _waste(w: ScheduledWave, N: int, area: dict[str, float]) -> float:
+    """Device-seconds of the wave beyond the least its layers need (``area``: a MetaOp's least device-seconds
+    per layer): idle devices and configurations that scale worse both count."""
+    return N * w.duration - sum(area[s.metaop] * (s.layer_end - s.layer_start) for s in w.slices)
 
 
-def _pick_window(waves: list[ScheduledWave], N: int, size: int, rng, tried) -> list[int] | None:
-    """Indices of a window not tried yet: an anchor by idle time (the worst untried first) plus the waves
+def _pick_window(waves: list[ScheduledWave], N: int, size: int, rng, tried,
+                 area: dict[str, float]) -> list[int] | None:
+    """Indices of a window not tried yet: an anchor by waste (the worst untried first) plus the waves
     sharing the most MetaOps with it."""
-    order = sorted(range(len(waves)), key=lambda i: -_idle(waves[i], N))
+    order = sorted(range(len(waves)), key=lambda i: -_waste(waves[i], N, area))
     ops = [{s.metaop for s in w.slices} for w in waves]
     for anchor in order:
         others = sorted((i for i in range(len(waves)) if i != anchor),
