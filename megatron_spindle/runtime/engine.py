@@ -5,6 +5,9 @@
 3. Inter-task model dependency: one process group per parameter device group; a unit's gradient is summed
    over every slice that uses it, whatever its device set, wave or TP degree.
 4. Training step: forward wave by wave, backward in reverse wave order, gradient sync, optimizer step.
+   Nothing in it is a barrier until the gradient sync: the per-task loss all-reduce runs during the
+   backward, and a rank that only sends in a transfer does not wait for the receiver (its requests are
+   waited on before the gradient sync; runtime/transfer.py).
 
 Operator contract (models/``build_operator``; tests may pass stand-ins with the same interface):
 ``factory(workload, metaop_info, layer_start, layer_end, pg_collection=..., dp_group=...)`` returns a
@@ -174,6 +177,7 @@ class RuntimeEngine:
         self.groups = PlanGroups(plan, rank, cache=groups)
         self.wave_index = {s.id: wi for wi, w in enumerate(plan.waves) for s in w.slices}
         self.transfers = self._build_transfers()
+        self._pending_sends: list = []  # requests of sends not waited for yet (see forward_backward)
         self.local = self._build_local()
         self.on_wave = on_wave
         self.zero_stage = int(plan.planner.get("zero_stage", 0) or 0)
@@ -451,7 +455,7 @@ class RuntimeEngine:
             if wi in mine:
                 self._forward_slice(mine[wi], batches)
             self._wave_done("forward", wi, t0)
-        losses = self._reduce_losses()
+        losses = self._reduce_losses()  # in flight during the backward
         for wi in reversed(range(len(self.plan.waves))):
             t0 = time.perf_counter()
             if wi in mine:
@@ -459,10 +463,13 @@ class RuntimeEngine:
             for t in by_wave.get(wi, []):
                 self._backward_transfer(t)
             self._wave_done("backward", wi, t0)
+        for w in self._pending_sends:  # sends this rank did not wait for (runtime/transfer.py)
+            w.wait()
+        self._pending_sends.clear()
         self._sync_grads()
         for ls in self.local.values():
             ls.inputs, ls.output, ls.out_grad = [], None, None
-        return losses
+        return losses()
 
     def _wave_done(self, phase: str, wave: int, t0: float) -> None:
         if self.on_wave is not None:
@@ -476,7 +483,8 @@ class RuntimeEngine:
         if not t.involves(self.rank):
             return
         src = self.local.get(t.producer.id)
-        x = t.forward(self.rank, src.output.detach() if src is not None else None, self.config.dtype, self.device)
+        x = t.forward(self.rank, src.output.detach() if src is not None else None, self.config.dtype, self.device,
+                      self._pending_sends)
         dst = self.local.get(t.consumer.id)
         if dst is not None:
             dst.inputs[t.input_index] = x.requires_grad_(True)
@@ -489,7 +497,9 @@ class RuntimeEngine:
         batch = _to_device(batches[s.task].shard(dp_rank(s, self.rank), s.dp), self.device)
         ls.output = ls.op(list(ls.inputs), batch)
 
-    def _reduce_losses(self) -> dict[str, float]:
+    def _reduce_losses(self) -> Callable[[], dict[str, float]]:
+        """Start the all-reduce of the per-task losses; the returned function waits for it and reads them.
+        Asynchronous, so that no rank waits for the slowest one's forward before starting its backward."""
         names = [t.name for t in self.workload.tasks]
         vec = torch.zeros(len(names), dtype=torch.float64, device=self.device)
         for ls in self.local.values():
@@ -498,8 +508,13 @@ class RuntimeEngine:
                 if getattr(ls.op, "dp_loss_reduction", "sum") == "mean":
                     v = v / ls.slice.dp
                 vec[names.index(ls.slice.task)] += v
-        dist.all_reduce(vec)
-        return {n: float(vec[i]) for i, n in enumerate(names)}
+        work = dist.all_reduce(vec, async_op=True)
+
+        def result() -> dict[str, float]:
+            work.wait()
+            return {n: float(vec[i]) for i, n in enumerate(names)}
+
+        return result
 
     def _backward_slice(self, ls: _LocalSlice) -> None:
         if ls.terminal:
@@ -518,7 +533,7 @@ class RuntimeEngine:
         if dst is not None:
             x = dst.inputs[t.input_index]
             g = x.grad if x.grad is not None else torch.zeros_like(x)
-        out = t.backward(self.rank, g, self.config.dtype, self.device)
+        out = t.backward(self.rank, g, self.config.dtype, self.device, self._pending_sends)
         src = self.local.get(t.producer.id)
         if src is not None:
             src.out_grad = out if src.out_grad is None else src.out_grad + out

@@ -3,8 +3,12 @@
 One ``TransferOp`` per plan transfer. Each direction is one ``dist.batch_isend_irecv`` batch holding every
 message this rank sends or receives for that transfer, in a deterministic order (sorted by (src, dst)), with a
 tag unique to the transfer and direction. Within one batch there is at most one message per ordered
-(src, dst) pair, so gloo cannot confuse same-peer same-shape messages; batches are waited on before the next
-transfer starts, and every rank walks the transfers in the same order.
+(src, dst) pair, so gloo cannot confuse same-peer same-shape messages, and every rank walks the transfers in
+the same order. A rank that receives in a batch waits for the whole batch before it goes on; a rank that only
+sends may instead hand the batch's requests to the caller (``pending_sends``) and go on computing: the tag
+tells its messages apart from later transfers', and the requests keep the send buffers alive until the
+caller waits on them (the engine does before its gradient synchronisation). A sender then no longer waits
+for a slower receiver to reach the transfer.
 
 Shapes are not exchanged: both ends derive them from the workload (``ActivationSpec``).
 """
@@ -55,9 +59,10 @@ def _shard_shape(spec: ActivationSpec, n: int) -> tuple[int, ...]:
 
 def run_messages(messages: list[Message], rank: int, src_tensor: torch.Tensor | None, dst_shape: tuple[int, ...],
                  batch_dim: int, tag: int, dtype: torch.dtype, device: torch.device,
-                 group=None) -> torch.Tensor | None:
+                 group=None, pending_sends: list | None = None) -> torch.Tensor | None:
     """Execute one direction of a transfer on this rank. ``src_tensor`` is this rank's local shard when it
-    sends; returns the assembled local shard when this rank receives (``None`` otherwise)."""
+    sends; returns the assembled local shard when this rank receives (``None`` otherwise). With
+    ``pending_sends`` a rank that only sends appends its requests there instead of waiting on them."""
     mine = sorted((m for m in messages if rank in (m.src, m.dst)), key=lambda m: (m.src, m.dst))
     receives = any(m.dst == rank for m in mine)
     out = torch.empty(dst_shape, dtype=dtype, device=device) if receives else None
@@ -75,8 +80,12 @@ def run_messages(messages: list[Message], rank: int, src_tensor: torch.Tensor | 
             ops.append(dist.P2POp(dist.irecv, buf, peer=m.src, group=group, tag=tag))
             pending.append((m, buf))
     if ops:
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
+        works = dist.batch_isend_irecv(ops)
+        if receives or pending_sends is None:
+            for w in works:
+                w.wait()
+        else:
+            pending_sends.extend(works)
     for m, buf in pending:
         out.narrow(batch_dim, m.dst_start, m.n).copy_(buf)
     return out
@@ -101,7 +110,8 @@ class TransferOp:
         a, b = rows(s, dp_rank(s, rank), self.batch)
         return b - a
 
-    def forward(self, rank: int, output: torch.Tensor | None, dtype, device) -> torch.Tensor | None:
+    def forward(self, rank: int, output: torch.Tensor | None, dtype, device,
+                pending_sends: list | None = None) -> torch.Tensor | None:
         """Producer output shard -> consumer input shard (on consumer devices)."""
         if rank not in self.consumer.devices and rank not in self.producer.devices:
             return None
@@ -112,12 +122,13 @@ class TransferOp:
                                    f"runtime expects {expect} (transfer to '{self.consumer.id}')")
         n = self._local_rows(self.consumer, rank) if rank in self.consumer.devices else 0
         return run_messages(self.fwd, rank, output, _shard_shape(self.spec, n), self.spec.batch_dim,
-                            tag=2 * self.index, dtype=dtype, device=device)
+                            tag=2 * self.index, dtype=dtype, device=device, pending_sends=pending_sends)
 
-    def backward(self, rank: int, input_grad: torch.Tensor | None, dtype, device) -> torch.Tensor | None:
+    def backward(self, rank: int, input_grad: torch.Tensor | None, dtype, device,
+                 pending_sends: list | None = None) -> torch.Tensor | None:
         """Consumer input-gradient shard -> producer output-gradient shard (on producer devices)."""
         if rank not in self.consumer.devices and rank not in self.producer.devices:
             return None
         n = self._local_rows(self.producer, rank) if rank in self.producer.devices else 0
         return run_messages(self.bwd, rank, input_grad, _shard_shape(self.spec, n), self.spec.batch_dim,
-                            tag=2 * self.index + 1, dtype=dtype, device=device)
+                            tag=2 * self.index + 1, dtype=dtype, device=device, pending_sends=pending_sends)
