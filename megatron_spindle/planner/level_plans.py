@@ -77,7 +77,9 @@ def efficient_waves(metaops: dict[str, Any], options: dict[str, list[SliceOption
         return None
     caps = layer_cap or {}
     area = {m: min(o.n * o.seconds for o in opts) for m, opts in options.items()}
-    fastest = {m: min(o.seconds for o in opts if o.n <= N) for m, opts in options.items()}
+    fastest = {m: min((o.seconds for o in opts if o.n <= N), default=math.inf) for m, opts in options.items()}
+    if math.inf in fastest.values():  # a MetaOp with no configuration that fits the level's devices
+        return None
     left = {m: metaops[m].num_layers for m in options}
     waves, t, done = [], 0.0, {m: 0 for m in options}
     while any(left.values()):
