@@ -296,12 +296,11 @@ class _Context:
         of the models: the best plan found for each wave count."""
         caps = {}
         if self.memory_model is not None:
-            cap = self.cluster.gpu.memory_bytes
             for m, mo in sub.metaops.items():
                 for c, o in enumerate(self.slice_options[m]):
-                    per_layer = _layer_bytes(mo, o, self.memory_model)
-                    if per_layer > 0:
-                        caps[(m, c)] = int(cap // per_layer)
+                    cap = _layer_cap(mo, o, self.memory_model, self.cluster)
+                    if cap is not None:
+                        caps[(m, c)] = cap
         level = min((mo.level for mo in sub.metaops.values()), default=0)
         options = {m: self.slice_options[m] for m in sub.metaops}
         plans = few_wave_plans(sub.metaops, options, self.cluster.num_devices, max_waves, caps, level, deadline)
@@ -391,7 +390,7 @@ def _run_stages(ctx: _Context, greedy: list[ScheduledWave], overlap: bool) -> _S
             again = _finish_placement(ctx, more.waves, stage.notes)
             if again is not None:
                 placed, stage.status, stage.bound_units = [again], more.status, more.bound_units
-                stage.notes = stage.notes[:1] + more.notes + stage.notes[1:]
+                stage.notes[1:2] = more.notes  # the per-level note of the first pass is stale now
     if placed == [None] and stage.levels is not None:
         placed = [_revert_until_placed(ctx, stage.levels, stage.notes)]
     exact = exact_possible and placed == [None]
@@ -771,6 +770,12 @@ def _layer_bytes(metaop, o: SliceOption, memory_model) -> float:
             + float(memory_model.activation_bytes(metaop, o.tp, o.dp, 1)))
 
 
+def _layer_cap(metaop, o: SliceOption, memory_model, cluster) -> int | None:
+    """Most layers of the MetaOp one slice with option o can hold on a device (None: no per-layer bytes)."""
+    per_layer = _layer_bytes(metaop, o, memory_model)
+    return int(cluster.gpu.memory_bytes // per_layer) if per_layer > 0 else None
+
+
 def check_memory_fits(metagraph, slice_options: dict[str, list[SliceOption]], memory_model, cluster) -> None:
     """Raise CpSatMemoryError if some MetaOp cannot place even one layer on a device in any configuration."""
     cap = cluster.gpu.memory_bytes
@@ -899,7 +904,7 @@ def _lns_level(ctx: _Context, sub, waves: list[ScheduledWave], deadline: float) 
         new = _solve_window(ctx, sub, old, min(ctx.opts.lns_step_seconds,
                                                min(deadline, ctx.deadline) - time.perf_counter()))
         if new is not None and makespan(new) < sum(w.duration for w in old) * (1 - 1e-6):
-            rest = [w for i, w in enumerate(best) if i not in set(window)]
+            rest = [w for i, w in enumerate(best) if i not in window]
             best = _renumber(rest + new)
             tried.clear()
             failures = 0
@@ -1176,11 +1181,12 @@ class _ModelBuilder:
 
     def _slice_memory(self) -> None:
         """Each device of a slice holds all its layers: l <= capacity / per-layer bytes, per option."""
-        cap = self.cluster.gpu.memory_bytes
         for s in self.slots.values():
-            for per_layer, lc in zip(self._slot_bytes(s), s.layers):
-                if per_layer > 0:
-                    self.model.Add(lc <= int(cap // per_layer))
+            mo = self.g.metaops[s.metaop]
+            for o, lc in zip(self.options[s.metaop], s.layers):
+                cap = _layer_cap(mo, o, self.memory_model, self.cluster)
+                if cap is not None:
+                    self.model.Add(lc <= cap)
 
     def _memory(self) -> None:
         """Per-device booleans a[s, d] <=> d in the slot's range; sum of the slot bytes on d <= capacity."""
