@@ -1,7 +1,22 @@
 """Run megatron-core 0.16.1 on a CPU-only torch, and choose Transformer Engine or local layer specs.
 
-``apply_cpu_shim()`` installs four small patches, each needed by a named piece of megatron-core code (measured in
-/work/shared/megatron-core-on-cpu.md). It does nothing when CUDA is available and is idempotent.
+``apply_cpu_shim()`` installs four small patches, each needed by a named piece of megatron-core code. It does
+nothing when CUDA is available and is idempotent. What it fixes (measured with torch 2.13.0+cpu and gloo):
+
+- without it, the first attention forward fails in ``GlobalMemoryBuffer.get_tensor`` (megatron/core/utils.py)
+  with "Torch not compiled with CUDA enabled": about 80 places in tensor_parallel, transformer, models and
+  pipeline_parallel allocate on ``torch.cuda.current_device()``;
+- ``model_parallel_cuda_manual_seed`` fails in ``CudaRNGStatesTracker.add`` (``torch.cuda.get_rng_state``), and
+  attention forks that tracker on every forward;
+- two calls hard-code ``device="cuda"``: ``get_default_causal_mask`` (any causal attention with
+  ``attention_mask=None``) and ``total_num_tokens`` in the pipeline schedules;
+- the RNG patch alone is not enough: the all-gather/reduce-scatter mappings still allocate on the CUDA device.
+
+With the shim, GPTModel and TransformerBlock (local spec, TP 1 and 2) train on CPU, and TP=2 column/row parallel
+linears match a dense reference to 2.4e-7. Still unsupported on CPU: sequence parallelism (torch LayerNorm asserts
+it off), gradient clipping in megatron's optimizer (asserts ``torch.cuda.FloatTensor``) and megatron's
+distributed optimizer (TypeError on CPU tensors).
+
 ``te_available()`` and ``layer_spec(module_spec)`` pick megatron's Transformer Engine spec only where TE can work.
 """
 
@@ -116,10 +131,6 @@ def _patch_cuda_rng_state() -> None:
 
     mrandom._get_cuda_rng_state = _no_cuda_rng_state
     mrandom._set_cuda_rng_state = _no_cuda_rng_state
-
-
-def cpu_shim_applied() -> bool:
-    return _CUDA_TO_CPU_MODE is not None
 
 
 def apply_cpu_shim() -> bool:

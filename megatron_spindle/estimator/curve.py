@@ -288,14 +288,6 @@ class ScalingCurve:
                 kept[n], best = point, point.seconds
         return self._with_points(kept)
 
-    def at_least(self, min_n: int) -> ScalingCurve:
-        """The curve restricted to n >= min_n (e.g. the fewest devices whose memory holds the MetaOp)."""
-        kept = {n: p for n, p in self.points.items() if n >= min_n}
-        if not kept:
-            raise EstimatorError(f"MetaOp '{self.metaop}': no valid device count >= {min_n} "
-                                 f"(valid: {self.valid_ns})")
-        return self._with_points(kept)
-
     def _with_points(self, points: dict[int, CurvePoint]) -> ScalingCurve:
         return ScalingCurve(self.metaop, points, self.source, self.c, self.w, self.hop_bytes, self.node_size,
                             self.min_points_per_piece)

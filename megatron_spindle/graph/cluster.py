@@ -74,9 +74,6 @@ class ClusterSpec:
     def island(self, device: int) -> int:
         return device // self.gpus_per_node
 
-    def island_devices(self, island: int) -> list[int]:
-        return list(range(island * self.gpus_per_node, (island + 1) * self.gpus_per_node))
-
     def same_island(self, devices) -> bool:
         return len({self.island(d) for d in devices}) <= 1
 
