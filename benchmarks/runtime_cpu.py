@@ -132,18 +132,12 @@ def _two_rank_worker(rank: int, world_size: int, port: int, workload, args, queu
 
 def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
     from megatron_spindle.compat.cpu import apply_cpu_shim
-    from megatron_spindle.estimator.profiler import (
-        ProfiledCostModel,
-        ProfilerSettings,
-        ProfileWorld,
-        cluster_with_bandwidth,
-        load_optimizer_cost,
-        load_profile,
-        run_profile,
-    )
+    from megatron_spindle.estimator.profile import load_profile
+    from megatron_spindle.estimator.profiled import ProfiledCostModel, cluster_with_bandwidth
     from megatron_spindle.graph.cluster import make_cluster
     from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
     from megatron_spindle.planner.plan import Plan
+    from megatron_spindle.profiler import ProfilerSettings, ProfileWorld, run_profile
     from megatron_spindle.runtime.engine import RuntimeEngine
     from megatron_spindle.simulator import simulate
 
@@ -153,19 +147,17 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
     settings = ProfilerSettings(layers=args.profile_layers, repeats=args.profile_repeats, warmup=1)
 
     def profile_now():
-        """(measurements, bandwidth, optimizer cost, points) of a fresh profile, or of --profile."""
+        """A fresh profile, or --profile (whose optimizer cost may be None: the analytic one applies)."""
         if args.profile:
-            points, measurements, bandwidth = load_profile(args.profile, workload, cluster)
-            return measurements, bandwidth, load_optimizer_cost(args.profile), points  # optimizer None: analytic
-        p = run_profile(workload, cluster, settings, world)
-        return p.measurements, p.bandwidth, p.optimizer, p.points
+            return load_profile(args.profile, workload, cluster)
+        return run_profile(workload, cluster, settings, world).profile()
 
     t0 = time.perf_counter()
     profiles = [profile_now()]
     profiling = time.perf_counter() - t0
     plan = None
     if rank == 0:
-        plan = make_plan(workload, cluster, PlannerConfig(planner=args.planner), profile=profiles[0][3]).to_dict()
+        plan = make_plan(workload, cluster, PlannerConfig(planner=args.planner), profile=profiles[0].points).to_dict()
     plan = Plan.from_dict(world.broadcast(plan))
     engine = RuntimeEngine(plan, workload, rank, world_size)
 
@@ -188,9 +180,9 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
                 steps.append(b)
     steps, fwd_bwd = world.all_max(steps), world.all_max(fwd_bwd)
     sims = []
-    for measurements, bandwidth, optimizer, _ in profiles:
-        measured_cluster = cluster_with_bandwidth(cluster, bandwidth)
-        cost_model = ProfiledCostModel(workload, measured_cluster, measurements, optimizer=optimizer)
+    for profile in profiles:
+        measured_cluster = cluster_with_bandwidth(cluster, profile.bandwidth)
+        cost_model = ProfiledCostModel(workload, measured_cluster, profile.measurements, optimizer=profile.optimizer)
         sims.append(simulate(plan, workload, measured_cluster, cost_model=cost_model))
     sim = sorted(sims, key=lambda x: x.iteration_time)[(len(sims) - 1) // 2]  # the median profile's simulation
     return {"measured": statistics.median(steps), "measured_fwd_bwd": statistics.median(fwd_bwd),

@@ -94,7 +94,7 @@ def _default_gpu_type(device_kind: str) -> str:
 
 
 def settings_from_args(args, device_kind: str):
-    from megatron_spindle.estimator.profiler import ProfilerSettings, gpu_bandwidth_sizes
+    from megatron_spindle.profiler import ProfilerSettings, gpu_bandwidth_sizes
 
     patterns = tuple(p.strip() for p in (args.profile_metaops or "").split(",") if p.strip())
     kwargs = dict(layers=args.profile_layers, warmup=args.profile_warmup, repeats=args.profile_repeats,
@@ -140,12 +140,12 @@ def main(argv=None, extra_args_provider=None):
         import torch.distributed as dist
 
         from megatron_spindle.compat.cpu import apply_cpu_shim
-        from megatron_spindle.estimator.profiler import (
+        from megatron_spindle.estimator.profile import load_profile
+        from megatron_spindle.profiler import (
             ProfileWorld,
             cache_path,
             default_cache_dir,
             describe_hardware,
-            load_measurements,
             profile_key,
             run_profile,
             software_versions,
@@ -193,7 +193,7 @@ def main(argv=None, extra_args_provider=None):
                     shutil.copyfile(source, args.out)
                 print(profile_summary(source, workload, cluster))
                 if args.report_tflops:
-                    print(tflops_table(load_measurements(source)))
+                    print(tflops_table(load_profile(source, workload, cluster).measurements))
                 if args.out:
                     print(f"profile written to {args.out} ({time.perf_counter() - t0:.1f} s)")
             world.barrier()

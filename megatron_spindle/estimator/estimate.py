@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 
 from megatron_spindle.estimator.configs import valid_configs
 from megatron_spindle.estimator.cost_model import AnalyticCostModel
 from megatron_spindle.estimator.curve import CurvePoint, ScalingCurve
 from megatron_spindle.estimator.errors import EstimatorError
+from megatron_spindle.estimator.profiled import profile_scale
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
 from megatron_spindle.graph.workload import Workload
@@ -48,15 +48,6 @@ def _best_per_n(points: Sequence[CurvePoint]) -> dict[int, CurvePoint]:
     return best
 
 
-def _calibration(profiled: dict[int, CurvePoint], analytic: dict[int, CurvePoint]) -> float:
-    """Geometric mean of measured / modelled time at the profiled n: the analytic fill keeps its shape but
-    takes the measured level, so a curve mixing both has no artificial jump where the profile ends."""
-    ratios = [profiled[n].seconds / analytic[n].seconds for n in profiled if n in analytic]
-    if not ratios:
-        return 1.0
-    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-
-
 def estimate_curve(
     metaop: MetaOp,
     workload: Workload,
@@ -66,11 +57,16 @@ def estimate_curve(
     calibrate: bool = True,
     allowed: Callable[[MetaOp, int, int], bool] | None = None,
 ) -> ScalingCurve:
-    """The curve of one MetaOp: fastest config per valid n; profiled points win over analytic ones.
-    ``allowed(metaop, tp, dp)`` filters configurations (e.g. those that fit device memory)."""
+    """The curve of one MetaOp: fastest config per valid n; at an n with profiled points the fastest profiled
+    one, elsewhere the fastest modelled one scaled to the measured level (``profile_scale``; not when
+    ``calibrate`` is False). ``allowed(metaop, tp, dp)`` filters configurations (e.g. those that fit device
+    memory)."""
     configs = valid_configs(metaop, workload, cluster)
     measured = _check_profiled(metaop, profiled, set(configs))
     modelled = analytic_points(metaop, workload, cluster, cost_model)
+    scale = 1.0
+    if calibrate:  # from every measured config: the level is the hardware's, whatever memory allows
+        scale = profile_scale(measured, lambda tp, dp: cost_model.layer_cost(metaop, tp, dp).total)
     if allowed is not None:
         measured = [p for p in measured if allowed(metaop, p.tp, p.dp)]
         modelled = [p for p in modelled if allowed(metaop, p.tp, p.dp)]
@@ -78,7 +74,6 @@ def estimate_curve(
             raise EstimatorError(f"MetaOp '{metaop.id}': none of its valid (tp, dp) configurations is allowed")
     measured = _best_per_n(measured)
     modelled = _best_per_n(modelled)
-    scale = _calibration(measured, modelled) if calibrate else 1.0
     points = [measured[n] if n in measured else _scaled(modelled[n], scale) for n in modelled]
     return ScalingCurve.from_points(
         metaop.id,

@@ -1,25 +1,31 @@
-"""Profile files: measured per-operator times of MetaOps, the ``profile`` argument of ``estimate_curves``.
+"""Profile files: measured per-operator times of MetaOps, read by the planner and the simulator.
 
-A profile is a JSON document (written by tools/profile.py through ``save_profile_points``)::
+A profile is a JSON document (written by tools/profile_metaops.py through ``save_profile_points``)::
 
     {"format": "megatron-spindle-profile", "version": 1,
      "workload": "tiny-clip", "workload_digest": "<Workload.digest()>", "gpu": "A800-80GB",
      "points": {"t1/vision": [{"n": 2, "tp": 1, "dp": 2, "seconds": 0.0012}, ...], ...}}
 
-Seconds are per operator (one layer), forward + backward. ``extra`` top-level sections (tools/profile.py writes
-"hardware", "versions", "bandwidth", "settings", "measurements", "optimizer") are kept as given and ignored when
-loading the points. The "optimizer" section (``{"seconds_per_element": .., "seconds_per_tensor": ..}``, the
-measured AdamW step) is read by ``optimizer_cost_from_dict``; profiles written before it existed lack it and
-get None (the cost model's analytic optimizer cost applies). Profiles are keyed by the workload digest: input
-shapes decide MetaOp identity and times, so a profile of another workload is refused. Times also depend on the
-GPU, so its type must match; the cluster may differ in size: points for more devices than the cluster has are
-dropped, the rest keep their meaning.
+Seconds are per operator (one layer), forward + backward. ``extra`` top-level sections (the profiler writes
+"hardware", "versions", "bandwidth", "settings", "measurements", "optimizer") are kept as given. ``load_profile``
+reads a file once into a ``Profile``: the points (the ``profile`` argument of ``estimate_curves``), the
+measurements with compute and DP communication apart (``ProfiledCostModel``), the measured links
+("bandwidth", ``cluster_with_bandwidth``) and the measured AdamW step ("optimizer",
+``{"seconds_per_element": .., "seconds_per_tensor": ..}``; None in profiles written before it existed: the cost
+model's analytic optimizer cost applies). Profiles are keyed by the workload digest: input shapes decide MetaOp
+identity and times, so a profile of another workload is refused. Times also depend on the GPU, so its type must
+match; the cluster may differ in size: points for more devices than the cluster has are dropped, the rest keep
+their meaning.
+
+Pure Python: the measuring side (torch) is ``megatron_spindle.profiler``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -135,17 +141,19 @@ def profile_from_dict(
     return out
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise EstimatorError(f"{path}: not valid JSON: {e}") from None
+
+
 def load_profile_points(
     path: str | Path, workload: Workload, cluster: ClusterSpec
 ) -> dict[str, list[CurvePoint]]:
     """Read a profile file written by ``save_profile_points`` for use with ``estimate_curves(profile=...)``."""
-    path = Path(path)
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except json.JSONDecodeError as e:
-        raise EstimatorError(f"{path}: not valid JSON: {e}") from None
-    return profile_from_dict(d, workload, cluster, where=str(path))
+    return load_profile(path, workload, cluster).points
 
 
 def optimizer_cost_from_dict(d: Any) -> OptimizerCost | None:
@@ -158,3 +166,76 @@ def optimizer_cost_from_dict(d: Any) -> OptimizerCost | None:
                              str(section.get("source", "measured")))
     except (KeyError, TypeError, ValueError) as e:
         raise EstimatorError(f"profile: malformed 'optimizer' section {section!r}: {e}") from None
+
+
+@dataclass
+class Measurement:
+    """One (MetaOp group, tp, dp) measurement of the profiler; ``members`` (same-shape MetaOps) share it."""
+
+    metaop: str  # the group's representative (first) MetaOp
+    members: list[str]
+    tp: int
+    dp: int
+    layers: int  # operators timed together
+    compute_seconds: float  # per operator, forward + backward, TP communication included
+    dp_comm_seconds: float  # per operator: DP gradient all-reduce (+ contrastive all-gather)
+    dp_comm_source: str
+    flops: float  # analytic forward + backward FLOPs of one operator, whole batch
+    wall_seconds: float = 0.0  # time this measurement took (build + runs)
+
+    @property
+    def n(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_seconds + self.dp_comm_seconds
+
+    @property
+    def tflops_per_device(self) -> float:
+        """Achieved TFLOP/s of one device during compute (FLOPs / n / compute seconds)."""
+        return self.flops / self.n / self.compute_seconds / 1e12 if self.compute_seconds > 0 else 0.0
+
+    def point(self) -> CurvePoint:
+        return CurvePoint(self.n, self.tp, self.dp, self.seconds, "profiled")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Measurement:
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+def points_of(measurements: Sequence[Measurement]) -> dict[str, list[CurvePoint]]:
+    """metaop id -> measured points (every member of a group gets the group's points)."""
+    out: dict[str, list[CurvePoint]] = {}
+    for m in measurements:
+        for mid in m.members:
+            out.setdefault(mid, []).append(m.point())
+    return out
+
+
+@dataclass
+class Profile:
+    """What a profile holds for a cluster: read once (``load_profile``) or just measured (the profiler's
+    ``ProfileResult.profile()``); the planner takes ``points``, ``ProfiledCostModel`` the rest."""
+
+    points: dict[str, list[CurvePoint]]
+    measurements: list[Measurement] = field(default_factory=list)
+    bandwidth: dict[str, Any] = field(default_factory=dict)  # "intra_node" / "inter_node" links, None: not measured
+    optimizer: OptimizerCost | None = None  # the measured AdamW step (None: not measured)
+
+
+def load_profile(path: str | Path, workload: Workload, cluster: ClusterSpec) -> Profile:
+    """Read and check a profile file (see the module docstring) for ``workload`` on ``cluster``."""
+    path = Path(path)
+    doc = _read_json(path)
+    points = profile_from_dict(doc, workload, cluster, where=str(path))
+    raw = doc.get("measurements") or []
+    try:
+        measurements = [Measurement.from_dict(m) for m in raw]
+    except TypeError as e:
+        raise EstimatorError(f"{path}: malformed 'measurements' section: {e}") from None
+    return Profile(points, [m for m in measurements if m.n <= cluster.num_devices], doc.get("bandwidth") or {},
+                   optimizer_cost_from_dict(doc))

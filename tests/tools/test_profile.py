@@ -1,4 +1,4 @@
-"""tools/profile.py and estimator/profiler.py: profiling on CPU with 1 rank (in-process) and 2 gloo ranks
+"""tools/profile.py and megatron_spindle/profiler: profiling on CPU with 1 rank (in-process) and 2 gloo ranks
 (torchrun), fitted curves against the measured points, planning from a profile, the cache, and the GPU
 script's CPU dry run."""
 
@@ -105,7 +105,7 @@ def test_one_rank_profile_plans_and_is_cached(tmp_path, capsys, monkeypatch, one
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured again despite the cache")
 
-    from megatron_spindle.estimator import profiler
+    from megatron_spindle import profiler
 
     monkeypatch.setattr(profiler, "run_profile", no_measuring)
     out2 = tmp_path / "again.json"
@@ -144,12 +144,10 @@ def test_two_gloo_ranks_under_torchrun(tmp_path):
 
 
 def test_grouping_configs_and_cost_model():
-    from megatron_spindle.estimator.profiler import (
-        Measurement,
-        ProfiledCostModel,
+    from megatron_spindle.estimator import Measurement, ProfiledCostModel, cluster_with_bandwidth
+    from megatron_spindle.profiler import (
         ProfilerSettings,
         ProfileWorld,
-        cluster_with_bandwidth,
         group_metaops,
         profile_configs,
         profile_key,

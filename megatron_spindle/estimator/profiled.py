@@ -1,0 +1,83 @@
+"""Measured times over the analytic model: the one rule by which a profile turns into costs.
+
+Where a (MetaOp, tp, dp) was measured, the measurement is the cost. Elsewhere the analytic cost is scaled by
+``profile_scale``: the geometric mean, over the MetaOp's measured configs, of measured / modelled time at the
+same config. The fill keeps the model's shape and takes the measured level, so a curve that mixes both has no
+artificial jump where the measurements end. ``estimate_curve`` (the planner's scaling curves) and
+``ProfiledCostModel`` (the simulator's layer costs) both scale with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from megatron_spindle.estimator.cost_model import AnalyticCostModel, LayerCost, OptimizerCost
+from megatron_spindle.estimator.curve import CurvePoint
+from megatron_spindle.estimator.profile import Measurement
+from megatron_spindle.graph.cluster import ClusterSpec
+from megatron_spindle.graph.opgraph import MetaOp
+from megatron_spindle.graph.workload import Workload
+
+
+def profile_scale(measured: Iterable[CurvePoint], modelled: Callable[[int, int], float]) -> float:
+    """Geometric mean of ``p.seconds / modelled(p.tp, p.dp)`` over the measured points (1.0 without any)."""
+    logs = [math.log(p.seconds / modelled(p.tp, p.dp)) for p in measured]
+    return math.exp(sum(logs) / len(logs)) if logs else 1.0
+
+
+def cluster_with_bandwidth(cluster: ClusterSpec, bandwidth: Mapping[str, Any] | None) -> ClusterSpec:
+    """The cluster with its link bandwidths and latencies replaced by a profile's measured ones (where
+    measured: the all-reduce bus bandwidth and per-step latency of the "intra_node" / "inter_node" links)."""
+    changes: dict[str, float] = {}
+    for section, bw, lat in (("intra_node", "intra_node_bw", "intra_node_latency"),
+                             ("inter_node", "inter_node_bw", "inter_node_latency")):
+        link = (bandwidth or {}).get(section)
+        if link:
+            changes[bw] = float(link["allreduce_bus_bytes_per_s"])
+            changes[lat] = float(link["allreduce_latency_s"])
+    return dataclasses.replace(cluster, **changes) if changes else cluster
+
+
+class ProfiledCostModel(AnalyticCostModel):
+    """The analytic cost model with ``layer_cost`` replaced by measurements where they exist: compute (TP
+    communication included) and the DP communication kept apart, as the simulator charges the gradient
+    synchronisation itself. Other configs: the analytic cost scaled by ``profile_scale`` (``calibrate=False``:
+    unscaled). ``optimizer``: the measured AdamW cost (None keeps the analytic cost of the cluster spec)."""
+
+    def __init__(self, workload: Workload, cluster: ClusterSpec, measurements: Sequence[Measurement],
+                 optimizer: OptimizerCost | None = None, calibrate: bool = True, **kwargs):
+        super().__init__(workload, cluster, **kwargs)
+        self.measured_optimizer = optimizer
+        self.calibrate = calibrate
+        self.measured: dict[tuple[str, int, int], Measurement] = {}
+        for meas in measurements:
+            for mid in meas.members:
+                self.measured[(mid, meas.tp, meas.dp)] = meas
+        self._scale: dict[str, float] = {}
+
+    def scale(self, metaop: MetaOp) -> float:
+        """The factor on the analytic cost of ``metaop``'s unmeasured configs."""
+        if not self.calibrate:
+            return 1.0
+        if metaop.id not in self._scale:
+            points = [meas.point() for (mid, _, _), meas in self.measured.items() if mid == metaop.id]
+            self._scale[metaop.id] = profile_scale(
+                points, lambda tp, dp: AnalyticCostModel.layer_cost(self, metaop, tp, dp).total)
+        return self._scale[metaop.id]
+
+    def optimizer_cost(self) -> OptimizerCost:
+        return self.measured_optimizer if self.measured_optimizer is not None else super().optimizer_cost()
+
+    def layer_cost(self, metaop: MetaOp, tp: int, dp: int) -> LayerCost:
+        meas = self.measured.get((metaop.id, tp, dp))
+        if meas is not None:
+            if metaop.kind == "loss":  # no weights: its DP communication is the embeddings' all-gather
+                return LayerCost(meas.compute_seconds, 0.0, 0.0, 0.0, data_comm=meas.dp_comm_seconds)
+            return LayerCost(compute=meas.compute_seconds, tp_comm=0.0, dp_sync=meas.dp_comm_seconds, launch=0.0)
+        base = super().layer_cost(metaop, tp, dp)
+        s = self.scale(metaop)
+        return LayerCost(base.compute * s, base.tp_comm * s, base.dp_sync * s, base.launch * s,
+                         base.data_comm * s)

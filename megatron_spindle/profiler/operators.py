@@ -1,0 +1,124 @@
+"""Timing one operator (forward + backward on a real TP group) and the AdamW step."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from megatron_spindle.estimator.cost_model import OptimizerCost
+from megatron_spindle.graph.opgraph import MetaOp
+from megatron_spindle.graph.workload import Workload
+from megatron_spindle.profiler.settings import ProfilerSettings
+from megatron_spindle.profiler.world import ProfileWorld, median_seconds
+
+OPTIMIZER_PROBE_ELEMENTS = 1 << 20  # one fp32 tensor: the per-element cost
+OPTIMIZER_PROBE_TENSORS = 64  # tiny tensors: the per-tensor cost
+
+
+def _batch_for(workload: Workload, info, dp: int, device: torch.device, dtype: torch.dtype, seed: int):
+    """The DP-rank-0 shard (B/dp rows) of the task's mock batch, on the device; float inputs in ``dtype``."""
+    from megatron_spindle.data.mock import mock_batch
+
+    batch = mock_batch(workload, info.task, 0, seed).shard(0, dp)
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+
+    return dataclasses.replace(batch, inputs={k: move(v) for k, v in batch.inputs.items()},
+                               labels=None if batch.labels is None else move(batch.labels))
+
+
+def _inputs_for(info, dp: int, device: torch.device, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Producer outputs of the right shapes for the local shard: one [b, S, X] tensor (a layer range given
+    one input takes it as the whole sequence), two [b, 1, X] embeddings for a contrastive loss, none for a
+    front end."""
+    b, s, x = info.input_shape
+    rows = b // dp
+    gen = torch.Generator().manual_seed(seed)
+    if info.kind == "frontend":
+        return []
+    shapes = [(rows, 1, x), (rows, 1, x)] if info.kind == "loss" else [(rows, s, x)]
+    return [torch.randn(*shape, generator=gen).to(device=device, dtype=dtype) for shape in shapes]
+
+
+def time_operator(op: torch.nn.Module, inputs: list[torch.Tensor], batch, world: ProfileWorld,
+                  warmup: int, repeats: int) -> float:
+    """Median seconds of forward + backward of ``op`` (device-synchronised). A scalar output (loss) is
+    back-propagated directly, a tensor output with a fixed random output gradient."""
+    out_grad: list[torch.Tensor | None] = [None]
+
+    def step():
+        xs = [x.detach().requires_grad_(True) for x in inputs]
+        out = op(xs, batch)
+        if out.dim() == 0:
+            out.backward()
+        else:
+            if out_grad[0] is None or out_grad[0].shape != out.shape:
+                gen = torch.Generator().manual_seed(1)
+                out_grad[0] = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
+            out.backward(out_grad[0])
+        op.zero_grad(set_to_none=True)
+
+    return median_seconds(step, world, warmup, repeats)
+
+
+def measure_optimizer(world: ProfileWorld, settings: ProfilerSettings) -> OptimizerCost:
+    """Seconds of torch.optim.AdamW (default implementation for the device, as the runtime engine steps its
+    masters) per element, from one tensor of ``OPTIMIZER_PROBE_ELEMENTS``, and per tensor, from
+    ``OPTIMIZER_PROBE_TENSORS`` tensors of 16 elements. Every rank measures at once (as every rank steps at
+    once in training); max-reduced over the ranks. Collective."""
+
+    def seconds(tensors: list[torch.Tensor]) -> float:
+        params = [torch.nn.Parameter(t) for t in tensors]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+        return median_seconds(opt.step, world, max(1, settings.warmup), settings.repeats)
+
+    gen = torch.Generator().manual_seed(settings.seed)
+    big = seconds([torch.randn(OPTIMIZER_PROBE_ELEMENTS, generator=gen).to(world.device)])
+    small = seconds([torch.randn(16, generator=gen).to(world.device) for _ in range(OPTIMIZER_PROBE_TENSORS)])
+    big, small = world.all_max([big, small])
+    per_tensor = small / OPTIMIZER_PROBE_TENSORS
+    per_element = max(0.0, big - per_tensor) / OPTIMIZER_PROBE_ELEMENTS
+    return OptimizerCost(per_element, per_tensor, "measured")
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def measure_config(workload: Workload, info, metaop: MetaOp, tp: int, dp: int, world: ProfileWorld,
+                   settings: ProfilerSettings) -> tuple[float, int, int]:
+    """(compute seconds per operator, gradient elements per operator on one TP rank, operators timed) of one
+    config; seconds is inf when a rank ran out of memory. Collective over the world."""
+    from megatron_spindle.compat.groups import make_pg_collection
+    from megatron_spindle.models.config import ModelConfig
+    from megatron_spindle.models.operator import build_operator
+
+    layers = min(info.num_layers, settings.layers) if info.kind == "layer" else 1
+    tp_group, member = world.tp_group(tp) if tp > 1 else (None, True)
+    seconds, numel = 0.0, 0
+    if member:
+        op = None
+        try:
+            cfg = ModelConfig(bf16=settings.bf16, init_seed=settings.seed)
+            pgs = make_pg_collection(tp_group) if tp > 1 else None
+            op = build_operator(workload, info, 0, layers, pg_collection=pgs, config=cfg)
+            op = op.to(device=world.device, dtype=cfg.params_dtype)
+            batch = _batch_for(workload, info, dp, world.device, cfg.params_dtype, settings.seed)
+            inputs = _inputs_for(info, dp, world.device, cfg.params_dtype, settings.seed)
+            seconds = time_operator(op, inputs, batch, world, settings.warmup, settings.repeats) / layers
+            numel = sum(p.numel() for p in op.parameters()) // layers
+        except RuntimeError as e:
+            if not _is_oom(e):
+                raise
+            seconds = math.inf
+        finally:
+            del op
+            if world.device.type == "cuda":
+                torch.cuda.empty_cache()
+    seconds, numel = world.all_max([seconds, numel])
+    return seconds, int(numel), layers

@@ -1,0 +1,114 @@
+"""The ranks taking part in profiling, their process groups, and the timing loop every measurement uses."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ProfileWorld:
+    """The ranks taking part: ``world_size`` ranks in nodes of ``local_world_size`` (torchrun's
+    LOCAL_WORLD_SIZE), one device each. Works without torch.distributed (one rank)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _groups: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def current(cls, device: torch.device | str | None = None) -> ProfileWorld:
+        if device is None:
+            device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls(0, 1, 1, device)
+        world = dist.get_world_size()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if local <= 0 or world % local:
+            local = world
+        return cls(dist.get_rank(), world, local, device)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    def node(self, rank: int) -> int:
+        return rank // self.local_world_size
+
+    def group(self, ranks: Sequence[int]):
+        """The process group of ``ranks`` (None for one rank). Collective on the first call for a set of ranks:
+        every rank must ask for the same groups in the same order."""
+        ranks = tuple(sorted(ranks))
+        if len(ranks) <= 1:
+            return None
+        if ranks == tuple(range(self.world_size)):
+            return dist.group.WORLD
+        if ranks not in self._groups:
+            self._groups[ranks] = dist.new_group(list(ranks))
+        return self._groups[ranks]
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def all_max(self, values: Sequence[float]) -> list[float]:
+        """Element-wise max over the ranks (every rank gets the same numbers)."""
+        if not self.distributed:
+            return [float(v) for v in values]
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64,
+                         device=self.device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [float(v) for v in t.cpu()]
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def tp_group(self, tp: int):
+        """(group, is_member) of this rank for TP degree tp: consecutive blocks of tp ranks (whole blocks only;
+        leftover ranks idle). Collective (creates every block's group)."""
+        blocks = [tuple(range(k * tp, (k + 1) * tp)) for k in range(self.world_size // tp)]
+        mine = None
+        for block in blocks:
+            g = self.group(block)
+            if self.rank in block:
+                mine = g
+        member = any(self.rank in b for b in blocks)
+        return mine, member
+
+
+def median_seconds(fn: Callable[[], None], world: ProfileWorld, warmup: int, repeats: int) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` untimed ones (device-synchronised)."""
+    for _ in range(warmup):
+        fn()
+    world.sync()
+    times = []
+    for _ in range(repeats):
+        world.sync()
+        t0 = time.perf_counter()
+        fn()
+        world.sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
