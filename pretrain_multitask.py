@@ -11,12 +11,9 @@ Example (2 CPU processes):
         --spindle-planner wavefront --save ckpt --load ckpt
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from megatron_spindle.training.trainer import pretrain  # noqa: E402
+from megatron_spindle.training.trainer import pretrain
 
 
 def train_valid_test_datasets_provider(workload, args, data_paths):

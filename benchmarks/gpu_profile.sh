@@ -8,7 +8,7 @@
 #
 # Options: --device cuda|cpu (default cuda), --nproc N (ranks; default 1), --out-dir DIR (default .),
 #          --layers L (operators timed per MetaOp; default 1). Env: PYTHON (interpreter), GPU_TYPE (built-in
-#          node type when the device name is not recognised), EXTRA_ARGS (more tools/profile.py flags).
+#          node type when the device name is not recognised), EXTRA_ARGS (more tools/profile_metaops.py flags).
 # Writes DIR/gpu_profile.json (a profile the planner can load with --spindle-profile) and DIR/gpu_profile.log.
 set -euo pipefail
 
@@ -62,7 +62,7 @@ fi
 
 echo "gpu_profile: $WORKLOAD [$TASKS] MetaOps $METAOPS on $DEVICE x $NPROC, $LAYERS layer(s) per MetaOp"
 # shellcheck disable=SC2086
-"${LAUNCH[@]}" "$ROOT/tools/profile.py" --workload "$WORKLOAD" --tasks "$TASKS" --device "$DEVICE" \
+"${LAUNCH[@]}" "$ROOT/tools/profile_metaops.py" --workload "$WORKLOAD" --tasks "$TASKS" --device "$DEVICE" \
     --profile-metaops "$METAOPS" --profile-layers "$LAYERS" --no-profile-cache --report-tflops \
     --out "$OUT" "${ARGS[@]}" ${EXTRA_ARGS:-} 2>&1 | grep -v -e "warnings.warn" -e "UserWarning" | tee "$LOG"
 

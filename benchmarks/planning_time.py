@@ -4,15 +4,12 @@ with the wavefront planner). Prints a table; never part of the tests."""
 
 import argparse
 import functools
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_spindle.graph.cluster import make_cluster  # noqa: E402
-from megatron_spindle.graph.workload import load_workload  # noqa: E402
-from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload  # noqa: E402
+from megatron_spindle.graph.cluster import make_cluster
+from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload
 
 
 def best_of(repeats: int, plan):

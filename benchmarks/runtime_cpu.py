@@ -4,7 +4,7 @@
 1. One rank: seconds per training step of ``runtime.RuntimeEngine`` (a plan for one CPU device) against a plain
    PyTorch loop over the same megatron-core modules (``models.reference.ReferenceModel`` + AdamW). Steps of the
    two alternate so that machine load hits both alike. Target: engine / plain <= 1.05.
-2. Two gloo ranks (spawned): the workload is profiled on the two ranks (tools/profile.py's measuring code), a
+2. Two gloo ranks (spawned): the workload is profiled on the two ranks (tools/profile_metaops.py's measuring code), a
    plan is made from the profiled curves, and the engine's measured iteration time is compared with the
    simulator's prediction from the same measurements (``ProfiledCostModel``, links at the measured bandwidth,
    the AdamW step at the measured per-element and per-tensor cost). The CPU's speed drifts by tens of percent
@@ -24,13 +24,11 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from megatron_spindle.arguments import add_workload_args, build_parser, workload_from_args  # noqa: E402
+from megatron_spindle.arguments import add_workload_args, build_parser, workload_from_args
 
 OVERHEAD_TARGET = 1.05
 SIMULATION_TARGET = 0.20
@@ -43,7 +41,7 @@ def add_benchmark_args(parser):
     g.add_argument("--threads", type=int, default=1, help="torch threads per process.")
     g.add_argument("--planner", choices=["wavefront", "cpsat"], default="wavefront")
     g.add_argument("--profile", default=None,
-                   help="Use this 2-device CPU profile (tools/profile.py) instead of profiling first.")
+                   help="Use this 2-device CPU profile (tools/profile_metaops.py) instead of profiling first.")
     g.add_argument("--profile-layers", type=int, default=2)
     g.add_argument("--profile-repeats", type=int, default=5)
     g.add_argument("--rounds", type=int, default=5,

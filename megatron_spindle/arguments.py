@@ -1,7 +1,8 @@
-"""Megatron-style argparse groups shared by tools/plan.py, tools/profile.py and pretrain_multitask.py.
+"""Megatron-style argparse groups shared by tools/plan.py, tools/profile_metaops.py and pretrain_multitask.py.
 
 Each ``add_*_args(parser)`` adds one group of kebab-case flags; ``*_from_args(args)`` turns them into the
-dataclass configs the library uses. Entry points compose them and accept an ``extra_args_provider``.
+dataclass configs the library uses. Where a group is a config dataclass, its flags are declared on the
+dataclass's fields (megatron_spindle/flags.py). Entry points compose them and accept an ``extra_args_provider``.
 """
 
 from __future__ import annotations
@@ -9,8 +10,11 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
+from megatron_spindle.flags import add_flags, config_from_args
 from megatron_spindle.graph.cluster import NODE_TYPES, ClusterSpec, load_cluster, make_cluster
 from megatron_spindle.graph.workload import Workload, load_workload
+
+SPINDLE_PREFIX = "spindle-"  # PlannerConfig's flags: --spindle-planner, --spindle-solver-time-limit, ...
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -33,27 +37,13 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = parser.add_argument_group("spindle planner")
-    g.add_argument("--spindle-planner", choices=["wavefront", "cpsat"], default="cpsat",
-                   help="wavefront: the paper's greedy planner; cpsat: refined by an OR-Tools CP-SAT model "
-                        "warm-started from the greedy plan.")
-    g.add_argument("--spindle-inverse", choices=["rate", "time"], default="rate",
-                   help="Interpolation of T^-1 in the allocator: linear in rate 1/T (consistent with sum n* = N) "
-                        "or linear in T (the paper's eq. 11).")
-    g.add_argument("--spindle-placement", choices=["spindle", "sequential"], default="spindle",
-                   help="Device placement: island/flow/memory-aware heuristics, or consecutive devices (ablation).")
-    g.add_argument("--spindle-solver-time-limit", type=float, default=10.0, help="CP-SAT time limit in seconds.")
-    g.add_argument("--spindle-solver-workers", type=int, default=2, help="CP-SAT search workers.")
-    g.add_argument("--spindle-cross-level-overlap", action="store_true",
-                   help="CP-SAT: let a MetaOp start when its own producers end instead of at the level barrier.")
-    g.add_argument("--spindle-recompute", choices=["auto", "none", "full"], default="auto",
-                   help="Full activation recomputation of transformer layers: auto plans without it and switches "
-                        "it on only when the plan does not fit device memory otherwise.")
-    g.add_argument("--spindle-distributed-optimizer", choices=["auto", "off", "on"], default="auto",
-                   help="Shard each unit's optimizer state over the data-parallel ranks that run it (ZeRO-1, "
-                        "like --use-distributed-optimizer): auto switches it on only when memory requires it.")
+    """``--spindle-*``: every field of PlannerConfig (declared there), and the profile to plan from."""
+    from megatron_spindle.planner.pipeline import PlannerConfig
+
+    g = add_flags(parser.add_argument_group("spindle planner"), PlannerConfig, prefix=SPINDLE_PREFIX)
     g.add_argument("--spindle-profile", default=None,
-                   help="Profile JSON from tools/profile.py; its measured points replace the analytic cost model.")
+                   help="Profile JSON from tools/profile_metaops.py; its measured points replace the analytic "
+                        "cost model.")
     return parser
 
 
@@ -76,12 +66,7 @@ def cluster_from_args(args: argparse.Namespace, default_num_gpus: int | None = N
 def planner_config_from_args(args: argparse.Namespace):
     from megatron_spindle.planner.pipeline import PlannerConfig
 
-    return PlannerConfig(planner=args.spindle_planner, inverse=args.spindle_inverse,
-                         placement=args.spindle_placement, solver_time_limit=args.spindle_solver_time_limit,
-                         solver_workers=args.spindle_solver_workers,
-                         cross_level_overlap=args.spindle_cross_level_overlap,
-                         recompute=args.spindle_recompute,
-                         distributed_optimizer=args.spindle_distributed_optimizer)
+    return config_from_args(PlannerConfig, args, prefix=SPINDLE_PREFIX)
 
 
 def build_parser(description: str, groups: list[Callable], extra_args_provider: Callable | None = None):

@@ -23,12 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-# run as a script, tools/ is sys.path[0] and tools/profile.py would shadow the standard library's profile
-sys.path[:] = [q for q in sys.path if os.path.abspath(q or os.curdir) != os.path.dirname(os.path.abspath(__file__))]
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_spindle.arguments import build_parser  # noqa: E402
-from megatron_spindle.errors import exit_on_user_error  # noqa: E402
+from megatron_spindle.arguments import build_parser
+from megatron_spindle.errors import exit_on_user_error
 
 
 def add_input_args(parser):

@@ -8,6 +8,7 @@ Runs in one to two minutes on 2 cores.
 """
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -15,32 +16,15 @@ import subprocess
 import sys
 import time
 
-# run as a script, tools/ is sys.path[0] and tools/profile.py would shadow the standard library's profile
-sys.path[:] = [q for q in sys.path if os.path.abspath(q or os.curdir) != os.path.dirname(os.path.abspath(__file__))]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
-def runtime_available() -> str | None:
-    """None when the runtime engine and the operators import, else why not."""
-    try:
-        from megatron_spindle.models import build_operator  # noqa: F401
-        from megatron_spindle.runtime.engine import RuntimeEngine  # noqa: F401
-    except Exception as e:  # a missing or half-landed package
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-def plan_only(out: str) -> int:
-    import importlib.util
-
-    # by file path: putting tools/ on sys.path would let tools/profile.py shadow the standard library's profile
-    spec = importlib.util.spec_from_file_location("spindle_plan_tool", os.path.join(ROOT, "tools", "plan.py"))
-    plan_tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plan_tool)
-
-    return plan_tool.main(["--workload", "tiny-clip", "--num-gpus", "2", "--spindle-planner", "wavefront",
-                           "--out", os.path.join(out, "plan.json"), "--gantt", os.path.join(out, "plan.png")])
+def _entry_point():
+    """pretrain_multitask.py (a script at the repository root, not part of the package), loaded by path."""
+    spec = importlib.util.spec_from_file_location("pretrain_multitask", os.path.join(ROOT, "pretrain_multitask.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 LOG_LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*?total loss: (\S+) \|(.*)$")
@@ -86,12 +70,6 @@ def main(argv=None) -> int:
     if os.path.isdir(out):
         shutil.rmtree(out)
     os.makedirs(out)
-    why = runtime_available()
-    if why is not None:
-        print(f"training is not available yet ({why}); planning only")
-        rc = plan_only(out)
-        print(f"plan: {out}/plan.json, Gantt chart: {out}/plan.png")
-        return rc
     ckpt, tb = os.path.join(out, "checkpoints"), os.path.join(out, "tensorboard")
     flags = [
         "--workload", "tiny-clip", "--spindle-planner", "wavefront", "--gpu-type", "CPU",
@@ -106,10 +84,8 @@ def main(argv=None) -> int:
         import torch
 
         torch.set_num_threads(1)  # tiny operators: threads only add contention on a 2-core machine
-        import pretrain_multitask
-
         history: list = []
-        rc = pretrain_multitask.main(flags, history=history)
+        rc = _entry_point().main(flags, history=history)
         records = [(r.iteration, r.losses, r.total_loss) for r in history]
     else:
         rc, records = run_torchrun(args.nproc, flags)

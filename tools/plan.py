@@ -5,16 +5,10 @@ Example:
     python tools/plan.py --workload clip-10 --num-gpus 16 --out plan.json --gantt plan.png
 """
 
-import os
 import sys
 import time
 
-# tools/ must not be on the import path: tools/profile.py would shadow the standard library's profile module.
-_TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _TOOLS_DIR]
-sys.path.insert(0, os.path.dirname(_TOOLS_DIR))
-
-from megatron_spindle.arguments import (  # noqa: E402
+from megatron_spindle.arguments import (
     add_cluster_args,
     add_spindle_args,
     add_workload_args,
@@ -23,7 +17,7 @@ from megatron_spindle.arguments import (  # noqa: E402
     planner_config_from_args,
     workload_from_args,
 )
-from megatron_spindle.errors import exit_on_user_error  # noqa: E402
+from megatron_spindle.errors import exit_on_user_error
 
 
 def add_output_args(parser):

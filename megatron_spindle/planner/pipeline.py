@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel, estimate_curves, valid_configs
 from megatron_spindle.estimator.cost_model import CostModelConfig
+from megatron_spindle.flags import check_choices, flag
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
@@ -28,26 +29,36 @@ MEMORY_SHARES = (0.5, 0.25, 0.125)
 INVERSES = ("rate", "time")
 PLACEMENTS = ("spindle", "sequential")
 RECOMPUTE = ("auto", "none", "full")
-RECOMPUTE_OR_SHARD = ("auto", "off", "on")
+DISTRIBUTED_OPTIMIZER = ("auto", "off", "on")
 
 
 @dataclass
 class PlannerConfig:
-    planner: str = "cpsat"  # wavefront: the paper's greedy path; cpsat: refined by OR-Tools CP-SAT
-    inverse: str = "rate"  # T^-1 interpolation: linear in rate 1/T (consistent) or in T (paper eq. 11)
-    placement: str = "spindle"  # spindle heuristics or the sequential ablation
-    solver_time_limit: float = 10.0
-    solver_workers: int = 2
-    cross_level_overlap: bool = False
-    recompute: str = "auto"  # activation recomputation: auto = only when the plan does not fit otherwise
-    distributed_optimizer: str = "auto"  # optimizer state sharded over DP ranks: auto = only when needed
+    """How to plan; every field is a ``--spindle-*`` flag (megatron_spindle/flags.py)."""
+
+    planner: str = field(default="cpsat", metadata=flag(
+        "wavefront: the paper's greedy planner; cpsat: refined by an OR-Tools CP-SAT model warm-started from the "
+        "greedy plan.", choices=PLANNERS))
+    inverse: str = field(default="rate", metadata=flag(
+        "Interpolation of T^-1 in the allocator: linear in rate 1/T (consistent with sum n* = N) or linear in T "
+        "(the paper's eq. 11).", choices=INVERSES))
+    placement: str = field(default="spindle", metadata=flag(
+        "Device placement: island/flow/memory-aware heuristics, or consecutive devices (ablation).",
+        choices=PLACEMENTS))
+    solver_time_limit: float = field(default=10.0, metadata=flag("CP-SAT time limit in seconds."))
+    solver_workers: int = field(default=2, metadata=flag("CP-SAT search workers."))
+    cross_level_overlap: bool = field(default=False, metadata=flag(
+        "CP-SAT: let a MetaOp start when its own producers end instead of at the level barrier."))
+    recompute: str = field(default="auto", metadata=flag(
+        "Full activation recomputation of transformer layers: auto plans without it and switches it on only "
+        "when the plan does not fit device memory otherwise.", choices=RECOMPUTE))
+    distributed_optimizer: str = field(default="auto", metadata=flag(
+        "Shard each unit's optimizer state over the data-parallel ranks that run it (ZeRO-1, like "
+        "--use-distributed-optimizer): auto switches it on only when memory requires it.",
+        choices=DISTRIBUTED_OPTIMIZER))
 
     def __post_init__(self):
-        for name, value, allowed in (("planner", self.planner, PLANNERS), ("inverse", self.inverse, INVERSES),
-                                     ("placement", self.placement, PLACEMENTS), ("recompute", self.recompute, RECOMPUTE),
-                                     ("distributed_optimizer", self.distributed_optimizer, RECOMPUTE_OR_SHARD)):
-            if value not in allowed:
-                raise ValueError(f"unknown {name} '{value}' (expected one of {', '.join(allowed)})")
+        check_choices(self)
         if self.solver_time_limit < 0:
             raise ValueError(f"solver time limit must be >= 0, got {self.solver_time_limit}")
         if self.solver_workers < 1:

@@ -3,22 +3,31 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_spindle.estimator.errors import EstimatorError
+from megatron_spindle.flags import flag
 
 PROFILER_VERSION = 2  # 2: the "optimizer" section
 
 
+def _patterns(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
 @dataclass(frozen=True)
 class ProfilerSettings:
-    layers: int = 2  # operators timed per layer MetaOp: min(L, layers)
-    warmup: int = 2
-    repeats: int = 5
-    max_n: int | None = None  # skip configs with tp * dp above this
-    metaops: tuple[str, ...] = ()  # fnmatch patterns of MetaOp ids to profile (empty: all)
-    bf16: bool = False  # bf16 parameters (needs CUDA)
+    """How to measure; the flagged fields are tools/profile_metaops.py's ``--profile-*`` flags (and --bf16)."""
+
+    layers: int = field(default=2, metadata=flag("Operators timed together per layer MetaOp: min(L, this)."))
+    warmup: int = field(default=2, metadata=flag("Untimed runs before timing."))
+    repeats: int = field(default=5, metadata=flag("Timed runs; the median is kept."))
+    max_n: int | None = field(default=None, metadata=flag("Skip configs with tp * dp above this."))
+    metaops: tuple[str, ...] = field(default=(), metadata=flag(
+        "Comma-separated MetaOp ids or fnmatch patterns to profile (default: all).", type=_patterns,
+        metavar="PATTERNS"))
+    bf16: bool = field(default=False, metadata=flag("bf16 parameters (CUDA only); default fp32.", name="--bf16"))
     bandwidth_sizes: tuple[int, ...] = (4, 1 << 16, 1 << 20, 1 << 22)  # message bytes; the largest gives bw
     seed: int = 0
 

@@ -9,49 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
-from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
-
-@dataclass
-class DistContext:
-    rank: int
-    world_size: int
-    local_rank: int
-    backend: str
-    owned: bool  # we initialised the process group (and destroy it at the end)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env_world() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from the torchrun environment; (0, 1, 0) without one."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-
-
-def init_distributed(backend: str | None = None) -> DistContext:
-    """Join (or create) the default process group. Reuses an existing one (e.g. in tests)."""
-    if dist.is_initialized():
-        return DistContext(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
-                           dist.get_backend(), owned=False)
-    rank, world, local = env_world()
-    if "RANK" not in os.environ:  # single process without torchrun
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(local)
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
-    return DistContext(rank, world, local, backend, owned=True)
+from megatron_spindle.runtime.distributed import destroy_distributed, env_world, init_distributed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,8 +58,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
                 else:
                     print(f"step {step} | " + " | ".join(f"{t} {v:.6f}" for t, v in losses.items()), flush=True)
     finally:
-        if ctx.owned:
-            dist.destroy_process_group()
+        destroy_distributed(ctx)
     return history
 
 

@@ -7,21 +7,15 @@ import argparse
 import math
 from pathlib import Path
 
+from megatron_spindle.flags import add_flags, config_from_args
 from megatron_spindle.graph.workload import Workload
-
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
+from megatron_spindle.training.schedule import LRSchedule
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("training")
     g.add_argument("--train-iters", type=int, required=True, help="Total iterations to train for.")
-    g.add_argument("--lr", type=float, default=1e-3, help="Peak learning rate (AdamW).")
-    g.add_argument("--min-lr", type=float, default=0.0, help="Learning rate at the end of the decay.")
-    g.add_argument("--lr-warmup-iters", type=int, default=0, help="Linear warmup from 0 over these iterations.")
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear",
-                   help="Decay from --lr to --min-lr after warmup.")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="Iterations to decay over (default: "
-                   "--train-iters).")
+    add_flags(g, LRSchedule)  # --lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, --lr-decay-style
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay.")
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -78,6 +72,11 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--num-workers", type=int, default=2, help="Data threads: decode a batch's samples in parallel "
                    "and prepare the next iteration's batches during the step (0: decode inline).")
     return parser
+
+
+def lr_schedule_from_args(args: argparse.Namespace) -> LRSchedule:
+    """The schedule of the LR flags; the decay spans --train-iters unless --lr-decay-iters says otherwise."""
+    return config_from_args(LRSchedule, args, decay_iters=args.lr_decay_iters or args.train_iters)
 
 
 def parse_task_values(text: str | None, flag: str, workload: Workload, positive: bool) -> dict[str, float]:

@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from megatron_spindle.flags import flag
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
 class LRSchedule:
-    lr: float
-    min_lr: float = 0.0
-    warmup_iters: int = 0
-    decay_iters: int = 1
-    style: str = "linear"
+    """Megatron's schedule; every field is one of its flags (--lr, --min-lr, --lr-warmup-iters, ...)."""
+
+    lr: float = field(default=1e-3, metadata=flag("Peak learning rate (AdamW)."))
+    min_lr: float = field(default=0.0, metadata=flag("Learning rate at the end of the decay."))
+    warmup_iters: int = field(default=0, metadata=flag("Linear warmup from 0 over these iterations.",
+                                                         name="--lr-warmup-iters"))
+    decay_iters: int | None = field(default=None, metadata=flag(
+        "Iterations to decay over (default: --train-iters).", name="--lr-decay-iters"))
+    style: str = field(default="linear", metadata=flag("Decay from --lr to --min-lr after warmup.",
+                                                        name="--lr-decay-style", choices=LR_DECAY_STYLES))
 
     def __post_init__(self):
-        if self.style not in ("constant", "linear", "cosine"):
+        if self.style not in LR_DECAY_STYLES:
             raise ValueError(f"unknown lr decay style '{self.style}'")
+        if self.decay_iters is None and self.style != "constant":
+            raise ValueError(f"a {self.style} decay needs decay_iters")
 
     def __call__(self, iteration: int) -> float:
         """Learning rate used by the optimizer step of ``iteration`` (0-based)."""

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,6 +27,7 @@ from megatron_spindle.arguments import (
     workload_from_args,
 )
 from megatron_spindle.errors import USER_ERRORS, exit_on_user_error
+from megatron_spindle.runtime.distributed import DistContext, destroy_distributed, init_distributed
 from megatron_spindle.training.arguments import (
     add_checkpointing_args,
     add_data_args,
@@ -36,6 +35,7 @@ from megatron_spindle.training.arguments import (
     add_plan_args,
     add_task_args,
     add_training_args,
+    lr_schedule_from_args,
     parse_data_paths,
     parse_task_values,
     validate_args,
@@ -47,35 +47,6 @@ ARG_GROUPS = [add_workload_args, add_cluster_args, add_spindle_args, add_plan_ar
 
 def build_pretrain_parser(description: str, extra_args_provider: Callable | None = None) -> argparse.ArgumentParser:
     return build_parser(description, ARG_GROUPS, extra_args_provider)
-
-
-@dataclass
-class DistInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    owns_group: bool  # we initialised torch.distributed (and tear it down)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed(cuda: bool) -> DistInfo:
-    """torchrun's env:// rendezvous when WORLD_SIZE is set, else a one-process group (the engine needs one)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    if dist.is_initialized():
-        return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, False)
-    backend = "nccl" if cuda else "gloo"
-    if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, init_method="env://")
-    else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, True)
 
 
 def agree(error: str | None) -> str | None:
@@ -148,14 +119,13 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
                                              positive=True)
         data_paths = parse_data_paths(args.data_path, workload)
         datasets = datasets_provider(workload, args, data_paths)
-        info = init_distributed(cuda)
+        info = init_distributed("nccl" if cuda else "gloo")
         try:
             records = train(args, workload, datasets, engine_provider, info, loss_weights, sampling_weights)
             if history is not None:
                 history.extend(records)
         finally:
-            if info.owns_group and dist.is_initialized():
-                dist.destroy_process_group()
+            destroy_distributed(info)
     return 0
 
 
@@ -165,7 +135,7 @@ def _unit_owners(plan) -> dict[str, int]:
     return unit_owners([(g.devices, g.params) for g in plan.param_groups])
 
 
-def save(args, iteration: int, engine, loader, plan, workload, info: DistInfo) -> Path:
+def save(args, iteration: int, engine, loader, plan, workload, info: DistContext) -> Path:
     from megatron_spindle.checkpointing import save_checkpoint
 
     owners = _unit_owners(plan)
@@ -182,7 +152,7 @@ def save(args, iteration: int, engine, loader, plan, workload, info: DistInfo) -
     return path
 
 
-def load(args, engine, loader, workload, info: DistInfo) -> int:
+def load(args, engine, loader, workload, info: DistContext) -> int:
     """Restore model, optimizer, RNG and data position from --load; returns the iteration to start at."""
     from megatron_spindle.checkpointing import load_checkpoint, set_rng_state
 
@@ -216,7 +186,7 @@ def load(args, engine, loader, workload, info: DistInfo) -> int:
     return ck.iteration
 
 
-def train(args, workload, datasets, engine_provider, info: DistInfo, loss_weights: dict[str, float],
+def train(args, workload, datasets, engine_provider, info: DistContext, loss_weights: dict[str, float],
           sampling_weights: dict[str, float]) -> list:
     from megatron_spindle.data.datasets import MultiTaskDataLoader
     from megatron_spindle.planner.report import draw_gantt, plan_summary
@@ -243,11 +213,10 @@ def train(args, workload, datasets, engine_provider, info: DistInfo, loss_weight
         loader.close()
 
 
-def _train_loop(args, workload, plan, loader, engine_provider, info: DistInfo, loss_weights: dict[str, float],
+def _train_loop(args, workload, plan, loader, engine_provider, info: DistContext, loss_weights: dict[str, float],
                 gantt: str | None) -> list:
     from megatron_spindle.training.engine_state import WaveTimer
     from megatron_spindle.training.log import StepRecord, TensorBoardLogger, format_log_line, format_wave_line
-    from megatron_spindle.training.schedule import LRSchedule
 
     engine = engine_provider(plan, workload, info.rank, info.world_size, args, loader.batch_fn)
     timer = WaveTimer(engine)
@@ -255,8 +224,7 @@ def _train_loop(args, workload, plan, loader, engine_provider, info: DistInfo, l
     if start >= args.train_iters:
         print_rank_0(f"the checkpoint is at iteration {start}, --train-iters is {args.train_iters}: nothing to do")
         return []
-    sched = LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters or args.train_iters,
-                       args.lr_decay_style)
+    sched = lr_schedule_from_args(args)
     base = {t.name: loss_weights.get(t.name, t.loss.weight if t.loss else 1.0) for t in workload.tasks}
     gbs = sum(t.batch_size for t in workload.tasks)
     tb = TensorBoardLogger(args.tensorboard_dir if info.rank == 0 else None)

@@ -1,4 +1,4 @@
-"""tools/profile.py and megatron_spindle/profiler: profiling on CPU with 1 rank (in-process) and 2 gloo ranks
+"""tools/profile_metaops.py and megatron_spindle/profiler: profiling on CPU with 1 rank (in-process) and 2 gloo ranks
 (torchrun), fitted curves against the measured points, planning from a profile, the cache, and the GPU
 script's CPU dry run."""
 
@@ -28,7 +28,7 @@ FAST = ["--profile-layers", "1", "--profile-warmup", "1", "--profile-repeats", "
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("spindle_tools_profile", ROOT / "tools" / "profile.py")
+    spec = importlib.util.spec_from_file_location("spindle_tools_profile", ROOT / "tools" / "profile_metaops.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -124,7 +124,7 @@ def test_two_gloo_ranks_under_torchrun(tmp_path):
     out = tmp_path / "two.profile.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tools" / "profile.py"), "--workload", "tiny-clip", "--tasks", TASKS, "--num-gpus", "2",
+           str(ROOT / "tools" / "profile_metaops.py"), "--workload", "tiny-clip", "--tasks", TASKS, "--num-gpus", "2",
            "--out", str(out), "--no-profile-cache", *FAST]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -2,8 +2,8 @@
 """Profile every MetaOp of a workload on the real devices and write a profile file for the planner.
 
 Run under torchrun (one process per device) or as a single process:
-    torchrun --nproc-per-node 8 tools/profile.py --workload clip-10 --num-gpus 16 --out clip10.profile.json
-    python tools/profile.py --workload tiny-clip --num-gpus 4 --out tiny.profile.json      # CPU, one rank
+    torchrun --nproc-per-node 8 tools/profile_metaops.py --workload clip-10 --num-gpus 16 --out clip10.profile.json
+    python tools/profile_metaops.py --workload tiny-clip --num-gpus 4 --out tiny.profile.json      # CPU, one rank
     python tools/plan.py --workload clip-10 --num-gpus 16 --spindle-profile clip10.profile.json
 
 --num-gpus/--cluster describe the TARGET cluster (which (tp, dp) configs are valid; default: this world).
@@ -16,20 +16,18 @@ import shutil
 import sys
 import time
 
-# This file shadows the standard library's ``profile`` module (which cProfile imports) when run as a script:
-# drop its directory from the path, and put the repository root first.
-_TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _TOOLS_DIR]
-sys.path.insert(0, os.path.dirname(_TOOLS_DIR))
-
-from megatron_spindle.arguments import (  # noqa: E402
+from megatron_spindle.arguments import (
     add_cluster_args,
     add_workload_args,
     build_parser,
     cluster_from_args,
     workload_from_args,
 )
-from megatron_spindle.errors import exit_on_user_error  # noqa: E402
+from megatron_spindle.errors import exit_on_user_error
+from megatron_spindle.flags import add_flags, config_from_args
+from megatron_spindle.profiler.settings import ProfilerSettings, gpu_bandwidth_sizes
+
+PROFILE_PREFIX = "profile-"  # ProfilerSettings' flags: --profile-layers, --profile-repeats, ... (and --bf16)
 
 
 def add_profile_args(parser):
@@ -37,14 +35,7 @@ def add_profile_args(parser):
     g.add_argument("--out", default=None, help="Write the profile JSON here (atomically).")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="Device to measure on (auto: CUDA when available).")
-    g.add_argument("--bf16", action="store_true", help="bf16 parameters (CUDA only); default fp32.")
-    g.add_argument("--profile-layers", type=int, default=2,
-                   help="Operators timed together per layer MetaOp: min(L, this).")
-    g.add_argument("--profile-warmup", type=int, default=2, help="Untimed runs before timing.")
-    g.add_argument("--profile-repeats", type=int, default=5, help="Timed runs; the median is kept.")
-    g.add_argument("--profile-max-n", type=int, default=None, help="Skip configs with tp * dp above this.")
-    g.add_argument("--profile-metaops", default=None,
-                   help="Comma-separated MetaOp ids or fnmatch patterns to profile (default: all).")
+    add_flags(g, ProfilerSettings, prefix=PROFILE_PREFIX)
     g.add_argument("--profile-cache-dir", default=None,
                    help="Profile cache (default: $MEGATRON_SPINDLE_CACHE or ~/.cache/megatron-spindle).")
     g.add_argument("--no-profile-cache", action="store_true", help="Neither read nor write the cache.")
@@ -52,20 +43,6 @@ def add_profile_args(parser):
     g.add_argument("--report-tflops", action="store_true",
                    help="Print achieved TFLOP/s per device of every measurement (analytic FLOPs / seconds).")
     return parser
-
-
-def _init_distributed(device_kind: str):
-    """torch.distributed from torchrun's environment (NCCL on CUDA, else gloo); a single process otherwise."""
-    import torch
-    import torch.distributed as dist
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if device_kind == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
-        return True
-    return False
 
 
 def _device_kind(choice: str) -> str:
@@ -93,15 +70,9 @@ def _default_gpu_type(device_kind: str) -> str:
     raise ValueError(f"CUDA device '{name}' matches no built-in GPU type; give --gpu-type or --cluster")
 
 
-def settings_from_args(args, device_kind: str):
-    from megatron_spindle.profiler import ProfilerSettings, gpu_bandwidth_sizes
-
-    patterns = tuple(p.strip() for p in (args.profile_metaops or "").split(",") if p.strip())
-    kwargs = dict(layers=args.profile_layers, warmup=args.profile_warmup, repeats=args.profile_repeats,
-                  max_n=args.profile_max_n, metaops=patterns, bf16=args.bf16)
-    if device_kind == "cuda":
-        kwargs["bandwidth_sizes"] = gpu_bandwidth_sizes()
-    return ProfilerSettings(**kwargs)
+def settings_from_args(args, device_kind: str) -> ProfilerSettings:
+    sizes = {"bandwidth_sizes": gpu_bandwidth_sizes()} if device_kind == "cuda" else {}
+    return config_from_args(ProfilerSettings, args, prefix=PROFILE_PREFIX, **sizes)
 
 
 def profile_summary(path, workload, cluster) -> str:
@@ -137,8 +108,6 @@ def main(argv=None, extra_args_provider=None):
     if args.no_profile_cache and not args.out:
         parser.error("--no-profile-cache needs --out (the profile would be written nowhere)")
     with exit_on_user_error():
-        import torch.distributed as dist
-
         from megatron_spindle.compat.cpu import apply_cpu_shim
         from megatron_spindle.estimator.profile import load_profile
         from megatron_spindle.profiler import (
@@ -150,9 +119,10 @@ def main(argv=None, extra_args_provider=None):
             run_profile,
             software_versions,
         )
+        from megatron_spindle.runtime.distributed import destroy_distributed, init_distributed
 
         device_kind = _device_kind(args.device)
-        created = _init_distributed(device_kind)
+        ctx = init_distributed("nccl" if device_kind == "cuda" else "gloo")
         apply_cpu_shim()
         try:
             world = ProfileWorld.current(device_kind)
@@ -198,8 +168,7 @@ def main(argv=None, extra_args_provider=None):
                     print(f"profile written to {args.out} ({time.perf_counter() - t0:.1f} s)")
             world.barrier()
         finally:
-            if created:
-                dist.destroy_process_group()
+            destroy_distributed(ctx)
     return 0
 
 

@@ -1,0 +1,61 @@
+"""The default process group: torchrun's world, or a world of one process. Every entry point joins it here
+(pretrain_multitask.py, ``python -m megatron_spindle.runtime``, tools/profile_metaops.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    owned: bool  # we initialised the process group (and destroy it at the end)
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from the torchrun environment; (0, 1, 0) without one."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def init_distributed(backend: str | None = None) -> DistContext:
+    """Join torchrun's world (env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or, without torchrun, form a
+    one-process world on an in-memory store (no port, nothing written to the environment, where it would leak
+    into processes started later). An initialised default group is reused (``owned`` False).
+    ``backend``: default nccl with CUDA, else gloo; nccl binds this process to cuda:LOCAL_RANK first."""
+    _, _, local = env_world()
+    reuse = dist.is_initialized()
+    backend = dist.get_backend() if reuse else backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(local)
+    if reuse:
+        return DistContext(dist.get_rank(), dist.get_world_size(), local, backend, owned=False)
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, init_method="env://")
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return DistContext(dist.get_rank(), dist.get_world_size(), local, backend, owned=True)
+
+
+def destroy_distributed(ctx: DistContext) -> None:
+    """Tear the default group down if ``init_distributed`` created it."""
+    if ctx.owned and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed(backend: str | None = None) -> Iterator[DistContext]:
+    """``init_distributed`` for the duration of a ``with`` block."""
+    ctx = init_distributed(backend)
+    try:
+        yield ctx
+    finally:
+        destroy_distributed(ctx)
