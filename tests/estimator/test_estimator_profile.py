@@ -3,13 +3,17 @@ import json
 import pytest
 
 from megatron_spindle.estimator import (
+    AnalyticCostModel,
     CurvePoint,
     EstimatorError,
+    Measurement,
+    ProfiledCostModel,
     estimate_curves,
+    load_profile,
     load_profile_points,
     save_profile_points,
 )
-from megatron_spindle.estimator.profile import profile_to_dict
+from megatron_spindle.estimator.profile import points_of, profile_to_dict
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.workload import load_workload
 
@@ -97,3 +101,29 @@ def test_invalid_json_is_a_clear_error(tiny_clip, tmp_path):
     path.write_text("{not json")
     with pytest.raises(EstimatorError, match="not valid JSON"):
         load_profile_points(path, workload, make_cluster(8))
+
+
+def test_planner_and_simulator_fill_unmeasured_configs_alike(tiny_clip, tmp_path):
+    """One rule for a profile: the curve's fill and ProfiledCostModel scale the analytic cost by the same factor
+    (geometric mean of measured / modelled at the measured configs), and measured configs cost what was measured."""
+    workload, graph = tiny_clip
+    cluster = make_cluster(8)
+    base = AnalyticCostModel(workload, cluster)
+    vision = graph.metaops["vision_depth/vision"]
+    ratios = {(1, 1): 3.0, (2, 1): 5.0}
+    measurements = [Measurement(vision.id, [vision.id], tp, dp, 1, base.layer_cost(vision, tp, dp).total * r, 0.0,
+                                "none", 1.0) for (tp, dp), r in ratios.items()]
+    path = tmp_path / "profile.json"
+    save_profile_points(path, workload, cluster, points_of(measurements),
+                        extra={"measurements": [m.to_dict() for m in measurements]})
+    profile = load_profile(path, workload, cluster)
+    assert profile.measurements == measurements and profile.optimizer is None
+    curve = estimate_curves(graph, workload, cluster, profile=profile.points)[vision.id]
+    model = ProfiledCostModel(workload, cluster, profile.measurements)
+    scale = (3.0 * 5.0) ** 0.5
+    assert model.scale(vision) == pytest.approx(scale)
+    for n in (4, 8):  # not measured: the same scaled analytic cost on both sides
+        tp, dp = curve.config(n)
+        assert curve.time(n) == pytest.approx(model.layer_cost(vision, tp, dp).total)
+        assert curve.time(n) == pytest.approx(scale * base.layer_cost(vision, tp, dp).total)
+    assert curve.time(1) == model.layer_cost(vision, 1, 1).total == measurements[0].seconds
