@@ -1,22 +1,16 @@
-"""Built-in workloads, addressable by name wherever a workload YAML path is accepted."""
+"""Built-in workloads, addressable by name wherever a workload YAML path is accepted: the YAML files shipped in
+the package (graph/workloads/: the tiny CPU workloads and the paper's, see examples/workloads/README.md)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-_HERE = Path(__file__).parent / "workloads"
-_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "workloads"
+_WORKLOADS = Path(__file__).parent / "workloads"
 
 
 def builtin_workloads() -> dict[str, Path]:
-    """name -> YAML path: the tiny CPU workloads shipped in the package, and the paper's workloads in
-    examples/workloads/ when running from a source checkout."""
-    found = {}
-    for folder in (_EXAMPLES, _HERE):
-        if folder.is_dir():
-            for p in sorted(folder.glob("*.yaml")):
-                found[p.stem] = p
-    return found
+    """name (the file's stem) -> YAML path."""
+    return {p.stem: p for p in sorted(_WORKLOADS.glob("*.yaml"))}
 
 
 def builtin_workload_path(name: str) -> Path | None:

@@ -4,7 +4,7 @@ A workload declares *modules* (encoder towers, an LLM backbone, projectors, head
 a DAG of flows over modules with its own global batch size, the tokens per sample at each module's input,
 and a loss. Modules are shared by every task that uses them unless declared ``shared: false``.
 
-YAML form (see examples/workloads/)::
+YAML form (see megatron_spindle/graph/workloads/)::
 
     name: tiny-vl
     modules:

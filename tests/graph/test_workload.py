@@ -60,6 +60,23 @@ def test_builtin_workloads_load_by_name():
     assert len(load_workload("tiny-vlm").tasks) == 2
 
 
+def test_builtin_workloads_are_package_data():
+    """Every built-in (the paper's too) lives in the package's workloads/ folder, which pyproject.toml ships as
+    package data: they exist after a non-editable install."""
+    import tomllib
+    from pathlib import Path
+
+    import megatron_spindle.graph
+    from megatron_spindle.graph.builtin import builtin_workloads
+
+    folder = Path(megatron_spindle.graph.__file__).parent / "workloads"
+    found = builtin_workloads()
+    assert {"tiny-clip", "clip-10", "ofasys-7", "qwen-val-70b"} <= set(found)
+    assert all(p.parent == folder for p in found.values())
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert "workloads/*.yaml" in pyproject["tool"]["setuptools"]["package-data"]["megatron_spindle.graph"]
+
+
 @pytest.mark.parametrize("edits, message", [
     ({"tasks.0.flows": [["vision", "proj"], ["proj", "llm"], ["llm", "vision"]]}, "cycle"),
     ({"tasks.0.tokens": {"vision": 5, "proj": 5, "llm": 9, "sonar": 3}}, "unknown module 'sonar'"),

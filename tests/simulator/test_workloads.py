@@ -1,4 +1,5 @@
-"""The paper's workloads in examples/workloads/ load by name, validate, and keep the hyper-parameters of issue 3."""
+"""The paper's workloads (package data in megatron_spindle/graph/workloads/) load by name, validate, and keep the
+hyper-parameters of issue 3."""
 
 from __future__ import annotations
 
