@@ -4,9 +4,10 @@ Prints, in one run: Fig. 8 (iteration time of every system on every workload x 8
 speedup over DeepSpeed, the paper's speedup beside ours), Fig. 10 (share of the iteration spent on inter-wave
 transfers with Spindle's placement vs sequential placement), Fig. 11 (makespan / C*), Fig. 12 (planning wall
 time), Table 2 (QWen-VAL 30B / 70B on 256 GPUs), a scale row (1024 GPUs, 20 tasks) and the issue's targets
-marked met / missed. Writes the tables as JSON and a speedup figure to --out-dir.
+marked met / missed. Writes the printed tables, the tables as JSON and a speedup figure to --out-dir (default
+benchmarks/out/, not committed; --update-snapshot refreshes the committed benchmarks/results/).
 
-    python benchmarks/paper_eval.py [--quick] [--with-cpsat] [--out-dir benchmarks/results]
+    python benchmarks/paper_eval.py [--quick] [--with-cpsat] [--out-dir DIR | --update-snapshot]
 
 --with-cpsat adds two Spindle columns, the CP-SAT planner and the CP-SAT planner with cross-level overlap
 (10 s limit each), and issue 4's table and targets: the improvement over the greedy plan per cell, the
@@ -23,11 +24,12 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from bench_output import Recording, add_output_args
 
 from megatron_spindle.graph.cluster import ClusterSpec, make_cluster
 from megatron_spindle.graph.workload import Workload, load_workload
@@ -385,13 +387,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small subset (3 Fig. 8 cells, no Table 2 / scale)")
     parser.add_argument("--with-cpsat", action="store_true", help="add the CP-SAT planner as a column")
-    parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--batch-scale", type=float, default=1.0,
                         help="sensitivity: scale every task's batch (Fig. 8 cells only; the calibration is at 1)")
     parser.add_argument("--fig8-only", action="store_true", help="only the Fig. 8 cells (and Fig. 11/12 from them)")
+    add_output_args(parser)
     args = parser.parse_args(argv)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    record = Recording(args, "paper_eval")
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -442,9 +443,9 @@ def main(argv: list[str] | None = None) -> int:
 
     doc = {"batch_scale": args.batch_scale, "fig8": cells, "fig10": f10, "table2": t2, "scale": scale, "systems": systems,
            "targets": [{"target": w, "met": ok, "detail": d} for w, ok, d in marks + cpsat_marks]}
-    (out_dir / "paper_eval.json").write_text(json.dumps(doc, indent=1, default=float))
-    speedup_figure(cells, out_dir / "speedup_fig8.png")
-    print(f"wrote {out_dir / 'paper_eval.json'} and {out_dir / 'speedup_fig8.png'}")
+    record.save(doc)
+    speedup_figure(cells, record.out_dir / "speedup_fig8.png")
+    print(f"wrote {record.out_dir / 'speedup_fig8.png'}")
     return 0
 
 

@@ -13,7 +13,7 @@
    from that round's profile, and the median of the per-round ratios is the result. Each rank is pinned to its
    own core (``--no-pin`` to leave them to the scheduler). Target: within 20 %.
 
-Printed, not asserted. Example:
+Printed, not asserted, and written (runtime_cpu.txt, .json) to --out-dir. Example:
     python benchmarks/runtime_cpu.py --workload tiny-clip --steps 8
 """
 
@@ -27,8 +27,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_output import Recording, add_output_args
 
 from megatron_spindle.arguments import add_workload_args, build_parser, workload_from_args
+from megatron_spindle.planner.pipeline import PLANNERS
 
 OVERHEAD_TARGET = 1.05
 SIMULATION_TARGET = 0.20
@@ -39,7 +41,7 @@ def add_benchmark_args(parser):
     g.add_argument("--steps", type=int, default=6, help="Timed steps (the median is reported).")
     g.add_argument("--warmup", type=int, default=2, help="Untimed steps first.")
     g.add_argument("--threads", type=int, default=1, help="torch threads per process.")
-    g.add_argument("--planner", choices=["wavefront", "cpsat"], default="wavefront")
+    g.add_argument("--planner", choices=PLANNERS, default="wavefront")
     g.add_argument("--profile", default=None,
                    help="Use this 2-device CPU profile (tools/profile_metaops.py) instead of profiling first.")
     g.add_argument("--profile-layers", type=int, default=2)
@@ -216,20 +218,22 @@ def _ms(s: float) -> str:
 
 
 def main(argv=None) -> int:
-    parser = build_parser(__doc__.strip().splitlines()[0], [add_workload_args, add_benchmark_args])
+    parser = build_parser(__doc__.strip().splitlines()[0], [add_workload_args, add_benchmark_args, add_output_args])
     args = parser.parse_args(argv)
+    record = Recording(args, "runtime_cpu")
+    results = {}
     torch.set_num_threads(args.threads)
     workload = workload_from_args(args)
     rows = []
     if not args.skip_one_rank:
-        r = one_rank(workload, args)
+        r = results["one_rank"] = one_rank(workload, args)
         ratio = r["engine"] / r["plain"]
         rows += [("1 rank: RuntimeEngine.train_step", _ms(r["engine"]), ""),
                  ("1 rank: plain PyTorch (ReferenceModel + AdamW)", _ms(r["plain"]), ""),
                  ("1 rank: engine / plain", f"{ratio:10.3f} x ", f"target <= {OVERHEAD_TARGET:.2f}: "
                   + ("met" if ratio <= OVERHEAD_TARGET else "NOT met"))]
     if not args.skip_two_ranks:
-        r = two_ranks(workload, args)
+        r = results["two_ranks"] = two_ranks(workload, args)
         sims = r["simulated_all"] if len(r["simulated_all"]) == len(r["measured_rounds"]) else \
             r["simulated_all"][:1] * len(r["measured_rounds"])  # --profile: one profile for every round
         ratios = [m / x for m, x in zip(r["measured_rounds"], sims)]
@@ -259,6 +263,8 @@ def main(argv=None) -> int:
     width = max(len(r[0]) for r in rows)
     for name, value, note in rows:
         print(f"  {name:<{width}}  {value}  {note}")
+    record.save({"workload": workload.name, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+                 "threads": args.threads, "planner": args.planner, **results})
     return 0
 
 
