@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,6 @@ from megatron_spindle.arguments import (
     workload_from_args,
 )
 from megatron_spindle.errors import USER_ERRORS, exit_on_user_error
-from megatron_spindle.runtime.distributed import DistContext, destroy_distributed, init_distributed
 from megatron_spindle.training.arguments import (
     add_checkpointing_args,
     add_data_args,
@@ -40,6 +39,9 @@ from megatron_spindle.training.arguments import (
     parse_task_values,
     validate_args,
 )
+
+if TYPE_CHECKING:
+    from megatron_spindle.runtime.distributed import DistContext
 
 ARG_GROUPS = [add_workload_args, add_cluster_args, add_spindle_args, add_plan_args, add_training_args,
               add_task_args, add_data_args, add_checkpointing_args, add_logging_args]
@@ -119,6 +121,8 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
                                              positive=True)
         data_paths = parse_data_paths(args.data_path, workload)
         datasets = datasets_provider(workload, args, data_paths)
+        from megatron_spindle.runtime.distributed import destroy_distributed, init_distributed
+
         info = init_distributed("nccl" if cuda else "gloo")
         try:
             records = train(args, workload, datasets, engine_provider, info, loss_weights, sampling_weights)

@@ -31,18 +31,6 @@ COMMON = ["--workload", "tiny-clip", "--mock-data", "--mock-data-samples", "24",
           "--log-interval", "1"]
 
 
-def _engine_ready() -> bool:
-    try:
-        from megatron_spindle.models import build_operator  # noqa: F401
-        from megatron_spindle.runtime.engine import RuntimeEngine  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _engine_ready(), reason="runtime engine / operators not importable")
-
-
 @pytest.fixture
 def one_thread():
     """The launch script runs its ranks with OMP_NUM_THREADS=1; run the in-process halves the same way, so the
