@@ -13,7 +13,7 @@ from megatron_spindle.estimator.curve import (
 )
 from megatron_spindle.estimator.errors import EstimatorError
 from megatron_spindle.estimator.estimate import analytic_points, estimate_curve, estimate_curves
-from megatron_spindle.estimator.memory import BYTES_PER_PARAM, MemoryModel
+from megatron_spindle.estimator.memory import MemoryModel
 from megatron_spindle.estimator.profile import (
     Measurement,
     Profile,
@@ -26,7 +26,6 @@ from megatron_spindle.estimator.profiled import ProfiledCostModel, cluster_with_
 
 __all__ = [
     "AnalyticCostModel",
-    "BYTES_PER_PARAM",
     "CURVE_SOURCES",
     "CostModelConfig",
     "CurvePiece",

@@ -14,7 +14,6 @@ from megatron_spindle.graph.workload import ModuleSpec, Workload
 
 WEIGHT_AND_GRAD_BYTES = 2 + 4  # bf16 weight, fp32 main gradient
 OPTIMIZER_BYTES = 4 + 4 + 4  # fp32 master weight, Adam m and v
-BYTES_PER_PARAM = WEIGHT_AND_GRAD_BYTES + OPTIMIZER_BYTES
 
 
 class MemoryModel:
