@@ -73,6 +73,10 @@ class EngineConfig:
     # False: every bucket after the whole backward.
     overlap_grad_reduce: bool = True
 
+    def __post_init__(self):
+        if self.ddp_bucket_size is not None and self.ddp_bucket_size <= 0:
+            raise ValueError(f"ddp_bucket_size must be positive, got {self.ddp_bucket_size}")
+
 
 @dataclass(frozen=True)
 class ExecutionSettings:

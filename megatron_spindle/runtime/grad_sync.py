@@ -15,7 +15,12 @@ this rank, while the rest of the backward runs; ``finish`` waits on every handle
   (``grad_buffers.launch_order``): a bucket is issued only after every bucket before it that this rank holds;
   the rest wait until the earlier ones complete. Any two ranks therefore issue the buckets they share in the
   same relative order, inside a group and across groups (which NCCL also needs when a device joins several
-  communicators). The order follows the backward (latest wave first), so waiting costs little.
+  communicators). The order follows the backward (latest wave first), so waiting costs little. Relative to
+  the backward's TP collectives and transfers a bucket may still be issued at different points on different
+  ranks. No rank ever waits on a bucket before ``finish``, so gloo (one set of threads per group) always
+  progresses; NCCL only promises progress for one order across communicators, which holds while their
+  kernels can run side by side (not verified on GPUs here). ``overlap_grad_reduce=False`` issues every
+  bucket after the backward: one total order, no overlap.
 - No barrier precedes the sync, and nothing waits on a handle before ``finish``.
 """
 
