@@ -53,7 +53,7 @@ from megatron_spindle.runtime.grad_sync import GradSync
 from megatron_spindle.runtime.groups import PlanGroups
 from megatron_spindle.runtime.layout import check_runnable
 from megatron_spindle.runtime.optimizer import MasterOptimizer, OptimizerConfig
-from megatron_spindle.runtime.schedule import WaveSchedule, build_transfers
+from megatron_spindle.runtime.schedule import WaveSchedule
 from megatron_spindle.runtime.slices import build_local_slices, in_wave_order, initial_weights
 from megatron_spindle.runtime.transfer import SpecFn, default_activation_spec
 
@@ -132,7 +132,6 @@ class RuntimeEngine:
                                                            if torch.cuda.is_available() else "cpu"))
         self.batch_fn = batch_fn or _default_batch_fn()
         self.groups = PlanGroups(plan, rank, cache=groups)
-        wave_index = {s.id: wi for wi, w in enumerate(plan.waves) for s in w.slices}
         self.local = build_local_slices(plan, workload, self.metagraph, rank, self.groups,
                                         operator_factory or _default_factory(settings), self.device,
                                         self.config.dtype)
@@ -149,9 +148,7 @@ class RuntimeEngine:
         self.grad_sync = GradSync(self.grad_buffers, self.local, self.binding, self.key_unit, self.groups,
                                   overlap=self.config.overlap_grad_reduce)
         weights = {t.name: t.loss.weight if t.loss else 1.0 for t in workload.tasks}
-        self.schedule = WaveSchedule(plan, workload, rank, self.local,
-                                     build_transfers(plan, workload, activation_spec or default_activation_spec,
-                                                     wave_index),
+        self.schedule = WaveSchedule(plan, workload, rank, self.local, activation_spec or default_activation_spec,
                                      weights, self.config.dtype, self.device, on_wave)
         self.grads: dict[str, torch.Tensor] = {}
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,30 +50,30 @@ class _SliceTensors:
     out_grad: torch.Tensor | None = None
 
 
-@dataclass
 class WaveSchedule:
-    plan: Plan
-    workload: Workload
-    rank: int
-    local: dict[str, LocalSlice]
-    transfers: list[TransferOp]
-    loss_weights: dict[str, float]  # task -> w_t
-    dtype: torch.dtype
-    device: torch.device
-    on_wave: Callable[[str, int, float], None] | None = None
-    _pending_sends: list = field(default_factory=list)
+    """One step's forward and backward on this rank. ``loss_weights`` (task -> w_t) and ``on_wave`` may be
+    changed between steps."""
+
+    def __init__(self, plan: Plan, workload: Workload, rank: int, local: dict[str, LocalSlice], spec_fn: SpecFn,
+                 loss_weights: dict[str, float], dtype: torch.dtype, device: torch.device,
+                 on_wave: Callable[[str, int, float], None] | None = None):
+        self.plan, self.workload, self.rank, self.local = plan, workload, rank, local
+        self.loss_weights, self.dtype, self.device, self.on_wave = loss_weights, dtype, device, on_wave
+        wave_index = {s.id: wi for wi, w in enumerate(plan.waves) for s in w.slices}
+        self.transfers = build_transfers(plan, workload, spec_fn, wave_index)
+        self._into_wave: dict[int, list[TransferOp]] = {}
+        for t in self.transfers:
+            self._into_wave.setdefault(wave_index[t.consumer.id], []).append(t)
+        self._slice_of_wave = {ls.wave: ls for ls in local.values()}
+        self._pending_sends: list = []
 
     def run(self, batches: dict[str, Any], slice_done: Callable[[LocalSlice], None]) -> Callable[[], dict[str, float]]:
         """Forward and backward of one step; returns a function that waits for and reads the task losses."""
-        wave_index = {s.id: wi for wi, w in enumerate(self.plan.waves) for s in w.slices}
-        by_wave: dict[int, list[TransferOp]] = {}
-        for t in self.transfers:
-            by_wave.setdefault(wave_index[t.consumer.id], []).append(t)
-        mine = {ls.wave: ls for ls in self.local.values()}
+        mine = self._slice_of_wave
         tensors = {sid: _SliceTensors([None] * ls.num_inputs) for sid, ls in self.local.items()}
         for wi in range(len(self.plan.waves)):
             t0 = time.perf_counter()
-            for t in by_wave.get(wi, []):
+            for t in self._into_wave.get(wi, []):
                 self._forward_transfer(t, tensors)
             if wi in mine:
                 self._forward_slice(mine[wi], tensors[mine[wi].slice.id], batches)
@@ -84,7 +84,7 @@ class WaveSchedule:
             if wi in mine:
                 self._backward_slice(mine[wi], tensors[mine[wi].slice.id])
                 slice_done(mine[wi])
-            for t in by_wave.get(wi, []):
+            for t in self._into_wave.get(wi, []):
                 self._backward_transfer(t, tensors)
             self._wave_done("backward", wi, t0)
         for w in self._pending_sends:  # sends this rank did not wait for (runtime/transfer.py)
