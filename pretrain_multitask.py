@@ -31,7 +31,8 @@ def engine_provider(plan, workload, rank, world_size, args, batch_fn):
 
     config = EngineConfig(optimizer=OptimizerConfig(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
                                                     eps=args.adam_eps, weight_decay=args.weight_decay),
-                          data_seed=args.seed, dtype=torch.bfloat16 if args.bf16 else torch.float32)
+                          data_seed=args.seed, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                          ddp_bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce)
     return RuntimeEngine(plan, workload, rank, world_size, config, batch_fn=batch_fn)
 
 

@@ -48,14 +48,6 @@ def make_pg_collection(tp_group=None, base: ProcessGroupCollection | None = None
     return pgs
 
 
-def tp_group_of(pg_collection: ProcessGroupCollection | None):
-    """The tensor-parallel group of a collection (None when there is none: TP=1)."""
-    if pg_collection is None:
-        return None
-    tp = getattr(pg_collection, "tp", None)
-    return None if tp is None or isinstance(tp, SingleRankGroup) else tp
-
-
 def ensure_global_memory_buffer() -> None:
     """megatron-core's ``DotProductAttention`` takes its score buffer from ``parallel_state``'s global memory buffer,
     which only ``initialize_model_parallel`` creates. Create it when missing (a megatron global, not ours)."""

@@ -47,14 +47,13 @@ class GroupCache:
     call ``get`` with the same tuples in the same order on every rank."""
 
     rank: int
-    backend: str | None = None
     groups: dict[tuple[int, ...], object] = field(default_factory=dict)
     created: list[tuple[int, ...]] = field(default_factory=list)  # creation order (for tests and debugging)
 
     def get(self, devices: tuple[int, ...]):
         devices = tuple(devices)
         if devices not in self.groups:
-            g = dist.new_group(list(devices), backend=self.backend, sort_ranks=False)
+            g = dist.new_group(list(devices), sort_ranks=False)  # the default backend
             self.groups[devices] = g if self.rank in devices else None
             self.created.append(devices)
         return self.groups[devices]
@@ -68,10 +67,10 @@ class PlanGroups:
     ``param_group(devices)`` -> the group of one parameter device group (sorted devices).
     """
 
-    def __init__(self, plan: Plan, rank: int, backend: str | None = None, cache: GroupCache | None = None):
+    def __init__(self, plan: Plan, rank: int, cache: GroupCache | None = None):
         self.plan = plan
         self.rank = rank
-        self.cache = cache if cache is not None else GroupCache(rank, backend)
+        self.cache = cache if cache is not None else GroupCache(rank)
         self._slice_pgs: dict[str, object] = {}
         self._build()
 

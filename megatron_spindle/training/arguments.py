@@ -23,6 +23,11 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--seed", type=int, default=1234, help="Seed of the data order and the RNGs.")
     g.add_argument("--bf16", action="store_true", help="Run the operators in bfloat16 (GPU only; masters and "
                    "optimizer state stay fp32).")
+    g.add_argument("--ddp-bucket-size", type=int, default=None, help="Elements per gradient all-reduce bucket "
+                   "(default: max(40M, 1M * parameter device group size), as megatron-core).")
+    g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
+                   help="All-reduce each gradient bucket during the backward, as soon as it is complete "
+                        "(--no-overlap-grad-reduce: after the whole backward).")
     return parser
 
 
@@ -147,6 +152,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
         raise ValueError("--save-interval needs --save FOLDER")
     if args.num_workers < 0:
         raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
+        raise ValueError(f"--ddp-bucket-size must be positive, got {args.ddp_bucket_size}")
     if args.mock_data_samples <= 0:
         raise ValueError(f"--mock-data-samples must be positive, got {args.mock_data_samples}")
     if args.mock_data and args.data_path:

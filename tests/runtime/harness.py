@@ -119,3 +119,48 @@ def check_engine_against(engine, ref: Trajectory, label: str, steps: int = STEPS
         worst["weights_global"] = e
         assert e <= RTOL, f"{label}: weights after {steps} steps rel err {e:.2e}"
     return worst
+
+
+class LaunchLog:
+    """The engine's bucket launches and wave ends, in the order they happen on this rank
+    (``("launch", bucket)``, ``("forward" | "backward", wave)``)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.events: list[tuple] = []
+        engine.on_wave = lambda phase, wave, seconds: self.events.append((phase, wave))
+        engine.grad_sync.on_launch = lambda bucket: self.events.append(("launch", bucket))
+
+    def steps(self) -> list[list[tuple]]:
+        out: list[list[tuple]] = []
+        for e in self.events:
+            if e == ("forward", 0):
+                out.append([])
+            out[-1].append(e)
+        return out
+
+
+def check_launches(log: LaunchLog, label: str, overlap: bool = True) -> None:
+    """Every step issues every bucket of this rank once, in the engine's fixed order. With overlap, a bucket is
+    issued after the backward of every wave after its last local accumulation (a unit shared by several local
+    slices waits for the last of them), and before the backward of the plan's last accumulating wave ended,
+    so before the slices of earlier waves ran their backward; without overlap, after the whole backward."""
+    engine = log.engine
+    buckets = engine.grad_buffers.buckets
+    n = len(engine.plan.waves)
+    steps = log.steps()
+    assert steps, f"{label}: no step recorded"
+    for events in steps:
+        launched = [e[1] for e in events if e[0] == "launch"]
+        assert launched == buckets, f"{label}: buckets issued out of order or not once each"
+        at = {e[:2]: i for i, e in enumerate(events) if e[0] != "launch"}
+        issued = {(b.devices, b.index): i for i, e in enumerate(events) if e[0] == "launch" for b in [e[1]]}
+        for b in buckets:
+            i = issued[b.devices, b.index]
+            if not overlap:
+                assert i > at["backward", 0], f"{label}: bucket {b} issued during the backward"
+                continue
+            assert i < at["backward", b.done[0]], f"{label}: bucket {b} issued after its wave's backward"
+            last = min(ls.wave for ls in engine.local.values() if set(ls.units) & set(b.units))
+            if last + 1 < n:
+                assert i > at["backward", last + 1], f"{label}: bucket {b} issued before its last accumulation"

@@ -4,7 +4,9 @@ Two operator sets run the same plans: the real megatron-core operators (models/,
 stand-ins of tests/runtime/standin.py (cheap, so every plan family runs on every world size). Plan families:
 Megatron-style sequential (every MetaOp on all devices), sequential with TP=2 layers, and seeded Spindle-like
 plans (concurrent slices, layer chains split across waves, shared towers on different device sets and TP
-degrees in different waves). Tolerances: see harness.check_engine_against.
+degrees in different waves). Tolerances: see harness.check_engine_against. The stand-in plans run with tiny
+gradient buckets (several per parameter device group, all-reduced during the backward; harness.check_launches),
+the real operators with megatron's default bucket size.
 """
 
 from __future__ import annotations
@@ -18,7 +20,17 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-from harness import LATER, RTOL, STEPS, check_engine_against, global_rel_err, reference_trajectory, spawn
+from harness import (
+    LATER,
+    RTOL,
+    STEPS,
+    LaunchLog,
+    check_engine_against,
+    check_launches,
+    global_rel_err,
+    reference_trajectory,
+    spawn,
+)
 from plans import random_plan, sequential_plan, unit_device_sets, unit_tp_degrees
 from standin import StandinReference, standin_batch, standin_factory
 
@@ -30,6 +42,7 @@ from megatron_spindle.runtime.groups import GroupCache
 from megatron_spindle.runtime.layout import slice_units
 
 OPT = OptimizerConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
+TINY_BUCKET = 4096  # elements: the stand-ins' units are 192..33k, so groups get several buckets of 1+ units
 WORKLOADS = ("tiny-clip", "tiny-vlm")
 
 
@@ -114,7 +127,8 @@ def bad_plans(workload, world: int):
 
 
 def _worker(rank, world):
-    cfg = EngineConfig(optimizer=OPT)
+    cfg = EngineConfig(optimizer=OPT)  # megatron's default bucket size: one bucket per group here
+    tiny = EngineConfig(optimizer=OPT, ddp_bucket_size=TINY_BUCKET)  # the stand-in plans: several per group
     workloads = {n: load_workload(n) for n in WORKLOADS}
     workloads["tiny-clip-weighted"] = weighted_clip()
     workloads["fanout"] = fanout()
@@ -127,6 +141,7 @@ def _worker(rank, world):
     refs = {}
     cache = GroupCache(rank)  # shared by the engines of this worker: a device tuple's group is created once
     seen = {"tp2": False, "concurrent": False, "tower_on_several_device_sets": False, "tower_mixed_tp": False}
+    buckets = {"several_buckets_per_group": False, "overlapped_all_reduce": False}
     for ops, label, wname, make in plan_cases(world):
         w = workloads[wname]
         if (ops, wname) not in refs:
@@ -143,7 +158,9 @@ def _worker(rank, world):
         seen["tower_on_several_device_sets"] |= len(unit_device_sets(plan, tower)) > 1
         seen["tower_mixed_tp"] |= len(unit_tp_degrees(plan, tower)) > 1
         kw = dict(operator_factory=standin_factory, batch_fn=standin_batch) if ops == "standin" else {}
-        engine = RuntimeEngine(plan, w, rank, world, cfg, groups=cache, **kw)
+        engine = RuntimeEngine(plan, w, rank, world, tiny if ops == "standin" else cfg, groups=cache, **kw)
+        log = LaunchLog(engine)
+        note_buckets(engine, buckets)
         mine = [s for s in plan.slices() if rank in s.devices]  # selective storage: only the units it runs
         assert set(engine.key_unit.values()) == {u for s in mine for u in slice_units(engine.metagraph, s)}
         assert set(engine.local) == {s.id for s in mine}
@@ -157,9 +174,13 @@ def _worker(rank, world):
         created = engine.groups.cache.created
         assert len(created) == len(set(created)), "a process group was created twice"
         check_engine_against(engine, refs[ops, wname], f"rank {rank} {ops} {wname} {label}")
+        check_launches(log, f"rank {rank} {ops} {wname} {label}")
     if world > 1:
         assert all(seen.values()), seen
-        check_distributed_optimizer(rank, world, workloads, refs, cfg, cache)
+        everywhere = [None] * world  # several buckets in a group and an overlapped all-reduce, on some rank
+        dist.all_gather_object(everywhere, buckets)
+        assert all(any(b[k] for b in everywhere) for k in buckets), everywhere
+        check_distributed_optimizer(rank, world, workloads, refs, tiny, cache)
     check_trainer_hooks(rank, world, workloads["tiny-clip"], cfg, cache)
     # 4) the command line entry point (plan JSON, workload by name, mock data) inside this world
     with tempfile.TemporaryDirectory() as tmp:  # per rank: the plan is deterministic, every rank writes it
@@ -171,6 +192,14 @@ def _worker(rank, world):
         workloads["tiny-vlm"]).losses[0]
     for t, v in ref0.items():
         assert abs(history[0][t] - v) <= 1e-5 * max(1.0, abs(v)), (t, history[0][t], v)
+
+
+def note_buckets(engine, seen: dict) -> None:
+    """Record whether a group's all-reduce is split into several buckets, and whether one is issued before
+    the backward's last wave (check_launches: issued before the backward of its own last wave ended)."""
+    multi = [b for b in engine.grad_buffers.buckets if len(b.devices) > 1]
+    seen["several_buckets_per_group"] |= any(sum(b.devices == c.devices for c in multi) > 1 for b in multi)
+    seen["overlapped_all_reduce"] |= any(b.done[0] > 0 for b in multi)
 
 
 def zero1(plan):
@@ -276,7 +305,9 @@ def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache) -> Non
         engine = RuntimeEngine(plan, w, rank, world, cfg, groups=cache, **kw)
         assert engine.direct_units == []  # the fast path is for the replicated optimizer only
         label = f"rank {rank} {ops} {wname} {case} zero1"
+        log = LaunchLog(engine)
         check_engine_against(engine, refs[ops, wname], label)
+        check_launches(log, label)
         check_sharded_state(engine, label)
         if (ops, case) == ("standin", "spindle-2"):
             check_resume_across_layouts(engine, w, rank, world, cfg, cache, label)

@@ -35,6 +35,7 @@ def test_bad_flags_and_values(capsys, tmp_path):
     _fails(capsys, BASE, "no training data: give --data-path TASK=PATH")
     _fails(capsys, BASE + ["--mock-data", "--lr", "-1"], "--lr must be positive")
     _fails(capsys, BASE + ["--mock-data", "--min-lr", "1"], "--min-lr must lie in")
+    _fails(capsys, BASE + ["--mock-data", "--ddp-bucket-size", "0"], "--ddp-bucket-size must be positive")
     _fails(capsys, BASE + ["--mock-data", "--num-gpus", "4"], "--num-gpus 4 does not match the world size 1")
     _fails(capsys, BASE + ["--mock-data", "--save-interval", "2"], "--save-interval needs --save")
     _fails(capsys, BASE + ["--mock-data", "--task-loss-weights", "vision_text=1,nope=2"],

@@ -1,0 +1,144 @@
+"""Bucketed gradient synchronisation, overlapped with the backward (megatron-core DDP's overlap_grad_reduce).
+
+Each bucket (runtime/grad_buffers.py) is summed over its parameter device group by one asynchronous all-reduce
+(``async_op=True``, inside that group's process group), issued as soon as every gradient in it is complete on
+this rank, while the rest of the backward runs; ``finish`` waits on every handle before the optimizer step.
+
+- **Completion.** A unit held by several local slices (a tower shared by several tasks, or split over several
+  waves) accumulates its gradient once per slice. Each bucket expects one accumulation per (local slice,
+  parameter key) of its units; a direct parameter (runtime/direct.py) reports its accumulation from a
+  ``register_post_accumulate_grad_hook``, and once a slice's backward is over every key it holds counts as
+  accumulated (generic keys after their exported gradients were added to the buffer). A bucket is complete
+  when nothing it expects is missing: after the last accumulation of every gradient in it.
+- **Order.** Collectives of one process group must be issued in the same order on every member. Completion
+  order differs between ranks (they run different slices), so buckets are issued in one plan-wide order
+  (``grad_buffers.launch_order``): a bucket is issued only after every bucket before it that this rank holds;
+  the rest wait until the earlier ones complete. Any two ranks therefore issue the buckets they share in the
+  same relative order, inside a group and across groups (which NCCL also needs when a device joins several
+  communicators). The order follows the backward (latest wave first), so waiting costs little. Relative to
+  the backward's TP collectives and transfers a bucket may still be issued at different points on different
+  ranks. No rank ever waits on a bucket before ``finish``, so gloo (one set of threads per group) always
+  progresses; NCCL only promises progress for one order across communicators, which holds while their
+  kernels can run side by side (not verified on GPUs here). ``overlap_grad_reduce=False`` issues every
+  bucket after the backward: one total order, no overlap.
+- No barrier precedes the sync, and nothing waits on a handle before ``finish``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_spindle.runtime.direct import DirectBinding
+from megatron_spindle.runtime.grad_buffers import Bucket, GradBuffers
+from megatron_spindle.runtime.groups import PlanGroups
+from megatron_spindle.runtime.opstate import full_grads
+from megatron_spindle.runtime.slices import LocalSlice
+
+
+class GradSync:
+    """One step's gradient synchronisation: ``start_step``, then ``slice_done`` after each local slice's
+    backward (the schedule calls it), then ``finish``. ``overlap=False`` issues every bucket in ``finish``
+    (after the whole backward). ``on_launch(bucket)`` is told each bucket when it is issued (a bucket of a
+    one-device group needs no collective but is reported all the same)."""
+
+    def __init__(self, buffers: GradBuffers, local: dict[str, LocalSlice], binding: DirectBinding,
+                 key_unit: dict[str, str], groups: PlanGroups, overlap: bool = True,
+                 on_launch: Callable[[Bucket], None] | None = None):
+        self.buffers, self.local, self.binding, self.groups = buffers, local, binding, groups
+        self.overlap, self.on_launch = overlap, on_launch
+        position = {u: i for i, b in enumerate(buffers.buckets) for u in b.units}
+        self._bucket_of: dict[tuple[str, str], int] = {}  # (slice id, key) -> bucket position
+        self._expected = [0] * len(buffers.buckets)
+        for sid, ls in local.items():
+            for k in ls.param_keys:
+                i = position[key_unit[k]]
+                self._bucket_of[sid, k] = i
+                self._expected[i] += 1
+        self._missing = list(self._expected)
+        self._counted: set[tuple[str, str]] = set()
+        self._next = 0  # position of the first bucket not issued yet
+        self._handles: list = []
+        self._active = False
+        if overlap:
+            for sid, params in binding.params.items():
+                for k, p in params.items():
+                    p.register_post_accumulate_grad_hook(self._hook(sid, k))
+
+    def _hook(self, sid: str, key: str) -> Callable[[torch.Tensor], None]:
+        def accumulated(_param: torch.Tensor) -> None:
+            if not self._active:  # a backward outside the engine's step
+                return
+            if (sid, key) in self._counted:
+                raise RuntimeError(f"slice '{sid}': the gradient of '{key}' was accumulated twice in one backward; "
+                                   f"the bucketed gradient sync expects one accumulation per slice "
+                                   f"(EngineConfig(overlap_grad_reduce=False) waits for the whole backward)")
+            self._count(sid, key)
+            self._advance()
+        return accumulated
+
+    def _count(self, sid: str, key: str) -> None:
+        self._counted.add((sid, key))
+        self._missing[self._bucket_of[sid, key]] -= 1
+
+    def _advance(self) -> None:
+        """Issue, in launch order, every bucket whose predecessors are issued and which is complete."""
+        buckets = self.buffers.buckets
+        while self._next < len(buckets) and self._missing[self._next] == 0:
+            self._launch(buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: Bucket) -> None:
+        if len(b.devices) > 1:
+            self._handles.append(dist.all_reduce(self.buffers.view(b), group=self.groups.param_group(b.devices),
+                                                 async_op=True))
+        if self.on_launch is not None:
+            self.on_launch(b)
+
+    # ------------------------------------------------------------------------------------------------ step
+    def start_step(self) -> None:
+        """Zero the buffers and the gradients of parameters outside them; expect every accumulation again."""
+        self._wait()  # handles of a step that raised
+        self.buffers.zero_()
+        for params in self.binding.free_params.values():
+            for p in params:
+                p.grad = None
+        self._missing = list(self._expected)
+        self._counted.clear()
+        self._next = 0
+        self._active = True
+
+    def slice_done(self, ls: LocalSlice) -> None:
+        """After the slice's backward: add its generic gradients (exported in full; collective over its TP
+        group, whose leader contributes them) to the buffers and count every key it holds as accumulated."""
+        sid = ls.slice.id
+        generic = self.binding.generic_keys[sid]
+        if generic:
+            g = full_grads(ls.op, ls.param_keys)
+            if ls.tp_leader:
+                acc = self.buffers.key_grads
+                for k in generic:
+                    acc[k] += g[k].to(acc[k].device, torch.float32)
+        for k in ls.param_keys:
+            if (sid, k) not in self._counted:
+                self._count(sid, k)
+        if self.overlap:
+            self._advance()
+
+    def finish(self) -> None:
+        """Issue what is left (in order) and wait for every all-reduce: the buffers then hold the total
+        gradients. Call after every local slice's ``slice_done``."""
+        self._advance()
+        if self._next != len(self.buffers.buckets):
+            b = self.buffers.buckets[self._next]
+            raise RuntimeError(f"gradient bucket {b.index} of devices {list(b.devices)} misses "
+                               f"{self._missing[self._next]} accumulation(s) after the backward")
+        self._wait()
+        self._active = False
+
+    def _wait(self) -> None:
+        for h in self._handles:
+            h.wait()
+        self._handles.clear()

@@ -1,0 +1,162 @@
+"""AdamW on fp32 master weights, one flat master per parameter unit, replicated or ZeRO-1 sharded.
+
+The AdamW step is elementwise, so it may run on any partition of a unit's elements:
+
+- ``zero_stage`` 0: replicated. Every holder of a unit keeps its whole master and moments and steps them.
+- ``zero_stage`` 1 (the distributed optimizer): a unit's master and moments are sharded over the members of its
+  parameter device group (runtime/shards.py: the unit flattened, its tensors sorted by name; member i of the
+  sorted group keeps elements [i*S, (i+1)*S), S = ceil(N / group size)). Each member steps its shard of the
+  synchronised gradient, and the shards of all units of a group are all-gathered in one collective, so every
+  holder loads identical full weights. Numerically equal to stage 0; master + moments drop to 1/size.
+  The gradient itself is all-reduced in full (runtime/grad_sync.py) and then sliced: a reduce-scatter
+  (``reduce_scatter_tensor`` on NCCL; gloo has none) would move half the bytes, but needs buckets laid out
+  member-major in shard rows and would leave holders without the full gradient that ``grads`` exposes.
+
+Whatever the layout, ``export_units`` / ``load_units`` / ``full_weights`` speak full tensors, so checkpoints are
+layout-independent. At stage 1 ``export_units`` and ``full_weights`` are collective over the parameter device
+groups; ``load_*`` never communicate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_spindle.checkpointing.checkpoint import CheckpointError, UnitState
+from megatron_spindle.planner.plan import ParamGroup
+from megatron_spindle.runtime.groups import PlanGroups
+from megatron_spindle.runtime.shards import UnitShard, gather_units
+
+
+@dataclass
+class OptimizerConfig:
+    """torch.optim.AdamW over the fp32 master weights (no gradient clipping)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+class MasterOptimizer:
+    """fp32 masters (``masters``: unit -> this rank's shard, the whole unit at stage 0), their layouts
+    (``shards``) and one torch AdamW over them (``adamw``, None on a rank that holds nothing)."""
+
+    def __init__(self, full: dict[str, torch.Tensor], key_unit: dict[str, str], param_groups: list[ParamGroup],
+                 rank: int, zero_stage: int, config: OptimizerConfig, groups: PlanGroups, device: torch.device):
+        self.zero_stage, self.groups, self.device = zero_stage, groups, device
+        self.shards: dict[str, UnitShard] = {}
+        self.masters: dict[str, torch.nn.Parameter] = {}
+        self.unit_groups: list[tuple[tuple[int, ...], list[str]]] = []  # (sorted devices, sorted units), plan order
+        held = set(key_unit.values())
+        for pg in param_groups:
+            devices = tuple(sorted(pg.devices))
+            units = sorted(held & set(pg.params))
+            if rank not in devices or not units:
+                continue
+            members, index = (len(devices), devices.index(rank)) if zero_stage == 1 else (1, 0)
+            for u in units:
+                keys = sorted(k for k in full if key_unit[k] == u)
+                sh = UnitShard(u, keys, [full[k].shape for k in keys], members, index)
+                self.shards[u] = sh
+                self.masters[u] = torch.nn.Parameter(sh.shard_of(sh.flatten(full)))
+            self.unit_groups.append((devices, units))
+        self.adamw = torch.optim.AdamW(list(self.masters.values()), lr=config.lr, betas=config.betas,
+                                       eps=config.eps, weight_decay=config.weight_decay) if self.masters else None
+
+    # ---------------------------------------------------------------------------------------------- step
+    def step(self, unit_grads: dict[str, torch.Tensor]) -> None:
+        """One AdamW step from the synchronised full flat gradient of every unit. At stage 0 the masters'
+        ``.grad`` is that gradient itself (``attach_grads``); at stage 1 each member takes its shard."""
+        if self.adamw is None:
+            return
+        for u, p in self.masters.items():
+            if self.zero_stage == 1:
+                p.grad = self.shards[u].shard_of(unit_grads[u])
+            elif p.grad is None:  # someone called zero_grad(set_to_none=True): reattach the buffer
+                p.grad = unit_grads[u]
+        self.adamw.step()
+
+    def attach_grads(self, unit_grads: dict[str, torch.Tensor]) -> None:
+        """Stage 0: the masters' gradients are the units' gradient buffers (no copy before the step)."""
+        if self.zero_stage == 0:
+            for u, p in self.masters.items():
+                p.grad = unit_grads[u]
+
+    def set_lr(self, lr: float) -> None:
+        if self.adamw is not None:
+            for g in self.adamw.param_groups:
+                g["lr"] = lr
+
+    # --------------------------------------------------------------------------------------------- state
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """"<unit>.<path>" -> full fp32 master weight (views; all-gathered over the groups at stage 1)."""
+        full: dict[str, torch.Tensor] = {}
+        for devices, units in self.unit_groups:
+            vecs = gather_units([self.shards[u] for u in units], [[self.masters[u].detach()] for u in units],
+                                self.groups.param_group(devices))
+            for u, (v,) in zip(units, vecs):
+                full.update(self.shards[u].unflatten(v))
+        return full
+
+    def load_weights(self, full: dict[str, torch.Tensor]) -> None:
+        """Overwrite every master (this rank's shard) from full fp32 tensors on the device."""
+        with torch.no_grad():
+            for u, p in self.masters.items():
+                sh = self.shards[u]
+                p.copy_(sh.shard_of(sh.flatten(full)))
+
+    def expected_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        return {u: {k: tuple(shape) for k, shape in zip(sh.keys, sh.shapes)} for u, sh in self.shards.items()}
+
+    def numel(self) -> dict[str, tuple[int, int]]:
+        """unit -> (elements of its master shard on this rank, elements of the full unit)."""
+        return {u: (self.masters[u].numel(), sh.numel) for u, sh in self.shards.items()}
+
+    def export_units(self) -> dict[str, UnitState]:
+        """Every unit in full form: fp32 weights and AdamW state (``optim`` empty before the first step).
+        Collective over the parameter device groups at stage 1."""
+        out: dict[str, UnitState] = {}
+        for devices, units in self.unit_groups:
+            states = [self._adam_state(u) for u in units]
+            parts = [[self.masters[u].detach()] + ([st["exp_avg"], st["exp_avg_sq"]] if st else [])
+                     for u, st in zip(units, states)]
+            fulls = gather_units([self.shards[u] for u in units], parts, self.groups.param_group(devices))
+            for u, st, vecs in zip(units, states, fulls):
+                sh = self.shards[u]
+                model = {k: v.clone() for k, v in sh.unflatten(vecs[0]).items()}
+                optim = {}
+                if st:
+                    avg, sq = sh.unflatten(vecs[1]), sh.unflatten(vecs[2])
+                    optim = {k: {"exp_avg": avg[k].clone(), "exp_avg_sq": sq[k].clone(), "step": float(st["step"])}
+                             for k in sh.keys}
+                out[u] = UnitState(model, optim)
+        return out
+
+    def load_optimizer_state(self, units: dict[str, UnitState]) -> None:
+        """AdamW state of every unit from its full form (a unit without any starts afresh)."""
+        if self.adamw is None:
+            return
+        for u, p in self.masters.items():
+            self._load_adam_state(u, p, units[u].optim)
+
+    def _adam_state(self, unit: str) -> dict[str, Any] | None:
+        if self.adamw is None:
+            return None
+        return self.adamw.state.get(self.masters[unit]) or None
+
+    def _load_adam_state(self, unit: str, p: torch.nn.Parameter, optim: dict[str, dict[str, Any]]) -> None:
+        sh = self.shards[unit]
+        present = [k for k in sh.keys if k in optim]
+        if not present:
+            self.adamw.state.pop(p, None)
+            return
+        steps = {float(optim[k]["step"]) for k in present}
+        if len(present) != len(sh.keys) or len(steps) != 1:
+            raise CheckpointError(f"unit '{unit}': AdamW state for {len(present)} of its {len(sh.keys)} tensors, "
+                                  f"steps {sorted(steps)}: a unit's tensors must share one optimizer state")
+        moment = lambda name: sh.shard_of(sh.flatten({k: optim[k][name].to(self.device) for k in sh.keys}))  # noqa: E731
+        self.adamw.state[p] = {"step": torch.tensor(steps.pop(), dtype=torch.float32),
+                               "exp_avg": moment("exp_avg"), "exp_avg_sq": moment("exp_avg_sq")}

@@ -1,0 +1,89 @@
+"""The slices this rank runs (localization, paper section 3.6 step 1): each built once, complete, with its
+operator, its process groups and the parameter keys it exports; and the initial weights they hold."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_spindle.graph.opgraph import MetaGraph
+from megatron_spindle.graph.workload import Workload
+from megatron_spindle.planner.plan import Plan, Slice
+from megatron_spindle.runtime.groups import PlanGroups
+from megatron_spindle.runtime.layout import is_tp_leader, slice_units
+from megatron_spindle.runtime.opstate import param_keys
+
+TERMINAL_KINDS = ("loss", "lm_head")
+
+
+@dataclass(frozen=True)
+class LocalSlice:
+    """A slice this rank runs. ``param_keys``: the "<unit>.<path>" keys of its parameters (full form);
+    ``dp_loss_mean``: a terminal operator whose DP ranks each return the task loss (not a share of it)."""
+
+    slice: Slice
+    wave: int
+    op: torch.nn.Module
+    pgs: Any
+    units: list[str]
+    terminal: bool
+    tp_leader: bool
+    num_inputs: int
+    param_keys: list[str]
+    dp_loss_mean: bool
+
+
+def is_terminal(metagraph: MetaGraph, s: Slice) -> bool:
+    m = metagraph.metaops[s.metaop]
+    return m.kind in TERMINAL_KINDS and s.layer_end == m.num_layers and not metagraph.successors(m.id)
+
+
+def build_local_slices(plan: Plan, workload: Workload, metagraph: MetaGraph, rank: int, groups: PlanGroups,
+                       factory: Callable, device: torch.device, dtype: torch.dtype) -> dict[str, LocalSlice]:
+    """slice id -> LocalSlice for every slice on ``rank``, built in wave order (operator construction and the
+    parameter probe are collective over the slice's TP group)."""
+    local = {}
+    for wi, w in enumerate(plan.waves):
+        for s in w.slices:
+            if rank not in s.devices:
+                continue
+            info = plan.metaop(s.metaop)
+            pgs = groups.slice_pgs(s.id)
+            op = factory(workload, info, s.layer_start, s.layer_end, pg_collection=pgs, dp_group=pgs.dp)
+            op = op.to(device=device, dtype=dtype)
+            local[s.id] = LocalSlice(
+                slice=s, wave=wi, op=op, pgs=pgs, units=slice_units(metagraph, s), terminal=is_terminal(metagraph, s),
+                tp_leader=is_tp_leader(s, rank), num_inputs=1 if s.layer_start > 0 else len(info.preds),
+                param_keys=param_keys(op), dp_loss_mean=getattr(op, "dp_loss_reduction", "sum") == "mean")
+    return local
+
+
+def in_wave_order(local: dict[str, LocalSlice]) -> list[LocalSlice]:
+    return sorted(local.values(), key=lambda ls: ls.wave)
+
+
+def initial_weights(local: dict[str, LocalSlice], rank: int,
+                    device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(key -> full fp32 weight, key -> its unit) from the operators' own deterministic initialisation; slices
+    holding the same key must agree. Collective per TP group (wave order)."""
+    full: dict[str, torch.Tensor] = {}
+    key_unit: dict[str, str] = {}
+    for ls in in_wave_order(local):
+        state = ls.op.export_full_state()
+        for k in ls.param_keys:
+            unit = next((u for u in ls.units if k.startswith(u + ".")), None)
+            if unit is None:
+                raise RuntimeError(f"slice '{ls.slice.id}': exported parameter '{k}' belongs to none of its "
+                                   f"units {ls.units}")
+            v = state[k].detach().to(device, torch.float32)
+            if k in full:
+                if not torch.equal(full[k], v):
+                    raise RuntimeError(f"parameter '{k}' was initialised differently by two slices on rank "
+                                       f"{rank}: operators must initialise weights from unit names")
+                continue
+            full[k] = v.clone()
+            key_unit[k] = unit
+    return full, key_unit

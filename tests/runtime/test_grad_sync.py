@@ -1,0 +1,70 @@
+"""Bucketed gradient sync (runtime/grad_buffers.py, grad_sync.py) on one rank: bucket layout and order, and
+buckets issued during the backward, a unit shared by several slices only after its last accumulation.
+(The all-reduces themselves, with several buckets per group, run on 2 and 4 ranks in test_runtime_engine.py.)"""
+
+import pytest
+import torch
+from harness import LaunchLog, check_engine_against, check_launches, reference_trajectory
+from plans import random_plan, sequential_plan
+from standin import StandinReference, standin_batch, standin_factory
+
+from megatron_spindle.compat.groups import ensure_torch_distributed
+from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
+from megatron_spindle.runtime.grad_buffers import Bucket, _split, default_bucket_numel, launch_order
+from megatron_spindle.runtime.shards import UnitShard
+
+OPT = OptimizerConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_world():
+    torch.set_num_threads(1)
+    ensure_torch_distributed()
+
+
+def test_default_bucket_size_is_megatrons():
+    assert default_bucket_numel(1) == default_bucket_numel(40) == 40_000_000
+    assert default_bucket_numel(64) == 64_000_000
+
+
+def test_buckets_are_whole_units_closed_at_the_size():
+    shards = {u: UnitShard(u, [f"{u}.w"], [torch.Size([n])], 1, 0) for u, n in (("a", 3), ("b", 4), ("c", 2))}
+    order = {"a": (2, 0), "b": (1, 1), "c": (1, 0)}
+    got = _split((0, 1), ["a", "b", "c"], shards, order, limit=5)
+    assert [(b.units, b.start, b.end, b.done) for b in got] == [(("a", "b"), 0, 7, (1, 1)), (("c",), 7, 9, (1, 0))]
+    big = _split((0, 1), ["a", "b", "c"], shards, order, limit=1)
+    assert [b.units for b in big] == [("a",), ("b",), ("c",)]
+
+
+def test_launch_order_follows_the_backward_and_keeps_each_groups_order():
+    b = lambda devs, i, done: Bucket(devs, i, (f"u{devs}{i}",), 0, 1, done)  # noqa: E731
+    buckets = [b((0, 1), 0, (5, 1)), b((0, 1), 1, (2, 0)), b((1, 2), 0, (5, 0)), b((1, 2), 1, (0, 3))]
+    assert launch_order(buckets) == [buckets[0], buckets[2], buckets[1], buckets[3]]
+
+
+@pytest.mark.parametrize("wname", ["tiny-clip", "tiny-vlm"])
+def test_buckets_are_issued_during_the_backward_after_their_last_accumulation(wname):
+    w = load_workload(wname)
+    ref = StandinReference(w)
+    traj = reference_trajectory(ref, {k.replace("__", "."): p for k, p in ref.full.items()},
+                                {t.name: t.loss.weight for t in w.tasks}, OPT)
+    plan = random_plan(w, 1, 1)  # shared towers: one unit in two slices of different waves
+    engine = RuntimeEngine(plan, w, 0, 1, EngineConfig(optimizer=OPT, ddp_bucket_size=1),
+                           operator_factory=standin_factory, batch_fn=standin_batch)
+    shared = [b for b in engine.grad_buffers.buckets if sum(set(b.units) <= set(ls.units)
+                                                           for ls in engine.local.values()) > 1]
+    assert shared and len(engine.grad_buffers.buckets) == len(engine.shards)  # one unit per bucket
+    assert any(b.done[0] > 0 for b in engine.grad_buffers.buckets)
+    log = LaunchLog(engine)
+    check_engine_against(engine, traj, f"one rank {wname} tiny buckets")
+    check_launches(log, wname)
+
+
+def test_without_overlap_every_bucket_waits_for_the_whole_backward():
+    w = load_workload("tiny-clip")
+    engine = RuntimeEngine(sequential_plan(w, 1), w, 0, 1, EngineConfig(ddp_bucket_size=1, overlap_grad_reduce=False),
+                           operator_factory=standin_factory, batch_fn=standin_batch)
+    log = LaunchLog(engine)
+    engine.train_step(0)
+    check_launches(log, "no overlap", overlap=False)
