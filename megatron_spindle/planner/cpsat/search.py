@@ -122,22 +122,30 @@ class Search:
             st.best = placed
 
     def _memory(self, budget: TimeBudget) -> None:
+        """The time held back for per-device memory: the whole model with it if the barrier plan did not
+        place, else more rounds on the levels."""
+        if self.state.unplaced:
+            self._exact_memory_model(budget)
+        elif self.state.levels is not None:
+            self._more_level_rounds(self.state.levels, budget)
+
+    def _exact_memory_model(self, budget: TimeBudget) -> None:
         st = self.state
-        if st.unplaced:
-            st.exact_memory = True
-            answer = SlotModel(self.problem, self.greedy, exact_memory=True).solve(budget)
-            st.notes.append(f"whole model with per-device memory {answer.status}")
-            st.status, st.bound_units = answer.status, answer.bound_units
-            placed = self._place(answer.waves) if better(answer.waves, self.greedy) else None
-            if placed is not None:
-                st.best = placed
-        elif st.levels is not None:
-            st.levels.improve(budget)
-            waves = st.levels.waves()
-            placed = self._place(waves) if better(waves, st.best) else None
-            if placed is not None:
-                st.best, st.status, st.bound_units = placed, st.levels.status(), st.levels.bound_units()
-                st.level_note = st.levels.note()
+        st.exact_memory = True
+        answer = SlotModel(self.problem, self.greedy, exact_memory=True).solve(budget)
+        st.notes.append(f"whole model with per-device memory {answer.status}")
+        st.status, st.bound_units = answer.status, answer.bound_units
+        if better(answer.waves, self.greedy):
+            st.best = self._place(answer.waves) or st.best
+
+    def _more_level_rounds(self, levels: LevelSearch, budget: TimeBudget) -> None:
+        st = self.state
+        levels.improve(budget)
+        waves = levels.waves()
+        placed = self._place(waves) if better(waves, st.best) else None
+        if placed is not None:
+            st.best, st.status, st.bound_units = placed, levels.status(), levels.bound_units()
+            st.level_note = levels.note()
 
     def _overlap(self, budget: TimeBudget) -> None:
         st = self.state
