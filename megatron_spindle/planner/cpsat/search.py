@@ -12,8 +12,9 @@
 4. ``comm`` (several islands, few devices: Problem.has_comm): the communication objective with the makespan
    capped at the best plan's.
 
-A stage gets the time left times its weight over the weights of the stages still to run, so time a stage
-does not use passes to the later ones. Every plan a stage finds is placed (``_place``): devices from
+A stage gets the time left times its weight over the weights of the stages still to run (the communication
+phase's weight is set to give it a quarter of the budget), so time a stage does not use passes to the later
+ones. Every plan a stage finds is placed (``_place``): devices from
 placement.place() (islands, big flows first, weight co-location, memory with backtracking) unless it fails
 or moves more bytes across islands than the solver's own ranges, and it is kept only if it fits every
 device's memory (accounting.fits_memory) and beats the best so far.
@@ -34,13 +35,14 @@ from megatron_spindle.planner.cpsat.problem import Problem
 from megatron_spindle.planner.cpsat.waves import better, concatenate, levels_mixed, makespan
 from megatron_spindle.planner.schedule import ScheduledWave
 
-# stage weights: the makespan stages 3 : 1 against the communication phase (a second objective, one solve
-# from a good hint); cross-level overlap 0.3 of the barrier + overlap time, since it starts from the barrier
-# plan; the memory stage as much as the barrier stage it backs up
+# stage weights of the makespan stages: cross-level overlap 0.3 of the barrier + overlap time, since it
+# starts from the barrier plan; the memory stage as much as the barrier stage it backs up
 BARRIER_WEIGHT = 7.0
 MEMORY_WEIGHT = 7.0
 OVERLAP_WEIGHT = 3.0
-COMM_WEIGHT = 7.0 / 3.0
+# the communication phase (a second objective: one whole-graph solve from a good hint) gets this share of
+# the budget, the makespan stages the rest
+COMM_SHARE = 0.25
 
 
 class Placer(Protocol):
@@ -89,7 +91,8 @@ class Search:
         if self.overlap:
             stages.append(Stage("overlap", OVERLAP_WEIGHT, self._overlap))
         if self.problem.has_comm:
-            stages.append(Stage("comm", COMM_WEIGHT, self._comm))
+            weight = COMM_SHARE / (1 - COMM_SHARE) * sum(s.weight for s in stages)
+            stages.append(Stage("comm", weight, self._comm))
         return stages
 
     def run(self, budget: TimeBudget) -> SearchState:
