@@ -20,7 +20,7 @@ from megatron_spindle.planner.cpsat.problem import (
     with_units,
 )
 from megatron_spindle.planner.cpsat.result import CpSatResult, strictly_better
-from megatron_spindle.planner.cpsat.search import Placer, Search
+from megatron_spindle.planner.cpsat.search import Placer, Search, SearchState
 from megatron_spindle.planner.cpsat.waves import makespan
 from megatron_spindle.planner.placement import FlowCostModel, PlacementError, place
 from megatron_spindle.planner.schedule import LevelAllocation, ScheduledWave
@@ -63,25 +63,30 @@ def solve_cpsat(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec, 
                       n_star={m: float(n) for a in allocs for m, n in a.n_star.items()})
     placer = _heuristic_placer(metagraph, workload, cluster, cost_model, memory_model)
     state = Search(problem, greedy_waves, placer, cross_level_overlap).run(budget)
-    notes = [_memory_note(problem), *([state.level_note] if state.level_note else []),
-             *state.notes]
     if cross_level_overlap:
         base["barrier_makespan"] = state.barrier_makespan
     # the solver bounds the rounded makespan; minus the rounding bound it bounds the real one
     bound = max(0.0, state.bound_units * unit - rounding) if state.bound_units is not None else None
-    common = dict(status=state.status, best_bound=bound, time_unit=unit, rounding_error_bound=rounding,
-                  solve_seconds=state.seconds)
-    if state.best is greedy_waves:
-        return CpSatResult(greedy_waves, objective=greedy_makespan, used_hint_only=True, **common, **base,
+    base.update(status=state.status, best_bound=bound, time_unit=unit, rounding_error_bound=rounding,
+                solve_seconds=state.seconds)
+    return _result(problem, state, greedy_waves, base)
+
+
+def _result(problem: Problem, state: SearchState, greedy: list[ScheduledWave], base: dict) -> CpSatResult:
+    """The search's best plan if it is strictly better than greedy (re-timed, counted again), else greedy."""
+    notes = [_memory_note(problem), *([state.level_note] if state.level_note else []), *state.notes]
+    greedy_makespan = base["greedy_makespan"]
+    if state.best is greedy:
+        return CpSatResult(greedy, objective=greedy_makespan, used_hint_only=True, **base,
                            notes=notes + ["the solver found no better plan: greedy plan returned unchanged"])
     new_makespan = makespan(state.best)
-    new_comm = inter_island_bytes(state.best, metagraph, cluster, cost_model)
-    if not strictly_better(new_makespan, new_comm, greedy_makespan, greedy_comm):
-        return CpSatResult(greedy_waves, objective=greedy_makespan, used_hint_only=True, **common, **base,
+    new_comm = inter_island_bytes(state.best, problem.metagraph, problem.cluster, problem.cost_model)
+    if not strictly_better(new_makespan, new_comm, greedy_makespan, base["greedy_inter_island_bytes"]):
+        return CpSatResult(greedy, objective=greedy_makespan, used_hint_only=True, **base,
                            notes=notes + [f"solver plan ({new_makespan:.6g} s) is not better than "
                                           "greedy: greedy plan returned unchanged"])
     base["inter_island_bytes"] = new_comm
-    return CpSatResult(state.best, objective=new_makespan, used_hint_only=False, notes=notes, **common, **base)
+    return CpSatResult(state.best, objective=new_makespan, used_hint_only=False, notes=notes, **base)
 
 
 def _allocations(level_allocs: Sequence[LevelAllocation] | None, metagraph: MetaGraph, curves: Mapping[str, Curve],
