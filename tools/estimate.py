@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--swiglu", action="store_true", help="gated SwiGLU MLP (3 FFN GEMMs) instead of GELU")
     g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
     g.add_argument("--attention", choices=ATTENTION_KINDS, default="flash")
+    g.add_argument("--masked-softmax-fusion", action="store_true",
+                   help="unfused attention with a fused softmax kernel (default: torch's fp32 softmax)")
     g.add_argument("--causal", action="store_true", help="causal attention mask (decoders)")
     g.add_argument("--disable-bias-linear", action="store_true", help="no linear biases, RMSNorm (llama style)")
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
@@ -116,7 +118,7 @@ def estimate_layer(args) -> dict:
         batch=args.micro_batch_size, seq=args.seq_length, hidden=args.hidden_size, heads=args.num_attention_heads,
         ffn=args.ffn_hidden_size, kv_groups=args.num_query_groups, swiglu=args.swiglu, causal=args.causal, tp=tp,
         attention=args.attention, bias=not args.disable_bias_linear,
-        rotary=args.position_embedding_type == "rope")
+        rotary=args.position_embedding_type == "rope", fused_softmax=args.masked_softmax_fusion)
     recompute = args.recompute_granularity == "full"
     forward, backward = layer_seconds(shape, cluster, CostModelConfig(attention=args.attention, recompute=recompute))
     flops = 3 * shape.forward_flops()  # model FLOPs of forward + backward on this GPU

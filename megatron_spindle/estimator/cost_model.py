@@ -77,6 +77,8 @@ class CostModelConfig:
     # fp32 parameters cast to bf16 before every forward (torch autocast / FSDP MixedPrecision frameworks);
     # megatron-core keeps bf16 parameters and fp32 masters in the optimizer (False).
     param_cast: bool = False
+    # unfused attention with a fused softmax kernel (apex / TE); False: megatron-core's torch fp32 fallback
+    fused_softmax: bool = False
 
     def __post_init__(self):
         if self.attention not in ATTENTION_KINDS:
@@ -434,6 +436,7 @@ class AnalyticCostModel:
             kv_groups=module.query_groups, swiglu=self._is_swiglu(module), causal=module.is_causal, tp=tp,
             attention=self.config.attention, bias=not llm, rotary=llm, cross_attention=module.cross_attention,
             dtype_bytes=self.dtype_bytes, param_cast=self.config.param_cast,
+            fused_softmax=self.config.fused_softmax,
         )
 
     def kernel_time(self, metaop: MetaOp, tp: int, dp: int) -> LayerTime:

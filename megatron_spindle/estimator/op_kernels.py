@@ -42,6 +42,10 @@ class LayerShape:
     cross_attention: bool = False  # a second attention block over a memory of the same length and width
     dtype_bytes: int = 2
     main_grad_bytes: int = 4  # weight gradients accumulated into fp32 main grads; 0: fused into the GEMM
+    # Unfused attention's softmax: a fused bf16 kernel (apex / TE scaled-masked-softmax) or, False, torch ops in
+    # fp32 (cast, softmax, cast back, plus a masked_fill for causal masks): megatron-core's fallback, which our
+    # runtime takes (masked_softmax_fusion off), and what torch autocast runs.
+    fused_softmax: bool = False
     # fp32 parameters cast to bf16 before every forward (torch FSDP MixedPrecision(param_dtype=bf16), autocast):
     # read 4 + write 2 bytes per parameter. megatron-core keeps bf16 parameters (False).
     param_cast: bool = False
@@ -149,9 +153,12 @@ def _attention_forward(b: _Builder, s: LayerShape, name: str) -> None:
     if s.attention == "flash":
         b.add(name, b.km.flash_attention(bs, heads, s.seq, s.seq, hd, s.causal)[0])
         return
-    scores = bs * heads * s.seq * s.seq * d
+    scores = bs * heads * s.seq * s.seq  # elements of the score matrix
     b.gemm(f"{name}.qk", s.seq, s.seq, hd, bs * heads)  # baddbmm with the 1/sqrt(d) scale folded in
-    b.memory(f"{name}.softmax", 2 * scores + (2 * scores if s.causal else 0), 2 if s.causal else 1)  # (mask) softmax
+    if s.fused_softmax:  # read and write the bf16 scores once (mask applied inside)
+        b.memory(f"{name}.softmax", 2 * d * scores)
+    else:  # cast to fp32, (masked_fill,) softmax, cast back
+        b.memory(f"{name}.softmax", (2 * d + 16 + (8 if s.causal else 0)) * scores, 4 if s.causal else 3)
     b.gemm(f"{name}.pv", s.seq, hd, s.seq, bs * heads)
     b.memory(f"{name}.context_copy", 2 * s.tokens * s.hidden / s.tp * d)  # [b*np, s, hn] -> [s, b, h] contiguous
 
@@ -161,11 +168,14 @@ def _attention_backward(b: _Builder, s: LayerShape, name: str) -> None:
     if s.attention == "flash":
         b.add(name, b.km.flash_attention(bs, heads, s.seq, s.seq, hd, s.causal)[1])
         return
-    scores = bs * heads * s.seq * s.seq * d
+    scores = bs * heads * s.seq * s.seq
     b.memory(f"{name}.context_copy", 2 * s.tokens * s.hidden / s.tp * d)
     b.gemm(f"{name}.dp", s.seq, s.seq, hd, bs * heads)  # dP = dO V^T
     b.gemm(f"{name}.dv", s.seq, hd, s.seq, bs * heads)  # dV = P^T dO
-    b.memory(f"{name}.softmax", 3 * scores)  # read P and dP, write dS
+    if s.fused_softmax:  # read P and dP, write dS
+        b.memory(f"{name}.softmax", 3 * d * scores)
+    else:  # the casts' and the fp32 softmax's (and masked_fill's) backward
+        b.memory(f"{name}.softmax", (2 * d + 20 + (8 if s.causal else 0)) * scores, 4 if s.causal else 3)
     b.gemm(f"{name}.dq", s.seq, hd, s.seq, bs * heads)  # dQ = dS K
     b.gemm(f"{name}.dk", s.seq, hd, s.seq, bs * heads)  # dK = dS^T Q
 
@@ -188,22 +198,28 @@ def _forward(km: KernelModel, s: LayerShape) -> list[Kernel]:
         b.memory("rotary", 6 * t * (h + s.kv_width) / tp * d, 8)
     _attention_forward(b, s, "attention")
     b.gemm("proj", t, h, h / tp)
-    b.memory("residual1", 3 * act)  # bias + residual add
+    _residual(b, s, "residual1", act)
     if s.cross_attention:
         b.memory("norm_x", 2 * act)
         b.gemm("q_x", t, h / tp, h)
         b.gemm("kv_x", t, 2 * s.kv_width / tp, h)
         _attention_forward(b, s, "attention_x")
         b.gemm("proj_x", t, h, h / tp)
-        b.memory("residual_x", 3 * act)
+        _residual(b, s, "residual_x", act)
     ffn = s.ffn / tp
     fc1_out = (2 if s.swiglu else 1) * ffn
     b.memory("norm2", 2 * act)
     b.gemm("fc1", t, fc1_out, h)
     b.memory("activation", (fc1_out + ffn) * t * d)  # GELU: read F, write F; SwiGLU: read 2F, write F
     b.gemm("fc2", t, h, ffn)
-    b.memory("residual2", 3 * act)
+    _residual(b, s, "residual2", act)
     return b.kernels
+
+
+def _residual(b: _Builder, s: LayerShape, name: str, act: float) -> None:
+    """Megatron's bias-dropout-add unfused (our runtime: bias_dropout_fusion off, dropout 0): the bias add and
+    the residual add each read two and write one activation."""
+    b.memory(name, 6 * act if s.bias else 3 * act, 2 if s.bias else 1)
 
 
 def _linear_backward(b: _Builder, s: LayerShape, name: str, tokens: float, out: float, inp: float) -> None:

@@ -100,15 +100,17 @@ def test_flash_attention_follows_the_fa2_curve_and_its_grid():
 def test_unfused_attention_moves_the_score_matrix_through_memory():
     km = KernelModel(A800)
 
-    def softmax_seconds(seq):
-        shape = LayerShape(8, seq, 1024, 16, 4096, attention="unfused")
+    def softmax_seconds(seq, fused=True):
+        shape = LayerShape(8, seq, 1024, 16, 4096, attention="unfused", fused_softmax=fused)
         return next(k.seconds for k in layer_time(km, shape).kernels if k.name == "attention.softmax")
 
-    scores = 8 * 16 * 1024 * 1024 * 2  # batch x heads x s x s in bf16
-    assert softmax_seconds(1024) == pytest.approx(2 * scores / (A800.memory_bandwidth * HBM_STREAM_EFFICIENCY)
-                                                  + GPU_KERNEL_GAP_SECONDS)
+    scores = 8 * 16 * 1024 * 1024  # batch x heads x s x s
+    bandwidth = A800.memory_bandwidth * HBM_STREAM_EFFICIENCY
+    assert softmax_seconds(1024) == pytest.approx(2 * 2 * scores / bandwidth + GPU_KERNEL_GAP_SECONDS)  # bf16 r+w
     assert softmax_seconds(2048) - GPU_KERNEL_GAP_SECONDS == pytest.approx(
         4 * (softmax_seconds(1024) - GPU_KERNEL_GAP_SECONDS))
+    # megatron-core's torch fallback: fp32 cast (2 + 4), softmax (4 + 4), cast back (4 + 2) bytes per score
+    assert softmax_seconds(1024, fused=False) == pytest.approx(20 * scores / bandwidth + 3 * GPU_KERNEL_GAP_SECONDS)
     flash = layer_time(km, LayerShape(8, 2048, 1024, 16, 4096, attention="flash")).total
     assert layer_time(km, LayerShape(8, 2048, 1024, 16, 4096, attention="unfused")).total > flash
 
