@@ -133,11 +133,17 @@ class LayerCost:
 def phase_times(kernels: LayerTime, tp_allreduces: int, tp_allreduce_seconds: float,
                 launch_seconds: float) -> tuple[float, float]:
     """(forward, backward) seconds of one operator on one device: its kernels plus ``tp_allreduces`` TP
-    all-reduces per phase on the stream, or the host's time to launch them if that is longer."""
+    all-reduces per phase on the stream, or, when the host takes longer to launch them all (the launch floor),
+    the host's time, split between the phases like the GPU work (the host runs ahead across the phases)."""
     tp = tp_allreduces * tp_allreduce_seconds
-    launches = tp_allreduces * launch_seconds
-    return (max(kernels.forward + tp, kernels.forward_kernels * launch_seconds + launches),
-            max(kernels.backward + tp, kernels.backward_kernels * launch_seconds + launches))
+    forward, backward = kernels.forward + tp, kernels.backward + tp
+    host = (kernels.forward_kernels + kernels.backward_kernels + 2 * tp_allreduces) * launch_seconds
+    gpu = forward + backward
+    if host <= gpu:
+        return forward, backward
+    if gpu <= 0:
+        return host / 3, 2 * host / 3
+    return forward * host / gpu, backward * host / gpu
 
 
 def layer_seconds(shape: LayerShape, cluster: ClusterSpec, config: CostModelConfig | None = None) -> tuple[float, float]:
@@ -515,16 +521,15 @@ class AnalyticCostModel:
 
     def layer_cost(self, metaop: MetaOp, tp: int, dp: int) -> LayerCost:
         """Seconds for ONE operator of ``metaop``, forward + backward, on tp * dp devices."""
-        self._check_config(metaop, tp, dp)
+        fwd, bwd = self.phase_seconds(metaop, tp, dp)
         compute = self.compute_seconds(metaop, tp, dp)
         tp_comm = self.tp_comm_seconds(metaop, tp, dp)
         # The host launches kernels asynchronously: only the part of the launch floor longer than the GPU work
-        # on the stream (compute and TP all-reduces) shows up.
-        launch = max(0.0, self.launch_floor_seconds(metaop, tp, dp) - compute - tp_comm)
+        # on the stream (compute and TP all-reduces) shows up, phase by phase (phase_times).
         return LayerCost(
             compute=compute,
             tp_comm=tp_comm,
             dp_sync=self.dp_sync_seconds(metaop, tp, dp),
-            launch=launch,
+            launch=max(0.0, fwd + bwd - compute - tp_comm),
             data_comm=self.data_comm_seconds(metaop, tp, dp),
         )
