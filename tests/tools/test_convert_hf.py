@@ -460,7 +460,7 @@ def test_converted_checkpoint_metadata_and_filled_units(env):
 
 
 def test_inspect_prints_units_shapes_iteration_and_plan(env, capsys):
-    from tools.checkpoint import inspect as inspect_tool
+    from tools.checkpoint import inspect_checkpoint as inspect_tool
 
     assert inspect_tool.main([str(env["tmp"] / "spindle")]) == 0
     out = capsys.readouterr().out
@@ -475,8 +475,8 @@ def test_inspect_prints_units_shapes_iteration_and_plan(env, capsys):
 
 
 def test_command_line_progress_and_inspect(env, tmp_path, capsys):
-    """convert.main prints one progress line per unit; inspect.py runs as users run it (a script from another
-    folder: being named inspect.py it must not shadow the standard library's inspect)."""
+    """convert.main prints one progress line per unit; inspect_checkpoint.py runs as users run it (a script from
+    another folder, importing its siblings as the package tools.checkpoint)."""
     import re
     import subprocess
 
@@ -487,8 +487,8 @@ def test_command_line_progress_and_inspect(env, tmp_path, capsys):
     lines = re.findall(r"^\[\s*(\d+)/4\] (\S+): ", out, flags=re.M)
     assert [unit for _, unit in lines] == ["llm.frontend", "llm.layers.0", "llm.layers.1", "llm.lm_head"]
     assert "initialised 13 unit(s) the source does not have" in out
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "checkpoint" / "inspect.py"), str(tmp_path / "out"),
-                        "--summary"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "checkpoint" / "inspect_checkpoint.py"),
+                        str(tmp_path / "out"), "--summary"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "iteration: 0" in r.stdout and "llm.lm_head" in r.stdout
 

@@ -165,7 +165,7 @@ def test_mcore_tp2_checkpoint_gives_tp1_logits(tmp_path, capsys):
         for name, t in a[unit].model.items():
             assert torch.equal(t, b[unit].model[name]), name
 
-    from tools.checkpoint import inspect as inspect_tool
+    from tools.checkpoint import inspect_checkpoint as inspect_tool
 
     assert inspect_tool.main([str(tmp_path / "mcore")]) == 0
     out = capsys.readouterr().out
