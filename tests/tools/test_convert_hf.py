@@ -26,6 +26,12 @@ if str(ROOT) not in sys.path:
 
 transformers = pytest.importorskip("transformers")
 
+from hf_models import H  # noqa: E402
+from hf_models import clip as _clip  # noqa: E402
+from hf_models import decoder as _decoder  # noqa: E402
+from hf_models import perturb as _perturb  # noqa: E402
+from hf_models import same_weights as _assert_same_weights  # noqa: E402
+from hf_models import whisper as _whisper  # noqa: E402
 from megatron_spindle.checkpointing import load_checkpoint  # noqa: E402
 from megatron_spindle.graph.workload import load_workload  # noqa: E402
 from tools.checkpoint import convert  # noqa: E402
@@ -33,7 +39,6 @@ from tools.checkpoint.common import ConversionError  # noqa: E402
 from tools.checkpoint.layout import expected_units  # noqa: E402
 
 RTOL = 1e-5
-H = 32
 WORKLOAD = f"""
 name: convert-test
 modules:
@@ -82,50 +87,6 @@ tasks:
     flows: [[vision, vis_proj], [vis_proj, llm]]
     loss: {{kind: lm, module: llm}}
 """
-
-
-def _perturb(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model.eval()
-
-
-def _clip(act: str = "gelu"):
-    vc = dict(hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8,
-              patch_size=4, num_channels=3, hidden_act=act)
-    tc = dict(hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=50,
-              max_position_embeddings=7, hidden_act=act, bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    cfg = transformers.CLIPConfig(vision_config=vc, text_config=tc, projection_dim=16)
-    torch.manual_seed(0)
-    return _perturb(transformers.CLIPModel(cfg), 1)
-
-
-def _whisper():
-    cfg = transformers.WhisperConfig(d_model=H, encoder_layers=2, decoder_layers=1, encoder_attention_heads=2,
-                                     decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                                     num_mel_bins=8, max_source_positions=6, vocab_size=60, pad_token_id=0,
-                                     bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
-    torch.manual_seed(0)
-    return _perturb(transformers.WhisperModel(cfg), 2)
-
-
-def _decoder(family: str = "llama", tie: bool = False, bias_seed: int | None = None):
-    kw = dict(hidden_size=H, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=64, rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1)
-    torch.manual_seed(0)
-    if family == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
-    else:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
-    _perturb(model, 3)
-    if family == "qwen2":  # Qwen2's q/k/v biases: zero unless asked (our llm layers have none)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("_proj.bias"):
-                    p.copy_(torch.randn(p.shape) * 0.1 if bias_seed is not None else torch.zeros_like(p))
-    return model
 
 
 def _run(argv: list[str]) -> str:
@@ -364,14 +325,6 @@ def test_qwen2_with_biases_equals_hf(env, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- round trip
-
-
-def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sorted(sa) == sorted(sb)
-    for k in sa:
-        assert sa[k].dtype == sb[k].dtype, k
-        assert torch.equal(sa[k], sb[k]), k
 
 
 def test_round_trip_back_to_hf_is_identical(env, tmp_path):
