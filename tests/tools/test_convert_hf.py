@@ -32,6 +32,7 @@ from hf_models import decoder as _decoder  # noqa: E402
 from hf_models import perturb as _perturb  # noqa: E402
 from hf_models import same_weights as _assert_same_weights  # noqa: E402
 from hf_models import whisper as _whisper  # noqa: E402
+
 from megatron_spindle.checkpointing import load_checkpoint  # noqa: E402
 from megatron_spindle.graph.workload import load_workload  # noqa: E402
 from tools.checkpoint import convert  # noqa: E402

@@ -22,8 +22,9 @@ if str(ROOT) not in sys.path:
 
 transformers = pytest.importorskip("transformers")
 
-import pretrain_multitask  # noqa: E402
 from hf_models import H, clip, decoder, whisper  # noqa: E402
+
+import pretrain_multitask  # noqa: E402
 from megatron_spindle.checkpointing import load_checkpoint  # noqa: E402
 from megatron_spindle.data.mock import TaskBatch  # noqa: E402
 from megatron_spindle.graph.workload import load_workload  # noqa: E402
