@@ -333,8 +333,7 @@ def test_round_trip_back_to_hf_is_identical(env, tmp_path):
     from_pretrained and every weight equals the original's."""
     tmp = env["tmp"]
     _run(["--loader", "spindle", "--saver", "hf", "--workload", str(tmp / "w.yaml"), "--load-dir",
-          str(tmp / "spindle"), "--mapping", env["mapping"], "--save-dir", str(tmp_path / "out"),
-          "--allow-inexact"])
+          str(tmp / "spindle"), "--mapping", env["mapping"], "--save-dir", str(tmp_path / "out")])
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["audio", "llm", "vision+text"]
     models = env["models"]
     _assert_same_weights(models["clip"], transformers.CLIPModel.from_pretrained(tmp_path / "out" / "vision+text"))
@@ -483,8 +482,7 @@ def test_whisper_key_bias_is_dropped_exactly(env, tmp_path):
         units[f"audio.layers.{i}"] = UnitState(model)
     save_checkpoint(tmp_path / "edited", 1, units)
     _run(["--loader", "spindle", "--saver", "hf", "--workload", str(tmp / "w.yaml"), "--load-dir",
-          str(tmp_path / "edited"), "--mapping", f"audio={tmp / 'whisper'}", "--save-dir", str(tmp_path / "out"),
-          "--allow-inexact"])
+          str(tmp_path / "edited"), "--mapping", f"audio={tmp / 'whisper'}", "--save-dir", str(tmp_path / "out")])
     enc = transformers.WhisperModel.from_pretrained(tmp_path / "out" / "audio").encoder.eval()
     info = metaop_infos(env["workload"])["audio_text/audio"]
     op = build_operator(env["workload"], info, 0, info.num_layers)
