@@ -57,6 +57,17 @@ def decoder(family: str = "llama", tie: bool = False, bias_seed: int | None = No
     return model
 
 
+def llama3(factor: float = 8.0):
+    """A Llama-3.x-style decoder: rope_theta 500000, llama3 RoPE scaling by ``factor``, rms_norm_eps 1e-6."""
+    cfg = transformers.LlamaConfig(hidden_size=H, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=64, rms_norm_eps=1e-6, bos_token_id=0,
+                                   eos_token_id=1, max_position_embeddings=131072, rope_theta=500000.0,
+                                   rope_scaling={"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    torch.manual_seed(0)
+    return perturb(transformers.LlamaForCausalLM(cfg), 4)
+
+
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
     sa, sb = a.state_dict(), b.state_dict()
     assert sorted(sa) == sorted(sb)

@@ -26,10 +26,9 @@ if str(ROOT) not in sys.path:
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import H  # noqa: E402
+from hf_models import H, llama3  # noqa: E402
 from hf_models import clip as _clip  # noqa: E402
 from hf_models import decoder as _decoder  # noqa: E402
-from hf_models import perturb as _perturb  # noqa: E402
 from hf_models import same_weights as _assert_same_weights  # noqa: E402
 from hf_models import whisper as _whisper  # noqa: E402
 
@@ -499,13 +498,7 @@ def test_llama3_rope_and_norm_epsilon_options(env, tmp_path):
     """A Llama-3.1-style decoder (rope_theta 500000, llama3 RoPE scaling, rms_norm_eps 1e-6): the default workload
     refuses it naming the options; declaring `rotary_base`, `rope_scaling_factor` and `norm_epsilon` converts it
     exactly (the scaled, smoothed and unscaled RoPE frequency bands all occur at head_dim 8)."""
-    cfg = transformers.LlamaConfig(hidden_size=H, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=64, rms_norm_eps=1e-6, bos_token_id=0,
-                                   eos_token_id=1, max_position_embeddings=131072, rope_theta=500000.0,
-                                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-    torch.manual_seed(0)
-    model = _perturb(transformers.LlamaForCausalLM(cfg), 4)
+    model = llama3(8.0)
     model.save_pretrained(tmp_path / "hf")
     with pytest.raises(ConversionError, match=r"declare `norm_epsilon: 1e-06`"):
         _decoder_roundtrip(env, tmp_path, model)

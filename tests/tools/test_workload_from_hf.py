@@ -16,7 +16,7 @@ if str(ROOT) not in sys.path:
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import H, clip, decoder, perturb, whisper  # noqa: E402
+from hf_models import clip, decoder, llama3, whisper  # noqa: E402
 
 from megatron_spindle.checkpointing import load_checkpoint  # noqa: E402
 from megatron_spindle.graph.workload import load_workload, workload_from_dict  # noqa: E402
@@ -36,20 +36,10 @@ tasks:
 """
 
 
-def _llama3():
-    cfg = transformers.LlamaConfig(hidden_size=H, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=64, rms_norm_eps=1e-6, bos_token_id=0,
-                                   eos_token_id=1, max_position_embeddings=131072, rope_theta=500000.0,
-                                   rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-    torch.manual_seed(0)
-    return perturb(transformers.LlamaForCausalLM(cfg), 4)
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wfh")
-    models = {"clip": clip("quick_gelu"), "whisper": whisper(), "llama3": _llama3(), "qwen2": decoder("qwen2", bias_seed=2)}
+    models = {"clip": clip("quick_gelu"), "whisper": whisper(), "llama3": llama3(32.0), "qwen2": decoder("qwen2", bias_seed=2)}
     for name, model in models.items():
         model.save_pretrained(tmp / name)
     return tmp, models
