@@ -266,6 +266,8 @@ def save_checkpoint(messages: Iterator, args, workload) -> Path:
         iteration = meta.iteration if args.saver_iteration is None else args.saver_iteration
         folder = tmp / ("release" if iteration == 0 else f"iter_{iteration:07d}")
         tensors, objects = _layout(files, spec, tp, pp, padded, dtype)
+        chunks = sum(len(c) for _, _, c in tensors.values())
+        log(f"writing {folder.name}: {len(tensors)} tensors in {chunks} chunks (TP={tp} x PP={pp} layout)")
         _write_torch_dist(folder, tensors, objects)
         common = {"args": megatron_args(spec, tp, pp, args.make_vocab_size_divisible_by, padded, dtype, iteration),
                   "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
