@@ -318,7 +318,8 @@ class AnalyticCostModel:
             patches = (fe.image_size // fe.patch_size) ** 2 + (1 if fe.class_token else 0)
             cls = h if fe.class_token else 0
             pre_norm = 2 * h if fe.pre_norm else 0
-            return fe.in_channels * fe.patch_size**2 * h + h + cls + patches * h + pre_norm  # conv, bias, cls, pos
+            bias = h if fe.patch_bias else 0
+            return fe.in_channels * fe.patch_size**2 * h + bias + cls + patches * h + pre_norm  # conv, cls, pos
         if fe.stem == "conv":
             return 3 * fe.in_channels * h + h + 3 * h * h + h  # two k3 convs with biases; sinusoidal positions
         return fe.in_channels * fe.patch_size * h + h  # 1D conv + bias; fixed position encodings
