@@ -31,12 +31,12 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_spindle.baselines import BASELINES, BaselineContext  # noqa: E402
 from megatron_spindle.graph.cluster import ClusterSpec, make_cluster  # noqa: E402
 from megatron_spindle.graph.workload import Workload, load_workload  # noqa: E402
-from megatron_spindle.planner.baselines import BASELINES, BaselineContext  # noqa: E402
+from megatron_spindle.plan.schema import PlanError  # noqa: E402
 from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload  # noqa: E402
 from megatron_spindle.planner.placement import PlacementError  # noqa: E402
-from megatron_spindle.planner.plan import PlanError  # noqa: E402
 from megatron_spindle.simulator import simulate  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ paper numbers

@@ -142,8 +142,8 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
         run_profile,
     )
     from megatron_spindle.graph.cluster import make_cluster
+    from megatron_spindle.plan.schema import Plan
     from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
-    from megatron_spindle.planner.plan import Plan
     from megatron_spindle.runtime.engine import RuntimeEngine
     from megatron_spindle.simulator import simulate
 

@@ -93,6 +93,9 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
+from megatron_spindle.plan.layout import transfer_pairs
+from megatron_spindle.plan.memory import peak_memory
+from megatron_spindle.plan.routing import ROUTE_INTER, bytes_by_route, forward_messages
 from megatron_spindle.planner.level_plans import efficient_waves, few_wave_plans
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
 
@@ -495,28 +498,9 @@ def _fits_memory(ctx: _Context, waves: list[ScheduledWave]) -> bool:
 
 
 def device_memory(waves: list[ScheduledWave], metagraph, memory_model, cluster) -> list[float]:
-    """Per-device bytes of placed waves: each parameter unit's state once per device (at the largest shard
-    held), plus every slice's activations; placement.predicted_memory when available (the assembler's
-    accounting), the same rule here otherwise."""
-    try:
-        from megatron_spindle.planner.placement import predicted_memory
-    except ImportError:
-        predicted_memory = None
-    if predicted_memory is not None:
-        return list(predicted_memory(waves, metagraph, memory_model, cluster))
-    held: list[dict[str, float]] = [{} for _ in range(cluster.num_devices)]
-    act = [0.0] * cluster.num_devices
-    for w in waves:
-        for s in w.slices:
-            mo = metagraph.metaops[s.metaop]
-            units = {u: float(memory_model.param_state_bytes(u, s.tp, s.dp))
-                     for names in mo.params[s.layer_start:s.layer_end] for u in names}
-            a = float(memory_model.activation_bytes(mo, s.tp, s.dp, s.layer_end - s.layer_start))
-            for d in s.devices or []:
-                act[d] += a
-                for u, b in units.items():
-                    held[d][u] = max(held[d].get(u, 0.0), b)
-    return [act[d] + sum(held[d].values()) for d in range(cluster.num_devices)]
+    """Per-device bytes of placed waves run as one segment: plan/memory.py's accounting (each parameter unit's
+    state once per device, at its largest share, plus every slice's activations), as the assembler does."""
+    return peak_memory([w.slices for w in waves], metagraph.metaops, memory_model, cluster.num_devices)
 
 
 def _memory_note(ctx: _Context, exact: bool) -> str:
@@ -788,29 +772,21 @@ def check_memory_fits(metagraph, slice_options: dict[str, list[SliceOption]], me
 
 
 def inter_island_bytes(waves: list[ScheduledWave], metagraph, cluster, cost_model) -> float:
-    """Activation bytes crossing islands, following plan.py's transfer rules (forward direction)."""
+    """Activation bytes crossing islands, forward: plan/routing.py's routes of the transfers plan/layout.py
+    derives (slices without devices yet move nothing)."""
     if cost_model is None or cluster.num_nodes <= 1:
         return 0.0
-    order = sorted(((w.start, i, s) for i, w in enumerate(waves) for s in w.slices), key=lambda x: (x[0], x[1]))
-    by_op: dict[str, list[ScheduledSlice]] = {}
-    for _, _, s in order:
-        by_op.setdefault(s.metaop, []).append(s)
-    for slices in by_op.values():
-        slices.sort(key=lambda s: s.layer_start)
-
-    def islands(s: ScheduledSlice) -> set[int]:
-        return {cluster.island(d) for d in (s.devices or [])}
-
-    def crosses(a: ScheduledSlice, b: ScheduledSlice) -> bool:
-        return bool(islands(b) - islands(a)) or bool(islands(a) - islands(b))
-
+    slices = [w.slices for w in waves]
+    preds = {m: metagraph.predecessors(m) for m in metagraph.metaops}
+    layers = {m: op.num_layers for m, op in metagraph.metaops.items()}
     total = 0.0
-    for mid, slices in by_op.items():
-        nbytes = float(cost_model.activation_bytes(metagraph.metaops[mid]))
-        total += sum(nbytes for a, b in zip(slices, slices[1:]) if crosses(a, b))
-    for src, dst in metagraph.edges:
-        if src in by_op and dst in by_op and crosses(by_op[src][-1], by_op[dst][0]):
-            total += float(cost_model.activation_bytes(metagraph.metaops[src]))
+    for (pw, ps), (cw, cs) in transfer_pairs(slices, preds, layers):
+        src, dst = slices[pw][ps], slices[cw][cs]
+        if src.devices is None or dst.devices is None:
+            continue
+        m = metagraph.metaops[src.metaop]
+        messages = forward_messages(src, dst, m.batch, cluster.gpus_per_node)
+        total += bytes_by_route(messages, float(cost_model.activation_bytes(m)) / m.batch)[ROUTE_INTER]
     return total
 
 

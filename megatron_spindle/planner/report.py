@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_spindle.planner.plan import Plan
+from megatron_spindle.plan.schema import Plan
 
 
 def _fmt_time(s: float) -> str:

@@ -28,7 +28,7 @@ The AdamW step is elementwise, so it may run on any partition of a unit's elemen
 
 - ``zero_stage`` 0 (default): replicated. Every holder keeps the whole unit's master and moments, steps them,
   and loads the result back into its operators (re-sharded by ``load_full_state``).
-- ``zero_stage`` 1 (``plan.planner["zero_stage"] == 1``, the distributed optimizer): the master and moments of
+- ``zero_stage`` 1 (``plan.settings.zero_stage == 1``, the distributed optimizer): the master and moments of
   a unit are sharded over the members of its parameter device group. The unit is flattened (its tensors sorted
   by name, each row-major) into N elements; the member with index i in the group's sorted device list keeps
   elements [i*S, (i+1)*S), S = ceil(N / group size) (the last shards zero-padded, see runtime/shards.py). Each
@@ -81,7 +81,7 @@ import torch.distributed as dist
 from megatron_spindle.checkpointing.checkpoint import CheckpointError, UnitState
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.planner.plan import Plan, Slice
+from megatron_spindle.plan.schema import Plan, Slice
 from megatron_spindle.runtime.groups import PlanGroups
 from megatron_spindle.runtime.layout import (
     check_runnable,
@@ -142,7 +142,7 @@ def _default_factory(plan: Plan):
     from megatron_spindle.models import build_operator
     from megatron_spindle.models.config import ModelConfig
 
-    if plan.planner.get("recompute"):
+    if plan.settings.recompute_every_layer():
         return functools.partial(build_operator, config=ModelConfig(recompute=True))
     return build_operator
 
@@ -180,7 +180,7 @@ class RuntimeEngine:
         self._pending_sends: list = []  # requests of sends not waited for yet (see forward_backward)
         self.local = self._build_local()
         self.on_wave = on_wave
-        self.zero_stage = int(plan.planner.get("zero_stage", 0) or 0)
+        self.zero_stage = plan.settings.zero_stage
         if self.zero_stage not in (0, 1):
             raise ValueError(f"zero_stage {self.zero_stage}: the runtime supports 0 and 1 (distributed optimizer)")
         self.key_unit: dict[str, str] = {}
@@ -209,7 +209,7 @@ class RuntimeEngine:
             p, c = self.plan.slice(t.producer), self.plan.slice(t.consumer)
             info = self.plan.metaop(p.metaop)
             batch = info.input_shape[0]
-            op = TransferOp(i, p, c, self.spec_fn(self.workload, info, batch), batch)
+            op = TransferOp(i, p, c, self.spec_fn(self.workload, info, batch), batch, self.plan.gpus_per_node)
             op.input_index = transfer_input_index(self.plan, t)
             ops.append(op)
         return ops

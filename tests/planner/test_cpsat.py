@@ -432,8 +432,8 @@ def _pipeline():
 @pytest.mark.parametrize("overlap", [False, True])
 def test_pipeline_plans_are_valid_and_never_worse_than_greedy(workload_name, cluster_args, overlap):
     from megatron_spindle.graph.workload import load_workload
-    from megatron_spindle.planner.plan import Plan
-    from megatron_spindle.planner.validate import validate_plan
+    from megatron_spindle.plan.schema import Plan
+    from megatron_spindle.plan.validate import validate_plan
 
     pipeline = _pipeline()
     workload, cluster = load_workload(workload_name), make_cluster(**cluster_args)

@@ -10,6 +10,7 @@ degrees in different waves). Tolerances: see harness.check_engine_against.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -23,7 +24,7 @@ from plans import random_plan, sequential_plan, unit_device_sets, unit_tp_degree
 from standin import StandinReference, standin_batch, standin_factory
 
 from megatron_spindle.graph.workload import load_workload, workload_from_dict
-from megatron_spindle.planner.plan import PlanError
+from megatron_spindle.plan.schema import PlanError
 from megatron_spindle.runtime.__main__ import main
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
 from megatron_spindle.runtime.groups import GroupCache
@@ -176,7 +177,7 @@ def _worker(rank, world):
 def zero1(plan):
     """The same plan with the distributed optimizer (the planner's choice when memory needs it)."""
     plan = copy.deepcopy(plan)
-    plan.planner = {**plan.planner, "zero_stage": 1}
+    plan.settings = dataclasses.replace(plan.settings, zero_stage=1)
     return plan
 
 
