@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
 from megatron_spindle.plan.layout import param_device_groups, transfer_pairs
 from megatron_spindle.plan.memory import grad_reduce_bytes
-from megatron_spindle.plan.routing import make_transfer
+from megatron_spindle.plan.routing import Router
 from megatron_spindle.plan.schema import MetaOpInfo, ParamGroup, Plan, Transfer
 
 
@@ -32,11 +32,11 @@ def derive_transfers(plan: Plan, activation_bytes: Callable[[str], float]) -> li
     """Every transfer of the plan, routed; ``activation_bytes(metaop id)`` is a MetaOp's output for its batch."""
     slices = {s.id: s for s in plan.slices()}
     batch = {m.id: int(m.input_shape[0]) for m in plan.metaops}
+    router = Router(plan.gpus_per_node)
     out = []
     for p, c in plan_slice_pairs(plan):
         src, dst = slices[p], slices[c]
-        out.append(make_transfer(p, c, src, dst, batch[src.metaop], float(activation_bytes(src.metaop)),
-                                 plan.gpus_per_node))
+        out.append(router.transfer(p, c, src, dst, batch[src.metaop], float(activation_bytes(src.metaop))))
     return out
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_spindle.fileio import write_text_atomic
-from megatron_spindle.plan.routing import make_transfer
+from megatron_spindle.plan.routing import Router
 from megatron_spindle.plan.schema import (
     PLAN_FORMAT,
     SCHEMA_VERSION,
@@ -108,8 +108,9 @@ def _reroute(plan: Plan) -> None:
     """Route every transfer again (version 1 recorded the forward bytes of an older routing rule)."""
     slices = {s.id: s for s in plan.slices()}
     batch = {m.id: int(m.input_shape[0]) for m in plan.metaops}
+    router = Router(plan.gpus_per_node)
     for i, t in enumerate(plan.transfers):
         p, c = slices.get(t.producer), slices.get(t.consumer)
         if p is None or c is None:
             raise PlanError(f"transfer {t.producer} -> {t.consumer}: no such slice; {REPLAN_HINT}")
-        plan.transfers[i] = make_transfer(t.producer, t.consumer, p, c, batch[p.metaop], t.bytes, plan.gpus_per_node)
+        plan.transfers[i] = router.transfer(t.producer, t.consumer, p, c, batch[p.metaop], t.bytes)

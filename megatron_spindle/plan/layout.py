@@ -71,6 +71,28 @@ def transfer_pairs(waves: Sequence[Sequence[SliceGeometry]], preds: Mapping[str,
     return pairs
 
 
+def device_programs(waves: Sequence[Sequence[SliceGeometry]], num_devices: int) -> dict[tuple[SlicePos, ...], list[int]]:
+    """Devices grouped by the slices they run (positions in wave order): what a device holds and does depends
+    only on that, so per-device accounting can run once per group (a whole-cluster plan has one group)."""
+    by_devices: dict[tuple[int, ...], list[SlicePos]] = {}  # slices sharing a device list are visited once
+    for wi, slices in enumerate(waves):
+        for si, s in enumerate(slices):
+            by_devices.setdefault(tuple(s.devices), []).append((wi, si))
+    sets: list[list[int]] = [[] for _ in range(num_devices)]
+    for k, devices in enumerate(by_devices):
+        for d in devices:
+            sets[d].append(k)
+    positions = list(by_devices.values())
+    groups: dict[tuple[SlicePos, ...], list[int]] = {}
+    programs: dict[tuple[int, ...], tuple[SlicePos, ...]] = {}
+    for d, ks in enumerate(sets):
+        key = tuple(ks)
+        if key not in programs:
+            programs[key] = tuple(sorted(p for k in ks for p in positions[k]))
+        groups.setdefault(programs[key], []).append(d)
+    return groups
+
+
 def unit_holders(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp]) -> dict[str, list[int]]:
     """unit -> sorted devices holding it (every device of every slice that runs it), units in first-use order."""
     holders: dict[str, set[int]] = {}

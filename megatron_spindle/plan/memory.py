@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from megatron_spindle.graph.opgraph import MetaOp
-from megatron_spindle.plan.layout import SliceGeometry, slice_units
+from megatron_spindle.plan.layout import SliceGeometry, device_programs, slice_units
 from megatron_spindle.plan.order import FWD, execution_order
 from megatron_spindle.plan.schema import ExecutionSettings, Plan
 
@@ -154,19 +154,29 @@ class DeviceMemory:
 
 def peak_memory(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp], numbers: ShardedNumbers,
                 num_devices: int, order: Sequence[tuple[int, str]] | None = None) -> list[float]:
-    """Predicted bytes per device of placed waves run in ``order`` ((wave, FWD | BWD); default: one segment)."""
+    """Predicted bytes per device of placed waves run in ``order`` ((wave, FWD | BWD); default: one segment).
+
+    A device's memory depends only on the slices it runs (the order is global), so devices that run the same
+    slices are accounted once (whole-cluster plans: once in all)."""
     if order is None:
         order = execution_order(len(waves), ExecutionSettings())
-    memory = DeviceMemory(num_devices)
     cache: dict[tuple[int, int], SliceMemory] = {}
-    for wi, phase in order:
-        for si, s in enumerate(waves[wi]):
-            sm = cache.get((wi, si))
-            if sm is None:
-                sm = cache[(wi, si)] = slice_memory(metaops[s.metaop], s, numbers)
-            for d in s.devices:
-                (memory.forward if phase == FWD else memory.backward)(d, sm)
-    return memory.totals()
+    out = [0.0] * num_devices
+    for program, devices in device_programs(waves, num_devices).items():
+        in_wave: dict[int, list[int]] = {}
+        for wi, si in program:
+            in_wave.setdefault(wi, []).append(si)
+        memory = DeviceMemory(1)
+        for wi, phase in order:
+            for si in in_wave.get(wi, ()):
+                sm = cache.get((wi, si))
+                if sm is None:
+                    sm = cache[(wi, si)] = slice_memory(metaops[waves[wi][si].metaop], waves[wi][si], numbers)
+                (memory.forward if phase == FWD else memory.backward)(0, sm)
+        total = memory.total(0)
+        for d in devices:
+            out[d] = total
+    return out
 
 
 def plan_memory(plan: Plan, metaops: Mapping[str, MetaOp], numbers: MemoryNumbers) -> list[float]:

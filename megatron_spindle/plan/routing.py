@@ -19,8 +19,7 @@ routing of a transfer takes time linear in its messages: at most ``tp_needing * 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from megatron_spindle.plan.layout import dp_rows
 from megatron_spindle.plan.schema import TRANSFER_KINDS, Transfer
@@ -34,8 +33,7 @@ class DeviceLayout(Protocol):
     dp: int
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
     """``src`` sends rows ``[src_start, src_start+n)`` of its local shard to ``dst``, which puts them at
     ``[dst_start, dst_start+n)`` of its local shard; ``src == dst`` is a local copy."""
 
@@ -50,25 +48,32 @@ class Message:
 def route_rows(holders: DeviceLayout, needers: DeviceLayout, batch: int, gpus_per_node: int) -> list[Message]:
     """Messages that give every device of ``needers`` its rows out of ``holders`` (see the module docstring)."""
     h_tp, h_per = holders.tp, batch // holders.dp
+    n_tp = needers.tp
     holder_rank = {d: r // h_tp for r, d in enumerate(holders.devices)}
+    members = [holders.devices[k * h_tp:(k + 1) * h_tp] for k in range(holders.dp)]
+    by_island: list[dict[int, list[int]] | None] = [None] * holders.dp  # per rank, built when first needed
     turn: dict[tuple[int, int], int] = {}
     messages = []
     for r, d in enumerate(needers.devices):
-        lo, hi = dp_rows(r // needers.tp, needers.dp, batch)
+        lo, hi = dp_rows(r // n_tp, needers.dp, batch)
         island = d // gpus_per_node
+        own = holder_rank.get(d)
         for k in range(lo // h_per, (hi - 1) // h_per + 1):
             k_lo = k * h_per
             a, b = max(lo, k_lo), min(hi, k_lo + h_per)
-            if holder_rank.get(d) == k:
-                src, route = d, ROUTE_LOCAL
-            else:
-                members = holders.devices[k * h_tp:(k + 1) * h_tp]
-                near = [h for h in members if h // gpus_per_node == island]
-                pool, key = (near, (k, island)) if near else (members, (k, -1))
-                i = turn.get(key, 0)
-                turn[key] = i + 1
-                src, route = pool[i % len(pool)], (ROUTE_INTRA if near else ROUTE_INTER)
-            messages.append(Message(src, d, a - k_lo, a - lo, b - a, route))
+            if own == k:
+                messages.append(Message(d, d, a - k_lo, a - lo, b - a, ROUTE_LOCAL))
+                continue
+            islands = by_island[k]
+            if islands is None:
+                islands = by_island[k] = {}
+                for h in members[k]:
+                    islands.setdefault(h // gpus_per_node, []).append(h)
+            near = islands.get(island)
+            pool, key, route = (near, (k, island), ROUTE_INTRA) if near else (members[k], (k, -1), ROUTE_INTER)
+            i = turn.get(key, 0)
+            turn[key] = i + 1
+            messages.append(Message(pool[i % len(pool)], d, a - k_lo, a - lo, b - a, route))
     return messages
 
 
@@ -104,13 +109,46 @@ def transfer_kind(bytes_by_kind: dict[str, float]) -> str:
     return ROUTE_LOCAL
 
 
+class Router:
+    """Routes the transfers of one cluster, each distinct (holders, needers, batch) layout once: plans repeat
+    layouts (a whole-cluster baseline routes every MetaOp between the same device lists), and the messages of
+    one layout are thousands at 1024 devices. Returned lists are shared: read them, do not change them."""
+
+    def __init__(self, gpus_per_node: int):
+        self.gpus_per_node = gpus_per_node
+        self._messages: dict[tuple, list[Message]] = {}
+        self._rows: dict[tuple, dict[str, int]] = {}
+
+    @staticmethod
+    def key(holders: DeviceLayout, needers: DeviceLayout, batch: int) -> tuple:
+        return tuple(holders.devices), holders.tp, holders.dp, tuple(needers.devices), needers.tp, needers.dp, batch
+
+    def route(self, holders: DeviceLayout, needers: DeviceLayout, batch: int) -> list[Message]:
+        key = self.key(holders, needers, batch)
+        if key not in self._messages:
+            self._messages[key] = route_rows(holders, needers, batch, self.gpus_per_node)
+        return self._messages[key]
+
+    def rows(self, holders: DeviceLayout, needers: DeviceLayout, batch: int) -> dict[str, int]:
+        """Rows received per route (summed over the needing devices)."""
+        key = self.key(holders, needers, batch)
+        if key not in self._rows:
+            self._rows[key] = rows_by_route(self.route(holders, needers, batch))
+        return self._rows[key]
+
+    def transfer(self, producer_id: str, consumer_id: str, producer: DeviceLayout, consumer: DeviceLayout,
+                 batch: int, total_bytes: float) -> Transfer:
+        """The plan's record of one transfer: ``total_bytes`` of the producer's output for the whole batch,
+        routed forward and backward."""
+        per_row = total_bytes / batch
+        forward = {k: n * per_row for k, n in self.rows(producer, consumer, batch).items()}
+        backward = {k: n * per_row for k, n in self.rows(consumer, producer, batch).items()}
+        return Transfer(producer=producer_id, consumer=consumer_id, bytes=float(total_bytes),
+                        kind=transfer_kind(forward), src_devices=list(producer.devices),
+                        dst_devices=list(consumer.devices), bytes_by_kind=forward, backward_bytes_by_kind=backward)
+
+
 def make_transfer(producer_id: str, consumer_id: str, producer: DeviceLayout, consumer: DeviceLayout, batch: int,
                   total_bytes: float, gpus_per_node: int) -> Transfer:
-    """The plan's record of one transfer: ``total_bytes`` of the producer's output for the whole batch, routed
-    forward and backward."""
-    per_row = total_bytes / batch
-    forward = bytes_by_route(forward_messages(producer, consumer, batch, gpus_per_node), per_row)
-    backward = bytes_by_route(backward_messages(producer, consumer, batch, gpus_per_node), per_row)
-    return Transfer(producer=producer_id, consumer=consumer_id, bytes=float(total_bytes), kind=transfer_kind(forward),
-                    src_devices=list(producer.devices), dst_devices=list(consumer.devices), bytes_by_kind=forward,
-                    backward_bytes_by_kind=backward)
+    """``Router.transfer`` for a single transfer."""
+    return Router(gpus_per_node).transfer(producer_id, consumer_id, producer, consumer, batch, total_bytes)

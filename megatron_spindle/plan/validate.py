@@ -7,7 +7,7 @@ from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.layout import transfer_pairs
 from megatron_spindle.plan.order import BWD, execution_order
-from megatron_spindle.plan.routing import make_transfer
+from megatron_spindle.plan.routing import Router
 from megatron_spindle.plan.schema import TRANSFER_KINDS, Plan, PlanError
 
 TIME_EPS = 1e-9
@@ -113,6 +113,7 @@ def _check_slices(plan: Plan, metaops) -> None:
 
 def _check_transfers(plan: Plan, metaops) -> None:
     slices = {s.id: s for s in plan.slices()}
+    router = Router(plan.gpus_per_node)
     for t in plan.transfers:
         where = f"transfer {t.producer} -> {t.consumer}"
         if t.kind not in TRANSFER_KINDS:
@@ -120,8 +121,7 @@ def _check_transfers(plan: Plan, metaops) -> None:
         p, c = slices.get(t.producer), slices.get(t.consumer)
         if p is None or c is None:
             raise PlanError(f"{where}: no such slice")
-        routed = make_transfer(t.producer, t.consumer, p, c, metaops[p.metaop].input_shape[0], t.bytes,
-                               plan.gpus_per_node)
+        routed = router.transfer(t.producer, t.consumer, p, c, metaops[p.metaop].input_shape[0], t.bytes)
         if (t.bytes_by_kind, t.backward_bytes_by_kind, t.kind) != (
                 routed.bytes_by_kind, routed.backward_bytes_by_kind, routed.kind):
             raise PlanError(f"{where}: bytes by route {t.bytes_by_kind} / backward {t.backward_bytes_by_kind} "

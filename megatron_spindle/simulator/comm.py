@@ -40,21 +40,21 @@ class TransferLoad:
         return set(self.received) | set(self.sent)
 
 
-def _add(table: dict[int, dict[str, float]], device: int, route: str, nbytes: float) -> None:
-    row = table.setdefault(device, {k: 0.0 for k in TRANSFER_KINDS})
-    row[route] += nbytes
-
-
 def transfer_load(messages: Iterable[Message], bytes_per_row: float) -> TransferLoad:
     """Per-device bytes of routed messages: every receiver, and every sender that is not the receiver."""
-    load = TransferLoad()
+    received: dict[tuple[int, str], int] = {}
+    sent: dict[tuple[int, str], int] = {}
     for m in messages:
-        nbytes = m.n * bytes_per_row
-        if nbytes <= 0:
-            continue
-        _add(load.received, m.dst, m.route, nbytes)
+        key = (m.dst, m.route)
+        received[key] = received.get(key, 0) + m.n
         if m.src != m.dst:
-            _add(load.sent, m.src, m.route, nbytes)
+            key = (m.src, m.route)
+            sent[key] = sent.get(key, 0) + m.n
+    load = TransferLoad()
+    for table, rows in ((load.received, received), (load.sent, sent)):
+        for (device, route), n in rows.items():
+            if n and bytes_per_row > 0:
+                table.setdefault(device, dict.fromkeys(TRANSFER_KINDS, 0.0))[route] += n * bytes_per_row
     return load
 
 

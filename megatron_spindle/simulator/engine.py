@@ -61,10 +61,10 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.derive import plan_slice_pairs
-from megatron_spindle.plan.layout import slice_units
+from megatron_spindle.plan.layout import device_programs, slice_units
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, grad_reduce_bytes, plan_memory
 from megatron_spindle.plan.order import FWD, execution_order
-from megatron_spindle.plan.routing import ROUTE_INTER, ROUTE_INTRA, backward_messages, forward_messages
+from megatron_spindle.plan.routing import ROUTE_INTER, ROUTE_INTRA, Router
 from megatron_spindle.plan.schema import TRANSFER_KINDS, Plan, PlanError, Slice
 from megatron_spindle.simulator.comm import (
     TransferLoad,
@@ -244,13 +244,20 @@ def _edges(plan: Plan, slices: dict[str, Slice], metaops: dict[str, MetaOp], clu
     transfer list), each direction routed by plan/routing.py."""
     in_edges: dict[str, list[_Edge]] = {sid: [] for sid in slices}
     out_edges: dict[str, list[_Edge]] = {sid: [] for sid in slices}
+    router = Router(cluster.gpus_per_node)
+    flows: dict[tuple, _Flow] = {}  # plans repeat layouts: each (layout, bytes per row) timed once
+
+    def flow(holders: Slice, needers: Slice, batch: int, per_row: float) -> _Flow:
+        key = (router.key(holders, needers, batch), per_row)
+        if key not in flows:
+            flows[key] = _flow(transfer_load(router.route(holders, needers, batch), per_row), cluster)
+        return flows[key]
+
     for p, c in plan_slice_pairs(plan):
         src, dst = slices[p], slices[c]
         m = metaops[src.metaop]
         per_row = float(cost_model.activation_bytes(m)) / m.batch
-        fwd = transfer_load(forward_messages(src, dst, m.batch, cluster.gpus_per_node), per_row)
-        bwd = transfer_load(backward_messages(src, dst, m.batch, cluster.gpus_per_node), per_row)
-        edge = _Edge(p, c, _flow(fwd, cluster), _flow(bwd, cluster))
+        edge = _Edge(p, c, flow(src, dst, m.batch, per_row), flow(dst, src, m.batch, per_row))
         in_edges[c].append(edge)
         out_edges[p].append(edge)
     return in_edges, out_edges
@@ -308,12 +315,13 @@ def _run(ctx: _Context, with_transfers: bool) -> _Run:
             ready = max([arrive(e.bwd, bwd_end[e.consumer]) for e in ctx.out_edges[sid] if e.consumer in bwd_end],
                         default=0.0)
             duration = ctx.bwd_time[sid]
-        start = max([ready] + [dev_free[d] for d in s.devices])
+        start = max(ready, max(map(dev_free.__getitem__, s.devices)))
         end = start + duration
+        interval = Interval(start, end, sid, phase)
         for d in s.devices:
             dev_free[d] = end
             if duration > 0:
-                busy[d].append(Interval(start, end, sid, phase))
+                busy[d].append(interval)
         if phase == FWD:
             fwd_end[sid] = end
             forward_end = max(forward_end, end)
@@ -355,14 +363,19 @@ def _grad_sync(ctx: _Context, run: _Run, cost_model) -> list[GroupSync]:
 
 
 def optimizer_elements(ctx: _Context, cost_model) -> list[dict[str, float]]:
-    """Per device: unit -> fp32 master elements the device steps (its TP shard; over DP with ZeRO >= 1)."""
+    """Per device: unit -> fp32 master elements the device steps (its TP shard; over DP with ZeRO >= 1), the
+    largest over its slices holding the unit; devices running the same slices share one dict."""
+    waves = [w.slices for w in ctx.plan.waves]
     held: list[dict[str, float]] = [{} for _ in range(ctx.plan.num_devices)]
-    for sid, units in ctx.units.items():
-        s = ctx.slices[sid]
-        for u in units:
-            elements = cost_model.param_count(u) / s.tp / (s.dp if ctx.zero_stage >= 1 else 1)
-            for d in s.devices:
-                held[d][u] = max(held[d].get(u, 0.0), elements)
+    for program, devices in device_programs(waves, ctx.plan.num_devices).items():
+        mine: dict[str, float] = {}
+        for wi, si in program:
+            s = waves[wi][si]
+            for u in ctx.units[s.id]:
+                elements = cost_model.param_count(u) / s.tp / (s.dp if ctx.zero_stage >= 1 else 1)
+                mine[u] = max(mine.get(u, 0.0), elements)
+        for d in devices:
+            held[d] = mine
     return held
 
 

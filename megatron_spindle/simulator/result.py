@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from megatron_spindle.plan.schema import TRANSFER_KINDS
 
 
-@dataclass(frozen=True)
-class Interval:
+class Interval(NamedTuple):
     """A device busy from ``start`` to ``end`` running ``phase`` ("fwd" | "bwd") of slice ``slice_id``."""
 
     start: float
