@@ -11,22 +11,9 @@ library); the planners, the baselines, the simulator and the runtime all call it
 - ``order``: the forward/backward order of the waves;  ``memory``: per-device memory accounting.
 """
 
-from megatron_spindle.plan.schema import (
-    PLAN_FORMAT,
-    SCHEMA_VERSION,
-    TRANSFER_KINDS,
-    ExecutionSettings,
-    LevelInfo,
-    MetaOpInfo,
-    ParamGroup,
-    Plan,
-    PlanError,
-    Recompute,
-    Slice,
-    Transfer,
-    Wave,
-)
+from megatron_spindle.plan.io import load_plan, save_plan
+from megatron_spindle.plan.schema import TRANSFER_KINDS, ExecutionSettings, Plan, PlanError, Recompute
 from megatron_spindle.plan.validate import validate_plan
 
-__all__ = ["PLAN_FORMAT", "SCHEMA_VERSION", "TRANSFER_KINDS", "ExecutionSettings", "LevelInfo", "MetaOpInfo",
-           "ParamGroup", "Plan", "PlanError", "Recompute", "Slice", "Transfer", "Wave", "validate_plan"]
+__all__ = ["TRANSFER_KINDS", "ExecutionSettings", "Plan", "PlanError", "Recompute", "load_plan", "save_plan",
+           "validate_plan"]

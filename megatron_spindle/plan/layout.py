@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from megatron_spindle.graph.opgraph import MetaOp
+from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
 
 SlicePos = tuple[int, int]  # (wave index, slice index in the wave)
 
@@ -69,6 +69,13 @@ def transfer_pairs(waves: Sequence[Sequence[SliceGeometry]], preds: Mapping[str,
                 if found is not None and found[0] < wi:
                     pairs.append((found, (wi, si)))
     return pairs
+
+
+def graph_transfer_pairs(waves: Sequence[Sequence[SliceGeometry]],
+                         metagraph: MetaGraph) -> list[tuple[SlicePos, SlicePos]]:
+    """``transfer_pairs`` with the producers and layer counts of the workload's MetaGraph."""
+    return transfer_pairs(waves, {m: metagraph.predecessors(m) for m in metagraph.metaops},
+                          {m: op.num_layers for m, op in metagraph.metaops.items()})
 
 
 def device_programs(waves: Sequence[Sequence[SliceGeometry]], num_devices: int) -> dict[tuple[SlicePos, ...], list[int]]:

@@ -93,7 +93,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from megatron_spindle.plan.layout import transfer_pairs
+from megatron_spindle.plan.layout import graph_transfer_pairs
 from megatron_spindle.plan.memory import peak_memory
 from megatron_spindle.plan.routing import ROUTE_INTER, bytes_by_route, forward_messages
 from megatron_spindle.planner.level_plans import efficient_waves, few_wave_plans
@@ -777,10 +777,8 @@ def inter_island_bytes(waves: list[ScheduledWave], metagraph, cluster, cost_mode
     if cost_model is None or cluster.num_nodes <= 1:
         return 0.0
     slices = [w.slices for w in waves]
-    preds = {m: metagraph.predecessors(m) for m in metagraph.metaops}
-    layers = {m: op.num_layers for m, op in metagraph.metaops.items()}
     total = 0.0
-    for (pw, ps), (cw, cs) in transfer_pairs(slices, preds, layers):
+    for (pw, ps), (cw, cs) in graph_transfer_pairs(slices, metagraph):
         src, dst = slices[pw][ps], slices[cw][cs]
         if src.devices is None or dst.devices is None:
             continue

@@ -34,7 +34,7 @@ from typing import Protocol
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.layout import SlicePos, position_rows, slice_units, transfer_pairs
+from megatron_spindle.plan.layout import SlicePos, graph_transfer_pairs, position_rows, slice_units
 from megatron_spindle.plan.memory import DeviceMemory, ShardedNumbers, SliceMemory, peak_memory, slice_memory
 from megatron_spindle.plan.schema import ExecutionSettings
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
@@ -63,9 +63,7 @@ class FlowCostModel(Protocol):
 def producer_slices(waves: Sequence[ScheduledWave], metagraph: MetaGraph) -> dict[SliceKey, list[SliceKey]]:
     """For every slice, the earlier slices whose output it reads (plan/layout.py transfer_pairs)."""
     producers: dict[SliceKey, list[SliceKey]] = {(wi, si): [] for wi, w in enumerate(waves) for si in range(len(w.slices))}
-    preds = {m: metagraph.predecessors(m) for m in metagraph.metaops}
-    layers = {m: op.num_layers for m, op in metagraph.metaops.items()}
-    for p, c in transfer_pairs([w.slices for w in waves], preds, layers):
+    for p, c in graph_transfer_pairs([w.slices for w in waves], metagraph):
         producers[c].append(p)
     return producers
 
