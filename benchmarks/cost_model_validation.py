@@ -296,8 +296,8 @@ def c10() -> list[Row]:
 def c11() -> list[Row]:
     """Peak memory per device on CLIP-4 / 16 GPUs: Spindle's plan and the DeepSpeed / Megatron-LM baselines,
     through the planner and the simulator (paper Fig. 15 in GB; we read it as GiB = what the simulator reports)."""
+    from megatron_spindle.baselines import BASELINES, BaselineContext
     from megatron_spindle.graph.workload import load_workload
-    from megatron_spindle.planner.baselines import BASELINES, BaselineContext
     from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload
     from megatron_spindle.simulator import simulate
 

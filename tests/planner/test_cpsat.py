@@ -13,6 +13,8 @@ import pytest
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
 from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.plan.schema import Plan
+from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner import pipeline
 from megatron_spindle.planner.cpsat import (
     CpSatMemoryError,
@@ -26,9 +28,7 @@ from megatron_spindle.planner.cpsat import (
 from megatron_spindle.planner.cpsat.budget import TimeBudget
 from megatron_spindle.planner.cpsat.problem import Problem, curve_options, time_unit, with_units
 from megatron_spindle.planner.cpsat.search import Search
-from megatron_spindle.planner.plan import Plan
 from megatron_spindle.planner.schedule import LevelAllocation, ScheduledSlice, ScheduledWave
-from megatron_spindle.planner.validate import validate_plan
 
 LIMIT = 5.0  # seconds; the tiny instances solve to optimality far sooner
 

@@ -6,9 +6,9 @@ from hypothesis import strategies as st
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import workload_from_dict
+from megatron_spindle.plan.schema import Plan
+from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
-from megatron_spindle.planner.plan import Plan
-from megatron_spindle.planner.validate import validate_plan
 
 HEADS = [2, 4, 8]
 

@@ -1,6 +1,7 @@
 """Every byte the CP-SAT planner counts: per-device memory and inter-island bytes of placed waves, and the
 per-layer and per-MetaOp coefficients its models use. The only module of the planner that reads the cost
-model and the memory model, so one set of rules (placement's today) serves the search and the models.
+model and the memory model. The rules themselves are plan/'s (memory accounting, routing), so the search,
+the models, the assembled plan and the simulator count the same bytes.
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from typing import Protocol
 
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
-from megatron_spindle.planner.placement import GRAD_BYTES_PER_PARAM, FlowCostModel, predicted_memory
-from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
+from megatron_spindle.plan.layout import graph_transfer_pairs
+from megatron_spindle.plan.routing import ROUTE_INTER, bytes_by_route, forward_messages
+from megatron_spindle.planner.placement import GRAD_REDUCE_BYTES, FlowCostModel, predicted_memory
+from megatron_spindle.planner.schedule import ScheduledWave
 
 
 class MemoryModel(Protocol):
@@ -40,29 +43,19 @@ def fits_memory(waves: list[ScheduledWave], metagraph: MetaGraph, memory_model: 
 
 def inter_island_bytes(waves: list[ScheduledWave], metagraph: MetaGraph, cluster: ClusterSpec,
                        cost_model: FlowCostModel) -> float:
-    """Activation bytes crossing islands, following plan.py's transfer rules (forward direction)."""
+    """Activation bytes crossing islands, forward: plan/routing.py's routes of the transfers plan/layout.py
+    derives (slices without devices yet move nothing)."""
     if cluster.num_nodes <= 1:
         return 0.0
-    order = sorted(((w.start, i, s) for i, w in enumerate(waves) for s in w.slices), key=lambda x: (x[0], x[1]))
-    by_op: dict[str, list[ScheduledSlice]] = {}
-    for _, _, s in order:
-        by_op.setdefault(s.metaop, []).append(s)
-    for slices in by_op.values():
-        slices.sort(key=lambda s: s.layer_start)
-
-    def islands(s: ScheduledSlice) -> set[int]:
-        return {cluster.island(d) for d in (s.devices or [])}
-
-    def crosses(a: ScheduledSlice, b: ScheduledSlice) -> bool:
-        return bool(islands(b) - islands(a)) or bool(islands(a) - islands(b))
-
+    slices = [w.slices for w in waves]
     total = 0.0
-    for mid, slices in by_op.items():
-        nbytes = handoff_bytes(metagraph.metaops[mid], cost_model)
-        total += sum(nbytes for a, b in zip(slices, slices[1:]) if crosses(a, b))
-    for src, dst in metagraph.edges:
-        if src in by_op and dst in by_op and crosses(by_op[src][-1], by_op[dst][0]):
-            total += handoff_bytes(metagraph.metaops[src], cost_model)
+    for (pw, ps), (cw, cs) in graph_transfer_pairs(slices, metagraph):
+        src, dst = slices[pw][ps], slices[cw][cs]
+        if src.devices is None or dst.devices is None:
+            continue
+        m = metagraph.metaops[src.metaop]
+        messages = forward_messages(src, dst, m.batch, cluster.gpus_per_node)
+        total += bytes_by_route(messages, handoff_bytes(m, cost_model) / m.batch)[ROUTE_INTER]
     return total
 
 
@@ -85,5 +78,5 @@ def shared_weight_bytes(a: MetaOp, b: MetaOp, cost_model: FlowCostModel) -> floa
     """Gradient bytes of the weights two MetaOps share: what their parameter group's all-reduce moves when
     they run in different islands (0 when they share none)."""
     shared = a.param_names() & b.param_names()
-    return float(GRAD_BYTES_PER_PARAM * sum(cost_model.param_count(p) for p in shared))
+    return float(GRAD_REDUCE_BYTES * sum(cost_model.param_count(p) for p in shared))
 
