@@ -204,15 +204,16 @@ class TaskSets:
         meta = read_metadata(ckpt)
         old = saved_tasks(meta)
         known = [t.name for t in self.base.tasks]
-        if set(old) == set(phase.tasks) or not old:
-            return Resume(load_dir, iteration, phase.tasks, phase.tasks, phase.workload.digest(), [], [], [])
+        in_ckpt = set(meta["units"])
+        units = _plan_units(phase.plan)
+        if set(old) == set(phase.tasks) or not old:  # every unit of the model must be there (checked on loading)
+            return Resume(load_dir, iteration, phase.tasks, phase.tasks, phase.workload.digest(), [],
+                          sorted(in_ckpt - set(units)), [])
         unknown = [t for t in old if t not in known]
         if unknown:
             raise CheckpointError(f"checkpoint {ckpt} was trained with task(s) {', '.join(unknown)} that workload "
                                   f"'{self.base.name}' does not have (it has: {', '.join(known)})")
         old = tuple(t for t in known if t in old)
-        in_ckpt = set(meta["units"])
-        units = _plan_units(phase.plan)
         initialised = sorted(set(units) - in_ckpt)
         old_units = workload_units(self.workload(old))
         lost = sorted(set(initialised) & old_units)
