@@ -8,6 +8,8 @@ The equality runs share one schedule on tiny-clip (world size 1, in this process
     (the text tower and both tasks' data positions come back; the plan comes from the cache).
 """
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -58,9 +60,6 @@ def scheduled(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the launch script's ranks run one thread: the same reduction order
     try:
-        import contextlib
-        import io
-
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             assert pretrain_multitask.main(COMMON + SCHEDULE + ["--train-iters", str(ITERS), "--save", str(save)]) == 0
