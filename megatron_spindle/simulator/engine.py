@@ -5,14 +5,18 @@ Execution model (the same for every plan, so that plans from different planners 
 - **Order.** plan/order.py's execution order of the plan's ``settings``: ``segments`` (optional) group wave
   indices into segments that run forward then backward one after another (temporal decoupling: each task is
   a segment); without them the whole plan is one segment: forward wave by wave, then backward in reverse wave
-  order (or ``backward_order``). Every device executes its own slices in that global order.
+  order (or ``backward_order``); or an explicit ``order`` of (wave, phase, task) steps (early backward).
+  Every device executes its own slices in that global order. With ``micro_batches`` m the order runs m times
+  one after another, each slice on B/m samples (its costs and transfers at that batch), and the gradient
+  synchronisation and the optimizer step follow the last micro-batch.
 - **Dataflow, no global barrier.** A slice starts when all its devices are free and its inputs have arrived:
   a wave boundary is a point-to-point dependency, not a cluster-wide barrier (a device only waits for the
   devices it receives from). On wave-aligned Spindle plans this changes little; it lets the baselines whose
   tasks run side by side on disjoint devices (Spindle-Optimus) proceed independently.
 - **Compute.** A slice takes ``layers x (compute + tp_comm + launch + data_comm)`` of the cost model's
-  ``layer_cost(metaop, tp, dp)``: one third forward, two thirds backward (``FWD_BWD_FACTOR``; with
-  activation recomputation, ``settings.recompute``, a layer's backward also reruns its forward: 1/4, 3/4).
+  ``layer_cost(metaop, tp, dp)``: one third forward, two thirds backward (``FWD_BWD_FACTOR``). A slice's
+  activation recomputation (``settings.recompute_of``) adds the cost model's ``recompute_seconds`` to its
+  backward: the attention cores (selective) or the whole forward of each recomputed layer (full).
   The per-layer ``dp_sync`` is *not* charged here: gradients are synchronised per parameter device group after the
   backward (below). With ZeRO stage 3 (``settings.zero_stage``) every layer also all-gathers its weights
   forward and again backward, on the critical path like the gradient synchronisation (no overlap is
@@ -38,10 +42,10 @@ Execution model (the same for every plan, so that plans from different planners 
   (``ProfiledCostModel``). Devices step independently; the iteration ends with the last one.
 - **Memory.** plan/memory.py's accounting, the planner's own: per device the parameter state of every unit
   it runs, once (weights + fp32 grads + Adam, sharded by TP and by ZeRO stage over the slice's DP ranks),
-  plus activations held from a slice's forward to its backward (the memory model's; only layer inputs under
-  recomputation), at the peak of the device's order.
-- **Models.** The cost and memory models must match the plan's ``settings.recompute``; ``simulate``
-  rebuilds them when they do not (``matching_models``).
+  plus activations held from a slice's forward to its backward (the memory model's, per the slice's
+  recomputation, of one micro-batch), at the peak of the device's order.
+- **Models.** Recomputation is charged per slice, so a cost model that adds it to every layer
+  (``config.recompute``) is replaced by a copy without it (``matching_models``).
 
 The planner's predicted time (``plan.predicted["iteration_time"]``) sums wave durations of T(n), which
 amortises the DP all-reduce of every layer into T(n) and ignores transfers. The simulator instead times the
@@ -54,6 +58,7 @@ tiny-clip, benchmarks/paper_eval.py prints the ratio for every configuration (``
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -61,11 +66,11 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.derive import plan_slice_pairs
-from megatron_spindle.plan.layout import device_programs, slice_units
+from megatron_spindle.plan.layout import device_programs, micro_batch_metaop, slice_units
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, grad_reduce_bytes, plan_memory
-from megatron_spindle.plan.order import FWD, execution_order
+from megatron_spindle.plan.order import FWD, slice_order
 from megatron_spindle.plan.routing import ROUTE_INTER, ROUTE_INTRA, Router
-from megatron_spindle.plan.schema import TRANSFER_KINDS, Plan, PlanError, Slice
+from megatron_spindle.plan.schema import TRANSFER_KINDS, Plan, Slice
 from megatron_spindle.simulator.comm import (
     TransferLoad,
     ring_allgather_seconds,
@@ -174,21 +179,20 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=No
 
 
 def matching_models(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=None, memory_model=None):
-    """Cost and memory models that match the plan's activation recomputation (``settings.recompute``):
-    the given ones when they do (or cannot tell: stand-ins without ``config.recompute``), else rebuilt."""
+    """Cost and memory models for timing the plan: recomputation is charged per slice from the plan's
+    settings (``recompute_seconds``, plan/memory.py), so the cost model must not add it to every layer
+    itself (``config.recompute``): the given ones when they do not (or cannot tell: stand-ins without
+    ``config.recompute``), else a copy without it."""
     from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
-    from megatron_spindle.estimator.cost_model import CostModelConfig
 
-    recompute = plan.settings.recompute_every_layer()
     if cost_model is None:
-        cost_model = AnalyticCostModel(workload, cluster, config=CostModelConfig(recompute=recompute))
+        cost_model = AnalyticCostModel(workload, cluster)
         memory_model = None
-    else:
-        config = getattr(cost_model, "config", None)
-        if isinstance(config, CostModelConfig) and config.recompute != recompute:
-            cost_model = AnalyticCostModel(workload, cluster, dtype_bytes=cost_model.dtype_bytes,
-                                           config=dataclasses.replace(config, recompute=recompute))
-            memory_model = None
+    elif getattr(getattr(cost_model, "config", None), "recompute", False):
+        cost_model = copy.copy(cost_model)  # keeps a profiled model's measurements
+        cost_model.config = dataclasses.replace(cost_model.config, recompute=False)
+        cost_model._times = {}
+        memory_model = None
     if memory_model is None:
         memory_model = MemoryModel(workload, cluster, cost_model)
     return cost_model, memory_model
@@ -202,18 +206,17 @@ def _build_context(plan: Plan, cluster: ClusterSpec, metagraph: MetaGraph, cost_
             raise ValueError(f"slice '{s.id}': MetaOp '{s.metaop}' is not in the workload's MetaGraph")
         metaops[s.metaop] = metagraph.metaops[s.metaop]
     zero = plan.settings.zero_stage
-    if plan.settings.micro_batches != 1:
-        raise PlanError(f"plan: {plan.settings.micro_batches} micro-batches; the simulator models one")
+    micro = plan.settings.micro_batches
     from megatron_spindle.estimator.cost_model import FWD_BWD_FACTOR
 
-    recompute = bool(getattr(getattr(cost_model, "config", None), "recompute", False))
     fwd_time, bwd_time, units = {}, {}, {}
     for sid, s in slices.items():
         m = metaops[s.metaop]
+        run = micro_batch_metaop(m, micro)  # what one micro-batch runs
         fraction = settings.forward_fraction
-        if fraction is None:  # recomputation reruns a layer's forward inside its backward
-            fraction = 1.0 / (FWD_BWD_FACTOR + (1 if recompute and m.kind == "layer" else 0))
-        lc = cost_model.layer_cost(m, s.tp, s.dp)
+        if fraction is None:
+            fraction = 1.0 / FWD_BWD_FACTOR
+        lc = cost_model.layer_cost(run, s.tp, s.dp)
         per_layer = lc.compute + lc.tp_comm + lc.launch + getattr(lc, "data_comm", 0.0)
         fwd, bwd = fraction * per_layer, (1.0 - fraction) * per_layer
         if zero == 3 and s.dp > 1:
@@ -222,20 +225,28 @@ def _build_context(plan: Plan, cluster: ClusterSpec, metagraph: MetaGraph, cost_
                                             not cluster.same_island(s.devices), cluster)
             fwd, bwd = fwd + gather, bwd + gather
         fwd_time[sid] = fwd * s.num_layers
-        bwd_time[sid] = bwd * s.num_layers
+        bwd_time[sid] = bwd * s.num_layers + _recompute_seconds(cost_model, run, s, plan.settings.recompute_of(sid),
+                                                                fwd)
         units[sid] = slice_units(m, s.layer_start, s.layer_end)
     in_edges, out_edges = _edges(plan, slices, metaops, cluster, cost_model)
     return _Context(plan, cluster, slices, metaops, _order(plan), fwd_time, bwd_time, in_edges, out_edges, zero,
                     units)
 
 
+def _recompute_seconds(cost_model, metaop: MetaOp, s: Slice, recompute, forward_per_layer: float) -> float:
+    """Backward seconds a slice spends recomputing: the cost model's ``recompute_seconds``; a cost model
+    without one (stand-ins) reruns the forward of each fully recomputed layer."""
+    seconds = getattr(cost_model, "recompute_seconds", None)
+    if seconds is not None:
+        return seconds(metaop, s.tp, s.dp, recompute, s.num_layers)
+    return recompute.recomputed_layers(s.num_layers) * forward_per_layer
+
+
 def _order(plan: Plan) -> list[tuple[str, str]]:
-    """(slice id, phase) in execution order (plan/order.py); a backward wave runs its slices in reverse."""
-    order = []
-    for wi, phase in execution_order(len(plan.waves), plan.settings):
-        slices = plan.waves[wi].slices
-        order += [(s.id, phase) for s in (slices if phase == FWD else reversed(slices))]
-    return order
+    """(slice id, phase) of one micro-batch in execution order (plan/order.py)."""
+    waves = plan.waves
+    return [(waves[wi].slices[si].id, phase)
+            for wi, si, phase in slice_order([[s.task for s in w.slices] for w in waves], plan.settings)]
 
 
 def _edges(plan: Plan, slices: dict[str, Slice], metaops: dict[str, MetaOp], cluster: ClusterSpec,
@@ -253,11 +264,13 @@ def _edges(plan: Plan, slices: dict[str, Slice], metaops: dict[str, MetaOp], clu
             flows[key] = _flow(transfer_load(router.route(holders, needers, batch), per_row), cluster)
         return flows[key]
 
+    micro = plan.settings.micro_batches
     for p, c in plan_slice_pairs(plan):
         src, dst = slices[p], slices[c]
         m = metaops[src.metaop]
         per_row = float(cost_model.activation_bytes(m)) / m.batch
-        edge = _Edge(p, c, flow(src, dst, m.batch, per_row), flow(dst, src, m.batch, per_row))
+        rows = m.batch // micro  # each micro-batch moves its own rows
+        edge = _Edge(p, c, flow(src, dst, rows, per_row), flow(dst, src, rows, per_row))
         in_edges[c].append(edge)
         out_edges[p].append(edge)
     return in_edges, out_edges
@@ -305,28 +318,31 @@ def _run(ctx: _Context, with_transfers: bool) -> _Run:
         return end
 
     forward_end = 0.0
-    for sid, phase in ctx.order:
-        s = ctx.slices[sid]
-        if phase == FWD:
-            ready = max([arrive(e.fwd, fwd_end[e.producer]) for e in ctx.in_edges[sid] if e.producer in fwd_end],
-                        default=0.0)
-            duration = ctx.fwd_time[sid]
-        else:
-            ready = max([arrive(e.bwd, bwd_end[e.consumer]) for e in ctx.out_edges[sid] if e.consumer in bwd_end],
-                        default=0.0)
-            duration = ctx.bwd_time[sid]
-        start = max(ready, max(map(dev_free.__getitem__, s.devices)))
-        end = start + duration
-        interval = Interval(start, end, sid, phase)
-        for d in s.devices:
-            dev_free[d] = end
-            if duration > 0:
-                busy[d].append(interval)
-        if phase == FWD:
-            fwd_end[sid] = end
-            forward_end = max(forward_end, end)
-        else:
-            bwd_end[sid] = end
+    for _ in range(ctx.plan.settings.micro_batches):  # micro-batch after micro-batch, each the whole order
+        fwd_end.clear()
+        bwd_end.clear()
+        for sid, phase in ctx.order:
+            s = ctx.slices[sid]
+            if phase == FWD:
+                ready = max([arrive(e.fwd, fwd_end[e.producer]) for e in ctx.in_edges[sid]
+                             if e.producer in fwd_end], default=0.0)
+                duration = ctx.fwd_time[sid]
+            else:
+                ready = max([arrive(e.bwd, bwd_end[e.consumer]) for e in ctx.out_edges[sid]
+                             if e.consumer in bwd_end], default=0.0)
+                duration = ctx.bwd_time[sid]
+            start = max(ready, max(map(dev_free.__getitem__, s.devices)))
+            end = start + duration
+            interval = Interval(start, end, sid, phase)
+            for d in s.devices:
+                dev_free[d] = end
+                if duration > 0:
+                    busy[d].append(interval)
+            if phase == FWD:
+                fwd_end[sid] = end
+                forward_end = max(forward_end, end)
+            else:
+                bwd_end[sid] = end
     return _Run(dev_free, busy, fwd_end, bwd_end, list(dev_free), forward_end)
 
 
