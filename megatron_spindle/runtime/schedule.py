@@ -5,7 +5,8 @@ wave, then this rank's slice of it), the per-task loss all-reduce, then the back
 Nothing in it is a barrier: the loss all-reduce runs during the backward, and a rank that only sends in a
 transfer does not wait for the receiver (its requests are waited on at the end; runtime/transfer.py). After
 each local slice's backward the schedule calls ``slice_done(slice)`` (the gradient sync's cue), and after the
-forward and the backward part of each wave ``on_wave(phase, wave_index, seconds)``.
+forward and the backward part of each wave ``on_wave(phase, wave_index, seconds)``. ``evaluate`` runs the
+forward waves alone (validation: no autograd graph, no backward, no ``on_wave``).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class _SliceTensors:
 
 
 class WaveSchedule:
-    """One step's forward and backward on this rank. ``loss_weights`` (task -> w_t) and ``on_wave`` may be
-    changed between steps."""
+    """One step's forward and backward on this rank. ``loss_weights`` (task -> w_t), ``loss_scale`` (the fp16
+    loss scale the backward starts from; 1 otherwise) and ``on_wave`` may be changed between steps."""
 
     def __init__(self, plan: Plan, workload: Workload, rank: int, local: dict[str, LocalSlice], spec_fn: SpecFn,
                  loss_weights: dict[str, float], dtype: torch.dtype, device: torch.device,
@@ -66,18 +67,12 @@ class WaveSchedule:
             self._into_wave.setdefault(wave_index[t.consumer.id], []).append(t)
         self._slice_of_wave = {ls.wave: ls for ls in local.values()}
         self._pending_sends: list = []
+        self.loss_scale = 1.0
 
     def run(self, batches: dict[str, Any], slice_done: Callable[[LocalSlice], None]) -> Callable[[], dict[str, float]]:
         """Forward and backward of one step; returns a function that waits for and reads the task losses."""
         mine = self._slice_of_wave
-        tensors = {sid: _SliceTensors([None] * ls.num_inputs) for sid, ls in self.local.items()}
-        for wi in range(len(self.plan.waves)):
-            t0 = time.perf_counter()
-            for t in self._into_wave.get(wi, []):
-                self._forward_transfer(t, tensors)
-            if wi in mine:
-                self._forward_slice(mine[wi], tensors[mine[wi].slice.id], batches)
-            self._wave_done("forward", wi, t0)
+        tensors = self._forward(batches, timed=True)
         losses = self._reduce_losses(tensors)  # in flight during the backward
         for wi in reversed(range(len(self.plan.waves))):
             t0 = time.perf_counter()
@@ -87,10 +82,33 @@ class WaveSchedule:
             for t in self._into_wave.get(wi, []):
                 self._backward_transfer(t, tensors)
             self._wave_done("backward", wi, t0)
+        self._wait_sends()
+        return losses
+
+    def evaluate(self, batches: dict[str, Any]) -> Callable[[], dict[str, float]]:
+        """The forward waves alone (call under ``torch.no_grad()``); returns the task-loss reader like ``run``."""
+        tensors = self._forward(batches, timed=False)
+        losses = self._reduce_losses(tensors)
+        self._wait_sends()
+        return losses
+
+    def _forward(self, batches: dict[str, Any], timed: bool) -> dict[str, _SliceTensors]:
+        mine = self._slice_of_wave
+        tensors = {sid: _SliceTensors([None] * ls.num_inputs) for sid, ls in self.local.items()}
+        for wi in range(len(self.plan.waves)):
+            t0 = time.perf_counter()
+            for t in self._into_wave.get(wi, []):
+                self._forward_transfer(t, tensors)
+            if wi in mine:
+                self._forward_slice(mine[wi], tensors[mine[wi].slice.id], batches)
+            if timed:
+                self._wave_done("forward", wi, t0)
+        return tensors
+
+    def _wait_sends(self) -> None:
         for w in self._pending_sends:  # sends this rank did not wait for (runtime/transfer.py)
             w.wait()
         self._pending_sends.clear()
-        return losses
 
     def _wave_done(self, phase: str, wave: int, t0: float) -> None:
         if self.on_wave is not None:
@@ -104,7 +122,7 @@ class WaveSchedule:
                       self._pending_sends)
         dst = tensors.get(t.consumer.id)
         if dst is not None:
-            dst.inputs[t.input_index] = x.requires_grad_(True)
+            dst.inputs[t.input_index] = x.requires_grad_(torch.is_grad_enabled())
 
     def _forward_slice(self, ls: LocalSlice, st: _SliceTensors, batches: dict[str, Any]) -> None:
         s = ls.slice
@@ -133,7 +151,7 @@ class WaveSchedule:
 
     def _backward_slice(self, ls: LocalSlice, st: _SliceTensors) -> None:
         if ls.terminal:
-            weight = self.loss_weights[ls.slice.task]
+            weight = self.loss_weights[ls.slice.task] * self.loss_scale
             grad = torch.full_like(st.output, weight / ls.slice.dp if ls.dp_loss_mean else weight)
         else:
             grad = st.out_grad
