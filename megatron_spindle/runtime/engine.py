@@ -231,6 +231,7 @@ class RuntimeEngine:
         tasks = sorted({ls.slice.task for ls in self.local.values()})
         t0 = self._clock()
         batches = {t: self.batch_fn(self.workload, t, step, self.config.data_seed) for t in tasks}
+        self._add_time("batch-generator", self._clock() - t0)
         self.grad_sync.start_step()
         losses = self.schedule.run(batches, self.grad_sync.slice_done)
         t1 = self._clock()

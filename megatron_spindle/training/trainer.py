@@ -39,12 +39,15 @@ from megatron_spindle.training.arguments import (
     parse_task_values,
     validate_args,
 )
+from megatron_spindle.training.evaluate import add_validation_args, check_validation_args
+from megatron_spindle.training.precision import add_precision_args, check_precision_args
 
 if TYPE_CHECKING:
     from megatron_spindle.runtime.distributed import DistContext
 
 ARG_GROUPS = [add_workload_args, add_cluster_args, add_spindle_args, add_plan_args, add_training_args,
-              add_task_args, add_data_args, add_checkpointing_args, add_logging_args]
+              add_precision_args, add_task_args, add_data_args, add_validation_args, add_checkpointing_args,
+              add_logging_args]
 
 
 def build_pretrain_parser(description: str, extra_args_provider: Callable | None = None) -> argparse.ArgumentParser:
@@ -113,19 +116,32 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
     args = parser.parse_args(argv)
     prog = Path(sys.argv[0]).name if argv is None else "pretrain_multitask.py"
     with exit_on_user_error(prog):
+        from megatron_spindle.training.batch_size import apply_batch_size_args
+        from megatron_spindle.training.evaluate import split_datasets
+        from megatron_spindle.training.multinode import check_shared_folder, resolve_node_layout
+        from megatron_spindle.training.wandb_writer import check_wandb
+
         cuda = torch.cuda.is_available()
         validate_args(args, int(os.environ.get("WORLD_SIZE", 1)), cuda)
-        workload = workload_from_args(args)
+        check_precision_args(args, cuda)
+        check_validation_args(args)
+        check_wandb(args)
+        resolve_node_layout(args)
+        workload = apply_batch_size_args(workload_from_args(args), args)
         loss_weights = parse_task_values(args.task_loss_weights, "--task-loss-weights", workload, positive=False)
         sampling_weights = parse_task_values(args.task_sampling_weights, "--task-sampling-weights", workload,
                                              positive=True)
         data_paths = parse_data_paths(args.data_path, workload)
+        valid_paths = parse_data_paths(args.valid_data_path, workload, "--valid-data-path")
         datasets = datasets_provider(workload, args, data_paths)
+        datasets, valid = split_datasets(workload, datasets, args, valid_paths)
         from megatron_spindle.runtime.distributed import destroy_distributed, init_distributed
 
         info = init_distributed("nccl" if cuda else "gloo")
         try:
-            records = train(args, workload, datasets, engine_provider, info, loss_weights, sampling_weights)
+            check_shared_folder(args.save, "--save", info.rank, info.world_size)  # before planning or training
+            records = train(args, workload, datasets, engine_provider, info, loss_weights, sampling_weights,
+                            valid_datasets=valid)
             if history is not None:
                 history.extend(records)
         finally:
@@ -142,23 +158,31 @@ def _unit_owners(plan) -> dict[str, int]:
 def save(args, iteration: int, engine, loader, plan, workload, info: DistContext) -> Path:
     from megatron_spindle.checkpointing import save_checkpoint
 
+    from megatron_spindle.checkpointing.checkpoint import UnitState
+    from megatron_spindle.training.precision import scaler_state
+
     owners = _unit_owners(plan)
     # collective with the distributed optimizer: every rank exports, the owner of each unit writes it
-    mine = {u: s for u, s in engine.export_units().items() if owners.get(u, 0) == info.rank}
+    mine = {u: (UnitState(s.model, {}) if args.no_save_optim else s)  # --no-save-optim: weights only
+            for u, s in engine.export_units().items() if owners.get(u, 0) == info.rank}
+    extra = {"args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}}
+    scaler = None if args.no_save_optim else scaler_state(getattr(getattr(engine, "config", None), "grad_scaler", None))
+    if scaler:
+        extra["grad_scaler"] = scaler
     t0 = time.perf_counter()
     path = save_checkpoint(args.save, iteration, mine, rank=info.rank, world_size=info.world_size,
                            workload_name=workload.name, workload_digest=workload.digest(),
-                           data_position=loader.state_dict(), plan=plan.to_dict(),
-                           extra={"args": {k: v for k, v in vars(args).items()
-                                           if isinstance(v, (int, float, str, bool, list, type(None)))}},
+                           data_position=loader.state_dict(), plan=plan.to_dict(), extra=extra,
                            expected_units=sorted(owners))
     print_rank_0(f"saved checkpoint at iteration {iteration:8d} to {path} ({time.perf_counter() - t0:.2f} s)")
     return path
 
 
 def load(args, engine, loader, workload, info: DistContext) -> int:
-    """Restore model, optimizer, RNG and data position from --load; returns the iteration to start at."""
+    """Restore model, optimizer, RNG and data position from --load; returns the iteration to start at.
+    --finetune: the weights only, from iteration 0."""
     from megatron_spindle.checkpointing import load_checkpoint, set_rng_state
+    from megatron_spindle.training.precision import load_scaler_state
 
     err, ck = None, None
     if not Path(args.load).exists():
@@ -169,11 +193,16 @@ def load(args, engine, loader, workload, info: DistContext) -> int:
         ck = load_checkpoint(args.load, units=sorted(expected), expected=expected, rank=info.rank,
                              workload_digest=workload.digest())
         if ck is not None:
-            engine.load_units(ck.units, load_optim=not args.no_load_optim)
-            if ck.rng is not None and not args.no_load_rng:
+            load_optim = not (args.no_load_optim or args.finetune)
+            engine.load_units(ck.units, load_optim=load_optim)
+            if load_optim:
+                load_scaler_state(getattr(getattr(engine, "config", None), "grad_scaler", None),
+                                  ck.metadata.get("extra", {}).get("grad_scaler"))
+            if ck.rng is not None and not (args.no_load_rng or args.finetune):
                 set_rng_state(ck.rng)
-            loader.load_state_dict(ck.data_position)
-            if loader.sampler.iteration != ck.iteration:
+            if not args.finetune:
+                loader.load_state_dict(ck.data_position)
+            if not args.finetune and loader.sampler.iteration != ck.iteration:
                 raise ValueError(f"checkpoint {ck.path}: data position is at iteration {loader.sampler.iteration}, "
                                  f"the checkpoint at {ck.iteration}")
     except USER_ERRORS as e:
@@ -186,12 +215,13 @@ def load(args, engine, loader, workload, info: DistContext) -> int:
         return 0
     old = ck.metadata.get("world_size")
     print_rank_0(f"loaded checkpoint {ck.path} at iteration {ck.iteration} (saved by {old} rank(s), "
-                 f"now {info.world_size})")
-    return ck.iteration
+                 f"now {info.world_size})" + ("; --finetune: weights only, starting at iteration 0"
+                                              if args.finetune else ""))
+    return 0 if args.finetune else ck.iteration
 
 
 def train(args, workload, datasets, engine_provider, info: DistContext, loss_weights: dict[str, float],
-          sampling_weights: dict[str, float]) -> list:
+          sampling_weights: dict[str, float], valid_datasets: dict | None = None) -> list:
     from megatron_spindle.data.datasets import MultiTaskDataLoader
     from megatron_spindle.planner.report import draw_gantt, plan_summary
 
@@ -212,29 +242,29 @@ def train(args, workload, datasets, engine_provider, info: DistContext, loss_wei
     loader = MultiTaskDataLoader(workload, datasets, seed=args.seed, sampling_weights=sampling_weights,
                                  num_workers=args.num_workers)
     try:
-        return _train_loop(args, workload, plan, loader, engine_provider, info, loss_weights, gantt)
+        return _train_loop(args, workload, plan, loader, engine_provider, info, loss_weights, gantt,
+                           valid_datasets or {})
     finally:
         loader.close()
 
 
 def _train_loop(args, workload, plan, loader, engine_provider, info: DistContext, loss_weights: dict[str, float],
-                gantt: str | None) -> list:
-    from megatron_spindle.training.engine_state import WaveTimer
-    from megatron_spindle.training.log import StepRecord, TensorBoardLogger, format_log_line, format_wave_line
+                gantt: str | None, valid_datasets: dict) -> list:
+    from megatron_spindle.training.evaluate import ValidationBatches, run_validation, validation_config
+    from megatron_spindle.training.monitor import TrainingMonitor
 
     engine = engine_provider(plan, workload, info.rank, info.world_size, args, loader.batch_fn)
-    timer = WaveTimer(engine)
     start = load(args, engine, loader, workload, info) if args.load else 0
     if start >= args.train_iters:
         print_rank_0(f"the checkpoint is at iteration {start}, --train-iters is {args.train_iters}: nothing to do")
         return []
     sched = lr_schedule_from_args(args)
     base = {t.name: loss_weights.get(t.name, t.loss.weight if t.loss else 1.0) for t in workload.tasks}
-    gbs = sum(t.batch_size for t in workload.tasks)
-    tb = TensorBoardLogger(args.tensorboard_dir if info.rank == 0 else None)
     predicted_ms = plan.predicted.get("iteration_time", plan.iteration_time) * 1e3
+    monitor = TrainingMonitor(args, engine, workload, info.rank, info.world_size, predicted_ms, print_rank_0)
+    valid = validation_config(args)
+    batches = ValidationBatches(valid_datasets) if valid.enabled else None
     last_saved = start if args.load and args.load == args.save else None
-    n, elapsed, loss_sum, records = 0, 0.0, {}, []
     print_rank_0(f"training {workload.name} for {args.train_iters} iterations from iteration {start} on "
                  f"{info.world_size} rank(s)")
     try:
@@ -246,31 +276,20 @@ def _train_loop(args, workload, plan, loader, engine_provider, info: DistContext
             engine.set_loss_weights(weights)
             t0 = time.perf_counter()
             losses = engine.train_step(it)
-            elapsed += time.perf_counter() - t0
-            n += 1
-            loss_sum = {t: loss_sum.get(t, 0.0) + v for t, v in losses.items()}
-            if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
-                waves = [t / n * 1e3 for t in timer.collect()]
-                mean_losses = {t: v / n for t, v in loss_sum.items()}  # Megatron: averaged over the interval
-                rec = StepRecord(it + 1, args.train_iters, (it + 1) * gbs, lr, mean_losses, weights,
-                                 elapsed / n * 1e3, predicted_ms, waves, gbs)
-                print_rank_0(format_log_line(rec))
-                print_rank_0(format_wave_line(rec))
-                tb.log(rec)
-                records.append(rec)
-                timer.reset()
-                n, elapsed, loss_sum = 0, 0.0, {}
+            monitor.end_iteration(it + 1, lr, losses, weights, mb.active, time.perf_counter() - t0)
+            if batches is not None and ((it + 1) % valid.eval_interval == 0 or it + 1 == args.train_iters):
+                monitor.validation(run_validation(engine, batches, valid.eval_iters, it + 1, base))
             if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
                 save(args, it + 1, engine, loader, plan, workload, info)
                 last_saved = it + 1
         if args.save and last_saved != args.train_iters:
             save(args, args.train_iters, engine, loader, plan, workload, info)
     finally:
-        tb.close()
+        monitor.close()
     if info.rank == 0:
         where = [f"checkpoints: {args.save}"] if args.save else []
         where += [f"plan picture: {gantt}"] if gantt else []
         where += [f"TensorBoard logs: {args.tensorboard_dir}"] if args.tensorboard_dir else []
         if where:
             print("done. " + "; ".join(where), flush=True)
-    return records
+    return monitor.records
