@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-SHARED_WAIT_SECONDS = 10.0
+SHARED_WAIT_SECONDS = 3.0
 
 
 def resolve_node_layout(args: argparse.Namespace, environ=os.environ) -> None:

@@ -157,7 +157,6 @@ def _unit_owners(plan) -> dict[str, int]:
 
 def save(args, iteration: int, engine, loader, plan, workload, info: DistContext) -> Path:
     from megatron_spindle.checkpointing import save_checkpoint
-
     from megatron_spindle.checkpointing.checkpoint import UnitState
     from megatron_spindle.training.precision import scaler_state
 

@@ -9,8 +9,8 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from megatron_spindle.graph.workload import load_workload  # noqa: E402
 from megatron_spindle.graph.cluster import make_cluster  # noqa: E402
+from megatron_spindle.graph.workload import load_workload  # noqa: E402
 from megatron_spindle.planner.pipeline import PlannerConfig, make_plan  # noqa: E402
 from megatron_spindle.planner.report import _device_runs, draw_gantt, gantt_figure, module_colors  # noqa: E402
 

@@ -335,7 +335,7 @@ def check_evaluate(rank, world, workloads, refs, cfg, cache) -> None:
                                batch_fn=standin_batch)
         events = []
         engine.grad_sync.on_launch = events.append
-        engine.on_wave = lambda *a: events.append(a)
+        engine.on_wave = lambda *a, events=events: events.append(a)
         with torch.no_grad():
             want = {t: float(v) for t, v in StandinReference(w)(5).items()}
         got = engine.evaluate(5)
