@@ -21,13 +21,15 @@ LEVEL_1_TIMERS = ("forward-backward", "all-grads-sync", "optimizer-clip-main-gra
 LEVEL_2_TIMERS = ("batch-generator",)
 
 
-def _max_over_ranks(v: torch.Tensor, op=None) -> torch.Tensor:
+def _over_ranks(v: torch.Tensor, op: str = "max") -> torch.Tensor:
+    """The elementwise max (or min) of ``v`` over the ranks (a copy on NCCL, which reduces on the GPU)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN
         if dist.get_backend() == "nccl":
             w = v.cuda()
-            dist.all_reduce(w, op=op or dist.ReduceOp.MAX)
+            dist.all_reduce(w, op=red)
             return w.cpu()
-        dist.all_reduce(v, op=op or dist.ReduceOp.MAX)
+        dist.all_reduce(v, op=red)
     return v
 
 
@@ -53,7 +55,7 @@ class WaveTimer:
         and backward parts, each the max over ranks. Collective."""
         n = self.num_waves
         total = [f + b for f, b in zip(self.forward, self.backward)]
-        v = _max_over_ranks(torch.tensor(total + self.forward + self.backward, dtype=torch.float64)).tolist()
+        v = _over_ranks(torch.tensor(total + self.forward + self.backward, dtype=torch.float64)).tolist()
         self.phases = (v[n:2 * n], v[2 * n:])
         return v[:n]
 
@@ -72,8 +74,8 @@ class PhaseTimer:
         if times is None:
             return {}
         v = torch.tensor([times.get(k, 0.0) * 1e3 / max(iterations, 1) for k in self.names], dtype=torch.float64)
-        hi = _max_over_ranks(v.clone()).tolist()
-        lo = _max_over_ranks(v.clone(), dist.ReduceOp.MIN if dist.is_available() else None).tolist()
+        hi = _over_ranks(v.clone(), "max").tolist()
+        lo = _over_ranks(v.clone(), "min").tolist()
         times.clear()
         return {k: (a, b) for k, a, b in zip(self.names, lo, hi)}
 

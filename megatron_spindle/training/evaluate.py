@@ -27,7 +27,7 @@ from megatron_spindle.graph.workload import Workload
 @dataclass(frozen=True)
 class ValidationConfig:
     eval_interval: int | None = field(default=None, metadata=flag(
-        "Evaluate on the validation data every N iterations and after the last one (default: no validation)."))
+        "Evaluate on the validation data every N iterations and after the last one (None: no validation)."))
     eval_iters: int = field(default=100, metadata=flag(
         "Forward-only passes (one global batch of every task each) per evaluation; 0: no validation."))
 
@@ -43,7 +43,7 @@ def add_validation_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "validate on the --split share of their training data (mock data: unseen mock samples).")
     g.add_argument("--split", default=None, metavar="TRAIN,VALID[,TEST]",
                    help="Proportions of each task's training data used for training, validation and test, e.g. "
-                        "98,2,0 (the test share is held out unused). Default: all of it trains.")
+                        "98,2,0 (the test share is held out unused). None: all of it trains.")
     return parser
 
 

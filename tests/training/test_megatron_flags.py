@@ -54,14 +54,6 @@ class FakeWandb(types.ModuleType):
         self.finished += 1
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _weights(path):
     ck = load_checkpoint(path)
     return ck, {k: v for s in ck.units.values() for k, v in s.model.items()}
