@@ -168,6 +168,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
         raise ValueError(f"--save-interval must be positive, got {args.save_interval}")
     if args.save_interval is not None and not args.save:
         raise ValueError("--save-interval needs --save FOLDER")
+    if args.finetune and not args.load:
+        raise ValueError("--finetune needs --load FOLDER (the checkpoint whose weights to start from)")
     if args.num_workers < 0:
         raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
     if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:

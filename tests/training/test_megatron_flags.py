@@ -156,6 +156,7 @@ def test_flags_refused_at_start(capsys, monkeypatch):
     _fails(capsys, base + ["--eval-interval", "0"], "--eval-interval must be positive")
     _fails(capsys, base + ["--valid-data-path", "vision_text=/nope"], "needs --eval-interval")
     _fails(capsys, base + ["--split", "0,1"], "--split '0,1'")
+    _fails(capsys, base + ["--finetune"], "--finetune needs --load")
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     _fails(capsys, base + ["--wandb-project", "p"], "--wandb-project needs the wandb package")
     _fails(capsys, base + ["--wandb-exp-name", "x"], "need --wandb-project")
