@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     """Returns the per-step losses (on every rank)."""
     from megatron_spindle.graph.opgraph import build_metagraph
     from megatron_spindle.graph.workload import load_workload
-    from megatron_spindle.planner.plan import Plan
+    from megatron_spindle.plan.schema import Plan
     from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
     from megatron_spindle.runtime.layout import check_runnable
 
@@ -67,7 +67,7 @@ if __name__ == "__main__":
         main()
     except Exception as e:  # a clear one-line error for plan/workload problems, full traceback otherwise
         from megatron_spindle.graph.workload import WorkloadError
-        from megatron_spindle.planner.plan import PlanError
+        from megatron_spindle.plan.schema import PlanError
 
         if isinstance(e, (PlanError, WorkloadError)):
             print(f"error: {e}", file=sys.stderr)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_spindle.planner.plan import ParamGroup
+from megatron_spindle.plan.schema import ParamGroup
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ and megatron-core: max_norm / (total_norm + 1e-6)
 

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from megatron_spindle.checkpointing.checkpoint import UnitState
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.planner.plan import Plan
+from megatron_spindle.plan.schema import ExecutionSettings, Plan
 from megatron_spindle.runtime.clip import GradClipper, StepStats, norm_owners, prepare_step
 from megatron_spindle.runtime.direct import bind_direct_units
 from megatron_spindle.runtime.grad_buffers import GradBuffers, backward_order
@@ -91,28 +91,12 @@ class EngineConfig:
             raise ValueError(f"ddp_bucket_size must be positive, got {self.ddp_bucket_size}")
 
 
-@dataclass(frozen=True)
-class ExecutionSettings:
-    """The plan's execution settings the runtime obeys."""
-
-    recompute: bool
-    zero_stage: int
-
-
-def _execution_settings(plan: Plan) -> ExecutionSettings:
-    """The one place the engine reads the plan's execution settings."""
-    zero_stage = int(plan.planner.get("zero_stage", 0) or 0)
-    if zero_stage not in (0, 1):
-        raise ValueError(f"zero_stage {zero_stage}: the runtime supports 0 and 1 (distributed optimizer)")
-    return ExecutionSettings(recompute=bool(plan.planner.get("recompute")), zero_stage=zero_stage)
-
-
 def _default_factory(settings: ExecutionSettings):
     """megatron-core operators, recomputing activations when the plan was made with recomputation."""
     from megatron_spindle.models import build_operator
     from megatron_spindle.models.config import ModelConfig
 
-    if settings.recompute:
+    if settings.recompute_every_layer():
         return functools.partial(build_operator, config=ModelConfig(recompute=True))
     return build_operator
 
@@ -136,7 +120,7 @@ class RuntimeEngine:
         self.config = config or EngineConfig()
         self.metagraph = metagraph or build_metagraph(workload)
         check_runnable(plan, workload, self.metagraph, world_size)  # before any communication
-        settings = _execution_settings(plan)
+        settings = plan.settings  # check_runnable refused what the runtime cannot execute
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(f"torch.distributed has rank {dist.get_rank()} of {dist.get_world_size()}, "
                                f"the engine was given rank {rank} of {world_size}")

@@ -96,6 +96,8 @@ def split_datasets(workload: Workload, train: dict[str, TaskDataset], args: argp
 
     split = parse_split(args.split)
     enabled = validation_config(args).enabled
+    # validation shards decode like the training shards (the entry point's tokenizers and processors)
+    prep = next((d.preprocessing for d in train.values() if isinstance(d, ShardedTaskDataset)), None)
     out_train, valid = dict(train), {}
     for t, ds in train.items():
         n = len(ds)
@@ -108,7 +110,7 @@ def split_datasets(workload: Workload, train: dict[str, TaskDataset], args: argp
             if i2 > i1:
                 valid[t] = DatasetRange(ds, i1, i2)
         if t in valid_paths:
-            valid[t] = ShardedTaskDataset(workload, t, valid_paths[t])
+            valid[t] = ShardedTaskDataset(workload, t, valid_paths[t], prep)
         elif enabled and t not in valid and isinstance(ds, MockTaskDataset):
             unseen = MockTaskDataset(workload, t, 2 * ds.size, ds.seed)  # samples size .. 2*size: never trained on
             valid[t] = DatasetRange(unseen, ds.size, 2 * ds.size)

@@ -71,8 +71,8 @@ def print_rank_0(*a, **k) -> None:
 def get_plan(args, workload, world_size: int, rank: int):
     """The saved plan (--spindle-plan) or a fresh one made on rank 0 and broadcast (CP-SAT with a time limit
     is not deterministic, so ranks must not plan separately)."""
-    from megatron_spindle.planner.plan import Plan, PlanError
-    from megatron_spindle.planner.validate import validate_plan
+    from megatron_spindle.plan.schema import Plan, PlanError
+    from megatron_spindle.plan.validate import validate_plan
 
     if args.spindle_plan:
         plan = Plan.load(args.spindle_plan)
