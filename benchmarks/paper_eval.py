@@ -94,9 +94,10 @@ def scale_batches(workload: Workload, factor: float, multiple: int = 64) -> Work
 
 
 def run_cell(name: str, num_gpus: int, spindle_systems, baselines: list[str], log: Callable[[str], None],
-             batch_scale: float = 1.0) -> dict:
-    """Plan and simulate every system on one (workload, cluster) cell."""
-    workload = scale_batches(load_workload(name), batch_scale)
+             batch_scale: float = 1.0, workload: Workload | None = None) -> dict:
+    """Plan and simulate every system on one (workload, cluster) cell (``workload``: instead of the built-in
+    ``name``, e.g. a task subset)."""
+    workload = scale_batches(workload or load_workload(name), batch_scale)
     cluster = make_cluster(num_gpus)
     cell: dict[str, Any] = {"workload": name, "gpus": num_gpus, "mem_relaxed": False, "systems": {}}
     first = spindle_systems[0][1]

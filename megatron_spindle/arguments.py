@@ -12,6 +12,7 @@ from typing import Callable
 
 from megatron_spindle.flags import add_flags, config_from_args
 from megatron_spindle.graph.cluster import NODE_TYPES, ClusterSpec, load_cluster, make_cluster
+from megatron_spindle.graph.task_sets import select_tasks, task_set_workload
 from megatron_spindle.graph.workload import Workload, load_workload
 
 SPINDLE_PREFIX = "spindle-"  # PlannerConfig's flags: --spindle-planner, --spindle-solver-time-limit, ...
@@ -21,8 +22,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = parser.add_argument_group("workload")
     g.add_argument("--workload", required=True,
                    help="Workload YAML file, or a built-in name (tiny-clip, tiny-vlm, clip-10, qwen-val, ...).")
-    g.add_argument("--tasks", default=None,
-                   help="Comma-separated subset of the workload's tasks to train/plan (default: all).")
+    g.add_argument("--tasks", default=None, metavar="TASK,TASK,...",
+                   help="The set of the workload's tasks to train/plan (default: all; the order does not matter). "
+                        "Resuming a checkpoint with another set keeps what the two share: see --task-schedule.")
     return parser
 
 
@@ -51,9 +53,10 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
+    """The workload, restricted to the --tasks set when given (an unknown task name is a WorkloadError)."""
     w = load_workload(args.workload)
-    if getattr(args, "tasks", None):
-        w = w.subset([t.strip() for t in args.tasks.split(",") if t.strip()])
+    if getattr(args, "tasks", None) is not None:
+        w = task_set_workload(w, select_tasks(w, args.tasks.split(","), "--tasks"))
     return w
 
 

@@ -285,8 +285,8 @@ class MultiTaskDataLoader:
     def state_dict(self) -> dict:
         return self.sampler.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state)
+    def load_state_dict(self, state: dict, tasks_may_change: bool = False) -> None:
+        self.sampler.load_state_dict(state, tasks_may_change)
         self.current, self._batches, self._ahead = None, {}, {}
 
     def close(self) -> None:

@@ -129,6 +129,7 @@ class RuntimeEngine:
                                                            if torch.cuda.is_available() else "cpu"))
         self.batch_fn = batch_fn or _default_batch_fn()
         self.groups = PlanGroups(plan, rank, cache=groups)
+        self._owns_groups = groups is None
         self.local = build_local_slices(plan, workload, self.metagraph, rank, self.groups,
                                         operator_factory or _default_factory(settings), self.device,
                                         self.config.dtype)
@@ -252,6 +253,20 @@ class RuntimeEngine:
         for ls in in_wave_order(self.local):
             if self.generic_keys[ls.slice.id]:
                 ls.op.load_full_state({k: full[k].to(self.config.dtype) for k in ls.param_keys})
+
+    def close(self) -> None:
+        """Tear the engine down so that another can be built in this process (a task-set change): destroy the
+        process groups it created (not a cache passed in as ``groups``) after a world barrier, so that no rank
+        is still in one of their collectives. Collective; the engine is unusable afterwards. megatron-core keeps
+        no state of ours: the operators took their groups explicitly; its global memory buffer (reused by name)
+        and ``model-parallel-rng`` tracker stay, as they would over a run."""
+        if getattr(self, "_closed", False):
+            return
+        dist.barrier()
+        if self._owns_groups:
+            self.groups.cache.destroy()
+        self.local, self.grads = {}, {}
+        self._closed = True
 
     # ------------------------------------------------------------------------------------------ state
     def set_lr(self, lr: float) -> None:

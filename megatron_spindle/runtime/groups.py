@@ -58,6 +58,15 @@ class GroupCache:
             self.created.append(devices)
         return self.groups[devices]
 
+    def destroy(self) -> None:
+        """Destroy every group this cache created (local on each member; non-members hold none). The groups must
+        be idle: no collective of theirs in flight, and nothing uses them afterwards."""
+        for devices in reversed(self.created):
+            g = self.groups.pop(devices, None)
+            if g is not None:
+                dist.destroy_process_group(g)
+        self.created.clear()
+
 
 class PlanGroups:
     """All process groups one plan needs.

@@ -12,6 +12,7 @@ from megatron_spindle.graph.workload import Workload
 from megatron_spindle.training.batch_size import add_batch_size_args
 from megatron_spindle.training.engine_state import TIMING_LOG_LEVELS
 from megatron_spindle.training.schedule import LRSchedule
+from megatron_spindle.training.task_schedule import TaskScheduleConfig
 from megatron_spindle.training.wandb_writer import add_wandb_args
 
 
@@ -45,6 +46,7 @@ def add_task_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--task-sampling-weights", default=None, metavar="TASK=W,...",
                    help="Relative sampling weight per task: a task takes part in an iteration with probability "
                         "w_t / max w (default: every task every iteration). See data/sampler.py.")
+    add_flags(g, TaskScheduleConfig)  # --task-schedule
     return parser
 
 

@@ -11,34 +11,42 @@ from __future__ import annotations
 import argparse
 import math
 
-from megatron_spindle.training.engine_state import PhaseTimer, WaveTimer, format_timers, format_wave_phases
+from megatron_spindle.training.engine_state import PhaseTimer, format_timers, format_wave_phases
 from megatron_spindle.training.log import StepRecord, TensorBoardLogger, format_log_line, format_wave_line
 from megatron_spindle.training.throughput import ThroughputMeter
 from megatron_spindle.training.wandb_writer import WandbWriter
 
 
 class TrainingMonitor:
-    def __init__(self, args: argparse.Namespace, engine, workload, rank: int, world_size: int, predicted_ms: float,
-                 printer=print):
-        self.args, self.engine, self.rank, self.print = args, engine, rank, printer
-        self.waves = WaveTimer(engine)
-        self.timers = PhaseTimer(engine, args.timing_log_level)
+    """``attach(phase)`` to the engine of the current task set (training/task_switch.py) and again after a
+    change, ``end_iteration`` after every step, ``log`` to close an interval early (a task-set change)."""
+
+    def __init__(self, args: argparse.Namespace, workload, rank: int, world_size: int, printer=print):
+        self.args, self.rank, self.print = args, rank, printer
         self.meter = ThroughputMeter(workload, world_size) if args.log_throughput else None
         self.tb = TensorBoardLogger(args.tensorboard_dir if rank == 0 else None)
         self.wandb = WandbWriter(args, rank)
-        self.predicted_ms = predicted_ms
-        self.gbs = sum(t.batch_size for t in workload.tasks)
         self.records: list[StepRecord] = []
+        self.engine = self.waves = self.timers = None
+        self.predicted_ms, self.gbs = 0.0, 0
         self._reset()
+
+    def attach(self, phase) -> None:
+        """Measure this phase's engine (its wave timer, per-phase step times at --timing-log-level >= 1)."""
+        self.engine, self.waves = phase.engine, phase.timer
+        self.timers = PhaseTimer(phase.engine, self.args.timing_log_level)
+        self.predicted_ms, self.gbs = phase.predicted_ms, phase.global_batch_size
+        self.waves.reset()
 
     def _reset(self) -> None:
         self.n, self.elapsed, self.loss_sum, self.skipped, self.nans = 0, 0.0, {}, 0, 0
         if self.meter is not None:
             self.meter.reset()
-        self.waves.reset()
+        if self.waves is not None:
+            self.waves.reset()
 
     def end_iteration(self, iteration: int, lr: float, losses: dict[str, float], weights: dict[str, float],
-                      active: dict[str, bool], seconds: float) -> StepRecord | None:
+                      active: dict[str, bool], seconds: float, consumed: int) -> StepRecord | None:
         """After the step of ``iteration`` (1-based): accumulate, and log at log iterations."""
         self.n += 1
         self.elapsed += seconds
@@ -50,6 +58,13 @@ class TrainingMonitor:
             self.meter.add(active)
         if iteration % self.args.log_interval and iteration != self.args.train_iters:
             return None
+        return self.log(iteration, lr, weights, consumed)
+
+    def log(self, iteration: int, lr: float, weights: dict[str, float], consumed: int) -> StepRecord | None:
+        """Log the interval ending at ``iteration`` (nothing when it is empty). Collective."""
+        if not self.n:
+            return None
+        stats = self.engine.last_step
         waves = [t / self.n * 1e3 for t in self.waves.collect()]
         timers = self.timers.collect(self.n)
         memory = {}
@@ -57,7 +72,7 @@ class TrainingMonitor:
             from megatron_spindle.training.memory import memory_scalars
 
             memory = memory_scalars()
-        rec = StepRecord(iteration, self.args.train_iters, iteration * self.gbs, lr,
+        rec = StepRecord(iteration, self.args.train_iters, consumed, lr,
                          {t: v / self.n for t, v in self.loss_sum.items()},  # Megatron: mean over the interval
                          weights, self.elapsed / self.n * 1e3, self.predicted_ms, waves, self.gbs,
                          grad_norm=stats.grad_norm, loss_scale=stats.loss_scale, skipped_iters=self.skipped,

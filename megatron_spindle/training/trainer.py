@@ -24,9 +24,10 @@ from megatron_spindle.arguments import (
     build_parser,
     cluster_from_args,
     planner_config_from_args,
-    workload_from_args,
 )
 from megatron_spindle.errors import USER_ERRORS, exit_on_user_error
+from megatron_spindle.graph.task_sets import task_set_workload
+from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.training.arguments import (
     add_checkpointing_args,
     add_data_args,
@@ -41,6 +42,7 @@ from megatron_spindle.training.arguments import (
 )
 from megatron_spindle.training.evaluate import add_validation_args, check_validation_args
 from megatron_spindle.training.precision import add_precision_args, check_precision_args
+from megatron_spindle.training.task_schedule import parse_task_schedule
 
 if TYPE_CHECKING:
     from megatron_spindle.runtime.distributed import DistContext
@@ -127,7 +129,10 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
         check_validation_args(args)
         check_wandb(args)
         resolve_node_layout(args)
-        workload = apply_batch_size_args(workload_from_args(args), args)
+        base = load_workload(args.workload)
+        schedule = parse_task_schedule(args.task_schedule, base, args.tasks)
+        base = apply_batch_size_args(base, args, schedule.all_tasks(base))
+        workload = task_set_workload(base, schedule.all_tasks(base))  # every task some iteration trains
         loss_weights = parse_task_values(args.task_loss_weights, "--task-loss-weights", workload, positive=False)
         sampling_weights = parse_task_values(args.task_sampling_weights, "--task-sampling-weights", workload,
                                              positive=True)
@@ -140,7 +145,7 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
         info = init_distributed("nccl" if cuda else "gloo")
         try:
             check_shared_folder(args.save, "--save", info.rank, info.world_size)  # before planning or training
-            records = train(args, workload, datasets, engine_provider, info, loss_weights, sampling_weights,
+            records = train(args, base, schedule, datasets, engine_provider, info, loss_weights, sampling_weights,
                             valid_datasets=valid)
             if history is not None:
                 history.extend(records)
@@ -155,76 +160,100 @@ def _unit_owners(plan) -> dict[str, int]:
     return unit_owners([(g.devices, g.params) for g in plan.param_groups])
 
 
-def save(args, iteration: int, engine, loader, plan, workload, info: DistContext) -> Path:
+def save(args, iteration: int, engine, loader, plan, workload, info: DistContext, sets=None) -> Path:
     from megatron_spindle.checkpointing import save_checkpoint
     from megatron_spindle.checkpointing.checkpoint import UnitState
     from megatron_spindle.training.precision import scaler_state
 
     owners = _unit_owners(plan)
     # collective with the distributed optimizer: every rank exports, the owner of each unit writes it
-    mine = {u: (UnitState(s.model, {}) if args.no_save_optim else s)  # --no-save-optim: weights only
-            for u, s in engine.export_units().items() if owners.get(u, 0) == info.rank}
+    mine = {u: s for u, s in engine.export_units().items() if owners.get(u, 0) == info.rank}
     extra = {"args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}}
-    scaler = None if args.no_save_optim else scaler_state(getattr(getattr(engine, "config", None), "grad_scaler", None))
-    if scaler:
-        extra["grad_scaler"] = scaler
+    expected = sorted(owners)
+    if sets is not None:  # units of tasks that left the set, and the task-set record
+        retained, all_retained = sets.units_to_save()
+        mine.update(retained)
+        expected = sorted(set(expected) | set(all_retained))
+        extra.update(sets.checkpoint_extra(sets.phase.tasks))
+    if args.no_save_optim:  # the weights alone
+        mine = {u: UnitState(s.model, {}) for u, s in mine.items()}
+    elif scaler_state(getattr(getattr(engine, "config", None), "grad_scaler", None)):  # fp16's loss scale
+        extra["grad_scaler"] = scaler_state(engine.config.grad_scaler)
     t0 = time.perf_counter()
     path = save_checkpoint(args.save, iteration, mine, rank=info.rank, world_size=info.world_size,
                            workload_name=workload.name, workload_digest=workload.digest(),
                            data_position=loader.state_dict(), plan=plan.to_dict(), extra=extra,
-                           expected_units=sorted(owners))
+                           expected_units=expected)
     print_rank_0(f"saved checkpoint at iteration {iteration:8d} to {path} ({time.perf_counter() - t0:.2f} s)")
     return path
 
 
-def load(args, engine, loader, workload, info: DistContext) -> int:
-    """Restore model, optimizer, RNG and data position from --load; returns the iteration to start at.
-    --finetune: the weights only, from iteration 0."""
-    from megatron_spindle.checkpointing import load_checkpoint, set_rng_state
+def load(args, phase, sets, info: DistContext) -> int:
+    """Restore model, optimizer, RNG and data position from --load; returns the iteration to start at. The
+    checkpoint may have been trained with another task set (training/task_switch.py). --finetune: the weights
+    only, from iteration 0."""
+    from megatron_spindle.checkpointing import set_rng_state
     from megatron_spindle.training.precision import load_scaler_state
 
-    err, ck = None, None
+    err, ck, resume = None, None, None
     if not Path(args.load).exists():
         print_rank_0(f"no checkpoint at {args.load} yet: training from scratch")
         return 0
-    expected = engine.expected_shapes()
     try:
-        ck = load_checkpoint(args.load, units=sorted(expected), expected=expected, rank=info.rank,
-                             workload_digest=workload.digest())
-        if ck is not None:
-            load_optim = not (args.no_load_optim or args.finetune)
-            engine.load_units(ck.units, load_optim=load_optim)
-            if load_optim:
-                load_scaler_state(getattr(getattr(engine, "config", None), "grad_scaler", None),
-                                  ck.metadata.get("extra", {}).get("grad_scaler"))
-            if ck.rng is not None and not (args.no_load_rng or args.finetune):
-                set_rng_state(ck.rng)
-            if not args.finetune:
-                loader.load_state_dict(ck.data_position)
-            if not args.finetune and loader.sampler.iteration != ck.iteration:
-                raise ValueError(f"checkpoint {ck.path}: data position is at iteration {loader.sampler.iteration}, "
-                                 f"the checkpoint at {ck.iteration}")
+        resume = sets.open_checkpoint(args.load, phase)
     except USER_ERRORS as e:
         err = str(e)
     err = agree(err)
     if err:
         raise ValueError(err)
-    if ck is None:
+    if resume is None:
         print_rank_0(f"no checkpoint in {args.load} yet: training from scratch")
         return 0
+    fresh = sets.fresh_units(phase, resume)  # collective when the checkpoint lacks units of this model
+    try:
+        load_optim = not (args.no_load_optim or args.finetune)
+        ck = sets.load_units(resume, phase, fresh, load_optim=load_optim)
+        if load_optim:
+            load_scaler_state(getattr(getattr(phase.engine, "config", None), "grad_scaler", None),
+                              ck.metadata.get("extra", {}).get("grad_scaler"))
+        if ck.rng is not None and not (args.no_load_rng or args.finetune):
+            set_rng_state(ck.rng)
+        if args.finetune:
+            sets.consumed_samples = 0
+        else:
+            phase.loader.load_state_dict(ck.data_position, tasks_may_change=resume.changed)
+        if not args.finetune and phase.loader.sampler.iteration != ck.iteration:
+            raise ValueError(f"checkpoint {ck.path}: data position is at iteration {phase.loader.sampler.iteration}, "
+                             f"the checkpoint at {ck.iteration}")
+    except USER_ERRORS as e:
+        err = str(e)
+    err = agree(err)
+    if err:
+        raise ValueError(err)
     old = ck.metadata.get("world_size")
     print_rank_0(f"loaded checkpoint {ck.path} at iteration {ck.iteration} (saved by {old} rank(s), "
                  f"now {info.world_size})" + ("; --finetune: weights only, starting at iteration 0"
                                               if args.finetune else ""))
+    if resume.changed:
+        print_rank_0(sets.resume_report(resume))
     return 0 if args.finetune else ck.iteration
 
 
-def train(args, workload, datasets, engine_provider, info: DistContext, loss_weights: dict[str, float],
+def train(args, base, schedule, datasets, engine_provider, info: DistContext, loss_weights: dict[str, float],
           sampling_weights: dict[str, float], valid_datasets: dict | None = None) -> list:
     from megatron_spindle.data.datasets import MultiTaskDataLoader
     from megatron_spindle.planner.report import draw_gantt, plan_summary
+    from megatron_spindle.training.task_switch import TaskSets
 
-    plan = get_plan(args, workload, info.world_size, info.rank)
+    def loader_factory(workload, task_datasets):
+        return MultiTaskDataLoader(workload, task_datasets, seed=args.seed, num_workers=args.num_workers,
+                                   sampling_weights={t: w for t, w in sampling_weights.items() if t in task_datasets})
+
+    sets = TaskSets(args, base, schedule, datasets, engine_provider, loader_factory,
+                    lambda a, workload: get_plan(a, workload, info.world_size, info.rank), info.rank,
+                    info.world_size, print_rank_0)
+    tasks = schedule.tasks_at(sets.start_iteration())
+    plan, _, _ = sets.plan(tasks)
     gantt = args.plan_gantt or (str(Path(args.save) / "plan.png") if args.save else None)
     if info.rank == 0:
         print(plan_summary(plan), flush=True)
@@ -238,51 +267,58 @@ def train(args, workload, datasets, engine_provider, info: DistContext, loss_wei
 
         apply_cpu_shim()
     torch.manual_seed(args.seed)
-    loader = MultiTaskDataLoader(workload, datasets, seed=args.seed, sampling_weights=sampling_weights,
-                                 num_workers=args.num_workers)
     try:
-        return _train_loop(args, workload, plan, loader, engine_provider, info, loss_weights, gantt,
-                           valid_datasets or {})
+        sets.build(tasks, plan)
+        return _train_loop(args, sets, info, loss_weights, gantt, valid_datasets or {})
     finally:
-        loader.close()
+        sets.close()
 
 
-def _train_loop(args, workload, plan, loader, engine_provider, info: DistContext, loss_weights: dict[str, float],
-                gantt: str | None, valid_datasets: dict) -> list:
+def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], gantt: str | None,
+                valid_datasets: dict) -> list:
     from megatron_spindle.training.evaluate import ValidationBatches, run_validation, validation_config
     from megatron_spindle.training.monitor import TrainingMonitor
 
-    engine = engine_provider(plan, workload, info.rank, info.world_size, args, loader.batch_fn)
-    start = load(args, engine, loader, workload, info) if args.load else 0
+    phase = sets.phase
+    start = load(args, phase, sets, info) if args.load else 0
     if start >= args.train_iters:
         print_rank_0(f"the checkpoint is at iteration {start}, --train-iters is {args.train_iters}: nothing to do")
         return []
     sched = lr_schedule_from_args(args)
-    base = {t.name: loss_weights.get(t.name, t.loss.weight if t.loss else 1.0) for t in workload.tasks}
-    predicted_ms = plan.predicted.get("iteration_time", plan.iteration_time) * 1e3
-    monitor = TrainingMonitor(args, engine, workload, info.rank, info.world_size, predicted_ms, print_rank_0)
+    base = {t.name: loss_weights.get(t.name, t.loss.weight if t.loss else 1.0) for t in sets.base.tasks}
+    monitor = TrainingMonitor(args, sets.base, info.rank, info.world_size, print_rank_0)
+    monitor.attach(phase)
     valid = validation_config(args)
     batches = ValidationBatches(valid_datasets) if valid.enabled else None
     last_saved = start if args.load and args.load == args.save else None
-    print_rank_0(f"training {workload.name} for {args.train_iters} iterations from iteration {start} on "
+    changes = set(sets.schedule.boundaries(start, args.train_iters))
+    lr, weights = 0.0, {}
+    print_rank_0(f"training {phase.workload.name} for {args.train_iters} iterations from iteration {start} on "
                  f"{info.world_size} rank(s)")
     try:
         for it in range(start, args.train_iters):
+            if it in changes:
+                monitor.log(it, lr, weights, sets.consumed_samples)  # the old set's part of the interval
+                phase = sets.switch(it)
+                monitor.attach(phase)
+            engine, loader = phase.engine, phase.loader
             lr = sched(it)
             engine.set_lr(lr)
             mb = loader.advance()
-            weights = {t: (base[t] if mb.active[t] else 0.0) for t in base}
+            weights = {t: (base[t] if mb.active[t] else 0.0) for t in phase.tasks}
             engine.set_loss_weights(weights)
             t0 = time.perf_counter()
             losses = engine.train_step(it)
-            monitor.end_iteration(it + 1, lr, losses, weights, mb.active, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            sets.consumed_samples += phase.global_batch_size
+            monitor.end_iteration(it + 1, lr, losses, weights, mb.active, seconds, sets.consumed_samples)
             if batches is not None and ((it + 1) % valid.eval_interval == 0 or it + 1 == args.train_iters):
                 monitor.validation(run_validation(engine, batches, valid.eval_iters, it + 1, base))
             if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
-                save(args, it + 1, engine, loader, plan, workload, info)
+                save(args, it + 1, engine, loader, phase.plan, phase.workload, info, sets)
                 last_saved = it + 1
         if args.save and last_saved != args.train_iters:
-            save(args, args.train_iters, engine, loader, plan, workload, info)
+            save(args, args.train_iters, phase.engine, phase.loader, phase.plan, phase.workload, info, sets)
     finally:
         monitor.close()
     if info.rank == 0:

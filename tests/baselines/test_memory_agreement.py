@@ -7,6 +7,7 @@ seconds to make)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,15 @@ from megatron_spindle.simulator import simulate
 
 
 def _paper_eval():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "paper_eval.py"
-    spec = importlib.util.spec_from_file_location("paper_eval", path)
+    """benchmarks/paper_eval.py as a module; it imports its sibling bench_output.py, as it does when run."""
+    folder = Path(__file__).resolve().parents[2] / "benchmarks"
+    spec = importlib.util.spec_from_file_location("paper_eval", folder / "paper_eval.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(folder))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(folder))
     return module
 
 

@@ -223,7 +223,7 @@ def check_bytes_by_route(engine, plan, workload, cfg, label: str) -> set[str]:
     and summed over the world, equal the plan's bytes by route (collective). The plan counts the cost model's
     activation dtype, the engine sends its own: scaled by the ratio of their element sizes."""
     got = {d: dict.fromkeys(TRANSFER_KINDS, 0) for d in ("forward", "backward")}
-    for t in engine.transfers:
+    for t in engine.schedule.transfers:
         for d, routes in t.received.items():
             for k, b in routes.items():
                 got[d][k] += b

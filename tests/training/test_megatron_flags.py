@@ -130,7 +130,7 @@ def test_validation_logging_and_checkpoint_flags(tmp_path, capsys, monkeypatch, 
     ck_c = load_checkpoint(c)
     assert ck_c.iteration == 1 and ck_c.data_position["iteration"] == 1
     assert {st["step"] for s in ck_c.units.values() for st in s.optim.values()} == {1.0}
-    assert ck_c.plan["planner"]["zero_stage"] == 1
+    assert ck_c.plan["settings"]["zero_stage"] == 1
     assert {m["task"]: m["input_shape"][0] for m in ck_c.plan["metaops"]} == {  # planned for the new batches
         "text_audio": 16, "vision_depth": 8, "vision_text": 8, "audio_depth": 16}
 
