@@ -33,6 +33,7 @@ class TaskBatch:
     num_label_tokens: int = 0  # labelled tokens in the GLOBAL batch (LM loss normaliser)
     dp_rank: int = 0
     dp: int = 1
+    micro_batches: int = 1  # the iteration's batch was split into this many micro-batches (see micro())
 
     @property
     def batch_size(self) -> int:
@@ -45,6 +46,28 @@ class TaskBatch:
             self,
             inputs={m: t.to(device) for m, t in self.inputs.items()},
             labels=None if self.labels is None else self.labels.to(device),
+        )
+
+    def micro(self, index: int, micro_batches: int) -> TaskBatch:
+        """Micro-batch ``index`` of ``micro_batches``: rows ``[j*B/m, (j+1)*B/m)`` of the global batch, itself a
+        global batch of B/m rows (``shard`` splits it over DP ranks). It keeps the global ``num_label_tokens``
+        (an LM loss share stays a share of the whole iteration's token mean) and records ``micro_batches``
+        (a contrastive loss over the micro-batch counts 1/m)."""
+        if self.dp != 1 or self.micro_batches != 1:
+            raise ValueError(f"task '{self.task}': micro() takes the whole global batch")
+        if micro_batches <= 0 or self.global_batch_size % micro_batches:
+            raise ValueError(f"task '{self.task}': {micro_batches} micro-batches do not divide the batch of "
+                             f"{self.global_batch_size}")
+        if not 0 <= index < micro_batches:
+            raise ValueError(f"task '{self.task}': micro-batch {index} out of range for {micro_batches}")
+        rows = self.global_batch_size // micro_batches
+        lo, hi = index * rows, (index + 1) * rows
+        return replace(
+            self,
+            inputs={m: t[lo:hi] for m, t in self.inputs.items()},
+            labels=None if self.labels is None else self.labels[lo:hi],
+            global_batch_size=rows,
+            micro_batches=micro_batches,
         )
 
     def shard(self, dp_rank: int, dp: int) -> TaskBatch:

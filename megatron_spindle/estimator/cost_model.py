@@ -40,6 +40,7 @@ from megatron_spindle.estimator.op_kernels import (
     ATTENTION_KINDS,
     LayerShape,
     LayerTime,
+    core_attention_seconds,
     layer_time,
     light_time,
 )
@@ -552,6 +553,24 @@ class AnalyticCostModel:
         kt = self.kernel_time(metaop, tp, dp)
         kernels = kt.forward_kernels + kt.backward_kernels + 2 * self._tp_allreduces(metaop, tp)
         return kernels * self.config.launch_seconds
+
+    def recompute_seconds(self, metaop: MetaOp, tp: int, dp: int, recompute, num_layers: int) -> float:
+        """Seconds the backward of ``num_layers`` operators of ``metaop`` spends recomputing under ``recompute``
+        (plan/schema.py ``Recompute``), on one device of a (tp, dp) config: selective reruns every layer's
+        attention core (op_kernels.core_attention_seconds), full reruns the whole forward of each recomputed
+        layer, its TP all-reduces included. Charged on top of ``phase_seconds`` of a model without
+        ``config.recompute`` (the simulator does; the launch floor is not counted again)."""
+        if metaop.kind != "layer" or num_layers <= 0:
+            return 0.0
+        rc = recompute.for_layers(num_layers)
+        if rc.mode == "none":
+            return 0.0
+        self._check_config(metaop, tp, dp)
+        kernels = layer_time(self.kernels, self.layer_shape(metaop, tp, dp), recompute=False)
+        if rc.mode == "selective":
+            return num_layers * core_attention_seconds(kernels.kernels)
+        forward = kernels.forward + self._tp_allreduces(metaop, tp) * self._tp_allreduce_seconds(metaop, tp, dp)
+        return rc.recomputed_layers(num_layers) * forward
 
     def layer_cost(self, metaop: MetaOp, tp: int, dp: int) -> LayerCost:
         """Seconds for ONE operator of ``metaop``, forward + backward, on tp * dp devices."""

@@ -4,23 +4,62 @@ backward.
 Mixed-precision training with Adam and no optimizer sharding holds 18 bytes per parameter: a bf16 weight (2),
 an fp32 main gradient (4), an fp32 master weight (4) and the two fp32 Adam moments (4 + 4); the constants and
 the ZeRO sharding rule are plan/memory.py's, which also holds the rules that add these numbers up per device.
+
+Activations are what the operators' autograd graph saves, tensor by tensor, as megatron-core's local layer
+spec and our operators (models/) save them: measured on CPU with ``torch.autograd.graph.saved_tensors_hooks``
+(tests/runtime/test_memory_measured.py compares whole plans against the runtime). A transformer layer on one
+device of a (tp, dp) slice, T = b * s tokens of its data-parallel shard, d bytes per activation element:
+
+- pre-attention norm: its input and per-token statistics (LayerNorm: mean and rstd; RMSNorm: rstd and the
+  normalised input), and its output (the QKV projection's input);
+- attention, unfused (megatron-core's DotProductAttention): the QKV output (q, k, v are views of it), or new
+  q and k after RoPE and k, v expanded to every head under GQA; the softmax output ``a s^2 b / tp`` (in fp32
+  and again in d bytes when d < 4: the softmax runs in fp32); FlashAttention (``CostModelConfig.attention``):
+  q, k, v and the per-row log-sum-exp, no s^2 term;
+- the attention output (the output projection's input), the residual (the MLP norm's input), that norm;
+- MLP: GELU keeps the biased FC1 output and the activation (2 T F / tp); SwiGLU the FC1 output, the SiLU
+  output, the linear half and their product (5 T F / tp).
+
+Recomputation (``Recompute``): ``selective`` keeps what enters the attention core (q, k, v before any
+expansion) instead of what it saves inside, and needs the core's tensors of one layer while that layer's
+backward recomputes them; ``full`` keeps a recomputed layer's input only, and needs one layer's (a chunk's)
+full activations while its backward runs. Dropout masks are not counted: our operators run without dropout.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 from megatron_spindle.estimator.cost_model import AnalyticCostModel
 from megatron_spindle.estimator.errors import EstimatorError
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaOp
-from megatron_spindle.graph.workload import ModuleSpec, Workload
+from megatron_spindle.graph.workload import ModuleSpec, Workload, output_tokens
 from megatron_spindle.plan.memory import STATE_BYTES_PER_PARAM, zero_sharded_bytes
+from megatron_spindle.plan.schema import Recompute
+
+FP32, INT64 = 4, 8
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes one transformer layer saves on one device: ``full`` without recomputation, ``selective`` with its
+    attention core recomputed, ``core`` what rerunning the core needs beyond what the layer's backward has
+    freed by then, ``input`` the layer's input (all a fully recomputed layer keeps)."""
+
+    full: float
+    selective: float
+    core: float
+    input: float
 
 
 class MemoryModel:
-    """Bytes per device for the slices of a plan."""
+    """Bytes per device for the slices of a plan. ``recompute``: the recomputation of slices that name none
+    (default: full recomputation of every layer when the cost model's ``config.recompute``, else none)."""
 
     def __init__(self, workload: Workload, cluster: ClusterSpec, cost_model: AnalyticCostModel | None = None,
-                 distributed_optimizer: bool = False):
+                 distributed_optimizer: bool = False, recompute: Recompute | None = None):
         # distributed_optimizer: the optimizer state (master weights, Adam moments) of a unit is sharded over
         # the data-parallel ranks that run it (ZeRO-1, Megatron's --use-distributed-optimizer).
         self.distributed_optimizer = distributed_optimizer
@@ -28,6 +67,10 @@ class MemoryModel:
         self.cluster = cluster
         self.cost_model = cost_model or AnalyticCostModel(workload, cluster)
         self.dtype_bytes = self.cost_model.dtype_bytes
+        self.attention = self.cost_model.config.attention
+        if recompute is None:
+            recompute = Recompute("full" if self.cost_model.config.recompute else "none")
+        self.recompute = recompute
 
     @property
     def zero_stage(self) -> int:
@@ -54,51 +97,107 @@ class MemoryModel:
 
     # --------------------------------------------------------------------------------------- activations
 
-    def _transformer_layer(self, module: ModuleSpec, micro_batch: float, tokens: int, tp: int) -> float:
-        """Activations of one layer (Korthikanti et al. 2022, no sequence parallelism), generalised to any FFN
-        width, GQA and SwiGLU. Replicated on TP ranks: norm inputs (4 sbh), QKV and FC1 inputs (2 + 2), dropout
-        masks (1 + 1). Split by TP: Q and the output-projection input (2 + 2), K and V (2 + 2 per KV width),
-        the MLP intermediates (GELU: FC1 output + activation, 4 sbF; SwiGLU: gate, up, SiLU and product, 8 sbF)
-        and the attention scores 5 a s^2 b (softmax output, dropout mask and output; kept as an upper bound:
-        a flash-attention kernel stores none of them)."""
-        s, b, h = tokens, micro_batch, module.hidden_size
-        kv = h // module.num_heads * module.query_groups
-        mlp = (8 if module.kind == "llm" else 4) * module.ffn_hidden_size
-        replicated = 10 * s * b * h
-        split = s * b * (4 * h + 4 * kv + mlp) + 5 * module.num_heads * s * s * b
-        if module.cross_attention:
-            replicated += 5 * s * b * h  # norm input, query input, dropout mask
-            split += s * b * (4 * h + 4 * kv) + 5 * module.num_heads * s * s * b
-        return replicated + split / tp
+    def _norm(self, module: ModuleSpec, tokens: float) -> float:
+        """What a pre-norm saves besides its output: its input and per-token statistics (RMSNorm, composed of
+        torch ops: rstd and the normalised input; LayerNorm: mean and rstd)."""
+        h, d = module.hidden_size, self.dtype_bytes
+        if module.kind == "llm":
+            return tokens * (2 * h * d + FP32)
+        return tokens * (h * d + 2 * FP32)
 
-    def _light_op(self, metaop: MetaOp, micro_batch: float) -> float:
+    def _attention(self, module: ModuleSpec, b: float, s: int, tp: int,
+                   kv_len: int | None = None) -> tuple[float, float, float]:
+        """(saved without recomputation, saved with the core recomputed, saved inside the core) of one
+        attention block's core on one device, excluding its output; ``kv_len``: keys from a memory of that
+        length (cross-attention, no RoPE), else self-attention."""
+        h, a, d = module.hidden_size, module.num_heads, self.dtype_bytes
+        kv = h // a * module.query_groups
+        sk = s if kv_len is None else kv_len
+        tq, tk = b * s, b * sk
+        rotary, gqa = module.kind == "llm" and kv_len is None, module.query_groups < a
+        qkv = (tq * h + 2 * tk * kv) / tp * d  # the projection's output: q, k, v are views of it
+        q_rope = tq * h / tp * d if rotary else 0.0  # RoPE makes new q and k
+        k_rope = tk * kv / tp * d if rotary else 0.0
+        entering = q_rope + k_rope + qkv  # q, k, v as the core receives them (v is always a view)
+        if self.attention == "flash":
+            lse = a / tp * s * b * FP32
+            return entering + lse, entering, lse
+        # unfused: baddbmm keeps q and k, the PV product the softmax output and v; under GQA k and v are first
+        # repeated to every query head (new tensors), so the projection's output stays only through views
+        expanded = 2 * tk * h / tp * d if gqa else 0.0
+        probs = a / tp * s * sk * b * (d + (FP32 if d < FP32 else 0))
+        k_kept = 0.0 if gqa else k_rope
+        views = (not rotary) or (not gqa)
+        kept = q_rope + k_kept + expanded + (qkv if views else 0.0) + probs
+        return kept, entering, probs + expanded
+
+    def layer_activations(self, module: ModuleSpec, micro_batch: float, tokens: int, tp: int) -> LayerActivations:
+        """Bytes one transformer layer of ``module`` saves on one device for ``micro_batch`` samples of
+        ``tokens`` tokens at TP degree ``tp`` (see the module docstring)."""
+        b, s, h, d = micro_batch, tokens, module.hidden_size, self.dtype_bytes
+        t = b * s
+        f = module.ffn_hidden_size
+        mlp = (5 if module.kind == "llm" else 2) * t * f / tp * d
+        norm = self._norm(module, t) + t * h * d  # input and statistics, output (the next projection's input)
+        block = 2 * norm + t * h / tp * d  # both norms and the attention output (the output projection's input)
+        if module.kind == "llm":  # RoPE's cos and sin of q and k, per position
+            block += 4 * s * (h // module.num_heads) * d
+        plain, entering, core = self._attention(module, b, s, tp)
+        full, selective = block + plain + mlp, block + entering + mlp
+        if module.cross_attention:  # a second attention block over a memory as long and wide as the layer's
+            cross_plain, cross_entering, cross_core = self._attention(module, b, s, tp, kv_len=s)
+            extra = norm + t * h / tp * d + t * h * d  # its norm, output, and the memory (the k/v input)
+            full += extra + cross_plain
+            selective += extra + cross_entering
+            core += cross_core
+        # the backward frees the layer's MLP activations and second norm before it reruns the attention core
+        core = max(0.0, core - mlp - norm)
+        return LayerActivations(full, selective, core, t * h * d)
+
+    def _light_op(self, metaop: MetaOp, micro_batch: float, tp: int = 1) -> float:
         d = self.dtype_bytes
         b, s = micro_batch, metaop.tokens
         if metaop.kind == "loss":
-            # Both towers' embeddings gathered from all DP ranks, and the fp32 softmax of b x B logits.
-            return 2 * metaop.batch * metaop.hidden * d + b * metaop.batch * 4
+            # fp32: each tower's embedding and norm, both normalised towers gathered over DP ranks, the two
+            # log-softmaxes of the B x B logits every rank computes, the targets.
+            batch, width = metaop.batch, metaop.hidden
+            return FP32 * (2 * b * width + 4 * b + 2 * batch * width) + 2 * batch * batch * FP32 + INT64 * batch
         module = self.workload.modules[metaop.module]
         h = module.hidden_size
         if metaop.kind == "frontend":
             fe = module.frontend
             if fe is None or fe.type == "text":
-                return b * s * 8  # int64 token ids for the embedding gradient
-            if fe.stem == "conv":  # input frames, conv1 output + GELU (frame rate), conv2 output + GELU
-                return b * s * (fe.patch_size * (fe.in_channels + 2 * h) + 2 * h) * d
-            k = 2 if fe.type == "patch" else 1
-            extra = 2 * s * h if fe.pre_norm else 0  # the norm's input and output
-            return b * (s * fe.in_channels * fe.patch_size**k + extra) * d  # raw patches for the weight gradient
+                return b * s * INT64  # token ids for the embedding gradient
+            if fe.stem == "conv":  # input frames, conv1 output + GELU (frame rate), conv2 output
+                return b * s * (fe.patch_size * (fe.in_channels + 2 * h) + h) * d
+            if fe.type == "patch":
+                patches = s - (1 if fe.class_token else 0)
+                extra = s * (h * d + 2 * FP32) if fe.pre_norm else 0  # the norm's input and statistics
+                return b * (patches * fe.in_channels * fe.patch_size**2 * d + extra)  # patches for the weight grad
+            return b * s * fe.in_channels * fe.patch_size * d  # windows for the weight gradient
         if metaop.kind == "projector":
-            return b * s * (module.in_size + 2 * h) * d  # input, FC1 output, activation output
+            tokens = s // module.pool
+            return b * tokens * (module.in_size + 2 * h) * d  # (pooled) input, FC1 output, activation output
         if metaop.kind == "head":
-            return b * (2 * s * h + h) * d  # norm input, normed tokens, pooled vector
+            pooled = b * s * h * d if module.pooling == "cls" else b * h * d  # a view of the norm output, or a copy
+            return b * s * (h * d + 2 * FP32) + pooled  # norm input and statistics, what the projection reads
         if metaop.kind == "lm_head":
-            return b * s * 2 * h * d + b * s * module.lm_vocab * 4  # norm in/out and fp32 logits for CE
+            text = self._own_text_tokens(metaop)
+            t = b * text
+            vocab = module.lm_vocab / tp
+            # the text positions' copy, the RMSNorm's rstd, normalised input and output; two fp32 [T, V]
+            # tensors of the cross entropy (logits, their exp), the targets, per-token sums and masks
+            return t * (3 * h * d + FP32) + 2 * t * vocab * FP32 + t * (INT64 + FP32 + 2)
         raise EstimatorError(f"MetaOp '{metaop.id}': unknown kind '{metaop.kind}'")
 
-    def activation_bytes(self, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> float:
-        """Bytes held on one device from forward to backward by ``num_layers`` operators of the MetaOp run
-        with (tp, dp): each DP rank keeps its B/dp samples."""
+    def _own_text_tokens(self, metaop: MetaOp) -> int:
+        """Tokens of the LM module's own text in the task (the positions that carry labels)."""
+        task = self.workload.task(metaop.task)
+        own = task.tokens[metaop.module] - sum(output_tokens(self.workload, task, p)
+                                               for p in task.predecessors(metaop.module))
+        return max(0, own)
+
+    def _check(self, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> None:
         _check_positive("tp", tp)
         _check_positive("dp", dp)
         if metaop.batch % dp:
@@ -109,17 +208,37 @@ class MemoryModel:
             )
         if metaop.kind != "loss" and metaop.module not in self.workload.modules:
             raise EstimatorError(f"MetaOp '{metaop.id}': module '{metaop.module}' is not in the workload")
+
+    def activation_memory(self, metaop: MetaOp, tp: int, dp: int, num_layers: int,
+                          recompute: Recompute | None = None) -> tuple[float, float]:
+        """(held, transient) bytes on one device of ``num_layers`` operators of the MetaOp run with (tp, dp):
+        what they keep from forward to backward (each DP rank its B/dp samples), and what their backward needs
+        beyond that while it recomputes (``recompute``; None: the model's own)."""
+        self._check(metaop, tp, dp, num_layers)
         micro_batch = metaop.batch / dp
-        if metaop.kind == "layer":
-            module = self.workload.modules[metaop.module]
-            per_layer = self._transformer_layer(module, micro_batch, metaop.tokens, tp) * self.dtype_bytes / 2
-            if self.cost_model.config.recompute and num_layers:
-                # Only each layer's input stays (replicated on TP ranks); one layer's full activations exist
-                # while it is recomputed in backward.
-                layer_input = micro_batch * metaop.tokens * module.hidden_size * self.dtype_bytes
-                return num_layers * layer_input + per_layer
-            return num_layers * per_layer
-        return num_layers * self._light_op(metaop, micro_batch)
+        if metaop.kind != "layer":
+            return num_layers * self._light_op(metaop, micro_batch, tp), 0.0
+        if num_layers == 0:
+            return 0.0, 0.0
+        rc = (recompute or self.recompute).for_layers(num_layers)
+        layer = self.layer_activations(self.workload.modules[metaop.module], micro_batch, metaop.tokens, tp)
+        if rc.mode == "none":
+            return num_layers * layer.full, 0.0
+        if rc.mode == "selective":
+            return num_layers * layer.selective, layer.core
+        if rc.method == "uniform":  # chunks of `chunk` layers keep one input each; one chunk is rerun at a time
+            chunk = min(rc.chunk(), num_layers)
+            return math.ceil(num_layers / chunk) * layer.input, max(0.0, chunk * layer.full - layer.input)
+        k = rc.recomputed_layers(num_layers)  # the first k layers recompute, one at a time
+        held = (num_layers - k) * layer.full + k * layer.input
+        # the backward reaches the recomputed layers once the others' activations are freed
+        transient = max(0.0, (k - 1) * layer.input + layer.full - held)
+        return held, transient
+
+    def activation_bytes(self, metaop: MetaOp, tp: int, dp: int, num_layers: int,
+                         recompute: Recompute | None = None) -> float:
+        """Bytes held on one device from forward to backward (``activation_memory``'s first part)."""
+        return self.activation_memory(metaop, tp, dp, num_layers, recompute)[0]
 
 
 def _check_positive(what: str, value: int) -> None:

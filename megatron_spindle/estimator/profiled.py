@@ -84,8 +84,14 @@ class ProfiledCostModel(AnalyticCostModel):
         s = self.scale(metaop)
         return fwd * s, bwd * s
 
+    def recompute_seconds(self, metaop: MetaOp, tp: int, dp: int, recompute, num_layers: int) -> float:
+        """The analytic recomputation time at the MetaOp's measured level (``scale``)."""
+        return super().recompute_seconds(metaop, tp, dp, recompute, num_layers) * self.scale(metaop)
+
     def layer_cost(self, metaop: MetaOp, tp: int, dp: int) -> LayerCost:
         meas = self.measured.get((metaop.id, tp, dp))
+        if meas is not None and metaop.batch != self.workload.task(metaop.task).batch_size:
+            meas = None  # a micro-batch (plan settings.micro_batches): the measurement was of the whole batch
         if meas is not None:
             if metaop.kind == "loss":  # no weights: its DP communication is the embeddings' all-gather
                 return LayerCost(meas.compute_seconds, 0.0, 0.0, 0.0, data_comm=meas.dp_comm_seconds)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
 from megatron_spindle.graph.workload import ModuleSpec
+from megatron_spindle.plan.schema import Recompute
 
 
 @dataclass
@@ -27,13 +28,19 @@ class ModelConfig:
     init_seed: int = 0
     layernorm_epsilon: float = 1e-5
     rotary_base: int = 10000
-    # Full activation recomputation of transformer layers (the plan's planner["recompute"]): each layer keeps only
-    # its input and reruns its forward in backward (megatron-core's recompute_granularity="full").
-    recompute: bool = False
+    # Activation recomputation of the transformer layers (the plan's settings.recompute_of(slice)), done by
+    # megatron-core itself (``recompute_fields``): a Recompute, or True for full recomputation of every layer.
+    recompute: Recompute | bool = False
 
     @property
     def params_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.bf16 else torch.float32
+
+    @property
+    def recomputation(self) -> Recompute:
+        if isinstance(self.recompute, Recompute):
+            return self.recompute
+        return Recompute("full" if self.recompute else "none")
 
     def __post_init__(self):
         if self.bf16 and not torch.cuda.is_available():
@@ -80,9 +87,23 @@ def _base_kwargs(cfg: ModelConfig, tp_size: int, module: ModuleSpec | None = Non
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         batch_p2p_comm=False,
-        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-           if cfg.recompute else {}),
     )
+
+
+def recompute_fields(recompute: Recompute, num_layers: int) -> dict:
+    """megatron-core's TransformerConfig fields for ``recompute`` of a block of ``num_layers`` layers:
+    selective recomputes the attention core (``recompute_modules`` defaults to ["core_attn"]); full with the
+    block method checkpoints the first k layers one by one, with the uniform method every chunk of k."""
+    rc = recompute.for_layers(num_layers)
+    if rc.mode == "none":
+        return {}
+    if rc.mode == "selective":
+        return dict(recompute_granularity="selective")
+    if rc.method == "uniform":
+        return dict(recompute_granularity="full", recompute_method="uniform",
+                    recompute_num_layers=min(rc.chunk(), num_layers))
+    return dict(recompute_granularity="full", recompute_method="block",
+                recompute_num_layers=rc.recomputed_layers(num_layers))
 
 
 def transformer_config(module: ModuleSpec, num_layers: int, tp_size: int, cfg: ModelConfig) -> TransformerConfig:
@@ -103,6 +124,7 @@ def transformer_config(module: ModuleSpec, num_layers: int, tp_size: int, cfg: M
         add_bias_linear=not is_llm,
         add_qkv_bias=is_llm and module.qkv_bias,
         **_base_kwargs(cfg, tp_size, module),
+        **recompute_fields(cfg.recomputation, num_layers),
     )
 
 

@@ -16,6 +16,8 @@ Conventions (the runtime depends on them):
   of the shares over the DP ranks and gradients are to be SUMMED over DP ranks (see models/losses.py). The
   contrastive share is L/dp of the loss over the DP-gathered batch; the LM share is this shard's token-loss sum
   over the labelled tokens of the global batch. With ``dp_group=None`` (or dp=1) the share is the whole loss.
+  Of a micro-batch (``TaskBatch.micro``) the share is of the iteration's loss: the LM token sum still over the
+  whole batch's labelled tokens, the contrastive loss of the micro-batch divided by the micro-batch count.
 - Weights: each parameter unit (``units()``, e.g. ``"vision.layers.3"``, ``"vision.frontend"``,
   ``"llm.lm_head"``, ``"vis_proj.projector"``; ``"<module>@<task>"`` for ``shared: false`` modules) is
   initialised from full tensors drawn from a generator seeded by the parameter name (``models/state.py``), so
@@ -345,7 +347,9 @@ class ContrastiveLossOperator(SliceOperator):
 
     def forward(self, inputs, batch):
         a, b = (inputs[i].reshape(inputs[i].shape[0], -1) for i in self.input_order)
-        return contrastive_loss(a, b, self.temperature, self.dp_group)
+        # an iteration of m micro-batches trains on the mean of their losses (each over its own micro-batch)
+        micro_batches = getattr(batch, "micro_batches", 1) if batch is not None else 1
+        return contrastive_loss(a, b, self.temperature, self.dp_group) / micro_batches
 
 
 _OPERATOR_CLASSES = {

@@ -92,9 +92,14 @@ class ReferenceModel(nn.Module):
             raise ValueError(f"task '{batch.task}' has no loss")
         return loss
 
-    def forward(self, batches: dict[str, TaskBatch]) -> dict[str, torch.Tensor]:
-        """Per-task losses (each the mean over that task's global batch) for the tasks in ``batches``."""
-        return {task: self.forward_task(batch) for task, batch in batches.items()}
+    def forward(self, batches: dict[str, TaskBatch], micro_batches: int = 1) -> dict[str, torch.Tensor]:
+        """Per-task losses (each the mean over that task's global batch) for the tasks in ``batches``; with
+        ``micro_batches`` m, the sum of the m micro-batches' shares (``TaskBatch.micro``), as a plan with m
+        micro-batches trains."""
+        if micro_batches == 1:
+            return {task: self.forward_task(batch) for task, batch in batches.items()}
+        return {task: sum(self.forward_task(batch.micro(j, micro_batches)) for j in range(micro_batches))
+                for task, batch in batches.items()}
 
     def total_loss(self, losses: dict[str, torch.Tensor]) -> torch.Tensor:
         """sum over tasks of ``loss.weight * task loss``: what one training iteration backpropagates."""

@@ -6,14 +6,16 @@ and the simulator times the same buckets, so both agree on what is reduced when:
 
 - **Completion.** A unit's gradient is complete after the last backward that accumulates it: over every slice
   holding it, the one whose wave runs its backward last (plan/order.py's execution order: reverse wave order,
-  or ``settings.backward_order``, segment after segment), and in that slice the unit's layer (a slice runs its
-  layers' backward from last to first, so a lower position completes later). ``unit_completion`` gives a key
-  per unit; a smaller key completes earlier.
+  ``backward_order``, segments or an explicit ``order``), and in that slice the unit's layer (a slice runs
+  its layers' backward from last to first, so a lower position completes later). ``unit_completion`` gives
+  that slice's (wave, position) per unit.
 - **Buckets.** A group's units in completion order, whole units, closed once a bucket holds at least
   ``limit`` elements: megatron-core DDP's ``bucket_size``, by default ``max(40M, 1M * group size)``
   (distributed_data_parallel_config.py).
-- **Launch order.** Buckets by the completion of their last unit, then by group and index: buckets of one
-  group come in index order, and any two ranks issue the buckets they share in the same relative order.
+- **Launch order.** Buckets by the completion of their last unit (latest wave first, then position), then by
+  group and index: buckets of one group come in index order, and any two ranks issue the buckets they share
+  in the same relative order. (With the default order this follows the backward; with another order a rank
+  may wait for a bucket issued late in its backward.)
 """
 
 from __future__ import annotations
@@ -22,46 +24,40 @@ from collections.abc import Callable, Mapping, Sequence
 
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.plan.layout import SliceGeometry, slice_units
-from megatron_spindle.plan.order import BWD, execution_order
+from megatron_spindle.plan.order import BWD, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings
 
 DEFAULT_BUCKET_NUMEL = 40_000_000  # megatron-core DDP: max(40M, 1M * dp size) parameters per bucket
 BUCKET_NUMEL_PER_MEMBER = 1_000_000
 
-Completion = tuple[int, int]  # (backward step of the wave, -position of the unit in its slice); smaller: earlier
+Completion = tuple[int, int]  # (wave, position in its slice) of the slice whose backward completes the unit
 
 
 def default_bucket_numel(members: int) -> int:
     return max(DEFAULT_BUCKET_NUMEL, BUCKET_NUMEL_PER_MEMBER * members)
 
 
-def backward_steps(num_waves: int, settings: ExecutionSettings) -> dict[int, int]:
-    """wave index -> its step in the backward execution order (0 runs first)."""
-    steps: dict[int, int] = {}
-    for wi, phase in execution_order(num_waves, settings):
-        if phase == BWD:
-            steps[wi] = len(steps)
-    return steps
-
-
 def unit_completion(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
                     settings: ExecutionSettings) -> dict[str, Completion]:
-    """unit -> when the backward completes it (module docstring): the latest (step, -position) over the slices
-    holding it. With the default order this is the slice with the smallest (wave, position)."""
-    steps = backward_steps(len(waves), settings)
-    done: dict[str, Completion] = {}
+    """unit -> (wave, position) of the slice whose backward completes it (module docstring): over the slices
+    holding it, the one whose backward runs last in the plan's order (plan/order.py ``slice_order``), and in
+    it the unit's position (the lowest, completed last). With the default order this is the smallest
+    (wave, position)."""
+    tasks = [[metaops[s.metaop].task for s in slices] for slices in waves]
+    step = {(wi, si): k for k, (wi, si, phase) in enumerate(slice_order(tasks, settings)) if phase == BWD}
+    last: dict[str, tuple[int, int, int]] = {}  # unit -> (backward step, -position, wave)
     for wi, slices in enumerate(waves):
-        for s in slices:
+        for si, s in enumerate(slices):
             for pos, u in enumerate(slice_units(metaops[s.metaop], s.layer_start, s.layer_end)):
-                key = (steps[wi], -pos)
-                if u not in done or key > done[u]:
-                    done[u] = key
-    return done
+                key = (step[(wi, si)], -pos, wi)
+                if u not in last or key > last[u]:
+                    last[u] = key
+    return {u: (wi, -neg_pos) for u, (_, neg_pos, wi) in last.items()}
 
 
 def completion_sorted(units: Sequence[str], completion: Mapping[str, Completion]) -> list[str]:
-    """Units in the order the backward completes them (ties by name)."""
-    return sorted(units, key=lambda u: (completion[u], u))
+    """Units in buffer order: by completion in the backward, latest wave first, then position (ties by name)."""
+    return sorted(units, key=lambda u: (-completion[u][0], -completion[u][1], u))
 
 
 def split_buckets(units: Sequence[str], numel: Callable[[str], int], limit: int) -> list[list[str]]:
@@ -79,5 +75,6 @@ def split_buckets(units: Sequence[str], numel: Callable[[str], int], limit: int)
 
 
 def launch_key(done: Completion, devices: Sequence[int], index: int) -> tuple:
-    """Sort key of a bucket in the plan-wide launch order: ``done`` is the completion of its last unit."""
-    return (done, tuple(devices), index)
+    """Sort key of a bucket in the plan-wide launch order: ``done`` is the completion of its last unit
+    (latest wave first, then position), then the group and the index."""
+    return (-done[0], -done[1], tuple(devices), index)

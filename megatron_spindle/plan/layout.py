@@ -8,6 +8,7 @@ simulator and the runtime apply the same rules to what they hold.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -29,6 +30,17 @@ def dp_rows(rank: int, dp: int, batch: int) -> tuple[int, int]:
     """Samples ``[lo, hi)`` of data-parallel rank ``rank`` of ``dp``: rank k holds ``[k*B/dp, (k+1)*B/dp)``."""
     per_rank = batch // dp
     return rank * per_rank, (rank + 1) * per_rank
+
+
+def micro_batch_metaop(metaop: MetaOp, micro_batches: int) -> MetaOp:
+    """The MetaOp as one micro-batch runs it: its batch B / ``micro_batches`` (the plan's micro-batches split
+    every task's batch into equal parts, each a whole run of the order)."""
+    if micro_batches == 1:
+        return metaop
+    b, *rest = metaop.input_shape
+    if b % micro_batches:
+        raise ValueError(f"MetaOp '{metaop.id}': {micro_batches} micro-batches do not divide its batch {b}")
+    return dataclasses.replace(metaop, input_shape=(b // micro_batches, *rest))
 
 
 def position_rows(position: int, tp: int, dp: int, batch: int) -> tuple[int, int]:

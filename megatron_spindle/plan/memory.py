@@ -13,22 +13,25 @@ slice's activations come from the estimator's ``MemoryModel`` (``MemoryNumbers``
   gradients, stage 3 also the weights (``zero_state_bytes_per_param``).
 - **Activations** are held from a slice's forward to its backward: each forward allocates them on every device
   of the slice, each backward frees them, and a device's activation memory is the peak over the plan's
-  execution order (``plan/order.py``): with one segment, everything until the first backward; with segments,
-  the worst segment.
+  execution order (``plan/order.py``): with one segment, everything until the first backward; with segments
+  or an early backward, the worst point. What a slice holds depends on its recomputation
+  (``settings.recompute_of``); a slice that recomputes also needs, during its backward, the activations of
+  the layer it is recomputing (``SliceMemory.transient``). With ``micro_batches`` m every slice runs on B/m
+  samples at a time, and a micro-batch's activations are freed before the next one starts.
 
 A device's predicted memory is its parameter state plus its activation peak.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from megatron_spindle.graph.opgraph import MetaOp
-from megatron_spindle.plan.layout import SliceGeometry, device_programs, slice_units
-from megatron_spindle.plan.order import FWD, execution_order
-from megatron_spindle.plan.schema import ExecutionSettings, Plan
+from megatron_spindle.plan.layout import SliceGeometry, device_programs, micro_batch_metaop, slice_units
+from megatron_spindle.plan.order import FWD, SliceStep, slice_order
+from megatron_spindle.plan.schema import ExecutionSettings, Plan, Recompute
 
 WEIGHT_BYTES_PER_PARAM = 2  # bf16 weight
 GRAD_BYTES_PER_PARAM = 4  # fp32 main gradient
@@ -38,7 +41,9 @@ STATE_BYTES_PER_PARAM = WEIGHT_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM + OPTIMIZE
 
 class MemoryNumbers(Protocol):
     """Byte numbers of the estimator's ``MemoryModel``: a unit's whole training state on one of ``tp`` ranks
-    (no ZeRO sharding), and what ``num_layers`` operators of a MetaOp run at (tp, dp) keep for the backward."""
+    (no ZeRO sharding), and what ``num_layers`` operators of a MetaOp run at (tp, dp) keep for the backward.
+    Numbers that know recomputation also have ``activation_memory(metaop, tp, dp, num_layers, recompute) ->
+    (held, transient)``; others (test stand-ins) hold ``activation_bytes`` and need nothing more."""
 
     def param_state_bytes(self, unit: str, tp: int) -> float: ...
 
@@ -82,6 +87,11 @@ class ZeroSharded:
     def activation_bytes(self, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> float:
         return self.numbers.activation_bytes(metaop, tp, dp, num_layers)
 
+    @property
+    def activation_memory(self):
+        """The numbers' ``activation_memory`` (None when they have none)."""
+        return getattr(self.numbers, "activation_memory", None)
+
 
 class ShardedNumbers(Protocol):
     """Numbers with the ZeRO stage applied: the estimator's ``MemoryModel`` (its own stage) or ``ZeroSharded``."""
@@ -94,16 +104,32 @@ class ShardedNumbers(Protocol):
 class SliceMemory(NamedTuple):
     units: dict[str, float]  # unit -> parameter-state bytes on one device of the slice
     activations: float  # bytes one device holds from the slice's forward to its backward
+    transient: float = 0.0  # bytes beyond those its backward needs at once (a layer being recomputed)
 
 
-def slice_memory(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers) -> SliceMemory:
+def activation_memory(numbers: ShardedNumbers, metaop: MetaOp, tp: int, dp: int, num_layers: int,
+                      recompute: Recompute | None = None) -> tuple[float, float]:
+    """(held, transient) bytes of ``num_layers`` operators of the MetaOp under ``recompute`` (None: the numbers'
+    own default)."""
+    memory = getattr(numbers, "activation_memory", None)
+    if memory is None:
+        return float(numbers.activation_bytes(metaop, tp, dp, num_layers)), 0.0
+    held, transient = memory(metaop, tp, dp, num_layers, recompute)
+    return float(held), float(transient)
+
+
+def slice_memory(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers, recompute: Recompute | None = None,
+                 micro_batches: int = 1) -> SliceMemory:
     units = {u: float(numbers.param_state_bytes(u, s.tp, s.dp)) for u in slice_units(metaop, s.layer_start, s.layer_end)}
-    return SliceMemory(units, float(numbers.activation_bytes(metaop, s.tp, s.dp, s.layer_end - s.layer_start)))
+    held, transient = activation_memory(numbers, micro_batch_metaop(metaop, micro_batches), s.tp, s.dp,
+                                        s.layer_end - s.layer_start, recompute)
+    return SliceMemory(units, held, transient)
 
 
 class DeviceMemory:
     """Bytes per device as slices run: each unit's state once (its largest share), activations allocated by a
-    forward and freed by its backward, and the activation peak."""
+    forward and freed by its backward (which may need ``transient`` bytes more while it runs), and the
+    activation peak."""
 
     def __init__(self, num_devices: int, capacity: float = float("inf")):
         self.capacity = capacity
@@ -143,6 +169,7 @@ class DeviceMemory:
         self.peak[device] = max(self.peak[device], self.live[device])
 
     def backward(self, device: int, sm: SliceMemory) -> None:
+        self.peak[device] = max(self.peak[device], self.live[device] + sm.transient)
         self.live[device] -= sm.activations
 
     def copy(self) -> DeviceMemory:
@@ -152,35 +179,61 @@ class DeviceMemory:
         return out
 
 
-def peak_memory(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp], numbers: ShardedNumbers,
-                num_devices: int, order: Sequence[tuple[int, str]] | None = None) -> list[float]:
-    """Predicted bytes per device of placed waves run in ``order`` ((wave, FWD | BWD); default: one segment).
+RecomputeOf = Callable[[int, int], "Recompute | None"]  # (wave, slice) -> the slice's recomputation
+
+
+def default_slice_order(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
+                        settings: ExecutionSettings | None = None) -> list[SliceStep]:
+    """plan/order.py's slice order of placed waves (default: one segment), tasks read from the MetaOps."""
+    return slice_order([[metaops[s.metaop].task for s in w] for w in waves], settings or ExecutionSettings())
+
+
+def memory_breakdown(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
+                     numbers: ShardedNumbers, num_devices: int, order: Sequence[SliceStep] | None = None,
+                     recompute: RecomputeOf | None = None, micro_batches: int = 1) -> list[tuple[float, float]]:
+    """(parameter state, activation peak) bytes per device of placed waves run in ``order`` ((wave, slice,
+    phase); default: one segment), each slice under ``recompute(wave, slice)`` (default: the numbers' own).
 
     A device's memory depends only on the slices it runs (the order is global), so devices that run the same
     slices are accounted once (whole-cluster plans: once in all)."""
     if order is None:
-        order = execution_order(len(waves), ExecutionSettings())
+        order = default_slice_order(waves, metaops)
     cache: dict[tuple[int, int], SliceMemory] = {}
-    out = [0.0] * num_devices
+    out = [(0.0, 0.0)] * num_devices
     for program, devices in device_programs(waves, num_devices).items():
-        in_wave: dict[int, list[int]] = {}
-        for wi, si in program:
-            in_wave.setdefault(wi, []).append(si)
+        mine = set(program)
         memory = DeviceMemory(1)
-        for wi, phase in order:
-            for si in in_wave.get(wi, ()):
-                sm = cache.get((wi, si))
-                if sm is None:
-                    sm = cache[(wi, si)] = slice_memory(metaops[waves[wi][si].metaop], waves[wi][si], numbers)
-                (memory.forward if phase == FWD else memory.backward)(0, sm)
-        total = memory.total(0)
+        for wi, si, phase in order:
+            if (wi, si) not in mine:
+                continue
+            sm = cache.get((wi, si))
+            if sm is None:
+                s = waves[wi][si]
+                sm = cache[(wi, si)] = slice_memory(metaops[s.metaop], s, numbers,
+                                                    recompute(wi, si) if recompute else None, micro_batches)
+            (memory.forward if phase == FWD else memory.backward)(0, sm)
         for d in devices:
-            out[d] = total
+            out[d] = (memory.params[0], memory.peak[0])
     return out
 
 
-def plan_memory(plan: Plan, metaops: Mapping[str, MetaOp], numbers: MemoryNumbers) -> list[float]:
-    """Predicted bytes per device of a plan under its settings (ZeRO stage, segments, backward order)."""
+def peak_memory(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp], numbers: ShardedNumbers,
+                num_devices: int, order: Sequence[SliceStep] | None = None, recompute: RecomputeOf | None = None,
+                micro_batches: int = 1) -> list[float]:
+    """Predicted bytes per device (parameter state + activation peak): ``memory_breakdown`` summed."""
+    return [p + a for p, a in memory_breakdown(waves, metaops, numbers, num_devices, order, recompute, micro_batches)]
+
+
+def plan_breakdown(plan: Plan, metaops: Mapping[str, MetaOp], numbers: MemoryNumbers) -> list[tuple[float, float]]:
+    """(parameter state, activation peak) per device of a plan under its settings (ZeRO stage, order,
+    recomputation per slice, micro-batches)."""
     settings = plan.settings
-    return peak_memory([w.slices for w in plan.waves], metaops, ZeroSharded(numbers, settings.zero_stage),
-                       plan.num_devices, execution_order(len(plan.waves), settings))
+    waves = [w.slices for w in plan.waves]
+    return memory_breakdown(waves, metaops, ZeroSharded(numbers, settings.zero_stage), plan.num_devices,
+                            slice_order([[s.task for s in w] for w in waves], settings),
+                            lambda wi, si: settings.recompute_of(waves[wi][si].id), settings.micro_batches)
+
+
+def plan_memory(plan: Plan, metaops: Mapping[str, MetaOp], numbers: MemoryNumbers) -> list[float]:
+    """Predicted bytes per device of a plan under its settings."""
+    return [p + a for p, a in plan_breakdown(plan, metaops, numbers)]

@@ -1,13 +1,25 @@
-"""The order in which a plan's waves run forward and backward (``ExecutionSettings.segments`` and
-``backward_order``): each segment runs the forward of its waves in wave order, then their backward in reverse
-wave order (or in ``backward_order``), before the next segment starts. Without segments the whole plan is one
-segment."""
+"""The order in which a plan's slices run forward and backward, from ``ExecutionSettings``:
+
+- by default the whole plan is one segment: the forward of every wave in wave order, then the backward of
+  every wave in reverse wave order (or in ``backward_order``);
+- with ``segments``, each segment runs the forward of its waves, then their backward, before the next starts
+  (temporal decoupling: the baselines run a task per segment);
+- ``order`` lists the steps explicitly: ``(wave, phase, task)`` runs the forward or backward of the wave's
+  slices of that task (None: all of them), e.g. early backward (``early_backward_order``).
+
+Within a step the forward runs the wave's slices in wave order and the backward in reverse. Every rank, the
+simulator and the memory accounting walk the same order (``slice_order``); the plan is valid only if every
+slice runs forward then backward once and data flows forward before it is read (``check_order``).
+"""
 
 from __future__ import annotations
 
-from megatron_spindle.plan.schema import ExecutionSettings, PlanError
+from collections.abc import Sequence
 
-FWD, BWD = "fwd", "bwd"
+from megatron_spindle.plan.schema import PHASES, ExecutionSettings, PlanError, Step
+
+FWD, BWD = PHASES
+SliceStep = tuple[int, int, str]  # (wave index, slice index in the wave, phase)
 
 
 def segments_of(num_waves: int, settings: ExecutionSettings) -> list[list[int]]:
@@ -21,16 +33,82 @@ def segments_of(num_waves: int, settings: ExecutionSettings) -> list[list[int]]:
     return [sorted(seg) for seg in settings.segments]
 
 
-def execution_order(num_waves: int, settings: ExecutionSettings) -> list[tuple[int, str]]:
-    """(wave index, FWD | BWD) in execution order."""
-    order = []
+def execution_steps(num_waves: int, settings: ExecutionSettings) -> list[Step]:
+    """The plan's steps ``(wave, phase, task)`` in execution order."""
+    if settings.order is not None:
+        bad = [list(st) for st in settings.order if st[0] >= num_waves]
+        if bad:
+            raise PlanError(f"settings.order: steps {bad[:3]} name waves the plan does not have (it has "
+                            f"{num_waves})")
+        return list(settings.order)
     position = None
     if settings.backward_order is not None:
         if sorted(settings.backward_order) != list(range(num_waves)):
             raise PlanError(f"settings.backward_order {list(settings.backward_order)} must list every wave index "
                             f"0..{num_waves - 1} exactly once")
         position = {w: i for i, w in enumerate(settings.backward_order)}
+    steps: list[Step] = []
     for seg in segments_of(num_waves, settings):
         backward = sorted(seg, key=position.__getitem__) if position else list(reversed(seg))
-        order += [(w, FWD) for w in seg] + [(w, BWD) for w in backward]
-    return order
+        steps += [(w, FWD, None) for w in seg] + [(w, BWD, None) for w in backward]
+    return steps
+
+
+def slice_order(tasks: Sequence[Sequence[str]], settings: ExecutionSettings) -> list[SliceStep]:
+    """(wave, slice, phase) of every slice in execution order; ``tasks[w][s]`` is the task of slice s of
+    wave w. Raises PlanError unless every slice runs its forward and its backward exactly once, forward first."""
+    out: list[SliceStep] = []
+    seen: set[SliceStep] = set()
+    for wave, phase, task in execution_steps(len(tasks), settings):
+        picked = [si for si, t in enumerate(tasks[wave]) if task is None or t == task]
+        if task is not None and not picked:
+            raise PlanError(f"settings.order: step [{wave}, {phase}, {task}]: wave {wave} has no slice of task "
+                            f"'{task}'")
+        for si in (picked if phase == FWD else reversed(picked)):
+            step = (wave, si, phase)
+            if step in seen:
+                raise PlanError(f"settings.order runs the {phase} of slice {si} of wave {wave} twice")
+            if phase == BWD and (wave, si, FWD) not in seen:
+                raise PlanError(f"settings.order runs the backward of slice {si} of wave {wave} before its forward")
+            seen.add(step)
+            out.append(step)
+    missing = [(w, si, p) for w, ts in enumerate(tasks) for si in range(len(ts)) for p in PHASES
+               if (w, si, p) not in seen]
+    if missing:
+        w, si, p = missing[0]
+        raise PlanError(f"the execution order never runs the {p} of slice {si} of wave {w} "
+                        f"({len(missing)} slice phases missing)")
+    return out
+
+
+def check_dataflow(order: Sequence[SliceStep], pairs) -> None:
+    """Every (producer, consumer) slice pair ((wave, slice) positions): the producer's forward runs before the
+    consumer's, the consumer's backward before the producer's (it sends the gradient of its input)."""
+    at = {(w, s, p): i for i, (w, s, p) in enumerate(order)}
+    for (pw, ps), (cw, cs) in pairs:
+        if at[(pw, ps, FWD)] > at[(cw, cs, FWD)]:
+            raise PlanError(f"the execution order runs slice {cs} of wave {cw} forward before slice {ps} of "
+                            f"wave {pw}, whose output it reads")
+        if at[(cw, cs, BWD)] > at[(pw, ps, BWD)]:
+            raise PlanError(f"the execution order runs the backward of slice {ps} of wave {pw} before that of "
+                            f"slice {cs} of wave {cw}, which reads its output")
+
+
+def early_backward_order(tasks: Sequence[Sequence[str]]) -> tuple[Step, ...]:
+    """Forward wave by wave; as soon as a task's last slice has run forward, that task's backward, wave by
+    wave backwards, so its activations are freed while the other tasks' forward goes on (tasks done in the
+    same wave go backwards together). ``tasks[w][s]`` is the task of slice s of wave w."""
+    last = {t: w for w, ts in enumerate(tasks) for t in ts}
+    steps: list[Step] = []
+    for w, ts in enumerate(tasks):
+        steps.append((w, FWD, None))
+        done = sorted({t for t in ts if last[t] == w}, key=list(dict.fromkeys(ts)).index)
+        for v in range(w, -1, -1):  # the tasks done here go backwards together, wave by wave
+            present = set(tasks[v])
+            steps += [(v, BWD, t) for t in done if t in present]
+    return tuple(steps)
+
+
+def default_order(num_waves: int) -> tuple[Step, ...]:
+    """The one-segment order written out: every forward, then every backward in reverse."""
+    return tuple([(w, FWD, None) for w in range(num_waves)] + [(w, BWD, None) for w in reversed(range(num_waves))])

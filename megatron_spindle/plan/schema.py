@@ -27,6 +27,8 @@ SCHEMA_VERSION = 2
 PLAN_FORMAT = "megatron-spindle-plan"
 TRANSFER_KINDS = ("local", "intra_island", "inter_island")
 RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("block", "uniform")  # megatron-core's recompute_method
+PHASES = ("fwd", "bwd")
 ZERO_STAGES = (0, 1, 2, 3)
 REDUCE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
@@ -37,36 +39,87 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Recompute:
-    """Activation recomputation of transformer layers: ``none``, ``selective`` (attention core only) or
-    ``full`` (a layer keeps only its input and reruns its forward in the backward); with ``full``, ``layers``
-    is how many of the slice's layers recompute (None: all of them)."""
+    """Activation recomputation of a slice's transformer layers, as megatron-core's TransformerConfig says it:
+
+    - ``none``: every layer keeps what its backward needs;
+    - ``selective``: the attention core (QK^T, softmax, PV) of every layer is recomputed in the backward
+      (``recompute_granularity="selective"``, ``recompute_modules=["core_attn"]``);
+    - ``full``: a recomputed layer keeps only its input and reruns its forward in the backward
+      (``recompute_granularity="full"``). With ``method="block"`` the first ``layers`` layers of the slice
+      recompute, each on its own (None: all of them; ``recompute_method="block"``, ``recompute_num_layers``);
+      with ``method="uniform"`` every layer recomputes, in chunks of ``layers`` layers that keep one input each
+      (None: chunks of 1; ``recompute_method="uniform"``)."""
 
     mode: str = "none"
     layers: int | None = None
+    method: str = "block"
 
     def __post_init__(self):
         if self.mode not in RECOMPUTE_MODES:
             raise PlanError(f"recompute mode '{self.mode}' is not one of {', '.join(RECOMPUTE_MODES)}")
+        if self.method not in RECOMPUTE_METHODS:
+            raise PlanError(f"recompute method '{self.method}' is not one of {', '.join(RECOMPUTE_METHODS)}")
         if self.layers is not None and (self.mode != "full" or not _is_count(self.layers)):
             raise PlanError(f"recompute layers {self.layers!r}: only 'full' takes a count of layers (an integer "
                             f">= 0), got mode '{self.mode}'")
+        if self.method == "uniform" and (self.mode != "full" or self.layers == 0):
+            raise PlanError(f"recompute method 'uniform' needs mode 'full' and chunks of at least 1 layer, got "
+                            f"mode '{self.mode}', layers {self.layers!r}")
+
+    def recomputed_layers(self, num_layers: int) -> int:
+        """How many of a slice's ``num_layers`` layers rerun their whole forward in the backward."""
+        if self.mode != "full":
+            return 0
+        if self.method == "uniform" or self.layers is None:
+            return num_layers
+        return min(self.layers, num_layers)
+
+    def chunk(self) -> int:
+        """Layers per checkpointed chunk (1 except ``uniform``)."""
+        return (self.layers or 1) if self.method == "uniform" else 1
+
+    def for_layers(self, num_layers: int) -> Recompute:
+        """The same choice for a slice of ``num_layers`` layers, in its plainest form: full recomputation of 0
+        layers is none, of every layer (one at a time) is ``Recompute("full")``."""
+        if self.mode != "full":
+            return self
+        if self.method == "uniform":
+            return Recompute("full") if self.chunk() == 1 or num_layers == 1 else self
+        k = self.recomputed_layers(num_layers)
+        return Recompute("none") if k == 0 else Recompute("full") if k == num_layers else Recompute("full", k)
+
+    def describe(self) -> str:
+        if self.mode != "full" or (self.layers is None and self.method == "block"):
+            return self.mode
+        if self.method == "uniform":
+            return f"full (uniform, chunks of {self.chunk()})"
+        return f"full ({self.layers} layers)"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Recompute:
         return cls(**d)
 
 
+Step = tuple[int, str, "str | None"]  # (wave index, "fwd" | "bwd", task or None: every slice of the wave)
+
+
 @dataclass(frozen=True)
 class ExecutionSettings:
     """What the runtime and the simulator obey, besides the waves themselves.
 
-    - ``recompute``: the plan-wide activation recomputation; ``slice_recompute`` overrides it per slice id.
+    - ``recompute``: the plan-wide activation recomputation of layer slices; ``slice_recompute`` overrides it
+      per slice id.
     - ``zero_stage``: ZeRO stage of the whole plan (0 none, 1 optimizer state, 2 + gradients, 3 + weights
       sharded over a slice's data-parallel ranks; 1 is Megatron's distributed optimizer).
     - ``segments``: groups of wave indices that run forward then backward one after another (temporal
       decoupling, a task per segment); None: the whole plan is one segment.
-    - ``micro_batches``: micro-batches per iteration (gradient accumulation).
+    - ``micro_batches``: every task's batch is split into this many micro-batches (rows
+      ``[j*B/m, (j+1)*B/m)``), each run through the whole order, gradients accumulated (dp divides B/m).
     - ``backward_order``: wave indices in the order their backward runs (per segment); None: reverse wave order.
+    - ``order``: an explicit execution order instead of segments and backward order: steps ``(wave, phase,
+      task)``, each the forward or backward of the wave's slices of ``task`` (None: all of them), every slice's
+      forward and backward exactly once (plan/order.py); e.g. early backward, a task's backward right after
+      its loss.
     - ``grad_reduce_dtype``: the dtype gradients are all-reduced in (``grad_reduce_bytes`` per element).
     """
 
@@ -77,6 +130,7 @@ class ExecutionSettings:
     micro_batches: int = 1
     backward_order: tuple[int, ...] | None = None
     grad_reduce_dtype: str = "fp32"
+    order: tuple[Step, ...] | None = None
 
     def __post_init__(self):
         if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
@@ -92,6 +146,10 @@ class ExecutionSettings:
         if self.backward_order is not None:
             object.__setattr__(self, "backward_order",
                                tuple(_index(i, "backward_order") for i in self.backward_order))
+        if self.order is not None:
+            if self.segments is not None or self.backward_order is not None:
+                raise PlanError("settings.order replaces segments and backward_order: give one or the other")
+            object.__setattr__(self, "order", tuple(_step(st) for st in self.order))
         object.__setattr__(self, "slice_recompute", {
             str(k): v if isinstance(v, Recompute) else Recompute.from_dict(v) for k, v in self.slice_recompute.items()})
         if not isinstance(self.recompute, Recompute):
@@ -104,16 +162,9 @@ class ExecutionSettings:
     def recompute_of(self, slice_id: str) -> Recompute:
         return self.slice_recompute.get(slice_id, self.recompute)
 
-    def recompute_every_layer(self) -> bool:
-        """True for full recomputation of every layer of every slice, False for none; a plan asking for anything
-        else (selective, some layers, per slice) is refused: the cost models and operators do all or nothing."""
-        choices = {self.recompute} | set(self.slice_recompute.values())
-        if choices == {Recompute("none")}:
-            return False
-        if choices == {Recompute("full")}:
-            return True
-        raise PlanError(f"the plan asks for activation recomputation {sorted(map(_describe, choices))}; this "
-                        f"version runs only 'none' or 'full' on every layer (replan with tools/plan.py)")
+    def recompute_choices(self) -> list[str]:
+        """The distinct recomputation choices of the plan, described (for summaries)."""
+        return sorted({r.describe() for r in [self.recompute, *self.slice_recompute.values()]})
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -124,6 +175,7 @@ class ExecutionSettings:
             "micro_batches": self.micro_batches,
             "backward_order": None if self.backward_order is None else list(self.backward_order),
             "grad_reduce_dtype": self.grad_reduce_dtype,
+            "order": None if self.order is None else [list(st) for st in self.order],
         }
 
     @classmethod
@@ -290,9 +342,20 @@ def _index(x: Any, what: str) -> int:
     return x
 
 
+def _step(x: Any) -> Step:
+    try:
+        wave, phase, task = x
+    except (TypeError, ValueError):
+        raise PlanError(f"settings.order: step {x!r} is not [wave, phase, task]") from None
+    if phase not in PHASES:
+        raise PlanError(f"settings.order: step {list(x)!r}: phase must be one of {', '.join(PHASES)}")
+    if task is not None and not isinstance(task, str):
+        raise PlanError(f"settings.order: step {list(x)!r}: task must be a task name or null")
+    return (_index(wave, "settings.order"), phase, task)
+
+
 def _recompute_dict(r: Recompute) -> dict[str, Any]:
-    return {"mode": r.mode, "layers": r.layers}
-
-
-def _describe(r: Recompute) -> str:
-    return r.mode if r.layers is None else f"{r.mode} ({r.layers} layers)"
+    d: dict[str, Any] = {"mode": r.mode, "layers": r.layers}
+    if r.method != "block":
+        d["method"] = r.method
+    return d

@@ -6,7 +6,7 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.layout import transfer_pairs
-from megatron_spindle.plan.order import BWD, execution_order
+from megatron_spindle.plan.order import check_dataflow, slice_order
 from megatron_spindle.plan.routing import Router
 from megatron_spindle.plan.schema import TRANSFER_KINDS, Plan, PlanError
 
@@ -56,23 +56,30 @@ def validate_plan(plan: Plan, workload: Workload | None = None, cluster: Cluster
 
 
 def check_settings(plan: Plan) -> None:
-    """The execution settings against the plan's waves (segments, backward order, per-slice choices)."""
+    """The execution settings against the plan's waves: the execution order (segments, backward order or an
+    explicit order) runs every slice forward then backward once, producers before consumers forward and after
+    them backward; per-slice recomputation names layer slices; micro-batches divide every batch, and every
+    slice's dp divides a micro-batch."""
     settings = plan.settings
-    order = execution_order(len(plan.waves), settings)
-    ids = {s.id: (wi, s) for wi, w in enumerate(plan.waves) for s in w.slices}
+    order = slice_order([[s.task for s in w.slices] for w in plan.waves], settings)
+    check_dataflow(order, _pairs(plan))
+    ids = {s.id: s for w in plan.waves for s in w.slices}
     for sid, rc in settings.slice_recompute.items():
         if sid not in ids:
             raise PlanError(f"settings.slice_recompute names slice '{sid}' that is not in the plan")
-        if rc.layers is not None and rc.layers > ids[sid][1].num_layers:
+        if rc.mode != "none" and ids[sid].kind != "layer":
+            raise PlanError(f"settings.slice_recompute['{sid}']: a {ids[sid].kind} slice has no transformer layers "
+                            f"to recompute")
+        if rc.layers is not None and rc.method == "block" and rc.layers > ids[sid].num_layers:
             raise PlanError(f"settings.slice_recompute['{sid}']: {rc.layers} layers, the slice has "
-                            f"{ids[sid][1].num_layers}")
-    if settings.backward_order is None:
-        return
-    backward_at = {wi: i for i, (wi, phase) in enumerate(order) if phase == BWD}
-    for (pw, _), (cw, _) in _pairs(plan):
-        if backward_at[cw] > backward_at[pw]:
-            raise PlanError(f"settings.backward_order runs wave {pw}'s backward before wave {cw}'s, which reads "
-                            f"its output")
+                            f"{ids[sid].num_layers}")
+    m = settings.micro_batches
+    batch = {info.id: int(info.input_shape[0]) for info in plan.metaops}
+    for s in ids.values():
+        b = batch.get(s.metaop)
+        if b is not None and (b % m or (b // m) % s.dp):
+            raise PlanError(f"settings.micro_batches {m}: slice '{s.id}' has dp {s.dp}, which must divide its "
+                            f"micro-batch (batch {b} / {m} micro-batches)")
 
 
 def _pairs(plan: Plan):

@@ -3,8 +3,10 @@
 ``RuntimeEngine`` puts together, along megatron-core's lines, one class per job:
 
 1. Localization (slices.py): each rank builds only the slices it runs, and only their parameters.
-2. The wave schedule (schedule.py, transfer.py): forward wave by wave, ``TransferOp`` moving activations
-   between waves and gradients back, the backward in reverse wave order. Nothing in it is a barrier.
+2. The wave schedule (schedule.py, transfer.py): the plan's execution order (plan/order.py: forward wave by
+   wave and the backward in reverse, per segment, or explicit steps such as an early backward), once per
+   micro-batch, ``TransferOp`` moving activations between waves and gradients back. Nothing in it is a
+   barrier. Slices recompute activations with megatron-core's own recomputation where the plan says so.
 3. Gradient buffers (grad_buffers.py) and their synchronisation (grad_sync.py): one flat fp32 buffer per
    parameter device group, split into buckets whose all-reduces run inside the group's process group
    (groups.py) asynchronously during the backward, as soon as each bucket is complete; a unit's gradient is
@@ -36,7 +38,6 @@ of each wave on this rank (its slice and the transfers into that wave; no synchr
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,7 +47,8 @@ import torch.distributed as dist
 from megatron_spindle.checkpointing.checkpoint import UnitState
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.schema import ExecutionSettings, Plan
+from megatron_spindle.plan.schema import Plan
+from megatron_spindle.runtime.activation_meter import SavedTensorMeter
 from megatron_spindle.runtime.direct import bind_direct_units
 from megatron_spindle.runtime.grad_buffers import GradBuffers, backward_order
 from megatron_spindle.runtime.grad_sync import GradSync
@@ -72,20 +74,24 @@ class EngineConfig:
     # All-reduce each bucket as soon as its gradients are complete, during the backward (grad_sync.py);
     # False: every bucket after the whole backward.
     overlap_grad_reduce: bool = True
+    # Count the bytes autograd saves for the backward during each step (runtime/activation_meter.py): the
+    # engine's ``activation_peak`` is then this rank's peak of activation memory in the last step.
+    measure_activations: bool = False
 
     def __post_init__(self):
         if self.ddp_bucket_size is not None and self.ddp_bucket_size <= 0:
             raise ValueError(f"ddp_bucket_size must be positive, got {self.ddp_bucket_size}")
 
 
-def _default_factory(settings: ExecutionSettings):
-    """megatron-core operators, recomputing activations when the plan was made with recomputation."""
+def default_factory(workload, info, layer_start, layer_end, pg_collection=None, dp_group=None, recompute=None):
+    """megatron-core operators (models/build_operator), recomputing activations as megatron-core does where the
+    plan says so (``recompute``: the slice's ``Recompute``)."""
     from megatron_spindle.models import build_operator
     from megatron_spindle.models.config import ModelConfig
 
-    if settings.recompute_every_layer():
-        return functools.partial(build_operator, config=ModelConfig(recompute=True))
-    return build_operator
+    config = ModelConfig(recompute=recompute) if recompute is not None else None
+    return build_operator(workload, info, layer_start, layer_end, pg_collection=pg_collection, dp_group=dp_group,
+                          config=config)
 
 
 def _default_batch_fn():
@@ -118,8 +124,7 @@ class RuntimeEngine:
         self.groups = PlanGroups(plan, rank, cache=groups)
         self._owns_groups = groups is None
         self.local = build_local_slices(plan, workload, self.metagraph, rank, self.groups,
-                                        operator_factory or _default_factory(settings), self.device,
-                                        self.config.dtype)
+                                        operator_factory or default_factory, self.device, self.config.dtype)
         full, self.key_unit = initial_weights(self.local, rank, self.device)
         self.master_optimizer = MasterOptimizer(full, self.key_unit, plan.param_groups, rank, self.zero_stage,
                                                 self.config.optimizer, self.groups, self.device)
@@ -131,11 +136,12 @@ class RuntimeEngine:
                                          self.grad_buffers.key_grads,
                                          self.zero_stage == 0 and self.config.dtype == torch.float32, self.device)
         self.grad_sync = GradSync(self.grad_buffers, self.local, self.binding, self.key_unit, self.groups,
-                                  overlap=self.config.overlap_grad_reduce)
+                                  overlap=self.config.overlap_grad_reduce, micro_batches=settings.micro_batches)
         weights = {t.name: t.loss.weight if t.loss else 1.0 for t in workload.tasks}
         self.schedule = WaveSchedule(plan, workload, rank, self.local, activation_spec or default_activation_spec,
                                      weights, self.config.dtype, self.device, on_wave)
         self.grads: dict[str, torch.Tensor] = {}
+        self.activation_peak: int | None = None  # bytes, with EngineConfig(measure_activations=True)
 
     # ------------------------------------------------------------------------------------------ views
     @property
@@ -185,7 +191,12 @@ class RuntimeEngine:
         tasks = sorted({ls.slice.task for ls in self.local.values()})
         batches = {t: self.batch_fn(self.workload, t, step, self.config.data_seed) for t in tasks}
         self.grad_sync.start_step()
-        losses = self.schedule.run(batches, self.grad_sync.slice_done)
+        if self.config.measure_activations:
+            with SavedTensorMeter(p for ls in self.local.values() for p in ls.op.parameters()) as meter:
+                losses = self.schedule.run(batches, self.grad_sync.slice_done, self.grad_sync.micro_start)
+            self.activation_peak = meter.peak
+        else:
+            losses = self.schedule.run(batches, self.grad_sync.slice_done, self.grad_sync.micro_start)
         self.grad_sync.finish()
         self.grads = dict(self.grad_buffers.key_grads)
         return losses()

@@ -29,14 +29,11 @@ from megatron_spindle.runtime.shards import UnitShard
 
 
 def backward_order(plan: Plan, metagraph: MetaGraph) -> dict[str, tuple[int, int]]:
-    """unit -> (wave, position in its slice) of the last backward that accumulates its gradient, over every
-    slice of the plan holding it (plan/buckets.py ``unit_completion``). The backward runs waves from last to
-    first, and a slice's layers from last to first, so a unit is complete after the slice with the smallest
-    (wave, position); a larger pair completes earlier. (Under another backward order, ``wave`` counts the
-    backward steps down from the last wave, so the rule is the same.)"""
-    last = len(plan.waves) - 1
-    done = unit_completion([w.slices for w in plan.waves], metagraph.metaops, plan.settings)
-    return {u: (last - step, -neg_pos) for u, (step, neg_pos) in done.items()}
+    """unit -> (wave, position in its slice) of the slice whose backward completes its gradient: over every
+    slice of the plan holding it, the one whose backward runs last, and its lowest position there (a slice
+    runs its layers' backward from last to first); plan/buckets.py ``unit_completion``. With the default
+    order a larger pair completes earlier."""
+    return unit_completion([w.slices for w in plan.waves], metagraph.metaops, plan.settings)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,10 @@ this rank, while the rest of the backward runs; ``finish`` waits on every handle
   progresses; NCCL only promises progress for one order across communicators, which holds while their
   kernels can run side by side (not verified on GPUs here). ``overlap_grad_reduce=False`` issues every
   bucket after the backward: one total order, no overlap.
+- **Micro-batches.** With m micro-batches every gradient accumulates m times (one per micro-batch and local
+  slice): a bucket expects m accumulations per (slice, key), so it completes, and is issued, during the last
+  micro-batch's backward. Generic gradients accumulate in the operators over the micro-batches and are added
+  to the buffers once, after the slice's last backward.
 - No barrier precedes the sync, and nothing waits on a handle before ``finish``.
 """
 
@@ -46,9 +50,11 @@ class GradSync:
 
     def __init__(self, buffers: GradBuffers, local: dict[str, LocalSlice], binding: DirectBinding,
                  key_unit: dict[str, str], groups: PlanGroups, overlap: bool = True,
-                 on_launch: Callable[[Bucket], None] | None = None):
+                 on_launch: Callable[[Bucket], None] | None = None, micro_batches: int = 1):
         self.buffers, self.local, self.binding, self.groups = buffers, local, binding, groups
         self.overlap, self.on_launch = overlap, on_launch
+        self.micro_batches = micro_batches
+        self._micro = 0
         position = {u: i for i, b in enumerate(buffers.buckets) for u in b.units}
         self._bucket_of: dict[tuple[str, str], int] = {}  # (slice id, key) -> bucket position
         self._expected = [0] * len(buffers.buckets)
@@ -56,9 +62,9 @@ class GradSync:
             for k in ls.param_keys:
                 i = position[key_unit[k]]
                 self._bucket_of[sid, k] = i
-                self._expected[i] += 1
+                self._expected[i] += micro_batches
         self._missing = list(self._expected)
-        self._counted: set[tuple[str, str]] = set()
+        self._counted: set[tuple[str, str, int]] = set()  # (slice id, key, micro-batch)
         self._next = 0  # position of the first bucket not issued yet
         self._handles: list = []
         self._active = False
@@ -71,7 +77,7 @@ class GradSync:
         def accumulated(_param: torch.Tensor) -> None:
             if not self._active:  # a backward outside the engine's step
                 return
-            if (sid, key) in self._counted:
+            if (sid, key, self._micro) in self._counted:
                 raise RuntimeError(f"slice '{sid}': the gradient of '{key}' was accumulated twice in one backward; "
                                    f"the bucketed gradient sync expects one accumulation per slice "
                                    f"(EngineConfig(overlap_grad_reduce=False) waits for the whole backward)")
@@ -80,7 +86,7 @@ class GradSync:
         return accumulated
 
     def _count(self, sid: str, key: str) -> None:
-        self._counted.add((sid, key))
+        self._counted.add((sid, key, self._micro))
         self._missing[self._bucket_of[sid, key]] -= 1
 
     def _advance(self) -> None:
@@ -108,21 +114,26 @@ class GradSync:
         self._missing = list(self._expected)
         self._counted.clear()
         self._next = 0
+        self._micro = 0
         self._active = True
+
+    def micro_start(self, index: int) -> None:
+        """Micro-batch ``index`` begins (the schedule says so before each)."""
+        self._micro = index
 
     def slice_done(self, ls: LocalSlice) -> None:
         """After the slice's backward: add its generic gradients (exported in full; collective over its TP
         group, whose leader contributes them) to the buffers and count every key it holds as accumulated."""
         sid = ls.slice.id
         generic = self.binding.generic_keys[sid]
-        if generic:
+        if generic and self._micro == self.micro_batches - 1:  # accumulated in the operator over micro-batches
             g = full_grads(ls.op, ls.param_keys)
             if ls.tp_leader:
                 acc = self.buffers.key_grads
                 for k in generic:
                     acc[k] += g[k].to(acc[k].device, torch.float32)
         for k in ls.param_keys:
-            if (sid, k) not in self._counted:
+            if (sid, k, self._micro) not in self._counted:
                 self._count(sid, k)
         if self.overlap:
             self._advance()

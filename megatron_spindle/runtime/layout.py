@@ -40,19 +40,11 @@ def slice_units(metagraph: MetaGraph, s: Slice) -> list[str]:
 
 
 def check_settings_runnable(plan: Plan) -> None:
-    """The execution settings this runtime implements: ZeRO 0 or 1, one micro-batch, one segment, the reverse
-    backward order, and recomputation of none or every layer."""
+    """The execution settings this runtime implements: ZeRO 0 or 1; every execution order, micro-batch count and
+    recomputation choice validate_plan accepts (checked there)."""
     st = plan.settings
     if st.zero_stage not in RUNTIME_ZERO_STAGES:
         raise PlanError(f"zero_stage {st.zero_stage}: the runtime supports 0 and 1 (distributed optimizer)")
-    if st.micro_batches != 1:
-        raise PlanError(f"the plan asks for {st.micro_batches} micro-batches; the runtime runs one")
-    if st.segments is not None and len(st.segments) > 1:
-        raise PlanError(f"the plan runs {len(st.segments)} segments one after another (a temporally decoupled "
-                        f"baseline); the runtime runs a plan as one segment")
-    if st.backward_order is not None and list(st.backward_order) != list(reversed(range(len(plan.waves)))):
-        raise PlanError("the plan gives its own backward order; the runtime runs the backward in reverse wave order")
-    st.recompute_every_layer()
 
 
 def check_runnable(plan: Plan, workload: Workload, metagraph: MetaGraph, world_size: int) -> None:

@@ -1,11 +1,19 @@
-"""The wave schedule of one step (paper section 3.6, steps 2 and 4): forward wave by wave (transfers into a
-wave, then this rank's slice of it), the per-task loss all-reduce, then the backward in reverse wave order
-(this rank's slice, then the gradients of the transfers into that wave back to their producers).
+"""The wave schedule of one step (paper section 3.6, steps 2 and 4): the plan's execution order
+(plan/order.py: by default forward wave by wave, then the backward in reverse wave order; or segments, or
+explicit steps such as an early backward), once per micro-batch. A forward step runs the transfers into the
+wave (of the step's task) and then this rank's slice of it; a backward step this rank's slice, then the
+gradients of the transfers into that wave back to their producers. Every rank walks the same steps, so the
+transfers and collectives of two ranks meet in the same order.
 
-Nothing in it is a barrier: the loss all-reduce runs during the backward, and a rank that only sends in a
-transfer does not wait for the receiver (its requests are waited on at the end; runtime/transfer.py). After
-each local slice's backward the schedule calls ``slice_done(slice)`` (the gradient sync's cue), and after the
-forward and the backward part of each wave ``on_wave(phase, wave_index, seconds)``.
+With ``micro_batches`` m the whole order runs m times on micro-batch j's rows (``TaskBatch.micro``; each
+slice's DP rank then takes its share of the micro-batch), gradients accumulating; a micro-batch's tensors are
+dropped before the next starts. The per-task losses are the sum of every micro-batch's shares.
+
+Nothing in it is a barrier: the loss all-reduce is issued after the last forward step and runs during the
+remaining backward, and a rank that only sends in a transfer does not wait for the receiver (its requests are
+waited on at the end; runtime/transfer.py). Before each micro-batch the schedule calls ``micro_start(j)``, after
+each local slice's backward ``slice_done(slice)`` (the gradient sync's cues), and after each step
+``on_wave(phase, wave_index, seconds)``.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_spindle.graph.workload import Workload
+from megatron_spindle.plan.order import FWD, execution_steps
 from megatron_spindle.plan.schema import Plan
 from megatron_spindle.runtime.layout import dp_rank, transfer_input_index
 from megatron_spindle.runtime.slices import LocalSlice
@@ -27,15 +36,17 @@ from megatron_spindle.runtime.transfer import SpecFn, TransferOp
 
 
 def build_transfers(plan: Plan, workload: Workload, spec_fn: SpecFn, wave_index: dict[str, int]) -> list[TransferOp]:
-    """Plan transfers in execution order: by consumer wave, then plan order (the same on every rank)."""
+    """Plan transfers by consumer wave, then plan order (the same on every rank), each moving one micro-batch."""
     order = sorted(range(len(plan.transfers)), key=lambda i: (wave_index[plan.transfers[i].consumer], i))
+    micro = plan.settings.micro_batches
     ops = []
     for i in order:
         t = plan.transfers[i]
         p, c = plan.slice(t.producer), plan.slice(t.consumer)
         info = plan.metaop(p.metaop)
-        batch = info.input_shape[0]
-        op = TransferOp(i, p, c, spec_fn(workload, info, batch), batch, plan.gpus_per_node)
+        batch = info.input_shape[0] // micro
+        op = TransferOp(i, p, c, spec_fn(workload, info, batch), batch, plan.gpus_per_node,
+                        tag_stride=len(plan.transfers))
         op.input_index = transfer_input_index(plan, t)
         ops.append(op)
     return ops
@@ -66,42 +77,67 @@ class WaveSchedule:
             self._into_wave.setdefault(wave_index[t.consumer.id], []).append(t)
         self._slice_of_wave = {ls.wave: ls for ls in local.values()}
         self._pending_sends: list = []
+        self.steps = execution_steps(len(plan.waves), plan.settings)
+        self.micro_batches = plan.settings.micro_batches
 
-    def run(self, batches: dict[str, Any], slice_done: Callable[[LocalSlice], None]) -> Callable[[], dict[str, float]]:
+    def run(self, batches: dict[str, Any], slice_done: Callable[[LocalSlice], None],
+            micro_start: Callable[[int], None] | None = None) -> Callable[[], dict[str, float]]:
         """Forward and backward of one step; returns a function that waits for and reads the task losses."""
         mine = self._slice_of_wave
-        tensors = {sid: _SliceTensors([None] * ls.num_inputs) for sid, ls in self.local.items()}
-        for wi in range(len(self.plan.waves)):
-            t0 = time.perf_counter()
-            for t in self._into_wave.get(wi, []):
-                self._forward_transfer(t, tensors)
-            if wi in mine:
-                self._forward_slice(mine[wi], tensors[mine[wi].slice.id], batches)
-            self._wave_done("forward", wi, t0)
-        losses = self._reduce_losses(tensors)  # in flight during the backward
-        for wi in reversed(range(len(self.plan.waves))):
-            t0 = time.perf_counter()
-            if wi in mine:
-                self._backward_slice(mine[wi], tensors[mine[wi].slice.id])
-                slice_done(mine[wi])
-            for t in self._into_wave.get(wi, []):
-                self._backward_transfer(t, tensors)
-            self._wave_done("backward", wi, t0)
+        names = [t.name for t in self.workload.tasks]
+        losses = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+        last_forward = max(i for i, st in enumerate(self.steps) if st[1] == FWD)
+        work = None
+        for j in range(self.micro_batches):
+            if micro_start is not None:
+                micro_start(j)
+            micro = {t: micro_batch(b, j, self.micro_batches) for t, b in batches.items()}
+            tensors = {sid: _SliceTensors([None] * ls.num_inputs) for sid, ls in self.local.items()}
+            for i, (wave, phase, task) in enumerate(self.steps):
+                t0 = time.perf_counter()
+                ls = mine.get(wave)
+                if ls is not None and task is not None and ls.slice.task != task:
+                    ls = None
+                into = [t for t in self._into_wave.get(wave, []) if task is None or t.consumer.task == task]
+                if phase == FWD:
+                    for t in into:
+                        self._forward_transfer(t, tensors, j)
+                    if ls is not None:
+                        self._forward_slice(ls, tensors[ls.slice.id], micro)
+                        if ls.terminal and ls.tp_leader:
+                            v = tensors[ls.slice.id].output.detach().to(torch.float64)
+                            losses[names.index(ls.slice.task)] += v / ls.slice.dp if ls.dp_loss_mean else v
+                    if j == self.micro_batches - 1 and i == last_forward:
+                        work = dist.all_reduce(losses, async_op=True)  # in flight during the backward
+                    self._wave_done("forward", wave, t0)
+                else:
+                    if ls is not None:
+                        self._backward_slice(ls, tensors[ls.slice.id])
+                        slice_done(ls)
+                    for t in into:
+                        self._backward_transfer(t, tensors, j)
+                    self._wave_done("backward", wave, t0)
+            del tensors
         for w in self._pending_sends:  # sends this rank did not wait for (runtime/transfer.py)
             w.wait()
         self._pending_sends.clear()
-        return losses
+
+        def result() -> dict[str, float]:
+            work.wait()
+            return {n: float(losses[i]) for i, n in enumerate(names)}
+
+        return result
 
     def _wave_done(self, phase: str, wave: int, t0: float) -> None:
         if self.on_wave is not None:
             self.on_wave(phase, wave, time.perf_counter() - t0)
 
-    def _forward_transfer(self, t: TransferOp, tensors: dict[str, _SliceTensors]) -> None:
+    def _forward_transfer(self, t: TransferOp, tensors: dict[str, _SliceTensors], micro: int) -> None:
         if not t.involves(self.rank):
             return
         src = tensors.get(t.producer.id)
         x = t.forward(self.rank, src.output.detach() if src is not None else None, self.dtype, self.device,
-                      self._pending_sends)
+                      self._pending_sends, micro)
         dst = tensors.get(t.consumer.id)
         if dst is not None:
             dst.inputs[t.input_index] = x.requires_grad_(True)
@@ -114,23 +150,6 @@ class WaveSchedule:
         batch = _to_device(batches[s.task].shard(dp_rank(s, self.rank), s.dp), self.device)
         st.output = ls.op(list(st.inputs), batch)
 
-    def _reduce_losses(self, tensors: dict[str, _SliceTensors]) -> Callable[[], dict[str, float]]:
-        """Start the all-reduce of the per-task losses; the returned function waits for it and reads them.
-        Asynchronous, so that no rank waits for the slowest one's forward before starting its backward."""
-        names = [t.name for t in self.workload.tasks]
-        vec = torch.zeros(len(names), dtype=torch.float64, device=self.device)
-        for sid, ls in self.local.items():
-            if ls.terminal and ls.tp_leader:
-                v = tensors[sid].output.detach().to(torch.float64)
-                vec[names.index(ls.slice.task)] += v / ls.slice.dp if ls.dp_loss_mean else v
-        work = dist.all_reduce(vec, async_op=True)
-
-        def result() -> dict[str, float]:
-            work.wait()
-            return {n: float(vec[i]) for i, n in enumerate(names)}
-
-        return result
-
     def _backward_slice(self, ls: LocalSlice, st: _SliceTensors) -> None:
         if ls.terminal:
             weight = self.loss_weights[ls.slice.task]
@@ -140,7 +159,7 @@ class WaveSchedule:
         if grad is not None and st.output.requires_grad:
             torch.autograd.backward([st.output], [grad])
 
-    def _backward_transfer(self, t: TransferOp, tensors: dict[str, _SliceTensors]) -> None:
+    def _backward_transfer(self, t: TransferOp, tensors: dict[str, _SliceTensors], micro: int) -> None:
         if not t.involves(self.rank):
             return
         dst = tensors.get(t.consumer.id)
@@ -148,10 +167,22 @@ class WaveSchedule:
         if dst is not None:
             x = dst.inputs[t.input_index]
             g = x.grad if x.grad is not None else torch.zeros_like(x)
-        out = t.backward(self.rank, g, self.dtype, self.device, self._pending_sends)
+        out = t.backward(self.rank, g, self.dtype, self.device, self._pending_sends, micro)
         src = tensors.get(t.producer.id)
         if src is not None:
             src.out_grad = out if src.out_grad is None else src.out_grad + out
+
+
+def micro_batch(batch: Any, index: int, micro_batches: int) -> Any:
+    """Micro-batch ``index`` of a task's global batch (its ``micro(index, micro_batches)``; the batch itself when
+    there is one)."""
+    if micro_batches == 1:
+        return batch
+    split = getattr(batch, "micro", None)
+    if split is None:
+        raise TypeError(f"{type(batch).__name__} has no micro(index, micro_batches): the plan runs {micro_batches} "
+                        f"micro-batches")
+    return split(index, micro_batches)
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

@@ -44,7 +44,8 @@ def is_terminal(metagraph: MetaGraph, s: Slice) -> bool:
 def build_local_slices(plan: Plan, workload: Workload, metagraph: MetaGraph, rank: int, groups: PlanGroups,
                        factory: Callable, device: torch.device, dtype: torch.dtype) -> dict[str, LocalSlice]:
     """slice id -> LocalSlice for every slice on ``rank``, built in wave order (operator construction and the
-    parameter probe are collective over the slice's TP group)."""
+    parameter probe are collective over the slice's TP group). A slice that recomputes activations
+    (``settings.recompute_of``) is built with ``factory(..., recompute=Recompute)``."""
     local = {}
     for wi, w in enumerate(plan.waves):
         for s in w.slices:
@@ -52,7 +53,9 @@ def build_local_slices(plan: Plan, workload: Workload, metagraph: MetaGraph, ran
                 continue
             info = plan.metaop(s.metaop)
             pgs = groups.slice_pgs(s.id)
-            op = factory(workload, info, s.layer_start, s.layer_end, pg_collection=pgs, dp_group=pgs.dp)
+            rc = plan.settings.recompute_of(s.id).for_layers(s.num_layers) if s.kind == "layer" else None
+            extra = {"recompute": rc} if rc is not None and rc.mode != "none" else {}
+            op = factory(workload, info, s.layer_start, s.layer_end, pg_collection=pgs, dp_group=pgs.dp, **extra)
             op = op.to(device=device, dtype=dtype)
             local[s.id] = LocalSlice(
                 slice=s, wave=wi, op=op, pgs=pgs, units=slice_units(metagraph, s), terminal=is_terminal(metagraph, s),

@@ -103,12 +103,13 @@ def run_messages(messages: list[Message], rank: int, src_tensor: torch.Tensor | 
 
 
 class TransferOp:
-    """A plan transfer between a producer and a consumer slice of one task (same batch size B), routed over
-    islands of ``gpus_per_node`` devices."""
+    """A plan transfer between a producer and a consumer slice of one task, routed over islands of
+    ``gpus_per_node`` devices; ``batch`` is what one run of the order moves (a micro-batch, B / m)."""
 
     def __init__(self, index: int, producer: Slice, consumer: Slice, spec_full: ActivationSpec, batch: int,
-                 gpus_per_node: int):
+                 gpus_per_node: int, tag_stride: int = 0):
         self.index = index
+        self.tag_stride = tag_stride  # tags per micro-batch: micro-batch j's messages are tagged apart
         self.producer = producer
         self.consumer = consumer
         self.batch = batch
@@ -125,8 +126,11 @@ class TransferOp:
         a, b = local_rows(s, rank, self.batch)
         return b - a
 
+    def _tag(self, direction: int, micro: int) -> int:
+        return 2 * (self.index + micro * self.tag_stride) + direction
+
     def forward(self, rank: int, output: torch.Tensor | None, dtype, device,
-                pending_sends: list | None = None) -> torch.Tensor | None:
+                pending_sends: list | None = None, micro: int = 0) -> torch.Tensor | None:
         """Producer output shard -> consumer input shard (on consumer devices)."""
         if rank not in self.consumer.devices and rank not in self.producer.devices:
             return None
@@ -137,15 +141,15 @@ class TransferOp:
                                    f"runtime expects {expect} (transfer to '{self.consumer.id}')")
         n = self._local_rows(self.consumer, rank) if rank in self.consumer.devices else 0
         return run_messages(self.fwd, rank, output, _shard_shape(self.spec, n), self.spec.batch_dim,
-                            tag=2 * self.index, dtype=dtype, device=device, pending_sends=pending_sends,
+                            tag=self._tag(0, micro), dtype=dtype, device=device, pending_sends=pending_sends,
                             received=self.received["forward"])
 
     def backward(self, rank: int, input_grad: torch.Tensor | None, dtype, device,
-                 pending_sends: list | None = None) -> torch.Tensor | None:
+                 pending_sends: list | None = None, micro: int = 0) -> torch.Tensor | None:
         """Consumer input-gradient shard -> producer output-gradient shard (on producer devices)."""
         if rank not in self.consumer.devices and rank not in self.producer.devices:
             return None
         n = self._local_rows(self.producer, rank) if rank in self.producer.devices else 0
         return run_messages(self.bwd, rank, input_grad, _shard_shape(self.spec, n), self.spec.batch_dim,
-                            tag=2 * self.index + 1, dtype=dtype, device=device, pending_sends=pending_sends,
+                            tag=self._tag(1, micro), dtype=dtype, device=device, pending_sends=pending_sends,
                             received=self.received["backward"])

@@ -6,17 +6,22 @@ engine is timeline.py):
 - **Order.** plan/order.py's execution order of the plan's ``settings``: ``segments`` (optional) group wave
   indices into segments that run forward then backward one after another (temporal decoupling: each task is
   a segment); without them the whole plan is one segment: forward wave by wave, then backward in reverse wave
-  order (or ``backward_order``). Every device executes its own slices in that global order.
+  order (or ``backward_order``); or an explicit ``order`` of (wave, phase, task) steps (early backward).
+  Every device executes its own slices in that global order. With ``micro_batches`` m the order runs m times
+  one after another, each slice on B/m samples (its costs and transfers at that batch), and the gradient
+  synchronisation (overlapped with the last micro-batch's backward) and the optimizer step follow.
 - **Dataflow, no global barrier.** A slice starts when all its devices are free and its inputs have arrived:
   a wave boundary is a point-to-point dependency, not a cluster-wide barrier (a device only waits for the
   devices it receives from). On wave-aligned Spindle plans this changes little; it lets the baselines whose
   tasks run side by side on disjoint devices (Spindle-Optimus) proceed independently.
 - **Compute.** A slice's forward and backward take ``layers x`` the cost model's ``phase_seconds(metaop, tp,
-  dp)`` (the per-kernel model's forward and backward, TP all-reduces and launch floor; with activation
-  recomputation, ``settings.recompute``, the backward reruns the forward), plus a contrastive loss's
-  all-gather of the embeddings forward and its reduce-scatter backward. Cost models without
-  ``phase_seconds`` (stand-ins) split ``layer_cost`` one third forward, two thirds backward. With ZeRO stage
-  3 (``settings.zero_stage``) every layer also all-gathers its weights forward and again backward.
+  dp)`` (the per-kernel model's forward and backward, TP all-reduces and launch floor), plus a contrastive
+  loss's all-gather of the embeddings forward and its reduce-scatter backward (``step_phases``). Cost models
+  without ``phase_seconds`` (stand-ins) split ``layer_cost`` one third forward, two thirds backward. A
+  slice's activation recomputation (``settings.recompute_of``) adds the cost model's ``recompute_seconds``
+  to its backward: the attention cores (selective) or the whole forward of each recomputed layer (full).
+  With ZeRO stage 3 (``settings.zero_stage``) every layer also all-gathers its weights forward and again
+  backward.
 - **Transfers** (activations forward, their gradients backward) happen between a producer slice and a
   consumer slice, routed by plan/routing.py as the runtime sends them (the backward reaches every producer
   device, so its bytes differ from the forward's when the TP degrees differ): each direction starts when its
@@ -38,10 +43,10 @@ engine is timeline.py):
   (``ProfiledCostModel``). Devices step independently; the iteration ends with the last one.
 - **Memory.** plan/memory.py's accounting, the planner's own: per device the parameter state of every unit
   it runs, once (weights + fp32 grads + Adam, sharded by TP and by ZeRO stage over the slice's DP ranks),
-  plus activations held from a slice's forward to its backward (the memory model's; only layer inputs under
-  recomputation), at the peak of the device's order.
-- **Models.** The cost and memory models must match the plan's ``settings.recompute``; ``simulate``
-  rebuilds them when they do not (``matching_models``).
+  plus activations held from a slice's forward to its backward (the memory model's, per the slice's
+  recomputation, of one micro-batch), at the peak of the device's order.
+- **Models.** Recomputation is charged per slice, so a cost model that adds it to every layer
+  (``config.recompute``) is replaced by a copy without it (``matching_models``).
 
 The planner's own estimate (``plan.predicted["planner_estimate"]``) sums its waves of T(n) and adds its
 estimate of the exposed gradient synchronisation and the transfers; plan selection (megatron_spindle/autoplan.py)
@@ -50,6 +55,7 @@ then writes this simulator's time into ``plan.predicted["iteration_time"]``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -65,11 +71,11 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.derive import plan_slice_pairs
-from megatron_spindle.plan.layout import slice_units, stepped_elements
+from megatron_spindle.plan.layout import micro_batch_metaop, slice_units, stepped_elements
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, plan_memory
-from megatron_spindle.plan.order import FWD, execution_order
+from megatron_spindle.plan.order import FWD, slice_order
 from megatron_spindle.plan.routing import ROUTE_INTER, ROUTE_INTRA, Router
-from megatron_spindle.plan.schema import TRANSFER_KINDS, Plan, PlanError, Slice
+from megatron_spindle.plan.schema import TRANSFER_KINDS, Plan, Slice
 from megatron_spindle.simulator.grad_sync import (
     BucketSync,
     CollectiveTimer,
@@ -200,21 +206,20 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=No
 
 
 def matching_models(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=None, memory_model=None):
-    """Cost and memory models that match the plan's activation recomputation (``settings.recompute``):
-    the given ones when they do (or cannot tell: stand-ins without ``config.recompute``), else rebuilt."""
+    """Cost and memory models for timing the plan: recomputation is charged per slice from the plan's
+    settings (``recompute_seconds``, plan/memory.py), so the cost model must not add it to every layer
+    itself (``config.recompute``): the given ones when they do not (or cannot tell: stand-ins without
+    ``config.recompute``), else a copy without it."""
     from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
-    from megatron_spindle.estimator.cost_model import CostModelConfig
 
-    recompute = plan.settings.recompute_every_layer()
     if cost_model is None:
-        cost_model = AnalyticCostModel(workload, cluster, config=CostModelConfig(recompute=recompute))
+        cost_model = AnalyticCostModel(workload, cluster)
         memory_model = None
-    else:
-        config = getattr(cost_model, "config", None)
-        if isinstance(config, CostModelConfig) and config.recompute != recompute:
-            cost_model = AnalyticCostModel(workload, cluster, dtype_bytes=cost_model.dtype_bytes,
-                                           config=dataclasses.replace(config, recompute=recompute))
-            memory_model = None
+    elif getattr(getattr(cost_model, "config", None), "recompute", False):
+        cost_model = copy.copy(cost_model)  # keeps a profiled model's measurements
+        cost_model.config = dataclasses.replace(cost_model.config, recompute=False)
+        cost_model._times = {}
+        memory_model = None
     if memory_model is None:
         memory_model = MemoryModel(workload, cluster, cost_model)
     return cost_model, memory_model
@@ -228,14 +233,13 @@ def _build_context(plan: Plan, cluster: ClusterSpec, metagraph: MetaGraph, cost_
             raise ValueError(f"slice '{s.id}': MetaOp '{s.metaop}' is not in the workload's MetaGraph")
         metaops[s.metaop] = metagraph.metaops[s.metaop]
     zero = plan.settings.zero_stage
-    if plan.settings.micro_batches != 1:
-        raise PlanError(f"plan: {plan.settings.micro_batches} micro-batches; the simulator models one")
+    micro = plan.settings.micro_batches
     comm = CommModel(cluster)
-    recompute = bool(getattr(getattr(cost_model, "config", None), "recompute", False))
     fwd_time, bwd_time, units = {}, {}, {}
     for sid, s in slices.items():
         m = metaops[s.metaop]
-        fwd, bwd = step_phases(cost_model, m, s.tp, s.dp, settings.forward_fraction, recompute)
+        run = micro_batch_metaop(m, micro)  # what one micro-batch runs
+        fwd, bwd = step_phases(cost_model, run, s.tp, s.dp, settings.forward_fraction)
         if zero == 3 and s.dp > 1:
             layer_params = sum(cost_model.param_count(p) for p in m.params[0]) if m.params else 0
             ring = GroupPlacement.dp_ring(s.devices, s.tp, cluster)
@@ -243,7 +247,8 @@ def _build_context(plan: Plan, cluster: ClusterSpec, metagraph: MetaGraph, cost_
                                      s.tp if ring.crosses_nodes else 1)
             fwd, bwd = fwd + gather, bwd + gather
         fwd_time[sid] = fwd * s.num_layers
-        bwd_time[sid] = bwd * s.num_layers
+        bwd_time[sid] = bwd * s.num_layers + _recompute_seconds(cost_model, run, s, plan.settings.recompute_of(sid),
+                                                                fwd)
         units[sid] = slice_units(m, s.layer_start, s.layer_end)
     in_edges, out_edges = _edges(plan, slices, metaops, cost_model, comm)
     groups = group_infos(plan, metagraph.metaops, cost_model.param_count, cluster)
@@ -252,13 +257,20 @@ def _build_context(plan: Plan, cluster: ClusterSpec, metagraph: MetaGraph, cost_
                     units, comm, groups, buckets, settings)
 
 
+def _recompute_seconds(cost_model, metaop: MetaOp, s: Slice, recompute, forward_per_layer: float) -> float:
+    """Backward seconds a slice spends recomputing: the cost model's ``recompute_seconds``; a cost model
+    without one (stand-ins) reruns the forward of each fully recomputed layer."""
+    seconds = getattr(cost_model, "recompute_seconds", None)
+    if seconds is not None:
+        return seconds(metaop, s.tp, s.dp, recompute, s.num_layers)
+    return recompute.recomputed_layers(s.num_layers) * forward_per_layer
+
+
 def _order(plan: Plan) -> list[tuple[str, str]]:
-    """(slice id, phase) in execution order (plan/order.py); a backward wave runs its slices in reverse."""
-    order = []
-    for wi, phase in execution_order(len(plan.waves), plan.settings):
-        slices = plan.waves[wi].slices
-        order += [(s.id, phase) for s in (slices if phase == FWD else reversed(slices))]
-    return order
+    """(slice id, phase) of one micro-batch in execution order (plan/order.py)."""
+    waves = plan.waves
+    return [(waves[wi].slices[si].id, phase)
+            for wi, si, phase in slice_order([[s.task for s in w.slices] for w in waves], plan.settings)]
 
 
 def _edges(plan: Plan, slices: dict[str, Slice], metaops: dict[str, MetaOp], cost_model,
@@ -276,11 +288,13 @@ def _edges(plan: Plan, slices: dict[str, Slice], metaops: dict[str, MetaOp], cos
             flows[key] = _flow(transfer_load(router.route(holders, needers, batch), per_row), comm)
         return flows[key]
 
+    micro = plan.settings.micro_batches
     for p, c in plan_slice_pairs(plan):
         src, dst = slices[p], slices[c]
         m = metaops[src.metaop]
         per_row = float(cost_model.activation_bytes(m)) / m.batch
-        edge = _Edge(p, c, flow(src, dst, m.batch, per_row), flow(dst, src, m.batch, per_row))
+        rows = m.batch // micro  # each micro-batch moves its own rows
+        edge = _Edge(p, c, flow(src, dst, rows, per_row), flow(dst, src, rows, per_row))
         in_edges[c].append(edge)
         out_edges[p].append(edge)
     return in_edges, out_edges
@@ -301,25 +315,28 @@ def _flow(load: TransferLoad, comm: CommModel) -> _Flow:
 
 
 def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool) -> TimelineResult:
-    """One run of the event engine over the plan's tasks, with or without transfers and gradient buckets."""
-    index = {key: k for k, key in enumerate(ctx.order)}
+    """One run of the event engine over the plan's tasks (the order once per micro-batch), with or without
+    transfers and gradient buckets; the buckets follow the last micro-batch's accumulations."""
+    micro = ctx.plan.settings.micro_batches
+    index = {(key, mb): k for k, (key, mb) in enumerate(_task_keys(ctx))}
     tasks = []
-    for sid, phase in ctx.order:
+    for (sid, phase), _ in _task_keys(ctx):
         s = ctx.slices[sid]
         tasks.append(Task(tuple(s.devices), ctx.fwd_time[sid] if phase == FWD else ctx.bwd_time[sid]))
     flows: list[Flow] = []
 
-    def connect(src: tuple[str, str], dst: tuple[str, str], flow: _Flow) -> None:
-        a, b = index.get(src), index.get(dst)
+    def connect(src: tuple[str, str], dst: tuple[str, str], flow: _Flow, mb: int) -> None:
+        a, b = index.get((src, mb)), index.get((dst, mb))
         if a is None or b is None or a >= b:
             return  # a producer that runs later: the plan is invalid, validate_plan says why
         tasks[b].inputs.append(len(flows))
         flows.append(Flow(a, b, flow.devices if transfers else (), flow.seconds if transfers else 0.0))
 
-    for sid in ctx.slices:
-        for e in ctx.in_edges[sid]:
-            connect((e.producer, FWD), (sid, FWD), e.fwd)
-            connect((sid, "bwd"), (e.producer, "bwd"), e.bwd)
+    for mb in range(micro):
+        for sid in ctx.slices:
+            for e in ctx.in_edges[sid]:
+                connect((e.producer, FWD), (sid, FWD), e.fwd, mb)
+                connect((sid, "bwd"), (e.producer, "bwd"), e.bwd, mb)
     collectives: list[Collective] = []
     slowdown = 1.0
     if sync and ctx.buckets:
@@ -327,9 +344,15 @@ def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool
         gpn = ctx.cluster.gpus_per_node
         collectives = [Collective(b.devices, _bucket_seconds(timer, b), nodes_of(b.devices, gpn), b.rings)
                        for b in ctx.buckets]
-        for c, (k, fraction, d) in _milestones(ctx, index, tasks):
+        last = {key: k for (key, mb), k in index.items() if mb == micro - 1}
+        for c, (k, fraction, d) in _milestones(ctx, last, tasks):
             tasks[k].milestones.append((fraction, c, d))
     return run_timeline(ctx.plan.num_devices, tasks, flows, collectives, slowdown)
+
+
+def _task_keys(ctx: _Context) -> list[tuple[tuple[str, str], int]]:
+    """((slice id, phase), micro-batch) of every task, in execution order: micro-batch after micro-batch."""
+    return [(key, mb) for mb in range(ctx.plan.settings.micro_batches) for key in ctx.order]
 
 
 def _bucket_seconds(timer: CollectiveTimer, b: BucketSync):
@@ -384,7 +407,7 @@ def _first_operator(m: MetaOp, s: Slice) -> dict[str, int]:
 def _busy(ctx: _Context, run: TimelineResult) -> tuple[list[list[Interval]], float]:
     busy: list[list[Interval]] = [[] for _ in range(ctx.plan.num_devices)]
     forward_end = 0.0
-    for k, (sid, phase) in enumerate(ctx.order):
+    for k, ((sid, phase), _) in enumerate(_task_keys(ctx)):
         start, end = run.task_start[k], run.task_end[k]
         if phase == FWD:
             forward_end = max(forward_end, end)

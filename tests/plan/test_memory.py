@@ -20,7 +20,7 @@ from megatron_spindle.plan.memory import (
     peak_memory,
     zero_state_bytes_per_param,
 )
-from megatron_spindle.plan.order import execution_order
+from megatron_spindle.plan.order import FWD, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings
 
 
@@ -85,7 +85,7 @@ def test_activations_live_from_forward_to_backward_and_segments_free_them():
     waves = [[S("a", [0])], [S("c", [0])]]
     one = peak_memory(waves, METAOPS, ZeroSharded(Numbers(), 0), 1)
     apart = peak_memory(waves, METAOPS, ZeroSharded(Numbers(), 0), 1,
-                        execution_order(2, ExecutionSettings(segments=[[0], [1]])))
+                        slice_order([["t"], ["t"]], ExecutionSettings(segments=[[0], [1]])))
     assert one == [4000 + 80 + 80] and apart == [4000 + 80]
 
 
@@ -119,9 +119,9 @@ def test_plan_memory_of_a_real_plan_matches_device_by_device_accounting():
     plan, g = res.plan, build_metagraph(w)
     numbers = ZeroSharded(res.memory_model, plan.settings.zero_stage)
     each = DeviceMemory(plan.num_devices)
-    for wi, phase in execution_order(len(plan.waves), plan.settings):
-        for s in plan.waves[wi].slices:
-            for d in s.devices:
-                sm = slice_memory(g.metaops[s.metaop], s, numbers)
-                (each.forward if phase == "fwd" else each.backward)(d, sm)
+    for wi, si, phase in slice_order([[s.task for s in w.slices] for w in plan.waves], plan.settings):
+        s = plan.waves[wi].slices[si]
+        for d in s.devices:
+            sm = slice_memory(g.metaops[s.metaop], s, numbers, plan.settings.recompute_of(s.id))
+            (each.forward if phase == FWD else each.backward)(d, sm)
     assert plan_memory(plan, g.metaops, res.memory_model) == each.totals() == plan.memory_per_device

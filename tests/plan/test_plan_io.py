@@ -12,7 +12,7 @@ from megatron_spindle.baselines import BaselineContext, spindle_seq_plan
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.plan.io import load_plan, plan_from_dict, plan_to_dict
-from megatron_spindle.plan.order import BWD, FWD, execution_order
+from megatron_spindle.plan.order import BWD, FWD, early_backward_order, execution_steps, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings, Plan, PlanError, Recompute
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
@@ -97,26 +97,49 @@ def test_settings_reject_values_they_cannot_mean():
     assert ExecutionSettings().grad_reduce_bytes == 4 and ExecutionSettings(grad_reduce_dtype="bf16").grad_reduce_bytes == 2
 
 
-def test_recompute_every_layer_accepts_only_all_or_nothing():
-    assert ExecutionSettings().recompute_every_layer() is False
-    assert ExecutionSettings(recompute=Recompute("full")).recompute_every_layer() is True
-    for settings in (ExecutionSettings(recompute=Recompute("selective")),
-                     ExecutionSettings(recompute=Recompute("full", 3)),
-                     ExecutionSettings(slice_recompute={"w0:a": Recompute("full")})):
-        with pytest.raises(PlanError, match="only 'none' or 'full' on every layer"):
-            settings.recompute_every_layer()
+def test_recompute_choices_say_how_many_layers_recompute():
+    assert Recompute().recomputed_layers(4) == Recompute("selective").recomputed_layers(4) == 0
+    assert Recompute("full").recomputed_layers(4) == 4 and Recompute("full", 2).recomputed_layers(4) == 2
+    assert Recompute("full", 6).recomputed_layers(4) == 4 and Recompute("full", 3, "uniform").recomputed_layers(4) == 4
+    assert Recompute("full", 0).for_layers(4) == Recompute() and Recompute("full", 4).for_layers(4) == Recompute("full")
+    assert Recompute("full", 2, "uniform").chunk() == 2 and Recompute("full").chunk() == 1
+    with pytest.raises(PlanError, match="method 'sideways'"):
+        Recompute("full", 2, "sideways")
+    with pytest.raises(PlanError, match="uniform"):
+        Recompute("selective", method="uniform")
+    settings = ExecutionSettings(recompute=Recompute("selective"), slice_recompute={"w0:a": Recompute("full", 2)})
+    assert settings.recompute_of("w0:a") == Recompute("full", 2) and settings.recompute_of("w1:b").mode == "selective"
+    assert ExecutionSettings.from_dict(settings.to_dict()) == settings
 
 
-def test_execution_order_of_segments_and_an_explicit_backward_order():
-    assert execution_order(3, ExecutionSettings()) == [(0, FWD), (1, FWD), (2, FWD), (2, BWD), (1, BWD), (0, BWD)]
-    assert execution_order(3, ExecutionSettings(segments=[[2], [0, 1]])) == [
+def test_execution_order_of_segments_an_explicit_backward_order_and_steps():
+    def waves(steps):
+        return [(w, p) for w, p, _ in steps]
+
+    assert waves(execution_steps(3, ExecutionSettings())) == [(0, FWD), (1, FWD), (2, FWD), (2, BWD), (1, BWD),
+                                                              (0, BWD)]
+    assert waves(execution_steps(3, ExecutionSettings(segments=[[2], [0, 1]]))) == [
         (2, FWD), (2, BWD), (0, FWD), (1, FWD), (1, BWD), (0, BWD)]
-    assert execution_order(3, ExecutionSettings(backward_order=[2, 0, 1])) == [
+    assert waves(execution_steps(3, ExecutionSettings(backward_order=[2, 0, 1]))) == [
         (0, FWD), (1, FWD), (2, FWD), (2, BWD), (0, BWD), (1, BWD)]
     with pytest.raises(PlanError, match="every wave index 0..2 exactly once"):
-        execution_order(3, ExecutionSettings(segments=[[0], [0, 1, 2]]))
+        execution_steps(3, ExecutionSettings(segments=[[0], [0, 1, 2]]))
     with pytest.raises(PlanError, match="backward_order"):
-        execution_order(3, ExecutionSettings(backward_order=[0, 1]))
+        execution_steps(3, ExecutionSettings(backward_order=[0, 1]))
+    # task b finishes in wave 1: its backward runs before wave 2's forward; a backward wave runs in reverse
+    tasks = [["a", "b"], ["a", "b"], ["a"]]
+    early = ExecutionSettings(order=early_backward_order(tasks))
+    assert slice_order(tasks, early) == [(0, 0, FWD), (0, 1, FWD), (1, 0, FWD), (1, 1, FWD), (1, 1, BWD),
+                                         (0, 1, BWD), (2, 0, FWD), (2, 0, BWD), (1, 0, BWD), (0, 0, BWD)]
+    assert ExecutionSettings.from_dict(json.loads(json.dumps(early.to_dict()))) == early
+    with pytest.raises(PlanError, match="replaces segments"):
+        ExecutionSettings(order=early.order, segments=[[0, 1, 2]])
+    with pytest.raises(PlanError, match="never runs the bwd of slice 0 of wave 2"):
+        slice_order(tasks, ExecutionSettings(order=early.order[:-3] + early.order[-2:]))
+    with pytest.raises(PlanError, match="backward of slice 1 of wave 0 before its forward"):
+        slice_order(tasks, ExecutionSettings(order=[(0, BWD, "b")] + list(early.order)))
+    with pytest.raises(PlanError, match="wave 2 has no slice of task 'b'"):
+        slice_order(tasks, ExecutionSettings(order=list(early.order) + [(2, FWD, "b")]))
 
 
 def test_validate_checks_the_settings_against_the_waves(baseline):
@@ -124,7 +147,8 @@ def test_validate_checks_the_settings_against_the_waves(baseline):
     forward_order = tuple(range(len(plan.waves)))
     early = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, segments=None,
                                                                    backward_order=forward_order))
-    with pytest.raises(PlanError, match=r"runs wave 0's backward before wave \d+'s, which reads its output"):
+    with pytest.raises(PlanError, match=r"runs the backward of slice 0 of wave 0 before that of slice 0 of wave \d+, "
+                                        r"which reads its output"):
         validate_plan(early, w, c)
     unknown = dataclasses.replace(plan, settings=dataclasses.replace(
         plan.settings, slice_recompute={"w99:nothing": Recompute("full")}))

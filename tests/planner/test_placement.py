@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
+from megatron_spindle.estimator.cost_model import CostModelConfig
 from megatron_spindle.graph.cluster import ClusterSpec, GiB, GPUSpec, make_cluster
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
 from megatron_spindle.graph.workload import Workload, workload_from_dict
@@ -74,7 +75,7 @@ def devices_of(waves, metaop: str, wave: int) -> list[int]:
 
 
 def slice_bytes(metaop: MetaOp, s: ScheduledSlice, memory_model: MemoryModel) -> float:
-    units, act = slice_memory(metaop, s, memory_model)
+    units, act, _ = slice_memory(metaop, s, memory_model)
     return act + sum(units.values())
 
 
@@ -316,7 +317,8 @@ def test_overflow_names_the_metaop_and_the_bytes():
     m = op("big/enc", "big", "big", (0, 1), tokens=16384)
     g = graph([m])
     w = hand_workload([m])
-    cost, memory = models(w, cluster)
+    cost = AnalyticCostModel(w, cluster, config=CostModelConfig(attention="unfused"))  # s^2 scores are kept
+    memory = MemoryModel(w, cluster, cost)
     need = slice_bytes(m, sl(m, 4), memory)
     assert need > cluster.gpu.memory_bytes
     for strategy in ("spindle", "sequential"):
