@@ -7,11 +7,13 @@ from megatron_spindle.baselines.systems import (
     deepspeed_plan,
     distmm_plan,
     megatron_plan,
+    memory_options,
+    memory_tuned,
     optimus_allocation,
     optimus_plan,
     spindle_seq_plan,
     task_metaops,
 )
 
-__all__ = ["BASELINES", "BaselineContext", "deepspeed_plan", "distmm_plan", "megatron_plan", "optimus_allocation",
-           "optimus_plan", "spindle_seq_plan", "task_metaops"]
+__all__ = ["BASELINES", "BaselineContext", "deepspeed_plan", "distmm_plan", "megatron_plan", "memory_options",
+           "memory_tuned", "optimus_allocation", "optimus_plan", "spindle_seq_plan", "task_metaops"]

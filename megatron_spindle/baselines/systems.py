@@ -14,11 +14,12 @@ All of them run on the same runtime model as Spindle (``simulator/``), so one si
   disjoint device groups, each task's MetaOps one after another on its group; with more tasks than devices,
   tasks are packed longest-first onto single devices.
 - ``spindle_seq_plan``: Spindle's runtime with each task given the whole cluster in turn (paper appendix H):
-  every MetaOp on the largest valid n with its fastest (tp, dp).
+  every MetaOp on the largest valid n with its fastest (tp, dp) by Spindle's T(n) (no amortised sync).
 
-Memory options are tuned like the paper's hand tuning: a plan that does not fit 80 GiB is also built with
-full activation recomputation (and, for DeepSpeed, every ZeRO stage; for Megatron, the distributed optimizer),
-keeping the fastest that fits.
+Memory options are tuned like the paper's hand tuning ("tuned by hand for the best result"), the way a user
+tuning the system would (``memory_tuned``): every ZeRO stage the system offers (DeepSpeed 0-3; the others 0 and
+1, the distributed optimizer) is simulated, without activation recomputation first and with it only when
+nothing fits without, and the fastest plan that fits 80 GiB is kept.
 
 Execution settings of the plans (``Plan.settings``, obeyed by the simulator): ``segments`` lists the waves of
 each segment that runs forward then backward before the next one (a task of a temporally decoupled system);
@@ -89,21 +90,25 @@ class BaselineContext:
             self._best[key] = variant
         return self._best[key]
 
-    def op_time(self, m: MetaOp, tp: int, dp: int) -> float:
-        """Planner-style seconds of the whole MetaOp: T(n) (with amortised DP sync) times its layers."""
-        return self.cost_model.layer_cost(m, tp, dp).total * m.num_layers
+    def op_time(self, m: MetaOp, tp: int, dp: int, amortised_sync: bool = True) -> float:
+        """Seconds of the whole MetaOp for a baseline's own choices: per layer the cost model's forward +
+        backward with its DP gradient all-reduce amortised (the per-operator view the baselines' heuristics
+        take), or without it (``amortised_sync=False``: Spindle's T(n), for Spindle-Seq), times its layers."""
+        lc = self.cost_model.layer_cost(m, tp, dp)
+        return (lc.total if amortised_sync else lc.step) * m.num_layers
 
-    def best_config(self, m: MetaOp, max_n: int, align: int = 0, exact_n: bool = False) -> tuple[int, int, float]:
+    def best_config(self, m: MetaOp, max_n: int, align: int = 0, exact_n: bool = False,
+                    amortised_sync: bool = True) -> tuple[int, int, float]:
         """Fastest (tp, dp, seconds) with tp * dp <= max_n (== the largest feasible n when ``exact_n``) and, if
         ``align`` > 0, tp dividing ``align`` (so TP groups of a block starting at that offset stay in a node)."""
-        key = (m.id, max_n, align, exact_n)
+        key = (m.id, max_n, align, exact_n, amortised_sync)
         if key not in self._best:
             configs = [(tp, dp) for tp, dp in valid_configs(m, self.workload, self.cluster)
                        if tp * dp <= max_n and (align == 0 or align % tp == 0)]
             if exact_n:
                 top = max(tp * dp for tp, dp in configs)
                 configs = [c for c in configs if c[0] * c[1] == top]
-            self._best[key] = min(((tp, dp, self.op_time(m, tp, dp)) for tp, dp in configs),
+            self._best[key] = min(((tp, dp, self.op_time(m, tp, dp, amortised_sync)) for tp, dp in configs),
                                   key=lambda c: (c[2], c[0] * c[1]))
         return self._best[key]
 
@@ -172,12 +177,25 @@ def _pick(plans: Sequence[Plan]) -> Plan:
     return min(close, key=lambda p: max(p.memory_per_device))
 
 
-def _with_recompute_if_needed(ctx: BaselineContext, build: Callable[[BaselineContext], Plan]) -> Plan:
-    """Build without activation recomputation; when that does not fit memory, also with it, keep the better."""
-    plan = build(ctx.recomputing(False))
-    if plan.planner["memory_ok"]:
-        return plan
-    return _pick([plan, build(ctx.recomputing(True))])
+def memory_tuned(ctx: BaselineContext, build: Callable[[BaselineContext, Sequence[int]], list[Plan]],
+                 zero_stages: Sequence[int] = (0, 1)) -> Plan:
+    """The memory options a user tuning the system would pick: the fastest plan that fits 80 GiB among its ZeRO
+    stages, first without activation recomputation, and only when none of those fits also with it
+    (recomputation never makes a plan that fits without it faster); none fits at all: the least memory.
+    ``build(ctx, stages)`` gives one plan per ZeRO stage. The options tried are in ``planner["search"]``."""
+    plans = build(ctx.recomputing(False), zero_stages)
+    if not any(p.planner["memory_ok"] for p in plans):
+        plans += build(ctx.recomputing(True), zero_stages)
+    best = _pick(plans)
+    best.planner["search"] = {memory_options(p): {"time": _sim_time(p), "memory_ok": p.planner["memory_ok"]}
+                              for p in plans}
+    return best
+
+
+def memory_options(plan: Plan) -> str:
+    """A plan's memory options in words: 'zero1+recompute', 'zero0', ..."""
+    st = plan.settings
+    return f"zero{st.zero_stage}" + ("+recompute" if st.recompute.mode == "full" else "")
 
 
 def _temporal_variants(ctx: BaselineContext, per_task: Callable[[str], list[list[ScheduledSlice]]],
@@ -217,19 +235,14 @@ def deepspeed_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineContex
     """ZeRO data parallel on the whole cluster, task after task; the ZeRO stage picked by the simulator."""
     ctx = ctx or BaselineContext.build(workload, cluster)
     n = cluster.num_devices
-    plans = []
-    for recompute in (False, True):  # the ZeRO stage and activation checkpointing, tuned together
-        c = ctx.recomputing(recompute)
 
-        def per_task(task: str, c=c):
+    def build(c: BaselineContext, stages: Sequence[int]) -> list[Plan]:
+        def per_task(task: str):
             return _whole_cluster_waves(c, task, lambda m: (1, _largest_dp(m.batch, n)))
 
-        plans += _temporal_variants(c, per_task, {"planner": "deepspeed"}, ZERO_STAGES)
-    plan = _pick(plans)
-    plan.planner["search"] = {
-        f"zero{p.settings.zero_stage}{'+recompute' if p.settings.recompute.mode == 'full' else ''}":
-            {"time": _sim_time(p), "memory_ok": p.planner["memory_ok"]} for p in plans}
-    return plan
+        return _temporal_variants(c, per_task, {"planner": "deepspeed"}, stages)
+
+    return memory_tuned(ctx, build, ZERO_STAGES)  # the ZeRO stage and activation checkpointing, tuned together
 
 
 # ------------------------------------------------------------------------------------------ Megatron-LM
@@ -265,9 +278,12 @@ def megatron_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineContext
                 trials.append(build({**choice, task.name: tp}, 0))
         best = _pick(trials)
         choice = dict(best.planner["tp_per_task"])
-    if not best.planner["memory_ok"]:  # memory options: distributed optimizer (ZeRO-1), recomputation
-        best = _pick([best, build(choice, 1), build(choice, 0, True), build(choice, 1, True)])
-    return best
+
+    def variants(c: BaselineContext, stages: Sequence[int]) -> list[Plan]:
+        return [build(choice, z, c.recompute) for z in stages]
+
+    # memory options: the distributed optimizer (ZeRO-1) and recomputation, the fastest that fits
+    return memory_tuned(ctx, variants, (0, 1))
 
 
 # ------------------------------------------------------------------------------------------ DistMM-MT
@@ -328,13 +344,13 @@ def distmm_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineContext |
     ctx = ctx or BaselineContext.build(workload, cluster)
     n = cluster.num_devices
 
-    def build(c: BaselineContext) -> Plan:
+    def build(c: BaselineContext, stages: Sequence[int]) -> list[Plan]:
         def per_task(task: str):
             return [g for level in task_metaops(c.metagraph, task) for g in _distmm_level(c, level, n)]
 
-        return _temporal(c, per_task, {"planner": "distmm"})
+        return _temporal_variants(c, per_task, {"planner": "distmm"}, stages)
 
-    return _with_recompute_if_needed(ctx, build)
+    return memory_tuned(ctx, build)
 
 
 # ------------------------------------------------------------------------------------------ Spindle-Optimus
@@ -379,10 +395,10 @@ def optimus_allocation(ctx: BaselineContext) -> list[tuple[list[str], int]]:
 
 def optimus_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineContext | None = None) -> Plan:
     """Tasks concurrently on disjoint device groups sized by marginal gain (Spindle-Optimus)."""
-    return _with_recompute_if_needed(ctx or BaselineContext.build(workload, cluster), _optimus)
+    return memory_tuned(ctx or BaselineContext.build(workload, cluster), _optimus)
 
 
-def _optimus(ctx: BaselineContext) -> Plan:
+def _optimus(ctx: BaselineContext, zero_stages: Sequence[int]) -> list[Plan]:
     groups = sorted(optimus_allocation(ctx), key=lambda g: -g[1])
     all_groups, segments, offset = [], [], 0
     for names, size in groups:
@@ -395,7 +411,7 @@ def _optimus(ctx: BaselineContext) -> Plan:
             segments.append(list(range(first, len(all_groups))))
         offset += size
     settings = {"planner": "optimus", "groups": [{"tasks": names, "devices": size} for names, size in groups]}
-    return _assemble(ctx, _serialise(all_groups, ctx.metagraph), segments, settings)[0]
+    return _assemble(ctx, _serialise(all_groups, ctx.metagraph), segments, settings, zero_stages)
 
 
 # ------------------------------------------------------------------------------------------ Spindle-Seq
@@ -406,13 +422,14 @@ def spindle_seq_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineCont
     ctx = ctx or BaselineContext.build(workload, cluster)
     n = cluster.num_devices
 
-    def build(c: BaselineContext) -> Plan:
+    def build(c: BaselineContext, stages: Sequence[int]) -> list[Plan]:
         def per_task(task: str):
-            return _whole_cluster_waves(c, task, lambda m: c.best_config(m, n, exact_n=True)[:2])
+            return _whole_cluster_waves(c, task, lambda m: c.best_config(m, n, exact_n=True,
+                                                                         amortised_sync=False)[:2])
 
-        return _temporal(c, per_task, {"planner": "spindle-seq"})
+        return _temporal_variants(c, per_task, {"planner": "spindle-seq"}, stages)
 
-    return _with_recompute_if_needed(ctx, build)
+    return memory_tuned(ctx, build)
 
 
 BASELINES: dict[str, Callable[..., Plan]] = {

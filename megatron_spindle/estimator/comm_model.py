@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_spindle.estimator.errors import EstimatorError
-from megatron_spindle.graph.cluster import NVLS_MIN_BYTES, ClusterSpec
+from megatron_spindle.graph.cluster import HBM_STREAM_EFFICIENCY, NVLS_MIN_BYTES, ClusterSpec
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 GRAD_REDUCE_DTYPES = {"bf16": 2, "fp32": 4}
@@ -66,6 +66,13 @@ class GroupPlacement:
     def strided(cls, ranks: int, stride: int, cluster: ClusterSpec, first: int = 0) -> GroupPlacement:
         """``ranks`` devices ``first, first + stride, ...`` (a DP group of a compact TP x DP block: stride = tp)."""
         return cls.of_devices([first + i * stride for i in range(ranks)], cluster)
+
+    @classmethod
+    def dp_ring(cls, devices: Sequence[int], tp: int, cluster: ClusterSpec) -> GroupPlacement:
+        """The data-parallel ring of one TP rank of a group of ``devices`` holding TP shards of degree ``tp``
+        (its members on each node, divided among the TP ranks): what a gradient bucket's ring spans."""
+        count = Counter(cluster.island(d) for d in devices)
+        return cls(tuple(max(1, math.ceil(count[node] / tp)) for node in sorted(count)))
 
     @property
     def size(self) -> int:
@@ -139,6 +146,18 @@ class CommModel:
         """One point-to-point transfer between two GPUs, over NVLink or across nodes."""
         group = GroupPlacement((1, 1) if cross_node else (2,))
         return self.collective_seconds("send_recv", nbytes, group)
+
+    def send_recv_latency(self, cross_node: bool) -> float:
+        return self.latency(GroupPlacement((1, 1) if cross_node else (2,)))
+
+    def send_recv_bandwidth(self, cross_node: bool) -> float:
+        """Bytes/s one GPU sends (or receives) point to point: its own network path across nodes (C9's p2p
+        profile), NVLink inside a node."""
+        return self.bus_bandwidth("send_recv", GroupPlacement((1, 1) if cross_node else (2,)))
+
+    def local_copy_bandwidth(self) -> float:
+        """Bytes/s of a device-to-device copy on one GPU: it reads and writes HBM at the streaming efficiency."""
+        return self.cluster.gpu.memory_bandwidth * HBM_STREAM_EFFICIENCY / 2
 
     def concurrent_seconds(self, collectives: Sequence[tuple[str, float, Sequence[int]]]) -> list[float]:
         """Seconds of collectives (op, bytes, devices) that run at the same time: the cross-node ones share the

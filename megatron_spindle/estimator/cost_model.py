@@ -9,8 +9,10 @@ The time of an operator on n = tp * dp devices is the sum of
 - tp_comm: the tensor-parallel all-reduces of a Megatron layer (2 forward, 2 backward) when tp > 1;
 - dp_sync: the all-reduce of the operator's gradients over its dp ranks (the paper's c_m term), at the bus
   bandwidth of a DP group of a compact tp x dp block (estimator/comm_model.py: NVLink inside a node, the shared
-  network across nodes), with its share of one bucket's latency. It is a separate field so that callers that
-  overlap the synchronisation with the backward (comm_model.overlapped_backward_seconds) can leave it out;
+  network across nodes), with its share of one bucket's latency. It is a separate field, not part of T(n)
+  (``LayerCost.step``): the sync runs per parameter device group, bucketed and overlapped with the backward
+  (comm_model.overlapped_backward_seconds; the simulator's grad_sync.py), and the planner accounts for it
+  per group;
 - launch: the part of the host's launch floor (kernels x launch_seconds) that the GPU work does not hide;
 - data_comm: the contrastive loss's all-gather of the other DP ranks' embeddings when dp > 1.
 
@@ -130,6 +132,13 @@ class LayerCost:
     def total(self) -> float:
         return self.compute + self.tp_comm + self.dp_sync + self.launch + self.data_comm
 
+    @property
+    def step(self) -> float:
+        """Forward + backward on the critical path, without the gradient sync: the scaling curves' T(n). The
+        sync runs per parameter device group, bucketed and overlapped with the backward (the simulator's
+        grad_sync.py; the planner's estimate in planner/objective.py)."""
+        return self.total - self.dp_sync
+
 
 def phase_times(kernels: LayerTime, tp_allreduces: int, tp_allreduce_seconds: float,
                 launch_seconds: float) -> tuple[float, float]:
@@ -145,6 +154,27 @@ def phase_times(kernels: LayerTime, tp_allreduces: int, tp_allreduce_seconds: fl
     if gpu <= 0:
         return host / 3, 2 * host / 3
     return forward * host / gpu, backward * host / gpu
+
+
+def step_phases(cost_model, metaop: MetaOp, tp: int, dp: int, forward_fraction: float | None = None,
+                recompute: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of ONE operator on the critical path, without its gradient sync: the cost
+    model's ``phase_seconds`` plus a contrastive loss's data communication (its all-gather forward, its
+    reduce-scatter backward). With ``forward_fraction``, or a cost model without ``phase_seconds`` (stand-ins),
+    ``layer_cost(...).step`` is split by that fraction (default a third forward, a quarter with
+    recomputation). The simulator times slices with it and the planner's estimate (planner/objective.py)
+    too."""
+    lc = cost_model.layer_cost(metaop, tp, dp)
+    data = getattr(lc, "data_comm", 0.0)
+    phases = getattr(cost_model, "phase_seconds", None)
+    if phases is not None and forward_fraction is None:
+        fwd, bwd = phases(metaop, tp, dp)
+        return fwd + data / 2, bwd + data / 2
+    fraction = forward_fraction
+    if fraction is None:
+        fraction = 1.0 / (FWD_BWD_FACTOR + (1 if recompute and metaop.kind == "layer" else 0))
+    per_layer = lc.total - lc.dp_sync - data
+    return fraction * per_layer + data / 2, (1.0 - fraction) * per_layer + data / 2
 
 
 def layer_seconds(shape: LayerShape, cluster: ClusterSpec, config: CostModelConfig | None = None) -> tuple[float, float]:
@@ -468,6 +498,9 @@ class AnalyticCostModel:
     def phase_seconds(self, metaop: MetaOp, tp: int, dp: int) -> tuple[float, float]:
         """(forward, backward) seconds of ONE operator on one device: kernels, TP all-reduces and the launch floor
         split by phase (no gradient sync, no contrastive all-gather)."""
+        return self._analytic_phases(metaop, tp, dp)
+
+    def _analytic_phases(self, metaop: MetaOp, tp: int, dp: int) -> tuple[float, float]:
         self._check_config(metaop, tp, dp)
         return phase_times(self.kernel_time(metaop, tp, dp), self._tp_allreduces(metaop, tp),
                            self._tp_allreduce_seconds(metaop, tp, dp), self.config.launch_seconds)
@@ -541,7 +574,7 @@ class AnalyticCostModel:
 
     def layer_cost(self, metaop: MetaOp, tp: int, dp: int) -> LayerCost:
         """Seconds for ONE operator of ``metaop``, forward + backward, on tp * dp devices."""
-        fwd, bwd = self.phase_seconds(metaop, tp, dp)
+        fwd, bwd = self._analytic_phases(metaop, tp, dp)
         compute = self.compute_seconds(metaop, tp, dp)
         tp_comm = self.tp_comm_seconds(metaop, tp, dp)
         # The host launches kernels asynchronously: only the part of the launch floor longer than the GPU work

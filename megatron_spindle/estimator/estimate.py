@@ -17,9 +17,10 @@ from megatron_spindle.graph.workload import Workload
 def analytic_points(
     metaop: MetaOp, workload: Workload, cluster: ClusterSpec, cost_model: AnalyticCostModel
 ) -> list[CurvePoint]:
-    """One point per valid (tp, dp) of the MetaOp, timed by the cost model."""
+    """One point per valid (tp, dp) of the MetaOp, timed by the cost model: forward + backward without the
+    gradient sync (``LayerCost.step``)."""
     return [
-        CurvePoint(tp * dp, tp, dp, cost_model.layer_cost(metaop, tp, dp).total, "analytic")
+        CurvePoint(tp * dp, tp, dp, cost_model.layer_cost(metaop, tp, dp).step, "analytic")
         for tp, dp in valid_configs(metaop, workload, cluster)
     ]
 
@@ -66,7 +67,7 @@ def estimate_curve(
     modelled = analytic_points(metaop, workload, cluster, cost_model)
     scale = 1.0
     if calibrate:  # from every measured config: the level is the hardware's, whatever memory allows
-        scale = profile_scale(measured, lambda tp, dp: cost_model.layer_cost(metaop, tp, dp).total)
+        scale = profile_scale(measured, lambda tp, dp: cost_model.layer_cost(metaop, tp, dp).step)
     if allowed is not None:
         measured = [p for p in measured if allowed(metaop, p.tp, p.dp)]
         modelled = [p for p in modelled if allowed(metaop, p.tp, p.dp)]

@@ -6,7 +6,9 @@ A profile is a JSON document (written by tools/profile_metaops.py through ``save
      "workload": "tiny-clip", "workload_digest": "<Workload.digest()>", "gpu": "A800-80GB",
      "points": {"t1/vision": [{"n": 2, "tp": 1, "dp": 2, "seconds": 0.0012}, ...], ...}}
 
-Seconds are per operator (one layer), forward + backward. ``extra`` top-level sections (the profiler writes
+Seconds are per operator (one layer), forward + backward without the gradient all-reduce (T(n); the
+measurements keep compute and DP communication apart, and a loaded profile's points are rebuilt from them).
+``extra`` top-level sections (the profiler writes
 "hardware", "versions", "bandwidth", "settings", "measurements", "optimizer") are kept as given. ``load_profile``
 reads a file once into a ``Profile``: the points (the ``profile`` argument of ``estimate_curves``), the
 measurements with compute and DP communication apart (``ProfiledCostModel``), the measured links
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,13 +193,20 @@ class Measurement:
     def seconds(self) -> float:
         return self.compute_seconds + self.dp_comm_seconds
 
+    def step_seconds(self, weightless: bool = False) -> float:
+        """Forward + backward on the critical path (T(n), ``LayerCost.step``): compute, and the DP communication
+        only for an operator without weights (a contrastive loss's all-gather); a gradient all-reduce is not
+        part of it (the simulator and the planner charge it per parameter device group)."""
+        return self.compute_seconds + (self.dp_comm_seconds if weightless else 0.0)
+
     @property
     def tflops_per_device(self) -> float:
         """Achieved TFLOP/s of one device during compute (FLOPs / n / compute seconds)."""
         return self.flops / self.n / self.compute_seconds / 1e12 if self.compute_seconds > 0 else 0.0
 
-    def point(self) -> CurvePoint:
-        return CurvePoint(self.n, self.tp, self.dp, self.seconds, "profiled")
+    def point(self, weightless: bool = False) -> CurvePoint:
+        """The measurement as a point of the MetaOp's scaling curve (``step_seconds``)."""
+        return CurvePoint(self.n, self.tp, self.dp, self.step_seconds(weightless), "profiled")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -207,12 +216,18 @@ class Measurement:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
-def points_of(measurements: Sequence[Measurement]) -> dict[str, list[CurvePoint]]:
-    """metaop id -> measured points (every member of a group gets the group's points)."""
+def weightless_metaops(workload: Workload) -> set[str]:
+    """MetaOps without parameters (contrastive losses): their DP communication is on the critical path."""
+    return {mid for mid, m in build_metagraph(workload).metaops.items() if not any(m.params)}
+
+
+def points_of(measurements: Sequence[Measurement], weightless: Collection[str] = ()) -> dict[str, list[CurvePoint]]:
+    """metaop id -> measured points (every member of a group gets the group's points); ``weightless``: the
+    MetaOps whose DP communication belongs to their step (``weightless_metaops``)."""
     out: dict[str, list[CurvePoint]] = {}
     for m in measurements:
         for mid in m.members:
-            out.setdefault(mid, []).append(m.point())
+            out.setdefault(mid, []).append(m.point(mid in weightless))
     return out
 
 
@@ -237,5 +252,19 @@ def load_profile(path: str | Path, workload: Workload, cluster: ClusterSpec) -> 
         measurements = [Measurement.from_dict(m) for m in raw]
     except TypeError as e:
         raise EstimatorError(f"{path}: malformed 'measurements' section: {e}") from None
-    return Profile(points, [m for m in measurements if m.n <= cluster.num_devices], doc.get("bandwidth") or {},
-                   optimizer_cost_from_dict(doc))
+    measurements = [m for m in measurements if m.n <= cluster.num_devices]
+    if measurements:  # the curves' points from the measurements: compute apart from the gradient all-reduce
+        points = _step_points(points, measurements, weightless_metaops(workload))
+    return Profile(points, measurements, doc.get("bandwidth") or {}, optimizer_cost_from_dict(doc))
+
+
+def _step_points(points: dict[str, list[CurvePoint]], measurements: Sequence[Measurement],
+                 weightless: set[str]) -> dict[str, list[CurvePoint]]:
+    """Points at measured configs timed by ``Measurement.step_seconds`` (files written before the curves left
+    the gradient all-reduce out hold compute + communication in their points)."""
+    measured = {(mid, m.tp, m.dp): m for m in measurements for mid in m.members}
+    out = {}
+    for mid, pts in points.items():
+        out[mid] = [measured[(mid, p.tp, p.dp)].point(mid in weightless) if (mid, p.tp, p.dp) in measured else p
+                    for p in pts]
+    return out

@@ -63,13 +63,26 @@ class ProfiledCostModel(AnalyticCostModel):
         if not self.calibrate:
             return 1.0
         if metaop.id not in self._scale:
-            points = [meas.point() for (mid, _, _), meas in self.measured.items() if mid == metaop.id]
+            weightless = not any(metaop.params)
+            points = [meas.point(weightless) for (mid, _, _), meas in self.measured.items() if mid == metaop.id]
             self._scale[metaop.id] = profile_scale(
-                points, lambda tp, dp: AnalyticCostModel.layer_cost(self, metaop, tp, dp).total)
+                points, lambda tp, dp: AnalyticCostModel.layer_cost(self, metaop, tp, dp).step)
         return self._scale[metaop.id]
 
     def optimizer_cost(self) -> OptimizerCost:
         return self.measured_optimizer if self.measured_optimizer is not None else super().optimizer_cost()
+
+    def phase_seconds(self, metaop: MetaOp, tp: int, dp: int) -> tuple[float, float]:
+        """(forward, backward) of ONE operator without gradient sync: a measured compute split like the
+        analytic model splits it at the same config (the profiler times forward + backward together), else the
+        analytic phases scaled like ``layer_cost``."""
+        fwd, bwd = self._analytic_phases(metaop, tp, dp)
+        meas = self.measured.get((metaop.id, tp, dp))
+        if meas is not None:
+            share = fwd / (fwd + bwd) if fwd + bwd > 0 else 1.0 / 3.0
+            return meas.compute_seconds * share, meas.compute_seconds * (1.0 - share)
+        s = self.scale(metaop)
+        return fwd * s, bwd * s
 
     def recompute_seconds(self, metaop: MetaOp, tp: int, dp: int, recompute, num_layers: int) -> float:
         """The analytic recomputation time at the MetaOp's measured level (``scale``)."""

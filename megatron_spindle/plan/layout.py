@@ -9,7 +9,7 @@ simulator and the runtime apply the same rules to what they hold.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
@@ -130,3 +130,22 @@ def param_device_groups(waves: Sequence[Sequence[SliceGeometry]],
     for unit, devices in unit_holders(waves, metaops).items():
         pool.setdefault(tuple(devices), []).append(unit)
     return [(list(devs), units) for devs, units in sorted(pool.items())]
+
+
+def stepped_elements(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
+                     param_count: Callable[[str], float], zero_stage: int,
+                     num_devices: int) -> list[dict[str, float]]:
+    """Per device: unit -> fp32 master elements its optimizer steps: the unit's TP shard (the smallest TP degree
+    of the device's slices holding it, as the memory accounting counts it), divided over the slice's DP ranks
+    with ZeRO stage >= 1; devices running the same slices share one dict."""
+    held: list[dict[str, float]] = [{} for _ in range(num_devices)]
+    for program, devices in device_programs(waves, num_devices).items():
+        mine: dict[str, float] = {}
+        for wi, si in program:
+            s = waves[wi][si]
+            for u in slice_units(metaops[s.metaop], s.layer_start, s.layer_end):
+                elements = param_count(u) / s.tp / (s.dp if zero_stage >= 1 else 1)
+                mine[u] = max(mine.get(u, 0.0), elements)
+        for d in devices:
+            held[d] = mine
+    return held

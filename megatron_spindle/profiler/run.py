@@ -14,7 +14,13 @@ from megatron_spindle.estimator.configs import valid_configs
 from megatron_spindle.estimator.cost_model import AnalyticCostModel, OptimizerCost
 from megatron_spindle.estimator.curve import CurvePoint
 from megatron_spindle.estimator.errors import EstimatorError
-from megatron_spindle.estimator.profile import Measurement, Profile, points_of, save_profile_points
+from megatron_spindle.estimator.profile import (
+    Measurement,
+    Profile,
+    points_of,
+    save_profile_points,
+    weightless_metaops,
+)
 from megatron_spindle.estimator.profiled import cluster_with_bandwidth
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaOp, build_metagraph
@@ -83,7 +89,7 @@ class ProfileResult:
     @property
     def points(self) -> dict[str, list[CurvePoint]]:
         """metaop id -> measured points (every member of a group gets the group's points)."""
-        return points_of(self.measurements)
+        return points_of(self.measurements, weightless_metaops(self.workload))
 
     def profile(self) -> Profile:
         """The measurements as ``load_profile`` would read them back from the saved file."""

@@ -17,29 +17,23 @@ from dataclasses import dataclass
 import torch
 
 from megatron_spindle.graph.opgraph import MetaGraph
+from megatron_spindle.plan.buckets import (  # noqa: F401 - the bucket rules are plan/'s, shared with the simulator
+    BUCKET_NUMEL_PER_MEMBER,
+    DEFAULT_BUCKET_NUMEL,
+    default_bucket_numel,
+    split_buckets,
+    unit_completion,
+)
 from megatron_spindle.plan.schema import Plan
-from megatron_spindle.runtime.layout import slice_units
 from megatron_spindle.runtime.shards import UnitShard
-
-DEFAULT_BUCKET_NUMEL = 40_000_000  # megatron-core DDP: max(40M, 1M * dp size) parameters per bucket
-BUCKET_NUMEL_PER_MEMBER = 1_000_000
-
-
-def default_bucket_numel(members: int) -> int:
-    return max(DEFAULT_BUCKET_NUMEL, BUCKET_NUMEL_PER_MEMBER * members)
 
 
 def backward_order(plan: Plan, metagraph: MetaGraph) -> dict[str, tuple[int, int]]:
-    """unit -> (wave, position in its slice) of the last backward that accumulates its gradient, over every
-    slice of the plan holding it. The backward runs waves from last to first, and a slice's layers from last
-    to first, so a unit is complete after the slice with the smallest (wave, position); a larger pair
-    completes earlier."""
-    last: dict[str, tuple[int, int]] = {}
-    for wi, wave in enumerate(plan.waves):
-        for s in wave.slices:
-            for pos, u in enumerate(slice_units(metagraph, s)):
-                last[u] = min(last.get(u, (wi, pos)), (wi, pos))
-    return last
+    """unit -> (wave, position in its slice) of the slice whose backward completes its gradient: over every
+    slice of the plan holding it, the one whose backward runs last, and its lowest position there (a slice
+    runs its layers' backward from last to first); plan/buckets.py ``unit_completion``. With the default
+    order a larger pair completes earlier."""
+    return unit_completion([w.slices for w in plan.waves], metagraph.metaops, plan.settings)
 
 
 @dataclass(frozen=True)
@@ -103,14 +97,11 @@ class GradBuffers:
 
 def _split(devices: tuple[int, ...], units: list[str], shards: dict[str, UnitShard],
            order: dict[str, tuple[int, int]], limit: int) -> list[Bucket]:
-    """Whole units, in buffer order, closed once a bucket holds at least ``limit`` elements."""
+    """Whole units, in buffer order, closed once a bucket holds at least ``limit`` elements (plan/buckets.py)."""
     out: list[Bucket] = []
-    start = off = 0
-    members: list[str] = []
-    for i, u in enumerate(units):
-        members.append(u)
-        off += shards[u].numel
-        if off - start >= limit or i == len(units) - 1:
-            out.append(Bucket(devices, len(out), tuple(members), start, off, order[members[-1]]))
-            start, members = off, []
+    start = 0
+    for members in split_buckets(units, lambda u: shards[u].numel, limit):
+        end = start + sum(shards[u].numel for u in members)
+        out.append(Bucket(devices, len(out), tuple(members), start, end, order[members[-1]]))
+        start = end
     return out

@@ -1,6 +1,7 @@
 """Discrete-event simulation of one training iteration of any ``Plan`` (Spindle's, a baseline's, hand-made).
 
-Execution model (the same for every plan, so that plans from different planners compare fairly):
+Execution model (the same for every plan, so that plans from different planners compare fairly; the event
+engine is timeline.py):
 
 - **Order.** plan/order.py's execution order of the plan's ``settings``: ``segments`` (optional) group wave
   indices into segments that run forward then backward one after another (temporal decoupling: each task is
@@ -8,33 +9,33 @@ Execution model (the same for every plan, so that plans from different planners 
   order (or ``backward_order``); or an explicit ``order`` of (wave, phase, task) steps (early backward).
   Every device executes its own slices in that global order. With ``micro_batches`` m the order runs m times
   one after another, each slice on B/m samples (its costs and transfers at that batch), and the gradient
-  synchronisation and the optimizer step follow the last micro-batch.
+  synchronisation (overlapped with the last micro-batch's backward) and the optimizer step follow.
 - **Dataflow, no global barrier.** A slice starts when all its devices are free and its inputs have arrived:
   a wave boundary is a point-to-point dependency, not a cluster-wide barrier (a device only waits for the
   devices it receives from). On wave-aligned Spindle plans this changes little; it lets the baselines whose
   tasks run side by side on disjoint devices (Spindle-Optimus) proceed independently.
-- **Compute.** A slice takes ``layers x (compute + tp_comm + launch + data_comm)`` of the cost model's
-  ``layer_cost(metaop, tp, dp)``: one third forward, two thirds backward (``FWD_BWD_FACTOR``). A slice's
-  activation recomputation (``settings.recompute_of``) adds the cost model's ``recompute_seconds`` to its
-  backward: the attention cores (selective) or the whole forward of each recomputed layer (full).
-  The per-layer ``dp_sync`` is *not* charged here: gradients are synchronised per parameter device group after the
-  backward (below). With ZeRO stage 3 (``settings.zero_stage``) every layer also all-gathers its weights
-  forward and again backward, on the critical path like the gradient synchronisation (no overlap is
-  modelled for either), so stage 3 moves 1.5x the data of stages 0-2 and costs accordingly.
+- **Compute.** A slice's forward and backward take ``layers x`` the cost model's ``phase_seconds(metaop, tp,
+  dp)`` (the per-kernel model's forward and backward, TP all-reduces and launch floor), plus a contrastive
+  loss's all-gather of the embeddings forward and its reduce-scatter backward (``step_phases``). Cost models
+  without ``phase_seconds`` (stand-ins) split ``layer_cost`` one third forward, two thirds backward. A
+  slice's activation recomputation (``settings.recompute_of``) adds the cost model's ``recompute_seconds``
+  to its backward: the attention cores (selective) or the whole forward of each recomputed layer (full).
+  With ZeRO stage 3 (``settings.zero_stage``) every layer also all-gathers its weights forward and again
+  backward.
 - **Transfers** (activations forward, their gradients backward) happen between a producer slice and a
   consumer slice, routed by plan/routing.py as the runtime sends them (the backward reaches every producer
   device, so its bytes differ from the forward's when the TP degrees differ): each direction starts when its
-  sender finishes and the links of every device involved are free (one transfer at a time per device), and
-  takes the time of its busiest device (``comm.py``). They
-  sit on the critical path of the consumer (forward) or producer (backward) and may overlap compute of
-  unrelated slices.
-- **Gradient synchronisation.** After a device's last backward, each parameter device group (the plan's
-  ``param_groups``) all-reduces its gradients (in ``settings.grad_reduce_dtype``) inside its device set,
-  as a ring over the data-parallel replicas of each TP shard. Groups sharing a device run one after
-  another, device-disjoint groups overlap; groups go in order of readiness, larger first. ZeRO stages 1 and
-  2 move the same volume (reduce-scatter + all-gather), stage 3 only the reduce-scatter (half) since its
-  gathers happen in the forward and backward.
-- **Optimizer step.** After a device's last backward and the gradient synchronisation of every group it is
+  sender finishes and the links of every device involved are free (first come, first served), and takes the
+  time of its busiest device at the comm model's point-to-point bandwidths (estimator/transfer.py). They sit on the
+  critical path of the consumer (forward) or producer (backward) and may overlap compute of unrelated slices.
+- **Gradient synchronisation** (grad_sync.py): the runtime's buckets of each parameter device group, issued in
+  the plan-wide launch order as soon as their last gradient is accumulated on a member, reduced by the comm
+  model's collectives during the rest of the backward, with cross-node collectives sharing the node's network
+  and compute and communication slowed by C10's factor while they overlap (``SimSettings``:
+  ``overlap_grad_reduce=False`` issues every bucket after the device's backward, as the runtime's flag does).
+  ZeRO stage 0 all-reduces, stages 1-3 reduce-scatter; stages 1 and 2 all-gather the updated weights after the
+  optimizer step (``param_gather`` in the breakdown).
+- **Optimizer step.** After a device's last backward and the gradient synchronisation of every bucket it is
   in, it runs AdamW over the fp32 master elements it holds: per unit, the unit's TP shard (the smallest TP
   degree of its slices on the device, as the memory model counts it), divided over the slice's DP ranks
   with ZeRO stage >= 1. It takes the cost model's ``optimizer_seconds(elements, tensors)`` (one tensor per
@@ -47,13 +48,9 @@ Execution model (the same for every plan, so that plans from different planners 
 - **Models.** Recomputation is charged per slice, so a cost model that adds it to every layer
   (``config.recompute``) is replaced by a copy without it (``matching_models``).
 
-The planner's predicted time (``plan.predicted["iteration_time"]``) sums wave durations of T(n), which
-amortises the DP all-reduce of every layer into T(n) and ignores transfers. The simulator instead times the
-grouped all-reduces after the backward and the transfers, and lets device-disjoint slices run ahead. On
-Spindle plans of the calibrated paper workloads the ratio simulated / predicted is 0.92-1.31 (CLIP, OFASys)
-and 1.4-1.5 on QWen-VAL, whose shared LLM's all-reduce spans every device that holds it (the per-MetaOp
-amortised sync of T(n) sees only each MetaOp's own DP group); tests/simulator check 25 % on CLIP and
-tiny-clip, benchmarks/paper_eval.py prints the ratio for every configuration (``sim/pred``).
+The planner's own estimate (``plan.predicted["planner_estimate"]``) sums its waves of T(n) and adds its
+estimate of the exposed gradient synchronisation and the transfers; plan selection (megatron_spindle/autoplan.py)
+then writes this simulator's time into ``plan.predicted["iteration_time"]``.
 """
 
 from __future__ import annotations
@@ -62,34 +59,47 @@ import copy
 import dataclasses
 from dataclasses import dataclass, field
 
-from megatron_spindle.graph.cluster import ClusterSpec
-from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
-from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.derive import plan_slice_pairs
-from megatron_spindle.plan.layout import device_programs, micro_batch_metaop, slice_units
-from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, grad_reduce_bytes, plan_memory
-from megatron_spindle.plan.order import FWD, slice_order
-from megatron_spindle.plan.routing import ROUTE_INTER, ROUTE_INTRA, Router
-from megatron_spindle.plan.schema import TRANSFER_KINDS, Plan, Slice
-from megatron_spindle.simulator.comm import (
+from megatron_spindle.estimator.comm_model import OVERLAP_SLOWDOWN, CommModel, GroupPlacement
+from megatron_spindle.estimator.cost_model import step_phases
+from megatron_spindle.estimator.transfer import (
     TransferLoad,
-    ring_allgather_seconds,
-    ring_allreduce_seconds,
     route_bandwidths,
     transfer_load,
     transfer_seconds,
 )
+from megatron_spindle.graph.cluster import ClusterSpec
+from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
+from megatron_spindle.graph.workload import Workload
+from megatron_spindle.plan.derive import plan_slice_pairs
+from megatron_spindle.plan.layout import micro_batch_metaop, slice_units, stepped_elements
+from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, plan_memory
+from megatron_spindle.plan.order import FWD, slice_order
+from megatron_spindle.plan.routing import ROUTE_INTER, ROUTE_INTRA, Router
+from megatron_spindle.plan.schema import TRANSFER_KINDS, Plan, Slice
+from megatron_spindle.simulator.grad_sync import (
+    BucketSync,
+    CollectiveTimer,
+    GroupInfo,
+    group_infos,
+    nodes_of,
+    param_gathers,
+    plan_buckets,
+)
 from megatron_spindle.simulator.result import GroupSync, Interval, SimResult
+from megatron_spindle.simulator.timeline import Collective, Flow, Task, TimelineResult, run_timeline
 
 
 @dataclass
 class SimSettings:
     """Knobs of the execution model (defaults: see the module docstring)."""
 
-    forward_fraction: float | None = None  # share of fwd+bwd compute in the forward; None: 1 / FWD_BWD_FACTOR
+    forward_fraction: float | None = None  # share of fwd+bwd compute in the forward; None: the cost model's split
     transfers: bool = True  # False: transfers are free (used for the breakdown)
     grad_sync: bool = True  # False: no gradient synchronisation
     optimizer: bool = True  # False: no optimizer step
+    overlap_grad_reduce: bool = True  # False: buckets are issued after the device's whole backward
+    bucket_numel: int | None = None  # elements per gradient bucket (--ddp-bucket-size); None: megatron-core's
+    overlap_slowdown: float | None = None  # None: estimator.comm_model.OVERLAP_SLOWDOWN (C10)
 
 
 @dataclass
@@ -123,6 +133,10 @@ class _Context:
     out_edges: dict[str, list[_Edge]]
     zero_stage: int
     units: dict[str, list[str]] = field(default_factory=dict)  # slice id -> parameter units
+    comm: CommModel | None = None
+    groups: list[GroupInfo] = field(default_factory=list)
+    buckets: list[BucketSync] = field(default_factory=list)
+    settings: SimSettings = field(default_factory=SimSettings)
 
 
 def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=None, memory_model=None,
@@ -132,16 +146,25 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=No
     cost_model, memory_model = matching_models(plan, workload, cluster, cost_model, memory_model)
     metagraph = metagraph or build_metagraph(workload)
     ctx = _build_context(plan, cluster, metagraph, cost_model, settings)
-    run = _run(ctx, with_transfers=settings.transfers)
-    bare = _run(ctx, with_transfers=False)
-    compute_end = max(run.dev_free, default=0.0)
-    syncs = _grad_sync(ctx, run, cost_model) if settings.grad_sync else []
-    synced = max([compute_end] + [g.end for g in syncs])
-    optimizer = _optimizer_steps(ctx, run, syncs, cost_model) if settings.optimizer else []
-    iteration = max([synced] + [end for _, end in optimizer])
-    compute = max(bare.dev_free, default=0.0)
-    transfer = max(0.0, compute_end - compute)
-    compute = min(compute, compute_end)
+    timer = CollectiveTimer(ctx.comm)
+    bare = _timeline(ctx, timer, transfers=False, sync=False)
+    moved = _timeline(ctx, timer, transfers=settings.transfers, sync=False)
+    full = _timeline(ctx, timer, transfers=settings.transfers, sync=True) if settings.grad_sync and ctx.buckets \
+        else moved
+    buckets = ctx.buckets if full is not moved else []
+    device_done = list(full.device_end)
+    for b, c_end in zip(buckets, full.coll_end):
+        for d in b.devices:
+            device_done[d] = max(device_done[d], c_end)
+    synced = max(device_done, default=0.0)
+    optimizer = _optimizer_steps(ctx, device_done, cost_model) if settings.optimizer else \
+        [(t, t) for t in device_done]
+    gathers = _param_gathers(ctx, timer, optimizer) if settings.grad_sync else []
+    stepped = max([end for _, end in optimizer] + [synced])
+    iteration = max([stepped] + [end for _, _, end in gathers])
+    compute = min(bare.makespan, synced)
+    transfer = max(0.0, min(moved.makespan, synced) - compute)
+    syncs = _group_syncs(ctx, buckets, full)
     seconds_by_kind = {k: 0.0 for k in TRANSFER_KINDS}
     bytes_by_kind = {k: 0.0 for k in TRANSFER_KINDS}
     backward_bytes_by_kind = {k: 0.0 for k in TRANSFER_KINDS}
@@ -154,24 +177,28 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=No
     total_route_seconds = sum(seconds_by_kind.values())
     transfer_by_kind = {k: (transfer * v / total_route_seconds if total_route_seconds > 0 else 0.0)
                         for k, v in seconds_by_kind.items()}
+    busy, fwd_end = _busy(ctx, full)
     return SimResult(
         iteration_time=iteration,
         compute_time=compute,
         transfer_time=transfer,
-        grad_sync_time=synced - compute_end,
-        optimizer_time=iteration - synced,
+        grad_sync_time=synced - compute - transfer,
+        optimizer_time=stepped - synced,
+        param_gather_time=iteration - stepped,
         optimizer_steps=optimizer,
         transfer_by_kind=transfer_by_kind,
         transfer_bytes_by_kind=bytes_by_kind,
         transfer_backward_bytes_by_kind=backward_bytes_by_kind,
         transfer_seconds_by_kind=seconds_by_kind,
         grad_sync=syncs,
-        busy=run.busy,
+        busy=busy,
         peak_memory=plan_memory(plan, metagraph.metaops, memory_model),
-        forward_end=run.forward_end,
+        forward_end=fwd_end,
         num_devices=plan.num_devices,
         extras={"planner_predicted": float(plan.predicted.get("iteration_time", 0.0)),
-                "zero_stage": ctx.zero_stage},
+                "zero_stage": ctx.zero_stage, "buckets": len(buckets),
+                "sync_seconds": max(_per_device_comm(ctx, buckets, full), default=0.0),
+                "backward_end": max(full.device_end, default=0.0)},
     )
 
 
@@ -207,30 +234,27 @@ def _build_context(plan: Plan, cluster: ClusterSpec, metagraph: MetaGraph, cost_
         metaops[s.metaop] = metagraph.metaops[s.metaop]
     zero = plan.settings.zero_stage
     micro = plan.settings.micro_batches
-    from megatron_spindle.estimator.cost_model import FWD_BWD_FACTOR
-
+    comm = CommModel(cluster)
     fwd_time, bwd_time, units = {}, {}, {}
     for sid, s in slices.items():
         m = metaops[s.metaop]
         run = micro_batch_metaop(m, micro)  # what one micro-batch runs
-        fraction = settings.forward_fraction
-        if fraction is None:
-            fraction = 1.0 / FWD_BWD_FACTOR
-        lc = cost_model.layer_cost(run, s.tp, s.dp)
-        per_layer = lc.compute + lc.tp_comm + lc.launch + getattr(lc, "data_comm", 0.0)
-        fwd, bwd = fraction * per_layer, (1.0 - fraction) * per_layer
+        fwd, bwd = step_phases(cost_model, run, s.tp, s.dp, settings.forward_fraction)
         if zero == 3 and s.dp > 1:
             layer_params = sum(cost_model.param_count(p) for p in m.params[0]) if m.params else 0
-            gather = ring_allgather_seconds(layer_params * WEIGHT_BYTES_PER_PARAM / s.tp, s.dp,
-                                            not cluster.same_island(s.devices), cluster)
+            ring = GroupPlacement.dp_ring(s.devices, s.tp, cluster)
+            gather = comm.all_gather(layer_params * WEIGHT_BYTES_PER_PARAM / s.tp, ring,
+                                     s.tp if ring.crosses_nodes else 1)
             fwd, bwd = fwd + gather, bwd + gather
         fwd_time[sid] = fwd * s.num_layers
         bwd_time[sid] = bwd * s.num_layers + _recompute_seconds(cost_model, run, s, plan.settings.recompute_of(sid),
                                                                 fwd)
         units[sid] = slice_units(m, s.layer_start, s.layer_end)
-    in_edges, out_edges = _edges(plan, slices, metaops, cluster, cost_model)
+    in_edges, out_edges = _edges(plan, slices, metaops, cost_model, comm)
+    groups = group_infos(plan, metagraph.metaops, cost_model.param_count, cluster)
+    buckets = plan_buckets(plan, metagraph.metaops, cost_model.param_count, groups, settings.bucket_numel)
     return _Context(plan, cluster, slices, metaops, _order(plan), fwd_time, bwd_time, in_edges, out_edges, zero,
-                    units)
+                    units, comm, groups, buckets, settings)
 
 
 def _recompute_seconds(cost_model, metaop: MetaOp, s: Slice, recompute, forward_per_layer: float) -> float:
@@ -249,19 +273,19 @@ def _order(plan: Plan) -> list[tuple[str, str]]:
             for wi, si, phase in slice_order([[s.task for s in w.slices] for w in waves], plan.settings)]
 
 
-def _edges(plan: Plan, slices: dict[str, Slice], metaops: dict[str, MetaOp], cluster: ClusterSpec,
-           cost_model) -> tuple[dict[str, list[_Edge]], dict[str, list[_Edge]]]:
+def _edges(plan: Plan, slices: dict[str, Slice], metaops: dict[str, MetaOp], cost_model,
+           comm: CommModel) -> tuple[dict[str, list[_Edge]], dict[str, list[_Edge]]]:
     """Producer -> consumer slice pairs (derived from the plan's layout by plan/layout.py, not trusted from its
     transfer list), each direction routed by plan/routing.py."""
     in_edges: dict[str, list[_Edge]] = {sid: [] for sid in slices}
     out_edges: dict[str, list[_Edge]] = {sid: [] for sid in slices}
-    router = Router(cluster.gpus_per_node)
+    router = Router(plan.gpus_per_node)
     flows: dict[tuple, _Flow] = {}  # plans repeat layouts: each (layout, bytes per row) timed once
 
     def flow(holders: Slice, needers: Slice, batch: int, per_row: float) -> _Flow:
         key = (router.key(holders, needers, batch), per_row)
         if key not in flows:
-            flows[key] = _flow(transfer_load(router.route(holders, needers, batch), per_row), cluster)
+            flows[key] = _flow(transfer_load(router.route(holders, needers, batch), per_row), comm)
         return flows[key]
 
     micro = plan.settings.micro_batches
@@ -276,10 +300,10 @@ def _edges(plan: Plan, slices: dict[str, Slice], metaops: dict[str, MetaOp], clu
     return in_edges, out_edges
 
 
-def _flow(load: TransferLoad, cluster: ClusterSpec) -> _Flow:
-    seconds = transfer_seconds(load, cluster)
+def _flow(load: TransferLoad, comm: CommModel) -> _Flow:
+    seconds = transfer_seconds(load, comm)
     by_route = load.total_by_route()
-    bw = route_bandwidths(cluster)
+    bw = route_bandwidths(comm)
     raw = {k: by_route[k] / bw[k] for k in TRANSFER_KINDS}
     total_raw = sum(raw.values())
     by_seconds = {k: (seconds * raw[k] / total_raw if total_raw > 0 else 0.0) for k in TRANSFER_KINDS}
@@ -290,122 +314,169 @@ def _flow(load: TransferLoad, cluster: ClusterSpec) -> _Flow:
 # ------------------------------------------------------------------------------------------ timeline
 
 
-@dataclass
-class _Run:
-    dev_free: list[float]
-    busy: list[list[Interval]]
-    fwd_end: dict[str, float]
-    bwd_end: dict[str, float]
-    last_bwd: list[float]
-    forward_end: float
+def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool) -> TimelineResult:
+    """One run of the event engine over the plan's tasks (the order once per micro-batch), with or without
+    transfers and gradient buckets; the buckets follow the last micro-batch's accumulations."""
+    micro = ctx.plan.settings.micro_batches
+    index = {(key, mb): k for k, (key, mb) in enumerate(_task_keys(ctx))}
+    tasks = []
+    for (sid, phase), _ in _task_keys(ctx):
+        s = ctx.slices[sid]
+        tasks.append(Task(tuple(s.devices), ctx.fwd_time[sid] if phase == FWD else ctx.bwd_time[sid]))
+    flows: list[Flow] = []
+
+    def connect(src: tuple[str, str], dst: tuple[str, str], flow: _Flow, mb: int) -> None:
+        a, b = index.get((src, mb)), index.get((dst, mb))
+        if a is None or b is None or a >= b:
+            return  # a producer that runs later: the plan is invalid, validate_plan says why
+        tasks[b].inputs.append(len(flows))
+        flows.append(Flow(a, b, flow.devices if transfers else (), flow.seconds if transfers else 0.0))
+
+    for mb in range(micro):
+        for sid in ctx.slices:
+            for e in ctx.in_edges[sid]:
+                connect((e.producer, FWD), (sid, FWD), e.fwd, mb)
+                connect((sid, "bwd"), (e.producer, "bwd"), e.bwd, mb)
+    collectives: list[Collective] = []
+    slowdown = 1.0
+    if sync and ctx.buckets:
+        slowdown = ctx.settings.overlap_slowdown or OVERLAP_SLOWDOWN
+        gpn = ctx.cluster.gpus_per_node
+        collectives = [Collective(b.devices, _bucket_seconds(timer, b), nodes_of(b.devices, gpn), b.rings)
+                       for b in ctx.buckets]
+        last = {key: k for (key, mb), k in index.items() if mb == micro - 1}
+        for c, (k, fraction, d) in _milestones(ctx, last, tasks):
+            tasks[k].milestones.append((fraction, c, d))
+    return run_timeline(ctx.plan.num_devices, tasks, flows, collectives, slowdown)
 
 
-def _run(ctx: _Context, with_transfers: bool) -> _Run:
-    n = ctx.plan.num_devices
-    dev_free = [0.0] * n
-    link_free = [0.0] * n
-    busy: list[list[Interval]] = [[] for _ in range(n)]
-    fwd_end: dict[str, float] = {}
-    bwd_end: dict[str, float] = {}
-
-    def arrive(flow: _Flow, sent_at: float) -> float:
-        if not with_transfers or not flow.devices:
-            return sent_at + (flow.seconds if with_transfers else 0.0)
-        start = max([sent_at] + [link_free[d] for d in flow.devices])
-        end = start + flow.seconds
-        for d in flow.devices:
-            link_free[d] = end
-        return end
-
-    forward_end = 0.0
-    for _ in range(ctx.plan.settings.micro_batches):  # micro-batch after micro-batch, each the whole order
-        fwd_end.clear()
-        bwd_end.clear()
-        for sid, phase in ctx.order:
-            s = ctx.slices[sid]
-            if phase == FWD:
-                ready = max([arrive(e.fwd, fwd_end[e.producer]) for e in ctx.in_edges[sid]
-                             if e.producer in fwd_end], default=0.0)
-                duration = ctx.fwd_time[sid]
-            else:
-                ready = max([arrive(e.bwd, bwd_end[e.consumer]) for e in ctx.out_edges[sid]
-                             if e.consumer in bwd_end], default=0.0)
-                duration = ctx.bwd_time[sid]
-            start = max(ready, max(map(dev_free.__getitem__, s.devices)))
-            end = start + duration
-            interval = Interval(start, end, sid, phase)
-            for d in s.devices:
-                dev_free[d] = end
-                if duration > 0:
-                    busy[d].append(interval)
-            if phase == FWD:
-                fwd_end[sid] = end
-                forward_end = max(forward_end, end)
-            else:
-                bwd_end[sid] = end
-    return _Run(dev_free, busy, fwd_end, bwd_end, list(dev_free), forward_end)
+def _task_keys(ctx: _Context) -> list[tuple[tuple[str, str], int]]:
+    """((slice id, phase), micro-batch) of every task, in execution order: micro-batch after micro-batch."""
+    return [(key, mb) for mb in range(ctx.plan.settings.micro_batches) for key in ctx.order]
 
 
-def _grad_sync(ctx: _Context, run: _Run, cost_model) -> list[GroupSync]:
-    """List-schedule the parameter device groups' all-reduces after each device's backward."""
-    unit_tp: dict[str, int] = {}
-    for sid, units in ctx.units.items():
-        tp = ctx.slices[sid].tp
-        for u in units:
-            unit_tp[u] = min(unit_tp.get(u, tp), tp)
-    jobs = []
-    for g in ctx.plan.param_groups:
-        if len(g.devices) <= 1 or not g.params:
+def _bucket_seconds(timer: CollectiveTimer, b: BucketSync):
+    return lambda sharing: timer.seconds(b.op, b.nbytes, b.ring, sharing)
+
+
+def _milestones(ctx: _Context, index: dict[tuple[str, str], int], tasks: list[Task]):
+    """(collective, (task, fraction of its work, device)): where each member's last accumulation of each
+    bucket happens (grad_sync.py); without overlap, the end of the device's last task."""
+    if not ctx.settings.overlap_grad_reduce:
+        last = [-1] * ctx.plan.num_devices
+        for k, t in enumerate(tasks):
+            for d in t.devices:
+                last[d] = k
+        for c, b in enumerate(ctx.buckets):
+            for d in b.devices:
+                yield c, (last[d], 1.0, d)
+        return
+    # unit -> [(task, fraction)] over the backward tasks holding it, in execution order
+    holding: dict[str, list[tuple[int, float]]] = {}
+    for sid, phase in ctx.order:
+        if phase == FWD:
             continue
-        tp = min((unit_tp.get(u, 1) for u in g.params), default=1)
-        ranks = len(g.devices) // tp
-        volume = grad_reduce_bytes(sum(cost_model.param_count(u) for u in g.params), ctx.plan.settings) / tp
-        cross = not ctx.cluster.same_island(g.devices)
-        seconds = ring_allreduce_seconds(volume, ranks, cross, ctx.cluster)
-        if ctx.zero_stage == 3:
-            seconds /= 2  # reduce-scatter only: the weights are gathered in the forward and backward
-        ready = max(run.last_bwd[d] for d in g.devices)
-        jobs.append((ready, -volume, g, tp, ranks, volume, cross, seconds))
-    jobs.sort(key=lambda j: (j[0], j[1], j[2].devices))
-    sync_free = list(run.last_bwd)
-    out = []
-    for ready, _, g, _tp, ranks, volume, cross, seconds in jobs:
-        start = max([ready] + [sync_free[d] for d in g.devices])
-        end = start + seconds
-        for d in g.devices:
-            sync_free[d] = end
-        out.append(GroupSync(list(g.devices), len(g.params), volume, ranks, cross, start, end))
+        units = ctx.units[sid]
+        k = index[(sid, phase)]
+        first = _first_operator(ctx.metaops[ctx.slices[sid].metaop], ctx.slices[sid])
+        ops = ctx.slices[sid].num_layers
+        for u in units:
+            holding.setdefault(u, []).append((k, (ops - first[u]) / ops))
+    for c, b in enumerate(ctx.buckets):
+        best: dict[int, tuple[int, float]] = {}
+        members = set(b.devices)
+        for u in b.units:
+            for k, fraction in holding.get(u, ()):
+                for d in tasks[k].devices:
+                    if d in members and (k, fraction) > best.get(d, (-1, 0.0)):
+                        best[d] = (k, fraction)
+        for d in b.devices:
+            k, fraction = best[d]
+            yield c, (k, fraction, d)
+
+
+def _first_operator(m: MetaOp, s: Slice) -> dict[str, int]:
+    """unit -> the first operator of the slice (0-based) using it: its last accumulation in the backward."""
+    out: dict[str, int] = {}
+    for i, names in enumerate(m.params[s.layer_start:s.layer_end]):
+        for u in names:
+            out.setdefault(u, i)
     return out
 
 
-def optimizer_elements(ctx: _Context, cost_model) -> list[dict[str, float]]:
-    """Per device: unit -> fp32 master elements the device steps (its TP shard; over DP with ZeRO >= 1), the
-    largest over its slices holding the unit; devices running the same slices share one dict."""
-    waves = [w.slices for w in ctx.plan.waves]
-    held: list[dict[str, float]] = [{} for _ in range(ctx.plan.num_devices)]
-    for program, devices in device_programs(waves, ctx.plan.num_devices).items():
-        mine: dict[str, float] = {}
-        for wi, si in program:
-            s = waves[wi][si]
-            for u in ctx.units[s.id]:
-                elements = cost_model.param_count(u) / s.tp / (s.dp if ctx.zero_stage >= 1 else 1)
-                mine[u] = max(mine.get(u, 0.0), elements)
-        for d in devices:
-            held[d] = mine
-    return held
+def _busy(ctx: _Context, run: TimelineResult) -> tuple[list[list[Interval]], float]:
+    busy: list[list[Interval]] = [[] for _ in range(ctx.plan.num_devices)]
+    forward_end = 0.0
+    for k, ((sid, phase), _) in enumerate(_task_keys(ctx)):
+        start, end = run.task_start[k], run.task_end[k]
+        if phase == FWD:
+            forward_end = max(forward_end, end)
+        if end > start:
+            interval = Interval(start, end, sid, phase)
+            for d in ctx.slices[sid].devices:
+                busy[d].append(interval)
+    for ivs in busy:
+        ivs.sort()
+    return busy, forward_end
 
 
-def _optimizer_steps(ctx: _Context, run: _Run, syncs: list[GroupSync], cost_model) -> list[tuple[float, float]]:
-    """(start, end) of each device's AdamW step: after its last backward and its groups' gradient syncs."""
+def _group_syncs(ctx: _Context, buckets: list[BucketSync], run: TimelineResult) -> list[GroupSync]:
+    by_group: dict[int, list[int]] = {}
+    for c, b in enumerate(buckets):
+        by_group.setdefault(b.group, []).append(c)
+    out = []
+    for gi, cs in sorted(by_group.items()):
+        g = ctx.groups[gi]
+        out.append(GroupSync(list(g.devices), len(g.units), sum(buckets[c].nbytes for c in cs), g.ranks,
+                             g.ring.crosses_nodes, min(run.coll_start[c] for c in cs),
+                             max(run.coll_end[c] for c in cs), buckets=len(cs),
+                             comm_seconds=sum(run.coll_end[c] - run.coll_start[c] for c in cs)))
+    return out
+
+
+def _per_device_comm(ctx: _Context, buckets: list[BucketSync], run: TimelineResult) -> list[float]:
+    """Seconds each device spends in gradient collectives."""
+    out = [0.0] * ctx.plan.num_devices
+    for c, b in enumerate(buckets):
+        for d in b.devices:
+            out[d] += run.coll_end[c] - run.coll_start[c]
+    return out
+
+
+def _optimizer_steps(ctx: _Context, ready: list[float], cost_model) -> list[tuple[float, float]]:
+    """(start, end) of each device's AdamW step: after its last backward and its buckets' syncs."""
     seconds = getattr(cost_model, "optimizer_seconds", None)
     if seconds is None:  # a cost model without one (stand-ins): no optimizer term
-        return [(t, t) for t in run.last_bwd]
-    ready = list(run.last_bwd)
-    for g in syncs:
-        for d in g.devices:
-            ready[d] = max(ready[d], g.end)
+        return [(t, t) for t in ready]
     steps = []
-    for d, units in enumerate(optimizer_elements(ctx, cost_model)):
+    waves = [w.slices for w in ctx.plan.waves]
+    held = stepped_elements(waves, ctx.metaops, cost_model.param_count, ctx.zero_stage, ctx.plan.num_devices)
+    for d, units in enumerate(held):
         duration = seconds(sum(units.values()), len(units)) if units else 0.0
         steps.append((ready[d], ready[d] + duration))
     return steps
+
+
+def _param_gathers(ctx: _Context, timer: CollectiveTimer, steps: list[tuple[float, float]]):
+    """ZeRO 1 and 2: each group all-gathers its updated weights once its members have stepped; gathers sharing
+    a device run one after another, cross-node ones crossing a node at the same time share its network.
+    (group, start, end) each."""
+    gathers = param_gathers(ctx.plan, ctx.groups)
+    if not gathers:
+        return []
+    gpn = ctx.cluster.gpus_per_node
+    users: dict[int, int] = {}
+    for gi, _ in gathers:
+        for node in nodes_of(ctx.groups[gi].devices, gpn):
+            users[node] = users.get(node, 0) + ctx.groups[gi].tp
+    free = [end for _, end in steps]
+    out = []
+    for gi, nbytes in sorted(gathers, key=lambda x: max(steps[d][1] for d in ctx.groups[x[0]].devices)):
+        g = ctx.groups[gi]
+        sharing = max((users[node] for node in nodes_of(g.devices, gpn)), default=1)
+        start = max(free[d] for d in g.devices)
+        end = start + timer.seconds("all_gather", nbytes, g.ring, sharing)
+        for d in g.devices:
+            free[d] = end
+        out.append((gi, start, end))
+    return out

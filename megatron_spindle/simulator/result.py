@@ -19,7 +19,8 @@ class Interval(NamedTuple):
 
 @dataclass
 class GroupSync:
-    """Gradient synchronisation of one parameter device group (the plan's ``param_groups`` entry)."""
+    """Gradient synchronisation of one parameter device group (the plan's ``param_groups`` entry): its
+    buckets' collectives, from the first one's start to the last one's end."""
 
     devices: list[int]
     num_units: int
@@ -28,6 +29,8 @@ class GroupSync:
     cross_island: bool
     start: float
     end: float
+    buckets: int = 1
+    comm_seconds: float = 0.0  # the buckets' collectives, summed
 
     @property
     def seconds(self) -> float:
@@ -38,16 +41,19 @@ class GroupSync:
 class SimResult:
     """Simulated iteration of a plan.
 
-    The breakdown is additive: ``compute + transfer + grad_sync + optimizer == iteration_time``, where
+    The breakdown is additive: ``compute + transfer + grad_sync + optimizer + param_gather == iteration_time``,
+    where
 
     - ``compute`` is the makespan with free transfers and no gradient synchronisation (forward + backward
       compute, TP all-reduces, ZeRO-3 gathers not hidden by compute, kernel-launch floor);
     - ``transfer`` is what inter-wave transfers (activations forward, their gradients backward) add to it;
       ``transfer_by_kind`` splits it in proportion to the seconds each route (local copy, NVLink inside an
       island, network across islands) spends moving data;
-    - ``grad_sync`` is what the gradient all-reduces of the parameter device groups add after the backward;
+    - ``grad_sync`` is what the gradient synchronisation of the parameter device groups adds: the buckets
+      not hidden behind the backward, and the backward's slowdown while they overlap it;
     - ``optimizer`` is what the devices' AdamW steps (``optimizer_steps``: per device (start, end)) add after
-      that.
+      that;
+    - ``param_gather`` is what the all-gathers of the updated weights add after the step (ZeRO 1 and 2).
     """
 
     iteration_time: float
@@ -66,6 +72,7 @@ class SimResult:
     optimizer_time: float = 0.0
     optimizer_steps: list[tuple[float, float]] = field(default_factory=list)  # per device: AdamW (start, end)
     transfer_backward_bytes_by_kind: dict[str, float] = field(default_factory=dict)  # input gradients, by route
+    param_gather_time: float = 0.0
 
     # --------------------------------------------------------------------------------- derived
     @property
@@ -106,7 +113,8 @@ class SimResult:
 
     def breakdown(self) -> dict[str, float]:
         out = {"iteration_time": self.iteration_time, "compute": self.compute_time,
-               "transfer": self.transfer_time, "grad_sync": self.grad_sync_time, "optimizer": self.optimizer_time}
+               "transfer": self.transfer_time, "grad_sync": self.grad_sync_time, "optimizer": self.optimizer_time,
+               "param_gather": self.param_gather_time}
         for k in TRANSFER_KINDS:
             out[f"transfer_{k}"] = self.transfer_by_kind.get(k, 0.0)
         return out

@@ -27,7 +27,7 @@ def test_curves_for_builtin_workloads(name, request, cluster8):
             tp, dp = curve.config(n)
             assert tp * dp == n
             candidates = [
-                model.layer_cost(metaop, t, d).total
+                model.layer_cost(metaop, t, d).step  # T(n): without the grad sync
                 for t, d in valid_configs(metaop, workload, cluster8)
                 if t * d == n
             ]

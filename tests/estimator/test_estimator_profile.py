@@ -122,8 +122,8 @@ def test_planner_and_simulator_fill_unmeasured_configs_alike(tiny_clip, tmp_path
     model = ProfiledCostModel(workload, cluster, profile.measurements)
     scale = (3.0 * 5.0) ** 0.5
     assert model.scale(vision) == pytest.approx(scale)
-    for n in (4, 8):  # not measured: the same scaled analytic cost on both sides
+    for n in (4, 8):  # not measured: the same scaled analytic cost on both sides (T(n): without the grad sync)
         tp, dp = curve.config(n)
-        assert curve.time(n) == pytest.approx(model.layer_cost(vision, tp, dp).total)
-        assert curve.time(n) == pytest.approx(scale * base.layer_cost(vision, tp, dp).total)
+        assert curve.time(n) == pytest.approx(model.layer_cost(vision, tp, dp).step)
+        assert curve.time(n) == pytest.approx(scale * base.layer_cost(vision, tp, dp).step)
     assert curve.time(1) == model.layer_cost(vision, 1, 1).total == measurements[0].seconds

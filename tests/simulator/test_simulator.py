@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from megatron_spindle.graph.cluster import ClusterSpec, GPUSpec
+from megatron_spindle.graph.cluster import HBM_STREAM_EFFICIENCY, ClusterSpec, GPUSpec
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import ModuleSpec, SpindleTask, Workload
 from megatron_spindle.plan.schema import (
@@ -67,11 +67,17 @@ class StubMemoryModel:
         return self.act_per_layer * num_layers / (tp * dp)
 
 
+# a device-to-device copy reads and writes HBM at the streaming efficiency (estimator CommModel)
+COPY_BW = 200 * GB * HBM_STREAM_EFFICIENCY / 2
+# gradient sync after the whole backward, as before overlap existed (tests of volumes and serialisation)
+AFTER_BACKWARD = SimSettings(overlap_grad_reduce=False)
+
+
 def _cluster(nodes: int = 1, per_node: int = 4) -> ClusterSpec:
-    # 1 GB/s NVLink, 0.5 GB/s network, 100 GB/s HBM, zero latency: transfer times in round numbers.
+    # 1 GB/s NVLink, 0.5 GB/s network, 200 GB/s HBM, zero latency: transfer times in round numbers.
     gpu = GPUSpec("stub", peak_flops=1e12, memory_bytes=80 * GB, memory_bandwidth=200 * GB)
     return ClusterSpec(nodes, per_node, gpu, intra_node_bw=1 * GB, inter_node_bw=0.5 * GB,
-                       intra_node_latency=0.0, inter_node_latency=0.0)
+                       intra_node_latency=0.0, inter_node_latency=0.0, collective_latency=0.0, network_latency=0.0)
 
 
 def _workload() -> Workload:
@@ -116,17 +122,18 @@ def test_two_waves_local_transfer_and_one_allreduce():
     mem = StubMemoryModel(cost, act_per_layer=1 * GB)
     groups = [ParamGroup([0, 1], ["a.layers.0", "a.layers.1", "b.layers.0", "b.layers.1"])]
     plan = _two_wave_plan(w, cluster, [0, 1], [0, 1], groups)
-    r = simulate(plan, w, cluster, cost, mem)
+    r = simulate(plan, w, cluster, cost, mem, AFTER_BACKWARD)
     # compute: a = 2 layers x 6/2, b = 2 layers x 3/2 -> 6 + 3 = 9 s (fwd 3 s, bwd 6 s)
     assert r.compute_time == pytest.approx(9.0)
-    assert r.forward_end == pytest.approx(3.0 + 2.0e9 / 100e9)  # plus the forward local copy of 2 GB/device
-    # local copy: each device copies its 2 GB half at HBM/2 = 100 GB/s -> 0.02 s, forward and backward
-    assert r.transfer_time == pytest.approx(0.04)
-    assert r.transfer_by_kind["local"] == pytest.approx(0.04)
+    copy = 2.0e9 / COPY_BW
+    assert r.forward_end == pytest.approx(3.0 + copy)  # plus the forward local copy of 2 GB/device
+    # local copy: each device copies its 2 GB half at the achieved HBM bandwidth / 2, forward and backward
+    assert r.transfer_time == pytest.approx(2 * copy)
+    assert r.transfer_by_kind["local"] == pytest.approx(2 * copy)
     assert r.transfer_bytes_by_kind == pytest.approx({"local": 4 * GB, "intra_island": 0.0, "inter_island": 0.0})
-    # all-reduce of 4 units x 250M params x 4 bytes = 4 GB over 2 ranks: 2*(1/2)*4 GB / 1 GB/s = 4 s
+    # all-reduce of 4 units x 250M params x 4 bytes = 4 GB over 2 ranks: 2*(1/2)*4 GB / 1 GB/s = 4 s (4 buckets)
     assert r.grad_sync_time == pytest.approx(4.0)
-    assert r.iteration_time == pytest.approx(9.04 + 4.0)
+    assert r.iteration_time == pytest.approx(9.0 + 2 * copy + 4.0)
     assert r.compute_time + r.transfer_time + r.grad_sync_time == pytest.approx(r.iteration_time)
     assert len(r.grad_sync) == 1 and r.grad_sync[0].ranks == 2 and not r.grad_sync[0].cross_island
 
@@ -163,13 +170,14 @@ def test_grad_sync_groups_overlap_when_disjoint_and_serialise_when_sharing():
     # disjoint: a's units on {0,1}, b's on {2,3}: two 1 GB all-reduces over 2 ranks in parallel, 1 s each
     disjoint = [ParamGroup([0, 1], ["a.layers.0", "a.layers.1"]), ParamGroup([2, 3], ["b.layers.0", "b.layers.1"])]
     waves = [Wave(0, 0, 0.0, 1.0, [_slice(0, "t/a", [0, 1])]), Wave(1, 1, 1.0, 1.0, [_slice(1, "t/b", [2, 3])])]
-    r = simulate(_plan(w, cluster, waves, disjoint), w, cluster, cost, mem, settings=SimSettings(transfers=False))
+    after = SimSettings(transfers=False, overlap_grad_reduce=False)
+    r = simulate(_plan(w, cluster, waves, disjoint), w, cluster, cost, mem, settings=after)
     assert r.grad_sync_time == pytest.approx(1.0)
     assert r.grad_sync[0].start == pytest.approx(r.grad_sync[1].start) or r.grad_sync[0].end <= r.iteration_time
     # sharing device 1: {0,1} and {1,2} must run one after another on device 1
     sharing = [ParamGroup([0, 1], ["a.layers.0", "a.layers.1"]), ParamGroup([1, 2], ["b.layers.0", "b.layers.1"])]
     waves = [Wave(0, 0, 0.0, 1.0, [_slice(0, "t/a", [0, 1])]), Wave(1, 1, 1.0, 1.0, [_slice(1, "t/b", [1, 2])])]
-    r = simulate(_plan(w, cluster, waves, sharing), w, cluster, cost, mem, settings=SimSettings(transfers=False))
+    r = simulate(_plan(w, cluster, waves, sharing), w, cluster, cost, mem, settings=after)
     spans = sorted((g.start, g.end) for g in r.grad_sync)
     assert spans[1][0] >= spans[0][1] - 1e-12
     # {1,2} crosses nodes: 2*(1/2)*1 GB / 0.5 GB/s = 2 s; {0,1} inside node 0: 1 s
@@ -183,7 +191,7 @@ def test_tp_shards_reduce_in_parallel_rings():
     groups = [ParamGroup([0, 1, 2, 3], ["a.layers.0", "a.layers.1", "b.layers.0", "b.layers.1"])]
     waves = [Wave(0, 0, 0.0, 1.0, [_slice(0, "t/a", [0, 1, 2, 3], tp=2)]),
              Wave(1, 1, 1.0, 1.0, [_slice(1, "t/b", [0, 1, 2, 3], tp=2)])]
-    r = simulate(_plan(w, cluster, waves, groups), w, cluster, cost, StubMemoryModel(cost, 0.0))
+    r = simulate(_plan(w, cluster, waves, groups), w, cluster, cost, StubMemoryModel(cost, 0.0), AFTER_BACKWARD)
     # 4 GB / tp 2 = 2 GB per rank over 2 ranks: 2 s
     assert r.grad_sync[0].ranks == 2
     assert r.grad_sync_time == pytest.approx(2.0)
@@ -233,8 +241,13 @@ def test_zero_stages_shard_state_and_stage3_costs_gathers():
     results = {}
     for stage in (0, 2, 3):
         plan = _two_wave_plan(w, cluster, [0, 1, 2, 3], [0, 1, 2, 3], groups, planner={"zero_stage": stage})
-        results[stage] = simulate(plan, w, cluster, cost, mem)
-    assert results[2].iteration_time == pytest.approx(results[0].iteration_time)
+        results[stage] = simulate(plan, w, cluster, cost, mem, AFTER_BACKWARD)
+    # stage 0 all-reduces 4 GB over 4 ranks (2 x 3/4 x 4 s = 6 s); stage 2 reduce-scatters it (3 s) and
+    # all-gathers the 2 GB of updated bf16 weights after the step (3/4 x 2 s = 1.5 s)
+    assert results[0].grad_sync_time == pytest.approx(6.0)
+    assert results[2].grad_sync_time == pytest.approx(3.0)
+    assert results[2].param_gather_time == pytest.approx(1.5)
+    assert results[2].iteration_time == pytest.approx(results[0].iteration_time - 1.5)
     assert max(results[2].peak_memory) < max(results[0].peak_memory)
     assert max(results[3].peak_memory) < max(results[2].peak_memory)
     # stage 3: 4 layers x 2 gathers of 0.5 GB bf16 weights over 4 ranks (3/4 x 0.5 s) = 3 s more compute,
@@ -289,7 +302,7 @@ def test_optimizer_step_follows_the_grad_sync_and_scales_with_held_elements():
     cost = TimedOptimizerCost({"a": 6.0, "b": 3.0}, activation=0.0, params_per_unit=100_000_000)
     groups = [ParamGroup([0, 1], ["a.layers.0", "a.layers.1"]), ParamGroup([1], ["b.layers.0", "b.layers.1"])]
     plan = _two_wave_plan(w, cluster, [0, 1], [1], groups)
-    r = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0))
+    r = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0), AFTER_BACKWARD)
     (s0, e0), (s1, e1) = r.optimizer_steps[:2]
     assert e0 - s0 == pytest.approx(2 * 0.1 + 2 * 0.01)  # 2 units of 100 M elements
     assert e1 - s1 == pytest.approx(4 * 0.1 + 4 * 0.01)
@@ -301,7 +314,7 @@ def test_optimizer_step_follows_the_grad_sync_and_scales_with_held_elements():
     assert r.breakdown()["optimizer"] == r.optimizer_time
     assert r.compute_time + r.transfer_time + r.grad_sync_time + r.optimizer_time == pytest.approx(r.iteration_time)
     assert simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0),
-                    SimSettings(optimizer=False)).iteration_time == pytest.approx(sync.end)
+                    SimSettings(optimizer=False, overlap_grad_reduce=False)).iteration_time == pytest.approx(sync.end)
 
 
 def test_optimizer_step_shards_with_zero_and_is_free_without_parameters():
@@ -311,7 +324,7 @@ def test_optimizer_step_shards_with_zero_and_is_free_without_parameters():
     steps = {}
     for zero in (0, 1):
         plan = _two_wave_plan(w, cluster, [0, 1], [0, 1], groups, planner={"zero_stage": zero})
-        r = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0))
+        r = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0), AFTER_BACKWARD)
         steps[zero] = r.optimizer_steps[0][1] - r.optimizer_steps[0][0]
         assert r.optimizer_time == pytest.approx(steps[zero])
     assert steps[0] == pytest.approx(4 * 0.1 + 4 * 0.01)

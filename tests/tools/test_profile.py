@@ -183,8 +183,11 @@ def test_grouping_configs_and_cost_model():
     # unmeasured configs: the analytic model scaled to the measured level of the MetaOp
 
     base = AnalyticCostModel(workload, cluster)
-    scale = 0.012 / base.layer_cost(audio, 1, 2).total
-    assert model.layer_cost(audio, 1, 4).total == pytest.approx(scale * base.layer_cost(audio, 1, 4).total)
+    scale = 0.01 / base.layer_cost(audio, 1, 2).step  # measured / modelled forward + backward (T(n): no grad sync)
+    assert model.layer_cost(audio, 1, 4).step == pytest.approx(scale * base.layer_cost(audio, 1, 4).step)
+    fwd, bwd = model.phase_seconds(audio, 1, 2)  # measured compute, split like the analytic model
+    afwd, abwd = base.phase_seconds(audio, 1, 2)
+    assert fwd + bwd == pytest.approx(0.01) and fwd / bwd == pytest.approx(afwd / abwd)
     # extra sections of a profile file may not replace the format's own keys
     from megatron_spindle.estimator import EstimatorError
     from megatron_spindle.estimator.profile import profile_to_dict

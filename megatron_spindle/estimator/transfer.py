@@ -1,14 +1,12 @@
-"""Communication times of the simulator: inter-wave activation transfers and gradient all-reduces.
+"""Inter-wave activation transfers: bytes per device and route, and their time (what the simulator charges and
+the planner estimates).
 
 Transfers are timed from plan/routing.py's messages, the ones the runtime sends: every consumer device
 receives the rows of its data-parallel rank (each of its TP ranks), from itself (a local copy), a holder on its
 island (NVLink) or another island (network); the backward sends the input gradients to every producer device
 the same way. A direction of a transfer takes as long as its busiest device, sending or receiving, plus one
-link latency when anything leaves a device.
-
-Gradient all-reduces are rings over the data-parallel replicas of each TP shard (the TP ranks reduce their
-shards in parallel, each over its own ring), at NVLink speed when the group sits in one island and at the
-per-GPU network share otherwise.
+point-to-point latency when anything leaves a device. Bandwidths and latencies are the comm model's
+(estimator/comm_model.py).
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from megatron_spindle.graph.cluster import ClusterSpec
+from megatron_spindle.estimator.comm_model import CommModel
 from megatron_spindle.plan.routing import ROUTE_INTER, ROUTE_INTRA, ROUTE_LOCAL, Message
 from megatron_spindle.plan.schema import TRANSFER_KINDS
 
@@ -58,40 +56,24 @@ def transfer_load(messages: Iterable[Message], bytes_per_row: float) -> Transfer
     return load
 
 
-def route_bandwidths(cluster: ClusterSpec) -> dict[str, float]:
-    """Bytes/s per device of each route: a device-to-device copy reads and writes HBM."""
-    return {ROUTE_LOCAL: cluster.gpu.memory_bandwidth / 2, ROUTE_INTRA: cluster.intra_node_bw,
-            ROUTE_INTER: cluster.inter_node_bw}
+def route_bandwidths(comm: CommModel) -> dict[str, float]:
+    """Bytes/s per device of each route (the comm model's): a local device-to-device copy reads and writes HBM,
+    NVLink point to point inside a node, the GPU's own network path across nodes."""
+    return {ROUTE_LOCAL: comm.local_copy_bandwidth(), ROUTE_INTRA: comm.send_recv_bandwidth(False),
+            ROUTE_INTER: comm.send_recv_bandwidth(True)}
 
 
-def transfer_seconds(load: TransferLoad, cluster: ClusterSpec) -> float:
-    """Time of one transfer: its busiest device (receiving or sending), plus a latency if anything moves."""
-    bw = route_bandwidths(cluster)
+def transfer_seconds(load: TransferLoad, comm: CommModel) -> float:
+    """Time of one transfer: its busiest device (receiving or sending), plus one point-to-point latency of the
+    slowest route that moves anything."""
+    bw = route_bandwidths(comm)
     worst = 0.0
     for table in (load.received, load.sent):
         for routes in table.values():
             worst = max(worst, sum(b / bw[k] for k, b in routes.items()))
     moved = load.total_by_route()
     if moved[ROUTE_INTER] > 0:
-        worst += cluster.inter_node_latency
+        worst += comm.send_recv_latency(True)
     elif moved[ROUTE_INTRA] > 0:
-        worst += cluster.intra_node_latency
+        worst += comm.send_recv_latency(False)
     return worst
-
-
-def ring_allreduce_seconds(nbytes: float, ranks: int, cross_island: bool, cluster: ClusterSpec) -> float:
-    """Ring all-reduce of ``nbytes`` per rank over ``ranks`` ranks: 2(p-1)/p of the data per link, 2(p-1) hops."""
-    if ranks <= 1 or nbytes <= 0:
-        return 0.0
-    bw = cluster.inter_node_bw if cross_island else cluster.intra_node_bw
-    lat = cluster.inter_node_latency if cross_island else cluster.intra_node_latency
-    return 2 * (ranks - 1) / ranks * nbytes / bw + 2 * (ranks - 1) * lat
-
-
-def ring_allgather_seconds(total_bytes: float, ranks: int, cross_island: bool, cluster: ClusterSpec) -> float:
-    """Ring all-gather (or reduce-scatter) of ``total_bytes`` in all: (p-1)/p of it per link, p-1 hops."""
-    if ranks <= 1 or total_bytes <= 0:
-        return 0.0
-    bw = cluster.inter_node_bw if cross_island else cluster.intra_node_bw
-    lat = cluster.inter_node_latency if cross_island else cluster.intra_node_latency
-    return (ranks - 1) / ranks * total_bytes / bw + (ranks - 1) * lat

@@ -1,0 +1,80 @@
+"""Gradient buckets of a plan: in which order the backward completes each parameter unit, how a parameter
+device group's units are cut into buckets, and the one order in which every rank issues the buckets.
+
+The runtime (runtime/grad_buffers.py, grad_sync.py) lays out and reduces its gradient buffers by these rules,
+and the simulator times the same buckets, so both agree on what is reduced when:
+
+- **Completion.** A unit's gradient is complete after the last backward that accumulates it: over every slice
+  holding it, the one whose wave runs its backward last (plan/order.py's execution order: reverse wave order,
+  ``backward_order``, segments or an explicit ``order``), and in that slice the unit's layer (a slice runs
+  its layers' backward from last to first, so a lower position completes later). ``unit_completion`` gives
+  that slice's (wave, position) per unit.
+- **Buckets.** A group's units in completion order, whole units, closed once a bucket holds at least
+  ``limit`` elements: megatron-core DDP's ``bucket_size``, by default ``max(40M, 1M * group size)``
+  (distributed_data_parallel_config.py).
+- **Launch order.** Buckets by the completion of their last unit (latest wave first, then position), then by
+  group and index: buckets of one group come in index order, and any two ranks issue the buckets they share
+  in the same relative order. (With the default order this follows the backward; with another order a rank
+  may wait for a bucket issued late in its backward.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from megatron_spindle.graph.opgraph import MetaOp
+from megatron_spindle.plan.layout import SliceGeometry, slice_units
+from megatron_spindle.plan.order import BWD, slice_order
+from megatron_spindle.plan.schema import ExecutionSettings
+
+DEFAULT_BUCKET_NUMEL = 40_000_000  # megatron-core DDP: max(40M, 1M * dp size) parameters per bucket
+BUCKET_NUMEL_PER_MEMBER = 1_000_000
+
+Completion = tuple[int, int]  # (wave, position in its slice) of the slice whose backward completes the unit
+
+
+def default_bucket_numel(members: int) -> int:
+    return max(DEFAULT_BUCKET_NUMEL, BUCKET_NUMEL_PER_MEMBER * members)
+
+
+def unit_completion(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
+                    settings: ExecutionSettings) -> dict[str, Completion]:
+    """unit -> (wave, position) of the slice whose backward completes it (module docstring): over the slices
+    holding it, the one whose backward runs last in the plan's order (plan/order.py ``slice_order``), and in
+    it the unit's position (the lowest, completed last). With the default order this is the smallest
+    (wave, position)."""
+    tasks = [[metaops[s.metaop].task for s in slices] for slices in waves]
+    step = {(wi, si): k for k, (wi, si, phase) in enumerate(slice_order(tasks, settings)) if phase == BWD}
+    last: dict[str, tuple[int, int, int]] = {}  # unit -> (backward step, -position, wave)
+    for wi, slices in enumerate(waves):
+        for si, s in enumerate(slices):
+            for pos, u in enumerate(slice_units(metaops[s.metaop], s.layer_start, s.layer_end)):
+                key = (step[(wi, si)], -pos, wi)
+                if u not in last or key > last[u]:
+                    last[u] = key
+    return {u: (wi, -neg_pos) for u, (_, neg_pos, wi) in last.items()}
+
+
+def completion_sorted(units: Sequence[str], completion: Mapping[str, Completion]) -> list[str]:
+    """Units in buffer order: by completion in the backward, latest wave first, then position (ties by name)."""
+    return sorted(units, key=lambda u: (-completion[u][0], -completion[u][1], u))
+
+
+def split_buckets(units: Sequence[str], numel: Callable[[str], int], limit: int) -> list[list[str]]:
+    """Whole units, in the given order, closed once a bucket holds at least ``limit`` elements."""
+    out: list[list[str]] = []
+    members: list[str] = []
+    size = 0
+    for i, u in enumerate(units):
+        members.append(u)
+        size += numel(u)
+        if size >= limit or i == len(units) - 1:
+            out.append(members)
+            members, size = [], 0
+    return out
+
+
+def launch_key(done: Completion, devices: Sequence[int], index: int) -> tuple:
+    """Sort key of a bucket in the plan-wide launch order: ``done`` is the completion of its last unit
+    (latest wave first, then position), then the group and the index."""
+    return (-done[0], -done[1], tuple(devices), index)

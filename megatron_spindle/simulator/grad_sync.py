@@ -1,0 +1,139 @@
+"""Gradient synchronisation of a plan as the simulator runs it: the runtime's buckets (plan/buckets.py), each a
+collective of its parameter device group timed by the comm model.
+
+- **Buckets.** Per parameter device group (the plan's ``param_groups``), its units in the order the backward
+  completes them, cut at ``bucket_numel`` elements (megatron-core's default for the group's size), issued in
+  the plan-wide launch order: what runtime/grad_buffers.py builds.
+- **Readiness.** A member device issues a bucket once the last accumulation of its gradients on that device
+  is done: in the device's last backward holding a unit of the bucket, at the unit's layer (a slice runs its
+  layers' backward from last to first; a light operator's one unit is complete at the end of its backward).
+  Without overlap (``overlap=False``) every bucket waits for the device's whole backward.
+- **Volume.** The TP ranks of a group reduce their own shards, each over the ring of its data-parallel
+  replicas (``tp`` rings at once, each ``1/tp`` of the bucket, sharing the network of the nodes they cross).
+  ZeRO stage 0 all-reduces the bucket; stages 1-3 reduce-scatter it (each member keeps the gradient of the
+  optimizer shard it steps), and stages 1 and 2 all-gather the updated bf16 weights after the optimizer step,
+  one collective per group (``param_gathers``); stage 3 gathers weights in every layer's forward and
+  backward instead (the compute tasks carry those).
+- **Time.** ``CommModel.collective_seconds`` with the number of cross-node collectives sharing the busiest
+  node at the moment (the timeline's fluid sharing), and the overlap slowdown while the members compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from megatron_spindle.estimator.comm_model import CommModel, GroupPlacement
+from megatron_spindle.graph.cluster import ClusterSpec
+from megatron_spindle.graph.opgraph import MetaOp
+from megatron_spindle.plan.buckets import (
+    Completion,
+    completion_sorted,
+    default_bucket_numel,
+    launch_key,
+    split_buckets,
+    unit_completion,
+)
+from megatron_spindle.plan.layout import slice_units
+from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, grad_reduce_bytes
+from megatron_spindle.plan.schema import Plan
+
+
+@dataclass
+class BucketSync:
+    """One bucket of one parameter device group (``group``: index in the plan's ``param_groups``)."""
+
+    group: int
+    devices: tuple[int, ...]
+    index: int
+    units: tuple[str, ...]
+    params: int
+    done: Completion
+    op: str  # all_reduce | reduce_scatter
+    nbytes: float  # per ring: the bucket's bytes of one TP shard
+    ring: GroupPlacement  # the data-parallel ring of one TP rank
+    rings: int  # TP rings running at once
+
+    def launch_key(self) -> tuple:
+        return launch_key(self.done, self.devices, self.index)
+
+
+@dataclass
+class GroupInfo:
+    devices: tuple[int, ...]
+    units: list[str]
+    params: int
+    tp: int
+    ring: GroupPlacement
+
+    @property
+    def ranks(self) -> int:
+        return self.ring.size
+
+
+def unit_tp(plan: Plan, metaops: Mapping[str, MetaOp]) -> dict[str, int]:
+    """unit -> the smallest TP degree of the slices holding it (the shard the group's rings reduce)."""
+    out: dict[str, int] = {}
+    for s in plan.slices():
+        for u in slice_units(metaops[s.metaop], s.layer_start, s.layer_end):
+            out[u] = min(out.get(u, s.tp), s.tp)
+    return out
+
+
+def group_infos(plan: Plan, metaops: Mapping[str, MetaOp], param_count, cluster: ClusterSpec) -> list[GroupInfo]:
+    tps = unit_tp(plan, metaops)
+    out = []
+    for g in plan.param_groups:
+        tp = min((tps.get(u, 1) for u in g.params), default=1)
+        params = sum(param_count(u) for u in g.params)
+        out.append(GroupInfo(tuple(sorted(g.devices)), list(g.params), params, tp,
+                             GroupPlacement.dp_ring(g.devices, tp, cluster)))
+    return out
+
+
+def plan_buckets(plan: Plan, metaops: Mapping[str, MetaOp], param_count, groups: list[GroupInfo],
+                 bucket_numel: int | None = None) -> list[BucketSync]:
+    """Every bucket that needs a collective (a group with more than one data-parallel rank), in launch order."""
+    completion = unit_completion([w.slices for w in plan.waves], metaops, plan.settings)
+    op = "all_reduce" if plan.settings.zero_stage == 0 else "reduce_scatter"
+    out = []
+    for gi, g in enumerate(groups):
+        if g.ranks <= 1 or not g.units:
+            continue
+        limit = bucket_numel if bucket_numel is not None else default_bucket_numel(len(g.devices))
+        ordered = completion_sorted(g.units, completion)
+        for index, units in enumerate(split_buckets(ordered, param_count, limit)):
+            params = sum(param_count(u) for u in units)
+            nbytes = grad_reduce_bytes(params, plan.settings) / g.tp
+            out.append(BucketSync(gi, g.devices, index, tuple(units), params, completion[units[-1]], op, nbytes,
+                                  g.ring, g.tp))
+    return sorted(out, key=BucketSync.launch_key)
+
+
+def param_gathers(plan: Plan, groups: list[GroupInfo]) -> list[tuple[int, float]]:
+    """ZeRO stages 1 and 2: (group index, bytes per ring) of the all-gather of its updated bf16 weights."""
+    if plan.settings.zero_stage not in (1, 2):
+        return []
+    return [(gi, g.params * WEIGHT_BYTES_PER_PARAM / g.tp) for gi, g in enumerate(groups)
+            if g.ranks > 1 and g.units]
+
+
+class CollectiveTimer:
+    """Seconds of a ring's collective at a sharing count, memoised (plans repeat bucket sizes)."""
+
+    def __init__(self, comm: CommModel):
+        self.comm = comm
+        self._cache: dict[tuple, float] = {}
+
+    def seconds(self, op: str, nbytes: float, ring: GroupPlacement, sharing: int = 1) -> float:
+        key = (op, nbytes, ring.ranks_per_node, sharing if ring.crosses_nodes else 1)
+        value = self._cache.get(key)
+        if value is None:
+            value = self._cache[key] = self.comm.collective_seconds(op, nbytes, ring, key[3])
+        return value
+
+
+def nodes_of(devices: Sequence[int], gpus_per_node: int) -> tuple[int, ...]:
+    """The nodes a collective over ``devices`` crosses (empty when it stays inside one)."""
+    nodes = tuple(sorted({d // gpus_per_node for d in devices}))
+    return nodes if len(nodes) > 1 else ()

@@ -1,0 +1,124 @@
+"""The simulator's bucketed gradient sync overlapped with the backward, on cases timed by hand (stub cost
+model, round bandwidths, zero latency), and its buckets against the runtime's."""
+
+from __future__ import annotations
+
+import pytest
+from test_simulator import GB, StubCostModel, StubMemoryModel, _cluster, _plan, _slice, _workload
+
+from megatron_spindle.estimator import OVERLAP_SLOWDOWN, overlapped_backward_seconds
+from megatron_spindle.graph.cluster import ClusterSpec, GPUSpec
+from megatron_spindle.graph.opgraph import build_metagraph
+from megatron_spindle.graph.workload import ModuleSpec, SpindleTask, Workload
+from megatron_spindle.plan.schema import ParamGroup, Slice, Wave
+from megatron_spindle.simulator import SimSettings, simulate
+
+
+def _one_wave(w, cluster, devices, groups):
+    return _plan(w, cluster, [Wave(0, 0, 0.0, 1.0, [_slice(0, "t/a", devices)])], groups)
+
+
+@pytest.mark.parametrize("slowdown", [1.5, None])
+def test_one_group_two_buckets_overlap_the_rest_of_the_backward(slowdown):
+    """a (2 layers) on devices 0-1: forward 2 s, backward 4 s; each layer's 1 GB of gradients is a bucket of
+    1 s. Layer 1's bucket is ready halfway through the backward and overlaps layer 0's backward, both running
+    ``slowdown`` times slower; layer 0's bucket follows the backward. The estimator's single-device overlap
+    model gives the same."""
+    w, cluster = _workload(), _cluster()
+    cost = StubCostModel({"a": 6.0, "b": 1.0}, activation=0.0, params_per_unit=250_000_000)
+    plan = _one_wave(w, cluster, [0, 1], [ParamGroup([0, 1], ["a.layers.0", "a.layers.1"])])
+    r = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0), SimSettings(overlap_slowdown=slowdown))
+    s = slowdown or OVERLAP_SLOWDOWN
+    # t=4: layer 1 done, its bucket starts; both progress at 1/s: the bucket ends at 4+s, when layer 0 has 1 s
+    # of work left (done at 5+s); layer 0's bucket then takes 1 s
+    assert r.iteration_time == pytest.approx(6.0 + s)
+    assert r.iteration_time == pytest.approx(2.0 + overlapped_backward_seconds(4.0, [1.0, 1.0], [0.5, 1.0], s).end)
+    assert r.compute_time == pytest.approx(6.0)
+    assert r.grad_sync_time == pytest.approx(s)
+    assert r.grad_sync[0].buckets == 2 and r.grad_sync[0].start == pytest.approx(4.0)
+    assert r.grad_sync[0].comm_seconds == pytest.approx(s + 1.0)
+    after = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0), SimSettings(overlap_grad_reduce=False))
+    assert after.iteration_time == pytest.approx(6.0 + 2.0)  # both buckets after the backward
+    one = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0),
+                   SimSettings(overlap_slowdown=slowdown, bucket_numel=10**12))
+    assert one.grad_sync[0].buckets == 1 and one.iteration_time == pytest.approx(6.0 + 2.0)  # one 2 s bucket
+
+
+def _two_tasks() -> Workload:
+    mods = {m: ModuleSpec(m, "encoder", hidden_size=8, num_layers=2, num_heads=2, ffn_hidden_size=16) for m in "ab"}
+    tasks = [SpindleTask("t1", batch_size=2).use("a", 3), SpindleTask("t2", batch_size=2).use("b", 3)]
+    return Workload("two-towers", mods, tasks)
+
+
+def _network_cluster() -> ClusterSpec:
+    """2 nodes x 2 GPUs; across nodes 0.5 GB/s per GPU and per ring, 0.5 GB/s for the whole node."""
+    gpu = GPUSpec("stub", peak_flops=1e12, memory_bytes=80 * GB, memory_bandwidth=200 * GB)
+    return ClusterSpec(2, 2, gpu, intra_node_bw=1 * GB, inter_node_bw=0.5 * GB, node_network_bw=0.5 * GB,
+                       network_rail_bw=0.5 * GB, collective_latency=0.0, network_latency=0.0)
+
+
+def test_concurrent_cross_node_groups_share_the_node_network():
+    """Group {0, 2} and group {1, 3} each all-reduce 0.5 GB across the two nodes: alone 1 s at 0.5 GB/s; at
+    the same time they share each node's 0.5 GB/s and take 2 s each."""
+    w, cluster = _two_tasks(), _network_cluster()
+    cost = StubCostModel({"a": 2.0, "b": 2.0}, activation=0.0, params_per_unit=62_500_000)  # 0.25 GB per unit
+    mem = StubMemoryModel(cost, 0.0)
+    a = Slice("w0:t1/a", "t1/a", "a", "t1", "layer", 0, 2, [0, 2], 1, 2, 0.0)
+    b = Slice("w0:t2/b", "t2/b", "b", "t2", "layer", 0, 2, [1, 3], 1, 2, 0.0)
+    groups = [ParamGroup([0, 2], ["a.layers.0", "a.layers.1"]), ParamGroup([1, 3], ["b.layers.0", "b.layers.1"])]
+    settings = SimSettings(overlap_grad_reduce=False, bucket_numel=10**12)
+    both = simulate(_plan(w, cluster, [Wave(0, 0, 0.0, 1.0, [a, b])], groups), w, cluster, cost, mem, settings)
+    assert [g.cross_island for g in both.grad_sync] == [True, True]
+    assert [g.seconds for g in both.grad_sync] == pytest.approx([2.0, 2.0])
+    alone = simulate(_plan(w, cluster, [Wave(0, 0, 0.0, 1.0, [a])], groups[:1]), w, cluster, cost, mem, settings)
+    assert alone.grad_sync[0].seconds == pytest.approx(1.0)
+    assert both.iteration_time - alone.iteration_time == pytest.approx(1.0)
+
+
+def test_a_shared_unit_is_reduced_after_its_last_accumulation():
+    """Tower a is shared by t1 (wave 0) and t2 (wave 1); t2's own tower b runs in wave 2. Backward: wave 2
+    (b), wave 1 (a), wave 0 (a): a's buckets wait for wave 0's backward, its last accumulation, although wave
+    1 already accumulated into them; b's overlap the backward."""
+    mods = {m: ModuleSpec(m, "encoder", hidden_size=8, num_layers=2, num_heads=2, ffn_hidden_size=16) for m in "ab"}
+    tasks = [SpindleTask("t1", batch_size=2).use("a", 3), SpindleTask("t2", batch_size=2).use("a", 3).use("b", 3)]
+    w, cluster = Workload("shared", mods, tasks), _cluster()
+    cost = StubCostModel({"a": 6.0, "b": 6.0}, activation=0.0, params_per_unit=250_000_000)  # 1 s per bucket
+    sl = lambda wi, mid: Slice(f"w{wi}:{mid}", mid, mid[-1], mid[:2], "layer", 0, 2, [0, 1], 1, 2, 0.0)  # noqa: E731
+    waves = [Wave(i, 0, float(i), 1.0, [sl(i, mid)]) for i, mid in enumerate(["t1/a", "t2/a", "t2/b"])]
+    units = ["a.layers.0", "a.layers.1", "b.layers.0", "b.layers.1"]
+    plan = _plan(w, cluster, waves, [ParamGroup([0, 1], units)])
+    r = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0), SimSettings(overlap_slowdown=1.0))
+    # forward 6 s; backward: b 6..10 (b1 done at 8, b0 at 10), t2/a 10..14, t1/a 14..18 (a1 at 16, a0 at 18);
+    # buckets b1 8..9, b0 10..11, a1 16..17, a0 18..19
+    assert r.compute_time == pytest.approx(18.0)
+    assert r.grad_sync[0].buckets == 4 and r.grad_sync[0].start == pytest.approx(8.0)
+    assert r.iteration_time == pytest.approx(19.0)
+
+
+def test_simulator_buckets_are_the_runtimes():
+    """The simulator cuts and orders the buckets of every group like runtime/grad_buffers.py."""
+    import torch
+
+    from megatron_spindle.estimator import AnalyticCostModel
+    from megatron_spindle.graph.cluster import make_cluster
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
+    from megatron_spindle.runtime.grad_buffers import GradBuffers, backward_order
+    from megatron_spindle.runtime.shards import UnitShard
+    from megatron_spindle.simulator.grad_sync import group_infos, plan_buckets
+
+    w, cluster = load_workload("tiny-clip"), make_cluster(4, 4, "CPU")
+    plan = make_plan(w, cluster, PlannerConfig(planner="wavefront"))
+    g = build_metagraph(w)
+    cost = AnalyticCostModel(w, cluster)
+    multi = [pg for pg in plan.param_groups if len(pg.devices) > 1]
+    assert multi, "tiny-clip on 4 devices should have a group with several devices"
+    limit = 2 * max(cost.param_count(u) for pg in multi for u in pg.params)
+    groups = group_infos(plan, g.metaops, cost.param_count, cluster)
+    sim = plan_buckets(plan, g.metaops, cost.param_count, groups, bucket_numel=limit)
+    shards = {u: UnitShard(u, [f"{u}.w"], [torch.Size([cost.param_count(u)])], 1, 0)
+              for pg in plan.param_groups for u in pg.params}
+    unit_groups = [(tuple(sorted(pg.devices)), sorted(pg.params)) for pg in multi]
+    runtime = GradBuffers(unit_groups, shards, backward_order(plan, g), limit, torch.device("cpu")).buckets
+    assert len(sim) > len(multi)  # some group has several buckets
+    assert [(b.devices, b.units) for b in sim] == [(b.devices, b.units) for b in runtime]
