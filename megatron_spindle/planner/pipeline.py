@@ -21,6 +21,8 @@ from megatron_spindle.plan.schema import ExecutionSettings, Plan, PlanError, Rec
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.allocator import allocate_level
 from megatron_spindle.planner.assemble import assemble_plan
+from megatron_spindle.planner.light_levels import follow_neighbours
+from megatron_spindle.planner.objective import estimate_iteration
 from megatron_spindle.planner.placement import PlacementError, place
 from megatron_spindle.planner.schedule import LevelAllocation, ScheduledSlice, ScheduledWave
 from megatron_spindle.planner.wavefront import schedule_levels
@@ -31,6 +33,8 @@ INVERSES = ("rate", "time")
 PLACEMENTS = ("spindle", "sequential")
 RECOMPUTE = ("auto", "none", "full")
 DISTRIBUTED_OPTIMIZER = ("auto", "off", "on")
+SELECTIONS = ("simulate", "none")
+LIGHT_FOLLOW_SLACK = 0.01
 
 
 @dataclass
@@ -57,6 +61,18 @@ class PlannerConfig:
         "Shard each unit's optimizer state over the data-parallel ranks that run it (ZeRO-1, like "
         "--use-distributed-optimizer): auto switches it on only when memory requires it.",
         choices=DISTRIBUTED_OPTIMIZER))
+
+    select: str = field(default="simulate", metadata=flag(
+        "simulate: plan a few candidates (the configured planner, the greedy wavefront plan, node-bounded "
+        "slices, with and without the distributed optimizer) and keep the one the simulator times fastest "
+        "(megatron_spindle/autoplan.py); none: the configured planner's plan.", choices=SELECTIONS))
+    # Not flags: variants plan selection (megatron_spindle/autoplan.py) asks for. At most this many devices per
+    # slice (0: no limit), for MetaOps that have a configuration that small: a node (gpus_per_node) keeps every
+    # slice's collectives and hand-offs on NVLink.
+    max_slice_devices: int = 0
+    # Light MetaLevels laid out like their neighbours (planner/light_levels.py) when that lengthens the waves
+    # by at most LIGHT_FOLLOW_SLACK.
+    light_follow: bool = False
 
     def __post_init__(self):
         check_choices(self)
@@ -137,12 +153,28 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
         info["planner"] = "cpsat"
         info["solver"] = solver.summary()
         lap("cpsat")
+    if config.light_follow:
+        final = _light_levels_follow(final, metagraph, workload, cluster, curves, cost_model, memory_model, config)
     plan = assemble_plan(workload, cluster, metagraph, final, cost_model, memory_model, info,
                          level_allocs=level_allocs, curves=curves, settings=settings)
     validate_plan(plan, workload, cluster, metagraph)
+    plan.predicted.update(estimate_iteration(plan, metagraph, cluster, cost_model).as_predicted())
     lap("assemble")
     plan.planner["planning_seconds"] = sum(timings.values())
     return PlanningResult(plan, metagraph, curves, level_allocs, placed, cost_model, memory_model, timings, solver)
+
+
+def _light_levels_follow(waves, metagraph, workload, cluster, curves, cost_model, memory_model, config):
+    """The waves with light levels laid out like their neighbours (planner/light_levels.py) and placed again;
+    the waves as they are when that does not place."""
+    relaid = follow_neighbours(waves, metagraph, curves, cluster.num_devices)
+    before = max((w.end for w in waves), default=0.0)
+    if relaid == list(waves) or max((w.end for w in relaid), default=0.0) > before * (1 + LIGHT_FOLLOW_SLACK):
+        return waves
+    try:
+        return place(relaid, metagraph, workload, cluster, cost_model, memory_model, strategy=config.placement)
+    except PlacementError:
+        return waves
 
 
 def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost_model, memory_model, say):
@@ -159,7 +191,7 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
         raise PlanError(f"the plan does not fit device memory: the MetaOps need at least {total / 2**30:.0f} GiB "
                         f"in all, the {N} devices have {N * cluster.gpu.memory_bytes / 2**30:.0f} GiB")
     for attempt, share in enumerate(MEMORY_SHARES):
-        allowed = memory_allowed_configs(metagraph, needs, cluster, share)
+        allowed = cap_slice_devices(memory_allowed_configs(metagraph, needs, cluster, share), config.max_slice_devices)
         curves = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
                                  allowed=lambda m, tp, dp, fits=allowed: (tp, dp) in fits[m.id])
         level_allocs = [
@@ -177,6 +209,18 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
             say(f"placement out of memory; replanning with at most {100 * MEMORY_SHARES[attempt + 1]:.0f}% "
                 f"of a device per MetaOp")
     raise AssertionError("unreachable")
+
+
+def cap_slice_devices(allowed: dict[str, set[tuple[int, int]]], cap: int) -> dict[str, set[tuple[int, int]]]:
+    """The allowed configurations limited to at most ``cap`` devices (0: unlimited), per MetaOp where any is
+    left."""
+    if cap <= 0:
+        return allowed
+    out = {}
+    for mid, configs in allowed.items():
+        small = {c for c in configs if c[0] * c[1] <= cap}
+        out[mid] = small or configs
+    return out
 
 
 def memory_ladder(config: PlannerConfig) -> list[tuple[bool, bool]]:
