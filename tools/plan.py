@@ -34,7 +34,7 @@ def main(argv=None, extra_args_provider=None):
                           extra_args_provider)
     args = parser.parse_args(argv)
     with exit_on_user_error():
-        from megatron_spindle.planner.pipeline import plan_workload
+        from megatron_spindle.autoplan import autoplan
         from megatron_spindle.planner.report import draw_gantt, plan_summary
 
         workload = workload_from_args(args)
@@ -45,9 +45,8 @@ def main(argv=None, extra_args_provider=None):
 
             profile = load_profile_points(args.spindle_profile, workload, cluster)
         t0 = time.perf_counter()
-        result = plan_workload(workload, cluster, planner_config_from_args(args), profile=profile,
-                               progress=lambda msg: print(f"[plan] {msg}", flush=True))
-        plan = result.plan
+        plan = autoplan(workload, cluster, planner_config_from_args(args), profile=profile,
+                        progress=lambda msg: print(f"[plan] {msg}", flush=True)).plan
         print(f"[plan] done in {time.perf_counter() - t0:.3f} s", flush=True)
         summary = plan_summary(plan)
         print(summary.split("\n\n")[0] if args.quiet else summary)

@@ -8,19 +8,19 @@ and the simulator times the same buckets, so both agree on what is reduced when:
   holding it, the one whose wave runs its backward last (plan/order.py's execution order: reverse wave order,
   ``backward_order``, segments or an explicit ``order``), and in that slice the unit's layer (a slice runs
   its layers' backward from last to first, so a lower position completes later). ``unit_completion`` gives
-  that slice's (wave, position) per unit.
+  per unit that slice's wave, the unit's position and the slice's backward step (``Completion``).
 - **Buckets.** A group's units in completion order, whole units, closed once a bucket holds at least
   ``limit`` elements: megatron-core DDP's ``bucket_size``, by default ``max(40M, 1M * group size)``
   (distributed_data_parallel_config.py).
-- **Launch order.** Buckets by the completion of their last unit (latest wave first, then position), then by
+- **Launch order.** Buckets by the completion of their last unit (backward step, then position), then by
   group and index: buckets of one group come in index order, and any two ranks issue the buckets they share
-  in the same relative order. (With the default order this follows the backward; with another order a rank
-  may wait for a bucket issued late in its backward.)
+  in the same relative order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.plan.layout import SliceGeometry, slice_units
@@ -30,7 +30,22 @@ from megatron_spindle.plan.schema import ExecutionSettings
 DEFAULT_BUCKET_NUMEL = 40_000_000  # megatron-core DDP: max(40M, 1M * dp size) parameters per bucket
 BUCKET_NUMEL_PER_MEMBER = 1_000_000
 
-Completion = tuple[int, int]  # (wave, position in its slice) of the slice whose backward completes the unit
+class Completion(NamedTuple):
+    """Where the backward completes a unit: the slice's wave and the unit's position in it, and that slice's
+    backward step in the plan's order (``slice_order``: 0 runs first)."""
+
+    wave: int
+    pos: int
+    step: int
+
+
+def completion_key(done) -> tuple:
+    """Sort key by completion time: the backward step, then the position (lower positions complete later). A
+    bare (wave, position) pair (the default order, where waves run backward in reverse) sorts latest wave
+    first."""
+    if len(done) > 2:
+        return (done[2], -done[1])
+    return (-done[0], -done[1])
 
 
 def default_bucket_numel(members: int) -> int:
@@ -45,19 +60,19 @@ def unit_completion(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[s
     (wave, position)."""
     tasks = [[metaops[s.metaop].task for s in slices] for slices in waves]
     step = {(wi, si): k for k, (wi, si, phase) in enumerate(slice_order(tasks, settings)) if phase == BWD}
-    last: dict[str, tuple[int, int, int]] = {}  # unit -> (backward step, -position, wave)
+    last: dict[str, Completion] = {}
     for wi, slices in enumerate(waves):
         for si, s in enumerate(slices):
             for pos, u in enumerate(slice_units(metaops[s.metaop], s.layer_start, s.layer_end)):
-                key = (step[(wi, si)], -pos, wi)
-                if u not in last or key > last[u]:
-                    last[u] = key
-    return {u: (wi, -neg_pos) for u, (_, neg_pos, wi) in last.items()}
+                done = Completion(wi, pos, step[(wi, si)])
+                if u not in last or completion_key(done) > completion_key(last[u]):
+                    last[u] = done
+    return last
 
 
 def completion_sorted(units: Sequence[str], completion: Mapping[str, Completion]) -> list[str]:
-    """Units in buffer order: by completion in the backward, latest wave first, then position (ties by name)."""
-    return sorted(units, key=lambda u: (-completion[u][0], -completion[u][1], u))
+    """Units in buffer order: by completion in the backward (ties by name)."""
+    return sorted(units, key=lambda u: (completion_key(completion[u]), u))
 
 
 def split_buckets(units: Sequence[str], numel: Callable[[str], int], limit: int) -> list[list[str]]:
@@ -75,6 +90,6 @@ def split_buckets(units: Sequence[str], numel: Callable[[str], int], limit: int)
 
 
 def launch_key(done: Completion, devices: Sequence[int], index: int) -> tuple:
-    """Sort key of a bucket in the plan-wide launch order: ``done`` is the completion of its last unit
-    (latest wave first, then position), then the group and the index."""
-    return (-done[0], -done[1], tuple(devices), index)
+    """Sort key of a bucket in the plan-wide launch order: ``done`` is the completion of its last unit, then
+    the group and the index."""
+    return (completion_key(done), tuple(devices), index)

@@ -24,6 +24,7 @@ from megatron_spindle.plan.schema import ExecutionSettings, Plan, PlanError, Rec
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.allocator import allocate_level
 from megatron_spindle.planner.assemble import assemble_plan, slice_id
+from megatron_spindle.planner.light_levels import follow_neighbours
 from megatron_spindle.planner.memory_options import (
     RecomputeError,
     RecomputePolicy,
@@ -31,6 +32,7 @@ from megatron_spindle.planner.memory_options import (
     choose_recompute,
     recompute_seconds,
 )
+from megatron_spindle.planner.objective import estimate_iteration
 from megatron_spindle.planner.placement import PlacementError, place
 from megatron_spindle.planner.schedule import LevelAllocation, ScheduledSlice, ScheduledWave
 from megatron_spindle.planner.wavefront import schedule_levels
@@ -43,6 +45,8 @@ RECOMPUTE = ("auto", "none", "selective", "full")
 DISTRIBUTED_OPTIMIZER = ("auto", "off", "on")
 EARLY_BACKWARD = ("auto", "on", "off")
 MICRO_BATCH_TRIES = 2  # micro-batch counts tried beyond the first that fits (auto)
+SELECTIONS = ("simulate", "none")
+LIGHT_FOLLOW_SLACK = 0.01
 
 
 @dataclass
@@ -91,6 +95,18 @@ class PlannerConfig:
         "Shard each unit's optimizer state over the data-parallel ranks that run it (ZeRO-1, like "
         "--use-distributed-optimizer): auto switches it on only when memory requires it.",
         choices=DISTRIBUTED_OPTIMIZER))
+
+    select: str = field(default="simulate", metadata=flag(
+        "simulate: plan a few candidates (the configured planner, the greedy wavefront plan, node-bounded "
+        "slices, with and without the distributed optimizer) and keep the one the simulator times fastest "
+        "(megatron_spindle/autoplan.py); none: the configured planner's plan.", choices=SELECTIONS))
+    # Not flags: variants plan selection (megatron_spindle/autoplan.py) asks for. At most this many devices per
+    # slice (0: no limit), for MetaOps that have a configuration that small: a node (gpus_per_node) keeps every
+    # slice's collectives and hand-offs on NVLink.
+    max_slice_devices: int = 0
+    # Light MetaLevels laid out like their neighbours (planner/light_levels.py) when that lengthens the waves
+    # by at most LIGHT_FOLLOW_SLACK.
+    light_follow: bool = False
 
     def __post_init__(self):
         check_choices(self)
@@ -167,15 +183,33 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
         else:
             info["notes"] = ["the CP-SAT plan fits no recomputation choice; the greedy plan is kept"]
         lap("cpsat")
+    if config.light_follow:
+        relaid = _light_levels_follow(best.placed, best.metagraph, workload, cluster, best.curves, best.cost_model,
+                                      best.memory_model_placed, config)
+        refined = best.with_waves(relaid, cluster, config) if relaid is not best.placed else None
+        best = refined or best
     plan = assemble_plan(workload, cluster, metagraph, best.charged_waves(), best.cost_model, best.memory_model,
                          info, level_allocs=best.level_allocs, curves=best.curves, settings=best.settings())
-    plan.predicted["micro_batch_time"] = plan.predicted["iteration_time"]
-    plan.predicted["iteration_time"] *= best.micro_batches
+    plan.predicted["micro_batch_time"] = plan.predicted["iteration_time"] / best.micro_batches
     validate_plan(plan, workload, cluster, metagraph)
+    plan.predicted.update(estimate_iteration(plan, metagraph, cluster, best.cost_model).as_predicted())
     lap("assemble")
     plan.planner["planning_seconds"] = sum(timings.values())
     return PlanningResult(plan, metagraph, best.curves, best.level_allocs, greedy, best.cost_model,
                           best.memory_model, timings, solver)
+
+
+def _light_levels_follow(waves, metagraph, workload, cluster, curves, cost_model, memory_model, config):
+    """The waves with light levels laid out like their neighbours (planner/light_levels.py) and placed again;
+    the waves as they are when that does not place."""
+    relaid = follow_neighbours(waves, metagraph, curves, cluster.num_devices)
+    before = max((w.end for w in waves), default=0.0)
+    if relaid == list(waves) or max((w.end for w in relaid), default=0.0) > before * (1 + LIGHT_FOLLOW_SLACK):
+        return waves
+    try:
+        return place(relaid, metagraph, workload, cluster, cost_model, memory_model, strategy=config.placement)
+    except PlacementError:
+        return waves
 
 
 def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost_model, memory_model, say):
@@ -192,7 +226,7 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
         raise PlanError(f"the plan does not fit device memory: the MetaOps need at least {total / 2**30:.0f} GiB "
                         f"in all, the {N} devices have {N * cluster.gpu.memory_bytes / 2**30:.0f} GiB")
     for attempt, share in enumerate(MEMORY_SHARES):
-        allowed = memory_allowed_configs(metagraph, needs, cluster, share)
+        allowed = cap_slice_devices(memory_allowed_configs(metagraph, needs, cluster, share), config.max_slice_devices)
         curves = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
                                  allowed=lambda m, tp, dp, fits=allowed: (tp, dp) in fits[m.id])
         level_allocs = [
@@ -210,6 +244,18 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
             say(f"placement out of memory; replanning with at most {100 * MEMORY_SHARES[attempt + 1]:.0f}% "
                 f"of a device per MetaOp")
     raise AssertionError("unreachable")
+
+
+def cap_slice_devices(allowed: dict[str, set[tuple[int, int]]], cap: int) -> dict[str, set[tuple[int, int]]]:
+    """The allowed configurations limited to at most ``cap`` devices (0: unlimited), per MetaOp where any is
+    left."""
+    if cap <= 0:
+        return allowed
+    out = {}
+    for mid, configs in allowed.items():
+        small = {c for c in configs if c[0] * c[1] <= cap}
+        out[mid] = small or configs
+    return out
 
 
 def recompute_policy(config: PlannerConfig) -> RecomputePolicy:
@@ -290,8 +336,8 @@ class _Candidate:
 
     @property
     def predicted(self) -> float:
-        """The planner's iteration time: the micro-batch makespan with recomputation, times the micro-batches."""
-        return self.micro_batches * max((w.end for w in self.charged_waves()), default=0.0)
+        """The planner's iteration time: the waves with recomputation, every micro-batch of them."""
+        return max((w.end for w in self.charged_waves()), default=0.0)
 
     def choose(self, cluster: ClusterSpec, config: PlannerConfig) -> bool:
         """Recomputation per slice and the order (early backward where it helps); False when nothing fits."""
@@ -328,15 +374,17 @@ class _Candidate:
         return other if other.choose(cluster, config) else None
 
     def charged_waves(self) -> list[ScheduledWave]:
-        """The placed waves with each slice's recomputation added to its time (waves stretched, later ones
-        shifted by as much)."""
+        """The placed waves as the plan records them: each slice's recomputation added to its time (waves
+        stretched, later ones shifted by as much), and every time for the whole iteration, m micro-batches
+        (the plan's wave times are an iteration's: ``predicted["micro_batch_time"]`` is one micro-batch's)."""
+        m = self.micro_batches
         out, shift = [], 0.0
         for wi, w in enumerate(self.placed):
-            slices = [dataclasses.replace(s, time=s.time + self.extra.get((wi, si), 0.0))
+            slices = [dataclasses.replace(s, time=m * (s.time + self.extra.get((wi, si), 0.0)))
                       for si, s in enumerate(w.slices)]
-            duration = max([w.duration] + [s.time for s in slices])
-            out.append(ScheduledWave(w.level, w.start + shift, duration, slices))
-            shift += duration - w.duration
+            duration = max([m * w.duration] + [s.time for s in slices])
+            out.append(ScheduledWave(w.level, m * w.start + shift, duration, slices))
+            shift += duration - m * w.duration
         return out
 
     def settings(self) -> ExecutionSettings:

@@ -8,7 +8,9 @@ biggest flows get the best spots. For each slice:
   one partial node for the remainder), so TP groups never straddle nodes;
 - an island is chosen so that the wave stays packable (later slices still find an island each), then by the
   bytes of incoming rows already inside that island less the rows of later slices it would push out of their
-  favourite island, then by the bytes that become local copies;
+  favourite island and less the gradient sync it would spread onto the network (units of the slice held on
+  other islands only: their parameter device group would cross nodes), then by the bytes that become local
+  copies;
 - inside the island, device ``devices[r]`` is preferably the device that already holds the rows data-parallel
   rank ``r // tp`` needs (the producer's samples), then a device holding no rows later slices could copy
   locally, then a device that already holds the slice's weights (MetaOps sharing parameters co-locate,
@@ -35,7 +37,14 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.layout import SlicePos, graph_transfer_pairs, position_rows, slice_units
-from megatron_spindle.plan.memory import DeviceMemory, ShardedNumbers, SliceMemory, peak_memory, slice_memory
+from megatron_spindle.plan.memory import (
+    STATE_BYTES_PER_PARAM,
+    DeviceMemory,
+    ShardedNumbers,
+    SliceMemory,
+    peak_memory,
+    slice_memory,
+)
 from megatron_spindle.plan.schema import ExecutionSettings
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
 
@@ -44,6 +53,8 @@ DEFAULT_MAX_BACKTRACK = 4
 TP_COLLECTIVES_PER_LAYER = 4  # Megatron TP: two all-reduces forward, two backward per transformer layer
 # gradient all-reduce bytes per parameter in the flow-size ordering key (the default settings' reduce dtype)
 GRAD_REDUCE_BYTES = ExecutionSettings().grad_reduce_bytes
+# a unit's gradient bytes per byte of its parameter state (plan/memory.py's per-parameter numbers)
+GRAD_PER_STATE_BYTE = GRAD_REDUCE_BYTES / STATE_BYTES_PER_PARAM
 
 SliceKey = SlicePos  # (wave index, slice index in the wave)
 
@@ -370,6 +381,14 @@ class _Scorer:
                 self._add_rows(self.in_island.setdefault(island, {}), rows, bytes_per_sample)
         self._shared: dict[int, float] = {}
         self._free_after: dict[int, float] = {}
+        # islands already holding each of the slice's units, and the weight of their gradients: a unit held on
+        # another island makes its parameter device group's gradient sync cross the network
+        self._unit_islands: dict[str, set[int]] = {u: set() for u in sl.memory.units}
+        for d, have in enumerate(self.memory.held):
+            for u in have:
+                if u in self._unit_islands:
+                    self._unit_islands[u].add(self.cluster.island(d))
+        self._sync_weight = GRAD_PER_STATE_BYTE * s.tp  # state bytes are per TP shard
         self._block_wants: list[tuple[int, int, float]] | None = None
         self._device_demand: dict[int, float] | None = None
 
@@ -393,6 +412,15 @@ class _Scorer:
             common = _overlap(rows, (rank * per_rank, (rank + 1) * per_rank)) * bytes_per_sample
             for r in range(rank * tp, (rank + 1) * tp):
                 table[r] = table.get(r, 0.0) + common
+
+    def sync_penalty(self, island: int) -> float:
+        """Activation-byte equivalent of the gradient sync that spreads onto the network when the slice goes to
+        ``island``: the gradient bytes of its units held on other islands only. Both cross the network on the
+        slice's n devices' own paths (a transfer moves 1/n of the rows per device, forward and back; a ring's
+        all-reduce about twice each rank's gradients at the bandwidth of the GPUs its thinnest node holds), so
+        a gradient byte weighs about as much as a byte of rows."""
+        return self._sync_weight * sum(b for u, b in self.sl.memory.units.items()
+                                       if self._unit_islands[u] and island not in self._unit_islands[u])
 
     def island_bytes(self, positions: range, island: int) -> float:
         """Bytes these positions need that some producer device on the island already holds."""
@@ -519,6 +547,7 @@ def _pick_island(scorer: _Scorer, positions: range, available: dict[int, list[in
             continue
         in_island = scorer.island_bytes(positions, island)
         in_island -= pending.displaced_bytes(island, free_count[island], size)
+        in_island -= scorer.sync_penalty(island)
         local = scorer.best_local_bytes(positions, devs)
         shared = sum(sorted((scorer.shared(d) for d in devs), reverse=True)[:size])
         min_free = sorted((scorer.free_after(d) for d in devs), reverse=True)[size - 1]

@@ -27,8 +27,14 @@ def plan_summary(plan: Plan) -> str:
         f"plan for workload '{plan.workload_name}' on {plan.num_devices} devices "
         f"({plan.cluster['num_nodes']} x {plan.cluster['gpus_per_node']} {plan.cluster['gpu']['name']}), "
         f"planner={plan.planner.get('planner')}",
-        f"  predicted iteration time {_fmt_time(p['iteration_time'])}   C* {_fmt_time(p['c_star'])}   "
-        f"gap {100 * p['gap']:.1f}%   mean utilisation {100 * p['utilisation']:.1f}%",
+        f"  predicted iteration time {_fmt_time(p['iteration_time'])}"
+        + ("" if "simulated_compute" not in p else
+           f" (simulated: compute {_fmt_time(p['simulated_compute'])}, transfers {_fmt_time(p['simulated_transfer'])},"
+           f" gradient sync {_fmt_time(p['simulated_grad_sync'])}, optimizer "
+           f"{_fmt_time(p['simulated_optimizer'] + p.get('simulated_param_gather', 0.0))})"),
+        f"  waves {_fmt_time(p.get('makespan', p['iteration_time']))}   C* {_fmt_time(p['c_star'])}   "
+        f"gap {100 * p['gap']:.1f}%   mean utilisation {100 * p['utilisation']:.1f}%"
+        + (f"   planner's estimate {_fmt_time(p['planner_estimate'])}" if "planner_estimate" in p else ""),
         f"  waves {len(plan.waves)}   levels {len(plan.levels)}   inter-island {_fmt_bytes(p.get('inter_island_bytes', 0))}"
         f"   intra-island {_fmt_bytes(p.get('intra_island_bytes', 0))}   local {_fmt_bytes(p.get('local_bytes', 0))}",
         f"  execution: activation recomputation {plan.settings.recompute.mode}   ZeRO stage {plan.settings.zero_stage}"
@@ -39,6 +45,11 @@ def plan_summary(plan: Plan) -> str:
         mem = plan.memory_per_device
         lines.append(f"  memory per device: max {_fmt_bytes(max(mem))}  min {_fmt_bytes(min(mem))}  "
                      f"capacity {_fmt_bytes(plan.cluster['gpu']['memory_bytes'])}")
+    selection = plan.planner.get("selection")
+    if selection and len(selection.get("candidates", [])) > 1:
+        lines.append("  selected by simulation: " + ", ".join(
+            f"{c['name']} {_fmt_time(c['simulated'])}{' *' if c['name'] == selection['selected'] else ''}"
+            for c in selection["candidates"]))
     solver = plan.planner.get("solver")
     if solver:
         lines += _solver_lines(solver)

@@ -20,7 +20,9 @@ from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.plan.buckets import (  # noqa: F401 - the bucket rules are plan/'s, shared with the simulator
     BUCKET_NUMEL_PER_MEMBER,
     DEFAULT_BUCKET_NUMEL,
+    completion_sorted,
     default_bucket_numel,
+    launch_key,
     split_buckets,
     unit_completion,
 )
@@ -29,10 +31,9 @@ from megatron_spindle.runtime.shards import UnitShard
 
 
 def backward_order(plan: Plan, metagraph: MetaGraph) -> dict[str, tuple[int, int]]:
-    """unit -> (wave, position in its slice) of the slice whose backward completes its gradient: over every
-    slice of the plan holding it, the one whose backward runs last, and its lowest position there (a slice
-    runs its layers' backward from last to first); plan/buckets.py ``unit_completion``. With the default
-    order a larger pair completes earlier."""
+    """unit -> (wave, position in its slice, backward step) of the slice whose backward completes its gradient:
+    over every slice of the plan holding it, the one whose backward runs last, and its lowest position there (a
+    slice runs its layers' backward from last to first); plan/buckets.py ``unit_completion``."""
     return unit_completion([w.slices for w in plan.waves], metagraph.metaops, plan.settings)
 
 
@@ -46,7 +47,7 @@ class Bucket:
     units: tuple[str, ...]
     start: int
     end: int
-    done: tuple[int, int]
+    done: tuple  # plan/buckets.py Completion (wave, position, backward step) of its last unit
 
     @property
     def numel(self) -> int:
@@ -55,9 +56,9 @@ class Bucket:
 
 def launch_order(buckets: list[Bucket]) -> list[Bucket]:
     """The one order in which every rank issues the buckets' collectives: by completion in the backward
-    (latest wave first), then by group and index. Buckets of one group come in index order (their units are
+    (plan/buckets.py ``launch_key``), then by group and index. Buckets of one group come in index order (their units are
     in completion order), and any two ranks issue the buckets they share in the same relative order."""
-    return sorted(buckets, key=lambda b: (-b.done[0], -b.done[1], b.devices, b.index))
+    return sorted(buckets, key=lambda b: launch_key(b.done, b.devices, b.index))
 
 
 class GradBuffers:
@@ -72,7 +73,7 @@ class GradBuffers:
         buckets: list[Bucket] = []
         self._views: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
         for devices, units in unit_groups:
-            units = sorted(units, key=lambda u: (-order[u][0], -order[u][1], u))
+            units = completion_sorted(units, order)
             buf = torch.zeros(sum(shards[u].numel for u in units), dtype=torch.float32, device=device)
             off = 0
             for u in units:

@@ -459,24 +459,27 @@ def _optimizer_steps(ctx: _Context, ready: list[float], cost_model) -> list[tupl
 
 def _param_gathers(ctx: _Context, timer: CollectiveTimer, steps: list[tuple[float, float]]):
     """ZeRO 1 and 2: each group all-gathers its updated weights once its members have stepped; gathers sharing
-    a device run one after another, cross-node ones crossing a node at the same time share its network.
-    (group, start, end) each."""
+    a device run one after another, and a cross-node gather shares its nodes' network with the cross-node
+    gathers already running there when it starts. (group, start, end) each."""
     gathers = param_gathers(ctx.plan, ctx.groups)
     if not gathers:
         return []
     gpn = ctx.cluster.gpus_per_node
-    users: dict[int, int] = {}
-    for gi, _ in gathers:
-        for node in nodes_of(ctx.groups[gi].devices, gpn):
-            users[node] = users.get(node, 0) + ctx.groups[gi].tp
     free = [end for _, end in steps]
-    out = []
+    out: list[tuple[int, float, float]] = []
+    running: list[tuple[float, float, tuple[int, ...], int]] = []  # (start, end, nodes, rings) of cross-node ones
     for gi, nbytes in sorted(gathers, key=lambda x: max(steps[d][1] for d in ctx.groups[x[0]].devices)):
         g = ctx.groups[gi]
-        sharing = max((users[node] for node in nodes_of(g.devices, gpn)), default=1)
         start = max(free[d] for d in g.devices)
+        nodes = nodes_of(g.devices, gpn)
+        sharing = g.tp
+        if nodes:
+            for node in nodes:
+                sharing = max(sharing, g.tp + sum(r for a, b, ns, r in running if a <= start < b and node in ns))
         end = start + timer.seconds("all_gather", nbytes, g.ring, sharing)
         for d in g.devices:
             free[d] = end
+        if nodes:
+            running.append((start, end, nodes, g.tp))
         out.append((gi, start, end))
     return out

@@ -86,7 +86,7 @@ def get_plan(args, workload, world_size: int, rank: int):
     box: list[Any] = [None]
     if rank == 0:
         try:
-            from megatron_spindle.planner.pipeline import make_plan
+            from megatron_spindle.autoplan import autoplan
 
             cluster = cluster_from_args(args, default_num_gpus=world_size)
             profile = None
@@ -95,8 +95,8 @@ def get_plan(args, workload, world_size: int, rank: int):
 
                 profile = load_profile_points(args.spindle_profile, workload, cluster)
             t0 = time.perf_counter()
-            plan = make_plan(workload, cluster, planner_config_from_args(args),
-                             profile=profile, progress=lambda m: print(f"[plan] {m}", flush=True))
+            plan = autoplan(workload, cluster, planner_config_from_args(args),
+                            profile=profile, progress=lambda m: print(f"[plan] {m}", flush=True)).plan
             print(f"[plan] done in {time.perf_counter() - t0:.3f} s", flush=True)
             box = [("ok", plan.to_dict())]
         except USER_ERRORS as e:

@@ -1,0 +1,165 @@
+"""Plan selection by simulation: the planner proposes a few plans, the simulator times each, the fastest wins.
+
+The planner (megatron_spindle/planner) decides on its own estimate (waves of T(n), plus its estimate of the
+transfers and of the gradient sync: planner/objective.py); the simulator (megatron_spindle/simulator) times a
+plan with the full execution model (dataflow, link contention, bucketed sync overlapped with the backward,
+network sharing). The planner never imports the simulator, so the selection lives here, above both, and every
+entry point (tools/plan.py, pretrain_multitask.py, tools/compare.py, the benchmarks) calls ``autoplan``.
+
+Candidates (``candidate_configs``; with ``--spindle-select none`` only the configured one):
+
+- the configured planner (CP-SAT by default) and, when that is CP-SAT, the greedy wavefront plan, each with
+  its light MetaLevels (front ends, heads, losses) laid out like the slices they exchange activations with
+  (planner/light_levels.py) where that costs at most 1 % of the waves;
+- on several nodes, the greedy plan with every slice inside one node (``max_slice_devices``): its collectives
+  and hand-offs stay on NVLink, at some cost in balance;
+- each of them with the distributed optimizer (ZeRO-1) as well when it plans without: reduce-scatter in the
+  backward and a weight all-gather after the step instead of the all-reduce, and less memory.
+
+The selected plan's ``predicted["iteration_time"]`` is the simulator's time (and ``predicted["simulated_*"]``
+its breakdown); ``predicted["planner_estimate"]`` keeps the planner's own estimate, and
+``plan.planner["selection"]`` lists every candidate with both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_spindle.graph.cluster import ClusterSpec
+from megatron_spindle.graph.workload import Workload
+from megatron_spindle.plan.memory import plan_memory
+from megatron_spindle.plan.schema import Plan, PlanError
+from megatron_spindle.planner.objective import estimate_iteration
+from megatron_spindle.planner.pipeline import PlannerConfig, PlanningResult, plan_workload
+from megatron_spindle.simulator import SimResult, simulate
+
+
+@dataclass
+class Candidate:
+    name: str
+    result: PlanningResult
+    plan: Plan
+    sim: SimResult
+    planning_seconds: float
+
+    @property
+    def fits(self) -> bool:
+        return max(self.plan.memory_per_device, default=0.0) <= self.result.memory_model.cluster.gpu.memory_bytes
+
+    def summary(self) -> dict[str, Any]:
+        return {"name": self.name, "simulated": self.sim.iteration_time,
+                "planner_estimate": float(self.plan.predicted.get("planner_estimate", 0.0)),
+                "makespan": float(self.plan.predicted.get("makespan", 0.0)), "zero_stage": self.plan.settings.zero_stage,
+                "planning_seconds": self.planning_seconds, "fits": self.fits}
+
+
+@dataclass
+class AutoplanResult:
+    """The selected plan (``result.plan``), its simulation, and every candidate."""
+
+    result: PlanningResult
+    sim: SimResult
+    candidates: list[Candidate] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def plan(self) -> Plan:
+        return self.result.plan
+
+
+def candidate_configs(config: PlannerConfig, cluster: ClusterSpec) -> list[tuple[str, PlannerConfig]]:
+    """(name, planner config) of every candidate planning run (module docstring)."""
+    if config.select == "none":
+        return [(config.planner, config)]
+    config = dataclasses.replace(config, light_follow=True)
+    out = [(config.planner, config)]
+    greedy = dataclasses.replace(config, planner="wavefront")
+    if config.planner != "wavefront":
+        out.append(("wavefront", greedy))
+    if cluster.num_nodes > 1 and config.max_slice_devices == 0:
+        out.append(("wavefront-node-bounded", dataclasses.replace(greedy, max_slice_devices=cluster.gpus_per_node)))
+    return out
+
+
+def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | None = None,
+             profile: dict | None = None, progress: Callable[[str], None] | None = None,
+             sim_cost_model=None) -> AutoplanResult:
+    """Plan every candidate, simulate each, keep the fastest that fits device memory (module docstring).
+    ``profile``: measured points for the planner's curves; ``sim_cost_model``: the cost model the simulator
+    times with (e.g. a ProfiledCostModel; default: the planner's)."""
+    config = config or PlannerConfig()
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    planned: list[tuple[str, PlanningResult, float]] = []
+    for i, (name, cfg) in enumerate(candidate_configs(config, cluster)):
+        started = time.perf_counter()
+        try:
+            result = plan_workload(workload, cluster, cfg, profile, say if i == 0 else None)
+        except PlanError:  # a variant that cannot fit; the configured planner's error is the one to report
+            if i == 0:
+                raise
+            continue
+        planned.append((name, result, time.perf_counter() - started))
+    out = select_fastest(workload, cluster, planned, config, say, sim_cost_model)
+    out.seconds = time.perf_counter() - t0
+    out.plan.planner["selection_seconds"] = out.seconds
+    return out
+
+
+def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple[str, PlanningResult, float]],
+                   config: PlannerConfig | None = None, progress: Callable[[str], None] | None = None,
+                   sim_cost_model=None) -> AutoplanResult:
+    """Simulate the planned ``(name, result, planning seconds)`` (and their execution-settings variants) and
+    keep the fastest that fits; its plan records the simulation (``record_simulation``) and the candidates."""
+    config = config or PlannerConfig()
+    say = progress or (lambda msg: None)
+    candidates: list[Candidate] = []
+    for name, result, secs in planned:
+        for plan, label in _settings_variants(result, config, name):
+            sim = simulate(plan, workload, cluster, sim_cost_model or result.cost_model,
+                           None if sim_cost_model else result.memory_model, metagraph=result.metagraph)
+            candidates.append(Candidate(label, result, plan, sim, secs))
+    fitting = [c for c in candidates if c.fits] or candidates
+    best = min(fitting, key=lambda c: c.sim.iteration_time)
+    if len(candidates) > 1:
+        say(f"selection: {best.name} (simulated {best.sim.iteration_time * 1e3:.1f} ms) of "
+            + ", ".join(f"{c.name} {c.sim.iteration_time * 1e3:.1f} ms" for c in candidates))
+    plan = best.plan
+    record_simulation(plan, best.sim)
+    plan.planner["selection"] = {"selected": best.name, "candidates": [c.summary() for c in candidates]}
+    return AutoplanResult(dataclasses.replace(best.result, plan=plan), best.sim, candidates,
+                          sum(secs for _, _, secs in planned))
+
+
+def record_simulation(plan: Plan, sim: SimResult) -> None:
+    """The plan's predicted iteration time becomes the simulator's, with its breakdown beside; the waves'
+    makespan of T(n) stays as ``makespan``."""
+    predicted = plan.predicted
+    predicted.setdefault("makespan", float(predicted.get("iteration_time", 0.0)))
+    predicted["iteration_time"] = float(sim.iteration_time)
+    for k, v in sim.breakdown().items():
+        if k != "iteration_time":
+            predicted[f"simulated_{k}"] = float(v)
+    if predicted.get("c_star"):
+        predicted["gap"] = predicted["makespan"] / predicted["c_star"] - 1.0
+
+
+def _settings_variants(result: PlanningResult, config: PlannerConfig, name: str):
+    """The plan as planned, and with the distributed optimizer when it has none and the user left it to the
+    planner: the same waves, other execution settings (memory per device recomputed). Copies: the planning
+    result's own plan is left as the planner made it."""
+    plan = dataclasses.replace(result.plan, planner=dict(result.plan.planner), predicted=dict(result.plan.predicted))
+    plan.predicted.setdefault("makespan", float(plan.predicted.get("iteration_time", 0.0)))
+    yield plan, name
+    if config.select == "none" or config.distributed_optimizer != "auto" or plan.settings.zero_stage != 0:
+        return
+    sharded = dataclasses.replace(plan, planner=dict(plan.planner), predicted=dict(plan.predicted),
+                                  settings=dataclasses.replace(plan.settings, zero_stage=1))
+    sharded.memory_per_device = plan_memory(sharded, result.metagraph.metaops, result.memory_model)
+    sharded.predicted.update(estimate_iteration(sharded, result.metagraph, result.memory_model.cluster,
+                                                result.cost_model).as_predicted())
+    yield sharded, f"{name}+zero1"

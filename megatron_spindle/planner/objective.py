@@ -1,0 +1,168 @@
+"""The planner's own estimate of a plan's iteration time: what its waves of T(n) leave out.
+
+T(n) is forward + backward compute without gradient sync (``LayerCost.step``). The estimate adds, from the
+estimator's models and plan/'s rules (the ones the simulator applies too, so the two can be compared):
+
+- **transfers**: per wave, the slowest of the transfers into it, forward and backward (estimator/transfer.py on
+  plan/routing.py's messages);
+- **gradient sync**: the buckets of every parameter device group (plan/buckets.py), each ready when its last
+  unit's accumulation is done in the backward (waves run backward in reverse, a slice's layers from last to
+  first), reduced by the comm model on its group's ring; per device, its buckets overlap the rest of the
+  backward at C10's slowdown (``overlapped_backward_seconds``), and what they add beyond the backward counts;
+- **optimizer**: the slowest device's AdamW step (plan/layout.py ``stepped_elements``), and with ZeRO 1 or 2
+  the all-gather of the updated weights.
+
+It is an estimate with wave barriers and no link contention; the simulator (megatron_spindle/simulator) times
+the same plan with dataflow, contention and fluid network sharing, and plan selection (megatron_spindle/autoplan.py)
+keeps the plan it times fastest. ``plan.predicted["planner_estimate"]`` records this estimate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from megatron_spindle.estimator.comm_model import CommModel, GroupPlacement, overlapped_backward_seconds
+from megatron_spindle.estimator.transfer import transfer_load, transfer_seconds
+from megatron_spindle.graph.cluster import ClusterSpec
+from megatron_spindle.graph.opgraph import MetaGraph
+from megatron_spindle.plan.buckets import (
+    completion_sorted,
+    default_bucket_numel,
+    split_buckets,
+    unit_completion,
+)
+from megatron_spindle.plan.derive import plan_slice_pairs
+from megatron_spindle.plan.layout import device_programs, slice_units, stepped_elements
+from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, grad_reduce_bytes
+from megatron_spindle.plan.routing import Router
+from megatron_spindle.plan.schema import Plan
+
+
+@dataclass(frozen=True)
+class PlanEstimate:
+    """Seconds of one iteration as the planner estimates it; ``total`` is their sum."""
+
+    waves: float  # the waves of T(n), end to end
+    transfers: float
+    grad_sync: float  # beyond the backward: exposed buckets and the overlap slowdown
+    optimizer: float
+    param_gather: float
+
+    @property
+    def total(self) -> float:
+        return self.waves + self.transfers + self.grad_sync + self.optimizer + self.param_gather
+
+    def as_predicted(self) -> dict[str, float]:
+        out = {f"planner_estimate_{k}": v for k, v in asdict(self).items()}
+        out["planner_estimate"] = self.total
+        return out
+
+
+def backward_share(cost_model, metaop, tp: int, dp: int) -> float:
+    """The backward's share of one operator's forward + backward (2/3 for cost models without phases)."""
+    phases = getattr(cost_model, "phase_seconds", None)
+    if phases is None:
+        return 2.0 / 3.0
+    fwd, bwd = phases(metaop, tp, dp)
+    return bwd / (fwd + bwd) if fwd + bwd > 0 else 2.0 / 3.0
+
+
+def estimate_iteration(plan: Plan, metagraph: MetaGraph, cluster: ClusterSpec, cost_model) -> PlanEstimate:
+    """The planner's estimate of ``plan``'s iteration time (module docstring)."""
+    comm = CommModel(cluster)
+    metaops = metagraph.metaops
+    waves = [w.slices for w in plan.waves]
+    makespan = sum(w.duration for w in plan.waves)
+    transfers = _transfer_seconds(plan, metaops, cost_model, comm)
+    sync, gather = _sync_seconds(plan, metaops, cluster, cost_model, comm)
+    held = stepped_elements(waves, metaops, cost_model.param_count, plan.settings.zero_stage, plan.num_devices)
+    step = getattr(cost_model, "optimizer_seconds", None)
+    optimizer = max((step(sum(u.values()), len(u)) for u in held if u), default=0.0) if step else 0.0
+    return PlanEstimate(makespan, transfers, sync, optimizer, gather)
+
+
+def _transfer_seconds(plan: Plan, metaops, cost_model, comm: CommModel) -> float:
+    slices = {s.id: s for s in plan.slices()}
+    wave_of = {s.id: w.index for w in plan.waves for s in w.slices}
+    router = Router(plan.gpus_per_node)
+    worst: dict[int, float] = {}
+    cache: dict[tuple, float] = {}
+    for p, c in plan_slice_pairs(plan):
+        src, dst = slices[p], slices[c]
+        m = metaops[src.metaop]
+        rows = m.batch // plan.settings.micro_batches
+        per_row = float(cost_model.activation_bytes(m)) / m.batch
+        seconds = 0.0
+        for holders, needers in ((src, dst), (dst, src)):  # activations forward, their gradients backward
+            key = (router.key(holders, needers, rows), per_row)
+            if key not in cache:
+                cache[key] = transfer_seconds(transfer_load(router.route(holders, needers, rows), per_row), comm)
+            seconds += cache[key]
+        worst[wave_of[c]] = max(worst.get(wave_of[c], 0.0), seconds)
+    return sum(worst.values()) * plan.settings.micro_batches
+
+
+def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: CommModel) -> tuple[float, float]:
+    """(what the gradient buckets add beyond the backward on the worst device, the ZeRO 1/2 weight gather)."""
+    settings = plan.settings
+    waves = [w.slices for w in plan.waves]
+    # the backward of the last micro-batch, waves in reverse: when each unit's last accumulation happens
+    bwd_span, ready = 0.0, {}
+    for w in reversed(plan.waves):
+        share = max((backward_share(cost_model, metaops[s.metaop], s.tp, s.dp) for s in w.slices), default=2 / 3)
+        length = w.duration * share / settings.micro_batches
+        for s in w.slices:
+            units = slice_units(metaops[s.metaop], s.layer_start, s.layer_end)
+            ops = s.layer_end - s.layer_start
+            first: dict[str, int] = {}
+            for i, names in enumerate(metaops[s.metaop].params[s.layer_start:s.layer_end]):
+                for u in names:
+                    first.setdefault(u, i)
+            for u in units:
+                t = bwd_span + length * (ops - first[u]) / ops
+                ready[u] = max(ready.get(u, 0.0), t)
+        bwd_span += length
+    if bwd_span <= 0:
+        return 0.0, 0.0
+    tp_of: dict[str, int] = {}
+    for slices in waves:
+        for s in slices:
+            for u in slice_units(metaops[s.metaop], s.layer_start, s.layer_end):
+                tp_of[u] = min(tp_of.get(u, s.tp), s.tp)
+    completion = unit_completion(waves, metaops, settings)
+    op = "all_reduce" if settings.zero_stage == 0 else "reduce_scatter"
+    rings = []
+    for g in plan.param_groups:
+        tp = min((tp_of.get(u, 1) for u in g.params), default=1)
+        rings.append((g, tp, GroupPlacement.dp_ring(g.devices, tp, cluster)))
+    per_device: dict[int, list[tuple[float, float]]] = {}
+    gather = 0.0
+    for g, tp, ring in rings:
+        if ring.size <= 1 or not g.params:
+            continue
+        sharing = tp if ring.crosses_nodes else 1  # its own TP rings; other groups' overlap is not estimated
+        limit = default_bucket_numel(len(g.devices))
+        for units in split_buckets(completion_sorted(g.params, completion), cost_model.param_count, limit):
+            nbytes = grad_reduce_bytes(sum(cost_model.param_count(u) for u in units), settings) / tp
+            seconds = comm.collective_seconds(op, nbytes, ring, sharing)
+            at = max(ready[u] for u in units)
+            for d in g.devices:
+                per_device.setdefault(d, []).append((at, seconds))
+        if settings.zero_stage in (1, 2):
+            params = sum(cost_model.param_count(u) for u in g.params)
+            gather = max(gather, comm.all_gather(params * WEIGHT_BYTES_PER_PARAM / tp, ring, sharing))
+    extra = 0.0
+    done: dict[tuple, float] = {}
+    for devices in device_programs(waves, plan.num_devices).values():
+        buckets = tuple(sorted(per_device.get(devices[0], [])))
+        if not buckets:
+            continue
+        if buckets not in done:
+            fractions, running = [], 0.0
+            for at, _ in buckets:
+                running = max(running, min(1.0, at / bwd_span))
+                fractions.append(running)
+            times = overlapped_backward_seconds(bwd_span, [s for _, s in buckets], fractions)
+            done[buckets] = max(0.0, times.end - bwd_span)
+        extra = max(extra, done[buckets])
+    return extra, gather
