@@ -131,45 +131,76 @@ def check_engine_against(engine, ref: Trajectory, label: str, steps: int = STEPS
 
 
 class LaunchLog:
-    """The engine's bucket launches and wave ends, in the order they happen on this rank
-    (``("launch", bucket)``, ``("forward" | "backward", wave)``)."""
+    """The engine's bucket launches, micro-batch starts and step ends, in the order they happen on this rank
+    (``("launch", bucket)``, ``("micro", j)``, ``("forward" | "backward", wave)`` after every step of the
+    plan's order, local or not)."""
 
     def __init__(self, engine):
         self.engine = engine
         self.events: list[tuple] = []
         engine.on_wave = lambda phase, wave, seconds: self.events.append((phase, wave))
-        engine.grad_sync.on_launch = lambda bucket: self.events.append(("launch", bucket))
+        sync = engine.grad_sync
+        sync.on_launch = lambda bucket: self.events.append(("launch", bucket))
+        start = sync.micro_start
+
+        def micro(j: int) -> None:
+            self.events.append(("micro", j))
+            start(j)
+
+        sync.micro_start = micro
 
     def steps(self) -> list[list[tuple]]:
+        """The events of each training step (from its first micro-batch's start)."""
         out: list[list[tuple]] = []
         for e in self.events:
-            if e == ("forward", 0):
+            if e == ("micro", 0):
                 out.append([])
             out[-1].append(e)
         return out
 
 
 def check_launches(log: LaunchLog, label: str, overlap: bool = True) -> None:
-    """Every step issues every bucket of this rank once, in the engine's fixed order. With overlap, a bucket is
-    issued after the backward of every wave after its last local accumulation (a unit shared by several local
-    slices waits for the last of them), and before the backward of the plan's last accumulating wave ended,
-    so before the slices of earlier waves ran their backward; without overlap, after the whole backward."""
+    """Every step issues every bucket of this rank once, in the engine's fixed order, during its last
+    micro-batch. With overlap, a bucket is issued once the backward has done every step before the one of its
+    last local accumulation (a unit shared by several local slices waits for the last of them), and before
+    the step that completes its last unit plan-wide has ended; without overlap, after the whole backward."""
+    from megatron_spindle.plan.order import BWD
+
     engine = log.engine
     buckets = engine.grad_buffers.buckets
-    n = len(engine.plan.waves)
+    order = engine.schedule.steps
+    m = engine.plan.settings.micro_batches
+    backward_step = {}  # local slice id -> index of its backward step
+    for k, (wave, phase, task) in enumerate(order):
+        for ls in engine.local.values():
+            if phase == BWD and ls.wave == wave and task in (None, ls.slice.task):
+                backward_step[ls.slice.id] = k
     steps = log.steps()
     assert steps, f"{label}: no step recorded"
     for events in steps:
         launched = [e[1] for e in events if e[0] == "launch"]
         assert launched == buckets, f"{label}: buckets issued out of order or not once each"
-        at = {e[:2]: i for i, e in enumerate(events) if e[0] != "launch"}
+        last_micro = events.index(("micro", m - 1))
+        ends = [i for i, e in enumerate(events) if i > last_micro and e[0] in ("forward", "backward")]
+        assert len(ends) == len(order), f"{label}: {len(ends)} step ends in the last micro-batch, not {len(order)}"
         issued = {(b.devices, b.index): i for i, e in enumerate(events) if e[0] == "launch" for b in [e[1]]}
         for b in buckets:
             i = issued[b.devices, b.index]
+            assert i > last_micro, f"{label}: bucket {b} issued before the last micro-batch"
             if not overlap:
-                assert i > at["backward", 0], f"{label}: bucket {b} issued during the backward"
+                assert i > ends[-1], f"{label}: bucket {b} issued during the backward"
                 continue
-            assert i < at["backward", b.done[0]], f"{label}: bucket {b} issued after its wave's backward"
-            last = min(ls.wave for ls in engine.local.values() if set(ls.units) & set(b.units))
-            if last + 1 < n:
-                assert i > at["backward", last + 1], f"{label}: bucket {b} issued before its last accumulation"
+            done_wave = engine.plan.waves[b.done[0]]
+            tasks = {s.task for s in done_wave.slices if set(b.units) & set(slice_units_of(engine, s))}
+            done = max(k for k, (w, p, t) in enumerate(order) if p == BWD and w == b.done[0]
+                       and (t is None or t in tasks))
+            assert i < ends[done], f"{label}: bucket {b} issued after the step completing it"
+            last = max(backward_step[ls.slice.id] for ls in engine.local.values() if set(ls.units) & set(b.units))
+            if last > 0:
+                assert i > ends[last - 1], f"{label}: bucket {b} issued before its last accumulation"
+
+
+def slice_units_of(engine, s) -> list[str]:
+    from megatron_spindle.runtime.layout import slice_units
+
+    return slice_units(engine.metagraph, s)

@@ -9,6 +9,7 @@ plans (concurrent slices on disjoint device subsets, layer chains split across w
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from megatron_spindle.estimator import AnalyticCostModel
@@ -16,6 +17,7 @@ from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.derive import derive_param_groups, derive_transfers, metaop_infos
+from megatron_spindle.plan.order import early_backward_order
 from megatron_spindle.plan.schema import LevelInfo, Plan, Slice, Wave
 from megatron_spindle.plan.validate import validate_plan
 
@@ -70,9 +72,10 @@ def sequential_plan(workload: Workload, world_size: int, tp: int = 1, gpus_per_n
 
 
 def random_plan(workload: Workload, world_size: int, seed: int, max_tp: int = 2, split_layers: bool = True,
-                gpus_per_node: int = 8) -> Plan:
+                gpus_per_node: int = 8, micro_batches: int = 1) -> Plan:
     """Spindle-like: per MetaLevel, MetaOps packed into waves on disjoint random device subsets (1, 2 or 4
-    devices, shuffled order), random TP where valid, layer chains cut into two slices in different waves."""
+    devices, shuffled order), random TP where valid, layer chains cut into two slices in different waves;
+    every DP degree divides a micro-batch (``micro_batches``: recorded in the settings)."""
     rng = random.Random(seed)
     g = build_metagraph(workload)
     waves: list[list[SliceSpec]] = []
@@ -95,7 +98,8 @@ def random_plan(workload: Workload, world_size: int, seed: int, max_tp: int = 2,
                 for mid, ls, le in pending:
                     m = g.metaops[mid]
                     opts = [(n, tp) for n in (1, 2, 4) if n <= len(free)
-                            for tp in _tp_options(workload, m, n, max_tp) if m.batch % (n // tp) == 0]
+                            for tp in _tp_options(workload, m, n, max_tp)
+                            if (m.batch // micro_batches) % (n // tp) == 0]
                     if not opts:
                         rest.append((mid, ls, le))
                         continue
@@ -104,7 +108,38 @@ def random_plan(workload: Workload, world_size: int, seed: int, max_tp: int = 2,
                     free = free[n:]
                 waves.append(wave)
                 pending = rest
-    return build_plan(workload, world_size, waves, gpus_per_node=gpus_per_node)
+    plan = build_plan(workload, world_size, waves, validate=False, gpus_per_node=gpus_per_node)
+    return with_settings(plan, micro_batches=micro_batches)
+
+
+def with_settings(plan: Plan, **changes) -> Plan:
+    """The plan under other execution settings (validated)."""
+    plan = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, **changes))
+    validate_plan(plan, check_memory=False)
+    return plan
+
+
+def layer_slices(plan: Plan) -> list:
+    return [s for s in plan.slices() if s.kind == "layer"]
+
+
+def recomputing(plan: Plan, choose) -> Plan:
+    """The plan with ``choose(index, slice) -> Recompute`` for its i-th layer slice."""
+    return with_settings(plan, slice_recompute={s.id: choose(i, s) for i, s in enumerate(layer_slices(plan))})
+
+
+def early_backward(plan: Plan) -> Plan:
+    """The plan with each task's backward right after its last forward (plan/order.py)."""
+    return with_settings(plan, order=early_backward_order([[s.task for s in w.slices] for w in plan.waves]))
+
+
+def task_segments(plan: Plan) -> Plan:
+    """A temporally decoupled baseline's order: each task's waves forward then backward, task after task."""
+    tasks = list(dict.fromkeys(s.task for s in plan.slices()))
+    segments = [[wi for wi, w in enumerate(plan.waves) if any(s.task == t for s in w.slices)] for t in tasks]
+    if any(len({s.task for s in w.slices}) > 1 for w in plan.waves):
+        raise ValueError("task_segments needs waves of one task each")
+    return with_settings(plan, segments=segments)
 
 
 def unit_device_sets(plan: Plan, unit_prefix: str) -> set[tuple[int, ...]]:

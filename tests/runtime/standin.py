@@ -34,6 +34,7 @@ def _seed(*parts) -> int:
 class StandinBatch:
     feats: dict[str, torch.Tensor]  # module -> [B, own tokens, RAW] (or token ids [B, own tokens])
     labels: torch.Tensor | None  # [B, tokens] for lm tasks
+    micro_batches: int = 1  # a micro-batch of the iteration's batch (TaskBatch.micro's convention)
 
     def shard(self, k: int, dp: int) -> StandinBatch:
         def cut(x):
@@ -41,7 +42,12 @@ class StandinBatch:
             return x[k * n:(k + 1) * n]
 
         return StandinBatch({m: cut(v) for m, v in self.feats.items()},
-                            None if self.labels is None else cut(self.labels))
+                            None if self.labels is None else cut(self.labels), self.micro_batches)
+
+    def micro(self, j: int, m: int) -> StandinBatch:
+        part = self.shard(j, m)
+        part.micro_batches = m
+        return part
 
 
 def standin_batch(workload: Workload, task: str, step: int, seed: int) -> StandinBatch:
@@ -266,14 +272,16 @@ class StandinOp(torch.nn.Module):
         logits = F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).t() / temp
         target = torch.arange(logits.shape[0])
         loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target)) / 2
-        return loss / dp  # every DP rank computes the full loss; their sum is the task loss
+        # every DP rank computes the full loss; their sum is the task loss (a micro-batch's: 1/m of it)
+        return loss / dp / batch.micro_batches
 
 
 def _pkey(key: str) -> str:
     return key.replace(".", "__")
 
 
-def standin_factory(workload, info, layer_start, layer_end, pg_collection=None, dp_group=None):
+def standin_factory(workload, info, layer_start, layer_end, pg_collection=None, dp_group=None, recompute=None):
+    """Stand-ins keep every activation (``recompute`` is for megatron-core's layers)."""
     return StandinOp(workload, info, layer_start, layer_end, pg_collection=pg_collection, dp_group=dp_group)
 
 
@@ -305,20 +313,26 @@ class StandinReference(torch.nn.Module):
     def grads(self) -> dict[str, torch.Tensor]:
         return {k.replace("__", "."): v.grad.detach().clone() for k, v in self.full.items() if v.grad is not None}
 
-    def forward(self, step: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    def forward(self, step: int, seed: int = 0, micro_batches: int = 1) -> dict[str, torch.Tensor]:
         losses = {}
         for t in self.w.tasks:
-            batch = standin_batch(self.w, t.name, step, seed)
-            outs = {}
-            for level in self.g.levels:
-                for mid in level:
-                    m = self.g.metaops[mid]
-                    if m.task != t.name:
-                        continue
-                    outs[mid] = self.ops[mid]([outs[p] for p in self.g.predecessors(mid)], batch)
-                    if m.kind in ("loss", "lm_head") and not self.g.successors(mid):
-                        losses[t.name] = outs[mid]
+            whole = standin_batch(self.w, t.name, step, seed)
+            for j in range(micro_batches):
+                loss = self._task(t, whole.micro(j, micro_batches) if micro_batches > 1 else whole)
+                losses[t.name] = loss if j == 0 else losses[t.name] + loss
         return losses
+
+    def _task(self, t, batch) -> torch.Tensor:
+        outs = {}
+        for level in self.g.levels:
+            for mid in level:
+                m = self.g.metaops[mid]
+                if m.task != t.name:
+                    continue
+                outs[mid] = self.ops[mid]([outs[p] for p in self.g.predecessors(mid)], batch)
+                if m.kind in ("loss", "lm_head") and not self.g.successors(mid):
+                    return outs[mid]
+        raise ValueError(f"task '{t.name}' has no loss")
 
 
 class _KeyView:

@@ -37,13 +37,21 @@ from harness import (
     reference_trajectory,
     spawn,
 )
-from plans import random_plan, sequential_plan, unit_device_sets, unit_tp_degrees
+from plans import (
+    early_backward,
+    random_plan,
+    recomputing,
+    sequential_plan,
+    task_segments,
+    unit_device_sets,
+    unit_tp_degrees,
+)
 from standin import StandinReference, standin_batch, standin_factory
 
 from megatron_spindle.estimator import AnalyticCostModel
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.workload import load_workload, workload_from_dict
-from megatron_spindle.plan.schema import TRANSFER_KINDS, PlanError
+from megatron_spindle.plan.schema import TRANSFER_KINDS, PlanError, Recompute
 from megatron_spindle.runtime.__main__ import main
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
 from megatron_spindle.runtime.groups import GroupCache
@@ -78,18 +86,29 @@ def fanout():
                    "loss": {"kind": "lm", "module": "llm"}}]})
 
 
-def standin_trajectory(workload):
+def batches_of_12():
+    """tiny-clip with every batch 12: three micro-batches of 4 split over 1, 2 or 4 DP ranks."""
+    d = load_workload("tiny-clip").to_dict()
+    for t in d["tasks"]:
+        t["batch_size"] = 12
+    d["name"] = "tiny-clip-12"
+    return workload_from_dict(d)
+
+
+def standin_trajectory(workload, micro_batches: int = 1):
     ref = StandinReference(workload)
     params = {k.replace("__", "."): p for k, p in ref.full.items()}
-    return reference_trajectory(ref, params, {t.name: t.loss.weight for t in workload.tasks}, OPT)
+    run = lambda step: ref(step, micro_batches=micro_batches)  # noqa: E731
+    return reference_trajectory(run, params, {t.name: t.loss.weight for t in workload.tasks}, OPT)
 
 
-def real_trajectory(workload):
+def real_trajectory(workload, micro_batches: int = 1):
     from megatron_spindle.data.mock import mock_batch
     from megatron_spindle.models.reference import ReferenceModel
 
     ref = ReferenceModel(workload)
-    run = lambda step: ref({t.name: mock_batch(workload, t.name, step, 0) for t in workload.tasks})  # noqa: E731
+    run = lambda step: ref({t.name: mock_batch(workload, t.name, step, 0) for t in workload.tasks},  # noqa: E731
+                           micro_batches=micro_batches)
     return reference_trajectory(run, ref.full_named_parameters(), {t.name: t.loss.weight for t in workload.tasks}, OPT)
 
 
@@ -117,11 +136,34 @@ def plan_cases(world: int):
     cases += [("standin", f"spindle-{s}", "fanout", sp(s)) for s in (1, 2)]
     if world > 1:  # a plan for fewer devices than ranks: the others only join the collectives of the step
         cases.append(("standin", "idle-ranks", "tiny-vlm", lambda w: random_plan(w, world // 2, 3)))
+    cases += option_cases(world)
     real = {1: [("sequential", "tiny-clip", seq), ("sequential", "tiny-vlm", seq)],
             2: [("sequential-tp2", "tiny-clip", tp2), ("planner", "tiny-vlm", planned), ("spindle-2", "tiny-vlm", sp(2)),
                 ("spindle-1", "fanout", sp(1))],
             4: [("planner", "tiny-clip", planned), ("sequential-tp2", "tiny-vlm", tp2), ("spindle-2", "tiny-vlm", sp(2))]}
     return cases + [("real", label, wn, make) for label, wn, make in real[world]]
+
+
+def option_cases(world: int):
+    """The memory options (issue 14): recomputation by megatron-core per slice (selective; full, block of k
+    layers), micro-batches (2 and 3), the early backward, a baseline's task segments, and a mix of them in one
+    plan (selective, block, full and none by turns, two micro-batches, early backward)."""
+    sp = lambda s, m=1: (lambda w: random_plan(w, world, s, micro_batches=m))  # noqa: E731
+    turns = (Recompute("selective"), Recompute("full", 1), Recompute("full"), Recompute())
+    selective = lambda w: recomputing(random_plan(w, world, 2), lambda i, s: Recompute("selective"))  # noqa: E731
+    block = lambda w: recomputing(sequential_plan(w, world),  # noqa: E731
+                                  lambda i, s: Recompute("full", max(1, s.num_layers - 1)))
+    mix = lambda w: early_backward(recomputing(random_plan(w, world, 1, micro_batches=2),  # noqa: E731
+                                               lambda i, s: turns[i % len(turns)]))
+    cases = [("standin", "micro2", "tiny-vlm", sp(1, 2)), ("standin", "micro3", "tiny-clip-12", sp(2, 3)),
+             ("standin", "early", "tiny-vlm", lambda w: early_backward(random_plan(w, world, 2))),
+             ("standin", "early-micro2", "fanout", lambda w: early_backward(random_plan(w, world, 1, micro_batches=2))),
+             ("standin", "segments", "tiny-vlm", lambda w: task_segments(sequential_plan(w, world))),
+             ("real", "selective", "tiny-vlm", selective), ("real", "block", "tiny-clip", block),
+             ("real", "mix", "tiny-vlm", mix)]
+    if world == 1:  # three micro-batches of real contrastive losses (each a mean over its micro-batch)
+        cases.append(("real", "micro3", "tiny-clip-12", sp(3, 3)))
+    return cases
 
 
 def bad_plans(workload, world: int):
@@ -142,6 +184,7 @@ def _worker(rank, world):
     workloads = {n: load_workload(n) for n in WORKLOADS}
     workloads["tiny-clip-weighted"] = weighted_clip()
     workloads["fanout"] = fanout()
+    workloads["tiny-clip-12"] = batches_of_12()
     # 1) wrong plans fail on every rank before any communication (no rank is left hanging in a collective)
     for plan, words in bad_plans(workloads["tiny-clip"], world):
         with pytest.raises(PlanError, match=words):
@@ -155,9 +198,10 @@ def _worker(rank, world):
     routes: set[str] = set()  # routes some plan's transfers take
     for ops, label, wname, make in plan_cases(world):
         w = workloads[wname]
-        if (ops, wname) not in refs:
-            refs[ops, wname] = (standin_trajectory if ops == "standin" else real_trajectory)(w)
         plan = make(w)
+        m = plan.settings.micro_batches
+        if (ops, wname, m) not in refs:
+            refs[ops, wname, m] = (standin_trajectory if ops == "standin" else real_trajectory)(w, m)
         if label == "planner":  # the runtime needs the same plan on every rank
             digests = [None] * world
             d = plan.to_dict()
@@ -184,7 +228,9 @@ def _worker(rank, world):
             assert (pgs.tp.size(), pgs.dp.size()) == (s.tp, s.dp), s.id
         created = engine.groups.cache.created
         assert len(created) == len(set(created)), "a process group was created twice"
-        check_engine_against(engine, refs[ops, wname], f"rank {rank} {ops} {wname} {label}")
+        if ops == "real":
+            check_recompute_flags(engine, plan, f"rank {rank} {wname} {label}")
+        check_engine_against(engine, refs[ops, wname, m], f"rank {rank} {ops} {wname} {label}")
         check_launches(log, f"rank {rank} {ops} {wname} {label}")
         routes |= check_bytes_by_route(engine, plan, w, cfg, f"{ops} {wname} {label}")
     if world > 1:
@@ -204,10 +250,26 @@ def _worker(rank, world):
         random_plan(workloads["tiny-vlm"], world, 2).save(path)
         history = main(["--plan", path, "--workload", "tiny-vlm", "--steps", "2", "--lr", str(OPT.lr)])
     assert len(history) == 2
-    ref0 = refs["real", "tiny-vlm"].losses[0] if ("real", "tiny-vlm") in refs else real_trajectory(
+    ref0 = refs["real", "tiny-vlm", 1].losses[0] if ("real", "tiny-vlm", 1) in refs else real_trajectory(
         workloads["tiny-vlm"]).losses[0]
     for t, v in ref0.items():
         assert abs(history[0][t] - v) <= 1e-5 * max(1.0, abs(v)), (t, history[0][t], v)
+
+
+def check_recompute_flags(engine, plan, label: str) -> None:
+    """Each local layer slice runs megatron-core's own recomputation as its plan setting says."""
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_spindle.models.config import recompute_fields
+
+    for ls in engine.local.values():
+        if ls.slice.kind != "layer":
+            continue
+        want = recompute_fields(plan.settings.recompute_of(ls.slice.id), ls.slice.num_layers)
+        configs = [m.config for m in ls.op.modules() if isinstance(getattr(m, "config", None), TransformerConfig)]
+        got = {(c.recompute_granularity, c.recompute_method, c.recompute_num_layers) for c in configs}
+        assert got == {(want.get("recompute_granularity"), want.get("recompute_method"),
+                        want.get("recompute_num_layers"))}, (label, ls.slice.id, got, want)
 
 
 def note_buckets(engine, seen: dict) -> None:
@@ -337,7 +399,7 @@ def check_clipping(rank, world, workloads, refs, cfg, cache) -> None:
     cases = [("tiny-vlm", lambda w: random_plan(w, world, 2)), ("tiny-clip", lambda w: sequential_plan(w, world, tp=2))]
     for wname, make in cases:
         w = workloads[wname]
-        g0 = refs["standin", wname].grads[0]
+        g0 = refs["standin", wname, 1].grads[0]
         clip = 0.3 * float(torch.cat([g.double().reshape(-1) for g in g0.values()]).norm())
         opt = dataclasses.replace(OPT, clip_grad=clip)
         ref = clipped_standin_trajectory(w, opt)
@@ -377,7 +439,7 @@ def check_evaluate(rank, world, workloads, refs, cfg, cache) -> None:
         assert all(not bool(buf.any()) for _, buf in engine.grad_buffers.buffers)
         assert engine.optimizer is None or not engine.optimizer.state
         engine.on_wave = None
-        check_engine_against(engine, refs["standin", wname], f"rank {rank} {wname} after evaluate")
+        check_engine_against(engine, refs["standin", wname, 1], f"rank {rank} {wname} after evaluate")
 
 
 def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache) -> None:
@@ -393,7 +455,7 @@ def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache) -> Non
         assert engine.direct_units == []  # the fast path is for the replicated optimizer only
         label = f"rank {rank} {ops} {wname} {case} zero1"
         log = LaunchLog(engine)
-        check_engine_against(engine, refs[ops, wname], label)
+        check_engine_against(engine, refs[ops, wname, 1], label)
         check_launches(log, label)
         check_sharded_state(engine, label)
         if (ops, case) == ("standin", "spindle-2"):
