@@ -227,7 +227,7 @@ class MemoryModel:
         if rc.mode == "selective":
             return num_layers * layer.selective, layer.core
         if rc.method == "uniform":  # chunks of `chunk` layers keep one input each; one chunk is rerun at a time
-            chunk = min(rc.chunk(), num_layers)
+            chunk = rc.chunk(num_layers)
             return math.ceil(num_layers / chunk) * layer.input, max(0.0, chunk * layer.full - layer.input)
         k = rc.recomputed_layers(num_layers)  # the first k layers recompute, one at a time
         held = (num_layers - k) * layer.full + k * layer.input

@@ -93,7 +93,8 @@ def _base_kwargs(cfg: ModelConfig, tp_size: int, module: ModuleSpec | None = Non
 def recompute_fields(recompute: Recompute, num_layers: int) -> dict:
     """megatron-core's TransformerConfig fields for ``recompute`` of a block of ``num_layers`` layers:
     selective recomputes the attention core (``recompute_modules`` defaults to ["core_attn"]); full with the
-    block method checkpoints the first k layers one by one, with the uniform method every chunk of k."""
+    block method checkpoints the first k layers one by one, with the uniform method every chunk of k (the largest
+    divisor of the block's layer count up to k)."""
     rc = recompute.for_layers(num_layers)
     if rc.mode == "none":
         return {}
@@ -101,7 +102,7 @@ def recompute_fields(recompute: Recompute, num_layers: int) -> dict:
         return dict(recompute_granularity="selective")
     if rc.method == "uniform":
         return dict(recompute_granularity="full", recompute_method="uniform",
-                    recompute_num_layers=min(rc.chunk(), num_layers))
+                    recompute_num_layers=rc.chunk(num_layers))
     return dict(recompute_granularity="full", recompute_method="block",
                 recompute_num_layers=rc.recomputed_layers(num_layers))
 

@@ -74,9 +74,17 @@ class Recompute:
             return num_layers
         return min(self.layers, num_layers)
 
-    def chunk(self) -> int:
-        """Layers per checkpointed chunk (1 except ``uniform``)."""
-        return (self.layers or 1) if self.method == "uniform" else 1
+    def chunk(self, num_layers: int | None = None) -> int:
+        """Layers per checkpointed chunk (1 except ``uniform``); of a slice of ``num_layers`` layers, the largest
+        divisor of its layer count up to ``layers`` (megatron-core's uniform method needs whole chunks)."""
+        if self.method != "uniform":
+            return 1
+        c = self.layers or 1
+        if num_layers is not None:
+            c = min(c, num_layers)
+            while num_layers % c:
+                c -= 1
+        return c
 
     def for_layers(self, num_layers: int) -> Recompute:
         """The same choice for a slice of ``num_layers`` layers, in its plainest form: full recomputation of 0
@@ -84,7 +92,8 @@ class Recompute:
         if self.mode != "full":
             return self
         if self.method == "uniform":
-            return Recompute("full") if self.chunk() == 1 or num_layers == 1 else self
+            c = self.chunk(num_layers)
+            return Recompute("full") if c == 1 else Recompute("full", c, "uniform")
         k = self.recomputed_layers(num_layers)
         return Recompute("none") if k == 0 else Recompute("full") if k == num_layers else Recompute("full", k)
 

@@ -1,0 +1,94 @@
+"""Memory prediction = what the runtime allocates: the peak of the tensors autograd saves during a real
+megatron-core step (runtime/activation_meter.py) against plan/memory.py's activation peak for the same plan,
+under every memory option, in-process on one rank.
+
+The memory model is built as the runtime runs on CPU: fp32 activations, megatron-core's unfused attention
+(local spec). Target (issue 14): within 20 %; the model follows the saved tensors closely, so a larger
+miss is a change in what megatron-core or our operators save."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from plans import early_backward, random_plan, recomputing, sequential_plan, with_settings
+
+from megatron_spindle.compat.groups import ensure_torch_distributed
+from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
+from megatron_spindle.estimator.cost_model import CostModelConfig
+from megatron_spindle.graph.cluster import ClusterSpec
+from megatron_spindle.graph.opgraph import build_metagraph
+from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.plan.memory import plan_breakdown
+from megatron_spindle.plan.schema import Recompute
+from megatron_spindle.runtime.activation_meter import SavedTensorMeter
+from megatron_spindle.runtime.engine import EngineConfig, RuntimeEngine
+
+TOLERANCE = 0.05  # the issue asks for 20 %
+
+
+def runtime_memory_model(plan, workload) -> MemoryModel:
+    """The memory model of the CPU runtime: fp32 activations and megatron-core's unfused attention."""
+    cluster = ClusterSpec.from_dict(plan.cluster)
+    cost = AnalyticCostModel(workload, cluster, dtype_bytes=4, config=CostModelConfig(attention="unfused"))
+    return MemoryModel(workload, cluster, cost)
+
+
+def options(plan):
+    """The plan under each memory option."""
+    every = lambda rc: recomputing(plan, lambda i, s: rc)  # noqa: E731
+    turns = (Recompute("selective"), Recompute("full", 1), Recompute("full"), Recompute())
+    return {"none": plan, "selective": every(Recompute("selective")), "full": every(Recompute("full")),
+            "block-1": every(Recompute("full", 1)), "uniform-2": every(Recompute("full", 2, "uniform")),
+            "mix": recomputing(plan, lambda i, s: turns[i % len(turns)]), "early": early_backward(plan)}
+
+
+CASES = [("tiny-vlm", lambda w: sequential_plan(w, 1)), ("tiny-clip", lambda w: random_plan(w, 1, 3)),
+         ("tiny-vlm", lambda w: random_plan(w, 1, 1, micro_batches=2))]
+
+
+@pytest.mark.parametrize("wname,make", CASES, ids=["tiny-vlm-sequential", "tiny-clip-spindle", "tiny-vlm-micro2"])
+def test_predicted_activation_peak_is_what_the_runtime_saves(wname, make):
+    torch.set_num_threads(1)
+    ensure_torch_distributed()
+    w = load_workload(wname)
+    metaops = build_metagraph(w).metaops
+    ratios = {}
+    for label, plan in options(make(w)).items():
+        engine = RuntimeEngine(plan, w, 0, 1, EngineConfig(measure_activations=True))
+        engine.forward_backward(0)
+        measured = engine.activation_peak
+        predicted = plan_breakdown(plan, metaops, runtime_memory_model(plan, w))[0][1]
+        ratios[label] = predicted / measured
+    print(f"{wname}: predicted / measured activation peak", {k: round(v, 4) for k, v in ratios.items()})
+    for label, r in ratios.items():
+        assert abs(r - 1) <= TOLERANCE, (wname, label, ratios)
+    assert ratios  # every option ran
+
+
+def test_the_meter_counts_a_storage_once_and_releases_it_with_the_graph():
+    ensure_torch_distributed()
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    with SavedTensorMeter([weight]) as meter:
+        y = x @ weight  # saves x (and the weight: excluded)
+        z = (y * y).sum()  # saves y (twice: one storage)
+        assert meter.live == (4 * 8 + 4 * 8) * 4
+        z.backward()
+        assert meter.live == 0 and meter.peak == (4 * 8 + 4 * 8) * 4
+
+
+def test_micro_batches_divide_the_measured_peak():
+    """Two micro-batches hold half the activations at once (the prediction's micro_batch_metaop rule)."""
+    torch.set_num_threads(1)
+    ensure_torch_distributed()
+    w = load_workload("tiny-clip")
+    plan = sequential_plan(w, 1)
+    peaks = {}
+    for m in (1, 2):
+        p = with_settings(plan, micro_batches=m) if m > 1 else dataclasses.replace(plan)
+        engine = RuntimeEngine(p, w, 0, 1, EngineConfig(measure_activations=True))
+        engine.forward_backward(0)
+        peaks[m] = engine.activation_peak
+    assert peaks[2] == pytest.approx(peaks[1] / 2, rel=0.02)
