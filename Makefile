@@ -3,15 +3,20 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# Where pip gets torch. Empty (the default): pip's own index and configuration. Where that resolves torch to the
+# CUDA build (PyPI's Linux x86_64 wheels pull several GB of CUDA libraries), choose the CPU build:
+#   make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL ?=
+TORCH_PIP_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(strip $(TORCH_INDEX_URL)))
 
 .PHONY: install demo test bench bench-snapshot lint clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found (megatron-core 0.16.1 needs Python 3.11)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first, pinned: an unpinned megatron-core would pull a multi-GB CUDA torch.
+	# torch first, pinned (and from TORCH_INDEX_URL when given): an unpinned megatron-core would pull a multi-GB CUDA torch.
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(PY) -m pip install -q -e '.[test,lint]'
 	touch $(STAMP)
 

@@ -37,13 +37,13 @@ def add_entry_point_args(parser, extra_args_provider=None):
 
 def engine_provider(plan, workload, rank, world_size, args, batch_fn):
     """The runtime engine for this rank's slices of the plan (the model_provider of Megatron-LM)."""
-    import torch
-
     from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
+    from megatron_spindle.training.precision import make_grad_scaler, params_dtype
 
     config = EngineConfig(optimizer=OptimizerConfig(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                                    eps=args.adam_eps, weight_decay=args.weight_decay),
-                          data_seed=args.seed, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                                                    eps=args.adam_eps, weight_decay=args.weight_decay,
+                                                    clip_grad=args.clip_grad),
+                          data_seed=args.seed, dtype=params_dtype(args), grad_scaler=make_grad_scaler(args),
                           ddp_bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce)
     return RuntimeEngine(plan, workload, rank, world_size, config, batch_fn=batch_fn)
 

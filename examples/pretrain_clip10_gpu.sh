@@ -6,18 +6,26 @@
 #       [--data-path TASK=PATH ...] [extra pretrain_multitask.py flags]
 #
 # Without --data-path flags it trains on mock data. Flags given on the command line come last and override.
+#
+# Environment: GPUS_PER_NODE (8), NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (6000), GPU_TYPE (A800-80GB),
+# CHECKPOINT_PATH, TENSORBOARD_LOGS_PATH, PRECISION (bf16 | fp16 | fp32; default bf16 when a GPU is visible,
+# else fp32, so the script also dry-runs on a CPU machine), PYTHON / TORCHRUN (default: the repository's .venv,
+# else torchrun from PATH). See examples/common.sh.
+#
+# Several nodes: CHECKPOINT_PATH must be on a filesystem shared by all nodes (checked at start), and where a host
+# has several network interfaces name the one the nodes reach each other on: NCCL_SOCKET_IFNAME=<if> (and
+# GLOO_SOCKET_IFNAME=<if> for gloo).
 
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT_DIR="$(dirname "$SCRIPT_DIR")"
+source "$SCRIPT_DIR/common.sh" "$@"  # ROOT_DIR, LAUNCHER, PRECISION_ARGS, DATA_ARGS
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NUM_NODES=${NUM_NODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
-WORLD_SIZE=$(( GPUS_PER_NODE * NUM_NODES ))
 
 if [ "$NUM_NODES" -lt 1 ] || [ "$NUM_NODES" -gt 8 ]; then
     echo "error: NUM_NODES must be 1..8 for Multitask-CLIP-10, got $NUM_NODES" >&2
@@ -61,17 +69,8 @@ TRAINING_ARGS=(
     --adam-beta2 0.98
     --adam-eps 1e-6
     --seed 1234
-    --bf16
+    "${PRECISION_ARGS[@]}"
 )
-
-DATA_ARGS=()
-HAS_DATA=0
-for arg in "$@"; do
-    if [ "$arg" = "--data-path" ]; then HAS_DATA=1; fi
-done
-if [ "$HAS_DATA" = 0 ]; then
-    DATA_ARGS=(--mock-data --mock-data-samples 100000)
-fi
 
 CHECKPOINT_ARGS=(
     --save "$CHECKPOINT_PATH"
@@ -84,7 +83,7 @@ LOGGING_ARGS=(
     --tensorboard-dir "$TENSORBOARD_LOGS_PATH"
 )
 
-torchrun "${DISTRIBUTED_ARGS[@]}" "$ROOT_DIR/pretrain_multitask.py" \
+"${LAUNCHER[@]}" "${DISTRIBUTED_ARGS[@]}" "$ROOT_DIR/pretrain_multitask.py" \
     "${MODEL_ARGS[@]}" \
     "${SPINDLE_ARGS[@]}" \
     "${TRAINING_ARGS[@]}" \

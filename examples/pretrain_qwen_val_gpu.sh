@@ -3,22 +3,30 @@
 # of 8 GPUs.
 #
 # Run the same command on every node:
-#   NUM_NODES=4 NODE_RANK=<0..3> MASTER_ADDR=<node 0 address> bash examples/pretrain_clip10_gpu.sh \
+#   NUM_NODES=4 NODE_RANK=<0..3> MASTER_ADDR=<node 0 address> bash examples/pretrain_qwen_val_gpu.sh \
 #       [--data-path TASK=PATH ...] [extra pretrain_multitask.py flags]
 #
 # Without --data-path flags it trains on mock data. Flags given on the command line come last and override.
+#
+# Environment: GPUS_PER_NODE (8), NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (6000), GPU_TYPE (A800-80GB),
+# CHECKPOINT_PATH, TENSORBOARD_LOGS_PATH, PRECISION (bf16 | fp16 | fp32; default bf16 when a GPU is visible,
+# else fp32, so the script also dry-runs on a CPU machine), PYTHON / TORCHRUN (default: the repository's .venv,
+# else torchrun from PATH). See examples/common.sh.
+#
+# Several nodes: CHECKPOINT_PATH must be on a filesystem shared by all nodes (checked at start), and where a host
+# has several network interfaces name the one the nodes reach each other on: NCCL_SOCKET_IFNAME=<if> (and
+# GLOO_SOCKET_IFNAME=<if> for gloo).
 
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT_DIR="$(dirname "$SCRIPT_DIR")"
+source "$SCRIPT_DIR/common.sh" "$@"  # ROOT_DIR, LAUNCHER, PRECISION_ARGS, DATA_ARGS
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NUM_NODES=${NUM_NODES:-4}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
-WORLD_SIZE=$(( GPUS_PER_NODE * NUM_NODES ))
 
 if [ "$NUM_NODES" -lt 4 ] || [ "$NUM_NODES" -gt 8 ]; then
     echo "error: NUM_NODES must be 4..8 for QWen-VAL, got $NUM_NODES" >&2
@@ -62,17 +70,8 @@ TRAINING_ARGS=(
     --adam-beta2 0.95
     --adam-eps 1e-8
     --seed 1234
-    --bf16
+    "${PRECISION_ARGS[@]}"
 )
-
-DATA_ARGS=()
-HAS_DATA=0
-for arg in "$@"; do
-    if [ "$arg" = "--data-path" ]; then HAS_DATA=1; fi
-done
-if [ "$HAS_DATA" = 0 ]; then
-    DATA_ARGS=(--mock-data --mock-data-samples 100000)
-fi
 
 CHECKPOINT_ARGS=(
     --save "$CHECKPOINT_PATH"
@@ -85,7 +84,7 @@ LOGGING_ARGS=(
     --tensorboard-dir "$TENSORBOARD_LOGS_PATH"
 )
 
-torchrun "${DISTRIBUTED_ARGS[@]}" "$ROOT_DIR/pretrain_multitask.py" \
+"${LAUNCHER[@]}" "${DISTRIBUTED_ARGS[@]}" "$ROOT_DIR/pretrain_multitask.py" \
     "${MODEL_ARGS[@]}" \
     "${SPINDLE_ARGS[@]}" \
     "${TRAINING_ARGS[@]}" \

@@ -1,20 +1,21 @@
 #!/bin/bash
-# Train the tiny Multitask-CLIP (4 contrastive tasks, 4 towers) on CPU with 2 gloo processes and mock data.
+# Train the tiny Multitask-CLIP (4 contrastive tasks, 4 towers) on CPU with 2 gloo processes.
 #
 #   bash examples/train_tiny_clip_cpu.sh [extra pretrain_multitask.py flags]
 #
-# Environment: CHECKPOINT_PATH (default: ./checkpoints/tiny_clip_cpu), TENSORBOARD_LOGS_PATH,
-# NPROC_PER_NODE (default 2), TRAIN_ITERS (default 10). Any flag given on the command line is appended last
-# and so overrides the ones below (e.g. --train-iters 40 --data-path vision_text=data/vt ...).
+# Mock data unless a --data-path TASK=PATH is given (then give one per task: they replace the mock data).
+# Any flag given on the command line is appended last and so overrides the ones below (e.g. --train-iters 40).
+#
+# Environment: CHECKPOINT_PATH (default: ./checkpoints/tiny_clip_cpu), TENSORBOARD_LOGS_PATH, NPROC_PER_NODE
+# (default 2), TRAIN_ITERS (default 10), MASTER_PORT (default: random), PRECISION (default fp32: bf16 and fp16
+# need GPUs), PYTHON / TORCHRUN (default: the repository's .venv, else torchrun from PATH); see examples/common.sh.
 
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT_DIR="$(dirname "$SCRIPT_DIR")"
-PYTHON=${PYTHON:-python}
-if [ -x "$ROOT_DIR/.venv/bin/python" ] && [ "$PYTHON" = python ]; then
-    PYTHON="$ROOT_DIR/.venv/bin/python"
-fi
+PRECISION=${PRECISION:-fp32}
+MOCK_DATA_SAMPLES=${MOCK_DATA_SAMPLES:-64}
+source "$SCRIPT_DIR/common.sh" "$@"  # ROOT_DIR, LAUNCHER, PRECISION_ARGS, DATA_ARGS
 
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/tiny_clip_cpu}
 TENSORBOARD_LOGS_PATH=${TENSORBOARD_LOGS_PATH:-$CHECKPOINT_PATH/tensorboard}
@@ -49,11 +50,7 @@ TRAINING_ARGS=(
     --lr-decay-style cosine
     --weight-decay 0.01
     --seed 1234
-)
-
-DATA_ARGS=(
-    --mock-data
-    --mock-data-samples 64
+    "${PRECISION_ARGS[@]}"
 )
 
 CHECKPOINT_ARGS=(
@@ -67,7 +64,7 @@ LOGGING_ARGS=(
     --tensorboard-dir "$TENSORBOARD_LOGS_PATH"
 )
 
-"$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "$ROOT_DIR/pretrain_multitask.py" \
+"${LAUNCHER[@]}" "${DISTRIBUTED_ARGS[@]}" "$ROOT_DIR/pretrain_multitask.py" \
     "${MODEL_ARGS[@]}" \
     "${SPINDLE_ARGS[@]}" \
     "${TRAINING_ARGS[@]}" \

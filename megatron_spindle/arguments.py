@@ -31,7 +31,8 @@ def add_workload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 def add_cluster_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("cluster")
     g.add_argument("--num-gpus", type=int, default=None, help="Total number of devices.")
-    g.add_argument("--gpus-per-node", type=int, default=8, help="Devices per node (one NVLink island).")
+    g.add_argument("--gpus-per-node", type=int, default=None, help="Devices per node (one NVLink island). Default: "
+                   "torchrun's LOCAL_WORLD_SIZE under pretrain_multitask.py, else the node type's (8).")
     g.add_argument("--gpu-type", default="A800-80GB", choices=sorted(NODE_TYPES),
                    help="Built-in node type: peak FLOP/s, memory and link bandwidths.")
     g.add_argument("--cluster", default=None, help="Cluster YAML file (instead of --num-gpus/--gpu-type).")
@@ -43,6 +44,8 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     from megatron_spindle.planner.pipeline import PlannerConfig
 
     g = add_flags(parser.add_argument_group("spindle planner"), PlannerConfig, prefix=SPINDLE_PREFIX)
+    g.add_argument("--use-distributed-optimizer", dest="spindle_distributed_optimizer", action="store_const",
+                   const="on", help="Megatron's name for --spindle-distributed-optimizer on.")
     g.add_argument("--spindle-profile", default=None,
                    help="Profile JSON from tools/profile_metaops.py; its measured points replace the analytic "
                         "cost model.")
@@ -63,7 +66,8 @@ def cluster_from_args(args: argparse.Namespace, default_num_gpus: int | None = N
     n = args.num_gpus or default_num_gpus
     if n is None:
         raise SystemExit("error: give --num-gpus N (with --gpus-per-node/--gpu-type) or --cluster FILE")
-    return make_cluster(n, args.gpus_per_node, args.gpu_type)
+    per_node = args.gpus_per_node or NODE_TYPES[args.gpu_type]["gpus_per_node"]
+    return make_cluster(n, per_node, args.gpu_type)
 
 
 def planner_config_from_args(args: argparse.Namespace):

@@ -121,5 +121,7 @@ def check_choices(config) -> None:
     """ValueError naming the field when a value is not among its flag's choices."""
     for f, spec in _flagged(type(config)):
         value = getattr(config, f.name)
+        if value is None and f.default is None:  # an optional flag left out
+            continue
         if spec.choices is not None and value not in spec.choices:
             raise ValueError(f"unknown {f.name} '{value}' (expected one of {', '.join(map(str, spec.choices))})")

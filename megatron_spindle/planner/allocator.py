@@ -96,6 +96,8 @@ def _inverse_on_points(points: list[tuple[int, float]], target: float, mode: str
         return float(n_max)  # cannot go faster than the largest valid allocation
     i = _bracket(points, target)
     (n_lo, t_lo), (n_hi, t_hi) = points[i], points[i + 1]
+    if t_lo - t_hi <= 1e-9 * t_lo:  # a flat stretch (equal up to rounding, e.g. at the launch floor): fewer devices
+        return float(n_lo)
     if mode == "rate":
         weight = (1.0 / target - 1.0 / t_lo) / (1.0 / t_hi - 1.0 / t_lo)
         return n_lo + weight * (n_hi - n_lo)
@@ -163,6 +165,8 @@ def _piece_coefficients(points: list[tuple[int, float]], L: int, c: float,
         return float(points[-1][0]), 0.0, 0.0
     i = _bracket(points, target)
     (n_lo, t_lo), (n_hi, t_hi) = points[i], points[i + 1]
+    if t_lo - t_hi <= 1e-9 * t_lo:  # a flat stretch (see _inverse_on_points): a constant piece
+        return float(n_lo), 0.0, 0.0
     if mode == "rate":
         k = (n_hi - n_lo) / (1.0 / t_hi - 1.0 / t_lo)
         return n_lo - k / t_lo, k * L, 0.0

@@ -6,22 +6,32 @@ waves -> placement -> [CP-SAT refinement] -> assembled, validated Plan.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel, estimate_curves, valid_configs
-from megatron_spindle.estimator.cost_model import CostModelConfig
 from megatron_spindle.flags import check_choices, flag
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.memory import slice_memory
+from megatron_spindle.plan.layout import micro_batch_metaop
+from megatron_spindle.plan.memory import ZeroSharded, slice_memory
+from megatron_spindle.plan.order import default_order, early_backward_order, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings, Plan, PlanError, Recompute
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.allocator import allocate_level
-from megatron_spindle.planner.assemble import assemble_plan
+from megatron_spindle.planner.assemble import assemble_plan, slice_id
 from megatron_spindle.planner.light_levels import follow_neighbours
+from megatron_spindle.planner.memory_options import (
+    RecomputeError,
+    RecomputePolicy,
+    SliceKey,
+    choose_recompute,
+    recompute_seconds,
+)
 from megatron_spindle.planner.objective import estimate_iteration
 from megatron_spindle.planner.placement import PlacementError, place
 from megatron_spindle.planner.schedule import LevelAllocation, ScheduledSlice, ScheduledWave
@@ -31,8 +41,10 @@ PLANNERS = ("wavefront", "cpsat")
 MEMORY_SHARES = (0.5, 0.25, 0.125)
 INVERSES = ("rate", "time")
 PLACEMENTS = ("spindle", "sequential")
-RECOMPUTE = ("auto", "none", "full")
+RECOMPUTE = ("auto", "none", "selective", "full")
 DISTRIBUTED_OPTIMIZER = ("auto", "off", "on")
+EARLY_BACKWARD = ("auto", "on", "off")
+MICRO_BATCH_TRIES = 2  # micro-batch counts tried beyond the first that fits (auto)
 SELECTIONS = ("simulate", "none")
 LIGHT_FOLLOW_SLACK = 0.01
 
@@ -55,8 +67,30 @@ class PlannerConfig:
     cross_level_overlap: bool = field(default=False, metadata=flag(
         "CP-SAT: let a MetaOp start when its own producers end instead of at the level barrier."))
     recompute: str = field(default="auto", metadata=flag(
-        "Full activation recomputation of transformer layers: auto plans without it and switches it on only "
-        "when the plan does not fit device memory otherwise.", choices=RECOMPUTE))
+        "Activation recomputation of transformer layers: auto chooses per slice the cheapest of none, selective "
+        "(the attention core) and full recomputation of k of its layers whose memory fits, and nothing when "
+        "memory allows; none, selective, full: that for every layer. --recompute-granularity overrides it.",
+        choices=RECOMPUTE))
+    recompute_granularity: str | None = field(default=None, metadata=flag(
+        "Megatron-style: recompute every layer slice's attention core (selective) or whole layers (full, with "
+        "--recompute-method and --recompute-num-layers); the planner uses it as given.",
+        name="--recompute-granularity", choices=("full", "selective")))
+    recompute_method: str | None = field(default=None, metadata=flag(
+        "With --recompute-granularity full: uniform (every layer, in chunks of --recompute-num-layers; the "
+        "default) or block (the first --recompute-num-layers layers of every slice).",
+        name="--recompute-method", choices=("uniform", "block")))
+    recompute_num_layers: int | None = field(default=None, metadata=flag(
+        "With --recompute-granularity full: layers per chunk (uniform, default 1) or recomputed layers per slice "
+        "(block, default all).", name="--recompute-num-layers"))
+    micro_batches: str = field(default="auto", metadata=flag(
+        "Split every task's batch into N micro-batches (gradient accumulation; N divides every batch, and each "
+        "slice's data-parallel degree divides a micro-batch): auto trades the per-device efficiency of smaller "
+        "micro-batches against memory, 1 when memory allows.", metavar="auto|N"))
+    early_backward: str = field(default="auto", metadata=flag(
+        "Run a task's backward as soon as its loss is computed (freeing its activations while other tasks' "
+        "forward goes on): auto where that lowers the peak memory enough to need less recomputation or fewer "
+        "micro-batches.",
+        choices=EARLY_BACKWARD))
     distributed_optimizer: str = field(default="auto", metadata=flag(
         "Shard each unit's optimizer state over the data-parallel ranks that run it (ZeRO-1, like "
         "--use-distributed-optimizer): auto switches it on only when memory requires it.",
@@ -76,6 +110,13 @@ class PlannerConfig:
 
     def __post_init__(self):
         check_choices(self)
+        if self.micro_batches != "auto" and not (str(self.micro_batches).isdigit() and int(self.micro_batches) > 0):
+            raise ValueError(f"--spindle-micro-batches must be auto or a positive integer, got {self.micro_batches!r}")
+        self.micro_batches = str(self.micro_batches)
+        if self.recompute_granularity != "full" and (self.recompute_method or self.recompute_num_layers is not None):
+            raise ValueError("--recompute-method and --recompute-num-layers need --recompute-granularity full")
+        if self.recompute_num_layers is not None and self.recompute_num_layers < 1:
+            raise ValueError(f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")
         if self.solver_time_limit < 0:
             raise ValueError(f"solver time limit must be >= 0, got {self.solver_time_limit}")
         if self.solver_workers < 1:
@@ -118,50 +159,44 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
     metagraph = build_metagraph(workload)
     say(f"graph: {len(metagraph.metaops)} MetaOps in {len(metagraph.levels)} MetaLevels")
     lap("contract")
-    ladder = memory_ladder(config)
-    for i, (recompute, sharded) in enumerate(ladder):
-        cost_model = AnalyticCostModel(workload, cluster, config=CostModelConfig(recompute=recompute))
-        memory_model = MemoryModel(workload, cluster, cost_model, distributed_optimizer=sharded)
-        try:
-            curves, level_allocs, placed = _allocate_schedule_place(metagraph, workload, cluster, config, profile,
-                                                                    cost_model, memory_model, say)
-            break
-        except PlanError:
-            if i == len(ladder) - 1:
-                raise
-            nxt = ladder[i + 1]
-            say("the plan does not fit device memory; replanning with "
-                + " and ".join(what for what, on in (("the distributed optimizer", nxt[1]),
-                                                    ("full activation recomputation", nxt[0])) if on))
-    say(f"scaling curves: {len(curves)} ({sum(c.source == 'profiled' for c in curves.values())} profiled)")
-    say(f"wavefront: {len(placed)} waves")
+    best = _memory_search(metagraph, workload, cluster, config, profile, say)
     lap("estimate+allocate+schedule+place")
-    settings = ExecutionSettings(recompute=Recompute("full" if cost_model.config.recompute else "none"),
-                                 zero_stage=memory_model.zero_stage)
-    info: dict[str, Any] = {"planner": "wavefront", "requested": asdict(config)}
-    solver = None
-    final = placed
+    say(f"scaling curves: {len(best.curves)} ({sum(c.source == 'profiled' for c in best.curves.values())} profiled)")
+    say(f"wavefront: {len(best.waves)} waves; memory: {best.describe()}")
+    info: dict[str, Any] = {"planner": "wavefront", "requested": asdict(config), "memory_options": best.describe()}
+    solver, greedy = None, best.placed
     if config.planner == "cpsat":
         from megatron_spindle.planner.cpsat import solve_cpsat
 
         say(f"cp-sat: refining the greedy plan (limit {config.solver_time_limit:g} s, "
             f"{config.solver_workers} workers)")
-        solver = solve_cpsat(metagraph, workload, cluster, curves, placed, cost_model, memory_model,
-                             time_limit=config.solver_time_limit, workers=config.solver_workers,
-                             cross_level_overlap=config.cross_level_overlap, level_allocs=level_allocs)
-        final = solver.waves
+        solver = solve_cpsat(best.metagraph, workload, cluster, best.curves, best.placed, best.cost_model,
+                             best.memory_model_placed, time_limit=config.solver_time_limit,
+                             workers=config.solver_workers, cross_level_overlap=config.cross_level_overlap,
+                             level_allocs=best.level_allocs)
         info["planner"] = "cpsat"
         info["solver"] = solver.summary()
+        refined = best.with_waves(solver.waves, cluster, config)
+        if refined is not None:
+            best = refined
+            info["memory_options"] = best.describe()
+        else:
+            info["notes"] = ["the CP-SAT plan fits no recomputation choice; the greedy plan is kept"]
         lap("cpsat")
     if config.light_follow:
-        final = _light_levels_follow(final, metagraph, workload, cluster, curves, cost_model, memory_model, config)
-    plan = assemble_plan(workload, cluster, metagraph, final, cost_model, memory_model, info,
-                         level_allocs=level_allocs, curves=curves, settings=settings)
+        relaid = _light_levels_follow(best.placed, best.metagraph, workload, cluster, best.curves, best.cost_model,
+                                      best.memory_model_placed, config)
+        refined = best.with_waves(relaid, cluster, config) if relaid is not best.placed else None
+        best = refined or best
+    plan = assemble_plan(workload, cluster, metagraph, best.charged_waves(), best.cost_model, best.memory_model,
+                         info, level_allocs=best.level_allocs, curves=best.curves, settings=best.settings())
+    plan.predicted["micro_batch_time"] = plan.predicted["iteration_time"] / best.micro_batches
     validate_plan(plan, workload, cluster, metagraph)
-    plan.predicted.update(estimate_iteration(plan, metagraph, cluster, cost_model).as_predicted())
+    plan.predicted.update(estimate_iteration(plan, metagraph, cluster, best.cost_model).as_predicted())
     lap("assemble")
     plan.planner["planning_seconds"] = sum(timings.values())
-    return PlanningResult(plan, metagraph, curves, level_allocs, placed, cost_model, memory_model, timings, solver)
+    return PlanningResult(plan, metagraph, best.curves, best.level_allocs, greedy, best.cost_model,
+                          best.memory_model, timings, solver)
 
 
 def _light_levels_follow(waves, metagraph, workload, cluster, curves, cost_model, memory_model, config):
@@ -223,15 +258,209 @@ def cap_slice_devices(allowed: dict[str, set[tuple[int, int]]], cap: int) -> dic
     return out
 
 
-def memory_ladder(config: PlannerConfig) -> list[tuple[bool, bool]]:
-    """(recompute, distributed optimizer) settings to try in order, cheapest first: sharding the optimizer state
-    costs nothing in time (its reduce-scatter + all-gather moves what an all-reduce moves); recomputation costs
-    a forward pass per layer."""
-    recompute = {"none": [False], "full": [True], "auto": [False, True]}[config.recompute]
+def recompute_policy(config: PlannerConfig) -> RecomputePolicy:
+    """The recomputation the planner may choose: the Megatron-style flags as given, else --spindle-recompute."""
+    if config.recompute_granularity == "selective":
+        return RecomputePolicy(Recompute("selective"))
+    if config.recompute_granularity == "full":
+        if (config.recompute_method or "uniform") == "uniform":
+            return RecomputePolicy(Recompute("full", config.recompute_num_layers or 1, "uniform"))
+        return RecomputePolicy(Recompute("full", config.recompute_num_layers))
+    if config.recompute == "auto":
+        return RecomputePolicy()
+    return RecomputePolicy(Recompute(config.recompute))
+
+
+def memory_rungs(config: PlannerConfig, policy: RecomputePolicy) -> list[tuple[bool, Recompute]]:
+    """(distributed optimizer, recomputation placement plans with) in order, cheapest first: sharding the
+    optimizer state costs nothing in time (its reduce-scatter + all-gather moves what an all-reduce moves);
+    recomputation costs a forward pass per layer, so placement first plans without it, then with every layer
+    at its leanest (``policy.lean()``), and the slices get the cheapest choice that fits afterwards. With
+    recomputation, sharding is free, so an unsharded recomputing rung is never worth trying."""
     sharded = {"off": [False], "on": [True], "auto": [False, True]}[config.distributed_optimizer]
-    ladder = sorted({(r, s) for r in recompute for s in sharded})
-    # With recomputation on, sharding is free, so an unsharded recomputing rung is never worth trying.
-    return [rung for rung in ladder if not (rung[0] and not rung[1] and (True, True) in ladder)]
+    assumed = [policy.fixed] if policy.fixed is not None else [Recompute(), policy.lean()]
+    rungs = [(z, rc) for rc in assumed for z in sharded]
+    return [(z, rc) for z, rc in rungs if not (rc.mode != "none" and not z and (True, rc) in rungs)]
+
+
+def micro_batch_candidates(config: PlannerConfig, metagraph: MetaGraph) -> list[int]:
+    """Micro-batch counts to try, smallest first: each divides every MetaOp's batch (auto: the divisors of
+    their gcd, thinned to roughly doubling steps, the gcd itself last)."""
+    common = math.gcd(*{m.batch for m in metagraph.metaops.values()})
+    if config.micro_batches != "auto":
+        n = int(config.micro_batches)
+        if common % n:
+            batches = sorted({m.batch for m in metagraph.metaops.values()})
+            raise PlanError(f"--spindle-micro-batches {n} does not divide every task's batch {batches}")
+        return [n]
+    out = []
+    for d in range(1, common + 1):
+        if common % d == 0 and (not out or d >= 2 * out[-1] or d == common):
+            out.append(d)
+    return out
+
+
+def micro_metagraph(metagraph: MetaGraph, micro_batches: int) -> MetaGraph:
+    """The MetaGraph as one micro-batch runs it (every batch divided by ``micro_batches``)."""
+    if micro_batches == 1:
+        return metagraph
+    return dataclasses.replace(metagraph, metaops={mid: micro_batch_metaop(m, micro_batches)
+                                                   for mid, m in metagraph.metaops.items()})
+
+
+@dataclass
+class _Candidate:
+    """Placed waves of one micro-batch count and ZeRO stage, with the recomputation and order chosen for them."""
+
+    micro_batches: int
+    metagraph: MetaGraph  # as a micro-batch runs it
+    cost_model: AnalyticCostModel
+    memory_model: MemoryModel  # recomputation per slice from the settings
+    memory_model_placed: MemoryModel  # what placement (and CP-SAT) planned with
+    policy: RecomputePolicy
+    curves: dict[str, Any]
+    level_allocs: list[LevelAllocation]
+    placed: list[ScheduledWave]
+    choices: dict[SliceKey, Recompute] = field(default_factory=dict)
+    order: tuple | None = None
+    extra: dict[SliceKey, float] = field(default_factory=dict)  # recomputation seconds per slice
+    error: Exception | None = None  # why ``choose`` found nothing
+
+    @property
+    def waves(self) -> list[ScheduledWave]:
+        return self.placed
+
+    @property
+    def recomputes(self) -> bool:
+        return any(rc.mode != "none" for rc in self.choices.values())
+
+    @property
+    def predicted(self) -> float:
+        """The planner's iteration time: the waves with recomputation, every micro-batch of them."""
+        return max((w.end for w in self.charged_waves()), default=0.0)
+
+    def choose(self, cluster: ClusterSpec, config: PlannerConfig) -> bool:
+        """Recomputation per slice and the order (early backward where it helps); False when nothing fits."""
+        tasks = [[self.metagraph.metaops[s.metaop].task for s in w.slices] for w in self.placed]
+        orders: list[tuple | None] = [] if config.early_backward == "on" else [None]
+        early = early_backward_order(tasks)
+        if config.early_backward != "off" and early != default_order(len(tasks)):
+            orders.append(early)
+        numbers = ZeroSharded(self.memory_model, self.memory_model.zero_stage)
+        waves = [w.slices for w in self.placed]
+        options = []
+        for order in orders:
+            steps = slice_order(tasks, ExecutionSettings(order=order))
+            try:
+                choices = choose_recompute(waves, self.metagraph.metaops, numbers, self.cost_model,
+                                           cluster.gpu.memory_bytes, steps, self.policy, cluster.num_devices,
+                                           cluster.gpu.name)
+            except RecomputeError as e:
+                self.error = e
+                continue
+            extra = recompute_seconds(waves, self.metagraph.metaops, self.cost_model, choices)
+            options.append((sum(extra.values()), None, order is not None, order, choices, extra))
+        if not options:
+            return False
+        # the least recomputation; at equal cost the plain order (an early backward lowers the peak, but its
+        # interleaving delays the other tasks' forward: it pays only where it saves recomputation)
+        least = min(o[0] for o in options)
+        _, _, _, self.order, self.choices, self.extra = min(
+            options, key=lambda o: (o[0] > least * (1 + 1e-9) + 1e-12, o[2]))
+        return True
+
+    def with_waves(self, waves: list[ScheduledWave], cluster: ClusterSpec, config: PlannerConfig) -> _Candidate | None:
+        other = dataclasses.replace(self, placed=waves, choices={}, order=None, extra={})
+        return other if other.choose(cluster, config) else None
+
+    def charged_waves(self) -> list[ScheduledWave]:
+        """The placed waves as the plan records them: each slice's recomputation added to its time (waves
+        stretched, later ones shifted by as much), and every time for the whole iteration, m micro-batches
+        (the plan's wave times are an iteration's: ``predicted["micro_batch_time"]`` is one micro-batch's)."""
+        m = self.micro_batches
+        out, shift = [], 0.0
+        for wi, w in enumerate(self.placed):
+            slices = [dataclasses.replace(s, time=m * (s.time + self.extra.get((wi, si), 0.0)))
+                      for si, s in enumerate(w.slices)]
+            duration = max([m * w.duration] + [s.time for s in slices])
+            out.append(ScheduledWave(w.level, m * w.start + shift, duration, slices))
+            shift += duration - m * w.duration
+        return out
+
+    def settings(self) -> ExecutionSettings:
+        layer = {k: rc for k, rc in self.choices.items()}
+        distinct = set(layer.values())
+        if self.policy.fixed is not None or len(distinct) <= 1:
+            plan_wide, per_slice = (self.policy.fixed or next(iter(distinct), Recompute())), {}
+        else:
+            plan_wide = Recompute()
+            per_slice = {slice_id(wi, self.placed[wi].slices[si].metaop): rc
+                         for (wi, si), rc in layer.items() if rc.mode != "none"}
+        return ExecutionSettings(recompute=plan_wide, slice_recompute=per_slice,
+                                 zero_stage=self.memory_model.zero_stage, micro_batches=self.micro_batches,
+                                 order=self.order)
+
+    def describe(self) -> str:
+        counts: dict[str, int] = {}
+        for rc in self.choices.values():
+            counts[rc.describe()] = counts.get(rc.describe(), 0) + 1
+        recompute = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()) if k != "none") or "none"
+        return (f"{self.micro_batches} micro-batch(es), ZeRO-{self.memory_model.zero_stage}, recomputation: "
+                f"{recompute}{', early backward' if self.order is not None else ''}")
+
+
+def _memory_search(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
+                   say) -> _Candidate:
+    """The memory options of the plan, cheapest in predicted time first: for each micro-batch count (fewest
+    first), the rungs of ``memory_rungs``; the first rung of a count that places is that count's candidate.
+    A count whose plan needs no recomputation ends the search (more micro-batches only cost efficiency), as do
+    MICRO_BATCH_TRIES more counts after the first that fits; the fastest candidate wins."""
+    policy = recompute_policy(config)
+    counts = micro_batch_candidates(config, metagraph)
+    rungs = memory_rungs(config, policy)
+    best: _Candidate | None = None
+    error: Exception | None = None
+    first_fit = None  # index of the first count that fits
+    for i, m in enumerate(counts):
+        if first_fit is not None and i - first_fit > MICRO_BATCH_TRIES:
+            break
+        micro = micro_metagraph(metagraph, m)
+        found = None
+        for sharded, assumed in rungs:
+            cost_model = AnalyticCostModel(workload, cluster)
+            placed_mm = MemoryModel(workload, cluster, cost_model, distributed_optimizer=sharded, recompute=assumed)
+            try:
+                curves, allocs, placed = _allocate_schedule_place(micro, workload, cluster, config,
+                                                                  profile if m == 1 else None, cost_model,
+                                                                  placed_mm, say)
+            except PlanError as e:
+                error = e
+                continue
+            cand = _Candidate(m, micro, cost_model, MemoryModel(workload, cluster, cost_model,
+                                                                distributed_optimizer=sharded),
+                              placed_mm, policy, curves, allocs, placed)
+            if cand.choose(cluster, config):
+                found = cand
+                break
+            error = cand.error
+        if found is None:
+            if best is not None:
+                break
+            say(f"the plan does not fit device memory with {m} micro-batch(es)"
+                + ("; trying more" if m != counts[-1] else ""))
+            continue
+        first_fit = i if first_fit is None else first_fit
+        say(f"{found.describe()}: predicted {1e3 * found.predicted:.1f} ms")
+        if best is None or found.predicted < best.predicted:
+            best = found
+        if not found.recomputes:
+            break
+    if best is None:
+        m = counts[-1]
+        raise PlanError(f"the plan does not fit device memory even with {m} micro-batch(es) (batches "
+                        f"{sorted({op.batch // m for op in metagraph.metaops.values()})} per micro-batch), "
+                        f"{policy.lean().describe()} recomputation and the distributed optimizer: {error}")
+    return best
 
 
 def memory_footprint(metaop, tp: int, dp: int, memory_model: MemoryModel) -> float:
@@ -262,8 +491,9 @@ def memory_allowed_configs(metagraph: MetaGraph, needs: dict[str, dict[tuple[int
             m = metagraph.metaops[mid]
             raise PlanError(
                 f"MetaOp '{mid}' (batch {m.batch}, {m.num_layers} layers) does not fit device memory: it needs "
-                f"{least / 2**30:.1f} GiB per device even at its best configuration (tp {tp} x dp {dp} on "
-                f"{tp * dp} devices), the device has {capacity / 2**30:.1f} GiB; no allocation of this batch fits "
-                f"(use more devices, a batch with more divisors, or a smaller batch)")
+                f"{least:.0f} bytes ({least / 2**30:.1f} GiB) per device even at its best configuration (tp {tp} x "
+                f"dp {dp} on {tp * dp} devices), a {cluster.gpu.name} device has {capacity:.0f} bytes "
+                f"({capacity / 2**30:.1f} GiB); no allocation of this batch fits (use more devices, a batch with "
+                f"more divisors, or a smaller batch)")
         allowed[mid] = fits
     return allowed

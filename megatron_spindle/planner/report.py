@@ -101,45 +101,86 @@ def _fmt_devices(devs: list[int]) -> str:
     return ",".join(map(str, devs))
 
 
-def draw_gantt(plan: Plan, path: str | Path, title: str | None = None) -> Path:
-    """Waves per device over time: one row per device, one bar per slice coloured by module, labelled with
-    its task; thin lines at wave boundaries, thick ones at MetaLevel boundaries, shading per island."""
+GANTT_PALETTES = ("tab20", "tab20b", "tab20c")  # 60 colours, indexed by a hash of the module name
+
+
+def module_colors(modules) -> dict[str, tuple]:
+    """module -> RGBA colour, from a hash of its name (crc32, not Python's salted hash), so a module keeps its
+    colour from one chart to the next whatever else the chart shows. Names that hash to a colour already taken
+    in this chart take the next free one (in name order)."""
+    import zlib
+
+    import matplotlib
+
+    colours = [c for name in GANTT_PALETTES for c in matplotlib.colormaps[name].colors]
+    taken: dict[int, str] = {}
+    out = {}
+    for m in sorted(set(modules)):
+        i = zlib.crc32(m.encode()) % len(colours)
+        while i in taken and len(taken) < len(colours):
+            i = (i + 1) % len(colours)
+        taken[i] = m
+        out[m] = (*colours[i], 1.0)
+    return out
+
+
+def _device_runs(devices: list[int]) -> list[list[int]]:
+    """Sorted devices split into runs of consecutive ones (the blocks a slice occupies on the chart)."""
+    runs: list[list[int]] = []
+    for d in sorted(devices):
+        if runs and d == runs[-1][-1] + 1:
+            runs[-1].append(d)
+        else:
+            runs.append([d])
+    return runs
+
+
+def gantt_figure(plan: Plan, title: str | None = None):
+    """(figure, axes) of the Gantt chart (``draw_gantt`` saves it): waves per device over time, one row per
+    device, one bar per slice coloured by module (``module_colors``); every block of consecutive devices of a
+    slice wide enough for it carries the slice's label; waves are numbered along the top as in the training log
+    (w0, w1, ...); thin lines at wave boundaries, thick ones at MetaLevel boundaries, shading per island."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     n_dev = plan.num_devices
     scale, unit = (1e3, "ms") if plan.iteration_time < 10 else (1.0, "s")
     modules = sorted({s.module or s.kind for s in plan.slices()})
-    cmap = plt.get_cmap("tab20" if len(modules) > 10 else "tab10")
-    color = {m: cmap(i % cmap.N) for i, m in enumerate(modules)}
-    fig, ax = plt.subplots(figsize=(14, max(3.0, 0.32 * n_dev + 1.5)))
+    color = module_colors(modules)
+    fig, ax = plt.subplots(figsize=(14, max(3.0, 0.32 * n_dev + 1.8)))
     per_node = int(plan.cluster["gpus_per_node"])
     for isl in range(0, n_dev, per_node):
         if (isl // per_node) % 2:
             ax.axhspan(isl - 0.5, isl + per_node - 0.5, color="0.94", zorder=0)
+    labels = []  # (text artist, left, right): bars' extents in data coordinates
     for w in plan.waves:
         for s in w.slices:
             label = s.task if s.kind == "layer" else f"{s.task}:{s.kind}"
+            left, width = w.start * scale, s.predicted_time * scale
             for d in s.devices:
-                ax.barh(d, s.predicted_time * scale, left=w.start * scale, height=0.8,
-                        color=color[s.module or s.kind], edgecolor="black", linewidth=0.3, zorder=2)
-            if w.duration > 0.04 * plan.iteration_time:
-                row = sorted(s.devices)[len(s.devices) // 2]  # a row the slice occupies, even when scattered
-                ax.text((w.start + s.predicted_time / 2) * scale, row, label,
-                        ha="center", va="center", fontsize=6, zorder=3, clip_on=True)
+                ax.barh(d, width, left=left, height=0.8, color=color[s.module or s.kind], edgecolor="black",
+                        linewidth=0.3, zorder=2)
+            for run in _device_runs(s.devices):  # a label per block: scattered slices are labelled on each
+                text = ax.text(left + width / 2, run[(len(run) - 1) // 2], label, ha="center", va="center",
+                               fontsize=6, zorder=3, clip_on=True)
+                labels.append((text, left, left + width))
         ax.axvline(w.start * scale, color="0.6", linewidth=0.4, zorder=1)
     for lv in plan.levels:
         ax.axvline(lv.end * scale, color="black", linewidth=1.2, zorder=1)
     ax.set_ylim(n_dev - 0.5, -0.5)
+    ax.set_xlim(0, max(plan.iteration_time, max((w.start + w.duration for w in plan.waves), default=0)) * scale)
     ax.set_yticks(range(n_dev))
     ax.set_yticklabels([f"{d} (n{d // per_node})" for d in range(n_dev)], fontsize=6 if n_dev > 32 else 8)
     ax.set_xlabel(f"time ({unit})")
     ax.set_ylabel("device (node)")
+    top = ax.secondary_xaxis("top")  # wave numbers, as the log's "measured wave time (ms): w0=..."
+    top.set_xticks([(w.start + w.duration / 2) * scale for w in plan.waves])
+    top.set_xticklabels([f"w{i}" for i in range(len(plan.waves))], fontsize=6,
+                        rotation=90 if len(plan.waves) > 12 else 0)
+    top.tick_params(length=0)
     p = plan.predicted
     ax.set_title(title or f"{plan.workload_name}: {len(plan.waves)} waves, predicted "
                  f"{p['iteration_time'] * scale:.1f} {unit} (C* {p['c_star'] * scale:.1f}), "
@@ -147,6 +188,28 @@ def draw_gantt(plan: Plan, path: str | Path, title: str | None = None) -> Path:
     ax.legend(handles=[Patch(color=color[m], label=m) for m in modules], loc="upper left",
               bbox_to_anchor=(1.0, 1.0), fontsize=8, title="module")
     fig.tight_layout()
+    _drop_labels_that_do_not_fit(fig, ax, labels)
+    return fig, ax
+
+
+def _drop_labels_that_do_not_fit(fig, ax, labels) -> None:
+    """Remove every label wider than its bar or taller than a bar (measured after layout)."""
+    renderer = fig.canvas.get_renderer()
+    bar_px = 0.8 * abs(ax.transData.transform((0, 1))[1] - ax.transData.transform((0, 0))[1])
+    for text, left, right in labels:
+        box = text.get_window_extent(renderer)
+        width_px = ax.transData.transform((right, 0))[0] - ax.transData.transform((left, 0))[0]
+        if box.width > 0.95 * width_px or box.height > bar_px:
+            text.remove()
+
+
+def draw_gantt(plan: Plan, path: str | Path, title: str | None = None) -> Path:
+    """The Gantt chart of ``gantt_figure``, written to ``path`` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, _ = gantt_figure(plan, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

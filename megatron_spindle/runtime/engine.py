@@ -31,15 +31,24 @@ Checkpoints: ``export_units`` / ``load_units`` / ``full_state`` speak full (unsh
 layout-independent. With zero_stage 1, ``export_units`` and ``full_state`` are collective (every rank must call
 them, as the trainer does); ``load_units`` and ``load_full_state`` never communicate.
 
+Between the sync and AdamW (clip.py): the global gradient norm over every unit (each counted once), clipping
+(``OptimizerConfig.clip_grad``) and, with an fp16 ``EngineConfig.grad_scaler``, unscaling and the overflow
+skip; ``last_step`` tells the trainer what the step did. ``evaluate`` runs a forward-only pass through the
+same wave schedule (no gradients, no gradient sync, no optimizer).
+
 Trainer hooks: ``set_lr``, ``set_loss_weights``, ``export_units``/``load_units``/``expected_shapes``, and
 ``on_wave(phase, wave_index, seconds)``, called after the forward ("forward") and backward ("backward") part
 of each wave on this rank (its slice and the transfers into that wave; no synchronisation is added).
+``phase_times`` (a dict, None by default): when set, each training step adds the seconds of its phases
+(Megatron's timer names; CUDA is synchronised at their boundaries, so only set it when asked for).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +58,7 @@ from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.schema import Plan
 from megatron_spindle.runtime.activation_meter import SavedTensorMeter
+from megatron_spindle.runtime.clip import GradClipper, StepStats, norm_owners, prepare_step
 from megatron_spindle.runtime.direct import bind_direct_units
 from megatron_spindle.runtime.grad_buffers import GradBuffers, backward_order
 from megatron_spindle.runtime.grad_sync import GradSync
@@ -77,6 +87,9 @@ class EngineConfig:
     # Count the bytes autograd saves for the backward during each step (runtime/activation_meter.py): the
     # engine's ``activation_peak`` is then this rank's peak of activation memory in the last step.
     measure_activations: bool = False
+    # fp16 loss scaling: a megatron-core MegatronGradScaler (megatron.core.optimizer.grad_scaler; its tensors
+    # live on CUDA). The backward runs on loss * scale; runtime/clip.py unscales and skips overflowing steps.
+    grad_scaler: Any = None
 
     def __post_init__(self):
         if self.ddp_bucket_size is not None and self.ddp_bucket_size <= 0:
@@ -140,8 +153,12 @@ class RuntimeEngine:
         weights = {t.name: t.loss.weight if t.loss else 1.0 for t in workload.tasks}
         self.schedule = WaveSchedule(plan, workload, rank, self.local, activation_spec or default_activation_spec,
                                      weights, self.config.dtype, self.device, on_wave)
+        self.clipper = GradClipper(self.grad_buffers, self.grad_buffers.unit_grads, norm_owners(plan.param_groups),
+                                   rank, self.device)
         self.grads: dict[str, torch.Tensor] = {}
         self.activation_peak: int | None = None  # bytes, with EngineConfig(measure_activations=True)
+        self.last_step = StepStats()
+        self.phase_times: dict[str, float] | None = None
 
     # ------------------------------------------------------------------------------------------ views
     @property
@@ -177,19 +194,35 @@ class RuntimeEngine:
 
     # ------------------------------------------------------------------------------------------- step
     def train_step(self, step: int) -> dict[str, float]:
-        """Forward, backward, gradient sync, AdamW. Returns the per-task losses (the same on every rank)."""
+        """Forward, backward, gradient sync, norm and clipping, AdamW. Returns the per-task losses (the same on
+        every rank); ``last_step`` says what the step did (grad norm, loss scale, skipped)."""
+        scaler = self.config.grad_scaler
+        self.schedule.loss_scale = float(scaler.scale) if scaler is not None else 1.0
         losses = self.forward_backward(step)
-        if self.optimizer is None:
+        t0 = self._clock()
+        self.last_step = prepare_step(self.clipper, self.master_optimizer.clip_grad, self.schedule.loss_scale,
+                                      scaler)  # collective when it measures the norm
+        t1 = self._clock()
+        self._add_time("optimizer-clip-main-grad", t1 - t0)
+        if self.optimizer is None or self.last_step.skipped:
             return losses
         self.master_optimizer.step(self.grad_buffers.unit_grads)
+        t2 = self._clock()
         if self.zero_stage == 1 or any(self.generic_keys.values()):
             self._push_weights(self.master_optimizer.full_weights())  # collective at zero_stage 1
+        t3 = self._clock()
+        self._add_time("optimizer-inner-step", t2 - t1)
+        self._add_time("optimizer-copy-main-to-model-params", t3 - t2)
+        self._add_time("optimizer", t3 - t0)
         return losses
 
     def forward_backward(self, step: int) -> dict[str, float]:
-        """One step without the optimizer; afterwards ``grads`` holds the synchronised full gradients."""
+        """One step without the optimizer; afterwards ``grads`` holds the synchronised full gradients (times the
+        loss scale until ``train_step`` unscales them)."""
         tasks = sorted({ls.slice.task for ls in self.local.values()})
+        t0 = self._clock()
         batches = {t: self.batch_fn(self.workload, t, step, self.config.data_seed) for t in tasks}
+        self._add_time("batch-generator", self._clock() - t0)
         self.grad_sync.start_step()
         if self.config.measure_activations:
             with SavedTensorMeter(p for ls in self.local.values() for p in ls.op.parameters()) as meter:
@@ -197,9 +230,34 @@ class RuntimeEngine:
             self.activation_peak = meter.peak
         else:
             losses = self.schedule.run(batches, self.grad_sync.slice_done, self.grad_sync.micro_start)
+        t1 = self._clock()
         self.grad_sync.finish()
+        t2 = self._clock()
+        self._add_time("forward-backward", t1 - t0)
+        self._add_time("all-grads-sync", t2 - t1)
         self.grads = dict(self.grad_buffers.key_grads)
         return losses()
+
+    def evaluate(self, step: int, batch_fn: Callable | None = None) -> dict[str, float]:
+        """Per-task losses of one forward-only pass through the wave schedule on the batches of ``step``
+        (``batch_fn(workload, task, step, seed)``, default the engine's): no gradients, no gradient sync, no
+        optimizer, no ``on_wave``. Collective like a training step (every rank calls it)."""
+        fn = batch_fn or self.batch_fn
+        tasks = sorted({ls.slice.task for ls in self.local.values()})
+        batches = {t: fn(self.workload, t, step, self.config.data_seed) for t in tasks}
+        with torch.no_grad():
+            return self.schedule.evaluate(batches)()
+
+    def _clock(self) -> float:
+        if self.phase_times is None:
+            return 0.0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _add_time(self, name: str, seconds: float) -> None:
+        if self.phase_times is not None:
+            self.phase_times[name] = self.phase_times.get(name, 0.0) + seconds
 
     def _push_weights(self, full: dict[str, torch.Tensor]) -> None:
         """Load the masters into the operators that hold generic units (direct ones alias their masters)."""

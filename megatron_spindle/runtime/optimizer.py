@@ -32,12 +32,19 @@ from megatron_spindle.runtime.shards import UnitShard, gather_units
 
 @dataclass
 class OptimizerConfig:
-    """torch.optim.AdamW over the fp32 master weights (no gradient clipping)."""
+    """torch.optim.AdamW over the fp32 master weights. ``clip_grad``: clip the global gradient norm to this value
+    before the step (runtime/clip.py; 0: no clipping, the library default; pretrain_multitask.py's --clip-grad
+    defaults to Megatron's 1.0)."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    clip_grad: float = 0.0
+
+    def __post_init__(self):
+        if not self.clip_grad >= 0:
+            raise ValueError(f"clip_grad must be >= 0 (0: no clipping), got {self.clip_grad}")
 
 
 class MasterOptimizer:
@@ -47,6 +54,7 @@ class MasterOptimizer:
     def __init__(self, full: dict[str, torch.Tensor], key_unit: dict[str, str], param_groups: list[ParamGroup],
                  rank: int, zero_stage: int, config: OptimizerConfig, groups: PlanGroups, device: torch.device):
         self.zero_stage, self.groups, self.device = zero_stage, groups, device
+        self.clip_grad = config.clip_grad
         self.shards: dict[str, UnitShard] = {}
         self.masters: dict[str, torch.nn.Parameter] = {}
         self.unit_groups: list[tuple[tuple[int, ...], list[str]]] = []  # (sorted devices, sorted units), plan order

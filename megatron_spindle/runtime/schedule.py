@@ -13,7 +13,8 @@ Nothing in it is a barrier: the loss all-reduce is issued after the last forward
 remaining backward, and a rank that only sends in a transfer does not wait for the receiver (its requests are
 waited on at the end; runtime/transfer.py). Before each micro-batch the schedule calls ``micro_start(j)``, after
 each local slice's backward ``slice_done(slice)`` (the gradient sync's cues), and after each step
-``on_wave(phase, wave_index, seconds)``.
+``on_wave(phase, wave_index, seconds)``. ``evaluate`` runs the forward steps alone (validation: no autograd
+graph, no backward, no ``on_wave``).
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ class _SliceTensors:
 
 
 class WaveSchedule:
-    """One step's forward and backward on this rank. ``loss_weights`` (task -> w_t) and ``on_wave`` may be
-    changed between steps."""
+    """One step's forward and backward on this rank. ``loss_weights`` (task -> w_t), ``loss_scale`` (the fp16
+    loss scale the backward starts from; 1 otherwise) and ``on_wave`` may be changed between steps."""
 
     def __init__(self, plan: Plan, workload: Workload, rank: int, local: dict[str, LocalSlice], spec_fn: SpecFn,
                  loss_weights: dict[str, float], dtype: torch.dtype, device: torch.device,
@@ -79,21 +80,31 @@ class WaveSchedule:
         self._pending_sends: list = []
         self.steps = execution_steps(len(plan.waves), plan.settings)
         self.micro_batches = plan.settings.micro_batches
+        self.loss_scale = 1.0
 
     def run(self, batches: dict[str, Any], slice_done: Callable[[LocalSlice], None],
             micro_start: Callable[[int], None] | None = None) -> Callable[[], dict[str, float]]:
         """Forward and backward of one step; returns a function that waits for and reads the task losses."""
+        return self._run(batches, slice_done, micro_start, backward=True)
+
+    def evaluate(self, batches: dict[str, Any]) -> Callable[[], dict[str, float]]:
+        """The forward steps alone (call under ``torch.no_grad()``); returns the task-loss reader like ``run``."""
+        return self._run(batches, None, None, backward=False)
+
+    def _run(self, batches: dict[str, Any], slice_done: Callable[[LocalSlice], None] | None,
+             micro_start: Callable[[int], None] | None, backward: bool) -> Callable[[], dict[str, float]]:
         mine = self._slice_of_wave
         names = [t.name for t in self.workload.tasks]
         losses = torch.zeros(len(names), dtype=torch.float64, device=self.device)
-        last_forward = max(i for i, st in enumerate(self.steps) if st[1] == FWD)
+        steps = self.steps if backward else [st for st in self.steps if st[1] == FWD]
+        last_forward = max(i for i, st in enumerate(steps) if st[1] == FWD)
         work = None
         for j in range(self.micro_batches):
             if micro_start is not None:
                 micro_start(j)
             micro = {t: micro_batch(b, j, self.micro_batches) for t, b in batches.items()}
             tensors = {sid: _SliceTensors([None] * ls.num_inputs) for sid, ls in self.local.items()}
-            for i, (wave, phase, task) in enumerate(self.steps):
+            for i, (wave, phase, task) in enumerate(steps):
                 t0 = time.perf_counter()
                 ls = mine.get(wave)
                 if ls is not None and task is not None and ls.slice.task != task:
@@ -109,7 +120,8 @@ class WaveSchedule:
                             losses[names.index(ls.slice.task)] += v / ls.slice.dp if ls.dp_loss_mean else v
                     if j == self.micro_batches - 1 and i == last_forward:
                         work = dist.all_reduce(losses, async_op=True)  # in flight during the backward
-                    self._wave_done("forward", wave, t0)
+                    if backward:
+                        self._wave_done("forward", wave, t0)
                 else:
                     if ls is not None:
                         self._backward_slice(ls, tensors[ls.slice.id])
@@ -118,15 +130,18 @@ class WaveSchedule:
                         self._backward_transfer(t, tensors, j)
                     self._wave_done("backward", wave, t0)
             del tensors
-        for w in self._pending_sends:  # sends this rank did not wait for (runtime/transfer.py)
-            w.wait()
-        self._pending_sends.clear()
+        self._wait_sends()
 
         def result() -> dict[str, float]:
             work.wait()
             return {n: float(losses[i]) for i, n in enumerate(names)}
 
         return result
+
+    def _wait_sends(self) -> None:
+        for w in self._pending_sends:  # sends this rank did not wait for (runtime/transfer.py)
+            w.wait()
+        self._pending_sends.clear()
 
     def _wave_done(self, phase: str, wave: int, t0: float) -> None:
         if self.on_wave is not None:
@@ -140,7 +155,7 @@ class WaveSchedule:
                       self._pending_sends, micro)
         dst = tensors.get(t.consumer.id)
         if dst is not None:
-            dst.inputs[t.input_index] = x.requires_grad_(True)
+            dst.inputs[t.input_index] = x.requires_grad_(torch.is_grad_enabled())
 
     def _forward_slice(self, ls: LocalSlice, st: _SliceTensors, batches: dict[str, Any]) -> None:
         s = ls.slice
@@ -152,7 +167,7 @@ class WaveSchedule:
 
     def _backward_slice(self, ls: LocalSlice, st: _SliceTensors) -> None:
         if ls.terminal:
-            weight = self.loss_weights[ls.slice.task]
+            weight = self.loss_weights[ls.slice.task] * self.loss_scale
             grad = torch.full_like(st.output, weight / ls.slice.dp if ls.dp_loss_mean else weight)
         else:
             grad = st.out_grad

@@ -9,8 +9,11 @@ from pathlib import Path
 
 from megatron_spindle.flags import add_flags, config_from_args
 from megatron_spindle.graph.workload import Workload
+from megatron_spindle.training.batch_size import add_batch_size_args
+from megatron_spindle.training.engine_state import TIMING_LOG_LEVELS
 from megatron_spindle.training.schedule import LRSchedule
 from megatron_spindle.training.task_schedule import TaskScheduleConfig
+from megatron_spindle.training.wandb_writer import add_wandb_args
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -24,6 +27,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--seed", type=int, default=1234, help="Seed of the data order and the RNGs.")
     g.add_argument("--bf16", action="store_true", help="Run the operators in bfloat16 (GPU only; masters and "
                    "optimizer state stay fp32).")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="Clip the global L2 norm of the gradients (every "
+                   "parameter unit counted once, over all ranks) to this value before each step; 0: no clipping.")
+    add_batch_size_args(g)  # --global-batch-size, --micro-batch-size
     g.add_argument("--ddp-bucket-size", type=int, default=None, help="Elements per gradient all-reduce bucket "
                    "(default: max(40M, 1M * parameter device group size), as megatron-core).")
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
@@ -59,6 +65,10 @@ def add_checkpointing_args(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--save-interval", type=int, default=None, help="Save every N iterations (and at the end).")
     g.add_argument("--no-load-optim", action="store_true", help="Do not restore the optimizer state.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not restore the RNG states.")
+    g.add_argument("--no-save-optim", action="store_true", help="Save the weights without the optimizer state "
+                   "(a resume then starts AdamW afresh).")
+    g.add_argument("--finetune", action="store_true", help="Load only the weights from --load: no optimizer, RNG or "
+                   "data position, and start at iteration 0.")
     return parser
 
 
@@ -67,6 +77,14 @@ def add_logging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--log-interval", type=int, default=10, help="Print a log line every N iterations.")
     g.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
     g.add_argument("--plan-gantt", default=None, help="Gantt chart PNG of the plan (default: <save>/plan.png).")
+    g.add_argument("--log-throughput", action="store_true", help="Log samples per second and model TFLOP/s per GPU "
+                   "(the cost model's FLOP count of the tasks that ran) in the log line and to TensorBoard.")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true", help="Write memory use (the largest over "
+                   "the ranks; CUDA allocator statistics, or the resident set on CPU) to TensorBoard.")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=TIMING_LOG_LEVELS, help="0: iteration and "
+                   "per-wave times; 1: also the step's phases (min, max over ranks; synchronises CUDA at their "
+                   "boundaries); 2: also the batch generator and the forward/backward part of every wave.")
+    add_wandb_args(g)
     return parser
 
 
@@ -112,19 +130,19 @@ def parse_task_values(text: str | None, flag: str, workload: Workload, positive:
     return out
 
 
-def parse_data_paths(items: list[str], workload: Workload) -> dict[str, str]:
+def parse_data_paths(items: list[str], workload: Workload, flag: str = "--data-path") -> dict[str, str]:
     tasks = [t.name for t in workload.tasks]
     out = {}
     for item in items:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            raise ValueError(f"--data-path: '{item}' is not TASK=PATH")
+            raise ValueError(f"{flag}: '{item}' is not TASK=PATH")
         if name not in tasks:
-            raise ValueError(f"--data-path: unknown task '{name}' (tasks: {', '.join(tasks)})")
+            raise ValueError(f"{flag}: unknown task '{name}' (tasks: {', '.join(tasks)})")
         if name in out:
-            raise ValueError(f"--data-path: task '{name}' given twice")
+            raise ValueError(f"{flag}: task '{name}' given twice")
         if not Path(path).exists():
-            raise FileNotFoundError(f"--data-path: {path} (task '{name}') does not exist")
+            raise FileNotFoundError(f"{flag}: {path} (task '{name}') does not exist")
         out[name] = path
     return out
 
@@ -152,6 +170,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
         raise ValueError(f"--save-interval must be positive, got {args.save_interval}")
     if args.save_interval is not None and not args.save:
         raise ValueError("--save-interval needs --save FOLDER")
+    if args.finetune and not args.load:
+        raise ValueError("--finetune needs --load FOLDER (the checkpoint whose weights to start from)")
     if args.num_workers < 0:
         raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
     if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:

@@ -1,9 +1,18 @@
-"""Megatron-format training log lines and optional TensorBoard scalars."""
+"""Megatron-format training log lines and the scalars written to TensorBoard (and wandb).
+
+The line keeps Megatron-LM's fields and order (``training.py:training_log``): iteration, consumed samples,
+elapsed time per iteration, [throughput], learning rate, global batch size, the losses, loss scale, grad norm,
+number of skipped / nan iterations; Spindle adds the predicted iteration time, samples per second and the
+per-task losses.
+"""
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from megatron_spindle.training.throughput import Throughput
 
 
 @dataclass
@@ -18,6 +27,12 @@ class StepRecord:
     predicted_ms: float  # the plan's predicted iteration time
     wave_ms: list[float]  # measured per-wave time (mean over the log interval)
     global_batch_size: int
+    grad_norm: float | None = None  # before clipping, of the logged iteration (None: not measured)
+    loss_scale: float = 1.0
+    skipped_iters: int = 0  # fp16 overflow: steps skipped during the log interval
+    nan_iters: int = 0  # iterations of the interval whose loss was not finite
+    throughput: Throughput | None = None  # --log-throughput
+    memory: dict[str, float] = field(default_factory=dict)  # --log-memory-to-tensorboard: tag -> value
 
     @property
     def total_loss(self) -> float:
@@ -31,12 +46,40 @@ def format_log_line(r: StepRecord) -> str:
         f"consumed samples: {r.consumed_samples:12d}",
         f"elapsed time per iteration (ms): {r.elapsed_ms:.1f}",
         f"predicted iteration time (ms): {r.predicted_ms:.2f}",
+    ]
+    if r.throughput is not None:
+        tflops = r.throughput.tflops_per_gpu  # Megatron prints .1f; small (CPU) rates keep their digits
+        parts += [f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}" if tflops >= 1 else
+                  f"throughput per GPU (TFLOP/s/GPU): {tflops:.6f}",
+                  f"samples per second: {r.throughput.samples_per_second:.1f}"]
+    parts += [
         f"learning rate: {r.lr:.6E}",
         f"global batch size: {r.global_batch_size:5d}",
         f"total loss: {r.total_loss:.6E}",
     ]
     parts += [f"{t} loss: {v:.6E}" for t, v in r.losses.items()]
+    parts.append(f"loss scale: {r.loss_scale:.1f}")
+    if r.grad_norm is not None:
+        parts.append(f"grad norm: {r.grad_norm:.3f}")
+    parts += [f"number of skipped iterations: {r.skipped_iters:3d}", f"number of nan iterations: {r.nan_iters:3d}"]
     return " | ".join(parts) + " |"
+
+
+def step_scalars(r: StepRecord) -> dict[str, float]:
+    """Tag -> value of a logged iteration (Megatron's tags where Megatron has the scalar)."""
+    out = {"learning-rate": r.lr, "batch-size": float(r.global_batch_size), "total loss": r.total_loss}
+    out.update({f"task loss/{t}": v for t, v in r.losses.items()})
+    out["iteration-time/measured (ms)"] = r.elapsed_ms
+    out["iteration-time/predicted (ms)"] = r.predicted_ms
+    out.update({f"wave-time (ms)/w{i}": ms for i, ms in enumerate(r.wave_ms)})
+    out["loss-scale"] = r.loss_scale
+    if r.grad_norm is not None and math.isfinite(r.grad_norm):
+        out["grad-norm"] = r.grad_norm
+    if r.throughput is not None:
+        out["throughput"] = r.throughput.tflops_per_gpu  # TFLOP/s/GPU, Megatron's tag
+        out["samples-per-second"] = r.throughput.samples_per_second
+    out.update(r.memory)
+    return out
 
 
 def format_wave_line(r: StepRecord) -> str:
@@ -55,17 +98,13 @@ class TensorBoardLogger:
             self.writer = SummaryWriter(log_dir=log_dir, max_queue=100)
 
     def log(self, r: StepRecord) -> None:
+        self.log_scalars(step_scalars(r), r.iteration)
+
+    def log_scalars(self, scalars: dict[str, float], step: int) -> None:
         if self.writer is None:
             return
-        w, it = self.writer, r.iteration
-        w.add_scalar("learning-rate", r.lr, it)
-        w.add_scalar("total loss", r.total_loss, it)
-        for t, v in r.losses.items():
-            w.add_scalar(f"task loss/{t}", v, it)
-        w.add_scalar("iteration-time/measured (ms)", r.elapsed_ms, it)
-        w.add_scalar("iteration-time/predicted (ms)", r.predicted_ms, it)
-        for i, ms in enumerate(r.wave_ms):
-            w.add_scalar(f"wave-time (ms)/w{i}", ms, it)
+        for tag, v in scalars.items():
+            self.writer.add_scalar(tag, v, step)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -134,7 +134,7 @@ class TaskSets:
     def _check_saved_plan(self) -> str | None:
         if not (self.args.spindle_plan and self.schedule.changes):
             return None
-        from megatron_spindle.planner.plan import Plan
+        from megatron_spindle.plan.schema import Plan
 
         digest = Plan.load(self.args.spindle_plan).workload_digest
         if not any(self.workload(s).digest() == digest for s in self.schedule.task_sets()):
@@ -178,8 +178,8 @@ class TaskSets:
     def start_iteration(self) -> int:
         """The iteration the run will start at (the --load checkpoint's), to pick the first set; 0 without one.
         A checkpoint that cannot be read is reported when it is loaded."""
-        if not self.args.load or not Path(self.args.load).is_dir():
-            return 0
+        if not self.args.load or not Path(self.args.load).is_dir() or getattr(self.args, "finetune", False):
+            return 0  # --finetune starts at iteration 0 whatever the checkpoint's
         try:
             return read_latest(self.args.load) or 0
         except CheckpointError:

@@ -40,13 +40,16 @@ from megatron_spindle.training.arguments import (
     parse_task_values,
     validate_args,
 )
+from megatron_spindle.training.evaluate import add_validation_args, check_validation_args
+from megatron_spindle.training.precision import add_precision_args, check_precision_args
 from megatron_spindle.training.task_schedule import parse_task_schedule
 
 if TYPE_CHECKING:
     from megatron_spindle.runtime.distributed import DistContext
 
 ARG_GROUPS = [add_workload_args, add_cluster_args, add_spindle_args, add_plan_args, add_training_args,
-              add_task_args, add_data_args, add_checkpointing_args, add_logging_args]
+              add_precision_args, add_task_args, add_data_args, add_validation_args, add_checkpointing_args,
+              add_logging_args]
 
 
 def build_pretrain_parser(description: str, extra_args_provider: Callable | None = None) -> argparse.ArgumentParser:
@@ -115,21 +118,35 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
     args = parser.parse_args(argv)
     prog = Path(sys.argv[0]).name if argv is None else "pretrain_multitask.py"
     with exit_on_user_error(prog):
+        from megatron_spindle.training.batch_size import apply_batch_size_args
+        from megatron_spindle.training.evaluate import split_datasets
+        from megatron_spindle.training.multinode import check_shared_folder, resolve_node_layout
+        from megatron_spindle.training.wandb_writer import check_wandb
+
         cuda = torch.cuda.is_available()
         validate_args(args, int(os.environ.get("WORLD_SIZE", 1)), cuda)
+        check_precision_args(args, cuda)
+        check_validation_args(args)
+        check_wandb(args)
+        resolve_node_layout(args)
         base = load_workload(args.workload)
         schedule = parse_task_schedule(args.task_schedule, base, args.tasks)
+        base = apply_batch_size_args(base, args, schedule.all_tasks(base))
         workload = task_set_workload(base, schedule.all_tasks(base))  # every task some iteration trains
         loss_weights = parse_task_values(args.task_loss_weights, "--task-loss-weights", workload, positive=False)
         sampling_weights = parse_task_values(args.task_sampling_weights, "--task-sampling-weights", workload,
                                              positive=True)
         data_paths = parse_data_paths(args.data_path, workload)
+        valid_paths = parse_data_paths(args.valid_data_path, workload, "--valid-data-path")
         datasets = datasets_provider(workload, args, data_paths)
+        datasets, valid = split_datasets(workload, datasets, args, valid_paths)
         from megatron_spindle.runtime.distributed import destroy_distributed, init_distributed
 
         info = init_distributed("nccl" if cuda else "gloo")
         try:
-            records = train(args, base, schedule, datasets, engine_provider, info, loss_weights, sampling_weights)
+            check_shared_folder(args.save, "--save", info.rank, info.world_size)  # before planning or training
+            records = train(args, base, schedule, datasets, engine_provider, info, loss_weights, sampling_weights,
+                            valid_datasets=valid)
             if history is not None:
                 history.extend(records)
         finally:
@@ -145,6 +162,8 @@ def _unit_owners(plan) -> dict[str, int]:
 
 def save(args, iteration: int, engine, loader, plan, workload, info: DistContext, sets=None) -> Path:
     from megatron_spindle.checkpointing import save_checkpoint
+    from megatron_spindle.checkpointing.checkpoint import UnitState
+    from megatron_spindle.training.precision import scaler_state
 
     owners = _unit_owners(plan)
     # collective with the distributed optimizer: every rank exports, the owner of each unit writes it
@@ -156,6 +175,10 @@ def save(args, iteration: int, engine, loader, plan, workload, info: DistContext
         mine.update(retained)
         expected = sorted(set(expected) | set(all_retained))
         extra.update(sets.checkpoint_extra(sets.phase.tasks))
+    if args.no_save_optim:  # the weights alone
+        mine = {u: UnitState(s.model, {}) for u, s in mine.items()}
+    elif scaler_state(getattr(getattr(engine, "config", None), "grad_scaler", None)):  # fp16's loss scale
+        extra["grad_scaler"] = scaler_state(engine.config.grad_scaler)
     t0 = time.perf_counter()
     path = save_checkpoint(args.save, iteration, mine, rank=info.rank, world_size=info.world_size,
                            workload_name=workload.name, workload_digest=workload.digest(),
@@ -167,8 +190,10 @@ def save(args, iteration: int, engine, loader, plan, workload, info: DistContext
 
 def load(args, phase, sets, info: DistContext) -> int:
     """Restore model, optimizer, RNG and data position from --load; returns the iteration to start at. The
-    checkpoint may have been trained with another task set (training/task_switch.py)."""
+    checkpoint may have been trained with another task set (training/task_switch.py). --finetune: the weights
+    only, from iteration 0."""
     from megatron_spindle.checkpointing import set_rng_state
+    from megatron_spindle.training.precision import load_scaler_state
 
     err, ck, resume = None, None, None
     if not Path(args.load).exists():
@@ -186,11 +211,18 @@ def load(args, phase, sets, info: DistContext) -> int:
         return 0
     fresh = sets.fresh_units(phase, resume)  # collective when the checkpoint lacks units of this model
     try:
-        ck = sets.load_units(resume, phase, fresh, load_optim=not args.no_load_optim)
-        if ck.rng is not None and not args.no_load_rng:
+        load_optim = not (args.no_load_optim or args.finetune)
+        ck = sets.load_units(resume, phase, fresh, load_optim=load_optim)
+        if load_optim:
+            load_scaler_state(getattr(getattr(phase.engine, "config", None), "grad_scaler", None),
+                              ck.metadata.get("extra", {}).get("grad_scaler"))
+        if ck.rng is not None and not (args.no_load_rng or args.finetune):
             set_rng_state(ck.rng)
-        phase.loader.load_state_dict(ck.data_position, tasks_may_change=resume.changed)
-        if phase.loader.sampler.iteration != ck.iteration:
+        if args.finetune:
+            sets.consumed_samples = 0
+        else:
+            phase.loader.load_state_dict(ck.data_position, tasks_may_change=resume.changed)
+        if not args.finetune and phase.loader.sampler.iteration != ck.iteration:
             raise ValueError(f"checkpoint {ck.path}: data position is at iteration {phase.loader.sampler.iteration}, "
                              f"the checkpoint at {ck.iteration}")
     except USER_ERRORS as e:
@@ -200,14 +232,15 @@ def load(args, phase, sets, info: DistContext) -> int:
         raise ValueError(err)
     old = ck.metadata.get("world_size")
     print_rank_0(f"loaded checkpoint {ck.path} at iteration {ck.iteration} (saved by {old} rank(s), "
-                 f"now {info.world_size})")
+                 f"now {info.world_size})" + ("; --finetune: weights only, starting at iteration 0"
+                                              if args.finetune else ""))
     if resume.changed:
         print_rank_0(sets.resume_report(resume))
-    return ck.iteration
+    return 0 if args.finetune else ck.iteration
 
 
 def train(args, base, schedule, datasets, engine_provider, info: DistContext, loss_weights: dict[str, float],
-          sampling_weights: dict[str, float]) -> list:
+          sampling_weights: dict[str, float], valid_datasets: dict | None = None) -> list:
     from megatron_spindle.data.datasets import MultiTaskDataLoader
     from megatron_spindle.planner.report import draw_gantt, plan_summary
     from megatron_spindle.training.task_switch import TaskSets
@@ -236,13 +269,15 @@ def train(args, base, schedule, datasets, engine_provider, info: DistContext, lo
     torch.manual_seed(args.seed)
     try:
         sets.build(tasks, plan)
-        return _train_loop(args, sets, info, loss_weights, gantt)
+        return _train_loop(args, sets, info, loss_weights, gantt, valid_datasets or {})
     finally:
         sets.close()
 
 
-def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], gantt: str | None) -> list:
-    from megatron_spindle.training.log import StepRecord, TensorBoardLogger, format_log_line, format_wave_line
+def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], gantt: str | None,
+                valid_datasets: dict) -> list:
+    from megatron_spindle.training.evaluate import ValidationBatches, run_validation, validation_config
+    from megatron_spindle.training.monitor import TrainingMonitor
 
     phase = sets.phase
     start = load(args, phase, sets, info) if args.load else 0
@@ -251,34 +286,21 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
         return []
     sched = lr_schedule_from_args(args)
     base = {t.name: loss_weights.get(t.name, t.loss.weight if t.loss else 1.0) for t in sets.base.tasks}
-    tb = TensorBoardLogger(args.tensorboard_dir if info.rank == 0 else None)
+    monitor = TrainingMonitor(args, sets.base, info.rank, info.world_size, print_rank_0)
+    monitor.attach(phase)
+    valid = validation_config(args)
+    batches = ValidationBatches(valid_datasets) if valid.enabled else None
     last_saved = start if args.load and args.load == args.save else None
     changes = set(sets.schedule.boundaries(start, args.train_iters))
-    n, elapsed, loss_sum, records = 0, 0.0, {}, []
     lr, weights = 0.0, {}
-
-    def log_interval(it: int, lr: float, weights: dict[str, float]) -> None:
-        nonlocal n, elapsed, loss_sum
-        waves = [t / n * 1e3 for t in phase.timer.collect()]
-        mean_losses = {t: v / n for t, v in loss_sum.items()}  # Megatron: averaged over the interval
-        gbs = phase.global_batch_size
-        rec = StepRecord(it + 1, args.train_iters, sets.consumed_samples, lr, mean_losses, weights,
-                         elapsed / n * 1e3, phase.predicted_ms, waves, gbs)
-        print_rank_0(format_log_line(rec))
-        print_rank_0(format_wave_line(rec))
-        tb.log(rec)
-        records.append(rec)
-        phase.timer.reset()
-        n, elapsed, loss_sum = 0, 0.0, {}
-
     print_rank_0(f"training {phase.workload.name} for {args.train_iters} iterations from iteration {start} on "
                  f"{info.world_size} rank(s)")
     try:
         for it in range(start, args.train_iters):
             if it in changes:
-                if n:  # the old set's part of the interval
-                    log_interval(it - 1, lr, weights)
+                monitor.log(it, lr, weights, sets.consumed_samples)  # the old set's part of the interval
                 phase = sets.switch(it)
+                monitor.attach(phase)
             engine, loader = phase.engine, phase.loader
             lr = sched(it)
             engine.set_lr(lr)
@@ -287,23 +309,22 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
             engine.set_loss_weights(weights)
             t0 = time.perf_counter()
             losses = engine.train_step(it)
-            elapsed += time.perf_counter() - t0
-            n += 1
+            seconds = time.perf_counter() - t0
             sets.consumed_samples += phase.global_batch_size
-            loss_sum = {t: loss_sum.get(t, 0.0) + v for t, v in losses.items()}
-            if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
-                log_interval(it, lr, weights)
+            monitor.end_iteration(it + 1, lr, losses, weights, mb.active, seconds, sets.consumed_samples)
+            if batches is not None and ((it + 1) % valid.eval_interval == 0 or it + 1 == args.train_iters):
+                monitor.validation(run_validation(engine, batches, valid.eval_iters, it + 1, base))
             if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
                 save(args, it + 1, engine, loader, phase.plan, phase.workload, info, sets)
                 last_saved = it + 1
         if args.save and last_saved != args.train_iters:
             save(args, args.train_iters, phase.engine, phase.loader, phase.plan, phase.workload, info, sets)
     finally:
-        tb.close()
+        monitor.close()
     if info.rank == 0:
         where = [f"checkpoints: {args.save}"] if args.save else []
         where += [f"plan picture: {gantt}"] if gantt else []
         where += [f"TensorBoard logs: {args.tensorboard_dir}"] if args.tensorboard_dir else []
         if where:
             print("done. " + "; ".join(where), flush=True)
-    return records
+    return monitor.records

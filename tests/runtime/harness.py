@@ -47,31 +47,36 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @dataclass
 class Trajectory:
-    """Reference losses and gradients for steps 0..STEPS-1 and the weights after STEPS AdamW steps."""
+    """Reference losses and gradients for steps 0..STEPS-1 and the weights after STEPS AdamW steps; with
+    clipping, ``grads`` are the clipped gradients and ``norms`` the global norms before clipping."""
 
     losses: list[dict[str, float]]
     grads: list[dict[str, torch.Tensor]]
     initial: dict[str, torch.Tensor]
     final: dict[str, torch.Tensor]
+    norms: list[float]
 
 
 def reference_trajectory(model, params: dict[str, torch.nn.Parameter], loss_weights: dict[str, float],
                          optim_cfg, steps: int = STEPS) -> Trajectory:
-    """``model(step) -> {task: loss}``; ``params`` full-name -> the shared Parameter the model uses."""
+    """``model(step) -> {task: loss}``; ``params`` full-name -> the shared Parameter the model uses. With
+    ``optim_cfg.clip_grad > 0`` the gradients go through ``torch.nn.utils.clip_grad_norm_`` before the step."""
     opt = torch.optim.AdamW(list(params.values()), lr=optim_cfg.lr, betas=optim_cfg.betas, eps=optim_cfg.eps,
                             weight_decay=optim_cfg.weight_decay)
     initial = {k: p.detach().clone() for k, p in params.items()}
-    losses, grads = [], []
+    losses, grads, norms = [], [], []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         out = model(step)
         total = sum(loss_weights[t] * v for t, v in out.items())
         total.backward()
+        if optim_cfg.clip_grad > 0:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(list(params.values()), optim_cfg.clip_grad)))
         losses.append({t: float(v) for t, v in out.items()})
         grads.append({k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
                       for k, p in params.items()})
         opt.step()
-    return Trajectory(losses, grads, initial, {k: p.detach().clone() for k, p in params.items()})
+    return Trajectory(losses, grads, initial, {k: p.detach().clone() for k, p in params.items()}, norms)
 
 
 def global_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -97,6 +102,10 @@ def check_engine_against(engine, ref: Trajectory, label: str, steps: int = STEPS
             e = abs(losses[t] - v) / max(1.0, abs(v))
             worst["loss"] = max(worst["loss"], e)
             assert e <= RTOL, f"{label} step {step} loss[{t}] {losses[t]} != {v}"
+        if ref.norms:  # the global norm over all units, each counted once, on every rank
+            e = abs(engine.last_step.grad_norm - ref.norms[step]) / ref.norms[step]
+            assert e <= (RTOL if step == 0 else LATER), f"{label} step {step} grad norm " \
+                f"{engine.last_step.grad_norm} != {ref.norms[step]}"
         if not engine.grads:
             continue
         assert set(engine.grads) <= set(ref.grads[step]), f"{label}: unknown parameters"

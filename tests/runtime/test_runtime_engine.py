@@ -1,5 +1,8 @@
 """Runtime engine vs single-process references, on 1, 2 and 4 gloo ranks (one spawn per world size).
 
+The same workers check gradient clipping (the global norm over every unit, counted once, and the clipped update
+of ``torch.nn.utils.clip_grad_norm_`` on the reference) and the forward-only validation pass.
+
 Two operator sets run the same plans: the real megatron-core operators (models/, ``ReferenceModel``) and the
 stand-ins of tests/runtime/standin.py (cheap, so every plan family runs on every world size). Plan families:
 Megatron-style sequential (every MetaOp on all devices), sequential with TP=2 layers, and seeded Spindle-like
@@ -192,6 +195,8 @@ def _worker(rank, world):
         kinds = {"local", "intra_island", "inter_island"} if world >= 4 else {"local", "inter_island"}
         assert kinds <= routes, routes
         check_distributed_optimizer(rank, world, workloads, refs, tiny, cache)
+        check_clipping(rank, world, workloads, refs, tiny, cache)
+    check_evaluate(rank, world, workloads, refs, tiny, cache)
     check_trainer_hooks(rank, world, workloads["tiny-clip"], cfg, cache)
     # 4) the command line entry point (plan JSON, workload by name, mock data) inside this world
     with tempfile.TemporaryDirectory() as tmp:  # per rank: the plan is deterministic, every rank writes it
@@ -323,6 +328,56 @@ def check_trainer_hooks(rank, world, w, cfg, cache) -> None:
     before = engine.full_state()
     engine.train_step(0)
     assert all(torch.equal(v, before[k]) for k, v in engine.full_state().items())  # lr 0, weight decay lr-scaled
+
+
+def check_clipping(rank, world, workloads, refs, cfg, cache) -> None:
+    """--clip-grad at a third of the first step's norm (so every step clips): the global norm (every unit once,
+    whatever its replication and TP degree) and the clipped trajectory equal clip_grad_norm_ on the reference,
+    with the replicated and the distributed optimizer."""
+    cases = [("tiny-vlm", lambda w: random_plan(w, world, 2)), ("tiny-clip", lambda w: sequential_plan(w, world, tp=2))]
+    for wname, make in cases:
+        w = workloads[wname]
+        g0 = refs["standin", wname].grads[0]
+        clip = 0.3 * float(torch.cat([g.double().reshape(-1) for g in g0.values()]).norm())
+        opt = dataclasses.replace(OPT, clip_grad=clip)
+        ref = clipped_standin_trajectory(w, opt)
+        assert all(n > clip for n in ref.norms), (ref.norms, clip)
+        for zero in (False, True):
+            plan = zero1(make(w)) if zero else make(w)
+            engine = RuntimeEngine(plan, w, rank, world, dataclasses.replace(cfg, optimizer=opt), groups=cache,
+                                   operator_factory=standin_factory, batch_fn=standin_batch)
+            check_engine_against(engine, ref, f"rank {rank} {wname} clip zero{int(zero)}")
+
+
+def clipped_standin_trajectory(workload, opt):
+    ref = StandinReference(workload)
+    params = {k.replace("__", "."): p for k, p in ref.full.items()}
+    return reference_trajectory(ref, params, {t.name: t.loss.weight for t in workload.tasks}, opt)
+
+
+def check_evaluate(rank, world, workloads, refs, cfg, cache) -> None:
+    """The forward-only pass through the wave schedule gives the reference's losses on other batches and
+    leaves no trace (no bucket issued, no gradient, no optimizer state, no wave time): training afterwards
+    still follows the reference."""
+    cases = [("tiny-vlm", lambda w: random_plan(w, world, 2)), ("fanout", lambda w: zero1(random_plan(w, world, 1)))]
+    for wname, make in cases:
+        w = workloads[wname]
+        engine = RuntimeEngine(make(w), w, rank, world, cfg, groups=cache, operator_factory=standin_factory,
+                               batch_fn=standin_batch)
+        events = []
+        engine.grad_sync.on_launch = events.append
+        engine.on_wave = lambda *a, events=events: events.append(a)
+        with torch.no_grad():
+            want = {t: float(v) for t, v in StandinReference(w)(5).items()}
+        got = engine.evaluate(5)
+        assert set(got) == set(want)
+        for t, v in want.items():
+            assert abs(got[t] - v) <= RTOL * max(1.0, abs(v)), (wname, t, got[t], v)
+        assert events == [], events
+        assert all(not bool(buf.any()) for _, buf in engine.grad_buffers.buffers)
+        assert engine.optimizer is None or not engine.optimizer.state
+        engine.on_wave = None
+        check_engine_against(engine, refs["standin", wname], f"rank {rank} {wname} after evaluate")
 
 
 def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache) -> None:

@@ -63,17 +63,6 @@ def _check_curves_and_plan(path: Path, cluster) -> dict:
     return curves
 
 
-@pytest.fixture
-def one_thread():
-    """Single-threaded torch: on a shared 2-core machine, oversubscribed threads make runs very slow."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_one_rank_profile_plans_and_is_cached(tmp_path, capsys, monkeypatch, one_thread):
     tool = _tool()
     out, cache = tmp_path / "tiny.profile.json", tmp_path / "cache"

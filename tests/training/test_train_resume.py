@@ -31,16 +31,6 @@ COMMON = ["--workload", "tiny-clip", "--mock-data", "--mock-data-samples", "24",
           "--log-interval", "1"]
 
 
-@pytest.fixture
-def one_thread():
-    """The launch script runs its ranks with OMP_NUM_THREADS=1; run the in-process halves the same way, so the
-    comparison sees the same floating-point reduction order (AdamW's first steps amplify rounding noise)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _params(path):
     ck = load_checkpoint(path)
     return ck, {k: v for s in ck.units.values() for k, v in s.model.items()}

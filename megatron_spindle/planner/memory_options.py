@@ -1,0 +1,207 @@
+"""Activation recomputation per slice: the cheapest choice for every layer slice of placed waves whose memory
+fits every device.
+
+Each layer slice has a ladder of options (``slice_options``): none, selective (the attention cores), and full
+recomputation of its first k layers (k = 1..L, megatron-core's block method), each with the seconds its
+backward spends recomputing (the cost model's ``recompute_seconds``) and the bytes it holds and needs while
+recomputing (the memory model's ``activation_memory``); options that cost more without holding less are
+dropped. A device's memory is plan/memory.py's: its parameter state plus the peak, over the execution order,
+of the activations held (``_Program`` keeps that peak per group of devices running the same slices).
+
+``choose_recompute`` starts from no recomputation and, while a device is over its capacity, moves one slice
+live at that device's peak down its ladder: the move that frees the most of the overflow per second of
+recomputation. Then every slice is moved back up as far as the devices still fit (a later move may have made
+an earlier one unnecessary). ``RecomputePolicy`` restricts the options: the user's Megatron-style choice
+(``--recompute-granularity`` ...) is used as given for every layer slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_spindle.graph.opgraph import MetaOp
+from megatron_spindle.plan.layout import SliceGeometry, device_programs
+from megatron_spindle.plan.memory import ShardedNumbers, activation_memory, memory_breakdown
+from megatron_spindle.plan.order import FWD, SliceStep
+from megatron_spindle.plan.schema import Recompute
+
+SliceKey = tuple[int, int]  # (wave, slice)
+
+
+class RecomputeError(ValueError):
+    """No recomputation choice fits: names the device, its bytes and the largest MetaOp it runs."""
+
+
+@dataclass(frozen=True)
+class RecomputePolicy:
+    """Which recomputation the planner may choose per layer slice: ``search`` over none / selective /
+    full-block-k (``allow_selective``), or ``fixed`` (the same choice for every layer slice)."""
+
+    fixed: Recompute | None = None
+    allow_selective: bool = True
+
+    @property
+    def search(self) -> bool:
+        return self.fixed is None
+
+    def lean(self) -> Recompute:
+        """The choice that holds the least: what placement plans with when memory is short."""
+        return self.fixed if self.fixed is not None else Recompute("full")
+
+
+@dataclass(frozen=True)
+class Option:
+    recompute: Recompute
+    seconds: float  # extra backward seconds of the slice
+    held: float  # bytes held from forward to backward on one device
+    transient: float  # bytes more while its backward recomputes
+
+
+def slice_options(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers, cost_model,
+                  policy: RecomputePolicy) -> list[Option]:
+    """The slice's ladder, cheapest first, each option holding less from forward to backward, or needing less
+    at its most (held + transient), than every cheaper one."""
+    layers = s.layer_end - s.layer_start
+    if metaop.kind != "layer":
+        choices = [Recompute()]
+    elif policy.fixed is not None:
+        choices = [policy.fixed.for_layers(layers)]
+    else:
+        choices = [Recompute()] + ([Recompute("selective")] if policy.allow_selective else [])
+        choices += [Recompute("full", k).for_layers(layers) for k in range(1, layers + 1)]
+    options = []
+    for rc in choices:
+        held, transient = activation_memory(numbers, metaop, s.tp, s.dp, layers, rc)
+        seconds = cost_model.recompute_seconds(metaop, s.tp, s.dp, rc, layers) if rc.mode != "none" else 0.0
+        options.append(Option(rc, seconds, held, transient))
+    options.sort(key=lambda o: (o.seconds, o.held + o.transient))
+    ladder: list[Option] = []
+    for o in options:
+        if not ladder or o.held < min(x.held for x in ladder) or \
+                o.held + o.transient < min(x.held + x.transient for x in ladder):
+            ladder.append(o)
+    return ladder
+
+
+class _Program:
+    """The devices running one set of slices: their parameter bytes and the activation bytes at every event of
+    the order (``values[e]``: what is held after event e, a backward event counting its slice's transient)."""
+
+    def __init__(self, devices: list[int], events: list[tuple[SliceKey, str]], params: float):
+        self.devices, self.params = devices, params
+        self.span: dict[SliceKey, tuple[int, int]] = {}
+        for e, (key, phase) in enumerate(events):
+            lo, hi = self.span.get(key, (e, e))
+            self.span[key] = (lo, e) if phase != FWD else (e, hi)
+        self.values = np.zeros(len(events))
+
+    def add(self, key: SliceKey, held: float, transient: float) -> None:
+        lo, hi = self.span[key]
+        self.values[lo:hi + 1] += held
+        self.values[hi] += transient
+
+    def peak(self) -> float:
+        return float(self.values.max()) if len(self.values) else 0.0
+
+    def peak_after(self, key: SliceKey, held: float, transient: float) -> float:
+        """The activation peak if the slice held ``held`` more and needed ``transient`` more."""
+        lo, hi = self.span[key]
+        inside = self.values[lo:hi + 1] + held
+        inside[-1] += transient
+        outside = max(float(self.values[:lo].max()) if lo else 0.0,
+                      float(self.values[hi + 1:].max()) if hi + 1 < len(self.values) else 0.0)
+        return max(float(inside.max()), outside)
+
+    def total(self) -> float:
+        return self.params + self.peak()
+
+
+def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
+                     numbers: ShardedNumbers, cost_model, capacity: float, order: Sequence[SliceStep],
+                     policy: RecomputePolicy, num_devices: int, device_name: str = "device") -> dict[SliceKey, Recompute]:
+    """(wave, slice) -> Recompute for every layer slice of placed waves (``metaops``: as each micro-batch runs
+    them) so that every device fits ``capacity``, as cheap in recomputation seconds as the greedy finds.
+    Raises RecomputeError naming the device that cannot fit even with every slice at its leanest option."""
+    ladders: dict[SliceKey, list[Option]] = {}
+    for wi, slices in enumerate(waves):
+        for si, s in enumerate(slices):
+            ladders[(wi, si)] = slice_options(metaops[s.metaop], s, numbers, cost_model, policy)
+    level = {key: 0 for key in ladders}
+    params = memory_breakdown(waves, metaops, numbers, num_devices, order,
+                              lambda wi, si: ladders[(wi, si)][0].recompute)
+    programs: list[_Program] = []
+    of_slice: dict[SliceKey, list[_Program]] = {key: [] for key in ladders}
+    for program, devices in device_programs(waves, num_devices).items():
+        mine = set(program)
+        events = [((wi, si), phase) for wi, si, phase in order if (wi, si) in mine]
+        p = _Program(devices, events, params[devices[0]][0])
+        for key in mine:
+            p.add(key, ladders[key][0].held, ladders[key][0].transient)
+            of_slice[key].append(p)
+        programs.append(p)
+
+    def move(key: SliceKey, to: int) -> None:
+        old, new = ladders[key][level[key]], ladders[key][to]
+        for p in of_slice[key]:
+            p.add(key, new.held - old.held, new.transient - old.transient)
+        level[key] = to
+
+    while True:
+        worst = max(programs, key=lambda p: p.total() - capacity, default=None)
+        if worst is None or worst.total() <= capacity:
+            break
+        overflow, peak = worst.total() - capacity, worst.peak()
+        at_peak = int(worst.values.argmax())
+        best, best_score = None, None
+        for key, (lo, hi) in worst.span.items():
+            ladder, at = ladders[key], level[key]
+            for j in range(at + 1, len(ladder)):
+                dh, dt = ladder[j].held - ladder[at].held, ladder[j].transient - ladder[at].transient
+                gain = peak - worst.peak_after(key, dh, dt)
+                # the peak may be reached at several events: then lowering the first of them is progress too
+                local = -(dh + (dt if at_peak == hi else 0.0)) if lo <= at_peak <= hi else 0.0
+                if gain <= 0 and local <= 0:
+                    continue
+                seconds = ladder[j].seconds - ladder[at].seconds
+                score = (gain > 0, min(max(gain, local), overflow) / max(seconds, 1e-12), -seconds)
+                if best_score is None or score > best_score:
+                    best, best_score = (key, j), score
+        if best is None:
+            raise _does_not_fit(worst, waves, metaops, ladders, capacity, device_name)
+        move(*best)
+    # moves taken early may have been made unnecessary by later ones: undo what still fits, costliest first
+    for key in sorted(ladders, key=lambda k: -ladders[k][level[k]].seconds):
+        for j in range(level[key]):
+            old, new = ladders[key][level[key]], ladders[key][j]
+            dh, dt = new.held - old.held, new.transient - old.transient
+            if all(p.params + p.peak_after(key, dh, dt) <= capacity for p in of_slice[key]):
+                move(key, j)
+                break
+    return {key: ladders[key][level[key]].recompute for key in ladders
+            if metaops[waves[key[0]][key[1]].metaop].kind == "layer"}
+
+
+def recompute_seconds(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp], cost_model,
+                      choices: Mapping[SliceKey, Recompute]) -> dict[SliceKey, float]:
+    """Backward seconds each slice spends recomputing under ``choices``."""
+    out = {}
+    for (wi, si), rc in choices.items():
+        s = waves[wi][si]
+        if rc.mode != "none":
+            out[(wi, si)] = cost_model.recompute_seconds(metaops[s.metaop], s.tp, s.dp, rc, s.layer_end - s.layer_start)
+    return out
+
+
+def _does_not_fit(p: _Program, waves, metaops, ladders, capacity: float, device_name: str) -> RecomputeError:
+    keys = sorted(p.span, key=lambda k: -ladders[k][-1].held)
+    biggest = waves[keys[0][0]][keys[0][1]] if keys else None
+    what = (f"; its largest: MetaOp '{biggest.metaop}' layers [{biggest.layer_start}, {biggest.layer_end}) "
+            f"holds {ladders[keys[0]][-1].held:.0f} bytes at its leanest") if biggest is not None else ""
+    gib = 2**30
+    return RecomputeError(
+        f"device {p.devices[0]} ({device_name}, {capacity / gib:.1f} GiB) does not fit even with every slice at its "
+        f"leanest recomputation: it needs {p.total():.0f} bytes ({p.total() / gib:.2f} GiB: parameter state "
+        f"{p.params / gib:.2f} GiB, activations at the peak {p.peak() / gib:.2f} GiB){what}")

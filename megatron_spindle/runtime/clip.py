@@ -1,0 +1,85 @@
+"""Global gradient norm, gradient clipping and fp16 loss-scale handling, between the gradient sync and AdamW.
+
+After the gradient sync (grad_sync.py) every holder of a parameter unit has the unit's full gradient (canonical,
+TP-unsharded, summed over every slice that uses it) in its flat buffer (grad_buffers.py), replicated on each
+member of the unit's parameter device group. The global L2 norm counts every unit once, whatever its replication
+or TP degree: the lowest-ranked member of its group (the unit's *norm owner*) adds the unit's squared sum, and
+one all-reduce (SUM) over the world gives the total. Every rank then knows the same norm and clips its own
+buffers by the same coefficient, as ``torch.nn.utils.clip_grad_norm_`` does on the single-process model:
+``max_norm / (norm + 1e-6)``, applied when below 1 (megatron-core's ``clip_grad_norm_fp32`` alike).
+
+fp16 (``grad_scaler``: a megatron-core ``MegatronGradScaler``): the backward ran on ``loss * scale``, so the norm
+of the buffers is divided by the scale (exact for the power-of-two scales the dynamic scaler uses) and the
+buffers are multiplied once by ``clip_coef / scale``. A non-finite norm is megatron's "found inf": the step is
+skipped and the scaler backs off; without a scaler a non-finite norm is reported and nothing is clipped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_spindle.plan.schema import ParamGroup
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ and megatron-core: max_norm / (total_norm + 1e-6)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step did: the global gradient norm before clipping (None when nothing needed it:
+    no clipping and no loss scaling), the loss scale of the backward, and whether the step was skipped
+    (fp16 overflow)."""
+
+    grad_norm: float | None = None
+    loss_scale: float = 1.0
+    skipped: bool = False
+
+
+def norm_owners(param_groups: list[ParamGroup]) -> dict[str, int]:
+    """unit -> the rank that counts it in the global norm (the lowest device of its parameter device group)."""
+    return {u: min(g.devices) for g in param_groups for u in g.params}
+
+
+class GradClipper:
+    """The global norm of the gradient buffers and the in-place scaling of this rank's buffers."""
+
+    def __init__(self, buffers, unit_grads: dict[str, torch.Tensor], owners: dict[str, int], rank: int,
+                 device: torch.device):
+        self.buffers, self.device = buffers, device
+        self.owned = [unit_grads[u] for u in sorted(unit_grads) if owners.get(u) == rank]
+
+    def norm(self) -> float:
+        """The global L2 norm of the synchronised gradients (collective over the world; every rank calls it)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g in self.owned:
+            sq += g.double().square().sum()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sq)
+        return math.sqrt(float(sq))  # inf or nan when a gradient overflowed
+
+    def scale_(self, factor: float) -> None:
+        """Multiply every gradient this rank holds by ``factor``."""
+        if factor != 1.0:
+            for _, buf in self.buffers.buffers:
+                buf.mul_(factor)
+
+
+def prepare_step(clipper: GradClipper, clip_grad: float, loss_scale: float, grad_scaler) -> StepStats:
+    """Unscale, measure and clip the synchronised gradients (see the module docstring); updates the scaler.
+    Returns whether to skip the step. A no-op without clipping and loss scaling (no collective either)."""
+    if clip_grad <= 0 and grad_scaler is None:
+        return StepStats(None, loss_scale, False)
+    norm = clipper.norm() / loss_scale
+    found_inf = not math.isfinite(norm)
+    if grad_scaler is not None:
+        grad_scaler.update(found_inf)
+        if found_inf:
+            return StepStats(norm, loss_scale, True)
+    coef = 1.0
+    if clip_grad > 0 and not found_inf:
+        coef = min(1.0, clip_grad / (norm + CLIP_EPS))
+    clipper.scale_(coef / loss_scale)
+    return StepStats(norm, loss_scale, False)

@@ -1,0 +1,172 @@
+"""The validation loop: --eval-interval, --eval-iters, --valid-data-path TASK=PATH, --split (Megatron's flags).
+
+Every --eval-interval iterations and after the last one, the engine runs --eval-iters forward-only passes through
+the plan's wave schedule (``RuntimeEngine.evaluate``: no gradients, no gradient sync, no optimizer), each on one
+global batch of every task, and the per-task losses are averaged over them. The overall validation loss is
+``sum_t w_t * loss_t`` with the tasks' loss weights (every task takes part, whatever its sampling weight). The
+time it takes is not part of the logged iteration time or throughput.
+
+Validation data per task: --valid-data-path TASK=PATH (tar shards, as --data-path), else the validation share of
+the task's training data given by --split TRAIN,VALID[,TEST] (Megatron's proportions; the first samples train,
+the next ones validate, the test share is held out unused), else, with --mock-data, mock samples the training
+set never sees. Validation batch k of a task holds samples [k*B, (k+1)*B) (mod the set's size), so every
+evaluation sees the same --eval-iters batches and the losses are comparable across evaluations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+
+from megatron_spindle.data.datasets import MockTaskDataset, TaskDataset, collate
+from megatron_spindle.flags import add_flags, config_from_args, flag
+from megatron_spindle.graph.workload import Workload
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    eval_interval: int | None = field(default=None, metadata=flag(
+        "Evaluate on the validation data every N iterations and after the last one (None: no validation)."))
+    eval_iters: int = field(default=100, metadata=flag(
+        "Forward-only passes (one global batch of every task each) per evaluation; 0: no validation."))
+
+    @property
+    def enabled(self) -> bool:
+        return self.eval_interval is not None and self.eval_iters > 0
+
+
+def add_validation_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = add_flags(parser.add_argument_group("validation"), ValidationConfig)
+    g.add_argument("--valid-data-path", action="append", default=[], metavar="TASK=PATH",
+                   help="Validation tar shards of a task (as --data-path); repeat per task. Tasks without one "
+                        "validate on the --split share of their training data (mock data: unseen mock samples).")
+    g.add_argument("--split", default=None, metavar="TRAIN,VALID[,TEST]",
+                   help="Proportions of each task's training data used for training, validation and test, e.g. "
+                        "98,2,0 (the test share is held out unused). None: all of it trains.")
+    return parser
+
+
+def validation_config(args: argparse.Namespace) -> ValidationConfig:
+    return config_from_args(ValidationConfig, args)
+
+
+def parse_split(text: str | None) -> tuple[float, float, float] | None:
+    if text is None:
+        return None
+    try:
+        parts = [float(x) for x in text.replace("/", ",").split(",")]
+    except ValueError:
+        raise ValueError(f"--split {text!r}: expected comma-separated numbers, e.g. 98,2,0") from None
+    if not 2 <= len(parts) <= 3 or any(not math.isfinite(p) or p < 0 for p in parts) or parts[0] <= 0:
+        raise ValueError(f"--split {text!r}: expected 2 or 3 proportions >= 0 with a positive training share")
+    return (parts + [0.0])[:3] if len(parts) == 2 else tuple(parts)
+
+
+def check_validation_args(args: argparse.Namespace) -> None:
+    cfg = validation_config(args)
+    if cfg.eval_interval is not None and cfg.eval_interval <= 0:
+        raise ValueError(f"--eval-interval must be positive, got {cfg.eval_interval}")
+    if cfg.eval_iters < 0:
+        raise ValueError(f"--eval-iters must be >= 0, got {cfg.eval_iters}")
+    if args.valid_data_path and not cfg.enabled:
+        raise ValueError("--valid-data-path needs --eval-interval N (and --eval-iters > 0) to be used")
+    parse_split(args.split)
+
+
+class DatasetRange:
+    """Samples [lo, hi) of a dataset, as a dataset."""
+
+    def __init__(self, dataset: TaskDataset, lo: int, hi: int):
+        self.dataset, self.lo, self.hi, self.task = dataset, lo, hi, dataset.task
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def __getitem__(self, i: int):
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.dataset[self.lo + i]
+
+
+def split_datasets(workload: Workload, train: dict[str, TaskDataset], args: argparse.Namespace,
+                   valid_paths: dict[str, str]) -> tuple[dict[str, TaskDataset], dict[str, TaskDataset]]:
+    """(training datasets after --split, validation datasets; empty without validation)."""
+    from megatron_spindle.data.datasets import ShardedTaskDataset
+
+    split = parse_split(args.split)
+    enabled = validation_config(args).enabled
+    # validation shards decode like the training shards (the entry point's tokenizers and processors)
+    prep = next((d.preprocessing for d in train.values() if isinstance(d, ShardedTaskDataset)), None)
+    out_train, valid = dict(train), {}
+    for t, ds in train.items():
+        n = len(ds)
+        if split is not None:
+            total = sum(split)
+            i1, i2 = round(n * split[0] / total), round(n * (split[0] + split[1]) / total)
+            if i1 < 1:
+                raise ValueError(f"--split {args.split}: task '{t}' has {n} training samples, none left to train on")
+            out_train[t] = DatasetRange(ds, 0, i1)
+            if i2 > i1:
+                valid[t] = DatasetRange(ds, i1, i2)
+        if t in valid_paths:
+            valid[t] = ShardedTaskDataset(workload, t, valid_paths[t], prep)
+        elif enabled and t not in valid and isinstance(ds, MockTaskDataset):
+            unseen = MockTaskDataset(workload, t, 2 * ds.size, ds.seed)  # samples size .. 2*size: never trained on
+            valid[t] = DatasetRange(unseen, ds.size, 2 * ds.size)
+    if not enabled:
+        return out_train, {}
+    missing = [t.name for t in workload.tasks if t.name not in valid]
+    if missing:
+        raise ValueError(f"validation (--eval-interval) has no data for task(s) {missing}: give --valid-data-path "
+                         f"TASK=PATH or a validation share with --split TRAIN,VALID")
+    return out_train, valid
+
+
+class ValidationBatches:
+    """``batch_fn(workload, task, k, seed)`` -> validation batch k of the task (the engine's batch signature)."""
+
+    def __init__(self, datasets: dict[str, TaskDataset]):
+        self.datasets = datasets
+
+    def batch_fn(self, workload: Workload, task: str, k: int, seed: int = 0):
+        ds, b = self.datasets[task], workload.task(task).batch_size
+        return collate(workload, task, [ds[(k * b + j) % len(ds)] for j in range(b)])
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    iteration: int
+    losses: dict[str, float]  # task -> mean over the passes
+    weights: dict[str, float]
+    lm_tasks: tuple[str, ...] = ()
+
+    @property
+    def total_loss(self) -> float:
+        return sum(self.weights[t] * v for t, v in self.losses.items())
+
+    def scalars(self) -> dict[str, float]:
+        out = {"total loss validation": self.total_loss}
+        out.update({f"task loss validation/{t}": v for t, v in self.losses.items()})
+        return out
+
+    def format(self) -> str:
+        """Megatron's validation block: a dashed line, the losses, a dashed line."""
+        parts = [f" validation loss at iteration {self.iteration}", f"total loss value: {self.total_loss:.6E}"]
+        for t, v in self.losses.items():
+            parts.append(f"{t} loss value: {v:.6E}")
+            if t in self.lm_tasks:
+                parts.append(f"{t} loss PPL: {math.exp(min(20.0, v)):.6E}")
+        line = " | ".join(parts) + " |"
+        return "\n".join(["-" * (len(line) + 1), line, "-" * (len(line) + 1)])
+
+
+def run_validation(engine, batches: ValidationBatches, eval_iters: int, iteration: int,
+                   weights: dict[str, float]) -> ValidationResult:
+    """--eval-iters forward-only passes; collective (every rank runs them)."""
+    sums: dict[str, float] = {}
+    for k in range(eval_iters):
+        for t, v in engine.evaluate(k, batches.batch_fn).items():
+            sums[t] = sums.get(t, 0.0) + v
+    lm = tuple(t.name for t in engine.workload.tasks if t.loss is not None and t.loss.kind == "lm")
+    return ValidationResult(iteration, {t: v / eval_iters for t, v in sums.items()}, dict(weights), lm)

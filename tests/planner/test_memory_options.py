@@ -1,0 +1,186 @@
+"""The planner's memory options: recomputation per slice (none, selective, full recomputation of k layers),
+micro-batches and the early backward, chosen only when memory needs them; Megatron-style overrides respected;
+a plan that cannot fit at all names the MetaOp, the device and the bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_spindle.arguments import add_spindle_args, build_parser, planner_config_from_args
+from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
+from megatron_spindle.graph.cluster import make_cluster
+from megatron_spindle.graph.opgraph import build_metagraph
+from megatron_spindle.graph.workload import workload_from_dict
+from megatron_spindle.plan.memory import ZeroSharded, memory_breakdown, plan_memory
+from megatron_spindle.plan.order import early_backward_order, slice_order
+from megatron_spindle.plan.schema import ExecutionSettings, PlanError, Recompute
+from megatron_spindle.plan.validate import validate_plan
+from megatron_spindle.planner.memory_options import (
+    RecomputeError,
+    RecomputePolicy,
+    choose_recompute,
+    slice_options,
+)
+from megatron_spindle.planner.pipeline import PlannerConfig, micro_batch_candidates, plan_workload
+from megatron_spindle.planner.schedule import ScheduledSlice
+from megatron_spindle.simulator import simulate
+
+HEAVY = {
+    "name": "heavy",
+    "modules": {
+        "vision": {"kind": "encoder", "num_layers": 8, "hidden_size": 1024, "num_heads": 16,
+                   "ffn_hidden_size": 4096, "embed_dim": 256,
+                   "frontend": {"type": "patch", "image_size": 224, "patch_size": 14, "in_channels": 3}},
+        "text": {"kind": "encoder", "num_layers": 4, "hidden_size": 512, "num_heads": 8, "ffn_hidden_size": 2048,
+                 "embed_dim": 256, "frontend": {"type": "text", "vocab_size": 32000}},
+    },
+    "tasks": [{"name": "vt", "batch_size": 64, "tokens": {"vision": 257, "text": 77},
+               "loss": {"kind": "contrastive", "modules": ["vision", "text"]}}],
+}
+GiB = 2**30
+
+
+def with_memory(num_gpus: int, memory_bytes: float):
+    c = make_cluster(num_gpus, num_gpus, "A800-80GB")
+    return dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, memory_bytes=memory_bytes))
+
+
+def planned(w, cluster, **config):
+    res = plan_workload(w, cluster, PlannerConfig(planner="wavefront", **config))
+    validate_plan(res.plan, w, cluster, res.metagraph)
+    sim = simulate(res.plan, w, cluster, res.cost_model, res.memory_model, metagraph=res.metagraph)
+    assert max(sim.peak_memory) <= cluster.gpu.memory_bytes
+    return res.plan, sim
+
+
+def test_with_memory_to_spare_nothing_is_recomputed_and_one_micro_batch_runs():
+    w = workload_from_dict(HEAVY)
+    plan, _ = planned(w, make_cluster(4, 4))
+    assert plan.settings == ExecutionSettings()  # no recomputation, ZeRO 0, m = 1, the plain order
+
+
+def test_a_plan_forced_into_full_recomputation_fits_with_cheaper_options_and_runs_faster():
+    """Memory between the full-recomputation and the plain footprint of the vision chain: the old ladder's
+    only answer was full recomputation of every layer; now some layers (or micro-batches) do."""
+    w = workload_from_dict(HEAVY)
+    tight = with_memory(4, 1.9 * GiB)
+    full, full_sim = planned(w, tight, recompute="full", micro_batches="1")
+    assert full.settings.recompute == Recompute("full")
+    auto, auto_sim = planned(w, tight)
+    choices = auto.settings.recompute_choices()
+    assert auto.settings.recompute != Recompute("full") and choices != ["full"], choices
+    assert auto_sim.iteration_time < full_sim.iteration_time
+    assert auto.predicted["iteration_time"] < full.predicted["iteration_time"]
+    with pytest.raises(PlanError, match="does not fit device memory"):
+        planned(w, tight, recompute="none", micro_batches="1")
+
+
+def test_micro_batches_are_chosen_by_predicted_time_and_recorded():
+    w = workload_from_dict(HEAVY)
+    tight = with_memory(4, 1.9 * GiB)
+    auto, _ = planned(w, tight)
+    for m in (1, 2, 4):
+        forced, _ = planned(w, tight, micro_batches=str(m))
+        assert forced.settings.micro_batches == m
+        assert all((64 // m) % s.dp == 0 for s in forced.slices())  # DP splits of a micro-batch
+        assert auto.predicted["iteration_time"] <= forced.predicted["iteration_time"] * (1 + 1e-9)
+    assert micro_batch_candidates(PlannerConfig(), build_metagraph(w)) == [1, 2, 4, 8, 16, 32, 64]
+    with pytest.raises(PlanError, match="--spindle-micro-batches 3 does not divide every task's batch"):
+        plan_workload(w, tight, PlannerConfig(planner="wavefront", micro_batches="3"))
+
+
+def test_a_plan_that_cannot_fit_even_with_every_option_names_the_metaop_the_device_and_the_bytes():
+    w = workload_from_dict(HEAVY)
+    with pytest.raises(PlanError) as e:
+        plan_workload(w, with_memory(4, 0.2 * GiB), PlannerConfig(planner="wavefront"))
+    msg = str(e.value)
+    assert "even with 64 micro-batch(es)" in msg and "full recomputation" in msg, msg
+    assert "MetaOp '" in msg and "A800-80GB device has" in msg and " bytes" in msg, msg
+
+
+def test_megatron_style_recompute_flags_are_used_as_given():
+    parser = build_parser("plan", [add_spindle_args])
+    w = workload_from_dict(HEAVY)
+    for argv, want in ((["--recompute-granularity", "selective"], Recompute("selective")),
+                       (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers",
+                         "2"], Recompute("full", 2)),
+                       (["--recompute-granularity", "full"], Recompute("full", 1, "uniform"))):
+        config = dataclasses.replace(planner_config_from_args(parser.parse_args(argv)), planner="wavefront")
+        plan = plan_workload(w, make_cluster(4, 4), config).plan
+        assert plan.settings.recompute == want and not plan.settings.slice_recompute
+    with pytest.raises(ValueError, match="need --recompute-granularity full"):
+        PlannerConfig(recompute_method="block")
+    with pytest.raises(ValueError, match="auto or a positive integer"):
+        PlannerConfig(micro_batches="many")
+
+
+# ------------------------------------------------------------------------------------------ per slice
+
+
+def test_each_slice_gets_the_cheapest_option_that_fits():
+    """One device running the 8-layer vision chain: capacity between options picks exactly that option."""
+    w = workload_from_dict(HEAVY)
+    cluster = make_cluster(1, 1)
+    g = build_metagraph(w)
+    vision = g.metaops["vt/vision"]
+    cost = AnalyticCostModel(w, cluster)
+    numbers = ZeroSharded(MemoryModel(w, cluster, cost), 0)
+    s = ScheduledSlice("vt/vision", 1, 1, 1, 0, 8, 1.0, devices=[0])
+    ladder = slice_options(vision, s, numbers, cost, RecomputePolicy())
+    assert [o.recompute for o in ladder][0] == Recompute() and ladder[-1].recompute == Recompute("full")
+    assert all(a.seconds < b.seconds and a.held > b.held and a.held + a.transient >= b.held + b.transient
+               for a, b in zip(ladder, ladder[1:]))
+    assert Recompute("full", 3) in [o.recompute for o in ladder]
+    waves, order = [[s]], slice_order([["vt"]], ExecutionSettings())
+    params = memory_breakdown(waves, g.metaops, numbers, 1, order)[0][0]
+    for option in ladder:  # alone on its device, a slice needs held + transient at its backward
+        capacity = params + option.held + option.transient
+        want = min((o for o in ladder if o.held + o.transient <= option.held + option.transient),
+                   key=lambda o: o.seconds)
+        got = choose_recompute(waves, g.metaops, numbers, cost, capacity, order, RecomputePolicy(), 1)
+        assert got == {(0, 0): want.recompute}
+    with pytest.raises(RecomputeError, match=r"device 0 \(device, .* GiB\) does not fit .*'vt/vision'"):
+        choose_recompute(waves, g.metaops, numbers, cost, params + ladder[-1].held / 2, order, RecomputePolicy(), 1)
+
+
+MIXED = {
+    "name": "mixed-depth",
+    "modules": {
+        "vision": {"kind": "encoder", "num_layers": 2, "hidden_size": 64, "num_heads": 4, "ffn_hidden_size": 256,
+                   "embed_dim": 32, "frontend": {"type": "patch", "image_size": 16, "patch_size": 4,
+                                                 "in_channels": 3}},
+        "text": {"kind": "encoder", "num_layers": 2, "hidden_size": 32, "num_heads": 2, "ffn_hidden_size": 128,
+                 "embed_dim": 32, "frontend": {"type": "text", "vocab_size": 128}},
+        "proj": {"kind": "projector", "input_size": 64, "hidden_size": 64},
+        "llm": {"kind": "llm", "num_layers": 4, "hidden_size": 64, "num_heads": 4, "num_query_groups": 2,
+                "ffn_hidden_size": 176, "frontend": {"type": "text", "vocab_size": 256}},
+    },
+    "tasks": [
+        {"name": "clip", "batch_size": 8, "tokens": {"vision": 17, "text": 12},
+         "loss": {"kind": "contrastive", "modules": ["vision", "text"]}},
+        {"name": "caption", "batch_size": 4, "tokens": {"vision": 17, "proj": 17, "llm": 25},
+         "flows": [["vision", "proj"], ["proj", "llm"]], "loss": {"kind": "lm", "module": "llm"}},
+    ],
+}
+
+
+def test_early_backward_frees_a_shallow_task_s_activations_and_is_used_only_when_it_saves_recomputation():
+    w = workload_from_dict(MIXED)
+    cluster = make_cluster(1, 1, "CPU")
+    res = plan_workload(w, cluster, PlannerConfig(planner="wavefront"))
+    plan = res.plan
+    assert plan.settings.order is None  # memory to spare: the plain order
+    tasks = [[s.task for s in wv.slices] for wv in plan.waves]
+    early = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, order=early_backward_order(tasks)))
+    validate_plan(early, w, cluster, res.metagraph)
+    plain_peak = plan_memory(plan, res.metagraph.metaops, res.memory_model)[0]
+    early_peak = plan_memory(early, res.metagraph.metaops, res.memory_model)[0]
+    assert early_peak < plain_peak
+    tight = dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, memory_bytes=(early_peak + plain_peak) / 2))
+    squeezed = plan_workload(w, tight, PlannerConfig(planner="wavefront", micro_batches="1", placement="sequential"))
+    assert squeezed.plan.settings.order is not None and squeezed.plan.settings.recompute_choices() == ["none"]
+    off = plan_workload(w, tight, PlannerConfig(planner="wavefront", micro_batches="1", placement="sequential",
+                                                early_backward="off"))
+    assert off.plan.settings.order is None and off.plan.settings.recompute_choices() != ["none"]

@@ -1,0 +1,54 @@
+"""The plan's Gantt chart: waves numbered as in the training log, module colours that do not depend on the chart,
+a label on every block of every slice wide enough to hold one (scattered slices get one per block)."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+from megatron_spindle.graph.cluster import make_cluster  # noqa: E402
+from megatron_spindle.graph.workload import load_workload  # noqa: E402
+from megatron_spindle.planner.pipeline import PlannerConfig, make_plan  # noqa: E402
+from megatron_spindle.planner.report import _device_runs, draw_gantt, gantt_figure, module_colors  # noqa: E402
+
+
+def test_gantt_numbers_waves_and_labels_every_wide_block(tmp_path):
+    plan = make_plan(load_workload("clip-10"), make_cluster(16), PlannerConfig(planner="wavefront"))
+    fig, ax = gantt_figure(plan)
+    try:
+        top = next(a for a in ax.child_axes if a.get_xticklabels())
+        assert [t.get_text() for t in top.get_xticklabels()] == [f"w{i}" for i in range(len(plan.waves))]
+        texts = {(t.get_text(), round(t.get_position()[0], 6), t.get_position()[1]) for t in ax.texts}
+        scale = 1e3
+        span = ax.get_xlim()[1] - ax.get_xlim()[0]
+        scattered = 0
+        for w in plan.waves:
+            for s in w.slices:
+                label = s.task if s.kind == "layer" else f"{s.task}:{s.kind}"
+                x = round((w.start + s.predicted_time / 2) * scale, 6)
+                runs = _device_runs(s.devices)
+                have = [(label, x, run[(len(run) - 1) // 2]) in texts for run in runs]
+                if s.predicted_time * scale > 0.12 * span:  # far wider than any label at 6 pt
+                    assert all(have), (s.id, runs)
+                    scattered += len(runs) > 1
+        assert scattered, "no wide slice over several blocks of devices in this plan"
+        bars = {(round(p.get_x() + p.get_width() / 2, 6), round(p.get_y() + p.get_height() / 2)): p.get_width()
+                for p in ax.patches if hasattr(p, "get_width")}
+        for t in ax.texts:  # every label sits on a bar of its slice
+            x, y = t.get_position()
+            assert (round(x, 6), round(y)) in bars, t.get_text()
+    finally:
+        plt.close(fig)
+    assert draw_gantt(plan, tmp_path / "g.png").stat().st_size > 0
+
+
+def test_module_colours_are_stable_across_charts():
+    a = module_colors(["vision", "text", "audio"])
+    b = module_colors(["thermal", "audio", "motion", "vision", "depth"])
+    assert a["vision"] == b["vision"] and a["audio"] == b["audio"]
+    assert module_colors(["b", "a", "c"]) == module_colors(["c", "a", "b"])  # not the order of appearance
+    many = module_colors([f"module{i}" for i in range(40)])
+    assert len(set(many.values())) == 40  # hash collisions inside a chart move to a free colour

@@ -1,0 +1,180 @@
+"""Megatron-LM's flags on pretrain_multitask.py, each by its effect (one process, in this process).
+
+- validation: the losses printed every --eval-interval equal the single-process reference's on the same unseen
+  validation batches with the checkpointed weights, and validating leaves training bit for bit unchanged;
+- --log-throughput, --timing-log-level 2, --log-memory-to-tensorboard, grad norm and loss scale: in the log line,
+  the timer block and TensorBoard; wandb (a stand-in module) gets the same scalars;
+- --no-save-optim saves no optimizer state, --finetune restarts from the weights alone at iteration 0,
+  --global-batch-size scales the task batches, --use-distributed-optimizer shards the optimizer;
+- refused at start with one line: --micro-batch-size, --fp16 on CPU, wandb not importable, a --gpus-per-node that
+  torchrun contradicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import sys
+import types
+
+import pytest
+import torch
+
+from megatron_spindle.checkpointing import load_checkpoint
+from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.training.batch_size import apply_batch_size_args
+from megatron_spindle.training.multinode import resolve_node_layout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+import pretrain_multitask  # noqa: E402
+
+COMMON = ["--workload", "tiny-clip", "--mock-data", "--mock-data-samples", "16", "--seed", "3", "--lr", "2e-3",
+          "--spindle-planner", "wavefront", "--train-iters", "2", "--log-interval", "1", "--num-workers", "0"]
+EVAL = ["--eval-interval", "1", "--eval-iters", "2"]
+
+
+class FakeWandb(types.ModuleType):
+    """What pretrain_multitask.py uses of wandb: init(**kw) -> run with log(dict, step=) and finish()."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.inits, self.logged, self.finished = [], [], 0
+
+    def init(self, **kw):
+        self.inits.append(kw)
+        return self
+
+    def log(self, data, step=None):
+        self.logged.append((step, dict(data)))
+
+    def finish(self):
+        self.finished += 1
+
+
+def _weights(path):
+    ck = load_checkpoint(path)
+    return ck, {k: v for s in ck.units.values() for k, v in s.model.items()}
+
+
+def _validation_losses(out: str, iteration: int) -> dict[str, float]:
+    line = next(s for s in out.splitlines() if s.startswith(f" validation loss at iteration {iteration} |"))
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"(\w+) loss value: (\S+) \|", line)}
+
+
+def test_validation_logging_and_checkpoint_flags(tmp_path, capsys, monkeypatch, one_thread):
+    from megatron_spindle.data.datasets import MockTaskDataset
+    from megatron_spindle.models.reference import ReferenceModel
+    from megatron_spindle.training.evaluate import DatasetRange, ValidationBatches
+
+    wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    assert pretrain_multitask.main(COMMON + EVAL + [
+        "--save", str(a), "--tensorboard-dir", str(tmp_path / "tb"), "--log-throughput", "--timing-log-level", "2",
+        "--log-memory-to-tensorboard", "--wandb-project", "proj", "--wandb-exp-name", "run-a"]) == 0
+    out = capsys.readouterr().out
+    # the Megatron log line, with throughput, loss scale and grad norm
+    line = next(s for s in out.splitlines() if re.search(r" iteration\s+2/\s+2 \|", s))
+    assert re.search(r"\| throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| samples per second: [\d.]+ \|", line), line
+    assert re.search(r"\| loss scale: 1\.0 \| grad norm: [\d.]+ \| number of skipped iterations:\s+0 \| "
+                     r"number of nan iterations:\s+0 \|$", line), line
+    samples_per_s = float(re.search(r"samples per second: ([\d.]+)", line).group(1))
+    ms = float(re.search(r"elapsed time per iteration \(ms\): ([\d.]+)", line).group(1))
+    assert samples_per_s == pytest.approx(24 / (ms / 1e3), rel=0.02)  # 24 samples per iteration
+    assert "(min, max) time across ranks (ms):" in out and "    forward-backward ....." in out
+    assert "measured wave time forward/backward (ms): w0=" in out
+    # validation after every iteration, equal to the reference with the saved weights on the unseen batches
+    w = load_workload("tiny-clip")
+    ref = ReferenceModel(w)
+    _, weights = _weights(a)
+    ref.load_full_state(weights)
+    batches = ValidationBatches({t.name: DatasetRange(MockTaskDataset(w, t.name, 32, 3), 16, 32) for t in w.tasks})
+    with torch.no_grad():
+        passes = [ref({t.name: batches.batch_fn(w, t.name, k) for t in w.tasks}) for k in range(2)]
+    printed = _validation_losses(out, 2)
+    for t in w.tasks:
+        want = sum(float(p[t.name]) for p in passes) / 2
+        assert printed[t.name] == pytest.approx(want, rel=1e-5), (t.name, printed[t.name], want)
+    assert printed["total"] == pytest.approx(sum(printed[t.name] for t in w.tasks), rel=1e-6)
+    assert _validation_losses(out, 1)
+    # TensorBoard and wandb get the scalars
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(glob.glob(str(tmp_path / "tb" / "*"))[0])
+    ea.Reload()
+    tags = set(ea.Tags()["scalars"])
+    assert {"throughput", "samples-per-second", "grad-norm", "loss-scale", "mem-rss-bytes", "total loss validation",
+            "task loss validation/vision_text", "timers (ms)/forward-backward"} <= tags, tags
+    assert wandb.inits[0]["project"] == "proj" and wandb.inits[0]["name"] == "run-a"
+    assert wandb.inits[0]["dir"] == str(a / "wandb") and wandb.finished == 1
+    logged = {k for _, d in wandb.logged for k in d}
+    assert {"throughput", "grad-norm", "total loss validation", "task loss/vision_text"} <= logged
+
+    # validating changed nothing in training; --no-save-optim keeps the weights and drops AdamW's state
+    assert pretrain_multitask.main(COMMON + ["--save", str(b), "--no-save-optim"]) == 0
+    ck_a, wa = _weights(a)
+    ck_b, wb = _weights(b)
+    assert sorted(wa) == sorted(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert all(st.optim for st in ck_a.units.values()) and not any(st.optim for st in ck_b.units.values())
+    assert "validation loss" not in capsys.readouterr().out
+
+    # --finetune: the weights of b, AdamW from scratch, iteration 0; with a doubled global batch, sharded AdamW
+    assert pretrain_multitask.main(COMMON + ["--train-iters", "1", "--load", str(b), "--save", str(c), "--finetune",
+                                             "--global-batch-size", "48", "--use-distributed-optimizer"]) == 0
+    out = capsys.readouterr().out
+    assert "--finetune: weights only, starting at iteration 0" in out
+    assert re.search(r" iteration\s+1/\s+1 \| consumed samples:\s+48 \|.*\| global batch size:\s+48 \|", out)
+    ck_c = load_checkpoint(c)
+    assert ck_c.iteration == 1 and ck_c.data_position["iteration"] == 1
+    assert {st["step"] for s in ck_c.units.values() for st in s.optim.values()} == {1.0}
+    assert ck_c.plan["settings"]["zero_stage"] == 1
+    assert {m["task"]: m["input_shape"][0] for m in ck_c.plan["metaops"]} == {  # planned for the new batches
+        "text_audio": 16, "vision_depth": 8, "vision_text": 8, "audio_depth": 16}
+
+
+def _fails(capsys, argv, match):
+    with pytest.raises(SystemExit) as e:
+        pretrain_multitask.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err, err
+    return err
+
+
+def test_flags_refused_at_start(capsys, monkeypatch):
+    base = ["--workload", "tiny-clip", "--mock-data", "--train-iters", "2"]
+    _fails(capsys, base + ["--micro-batch-size", "4"], "--micro-batch-size 4: Spindle has no per-rank micro batch")
+    _fails(capsys, base + ["--global-batch-size", "25"], "scale to whole samples only for multiples of 6")
+    if torch.cuda.is_available():
+        _fails(capsys, base + ["--fp16", "--bf16"], "not both")
+    else:  # megatron-core's loss scaler lives on CUDA
+        _fails(capsys, base + ["--fp16"], "--fp16 needs a GPU")
+    _fails(capsys, base + ["--clip-grad", "-1"], "--clip-grad must be >= 0")
+    _fails(capsys, base + ["--eval-interval", "0"], "--eval-interval must be positive")
+    _fails(capsys, base + ["--valid-data-path", "vision_text=/nope"], "needs --eval-interval")
+    _fails(capsys, base + ["--split", "0,1"], "--split '0,1'")
+    _fails(capsys, base + ["--finetune"], "--finetune needs --load")
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    _fails(capsys, base + ["--wandb-project", "p"], "--wandb-project needs the wandb package")
+    _fails(capsys, base + ["--wandb-exp-name", "x"], "need --wandb-project")
+    # torchrun says 1 process per node on 2 nodes: --gpus-per-node 2 would plan both ranks as one NVLink island
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    err = _fails(capsys, base + ["--gpus-per-node", "2"], "--gpus-per-node 2 does not match torchrun")
+    assert "1 process(es) per node on 2 node(s)" in err and "Give --gpus-per-node 1" in err
+
+
+def test_node_layout_and_batch_flags_map():
+    args = argparse.Namespace(gpus_per_node=None, cluster=None)
+    resolve_node_layout(args, {"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"})
+    assert args.gpus_per_node == 4  # taken from torchrun when left out
+    resolve_node_layout(args, {})  # no torchrun: nothing to check
+    w = load_workload("tiny-clip")
+    same = apply_batch_size_args(w, argparse.Namespace(global_batch_size=None, micro_batch_size=None))
+    assert same is w
+    half = apply_batch_size_args(w, argparse.Namespace(global_batch_size=12, micro_batch_size=None))
+    assert [t.batch_size for t in half.tasks] == [4, 2, 2, 4] and [t.batch_size for t in w.tasks] == [8, 4, 4, 8]
+    assert half.digest() != w.digest()
