@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
+from megatron_spindle.errors import CliArgumentParser
 from megatron_spindle.flags import add_flags, config_from_args
-from megatron_spindle.graph.cluster import NODE_TYPES, ClusterSpec, load_cluster, make_cluster
-from megatron_spindle.graph.workload import Workload, load_workload
+from megatron_spindle.graph.cluster import NODE_TYPES, ClusterError, ClusterSpec, load_cluster, make_cluster
+from megatron_spindle.graph.workload import Workload, WorkloadError, load_workload
 
 SPINDLE_PREFIX = "spindle-"  # PlannerConfig's flags: --spindle-planner, --spindle-solver-time-limit, ...
 
@@ -49,17 +50,26 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
     w = load_workload(args.workload)
-    if getattr(args, "tasks", None):
-        w = w.subset([t.strip() for t in args.tasks.split(",") if t.strip()])
+    if getattr(args, "tasks", None) is not None:
+        names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        if not names:
+            raise WorkloadError(f"--tasks {args.tasks!r} names no task (tasks: {', '.join(t.name for t in w.tasks)})")
+        w = w.subset(names)
     return w
 
 
 def cluster_from_args(args: argparse.Namespace, default_num_gpus: int | None = None) -> ClusterSpec:
+    if args.gpus_per_node is not None and args.gpus_per_node <= 0:
+        raise ClusterError(f"--gpus-per-node must be positive, got {args.gpus_per_node}")
+    if args.num_gpus is not None and args.num_gpus <= 0:
+        raise ClusterError(f"--num-gpus must be positive, got {args.num_gpus}")
     if args.cluster:
+        if args.num_gpus is not None:
+            raise ClusterError("give either --cluster FILE or --num-gpus N, not both")
         return load_cluster(args.cluster)
-    n = args.num_gpus or default_num_gpus
+    n = args.num_gpus if args.num_gpus is not None else default_num_gpus
     if n is None:
-        raise SystemExit("error: give --num-gpus N (with --gpus-per-node/--gpu-type) or --cluster FILE")
+        raise ClusterError("give --num-gpus N (with --gpus-per-node/--gpu-type) or --cluster FILE")
     return make_cluster(n, args.gpus_per_node, args.gpu_type)
 
 
@@ -70,8 +80,8 @@ def planner_config_from_args(args: argparse.Namespace):
 
 
 def build_parser(description: str, groups: list[Callable], extra_args_provider: Callable | None = None):
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = CliArgumentParser(description=description, allow_abbrev=False,
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in groups:
         add(parser)
     if extra_args_provider is not None:

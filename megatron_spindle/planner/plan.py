@@ -187,9 +187,14 @@ class Plan:
         try:
             with open(path) as f:
                 d = json.load(f)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise PlanError(f"{path}: not valid JSON: {e}") from e
-        return cls.from_dict(d)
+        if not isinstance(d, dict):
+            raise PlanError(f"{path}: not a megatron-spindle plan (a JSON {type(d).__name__}, not an object)")
+        try:
+            return cls.from_dict(d)
+        except PlanError as e:
+            raise PlanError(f"{path}: {e}") from None
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:
