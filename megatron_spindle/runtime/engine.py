@@ -47,6 +47,7 @@ from megatron_spindle.checkpointing.checkpoint import UnitState
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.planner.plan import Plan
+from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.direct import bind_direct_units
 from megatron_spindle.runtime.grad_buffers import GradBuffers, backward_order
 from megatron_spindle.runtime.grad_sync import GradSync
@@ -190,6 +191,8 @@ class RuntimeEngine:
         losses = self.forward_backward(step)
         if self.optimizer is None:
             return losses
+        progress.point("the optimizer step (distributed-optimizer all-gathers)" if self.zero_stage == 1 else
+                       "the optimizer step")
         self.master_optimizer.step(self.grad_buffers.unit_grads)
         if self.zero_stage == 1 or any(self.generic_keys.values()):
             self._push_weights(self.master_optimizer.full_weights())  # collective at zero_stage 1

@@ -5,7 +5,8 @@ wave, then this rank's slice of it), the per-task loss all-reduce, then the back
 Nothing in it is a barrier: the loss all-reduce runs during the backward, and a rank that only sends in a
 transfer does not wait for the receiver (its requests are waited on at the end; runtime/transfer.py). After
 each local slice's backward the schedule calls ``slice_done(slice)`` (the gradient sync's cue), and after the
-forward and the backward part of each wave ``on_wave(phase, wave_index, seconds)``.
+forward and the backward part of each wave ``on_wave(phase, wave_index, seconds)``. Before each step that may
+wait for another rank it records ``progress.point`` (what the watchdog names when a peer is missing).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.planner.plan import Plan
+from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.layout import dp_rank, transfer_input_index
 from megatron_spindle.runtime.slices import LocalSlice
 from megatron_spindle.runtime.transfer import SpecFn, TransferOp
@@ -74,19 +76,24 @@ class WaveSchedule:
         for wi in range(len(self.plan.waves)):
             t0 = time.perf_counter()
             for t in self._into_wave.get(wi, []):
+                progress.point("forward", wi, t)
                 self._forward_transfer(t, tensors)
             if wi in mine:
+                progress.point("forward", wi, mine[wi])
                 self._forward_slice(mine[wi], tensors[mine[wi].slice.id], batches)
             self._wave_done("forward", wi, t0)
         losses = self._reduce_losses(tensors)  # in flight during the backward
         for wi in reversed(range(len(self.plan.waves))):
             t0 = time.perf_counter()
             if wi in mine:
+                progress.point("backward", wi, mine[wi])
                 self._backward_slice(mine[wi], tensors[mine[wi].slice.id])
                 slice_done(mine[wi])
             for t in self._into_wave.get(wi, []):
+                progress.point("backward", wi, t)
                 self._backward_transfer(t, tensors)
             self._wave_done("backward", wi, t0)
+        progress.point("the receivers of this step's activation and gradient sends")
         for w in self._pending_sends:  # sends this rank did not wait for (runtime/transfer.py)
             w.wait()
         self._pending_sends.clear()
@@ -126,6 +133,7 @@ class WaveSchedule:
         work = dist.all_reduce(vec, async_op=True)
 
         def result() -> dict[str, float]:
+            progress.point("the per-task loss all-reduce (all ranks)")
             work.wait()
             return {n: float(vec[i]) for i, n in enumerate(names)}
 
