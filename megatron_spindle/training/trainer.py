@@ -8,6 +8,7 @@ the model/data hooks an entry point supplies (pretrain_multitask.py has the defa
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -27,6 +28,7 @@ from megatron_spindle.arguments import (
     workload_from_args,
 )
 from megatron_spindle.errors import USER_ERRORS, exit_on_user_error
+from megatron_spindle.runtime import progress
 from megatron_spindle.training.arguments import (
     add_checkpointing_args,
     add_data_args,
@@ -39,12 +41,18 @@ from megatron_spindle.training.arguments import (
     parse_task_values,
     validate_args,
 )
+from megatron_spindle.training.faults import (
+    FaultGuards,
+    add_fault_tolerance_args,
+    distributed_config_from_args,
+    exit_config_from_args,
+)
 
 if TYPE_CHECKING:
     from megatron_spindle.runtime.distributed import DistContext
 
 ARG_GROUPS = [add_workload_args, add_cluster_args, add_spindle_args, add_plan_args, add_training_args,
-              add_task_args, add_data_args, add_checkpointing_args, add_logging_args]
+              add_task_args, add_data_args, add_checkpointing_args, add_logging_args, add_fault_tolerance_args]
 
 
 def build_pretrain_parser(description: str, extra_args_provider: Callable | None = None) -> argparse.ArgumentParser:
@@ -115,6 +123,8 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
     with exit_on_user_error(prog):
         cuda = torch.cuda.is_available()
         validate_args(args, int(os.environ.get("WORLD_SIZE", 1)), cuda)
+        exit_config_from_args(args)  # --exit-* checked now, not after the process group formed
+        dist_config = distributed_config_from_args(args)
         workload = workload_from_args(args)
         loss_weights = parse_task_values(args.task_loss_weights, "--task-loss-weights", workload, positive=False)
         sampling_weights = parse_task_values(args.task_sampling_weights, "--task-sampling-weights", workload,
@@ -123,9 +133,16 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
         datasets = datasets_provider(workload, args, data_paths)
         from megatron_spindle.runtime.distributed import destroy_distributed, init_distributed
 
-        info = init_distributed("nccl" if cuda else "gloo")
+        # the slow imports (planner, megatron-core operators) now, on every rank at once, rather than while the
+        # other ranks wait for this one inside a collective (and its timeout)
+        import megatron_spindle.models  # noqa: F401
+        import megatron_spindle.planner.pipeline  # noqa: F401
+
+        info = init_distributed("nccl" if cuda else "gloo", dist_config)
         try:
-            records = train(args, workload, datasets, engine_provider, info, loss_weights, sampling_weights)
+            with FaultGuards(args, info, prog) as guards:
+                records = train(args, workload, datasets, engine_provider, info, loss_weights, sampling_weights,
+                                guards)
             if history is not None:
                 history.extend(records)
         finally:
@@ -142,6 +159,7 @@ def _unit_owners(plan) -> dict[str, int]:
 def save(args, iteration: int, engine, loader, plan, workload, info: DistContext) -> Path:
     from megatron_spindle.checkpointing import save_checkpoint
 
+    progress.point(f"saving the checkpoint of iteration {iteration}")
     owners = _unit_owners(plan)
     # collective with the distributed optimizer: every rank exports, the owner of each unit writes it
     mine = {u: s for u, s in engine.export_units().items() if owners.get(u, 0) == info.rank}
@@ -156,54 +174,70 @@ def save(args, iteration: int, engine, loader, plan, workload, info: DistContext
     return path
 
 
-def load(args, engine, loader, workload, info: DistContext) -> int:
-    """Restore model, optimizer, RNG and data position from --load; returns the iteration to start at."""
+def load(args, engine, loader, workload, info: DistContext, target) -> int:
+    """Restore model, optimizer, RNG and data position from the checkpoint ``target`` names (resolved from
+    --load by FaultGuards.resolve_load); returns the iteration to start at."""
     from megatron_spindle.checkpointing import load_checkpoint, set_rng_state
+    from megatron_spindle.checkpointing.load_target import check_complete
 
-    err, ck = None, None
-    if not Path(args.load).exists():
-        print_rank_0(f"no checkpoint at {args.load} yet: training from scratch")
+    if target.folder is None:
+        print_rank_0(target.notice)
         return 0
+    progress.point(f"loading the checkpoint {target.folder}")
+    err, ck = None, None
     expected = engine.expected_shapes()
     try:
-        ck = load_checkpoint(args.load, units=sorted(expected), expected=expected, rank=info.rank,
+        ck = load_checkpoint(target.folder, units=sorted(expected), expected=expected, rank=info.rank,
                              workload_digest=workload.digest())
-        if ck is not None:
-            engine.load_units(ck.units, load_optim=not args.no_load_optim)
-            if ck.rng is not None and not args.no_load_rng:
-                set_rng_state(ck.rng)
-            loader.load_state_dict(ck.data_position)
-            if loader.sampler.iteration != ck.iteration:
-                raise ValueError(f"checkpoint {ck.path}: data position is at iteration {loader.sampler.iteration}, "
-                                 f"the checkpoint at {ck.iteration}")
+        check_complete(ck, load_rng=not args.no_load_rng, load_optim=not args.no_load_optim)
+        engine.load_units(ck.units, load_optim=not args.no_load_optim)
+        if ck.rng is not None and not args.no_load_rng:
+            set_rng_state(ck.rng)
+        loader.load_state_dict(ck.data_position)
+        if loader.sampler.iteration != ck.iteration:
+            raise ValueError(f"checkpoint {ck.path}: data position is at iteration {loader.sampler.iteration}, "
+                             f"the checkpoint at {ck.iteration}")
     except USER_ERRORS as e:
         err = str(e)
+    progress.point("agreeing that every rank loaded the checkpoint")
     err = agree(err)
     if err:
         raise ValueError(err)
-    if ck is None:
-        print_rank_0(f"no checkpoint in {args.load} yet: training from scratch")
-        return 0
     old = ck.metadata.get("world_size")
     print_rank_0(f"loaded checkpoint {ck.path} at iteration {ck.iteration} (saved by {old} rank(s), "
                  f"now {info.world_size})")
     return ck.iteration
 
 
-def train(args, workload, datasets, engine_provider, info: DistContext, loss_weights: dict[str, float],
-          sampling_weights: dict[str, float]) -> list:
-    from megatron_spindle.data.datasets import MultiTaskDataLoader
-    from megatron_spindle.planner.report import draw_gantt, plan_summary
+def write_plan_files(args, plan, gantt: str | None) -> None:
+    """<save>/plan.json and the Gantt chart, both or neither, once the run has started (rank 0)."""
+    from megatron_spindle.fileio import staged_outputs
+    from megatron_spindle.planner.report import draw_gantt
 
+    with staged_outputs() as out:
+        if gantt:
+            draw_gantt(plan, out.path(gantt))
+        if args.save:
+            out.write_text(Path(args.save) / "plan.json", json.dumps(plan.to_dict(), indent=1))
+    if gantt:
+        print(f"plan Gantt chart written to {gantt}", flush=True)
+
+
+def train(args, workload, datasets, engine_provider, info: DistContext, loss_weights: dict[str, float],
+          sampling_weights: dict[str, float], guards: FaultGuards) -> list:
+    from megatron_spindle.data.datasets import MultiTaskDataLoader
+    from megatron_spindle.planner.report import plan_summary
+
+    target = guards.resolve_load()  # a --load that names no checkpoint stops here, before anything is written
+    if target is not None:
+        guards.check_save_target(target.iteration or 0, target)
+    else:
+        guards.check_save_target(0, None)
+    progress.point("planning (rank 0) and sharing the plan")
     plan = get_plan(args, workload, info.world_size, info.rank)
     gantt = args.plan_gantt or (str(Path(args.save) / "plan.png") if args.save else None)
     if info.rank == 0:
         print(plan_summary(plan), flush=True)
-        if args.save:
-            plan.save(Path(args.save) / "plan.json")
-        if gantt:
-            draw_gantt(plan, gantt)
-            print(f"plan Gantt chart written to {gantt}", flush=True)
     if not torch.cuda.is_available():
         from megatron_spindle.compat.cpu import apply_cpu_shim
 
@@ -212,19 +246,22 @@ def train(args, workload, datasets, engine_provider, info: DistContext, loss_wei
     loader = MultiTaskDataLoader(workload, datasets, seed=args.seed, sampling_weights=sampling_weights,
                                  num_workers=args.num_workers)
     try:
-        return _train_loop(args, workload, plan, loader, engine_provider, info, loss_weights, gantt)
+        return _train_loop(args, workload, plan, loader, engine_provider, info, loss_weights, gantt, guards, target)
     finally:
         loader.close()
 
 
 def _train_loop(args, workload, plan, loader, engine_provider, info: DistContext, loss_weights: dict[str, float],
-                gantt: str | None) -> list:
+                gantt: str | None, guards: FaultGuards, target) -> list:
     from megatron_spindle.training.engine_state import WaveTimer
     from megatron_spindle.training.log import StepRecord, TensorBoardLogger, format_log_line, format_wave_line
 
+    progress.point("building the runtime engine (process groups, operators)")
     engine = engine_provider(plan, workload, info.rank, info.world_size, args, loader.batch_fn)
     timer = WaveTimer(engine)
-    start = load(args, engine, loader, workload, info) if args.load else 0
+    start = load(args, engine, loader, workload, info, target) if target is not None else 0
+    if info.rank == 0:  # the load succeeded: only now is anything written into --save
+        write_plan_files(args, plan, gantt)
     if start >= args.train_iters:
         print_rank_0(f"the checkpoint is at iteration {start}, --train-iters is {args.train_iters}: nothing to do")
         return []
@@ -233,12 +270,14 @@ def _train_loop(args, workload, plan, loader, engine_provider, info: DistContext
     gbs = sum(t.batch_size for t in workload.tasks)
     tb = TensorBoardLogger(args.tensorboard_dir if info.rank == 0 else None)
     predicted_ms = plan.predicted.get("iteration_time", plan.iteration_time) * 1e3
-    last_saved = start if args.load and args.load == args.save else None
+    last_saved = None
     n, elapsed, loss_sum, records = 0, 0.0, {}, []
     print_rank_0(f"training {workload.name} for {args.train_iters} iterations from iteration {start} on "
                  f"{info.world_size} rank(s)")
     try:
         for it in range(start, args.train_iters):
+            progress.set_iteration(it + 1)
+            progress.point("loading the batch")
             lr = sched(it)
             engine.set_lr(lr)
             mb = loader.advance()
@@ -250,6 +289,7 @@ def _train_loop(args, workload, plan, loader, engine_provider, info: DistContext
             n += 1
             loss_sum = {t: loss_sum.get(t, 0.0) + v for t, v in losses.items()}
             if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
+                progress.point("logging (the wave-time all-reduce)")
                 waves = [t / n * 1e3 for t in timer.collect()]
                 mean_losses = {t: v / n for t, v in loss_sum.items()}  # Megatron: averaged over the interval
                 rec = StepRecord(it + 1, args.train_iters, (it + 1) * gbs, lr, mean_losses, weights,
@@ -263,6 +303,14 @@ def _train_loop(args, workload, plan, loader, engine_provider, info: DistContext
             if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
                 save(args, it + 1, engine, loader, plan, workload, info)
                 last_saved = it + 1
+            reason = guards.exit_reason(it + 1)
+            if reason is not None:
+                if args.save and last_saved != it + 1:
+                    save(args, it + 1, engine, loader, plan, workload, info)
+                    last_saved = it + 1
+                print_rank_0(f"exiting at iteration {it + 1}: {reason}"
+                             + (f" (checkpoint saved in {args.save})" if args.save else " (no --save: nothing saved)"))
+                return records
         if args.save and last_saved != args.train_iters:
             save(args, args.train_iters, engine, loader, plan, workload, info)
     finally:
