@@ -77,7 +77,7 @@ class FaultGuards:
             if self.info.world_size > 1:
                 self.watchdog = Watchdog.for_world(self.info.rank, self.info.world_size,
                                                    distributed_config_from_args(self.args).timeout_minutes * 60,
-                                                   self.prog)
+                                                   self.prog, report_sigterm=not self.exits.config.exit_signal_handler)
                 if self.watchdog is not None:
                     self.watchdog.start()
             if self.args.save:

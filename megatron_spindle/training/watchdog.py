@@ -77,7 +77,7 @@ def _short(exc: BaseException) -> str:
     return text.split(". ")[0].rstrip(".")[:160]
 
 
-_SEVERITY = ("is dead", "is stopped", "is not responding", "exited")
+_SEVERITY = ("is dead", "is stopped", "is not responding", " exited (")
 
 
 def _rank_first(states: list[str]) -> list[str]:
@@ -89,7 +89,7 @@ class Watchdog:
     """One per rank, from ``start()`` to ``stop()``; ``fail(exc)`` from the main thread's error path."""
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, store: Any, prog: str = "",
-                 interval_s: float | None = None, job: str = ""):
+                 interval_s: float | None = None, job: str = "", report_sigterm: bool = False):
         self.rank, self.world_size, self.timeout_s, self.store = rank, world_size, timeout_s, store
         self.prog = prog or os.path.basename(sys.argv[0] or "python")
         self.interval_s = interval_s or min(5.0, max(0.25, timeout_s / 20))
@@ -102,12 +102,17 @@ class Watchdog:
         self._once = threading.Lock()
         self._thread: threading.Thread | None = None
         self._store_ok = True
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "pidns": _pid_namespace()}
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "pidns": _pid_namespace(), "ppid": os.getppid()}
+        self.report_sigterm = report_sigterm
+        self._wakeup: tuple[int, int] | None = None  # (read end, the wakeup fd it replaced)
+        self._old_sigterm: Any = None
 
     # ------------------------------------------------------------------------------------------ set-up
     @classmethod
-    def for_world(cls, rank: int, world_size: int, timeout_s: float, prog: str = "") -> Watchdog | None:
-        """A watchdog on a store connection of its own; None for a world of one or without a TCP store."""
+    def for_world(cls, rank: int, world_size: int, timeout_s: float, prog: str = "",
+                  report_sigterm: bool = True) -> Watchdog | None:
+        """A watchdog on a store connection of its own; None for a world of one or without a TCP store.
+        ``report_sigterm``: SIGTERM ends the process with a line (False when --exit-signal-handler owns it)."""
         if world_size <= 1:
             return None
         import torch.distributed as dist
@@ -118,11 +123,13 @@ class Watchdog:
         store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=max(5.0, min(60.0, timeout_s))))
         job = f"{os.environ.get('TORCHELASTIC_RUN_ID', port)}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        return cls(rank, world_size, timeout_s, store, prog, job=job)
+        return cls(rank, world_size, timeout_s, store, prog, job=job, report_sigterm=report_sigterm)
 
     def start(self) -> Watchdog:
         self._set(f"id/{self.rank}", json.dumps(self.me))
         self._beat()
+        if self.report_sigterm and threading.current_thread() is threading.main_thread():
+            self._catch_sigterm()
         self._thread = threading.Thread(target=self._run, name="spindle-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -132,6 +139,44 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval_s + 1)
             self._thread = None
+        if self._wakeup is not None:
+            read_end, previous = self._wakeup
+            signal.set_wakeup_fd(previous)
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            os.close(read_end)
+            self._wakeup = None
+
+    def _catch_sigterm(self) -> None:
+        """SIGTERM (the launcher stopping the job after another rank failed) reaches this thread through the
+        signal wakeup fd even while the main thread is blocked inside a collective, so the rank can say what it
+        was waiting for, and who was missing, before it goes."""
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: None)  # ended by the thread, not here
+        self._wakeup = (read_end, previous)
+
+    def _orphaned(self) -> bool:
+        """The launcher (and with it the store) is gone: no store look-ups, they could only time out."""
+        return os.getppid() != self.me.get("ppid", os.getppid())
+
+    def _wait(self) -> bool:
+        """Sleep one interval; True when SIGTERM arrived meanwhile."""
+        if self._wakeup is None:
+            self._stop.wait(self.interval_s)
+            return False
+        import select
+
+        ready, _, _ = select.select([self._wakeup[0]], [], [], self.interval_s)
+        return bool(ready) and signal.SIGTERM in os.read(self._wakeup[0], 64)
+
+    def _terminated(self) -> None:
+        where = progress.describe(progress.current(), self.rank)
+        found, missing = self.missing_ranks(window=False) if self._store_ok and not self._orphaned() else ("", False)
+        self._once.acquire()
+        print(f"{self.prog}: error: rank {self.rank} got SIGTERM (from the launcher) at {where}"
+              + (f": {found}" if missing else ""), file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)
 
     # ------------------------------------------------------------------------------------------ store
     def _set(self, key: str, value: str) -> None:
@@ -164,7 +209,11 @@ class Watchdog:
 
     # ------------------------------------------------------------------------------------------ thread
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.is_set():
+            if self._wait():
+                self._terminated()
+            if self._stop.is_set():
+                return
             self._beat()
             abort = self._get("abort")
             if abort and not self._stop.is_set():
@@ -214,7 +263,11 @@ class Watchdog:
     def diagnose(self, p: progress.Point, cause: str, window: bool) -> tuple[str, bool]:
         """(the one line, whether a missing rank was found). ``window``: also watch the heartbeats for a few
         intervals (finds stopped or dead ranks on other hosts)."""
-        waiting = progress.describe(p, self.rank)
+        found_text, found = self.missing_ranks(window)
+        return f"rank {self.rank} {cause} at {progress.describe(p, self.rank)}: {found_text}", found
+
+    def missing_ranks(self, window: bool) -> tuple[str, bool]:
+        """(what is known of the missing rank(s), whether one was found)."""
         others = [r for r in range(self.world_size) if r != self.rank]
         found = [s for s in (self._quick_state(r) for r in others) if s]
         if not found and window and self._store_ok:
@@ -234,12 +287,13 @@ class Watchdog:
             found = _rank_first(found)
             first = found[0]
             r = int(first.split()[1])
-            rest = [f for f in found[1:] if "exited" not in f or "exited" in first]  # not the ranks it took along
+            left = " exited ("  # a rank that left on its own, often because of the first one
+            rest = [f for f in found[1:] if left not in f or left in first]
             more = f"; also {'; '.join(rest[:2])}" if rest else ""
-            found_text = f"{first}{self._last_seen(r) if 'exited' not in first else ''}{more}"
+            found_text = f"{first}{self._last_seen(r) if left not in first else ''}{more}"
         else:
             found_text = "no rank is missing, every heartbeat is fresh" + self._others_points(others)
-        return f"rank {self.rank} {cause} at {waiting}: {found_text}", bool(found)
+        return found_text, bool(found)
 
     # ------------------------------------------------------------------------------------------ exits
     def _announce(self, line: str, publish: bool = True) -> None:
