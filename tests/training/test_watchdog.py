@@ -8,11 +8,13 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
+from megatron_spindle.checkpointing import read_latest
 from megatron_spindle.runtime import progress
 from megatron_spindle.training import signals as signals_mod
 from megatron_spindle.training import watchdog as watchdog_mod
@@ -120,3 +122,16 @@ def test_exit_conditions(monkeypatch):
     for bad, match in (({"exit_interval": 0}, "--exit-interval"), ({"exit_duration_in_mins": -1}, "--exit-duration")):
         with pytest.raises(ValueError, match=match):
             ExitConfig(**bad)
+
+
+def test_exit_interval_saves_that_iteration_and_exits_zero(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import pretrain_multitask
+
+    save = tmp_path / "run"
+    assert pretrain_multitask.main(["--workload", "tiny-clip", "--mock-data", "--mock-data-samples", "8",
+                                    "--spindle-planner", "wavefront", "--train-iters", "10", "--exit-interval", "2",
+                                    "--save", str(save), "--save-interval", "5"]) == 0
+    assert f"exiting at iteration 2: iteration 2 is a multiple of --exit-interval 2 (checkpoint saved in {save})" \
+        in capsys.readouterr().out
+    assert read_latest(save) == 2
