@@ -17,10 +17,22 @@ from megatron_spindle.training.trainer import pretrain
 
 
 def train_valid_test_datasets_provider(workload, args, data_paths):
-    """One training dataset per task: tar shards (--data-path TASK=PATH) or mock samples (--mock-data)."""
+    """One training dataset per task: tar shards (--data-path TASK=PATH, decoded with each module's tokenizer /
+    image processor / log-mel: data/preprocess.py) or mock samples (--mock-data)."""
     from megatron_spindle.data.datasets import build_datasets
+    from megatron_spindle.data.preprocess import preprocessing_from_args
 
-    return build_datasets(workload, data_paths, args.mock_data, seed=args.seed, mock_size=args.mock_data_samples)
+    return build_datasets(workload, data_paths, args.mock_data, seed=args.seed, mock_size=args.mock_data_samples,
+                          preprocessing=preprocessing_from_args(args, workload))
+
+
+def add_entry_point_args(parser, extra_args_provider=None):
+    """This entry point's argument groups beyond the trainer's: the data preprocessing flags (Megatron-LM's
+    --tokenizer-type / --tokenizer-model, --image-processor, --audio-processor), then the caller's."""
+    from megatron_spindle.data.preprocess import add_preprocessing_args
+
+    add_preprocessing_args(parser)
+    return (extra_args_provider(parser) or parser) if extra_args_provider is not None else parser
 
 
 def engine_provider(plan, workload, rank, world_size, args, batch_fn):
@@ -38,8 +50,8 @@ def engine_provider(plan, workload, rank, world_size, args, batch_fn):
 
 def main(argv=None, extra_args_provider=None, history=None):
     return pretrain(train_valid_test_datasets_provider, engine_provider, argv=argv,
-                    extra_args_provider=extra_args_provider, description=__doc__.strip().splitlines()[0],
-                    history=history)
+                    extra_args_provider=lambda parser: add_entry_point_args(parser, extra_args_provider),
+                    description=__doc__.strip().splitlines()[0], history=history)
 
 
 if __name__ == "__main__":

@@ -31,12 +31,12 @@ from typing import Any, Callable
 
 from bench_output import Recording, add_output_args
 
+from megatron_spindle.baselines import BASELINES, BaselineContext
 from megatron_spindle.graph.cluster import ClusterSpec, make_cluster
 from megatron_spindle.graph.workload import Workload, load_workload
-from megatron_spindle.planner.baselines import BASELINES, BaselineContext
+from megatron_spindle.plan.schema import PlanError
 from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload
 from megatron_spindle.planner.placement import PlacementError
-from megatron_spindle.planner.plan import PlanError
 from megatron_spindle.simulator import simulate
 
 # ------------------------------------------------------------------------------------------ paper numbers
@@ -94,9 +94,10 @@ def scale_batches(workload: Workload, factor: float, multiple: int = 64) -> Work
 
 
 def run_cell(name: str, num_gpus: int, spindle_systems, baselines: list[str], log: Callable[[str], None],
-             batch_scale: float = 1.0) -> dict:
-    """Plan and simulate every system on one (workload, cluster) cell."""
-    workload = scale_batches(load_workload(name), batch_scale)
+             batch_scale: float = 1.0, workload: Workload | None = None) -> dict:
+    """Plan and simulate every system on one (workload, cluster) cell (``workload``: instead of the built-in
+    ``name``, e.g. a task subset)."""
+    workload = scale_batches(workload or load_workload(name), batch_scale)
     cluster = make_cluster(num_gpus)
     cell: dict[str, Any] = {"workload": name, "gpus": num_gpus, "mem_relaxed": False, "systems": {}}
     first = spindle_systems[0][1]
@@ -110,10 +111,13 @@ def run_cell(name: str, num_gpus: int, spindle_systems, baselines: list[str], lo
     for sys_name, config in spindle_systems[1:]:
         results[sys_name] = plan_spindle(workload, cluster, config)
     for sys_name, (res, secs) in results.items():
+        t0 = time.perf_counter()
         sim = simulate(res.plan, workload, cluster, res.cost_model, res.memory_model, metagraph=res.metagraph)
+        sim_secs = time.perf_counter() - t0
         pred = res.plan.predicted
         cell["systems"][sys_name] = {
-            "iteration_time": sim.iteration_time, "planning_seconds": secs,
+            "iteration_time": sim.iteration_time, "planning_seconds": secs, "simulation_seconds": sim_secs,
+            "timings": res.timings,
             "predicted_iteration_time": pred["iteration_time"], "c_star": pred.get("c_star", 0.0),
             "makespan_over_c_star": pred["iteration_time"] / pred["c_star"] if pred.get("c_star") else None,
             "sim_over_predicted": sim.iteration_time / pred["iteration_time"] if pred["iteration_time"] else None,
@@ -130,9 +134,10 @@ def run_cell(name: str, num_gpus: int, spindle_systems, baselines: list[str], lo
         secs = time.perf_counter() - t0
         sim = simulate(plan, workload, cluster, ctx.cost_model, ctx.memory_model, metagraph=ctx.metagraph)
         cell["systems"][b] = {"iteration_time": sim.iteration_time, "planning_seconds": secs,
+                              "simulation_seconds": time.perf_counter() - t0 - secs,
                               "breakdown": sim.breakdown(), "transfer_share": sim.transfer_share,
                               "grad_sync_share": sim.grad_sync_share, "peak_memory_gib": max(sim.peak_memory) / 2**30,
-                              "memory_ok": plan.planner.get("memory_ok"), "zero_stage": plan.planner.get("zero_stage"),
+                              "memory_ok": plan.planner.get("memory_ok"), "zero_stage": plan.settings.zero_stage,
                               "mean_utilisation": sim.mean_utilisation}
     ds = cell["systems"].get("deepspeed", {}).get("iteration_time")
     for s in cell["systems"].values():
@@ -304,26 +309,28 @@ def table2_text(rows: list[dict]) -> str:
 
 
 def scale_row(quick: bool, log) -> dict | None:
+    """clip-20 (20 tasks) on 1024 GPUs: Spindle and every baseline, like a Fig. 8 cell."""
     if quick:
         return None
-    workload = load_workload("clip-20")
-    cluster = make_cluster(1024)
-    mem_relaxed = False
-    try:
-        res, secs = plan_spindle(workload, cluster, SPINDLE_SYSTEMS[0][1])
-    except (PlacementError, PlanError):
-        cluster, mem_relaxed = relaxed(cluster), True
-        res, secs = plan_spindle(workload, cluster, SPINDLE_SYSTEMS[0][1])
-    t0 = time.perf_counter()
-    sim = simulate(res.plan, workload, cluster, res.cost_model, res.memory_model, metagraph=res.metagraph)
-    sim_seconds = time.perf_counter() - t0
-    # No baselines here: assembling a whole-cluster plan routes every transfer device by device
-    # (planner/placement.py flow_bytes_by_kind, quadratic in the devices), about 15 min per plan at 1024.
+    cell = run_cell("clip-20", 1024, SPINDLE_SYSTEMS, BASELINE_SYSTEMS, log)
+    spindle = cell["systems"]["spindle"]
     log("  scale row done")
-    return {"workload": "clip-20", "gpus": 1024, "tasks": len(workload.tasks), "planning_seconds": secs,
-            "timings": res.timings, "iteration_time": sim.iteration_time, "simulation_seconds": sim_seconds,
-            "makespan_over_c_star": res.plan.predicted["iteration_time"] / res.plan.predicted["c_star"],
-            "mem_relaxed": mem_relaxed}
+    return {"workload": "clip-20", "gpus": 1024, "tasks": len(load_workload("clip-20").tasks),
+            "planning_seconds": spindle["planning_seconds"], "timings": spindle["timings"],
+            "iteration_time": spindle["iteration_time"], "simulation_seconds": spindle["simulation_seconds"],
+            "makespan_over_c_star": spindle["makespan_over_c_star"], "mem_relaxed": cell["mem_relaxed"],
+            "systems": cell["systems"]}
+
+
+def scale_text(scale: dict) -> str:
+    lines = [f"Scale: {scale['workload']} ({scale['tasks']} tasks) on {scale['gpus']} GPUs, makespan/C* "
+             f"{scale['makespan_over_c_star']:.3f}{' (mem-relaxed)' if scale['mem_relaxed'] else ''}",
+             f"{'system':<14}{'iteration ms':>14}{'vs DeepSpeed':>14}{'plan s':>9}{'simulate s':>12}"]
+    for name, d in scale["systems"].items():
+        speedup = d.get("speedup_vs_deepspeed")
+        lines.append(f"{name:<14}{d['iteration_time'] * 1e3:>14.0f}{speedup if speedup else float('nan'):>14.2f}"
+                     f"{d['planning_seconds']:>9.2f}{d['simulation_seconds']:>12.2f}")
+    return "\n".join(lines)
 
 
 def targets(cells: list[dict], scale: dict | None, system: str = "spindle") -> list[tuple[str, bool, str]]:
@@ -424,10 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table2_text(t2))
     if scale:
         print()
-        print(f"Scale: {scale['workload']} ({scale['tasks']} tasks) on {scale['gpus']} GPUs: planning "
-              f"{scale['planning_seconds']:.2f} s, simulated iteration {scale['iteration_time'] * 1e3:.0f} ms "
-              f"(simulation {scale['simulation_seconds']:.1f} s), makespan/C* "
-              f"{scale['makespan_over_c_star']:.3f}{' (mem-relaxed)' if scale['mem_relaxed'] else ''}")
+        print(scale_text(scale))
     if args.with_cpsat:
         print()
         print(cpsat_table(cells))

@@ -135,8 +135,8 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
     from megatron_spindle.estimator.profile import load_profile
     from megatron_spindle.estimator.profiled import ProfiledCostModel, cluster_with_bandwidth
     from megatron_spindle.graph.cluster import make_cluster
+    from megatron_spindle.plan.schema import Plan
     from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
-    from megatron_spindle.planner.plan import Plan
     from megatron_spindle.profiler import ProfilerSettings, ProfileWorld, run_profile
     from megatron_spindle.runtime.engine import RuntimeEngine
     from megatron_spindle.simulator import simulate

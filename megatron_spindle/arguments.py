@@ -13,7 +13,8 @@ from typing import Callable
 from megatron_spindle.errors import CliArgumentParser
 from megatron_spindle.flags import add_flags, config_from_args
 from megatron_spindle.graph.cluster import NODE_TYPES, ClusterError, ClusterSpec, load_cluster, make_cluster
-from megatron_spindle.graph.workload import Workload, WorkloadError, load_workload
+from megatron_spindle.graph.task_sets import select_tasks, task_set_workload
+from megatron_spindle.graph.workload import Workload, load_workload
 
 SPINDLE_PREFIX = "spindle-"  # PlannerConfig's flags: --spindle-planner, --spindle-solver-time-limit, ...
 
@@ -22,8 +23,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = parser.add_argument_group("workload")
     g.add_argument("--workload", required=True,
                    help="Workload YAML file, or a built-in name (tiny-clip, tiny-vlm, clip-10, qwen-val, ...).")
-    g.add_argument("--tasks", default=None,
-                   help="Comma-separated subset of the workload's tasks to train/plan (default: all).")
+    g.add_argument("--tasks", default=None, metavar="TASK,TASK,...",
+                   help="The set of the workload's tasks to train/plan (default: all; the order does not matter). "
+                        "Resuming a checkpoint with another set keeps what the two share: see --task-schedule.")
     return parser
 
 
@@ -49,12 +51,10 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
+    """The workload, restricted to the --tasks set when given (an unknown task name is a WorkloadError)."""
     w = load_workload(args.workload)
     if getattr(args, "tasks", None) is not None:
-        names = [t.strip() for t in args.tasks.split(",") if t.strip()]
-        if not names:
-            raise WorkloadError(f"--tasks {args.tasks!r} names no task (tasks: {', '.join(t.name for t in w.tasks)})")
-        w = w.subset(names)
+        w = task_set_workload(w, select_tasks(w, args.tasks.split(","), "--tasks"))
     return w
 
 

@@ -27,7 +27,7 @@ import pretrain_multitask  # noqa: E402
 from megatron_spindle.checkpointing import UnitState, load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_spindle.checkpointing.lock import SaveFolderLock  # noqa: E402
 from megatron_spindle.runtime import __main__ as runtime_main  # noqa: E402
-from tools.checkpoint import convert, inspect  # noqa: E402
+from tools.checkpoint import convert, inspect_checkpoint  # noqa: E402
 
 
 def _tool(name: str):
@@ -37,10 +37,11 @@ def _tool(name: str):
     return module
 
 
-PLAN, DATASET, DEMO, PROFILE = (_tool(n) for n in ("plan", "build_multitask_dataset", "demo", "profile_metaops"))
+PLAN, DATASET, DEMO, PROFILE, ESTIMATE = (_tool(n) for n in ("plan", "build_multitask_dataset", "demo",
+                                                              "profile_metaops", "estimate"))
 ENTRY = {"plan": PLAN.main, "pretrain": pretrain_multitask.main, "runtime": runtime_main.main,
-         "dataset": DATASET.main, "inspect": inspect.main, "convert": convert.main, "demo": DEMO.main,
-         "profile": PROFILE.main}
+         "dataset": DATASET.main, "inspect": inspect_checkpoint.main, "convert": convert.main, "demo": DEMO.main,
+         "profile": PROFILE.main, "estimate": ESTIMATE.main}
 TRAIN = ["--workload", "tiny-clip", "--mock-data", "--mock-data-samples", "8", "--spindle-planner", "wavefront",
          "--gpu-type", "A800-80GB", "--log-interval", "1", "--train-iters", "3"]
 PLANNING = ["--workload", "tiny-clip", "--num-gpus", "2", "--spindle-planner", "wavefront", "--quiet"]
@@ -122,8 +123,8 @@ CASES = [
     # tools/plan.py: workload, cluster, flags, outputs
     Case("plan", PLANNING + ["--gpus-per-node", "0"], "--gpus-per-node must be positive, got 0"),
     Case("plan", PLANNING[:2] + ["--num-gpus", "0"], "--num-gpus must be positive, got 0"),
-    Case("plan", PLANNING + ["--tasks", "vision_text,nope"], "has no task 'nope'"),
-    Case("plan", PLANNING + ["--tasks", ","], "--tasks ',' names no task"),
+    Case("plan", PLANNING + ["--tasks", "vision_text,nope"], "--tasks: unknown task 'nope'"),
+    Case("plan", PLANNING + ["--tasks", ","], "--tasks: no task named"),
     Case("plan", PLANNING + ["--out", "{ws}/empty"], "--out {ws}/empty is a folder, not a file"),
     Case("plan", PLANNING + ["--out", "{ws}/previous_plan.json", "--gantt", "{ws}/plan.xyz"],
          "--gantt {ws}/plan.xyz: unsupported file type '.xyz'"),
@@ -168,7 +169,8 @@ CASES = [
     Case("pretrain", TRAIN + ["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be positive"),
     Case("pretrain", TRAIN + ["--plan-gantt", "{ws}/plan.gif"], "--plan-gantt {ws}/plan.gif: unsupported file type"),
     Case("pretrain", TRAIN + ["--weight-decay", "nan"], "invalid finite float value: 'nan'"),
-    Case("pretrain", TRAIN + ["--tasks", "nope"], "has no task 'nope'"),
+    Case("pretrain", TRAIN + ["--tasks", "nope"], "--tasks: unknown task 'nope'"),
+    Case("pretrain", TRAIN + ["--task-schedule", "2:nope"], "unknown task 'nope'"),
     Case("pretrain", TRAIN + ["--spindle-plan", "{ws}/bad.json"], "not valid JSON"),
     Case("pretrain", TRAIN + ["--workload", "{ws}/dup.yaml"], "duplicate key 'hidden_size'"),
     # tools/build_multitask_dataset.py, tools/checkpoint/*, tools/demo.py, tools/profile_metaops.py
@@ -182,6 +184,10 @@ CASES = [
          "no loader plugin named 'nope'"),
     Case("demo", ["--out", "{ws}/user_folder"], "--out {ws}/user_folder is a folder the demo did not make"),
     Case("profile", ["--workload", "tiny-clip", "--out", "{ws}/empty"], "--out {ws}/empty is a folder, not a file"),
+    Case("estimate", ["layer", "--hidden-size", "0", "--num-attention-heads", "2", "--ffn-hidden-size", "8",
+                      "--seq-length", "4", "--micro-batch-size", "1"], "argument --hidden-size: must be positive, got 0"),
+    Case("estimate", ["collective", "--op", "all_reduce", "--bytes", "12X", "--num-gpus", "2"],
+         "'12X' is not a byte count"),
 ]
 
 

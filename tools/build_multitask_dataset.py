@@ -7,7 +7,8 @@ module the file feeds (WebDataset naming), e.g.::
     raw/0001.vision.jpg  raw/0001.text.txt  raw/0002.vision.jpg  raw/0002.text.txt ...
 
 Extensions: .jpg/.jpeg/.png/.bmp/.webp (Pillow), .wav (PCM), .txt (UTF-8), .npy. With --workload and --task every
-sample is decoded once as training will decode it (resized image, log-mel features, tokens), so bad files are
+sample is decoded once as training will decode it (resized image, log-mel features, tokens; with the same
+--tokenizer-type / --tokenizer-model / --image-processor / --audio-processor as training), so bad files are
 reported now, by name, not mid-training. The output folder is written under a temporary name and renamed at
 the end: an interrupted build leaves nothing half-written, and an existing dataset is only replaced with
 --overwrite.
@@ -67,7 +68,10 @@ def collect_samples(root: Path) -> dict[str, dict[str, Path]]:
 
 
 def main(argv=None, extra_args_provider=None):
-    parser = build_parser(__doc__.strip().splitlines()[0], [add_input_args, add_output_args], extra_args_provider)
+    from megatron_spindle.data.preprocess import add_preprocessing_args
+
+    parser = build_parser(__doc__.strip().splitlines()[0], [add_input_args, add_output_args, add_preprocessing_args],
+                          extra_args_provider)
     args = parser.parse_args(argv)
     if (args.workload is None) != (args.task is None):
         parser.error("--workload and --task go together")
@@ -84,7 +88,7 @@ def main(argv=None, extra_args_provider=None):
             raise DatasetError(f"output {out} already exists (give --overwrite to replace it)")
         samples = collect_samples(Path(args.input))
         fields = None
-        workload = None
+        workload = preprocessing = None
         if args.workload:
             workload = load_workload(args.workload)
             try:
@@ -93,6 +97,9 @@ def main(argv=None, extra_args_provider=None):
                 raise DatasetError(f"workload '{workload.name}' has no task '{args.task}' "
                                    f"(tasks: {[t.name for t in workload.tasks]})") from None
             fields = task_fields(workload, args.task)
+            from megatron_spindle.data.preprocess import preprocessing_from_args
+
+            preprocessing = preprocessing_from_args(args, workload)
         first = sorted(samples)[0]
         want = sorted(fields) if fields is not None else sorted(samples[first])
         tmp = out.with_name(f".{out.name}.building")
@@ -111,7 +118,7 @@ def main(argv=None, extra_args_provider=None):
                 if fields is not None:
                     for f, (ext, data) in raw.items():
                         try:
-                            decode_field(workload, fields[f], ext, data)
+                            decode_field(workload, fields[f], ext, data, preprocessing)
                         except DecodeError as e:
                             raise DatasetError(f"{files[f]}: {e}") from None
                 writer.write(key, raw)

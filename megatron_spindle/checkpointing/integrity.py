@@ -2,8 +2,8 @@
 
 At save, ``metadata.json`` records ``files``: ``{relative path: {"sha256", "bytes"}}`` for every other file of
 the iteration folder (unit files, each rank's RNG state, the plan). ``verify_checkpoint`` re-reads them all
-(``tools/checkpoint/inspect.py --verify``); checkpoints saved before ``files`` existed have checksums for their
-unit files only, and the rest is reported as unchecked.
+(``tools/checkpoint/inspect_checkpoint.py --verify``); checkpoints saved before ``files`` existed have checksums
+for their unit files only, and the rest is reported as unchecked.
 
 ``remove_stale_saves`` runs at the start of every save: a save killed midway leaves ``iter_N.tmp`` (and a
 re-save killed while swapping leaves ``iter_N.old``), a process killed while replacing a file leaves fileio's

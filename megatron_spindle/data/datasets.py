@@ -5,6 +5,8 @@ convention): ``patch`` -> an image ``[C, S, S]``, ``audio`` -> a spectrogram ``[
 ``imu`` -> a window ``[channels, tokens * patch_size]``, ``text`` -> token ids ``[tokens]``; the text of the task's LM
 loss module holds one more token, split into inputs ``ids[:-1]`` and labels ``ids[1:]`` (PAD labels ignored).
 A dataset returns one sample as ``{module: tensor}``; ``collate`` stacks a list of them into a ``TaskBatch``.
+Raw files are decoded with each module's preprocessing (data/preprocess.py: the byte tokenizer and decode.py's
+image / audio defaults, or an imported Hugging Face model's tokenizer, image processor and log-mel).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import torch
 
 from megatron_spindle.data import decode as dec
 from megatron_spindle.data.mock import IGNORE_INDEX, TaskBatch, mock_batch, own_text_tokens
+from megatron_spindle.data.preprocess import Preprocessing
+from megatron_spindle.data.processors import ProcessorError
 from megatron_spindle.data.sampler import MixedBatch, MultiTaskSampler
 from megatron_spindle.data.shards import DatasetError, ShardReader, read_index
-from megatron_spindle.data.tokenizer import PAD, ByteTokenizer
+from megatron_spindle.data.tokenizer import EOS, PAD
 from megatron_spindle.graph.workload import Workload
 
 
@@ -99,11 +103,16 @@ class MockTaskDataset:
 
 
 class ShardedTaskDataset:
-    """A task's samples from a tar-shard folder (data/shards.py), decoded for the task's front ends."""
+    """A task's samples from a tar-shard folder (data/shards.py), decoded for the task's front ends with each
+    module's preprocessing (default: byte tokenizer, decode.py's image and audio decoding)."""
 
-    def __init__(self, workload: Workload, task: str, path: str | Path):
+    def __init__(self, workload: Workload, task: str, path: str | Path, preprocessing: Preprocessing | None = None):
         self.workload, self.task, self.path = workload, task, Path(path)
+        self.preprocessing = preprocessing or Preprocessing()
         self.fields = task_fields(workload, task)
+        # (pad, EOS) ids of the text modules: collate ignores the padding of LM labels
+        self.label_ids = {m: self.preprocessing.label_ids(workload, m) for m, f in self.fields.items()
+                          if f.type == "text"}
         self.index = read_index(self.path)
         missing = sorted(set(self.fields) - set(self.index.fields))
         if missing:
@@ -127,34 +136,57 @@ class ShardedTaskDataset:
         for m, f in self.fields.items():
             ext, data = raw[m]
             try:
-                out[m] = decode_field(self.workload, f, ext, data)
+                out[m] = decode_field(self.workload, f, ext, data, self.preprocessing)
             except dec.DecodeError as e:
                 raise DatasetError(f"data path {self.path}: sample '{self.reader.key(i)}' field '{m}': {e}") from None
         return out
 
 
-def decode_field(workload: Workload, f: FieldSpec, ext: str, data: bytes) -> torch.Tensor:
-    """Raw bytes of one field -> the tensor its front end needs (shape checked)."""
+def decode_field(workload: Workload, f: FieldSpec, ext: str, data: bytes,
+                 preprocessing: Preprocessing | None = None) -> torch.Tensor:
+    """Raw bytes of one field -> the tensor its front end needs (shape checked), with the module's preprocessing."""
+    prep = preprocessing or Preprocessing()
     fe = workload.modules[f.module].frontend
-    if f.type == "text" and ext in dec.TEXT_EXTS:
-        x = dec.decode_text(data, ByteTokenizer(fe.vocab_size), f.shape[0])
-    elif f.type == "patch" and ext in dec.IMAGE_EXTS:
-        x = dec.decode_image(data, fe.image_size, fe.in_channels)
-    elif f.type == "audio" and ext in dec.AUDIO_EXTS:
-        wav, rate = dec.read_wav(data)
-        x = dec.log_mel_features(wav, rate, fe.in_channels, f.shape[1])
-    else:
-        x = dec.decode_npy(data)
-        if f.type == "audio" and x.ndim == 1:
-            x = dec.log_mel_features(x.float(), dec.DEFAULT_SAMPLE_RATE, fe.in_channels, f.shape[1])
-        x = x.long() if f.type == "text" else x.float()
-        if f.type == "text" and x.ndim == 1 and x.numel() != f.shape[0]:
-            x = torch.cat([x, torch.full((f.shape[0],), PAD, dtype=torch.long)])[: f.shape[0]]
-        if f.type == "text" and x.numel() and (int(x.min()) < 0 or int(x.max()) >= fe.vocab_size):
-            raise dec.DecodeError(f"token ids must lie in [0, {fe.vocab_size}), got [{int(x.min())}, {int(x.max())}]")
+    try:
+        if f.type == "text" and ext in dec.TEXT_EXTS:
+            x = dec.decode_text(data, prep.tokenizer(workload, f.module), f.shape[0])
+        elif f.type == "patch" and ext in dec.IMAGE_EXTS:
+            image = prep.images.get(f.module)
+            x = dec.decode_image(data, fe.image_size, fe.in_channels) if image is None else _hf_image(image, data)
+        elif f.type == "audio" and ext in dec.AUDIO_EXTS:
+            x = _audio_features(prep, f, fe, *dec.read_wav(data))
+        else:
+            x = dec.decode_npy(data)
+            if f.type == "audio" and x.ndim == 1:
+                x = _audio_features(prep, f, fe, x.float(), dec.DEFAULT_SAMPLE_RATE)
+            x = x.long() if f.type == "text" else x.float()
+            if f.type == "text" and x.ndim == 1 and x.numel() != f.shape[0]:
+                pad = prep.label_ids(workload, f.module)[0]
+                x = torch.cat([x, torch.full((f.shape[0],), pad, dtype=torch.long)])[: f.shape[0]]
+            if f.type == "text" and x.numel() and (int(x.min()) < 0 or int(x.max()) >= fe.vocab_size):
+                raise dec.DecodeError(f"token ids must lie in [0, {fe.vocab_size}), got [{int(x.min())}, "
+                                      f"{int(x.max())}]")
+    except ProcessorError as e:
+        raise dec.DecodeError(str(e)) from None
     if tuple(x.shape) != f.shape:
         raise dec.DecodeError(f"decoded to shape {tuple(x.shape)}, module '{f.module}' needs {f.shape}")
     return x
+
+
+def _hf_image(processor, data: bytes) -> torch.Tensor:
+    from PIL import UnidentifiedImageError
+
+    try:
+        return processor(data)
+    except (UnidentifiedImageError, OSError) as e:
+        raise dec.DecodeError(f"not a readable image: {e}") from None
+
+
+def _audio_features(prep: Preprocessing, f: FieldSpec, fe, waveform: torch.Tensor, rate: int) -> torch.Tensor:
+    extractor = prep.audio.get(f.module)
+    if extractor is None:
+        return dec.log_mel_features(waveform, rate, fe.in_channels, f.shape[1])
+    return extractor(waveform, rate, f.shape[1])
 
 
 @dataclass
@@ -167,8 +199,11 @@ class LoaderBatch(TaskBatch):
                        labels=None if self.labels is None else self.labels.to(device))
 
 
-def collate(workload: Workload, task: str, samples: list[dict[str, torch.Tensor]]) -> LoaderBatch:
-    """Stack samples into the task's global batch (LM text split into inputs and shifted labels)."""
+def collate(workload: Workload, task: str, samples: list[dict[str, torch.Tensor]],
+            label_ids: dict[str, tuple[int, int]] | None = None) -> LoaderBatch:
+    """Stack samples into the task's global batch (LM text split into inputs and shifted labels). Labels that are
+    padding are ignored: ``label_ids[module] = (pad id, EOS id)`` (default: the byte tokenizer's); where the
+    tokenizer pads with its EOS token, the first EOS of a row is a real label and the rest padding."""
     fields = task_fields(workload, task)
     batch = LoaderBatch(task=task, global_batch_size=len(samples))
     for m, f in fields.items():
@@ -176,7 +211,11 @@ def collate(workload: Workload, task: str, samples: list[dict[str, torch.Tensor]
         if f.lm:
             batch.inputs[m] = x[:, :-1].contiguous()
             labels = x[:, 1:].clone()
-            labels[labels == PAD] = IGNORE_INDEX
+            pad, eos = (label_ids or {}).get(m, (PAD, EOS))
+            ignore = labels == pad
+            if pad == eos:
+                ignore &= ignore.cumsum(dim=1) > 1
+            labels[ignore] = IGNORE_INDEX
             batch.labels = labels
             batch.num_label_tokens = int((labels != IGNORE_INDEX).sum())
         else:
@@ -214,7 +253,7 @@ class MultiTaskDataLoader:
             samples = list(self._pool.map(ds.__getitem__, indices))
         else:
             samples = [ds[i] for i in indices]
-        return collate(self.workload, task, samples)
+        return collate(self.workload, task, samples, getattr(ds, "label_ids", None))
 
     def advance(self) -> MixedBatch:
         self.current = self.sampler.next()
@@ -246,8 +285,8 @@ class MultiTaskDataLoader:
     def state_dict(self) -> dict:
         return self.sampler.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state)
+    def load_state_dict(self, state: dict, tasks_may_change: bool = False) -> None:
+        self.sampler.load_state_dict(state, tasks_may_change)
         self.current, self._batches, self._ahead = None, {}, {}
 
     def close(self) -> None:
@@ -257,8 +296,9 @@ class MultiTaskDataLoader:
 
 
 def build_datasets(workload: Workload, data_paths: dict[str, str] | None, mock: bool, seed: int = 0,
-                   mock_size: int = 256) -> dict[str, TaskDataset]:
-    """One dataset per task: shards from ``data_paths[task]``, or mock data (``mock``) for every task."""
+                   mock_size: int = 256, preprocessing: Preprocessing | None = None) -> dict[str, TaskDataset]:
+    """One dataset per task: shards from ``data_paths[task]`` decoded with ``preprocessing``, or mock data
+    (``mock``) for every task."""
     tasks = [t.name for t in workload.tasks]
     data_paths = data_paths or {}
     unknown = sorted(set(data_paths) - set(tasks))
@@ -272,4 +312,4 @@ def build_datasets(workload: Workload, data_paths: dict[str, str] | None, mock: 
     if missing:
         raise DatasetError(f"no --data-path for task(s) {missing} (give --data-path TASK=PATH for each task, "
                            f"or --mock-data)")
-    return {t: ShardedTaskDataset(workload, t, data_paths[t]) for t in tasks}
+    return {t: ShardedTaskDataset(workload, t, data_paths[t], preprocessing) for t in tasks}

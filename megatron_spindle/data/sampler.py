@@ -11,6 +11,12 @@ weight ``w_t`` sets how often it *takes part*: in each iteration it counts with 
 ``w_t / max_u w_u`` (drawn from ``(seed, iteration)``, again layout independent). A task that sits out an
 iteration keeps its data position (its batch is the one it will use next time) and the trainer gives its loss
 weight 0 for that iteration. With equal weights (the default) every task takes part every time.
+
+Task-set changes (``--task-schedule``, or resuming with another ``--tasks``): the position is kept per task.
+``load_state_dict(state, tasks_may_change=True)`` gives a task of the saved position its saved place, a task new
+to the run its beginning (or, if it trained before and was dropped, the place it had when it was dropped), and
+keeps the positions of the saved tasks this run does not train in ``dropped`` (saved as ``dropped_tasks``), so
+they survive any number of later saves and resumes until the task comes back.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ class MultiTaskSampler:
         self.iteration = 0
         self.epoch = {t: 0 for t in self.tasks}
         self.offset = {t: 0 for t in self.tasks}
+        self.dropped: dict[str, dict] = {}  # saved positions of tasks this sampler does not train
         self._perm: dict[tuple[str, int], list[int]] = {}
 
     def _permutation(self, task: str, epoch: int) -> list[int]:
@@ -116,22 +123,30 @@ class MultiTaskSampler:
 
     # ------------------------------------------------------------------------------ position
     def state_dict(self) -> dict:
-        return {"iteration": self.iteration, "seed": self.seed,
-                "tasks": {t: {"epoch": self.epoch[t], "offset": self.offset[t], "size": self.sizes[t],
-                              "batch_size": self.batch_sizes[t]} for t in self.tasks}}
+        state = {"iteration": self.iteration, "seed": self.seed,
+                 "tasks": {t: {"epoch": self.epoch[t], "offset": self.offset[t], "size": self.sizes[t],
+                               "batch_size": self.batch_sizes[t]} for t in self.tasks}}
+        if self.dropped:
+            state["dropped_tasks"] = {t: dict(st) for t, st in sorted(self.dropped.items())}
+        return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, tasks_may_change: bool = False) -> None:
         """Restore a saved position. The tasks, dataset sizes and seed must be the ones it was saved with
-        (otherwise the same position would name other samples); batch sizes may differ."""
+        (otherwise the same position would name other samples); batch sizes may differ. With
+        ``tasks_may_change`` the saved tasks may differ from this sampler's (see the module docstring)."""
         tasks = state.get("tasks", {})
-        if sorted(tasks) != self.tasks:
+        if sorted(tasks) != self.tasks and not tasks_may_change:
             raise ValueError(f"saved data position is for tasks {sorted(tasks)}, this run has {self.tasks}")
         if state.get("seed", self.seed) != self.seed:
             raise ValueError(f"saved data position used --seed {state['seed']}, this run uses {self.seed}")
-        for t, st in tasks.items():
-            if st.get("size", self.sizes[t]) != self.sizes[t]:
+        known = {**state.get("dropped_tasks", {}), **tasks}
+        for t in self.tasks:
+            st = known.get(t)
+            if st is not None and st.get("size", self.sizes[t]) != self.sizes[t]:
                 raise ValueError(f"task '{t}': saved data position is for a dataset of {st['size']} samples, "
                                  f"this one has {self.sizes[t]}")
         self.iteration = int(state["iteration"])
-        for t, st in tasks.items():
+        for t in self.tasks:
+            st = known.get(t, {"epoch": 0, "offset": 0})
             self.epoch[t], self.offset[t] = int(st["epoch"]), int(st["offset"])
+        self.dropped = {t: dict(st) for t, st in known.items() if t not in self.tasks}

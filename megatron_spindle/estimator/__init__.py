@@ -1,9 +1,24 @@
-"""Scalability estimator (paper section 3.2): valid (tp, dp) configs, an analytic cost model, piecewise
-alpha-beta scaling curves, a memory model, and profiles (reading them and correcting the cost model by them).
-Pure Python + numpy; never imports torch (measuring is ``megatron_spindle.profiler``)."""
+"""Scalability estimator (paper section 3.2): valid (tp, dp) configs, an analytic cost model built on a per-kernel
+GPU model (kernels.py, op_kernels.py) and a communication model (comm_model.py), piecewise alpha-beta scaling
+curves, a memory model, and profiles (reading them and correcting the cost model by them). Pure Python +
+numpy; never imports torch (measuring is ``megatron_spindle.profiler``)."""
 
+from megatron_spindle.estimator.comm_model import (
+    OVERLAP_SLOWDOWN,
+    CommModel,
+    GroupPlacement,
+    OverlapTimes,
+    grad_buckets,
+    overlapped_backward_seconds,
+)
 from megatron_spindle.estimator.configs import LIGHT_KINDS, valid_configs, valid_ns, valid_tp_degrees
-from megatron_spindle.estimator.cost_model import AnalyticCostModel, CostModelConfig, LayerCost, OptimizerCost
+from megatron_spindle.estimator.cost_model import (
+    AnalyticCostModel,
+    CostModelConfig,
+    LayerCost,
+    OptimizerCost,
+    layer_seconds,
+)
 from megatron_spindle.estimator.curve import (
     CURVE_SOURCES,
     CurvePiece,
@@ -13,7 +28,9 @@ from megatron_spindle.estimator.curve import (
 )
 from megatron_spindle.estimator.errors import EstimatorError
 from megatron_spindle.estimator.estimate import analytic_points, estimate_curve, estimate_curves
+from megatron_spindle.estimator.kernels import KernelModel
 from megatron_spindle.estimator.memory import MemoryModel
+from megatron_spindle.estimator.op_kernels import LayerShape, LayerTime, layer_time
 from megatron_spindle.estimator.profile import (
     Measurement,
     Profile,
@@ -26,6 +43,17 @@ from megatron_spindle.estimator.profiled import ProfiledCostModel, cluster_with_
 
 __all__ = [
     "AnalyticCostModel",
+    "CommModel",
+    "GroupPlacement",
+    "KernelModel",
+    "LayerShape",
+    "LayerTime",
+    "OVERLAP_SLOWDOWN",
+    "OverlapTimes",
+    "grad_buckets",
+    "layer_seconds",
+    "layer_time",
+    "overlapped_backward_seconds",
     "CURVE_SOURCES",
     "CostModelConfig",
     "CurvePiece",

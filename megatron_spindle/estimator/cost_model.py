@@ -2,73 +2,93 @@
 
 The time of an operator on n = tp * dp devices is the sum of
 
-- compute: GEMM FLOPs at a sustained fraction of the datasheet peak, plus memory-bound element-wise work
-  (norms, residual adds, activation functions, the embedding gather, cross entropy) at HBM bandwidth;
+- compute: its kernels on one device (estimator/op_kernels.py timed by estimator/kernels.py): every GEMM by
+  (M, N, K) with tile and wave quantisation on the GPU's SMs at the measured maximum achievable matmul rate,
+  attention by implementation (FlashAttention by sequence length and head dim, or the unfused path with its s^2
+  traffic), memory-bound kernels at the achieved HBM bandwidth, a fixed gap per kernel;
 - tp_comm: the tensor-parallel all-reduces of a Megatron layer (2 forward, 2 backward) when tp > 1;
-- dp_sync: the ring all-reduce of the operator's gradients over its dp ranks (the paper's c_m term);
-- launch: the part of the per-kernel launch floor that the GPU work does not hide;
+- dp_sync: the all-reduce of the operator's gradients over its dp ranks (the paper's c_m term), at the bus
+  bandwidth of a DP group of a compact tp x dp block (estimator/comm_model.py: NVLink inside a node, the shared
+  network across nodes), with its share of one bucket's latency. It is a separate field so that callers that
+  overlap the synchronisation with the backward (comm_model.overlapped_backward_seconds) can leave it out;
+- launch: the part of the host's launch floor (kernels x launch_seconds) that the GPU work does not hide;
 - data_comm: the contrastive loss's all-gather of the other DP ranks' embeddings when dp > 1.
 
-The GEMM efficiency rises with the work per device and saturates (``eff_max * w / (w + w_half)``), so an
-operator whose per-device work gets small stops speeding up: heavy vision layers scale almost linearly while
-light text ops scale poorly, as the paper observes (Fig. 4).
-
-Every constant below is an estimate for bf16 mixed-precision training with megatron-core kernels; profiles
-(estimator.estimate_curves(profile=...)) override the model where measurements exist.
+Light operators (front ends, projectors, heads, LM head, contrastive loss) are a few GEMMs and memory-bound
+traffic. Every hardware constant comes from graph/cluster.py and estimator/kernels.py, each with its source;
+profiles (estimator.estimate_curves(profile=...)) override the model where measurements exist.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_spindle.estimator.comm_model import CommModel, GroupPlacement, bucket_params
 from megatron_spindle.estimator.configs import valid_tp_degrees
 from megatron_spindle.estimator.errors import EstimatorError
-from megatron_spindle.graph.cluster import ClusterSpec
+from megatron_spindle.estimator.kernels import KernelModel
+from megatron_spindle.estimator.light_ops import (
+    FWD_BWD_FACTOR,
+    embed_of,
+    light_gemms,
+    light_traffic,
+    vocab_of,
+)
+from megatron_spindle.estimator.op_kernels import (
+    ATTENTION_KINDS,
+    LayerShape,
+    LayerTime,
+    layer_time,
+    light_time,
+)
+from megatron_spindle.graph.cluster import HBM_STREAM_EFFICIENCY, ClusterSpec
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.graph.workload import ModuleSpec, Workload
 
-# Backward costs twice the forward (gradients w.r.t. inputs and w.r.t. weights), so fwd + bwd = 3x forward.
-FWD_BWD_FACTOR = 3
-
-# Kernels launched per operator, forward + backward (about 1 : 2). A transformer layer runs ~12 kernels forward
-# (2 norms, QKV GEMM, rotary/reshape, attention, output GEMM, 2 residual adds, FC1, activation, FC2, bias/dropout)
-# and about twice as many backward. Light ops run a handful. The launch floor only matters for small ops.
-KERNELS_PER_OPERATOR = {"layer": 36, "frontend": 9, "projector": 15, "head": 12, "lm_head": 15, "loss": 12}
-CROSS_ATTENTION_KERNELS = 15  # norm, Q and KV GEMMs, attention, output GEMM, residual; fwd + bwd
-TP_ALLREDUCES_PER_LAYER = 4  # Megatron TP: one after attention and one after the MLP, forward and backward
-TP_ALLREDUCES_PER_CROSS_ATTENTION = 2  # the extra cross-attention block's output projection, fwd and bwd
+# Kernels launched per light operator, forward + backward (GEMMs included): an embedding gather or a patch
+# projection with its bias, position add and layout copies; a 2-layer projector; a norm, pooling and projection;
+# the LM head with its cross entropy; the contrastive loss's logits, softmax and reductions.
+KERNELS_PER_OPERATOR = {"frontend": 9, "projector": 15, "head": 12, "lm_head": 15, "loss": 12}
 # AdamW per fp32 master element: reads the master, exp_avg, exp_avg_sq and the gradient, writes the first three.
 ADAMW_BYTES_PER_ELEMENT = 28
+# Host time per launched kernel in eager PyTorch (Python, dispatcher, cudaLaunchKernel): estimate, 5-10 us on a
+# current server CPU; a layer the GPU finishes sooner than the host can launch it is host-bound.
+HOST_SECONDS_PER_KERNEL = 6e-6
 
 
 @dataclass(frozen=True)
 class CostModelConfig:
-    """Hardware-efficiency constants of the analytic model."""
+    """Choices of the analytic model that are not hardware: the attention implementation, the gradient reduce
+    dtype, recomputation, and the host's launch cost."""
 
-    # Large bf16 GEMMs sustain ~70-80 % of datasheet peak; a whole layer (attention, short GEMMs) ~65 %.
-    efficiency_max: float = 0.65
-    # Per-device work at which GEMMs reach half of efficiency_max, as seconds of work at peak speed: kernels
-    # under ~20 us at peak leave SMs idle (too few tiles, tail effects). Scaling with the peak makes faster GPUs
-    # need more work to saturate, as they do (more SMs).
-    half_efficiency_seconds: float = 20e-6
-    # Streaming element-wise kernels reach ~70 % of HBM bandwidth.
-    memory_efficiency: float = 0.7
-    # PyTorch eager dispatch + CUDA launch per kernel: ~5-8 us; the GPU hides it only behind longer kernels.
-    launch_seconds: float = 6e-6
-    # Gradients are reduced in fp32 (main grads of mixed precision; the memory model counts 4 bytes for them).
+    # flash: FlashAttention (Transformer Engine / flash-attn); unfused: QK^T, softmax, PV (megatron-core local spec)
+    attention: str = "flash"
+    # Achieved / datasheet HBM bandwidth of streaming kernels (graph/cluster.py HBM_STREAM_EFFICIENCY).
+    memory_efficiency: float = HBM_STREAM_EFFICIENCY
+    # Host seconds per launched kernel (see HOST_SECONDS_PER_KERNEL).
+    launch_seconds: float = HOST_SECONDS_PER_KERNEL
+    # Gradients are reduced in fp32 (4: main grads of mixed precision; the memory model counts 4 bytes for them)
+    # or bf16 (2).
     grad_bytes: int = 4
     # Full activation recomputation of transformer layers (Megatron's --recompute-granularity full): the
-    # backward pass reruns each layer's forward, so a layer costs 4 forward passes instead of 3, and only each
-    # layer's input is kept from forward to backward (see MemoryModel).
+    # backward pass reruns each layer's forward, and only each layer's input is kept from forward to backward
+    # (see MemoryModel).
     recompute: bool = False
+    # fp32 parameters cast to bf16 before every forward (torch autocast / FSDP MixedPrecision frameworks);
+    # megatron-core keeps bf16 parameters and fp32 masters in the optimizer (False).
+    param_cast: bool = False
+    # unfused attention with a fused softmax kernel (apex / TE); False: megatron-core's torch fp32 fallback
+    fused_softmax: bool = False
 
     def __post_init__(self):
-        if not 0 < self.efficiency_max <= 1 or not 0 < self.memory_efficiency <= 1:
-            raise EstimatorError("cost model: efficiencies must be in (0, 1]")
-        if self.half_efficiency_seconds < 0 or self.launch_seconds < 0 or self.grad_bytes <= 0:
-            raise EstimatorError(
-                "cost model: half_efficiency_seconds and launch_seconds must be >= 0, grad_bytes > 0"
-            )
+        if self.attention not in ATTENTION_KINDS:
+            raise EstimatorError(f"cost model: attention must be one of {ATTENTION_KINDS}, got '{self.attention}'")
+        if not 0 < self.memory_efficiency <= 1:
+            raise EstimatorError("cost model: memory_efficiency must be in (0, 1]")
+        if self.launch_seconds < 0:
+            raise EstimatorError("cost model: launch_seconds must be >= 0")
+        if self.grad_bytes not in (2, 4):
+            raise EstimatorError(f"cost model: grad_bytes must be 2 (bf16) or 4 (fp32), got {self.grad_bytes}")
 
 
 @dataclass(frozen=True)
@@ -110,12 +130,30 @@ class LayerCost:
         return self.compute + self.tp_comm + self.dp_sync + self.launch + self.data_comm
 
 
-@dataclass(frozen=True)
-class _Traffic:
-    """HBM bytes of memory-bound work for the whole batch, fwd + bwd: split by TP or replicated on TP ranks."""
+def phase_times(kernels: LayerTime, tp_allreduces: int, tp_allreduce_seconds: float,
+                launch_seconds: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one operator on one device: its kernels plus ``tp_allreduces`` TP
+    all-reduces per phase on the stream, or, when the host takes longer to launch them all (the launch floor),
+    the host's time, split between the phases like the GPU work (the host runs ahead across the phases)."""
+    tp = tp_allreduces * tp_allreduce_seconds
+    forward, backward = kernels.forward + tp, kernels.backward + tp
+    host = (kernels.forward_kernels + kernels.backward_kernels + 2 * tp_allreduces) * launch_seconds
+    gpu = forward + backward
+    if host <= gpu:
+        return forward, backward
+    if gpu <= 0:
+        return host / 3, 2 * host / 3
+    return forward * host / gpu, backward * host / gpu
 
-    tp_sharded: float
-    tp_replicated: float
+
+def layer_seconds(shape: LayerShape, cluster: ClusterSpec, config: CostModelConfig | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of one transformer layer ``shape`` on one GPU of ``cluster``, TP all-reduces
+    (over ``shape.tp`` GPUs of one node) and the launch floor included: what tools/estimate.py prints."""
+    config = config or CostModelConfig()
+    kernels = layer_time(KernelModel(cluster.gpu, config.memory_efficiency), shape, config.recompute)
+    comm = CommModel(cluster)
+    return phase_times(kernels, shape.tp_allreduces, comm.tp_allreduce_seconds(shape.tp_allreduce_bytes, shape.tp),
+                       config.launch_seconds)
 
 
 def _parse_unit(param_name: str) -> tuple[str, str]:
@@ -145,7 +183,10 @@ class AnalyticCostModel:
         self.cluster = cluster
         self.dtype_bytes = dtype_bytes
         self.config = config or CostModelConfig()
+        self.kernels = KernelModel(cluster.gpu, self.config.memory_efficiency)
+        self.comm = CommModel(cluster)
         self._param_counts: dict[str, int] = {}
+        self._times: dict[tuple, LayerTime] = {}
 
     # ------------------------------------------------------------------------------------------ shapes
 
@@ -164,16 +205,8 @@ class AnalyticCostModel:
     def _kv_width(module: ModuleSpec) -> int:
         return module.hidden_size // module.num_heads * module.query_groups
 
-    def _vocab(self, metaop: MetaOp, module: ModuleSpec) -> int:
-        if not module.lm_vocab:
-            raise EstimatorError(
-                f"MetaOp '{metaop.id}': lm_head on module '{module.name}' without a vocab_size"
-            )
-        return module.lm_vocab
-
-    @staticmethod
-    def _embed_dim(module: ModuleSpec) -> int:
-        return module.embed_dim or module.hidden_size
+    _vocab = staticmethod(vocab_of)
+    _embed_dim = staticmethod(embed_of)
 
     # ------------------------------------------------------------------------------------------- FLOPs
 
@@ -225,50 +258,12 @@ class AnalyticCostModel:
 
     # ------------------------------------------------------------------------------ memory-bound bytes
 
-    def _traffic(self, metaop: MetaOp) -> _Traffic:
-        d = self.dtype_bytes
-        b, s, x = metaop.input_shape
-        if metaop.kind == "loss":
-            return _Traffic(FWD_BWD_FACTOR * 4.0 * b * b * 2, 0.0)  # fp32 softmax over the B x B logits
-        module = self._module(metaop)
-        h = module.hidden_size
-        if metaop.kind == "layer":
-            # Norms read + write (2 x 2 passes), residual adds read 2 + write 1 (2 x 3): 10 passes over B*S*H,
-            # replicated on TP ranks (no sequence parallelism). The activation reads F and writes F (SwiGLU: 2F
-            # in, F out) and is split by TP.
-            passes = 10 + (5 if module.cross_attention else 0)
-            act_passes = 3 if self._is_swiglu(module) else 2
-            ffn = module.ffn_hidden_size
-            return _Traffic(
-                FWD_BWD_FACTOR * d * b * s * ffn * act_passes, FWD_BWD_FACTOR * d * b * s * h * passes
-            )
-        if metaop.kind == "frontend":
-            fe = module.frontend
-            if fe is not None and fe.type == "text":
-                # Gather rows (read + write) forward; backward reads the gradient and scatter-adds into the fp32
-                # embedding gradient (read + write 4 bytes).
-                return _Traffic(b * s * h * (3 * d + 8.0), 0.0)
-            passes = 3 + (2 if fe is not None and fe.pre_norm else 0)  # bias, position add, layout copy, norm
-            if fe is not None and fe.stem == "conv":  # two GELUs (read + write), conv1's at the frame rate
-                passes += 2 * fe.patch_size + 2
-            return _Traffic(FWD_BWD_FACTOR * d * b * s * h * passes, 0.0)
-        if metaop.kind == "projector":
-            return _Traffic(FWD_BWD_FACTOR * d * b * s * h * 3, 0.0)  # activation read + write, pooling read
-        if metaop.kind == "head":
-            return _Traffic(
-                FWD_BWD_FACTOR * d * b * s * h * 3, 0.0
-            )  # final norm read + write, mean-pool read
-        if metaop.kind == "lm_head":
-            vocab = self._vocab(metaop, module)
-            norm = FWD_BWD_FACTOR * d * b * s * h * 2
-            cross_entropy = b * s * vocab * (2 * d + 8.0)  # logits in, fp32 softmax, fp32 grad, grad out
-            return _Traffic(norm + cross_entropy, 0.0)
-        raise EstimatorError(f"MetaOp '{metaop.id}': unknown kind '{metaop.kind}'")
-
     def memory_bytes(self, metaop: MetaOp) -> float:
-        """HBM bytes moved by the memory-bound parts of one operator, whole batch, forward + backward."""
-        traffic = self._traffic(metaop)
-        return traffic.tp_sharded + traffic.tp_replicated
+        """HBM bytes moved by the memory-bound parts of one light operator, whole batch, forward + backward
+        (a layer's memory-bound kernels are listed in op_kernels.py)."""
+        if metaop.kind == "layer":
+            raise EstimatorError(f"MetaOp '{metaop.id}': a layer's memory traffic is per kernel (op_kernels.py)")
+        return light_traffic(metaop, None if metaop.kind == "loss" else self._module(metaop), self.dtype_bytes)
 
     # ------------------------------------------------------------------------------------------ output
 
@@ -323,7 +318,8 @@ class AnalyticCostModel:
             patches = (fe.image_size // fe.patch_size) ** 2 + (1 if fe.class_token else 0)
             cls = h if fe.class_token else 0
             pre_norm = 2 * h if fe.pre_norm else 0
-            return fe.in_channels * fe.patch_size**2 * h + h + cls + patches * h + pre_norm  # conv, bias, cls, pos
+            bias = h if fe.patch_bias else 0
+            return fe.in_channels * fe.patch_size**2 * h + bias + cls + patches * h + pre_norm  # conv, cls, pos
         if fe.stem == "conv":
             return 3 * fe.in_channels * h + h + 3 * h * h + h  # two k3 convs with biases; sinusoidal positions
         return fe.in_channels * fe.patch_size * h + h  # 1D conv + bias; fixed position encodings
@@ -392,44 +388,36 @@ class AnalyticCostModel:
 
     # ------------------------------------------------------------------------------------ communication
 
-    def _link(self, devices_spanned: int) -> tuple[float, float]:
-        """(bandwidth, latency) of a collective whose group spans ``devices_spanned`` compactly placed devices:
-        NVLink when they fit in one node, else the network (the slowest link of a ring sets its speed)."""
-        if devices_spanned <= self.cluster.gpus_per_node:
-            return self.cluster.intra_node_bw, self.cluster.intra_node_latency
-        return self.cluster.inter_node_bw, self.cluster.inter_node_latency
-
     def optimizer_cost(self) -> OptimizerCost:
         """AdamW is a streaming element-wise update: ``ADAMW_BYTES_PER_ELEMENT`` of HBM traffic per element."""
-        bandwidth = self.cluster.gpu.memory_bandwidth * self.config.memory_efficiency
-        return OptimizerCost(ADAMW_BYTES_PER_ELEMENT / bandwidth, 0.0, "analytic")
+        return OptimizerCost(ADAMW_BYTES_PER_ELEMENT / self.kernels.bandwidth, 0.0, "analytic")
 
     def optimizer_seconds(self, elements: float, tensors: int = 0) -> float:
         """One AdamW step over ``tensors`` master tensors of ``elements`` fp32 elements in all."""
         return self.optimizer_cost().seconds(elements, tensors)
 
+    def _compact_group(self, ranks: int, devices_spanned: int) -> GroupPlacement:
+        stride = max(1, devices_spanned // max(1, ranks))
+        return GroupPlacement.strided(ranks, stride, self.cluster)
+
     def allreduce_seconds(self, num_bytes: float, ranks: int, devices_spanned: int) -> float:
-        """Ring all-reduce of ``num_bytes`` per rank: 2(p-1)/p of the data over each link, 2(p-1) hops."""
+        """All-reduce of ``num_bytes`` per rank over ``ranks`` ranks evenly strided over ``devices_spanned``
+        compactly placed devices (the other groups of that block run at the same time)."""
         if ranks <= 1 or num_bytes <= 0:
             return 0.0
-        bandwidth, latency = self._link(devices_spanned)
-        return 2 * (ranks - 1) / ranks * num_bytes / bandwidth + 2 * (ranks - 1) * latency
+        group = self._compact_group(ranks, devices_spanned)
+        concurrent = min(devices_spanned // ranks, self.cluster.gpus_per_node) if group.crosses_nodes else 1
+        return self.comm.all_reduce(num_bytes, group, max(1, concurrent))
 
     def allgather_seconds(self, total_bytes: float, ranks: int, devices_spanned: int) -> float:
-        """Ring all-gather (or reduce-scatter) of ``total_bytes`` in all: (p-1)/p of it per link, p-1 hops."""
+        """All-gather (or reduce-scatter) of ``total_bytes`` in all, laid out as in ``allreduce_seconds``."""
         if ranks <= 1 or total_bytes <= 0:
             return 0.0
-        bandwidth, latency = self._link(devices_spanned)
-        return (ranks - 1) / ranks * total_bytes / bandwidth + (ranks - 1) * latency
+        group = self._compact_group(ranks, devices_spanned)
+        concurrent = min(devices_spanned // ranks, self.cluster.gpus_per_node) if group.crosses_nodes else 1
+        return self.comm.all_gather(total_bytes, group, max(1, concurrent))
 
-    # ---------------------------------------------------------------------------------------------- time
-
-    def efficiency(self, per_device_flops: float) -> float:
-        """Fraction of peak FLOP/s reached with ``per_device_flops`` of GEMM work: eff_max * w / (w + w_half)."""
-        w_half = self.cluster.gpu.peak_flops * self.config.half_efficiency_seconds
-        if per_device_flops <= 0:
-            return 0.0
-        return self.config.efficiency_max * per_device_flops / (per_device_flops + w_half)
+    # ------------------------------------------------------------------------------------------- kernels
 
     def _check_config(self, metaop: MetaOp, tp: int, dp: int) -> None:
         for what, value in (("tp", tp), ("dp", dp)):
@@ -443,62 +431,106 @@ class AnalyticCostModel:
         if tp not in tps:
             raise EstimatorError(f"MetaOp '{metaop.id}' ({metaop.kind}): tp {tp} is not valid (valid: {tps})")
 
-    def compute_seconds(self, metaop: MetaOp, tp: int, dp: int) -> float:
-        """GEMM time at the efficiency the per-device work reaches, plus memory-bound time at HBM bandwidth."""
-        per_device_flops = self.flops(metaop) / (tp * dp)
-        gemm = 0.0
-        if per_device_flops > 0:
-            gemm = per_device_flops / (self.cluster.gpu.peak_flops * self.efficiency(per_device_flops))
-        traffic = self._traffic(metaop)
-        per_device_bytes = traffic.tp_sharded / (tp * dp) + traffic.tp_replicated / dp
-        memory = per_device_bytes / (self.cluster.gpu.memory_bandwidth * self.config.memory_efficiency)
-        return gemm + memory
-
-    def tp_comm_seconds(self, metaop: MetaOp, tp: int, dp: int) -> float:
-        if tp == 1 or metaop.kind != "layer":
-            return 0.0
+    def layer_shape(self, metaop: MetaOp, tp: int, dp: int) -> LayerShape:
+        """The transformer layer of a ``layer`` MetaOp as one device of a (tp, dp) config runs it."""
+        if metaop.kind != "layer":
+            raise EstimatorError(f"MetaOp '{metaop.id}': layer_shape needs a layer MetaOp, got '{metaop.kind}'")
         module = self._module(metaop)
         b, s, _ = metaop.input_shape
-        count = TP_ALLREDUCES_PER_LAYER + (TP_ALLREDUCES_PER_CROSS_ATTENTION if module.cross_attention else 0)
-        per_rank = b / dp * s * module.hidden_size * self.dtype_bytes
-        return count * self.allreduce_seconds(per_rank, tp, tp)
+        llm = module.kind == "llm"
+        return LayerShape(
+            batch=b // dp, seq=s, hidden=module.hidden_size, heads=module.num_heads, ffn=module.ffn_hidden_size,
+            kv_groups=module.query_groups, swiglu=self._is_swiglu(module), causal=module.is_causal, tp=tp,
+            attention=self.config.attention, bias=not llm, rotary=llm, cross_attention=module.cross_attention,
+            dtype_bytes=self.dtype_bytes, param_cast=self.config.param_cast,
+            fused_softmax=self.config.fused_softmax,
+        )
+
+    def kernel_time(self, metaop: MetaOp, tp: int, dp: int) -> LayerTime:
+        """Forward and backward seconds of the kernels of ONE operator on one device of a (tp, dp) config
+        (communication excluded). Memoised per (MetaOp, tp, dp)."""
+        key = (metaop.id, metaop.kind, metaop.module, tuple(metaop.input_shape), tp, dp)
+        cached = self._times.get(key)
+        if cached is not None:
+            return cached
+        if metaop.kind == "layer":
+            result = layer_time(self.kernels, self.layer_shape(metaop, tp, dp), self.config.recompute)
+        else:
+            module = None if metaop.kind == "loss" else self._module(metaop)
+            gemms = light_gemms(metaop, module, metaop.batch // dp)
+            nbytes = self.memory_bytes(metaop) / dp
+            memory_kernels = max(1, KERNELS_PER_OPERATOR[metaop.kind] - 3 * len(gemms))
+            result = light_time(self.kernels, gemms, nbytes, memory_kernels)
+        self._times[key] = result
+        return result
+
+    def phase_seconds(self, metaop: MetaOp, tp: int, dp: int) -> tuple[float, float]:
+        """(forward, backward) seconds of ONE operator on one device: kernels, TP all-reduces and the launch floor
+        split by phase (no gradient sync, no contrastive all-gather)."""
+        self._check_config(metaop, tp, dp)
+        return phase_times(self.kernel_time(metaop, tp, dp), self._tp_allreduces(metaop, tp),
+                           self._tp_allreduce_seconds(metaop, tp, dp), self.config.launch_seconds)
+
+    # ---------------------------------------------------------------------------------------------- time
+
+    def compute_seconds(self, metaop: MetaOp, tp: int, dp: int) -> float:
+        """GPU time of one operator's kernels, forward + backward, on one device."""
+        return self.kernel_time(metaop, tp, dp).total
+
+    def _tp_allreduces(self, metaop: MetaOp, tp: int) -> int:
+        if tp == 1 or metaop.kind != "layer":
+            return 0
+        return 2 + (1 if self._module(metaop).cross_attention else 0)
+
+    def _tp_allreduce_seconds(self, metaop: MetaOp, tp: int, dp: int) -> float:
+        if tp == 1 or metaop.kind != "layer":
+            return 0.0
+        b, s, _ = metaop.input_shape
+        per_rank = b // dp * s * self._module(metaop).hidden_size * self.dtype_bytes
+        return self.comm.tp_allreduce_seconds(per_rank, tp)
+
+    def tp_comm_seconds(self, metaop: MetaOp, tp: int, dp: int) -> float:
+        """Megatron TP all-reduces of one operator (as many in the backward as in the forward)."""
+        return 2 * self._tp_allreduces(metaop, tp) * self._tp_allreduce_seconds(metaop, tp, dp)
 
     def dp_sync_seconds(self, metaop: MetaOp, tp: int, dp: int) -> float:
-        grad_bytes = self.operator_param_count(metaop) / tp * self.config.grad_bytes
-        return self.allreduce_seconds(grad_bytes, dp, tp * dp)
+        """This operator's share of the bucketed gradient all-reduce over its dp ranks: its bytes at the DP
+        group's bus bandwidth, and the bucket latency in proportion to its parameters."""
+        params = self.operator_param_count(metaop) / tp
+        if dp <= 1 or params <= 0:
+            return 0.0
+        group, concurrent = self.comm.dp_group(tp, dp)
+        whole = self.comm.all_reduce(params * self.config.grad_bytes, group, concurrent)
+        latency = self.comm.latency(group)
+        return whole - latency + latency * min(1.0, params / bucket_params(dp))
 
     def data_comm_seconds(self, metaop: MetaOp, tp: int, dp: int) -> float:
         if metaop.kind != "loss" or dp == 1:
             return 0.0
         b, _, width = metaop.input_shape
         embeddings = 2 * b * width * self.dtype_bytes  # both towers' embeddings
-        return 2 * self.allgather_seconds(
-            embeddings, dp, tp * dp
-        )  # all-gather forward, reduce-scatter backward
+        group, concurrent = self.comm.dp_group(tp, dp)
+        # all-gather forward, reduce-scatter backward
+        return self.comm.all_gather(embeddings, group, concurrent) + self.comm.reduce_scatter(
+            embeddings, group, concurrent)
 
-    def launch_floor_seconds(self, metaop: MetaOp, tp: int) -> float:
-        kernels = KERNELS_PER_OPERATOR[metaop.kind]
-        if metaop.kind == "layer":
-            module = self._module(metaop)
-            kernels += CROSS_ATTENTION_KERNELS if module.cross_attention else 0
-            if tp > 1:
-                kernels += TP_ALLREDUCES_PER_LAYER + (
-                    TP_ALLREDUCES_PER_CROSS_ATTENTION if module.cross_attention else 0
-                )
+    def launch_floor_seconds(self, metaop: MetaOp, tp: int, dp: int = 1) -> float:
+        """Host time to launch one operator's kernels and TP collectives, forward + backward."""
+        kt = self.kernel_time(metaop, tp, dp)
+        kernels = kt.forward_kernels + kt.backward_kernels + 2 * self._tp_allreduces(metaop, tp)
         return kernels * self.config.launch_seconds
 
     def layer_cost(self, metaop: MetaOp, tp: int, dp: int) -> LayerCost:
         """Seconds for ONE operator of ``metaop``, forward + backward, on tp * dp devices."""
-        self._check_config(metaop, tp, dp)
+        fwd, bwd = self.phase_seconds(metaop, tp, dp)
         compute = self.compute_seconds(metaop, tp, dp)
         tp_comm = self.tp_comm_seconds(metaop, tp, dp)
         # The host launches kernels asynchronously: only the part of the launch floor longer than the GPU work
-        # on the stream (compute and TP all-reduces) shows up.
-        launch = max(0.0, self.launch_floor_seconds(metaop, tp) - compute - tp_comm)
+        # on the stream (compute and TP all-reduces) shows up, phase by phase (phase_times).
         return LayerCost(
             compute=compute,
             tp_comm=tp_comm,
             dp_sync=self.dp_sync_seconds(metaop, tp, dp),
-            launch=launch,
+            launch=max(0.0, fwd + bwd - compute - tp_comm),
             data_comm=self.data_comm_seconds(metaop, tp, dp),
         )

@@ -80,9 +80,9 @@ class CurvePiece:
 
 
 def _allreduce_volume(c: float, n: float, hop_bytes: float) -> float:
-    """Byte-equivalent cost of a ring all-reduce of c bytes over n ranks: 2(n-1)/n * c sent per device plus
-    2(n-1) latency hops of hop_bytes each (0 on one device)."""
-    return (c * 2 * (n - 1) / n + 2 * (n - 1) * hop_bytes) if n > 1 else 0.0
+    """Byte-equivalent cost of an all-reduce of c bytes over n ranks: 2(n-1)/n * c sent per device plus one
+    collective's latency, hop_bytes (0 on one device): the cost model charges a latency per collective."""
+    return (c * 2 * (n - 1) / n + hop_bytes) if n > 1 else 0.0
 
 
 def _is_power_of_two(n: int) -> bool:

@@ -1,7 +1,9 @@
-"""Device memory of a slice: parameter state (weights, gradients, optimizer) and activations kept for backward.
+"""Device memory numbers of a slice: parameter state (weights, gradients, optimizer) and activations kept for
+backward.
 
 Mixed-precision training with Adam and no optimizer sharding holds 18 bytes per parameter: a bf16 weight (2),
-an fp32 main gradient (4), an fp32 master weight (4) and the two fp32 Adam moments (4 + 4).
+an fp32 main gradient (4), an fp32 master weight (4) and the two fp32 Adam moments (4 + 4); the constants and
+the ZeRO sharding rule are plan/memory.py's, which also holds the rules that add these numbers up per device.
 """
 
 from __future__ import annotations
@@ -11,9 +13,7 @@ from megatron_spindle.estimator.errors import EstimatorError
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.graph.workload import ModuleSpec, Workload
-
-WEIGHT_AND_GRAD_BYTES = 2 + 4  # bf16 weight, fp32 main gradient
-OPTIMIZER_BYTES = 4 + 4 + 4  # fp32 master weight, Adam m and v
+from megatron_spindle.plan.memory import STATE_BYTES_PER_PARAM, zero_sharded_bytes
 
 
 class MemoryModel:
@@ -29,16 +29,21 @@ class MemoryModel:
         self.cost_model = cost_model or AnalyticCostModel(workload, cluster)
         self.dtype_bytes = self.cost_model.dtype_bytes
 
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage ``param_state_bytes`` shards for: 1 with the distributed optimizer, else 0."""
+        return 1 if self.distributed_optimizer else 0
+
     # ---------------------------------------------------------------------------------------- parameters
 
     def param_state_bytes(self, param_name: str, tp: int, dp: int = 1) -> float:
         """Weights + gradients + Adam state of one parameter unit on each of its tp ranks (the optimizer state
-        split over ``dp`` ranks with the distributed optimizer). Norms and some biases are replicated rather
-        than split by TP; they are tiny, so we divide everything by tp."""
+        split over ``dp`` ranks with the distributed optimizer: plan/memory.py's ZeRO rule). Norms and some
+        biases are replicated rather than split by TP; they are tiny, so we divide everything by tp."""
         _check_positive("tp", tp)
         _check_positive("dp", dp)
-        optimizer = OPTIMIZER_BYTES / dp if self.distributed_optimizer else OPTIMIZER_BYTES
-        return self.cost_model.param_count(param_name) / tp * (WEIGHT_AND_GRAD_BYTES + optimizer)
+        state = self.cost_model.param_count(param_name) / tp * STATE_BYTES_PER_PARAM
+        return zero_sharded_bytes(state, self.zero_stage, dp)
 
     def slice_param_state_bytes(self, metaop: MetaOp, tp: int, layer_start: int, layer_end: int,
                                 dp: int = 1) -> float:

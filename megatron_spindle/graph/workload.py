@@ -63,6 +63,8 @@ class FrontendSpec:
 
     Options (defaults keep the original model):
     pre_norm: patch only: a LayerNorm over the embeddings (after positions), as CLIP's ``pre_layrnorm``.
+    patch_bias: patch only: the patch projection has a bias (default). ``false`` builds it without one, as CLIP's
+          patch embedding (a module converted from / exported to Hugging Face CLIP then has exactly its tensors).
     stem: audio only: ``linear`` (a linear over non-overlapping windows of patch_size frames, learned positions)
           or ``conv`` (Whisper: conv1d k3 pad 1 + GELU, conv1d k3 stride patch_size pad 1 + GELU, positions
           initialised to Whisper's sinusoids). Both make frames // patch_size tokens (frames beyond a multiple of
@@ -78,6 +80,7 @@ class FrontendSpec:
     class_token: bool = True
     pre_norm: bool = False
     stem: str = "linear"
+    patch_bias: bool = True
 
 
 @dataclass
@@ -274,7 +277,7 @@ class Workload:
 # their defaults, so existing workloads keep their digests.
 _NEW_MODULE_DEFAULTS = {"activation": None, "qkv_bias": False, "norm_epsilon": None, "rotary_base": None,
                         "rope_scaling_factor": None, "head_pool": None, "eos_token_id": None}
-_NEW_FRONTEND_DEFAULTS = {"pre_norm": False, "stem": "linear"}
+_NEW_FRONTEND_DEFAULTS = {"pre_norm": False, "stem": "linear", "patch_bias": True}
 
 
 def _drop_defaults(d: dict[str, Any], defaults: dict[str, Any]) -> None:
@@ -409,6 +412,10 @@ def validate_workload(w: Workload) -> None:
                 raise WorkloadError(f"{where}: frontend pre_norm must be true or false, got {fe.pre_norm!r}")
             if fe.pre_norm and fe.type != "patch":
                 raise WorkloadError(f"{where}: frontend pre_norm is for patch front ends, not '{fe.type}'")
+            if not isinstance(fe.patch_bias, bool):
+                raise WorkloadError(f"{where}: frontend patch_bias must be true or false, got {fe.patch_bias!r}")
+            if not fe.patch_bias and fe.type != "patch":
+                raise WorkloadError(f"{where}: frontend patch_bias is for patch front ends, not '{fe.type}'")
             if fe.stem not in FRONTEND_STEMS:
                 raise WorkloadError(f"{where}: unknown frontend stem {fe.stem!r} (expected one of {FRONTEND_STEMS})")
             if fe.stem == "conv" and fe.type != "audio":

@@ -1,7 +1,8 @@
 """Front ends: raw task inputs -> the first layer's token sequence ``[batch, tokens, hidden]``.
 
 patch: images -> non-overlapping patches, a linear projection (a Conv2d with stride = kernel, as a linear over
-       flattened patches) + class token + learned positions (+ a LayerNorm with ``pre_norm``, CLIP's pre_layrnorm)
+       flattened patches; without a bias with ``patch_bias: false``, as CLIP's) + class token + learned positions
+       (+ a LayerNorm with ``pre_norm``, CLIP's pre_layrnorm)
 audio / imu: ``[in_channels, frames]`` -> non-overlapping windows of ``patch_size`` frames, a linear projection +
        learned positions
 audio with ``stem: conv`` (Whisper): conv1d(in_channels -> hidden, k3, pad 1) + GELU, conv1d(hidden -> hidden, k3,
@@ -28,7 +29,7 @@ class PatchFrontend(nn.Module):
         self.use_class_token = fe.class_token
         grid = fe.image_size // fe.patch_size
         num_positions = grid * grid + (1 if fe.class_token else 0)
-        self.patch_proj = nn.Linear(fe.in_channels * fe.patch_size**2, hidden_size, dtype=dtype)
+        self.patch_proj = nn.Linear(fe.in_channels * fe.patch_size**2, hidden_size, bias=fe.patch_bias, dtype=dtype)
         if fe.class_token:
             self.class_token = nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
         self.position_embeddings = nn.Parameter(torch.zeros(num_positions, hidden_size, dtype=dtype))

@@ -61,22 +61,15 @@ from megatron_spindle.models.frontends import ConvStemFrontend, PatchFrontend, T
 from megatron_spindle.models.heads import LMHead, PooledHead, eos_positions
 from megatron_spindle.models.losses import contrastive_loss, lm_loss
 from megatron_spindle.models.state import full_shape, gather_full, init_full_tensor, shard_full_tensor
-from megatron_spindle.planner.plan import MetaOpInfo
+from megatron_spindle.plan.derive import metaop_infos as plan_metaop_infos
+from megatron_spindle.plan.schema import MetaOpInfo
 
 METAOP_KINDS = ("frontend", "layer", "projector", "head", "lm_head", "loss")
 
 
 def metaop_infos(workload: Workload) -> dict[str, MetaOpInfo]:
-    """MetaOpInfo of every MetaOp of the workload's graph (as planner/assemble.py writes them into a Plan)."""
-    g = build_metagraph(workload)
-    return {
-        mid: MetaOpInfo(
-            id=mid, task=m.task, module=m.module, kind=m.kind, num_layers=m.num_layers,
-            layer_offset=m.layer_offset, input_shape=list(m.input_shape), level=m.level,
-            preds=g.predecessors(mid), params=[p for names in m.params for p in names],
-        )
-        for mid, m in g.metaops.items()
-    }
+    """MetaOpInfo of every MetaOp of the workload's graph, by id (the records a Plan holds)."""
+    return {info.id: info for info in plan_metaop_infos(build_metagraph(workload))}
 
 
 def _pred_modules(workload: Workload, metaop: MetaOpInfo) -> list[tuple[str, str]]:

@@ -11,31 +11,24 @@ from typing import Any
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.planner.placement import (
-    DeviceMemoryModel,
-    FlowCostModel,
-    PlacedRows,
-    flow_bytes_by_kind,
-    predicted_memory,
-    producer_slices,
-    slice_units,
-    transfer_kind,
-)
-from megatron_spindle.planner.plan import (
+from megatron_spindle.plan.derive import derive_param_groups, derive_transfers, metaop_infos
+from megatron_spindle.plan.memory import MemoryNumbers, plan_memory
+from megatron_spindle.plan.schema import (
     TRANSFER_KINDS,
+    ExecutionSettings,
     LevelInfo,
     MetaOpInfo,
-    ParamGroup,
     Plan,
     PlanError,
     Slice,
     Transfer,
     Wave,
 )
+from megatron_spindle.plan.validate import validate_plan
+from megatron_spindle.planner.placement import FlowCostModel
 from megatron_spindle.planner.schedule import LevelAllocation, ScheduledWave
-from megatron_spindle.planner.validate import validate_plan
 
-WEIGHT_BYTES_PER_PARAM = 2  # bf16 weights: the volume a parameter group's gradient all-reduce moves
+DEFAULT_SETTINGS = ExecutionSettings()  # frozen: one shared default is safe
 
 
 def slice_id(wave_index: int, metaop: str) -> str:
@@ -43,35 +36,39 @@ def slice_id(wave_index: int, metaop: str) -> str:
 
 
 def assemble_plan(workload: Workload, cluster: ClusterSpec, metagraph: MetaGraph, waves: Sequence[ScheduledWave],
-                  cost_model: FlowCostModel, memory_model: DeviceMemoryModel, settings: dict[str, Any],
+                  cost_model: FlowCostModel, memory_model: MemoryNumbers, planner_info: dict[str, Any],
                   level_allocs: list[LevelAllocation] | None = None, curves: dict[str, Any] | None = None,
-                  validate: bool = True) -> Plan:
-    """Build the plan of placed ``waves`` (every slice has ``devices``) and, unless ``validate`` is False,
-    check it with ``validate_plan`` (raises ``PlanError``).
+                  validate: bool = True, settings: ExecutionSettings = DEFAULT_SETTINGS) -> Plan:
+    """Build the plan of placed ``waves`` (every slice has ``devices``) run under ``settings`` and, unless
+    ``validate`` is False, check it with ``validate_plan`` (raises ``PlanError``). ``planner_info`` becomes the
+    plan's diagnostics (``Plan.planner``).
 
-    ``curves`` maps MetaOp id -> ScalingCurve (only ``source`` and ``fit_error`` are read). Without
-    ``level_allocs`` the relaxed optimum is unknown: levels get ``c_star = 0`` and ``predicted`` has no
-    ``c_star`` / ``gap``.
+    Transfers are routed and the memory per device is accounted by plan/ (routing.py, memory.py), the same
+    rules the simulator and the runtime apply. ``curves`` maps MetaOp id -> ScalingCurve (only ``source`` and
+    ``fit_error`` are read). Without ``level_allocs`` the relaxed optimum is unknown: levels get ``c_star = 0``
+    and ``predicted`` has no ``c_star`` / ``gap``.
     """
     _check_placed(waves, metagraph)
-    plan_waves = _plan_waves(waves, metagraph)
-    transfers = _transfers(waves, metagraph, cluster, cost_model)
-    memory = predicted_memory(waves, metagraph, memory_model, cluster)
     allocs = {a.level: a for a in level_allocs or []}
     plan = Plan(
         workload_name=workload.name,
         workload_digest=workload.digest(),
         cluster=cluster.to_dict(),
         cluster_digest=cluster.digest(),
-        planner=dict(settings),
-        metaops=_metaop_infos(metagraph, allocs, curves or {}),
+        planner=dict(planner_info),
+        metaops=_metaop_records(metagraph, allocs, curves or {}),
         levels=_level_infos(metagraph, waves, allocs),
-        waves=plan_waves,
-        transfers=transfers,
-        param_groups=param_groups(waves, metagraph, cost_model),
-        memory_per_device=memory,
-        predicted=_predictions(waves, cluster, transfers, allocs if level_allocs is not None else None),
+        waves=_plan_waves(waves, metagraph),
+        transfers=[],
+        param_groups=[],
+        memory_per_device=[],
+        predicted={},
+        settings=settings,
     )
+    plan.transfers = derive_transfers(plan, lambda mid: cost_model.activation_bytes(metagraph.metaops[mid]))
+    plan.param_groups = derive_param_groups(plan, metagraph.metaops, cost_model.param_count)
+    plan.memory_per_device = plan_memory(plan, metagraph.metaops, memory_model)
+    plan.predicted = _predictions(waves, cluster, plan.transfers, allocs if level_allocs is not None else None)
     if validate:
         validate_plan(plan, workload, cluster, metagraph)
     return plan
@@ -103,57 +100,17 @@ def _plan_waves(waves: Sequence[ScheduledWave], metagraph: MetaGraph) -> list[Wa
     return out
 
 
-def _transfers(waves: Sequence[ScheduledWave], metagraph: MetaGraph, cluster: ClusterSpec,
-               cost_model: FlowCostModel) -> list[Transfer]:
-    out = []
-    for (wi, si), producers in producer_slices(waves, metagraph).items():
-        dst = waves[wi].slices[si]
-        for pw, ps in producers:
-            src = waves[pw].slices[ps]
-            src_metaop = metagraph.metaops[src.metaop]
-            total = float(cost_model.activation_bytes(src_metaop))
-            rows = PlacedRows.of(src.devices, src.tp, src.dp, src_metaop.batch, total)
-            by_kind = flow_bytes_by_kind(rows, dst.devices, dst.tp, dst.dp, cluster)
-            out.append(Transfer(producer=slice_id(pw, src.metaop), consumer=slice_id(wi, dst.metaop), bytes=total,
-                                kind=transfer_kind(by_kind), src_devices=list(src.devices),
-                                dst_devices=list(dst.devices), bytes_by_kind=by_kind))
-    return out
-
-
-def param_groups(waves: Sequence[ScheduledWave], metagraph: MetaGraph, cost_model: FlowCostModel) -> list[ParamGroup]:
-    """The parameter device group pool: units held by exactly the same devices form one group.
-
-    Units are listed in order of first use; groups are sorted by their device lists.
-    """
-    holders: dict[str, set[int]] = {}
-    for w in waves:
-        for s in w.slices:
-            for u in slice_units(metagraph.metaops[s.metaop], s.layer_start, s.layer_end):
-                holders.setdefault(u, set()).update(s.devices)
-    pool: dict[tuple[int, ...], list[str]] = {}
-    for unit, devices in holders.items():
-        pool.setdefault(tuple(sorted(devices)), []).append(unit)
-    return [
-        ParamGroup(devices=list(devs), params=units,
-                   bytes=float(sum(WEIGHT_BYTES_PER_PARAM * cost_model.param_count(u) for u in units)))
-        for devs, units in sorted(pool.items())
-    ]
-
-
-def _metaop_infos(metagraph: MetaGraph, allocs: dict[int, LevelAllocation], curves: dict[str, Any]) -> list[MetaOpInfo]:
-    out = []
-    for mid, m in metagraph.metaops.items():
-        alloc = allocs.get(m.level)
-        curve = curves.get(mid)
-        out.append(MetaOpInfo(
-            id=mid, task=m.task, module=m.module, kind=m.kind, num_layers=m.num_layers,
-            layer_offset=m.layer_offset, input_shape=list(m.input_shape), level=m.level,
-            preds=metagraph.predecessors(mid), params=[p for names in m.params for p in names],
-            curve_source=curve.source if curve is not None else "analytic",
-            curve_fit_error=float(curve.fit_error) if curve is not None else 0.0,
-            allocation=[[int(n), int(layers)] for n, layers in alloc.tuples.get(mid, [])] if alloc else [],
-            n_star=float(alloc.n_star.get(mid, 0.0)) if alloc else 0.0,
-        ))
+def _metaop_records(metagraph: MetaGraph, allocs: dict[int, LevelAllocation],
+                    curves: dict[str, Any]) -> list[MetaOpInfo]:
+    """The MetaOp records with the planner's diagnostics: allocation tuples, n*, the curve's source and fit."""
+    out = metaop_infos(metagraph)
+    for info in out:
+        alloc, curve = allocs.get(info.level), curves.get(info.id)
+        if curve is not None:
+            info.curve_source, info.curve_fit_error = curve.source, float(curve.fit_error)
+        if alloc:
+            info.allocation = [[int(n), int(layers)] for n, layers in alloc.tuples.get(info.id, [])]
+            info.n_star = float(alloc.n_star.get(info.id, 0.0))
     return out
 
 

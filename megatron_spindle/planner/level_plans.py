@@ -1,8 +1,9 @@
-"""Constructive plans of one MetaLevel for the CP-SAT planner (planner/cpsat.py): starting points and hints.
+"""Constructive plans of one MetaLevel for the CP-SAT planner (planner/cpsat/levels.py): starting points
+and hints.
 
-The slot model of cpsat.py proves bounds well but, within seconds, finds good plans for large levels (20
-encoders on 8 devices) poorly: its first solutions come from the hint, and the greedy wavefront plan has
-many short waves whose idle devices add up. Two fast constructions give it better starts:
+The slot model (planner/cpsat/model.py) proves bounds well but, within seconds, finds good plans for large
+levels (20 encoders on 8 devices) poorly: its first solutions come from the hint, and the greedy wavefront
+plan has many short waves whose idle devices add up. Two fast constructions give it better starts:
 
 - ``efficient_waves``: wave by wave, the wave that does the most useful work per device-second (a
   multiple-choice knapsack over devices for each candidate wave length). Levels of near-linearly scaling
@@ -10,7 +11,7 @@ many short waves whose idle devices add up. Two fast constructions give it bette
 - ``few_wave_plans``: plans of exactly K waves (uniform wave length, bisected), the hints of the K-slot
   models of slot deepening.
 
-Options are duck-typed: anything with ``n``, ``tp``, ``dp`` and ``seconds`` (per layer), as cpsat.SliceOption.
+Options are anything with ``n``, ``tp``, ``dp`` and ``seconds`` (per layer), as planner.cpsat.SliceOption.
 """
 
 from __future__ import annotations

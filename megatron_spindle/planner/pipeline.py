@@ -16,12 +16,13 @@ from megatron_spindle.flags import check_choices, flag
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
+from megatron_spindle.plan.memory import slice_memory
+from megatron_spindle.plan.schema import ExecutionSettings, Plan, PlanError, Recompute
+from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.allocator import allocate_level
 from megatron_spindle.planner.assemble import assemble_plan
 from megatron_spindle.planner.placement import PlacementError, place
-from megatron_spindle.planner.plan import Plan, PlanError
-from megatron_spindle.planner.schedule import LevelAllocation, ScheduledWave
-from megatron_spindle.planner.validate import validate_plan
+from megatron_spindle.planner.schedule import LevelAllocation, ScheduledSlice, ScheduledWave
 from megatron_spindle.planner.wavefront import schedule_levels
 
 PLANNERS = ("wavefront", "cpsat")
@@ -119,9 +120,9 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
     say(f"scaling curves: {len(curves)} ({sum(c.source == 'profiled' for c in curves.values())} profiled)")
     say(f"wavefront: {len(placed)} waves")
     lap("estimate+allocate+schedule+place")
-    settings: dict[str, Any] = {"planner": "wavefront", "requested": asdict(config),
-                                "recompute": cost_model.config.recompute,
-                                "zero_stage": 1 if memory_model.distributed_optimizer else 0}
+    settings = ExecutionSettings(recompute=Recompute("full" if cost_model.config.recompute else "none"),
+                                 zero_stage=memory_model.zero_stage)
+    info: dict[str, Any] = {"planner": "wavefront", "requested": asdict(config)}
     solver = None
     final = placed
     if config.planner == "cpsat":
@@ -133,11 +134,11 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
                              time_limit=config.solver_time_limit, workers=config.solver_workers,
                              cross_level_overlap=config.cross_level_overlap, level_allocs=level_allocs)
         final = solver.waves
-        settings["planner"] = "cpsat"
-        settings["solver"] = solver.summary()
+        info["planner"] = "cpsat"
+        info["solver"] = solver.summary()
         lap("cpsat")
-    plan = assemble_plan(workload, cluster, metagraph, final, cost_model, memory_model, settings,
-                         level_allocs=level_allocs, curves=curves)
+    plan = assemble_plan(workload, cluster, metagraph, final, cost_model, memory_model, info,
+                         level_allocs=level_allocs, curves=curves, settings=settings)
     validate_plan(plan, workload, cluster, metagraph)
     lap("assemble")
     plan.planner["planning_seconds"] = sum(timings.values())
@@ -191,9 +192,9 @@ def memory_ladder(config: PlannerConfig) -> list[tuple[bool, bool]]:
 
 def memory_footprint(metaop, tp: int, dp: int, memory_model: MemoryModel) -> float:
     """Bytes per device of a MetaOp's whole chain at (tp, dp): parameter state plus activations held for backward."""
-    L = metaop.num_layers
-    return (memory_model.slice_param_state_bytes(metaop, tp, 0, L, dp)
-            + memory_model.activation_bytes(metaop, tp, dp, L))
+    chain = ScheduledSlice(metaop.id, tp * dp, tp, dp, 0, metaop.num_layers, 0.0)
+    mem = slice_memory(metaop, chain, memory_model)
+    return sum(mem.units.values()) + mem.activations
 
 
 def memory_needs(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec,

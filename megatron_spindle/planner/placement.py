@@ -14,9 +14,9 @@ biggest flows get the best spots. For each slice:
   locally, then a device that already holds the slice's weights (MetaOps sharing parameters co-locate,
   weights stored once), then the device with the most free memory.
 
-Memory is tracked per device as the plan's predicted peak: the parameter state of every unit a device runs,
-each unit once (selective storage), plus the activations of every slice it runs (all are held from forward
-to backward, and every forward finishes before the first backward). Devices a slice does not fit on are never
+Memory is tracked per device as the plan's predicted peak, by plan/memory.py's rules (``DeviceMemory``): the
+parameter state of every unit a device runs, each unit once (selective storage), plus the activations of every
+slice it runs (a Spindle plan is one segment: every forward finishes before the first backward). Devices a slice does not fit on are never
 candidates, so an overflow falls back to worse-communication choices; when a wave cannot be placed at all, it
 is placed again memory-first ("balance"), then up to ``max_backtrack`` earlier waves are placed again
 memory-first. If that fails too, ``PlacementError`` names the wave, the MetaOp and the bytes.
@@ -34,14 +34,18 @@ from typing import Protocol
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
 from megatron_spindle.graph.workload import Workload
+from megatron_spindle.plan.layout import SlicePos, graph_transfer_pairs, position_rows, slice_units
+from megatron_spindle.plan.memory import DeviceMemory, ShardedNumbers, SliceMemory, peak_memory, slice_memory
+from megatron_spindle.plan.schema import ExecutionSettings
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
 
 PLACEMENT_STRATEGIES = ("spindle", "sequential")
 DEFAULT_MAX_BACKTRACK = 4
-GRAD_BYTES_PER_PARAM = 2  # bf16 gradients in the data-parallel all-reduce
 TP_COLLECTIVES_PER_LAYER = 4  # Megatron TP: two all-reduces forward, two backward per transformer layer
+# gradient all-reduce bytes per parameter in the flow-size ordering key (the default settings' reduce dtype)
+GRAD_REDUCE_BYTES = ExecutionSettings().grad_reduce_bytes
 
-SliceKey = tuple[int, int]  # (wave index, slice index in the wave)
+SliceKey = SlicePos  # (wave index, slice index in the wave)
 
 
 class PlacementError(ValueError):
@@ -56,179 +60,34 @@ class FlowCostModel(Protocol):
     def param_count(self, param_name: str) -> int: ...
 
 
-class DeviceMemoryModel(Protocol):
-    """What placement needs from the estimator's ``MemoryModel``."""
-
-    def param_state_bytes(self, param_name: str, tp: int) -> float: ...
-
-    def activation_bytes(self, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> float: ...
-
-
-# ------------------------------------------------------------------------------------- shared helpers
-
-
-def slice_units(metaop: MetaOp, layer_start: int, layer_end: int) -> list[str]:
-    """Parameter units a slice runs, in chain order, each once."""
-    units: dict[str, None] = {}
-    for names in metaop.params[layer_start:layer_end]:
-        for name in names:
-            units[name] = None
-    return list(units)
-
-
-def sample_range(position: int, tp: int, dp: int, batch: int) -> tuple[int, int]:
-    """Samples ``[lo, hi)`` that device ``devices[position]`` of a (tp, dp) slice works on."""
-    rank = position // tp
-    per_rank = batch // dp
-    return rank * per_rank, (rank + 1) * per_rank
-
-
 def producer_slices(waves: Sequence[ScheduledWave], metagraph: MetaGraph) -> dict[SliceKey, list[SliceKey]]:
-    """For every slice, the earlier slices whose output it reads.
-
-    The previous slice of the same MetaOp (the one ending at this slice's first layer), and, for a slice that
-    starts a MetaOp, the slice holding each producer MetaOp's last layer. Producers that are not scheduled in
-    an earlier wave are left out (the plan validator reports such ordering errors).
-    """
-    ending_at: dict[tuple[str, int], SliceKey] = {}
-    for wi, w in enumerate(waves):
-        for si, s in enumerate(w.slices):
-            ending_at[(s.metaop, s.layer_end)] = (wi, si)
-    producers: dict[SliceKey, list[SliceKey]] = {}
-    for wi, w in enumerate(waves):
-        for si, s in enumerate(w.slices):
-            if s.layer_start > 0:
-                wanted = [(s.metaop, s.layer_start)]
-            else:
-                preds = metagraph.predecessors(s.metaop)
-                wanted = [(p, metagraph.metaops[p].num_layers) for p in preds]
-            found = [ending_at[k] for k in wanted if k in ending_at]
-            producers[(wi, si)] = [k for k in found if k[0] < wi]
+    """For every slice, the earlier slices whose output it reads (plan/layout.py transfer_pairs)."""
+    producers: dict[SliceKey, list[SliceKey]] = {(wi, si): [] for wi, w in enumerate(waves) for si in range(len(w.slices))}
+    for p, c in graph_transfer_pairs([w.slices for w in waves], metagraph):
+        producers[c].append(p)
     return producers
-
-
-@dataclass(frozen=True)
-class PlacedRows:
-    """Where a placed slice's output rows live: device -> samples ``[lo, hi)`` it holds."""
-
-    held: dict[int, tuple[int, int]]
-    batch: int
-    bytes_per_sample: float
-
-    @classmethod
-    def of(cls, devices: Sequence[int], tp: int, dp: int, batch: int, total_bytes: float) -> PlacedRows:
-        held = {d: sample_range(r, tp, dp, batch) for r, d in enumerate(devices)}
-        return cls(held, batch, total_bytes / batch)
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
     return max(0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
-def flow_bytes_by_kind(src: PlacedRows, dst_devices: Sequence[int], dst_tp: int, dst_dp: int,
-                       cluster: ClusterSpec) -> dict[str, float]:
-    """Bytes every consumer device receives, by route: rows it already holds ("local"), rows a producer device
-    on its own island holds ("intra_island"), rows only another island holds ("inter_island").
-
-    Summed over consumer devices: a consumer with tp > 1 needs its data-parallel rows on every TP rank.
-    """
-    out = {"local": 0.0, "intra_island": 0.0, "inter_island": 0.0}
-    shards: dict[tuple[int, int], list[int]] = {}
-    for d, rows in src.held.items():
-        shards.setdefault(rows, []).append(d)
-    for r, d in enumerate(dst_devices):
-        need = sample_range(r, dst_tp, dst_dp, src.batch)
-        island = cluster.island(d)
-        for rows, holders in shards.items():
-            common = _overlap(need, rows)
-            if not common:
-                continue
-            if d in holders:
-                route = "local"
-            elif any(cluster.island(h) == island for h in holders):
-                route = "intra_island"
-            else:
-                route = "inter_island"
-            out[route] += common * src.bytes_per_sample
-    return out
-
-
-def transfer_kind(bytes_by_kind: dict[str, float]) -> str:
-    """"local" when nothing moves, "intra_island" when all moved bytes stay inside nodes, else "inter_island"."""
-    if bytes_by_kind.get("inter_island", 0.0) > 0:
-        return "inter_island"
-    if bytes_by_kind.get("intra_island", 0.0) > 0:
-        return "intra_island"
-    return "local"
-
-
-@dataclass
-class DeviceMemory:
-    """Predicted peak bytes per device: each parameter unit's state once, plus every slice's activations."""
-
-    capacity: float
-    used: list[float]
-    held: list[dict[str, float]]  # device -> unit -> parameter-state bytes stored there
-
-    @classmethod
-    def empty(cls, num_devices: int, capacity: float) -> DeviceMemory:
-        return cls(capacity, [0.0] * num_devices, [{} for _ in range(num_devices)])
-
-    def free(self, device: int) -> float:
-        return self.capacity - self.used[device]
-
-    def extra_param_bytes(self, device: int, unit_bytes: dict[str, float]) -> float:
-        """Parameter state the device must add to run these units (a unit already held counts once;
-        held as a smaller TP shard, only the difference)."""
-        return sum(unit_bytes.values()) - self.shared_param_bytes(device, unit_bytes)
-
-    def shared_param_bytes(self, device: int, unit_bytes: dict[str, float]) -> float:
-        """Parameter state of these units the device already holds (weights co-location saves this)."""
-        have = self.held[device]
-        common = have.keys() & unit_bytes.keys()
-        return sum(min(unit_bytes[u], have[u]) for u in common) if common else 0.0
-
-    def need(self, device: int, unit_bytes: dict[str, float], activation_bytes: float) -> float:
-        return activation_bytes + self.extra_param_bytes(device, unit_bytes)
-
-    def add(self, device: int, unit_bytes: dict[str, float], activation_bytes: float) -> None:
-        self.used[device] += self.need(device, unit_bytes, activation_bytes)
-        have = self.held[device]
-        for u, b in unit_bytes.items():
-            if b > have.get(u, 0.0):
-                have[u] = b
-
-    def copy(self) -> DeviceMemory:
-        return DeviceMemory(self.capacity, list(self.used), [dict(h) for h in self.held])
-
-
-def slice_memory(metaop: MetaOp, s: ScheduledSlice, memory_model: DeviceMemoryModel) -> tuple[dict[str, float], float]:
-    """(parameter-state bytes per unit, activation bytes) one device of the slice holds."""
-    units = {u: float(memory_model.param_state_bytes(u, s.tp, s.dp))
-             for u in slice_units(metaop, s.layer_start, s.layer_end)}
-    act = float(memory_model.activation_bytes(metaop, s.tp, s.dp, s.layer_end - s.layer_start))
-    return units, act
-
-
-def predicted_memory(waves: Sequence[ScheduledWave], metagraph: MetaGraph, memory_model: DeviceMemoryModel,
+def predicted_memory(waves: Sequence[ScheduledWave], metagraph: MetaGraph, memory_model: ShardedNumbers,
                      cluster: ClusterSpec) -> list[float]:
-    """Predicted peak bytes per device of placed waves (the same accounting placement uses)."""
-    memory = DeviceMemory.empty(cluster.num_devices, cluster.gpu.memory_bytes)
+    """Predicted peak bytes per device of placed waves run as one segment (plan/memory.py, the accounting
+    placement tracks)."""
     for wi, w in enumerate(waves):
         for s in w.slices:
             if s.devices is None:
                 raise PlacementError(f"wave {wi}: slice of MetaOp '{s.metaop}' has no devices yet")
-            units, act = slice_memory(metagraph.metaops[s.metaop], s, memory_model)
-            for d in s.devices:
-                memory.add(d, units, act)
-    return memory.used
+    return peak_memory([w.slices for w in waves], metagraph.metaops, memory_model, cluster.num_devices)
 
 
 # ------------------------------------------------------------------------------------------ the entry
 
 
 def place(waves: Sequence[ScheduledWave], metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec,
-          cost_model: FlowCostModel, memory_model: DeviceMemoryModel, strategy: str = "spindle",
+          cost_model: FlowCostModel, memory_model: ShardedNumbers, strategy: str = "spindle",
           max_backtrack: int = DEFAULT_MAX_BACKTRACK) -> list[ScheduledWave]:
     """Copies of ``waves`` with every slice's ``devices`` filled (any devices already set are replaced).
 
@@ -281,8 +140,7 @@ class _SliceInfo:
     key: SliceKey
     metaop: MetaOp
     sched: ScheduledSlice
-    units: dict[str, float]  # parameter-state bytes per unit on one device
-    activation_memory: float  # bytes held per device from forward to backward
+    memory: SliceMemory  # parameter-state bytes per unit and activations, on one device
     producers: list[SliceKey]
     flow_bytes: dict[SliceKey, float]  # producer -> activation bytes it sends (whole batch)
     volume: float  # incoming flow bytes + own TP/DP traffic: the ordering key inside a wave
@@ -305,11 +163,11 @@ class _Problem:
         for wi, w in enumerate(waves):
             for si, s in enumerate(w.slices):
                 m = metagraph.metaops[s.metaop]
-                units, act = slice_memory(m, s, memory_model)
+                mem = slice_memory(m, s, memory_model)
                 flows = {p: float(cost_model.activation_bytes(metagraph.metaops[waves[p[0]].slices[p[1]].metaop]))
                          for p in producers[(wi, si)]}
                 volume = sum(flows.values()) + _own_traffic_bytes(m, s, cost_model)
-                info[(wi, si)] = _SliceInfo((wi, si), m, s, units, act, producers[(wi, si)], flows, volume)
+                info[(wi, si)] = _SliceInfo((wi, si), m, s, mem, producers[(wi, si)], flows, volume)
         return cls(waves, cluster, info)
 
     def slice_order(self, wi: int) -> list[SliceKey]:
@@ -328,7 +186,7 @@ def _own_traffic_bytes(m: MetaOp, s: ScheduledSlice, cost_model: FlowCostModel) 
     dp_bytes = 0.0
     if s.dp > 1:
         params = sum(cost_model.param_count(u) for u in slice_units(m, s.layer_start, s.layer_end))
-        dp_bytes = 2 * (s.dp - 1) * GRAD_BYTES_PER_PARAM * params
+        dp_bytes = 2 * (s.dp - 1) * GRAD_REDUCE_BYTES * params
     return tp_bytes + dp_bytes
 
 
@@ -336,7 +194,7 @@ def _own_traffic_bytes(m: MetaOp, s: ScheduledSlice, cost_model: FlowCostModel) 
 
 
 def _place_sequential(problem: _Problem) -> dict[SliceKey, list[int]]:
-    memory = DeviceMemory.empty(problem.cluster.num_devices, problem.cluster.gpu.memory_bytes)
+    memory = DeviceMemory(problem.cluster.num_devices, problem.cluster.gpu.memory_bytes)
     devices: dict[SliceKey, list[int]] = {}
     for wi, w in enumerate(problem.waves):
         cursor = 0
@@ -344,11 +202,11 @@ def _place_sequential(problem: _Problem) -> dict[SliceKey, list[int]]:
             sl = problem.info[(wi, si)]
             chosen = list(range(cursor, cursor + sl.n))
             cursor += sl.n
-            over = [d for d in chosen if memory.need(d, sl.units, sl.activation_memory) > memory.free(d)]
+            over = [d for d in chosen if memory.need(d, sl.memory) > memory.free(d)]
             if over:
                 raise _overflow_error(sl, memory, chosen, "sequential placement")
             for d in chosen:
-                memory.add(d, sl.units, sl.activation_memory)
+                memory.forward(d, sl.memory)
             devices[(wi, si)] = chosen
     return devices
 
@@ -377,7 +235,7 @@ def _place_spindle(problem: _Problem, max_backtrack: int) -> dict[SliceKey, list
     modes = ["comm"] * num_waves
     depth_tried = [0] * num_waves
     snapshots: list[_State | None] = [None] * (num_waves + 1)
-    snapshots[0] = _State(DeviceMemory.empty(problem.cluster.num_devices, problem.cluster.gpu.memory_bytes))
+    snapshots[0] = _State(DeviceMemory(problem.cluster.num_devices, problem.cluster.gpu.memory_bytes))
     wi = 0
     while wi < num_waves:
         state = snapshots[wi].copy()
@@ -406,16 +264,16 @@ def _place_spindle(problem: _Problem, max_backtrack: int) -> dict[SliceKey, list
 def _overflow_error(sl: _SliceInfo, memory: DeviceMemory, candidates: list[int], what: str) -> PlacementError:
     """Name the slice, what one of its devices needs, and how many of the candidate devices have that room."""
     s = sl.sched
-    needs = {d: memory.need(d, sl.units, sl.activation_memory) for d in candidates}
-    need = min(needs.values(), default=sl.activation_memory + sum(sl.units.values()))
+    needs = {d: memory.need(d, sl.memory) for d in candidates}
+    need = min(needs.values(), default=sl.memory.activations + sum(sl.memory.units.values()))
     roomy = sum(1 for d in candidates if needs[d] <= memory.free(d))
     free = max((memory.free(d) for d in candidates), default=0.0)
     gib = 2**30
     return PlacementError(
         f"wave {sl.key[0]}: {what} found no {s.n} devices with room for MetaOp '{sl.metaop.id}' layers "
         f"[{s.layer_start}, {s.layer_end}) (tp {s.tp}, dp {s.dp}): it needs {need:.0f} bytes ({need / gib:.2f} GiB) "
-        f"per device (activations {sl.activation_memory:.0f} bytes, parameter state up to "
-        f"{sum(sl.units.values()):.0f} bytes), but only {roomy} of its {len(candidates)} candidate devices "
+        f"per device (activations {sl.memory.activations:.0f} bytes, parameter state up to "
+        f"{sum(sl.memory.units.values()):.0f} bytes), but only {roomy} of its {len(candidates)} candidate devices "
         f"have that much free (the most: {free:.0f} bytes, {free / gib:.2f} GiB; capacity {memory.capacity:.0f} "
         f"bytes per device)"
     )
@@ -433,7 +291,7 @@ def _place_wave(problem: _Problem, wi: int, state: _State, mode: str) -> None:
         pending = _Pending.of([scorers[k] for k in order[pos + 1:]], cluster)
         chosen = _place_slice(scorers[key], free_devices, pending, mode)
         for d in chosen:
-            state.memory.add(d, sl.units, sl.activation_memory)
+            state.memory.forward(d, sl.memory)
             free_devices.discard(d)
         state.devices[key] = chosen
 
@@ -493,23 +351,23 @@ class _Scorer:
         self.sl = sl
         self.memory = state.memory
         s = sl.sched
-        self.needs = [sample_range(r, s.tp, s.dp, sl.metaop.batch) for r in range(s.n)]
-        self.sources: list[PlacedRows] = []
+        # per producer: device -> the samples [lo, hi) of its output it holds, and the bytes per sample
+        sources: list[tuple[dict[int, tuple[int, int]], float]] = []
         for p in sl.producers:
-            ps = problem.info[p].sched
-            self.sources.append(PlacedRows.of(state.devices[p], ps.tp, ps.dp, problem.info[p].metaop.batch,
-                                              sl.flow_bytes[p]))
+            ps, batch = problem.info[p].sched, problem.info[p].metaop.batch
+            held = {d: position_rows(r, ps.tp, ps.dp, batch) for r, d in enumerate(state.devices[p])}
+            sources.append((held, sl.flow_bytes[p] / batch))
         # device -> {position: bytes of that position's rows the device already holds}, and the same per island
         # (a row range held by several TP replicas of an island counts once), both sparse
         self.local: dict[int, dict[int, float]] = {}
         self.in_island: dict[int, dict[int, float]] = {}
         self._per_rank = sl.metaop.batch // s.dp
-        for src in self.sources:
-            for d, rows in src.held.items():
-                self._add_rows(self.local.setdefault(d, {}), rows, src.bytes_per_sample)
-            island_rows = {(self.cluster.island(d), rows) for d, rows in src.held.items()}
+        for held, bytes_per_sample in sources:
+            for d, rows in held.items():
+                self._add_rows(self.local.setdefault(d, {}), rows, bytes_per_sample)
+            island_rows = {(self.cluster.island(d), rows) for d, rows in held.items()}
             for island, rows in sorted(island_rows):
-                self._add_rows(self.in_island.setdefault(island, {}), rows, src.bytes_per_sample)
+                self._add_rows(self.in_island.setdefault(island, {}), rows, bytes_per_sample)
         self._shared: dict[int, float] = {}
         self._free_after: dict[int, float] = {}
         self._block_wants: list[tuple[int, int, float]] | None = None
@@ -543,12 +401,12 @@ class _Scorer:
 
     def shared(self, device: int) -> float:
         if device not in self._shared:
-            self._shared[device] = self.memory.shared_param_bytes(device, self.sl.units)
+            self._shared[device] = self.memory.shared_param_bytes(device, self.sl.memory.units)
         return self._shared[device]
 
     def free_after(self, device: int) -> float:
         if device not in self._free_after:
-            need = self.memory.need(device, self.sl.units, self.sl.activation_memory)
+            need = self.memory.need(device, self.sl.memory)
             self._free_after[device] = self.memory.free(device) - need
         return self._free_after[device]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_spindle.planner.plan import Plan
+from megatron_spindle.plan.schema import Plan
 
 
 def _fmt_time(s: float) -> str:
@@ -31,6 +31,9 @@ def plan_summary(plan: Plan) -> str:
         f"gap {100 * p['gap']:.1f}%   mean utilisation {100 * p['utilisation']:.1f}%",
         f"  waves {len(plan.waves)}   levels {len(plan.levels)}   inter-island {_fmt_bytes(p.get('inter_island_bytes', 0))}"
         f"   intra-island {_fmt_bytes(p.get('intra_island_bytes', 0))}   local {_fmt_bytes(p.get('local_bytes', 0))}",
+        f"  execution: activation recomputation {plan.settings.recompute.mode}   ZeRO stage {plan.settings.zero_stage}"
+        f"   gradient all-reduce in {plan.settings.grad_reduce_dtype}"
+        + (f"   {len(plan.settings.segments)} segments" if plan.settings.segments else ""),
     ]
     if plan.memory_per_device:
         mem = plan.memory_per_device

@@ -10,8 +10,8 @@
 
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
 from megatron_spindle.runtime.groups import PlanGroups
-from megatron_spindle.runtime.layout import check_runnable, derive_param_groups, expected_transfers
+from megatron_spindle.runtime.layout import check_runnable
 from megatron_spindle.runtime.transfer import ActivationSpec, TransferOp, default_activation_spec
 
 __all__ = ["ActivationSpec", "EngineConfig", "OptimizerConfig", "PlanGroups", "RuntimeEngine", "TransferOp",
-           "check_runnable", "default_activation_spec", "derive_param_groups", "expected_transfers"]
+           "check_runnable", "default_activation_spec"]

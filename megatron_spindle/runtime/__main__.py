@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     """Returns the per-step losses (on every rank)."""
     from megatron_spindle.graph.opgraph import build_metagraph
     from megatron_spindle.graph.workload import load_workload
-    from megatron_spindle.planner.plan import Plan
+    from megatron_spindle.plan.schema import Plan
     from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
     from megatron_spindle.runtime.layout import check_runnable
 

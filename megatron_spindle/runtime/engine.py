@@ -46,7 +46,7 @@ import torch.distributed as dist
 from megatron_spindle.checkpointing.checkpoint import UnitState
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.planner.plan import Plan
+from megatron_spindle.plan.schema import ExecutionSettings, Plan
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.direct import bind_direct_units
 from megatron_spindle.runtime.grad_buffers import GradBuffers, backward_order
@@ -79,28 +79,12 @@ class EngineConfig:
             raise ValueError(f"ddp_bucket_size must be positive, got {self.ddp_bucket_size}")
 
 
-@dataclass(frozen=True)
-class ExecutionSettings:
-    """The plan's execution settings the runtime obeys."""
-
-    recompute: bool
-    zero_stage: int
-
-
-def _execution_settings(plan: Plan) -> ExecutionSettings:
-    """The one place the engine reads the plan's execution settings."""
-    zero_stage = int(plan.planner.get("zero_stage", 0) or 0)
-    if zero_stage not in (0, 1):
-        raise ValueError(f"zero_stage {zero_stage}: the runtime supports 0 and 1 (distributed optimizer)")
-    return ExecutionSettings(recompute=bool(plan.planner.get("recompute")), zero_stage=zero_stage)
-
-
 def _default_factory(settings: ExecutionSettings):
     """megatron-core operators, recomputing activations when the plan was made with recomputation."""
     from megatron_spindle.models import build_operator
     from megatron_spindle.models.config import ModelConfig
 
-    if settings.recompute:
+    if settings.recompute_every_layer():
         return functools.partial(build_operator, config=ModelConfig(recompute=True))
     return build_operator
 
@@ -124,7 +108,7 @@ class RuntimeEngine:
         self.config = config or EngineConfig()
         self.metagraph = metagraph or build_metagraph(workload)
         check_runnable(plan, workload, self.metagraph, world_size)  # before any communication
-        settings = _execution_settings(plan)
+        settings = plan.settings  # check_runnable refused what the runtime cannot execute
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(f"torch.distributed has rank {dist.get_rank()} of {dist.get_world_size()}, "
                                f"the engine was given rank {rank} of {world_size}")
@@ -133,6 +117,7 @@ class RuntimeEngine:
                                                            if torch.cuda.is_available() else "cpu"))
         self.batch_fn = batch_fn or _default_batch_fn()
         self.groups = PlanGroups(plan, rank, cache=groups)
+        self._owns_groups = groups is None
         self.local = build_local_slices(plan, workload, self.metagraph, rank, self.groups,
                                         operator_factory or _default_factory(settings), self.device,
                                         self.config.dtype)
@@ -213,6 +198,20 @@ class RuntimeEngine:
         for ls in in_wave_order(self.local):
             if self.generic_keys[ls.slice.id]:
                 ls.op.load_full_state({k: full[k].to(self.config.dtype) for k in ls.param_keys})
+
+    def close(self) -> None:
+        """Tear the engine down so that another can be built in this process (a task-set change): destroy the
+        process groups it created (not a cache passed in as ``groups``) after a world barrier, so that no rank
+        is still in one of their collectives. Collective; the engine is unusable afterwards. megatron-core keeps
+        no state of ours: the operators took their groups explicitly; its global memory buffer (reused by name)
+        and ``model-parallel-rng`` tracker stay, as they would over a run."""
+        if getattr(self, "_closed", False):
+            return
+        dist.barrier()
+        if self._owns_groups:
+            self.groups.cache.destroy()
+        self.local, self.grads = {}, {}
+        self._closed = True
 
     # ------------------------------------------------------------------------------------------ state
     def set_lr(self, lr: float) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_spindle.graph.opgraph import MetaGraph
-from megatron_spindle.planner.plan import Plan
+from megatron_spindle.plan.schema import Plan
 from megatron_spindle.runtime.layout import slice_units
 from megatron_spindle.runtime.shards import UnitShard
 

@@ -5,7 +5,7 @@ in the same order, member or not. ``PlanGroups`` therefore walks the plan in one
 ranks (waves, then slices in plan order: TP groups, then DP groups; then the parameter device groups) and
 caches groups by their ordered device tuple.
 
-Group ranks follow the plan's layout conventions (``planner/plan.py``): the TP group of a slice lists its
+Group ranks follow the plan's layout conventions (``plan/schema.py``): the TP group of a slice lists its
 devices ``devices[k*tp : (k+1)*tp]`` in plan order, so torch's group rank equals the plan's TP rank
 ``r % tp``; the DP group lists ``devices[t::tp]``, so its group rank equals the plan's DP rank ``r // tp``
 (we pass ``sort_ranks=False``; torch would otherwise sort the ranks). Parameter device groups are sorted.
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from megatron_spindle.planner.plan import Plan, Slice
+from megatron_spindle.plan.schema import Plan, Slice
 from megatron_spindle.runtime.distributed import group_timeout
 
 
@@ -59,6 +59,15 @@ class GroupCache:
             self.groups[devices] = g if self.rank in devices else None
             self.created.append(devices)
         return self.groups[devices]
+
+    def destroy(self) -> None:
+        """Destroy every group this cache created (local on each member; non-members hold none). The groups must
+        be idle: no collective of theirs in flight, and nothing uses them afterwards."""
+        for devices in reversed(self.created):
+            g = self.groups.pop(devices, None)
+            if g is not None:
+                dist.destroy_process_group(g)
+        self.created.clear()
 
 
 class PlanGroups:

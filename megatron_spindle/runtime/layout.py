@@ -1,19 +1,20 @@
-"""Pure-Python layout logic of the runtime (no torch.distributed): which rows each device holds, the
-point-to-point messages of a transfer, the transfers and parameter device groups a plan implies, and the
-checks that must pass before any communication.
+"""Pure-Python layout logic of the runtime (no torch.distributed): a device's place in a slice, the parameter
+units of a slice, and the checks that must pass before any communication.
 
-Row layout (planner/plan.py): device ``devices[r]`` of a slice has TP rank ``r % tp`` and DP rank ``r // tp``;
-DP rank k holds samples ``[k*B/dp, (k+1)*B/dp)`` of the task batch B. All TP ranks of a DP rank hold the same
-rows and, after the slice ran, identical outputs; so one source per row suffices.
+The rules themselves (rows of a DP rank, message routing, transfers and parameter device groups a plan
+implies) are plan/'s (layout.py, routing.py, derive.py); this module applies them to the runtime's questions.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.planner.plan import ParamGroup, Plan, PlanError, Slice, Transfer
+from megatron_spindle.plan import layout
+from megatron_spindle.plan.derive import plan_slice_pairs
+from megatron_spindle.plan.schema import Plan, PlanError, Slice, Transfer
+from megatron_spindle.plan.validate import validate_plan
+
+RUNTIME_ZERO_STAGES = (0, 1)
 
 
 def dp_rank(s: Slice, device: int) -> int:
@@ -24,115 +25,38 @@ def tp_rank(s: Slice, device: int) -> int:
     return s.devices.index(device) % s.tp
 
 
-def rows(s: Slice, k: int, batch: int) -> tuple[int, int]:
-    """Samples [start, end) of DP rank k."""
-    n = batch // s.dp
-    return k * n, (k + 1) * n
-
-
-def dp_members(s: Slice, k: int) -> list[int]:
-    """Devices of DP rank k, in TP rank order."""
-    return s.devices[k * s.tp:(k + 1) * s.tp]
-
-
 def is_tp_leader(s: Slice, device: int) -> bool:
     return tp_rank(s, device) == 0
 
 
-@dataclass(frozen=True)
-class Message:
-    """``src`` sends rows ``[src_start, src_start+n)`` of its local shard to ``dst``, which puts them at
-    ``[dst_start, dst_start+n)`` of its local shard. ``src == dst`` is a local copy."""
-
-    src: int
-    dst: int
-    src_start: int
-    dst_start: int
-    n: int
-
-
-def _route(holders: Slice, needers: Slice, batch: int) -> list[Message]:
-    """Every device of ``needers`` gets its rows from the ``holders`` slice: from itself when it holds them
-    (a local copy), else from the holder of TP rank ``(needer's TP rank) % holders.tp`` (spreads senders)."""
-    msgs = []
-    for c in needers.devices:
-        j = dp_rank(needers, c)
-        c0, c1 = rows(needers, j, batch)
-        for k in range(holders.dp):
-            p0, p1 = rows(holders, k, batch)
-            a, b = max(c0, p0), min(c1, p1)
-            if a >= b:
-                continue
-            cands = dp_members(holders, k)
-            src = c if c in cands else cands[tp_rank(needers, c) % holders.tp]
-            msgs.append(Message(src, c, a - p0, a - c0, b - a))
-    return msgs
-
-
-def forward_messages(producer: Slice, consumer: Slice, batch: int) -> list[Message]:
-    """Activations: producer output rows -> each consumer device (replicated over the consumer's TP ranks)."""
-    return _route(producer, consumer, batch)
-
-
-def backward_messages(producer: Slice, consumer: Slice, batch: int) -> list[Message]:
-    """Gradients: consumer input-gradient rows -> each producer device (all its TP ranks need them)."""
-    return _route(consumer, producer, batch)
-
-
-# ----------------------------------------------------------------------------------------- plan structure
+def local_rows(s: Slice, device: int, batch: int) -> tuple[int, int]:
+    """Samples [start, end) the device holds in the slice."""
+    return layout.position_rows(s.devices.index(device), s.tp, s.dp, batch)
 
 
 def slice_units(metagraph: MetaGraph, s: Slice) -> list[str]:
     """Parameter units the slice's operator holds: those of layers [layer_start, layer_end) of its MetaOp."""
-    m = metagraph.metaops[s.metaop]
-    out: list[str] = []
-    for ps in m.params[s.layer_start:s.layer_end]:
-        out += [p for p in ps if p not in out]
-    return out
+    return layout.slice_units(metagraph.metaops[s.metaop], s.layer_start, s.layer_end)
 
 
-def expected_transfers(plan: Plan) -> list[tuple[str, str]]:
-    """(producer slice, consumer slice) pairs the plan needs: consecutive slices of one MetaOp, and the slice
-    with a producer MetaOp's last layer -> the slice with the consumer MetaOp's first layer."""
-    by_metaop: dict[str, list[Slice]] = {}
-    for s in plan.slices():
-        by_metaop.setdefault(s.metaop, []).append(s)
-    for v in by_metaop.values():
-        v.sort(key=lambda s: s.layer_start)
-    pairs = []
-    for m in plan.metaops:
-        chain = by_metaop.get(m.id, [])
-        for a, b in zip(chain, chain[1:]):
-            pairs.append((a.id, b.id))
-        if not chain:
-            continue
-        for p in m.preds:
-            if by_metaop.get(p):
-                pairs.append((by_metaop[p][-1].id, chain[0].id))
-    return pairs
-
-
-def expected_param_groups(plan: Plan, metagraph: MetaGraph) -> dict[str, tuple[int, ...]]:
-    """unit -> sorted devices holding it (union over the slices that use it)."""
-    holders: dict[str, set[int]] = {}
-    for s in plan.slices():
-        for u in slice_units(metagraph, s):
-            holders.setdefault(u, set()).update(s.devices)
-    return {u: tuple(sorted(d)) for u, d in holders.items()}
-
-
-def derive_param_groups(plan: Plan, metagraph: MetaGraph) -> list[ParamGroup]:
-    """The parameter device group pool {D_i -> {W_j}} of a plan (in first-use order)."""
-    groups: dict[tuple[int, ...], list[str]] = {}
-    for u, devs in expected_param_groups(plan, metagraph).items():
-        groups.setdefault(devs, []).append(u)
-    return [ParamGroup(devices=list(d), params=ps) for d, ps in groups.items()]
+def check_settings_runnable(plan: Plan) -> None:
+    """The execution settings this runtime implements: ZeRO 0 or 1, one micro-batch, one segment, the reverse
+    backward order, and recomputation of none or every layer."""
+    st = plan.settings
+    if st.zero_stage not in RUNTIME_ZERO_STAGES:
+        raise PlanError(f"zero_stage {st.zero_stage}: the runtime supports 0 and 1 (distributed optimizer)")
+    if st.micro_batches != 1:
+        raise PlanError(f"the plan asks for {st.micro_batches} micro-batches; the runtime runs one")
+    if st.segments is not None and len(st.segments) > 1:
+        raise PlanError(f"the plan runs {len(st.segments)} segments one after another (a temporally decoupled "
+                        f"baseline); the runtime runs a plan as one segment")
+    if st.backward_order is not None and list(st.backward_order) != list(reversed(range(len(plan.waves)))):
+        raise PlanError("the plan gives its own backward order; the runtime runs the backward in reverse wave order")
+    st.recompute_every_layer()
 
 
 def check_runnable(plan: Plan, workload: Workload, metagraph: MetaGraph, world_size: int) -> None:
     """Everything the runtime relies on, checked before any communication. Raises PlanError."""
-    from megatron_spindle.planner.validate import validate_plan
-
     if plan.workload_digest != workload.digest():
         raise PlanError(f"plan was made for workload '{plan.workload_name}' ({plan.workload_digest}), "
                         f"not for '{workload.name}' ({workload.digest()})")
@@ -152,25 +76,26 @@ def check_runnable(plan: Plan, workload: Workload, metagraph: MetaGraph, world_s
         if m is None or m.num_layers != info.num_layers or list(m.input_shape) != list(info.input_shape):
             raise PlanError(f"plan MetaOp '{info.id}' does not match the workload's MetaOp graph")
     validate_plan(plan, workload=workload, metagraph=metagraph, check_memory=False)
+    check_settings_runnable(plan)
     have = {(t.producer, t.consumer) for t in plan.transfers}
-    need = expected_transfers(plan)
+    need = plan_slice_pairs(plan)
     missing = [p for p in need if p not in have]
     if missing:
         raise PlanError(f"plan lacks the transfers {missing[:3]} (producer slice -> consumer slice)")
     extra = sorted(have - set(need))
     if extra:
         raise PlanError(f"plan has transfers {extra[:3]} that no data flow needs")
-    expected = expected_param_groups(plan, metagraph)
-    listed: dict[str, tuple[int, ...]] = {}
+    expected = layout.unit_holders([w.slices for w in plan.waves], metagraph.metaops)
+    listed: dict[str, list[int]] = {}
     for g in plan.param_groups:
         for u in g.params:
             if u in listed:
                 raise PlanError(f"parameter '{u}' is listed in two parameter device groups")
-            listed[u] = tuple(sorted(g.devices))
+            listed[u] = sorted(g.devices)
     for u, devs in expected.items():
         if listed.get(u) != devs:
-            raise PlanError(f"parameter '{u}' is held by devices {list(devs)} but the plan's param_groups "
-                            f"give {list(listed[u]) if u in listed else 'none'}")
+            raise PlanError(f"parameter '{u}' is held by devices {devs} but the plan's param_groups "
+                            f"give {listed[u] if u in listed else 'none'}")
 
 
 def transfer_input_index(plan: Plan, t: Transfer) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from megatron_spindle.checkpointing.checkpoint import CheckpointError, UnitState
-from megatron_spindle.planner.plan import ParamGroup
+from megatron_spindle.plan.schema import ParamGroup
 from megatron_spindle.runtime.groups import PlanGroups
 from megatron_spindle.runtime.shards import UnitShard, gather_units
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.planner.plan import Plan
+from megatron_spindle.plan.schema import Plan
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.layout import dp_rank, transfer_input_index
 from megatron_spindle.runtime.slices import LocalSlice
@@ -37,7 +37,7 @@ def build_transfers(plan: Plan, workload: Workload, spec_fn: SpecFn, wave_index:
         p, c = plan.slice(t.producer), plan.slice(t.consumer)
         info = plan.metaop(p.metaop)
         batch = info.input_shape[0]
-        op = TransferOp(i, p, c, spec_fn(workload, info, batch), batch)
+        op = TransferOp(i, p, c, spec_fn(workload, info, batch), batch, plan.gpus_per_node)
         op.input_index = transfer_input_index(plan, t)
         ops.append(op)
     return ops

@@ -11,7 +11,7 @@ import torch
 
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.planner.plan import Plan, Slice
+from megatron_spindle.plan.schema import Plan, Slice
 from megatron_spindle.runtime.groups import PlanGroups
 from megatron_spindle.runtime.layout import is_tp_leader, slice_units
 from megatron_spindle.runtime.opstate import param_keys

@@ -10,7 +10,10 @@ tells its messages apart from later transfers', and the requests keep the send b
 caller waits on them (the engine does before its gradient synchronisation). A sender then no longer waits
 for a slower receiver to reach the transfer.
 
-Shapes are not exchanged: both ends derive them from the workload (``ActivationSpec``).
+Shapes are not exchanged: both ends derive them from the workload (``ActivationSpec``). The messages are
+plan/routing.py's (island-aware: a local copy, else a holder on the receiver's node, else any holder), the same
+ones the plan's bytes by route count; every ``TransferOp`` counts the bytes its rank receives per direction and
+route (``received``), local copies included.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.planner.plan import MetaOpInfo, Slice
-from megatron_spindle.runtime.layout import Message, backward_messages, dp_rank, forward_messages, rows
+from megatron_spindle.plan.routing import Message, backward_messages, forward_messages
+from megatron_spindle.plan.schema import TRANSFER_KINDS, MetaOpInfo, Slice
+from megatron_spindle.runtime.layout import local_rows
 
 
 @dataclass(frozen=True)
@@ -59,10 +63,12 @@ def _shard_shape(spec: ActivationSpec, n: int) -> tuple[int, ...]:
 
 def run_messages(messages: list[Message], rank: int, src_tensor: torch.Tensor | None, dst_shape: tuple[int, ...],
                  batch_dim: int, tag: int, dtype: torch.dtype, device: torch.device,
-                 group=None, pending_sends: list | None = None) -> torch.Tensor | None:
+                 group=None, pending_sends: list | None = None,
+                 received: dict[str, int] | None = None) -> torch.Tensor | None:
     """Execute one direction of a transfer on this rank. ``src_tensor`` is this rank's local shard when it
     sends; returns the assembled local shard when this rank receives (``None`` otherwise). With
-    ``pending_sends`` a rank that only sends appends its requests there instead of waiting on them."""
+    ``pending_sends`` a rank that only sends appends its requests there instead of waiting on them; with
+    ``received`` the bytes this rank receives are added to it per route."""
     mine = sorted((m for m in messages if rank in (m.src, m.dst)), key=lambda m: (m.src, m.dst))
     receives = any(m.dst == rank for m in mine)
     out = torch.empty(dst_shape, dtype=dtype, device=device) if receives else None
@@ -88,26 +94,35 @@ def run_messages(messages: list[Message], rank: int, src_tensor: torch.Tensor | 
             pending_sends.extend(works)
     for m, buf in pending:
         out.narrow(batch_dim, m.dst_start, m.n).copy_(buf)
+    if received is not None and out is not None:
+        row_bytes = out.element_size() * out.numel() // max(1, out.shape[batch_dim])
+        for m in mine:
+            if m.dst == rank:
+                received[m.route] += m.n * row_bytes
     return out
 
 
 class TransferOp:
-    """A plan transfer between a producer and a consumer slice of one task (same batch size B)."""
+    """A plan transfer between a producer and a consumer slice of one task (same batch size B), routed over
+    islands of ``gpus_per_node`` devices."""
 
-    def __init__(self, index: int, producer: Slice, consumer: Slice, spec_full: ActivationSpec, batch: int):
+    def __init__(self, index: int, producer: Slice, consumer: Slice, spec_full: ActivationSpec, batch: int,
+                 gpus_per_node: int):
         self.index = index
         self.producer = producer
         self.consumer = consumer
         self.batch = batch
         self.spec = spec_full
-        self.fwd = forward_messages(producer, consumer, batch)
-        self.bwd = backward_messages(producer, consumer, batch)
+        self.fwd = forward_messages(producer, consumer, batch, gpus_per_node)
+        self.bwd = backward_messages(producer, consumer, batch, gpus_per_node)
+        # bytes this rank received, per direction and route (local copies included)
+        self.received = {d: dict.fromkeys(TRANSFER_KINDS, 0) for d in ("forward", "backward")}
 
     def involves(self, rank: int) -> bool:
         return rank in self.producer.devices or rank in self.consumer.devices
 
     def _local_rows(self, s: Slice, rank: int) -> int:
-        a, b = rows(s, dp_rank(s, rank), self.batch)
+        a, b = local_rows(s, rank, self.batch)
         return b - a
 
     def forward(self, rank: int, output: torch.Tensor | None, dtype, device,
@@ -122,7 +137,8 @@ class TransferOp:
                                    f"runtime expects {expect} (transfer to '{self.consumer.id}')")
         n = self._local_rows(self.consumer, rank) if rank in self.consumer.devices else 0
         return run_messages(self.fwd, rank, output, _shard_shape(self.spec, n), self.spec.batch_dim,
-                            tag=2 * self.index, dtype=dtype, device=device, pending_sends=pending_sends)
+                            tag=2 * self.index, dtype=dtype, device=device, pending_sends=pending_sends,
+                            received=self.received["forward"])
 
     def backward(self, rank: int, input_grad: torch.Tensor | None, dtype, device,
                  pending_sends: list | None = None) -> torch.Tensor | None:
@@ -131,4 +147,5 @@ class TransferOp:
             return None
         n = self._local_rows(self.producer, rank) if rank in self.producer.devices else 0
         return run_messages(self.bwd, rank, input_grad, _shard_shape(self.spec, n), self.spec.batch_dim,
-                            tag=2 * self.index + 1, dtype=dtype, device=device, pending_sends=pending_sends)
+                            tag=2 * self.index + 1, dtype=dtype, device=device, pending_sends=pending_sends,
+                            received=self.received["backward"])

@@ -5,7 +5,8 @@
 busy intervals and utilisation, and peak memory per device. See ``engine.py`` for the execution model.
 """
 
-from megatron_spindle.simulator.engine import SimSettings, simulate, zero_state_bytes_per_param
+from megatron_spindle.plan.memory import zero_state_bytes_per_param
+from megatron_spindle.simulator.engine import SimSettings, simulate
 from megatron_spindle.simulator.result import GroupSync, Interval, SimResult
 
 __all__ = ["GroupSync", "Interval", "SimResult", "SimSettings", "simulate", "zero_state_bytes_per_param"]

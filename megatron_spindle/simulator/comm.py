@@ -1,11 +1,10 @@
 """Communication times of the simulator: inter-wave activation transfers and gradient all-reduces.
 
-Transfers are timed from where the rows actually live. The producer slice's device ``r`` holds the samples of
-its data-parallel rank (plan.py layout); every consumer device needs the samples of its own data-parallel
-rank (all TP ranks of a consumer need them). Each needed row range is fetched from a holder, preferring the
-device itself (a local copy), then a holder on the same island (NVLink), then any holder (network); holders
-of the same rows share the sending. A transfer takes as long as its busiest device, sending or receiving,
-plus one link latency when anything leaves a device.
+Transfers are timed from plan/routing.py's messages, the ones the runtime sends: every consumer device
+receives the rows of its data-parallel rank (each of its TP ranks), from itself (a local copy), a holder on its
+island (NVLink) or another island (network); the backward sends the input gradients to every producer device
+the same way. A direction of a transfer takes as long as its busiest device, sending or receiving, plus one
+link latency when anything leaves a device.
 
 Gradient all-reduces are rings over the data-parallel replicas of each TP shard (the TP ranks reduce their
 shards in parallel, each over its own ring), at NVLink speed when the group sits in one island and at the
@@ -14,25 +13,17 @@ per-GPU network share otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from megatron_spindle.graph.cluster import ClusterSpec
-from megatron_spindle.planner.plan import TRANSFER_KINDS
-
-ROUTE_LOCAL, ROUTE_INTRA, ROUTE_INTER = TRANSFER_KINDS
-
-
-def sample_range(position: int, tp: int, dp: int, batch: int) -> tuple[int, int]:
-    """Samples [lo, hi) held by device ``devices[position]`` of a (tp, dp) slice (plan.py layout)."""
-    per_rank = batch // dp
-    rank = position // tp
-    return rank * per_rank, (rank + 1) * per_rank
+from megatron_spindle.plan.routing import ROUTE_INTER, ROUTE_INTRA, ROUTE_LOCAL, Message
+from megatron_spindle.plan.schema import TRANSFER_KINDS
 
 
 @dataclass
 class TransferLoad:
-    """Bytes one transfer moves, per device and route: what a device receives and what it sends."""
+    """Bytes one direction of a transfer moves, per device and route: what a device receives and sends."""
 
     received: dict[int, dict[str, float]] = field(default_factory=dict)
     sent: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -49,46 +40,33 @@ class TransferLoad:
         return set(self.received) | set(self.sent)
 
 
-def _add(table: dict[int, dict[str, float]], device: int, route: str, nbytes: float) -> None:
-    row = table.setdefault(device, {k: 0.0 for k in TRANSFER_KINDS})
-    row[route] += nbytes
-
-
-def transfer_load(total_bytes: float, batch: int, src_devices: Sequence[int], src_tp: int, src_dp: int,
-                  dst_devices: Sequence[int], dst_tp: int, dst_dp: int, cluster: ClusterSpec) -> TransferLoad:
-    """Route every row range a consumer device needs to a producer device that holds it."""
+def transfer_load(messages: Iterable[Message], bytes_per_row: float) -> TransferLoad:
+    """Per-device bytes of routed messages: every receiver, and every sender that is not the receiver."""
+    received: dict[tuple[int, str], int] = {}
+    sent: dict[tuple[int, str], int] = {}
+    for m in messages:
+        key = (m.dst, m.route)
+        received[key] = received.get(key, 0) + m.n
+        if m.src != m.dst:
+            key = (m.src, m.route)
+            sent[key] = sent.get(key, 0) + m.n
     load = TransferLoad()
-    if total_bytes <= 0 or batch <= 0:
-        return load
-    per_sample = total_bytes / batch
-    src_per_rank = batch // src_dp
-    turn: dict[int, int] = {}  # round-robin among remote holders of the same producer rank
-    for r, d in enumerate(dst_devices):
-        lo, hi = sample_range(r, dst_tp, dst_dp, batch)
-        for rank in range(lo // src_per_rank, (hi - 1) // src_per_rank + 1):
-            common = min(hi, (rank + 1) * src_per_rank) - max(lo, rank * src_per_rank)
-            if common <= 0:
-                continue
-            nbytes = common * per_sample
-            devs = src_devices[rank * src_tp:(rank + 1) * src_tp]
-            if d in devs:
-                _add(load.received, d, ROUTE_LOCAL, nbytes)
-                continue
-            near = [h for h in devs if cluster.island(h) == cluster.island(d)]
-            pool = near or devs
-            k = turn.get(rank, 0)
-            turn[rank] = k + 1
-            src = pool[k % len(pool)]
-            route = ROUTE_INTRA if near else ROUTE_INTER
-            _add(load.received, d, route, nbytes)
-            _add(load.sent, src, route, nbytes)
+    for table, rows in ((load.received, received), (load.sent, sent)):
+        for (device, route), n in rows.items():
+            if n and bytes_per_row > 0:
+                table.setdefault(device, dict.fromkeys(TRANSFER_KINDS, 0.0))[route] += n * bytes_per_row
     return load
+
+
+def route_bandwidths(cluster: ClusterSpec) -> dict[str, float]:
+    """Bytes/s per device of each route: a device-to-device copy reads and writes HBM."""
+    return {ROUTE_LOCAL: cluster.gpu.memory_bandwidth / 2, ROUTE_INTRA: cluster.intra_node_bw,
+            ROUTE_INTER: cluster.inter_node_bw}
 
 
 def transfer_seconds(load: TransferLoad, cluster: ClusterSpec) -> float:
     """Time of one transfer: its busiest device (receiving or sending), plus a latency if anything moves."""
-    bw = {ROUTE_LOCAL: cluster.gpu.memory_bandwidth / 2,  # a device-to-device copy reads and writes HBM
-          ROUTE_INTRA: cluster.intra_node_bw, ROUTE_INTER: cluster.inter_node_bw}
+    bw = route_bandwidths(cluster)
     worst = 0.0
     for table in (load.received, load.sent):
         for routes in table.values():
@@ -99,10 +77,6 @@ def transfer_seconds(load: TransferLoad, cluster: ClusterSpec) -> float:
     elif moved[ROUTE_INTRA] > 0:
         worst += cluster.intra_node_latency
     return worst
-
-
-def group_spans_islands(devices: Sequence[int], cluster: ClusterSpec) -> bool:
-    return not cluster.same_island(devices)
 
 
 def ring_allreduce_seconds(nbytes: float, ranks: int, cross_island: bool, cluster: ClusterSpec) -> float:

@@ -2,28 +2,30 @@
 
 Execution model (the same for every plan, so that plans from different planners compare fairly):
 
-- **Order.** Waves run in order of their start time. The plan's ``planner["segments"]`` (optional) groups wave
+- **Order.** plan/order.py's execution order of the plan's ``settings``: ``segments`` (optional) group wave
   indices into segments that run forward then backward one after another (temporal decoupling: each task is
-  a segment); without it the whole plan is one segment: forward wave by wave, then backward in reverse wave
-  order (plan.py). Every device executes its own slices in that global order.
+  a segment); without them the whole plan is one segment: forward wave by wave, then backward in reverse wave
+  order (or ``backward_order``). Every device executes its own slices in that global order.
 - **Dataflow, no global barrier.** A slice starts when all its devices are free and its inputs have arrived:
   a wave boundary is a point-to-point dependency, not a cluster-wide barrier (a device only waits for the
   devices it receives from). On wave-aligned Spindle plans this changes little; it lets the baselines whose
   tasks run side by side on disjoint devices (Spindle-Optimus) proceed independently.
 - **Compute.** A slice takes ``layers x (compute + tp_comm + launch + data_comm)`` of the cost model's
   ``layer_cost(metaop, tp, dp)``: one third forward, two thirds backward (``FWD_BWD_FACTOR``; with
-  activation recomputation, ``planner["recompute"]``, a layer's backward also reruns its forward: 1/4, 3/4). The per-layer
-  ``dp_sync`` is *not* charged here: gradients are synchronised per parameter device group after the
-  backward (below). With ZeRO stage 3 (``planner["zero_stage"]``) every layer also all-gathers its weights
+  activation recomputation, ``settings.recompute``, a layer's backward also reruns its forward: 1/4, 3/4).
+  The per-layer ``dp_sync`` is *not* charged here: gradients are synchronised per parameter device group after the
+  backward (below). With ZeRO stage 3 (``settings.zero_stage``) every layer also all-gathers its weights
   forward and again backward, on the critical path like the gradient synchronisation (no overlap is
   modelled for either), so stage 3 moves 1.5x the data of stages 0-2 and costs accordingly.
-- **Transfers** (activations forward, their gradients backward, same bytes) happen between a producer slice
-  and a consumer slice: they start when the producer finishes and the links of every device involved are
-  free (one transfer at a time per device), and take the time of their busiest device (``comm.py``). They
+- **Transfers** (activations forward, their gradients backward) happen between a producer slice and a
+  consumer slice, routed by plan/routing.py as the runtime sends them (the backward reaches every producer
+  device, so its bytes differ from the forward's when the TP degrees differ): each direction starts when its
+  sender finishes and the links of every device involved are free (one transfer at a time per device), and
+  takes the time of its busiest device (``comm.py``). They
   sit on the critical path of the consumer (forward) or producer (backward) and may overlap compute of
   unrelated slices.
 - **Gradient synchronisation.** After a device's last backward, each parameter device group (the plan's
-  ``param_groups``) all-reduces its gradients (fp32, the cost model's ``grad_bytes``) inside its device set,
+  ``param_groups``) all-reduces its gradients (in ``settings.grad_reduce_dtype``) inside its device set,
   as a ring over the data-parallel replicas of each TP shard. Groups sharing a device run one after
   another, device-disjoint groups overlap; groups go in order of readiness, larger first. ZeRO stages 1 and
   2 move the same volume (reduce-scatter + all-gather), stage 3 only the reduce-scatter (half) since its
@@ -34,11 +36,11 @@ Execution model (the same for every plan, so that plans from different planners 
   with ZeRO stage >= 1. It takes the cost model's ``optimizer_seconds(elements, tensors)`` (one tensor per
   unit): analytic from the device memory bandwidth of the cluster spec, or measured by the profiler
   (``ProfiledCostModel``). Devices step independently; the iteration ends with the last one.
-- **Memory.** Per device: the parameter state of every unit it runs, once (weights + fp32 grads + Adam,
-  sharded by TP and by ZeRO stage over the slice's DP ranks), plus activations held from a slice's forward
-  to its backward (the memory model's; only layer inputs under recomputation), at the peak of the
-  device's order.
-- **Models.** The cost and memory models must match the plan's ``planner["recompute"]``; ``simulate``
+- **Memory.** plan/memory.py's accounting, the planner's own: per device the parameter state of every unit
+  it runs, once (weights + fp32 grads + Adam, sharded by TP and by ZeRO stage over the slice's DP ranks),
+  plus activations held from a slice's forward to its backward (the memory model's; only layer inputs under
+  recomputation), at the peak of the device's order.
+- **Models.** The cost and memory models must match the plan's ``settings.recompute``; ``simulate``
   rebuilds them when they do not (``matching_models``).
 
 The planner's predicted time (``plan.predicted["iteration_time"]``) sums wave durations of T(n), which
@@ -58,24 +60,21 @@ from dataclasses import dataclass, field
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.planner.plan import TRANSFER_KINDS, Plan, Slice
+from megatron_spindle.plan.derive import plan_slice_pairs
+from megatron_spindle.plan.layout import device_programs, slice_units
+from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, grad_reduce_bytes, plan_memory
+from megatron_spindle.plan.order import FWD, execution_order
+from megatron_spindle.plan.routing import ROUTE_INTER, ROUTE_INTRA, Router
+from megatron_spindle.plan.schema import TRANSFER_KINDS, Plan, PlanError, Slice
 from megatron_spindle.simulator.comm import (
-    ROUTE_INTER,
-    ROUTE_INTRA,
-    ROUTE_LOCAL,
     TransferLoad,
     ring_allgather_seconds,
     ring_allreduce_seconds,
+    route_bandwidths,
     transfer_load,
     transfer_seconds,
 )
 from megatron_spindle.simulator.result import GroupSync, Interval, SimResult
-
-FWD, BWD = "fwd", "bwd"
-WEIGHT_BYTES = 2  # bf16 weights (ZeRO-3 gathers)
-# Mixed-precision training state per parameter: bf16 weights, fp32 gradients, fp32 master weights + Adam m, v.
-WEIGHT_STATE, GRAD_STATE, OPTIMIZER_STATE = 2, 4, 12
-ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass
@@ -89,13 +88,21 @@ class SimSettings:
 
 
 @dataclass
-class _Edge:
-    producer: str
-    consumer: str
+class _Flow:
+    """One direction of a transfer: the devices whose links it occupies (none for local copies only)."""
+
     devices: tuple[int, ...]
     seconds: float
     bytes_by_route: dict[str, float]
     seconds_by_route: dict[str, float]
+
+
+@dataclass
+class _Edge:
+    producer: str
+    consumer: str
+    fwd: _Flow  # activations to the consumer
+    bwd: _Flow  # their gradients back to the producer
 
 
 @dataclass
@@ -132,11 +139,13 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=No
     compute = min(compute, compute_end)
     seconds_by_kind = {k: 0.0 for k in TRANSFER_KINDS}
     bytes_by_kind = {k: 0.0 for k in TRANSFER_KINDS}
+    backward_bytes_by_kind = {k: 0.0 for k in TRANSFER_KINDS}
     for edges in ctx.in_edges.values():
         for e in edges:
             for k in TRANSFER_KINDS:
-                seconds_by_kind[k] += 2 * e.seconds_by_route[k]  # forward activations + backward gradients
-                bytes_by_kind[k] += e.bytes_by_route[k]
+                seconds_by_kind[k] += e.fwd.seconds_by_route[k] + e.bwd.seconds_by_route[k]
+                bytes_by_kind[k] += e.fwd.bytes_by_route[k]
+                backward_bytes_by_kind[k] += e.bwd.bytes_by_route[k]
     total_route_seconds = sum(seconds_by_kind.values())
     transfer_by_kind = {k: (transfer * v / total_route_seconds if total_route_seconds > 0 else 0.0)
                         for k, v in seconds_by_kind.items()}
@@ -149,10 +158,11 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=No
         optimizer_steps=optimizer,
         transfer_by_kind=transfer_by_kind,
         transfer_bytes_by_kind=bytes_by_kind,
+        transfer_backward_bytes_by_kind=backward_bytes_by_kind,
         transfer_seconds_by_kind=seconds_by_kind,
         grad_sync=syncs,
         busy=run.busy,
-        peak_memory=_peak_memory(ctx, memory_model, cost_model),
+        peak_memory=plan_memory(plan, metagraph.metaops, memory_model),
         forward_end=run.forward_end,
         num_devices=plan.num_devices,
         extras={"planner_predicted": float(plan.predicted.get("iteration_time", 0.0)),
@@ -164,12 +174,12 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=No
 
 
 def matching_models(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=None, memory_model=None):
-    """Cost and memory models that match the plan's activation recomputation (``planner["recompute"]``):
+    """Cost and memory models that match the plan's activation recomputation (``settings.recompute``):
     the given ones when they do (or cannot tell: stand-ins without ``config.recompute``), else rebuilt."""
     from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
     from megatron_spindle.estimator.cost_model import CostModelConfig
 
-    recompute = bool(plan.planner.get("recompute", False))
+    recompute = plan.settings.recompute_every_layer()
     if cost_model is None:
         cost_model = AnalyticCostModel(workload, cluster, config=CostModelConfig(recompute=recompute))
         memory_model = None
@@ -191,9 +201,9 @@ def _build_context(plan: Plan, cluster: ClusterSpec, metagraph: MetaGraph, cost_
         if s.metaop not in metagraph.metaops:
             raise ValueError(f"slice '{s.id}': MetaOp '{s.metaop}' is not in the workload's MetaGraph")
         metaops[s.metaop] = metagraph.metaops[s.metaop]
-    zero = int(plan.planner.get("zero_stage", 0))
-    if zero not in ZERO_STAGES:
-        raise ValueError(f"plan: zero_stage must be one of {ZERO_STAGES}, got {zero}")
+    zero = plan.settings.zero_stage
+    if plan.settings.micro_batches != 1:
+        raise PlanError(f"plan: {plan.settings.micro_batches} micro-batches; the simulator models one")
     from megatron_spindle.estimator.cost_model import FWD_BWD_FACTOR
 
     recompute = bool(getattr(getattr(cost_model, "config", None), "recompute", False))
@@ -208,73 +218,60 @@ def _build_context(plan: Plan, cluster: ClusterSpec, metagraph: MetaGraph, cost_
         fwd, bwd = fraction * per_layer, (1.0 - fraction) * per_layer
         if zero == 3 and s.dp > 1:
             layer_params = sum(cost_model.param_count(p) for p in m.params[0]) if m.params else 0
-            gather = ring_allgather_seconds(layer_params * WEIGHT_BYTES / s.tp, s.dp,
+            gather = ring_allgather_seconds(layer_params * WEIGHT_BYTES_PER_PARAM / s.tp, s.dp,
                                             not cluster.same_island(s.devices), cluster)
             fwd, bwd = fwd + gather, bwd + gather
         fwd_time[sid] = fwd * s.num_layers
         bwd_time[sid] = bwd * s.num_layers
-        units[sid] = list(dict.fromkeys(p for ps in m.params[s.layer_start:s.layer_end] for p in ps))
+        units[sid] = slice_units(m, s.layer_start, s.layer_end)
     in_edges, out_edges = _edges(plan, slices, metaops, cluster, cost_model)
     return _Context(plan, cluster, slices, metaops, _order(plan), fwd_time, bwd_time, in_edges, out_edges, zero,
                     units)
 
 
 def _order(plan: Plan) -> list[tuple[str, str]]:
-    waves = sorted(plan.waves, key=lambda w: (w.start, w.index))
-    by_index = {w.index: w for w in waves}
-    segments = plan.planner.get("segments")
-    if segments:
-        listed = [i for seg in segments for i in seg]
-        if sorted(listed) != sorted(by_index):
-            raise ValueError("plan: planner['segments'] must list every wave index exactly once")
-        groups = [sorted((by_index[i] for i in seg), key=lambda w: (w.start, w.index)) for seg in segments]
-    else:
-        groups = [waves]
+    """(slice id, phase) in execution order (plan/order.py); a backward wave runs its slices in reverse."""
     order = []
-    for group in groups:
-        fwd = [s.id for w in group for s in w.slices]
-        order += [(sid, FWD) for sid in fwd] + [(sid, BWD) for sid in reversed(fwd)]
+    for wi, phase in execution_order(len(plan.waves), plan.settings):
+        slices = plan.waves[wi].slices
+        order += [(s.id, phase) for s in (slices if phase == FWD else reversed(slices))]
     return order
 
 
 def _edges(plan: Plan, slices: dict[str, Slice], metaops: dict[str, MetaOp], cluster: ClusterSpec,
            cost_model) -> tuple[dict[str, list[_Edge]], dict[str, list[_Edge]]]:
-    """Producer -> consumer slice pairs: consecutive slices of a MetaOp, and a producer MetaOp's last slice to
-    the consumer MetaOp's first slice (derived from the plan's layout, not trusted from its transfer list)."""
-    by_metaop: dict[str, list[Slice]] = {}
-    for s in slices.values():
-        by_metaop.setdefault(s.metaop, []).append(s)
-    for lst in by_metaop.values():
-        lst.sort(key=lambda s: s.layer_start)
-    preds = {m.id: list(m.preds) for m in plan.metaops}
-    pairs = []
-    for mid, lst in by_metaop.items():
-        pairs += list(zip(lst, lst[1:]))
-        for p in preds.get(mid, []):
-            if p in by_metaop:
-                pairs.append((by_metaop[p][-1], lst[0]))
+    """Producer -> consumer slice pairs (derived from the plan's layout by plan/layout.py, not trusted from its
+    transfer list), each direction routed by plan/routing.py."""
     in_edges: dict[str, list[_Edge]] = {sid: [] for sid in slices}
     out_edges: dict[str, list[_Edge]] = {sid: [] for sid in slices}
-    for src, dst in pairs:
+    router = Router(cluster.gpus_per_node)
+    flows: dict[tuple, _Flow] = {}  # plans repeat layouts: each (layout, bytes per row) timed once
+
+    def flow(holders: Slice, needers: Slice, batch: int, per_row: float) -> _Flow:
+        key = (router.key(holders, needers, batch), per_row)
+        if key not in flows:
+            flows[key] = _flow(transfer_load(router.route(holders, needers, batch), per_row), cluster)
+        return flows[key]
+
+    for p, c in plan_slice_pairs(plan):
+        src, dst = slices[p], slices[c]
         m = metaops[src.metaop]
-        load = transfer_load(float(cost_model.activation_bytes(m)), m.batch, src.devices, src.tp, src.dp,
-                             dst.devices, dst.tp, dst.dp, cluster)
-        edge = _edge(src.id, dst.id, load, cluster)
-        in_edges[dst.id].append(edge)
-        out_edges[src.id].append(edge)
+        per_row = float(cost_model.activation_bytes(m)) / m.batch
+        edge = _Edge(p, c, flow(src, dst, m.batch, per_row), flow(dst, src, m.batch, per_row))
+        in_edges[c].append(edge)
+        out_edges[p].append(edge)
     return in_edges, out_edges
 
 
-def _edge(producer: str, consumer: str, load: TransferLoad, cluster: ClusterSpec) -> _Edge:
+def _flow(load: TransferLoad, cluster: ClusterSpec) -> _Flow:
     seconds = transfer_seconds(load, cluster)
     by_route = load.total_by_route()
-    bw = {ROUTE_LOCAL: cluster.gpu.memory_bandwidth / 2, ROUTE_INTRA: cluster.intra_node_bw,
-          ROUTE_INTER: cluster.inter_node_bw}
+    bw = route_bandwidths(cluster)
     raw = {k: by_route[k] / bw[k] for k in TRANSFER_KINDS}
     total_raw = sum(raw.values())
     by_seconds = {k: (seconds * raw[k] / total_raw if total_raw > 0 else 0.0) for k in TRANSFER_KINDS}
     moving = tuple(sorted(load.devices)) if any(by_route[k] > 0 for k in (ROUTE_INTRA, ROUTE_INTER)) else ()
-    return _Edge(producer, consumer, moving, seconds, by_route, by_seconds)
+    return _Flow(moving, seconds, by_route, by_seconds)
 
 
 # ------------------------------------------------------------------------------------------ timeline
@@ -298,12 +295,12 @@ def _run(ctx: _Context, with_transfers: bool) -> _Run:
     fwd_end: dict[str, float] = {}
     bwd_end: dict[str, float] = {}
 
-    def arrive(edge: _Edge, sent_at: float) -> float:
-        if not with_transfers or not edge.devices:
-            return sent_at + (edge.seconds if with_transfers else 0.0)
-        start = max([sent_at] + [link_free[d] for d in edge.devices])
-        end = start + edge.seconds
-        for d in edge.devices:
+    def arrive(flow: _Flow, sent_at: float) -> float:
+        if not with_transfers or not flow.devices:
+            return sent_at + (flow.seconds if with_transfers else 0.0)
+        start = max([sent_at] + [link_free[d] for d in flow.devices])
+        end = start + flow.seconds
+        for d in flow.devices:
             link_free[d] = end
         return end
 
@@ -311,19 +308,20 @@ def _run(ctx: _Context, with_transfers: bool) -> _Run:
     for sid, phase in ctx.order:
         s = ctx.slices[sid]
         if phase == FWD:
-            ready = max([arrive(e, fwd_end[e.producer]) for e in ctx.in_edges[sid] if e.producer in fwd_end],
+            ready = max([arrive(e.fwd, fwd_end[e.producer]) for e in ctx.in_edges[sid] if e.producer in fwd_end],
                         default=0.0)
             duration = ctx.fwd_time[sid]
         else:
-            ready = max([arrive(e, bwd_end[e.consumer]) for e in ctx.out_edges[sid] if e.consumer in bwd_end],
+            ready = max([arrive(e.bwd, bwd_end[e.consumer]) for e in ctx.out_edges[sid] if e.consumer in bwd_end],
                         default=0.0)
             duration = ctx.bwd_time[sid]
-        start = max([ready] + [dev_free[d] for d in s.devices])
+        start = max(ready, max(map(dev_free.__getitem__, s.devices)))
         end = start + duration
+        interval = Interval(start, end, sid, phase)
         for d in s.devices:
             dev_free[d] = end
             if duration > 0:
-                busy[d].append(Interval(start, end, sid, phase))
+                busy[d].append(interval)
         if phase == FWD:
             fwd_end[sid] = end
             forward_end = max(forward_end, end)
@@ -334,7 +332,6 @@ def _run(ctx: _Context, with_transfers: bool) -> _Run:
 
 def _grad_sync(ctx: _Context, run: _Run, cost_model) -> list[GroupSync]:
     """List-schedule the parameter device groups' all-reduces after each device's backward."""
-    grad_bytes = getattr(getattr(cost_model, "config", None), "grad_bytes", 4)
     unit_tp: dict[str, int] = {}
     for sid, units in ctx.units.items():
         tp = ctx.slices[sid].tp
@@ -346,7 +343,7 @@ def _grad_sync(ctx: _Context, run: _Run, cost_model) -> list[GroupSync]:
             continue
         tp = min((unit_tp.get(u, 1) for u in g.params), default=1)
         ranks = len(g.devices) // tp
-        volume = sum(cost_model.param_count(u) for u in g.params) * grad_bytes / tp
+        volume = grad_reduce_bytes(sum(cost_model.param_count(u) for u in g.params), ctx.plan.settings) / tp
         cross = not ctx.cluster.same_island(g.devices)
         seconds = ring_allreduce_seconds(volume, ranks, cross, ctx.cluster)
         if ctx.zero_stage == 3:
@@ -366,14 +363,19 @@ def _grad_sync(ctx: _Context, run: _Run, cost_model) -> list[GroupSync]:
 
 
 def optimizer_elements(ctx: _Context, cost_model) -> list[dict[str, float]]:
-    """Per device: unit -> fp32 master elements the device steps (its TP shard; over DP with ZeRO >= 1)."""
+    """Per device: unit -> fp32 master elements the device steps (its TP shard; over DP with ZeRO >= 1), the
+    largest over its slices holding the unit; devices running the same slices share one dict."""
+    waves = [w.slices for w in ctx.plan.waves]
     held: list[dict[str, float]] = [{} for _ in range(ctx.plan.num_devices)]
-    for sid, units in ctx.units.items():
-        s = ctx.slices[sid]
-        for u in units:
-            elements = cost_model.param_count(u) / s.tp / (s.dp if ctx.zero_stage >= 1 else 1)
-            for d in s.devices:
-                held[d][u] = max(held[d].get(u, 0.0), elements)
+    for program, devices in device_programs(waves, ctx.plan.num_devices).items():
+        mine: dict[str, float] = {}
+        for wi, si in program:
+            s = waves[wi][si]
+            for u in ctx.units[s.id]:
+                elements = cost_model.param_count(u) / s.tp / (s.dp if ctx.zero_stage >= 1 else 1)
+                mine[u] = max(mine.get(u, 0.0), elements)
+        for d in devices:
+            held[d] = mine
     return held
 
 
@@ -391,38 +393,3 @@ def _optimizer_steps(ctx: _Context, run: _Run, syncs: list[GroupSync], cost_mode
         duration = seconds(sum(units.values()), len(units)) if units else 0.0
         steps.append((ready[d], ready[d] + duration))
     return steps
-
-
-# ------------------------------------------------------------------------------------------ memory
-
-
-def zero_state_bytes_per_param(stage: int, dp: int) -> float:
-    """Training-state bytes per parameter on one device under ZeRO ``stage`` with ``dp`` data-parallel ranks."""
-    if stage == 0:
-        return WEIGHT_STATE + GRAD_STATE + OPTIMIZER_STATE
-    if stage == 1:
-        return WEIGHT_STATE + GRAD_STATE + OPTIMIZER_STATE / dp
-    if stage == 2:
-        return WEIGHT_STATE + (GRAD_STATE + OPTIMIZER_STATE) / dp
-    return (WEIGHT_STATE + GRAD_STATE + OPTIMIZER_STATE) / dp
-
-
-def _peak_memory(ctx: _Context, memory_model, cost_model) -> list[float]:
-    n = ctx.plan.num_devices
-    held: list[dict[str, float]] = [{} for _ in range(n)]
-    for sid, units in ctx.units.items():
-        s = ctx.slices[sid]
-        per_param = zero_state_bytes_per_param(ctx.zero_stage, s.dp)
-        for u in units:
-            b = memory_model.param_state_bytes(u, s.tp) * per_param / zero_state_bytes_per_param(0, 1)
-            for d in s.devices:
-                held[d][u] = max(held[d].get(u, 0.0), b)
-    act = {sid: float(memory_model.activation_bytes(ctx.metaops[s.metaop], s.tp, s.dp, s.num_layers))
-           for sid, s in ctx.slices.items()}
-    live = [0.0] * n
-    peak = [0.0] * n
-    for sid, phase in ctx.order:
-        for d in ctx.slices[sid].devices:
-            live[d] += act[sid] if phase == FWD else -act[sid]
-            peak[d] = max(peak[d], live[d])
-    return [sum(held[d].values()) + peak[d] for d in range(n)]

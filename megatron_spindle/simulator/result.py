@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from megatron_spindle.planner.plan import TRANSFER_KINDS
+from megatron_spindle.plan.schema import TRANSFER_KINDS
 
 
-@dataclass(frozen=True)
-class Interval:
+class Interval(NamedTuple):
     """A device busy from ``start`` to ``end`` running ``phase`` ("fwd" | "bwd") of slice ``slice_id``."""
 
     start: float
@@ -56,7 +55,7 @@ class SimResult:
     transfer_time: float
     grad_sync_time: float
     transfer_by_kind: dict[str, float]
-    transfer_bytes_by_kind: dict[str, float]  # forward activation bytes; the backward moves as many again
+    transfer_bytes_by_kind: dict[str, float]  # forward activation bytes received, by route
     transfer_seconds_by_kind: dict[str, float]  # summed durations of all transfers (forward + backward)
     grad_sync: list[GroupSync]
     busy: list[list[Interval]]  # per device, in time order
@@ -66,6 +65,7 @@ class SimResult:
     extras: dict[str, Any] = field(default_factory=dict)
     optimizer_time: float = 0.0
     optimizer_steps: list[tuple[float, float]] = field(default_factory=list)  # per device: AdamW (start, end)
+    transfer_backward_bytes_by_kind: dict[str, float] = field(default_factory=dict)  # input gradients, by route
 
     # --------------------------------------------------------------------------------- derived
     @property
@@ -87,10 +87,6 @@ class SimResult:
     @property
     def grad_sync_share(self) -> float:
         return self.grad_sync_time / self.iteration_time if self.iteration_time > 0 else 0.0
-
-    @property
-    def optimizer_share(self) -> float:
-        return self.optimizer_time / self.iteration_time if self.iteration_time > 0 else 0.0
 
     def utilisation_over_time(self, num_bins: int = 50) -> list[float]:
         """Fraction of devices computing in each of ``num_bins`` equal slices of the iteration."""

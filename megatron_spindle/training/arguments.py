@@ -11,6 +11,7 @@ from megatron_spindle.fileio import PICTURE_SUFFIXES, check_output_file, check_o
 from megatron_spindle.flags import add_flags, config_from_args, finite_float
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.training.schedule import LRSchedule
+from megatron_spindle.training.task_schedule import TaskScheduleConfig
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -40,6 +41,7 @@ def add_task_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--task-sampling-weights", default=None, metavar="TASK=W,...",
                    help="Relative sampling weight per task: a task takes part in an iteration with probability "
                         "w_t / max w (default: every task every iteration). See data/sampler.py.")
+    add_flags(g, TaskScheduleConfig)  # --task-schedule
     return parser
 
 

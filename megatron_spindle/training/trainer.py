@@ -25,9 +25,10 @@ from megatron_spindle.arguments import (
     build_parser,
     cluster_from_args,
     planner_config_from_args,
-    workload_from_args,
 )
 from megatron_spindle.errors import USER_ERRORS, exit_on_user_error
+from megatron_spindle.graph.task_sets import task_set_workload
+from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.runtime import progress
 from megatron_spindle.training.arguments import (
     add_checkpointing_args,
@@ -47,6 +48,7 @@ from megatron_spindle.training.faults import (
     distributed_config_from_args,
     exit_config_from_args,
 )
+from megatron_spindle.training.task_schedule import parse_task_schedule
 
 if TYPE_CHECKING:
     from megatron_spindle.runtime.distributed import DistContext
@@ -76,8 +78,8 @@ def print_rank_0(*a, **k) -> None:
 def get_plan(args, workload, world_size: int, rank: int):
     """The saved plan (--spindle-plan) or a fresh one made on rank 0 and broadcast (CP-SAT with a time limit
     is not deterministic, so ranks must not plan separately)."""
-    from megatron_spindle.planner.plan import Plan, PlanError
-    from megatron_spindle.planner.validate import validate_plan
+    from megatron_spindle.plan.schema import Plan, PlanError
+    from megatron_spindle.plan.validate import validate_plan
 
     if args.spindle_plan:
         plan = Plan.load(args.spindle_plan)
@@ -125,7 +127,9 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
         validate_args(args, int(os.environ.get("WORLD_SIZE", 1)), cuda)
         exit_config_from_args(args)  # --exit-* checked now, not after the process group formed
         dist_config = distributed_config_from_args(args)
-        workload = workload_from_args(args)
+        base = load_workload(args.workload)
+        schedule = parse_task_schedule(args.task_schedule, base, args.tasks)
+        workload = task_set_workload(base, schedule.all_tasks(base))  # every task some iteration trains
         loss_weights = parse_task_values(args.task_loss_weights, "--task-loss-weights", workload, positive=False)
         sampling_weights = parse_task_values(args.task_sampling_weights, "--task-sampling-weights", workload,
                                              positive=True)
@@ -141,8 +145,8 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
         info = init_distributed("nccl" if cuda else "gloo", dist_config)
         try:
             with FaultGuards(args, info, prog) as guards:
-                records = train(args, workload, datasets, engine_provider, info, loss_weights, sampling_weights,
-                                guards)
+                records = train(args, base, schedule, datasets, engine_provider, info, loss_weights,
+                                sampling_weights, guards)
             if history is not None:
                 history.extend(records)
         finally:
@@ -156,46 +160,57 @@ def _unit_owners(plan) -> dict[str, int]:
     return unit_owners([(g.devices, g.params) for g in plan.param_groups])
 
 
-def save(args, iteration: int, engine, loader, plan, workload, info: DistContext) -> Path:
+def save(args, iteration: int, engine, loader, plan, workload, info: DistContext, sets=None) -> Path:
     from megatron_spindle.checkpointing import save_checkpoint
 
     progress.point(f"saving the checkpoint of iteration {iteration}")
     owners = _unit_owners(plan)
     # collective with the distributed optimizer: every rank exports, the owner of each unit writes it
     mine = {u: s for u, s in engine.export_units().items() if owners.get(u, 0) == info.rank}
+    extra = {"args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}}
+    expected = sorted(owners)
+    if sets is not None:  # units of tasks that left the set, and the task-set record
+        retained, all_retained = sets.units_to_save()
+        mine.update(retained)
+        expected = sorted(set(expected) | set(all_retained))
+        extra.update(sets.checkpoint_extra(sets.phase.tasks))
     t0 = time.perf_counter()
     path = save_checkpoint(args.save, iteration, mine, rank=info.rank, world_size=info.world_size,
                            workload_name=workload.name, workload_digest=workload.digest(),
-                           data_position=loader.state_dict(), plan=plan.to_dict(),
-                           extra={"args": {k: v for k, v in vars(args).items()
-                                           if isinstance(v, (int, float, str, bool, list, type(None)))}},
-                           expected_units=sorted(owners))
+                           data_position=loader.state_dict(), plan=plan.to_dict(), extra=extra,
+                           expected_units=expected)
     print_rank_0(f"saved checkpoint at iteration {iteration:8d} to {path} ({time.perf_counter() - t0:.2f} s)")
     return path
 
 
-def load(args, engine, loader, workload, info: DistContext, target) -> int:
-    """Restore model, optimizer, RNG and data position from the checkpoint ``target`` names (resolved from
-    --load by FaultGuards.resolve_load); returns the iteration to start at."""
-    from megatron_spindle.checkpointing import load_checkpoint, set_rng_state
+def load(args, phase, sets, info: DistContext, target) -> int:
+    """Restore model, optimizer, RNG and data position from the checkpoint ``target`` names (--load, resolved
+    by FaultGuards.resolve_load); returns the iteration to start at. The checkpoint may have been trained with
+    another task set (training/task_switch.py)."""
+    from megatron_spindle.checkpointing import set_rng_state
     from megatron_spindle.checkpointing.load_target import check_complete
 
     if target.folder is None:
         print_rank_0(target.notice)
         return 0
     progress.point(f"loading the checkpoint {target.folder}")
-    err, ck = None, None
-    expected = engine.expected_shapes()
+    err, ck, resume = None, None, None
     try:
-        ck = load_checkpoint(target.folder, units=sorted(expected), expected=expected, rank=info.rank,
-                             workload_digest=workload.digest())
+        resume = sets.open_checkpoint(str(target.folder), phase)
+    except USER_ERRORS as e:
+        err = str(e)
+    err = agree(err)
+    if err:
+        raise ValueError(err)
+    fresh = sets.fresh_units(phase, resume)  # collective when the checkpoint lacks units of this model
+    try:
+        ck = sets.load_units(resume, phase, fresh, load_optim=not args.no_load_optim)
         check_complete(ck, load_rng=not args.no_load_rng, load_optim=not args.no_load_optim)
-        engine.load_units(ck.units, load_optim=not args.no_load_optim)
         if ck.rng is not None and not args.no_load_rng:
             set_rng_state(ck.rng)
-        loader.load_state_dict(ck.data_position)
-        if loader.sampler.iteration != ck.iteration:
-            raise ValueError(f"checkpoint {ck.path}: data position is at iteration {loader.sampler.iteration}, "
+        phase.loader.load_state_dict(ck.data_position, tasks_may_change=resume.changed)
+        if phase.loader.sampler.iteration != ck.iteration:
+            raise ValueError(f"checkpoint {ck.path}: data position is at iteration {phase.loader.sampler.iteration}, "
                              f"the checkpoint at {ck.iteration}")
     except USER_ERRORS as e:
         err = str(e)
@@ -206,6 +221,8 @@ def load(args, engine, loader, workload, info: DistContext, target) -> int:
     old = ck.metadata.get("world_size")
     print_rank_0(f"loaded checkpoint {ck.path} at iteration {ck.iteration} (saved by {old} rank(s), "
                  f"now {info.world_size})")
+    if resume.changed:
+        print_rank_0(sets.resume_report(resume))
     return ck.iteration
 
 
@@ -223,18 +240,26 @@ def write_plan_files(args, plan, gantt: str | None) -> None:
         print(f"plan Gantt chart written to {gantt}", flush=True)
 
 
-def train(args, workload, datasets, engine_provider, info: DistContext, loss_weights: dict[str, float],
+def train(args, base, schedule, datasets, engine_provider, info: DistContext, loss_weights: dict[str, float],
           sampling_weights: dict[str, float], guards: FaultGuards) -> list:
     from megatron_spindle.data.datasets import MultiTaskDataLoader
     from megatron_spindle.planner.report import plan_summary
+    from megatron_spindle.training.task_switch import TaskSets
 
     target = guards.resolve_load()  # a --load that names no checkpoint stops here, before anything is written
-    if target is not None:
-        guards.check_save_target(target.iteration or 0, target)
-    else:
-        guards.check_save_target(0, None)
+    start = (target.iteration or 0) if target is not None else 0
+    guards.check_save_target(start, target)
+
+    def loader_factory(workload, task_datasets):
+        return MultiTaskDataLoader(workload, task_datasets, seed=args.seed, num_workers=args.num_workers,
+                                   sampling_weights={t: w for t, w in sampling_weights.items() if t in task_datasets})
+
+    sets = TaskSets(args, base, schedule, datasets, engine_provider, loader_factory,
+                    lambda a, workload: get_plan(a, workload, info.world_size, info.rank), info.rank,
+                    info.world_size, print_rank_0)
+    tasks = schedule.tasks_at(start)
     progress.point("planning (rank 0) and sharing the plan")
-    plan = get_plan(args, workload, info.world_size, info.rank)
+    plan, _, _ = sets.plan(tasks)
     gantt = args.plan_gantt or (str(Path(args.save) / "plan.png") if args.save else None)
     if info.rank == 0:
         print(plan_summary(plan), flush=True)
@@ -243,76 +268,85 @@ def train(args, workload, datasets, engine_provider, info: DistContext, loss_wei
 
         apply_cpu_shim()
     torch.manual_seed(args.seed)
-    loader = MultiTaskDataLoader(workload, datasets, seed=args.seed, sampling_weights=sampling_weights,
-                                 num_workers=args.num_workers)
     try:
-        return _train_loop(args, workload, plan, loader, engine_provider, info, loss_weights, gantt, guards, target)
+        progress.point("building the runtime engine (process groups, operators)")
+        sets.build(tasks, plan)
+        return _train_loop(args, sets, info, loss_weights, gantt, guards, target)
     finally:
-        loader.close()
+        sets.close()
 
 
-def _train_loop(args, workload, plan, loader, engine_provider, info: DistContext, loss_weights: dict[str, float],
-                gantt: str | None, guards: FaultGuards, target) -> list:
-    from megatron_spindle.training.engine_state import WaveTimer
+def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], gantt: str | None,
+                guards: FaultGuards, target) -> list:
     from megatron_spindle.training.log import StepRecord, TensorBoardLogger, format_log_line, format_wave_line
 
-    progress.point("building the runtime engine (process groups, operators)")
-    engine = engine_provider(plan, workload, info.rank, info.world_size, args, loader.batch_fn)
-    timer = WaveTimer(engine)
-    start = load(args, engine, loader, workload, info, target) if target is not None else 0
+    phase = sets.phase
+    start = load(args, phase, sets, info, target) if target is not None else 0
     if info.rank == 0:  # the load succeeded: only now is anything written into --save
-        write_plan_files(args, plan, gantt)
+        write_plan_files(args, phase.plan, gantt)
     if start >= args.train_iters:
         print_rank_0(f"the checkpoint is at iteration {start}, --train-iters is {args.train_iters}: nothing to do")
         return []
     sched = lr_schedule_from_args(args)
-    base = {t.name: loss_weights.get(t.name, t.loss.weight if t.loss else 1.0) for t in workload.tasks}
-    gbs = sum(t.batch_size for t in workload.tasks)
+    base = {t.name: loss_weights.get(t.name, t.loss.weight if t.loss else 1.0) for t in sets.base.tasks}
     tb = TensorBoardLogger(args.tensorboard_dir if info.rank == 0 else None)
-    predicted_ms = plan.predicted.get("iteration_time", plan.iteration_time) * 1e3
     last_saved = None
+    changes = set(sets.schedule.boundaries(start, args.train_iters))
     n, elapsed, loss_sum, records = 0, 0.0, {}, []
-    print_rank_0(f"training {workload.name} for {args.train_iters} iterations from iteration {start} on "
+    lr, weights = 0.0, {}
+
+    def log_interval(it: int, lr: float, weights: dict[str, float]) -> None:
+        nonlocal n, elapsed, loss_sum
+        progress.point("logging (the wave-time all-reduce)")
+        waves = [t / n * 1e3 for t in phase.timer.collect()]
+        mean_losses = {t: v / n for t, v in loss_sum.items()}  # Megatron: averaged over the interval
+        gbs = phase.global_batch_size
+        rec = StepRecord(it + 1, args.train_iters, sets.consumed_samples, lr, mean_losses, weights,
+                         elapsed / n * 1e3, phase.predicted_ms, waves, gbs)
+        print_rank_0(format_log_line(rec))
+        print_rank_0(format_wave_line(rec))
+        tb.log(rec)
+        records.append(rec)
+        phase.timer.reset()
+        n, elapsed, loss_sum = 0, 0.0, {}
+
+    print_rank_0(f"training {phase.workload.name} for {args.train_iters} iterations from iteration {start} on "
                  f"{info.world_size} rank(s)")
     try:
         for it in range(start, args.train_iters):
             progress.set_iteration(it + 1)
             progress.point("loading the batch")
+            if it in changes:
+                if n:  # the old set's part of the interval
+                    log_interval(it - 1, lr, weights)
+                phase = sets.switch(it)
+            engine, loader = phase.engine, phase.loader
             lr = sched(it)
             engine.set_lr(lr)
             mb = loader.advance()
-            weights = {t: (base[t] if mb.active[t] else 0.0) for t in base}
+            weights = {t: (base[t] if mb.active[t] else 0.0) for t in phase.tasks}
             engine.set_loss_weights(weights)
             t0 = time.perf_counter()
             losses = engine.train_step(it)
             elapsed += time.perf_counter() - t0
             n += 1
+            sets.consumed_samples += phase.global_batch_size
             loss_sum = {t: loss_sum.get(t, 0.0) + v for t, v in losses.items()}
             if (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters:
-                progress.point("logging (the wave-time all-reduce)")
-                waves = [t / n * 1e3 for t in timer.collect()]
-                mean_losses = {t: v / n for t, v in loss_sum.items()}  # Megatron: averaged over the interval
-                rec = StepRecord(it + 1, args.train_iters, (it + 1) * gbs, lr, mean_losses, weights,
-                                 elapsed / n * 1e3, predicted_ms, waves, gbs)
-                print_rank_0(format_log_line(rec))
-                print_rank_0(format_wave_line(rec))
-                tb.log(rec)
-                records.append(rec)
-                timer.reset()
-                n, elapsed, loss_sum = 0, 0.0, {}
+                log_interval(it, lr, weights)
             if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
-                save(args, it + 1, engine, loader, plan, workload, info)
+                save(args, it + 1, engine, loader, phase.plan, phase.workload, info, sets)
                 last_saved = it + 1
             reason = guards.exit_reason(it + 1)
             if reason is not None:
                 if args.save and last_saved != it + 1:
-                    save(args, it + 1, engine, loader, plan, workload, info)
+                    save(args, it + 1, engine, loader, phase.plan, phase.workload, info, sets)
                     last_saved = it + 1
                 print_rank_0(f"exiting at iteration {it + 1}: {reason}"
                              + (f" (checkpoint saved in {args.save})" if args.save else " (no --save: nothing saved)"))
                 return records
         if args.save and last_saved != args.train_iters:
-            save(args, args.train_iters, engine, loader, plan, workload, info)
+            save(args, args.train_iters, phase.engine, phase.loader, phase.plan, phase.workload, info, sets)
     finally:
         tb.close()
     if info.rank == 0:

@@ -9,12 +9,12 @@ from megatron_spindle.graph.builtin import builtin_workload_path
 from megatron_spindle.graph.cluster import ClusterSpec, make_cluster
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload, load_workload, workload_from_dict
+from megatron_spindle.plan.schema import ExecutionSettings, ParamGroup, Plan, PlanError
+from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.allocator import allocate_level
 from megatron_spindle.planner.assemble import assemble_plan
 from megatron_spindle.planner.placement import place, predicted_memory
-from megatron_spindle.planner.plan import ParamGroup, Plan, PlanError
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
-from megatron_spindle.planner.validate import validate_plan
 
 HIDDEN = 64
 BATCH = 8
@@ -112,11 +112,12 @@ def test_param_groups_pool_units_by_identical_device_sets():
              wave(0, 2.0, ("y/enc", [1, 0], 1, 1, 2))]
     plan = assemble(w, cluster, g, waves)
     cost = AnalyticCostModel(w, cluster)
-    layer_bytes = 2.0 * cost.param_count("enc.layers.0")
+    reduce_bytes = ExecutionSettings().grad_reduce_bytes  # the gradient all-reduce volume per parameter
+    layer_bytes = reduce_bytes * cost.param_count("enc.layers.0")
     assert plan.param_groups == [
         ParamGroup(devices=[0, 1], params=["enc.layers.1"], bytes=layer_bytes),
         ParamGroup(devices=[0, 1, 2, 3], params=["enc.layers.0"], bytes=layer_bytes),
-        ParamGroup(devices=[4], params=["solo.layers.0"], bytes=2.0 * cost.param_count("solo.layers.0")),
+        ParamGroup(devices=[4], params=["solo.layers.0"], bytes=reduce_bytes * cost.param_count("solo.layers.0")),
     ]
     # devices 0-1 hold both enc layers once; their memory counts each unit once
     memory = MemoryModel(w, cluster)

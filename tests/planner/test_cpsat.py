@@ -12,15 +12,23 @@ import pytest
 
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
+from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.plan.schema import Plan
+from megatron_spindle.plan.validate import validate_plan
+from megatron_spindle.planner import pipeline
 from megatron_spindle.planner.cpsat import (
     CpSatMemoryError,
     CpSatOptions,
+    device_memory,
     inter_island_bytes,
     makespan,
     pack_ranges,
     solve_cpsat,
 )
-from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
+from megatron_spindle.planner.cpsat.budget import TimeBudget
+from megatron_spindle.planner.cpsat.problem import Problem, curve_options, time_unit, with_units
+from megatron_spindle.planner.cpsat.search import Search
+from megatron_spindle.planner.schedule import LevelAllocation, ScheduledSlice, ScheduledWave
 
 LIMIT = 5.0  # seconds; the tiny instances solve to optimality far sooner
 
@@ -30,7 +38,7 @@ LIMIT = 5.0  # seconds; the tiny instances solve to optimality far sooner
 
 @dataclass
 class FakeCurve:
-    """Duck-typed scaling curve: n -> (tp, dp, seconds per layer)."""
+    """Stand-in for a scaling curve (allocator.Curve): n -> (tp, dp, seconds per layer)."""
 
     points: dict[int, tuple[int, int, float]]
 
@@ -69,6 +77,24 @@ class FakeMemoryModel:
 
     def activation_bytes(self, metaop, tp: int, dp: int, num_layers: int) -> float:
         return self.act_bytes * num_layers / (tp * dp)
+
+
+@dataclass(frozen=True)
+class FakeTask:
+    name: str
+
+
+@dataclass(frozen=True)
+class FakeWorkload:
+    """The part of a Workload placement reads: its name and task names (make_graph's MetaOps are task "t")."""
+
+    name: str = "fake"
+    tasks: tuple[FakeTask, ...] = (FakeTask("t"),)
+
+
+WORKLOAD = FakeWorkload()
+COST = FakeCostModel()
+NO_MEMORY = FakeMemoryModel(unit_bytes=0.0)  # nothing is held: memory never binds
 
 
 def make_graph(layers: dict[str, int], edges=(), shared: dict[str, str] | None = None) -> MetaGraph:
@@ -188,7 +214,7 @@ def test_matches_brute_force_one_level(layers, times, devices):
     cluster = make_cluster(devices, gpu_type_name="CPU")
     greedy = sequential_waves(g, curves)
     opt, waves = brute_force(g, curves, devices)
-    res = solve_cpsat(g, None, cluster, curves, greedy, None, None, time_limit=LIMIT, workers=1,
+    res = solve_cpsat(g, WORKLOAD, cluster, curves, greedy, COST, NO_MEMORY, time_limit=LIMIT, workers=1,
                       options=CpSatOptions(extra_waves=waves))  # enough slots for the optimum
     assert res.status == "OPTIMAL"
     assert opt - 1e-9 <= res.objective <= opt + res.rounding_error_bound + 1e-9
@@ -204,7 +230,7 @@ def test_matches_brute_force_with_tensor_parallel_options():
     cluster = make_cluster(4, gpu_type_name="CPU")
     greedy = sequential_waves(g, curves)
     opt, waves = brute_force(g, curves, 4)
-    res = solve_cpsat(g, None, cluster, curves, greedy, None, None, time_limit=LIMIT, workers=1,
+    res = solve_cpsat(g, WORKLOAD, cluster, curves, greedy, COST, NO_MEMORY, time_limit=LIMIT, workers=1,
                       options=CpSatOptions(extra_waves=waves))
     assert res.objective == pytest.approx(opt, abs=res.rounding_error_bound + 1e-9)
     check_waves(res.waves, g, 4)
@@ -224,8 +250,8 @@ def _two_level_instance():
 def test_level_barrier_matches_brute_force():
     g, curves = _two_level_instance()
     cluster = make_cluster(2, gpu_type_name="CPU")
-    res = solve_cpsat(g, None, cluster, curves, sequential_waves(g, curves), None, None, time_limit=LIMIT,
-                      workers=1, options=CpSatOptions(extra_waves=4))
+    res = solve_cpsat(g, WORKLOAD, cluster, curves, sequential_waves(g, curves), COST, NO_MEMORY,
+                      time_limit=LIMIT, workers=1, options=CpSatOptions(extra_waves=4))
     opt, _ = brute_force(g, curves, 2, barrier=True)
     assert res.objective == pytest.approx(opt, abs=res.rounding_error_bound + 1e-9)
     check_waves(res.waves, g, 2)
@@ -240,9 +266,10 @@ def test_cross_level_overlap_matches_brute_force_and_gains():
     cluster = make_cluster(2, gpu_type_name="CPU")
     greedy = sequential_waves(g, curves)
     opts = CpSatOptions(extra_waves=4)
-    barrier = solve_cpsat(g, None, cluster, curves, greedy, None, None, time_limit=LIMIT, workers=1, options=opts)
-    overlap = solve_cpsat(g, None, cluster, curves, greedy, None, None, time_limit=LIMIT, workers=1, options=opts,
-                          cross_level_overlap=True)
+    barrier = solve_cpsat(g, WORKLOAD, cluster, curves, greedy, COST, NO_MEMORY, time_limit=LIMIT, workers=1,
+                          options=opts)
+    overlap = solve_cpsat(g, WORKLOAD, cluster, curves, greedy, COST, NO_MEMORY, time_limit=LIMIT, workers=1,
+                          options=opts, cross_level_overlap=True)
     opt, _ = brute_force(g, curves, 2, barrier=False)
     assert overlap.objective == pytest.approx(opt, abs=overlap.rounding_error_bound + 1e-9)
     assert overlap.objective < barrier.objective - 0.1  # d runs beside a instead of after it
@@ -257,7 +284,7 @@ def test_zero_time_limit_returns_greedy_unchanged():
     g = make_graph({"a": 3, "b": 2})
     curves = {"a": dp_only({1: 1.0, 2: 0.6}), "b": dp_only({1: 1.0, 2: 0.5})}
     greedy = sequential_waves(g, curves)
-    res = solve_cpsat(g, None, make_cluster(2, gpu_type_name="CPU"), curves, greedy, None, None,
+    res = solve_cpsat(g, WORKLOAD, make_cluster(2, gpu_type_name="CPU"), curves, greedy, COST, NO_MEMORY,
                       time_limit=0, workers=1)
     assert res.waves is greedy
     assert res.used_hint_only and res.status == "NOT_RUN"
@@ -270,7 +297,7 @@ def test_optimal_greedy_comes_back_unchanged():
     g = make_graph({"a": 2})
     curves = {"a": dp_only({1: 1.0, 2: 0.5})}
     greedy = sequential_waves(g, curves)
-    res = solve_cpsat(g, None, make_cluster(2, gpu_type_name="CPU"), curves, greedy, None, None,
+    res = solve_cpsat(g, WORKLOAD, make_cluster(2, gpu_type_name="CPU"), curves, greedy, COST, NO_MEMORY,
                       time_limit=LIMIT, workers=1)
     assert res.waves is greedy and res.used_hint_only
     assert res.status == "OPTIMAL"
@@ -284,7 +311,7 @@ def test_greedy_with_scattered_devices_is_still_a_valid_hint():
     sa = ScheduledSlice("a", 2, 1, 2, 0, 2, 1.2, [3, 0])
     sb = ScheduledSlice("b", 2, 1, 2, 0, 2, 1.2, [1, 2])
     greedy = [ScheduledWave(0, 0.0, 1.2, [sa, sb])]
-    res = solve_cpsat(g, None, make_cluster(4, gpu_type_name="CPU"), curves, greedy, None, None,
+    res = solve_cpsat(g, WORKLOAD, make_cluster(4, gpu_type_name="CPU"), curves, greedy, COST, NO_MEMORY,
                       time_limit=LIMIT, workers=1)
     assert res.objective <= 1.2 + 1e-12
     check_waves(res.waves, g, 4)
@@ -327,7 +354,7 @@ def test_memory_error_names_metaop_and_bytes():
             return (40 * 2**30 if name.startswith("huge") else 1e6) / tp
 
     with pytest.raises(CpSatMemoryError, match=r"MetaOp 'huge'.*20\.00 GiB.*8\.00 GiB"):
-        solve_cpsat(g, None, cluster, curves, sequential_waves(g, curves), None, Mem(0.0),
+        solve_cpsat(g, WORKLOAD, cluster, curves, sequential_waves(g, curves), COST, Mem(0.0),
                     time_limit=LIMIT, workers=1)
 
 
@@ -340,7 +367,7 @@ def test_memory_capacity_constrains_placement():
     mem = FakeMemoryModel(unit_bytes=5 * 2**30)
     greedy = [ScheduledWave(0, 0.0, 1.0, [ScheduledSlice("a", 1, 1, 1, 0, 1, 1.0, [0]),
                                           ScheduledSlice("b", 1, 1, 1, 0, 1, 1.0, [1])])]
-    res = solve_cpsat(g, None, cluster, curves, greedy, None, mem, time_limit=LIMIT, workers=1)
+    res = solve_cpsat(g, WORKLOAD, cluster, curves, greedy, COST, mem, time_limit=LIMIT, workers=1)
     # unconstrained, a on 2 devices then b on 2 devices would also take 1.0 s; either way each device
     # may hold only one of the two MetaOps
     held = {d: [s.metaop for w in res.waves for s in w.slices if d in s.devices] for d in range(2)}
@@ -361,11 +388,9 @@ def _memory_trap():
 
 @pytest.mark.parametrize("exact_memory_devices", [16, 0])
 def test_memory_is_respected_in_the_model_or_checked_after(exact_memory_devices):
-    from megatron_spindle.planner.cpsat import device_memory
-
     g, curves, greedy, mem = _memory_trap()
     cluster = make_cluster(2, gpu_type_name="CPU")
-    res = solve_cpsat(g, None, cluster, curves, greedy, None, mem, time_limit=LIMIT, workers=1,
+    res = solve_cpsat(g, WORKLOAD, cluster, curves, greedy, COST, mem, time_limit=LIMIT, workers=1,
                       options=CpSatOptions(exact_memory_devices=exact_memory_devices))
     assert max(device_memory(res.waves, g, mem, cluster)) <= cluster.gpu.memory_bytes
     assert res.objective <= 2.0 + 1e-12
@@ -389,7 +414,7 @@ def test_communication_phase_keeps_shared_weights_in_one_island():
                                           ScheduledSlice("b", 2, 1, 2, 0, 2, 1.0, [2, 3])]),
               ScheduledWave(1, 1.0, 0.2, [ScheduledSlice("c", 1, 1, 1, 0, 1, 0.2, [0])])]
     assert inter_island_bytes(greedy, g, cluster, cost) == pytest.approx(1e6)
-    res = solve_cpsat(g, None, cluster, curves, greedy, cost, None, time_limit=LIMIT, workers=1)
+    res = solve_cpsat(g, WORKLOAD, cluster, curves, greedy, cost, NO_MEMORY, time_limit=LIMIT, workers=1)
     assert res.objective <= makespan(greedy) + 1e-12
     assert res.inter_island_bytes <= res.greedy_inter_island_bytes
     check_waves(res.waves, g, 4)
@@ -402,13 +427,9 @@ def test_summary_is_flat_json_with_gaps():
     g = make_graph({"a": 3, "b": 2})
     curves = {"a": dp_only({1: 1.0, 2: 0.6}), "b": dp_only({1: 1.0, 2: 0.5})}
 
-    @dataclass
-    class Alloc:  # the part of LevelAllocation solve_cpsat reads
-        level: int
-        c_star: float
-
-    res = solve_cpsat(g, None, make_cluster(2, gpu_type_name="CPU"), curves, sequential_waves(g, curves), None,
-                      None, time_limit=LIMIT, workers=1, level_allocs=[Alloc(0, 2.0)])
+    alloc = LevelAllocation(level=0, c_star=2.0, n_star={}, tuples={})
+    res = solve_cpsat(g, WORKLOAD, make_cluster(2, gpu_type_name="CPU"), curves, sequential_waves(g, curves), COST,
+                      NO_MEMORY, time_limit=LIMIT, workers=1, level_allocs=[alloc])
     s = res.summary()
     json.dumps(s)
     assert all(not isinstance(v, (dict, list)) for v in s.values())
@@ -417,11 +438,40 @@ def test_summary_is_flat_json_with_gaps():
     assert s["improvement"] > 0 and not s["used_hint_only"]
 
 
+# ------------------------------------------------------------------------------------------ budget and stages
+
+
+def test_time_budget_children_never_outlast_their_parent():
+    parent = TimeBudget.of(1.0)
+    assert parent.share(0.5).seconds == pytest.approx(0.5, abs=0.05)
+    assert parent.share(0.0, floor=0.2).seconds == pytest.approx(0.2, abs=0.05)  # the floor
+    for child in (parent.part(10.0), parent.share(2.0), parent.share(0.0, floor=5.0)):
+        assert child.deadline <= parent.deadline
+    empty = TimeBudget.of(0.0)
+    assert empty.left() == 0.0 and empty.spent_fraction() == 1.0 and empty.share(0.5).seconds == 0.0
+
+
+def _problem(g: MetaGraph, curves, cluster, memory) -> Problem:
+    greedy = sequential_waves(g, curves)
+    unit = time_unit(makespan(greedy), g)
+    options = {m: with_units(curve_options(m, curves[m], greedy), unit) for m in g.metaops}
+    return Problem(g, cluster, options, COST, memory, CpSatOptions(), workers=1)
+
+
+@pytest.mark.parametrize("islands,memory,overlap,names", [
+    (1, NO_MEMORY, False, ["barrier"]),
+    (2, NO_MEMORY, True, ["barrier", "overlap", "comm"]),
+    (1, FakeMemoryModel(unit_bytes=3 * 2**30), False, ["barrier", "memory"]),  # 4 layers x 3 GiB > 8 GiB
+])
+def test_search_stages_follow_the_problem(islands, memory, overlap, names):
+    g = make_graph({"a": 2, "b": 2})
+    curves = {"a": dp_only({1: 1.0, 2: 0.4}), "b": dp_only({1: 1.0, 2: 0.4})}
+    cluster = make_cluster(2 * islands, gpus_per_node=2, gpu_type_name="CPU")
+    search = Search(_problem(g, curves, cluster, memory), sequential_waves(g, curves), lambda waves: None, overlap)
+    assert [s.name for s in search.stages()] == names
+
+
 # ------------------------------------------------------------------------------------------ whole pipeline
-
-
-def _pipeline():
-    return pytest.importorskip("megatron_spindle.planner.pipeline")
 
 
 @pytest.mark.parametrize("workload_name,cluster_args", [
@@ -431,11 +481,6 @@ def _pipeline():
 ])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_pipeline_plans_are_valid_and_never_worse_than_greedy(workload_name, cluster_args, overlap):
-    from megatron_spindle.graph.workload import load_workload
-    from megatron_spindle.planner.plan import Plan
-    from megatron_spindle.planner.validate import validate_plan
-
-    pipeline = _pipeline()
     workload, cluster = load_workload(workload_name), make_cluster(**cluster_args)
     config = pipeline.PlannerConfig(planner="cpsat", solver_time_limit=1.0, solver_workers=1,
                                     cross_level_overlap=overlap)
@@ -452,9 +497,6 @@ def test_pipeline_plans_are_valid_and_never_worse_than_greedy(workload_name, clu
 
 def test_pipeline_cpsat_beats_greedy_on_tiny_vlm():
     """4 CPU devices: the greedy plan of tiny-vlm leaves devices idle that CP-SAT uses (solved to optimality)."""
-    from megatron_spindle.graph.workload import load_workload
-
-    pipeline = _pipeline()
     workload, cluster = load_workload("tiny-vlm"), make_cluster(4, gpu_type_name="CPU")
     result = pipeline.plan_workload(workload, cluster, pipeline.PlannerConfig(
         planner="cpsat", solver_time_limit=5.0, solver_workers=1))
@@ -471,16 +513,13 @@ def test_cross_level_greedy_hint_is_tolerated():
              ScheduledWave(0, 0.5, 2.0, [ScheduledSlice("a", 1, 1, 1, 0, 2, 2.0, [0]),
                                          ScheduledSlice("d", 1, 1, 1, 0, 2, 1.5, [1])]),
              ScheduledWave(1, 2.5, 0.5, [ScheduledSlice("c", 1, 1, 1, 0, 1, 0.5, [0])])]
-    res = solve_cpsat(g, None, make_cluster(2, gpu_type_name="CPU"), curves, mixed, None, None,
+    res = solve_cpsat(g, WORKLOAD, make_cluster(2, gpu_type_name="CPU"), curves, mixed, COST, NO_MEMORY,
                       time_limit=LIMIT, workers=1)
     assert res.objective <= makespan(mixed) + 1e-12
     check_waves(res.waves, g, 2)
 
 
 def test_pipeline_zero_time_limit_gives_the_wavefront_plan():
-    from megatron_spindle.graph.workload import load_workload
-
-    pipeline = _pipeline()
     workload, cluster = load_workload("tiny-clip"), make_cluster(4, gpu_type_name="CPU")
     greedy = pipeline.make_plan(workload, cluster, pipeline.PlannerConfig(planner="wavefront"))
     plan = pipeline.make_plan(workload, cluster, pipeline.PlannerConfig(planner="cpsat", solver_time_limit=0))
@@ -493,7 +532,7 @@ def test_no_level_gets_worse_than_its_greedy_waves():
     (the second level's greedy waves start late in the plan; that must not make them look long)."""
     g, curves = _two_level_instance()
     greedy = sequential_waves(g, curves)
-    res = solve_cpsat(g, None, make_cluster(2, gpu_type_name="CPU"), curves, greedy, None, None,
+    res = solve_cpsat(g, WORKLOAD, make_cluster(2, gpu_type_name="CPU"), curves, greedy, COST, NO_MEMORY,
                       time_limit=LIMIT, workers=1)
     for level in range(len(g.levels)):
         before = sum(w.duration for w in greedy if w.level == level)

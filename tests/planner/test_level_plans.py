@@ -3,7 +3,6 @@ memory caps respected; and the CP-SAT planner's wave-window search, which turns 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from hypothesis import given, settings
@@ -11,7 +10,10 @@ from hypothesis import strategies as st
 
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
-from megatron_spindle.planner.cpsat import CpSatOptions, _Context, _lns_level, _with_units, makespan
+from megatron_spindle.planner.cpsat import CpSatOptions, makespan
+from megatron_spindle.planner.cpsat.budget import TimeBudget
+from megatron_spindle.planner.cpsat.lns import window_search
+from megatron_spindle.planner.cpsat.problem import Problem, with_units
 from megatron_spindle.planner.level_plans import efficient_waves, few_wave_plans
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
 
@@ -23,6 +25,26 @@ class Option:
     dp: int
     seconds: float
     units: int = 0
+
+
+class NoCost:
+    """Cost-model stand-in: no bytes move (the window search never reads them)."""
+
+    def activation_bytes(self, metaop) -> float:
+        return 0.0
+
+    def param_count(self, name: str) -> int:
+        return 0
+
+
+class NoMemory:
+    """Memory-model stand-in: nothing is held, so no memory cap."""
+
+    def param_state_bytes(self, name: str, tp: int, dp: int = 1) -> float:
+        return 0.0
+
+    def activation_bytes(self, metaop, tp: int, dp: int, num_layers: int) -> float:
+        return 0.0
 
 
 def level(layers: dict[str, int]) -> dict[str, MetaOp]:
@@ -93,13 +115,13 @@ def test_wave_window_search_reaches_the_optimum_from_a_sequential_plan():
     graph = MetaGraph(metaops, [], [list(metaops)])
     raw = {m: linear_options(1.0, ns=(1, 2)) for m in metaops}
     unit = 1e-3
-    options = {m: _with_units(o, unit) for m, o in raw.items()}
+    options = {m: with_units(o, unit) for m, o in raw.items()}
     poor = []
     for i, m in enumerate(metaops):
         o = options[m][1]
         s = ScheduledSlice(m, o.n, o.tp, o.dp, 0, 4, o.seconds * 4, [0, 1])
         poor.append(ScheduledWave(0, i * s.time, s.time, [s]))
-    ctx = _Context(graph, make_cluster(4, 4), options, None, None, CpSatOptions(), 1)
-    best = _lns_level(ctx, graph, poor, time.perf_counter() + 30)
+    problem = Problem(graph, make_cluster(4, 4), options, NoCost(), NoMemory(), CpSatOptions(), workers=1)
+    best = window_search(problem, graph, poor, TimeBudget.of(30))
     check_level_plan(best, metaops, raw, 4)
     assert makespan(best) == 4.0

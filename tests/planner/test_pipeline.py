@@ -9,9 +9,9 @@ from megatron_spindle.estimator.cost_model import CostModelConfig
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import workload_from_dict
+from megatron_spindle.plan.schema import PlanError, Recompute
+from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.pipeline import PlannerConfig, make_plan, memory_footprint, memory_needs
-from megatron_spindle.planner.plan import PlanError
-from megatron_spindle.planner.validate import validate_plan
 
 HEAVY = {
     "name": "heavy",
@@ -55,14 +55,14 @@ def test_recompute_shrinks_memory_and_costs_a_forward_pass():
 def test_auto_recompute_switches_on_only_when_memory_requires_it():
     w = workload_from_dict(HEAVY)
     roomy = make_plan(w, make_cluster(4, 4), PlannerConfig(planner="wavefront"))
-    assert roomy.planner["recompute"] is False
+    assert roomy.settings.recompute == Recompute("none")
     # Memory between the least footprint with and without recomputation: only a recomputing plan fits.
     base = make_cluster(4, 4)
     with_rc, without_rc = least_footprint(w, base, True), least_footprint(w, base, False)
     assert with_rc < without_rc
     tight = cluster_with_memory(4, (with_rc + without_rc) / 2)
     plan = make_plan(w, tight, PlannerConfig(planner="wavefront"))
-    assert plan.planner["recompute"] is True
+    assert plan.settings.recompute == Recompute("full")
     validate_plan(plan, w, tight, build_metagraph(w))
     with pytest.raises(PlanError, match="does not fit device memory"):
         make_plan(w, tight, PlannerConfig(planner="wavefront", recompute="none"))

@@ -10,8 +10,9 @@ from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
 from megatron_spindle.graph.cluster import ClusterSpec, GiB, GPUSpec, make_cluster
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
 from megatron_spindle.graph.workload import Workload, workload_from_dict
+from megatron_spindle.plan.memory import slice_memory
 from megatron_spindle.planner.assemble import assemble_plan
-from megatron_spindle.planner.placement import PlacementError, place, predicted_memory, slice_memory
+from megatron_spindle.planner.placement import PlacementError, place, predicted_memory
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
 
 HIDDEN = 64

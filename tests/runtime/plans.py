@@ -1,7 +1,8 @@
 """Plans the runtime tests control: built from an explicit list of waves of slices with devices.
 
-``build_plan`` fills the Plan dataclasses directly (transfers and parameter device groups derived from the
-slices) for a ``make_cluster(world_size, gpu_type_name="CPU")`` cluster. Generators give the plan families
+``build_plan`` fills the Plan dataclasses directly (transfers, routed, and parameter device groups derived from
+the slices by plan/derive.py) for a ``make_cluster(world_size, gpus_per_node, "CPU")`` cluster: islands of
+``gpus_per_node`` devices (default: all in one) make intra- and inter-island routes on CPU. Generators give the plan families
 the tests need: Megatron-style sequential (every MetaOp on all devices), and seeded random Spindle-like
 plans (concurrent slices on disjoint device subsets, layer chains split across waves, TP=2 slices).
 """
@@ -10,24 +11,22 @@ from __future__ import annotations
 
 import random
 
+from megatron_spindle.estimator import AnalyticCostModel
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.planner.plan import LevelInfo, MetaOpInfo, Plan, Slice, Transfer, Wave
-from megatron_spindle.planner.validate import validate_plan
-from megatron_spindle.runtime.layout import derive_param_groups, expected_transfers
+from megatron_spindle.plan.derive import derive_param_groups, derive_transfers, metaop_infos
+from megatron_spindle.plan.schema import LevelInfo, Plan, Slice, Wave
+from megatron_spindle.plan.validate import validate_plan
 
 # one slice: (metaop id, layer_start, layer_end, devices, tp)
 SliceSpec = tuple[str, int, int, list[int], int]
 
 
-def build_plan(workload: Workload, world_size: int, waves: list[list[SliceSpec]], validate: bool = True) -> Plan:
+def build_plan(workload: Workload, world_size: int, waves: list[list[SliceSpec]], validate: bool = True,
+               gpus_per_node: int = 8) -> Plan:
     g = build_metagraph(workload)
-    cluster = make_cluster(world_size, gpu_type_name="CPU")
-    metaops = [MetaOpInfo(id=m.id, task=m.task, module=m.module, kind=m.kind, num_layers=m.num_layers,
-                          layer_offset=m.layer_offset, input_shape=list(m.input_shape), level=m.level,
-                          preds=g.predecessors(m.id), params=[p for ps in m.params for p in ps])
-               for m in g.metaops.values()]
+    cluster = make_cluster(world_size, gpus_per_node, gpu_type_name="CPU")
     plan_waves = []
     for wi, specs in enumerate(waves):
         slices = [Slice(id=f"w{wi}:{mid}@{ls}", metaop=mid, module=g.metaops[mid].module, task=g.metaops[mid].task,
@@ -36,14 +35,12 @@ def build_plan(workload: Workload, world_size: int, waves: list[list[SliceSpec]]
                   for mid, ls, le, devs, tp in specs]
         plan_waves.append(Wave(index=wi, level=0, start=float(wi), duration=1.0, slices=slices))
     plan = Plan(workload_name=workload.name, workload_digest=workload.digest(), cluster=cluster.to_dict(),
-                cluster_digest=cluster.digest(), planner={"planner": "test"}, metaops=metaops,
+                cluster_digest=cluster.digest(), planner={"planner": "test"}, metaops=metaop_infos(g),
                 levels=[LevelInfo(i, lv, 0.0, 0.0, 0.0) for i, lv in enumerate(g.levels)], waves=plan_waves,
                 transfers=[], param_groups=[], memory_per_device=[], predicted={})
-    for p, c in expected_transfers(plan):
-        ps, cs = plan.slice(p), plan.slice(c)
-        plan.transfers.append(Transfer(p, c, 0.0, "local" if ps.devices == cs.devices else "intra_island",
-                                       list(ps.devices), list(cs.devices)))
-    plan.param_groups = derive_param_groups(plan, g)
+    cost = AnalyticCostModel(workload, cluster)
+    plan.transfers = derive_transfers(plan, lambda mid: cost.activation_bytes(g.metaops[mid]))
+    plan.param_groups = derive_param_groups(plan, g.metaops, cost.param_count)
     if validate:
         validate_plan(plan, workload, cluster, g)
     return plan
@@ -60,7 +57,7 @@ def _tp_options(workload: Workload, m, n: int, max_tp: int) -> list[int]:
     return out
 
 
-def sequential_plan(workload: Workload, world_size: int, tp: int = 1) -> Plan:
+def sequential_plan(workload: Workload, world_size: int, tp: int = 1, gpus_per_node: int = 8) -> Plan:
     """Megatron-style: one wave per MetaOp, each on all devices (layers at TP ``tp`` where valid)."""
     g = build_metagraph(workload)
     waves = []
@@ -69,10 +66,11 @@ def sequential_plan(workload: Workload, world_size: int, tp: int = 1) -> Plan:
             m = g.metaops[mid]
             t = tp if tp in _tp_options(workload, m, world_size, tp) else 1
             waves.append([(mid, 0, m.num_layers, list(range(world_size)), t)])
-    return build_plan(workload, world_size, waves)
+    return build_plan(workload, world_size, waves, gpus_per_node=gpus_per_node)
 
 
-def random_plan(workload: Workload, world_size: int, seed: int, max_tp: int = 2, split_layers: bool = True) -> Plan:
+def random_plan(workload: Workload, world_size: int, seed: int, max_tp: int = 2, split_layers: bool = True,
+                gpus_per_node: int = 8) -> Plan:
     """Spindle-like: per MetaLevel, MetaOps packed into waves on disjoint random device subsets (1, 2 or 4
     devices, shuffled order), random TP where valid, layer chains cut into two slices in different waves."""
     rng = random.Random(seed)
@@ -106,7 +104,7 @@ def random_plan(workload: Workload, world_size: int, seed: int, max_tp: int = 2,
                     free = free[n:]
                 waves.append(wave)
                 pending = rest
-    return build_plan(workload, world_size, waves)
+    return build_plan(workload, world_size, waves, gpus_per_node=gpus_per_node)
 
 
 def unit_device_sets(plan: Plan, unit_prefix: str) -> set[tuple[int, ...]]:

@@ -330,7 +330,7 @@ class _KeyView:
 
 
 class _Info:
-    """MetaOp -> the fields of planner.plan.MetaOpInfo the stand-ins read."""
+    """MetaOp -> the fields of plan.schema.MetaOpInfo the stand-ins read."""
 
     def __init__(self, m):
         self.id, self.task, self.module, self.kind = m.id, m.task, m.module, m.kind

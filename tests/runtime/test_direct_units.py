@@ -3,6 +3,8 @@ hold unchanged in canonical form alias the fp32 masters and the flat gradient bu
 unit whose operator permutes its layout stays on the generic path, and both follow the single-process reference.
 (TP=2 slices and zero_stage 1 are checked on 2 and 4 ranks in test_runtime_engine.py.)"""
 
+import dataclasses
+
 import pytest
 import torch
 from harness import check_engine_against, reference_trajectory
@@ -97,7 +99,7 @@ def test_no_fast_path_for_low_precision_or_the_distributed_optimizer():
     w = load_workload("tiny-clip")
     plan = sequential_plan(w, 1)
     zero1 = sequential_plan(w, 1)
-    zero1.planner = {**zero1.planner, "zero_stage": 1}
+    zero1.settings = dataclasses.replace(zero1.settings, zero_stage=1)
     assert RuntimeEngine(plan, w, 0, 1, operator_factory=StandinOp, batch_fn=standin_batch).direct_units
     assert RuntimeEngine(zero1, w, 0, 1, operator_factory=StandinOp, batch_fn=standin_batch).direct_units == []
     half = RuntimeEngine(plan, w, 0, 1, EngineConfig(dtype=torch.bfloat16), operator_factory=StandinOp,

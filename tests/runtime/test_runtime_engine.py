@@ -4,14 +4,17 @@ Two operator sets run the same plans: the real megatron-core operators (models/,
 stand-ins of tests/runtime/standin.py (cheap, so every plan family runs on every world size). Plan families:
 Megatron-style sequential (every MetaOp on all devices), sequential with TP=2 layers, and seeded Spindle-like
 plans (concurrent slices, layer chains split across waves, shared towers on different device sets and TP
-degrees in different waves). Tolerances: see harness.check_engine_against. The stand-in plans run with tiny
-gradient buckets (several per parameter device group, all-reduced during the backward; harness.check_launches),
-the real operators with megatron's default bucket size.
+degrees in different waves), some on clusters of one- or two-device nodes so that transfers take local,
+intra-island and inter-island routes. Tolerances: see harness.check_engine_against. The stand-in plans run with
+tiny gradient buckets (several per parameter device group, all-reduced during the backward;
+harness.check_launches), the real operators with megatron's default bucket size. Every plan's bytes by route
+must be exactly what the ranks receive, counted inside runtime/transfer.py, forward and backward.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -34,8 +37,10 @@ from harness import (
 from plans import random_plan, sequential_plan, unit_device_sets, unit_tp_degrees
 from standin import StandinReference, standin_batch, standin_factory
 
+from megatron_spindle.estimator import AnalyticCostModel
+from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.workload import load_workload, workload_from_dict
-from megatron_spindle.planner.plan import PlanError
+from megatron_spindle.plan.schema import TRANSFER_KINDS, PlanError
 from megatron_spindle.runtime.__main__ import main
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
 from megatron_spindle.runtime.groups import GroupCache
@@ -102,6 +107,8 @@ def plan_cases(world: int):
     planned = lambda w: planner_plan(w, world)  # noqa: E731
     families = [("sequential", seq), ("planner", planned)] + ([("sequential-tp2", tp2)] if world > 1 else [])
     families += [(f"spindle-{s}", sp(s)) for s in ((1, 2) if world > 1 else (1,))]
+    if world > 1:  # nodes of world/2 devices: local, intra-island (4 ranks) and inter-island routes
+        families.append(("islands", lambda w: random_plan(w, world, 5, gpus_per_node=world // 2)))
     cases = [("standin", label, wn, make) for label, make in families for wn in WORKLOADS]
     cases += [("standin", "spindle-1", "tiny-clip-weighted", sp(1)), ("standin", "sequential", "fanout", seq)]
     cases += [("standin", f"spindle-{s}", "fanout", sp(s)) for s in (1, 2)]
@@ -142,6 +149,7 @@ def _worker(rank, world):
     cache = GroupCache(rank)  # shared by the engines of this worker: a device tuple's group is created once
     seen = {"tp2": False, "concurrent": False, "tower_on_several_device_sets": False, "tower_mixed_tp": False}
     buckets = {"several_buckets_per_group": False, "overlapped_all_reduce": False}
+    routes: set[str] = set()  # routes some plan's transfers take
     for ops, label, wname, make in plan_cases(world):
         w = workloads[wname]
         if (ops, wname) not in refs:
@@ -175,11 +183,14 @@ def _worker(rank, world):
         assert len(created) == len(set(created)), "a process group was created twice"
         check_engine_against(engine, refs[ops, wname], f"rank {rank} {ops} {wname} {label}")
         check_launches(log, f"rank {rank} {ops} {wname} {label}")
+        routes |= check_bytes_by_route(engine, plan, w, cfg, f"{ops} {wname} {label}")
     if world > 1:
         assert all(seen.values()), seen
         everywhere = [None] * world  # several buckets in a group and an overlapped all-reduce, on some rank
         dist.all_gather_object(everywhere, buckets)
         assert all(any(b[k] for b in everywhere) for k in buckets), everywhere
+        kinds = {"local", "intra_island", "inter_island"} if world >= 4 else {"local", "inter_island"}
+        assert kinds <= routes, routes
         check_distributed_optimizer(rank, world, workloads, refs, tiny, cache)
     check_trainer_hooks(rank, world, workloads["tiny-clip"], cfg, cache)
     # 4) the command line entry point (plan JSON, workload by name, mock data) inside this world
@@ -202,10 +213,31 @@ def note_buckets(engine, seen: dict) -> None:
     seen["overlapped_all_reduce"] |= any(b.done[0] > 0 for b in multi)
 
 
+def check_bytes_by_route(engine, plan, workload, cfg, label: str) -> set[str]:
+    """The bytes every rank received in its STEPS steps, counted per direction and route inside runtime/transfer.py
+    and summed over the world, equal the plan's bytes by route (collective). The plan counts the cost model's
+    activation dtype, the engine sends its own: scaled by the ratio of their element sizes."""
+    got = {d: dict.fromkeys(TRANSFER_KINDS, 0) for d in ("forward", "backward")}
+    for t in engine.schedule.transfers:
+        for d, routes in t.received.items():
+            for k, b in routes.items():
+                got[d][k] += b
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, got)
+    cluster = ClusterSpec.from_dict(plan.cluster)
+    scale = torch.tensor([], dtype=cfg.dtype).element_size() / AnalyticCostModel(workload, cluster).dtype_bytes
+    for d, field in (("forward", "bytes_by_kind"), ("backward", "backward_bytes_by_kind")):
+        for k in TRANSFER_KINDS:
+            received = sum(p[d][k] for p in parts)
+            planned = STEPS * scale * sum(getattr(t, field)[k] for t in plan.transfers)
+            assert received == planned, f"{label}: {d} {k}: the ranks received {received} bytes, the plan says {planned}"
+    return {k for t in plan.transfers for k, b in t.bytes_by_kind.items() if b > 0}
+
+
 def zero1(plan):
     """The same plan with the distributed optimizer (the planner's choice when memory needs it)."""
     plan = copy.deepcopy(plan)
-    plan.planner = {**plan.planner, "zero_stage": 1}
+    plan.settings = dataclasses.replace(plan.settings, zero_stage=1)
     return plan
 
 

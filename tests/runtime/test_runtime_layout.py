@@ -10,15 +10,10 @@ from plans import build_plan, random_plan, sequential_plan
 
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
-from megatron_spindle.planner.plan import PlanError, Slice
-from megatron_spindle.runtime.layout import (
-    backward_messages,
-    check_runnable,
-    dp_rank,
-    expected_param_groups,
-    forward_messages,
-    rows,
-)
+from megatron_spindle.plan.layout import dp_rows, unit_holders
+from megatron_spindle.plan.routing import backward_messages, forward_messages
+from megatron_spindle.plan.schema import PlanError, Slice
+from megatron_spindle.runtime.layout import check_runnable, dp_rank
 
 
 def _slice(devices, tp):
@@ -30,22 +25,24 @@ LAYOUTS = [([0], 1), ([1], 1), ([0, 1], 1), ([0, 1], 2), ([1, 0], 2), ([2, 3, 0,
            ([3, 1, 2, 0], 4), ([0, 1, 2, 3], 2)]
 
 
+@pytest.mark.parametrize("gpus_per_node", [1, 2, 8])
 @pytest.mark.parametrize("prod,cons", list(itertools.product(LAYOUTS, LAYOUTS)))
-def test_routes_deliver_every_row_once_from_a_holder(prod, cons):
+def test_routes_deliver_every_row_once_from_a_holder(prod, cons, gpus_per_node):
     B = 8
     p, c = _slice(*prod), _slice(*cons)
-    for msgs, holders, needers in ((forward_messages(p, c, B), p, c), (backward_messages(p, c, B), c, p)):
+    for msgs, holders, needers in ((forward_messages(p, c, B, gpus_per_node), p, c),
+                                   (backward_messages(p, c, B, gpus_per_node), c, p)):
         pairs = [(m.src, m.dst) for m in msgs]
         assert len(pairs) == len(set(pairs)), "one message per (src, dst) pair and direction"
         for d in needers.devices:
             j = dp_rank(needers, d)
-            lo, hi = rows(needers, j, B)
+            lo, hi = dp_rows(j, needers.dp, B)
             got = []
             for m in msgs:
                 if m.dst != d:
                     continue
                 k = dp_rank(holders, m.src)
-                h0, _ = rows(holders, k, B)
+                h0, _ = dp_rows(k, holders.dp, B)
                 # the source holds these global rows, and they land where the receiver keeps them
                 assert h0 + m.src_start == lo + m.dst_start
                 got += range(lo + m.dst_start, lo + m.dst_start + m.n)
@@ -57,7 +54,7 @@ def test_routes_deliver_every_row_once_from_a_holder(prod, cons):
 def test_param_groups_follow_shared_weights():
     w = load_workload("tiny-clip")
     plan = random_plan(w, 4, 1)
-    groups = expected_param_groups(plan, build_metagraph(w))
+    groups = unit_holders([wv.slices for wv in plan.waves], build_metagraph(w).metaops)
     for unit, devs in groups.items():
         users = {d for s in plan.slices() for d in s.devices if unit in plan.metaop(s.metaop).params[
             s.layer_start:s.layer_end] or (s.kind != "layer" and unit in plan.metaop(s.metaop).params)}

@@ -1,4 +1,4 @@
-"""Activation recomputation: the plan's planner["recompute"] makes the runtime build recomputing operators,
+"""Activation recomputation: the plan's settings.recompute makes the runtime build recomputing operators,
 and recomputation changes memory, never numbers."""
 
 import dataclasses
@@ -13,6 +13,7 @@ from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.models import build_operator, metaop_infos
 from megatron_spindle.models.config import ModelConfig
+from megatron_spindle.plan.schema import Recompute
 from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
 from megatron_spindle.runtime.engine import EngineConfig, RuntimeEngine
 
@@ -49,8 +50,8 @@ def test_engine_follows_the_plans_recompute_setting():
     ensure_torch_distributed()  # HashStore world: no MASTER_PORT leaks into later tests (launch scripts read it)
     w = load_workload("tiny-clip")
     plan = make_plan(w, make_cluster(1, 1, "CPU"), PlannerConfig(planner="wavefront"))
-    assert plan.planner["recompute"] is False
-    recomputing = dataclasses.replace(plan, planner={**plan.planner, "recompute": True})
+    assert plan.settings.recompute == Recompute("none")
+    recomputing = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, recompute=Recompute("full")))
     losses = {}
     for name, p in (("plain", plan), ("recompute", recomputing)):
         engine = RuntimeEngine(p, w, 0, 1, EngineConfig())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -9,7 +10,15 @@ import pytest
 from megatron_spindle.graph.cluster import ClusterSpec, GPUSpec
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import ModuleSpec, SpindleTask, Workload
-from megatron_spindle.planner.plan import MetaOpInfo, ParamGroup, Plan, Slice, Wave
+from megatron_spindle.plan.schema import (
+    ExecutionSettings,
+    MetaOpInfo,
+    ParamGroup,
+    Plan,
+    Recompute,
+    Slice,
+    Wave,
+)
 from megatron_spindle.simulator import SimSettings, simulate, zero_state_bytes_per_param
 
 GB = 1e9
@@ -76,14 +85,16 @@ def _workload() -> Workload:
 
 
 def _plan(w: Workload, cluster: ClusterSpec, waves: list[Wave], groups: list[ParamGroup], planner=None) -> Plan:
+    """``planner``: execution settings by name (zero_stage, segments)."""
     g = build_metagraph(w)
     infos = [MetaOpInfo(id=m.id, task=m.task, module=m.module, kind=m.kind, num_layers=m.num_layers,
                         layer_offset=m.layer_offset, input_shape=list(m.input_shape), level=m.level,
                         preds=g.predecessors(m.id), params=[p for ps in m.params for p in ps])
              for m in g.metaops.values()]
     return Plan(workload_name=w.name, workload_digest=w.digest(), cluster=cluster.to_dict(),
-                cluster_digest=cluster.digest(), planner=dict(planner or {}), metaops=infos, levels=[], waves=waves,
-                transfers=[], param_groups=groups, memory_per_device=[], predicted={"iteration_time": 0.0})
+                cluster_digest=cluster.digest(), planner={}, metaops=infos, levels=[], waves=waves,
+                transfers=[], param_groups=groups, memory_per_device=[], predicted={"iteration_time": 0.0},
+                settings=ExecutionSettings(**(planner or {})))
 
 
 def _slice(wave: int, metaop: str, devices: list[int], tp: int = 1, layers=(0, 2)) -> Slice:
@@ -244,18 +255,18 @@ def test_bad_segments_and_zero_stage_are_rejected():
 
 
 def test_recompute_flag_of_the_plan_selects_matching_models():
-    """planner["recompute"]: layers cost 4 forward passes instead of 3 and hold only their inputs; simulate()
+    """settings.recompute: layers cost 4 forward passes instead of 3 and hold only their inputs; simulate()
     rebuilds a cost model given for the other setting."""
+    from megatron_spindle.baselines import BaselineContext, spindle_seq_plan
     from megatron_spindle.estimator import AnalyticCostModel
     from megatron_spindle.graph.cluster import make_cluster
     from megatron_spindle.graph.workload import load_workload
-    from megatron_spindle.planner.baselines import BaselineContext, spindle_seq_plan
 
     w, c = load_workload("clip-4"), make_cluster(16)
     plan = spindle_seq_plan(w, c, BaselineContext.build(w, c))
-    assert plan.planner["recompute"] is False  # fits 80 GiB without recomputation
+    assert plan.settings.recompute == Recompute("none")  # fits 80 GiB without recomputation
     plain = simulate(plan, w, c, AnalyticCostModel(w, c))
-    plan.planner["recompute"] = True
+    plan.settings = dataclasses.replace(plan.settings, recompute=Recompute("full"))
     again = simulate(plan, w, c, AnalyticCostModel(w, c))  # the given model does not recompute: rebuilt
     assert again.compute_time > plain.compute_time
     assert max(again.peak_memory) < max(plain.peak_memory)

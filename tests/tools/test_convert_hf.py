@@ -26,6 +26,12 @@ if str(ROOT) not in sys.path:
 
 transformers = pytest.importorskip("transformers")
 
+from hf_models import H, llama3  # noqa: E402
+from hf_models import clip as _clip  # noqa: E402
+from hf_models import decoder as _decoder  # noqa: E402
+from hf_models import same_weights as _assert_same_weights  # noqa: E402
+from hf_models import whisper as _whisper  # noqa: E402
+
 from megatron_spindle.checkpointing import load_checkpoint  # noqa: E402
 from megatron_spindle.graph.workload import load_workload  # noqa: E402
 from tools.checkpoint import convert  # noqa: E402
@@ -33,7 +39,6 @@ from tools.checkpoint.common import ConversionError  # noqa: E402
 from tools.checkpoint.layout import expected_units  # noqa: E402
 
 RTOL = 1e-5
-H = 32
 WORKLOAD = f"""
 name: convert-test
 modules:
@@ -82,50 +87,6 @@ tasks:
     flows: [[vision, vis_proj], [vis_proj, llm]]
     loss: {{kind: lm, module: llm}}
 """
-
-
-def _perturb(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model.eval()
-
-
-def _clip(act: str = "gelu"):
-    vc = dict(hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8,
-              patch_size=4, num_channels=3, hidden_act=act)
-    tc = dict(hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=50,
-              max_position_embeddings=7, hidden_act=act, bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    cfg = transformers.CLIPConfig(vision_config=vc, text_config=tc, projection_dim=16)
-    torch.manual_seed(0)
-    return _perturb(transformers.CLIPModel(cfg), 1)
-
-
-def _whisper():
-    cfg = transformers.WhisperConfig(d_model=H, encoder_layers=2, decoder_layers=1, encoder_attention_heads=2,
-                                     decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                                     num_mel_bins=8, max_source_positions=6, vocab_size=60, pad_token_id=0,
-                                     bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
-    torch.manual_seed(0)
-    return _perturb(transformers.WhisperModel(cfg), 2)
-
-
-def _decoder(family: str = "llama", tie: bool = False, bias_seed: int | None = None):
-    kw = dict(hidden_size=H, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=64, rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1)
-    torch.manual_seed(0)
-    if family == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
-    else:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
-    _perturb(model, 3)
-    if family == "qwen2":  # Qwen2's q/k/v biases: zero unless asked (our llm layers have none)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("_proj.bias"):
-                    p.copy_(torch.randn(p.shape) * 0.1 if bias_seed is not None else torch.zeros_like(p))
-    return model
 
 
 def _run(argv: list[str]) -> str:
@@ -366,21 +327,12 @@ def test_qwen2_with_biases_equals_hf(env, tmp_path):
 # ----------------------------------------------------------------------------------------------- round trip
 
 
-def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sorted(sa) == sorted(sb)
-    for k in sa:
-        assert sa[k].dtype == sb[k].dtype, k
-        assert torch.equal(sa[k], sb[k]), k
-
-
 def test_round_trip_back_to_hf_is_identical(env, tmp_path):
     """spindle -> hf over the original folders: CLIP (both towers into one folder), Whisper and Llama reload with
     from_pretrained and every weight equals the original's."""
     tmp = env["tmp"]
     _run(["--loader", "spindle", "--saver", "hf", "--workload", str(tmp / "w.yaml"), "--load-dir",
-          str(tmp / "spindle"), "--mapping", env["mapping"], "--save-dir", str(tmp_path / "out"),
-          "--allow-inexact"])
+          str(tmp / "spindle"), "--mapping", env["mapping"], "--save-dir", str(tmp_path / "out")])
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["audio", "llm", "vision+text"]
     models = env["models"]
     _assert_same_weights(models["clip"], transformers.CLIPModel.from_pretrained(tmp_path / "out" / "vision+text"))
@@ -460,7 +412,7 @@ def test_converted_checkpoint_metadata_and_filled_units(env):
 
 
 def test_inspect_prints_units_shapes_iteration_and_plan(env, capsys):
-    from tools.checkpoint import inspect as inspect_tool
+    from tools.checkpoint import inspect_checkpoint as inspect_tool
 
     assert inspect_tool.main([str(env["tmp"] / "spindle")]) == 0
     out = capsys.readouterr().out
@@ -475,8 +427,8 @@ def test_inspect_prints_units_shapes_iteration_and_plan(env, capsys):
 
 
 def test_command_line_progress_and_inspect(env, tmp_path, capsys):
-    """convert.main prints one progress line per unit; inspect.py runs as users run it (a script from another
-    folder: being named inspect.py it must not shadow the standard library's inspect)."""
+    """convert.main prints one progress line per unit; inspect_checkpoint.py runs as users run it (a script from
+    another folder, importing its siblings as the package tools.checkpoint)."""
     import re
     import subprocess
 
@@ -487,8 +439,8 @@ def test_command_line_progress_and_inspect(env, tmp_path, capsys):
     lines = re.findall(r"^\[\s*(\d+)/4\] (\S+): ", out, flags=re.M)
     assert [unit for _, unit in lines] == ["llm.frontend", "llm.layers.0", "llm.layers.1", "llm.lm_head"]
     assert "initialised 13 unit(s) the source does not have" in out
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "checkpoint" / "inspect.py"), str(tmp_path / "out"),
-                        "--summary"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "checkpoint" / "inspect_checkpoint.py"),
+                        str(tmp_path / "out"), "--summary"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "iteration: 0" in r.stdout and "llm.lm_head" in r.stdout
 
@@ -529,8 +481,7 @@ def test_whisper_key_bias_is_dropped_exactly(env, tmp_path):
         units[f"audio.layers.{i}"] = UnitState(model)
     save_checkpoint(tmp_path / "edited", 1, units)
     _run(["--loader", "spindle", "--saver", "hf", "--workload", str(tmp / "w.yaml"), "--load-dir",
-          str(tmp_path / "edited"), "--mapping", f"audio={tmp / 'whisper'}", "--save-dir", str(tmp_path / "out"),
-          "--allow-inexact"])
+          str(tmp_path / "edited"), "--mapping", f"audio={tmp / 'whisper'}", "--save-dir", str(tmp_path / "out")])
     enc = transformers.WhisperModel.from_pretrained(tmp_path / "out" / "audio").encoder.eval()
     info = metaop_infos(env["workload"])["audio_text/audio"]
     op = build_operator(env["workload"], info, 0, info.num_layers)
@@ -547,13 +498,7 @@ def test_llama3_rope_and_norm_epsilon_options(env, tmp_path):
     """A Llama-3.1-style decoder (rope_theta 500000, llama3 RoPE scaling, rms_norm_eps 1e-6): the default workload
     refuses it naming the options; declaring `rotary_base`, `rope_scaling_factor` and `norm_epsilon` converts it
     exactly (the scaled, smoothed and unscaled RoPE frequency bands all occur at head_dim 8)."""
-    cfg = transformers.LlamaConfig(hidden_size=H, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=64, rms_norm_eps=1e-6, bos_token_id=0,
-                                   eos_token_id=1, max_position_embeddings=131072, rope_theta=500000.0,
-                                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-    torch.manual_seed(0)
-    model = _perturb(transformers.LlamaForCausalLM(cfg), 4)
+    model = llama3(8.0)
     model.save_pretrained(tmp_path / "hf")
     with pytest.raises(ConversionError, match=r"declare `norm_epsilon: 1e-06`"):
         _decoder_roundtrip(env, tmp_path, model)

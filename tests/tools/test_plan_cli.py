@@ -30,7 +30,7 @@ def test_plans_tiny_clip_and_writes_json_and_gantt(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "predicted iteration time" in out.stdout and "C*" in out.stdout and "inter-island" in out.stdout
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["format"] == "megatron-spindle-plan" and plan["schema_version"] == 1
+    assert plan["format"] == "megatron-spindle-plan" and plan["schema_version"] == 2
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -18,9 +18,9 @@ from megatron_spindle.estimator.profile import load_profile_points
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
 from megatron_spindle.planner.report import plan_summary
-from megatron_spindle.planner.validate import validate_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = "text_audio"  # one task of tiny-clip: 7 MetaOps, keeps every run small

@@ -64,7 +64,7 @@ def test_launch_script_then_resume_on_one_rank_under_another_plan(tmp_path, caps
     meta = load_checkpoint(first).metadata
     assert meta["world_size"] == 2 and meta["data_position"]["iteration"] == 3
     first_plan = load_checkpoint(first).plan  # sharded optimizer state (units held by both ranks), full checkpoint
-    assert first_plan["planner"]["zero_stage"] == 1 and any(len(g["devices"]) > 1 for g in first_plan["param_groups"])
+    assert first_plan["settings"]["zero_stage"] == 1 and any(len(g["devices"]) > 1 for g in first_plan["param_groups"])
     assert {m["rank"] for m in meta["units"].values()} == {0, 1}  # both ranks wrote the units they own
 
     # 6 iterations straight, one process
@@ -94,7 +94,7 @@ def test_launch_script_then_resume_on_one_rank_under_another_plan(tmp_path, caps
     assert (iteration_dir(resumed, 6) / "plan.json").exists()
     assert ck_a.plan["cluster"]["num_nodes"] * ck_a.plan["cluster"]["gpus_per_node"] == 1
     assert load_checkpoint(first).plan["cluster"]["gpus_per_node"] == 2  # the first half ran another plan
-    assert ck_a.plan["planner"]["zero_stage"] == ck_b.plan["planner"]["zero_stage"] == 0
+    assert ck_a.plan["settings"]["zero_stage"] == ck_b.plan["settings"]["zero_stage"] == 0
 
     # a corrupt or mismatched checkpoint stops the run with the reason, and leaves the folder as it was
     unit_file = next((iteration_dir(resumed, 6) / "units").glob("vision.layers.0.pt"))

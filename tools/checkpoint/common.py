@@ -44,8 +44,58 @@ class UnitMessage:
 
 @dataclass
 class Note:
+    """Something the conversion changed. ``inexact``: the converted model computes something else than the source
+    (fails unless --allow-inexact); ``tensor`` names the tensor concerned and ``max_error`` the largest absolute
+    change of its values (None where the difference is structural or only shapes are known, in dry runs)."""
+
     text: str
-    inexact: bool = True  # the converted model computes something else than the source (needs --allow-inexact)
+    inexact: bool = True
+    tensor: str | None = None
+    max_error: float | None = None
+
+    def line(self) -> str:
+        if self.tensor is None:
+            return self.text
+        err = "" if self.max_error is None else f": max error {self.max_error:.3g}"
+        return f"{self.tensor}{err} ({self.text})"
+
+
+class InexactReport:
+    """Collects the inexact notes of a whole conversion and fails once, listing every one of them (per tensor
+    with its max error), unless --allow-inexact; then each is printed as a warning. Call ``check`` before the
+    output is committed (savers do it inside ``staged_output``, so a refused conversion writes nothing)."""
+
+    def __init__(self, allow_inexact: bool, log=print):
+        self.allow_inexact = allow_inexact
+        self.log = log
+        self.notes: list[Note] = []
+        self._seen: set[str] = set()
+
+    def add(self, note: Note) -> None:
+        if note.line() not in self._seen:
+            self._seen.add(note.line())
+            self.notes.append(note)
+
+    def check(self) -> None:
+        if not self.notes:
+            return
+        if not self.allow_inexact:
+            tensors = sum(n.tensor is not None for n in self.notes)
+            listed = "\n  - ".join(n.line() for n in self.notes)
+            raise ConversionError(f"the conversion is not exact ({len(self.notes)} item(s), {tensors} tensor(s)):\n"
+                                  f"  - {listed}\n(pass --allow-inexact to convert anyway)")
+        for n in self.notes:
+            self.log(f"WARNING: inexact: {n.line()}")
+        self.notes.clear()
+
+
+def inexact_report(args) -> InexactReport:
+    """The conversion's one report (created on first use; convert.py resets it per pass)."""
+    report = getattr(args, "inexact", None)
+    if report is None:
+        report = args.inexact = InexactReport(getattr(args, "allow_inexact", False),
+                                              getattr(args, "log", None) or print)
+    return report
 
 
 USER_ERRORS = (ConversionError, HFCheckpointError, KeyError, FileNotFoundError)
@@ -79,17 +129,6 @@ def check_mapped_modules(mapping: dict[str, str], workload) -> None:
         if module not in workload.modules:
             raise ConversionError(f"--mapping names module '{module}', which workload '{workload.name}' does not "
                                   f"have (modules: {sorted(workload.modules)})")
-
-
-def handle_notes(notes: list[str], allow_inexact: bool, log=print) -> None:
-    """Inexact conversions fail unless ``--allow-inexact``; then they are printed as warnings."""
-    if not notes:
-        return
-    if not allow_inexact:
-        listed = "\n  - ".join(notes)
-        raise ConversionError(f"the conversion is not exact:\n  - {listed}\n(pass --allow-inexact to convert anyway)")
-    for n in notes:
-        log(f"WARNING: inexact: {n}")
 
 
 def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:

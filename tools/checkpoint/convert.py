@@ -16,8 +16,10 @@ as a bare module name on ``PYTHONPATH``.
 Order of work: a dry run of the loader on meta tensors (file headers only) is checked against the workload -
 every tensor's name and full shape - and any mismatch fails naming the tensor and both shapes, before anything
 is read or written; then the real stream goes through the same check into the saver, which writes into a
-temporary folder renamed to ``--save-dir`` at the end. Conversions our model cannot reproduce exactly (listed)
-fail unless ``--allow-inexact``. Exit status 2 on bad input.
+temporary folder renamed to ``--save-dir`` at the end. Conversions our model cannot reproduce exactly fail
+unless ``--allow-inexact``, listing every inexact tensor with its max error (config-level differences already in
+the dry run, value-dependent ones - e.g. a non-zero bias the target has no place for - before the output is
+committed). Exit status 2 on bad input.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(os.path.dirname(_HERE))
 if sys.path and os.path.abspath(sys.path[0] or os.curdir) == _HERE:
-    sys.path[0] = _ROOT  # this folder holds inspect.py, which must not shadow the standard library module
+    sys.path[0] = _ROOT  # run as a script: import this folder as the package tools.checkpoint
 elif _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
@@ -41,15 +43,23 @@ from collections.abc import Iterator  # noqa: E402
 from tools.checkpoint.common import (  # noqa: E402
     USER_ERRORS,
     ConversionError,
+    InexactReport,
     Metadata,
     Note,
     UnitMessage,
-    handle_notes,
     tensor_bytes,
 )
 
 LOADERS = ("hf", "mcore", "spindle")
-SAVERS = ("spindle", "hf")
+SAVERS = ("spindle", "hf", "mcore")
+MAPPING_HELP = (
+    "Which Hugging Face folder goes with each workload module, MODULE=VALUE[,...] (repeatable, or a file of "
+    "MODULE=VALUE lines). --loader hf: the HF folder the module's weights are read from (a CLIPModel folder "
+    "serves a patch module with its vision tower and a text module with its text tower). --saver hf: the "
+    "reference folder the module is written over (its config, tokenizer and the tensors we do not hold are kept), "
+    "or an HF class (CLIPVisionModel[WithProjection], CLIPTextModel[WithProjection], WhisperEncoder, "
+    "LlamaForCausalLM, Qwen2ForCausalLM) or 'auto' to export from scratch with a config.json written from the "
+    "module's hyper-parameters; without --mapping every module with an HF class is exported from scratch.")
 
 
 def load_plugin(kind: str, name: str):
@@ -78,10 +88,11 @@ def build_parser(loader_name: str | None = None, saver_name: str | None = None) 
     parser.add_argument("--save-dir", required=True, help="Output folder (must not exist or be empty).")
     parser.add_argument("--workload", required=True, help="Workload YAML file or built-in workload name.")
     parser.add_argument("--mapping", action="append", default=[], metavar="MODULE=HF_FOLDER[,...] | FILE",
-                        help="Which Hugging Face folder feeds (hf loader) or receives (hf saver) each workload "
-                             "module; repeatable; or a file of MODULE=PATH lines.")
+                        help=MAPPING_HELP)
     parser.add_argument("--allow-inexact", action="store_true",
-                        help="Convert even where our model cannot reproduce the source exactly (listed as warnings).")
+                        help="Convert even where the converted model cannot compute what the source computes. "
+                             "Without it such a conversion fails listing every inexact tensor and its max error; "
+                             "with it they are printed as warnings.")
     parser.add_argument("--init-seed", type=int, default=0,
                         help="Seed of the deterministic initialisation (ModelConfig.init_seed of the training run) "
                              "given to tensors and units the source does not have.")
@@ -100,19 +111,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser(known.loader, known.saver).parse_args(argv)
 
 
-def checked_stream(messages: Iterator, expected: dict, args, progress: bool, total: int | None = None) -> Iterator:
-    """Pass messages on, failing on units or tensors the workload does not have or whose shape differs, and on
-    inexact notes (unless --allow-inexact); one progress line per unit."""
+def checked_stream(messages: Iterator, expected: dict, args, progress: bool, total: int | None = None,
+                   report: InexactReport | None = None) -> Iterator:
+    """Pass messages on, failing on units or tensors the workload does not have or whose shape differs; inexact
+    notes go to ``report``, checked when the stream ends (before the saver commits anything); one progress line
+    per unit."""
     log = args.log
+    report = report or InexactReport(args.allow_inexact, log)
     seen: set[str] = set()
     start = time.perf_counter()
     total = total or len(expected)
     for msg in messages:
         if isinstance(msg, Note):
             if msg.inexact:
-                handle_notes([msg.text], args.allow_inexact, log if progress else (lambda s: None))
+                report.add(msg)
             elif progress:
-                log(f"note: {msg.text}")
+                log(f"note: {msg.line()}")
             continue
         if isinstance(msg, UnitMessage):
             check_unit(msg, expected)
@@ -124,6 +138,7 @@ def checked_stream(messages: Iterator, expected: dict, args, progress: bool, tot
                 log(f"[{len(seen):4d}/{total}] {msg.unit}: {len(msg.tensors)} tensors, {mb:.1f} MB "
                     f"({time.perf_counter() - start:.1f} s)")
         yield msg
+    report.check()
 
 
 def check_unit(msg: UnitMessage, expected: dict) -> None:
@@ -154,14 +169,17 @@ def convert(args: argparse.Namespace) -> str:
     expected = expected_units(workload)
     t0 = time.perf_counter()
     units = 0
-    for msg in checked_stream(loader.load_checkpoint(args, workload, meta=True), expected, args, progress=False):
+    dry = InexactReport(args.allow_inexact, log=lambda s: None)  # warnings are printed once, by the real pass
+    for msg in checked_stream(loader.load_checkpoint(args, workload, meta=True), expected, args, progress=False,
+                              report=dry):
         units += isinstance(msg, UnitMessage)
         if isinstance(msg, Metadata):
             args.log(f"loader {args.loader}: {msg.source} (iteration {msg.iteration})")
     args.log(f"checked {units} unit(s) against workload '{workload.name}' ({time.perf_counter() - t0:.1f} s); "
              f"converting with saver {args.saver}")
+    args.inexact = InexactReport(args.allow_inexact, args.log)  # savers add their own notes to it
     stream = checked_stream(loader.load_checkpoint(args, workload, meta=False), expected, args,
-                            progress=not args.quiet, total=units)
+                            progress=not args.quiet, total=units, report=args.inexact)
     out = saver.save_checkpoint(stream, args, workload)
     args.log(f"done: {out} ({time.perf_counter() - t0:.1f} s)")
     return str(out)

@@ -22,8 +22,12 @@ Layouts on our side (megatron-core): ``linear_qkv`` is grouped by query group
 a patch front end is a Linear over ``(channel, row, column)``-flattened patches (= the Conv2d weight reshaped).
 
 Each mapping works on plain tensors and on meta tensors (shape-only dry runs). ``import_unit`` returns the
-unit's tensors plus the HF names it used; ``export_unit`` returns HF tensors plus "inexact" notes for what our
-tensors hold that the HF layout cannot (a non-zero bias HF does not have, spindle-only parameters).
+unit's tensors plus the HF names it used; ``export_unit`` returns HF tensors plus ``Note``s: per tensor, what our
+tensors hold that the HF layout cannot (a non-zero q/k/v bias a Llama without biases drops: inexact, with its
+max error) and what has no place in the HF class (a contrastive projection on Whisper: not exported, which leaves
+every output of the HF model exact). Rewrites that keep the function are exact and only noted: a patch bias is
+folded into CLIP's position embeddings of the patch tokens (the class token gets no bias in our front end either),
+Whisper's key bias is dropped (softmax ignores a per-query constant).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tools.checkpoint.common import Note
 from tools.checkpoint.hf_io import HFCheckpointError, HFFolder
 from tools.checkpoint.layout import layer_index
 
@@ -83,6 +88,10 @@ def split_qkv(qkv: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor,
 
 def _is_zero(t: torch.Tensor) -> bool:
     return t.device.type == "meta" or not bool(t.any())
+
+
+def _max_abs(t: torch.Tensor) -> float | None:
+    return None if t.device.type == "meta" else float(t.detach().abs().max()) if t.numel() else 0.0
 
 
 # ------------------------------------------------------------------------------------------ towers
@@ -266,12 +275,13 @@ def _export_encoder_layer(t: dict, p: str, family: str, heads: int, groups: int)
 
 
 def _import_llm_layer(get, has, p: str, heads: int, groups: int, qkv_bias: bool,
-                      notes: list[str]) -> dict[str, torch.Tensor]:
+                      notes: list[Note]) -> dict[str, torch.Tensor]:
     a, m = p + "self_attn.", p + "mlp."
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
         if has(a + proj + ".bias") and not _is_zero(get(a + proj + ".bias")) and not (qkv_bias and proj != "o_proj"):
             what = "no output-projection bias" if proj == "o_proj" else "no q/k/v biases (declare `qkv_bias: true`)"
-            notes.append(f"{a}{proj}.bias is non-zero; the llm module has {what}")
+            notes.append(Note(f"{a}{proj}.bias is non-zero; the llm module has {what}", tensor=f"{a}{proj}.bias",
+                              max_error=_max_abs(get(a + proj + ".bias"))))
     out = {}
     if qkv_bias:
         q_w, k_w = get(a + "q_proj.weight"), get(a + "k_proj.weight")
@@ -295,8 +305,8 @@ def _import_llm_layer(get, has, p: str, heads: int, groups: int, qkv_bias: bool,
     }
 
 
-def _export_llm_layer(t: dict, p: str, family: str, heads: int, groups: int, base_shape,
-                      notes: list[str]) -> dict[str, torch.Tensor]:
+def _export_llm_layer(t: dict, p: str, unit: str, heads: int, groups: int, has_tensor,
+                      notes: list[Note]) -> dict[str, torch.Tensor]:
     a, m = p + "self_attn.", p + "mlp."
     q, k, v = split_qkv(t["self_attention.linear_qkv.weight"], heads, groups)
     gate, up = torch.chunk(t["mlp.linear_fc1.weight"], 2, dim=0)
@@ -307,11 +317,20 @@ def _export_llm_layer(t: dict, p: str, family: str, heads: int, groups: int, bas
            m + "gate_proj.weight": gate, m + "up_proj.weight": up, m + "down_proj.weight": t["mlp.linear_fc2.weight"]}
     ours = t.get("self_attention.linear_qkv.bias")
     biases = split_qkv(ours, heads, groups) if ours is not None else [None] * 3
+    dropped = []
     for name, w, b in (("q_proj", q, biases[0]), ("k_proj", k, biases[1]), ("v_proj", v, biases[2])):
-        if base_shape(a + name + ".bias") is not None or family == "qwen2":  # Qwen2 always has q/k/v biases
+        if has_tensor(a + name + ".bias"):
             out[a + name + ".bias"] = b if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
         elif b is not None and not _is_zero(b):
-            notes.append(f"{a}{name}.bias: the HF model has no q/k/v biases, ours are non-zero (dropped)")
+            dropped.append((name, _max_abs(b)))
+    if dropped:
+        worst = max(e for _, e in dropped)
+        notes.append(Note(f"the HF model has no {'/'.join(n for n, _ in dropped)} bias (dropped; declare it with "
+                          f"a Qwen2 or `attention_bias` Llama reference)", tensor=f"{unit}.self_attention.linear_qkv.bias",
+                          max_error=worst))
+    if has_tensor(a + "o_proj.bias"):  # a Llama with attention_bias: zero is what our layer computes
+        w = out[a + "o_proj.weight"]
+        out[a + "o_proj.bias"] = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
     return out
 
 
@@ -319,12 +338,12 @@ def _export_llm_layer(t: dict, p: str, family: str, heads: int, groups: int, bas
 
 
 def import_unit(folder: HFFolder, tower: Tower, module, part: str,
-                fill) -> tuple[dict[str, torch.Tensor], set[str], list[str]]:
+                fill) -> tuple[dict[str, torch.Tensor], set[str], list[Note]]:
     """Our tensors of one unit part (``"frontend"``, ``"layers.3"``, ``"head"``, ``"lm_head"``; names relative to
     the unit) from ``folder``; ``fill(rel_name, shape)`` gives tensors HF lacks (spindle-only parameters).
     Returns (tensors, HF names used, notes). An empty dict: the HF model has nothing for this part."""
     used: set[str] = set()
-    notes: list[str] = []
+    notes: list[Note] = []
 
     def get(name: str) -> torch.Tensor:
         used.add(name)
@@ -352,7 +371,8 @@ def import_unit(folder: HFFolder, tower: Tower, module, part: str,
             out["projection.weight"] = get(tower.projection)
         else:
             out["projection.weight"] = fill("projection.weight", shape)
-            notes.append(f"{module.name}.head.projection.weight: no projection in the HF model, initialised")
+            notes.append(Note(f"{module.name}.head.projection.weight: no projection in the HF model, initialised",
+                              inexact=False))
         return out, used, notes
     if part == "lm_head" and fam in ("llama", "qwen2"):
         out = {"final_norm.weight": get(p + "norm.weight")}
@@ -365,10 +385,11 @@ def _import_frontend(get, tower: Tower, module) -> dict[str, torch.Tensor]:
     p, fam = tower.prefix, tower.family
     if fam == "clip_vision":
         w = get(p + "embeddings.patch_embedding.weight")
-        out = {"patch_proj.weight": w.reshape(w.shape[0], -1),
-               "patch_proj.bias": torch.zeros(w.shape[0], dtype=w.dtype, device=w.device),
-               "class_token": get(p + "embeddings.class_embedding"),
-               "position_embeddings": get(p + "embeddings.position_embedding.weight")}
+        out = {"patch_proj.weight": w.reshape(w.shape[0], -1)}
+        if module.frontend.patch_bias:  # CLIP has none: zero is exact
+            out["patch_proj.bias"] = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+        out.update({"class_token": get(p + "embeddings.class_embedding"),
+                    "position_embeddings": get(p + "embeddings.position_embedding.weight")})
         if module.frontend.pre_norm:
             out.update({"pre_norm.weight": get(p + "pre_layrnorm.weight"), "pre_norm.bias": get(p + "pre_layrnorm.bias")})
         return out
@@ -386,46 +407,63 @@ def _import_frontend(get, tower: Tower, module) -> dict[str, torch.Tensor]:
 
 
 def export_unit(tower: Tower, module, part: str, unit: str, t: dict[str, torch.Tensor],
-                base_shape) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """HF tensors for one of our unit parts (``t`` named relative to the unit). ``base_shape(name)`` is the shape
-    of a tensor in the base HF folder (None if absent). Returns (HF tensors, inexact notes)."""
-    notes: list[str] = []
+                has_tensor) -> tuple[dict[str, torch.Tensor], list[Note]]:
+    """HF tensors for one of our unit parts (``t`` named relative to the unit). ``has_tensor(name)``: whether the
+    target HF model has a tensor of that name (the reference folder's, or the from-scratch class's). Returns (HF
+    tensors, notes; inexact ones name our tensor and its max error)."""
+    notes: list[Note] = []
     p, fam = tower.prefix, tower.family
     heads, groups = module.num_heads, module.query_groups
     idx = layer_index(part)
     if idx is not None:
         lp = p + tower.layer_prefix + f"{idx}."
         if fam in ("llama", "qwen2"):
-            return _export_llm_layer(t, lp, fam, heads, groups, base_shape, notes), notes
+            return _export_llm_layer(t, lp, unit, heads, groups, has_tensor, notes), notes
         return _export_encoder_layer(t, lp, fam, heads, groups), notes
     if part == "frontend":
-        return _export_frontend(tower, unit, t, base_shape, notes), notes
+        return _export_frontend(tower, module, unit, t, notes), notes
     if part == "head" and fam in ("clip_vision", "clip_text", "whisper_encoder"):
         norm = {"clip_vision": "post_layernorm", "clip_text": "final_layer_norm", "whisper_encoder": "layer_norm"}[fam]
         out = {p + norm + ".weight": t["final_norm.weight"], p + norm + ".bias": t["final_norm.bias"]}
         if tower.projection is not None:
             out[tower.projection] = t["projection.weight"]
         else:
-            notes.append(f"{unit}.projection.weight has no place in the HF model (dropped)")
+            notes.append(Note(f"{unit}.projection.weight: the {fam} model has no projection after its pooled output "
+                              f"(not exported; every output of the HF model is still ours)", inexact=False))
         return out, notes
     if part == "lm_head" and fam in ("llama", "qwen2"):
         return {p + "norm.weight": t["final_norm.weight"], "lm_head.weight": t["output_layer.weight"]}, notes
-    notes.append(f"{unit}: {len(t)} tensor(s) have no place in the {fam} model (dropped)")
+    for name, v in t.items():
+        notes.append(Note(f"no place in the {fam} model (dropped)", tensor=f"{unit}.{name}", max_error=_max_abs(v)))
     return {}, notes
 
 
-def _export_frontend(tower: Tower, unit: str, t: dict, base_shape, notes: list[str]) -> dict[str, torch.Tensor]:
+def fold_patch_bias(positions: torch.Tensor, bias: torch.Tensor, class_token: bool) -> torch.Tensor:
+    """Position embeddings that absorb the patch projection's bias: ``(W x + b) + pos_i = W x + (pos_i + b)`` for
+    every patch token; the class token (row 0) is concatenated after the projection in our front end as in CLIP's,
+    so it never sees the bias and its row is unchanged. The result is exact up to one rounding of the addition."""
+    if _is_zero(bias):
+        return positions
+    first = 1 if class_token else 0
+    out = positions.clone()
+    out[first:] += bias.to(out.dtype)
+    return out
+
+
+def _export_frontend(tower: Tower, module, unit: str, t: dict, notes: list[Note]) -> dict[str, torch.Tensor]:
     p, fam = tower.prefix, tower.family
+    fe = module.frontend
     if fam == "clip_vision":
-        name = p + "embeddings.patch_embedding.weight"
-        shape = base_shape(name)
-        if shape is None:
-            raise HFCheckpointError(f"base HF folder has no '{name}'")
-        if not _is_zero(t["patch_proj.bias"]):
-            notes.append(f"{unit}.patch_proj.bias is non-zero; CLIP's patch embedding has no bias")
-        out = {name: t["patch_proj.weight"].reshape(shape),
+        w = t["patch_proj.weight"]
+        positions = t["position_embeddings"]
+        if "patch_proj.bias" in t and not _is_zero(t["patch_proj.bias"]):
+            positions = fold_patch_bias(positions, t["patch_proj.bias"], fe.class_token)
+            notes.append(Note(f"{unit}.patch_proj.bias folded into embeddings.position_embedding rows 1.. (CLIP's "
+                              f"patch embedding has no bias; exact for every token)", inexact=False))
+        out = {p + "embeddings.patch_embedding.weight": w.reshape(w.shape[0], fe.in_channels, fe.patch_size,
+                                                                  fe.patch_size),
                p + "embeddings.class_embedding": t["class_token"],
-               p + "embeddings.position_embedding.weight": t["position_embeddings"]}
+               p + "embeddings.position_embedding.weight": positions}
         if "pre_norm.weight" in t:
             out.update({p + "pre_layrnorm.weight": t["pre_norm.weight"], p + "pre_layrnorm.bias": t["pre_norm.bias"]})
         return out
@@ -438,8 +476,31 @@ def _export_frontend(tower: Tower, unit: str, t: dict, base_shape, notes: list[s
         return {p + "conv1.weight": t["conv1.weight"], p + "conv1.bias": t["conv1.bias"],
                 p + "conv2.weight": t["conv2.weight"], p + "conv2.bias": t["conv2.bias"],
                 p + "embed_positions.weight": t["sinusoidal_positions"]}
-    notes.append(f"{unit}: the {fam} front end has no counterpart in our model (dropped; the base's is kept)")
+    for name, v in t.items():
+        notes.append(Note(f"the {fam} front end has no counterpart in our model (dropped; the reference's is kept)",
+                          tensor=f"{unit}.{name}", max_error=_max_abs(v)))
     return {}
+
+
+def missing_part_tensors(tower: Tower, module, part: str, like: torch.Tensor) -> tuple[dict[str, torch.Tensor],
+                                                                                     list[Note]]:
+    """HF tensors of a part the workload has no unit for (a tower without a contrastive head: it only feeds a
+    projector), for a from-scratch export: identity norms. CLIP's vision ``post_layernorm`` and projection act only
+    on the pooled class token (``pooler_output``), which such a tower does not compute, so they leave every token
+    output exact; Whisper's and CLIP text's final LayerNorm act on every token: inexact."""
+    p, fam, h = tower.prefix, tower.family, module.hidden_size
+    kw = {"dtype": like.dtype, "device": like.device}
+    if part != "head" or fam not in ("clip_vision", "clip_text", "whisper_encoder"):
+        return {}, []
+    norm = {"clip_vision": "post_layernorm", "clip_text": "final_layer_norm", "whisper_encoder": "layer_norm"}[fam]
+    out = {p + norm + ".weight": torch.ones(h, **kw), p + norm + ".bias": torch.zeros(h, **kw)}
+    if tower.projection is not None:
+        out[tower.projection] = torch.zeros(int(tower.config.get("projection_dim") or h), h, **kw)
+    if fam == "clip_vision":
+        return out, [Note(f"{module.name}: no contrastive head in the workload; {norm} (identity) and the projection "
+                          f"act only on CLIP's pooled output (last_hidden_state is exact)", inexact=False)]
+    return out, [Note(f"{module.name}: no head in the workload, so the tower's output lacks the {fam} model's final "
+                      f"{norm} (written as identity, which still normalises)", tensor=f"{module.name}.head.final_norm")]
 
 
 def unused_keys(folder: HFFolder, tower: Tower, used: set[str]) -> list[str]:
@@ -448,3 +509,14 @@ def unused_keys(folder: HFFolder, tower: Tower, used: set[str]) -> list[str]:
         return any(key.startswith(prefix) for prefix in tower.claimed)  # "" claims the whole folder
 
     return sorted(k for k in folder.keys() if k not in used and not k.endswith(IGNORED_SUFFIXES) and claimed(k))
+
+
+def pooled_only(tower: Tower, key: str) -> bool:
+    """HF tensors that act only on a pooled output (CLIP's vision ``post_layernorm`` on the class token, the
+    projections): dropping them leaves the tower's token outputs (``last_hidden_state``) exact, as when a tower
+    feeds a projector instead of a contrastive head."""
+    if tower.family == "clip_vision":
+        return key.startswith(tower.prefix + "post_layernorm.") or key == tower.projection
+    if tower.family == "clip_text":
+        return key == tower.projection
+    return False

@@ -61,7 +61,9 @@ def _frontend_shapes(workload: Workload, spec: ModuleSpec) -> dict[str, Shape]:
     fe, h = spec.frontend, spec.hidden_size
     if fe.type == "patch":
         grid = fe.image_size // fe.patch_size
-        out = {"patch_proj.weight": (h, fe.in_channels * fe.patch_size ** 2), "patch_proj.bias": (h,)}
+        out = {"patch_proj.weight": (h, fe.in_channels * fe.patch_size ** 2)}
+        if fe.patch_bias:
+            out["patch_proj.bias"] = (h,)
         if fe.class_token:
             out["class_token"] = (h,)
         out["position_embeddings"] = (grid * grid + (1 if fe.class_token else 0), h)

@@ -19,6 +19,7 @@ from tools.checkpoint.hf_mapping import (
     find_tower,
     import_unit,
     numerics_notes,
+    pooled_only,
     unused_keys,
 )
 from tools.checkpoint.layout import split_unit, unit_shapes, workload_units
@@ -68,13 +69,19 @@ def load_checkpoint(args, workload, meta: bool = False) -> Iterator[Metadata | U
         tensors, names, notes = import_unit(folders[mapping[module]], towers[module], workload.modules[module], part,
                                             _fill(unit, workload, meta, args.init_seed))
         used[module] |= names
-        for text in notes:
-            yield Note(text, inexact="initialised" not in text)
+        yield from notes
         if tensors:
             yield UnitMessage(unit, {f"{unit}.{k}": v for k, v in tensors.items()}, origin=mapping[module])
     for module, tower in towers.items():
+        folder = folders[mapping[module]]
         taken = set().union(*(used[m] for m in mapping if mapping[m] == mapping[module]))
-        dropped = unused_keys(folders[mapping[module]], tower, taken)
-        if dropped:
-            yield Note(f"{module}: HF tensors with no counterpart in our model are dropped: {dropped[:8]}"
-                       f"{' ...' if len(dropped) > 8 else ''}")
+        dropped = unused_keys(folder, tower, taken)
+        pooled = [k for k in dropped if pooled_only(tower, k)]
+        if pooled:
+            yield Note(f"{module}: {pooled} act only on the {tower.family} model's pooled output, which the "
+                       f"workload does not compute for this module (no contrastive head): not used", inexact=False)
+        for key in dropped:
+            if key not in pooled:
+                t = folder.get(key)
+                yield Note(f"{module}: HF tensor with no counterpart in our model (dropped)", tensor=key,
+                           max_error=None if meta else float(t.abs().max()) if t.numel() else 0.0)

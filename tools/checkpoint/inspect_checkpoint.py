@@ -2,10 +2,10 @@
 """Print what a checkpoint holds: its modules (parameter units), tensor shapes and dtypes, iteration and the plan
 it was saved under.
 
-    python tools/checkpoint/inspect.py /runs/ckpt                 # megatron-spindle (root or iter_XXXXXXX)
-    python tools/checkpoint/inspect.py /ckpt/llama                # Hugging Face folder (safetensors)
-    python tools/checkpoint/inspect.py /megatron/ckpt             # megatron-core torch_dist
-    python tools/checkpoint/inspect.py /runs/ckpt --units 'llm.*' --summary
+    python tools/checkpoint/inspect_checkpoint.py /runs/ckpt                 # megatron-spindle (root or iter_XXXXXXX)
+    python tools/checkpoint/inspect_checkpoint.py /ckpt/llama                # Hugging Face folder (safetensors)
+    python tools/checkpoint/inspect_checkpoint.py /megatron/ckpt             # megatron-core torch_dist
+    python tools/checkpoint/inspect_checkpoint.py /runs/ckpt --units 'llm.*' --summary
 
 Reads metadata and file headers only (no tensor data). Exit status 2 when the folder is not a checkpoint.
 """
@@ -18,7 +18,7 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(os.path.dirname(_HERE))
 if sys.path and os.path.abspath(sys.path[0] or os.curdir) == _HERE:
-    sys.path[0] = _ROOT  # this file is named inspect.py: never shadow the standard library module
+    sys.path[0] = _ROOT  # run as a script: import this folder as the package tools.checkpoint
 elif _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 

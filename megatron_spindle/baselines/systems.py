@@ -20,16 +20,18 @@ Memory options are tuned like the paper's hand tuning: a plan that does not fit 
 full activation recomputation (and, for DeepSpeed, every ZeRO stage; for Megatron, the distributed optimizer),
 keeping the fastest that fits.
 
-Plan conventions used here (read by the simulator): ``planner["segments"]`` lists the waves of each
-segment that runs forward then backward before the next one (a task of a temporally decoupled system);
-``planner["zero_stage"]`` is the ZeRO stage of the whole plan, ``planner["recompute"]`` whether layers
-recompute their activations (the cost and memory models must match it). Wave start times are a serialisation that
-``validate_plan`` accepts; the simulator runs device-disjoint work concurrently (Spindle-Optimus tasks).
+Execution settings of the plans (``Plan.settings``, obeyed by the simulator): ``segments`` lists the waves of
+each segment that runs forward then backward before the next one (a task of a temporally decoupled system);
+``zero_stage`` is the ZeRO stage of the whole plan, ``recompute`` whether layers recompute their activations
+(the cost and memory models must match it). Wave start times are a serialisation that ``validate_plan``
+accepts; the simulator runs device-disjoint work concurrently (Spindle-Optimus tasks). Each plan's memory is
+plan/memory.py's accounting under its settings, which the simulator applies too.
+
+This package sits above the planner and the simulator (it uses both); neither imports it.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,10 +41,12 @@ from megatron_spindle.estimator import AnalyticCostModel, MemoryModel, valid_con
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
+from megatron_spindle.plan.memory import plan_memory
+from megatron_spindle.plan.schema import ExecutionSettings, Plan, Recompute
+from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.assemble import assemble_plan
-from megatron_spindle.planner.plan import Plan
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
-from megatron_spindle.planner.validate import validate_plan
+from megatron_spindle.simulator import simulate
 
 ZERO_STAGES = (0, 1, 2, 3)
 TIE = 1e-3  # relative time difference under which two configurations count as equally fast
@@ -134,21 +138,19 @@ def _serialise(groups: Sequence[Sequence[ScheduledSlice]], metagraph: MetaGraph)
 
 
 def _assemble(ctx: BaselineContext, waves: list[ScheduledWave], segments: list[list[int]],
-              settings: dict[str, Any], zero_stages: Sequence[int] = (0,)) -> list[Plan]:
+              info: dict[str, Any], zero_stages: Sequence[int] = (0,)) -> list[Plan]:
     """Assemble once, then one validated plan per ZeRO stage (the stage changes only the settings and the
-    memory); each plan's memory is the simulator's (ZeRO-aware) peak per device."""
-    from megatron_spindle.simulator import simulate
-
-    settings = {**settings, "segments": segments, "recompute": ctx.recompute}
-    base = assemble_plan(ctx.workload, ctx.cluster, ctx.metagraph, waves, ctx.cost_model, ctx.memory_model,
-                         settings, validate=False)
+    memory), each timed by the simulator."""
+    recompute = Recompute("full" if ctx.recompute else "none")
+    base = assemble_plan(ctx.workload, ctx.cluster, ctx.metagraph, waves, ctx.cost_model, ctx.memory_model, info,
+                         validate=False, settings=ExecutionSettings(recompute=recompute, segments=segments))
     plans = []
-    for i, stage in enumerate(zero_stages):
-        plan = base if i == len(zero_stages) - 1 else copy.deepcopy(base)
-        plan.planner["zero_stage"] = stage
+    for stage in zero_stages:
+        plan = dataclasses.replace(base, planner=dict(base.planner),
+                                   settings=dataclasses.replace(base.settings, zero_stage=stage))
+        plan.memory_per_device = plan_memory(plan, ctx.metagraph.metaops, ctx.memory_model)
         result = simulate(plan, ctx.workload, ctx.cluster, ctx.cost_model, ctx.memory_model, metagraph=ctx.metagraph)
-        plan.memory_per_device = list(result.peak_memory)
-        fits = max(result.peak_memory, default=0.0) <= ctx.cluster.gpu.memory_bytes
+        fits = max(plan.memory_per_device, default=0.0) <= ctx.cluster.gpu.memory_bytes
         plan.planner["memory_ok"] = fits
         plan.planner["simulated_iteration_time"] = result.iteration_time
         validate_plan(plan, ctx.workload, ctx.cluster, ctx.metagraph, check_memory=fits)
@@ -225,7 +227,7 @@ def deepspeed_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineContex
         plans += _temporal_variants(c, per_task, {"planner": "deepspeed"}, ZERO_STAGES)
     plan = _pick(plans)
     plan.planner["search"] = {
-        f"zero{p.planner['zero_stage']}{'+recompute' if p.planner['recompute'] else ''}":
+        f"zero{p.settings.zero_stage}{'+recompute' if p.settings.recompute.mode == 'full' else ''}":
             {"time": _sim_time(p), "memory_ok": p.planner["memory_ok"]} for p in plans}
     return plan
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.planner.plan import TRANSFER_KINDS, Plan, PlanError
+from megatron_spindle.plan.layout import transfer_pairs
+from megatron_spindle.plan.order import BWD, execution_order
+from megatron_spindle.plan.routing import Router
+from megatron_spindle.plan.schema import TRANSFER_KINDS, Plan, PlanError
 
 TIME_EPS = 1e-9
 
@@ -15,10 +18,13 @@ def validate_plan(plan: Plan, workload: Workload | None = None, cluster: Cluster
     """Raise PlanError naming the first violated invariant.
 
     - the plan belongs to this workload and cluster (digests);
-    - every slice: devices exist, are distinct, and tp * dp == len(devices);
-    - within a wave, device sets are disjoint, and waves do not overlap in time;
-    - every layer of every MetaOp runs exactly once, in order;
-    - no slice starts before its producers (previous layers, producer MetaOps) have ended;
+    - wave i has index i, and waves start in index order without overlapping in time;
+    - every slice: devices exist, are distinct, and tp * dp == len(devices); within a wave, device sets are
+      disjoint;
+    - every layer of every MetaOp runs exactly once, in order; no slice starts before its producers end;
+    - the settings fit the plan (segments and backward order list every wave once; a backward never runs
+      before the backward of a slice that reads the wave's output; per-slice recomputation names slices);
+    - every transfer's bytes by route are the routing of its bytes (plan/routing.py), forward and backward;
     - predicted memory fits every device.
     """
     if workload is not None and plan.workload_digest != workload.digest():
@@ -27,8 +33,55 @@ def validate_plan(plan: Plan, workload: Workload | None = None, cluster: Cluster
     if cluster is not None and plan.cluster_digest != cluster.digest():
         raise PlanError(f"plan was made for a cluster of {plan.num_devices} devices ({plan.cluster_digest}), "
                         f"not for this one of {cluster.num_devices} ({cluster.digest()})")
-    n = plan.num_devices
     metaops = {m.id: m for m in plan.metaops}
+    _check_slices(plan, metaops)
+    for i, w in enumerate(plan.waves):
+        if w.index != i:
+            raise PlanError(f"wave at position {i} has index {w.index}: wave i must have index i")
+    for a, b in zip(plan.waves, plan.waves[1:]):
+        if b.start < a.end - TIME_EPS * max(1.0, a.end):
+            raise PlanError(f"wave {b.index} starts at {b.start:.6g} before wave {a.index} ends at {a.end:.6g}")
+    _check_coverage_and_order(plan, metaops)
+    check_settings(plan)
+    _check_transfers(plan, metaops)
+    if check_memory and cluster is not None and plan.memory_per_device:
+        cap = cluster.gpu.memory_bytes
+        for d, b in enumerate(plan.memory_per_device):
+            if b > cap:
+                raise PlanError(f"device {d}: predicted memory {b / 2**30:.1f} GiB exceeds capacity {cap / 2**30:.1f} GiB")
+    if metagraph is not None:
+        missing = set(metagraph.metaops) - set(metaops)
+        if missing:
+            raise PlanError(f"plan does not run MetaOps {sorted(missing)[:5]} of the workload")
+
+
+def check_settings(plan: Plan) -> None:
+    """The execution settings against the plan's waves (segments, backward order, per-slice choices)."""
+    settings = plan.settings
+    order = execution_order(len(plan.waves), settings)
+    ids = {s.id: (wi, s) for wi, w in enumerate(plan.waves) for s in w.slices}
+    for sid, rc in settings.slice_recompute.items():
+        if sid not in ids:
+            raise PlanError(f"settings.slice_recompute names slice '{sid}' that is not in the plan")
+        if rc.layers is not None and rc.layers > ids[sid][1].num_layers:
+            raise PlanError(f"settings.slice_recompute['{sid}']: {rc.layers} layers, the slice has "
+                            f"{ids[sid][1].num_layers}")
+    if settings.backward_order is None:
+        return
+    backward_at = {wi: i for i, (wi, phase) in enumerate(order) if phase == BWD}
+    for (pw, _), (cw, _) in _pairs(plan):
+        if backward_at[cw] > backward_at[pw]:
+            raise PlanError(f"settings.backward_order runs wave {pw}'s backward before wave {cw}'s, which reads "
+                            f"its output")
+
+
+def _pairs(plan: Plan):
+    return transfer_pairs([w.slices for w in plan.waves], {m.id: m.preds for m in plan.metaops},
+                          {m.id: m.num_layers for m in plan.metaops})
+
+
+def _check_slices(plan: Plan, metaops) -> None:
+    n = plan.num_devices
     seen_ids = set()
     for w in plan.waves:
         used: dict[int, str] = {}
@@ -56,32 +109,31 @@ def validate_plan(plan: Plan, workload: Workload | None = None, cluster: Cluster
                 if d in used:
                     raise PlanError(f"wave {w.index}: device {d} is used by both '{used[d]}' and '{s.id}'")
                 used[d] = s.id
-    waves = sorted(plan.waves, key=lambda w: w.start)
-    for a, b in zip(waves, waves[1:]):
-        if b.start < a.end - TIME_EPS * max(1.0, a.end):
-            raise PlanError(f"wave {b.index} starts at {b.start:.6g} before wave {a.index} ends at {a.end:.6g}")
-    _check_coverage_and_order(plan, metaops)
+
+
+def _check_transfers(plan: Plan, metaops) -> None:
+    slices = {s.id: s for s in plan.slices()}
+    router = Router(plan.gpus_per_node)
     for t in plan.transfers:
+        where = f"transfer {t.producer} -> {t.consumer}"
         if t.kind not in TRANSFER_KINDS:
-            raise PlanError(f"transfer {t.producer} -> {t.consumer}: unknown kind '{t.kind}'")
-    if check_memory and cluster is not None and plan.memory_per_device:
-        cap = cluster.gpu.memory_bytes
-        for d, b in enumerate(plan.memory_per_device):
-            if b > cap:
-                raise PlanError(f"device {d}: predicted memory {b / 2**30:.1f} GiB exceeds capacity {cap / 2**30:.1f} GiB")
-    if metagraph is not None:
-        missing = set(metagraph.metaops) - set(metaops)
-        if missing:
-            raise PlanError(f"plan does not run MetaOps {sorted(missing)[:5]} of the workload")
+            raise PlanError(f"{where}: unknown kind '{t.kind}'")
+        p, c = slices.get(t.producer), slices.get(t.consumer)
+        if p is None or c is None:
+            raise PlanError(f"{where}: no such slice")
+        routed = router.transfer(t.producer, t.consumer, p, c, metaops[p.metaop].input_shape[0], t.bytes)
+        if (t.bytes_by_kind, t.backward_bytes_by_kind, t.kind) != (
+                routed.bytes_by_kind, routed.backward_bytes_by_kind, routed.kind):
+            raise PlanError(f"{where}: bytes by route {t.bytes_by_kind} / backward {t.backward_bytes_by_kind} "
+                            f"are not the routing of its {t.bytes:.0f} bytes ({routed.bytes_by_kind} / "
+                            f"{routed.backward_bytes_by_kind})")
 
 
 def _check_coverage_and_order(plan: Plan, metaops) -> None:
-    wave_of = {}
     by_metaop: dict[str, list] = {m: [] for m in metaops}
     for w in plan.waves:
         for s in w.slices:
             by_metaop[s.metaop].append((w, s))
-            wave_of[s.id] = w
     end_of_metaop = {}
     start_of_metaop = {}
     for mid, items in by_metaop.items():

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_spindle.baselines import BASELINES, BaselineContext, optimus_allocation, task_metaops
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.workload import load_workload
-from megatron_spindle.planner.baselines import BASELINES, BaselineContext, optimus_allocation, task_metaops
-from megatron_spindle.planner.validate import validate_plan
+from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.simulator import simulate
 
 CASES = [("tiny-clip", 8), ("tiny-vlm", 4), ("clip-4", 8), ("ofasys-4", 8)]
@@ -35,7 +35,7 @@ def test_baseline_plan_is_valid_and_simulates(contexts, system, case):
     assert r.compute_time + r.transfer_time + r.grad_sync_time + r.optimizer_time == pytest.approx(r.iteration_time)
     assert r.optimizer_time > 0  # the analytic AdamW step of the devices that finish last
     # every wave index is in exactly one segment, and each segment holds one task (or Optimus' task groups)
-    segments = plan.planner["segments"]
+    segments = plan.settings.segments
     assert sorted(i for seg in segments for i in seg) == [w.index for w in plan.waves]
     for seg in segments:
         tasks = {s.task for i in seg for s in plan.waves[i].slices}
@@ -53,11 +53,11 @@ def test_temporal_baselines_give_each_task_the_cluster_in_turn(contexts, case):
         assert s.tp == 1 and s.dp == len(s.devices)
         batch = ctx.metagraph.metaops[s.metaop].batch
         assert s.dp == max(d for d in range(1, min(batch, n) + 1) if batch % d == 0)
-    assert ds.planner["zero_stage"] in (0, 1, 2, 3)
+    assert ds.settings.zero_stage in (0, 1, 2, 3)
     seq = BASELINES["spindle-seq"](ctx.workload, ctx.cluster, ctx)
     assert all(len(w.slices) == 1 for w in seq.waves)
     # tasks run in declaration order, one segment each
-    order = [seq.waves[seg[0]].slices[0].task for seg in seq.planner["segments"]]
+    order = [seq.waves[seg[0]].slices[0].task for seg in seq.settings.segments]
     assert order == [t.name for t in ctx.workload.tasks]
 
 

@@ -1,0 +1,239 @@
+"""Measure the cost model's calibration points on the GPU at hand and print them against tools/estimate.py.
+
+NOTE: this script has never run on a GPU (only its --dry-run on CPU, which the test suite runs). Expect to fix
+small things on the first GPU run; benchmarks/gpu_validate.sh is the entry point.
+
+One process, one GPU, no NCCL:
+- GEMMs (bf16): the C1 regime (8192^3) and a ViT-H QKV projection, TFLOP/s measured vs KernelModel.gemm_rate;
+- one large device-to-device copy: achieved HBM bandwidth vs the model's (datasheet x memory efficiency);
+- FlashAttention-2 (torch SDPA's flash backend, the FA2 kernels) in the FA2 paper's setup (batch x seq = 16k
+  tokens, hidden 2048, head dim 64 / 128, non-causal, fwd + bwd): TF/s vs KernelModel.flash_rate (C2, C3);
+- the runtime's own megatron-core layers (models.operator.build_operator: Transformer Engine spec if TE imports,
+  else the local spec) in bf16: a ViT-H encoder layer (hidden 1280, 16 heads, FFN 5120, 257 tokens: Multitask-CLIP's
+  vision tower) at micro-batches 8 / 32 / 64, and an LLM layer at micro-batches 1 / 2 / 4. The LLM layer is
+  Llama-3-8B's (hidden 4096, 32 heads, 8 query groups, SwiGLU FFN 14336, sequence 2048, RoPE, causal): the width of
+  C4's GPT layer with the GQA / SwiGLU / RMSNorm choices of current LLMs (QWen-VAL's backbone class), so one run
+  checks the regime C4 checks on A100 on the GPU at hand. Forward and backward are timed apart and compared with
+  ``tools/estimate.py layer --json``.
+
+    python benchmarks/gpu_validate.py [--out-dir DIR] [--gpu-type H200] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_NAMES = (("H200", "H200"), ("H100", "H100"), ("A800", "A800-80GB"), ("A100", "A100-80GB"))
+
+VIT_H = {"hidden": 1280, "heads": 16, "groups": 16, "ffn": 5120, "seq": 257, "llm": False}
+LLAMA3_8B = {"hidden": 4096, "heads": 32, "groups": 8, "ffn": 14336, "seq": 2048, "llm": True}
+TINY_ENCODER = {"hidden": 64, "heads": 4, "groups": 4, "ffn": 256, "seq": 17, "llm": False}
+TINY_LLM = {"hidden": 64, "heads": 4, "groups": 2, "ffn": 224, "seq": 32, "llm": True}
+
+
+def detect_gpu_type(torch) -> str:
+    name = torch.cuda.get_device_name().upper()
+    for key, gpu_type in GPU_NAMES:
+        if key in name:
+            return gpu_type
+    raise SystemExit(f"gpu_validate: CUDA device '{name}' matches no built-in GPU type; pass --gpu-type")
+
+
+class Timer:
+    """Median milliseconds of fn() over ``repeats`` runs after ``warmup``, device-synchronised."""
+
+    def __init__(self, torch, device: str, warmup: int, repeats: int):
+        self.torch, self.cuda, self.warmup, self.repeats = torch, device == "cuda", warmup, repeats
+
+    def sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def ms(self, fn, setup=None) -> float:
+        times = []
+        for i in range(self.warmup + self.repeats):
+            state = setup() if setup else None
+            self.sync()
+            t0 = time.perf_counter()
+            fn(state) if setup else fn()
+            self.sync()
+            if i >= self.warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+        times.sort()
+        return times[len(times) // 2]
+
+
+def gemm_points(torch, timer, km, device, dry) -> list[dict]:
+    shapes = [(64, 64, 64), (48, 96, 32)] if dry else [(8192, 8192, 8192), (8 * 257, 3 * 1280, 1280)]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        ms = timer.ms(lambda a=a, b=b: torch.matmul(a, b))
+        flops = 2.0 * m * n * k
+        out.append({"point": f"gemm {m}x{n}x{k}", "unit": "TFLOP/s", "measured": flops / ms / 1e9,
+                    "model": km.gemm_rate(m, n, k) / 1e12})
+    return out
+
+
+def copy_point(torch, timer, km, device, dry) -> list[dict]:
+    nbytes = 2**20 if dry else 2 * 2**30
+    src = torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = timer.ms(lambda: dst.copy_(src))
+    return [{"point": f"copy {nbytes >> 20} MiB", "unit": "GB/s", "measured": 2 * nbytes / ms / 1e6,
+             "model": km.bandwidth / 1e9}]
+
+
+def flash_points(torch, timer, km, device, dry) -> list[dict]:
+    if dry or device != "cuda":
+        return []
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except Exception:  # an older torch: no backend selection
+        return []
+    out = []
+    for hd, seqs in ((64, (512, 1024, 2048)), (128, (512, 1024))):
+        for seq in seqs:
+            batch, heads = 16384 // seq, 2048 // hd
+            q, k, v = (torch.randn(batch, heads, seq, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            grad = torch.randn(batch, heads, seq, hd, device="cuda", dtype=torch.bfloat16)
+
+            def step(q=q, k=k, v=v, grad=grad):
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    torch.nn.functional.scaled_dot_product_attention(q, k, v).backward(grad)
+
+            try:
+                ms = timer.ms(step)
+            except RuntimeError as e:  # no flash kernel for this GPU / dtype
+                print(f"[gpu_validate] flash attention skipped: {e}".splitlines()[0], flush=True)
+                return out
+            flops = 3.5 * 4.0 * batch * heads * seq * seq * hd
+            out.append({"point": f"flash fwd+bwd hd{hd} seq{seq}", "unit": "TFLOP/s", "measured": flops / ms / 1e9,
+                        "model": km.flash_rate(batch, heads, seq, hd) / 1e12})
+    return out
+
+
+def estimate_layer(shape: dict, batch: int, gpu_type: str, attention: str) -> dict:
+    args = [sys.executable, str(ROOT / "tools" / "estimate.py"), "layer", "--hidden-size", str(shape["hidden"]),
+            "--num-attention-heads", str(shape["heads"]), "--num-query-groups", str(shape["groups"]),
+            "--ffn-hidden-size", str(shape["ffn"]), "--seq-length", str(shape["seq"]), "--micro-batch-size",
+            str(batch), "--attention", attention, "--gpu-type", gpu_type, "--json"]
+    if shape["llm"]:
+        args += ["--swiglu", "--causal", "--disable-bias-linear", "--position-embedding-type", "rope"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    if proc.returncode:
+        raise SystemExit(f"gpu_validate: tools/estimate.py failed: {proc.stderr.strip()}")
+    return json.loads(proc.stdout)
+
+
+def layer_points(torch, timer, device, gpu_type, dry, layers: int) -> list[dict]:
+    from megatron_spindle.compat.cpu import te_available
+    from megatron_spindle.graph.workload import workload_from_dict
+    from megatron_spindle.models.config import ModelConfig
+    from megatron_spindle.models.operator import build_operator, metaop_infos
+
+    cases = ([("encoder", TINY_ENCODER, (2,)), ("llm", TINY_LLM, (1,))] if dry else
+             [("vit-h", VIT_H, (8, 32, 64)), ("llama3-8b", LLAMA3_8B, (1, 2, 4))])
+    attention = "flash" if te_available() else "unfused"  # TE's fused attention vs megatron-core's local path
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    out = []
+    for name, shape, batches in cases:
+        module = {"kind": "llm" if shape["llm"] else "encoder", "num_layers": layers,
+                  "hidden_size": shape["hidden"], "num_heads": shape["heads"], "num_query_groups": shape["groups"],
+                  "ffn_hidden_size": shape["ffn"]}
+        for batch in batches:
+            spec = {"name": name, "modules": {"m": module},
+                    "tasks": [{"name": "t", "batch_size": batch, "tokens": {"m": shape["seq"]}}]}
+            workload = workload_from_dict(spec)
+            info = metaop_infos(workload)["t/m"]
+            op = build_operator(workload, info, 0, layers, config=ModelConfig(bf16=device == "cuda"))
+            op = op.to(device=device, dtype=dtype)
+            x = torch.randn(batch, shape["seq"], shape["hidden"], device=device, dtype=dtype, requires_grad=True)
+            fwd = timer.ms(lambda op=op, x=x: op([x], None)) / layers
+            grad = torch.randn(batch, shape["seq"], shape["hidden"], device=device, dtype=dtype)
+            bwd = timer.ms(lambda y, grad=grad: y.backward(grad), setup=lambda op=op, x=x: op([x], None)) / layers
+            est = estimate_layer(shape, batch, gpu_type, attention)
+            for phase, measured, model in (("forward", fwd, est["forward_ms"]), ("backward", bwd, est["backward_ms"])):
+                out.append({"point": f"{name} layer mb{batch} {phase}", "unit": "ms", "measured": measured,
+                            "model": model})
+            del op, x
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return out
+
+
+def table(points: list[dict]) -> str:
+    lines = [f"{'point':<34}{'unit':>9}{'measured':>11}{'model':>11}{'model/meas':>12}"]
+    for p in points:
+        ratio = p["model"] / p["measured"] if p["measured"] else float("nan")
+        lines.append(f"{p['point']:<34}{p['unit']:>9}{p['measured']:>11.4g}{p['model']:>11.4g}{ratio:>12.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, 1 warmup + 2 runs (CPU: implies it)")
+    parser.add_argument("--gpu-type", default=None, help="built-in GPU type for the model (default: detected)")
+    parser.add_argument("--out-dir", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "out" / "gpu_validate"))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--layers", type=int, default=2, help="layers timed together per layer point")
+    parser.add_argument("--budget-seconds", type=float, default=420.0, help="skip what is left after this")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from megatron_spindle.compat.cpu import apply_cpu_shim, te_available
+    from megatron_spindle.estimator.kernels import KernelModel
+    from megatron_spindle.graph.cluster import gpu_type
+
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_validate: CUDA is not available (use --device cpu --dry-run for a dry run)")
+    dry = args.dry_run or device == "cpu"
+    if device == "cpu":
+        apply_cpu_shim()
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    gpu = args.gpu_type or ("CPU" if device == "cpu" else detect_gpu_type(torch))
+    km = KernelModel(gpu_type(gpu))
+    timer = Timer(torch, device, 1 if dry else args.warmup, 2 if dry else args.repeats)
+    start = time.perf_counter()
+    meta = {"gpu_type": gpu, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "torch": torch.__version__, "transformer_engine": te_available(), "dry_run": dry}
+    print(f"[gpu_validate] {meta}", flush=True)
+    points: list[dict] = []
+    steps = [("gemm", lambda: gemm_points(torch, timer, km, device, dry)),
+             ("copy", lambda: copy_point(torch, timer, km, device, dry)),
+             ("flash", lambda: flash_points(torch, timer, km, device, dry)),
+             ("layers", lambda: layer_points(torch, timer, device, gpu, dry, 1 if dry else args.layers))]
+    skipped = []
+    for name, step in steps:
+        if time.perf_counter() - start > args.budget_seconds:
+            skipped.append(name)
+            continue
+        print(f"[gpu_validate] {name} ...", flush=True)
+        points += step()
+    text = table(points) + (f"\nskipped (time budget): {', '.join(skipped)}" if skipped else "")
+    text += f"\n({time.perf_counter() - start:.0f} s)"
+    print(text)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_validate.json").write_text(json.dumps({"meta": meta, "points": points, "skipped": skipped}, indent=1))
+    (out / "gpu_validate.txt").write_text(text + "\n")
+    print(f"[gpu_validate] wrote {out / 'gpu_validate.json'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

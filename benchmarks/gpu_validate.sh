@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Measure the cost model's calibration points on one GPU and print them against tools/estimate.py (issue 13, GPU):
+# bf16 GEMMs, an HBM copy, FlashAttention-2 fwd + bwd, and the runtime's megatron-core layers (Transformer Engine
+# when it imports): a ViT-H encoder layer at micro-batches 8 / 32 / 64 and a Llama-3-8B-sized LLM layer at 1 / 2 / 4.
+# One process, no NCCL; well under 8 minutes on an H200 or an A100-class GPU (budget: 420 s, then it skips the rest).
+#
+# NOTE: it has never run on a GPU yet; only the CPU dry run (tests/tools/test_gpu_validate.py) has. When a GPU machine
+# is at hand, run it and commit its output to benchmarks/results/.
+#
+#   benchmarks/gpu_validate.sh                      # CUDA, GPU type detected from the device name
+#   benchmarks/gpu_validate.sh --gpu-type H100      # when the name is not recognised
+#   benchmarks/gpu_validate.sh --dry-run            # tiny shapes on the CPU, a few iterations
+#
+# Options: --dry-run, --gpu-type X, --out-dir DIR (default: $OUT when set, else benchmarks/out/gpu_validate).
+# Env: PYTHON (interpreter). Writes DIR/gpu_validate.json, DIR/gpu_validate.txt and DIR/gpu_validate.log.
+set -euo pipefail
+
+DEVICE=cuda
+ARGS=()
+OUT_DIR="${OUT:-}"
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --dry-run) DEVICE=cpu; shift ;;
+        --gpu-type) ARGS+=(--gpu-type "$2"); shift 2 ;;
+        --out-dir) OUT_DIR="$2"; shift 2 ;;
+        -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+        *) echo "gpu_validate.sh: unknown option $1" >&2; exit 2 ;;
+    esac
+done
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
+OUT_DIR="${OUT_DIR:-$ROOT/benchmarks/out/gpu_validate}"
+mkdir -p "$OUT_DIR"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+if [[ "$DEVICE" == cuda ]]; then
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv
+    ARGS+=(--device cuda)
+else
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # oversubscribed CPU threads make timings meaningless
+    ARGS+=(--device cpu --dry-run)
+fi
+
+"$PYTHON" "$ROOT/benchmarks/gpu_validate.py" --out-dir "$OUT_DIR" "${ARGS[@]}" 2>&1 \
+    | grep -v -e "warnings.warn" -e "UserWarning" | tee "$OUT_DIR/gpu_validate.log"

@@ -1,0 +1,201 @@
+"""Per-kernel GPU time: GEMMs with tile and wave quantisation, FlashAttention by sequence length and head dim,
+memory-bound kernels at measured bandwidth.
+
+- GEMM (M, N, K): cuBLAS cuts C into tiles (tm x tn), each computed by one thread block looping over K in steps of
+  tk; the blocks run in waves over the SMs. The time is the number of waves (per SM: ceil(tiles / SMs)) times one
+  tile's time, with the best tile and split-K for the shape (cuBLAS's heuristics pick among them). A tile's main
+  loop has ``ceil(K / tk)`` steps plus a fixed prologue/epilogue. The per-SM rate is the GPU's *measured* maximum
+  achievable matmul rate (MAMF, C1) divided by its SM count: a GEMM of whole waves and long K reaches MAMF, never
+  more.
+- FlashAttention (FA2): fwd + bwd rate ``R(d) * s / (s + s0(d))`` in the FlashAttention-2 paper's convention
+  (FLOPs = 3.5 x 4 b h s^2 d: the backward recomputes the scores), fitted to its Fig. 4 (C2, C3), times the wave
+  and query-block padding of its grid (b * heads * ceil(s / 128) blocks).
+- Memory-bound kernels: bytes at the achieved HBM bandwidth.
+- Every kernel costs a fixed gap on the GPU stream (launch latency, ramp-up and drain).
+
+Kernel families (``GPUSpec.arch``): ``ampere`` (A100 / A800), ``hopper`` (H100 / H200) and ``cpu``: the CPU
+"GPU type" of tests and the gloo runtime, which has no tiles, no waves and no attention curve.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from megatron_spindle.estimator.errors import EstimatorError
+from megatron_spindle.graph.cluster import HBM_STREAM_EFFICIENCY, GPUSpec
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A GEMM tile (m x n, k per main-loop step) and its sustained rate relative to the best tile."""
+
+    m: int
+    n: int
+    k: int
+    efficiency: float
+
+
+# The tiles cuBLAS uses, largest (most efficient: most reuse per byte loaded) to smallest: NVIDIA "Matrix
+# Multiplication Background User's Guide" (DU-09799-001), 2.3 "Typical Tile Dimensions In cuBLAS And Performance".
+# Relative efficiencies of the smaller tiles are estimates (the guide plots them below the 256x128 tile).
+AMPERE_TILES = (
+    Tile(256, 128, 32, 1.0), Tile(128, 256, 32, 1.0), Tile(128, 128, 32, 0.93), Tile(256, 64, 32, 0.9),
+    Tile(64, 256, 32, 0.9), Tile(128, 64, 32, 0.82), Tile(64, 128, 32, 0.82), Tile(64, 64, 32, 0.65),
+)
+# Hopper wgmma kernels (CUTLASS 3 / cuBLAS) use the same shapes with k steps of 64 (estimate: efficiencies as Ampere).
+HOPPER_TILES = tuple(Tile(t.m, t.n, 64, t.efficiency) for t in AMPERE_TILES)
+# Prologue (filling a 3-4 stage cp.async / TMA pipeline) plus epilogue (storing the tile), in main-loop steps:
+# estimate. With it a 6912x16384x2048 GEMM (C1's best shape, 64 steps) runs at 64 / 68 of MAMF.
+TILE_OVERHEAD_STEPS = 4
+# Split-K factors cuBLAS considers for short-and-wide outputs with long K (weight gradients); partial sums are
+# written and reduced in fp32.
+SPLIT_K = (1, 2, 4, 8)
+# Gap between two dependent kernels on one stream when the host is ahead: launch latency, ramp-up and drain
+# (estimate: 1-4 us on A100 / H100).
+GPU_KERNEL_GAP_SECONDS = 2e-6
+
+
+@dataclass(frozen=True)
+class FlashCurve:
+    """FlashAttention fwd + bwd rate ``rate * s / (s + seq_half)`` at head dims 64 and 128 (interpolated between,
+    clamped outside), in FLOP/s of the FA2 convention."""
+
+    rate_hd64: float
+    seq_half_hd64: float
+    rate_hd128: float
+    seq_half_hd128: float
+    block_q: int = 128  # query rows per thread block (FA2's Br on A100 / H100)
+
+    def rate(self, head_dim: int, seq_k: float) -> float:
+        w = min(1.0, max(0.0, (head_dim - 64) / 64))
+        rate = (1 - w) * self.rate_hd64 + w * self.rate_hd128
+        half = (1 - w) * self.seq_half_hd64 + w * self.seq_half_hd128
+        return rate * seq_k / (seq_k + half)
+
+
+# A100 (C2, C3: FlashAttention-2 paper, arXiv 2307.08691, Fig. 4, fwd + bwd, non-causal, batch x seq = 16k tokens):
+# - head dim 64: 132 / 162 / 171 TF/s at 512 / 1k / 2k. R * s / (s + s0) through 512 and 2k: s0 = 223, R = 189.5
+#   (1k: 155.6, 4 % under the figure).
+# - head dim 128: 131 / 181 TF/s at 512 / 1k. The two points alone put R above MAMF; we take R = 70 % of the 312
+#   TF/s peak (the paper's upper range of utilisation, an estimate of the long-sequence plateau) and s0 = 290,
+#   which splits the error between the two points (+6 % / -6 %).
+AMPERE_FLASH = FlashCurve(rate_hd64=189.5e12, seq_half_hd64=223.0, rate_hd128=0.70 * 312e12, seq_half_hd128=290.0)
+# H100 / H200: the same paper reports FA2 reaching up to 335 TF/s fwd + bwd on H100 (head dim 128); head dim 64 is
+# scaled by A100's ratio of the two plateaus and the half-rate lengths are A100's (estimates).
+HOPPER_FLASH = FlashCurve(rate_hd64=335e12 * 189.5 / 218.4, seq_half_hd64=223.0, rate_hd128=335e12,
+                          seq_half_hd128=290.0)
+# The forward takes 1 of the 3.5 FLOP units and runs about 15 % faster per FLOP than the backward (FA2 paper,
+# Figs. 5 and 6, estimate): forward share of the fwd + bwd time = 1 / (1 + 2.5 * 1.15).
+FLASH_FORWARD_SPEEDUP = 1.15
+FLASH_BACKWARD_FLOP_FACTOR = 2.5  # FA2 convention: the backward does 2.5x the forward's matmul FLOPs
+
+KERNEL_FAMILIES = ("ampere", "hopper", "cpu")
+
+
+@dataclass(frozen=True)
+class KernelFamily:
+    tiles: tuple[Tile, ...]
+    tile_overhead_steps: int
+    split_k: tuple[int, ...]
+    flash: FlashCurve | None  # None: attention at the matmul rate, no curve (cpu)
+    kernel_gap: float
+
+
+FAMILIES = {
+    "ampere": KernelFamily(AMPERE_TILES, TILE_OVERHEAD_STEPS, SPLIT_K, AMPERE_FLASH, GPU_KERNEL_GAP_SECONDS),
+    "hopper": KernelFamily(HOPPER_TILES, TILE_OVERHEAD_STEPS, SPLIT_K, HOPPER_FLASH, GPU_KERNEL_GAP_SECONDS),
+    "cpu": KernelFamily((Tile(1, 1, 1, 1.0),), 0, (1,), None, 0.0),
+}
+
+
+def kernel_family(gpu: GPUSpec) -> KernelFamily:
+    family = FAMILIES.get(gpu.arch)
+    if family is None:
+        raise EstimatorError(f"GPU '{gpu.name}': unknown kernel family '{gpu.arch}' (known: {KERNEL_FAMILIES})")
+    return family
+
+
+class KernelModel:
+    """Seconds of single kernels on one ``gpu``."""
+
+    def __init__(self, gpu: GPUSpec, memory_efficiency: float = HBM_STREAM_EFFICIENCY,
+                 family: KernelFamily | None = None):
+        if not 0 < memory_efficiency <= 1:
+            raise EstimatorError(f"kernel model: memory_efficiency must be in (0, 1], got {memory_efficiency}")
+        self.gpu = gpu
+        self.family = family or kernel_family(gpu)
+        self.matmul_rate = gpu.achievable_matmul_flops
+        self.sm_rate = self.matmul_rate / max(1, gpu.sm_count)
+        self.bandwidth = gpu.memory_bandwidth * memory_efficiency
+        self._gemm = lru_cache(maxsize=65536)(self._gemm_uncached)
+
+    # --------------------------------------------------------------------------------------------- GEMM
+
+    def gemm(self, m: int, n: int, k: int, batch: int = 1) -> float:
+        """Seconds of ``batch`` independent (m x k) @ (k x n) products in one kernel, plus the kernel gap."""
+        if min(m, n, k, batch) <= 0:
+            return 0.0
+        return self._gemm(int(m), int(n), int(k), int(batch)) + self.family.kernel_gap
+
+    def gemm_rate(self, m: int, n: int, k: int, batch: int = 1) -> float:
+        """Achieved FLOP/s of that GEMM (kernel gap included)."""
+        seconds = self.gemm(m, n, k, batch)
+        return 2.0 * m * n * k * batch / seconds if seconds > 0 else 0.0
+
+    def _gemm_uncached(self, m: int, n: int, k: int, batch: int) -> float:
+        if self.gpu.arch == "cpu":  # no tiles or waves: FLOPs at the matmul rate
+            return 2.0 * m * n * k * batch / self.matmul_rate
+        family, sms = self.family, max(1, self.gpu.sm_count)
+        best = math.inf
+        for tile in family.tiles:
+            for split in family.split_k:
+                if split > 1 and k < split * 4 * tile.k:  # each split keeps at least 4 main-loop steps
+                    continue
+                steps = math.ceil(math.ceil(k / split) / tile.k) + family.tile_overhead_steps
+                tiles = math.ceil(m / tile.m) * math.ceil(n / tile.n) * split * batch
+                rounds = math.ceil(tiles / sms)
+                seconds = rounds * 2.0 * tile.m * tile.n * tile.k * steps / (self.sm_rate * tile.efficiency)
+                if split > 1:  # fp32 partial sums written, read back and reduced into the bf16 output
+                    seconds += (2 * split * 4 + 2) * m * n * batch / self.bandwidth
+                best = min(best, seconds)
+        return best
+
+    # ------------------------------------------------------------------------------------------ attention
+
+    def flash_attention(self, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int,
+                        causal: bool = False) -> tuple[float, float]:
+        """(forward, backward) seconds of one FlashAttention call over ``batch * heads`` (query) heads."""
+        if min(batch, heads, seq_q, seq_k, head_dim) <= 0:
+            return 0.0, 0.0
+        keys = seq_k / 2 if causal and seq_q == seq_k else seq_k  # a causal block visits half the keys on average
+        fwd_flops = 4.0 * batch * heads * seq_q * keys * head_dim
+        flash = self.family.flash
+        if flash is None:  # cpu: the matmuls at the matmul rate, the backward twice the forward
+            forward = fwd_flops / self.matmul_rate
+            return forward, 2 * forward
+        rate = flash.rate(head_dim, keys)
+        blocks_per_head = math.ceil(seq_q / flash.block_q)
+        padding = blocks_per_head * flash.block_q / seq_q
+        blocks = batch * heads * blocks_per_head
+        sms = max(1, self.gpu.sm_count)
+        waves = blocks / (math.ceil(blocks / sms) * sms)
+        total = (1 + FLASH_BACKWARD_FLOP_FACTOR) * fwd_flops / rate * padding / waves
+        forward_share = 1.0 / (1.0 + FLASH_BACKWARD_FLOP_FACTOR * FLASH_FORWARD_SPEEDUP)
+        gap = self.family.kernel_gap
+        return total * forward_share + gap, total * (1 - forward_share) + gap
+
+    def flash_rate(self, batch: int, heads: int, seq: int, head_dim: int, causal: bool = False) -> float:
+        """fwd + bwd FLOP/s of FlashAttention in the FA2 paper's convention (3.5 x the forward FLOPs)."""
+        forward, backward = self.flash_attention(batch, heads, seq, seq, head_dim, causal)
+        flops = 3.5 * 4.0 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
+        return flops / (forward + backward)
+
+    # ------------------------------------------------------------------------------------------- memory
+
+    def memory(self, nbytes: float, kernels: int = 1) -> float:
+        """Seconds of ``kernels`` streaming kernels that move ``nbytes`` of HBM traffic in all."""
+        if nbytes <= 0 and kernels <= 0:
+            return 0.0
+        return max(0.0, nbytes) / self.bandwidth + kernels * self.family.kernel_gap

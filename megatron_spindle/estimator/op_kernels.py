@@ -1,0 +1,304 @@
+"""The kernels of one transformer layer (and of the light operators) in forward and backward, timed by
+``KernelModel``.
+
+The layer is megatron-core's (local spec or Transformer Engine): pre-norm, QKV projection, attention (FlashAttention
+or the unfused QK^T / softmax / PV path with its s^2 memory traffic), output projection, residual, pre-MLP norm,
+FC1, activation (GELU, or SwiGLU for llama-style LLMs), FC2, residual. Tensor parallelism (Megatron style, no
+sequence parallelism) splits heads and the FFN over ``tp`` ranks; norms and residuals stay replicated. The
+backward runs, per linear, a data-gradient and a weight-gradient GEMM, the elementwise backward of every
+memory-bound kernel, and accumulates the weight gradients into fp32 main gradients (megatron-core DDP without
+gradient-accumulation fusion). Full recomputation reruns the forward inside the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_spindle.estimator.errors import EstimatorError
+from megatron_spindle.estimator.kernels import KernelModel
+
+ATTENTION_KINDS = ("flash", "unfused")
+# Megatron TP all-reduces per layer: after attention and after the MLP, forward and backward (+2 for cross-attention).
+TP_ALLREDUCES_FORWARD = 2
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One transformer layer as run on one device: ``batch`` samples of its DP rank, TP degree ``tp``."""
+
+    batch: int
+    seq: int
+    hidden: int
+    heads: int
+    ffn: int
+    kv_groups: int | None = None  # GQA query groups (None: = heads)
+    swiglu: bool = False
+    causal: bool = False
+    tp: int = 1
+    attention: str = "flash"
+    bias: bool = True  # encoder style (LayerNorm, biases); False: llama style (RMSNorm, no biases)
+    rotary: bool = False
+    fused_qkv: bool = True  # one QKV GEMM (megatron-core); False: separate q, k, v linears (HF models)
+    cross_attention: bool = False  # a second attention block over a memory of the same length and width
+    dtype_bytes: int = 2
+    main_grad_bytes: int = 4  # weight gradients accumulated into fp32 main grads; 0: fused into the GEMM
+    # Unfused attention's softmax: a fused bf16 kernel (apex / TE scaled-masked-softmax) or, False, torch ops in
+    # fp32 (cast, softmax, cast back, plus a masked_fill for causal masks): megatron-core's fallback, which our
+    # runtime takes (masked_softmax_fusion off), and what torch autocast runs.
+    fused_softmax: bool = False
+    # fp32 parameters cast to bf16 before every forward (torch FSDP MixedPrecision(param_dtype=bf16), autocast):
+    # read 4 + write 2 bytes per parameter. megatron-core keeps bf16 parameters (False).
+    param_cast: bool = False
+
+    def __post_init__(self):
+        for what in ("batch", "seq", "hidden", "heads", "ffn", "tp", "dtype_bytes"):
+            if getattr(self, what) <= 0:
+                raise EstimatorError(f"layer shape: {what} must be positive, got {getattr(self, what)}")
+        groups = self.groups
+        if self.hidden % self.heads:
+            raise EstimatorError(f"layer shape: hidden {self.hidden} is not a multiple of heads {self.heads}")
+        if self.heads % groups:
+            raise EstimatorError(f"layer shape: heads {self.heads} are not a multiple of query groups {groups}")
+        for what, value in (("heads", self.heads), ("query groups", groups), ("ffn", self.ffn)):
+            if value % self.tp:
+                raise EstimatorError(f"layer shape: tp {self.tp} does not divide the {what} ({value})")
+        if self.attention not in ATTENTION_KINDS:
+            raise EstimatorError(f"layer shape: attention must be one of {ATTENTION_KINDS}, got '{self.attention}'")
+
+    @property
+    def groups(self) -> int:
+        return self.kv_groups or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_width(self) -> int:
+        return self.head_dim * self.groups
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    def forward_flops(self) -> float:
+        """Model FLOPs of the forward on this device (attention not discounted for causal masks)."""
+        t, h, f = self.tokens, self.hidden, self.ffn
+        block = 2 * t * h * (h + 2 * self.kv_width) + 4 * self.batch * self.seq**2 * h + 2 * t * h * h
+        total = block + (6 if self.swiglu else 4) * t * h * f
+        if self.cross_attention:
+            total += block
+        return total / self.tp
+
+    @property
+    def tp_allreduces(self) -> int:
+        """TP all-reduces of the forward (the backward has as many)."""
+        return (TP_ALLREDUCES_FORWARD + (1 if self.cross_attention else 0)) if self.tp > 1 else 0
+
+    @property
+    def tp_allreduce_bytes(self) -> float:
+        return self.tokens * self.hidden * self.dtype_bytes
+
+    def params(self) -> int:
+        """Parameters of the layer on one TP rank (norms replicated)."""
+        h, f, kv = self.hidden, self.ffn, self.kv_width
+        attn = h * (h + 2 * kv) + h * h + ((h + 2 * kv) + h if self.bias else 0)
+        mlp = (3 * h * f) if self.swiglu else (2 * h * f + (f + h if self.bias else 0))
+        norms = (2 if self.bias else 1) * h * 2
+        total = (attn + mlp) / self.tp + norms
+        if self.cross_attention:
+            total += attn / self.tp + (2 if self.bias else 1) * h
+        return int(total)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    phase: str  # forward | backward
+    seconds: float
+    launches: int = 1
+
+
+@dataclass
+class LayerTime:
+    """Seconds of one layer on one device by phase, and the kernels it launches (for the host floor)."""
+
+    forward: float
+    backward: float
+    forward_kernels: int
+    backward_kernels: int
+    kernels: list[Kernel] = field(default_factory=list, repr=False)
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+
+class _Builder:
+    def __init__(self, km: KernelModel, phase: str):
+        self.km, self.phase, self.kernels = km, phase, []
+
+    def gemm(self, name: str, m: float, n: float, k: float, batch: int = 1) -> None:
+        self.kernels.append(Kernel(name, self.phase, self.km.gemm(int(m), int(n), int(k), batch)))
+
+    def memory(self, name: str, nbytes: float, kernels: int = 1) -> None:
+        self.kernels.append(Kernel(name, self.phase, self.km.memory(nbytes, kernels), kernels))
+
+    def add(self, name: str, seconds: float) -> None:
+        self.kernels.append(Kernel(name, self.phase, seconds))
+
+
+def _attention_forward(b: _Builder, s: LayerShape, name: str) -> None:
+    heads, hd, bs, d = s.heads // s.tp, s.head_dim, s.batch, s.dtype_bytes
+    if s.attention == "flash":
+        b.add(name, b.km.flash_attention(bs, heads, s.seq, s.seq, hd, s.causal)[0])
+        return
+    scores = bs * heads * s.seq * s.seq  # elements of the score matrix
+    b.gemm(f"{name}.qk", s.seq, s.seq, hd, bs * heads)  # baddbmm with the 1/sqrt(d) scale folded in
+    if s.fused_softmax:  # read and write the bf16 scores once (mask applied inside)
+        b.memory(f"{name}.softmax", 2 * d * scores)
+    else:  # cast to fp32, (masked_fill,) softmax, cast back
+        b.memory(f"{name}.softmax", (2 * d + 16 + (8 if s.causal else 0)) * scores, 4 if s.causal else 3)
+    b.gemm(f"{name}.pv", s.seq, hd, s.seq, bs * heads)
+    b.memory(f"{name}.context_copy", 2 * s.tokens * s.hidden / s.tp * d)  # [b*np, s, hn] -> [s, b, h] contiguous
+
+
+def _attention_backward(b: _Builder, s: LayerShape, name: str) -> None:
+    heads, hd, bs, d = s.heads // s.tp, s.head_dim, s.batch, s.dtype_bytes
+    if s.attention == "flash":
+        b.add(name, b.km.flash_attention(bs, heads, s.seq, s.seq, hd, s.causal)[1])
+        return
+    scores = bs * heads * s.seq * s.seq
+    b.memory(f"{name}.context_copy", 2 * s.tokens * s.hidden / s.tp * d)
+    b.gemm(f"{name}.dp", s.seq, s.seq, hd, bs * heads)  # dP = dO V^T
+    b.gemm(f"{name}.dv", s.seq, hd, s.seq, bs * heads)  # dV = P^T dO
+    if s.fused_softmax:  # read P and dP, write dS
+        b.memory(f"{name}.softmax", 3 * d * scores)
+    else:  # the casts' and the fp32 softmax's (and masked_fill's) backward
+        b.memory(f"{name}.softmax", (2 * d + 20 + (8 if s.causal else 0)) * scores, 4 if s.causal else 3)
+    b.gemm(f"{name}.dq", s.seq, hd, s.seq, bs * heads)  # dQ = dS K
+    b.gemm(f"{name}.dk", s.seq, hd, s.seq, bs * heads)  # dK = dS^T Q
+
+
+def _forward(km: KernelModel, s: LayerShape) -> list[Kernel]:
+    b = _Builder(km, "forward")
+    t, h, d, tp = s.tokens, s.hidden, s.dtype_bytes, s.tp
+    act = t * h * d  # one pass over the [tokens, hidden] activation
+    qkv_out = (h + 2 * s.kv_width) / tp
+    if s.param_cast:
+        b.memory("param_cast", s.params() * (4 + d), _param_tensors(s))
+    b.memory("norm1", 2 * act)
+    if s.fused_qkv:
+        b.gemm("qkv", t, qkv_out, h)
+    else:
+        b.gemm("q", t, h / tp, h)
+        b.gemm("k", t, s.kv_width / tp, h)
+        b.gemm("v", t, s.kv_width / tp, h)
+    if s.rotary:  # q and k: x * cos + rotate_half(x) * sin, unfused (4 kernels each, about 6 passes)
+        b.memory("rotary", 6 * t * (h + s.kv_width) / tp * d, 8)
+    _attention_forward(b, s, "attention")
+    b.gemm("proj", t, h, h / tp)
+    _residual(b, s, "residual1", act)
+    if s.cross_attention:
+        b.memory("norm_x", 2 * act)
+        b.gemm("q_x", t, h / tp, h)
+        b.gemm("kv_x", t, 2 * s.kv_width / tp, h)
+        _attention_forward(b, s, "attention_x")
+        b.gemm("proj_x", t, h, h / tp)
+        _residual(b, s, "residual_x", act)
+    ffn = s.ffn / tp
+    fc1_out = (2 if s.swiglu else 1) * ffn
+    b.memory("norm2", 2 * act)
+    b.gemm("fc1", t, fc1_out, h)
+    b.memory("activation", (fc1_out + ffn) * t * d)  # GELU: read F, write F; SwiGLU: read 2F, write F
+    b.gemm("fc2", t, h, ffn)
+    _residual(b, s, "residual2", act)
+    return b.kernels
+
+
+def _residual(b: _Builder, s: LayerShape, name: str, act: float) -> None:
+    """Megatron's bias-dropout-add unfused (our runtime: bias_dropout_fusion off, dropout 0): the bias add and
+    the residual add each read two and write one activation."""
+    b.memory(name, 6 * act if s.bias else 3 * act, 2 if s.bias else 1)
+
+
+def _linear_backward(b: _Builder, s: LayerShape, name: str, tokens: float, out: float, inp: float) -> None:
+    """dgrad (tokens x inp) and wgrad (out x inp) of a linear inp -> out, and its bias gradient."""
+    b.gemm(f"{name}.dgrad", tokens, inp, out)
+    b.gemm(f"{name}.wgrad", out, inp, tokens)
+    if s.bias:
+        b.memory(f"{name}.dbias", tokens * out * s.dtype_bytes)
+
+
+def _backward(km: KernelModel, s: LayerShape) -> list[Kernel]:
+    b = _Builder(km, "backward")
+    t, h, d, tp = s.tokens, s.hidden, s.dtype_bytes, s.tp
+    act = t * h * d
+    ffn = s.ffn / tp
+    fc1_out = (2 if s.swiglu else 1) * ffn
+    _linear_backward(b, s, "fc2", t, h, ffn)
+    b.memory("activation", (fc1_out + ffn + fc1_out) * t * d)  # read input and dy, write dx
+    _linear_backward(b, s, "fc1", t, fc1_out, h)
+    b.memory("norm2", 4 * act, 2)  # dx (read x, dy; write dx) and the weight grads (read x, dy)
+    b.memory("residual2", 3 * act)  # branch gradient + residual gradient
+    if s.cross_attention:
+        _linear_backward(b, s, "proj_x", t, h, h / tp)
+        _attention_backward(b, s, "attention_x")
+        _linear_backward(b, s, "kv_x", t, 2 * s.kv_width / tp, h)
+        _linear_backward(b, s, "q_x", t, h / tp, h)
+        b.memory("norm_x", 4 * act, 2)
+        b.memory("residual_x", 3 * act)
+    _linear_backward(b, s, "proj", t, h, h / tp)
+    _attention_backward(b, s, "attention")
+    if s.rotary:
+        b.memory("rotary", 6 * t * (h + s.kv_width) / tp * d, 8)
+    if s.fused_qkv:
+        _linear_backward(b, s, "qkv", t, (h + 2 * s.kv_width) / tp, h)
+    else:
+        _linear_backward(b, s, "q", t, h / tp, h)
+        _linear_backward(b, s, "k", t, s.kv_width / tp, h)
+        _linear_backward(b, s, "v", t, s.kv_width / tp, h)
+    b.memory("norm1", 4 * act, 2)
+    b.memory("residual1", 3 * act)
+    if s.main_grad_bytes:  # main_grad += grad per parameter tensor: read the bf16 grad, read + write fp32
+        b.memory("main_grad", s.params() * (d + 2 * s.main_grad_bytes), _param_tensors(s))
+    return b.kernels
+
+
+def _param_tensors(s: LayerShape) -> int:
+    """Weight and bias tensors of the linears, weights (and biases) of the two norms."""
+    linears = (4 if s.fused_qkv else 6) + (3 if s.cross_attention else 0)
+    return (linears + 2 + (1 if s.cross_attention else 0)) * (2 if s.bias else 1)
+
+
+def layer_time(km: KernelModel, shape: LayerShape, recompute: bool = False) -> LayerTime:
+    """Forward and backward seconds of one layer on one device (no TP communication: see comm_model)."""
+    forward = _forward(km, shape)
+    backward = _backward(km, shape)
+    if recompute:  # full recomputation: the forward runs again before the layer's backward
+        backward = [Kernel(k.name, "backward", k.seconds, k.launches) for k in forward] + backward
+    return _time(forward, backward)
+
+
+def _time(forward: list[Kernel], backward: list[Kernel]) -> LayerTime:
+    return LayerTime(sum(k.seconds for k in forward), sum(k.seconds for k in backward),
+                     sum(k.launches for k in forward), sum(k.launches for k in backward), forward + backward)
+
+
+# ------------------------------------------------------------------------------------------ light operators
+
+
+def light_time(km: KernelModel, gemms: list[tuple[float, float, float]], memory_bytes: float,
+               memory_kernels: int) -> LayerTime:
+    """A light operator: forward GEMMs (m, n, k), each with its dgrad and wgrad GEMM in the backward, and
+    ``memory_bytes`` of memory-bound traffic (forward + backward; a third of it in the forward)."""
+    fb, bb = _Builder(km, "forward"), _Builder(km, "backward")
+    for m, n, k in gemms:
+        fb.gemm("gemm", m, n, k)
+        bb.gemm("gemm.dgrad", m, k, n)
+        bb.gemm("gemm.wgrad", n, k, m)
+    if memory_bytes > 0 or memory_kernels > 0:
+        fwd_kernels = (memory_kernels + 2) // 3
+        fb.memory("memory", memory_bytes / 3, fwd_kernels)
+        bb.memory("memory", 2 * memory_bytes / 3, memory_kernels - fwd_kernels)
+    return _time(fb.kernels, bb.kernels)

@@ -1,0 +1,120 @@
+"""Where things live in a plan: a data-parallel rank's sample rows, the parameter units of a slice, the
+producer/consumer slice pairs a plan needs, and the parameter device groups.
+
+The functions take any slice with the plan's geometry (``metaop``, ``layer_start``, ``layer_end``, ``tp``,
+``dp``, ``devices``): the plan's ``Slice`` and the planner's ``ScheduledSlice`` alike, so the planner, the
+simulator and the runtime apply the same rules to what they hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
+
+SlicePos = tuple[int, int]  # (wave index, slice index in the wave)
+
+
+class SliceGeometry(Protocol):
+    metaop: str
+    layer_start: int
+    layer_end: int
+    tp: int
+    dp: int
+    devices: Sequence[int] | None
+
+
+def dp_rows(rank: int, dp: int, batch: int) -> tuple[int, int]:
+    """Samples ``[lo, hi)`` of data-parallel rank ``rank`` of ``dp``: rank k holds ``[k*B/dp, (k+1)*B/dp)``."""
+    per_rank = batch // dp
+    return rank * per_rank, (rank + 1) * per_rank
+
+
+def position_rows(position: int, tp: int, dp: int, batch: int) -> tuple[int, int]:
+    """Samples of device ``devices[position]`` of a (tp, dp) slice: its DP rank is ``position // tp``."""
+    return dp_rows(position // tp, dp, batch)
+
+
+def slice_units(metaop: MetaOp, layer_start: int, layer_end: int) -> list[str]:
+    """Parameter units a slice of the MetaOp runs (layers ``[layer_start, layer_end)``), in chain order, once."""
+    units: dict[str, None] = {}
+    for names in metaop.params[layer_start:layer_end]:
+        for name in names:
+            units[name] = None
+    return list(units)
+
+
+def transfer_pairs(waves: Sequence[Sequence[SliceGeometry]], preds: Mapping[str, Sequence[str]],
+                   num_layers: Mapping[str, int]) -> list[tuple[SlicePos, SlicePos]]:
+    """(producer, consumer) slice positions whose data a transfer moves, consumers in plan order.
+
+    A slice reads the previous slice of its MetaOp (the one ending at its first layer); a slice starting its
+    MetaOp reads, per producer MetaOp in ``preds`` order, the slice holding that MetaOp's last layer. Only
+    producers in earlier waves count (a plan with others is invalid, and ``validate_plan`` says so).
+    """
+    ending_at: dict[tuple[str, int], SlicePos] = {}
+    for wi, slices in enumerate(waves):
+        for si, s in enumerate(slices):
+            ending_at[(s.metaop, s.layer_end)] = (wi, si)
+    pairs = []
+    for wi, slices in enumerate(waves):
+        for si, s in enumerate(slices):
+            if s.layer_start > 0:
+                wanted = [(s.metaop, s.layer_start)]
+            else:
+                wanted = [(p, num_layers[p]) for p in preds.get(s.metaop, ())]
+            for key in wanted:
+                found = ending_at.get(key)
+                if found is not None and found[0] < wi:
+                    pairs.append((found, (wi, si)))
+    return pairs
+
+
+def graph_transfer_pairs(waves: Sequence[Sequence[SliceGeometry]],
+                         metagraph: MetaGraph) -> list[tuple[SlicePos, SlicePos]]:
+    """``transfer_pairs`` with the producers and layer counts of the workload's MetaGraph."""
+    return transfer_pairs(waves, {m: metagraph.predecessors(m) for m in metagraph.metaops},
+                          {m: op.num_layers for m, op in metagraph.metaops.items()})
+
+
+def device_programs(waves: Sequence[Sequence[SliceGeometry]], num_devices: int) -> dict[tuple[SlicePos, ...], list[int]]:
+    """Devices grouped by the slices they run (positions in wave order): what a device holds and does depends
+    only on that, so per-device accounting can run once per group (a whole-cluster plan has one group)."""
+    by_devices: dict[tuple[int, ...], list[SlicePos]] = {}  # slices sharing a device list are visited once
+    for wi, slices in enumerate(waves):
+        for si, s in enumerate(slices):
+            by_devices.setdefault(tuple(s.devices), []).append((wi, si))
+    sets: list[list[int]] = [[] for _ in range(num_devices)]
+    for k, devices in enumerate(by_devices):
+        for d in devices:
+            sets[d].append(k)
+    positions = list(by_devices.values())
+    groups: dict[tuple[SlicePos, ...], list[int]] = {}
+    programs: dict[tuple[int, ...], tuple[SlicePos, ...]] = {}
+    for d, ks in enumerate(sets):
+        key = tuple(ks)
+        if key not in programs:
+            programs[key] = tuple(sorted(p for k in ks for p in positions[k]))
+        groups.setdefault(programs[key], []).append(d)
+    return groups
+
+
+def unit_holders(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp]) -> dict[str, list[int]]:
+    """unit -> sorted devices holding it (every device of every slice that runs it), units in first-use order."""
+    holders: dict[str, set[int]] = {}
+    for slices in waves:
+        for s in slices:
+            for u in slice_units(metaops[s.metaop], s.layer_start, s.layer_end):
+                holders.setdefault(u, set()).update(s.devices)
+    return {u: sorted(devs) for u, devs in holders.items()}
+
+
+def param_device_groups(waves: Sequence[Sequence[SliceGeometry]],
+                        metaops: Mapping[str, MetaOp]) -> list[tuple[list[int], list[str]]]:
+    """The parameter device group pool: units held by exactly the same devices form one group, as
+    (devices, units); units in first-use order, groups sorted by their device lists."""
+    pool: dict[tuple[int, ...], list[str]] = {}
+    for unit, devices in unit_holders(waves, metaops).items():
+        pool.setdefault(tuple(devices), []).append(unit)
+    return [(list(devs), units) for devs, units in sorted(pool.items())]

@@ -1,0 +1,186 @@
+"""Per-device memory of a plan: the one set of rules the planners, the assembler and the simulator apply.
+
+Mixed-precision training with Adam holds, per parameter: a bf16 weight (``WEIGHT_BYTES_PER_PARAM``), an fp32
+main gradient (``GRAD_BYTES_PER_PARAM``), and an fp32 master weight with the two Adam moments
+(``OPTIMIZER_BYTES_PER_PARAM``). The byte numbers of a unit (its training state on one TP rank) and of a
+slice's activations come from the estimator's ``MemoryModel`` (``MemoryNumbers``); the rules are here:
+
+- **Parameter state, once per unit.** A device holds the state of every unit it runs once. A unit run by
+  several slices on one device (MetaOps sharing weights, a tower in several waves) counts at its largest
+  share: the slice with the smallest TP degree (a TP shard of a unit is part of the whole unit) and, under
+  ZeRO, the smallest data-parallel degree.
+- **ZeRO** shards over the slice's data-parallel ranks: stage 1 the optimizer state, stage 2 also the
+  gradients, stage 3 also the weights (``zero_state_bytes_per_param``).
+- **Activations** are held from a slice's forward to its backward: each forward allocates them on every device
+  of the slice, each backward frees them, and a device's activation memory is the peak over the plan's
+  execution order (``plan/order.py``): with one segment, everything until the first backward; with segments,
+  the worst segment.
+
+A device's predicted memory is its parameter state plus its activation peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+from megatron_spindle.graph.opgraph import MetaOp
+from megatron_spindle.plan.layout import SliceGeometry, device_programs, slice_units
+from megatron_spindle.plan.order import FWD, execution_order
+from megatron_spindle.plan.schema import ExecutionSettings, Plan
+
+WEIGHT_BYTES_PER_PARAM = 2  # bf16 weight
+GRAD_BYTES_PER_PARAM = 4  # fp32 main gradient
+OPTIMIZER_BYTES_PER_PARAM = 4 + 4 + 4  # fp32 master weight, Adam m and v
+STATE_BYTES_PER_PARAM = WEIGHT_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM
+
+
+class MemoryNumbers(Protocol):
+    """Byte numbers of the estimator's ``MemoryModel``: a unit's whole training state on one of ``tp`` ranks
+    (no ZeRO sharding), and what ``num_layers`` operators of a MetaOp run at (tp, dp) keep for the backward."""
+
+    def param_state_bytes(self, unit: str, tp: int) -> float: ...
+
+    def activation_bytes(self, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> float: ...
+
+
+def zero_state_bytes_per_param(stage: int, dp: int) -> float:
+    """Training-state bytes per parameter on one device under ZeRO ``stage`` with ``dp`` data-parallel ranks."""
+    w, g, o = WEIGHT_BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
+    if stage == 0:
+        return w + g + o
+    if stage == 1:
+        return w + g + o / dp
+    if stage == 2:
+        return w + (g + o) / dp
+    return (w + g + o) / dp
+
+
+def zero_sharded_bytes(state: float, stage: int, dp: int) -> float:
+    """One device's share of ``state`` (a unit's unsharded training state on a TP rank) under ZeRO."""
+    if stage == 0 or dp == 1:
+        return state
+    return state * zero_state_bytes_per_param(stage, dp) / STATE_BYTES_PER_PARAM
+
+
+def grad_reduce_bytes(params: float, settings: ExecutionSettings) -> float:
+    """Bytes a gradient all-reduce of ``params`` parameters moves per replica under the plan's settings."""
+    return params * settings.grad_reduce_bytes
+
+
+@dataclass(frozen=True)
+class ZeroSharded:
+    """``MemoryNumbers`` under a ZeRO stage: ``param_state_bytes(unit, tp, dp)`` is one device's share."""
+
+    numbers: MemoryNumbers
+    zero_stage: int
+
+    def param_state_bytes(self, unit: str, tp: int, dp: int = 1) -> float:
+        return zero_sharded_bytes(float(self.numbers.param_state_bytes(unit, tp)), self.zero_stage, dp)
+
+    def activation_bytes(self, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> float:
+        return self.numbers.activation_bytes(metaop, tp, dp, num_layers)
+
+
+class ShardedNumbers(Protocol):
+    """Numbers with the ZeRO stage applied: the estimator's ``MemoryModel`` (its own stage) or ``ZeroSharded``."""
+
+    def param_state_bytes(self, unit: str, tp: int, dp: int) -> float: ...
+
+    def activation_bytes(self, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> float: ...
+
+
+class SliceMemory(NamedTuple):
+    units: dict[str, float]  # unit -> parameter-state bytes on one device of the slice
+    activations: float  # bytes one device holds from the slice's forward to its backward
+
+
+def slice_memory(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers) -> SliceMemory:
+    units = {u: float(numbers.param_state_bytes(u, s.tp, s.dp)) for u in slice_units(metaop, s.layer_start, s.layer_end)}
+    return SliceMemory(units, float(numbers.activation_bytes(metaop, s.tp, s.dp, s.layer_end - s.layer_start)))
+
+
+class DeviceMemory:
+    """Bytes per device as slices run: each unit's state once (its largest share), activations allocated by a
+    forward and freed by its backward, and the activation peak."""
+
+    def __init__(self, num_devices: int, capacity: float = float("inf")):
+        self.capacity = capacity
+        self.held: list[dict[str, float]] = [{} for _ in range(num_devices)]
+        self.params = [0.0] * num_devices
+        self.live = [0.0] * num_devices
+        self.peak = [0.0] * num_devices
+
+    def total(self, device: int) -> float:
+        return self.params[device] + self.peak[device]
+
+    def totals(self) -> list[float]:
+        return [self.total(d) for d in range(len(self.params))]
+
+    def free(self, device: int) -> float:
+        return self.capacity - self.total(device)
+
+    def shared_param_bytes(self, device: int, units: dict[str, float]) -> float:
+        """Parameter state of these units the device already holds (weights co-location saves this)."""
+        have = self.held[device]
+        common = have.keys() & units.keys()
+        return sum(min(units[u], have[u]) for u in common) if common else 0.0
+
+    def need(self, device: int, sm: SliceMemory) -> float:
+        """How much the device's total grows when it runs the slice's forward next."""
+        extra = sum(sm.units.values()) - self.shared_param_bytes(device, sm.units)
+        return extra + max(0.0, self.live[device] + sm.activations - self.peak[device])
+
+    def forward(self, device: int, sm: SliceMemory) -> None:
+        have = self.held[device]
+        for u, b in sm.units.items():
+            old = have.get(u, 0.0)
+            if b > old:
+                have[u] = b
+                self.params[device] += b - old
+        self.live[device] += sm.activations
+        self.peak[device] = max(self.peak[device], self.live[device])
+
+    def backward(self, device: int, sm: SliceMemory) -> None:
+        self.live[device] -= sm.activations
+
+    def copy(self) -> DeviceMemory:
+        out = DeviceMemory(0, self.capacity)
+        out.held = [dict(h) for h in self.held]
+        out.params, out.live, out.peak = list(self.params), list(self.live), list(self.peak)
+        return out
+
+
+def peak_memory(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp], numbers: ShardedNumbers,
+                num_devices: int, order: Sequence[tuple[int, str]] | None = None) -> list[float]:
+    """Predicted bytes per device of placed waves run in ``order`` ((wave, FWD | BWD); default: one segment).
+
+    A device's memory depends only on the slices it runs (the order is global), so devices that run the same
+    slices are accounted once (whole-cluster plans: once in all)."""
+    if order is None:
+        order = execution_order(len(waves), ExecutionSettings())
+    cache: dict[tuple[int, int], SliceMemory] = {}
+    out = [0.0] * num_devices
+    for program, devices in device_programs(waves, num_devices).items():
+        in_wave: dict[int, list[int]] = {}
+        for wi, si in program:
+            in_wave.setdefault(wi, []).append(si)
+        memory = DeviceMemory(1)
+        for wi, phase in order:
+            for si in in_wave.get(wi, ()):
+                sm = cache.get((wi, si))
+                if sm is None:
+                    sm = cache[(wi, si)] = slice_memory(metaops[waves[wi][si].metaop], waves[wi][si], numbers)
+                (memory.forward if phase == FWD else memory.backward)(0, sm)
+        total = memory.total(0)
+        for d in devices:
+            out[d] = total
+    return out
+
+
+def plan_memory(plan: Plan, metaops: Mapping[str, MetaOp], numbers: MemoryNumbers) -> list[float]:
+    """Predicted bytes per device of a plan under its settings (ZeRO stage, segments, backward order)."""
+    settings = plan.settings
+    return peak_memory([w.slices for w in plan.waves], metaops, ZeroSharded(numbers, settings.zero_stage),
+                       plan.num_devices, execution_order(len(plan.waves), settings))

@@ -1,0 +1,298 @@
+"""The execution plan, schema version 2: the contract between the planners, the simulator and the runtime.
+
+Layout conventions (implemented once, in ``plan/layout.py`` and ``plan/routing.py``):
+
+- A slice runs layers ``[layer_start, layer_end)`` of its MetaOp's chain (0-based, relative to the MetaOp; the
+  module layer is ``metaop.layer_offset + i``) on ``devices`` with ``tp * dp == len(devices)``. Device
+  ``devices[r]`` has tensor-parallel rank ``r % tp`` and data-parallel rank ``r // tp``; data-parallel rank k
+  holds samples ``[k*B/dp, (k+1)*B/dp)`` of the MetaOp's batch B.
+- Wave ``i`` is ``waves[i]`` (``index == i``) and waves run one after another; within a wave the slices' device
+  sets are disjoint. The order of forward and backward passes is the ``settings``' (``plan/order.py``).
+- A transfer moves a producer slice's output to a consumer slice (activations forward, their gradients
+  backward): between consecutive slices of one MetaOp, and from the slice holding a producer MetaOp's last
+  layer to the slice holding the consumer MetaOp's first layer.
+- ``param_groups`` lists, per distinct device set, the weights held by exactly those devices (the paper's
+  parameter device group pool); gradients of those weights are synchronised inside that set.
+
+``settings`` (``ExecutionSettings``) is everything the runtime and the simulator obey. ``planner`` is a free
+dict of planner diagnostics (which planner, solver status, notes, timings) that nothing executes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 2
+PLAN_FORMAT = "megatron-spindle-plan"
+TRANSFER_KINDS = ("local", "intra_island", "inter_island")
+RECOMPUTE_MODES = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+REDUCE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+class PlanError(ValueError):
+    """A plan that is malformed or does not match the workload/cluster it is used with."""
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Activation recomputation of transformer layers: ``none``, ``selective`` (attention core only) or
+    ``full`` (a layer keeps only its input and reruns its forward in the backward); with ``full``, ``layers``
+    is how many of the slice's layers recompute (None: all of them)."""
+
+    mode: str = "none"
+    layers: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in RECOMPUTE_MODES:
+            raise PlanError(f"recompute mode '{self.mode}' is not one of {', '.join(RECOMPUTE_MODES)}")
+        if self.layers is not None and (self.mode != "full" or not _is_count(self.layers)):
+            raise PlanError(f"recompute layers {self.layers!r}: only 'full' takes a count of layers (an integer "
+                            f">= 0), got mode '{self.mode}'")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Recompute:
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class ExecutionSettings:
+    """What the runtime and the simulator obey, besides the waves themselves.
+
+    - ``recompute``: the plan-wide activation recomputation; ``slice_recompute`` overrides it per slice id.
+    - ``zero_stage``: ZeRO stage of the whole plan (0 none, 1 optimizer state, 2 + gradients, 3 + weights
+      sharded over a slice's data-parallel ranks; 1 is Megatron's distributed optimizer).
+    - ``segments``: groups of wave indices that run forward then backward one after another (temporal
+      decoupling, a task per segment); None: the whole plan is one segment.
+    - ``micro_batches``: micro-batches per iteration (gradient accumulation).
+    - ``backward_order``: wave indices in the order their backward runs (per segment); None: reverse wave order.
+    - ``grad_reduce_dtype``: the dtype gradients are all-reduced in (``grad_reduce_bytes`` per element).
+    """
+
+    recompute: Recompute = Recompute()
+    slice_recompute: dict[str, Recompute] = field(default_factory=dict)
+    zero_stage: int = 0
+    segments: tuple[tuple[int, ...], ...] | None = None
+    micro_batches: int = 1
+    backward_order: tuple[int, ...] | None = None
+    grad_reduce_dtype: str = "fp32"
+
+    def __post_init__(self):
+        if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
+            raise PlanError(f"zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}")
+        if not _is_count(self.micro_batches) or self.micro_batches < 1:
+            raise PlanError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
+        if self.grad_reduce_dtype not in REDUCE_DTYPE_BYTES:
+            raise PlanError(f"grad_reduce_dtype '{self.grad_reduce_dtype}' is not one of "
+                            f"{', '.join(REDUCE_DTYPE_BYTES)}")
+        if self.segments is not None:
+            object.__setattr__(self, "segments", tuple(tuple(_index(i, "segments") for i in seg)
+                                                       for seg in self.segments))
+        if self.backward_order is not None:
+            object.__setattr__(self, "backward_order",
+                               tuple(_index(i, "backward_order") for i in self.backward_order))
+        object.__setattr__(self, "slice_recompute", {
+            str(k): v if isinstance(v, Recompute) else Recompute.from_dict(v) for k, v in self.slice_recompute.items()})
+        if not isinstance(self.recompute, Recompute):
+            object.__setattr__(self, "recompute", Recompute.from_dict(self.recompute))
+
+    @property
+    def grad_reduce_bytes(self) -> int:
+        return REDUCE_DTYPE_BYTES[self.grad_reduce_dtype]
+
+    def recompute_of(self, slice_id: str) -> Recompute:
+        return self.slice_recompute.get(slice_id, self.recompute)
+
+    def recompute_every_layer(self) -> bool:
+        """True for full recomputation of every layer of every slice, False for none; a plan asking for anything
+        else (selective, some layers, per slice) is refused: the cost models and operators do all or nothing."""
+        choices = {self.recompute} | set(self.slice_recompute.values())
+        if choices == {Recompute("none")}:
+            return False
+        if choices == {Recompute("full")}:
+            return True
+        raise PlanError(f"the plan asks for activation recomputation {sorted(map(_describe, choices))}; this "
+                        f"version runs only 'none' or 'full' on every layer (replan with tools/plan.py)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recompute": _recompute_dict(self.recompute),
+            "slice_recompute": {k: _recompute_dict(v) for k, v in self.slice_recompute.items()},
+            "zero_stage": self.zero_stage,
+            "segments": None if self.segments is None else [list(s) for s in self.segments],
+            "micro_batches": self.micro_batches,
+            "backward_order": None if self.backward_order is None else list(self.backward_order),
+            "grad_reduce_dtype": self.grad_reduce_dtype,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ExecutionSettings:
+        return cls(**d)
+
+
+@dataclass
+class Slice:
+    id: str  # unique in the plan, e.g. "w3:t1/vision"
+    metaop: str
+    module: str
+    task: str
+    kind: str
+    layer_start: int
+    layer_end: int
+    devices: list[int]
+    tp: int
+    dp: int
+    predicted_time: float  # seconds for this slice (per-layer T(n) times its layer count)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+@dataclass
+class Wave:
+    index: int
+    level: int
+    start: float
+    duration: float
+    slices: list[Slice] = field(default_factory=list)
+
+    @property
+    def end(self) -> float:
+        return self.start + self.duration
+
+
+@dataclass
+class Transfer:
+    producer: str  # slice id
+    consumer: str  # slice id
+    bytes: float  # activation bytes of the producer's output for the whole batch
+    kind: str  # the forward direction's worst route: local | intra_island | inter_island
+    src_devices: list[int] = field(default_factory=list)
+    dst_devices: list[int] = field(default_factory=list)
+    # bytes received per route (plan/routing.py): forward summed over consumer devices (every TP rank of a
+    # consumer receives its rows), backward (input gradients) summed over producer devices
+    bytes_by_kind: dict[str, float] = field(default_factory=dict)
+    backward_bytes_by_kind: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ParamGroup:
+    devices: list[int]
+    params: list[str]
+    bytes: float = 0.0  # gradient all-reduce volume of the group (parameters x settings.grad_reduce_bytes)
+
+
+@dataclass
+class MetaOpInfo:
+    id: str
+    task: str
+    module: str
+    kind: str
+    num_layers: int
+    layer_offset: int
+    input_shape: list[int]
+    level: int
+    preds: list[str]
+    params: list[str]
+    curve_source: str = "analytic"  # analytic | profiled
+    curve_fit_error: float = 0.0
+    allocation: list[list[float]] = field(default_factory=list)  # bi-point tuples [[n, l], ...] after rounding
+    n_star: float = 0.0  # continuous optimum allocation
+
+
+@dataclass
+class LevelInfo:
+    index: int
+    metaops: list[str]
+    c_star: float  # relaxed optimum C~* of this level (Theorem 1)
+    start: float
+    end: float
+
+
+@dataclass
+class Plan:
+    workload_name: str
+    workload_digest: str
+    cluster: dict[str, Any]
+    cluster_digest: str
+    planner: dict[str, Any]  # diagnostics: planner, requested config, solver status, notes, timings
+    metaops: list[MetaOpInfo]
+    levels: list[LevelInfo]
+    waves: list[Wave]
+    transfers: list[Transfer]
+    param_groups: list[ParamGroup]
+    memory_per_device: list[float]  # predicted peak bytes (plan/memory.py)
+    predicted: dict[str, float]  # iteration_time, c_star, gap, utilisation, inter_island_bytes, ...
+    settings: ExecutionSettings = field(default_factory=ExecutionSettings)
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.cluster["num_nodes"]) * int(self.cluster["gpus_per_node"])
+
+    @property
+    def gpus_per_node(self) -> int:
+        """Devices per island: device d lives on island d // gpus_per_node."""
+        return int(self.cluster["gpus_per_node"])
+
+    @property
+    def iteration_time(self) -> float:
+        return max((w.end for w in self.waves), default=0.0)
+
+    def slices(self) -> list[Slice]:
+        return [s for w in self.waves for s in w.slices]
+
+    def slice(self, slice_id: str) -> Slice:
+        for s in self.slices():
+            if s.id == slice_id:
+                return s
+        raise KeyError(slice_id)
+
+    def metaop(self, mid: str) -> MetaOpInfo:
+        for m in self.metaops:
+            if m.id == mid:
+                return m
+        raise KeyError(mid)
+
+    def save(self, path) -> None:
+        """Atomic write (plan/io.py)."""
+        from megatron_spindle.plan.io import save_plan
+
+        save_plan(self, path)
+
+    def to_dict(self) -> dict[str, Any]:
+        from megatron_spindle.plan.io import plan_to_dict
+
+        return plan_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        from megatron_spindle.plan.io import plan_from_dict
+
+        return plan_from_dict(d)
+
+    @classmethod
+    def load(cls, path) -> Plan:
+        from megatron_spindle.plan.io import load_plan
+
+        return load_plan(path)
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _index(x: Any, what: str) -> int:
+    if not _is_count(x):
+        raise PlanError(f"{what}: wave index {x!r} is not a non-negative integer")
+    return x
+
+
+def _recompute_dict(r: Recompute) -> dict[str, Any]:
+    return {"mode": r.mode, "layers": r.layers}
+
+
+def _describe(r: Recompute) -> str:
+    return r.mode if r.layers is None else f"{r.mode} ({r.layers} layers)"

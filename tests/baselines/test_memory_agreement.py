@@ -1,0 +1,68 @@
+"""The memory a plan predicts per device is the simulator's peak memory per device, exactly, for Spindle's plan
+and every baseline on every cell of benchmarks/paper_eval.py (the greedy wavefront planner, as its default
+Spindle column; cells that do not fit 80 GiB are planned on the memory-relaxed cluster, as paper_eval does).
+The 1024-GPU scale row is covered by its whole-cluster baselines (Spindle's own 1024-GPU plan takes tens of
+seconds to make)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_spindle.baselines import BASELINES, BaselineContext
+from megatron_spindle.graph.cluster import make_cluster
+from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.plan.schema import PlanError
+from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload
+from megatron_spindle.simulator import simulate
+
+
+def _paper_eval():
+    """benchmarks/paper_eval.py as a module; it imports its sibling bench_output.py, as it does when run."""
+    folder = Path(__file__).resolve().parents[2] / "benchmarks"
+    spec = importlib.util.spec_from_file_location("paper_eval", folder / "paper_eval.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(folder))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(folder))
+    return module
+
+
+PAPER_EVAL = _paper_eval()
+CELLS = [(w, n) for w, ns in PAPER_EVAL.PAPER_FIG8.items() for n in ns] + [(w, 256) for w in PAPER_EVAL.PAPER_TABLE2]
+
+
+@pytest.mark.parametrize("name,gpus", CELLS, ids=[f"{w}-{n}" for w, n in CELLS])
+def test_predicted_memory_is_the_simulated_peak_on_every_cell(name, gpus):
+    workload, cluster = load_workload(name), make_cluster(gpus)
+    try:
+        result = plan_workload(workload, cluster, PlannerConfig(planner="wavefront"))
+    except PlanError:
+        cluster = PAPER_EVAL.relaxed(cluster)
+        result = plan_workload(workload, cluster, PlannerConfig(planner="wavefront"))
+    plans = {"spindle": result.plan}
+    ctx = BaselineContext(workload, cluster, result.metagraph, result.cost_model, result.memory_model)
+    plans.update({b: make(workload, cluster, ctx) for b, make in BASELINES.items()})
+    for system, plan in plans.items():
+        sim = simulate(plan, workload, cluster, result.cost_model, result.memory_model, metagraph=result.metagraph)
+        assert sim.peak_memory == plan.memory_per_device, f"{name} {gpus} {system}"
+        assert max(plan.memory_per_device) > 0
+
+
+@pytest.mark.parametrize("system", ["spindle-seq", "deepspeed"])
+def test_whole_cluster_baselines_at_1024_gpus(system):
+    """The scale row's cluster: whole-cluster plans (every MetaOp on all 1024 devices) assemble and simulate
+    in seconds, with the same memory on both sides."""
+    workload, cluster = load_workload("clip-20"), make_cluster(1024)
+    ctx = BaselineContext.build(workload, cluster)
+    plan = BASELINES[system](workload, cluster, ctx)
+    assert {len(s.devices) for s in plan.slices()} & {1024}
+    sim = simulate(plan, workload, cluster, ctx.cost_model, ctx.memory_model, metagraph=ctx.metagraph)
+    assert sim.peak_memory == plan.memory_per_device
+    assert sim.transfer_bytes_by_kind == pytest.approx(
+        {k: sum(t.bytes_by_kind[k] for t in plan.transfers) for k in sim.transfer_bytes_by_kind})

@@ -1,0 +1,245 @@
+"""The per-kernel model (estimator/kernels.py, op_kernels.py) and the communication model (comm_model.py) against
+hand-computed values."""
+
+import dataclasses
+
+import pytest
+
+from megatron_spindle.estimator import AnalyticCostModel, CostModelConfig, EstimatorError
+from megatron_spindle.estimator.comm_model import (
+    OVERLAP_SLOWDOWN,
+    CommModel,
+    GroupPlacement,
+    grad_buckets,
+    grad_reduce_bytes,
+    overlapped_backward_seconds,
+)
+from megatron_spindle.estimator.kernels import (
+    AMPERE_FLASH,
+    FAMILIES,
+    FLASH_FORWARD_SPEEDUP,
+    GPU_KERNEL_GAP_SECONDS,
+    KernelFamily,
+    KernelModel,
+    Tile,
+)
+from megatron_spindle.estimator.op_kernels import LayerShape, layer_time
+from megatron_spindle.graph.cluster import GPU_TYPES, HBM_STREAM_EFFICIENCY, make_cluster
+
+A800 = GPU_TYPES["A800-80GB"]
+SM_RATE = 267.9e12 / 108  # the measured matmul rate (C1) shared by A800's 108 SMs
+
+
+TILE_128 = Tile(128, 128, 32, 1.0)
+
+
+def one_tile_model(tile=TILE_128, overhead=0) -> KernelModel:
+    """A800 with a single tile shape, no split-K and no kernel gap: GEMM times are computable by hand."""
+    return KernelModel(A800, family=KernelFamily((tile,), overhead, (1,), AMPERE_FLASH, 0.0))
+
+
+# ------------------------------------------------------------------------------------------------ GEMMs
+
+
+def test_a_gemm_one_tile_over_a_wave_takes_two_waves():
+    km = one_tile_model()
+    one_wave = km.gemm(128 * 108, 128, 4096)  # 108 tiles of 128 x 128: one per SM
+    tile_seconds = 2 * 128 * 128 * 4096 / SM_RATE
+    assert one_wave == pytest.approx(tile_seconds)
+    assert km.gemm(128 * 109, 128, 4096) == pytest.approx(2 * tile_seconds)  # 109 tiles: a second wave
+    assert km.gemm(128 * 216, 128, 4096) == pytest.approx(2 * tile_seconds)  # 216 tiles: still two
+    # a partial tile costs a whole one (tile quantisation)
+    assert km.gemm(128 * 108 - 1, 127, 4090) == pytest.approx(2 * 128 * 128 * 4096 / SM_RATE)
+
+
+def test_the_main_loop_has_a_fixed_prologue_and_epilogue():
+    km = one_tile_model(overhead=4)
+    assert km.gemm(128 * 108, 128, 64) == pytest.approx(2 * 128 * 128 * 32 * (2 + 4) / SM_RATE)
+
+
+def test_full_waves_with_long_k_reach_the_measured_matmul_rate_never_more():
+    km = KernelModel(A800)
+    rate = km.gemm_rate(256 * 108 * 4, 128 * 8, 16384)
+    assert 0.95 * 267.9e12 < rate <= 267.9e12
+    for shape in [(1000, 1000, 1000), (4096, 4096, 4096), (257 * 64, 3072, 1024), (64, 64, 64)]:
+        assert km.gemm_rate(*shape) <= 267.9e12
+    # the best tile and split-K are picked: a short-and-wide weight gradient beats the one-tile model
+    assert km.gemm(1024, 1024, 65536) < one_tile_model(Tile(256, 128, 32, 1.0), 4).gemm(1024, 1024, 65536)
+
+
+def test_cpu_gemms_are_flops_at_the_matmul_rate():
+    km = KernelModel(GPU_TYPES["CPU"])
+    assert km.gemm(100, 30, 7) == pytest.approx(2 * 100 * 30 * 7 / 50e9)
+    assert km.memory(1e6) == pytest.approx(1e6 / (20e9 * HBM_STREAM_EFFICIENCY))
+
+
+# -------------------------------------------------------------------------------------------- attention
+
+
+def test_flash_attention_follows_the_fa2_curve_and_its_grid():
+    km = KernelModel(A800)
+    batch, heads, seq, hd = 27, 4, 512, 64  # 27 x 4 x (512 / 128) = 432 blocks = 4 full waves
+    flops = 4 * batch * heads * seq * seq * hd
+    rate = 189.5e12 * seq / (seq + 223.0)
+    total = 3.5 * flops / rate
+    share = 1 / (1 + 2.5 * FLASH_FORWARD_SPEEDUP)
+    fwd, bwd = km.flash_attention(batch, heads, seq, seq, hd)
+    assert fwd == pytest.approx(share * total + GPU_KERNEL_GAP_SECONDS)
+    assert bwd == pytest.approx((1 - share) * total + GPU_KERNEL_GAP_SECONDS)
+    # 433 blocks take five waves (5 x 108 block slots) where 432 take four; 200 query rows pad to 256
+    odd = km.flash_attention(1, 433, 128, 128, hd)
+    full = km.flash_attention(1, 432, 128, 128, hd)
+    assert odd[0] - GPU_KERNEL_GAP_SECONDS == pytest.approx((full[0] - GPU_KERNEL_GAP_SECONDS) * 5 / 4)
+    padded = km.flash_attention(1, 432, 200, 200, hd)[0] - GPU_KERNEL_GAP_SECONDS
+    per_flop = 189.5e12 * 200 / (200 + 223.0)
+    # 432 heads x 2 query blocks = 864 blocks = 8 full waves; the 200 rows run as 256
+    assert padded == pytest.approx(share * 3.5 * 4 * 432 * 200 * 200 * hd / per_flop * 256 / 200)
+    assert km.flash_rate(8, 16, 2048, 128) > km.flash_rate(8, 16, 512, 128)  # longer sequences are more efficient
+
+
+def test_unfused_attention_moves_the_score_matrix_through_memory():
+    km = KernelModel(A800)
+
+    def softmax_seconds(seq, fused=True):
+        shape = LayerShape(8, seq, 1024, 16, 4096, attention="unfused", fused_softmax=fused)
+        return next(k.seconds for k in layer_time(km, shape).kernels if k.name == "attention.softmax")
+
+    scores = 8 * 16 * 1024 * 1024  # batch x heads x s x s
+    bandwidth = A800.memory_bandwidth * HBM_STREAM_EFFICIENCY
+    assert softmax_seconds(1024) == pytest.approx(2 * 2 * scores / bandwidth + GPU_KERNEL_GAP_SECONDS)  # bf16 r+w
+    assert softmax_seconds(2048) - GPU_KERNEL_GAP_SECONDS == pytest.approx(
+        4 * (softmax_seconds(1024) - GPU_KERNEL_GAP_SECONDS))
+    # megatron-core's torch fallback: fp32 cast (2 + 4), softmax (4 + 4), cast back (4 + 2) bytes per score
+    assert softmax_seconds(1024, fused=False) == pytest.approx(20 * scores / bandwidth + 3 * GPU_KERNEL_GAP_SECONDS)
+    flash = layer_time(km, LayerShape(8, 2048, 1024, 16, 4096, attention="flash")).total
+    assert layer_time(km, LayerShape(8, 2048, 1024, 16, 4096, attention="unfused")).total > flash
+
+
+def test_memory_bound_kernels_run_at_the_achieved_bandwidth():
+    km = KernelModel(A800)
+    assert km.memory(1e9, kernels=3) == pytest.approx(1e9 / (2.039e12 * 0.85) + 3 * GPU_KERNEL_GAP_SECONDS)
+    shape = LayerShape(4, 128, 1024, 16, 4096)
+    norm = next(k for k in layer_time(km, shape).kernels if k.name == "norm1" and k.phase == "forward")
+    assert norm.seconds == pytest.approx(2 * 4 * 128 * 1024 * 2 / (2.039e12 * 0.85) + GPU_KERNEL_GAP_SECONDS)
+
+
+def test_layer_shape_rejects_what_megatron_core_rejects():
+    with pytest.raises(EstimatorError, match="tp 3 does not divide the heads"):
+        LayerShape(1, 8, 96, 4, 96, tp=3)
+    with pytest.raises(EstimatorError, match="not a multiple of heads"):
+        LayerShape(1, 8, 100, 3, 64)
+    assert set(FAMILIES) == {"ampere", "hopper", "cpu"}
+
+
+def test_recomputation_reruns_the_forward_in_the_backward():
+    km = KernelModel(A800)
+    shape = LayerShape(8, 257, 1280, 16, 5120)
+    plain, again = layer_time(km, shape), layer_time(km, shape, recompute=True)
+    assert again.forward == plain.forward
+    assert again.backward == pytest.approx(plain.backward + plain.forward)
+
+
+# -------------------------------------------------------------------------------------------- collectives
+
+
+def test_a_collective_pays_one_latency():
+    comm = CommModel(make_cluster(16))  # 2 nodes of 8 A800
+    tiny = 8.0
+    assert comm.all_reduce(tiny, GroupPlacement((8,))) == pytest.approx(43.83e-6, rel=1e-3)
+    assert comm.all_reduce(tiny, GroupPlacement((1, 1))) == pytest.approx(19.9e-6, rel=1e-3)
+    assert comm.all_reduce(tiny, GroupPlacement((8, 8))) == pytest.approx(43.83e-6 + 19.9e-6, rel=1e-3)
+    assert comm.all_reduce(1e9, GroupPlacement((1,))) == 0.0
+
+
+def test_bus_bandwidth_inside_a_node_and_across_nodes():
+    cluster = make_cluster(16)
+    comm = CommModel(cluster)
+    nbytes = 2**30
+    t = comm.all_reduce(nbytes, GroupPlacement((8,)))
+    assert t == pytest.approx(43.83e-6 + 2 * 7 / 8 * nbytes / cluster.intra_node_bw)
+    t = comm.all_gather(nbytes, GroupPlacement((8, 8)))  # 8 rails per node do not bind, the ring does
+    assert t == pytest.approx(43.83e-6 + 19.9e-6 + 15 / 16 * nbytes / cluster.inter_node_bw)
+    t = comm.all_gather(nbytes, GroupPlacement((2, 2)))  # 2 GPUs per node: their 2 network paths bind
+    assert t == pytest.approx(43.83e-6 + 19.9e-6 + 3 / 4 * nbytes / (2 * cluster.network_rail_bw))
+    t = comm.send_recv(nbytes, cross_node=True)
+    assert t == pytest.approx(19.9e-6 + nbytes / cluster.network_rail_bw)
+    with pytest.raises(EstimatorError, match="collective must be one of"):
+        comm.collective_seconds("broadcast", 1.0, GroupPlacement((2,)))
+
+
+def test_concurrent_cross_node_groups_share_the_node_network():
+    cluster = make_cluster(16, network_rail_bw=50e9, inter_node_bw=60e9, node_network_bw=80e9)
+    comm = CommModel(cluster)
+    nbytes = 2**28
+    alone = comm.concurrent_seconds([("all_reduce", nbytes, [0, 8])])[0]
+    assert alone == pytest.approx(19.9e-6 + nbytes / 50e9)  # one GPU per node: its own network path
+    pairs = [("all_reduce", nbytes, [i, i + 8]) for i in range(8)]  # 8 strided groups at once
+    shared = comm.concurrent_seconds(pairs)
+    assert shared == pytest.approx([19.9e-6 + nbytes / (80e9 / 8)] * 8)  # each gets an eighth of the node
+    # groups inside one node do not touch the network, nor slow the others down
+    mixed = comm.concurrent_seconds([("all_reduce", nbytes, [0, 8]), ("all_reduce", nbytes, [1, 2])])
+    assert mixed[0] == pytest.approx(alone)
+    # the DP groups of a compact tp x dp block are strided: tp of them cross each node at once
+    group, concurrent = comm.dp_group(tp=2, dp=8)
+    assert group.ranks_per_node == (4, 4) and concurrent == 2
+
+
+def test_gradients_reduced_in_bf16_move_half_the_bytes_of_fp32():
+    assert grad_reduce_bytes("bf16") == 2 and grad_reduce_bytes("fp32") == 4
+    with pytest.raises(EstimatorError, match="reduce dtype"):
+        grad_reduce_bytes("fp8")
+    comm = CommModel(make_cluster(8))
+    params, group = 100_000_000, GroupPlacement((8,))
+    fp32 = comm.all_reduce(params * grad_reduce_bytes("fp32"), group) - 43.83e-6
+    bf16 = comm.all_reduce(params * grad_reduce_bytes("bf16"), group) - 43.83e-6
+    assert fp32 == pytest.approx(2 * bf16)
+
+
+def test_nvlink_sharp_only_for_large_all_reduces_over_more_than_four_gpus():
+    comm = CommModel(make_cluster(8, gpu_type_name="H200"))
+    big = 2**30
+    assert comm.bus_bandwidth("all_reduce", GroupPlacement((8,)), big) == pytest.approx(473.1e9)
+    assert comm.bus_bandwidth("all_reduce", GroupPlacement((4,)), big) == pytest.approx(367.61e9)
+    assert comm.bus_bandwidth("all_gather", GroupPlacement((8,)), big) == pytest.approx(367.61e9)
+    assert comm.bus_bandwidth("all_reduce", GroupPlacement((8,)), 2**20) == pytest.approx(367.61e9)
+
+
+# ------------------------------------------------------------------------------------------------ overlap
+
+
+def test_bucketed_sync_overlaps_the_backward_with_the_measured_slowdown():
+    a = OVERLAP_SLOWDOWN
+    assert a == pytest.approx(1.146, abs=1e-3)  # C10
+    t = overlapped_backward_seconds(1.0, [0.1] * 4)  # buckets ready at 1/4, 2/4, 3/4 and the end
+    assert t.backward_end == pytest.approx(1.0 + 3 * 0.1 * (a - 1))  # three buckets overlap compute
+    assert t.sync_end == pytest.approx(t.backward_end + 0.1)  # the last one runs after the backward
+    assert t.exposed_sync == pytest.approx(0.1)
+    slow = overlapped_backward_seconds(1.0, [0.5] * 2)  # syncs longer than the compute between them
+    assert slow.backward_end == pytest.approx(1.0 + 0.5 * (a - 1))
+    assert slow.sync_end == pytest.approx(slow.backward_end + 0.5)
+    assert overlapped_backward_seconds(1.0, []).end == 1.0
+    assert overlapped_backward_seconds(0.0, [0.2, 0.3]).sync_end == pytest.approx(0.5)
+    with pytest.raises(EstimatorError, match="ready fractions"):
+        overlapped_backward_seconds(1.0, [0.1, 0.1], ready=[0.8, 0.2])
+
+
+def test_grad_buckets_follow_megatron_core_defaults():
+    assert grad_buckets(100_000_000, 8) == [40_000_000, 40_000_000, 20_000_000]
+    assert grad_buckets(100_000_000, 64) == [64_000_000, 36_000_000]  # max(40M, 1M x dp)
+    assert grad_buckets(10, 8, bucket=4) == [4, 4, 2]
+
+
+# ------------------------------------------------------------------------------------------- CPU type
+
+
+def test_cpu_type_keeps_working(tiny_clip):
+    workload, graph = tiny_clip
+    cluster = make_cluster(4, gpu_type_name="CPU")
+    model = AnalyticCostModel(workload, cluster)
+    vision = graph.metaops["vision_depth/vision"]
+    cost = model.layer_cost(vision, 1, 2)
+    assert cost.compute > 0 and cost.dp_sync > 0 and cost.total > 0
+    assert model.layer_cost(vision, 1, 1).total > model.layer_cost(vision, 1, 4).compute
+    with pytest.raises(EstimatorError, match="unknown kernel family"):
+        KernelModel(dataclasses.replace(cluster.gpu, arch="tpu"))
+    assert CostModelConfig().memory_efficiency == HBM_STREAM_EFFICIENCY

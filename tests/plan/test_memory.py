@@ -1,0 +1,127 @@
+"""Per-device memory rules (plan/memory.py) on hand-built slices: a unit once at its largest share, ZeRO
+sharding over the slice's DP ranks, activations from forward to backward with the peak over the order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
+from megatron_spindle.graph.cluster import make_cluster
+from megatron_spindle.graph.opgraph import MetaOp, build_metagraph
+from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.plan.layout import device_programs
+from megatron_spindle.plan.memory import (
+    STATE_BYTES_PER_PARAM,
+    DeviceMemory,
+    SliceMemory,
+    ZeroSharded,
+    peak_memory,
+    zero_state_bytes_per_param,
+)
+from megatron_spindle.plan.order import execution_order
+from megatron_spindle.plan.schema import ExecutionSettings
+
+
+@dataclass
+class S:  # the slice geometry the rules read
+    metaop: str
+    devices: list[int]
+    tp: int = 1
+    layer_start: int = 0
+    layer_end: int = 2
+
+    @property
+    def dp(self) -> int:
+        return len(self.devices) // self.tp
+
+
+class Numbers:
+    """1000 bytes of training state per unit (split over tp), 10 bytes of activations per layer and sample."""
+
+    def param_state_bytes(self, unit, tp):
+        return 1000.0 / tp
+
+    def activation_bytes(self, metaop, tp, dp, num_layers):
+        return 10.0 * num_layers * metaop.batch / dp
+
+
+def op(mid: str, units: list[str], batch: int = 4) -> MetaOp:
+    return MetaOp(mid, "layer", (batch, 8, 16), [f"{mid}#{i}" for i in range(len(units))], [(u,) for u in units],
+                  "t", "m", "layer", 0, 0)
+
+
+METAOPS = {"a": op("a", ["w.0", "w.1"]), "b": op("b", ["w.0", "w.1"]), "c": op("c", ["v.0", "v.1"])}
+
+
+def test_a_unit_counts_once_at_its_largest_share():
+    """a and b share w.0 and w.1; device 0 runs a at tp 1 and b at tp 2: it holds 2 x 1000 (not 1000 + 500)."""
+    waves = [[S("a", [0])], [S("b", [0, 1], tp=2)]]
+    memory = peak_memory(waves, METAOPS, ZeroSharded(Numbers(), 0), 3)
+    acts_a, acts_b = 10 * 2 * 4, 10 * 2 * 4  # b: dp 1 on 2 devices (tp 2)
+    assert memory == [2000 + acts_a + acts_b, 2 * 500 + acts_b, 0.0]
+
+
+def test_zero_shards_the_state_over_the_slice_s_data_parallel_ranks():
+    waves = [[S("c", [0, 1, 2, 3])]]  # dp 4
+    for stage, per_param in ((0, 18), (1, 2 + 4 + 12 / 4), (2, 2 + 16 / 4), (3, 18 / 4)):
+        assert zero_state_bytes_per_param(stage, 4) == pytest.approx(per_param)
+        held = peak_memory(waves, METAOPS, ZeroSharded(Numbers(), stage), 4)[0] - 10 * 2 * 4 / 4
+        assert held == pytest.approx(2 * 1000 * per_param / STATE_BYTES_PER_PARAM)
+
+
+def test_the_estimator_s_distributed_optimizer_is_the_same_rule_exactly():
+    w, c = load_workload("tiny-clip"), make_cluster(8)
+    cost = AnalyticCostModel(w, c)
+    sharded, plain = MemoryModel(w, c, cost, distributed_optimizer=True), MemoryModel(w, c, cost)
+    for unit in ("vision.layers.0", "text.frontend"):
+        for tp, dp in ((1, 1), (1, 8), (2, 4)):
+            assert sharded.param_state_bytes(unit, tp, dp) == ZeroSharded(plain, 1).param_state_bytes(unit, tp, dp)
+            assert plain.param_state_bytes(unit, tp, dp) == ZeroSharded(sharded, 0).param_state_bytes(unit, tp, dp)
+
+
+def test_activations_live_from_forward_to_backward_and_segments_free_them():
+    waves = [[S("a", [0])], [S("c", [0])]]
+    one = peak_memory(waves, METAOPS, ZeroSharded(Numbers(), 0), 1)
+    apart = peak_memory(waves, METAOPS, ZeroSharded(Numbers(), 0), 1,
+                        execution_order(2, ExecutionSettings(segments=[[0], [1]])))
+    assert one == [4000 + 80 + 80] and apart == [4000 + 80]
+
+
+def test_device_memory_need_is_what_the_total_grows_by():
+    memory = DeviceMemory(1, capacity=10_000)
+    first = SliceMemory({"w.0": 1000.0, "w.1": 1000.0}, 50.0)
+    assert memory.need(0, first) == 2050
+    memory.forward(0, first)
+    shared = SliceMemory({"w.0": 500.0, "v.0": 300.0}, 20.0)  # w.0 held already, at a larger share
+    assert memory.need(0, shared) == 300 + 20
+    memory.forward(0, shared)
+    memory.backward(0, shared)
+    memory.backward(0, first)
+    assert memory.total(0) == 2300 + 70 and memory.free(0) == 10_000 - 2370
+    again = SliceMemory({"v.0": 300.0}, 60.0)  # after the backward, 60 fits under the 70 peak
+    assert memory.need(0, again) == 0
+
+
+def test_devices_running_the_same_slices_are_grouped():
+    waves = [[S("a", [0, 1]), S("c", [2])], [S("b", [0, 1, 2, 3], tp=2)]]
+    assert device_programs(waves, 5) == {((0, 0), (1, 0)): [0, 1], ((0, 1), (1, 0)): [2], ((1, 0),): [3], (): [4]}
+
+
+def test_plan_memory_of_a_real_plan_matches_device_by_device_accounting():
+    """The grouped accounting equals running every device on its own (DeviceMemory per device)."""
+    from megatron_spindle.plan.memory import plan_memory, slice_memory
+    from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload
+
+    w = load_workload("tiny-vlm")
+    res = plan_workload(w, make_cluster(8, 4, "CPU"), PlannerConfig(planner="wavefront"))
+    plan, g = res.plan, build_metagraph(w)
+    numbers = ZeroSharded(res.memory_model, plan.settings.zero_stage)
+    each = DeviceMemory(plan.num_devices)
+    for wi, phase in execution_order(len(plan.waves), plan.settings):
+        for s in plan.waves[wi].slices:
+            for d in s.devices:
+                sm = slice_memory(g.metaops[s.metaop], s, numbers)
+                (each.forward if phase == "fwd" else each.backward)(d, sm)
+    assert plan_memory(plan, g.metaops, res.memory_model) == each.totals() == plan.memory_per_device

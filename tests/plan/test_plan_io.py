@@ -1,0 +1,140 @@
+"""Plan schema version 2: typed execution settings, save/load, version-1 files converted on load, bad versions
+refused with the way to replan, and the settings checked against the plan (order, segments, recomputation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from megatron_spindle.baselines import BaselineContext, spindle_seq_plan
+from megatron_spindle.graph.cluster import make_cluster
+from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.plan.io import load_plan, plan_from_dict, plan_to_dict
+from megatron_spindle.plan.order import BWD, FWD, execution_order
+from megatron_spindle.plan.schema import ExecutionSettings, Plan, PlanError, Recompute
+from megatron_spindle.plan.validate import validate_plan
+from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    """A temporally decoupled plan: one segment per task, on two nodes of two devices."""
+    w, c = load_workload("tiny-vlm"), make_cluster(4, 2, "CPU")
+    return spindle_seq_plan(w, c, BaselineContext.build(w, c)), w, c
+
+
+def as_version_1(plan: Plan) -> dict:
+    """What the previous version wrote for this plan: settings in the planner dict, forward bytes only (by
+    its own routing rule, here deliberately wrong), parameter groups counted as bf16 weights."""
+    d = plan_to_dict(plan)
+    settings = d.pop("settings")
+    d["schema_version"] = 1
+    d["planner"] = {**d["planner"], "recompute": settings["recompute"]["mode"] == "full",
+                    "zero_stage": settings["zero_stage"], "segments": settings["segments"]}
+    for t in d["transfers"]:
+        del t["backward_bytes_by_kind"]
+        t["bytes_by_kind"] = {"local": 0.0, "intra_island": t["bytes"], "inter_island": 0.0}
+    for g in d["param_groups"]:
+        g["bytes"] = g["bytes"] / plan.settings.grad_reduce_bytes * 2
+    return d
+
+
+def test_version_2_round_trip_keeps_every_setting(tmp_path, baseline):
+    plan, w, c = baseline
+    assert plan.settings.segments and len(plan.settings.segments) == len(w.tasks)
+    odd = dataclasses.replace(plan, settings=dataclasses.replace(
+        plan.settings, zero_stage=2, micro_batches=4, grad_reduce_dtype="bf16", backward_order=tuple(
+            reversed(range(len(plan.waves)))), slice_recompute={plan.waves[0].slices[0].id: Recompute("full", 0)}))
+    odd.save(tmp_path / "plan.json")
+    assert json.loads((tmp_path / "plan.json").read_text())["schema_version"] == 2
+    assert Plan.load(tmp_path / "plan.json") == odd
+
+
+def test_version_1_file_converts_to_the_typed_settings_and_today_s_routing(tmp_path, baseline):
+    plan, w, c = baseline
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(as_version_1(plan)))
+    loaded = load_plan(path)
+    assert loaded == plan  # settings typed, transfers routed again, group bytes the all-reduce volume
+    assert "segments" not in loaded.planner and "zero_stage" not in loaded.planner
+    validate_plan(loaded, w, c)
+    spindle = make_plan(w, c, PlannerConfig(planner="wavefront", distributed_optimizer="on"))
+    assert spindle.settings.zero_stage == 1
+    assert plan_from_dict(as_version_1(spindle)) == spindle
+
+
+def test_unknown_versions_and_malformed_files_say_how_to_replan(tmp_path, baseline):
+    plan = baseline[0]
+    d = plan_to_dict(plan)
+    with pytest.raises(PlanError, match=r"schema version 3 is not supported.*python tools/plan.py"):
+        plan_from_dict({**d, "schema_version": 3})
+    with pytest.raises(PlanError, match="not a megatron-spindle plan"):
+        plan_from_dict({**d, "format": "something-else"})
+    broken = as_version_1(plan)
+    del broken["waves"]
+    with pytest.raises(PlanError, match=r"malformed version-1 plan.*python tools/plan.py"):
+        plan_from_dict(broken)
+    with pytest.raises(PlanError, match="malformed plan"):
+        plan_from_dict({**d, "settings": {**d["settings"], "no_such_setting": 1}})
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(PlanError, match="not valid JSON"):
+        load_plan(tmp_path / "bad.json")
+
+
+def test_settings_reject_values_they_cannot_mean():
+    with pytest.raises(PlanError, match="zero_stage"):
+        ExecutionSettings(zero_stage=4)
+    with pytest.raises(PlanError, match="micro_batches"):
+        ExecutionSettings(micro_batches=0)
+    with pytest.raises(PlanError, match="grad_reduce_dtype"):
+        ExecutionSettings(grad_reduce_dtype="fp8")
+    with pytest.raises(PlanError, match="recompute mode 'some'"):
+        Recompute("some")
+    with pytest.raises(PlanError, match="only 'full' takes a count"):
+        Recompute("selective", 2)
+    assert ExecutionSettings().grad_reduce_bytes == 4 and ExecutionSettings(grad_reduce_dtype="bf16").grad_reduce_bytes == 2
+
+
+def test_recompute_every_layer_accepts_only_all_or_nothing():
+    assert ExecutionSettings().recompute_every_layer() is False
+    assert ExecutionSettings(recompute=Recompute("full")).recompute_every_layer() is True
+    for settings in (ExecutionSettings(recompute=Recompute("selective")),
+                     ExecutionSettings(recompute=Recompute("full", 3)),
+                     ExecutionSettings(slice_recompute={"w0:a": Recompute("full")})):
+        with pytest.raises(PlanError, match="only 'none' or 'full' on every layer"):
+            settings.recompute_every_layer()
+
+
+def test_execution_order_of_segments_and_an_explicit_backward_order():
+    assert execution_order(3, ExecutionSettings()) == [(0, FWD), (1, FWD), (2, FWD), (2, BWD), (1, BWD), (0, BWD)]
+    assert execution_order(3, ExecutionSettings(segments=[[2], [0, 1]])) == [
+        (2, FWD), (2, BWD), (0, FWD), (1, FWD), (1, BWD), (0, BWD)]
+    assert execution_order(3, ExecutionSettings(backward_order=[2, 0, 1])) == [
+        (0, FWD), (1, FWD), (2, FWD), (2, BWD), (0, BWD), (1, BWD)]
+    with pytest.raises(PlanError, match="every wave index 0..2 exactly once"):
+        execution_order(3, ExecutionSettings(segments=[[0], [0, 1, 2]]))
+    with pytest.raises(PlanError, match="backward_order"):
+        execution_order(3, ExecutionSettings(backward_order=[0, 1]))
+
+
+def test_validate_checks_the_settings_against_the_waves(baseline):
+    plan, w, c = baseline
+    forward_order = tuple(range(len(plan.waves)))
+    early = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, segments=None,
+                                                                   backward_order=forward_order))
+    with pytest.raises(PlanError, match=r"runs wave 0's backward before wave \d+'s, which reads its output"):
+        validate_plan(early, w, c)
+    unknown = dataclasses.replace(plan, settings=dataclasses.replace(
+        plan.settings, slice_recompute={"w99:nothing": Recompute("full")}))
+    with pytest.raises(PlanError, match="names slice 'w99:nothing'"):
+        validate_plan(unknown, w, c)
+    moved = plan_from_dict(plan_to_dict(plan))
+    moved.transfers[0].bytes_by_kind = {"local": 0.0, "intra_island": 0.0, "inter_island": 7 * moved.transfers[0].bytes}
+    with pytest.raises(PlanError, match="not the routing of its"):
+        validate_plan(moved, w, c)
+    renumbered = plan_from_dict(plan_to_dict(plan))
+    renumbered.waves[1].index = 7
+    with pytest.raises(PlanError, match="wave at position 1 has index 7"):
+        validate_plan(renumbered, w, c)

@@ -1,0 +1,182 @@
+#!/usr/bin/env python
+"""The cost model's prediction for one transformer layer or one collective, to hold against your measurements.
+
+    python tools/estimate.py layer --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 16384 \\
+        --seq-length 2048 --micro-batch-size 8 [--num-query-groups 8] [--swiglu] \\
+        [--tensor-model-parallel-size 2] [--attention flash|unfused] [--gpu-type A800-80GB] [--json]
+    python tools/estimate.py collective --op all_reduce --bytes 64M --num-gpus 16 [--gpus-per-node 8] \\
+        [--strided [--num-nodes 2]] [--gpu-type A800-80GB] [--json]
+
+layer: forward and backward of one layer on one GPU (kernels, TP all-reduces inside a node, the host's launch
+floor; no gradient sync) and the achieved model FLOP/s of forward + backward per GPU. --json prints
+{"forward_ms", "backward_ms", "tflops", ...}.
+
+collective: one collective over a group of --num-gpus GPUs: consecutive GPUs on nodes of --gpus-per-node, or with
+--strided spread over --num-nodes nodes (default: one GPU per node) while the other groups of that layout (one per
+local rank) communicate at the same time, as the data-parallel groups of a tensor-parallel layout do. --bytes as
+nccl-tests counts it (all-reduce: the buffer; all-gather / reduce-scatter: the gathered buffer; send_recv: the
+message), with K/M/G suffixes (2**10...). --json prints {"seconds", "bus_bandwidth_gb_s", ...}: the nccl-tests
+bus bandwidth, GB = 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatron_spindle.errors import CliArgumentParser, exit_on_user_error
+
+SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def byte_count(text: str) -> int:
+    value = text.strip().upper().removesuffix("B")
+    suffix = value[-1:] if value[-1:] in SUFFIXES and not value[-1:].isdigit() else ""
+    number = value[: len(value) - len(suffix)]
+    try:
+        count = float(number) * SUFFIXES[suffix]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a byte count (e.g. 1048576, 64M, 1G)") from None
+    if count <= 0 or count != int(count):
+        raise argparse.ArgumentTypeError(f"'{text}': the byte count must be a positive whole number")
+    return int(count)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from megatron_spindle.estimator.comm_model import COLLECTIVES
+    from megatron_spindle.estimator.op_kernels import ATTENTION_KINDS
+    from megatron_spindle.graph.cluster import NODE_TYPES
+
+    parser = CliArgumentParser(prog="estimate.py", description=__doc__.strip().splitlines()[0], allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CliArgumentParser)
+
+    layer = sub.add_parser("layer", help="one transformer layer on one GPU", allow_abbrev=False,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = layer.add_argument_group("layer")
+    g.add_argument("--hidden-size", type=positive_int, required=True)
+    g.add_argument("--num-attention-heads", type=positive_int, required=True)
+    g.add_argument("--ffn-hidden-size", type=positive_int, required=True)
+    g.add_argument("--seq-length", type=positive_int, required=True)
+    g.add_argument("--micro-batch-size", type=positive_int, required=True, help="samples on this GPU")
+    g.add_argument("--num-query-groups", type=positive_int, default=None, help="GQA groups (default: = heads)")
+    g.add_argument("--swiglu", action="store_true", help="gated SwiGLU MLP (3 FFN GEMMs) instead of GELU")
+    g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
+    g.add_argument("--attention", choices=ATTENTION_KINDS, default="flash")
+    g.add_argument("--masked-softmax-fusion", action="store_true",
+                   help="unfused attention with a fused softmax kernel (default: torch's fp32 softmax)")
+    g.add_argument("--causal", action="store_true", help="causal attention mask (decoders)")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no linear biases, RMSNorm (llama style)")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    g.add_argument("--recompute-granularity", choices=("none", "full"), default="none")
+    g.add_argument("--gpu-type", default="A800-80GB", choices=sorted(NODE_TYPES))
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+
+    coll = sub.add_parser("collective", help="one collective over a group of GPUs", allow_abbrev=False,
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = coll.add_argument_group("collective")
+    g.add_argument("--op", choices=COLLECTIVES, required=True)
+    g.add_argument("--bytes", type=byte_count, required=True, help="nccl-tests size, e.g. 1048576, 64M, 1G")
+    g.add_argument("--num-gpus", type=positive_int, required=True, help="GPUs in the group")
+    g.add_argument("--gpus-per-node", type=positive_int, default=8)
+    g.add_argument("--strided", action="store_true",
+                   help="the group is spread over --num-nodes nodes, its sibling groups communicate at once")
+    g.add_argument("--num-nodes", type=positive_int, default=None,
+                   help="with --strided: nodes the group spans (default: --num-gpus, one GPU per node)")
+    g.add_argument("--gpu-type", default="A800-80GB", choices=sorted(NODE_TYPES))
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def estimate_layer(args) -> dict:
+    from megatron_spindle.estimator.cost_model import CostModelConfig, layer_seconds
+    from megatron_spindle.estimator.op_kernels import LayerShape
+    from megatron_spindle.graph.cluster import make_cluster
+
+    cluster = make_cluster(8, 8, args.gpu_type)
+    tp = args.tensor_model_parallel_size
+    if tp > cluster.gpus_per_node:
+        raise ValueError(f"--tensor-model-parallel-size {tp} is larger than a node ({cluster.gpus_per_node} GPUs)")
+    shape = LayerShape(
+        batch=args.micro_batch_size, seq=args.seq_length, hidden=args.hidden_size, heads=args.num_attention_heads,
+        ffn=args.ffn_hidden_size, kv_groups=args.num_query_groups, swiglu=args.swiglu, causal=args.causal, tp=tp,
+        attention=args.attention, bias=not args.disable_bias_linear,
+        rotary=args.position_embedding_type == "rope", fused_softmax=args.masked_softmax_fusion)
+    recompute = args.recompute_granularity == "full"
+    forward, backward = layer_seconds(shape, cluster, CostModelConfig(attention=args.attention, recompute=recompute))
+    flops = 3 * shape.forward_flops()  # model FLOPs of forward + backward on this GPU
+    return {"forward_ms": forward * 1e3, "backward_ms": backward * 1e3, "tflops": flops / (forward + backward) / 1e12,
+            "model_flops_per_gpu": flops, "gpu_type": args.gpu_type, "tensor_model_parallel_size": tp,
+            "attention": args.attention}
+
+
+def collective_group(args, cluster_of):
+    """(cluster, group placement, concurrent groups) of the collective arguments."""
+    from megatron_spindle.estimator.comm_model import GroupPlacement
+
+    g, per_node = args.num_gpus, args.gpus_per_node
+    if args.op == "send_recv" and g != 2:
+        raise ValueError(f"--op send_recv is between two GPUs, got --num-gpus {g}")
+    if not args.strided:
+        if args.num_nodes is not None:
+            raise ValueError("--num-nodes only goes with --strided")
+        nodes = -(-g // per_node)
+        cluster = cluster_of(nodes * per_node, per_node)
+        return cluster, GroupPlacement.of_devices(range(g), cluster), 1
+    nodes = args.num_nodes or g
+    if nodes < 2:
+        raise ValueError("--strided needs a group on at least 2 nodes (--num-nodes)")
+    if g % nodes or g // nodes > per_node:
+        raise ValueError(f"--strided: {g} GPUs do not spread evenly over {nodes} nodes of {per_node} GPUs")
+    per_group_node = g // nodes
+    cluster = cluster_of(nodes * per_node, per_node)
+    return cluster, GroupPlacement((per_group_node,) * nodes), per_node // per_group_node
+
+
+def estimate_collective(args) -> dict:
+    from megatron_spindle.estimator.comm_model import CommModel
+    from megatron_spindle.graph.cluster import make_cluster
+
+    cluster, group, concurrent = collective_group(
+        args, lambda n, per_node: make_cluster(n, per_node, args.gpu_type))
+    seconds = CommModel(cluster).collective_seconds(args.op, args.bytes, group, concurrent)
+    n = group.size
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+              "send_recv": 1.0}[args.op]
+    busbw = factor * args.bytes / seconds if seconds > 0 else 0.0
+    return {"seconds": seconds, "bus_bandwidth_gb_s": busbw / 1e9, "algorithm_bandwidth_gb_s":
+            (args.bytes / seconds / 1e9 if seconds > 0 else 0.0), "op": args.op, "bytes": args.bytes,
+            "num_gpus": n, "ranks_per_node": list(group.ranks_per_node), "concurrent_groups": concurrent,
+            "gpu_type": args.gpu_type}
+
+
+def describe(result: dict, command: str) -> str:
+    if command == "layer":
+        return (f"layer on one {result['gpu_type']} (tp {result['tensor_model_parallel_size']}, "
+                f"{result['attention']} attention): forward {result['forward_ms']:.3f} ms, backward "
+                f"{result['backward_ms']:.3f} ms, {result['tflops']:.3g} TFLOP/s (model FLOPs, fwd + bwd)")
+    return (f"{result['op']} of {result['bytes']} bytes over {result['num_gpus']} {result['gpu_type']} GPUs "
+            f"({result['ranks_per_node']} per node, {result['concurrent_groups']} group(s) at once): "
+            f"{result['seconds'] * 1e6:.1f} us, bus bandwidth {result['bus_bandwidth_gb_s']:.2f} GB/s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    with exit_on_user_error("estimate.py"):
+        result = estimate_layer(args) if args.command == "layer" else estimate_collective(args)
+    print(json.dumps(result) if args.json else describe(result, args.command))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
