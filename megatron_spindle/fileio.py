@@ -99,15 +99,7 @@ def check_output_file(path: str | Path, flag: str, suffixes: tuple[str, ...] | N
     if suffixes is not None and p.suffix.lower() not in suffixes:
         raise ValueError(f"{flag} {path}: unsupported file type '{p.suffix or '(none)'}' (use one of "
                          f"{', '.join(suffixes)})")
-    parent = p.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"{flag} {path}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: cannot write in {parent} (permission denied)")
-    if p.exists() and not os.access(p, os.W_OK) and not os.access(parent, os.W_OK):
-        raise ValueError(f"{flag} {path}: the file is not writable")
+    _check_writable_parent(p.absolute().parent, path, flag)
     return p
 
 
@@ -118,14 +110,18 @@ def check_output_folder(path: str | Path, flag: str) -> Path:
         raise ValueError(f"{flag}: empty path")
     if p.exists() and not p.is_dir():
         raise ValueError(f"{flag} {path} is a file, not a folder")
-    parent = p.absolute()
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"{flag} {path}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: cannot write in {parent} (permission denied)")
+    _check_writable_parent(p.absolute(), path, flag)
     return p
+
+
+def _check_writable_parent(folder: Path, path: str | Path, flag: str) -> None:
+    """The nearest existing folder at or above ``folder`` is a folder we may create files in."""
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: cannot write in {folder} (permission denied)")
 
 
 class StagedOutputs:

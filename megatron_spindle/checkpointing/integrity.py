@@ -115,7 +115,12 @@ def remove_stale_saves(save_dir: Path) -> list[str]:
 
 def verify(path: str | Path) -> VerifyResult:
     """``verify_checkpoint`` of a checkpoint root (the iteration its pointer names) or an iteration folder."""
-    from megatron_spindle.checkpointing.checkpoint import CheckpointError, iteration_dir, read_latest, read_metadata
+    from megatron_spindle.checkpointing.checkpoint import (
+        CheckpointError,
+        iteration_dir,
+        read_latest,
+        read_metadata,
+    )
 
     path = Path(path)
     if not (path / METADATA_FILE).exists():

@@ -16,9 +16,7 @@ from dataclasses import MISSING, asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from megatron_spindle.graph.yaml_loader import load_yaml_file, yaml_error_text
+from megatron_spindle.graph.yaml_loader import load_yaml_as
 
 GB = 1e9
 GiB = 2**30
@@ -293,12 +291,7 @@ def make_cluster(num_gpus: int, gpus_per_node: int = 8, gpu_type_name: str = "A8
 def load_cluster(path: str | Path) -> ClusterSpec:
     """YAML: {num_nodes, gpus_per_node, gpu: A800-80GB | {name, peak_flops, ...}, intra_node_bw, inter_node_bw, ...}
     (bandwidths in bytes/s; omitted ones come from the built-in node type of the GPU)."""
-    try:
-        d = load_yaml_file(path)
-    except yaml.YAMLError as e:
-        raise ClusterError(f"cluster {path}: {yaml_error_text(e)}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ClusterError(f"cluster {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    d = load_yaml_as(path, "cluster", ClusterError)
     if not isinstance(d, dict) or "gpu" not in d:
         raise ClusterError(f"cluster {path}: a cluster needs at least 'gpu', 'num_nodes' and 'gpus_per_node'")
     if isinstance(d["gpu"], str) and d["gpu"] in NODE_TYPES:

@@ -36,9 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from megatron_spindle.graph.yaml_loader import load_yaml_file, yaml_error_text
+from megatron_spindle.graph.yaml_loader import load_yaml_as
 
 MODULE_KINDS = ("encoder", "llm", "projector", "head")
 FRONTEND_TYPES = ("patch", "audio", "imu", "text")
@@ -360,12 +358,7 @@ def load_workload(path: str | Path) -> Workload:
         if builtin is None:
             raise WorkloadError(f"workload '{path}': no such file and no built-in workload of that name")
         p = builtin
-    try:
-        d = load_yaml_file(p)
-    except yaml.YAMLError as e:
-        raise WorkloadError(f"workload {p}: {yaml_error_text(e)}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise WorkloadError(f"workload {p}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    d = load_yaml_as(p, "workload", WorkloadError)
     try:
         return workload_from_dict(d)
     except WorkloadError as e:

@@ -42,6 +42,16 @@ def load_yaml_file(path: str | Path) -> Any:
         return yaml.load(f, Loader=UniqueKeySafeLoader)  # noqa: S506 - a SafeLoader subclass
 
 
+def load_yaml_as(path: str | Path, what: str, error: type[Exception]) -> Any:
+    """``load_yaml_file``, with every way it fails as ``error("<what> <path>: <one line>")``."""
+    try:
+        return load_yaml_file(path)
+    except yaml.YAMLError as e:
+        raise error(f"{what} {path}: {yaml_error_text(e)}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise error(f"{what} {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+
+
 def yaml_error_text(e: yaml.YAMLError) -> str:
     """A one-line description of a YAML error (problem and line)."""
     mark = getattr(e, "problem_mark", None)

@@ -18,7 +18,6 @@ from megatron_spindle.errors import CliArgumentParser, cli_main
 from megatron_spindle.flags import finite_float
 from megatron_spindle.runtime.distributed import destroy_distributed, env_world, init_distributed
 
-
 PROG = "python -m megatron_spindle.runtime"
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import gc
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -311,9 +311,8 @@ class TaskSets:
         """Rank 0: the new plan and its Gantt chart next to the checkpoints (``plan_iter_<k>.json/.png``)."""
         if self.rank != 0 or not self.args.save:
             return
-        from megatron_spindle.planner.report import draw_gantt, plan_summary
-
         from megatron_spindle.fileio import staged_outputs
+        from megatron_spindle.planner.report import draw_gantt, plan_summary
 
         stem = Path(self.args.save) / f"plan_iter_{iteration:07d}"
         print(plan_summary(plan), flush=True)

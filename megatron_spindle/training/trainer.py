@@ -135,12 +135,11 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
                                              positive=True)
         data_paths = parse_data_paths(args.data_path, workload)
         datasets = datasets_provider(workload, args, data_paths)
-        from megatron_spindle.runtime.distributed import destroy_distributed, init_distributed
-
         # the slow imports (planner, megatron-core operators) now, on every rank at once, rather than while the
         # other ranks wait for this one inside a collective (and its timeout)
         import megatron_spindle.models  # noqa: F401
         import megatron_spindle.planner.pipeline  # noqa: F401
+        from megatron_spindle.runtime.distributed import destroy_distributed, init_distributed
 
         info = init_distributed("nccl" if cuda else "gloo", dist_config)
         try:
