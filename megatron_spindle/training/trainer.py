@@ -318,6 +318,7 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
             if it in changes:
                 if n:  # the old set's part of the interval
                     log_interval(it - 1, lr, weights)
+                progress.point("changing the task set (export, replan, rebuild, unit hand-over between ranks)")
                 phase = sets.switch(it)
             engine, loader = phase.engine, phase.loader
             lr = sched(it)
