@@ -6,7 +6,8 @@ Nothing in it is a barrier: the loss all-reduce runs during the backward, and a 
 transfer does not wait for the receiver (its requests are waited on at the end; runtime/transfer.py). After
 each local slice's backward the schedule calls ``slice_done(slice)`` (the gradient sync's cue), and after the
 forward and the backward part of each wave ``on_wave(phase, wave_index, seconds)``. ``evaluate`` runs the
-forward waves alone (validation: no autograd graph, no backward, no ``on_wave``).
+forward waves alone (validation: no autograd graph, no backward, no ``on_wave``). Before each step that may
+wait for another rank it records ``progress.point`` (what the watchdog names when a peer is missing).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.schema import Plan
+from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.layout import dp_rank, transfer_input_index
 from megatron_spindle.runtime.slices import LocalSlice
 from megatron_spindle.runtime.transfer import SpecFn, TransferOp
@@ -77,9 +79,11 @@ class WaveSchedule:
         for wi in reversed(range(len(self.plan.waves))):
             t0 = time.perf_counter()
             if wi in mine:
+                progress.point("backward", wi, mine[wi])
                 self._backward_slice(mine[wi], tensors[mine[wi].slice.id])
                 slice_done(mine[wi])
             for t in self._into_wave.get(wi, []):
+                progress.point("backward", wi, t)
                 self._backward_transfer(t, tensors)
             self._wave_done("backward", wi, t0)
         self._wait_sends()
@@ -93,19 +97,25 @@ class WaveSchedule:
         return losses
 
     def _forward(self, batches: dict[str, Any], timed: bool) -> dict[str, _SliceTensors]:
+        """The forward waves; ``timed``: a training step (reports ``on_wave``), else validation (the progress
+        points say so)."""
         mine = self._slice_of_wave
+        phase = "forward" if timed else "validation forward"
         tensors = {sid: _SliceTensors([None] * ls.num_inputs) for sid, ls in self.local.items()}
         for wi in range(len(self.plan.waves)):
             t0 = time.perf_counter()
             for t in self._into_wave.get(wi, []):
+                progress.point(phase, wi, t)
                 self._forward_transfer(t, tensors)
             if wi in mine:
+                progress.point(phase, wi, mine[wi])
                 self._forward_slice(mine[wi], tensors[mine[wi].slice.id], batches)
             if timed:
                 self._wave_done("forward", wi, t0)
         return tensors
 
     def _wait_sends(self) -> None:
+        progress.point("the receivers of this step's activation and gradient sends")
         for w in self._pending_sends:  # sends this rank did not wait for (runtime/transfer.py)
             w.wait()
         self._pending_sends.clear()
@@ -144,6 +154,7 @@ class WaveSchedule:
         work = dist.all_reduce(vec, async_op=True)
 
         def result() -> dict[str, float]:
+            progress.point("the per-task loss all-reduce (all ranks)")
             work.wait()
             return {n: float(vec[i]) for i, n in enumerate(names)}
 
