@@ -16,10 +16,10 @@ from functools import lru_cache
 
 import pytest
 
+from megatron_spindle.autoplan import autoplan
 from megatron_spindle.baselines import BaselineContext, spindle_seq_plan
 from megatron_spindle.graph.cluster import ClusterSpec, make_cluster
 from megatron_spindle.graph.workload import load_workload
-from megatron_spindle.autoplan import autoplan
 from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload
 from megatron_spindle.simulator import simulate
 
