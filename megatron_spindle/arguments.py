@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
+from megatron_spindle.errors import CliArgumentParser
 from megatron_spindle.flags import add_flags, config_from_args
-from megatron_spindle.graph.cluster import NODE_TYPES, ClusterSpec, load_cluster, make_cluster
+from megatron_spindle.graph.cluster import NODE_TYPES, ClusterError, ClusterSpec, load_cluster, make_cluster
 from megatron_spindle.graph.task_sets import select_tasks, task_set_workload
 from megatron_spindle.graph.workload import Workload, load_workload
 
@@ -61,12 +62,18 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
 
 
 def cluster_from_args(args: argparse.Namespace, default_num_gpus: int | None = None) -> ClusterSpec:
+    if args.gpus_per_node is not None and args.gpus_per_node <= 0:
+        raise ClusterError(f"--gpus-per-node must be positive, got {args.gpus_per_node}")
+    if args.num_gpus is not None and args.num_gpus <= 0:
+        raise ClusterError(f"--num-gpus must be positive, got {args.num_gpus}")
     if args.cluster:
+        if args.num_gpus is not None:
+            raise ClusterError("give either --cluster FILE or --num-gpus N, not both")
         return load_cluster(args.cluster)
-    n = args.num_gpus or default_num_gpus
+    n = args.num_gpus if args.num_gpus is not None else default_num_gpus
     if n is None:
-        raise SystemExit("error: give --num-gpus N (with --gpus-per-node/--gpu-type) or --cluster FILE")
-    per_node = args.gpus_per_node or NODE_TYPES[args.gpu_type]["gpus_per_node"]
+        raise ClusterError("give --num-gpus N (with --gpus-per-node/--gpu-type) or --cluster FILE")
+    per_node = args.gpus_per_node if args.gpus_per_node is not None else NODE_TYPES[args.gpu_type]["gpus_per_node"]
     return make_cluster(n, per_node, args.gpu_type)
 
 
@@ -77,8 +84,8 @@ def planner_config_from_args(args: argparse.Namespace):
 
 
 def build_parser(description: str, groups: list[Callable], extra_args_provider: Callable | None = None):
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = CliArgumentParser(description=description, allow_abbrev=False,
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in groups:
         add(parser)
     if extra_args_provider is not None:

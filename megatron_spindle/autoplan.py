@@ -14,7 +14,10 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
 - on several nodes, the greedy plan with every slice inside one node (``max_slice_devices``): its collectives
   and hand-offs stay on NVLink, at some cost in balance;
 - each of them with the distributed optimizer (ZeRO-1) as well when it plans without: reduce-scatter in the
-  backward and a weight all-gather after the step instead of the all-reduce, and less memory.
+  backward and a weight all-gather after the step instead of the all-reduce, and less memory;
+- the fallback ``task-sequential``: Spindle's runtime with each task on the whole cluster in turn (the
+  Spindle-Seq plan of paper appendix H), so that the plan a user gets is never slower than that; reports name
+  the cells where it wins (the wavefront planner then had nothing to gain).
 
 The selected plan's ``predicted["iteration_time"]`` is the simulator's time (and ``predicted["simulated_*"]``
 its breakdown); ``predicted["planner_estimate"]`` keeps the planner's own estimate, and
@@ -104,6 +107,8 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
                 raise
             continue
         planned.append((name, result, time.perf_counter() - started))
+    if config.select == "simulate":
+        planned += _task_sequential(workload, cluster, planned[0][1], sim_cost_model)
     out = select_fastest(workload, cluster, planned, config, say, sim_cost_model)
     out.seconds = time.perf_counter() - t0
     out.plan.planner["selection_seconds"] = out.seconds
@@ -135,6 +140,26 @@ def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple
                           sum(secs for _, _, secs in planned))
 
 
+def _task_sequential(workload: Workload, cluster: ClusterSpec, first: PlanningResult, sim_cost_model=None):
+    """The fallback candidate: Spindle's runtime with each task on the whole cluster in turn (the Spindle-Seq
+    plan, its memory options tuned like the baselines'), as a PlanningResult of the first planner run's
+    models. Skipped with a profiled simulator model (the baseline plans are timed by the analytic model)."""
+    if sim_cost_model is not None:
+        return []
+    from megatron_spindle.baselines import BaselineContext, spindle_seq_plan
+
+    started = time.perf_counter()
+    ctx = BaselineContext.build(workload, cluster, metagraph=first.metagraph)
+    plan = spindle_seq_plan(workload, cluster, ctx)
+    if not plan.planner.get("memory_ok", True):
+        return []
+    cost_model = ctx.recomputing(plan.settings.recompute.mode == "full")
+    plan.predicted.update(estimate_iteration(plan, first.metagraph, cluster, cost_model.cost_model).as_predicted())
+    result = dataclasses.replace(first, plan=plan, cost_model=cost_model.cost_model,
+                                 memory_model=cost_model.memory_model, solver=None, timings={})
+    return [("task-sequential", result, time.perf_counter() - started)]
+
+
 def record_simulation(plan: Plan, sim: SimResult) -> None:
     """The plan's predicted iteration time becomes the simulator's, with its breakdown beside; the waves'
     makespan of T(n) stays as ``makespan``."""
@@ -155,7 +180,8 @@ def _settings_variants(result: PlanningResult, config: PlannerConfig, name: str)
     plan = dataclasses.replace(result.plan, planner=dict(result.plan.planner), predicted=dict(result.plan.predicted))
     plan.predicted.setdefault("makespan", float(plan.predicted.get("iteration_time", 0.0)))
     yield plan, name
-    if config.select == "none" or config.distributed_optimizer != "auto" or plan.settings.zero_stage != 0:
+    if (config.select == "none" or config.distributed_optimizer != "auto" or plan.settings.zero_stage != 0
+            or plan.settings.segments is not None):  # the task-sequential plan's options are tuned already
         return
     sharded = dataclasses.replace(plan, planner=dict(plan.planner), predicted=dict(plan.predicted),
                                   settings=dataclasses.replace(plan.settings, zero_stage=1))

@@ -1,22 +1,95 @@
-"""User-facing errors: entry points turn them into one clear line and a non-zero exit, not a traceback.
+"""User-facing errors: every entry point turns them into one clear line on stderr and exit status 2.
 
-Every error whose message is written for the user derives from ValueError (WorkloadError, ClusterError,
-PlanError, the estimator's and placement's errors, checkpoint errors) or is a missing file.
+The one mechanism for tools/*.py, pretrain_multitask.py and ``python -m megatron_spindle.runtime``:
+
+- ``@cli_main(prog)`` on an entry point's ``main(argv=None)`` (or ``with exit_on_user_error(prog):`` around a
+  block) prints ``<prog>: error: <message>`` and raises ``SystemExit(2)`` for a user error; anything else (a bug)
+  keeps its traceback.
+- ``CliArgumentParser`` (used by ``arguments.build_parser``) prints a flag error the same way: one line, no
+  usage block, status 2.
+- ``SPINDLE_DEBUG=1`` in the environment shows the traceback of a user error too.
+
+A user error is one whose message is written for the user: a ValueError (WorkloadError, ClusterError,
+PlanError, CheckpointError, the estimator's and placement's errors all derive from it), or an OSError that
+names a file (missing, a folder where a file was expected, permission denied, disk full).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import functools
+import os
 import sys
+from collections.abc import Callable
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotADirectoryError)
+DEBUG_ENV = "SPINDLE_DEBUG"
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
+
+
+def debug_requested() -> bool:
+    """True when ``SPINDLE_DEBUG`` asks for tracebacks of user errors."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def one_line(text: str) -> str:
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def user_message(e: BaseException) -> str | None:
+    """The one-line message of a user error; None when ``e`` is not one (a bug: keep its traceback)."""
+    if isinstance(e, OSError) and not isinstance(e, ValueError):
+        if e.filename is None:
+            if e.errno is None:  # raised by our code with a message: FileNotFoundError("--plan x: no such file")
+                return one_line(e)
+            return None  # a socket or pipe error deep inside a library: not about the user's input
+        where = f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 is not None else "")
+        return f"{where}: {e.strerror or one_line(e)}"
+    if isinstance(e, ValueError):
+        return one_line(e) or type(e).__name__
+    return None
+
+
+def program_name(prog: str | None = None) -> str:
+    return prog or os.path.basename(sys.argv[0] or "python")
+
+
+def fail(prog: str | None, message: str, status: int = 2):
+    """Print ``<prog>: error: <message>`` on stderr and exit with ``status``."""
+    print(f"{program_name(prog)}: error: {one_line(message)}", file=sys.stderr, flush=True)
+    raise SystemExit(status)
 
 
 @contextlib.contextmanager
 def exit_on_user_error(prog: str | None = None):
+    """Turn a user error raised inside the block into one line on stderr and ``SystemExit(2)``."""
     try:
         yield
-    except USER_ERRORS as e:
-        name = prog or sys.argv[0].rsplit("/", 1)[-1]
-        print(f"{name}: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except (ValueError, OSError) as e:
+        msg = user_message(e)
+        if msg is None or debug_requested():
+            raise
+        fail(prog, msg)
+
+
+def cli_main(prog: str | None = None) -> Callable:
+    """Decorator for an entry point's ``main``: user errors end in one line and exit status 2."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def main(*args, **kwargs):
+            with exit_on_user_error(prog):
+                return fn(*args, **kwargs)
+
+        return main
+
+    return wrap
+
+
+class CliArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``<prog>: error: <message> (see --help)`` and status 2."""
+
+    def error(self, message: str):
+        if debug_requested():
+            self.print_usage(sys.stderr)
+        fail(self.prog, f"{message} (see --help)")

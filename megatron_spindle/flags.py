@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -55,6 +56,17 @@ def flag_spec(f: dataclasses.Field) -> FlagSpec | None:
 def flag_name(f: dataclasses.Field, prefix: str = "") -> str:
     spec = flag_spec(f)
     return spec.name if spec is not None and spec.name else f"--{prefix}{f.name.replace('_', '-')}"
+
+
+def finite_float(text: str) -> float:
+    """argparse type of every float flag: a number, not nan or inf ("invalid finite float value: 'nan'")."""
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(text)
+    return v
+
+
+finite_float.__name__ = "finite float"
 
 
 def _dest(option: str) -> str:
@@ -92,6 +104,7 @@ def add_flags(group, cls: type, prefix: str = ""):
         option, default = flag_name(f, prefix), _default(f)
         kwargs: dict[str, Any] = {"dest": _dest(option), "help": spec.help}
         typ = spec.type or _scalar_type(hints[f.name], f"{cls.__name__}.{f.name}")
+        typ = finite_float if typ is float else typ
         if typ is bool:
             if default is not False:
                 raise TypeError(f"{cls.__name__}.{f.name}: a bool flag must default to False (a switch)")

@@ -7,7 +7,6 @@ Gantt chart and the TensorBoard logs are. Trains on 2 gloo processes by default 
 Runs in one to two minutes on 2 cores.
 """
 
-import argparse
 import importlib.util
 import os
 import re
@@ -15,6 +14,8 @@ import shutil
 import subprocess
 import sys
 import time
+
+from megatron_spindle.errors import CliArgumentParser, cli_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,16 +61,37 @@ def run_torchrun(nproc: int, flags: list[str]):
     return proc.returncode, records
 
 
+MARKER = ".spindle-demo-output"
+DEMO_FILES = {MARKER, "checkpoints", "tensorboard", "plan.png"}  # only a folder of these (or empty) is replaced
+
+
+def prepare_output(out: str) -> None:
+    """Replace ``out`` if the demo made it; refuse any other existing folder (it is the user's)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out} is a file, not a folder")
+    if os.path.isdir(out) and os.listdir(out):
+        if not set(os.listdir(out)) <= DEMO_FILES:
+            raise ValueError(f"--out {out} is a folder the demo did not make and is not empty: give a new or an "
+                             f"empty folder (the demo replaces its output folder)")
+        shutil.rmtree(out)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, MARKER), "w") as f:
+        f.write("written by tools/demo.py; the next demo run replaces this folder\n")
+
+
+@cli_main()
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p = CliArgumentParser(description=__doc__.strip().splitlines()[0], allow_abbrev=False)
     p.add_argument("--out", default=os.path.join(ROOT, "demo_output"), help="Output folder (replaced).")
     p.add_argument("--train-iters", type=int, default=40)
     p.add_argument("--nproc", type=int, default=2, help="gloo processes (torchrun); 1 trains in this process.")
     args = p.parse_args(argv)
+    if args.train_iters < 2:
+        raise ValueError(f"--train-iters must be at least 2 (the demo compares losses), got {args.train_iters}")
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be positive, got {args.nproc}")
     out = os.path.abspath(args.out)
-    if os.path.isdir(out):
-        shutil.rmtree(out)
-    os.makedirs(out)
+    prepare_output(out)
     ckpt, tb = os.path.join(out, "checkpoints"), os.path.join(out, "tensorboard")
     flags = [
         "--workload", "tiny-clip", "--spindle-planner", "wavefront", "--gpu-type", "CPU",

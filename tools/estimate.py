@@ -25,16 +25,9 @@ import argparse
 import json
 import sys
 
-from megatron_spindle.errors import exit_on_user_error
+from megatron_spindle.errors import CliArgumentParser, exit_on_user_error
 
 SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Bad arguments: one line naming the problem and exit code 2 (no usage dump, no traceback)."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def byte_count(text: str) -> int:
@@ -65,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_spindle.estimator.op_kernels import ATTENTION_KINDS
     from megatron_spindle.graph.cluster import NODE_TYPES
 
-    parser = OneLineParser(prog="estimate.py", description=__doc__.strip().splitlines()[0], allow_abbrev=False)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    parser = CliArgumentParser(prog="estimate.py", description=__doc__.strip().splitlines()[0], allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CliArgumentParser)
 
     layer = sub.add_parser("layer", help="one transformer layer on one GPU", allow_abbrev=False,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)

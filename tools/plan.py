@@ -5,6 +5,7 @@ Example:
     python tools/plan.py --workload clip-10 --num-gpus 16 --out plan.json --gantt plan.png
 """
 
+import json
 import sys
 import time
 
@@ -17,7 +18,8 @@ from megatron_spindle.arguments import (
     planner_config_from_args,
     workload_from_args,
 )
-from megatron_spindle.errors import exit_on_user_error
+from megatron_spindle.errors import cli_main
+from megatron_spindle.fileio import PICTURE_SUFFIXES, check_output_file, staged_outputs
 
 
 def add_output_args(parser):
@@ -28,34 +30,42 @@ def add_output_args(parser):
     return parser
 
 
+@cli_main()
 def main(argv=None, extra_args_provider=None):
     parser = build_parser(__doc__.strip().splitlines()[0],
                           [add_workload_args, add_cluster_args, add_spindle_args, add_output_args],
                           extra_args_provider)
     args = parser.parse_args(argv)
-    with exit_on_user_error():
-        from megatron_spindle.autoplan import autoplan
-        from megatron_spindle.planner.report import draw_gantt, plan_summary
+    # every input is checked before anything is planned or written
+    if args.out:
+        check_output_file(args.out, "--out")
+    if args.gantt:
+        check_output_file(args.gantt, "--gantt", PICTURE_SUFFIXES)
+    from megatron_spindle.autoplan import autoplan
+    from megatron_spindle.planner.report import draw_gantt, plan_summary
 
-        workload = workload_from_args(args)
-        cluster = cluster_from_args(args)
-        profile = None
-        if args.spindle_profile:
-            from megatron_spindle.estimator.profile import load_profile_points
+    workload = workload_from_args(args)
+    cluster = cluster_from_args(args)
+    profile = None
+    if args.spindle_profile:
+        from megatron_spindle.estimator.profile import load_profile_points
 
-            profile = load_profile_points(args.spindle_profile, workload, cluster)
-        t0 = time.perf_counter()
-        plan = autoplan(workload, cluster, planner_config_from_args(args), profile=profile,
-                        progress=lambda msg: print(f"[plan] {msg}", flush=True)).plan
-        print(f"[plan] done in {time.perf_counter() - t0:.3f} s", flush=True)
-        summary = plan_summary(plan)
-        print(summary.split("\n\n")[0] if args.quiet else summary)
-        if args.out:
-            plan.save(args.out)
-            print(f"plan written to {args.out}")
+        profile = load_profile_points(args.spindle_profile, workload, cluster)
+    t0 = time.perf_counter()
+    plan = autoplan(workload, cluster, planner_config_from_args(args), profile=profile,
+                    progress=lambda msg: print(f"[plan] {msg}", flush=True)).plan
+    print(f"[plan] done in {time.perf_counter() - t0:.3f} s", flush=True)
+    summary = plan_summary(plan)
+    print(summary.split("\n\n")[0] if args.quiet else summary)
+    with staged_outputs() as out:  # both files, or neither
         if args.gantt:
-            draw_gantt(plan, args.gantt)
-            print(f"Gantt chart written to {args.gantt}")
+            draw_gantt(plan, out.path(args.gantt))
+        if args.out:
+            out.write_text(args.out, json.dumps(plan.to_dict(), indent=1))
+    if args.out:
+        print(f"plan written to {args.out}")
+    if args.gantt:
+        print(f"Gantt chart written to {args.gantt}")
     return 0
 
 

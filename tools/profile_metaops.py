@@ -12,9 +12,9 @@ Profiles are cached by (workload digest, hardware, versions, settings) under --p
 """
 
 import os
-import shutil
 import sys
 import time
+from pathlib import Path
 
 from megatron_spindle.arguments import (
     add_cluster_args,
@@ -24,6 +24,7 @@ from megatron_spindle.arguments import (
     workload_from_args,
 )
 from megatron_spindle.errors import exit_on_user_error
+from megatron_spindle.fileio import check_output_file, write_bytes_atomic
 from megatron_spindle.flags import add_flags, config_from_args
 from megatron_spindle.profiler.settings import ProfilerSettings, gpu_bandwidth_sizes
 
@@ -108,6 +109,8 @@ def main(argv=None, extra_args_provider=None):
     if args.no_profile_cache and not args.out:
         parser.error("--no-profile-cache needs --out (the profile would be written nowhere)")
     with exit_on_user_error():
+        if args.out:
+            check_output_file(args.out, "--out")  # before anything is measured
         from megatron_spindle.compat.cpu import apply_cpu_shim
         from megatron_spindle.estimator.profile import load_profile
         from megatron_spindle.profiler import (
@@ -159,8 +162,7 @@ def main(argv=None, extra_args_provider=None):
                             + "; ".join(f"{m}: {c}" for m, c in list(left.items())[:3]))
             if world.rank == 0 and source is not None:
                 if args.out and os.path.abspath(args.out) != os.path.abspath(source):
-                    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-                    shutil.copyfile(source, args.out)
+                    write_bytes_atomic(args.out, Path(source).read_bytes())
                 print(profile_summary(source, workload, cluster))
                 if args.report_tflops:
                     print(tflops_table(load_profile(source, workload, cluster).measurements))

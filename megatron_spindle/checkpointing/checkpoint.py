@@ -16,8 +16,9 @@ On-disk layout (Megatron's names for the pointer file and the iteration folders)
 
     <save>/latest_checkpointed_iteration.txt     "12" (written last, atomically)
     <save>/iter_0000012/metadata.json            format, version, iteration, workload name and digest, data
-                                                 position, extra state, and per unit: file, sha256, tensor
-                                                 names, shapes and dtypes, optimizer state present or not
+                                                 position, extra state, per unit: file, sha256, tensor
+                                                 names, shapes and dtypes, optimizer state present or not;
+                                                 and the sha256 of every other file (integrity.py)
     <save>/iter_0000012/plan.json                the plan the run used (for the record; loading may use another)
     <save>/iter_0000012/units/<unit>.pt          {"model": {name: tensor}, "optim": {name: {"exp_avg",
                                                  "exp_avg_sq", "step"}}} (full tensors, AdamW state per parameter)
@@ -26,7 +27,7 @@ On-disk layout (Megatron's names for the pointer file and the iteration folders)
 Atomicity: every rank writes into ``<save>/iter_0000012.tmp/`` (files fsynced), a barrier, then rank 0 checks
 that each unit was written exactly once, writes ``metadata.json``, renames the folder to ``iter_0000012`` and
 only then replaces the pointer file (temporary file, fsync, rename). A crash at any point leaves the previous
-checkpoint and pointer intact; a stale ``.tmp`` folder is removed by the next save.
+checkpoint and pointer intact; stale ``iter_*.tmp`` folders are removed at the start of the next save.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from typing import Any, Callable
 
 import torch
 
+from megatron_spindle.checkpointing.integrity import file_checksums, recorded_checksum, remove_stale_saves
 from megatron_spindle.checkpointing.rng import get_rng_state
 from megatron_spindle.fileio import fsync_dir, write_text_atomic
 
@@ -167,8 +169,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, units: dict[str, UnitS
     error: str | None = None
     if rank == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left behind by a crashed save: never pointed to
+        remove_stale_saves(save_dir)  # iter_*.tmp / .old left behind by crashed saves: never pointed to
         (tmp / "units").mkdir(parents=True)
         (tmp / "rng").mkdir()
         (tmp / "parts").mkdir()
@@ -233,9 +234,10 @@ def _publish(save_dir: Path, tmp: Path, final: Path, iteration: int, world_size:
     shutil.rmtree(tmp / "parts")
     if plan is not None:
         _write_bytes(tmp / PLAN_FILE, json.dumps(plan, indent=1).encode())
+    files = file_checksums(tmp, {m["file"]: m for m in manifest.values()})  # every file: inspect --verify
     meta = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "iteration": iteration,
             "world_size": world_size, "workload_name": workload_name, "workload_digest": workload_digest,
-            "data_position": data_position, "extra": extra, "units": manifest}
+            "data_position": data_position, "extra": extra, "units": manifest, "files": files}
     _write_bytes(tmp / METADATA_FILE, json.dumps(meta, indent=1).encode())
     for d in (tmp / "units", tmp / "rng", tmp):
         fsync_dir(d)
@@ -351,19 +353,25 @@ def check_shapes(ckpt: Path, manifest: dict[str, Any], expected: dict[str, dict[
 def load_checkpoint(load_dir: str | Path, *, units: list[str] | None = None,
                     expected: dict[str, dict[str, tuple[int, ...]]] | None = None, rank: int = 0,
                     iteration: int | None = None, workload_digest: str | None = None) -> LoadedCheckpoint | None:
-    """Read the checkpoint ``latest`` names (or ``iteration``); None when ``load_dir`` holds none yet.
+    """Read the checkpoint ``latest`` names (or ``iteration``); None when ``load_dir`` holds none yet. A
+    ``load_dir`` that is an iteration folder itself (it holds metadata.json) is read as it is.
 
     ``units``: the units to read (default: all); ``expected``: ``{unit: {tensor: shape}}`` of the model being
     loaded into, checked against the metadata before any file is read (names and both shapes in the error).
     A different ``workload_digest`` is only a warning: names and shapes decide whether the weights fit.
     """
     load_dir = Path(load_dir)
-    if iteration is None:
-        iteration = read_latest(load_dir)
+    if (load_dir / METADATA_FILE).is_file():  # an iteration folder itself: exactly that checkpoint
+        ckpt = load_dir
+        meta = read_metadata(ckpt)
+        iteration = int(meta["iteration"]) if iteration is None else iteration
+    else:
         if iteration is None:
-            return None
-    ckpt = iteration_dir(load_dir, iteration)
-    meta = read_metadata(ckpt)
+            iteration = read_latest(load_dir)
+            if iteration is None:
+                return None
+        ckpt = iteration_dir(load_dir, iteration)
+        meta = read_metadata(ckpt)
     if int(meta["iteration"]) != iteration:
         raise CheckpointError(f"checkpoint {ckpt} is corrupt: its metadata says iteration {meta['iteration']}")
     notes = []
@@ -380,7 +388,7 @@ def load_checkpoint(load_dir: str | Path, *, units: list[str] | None = None,
         if unit not in manifest:
             raise CheckpointError(f"checkpoint {ckpt} has no parameter unit '{unit}'")
         out[unit] = _load_unit_file(ckpt, unit, manifest[unit])
-    rng = _load_rng(ckpt, rank)
+    rng = _load_rng(ckpt, rank, meta)
     plan = None
     if (ckpt / PLAN_FILE).exists():
         try:
@@ -390,12 +398,17 @@ def load_checkpoint(load_dir: str | Path, *, units: list[str] | None = None,
     return LoadedCheckpoint(ckpt, iteration, out, rng, meta.get("data_position", {}), plan, meta, notes)
 
 
-def _load_rng(ckpt: Path, rank: int) -> dict[str, Any] | None:
+def _load_rng(ckpt: Path, rank: int, meta: dict[str, Any]) -> dict[str, Any] | None:
     for r in (rank, 0):
         p = ckpt / "rng" / f"rank_{r:05d}.pt"
         if p.exists():
+            data = p.read_bytes()
+            want = recorded_checksum(meta, f"rng/{p.name}")
+            if want is not None and hashlib.sha256(data).hexdigest() != want:
+                raise CheckpointError(f"checkpoint {ckpt} is corrupt: rng/{p.name} fails its checksum "
+                                      f"(truncated or modified)")
             try:
-                return torch.load(p, map_location="cpu", weights_only=True)
+                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception as e:
                 raise CheckpointError(f"checkpoint {ckpt} is corrupt: cannot read {p.name}: {e}") from None
     return None

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import MISSING, asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
+from megatron_spindle.graph.yaml_loader import load_yaml_as
 
 GB = 1e9
 GiB = 2**30
@@ -229,11 +229,37 @@ class ClusterSpec:
     def from_dict(cls, d: dict[str, Any]) -> ClusterSpec:
         d = dict(d)
         gpu = d.pop("gpu")
-        gpu = GPUSpec(**gpu) if isinstance(gpu, dict) else gpu_type(gpu)
+        gpu = _gpu_from_dict(gpu) if isinstance(gpu, dict) else gpu_type(gpu)
+        _check_fields("cluster", d, cls, {"gpu"})
         return cls(gpu=gpu, **d)
 
 
+def _check_fields(where: str, d: dict[str, Any], cls: type, skip: set[str]) -> None:
+    """Unknown, missing or non-numeric fields of a cluster or GPU mapping, by name."""
+    fields = cls.__dataclass_fields__
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ClusterError(f"{where}: unknown field(s) {unknown} (known: {sorted(set(fields) - skip)})")
+    missing = sorted(k for k, f in fields.items() if k not in skip and k not in d and f.default is MISSING)
+    if missing:
+        raise ClusterError(f"{where}: missing field(s) {missing}")
+    for k, v in d.items():
+        numeric = fields[k].type in ("int", "float", int, float)
+        if numeric and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v == v):
+            raise ClusterError(f"{where}: {k} must be a number, got {v!r}")
+
+
+def _gpu_from_dict(d: dict[str, Any]) -> GPUSpec:
+    _check_fields("cluster gpu", d, GPUSpec, set())
+    for k in ("peak_flops", "memory_bytes", "memory_bandwidth"):
+        if d[k] <= 0:
+            raise ClusterError(f"cluster gpu: {k} must be positive, got {d[k]!r}")
+    return GPUSpec(**d)
+
+
 def gpu_type(name: str) -> GPUSpec:
+    if not isinstance(name, str):
+        raise ClusterError(f"cluster: gpu must be a GPU type name or a mapping, got {name!r}")
     try:
         return GPU_TYPES[name]
     except KeyError:
@@ -265,13 +291,15 @@ def make_cluster(num_gpus: int, gpus_per_node: int = 8, gpu_type_name: str = "A8
 def load_cluster(path: str | Path) -> ClusterSpec:
     """YAML: {num_nodes, gpus_per_node, gpu: A800-80GB | {name, peak_flops, ...}, intra_node_bw, inter_node_bw, ...}
     (bandwidths in bytes/s; omitted ones come from the built-in node type of the GPU)."""
-    with open(path) as f:
-        d = yaml.safe_load(f)
+    d = load_yaml_as(path, "cluster", ClusterError)
     if not isinstance(d, dict) or "gpu" not in d:
-        raise ClusterError(f"{path}: a cluster needs at least 'gpu', 'num_nodes' and 'gpus_per_node'")
+        raise ClusterError(f"cluster {path}: a cluster needs at least 'gpu', 'num_nodes' and 'gpus_per_node'")
     if isinstance(d["gpu"], str) and d["gpu"] in NODE_TYPES:
         node = NODE_TYPES[d["gpu"]]
         for key in LINK_KEYS + ("gpus_per_node",):
             if key in node:
                 d.setdefault(key, node[key])
-    return ClusterSpec.from_dict(d)
+    try:
+        return ClusterSpec.from_dict(d)
+    except ClusterError as e:
+        raise ClusterError(f"cluster {path}: {e}") from None

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from megatron_spindle.graph.yaml_loader import load_yaml_as
 
 MODULE_KINDS = ("encoder", "llm", "projector", "head")
 FRONTEND_TYPES = ("patch", "audio", "imu", "text")
@@ -259,6 +259,12 @@ class Workload:
 
     def subset(self, task_names: list[str]) -> Workload:
         """The same modules with only some tasks (e.g. CLIP-4 out of CLIP-10)."""
+        known = [t.name for t in self.tasks]
+        for n in task_names:
+            if n not in known:
+                raise WorkloadError(f"workload '{self.name}' has no task '{n}' (tasks: {', '.join(known)})")
+            if task_names.count(n) > 1:
+                raise WorkloadError(f"task '{n}' is named twice in {list(task_names)}")
         tasks = [copy.deepcopy(self.task(n)) for n in task_names]
         used = {m for t in tasks for m in t.tokens}
         mods = {k: v for k, v in self.modules.items() if k in used}
@@ -327,6 +333,16 @@ def _task_from_dict(d: dict[str, Any]) -> SpindleTask:
 def workload_from_dict(d: dict[str, Any]) -> Workload:
     if not isinstance(d, dict) or "modules" not in d or "tasks" not in d:
         raise WorkloadError("a workload needs 'modules' and 'tasks'")
+    if not isinstance(d["modules"], dict) or not d["modules"]:
+        raise WorkloadError(f"'modules' must be a non-empty mapping of module name -> settings, got {d['modules']!r}")
+    if not isinstance(d["tasks"], list) or not d["tasks"]:
+        raise WorkloadError(f"'tasks' must be a non-empty list of tasks, got {d['tasks']!r}")
+    for name, m in d["modules"].items():
+        if not isinstance(m, dict):
+            raise WorkloadError(f"module '{name}' must be a mapping of settings, got {m!r}")
+    for t in d["tasks"]:
+        if not isinstance(t, dict):
+            raise WorkloadError(f"each task must be a mapping (name, batch_size, tokens, ...), got {t!r}")
     mods = {name: _module_from_dict(name, m) for name, m in d["modules"].items()}
     tasks = [_task_from_dict(t) for t in d["tasks"]]
     return Workload(d.get("name", "workload"), mods, tasks)
@@ -342,12 +358,11 @@ def load_workload(path: str | Path) -> Workload:
         if builtin is None:
             raise WorkloadError(f"workload '{path}': no such file and no built-in workload of that name")
         p = builtin
-    with open(p) as f:
-        try:
-            d = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise WorkloadError(f"{p}: not valid YAML: {e}") from e
-    return workload_from_dict(d)
+    d = load_yaml_as(p, "workload", WorkloadError)
+    try:
+        return workload_from_dict(d)
+    except WorkloadError as e:
+        raise WorkloadError(f"workload {p}: {e}") from None
 
 
 # -------------------------------------------------------------------------------------------- validation

@@ -66,9 +66,12 @@ def load_plan(path: str | Path) -> Plan:
     try:
         with open(path) as f:
             d = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PlanError(f"{path}: not valid JSON: {e}") from e
-    return plan_from_dict(d)
+    try:
+        return plan_from_dict(d)
+    except PlanError as e:
+        raise PlanError(f"{path}: {e}") from None
 
 
 def _build(d: dict[str, Any], settings: ExecutionSettings) -> Plan:

@@ -1,7 +1,8 @@
 """The planner's own estimate of a plan's iteration time: what its waves of T(n) leave out.
 
-T(n) is forward + backward compute without gradient sync (``LayerCost.step``). The estimate adds, from the
-estimator's models and plan/'s rules (the ones the simulator applies too, so the two can be compared):
+T(n) is forward + backward compute without gradient sync (``LayerCost.step``). The estimate runs the plan's
+steps (plan/order.py) with a barrier after each, every slice's phase timed like the simulator times it
+(``step_phases`` and ``recompute_seconds``), and adds, from the estimator's models and plan/'s rules:
 
 - **transfers**: per wave, the slowest of the transfers into it, forward and backward (estimator/transfer.py on
   plan/routing.py's messages);
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from megatron_spindle.estimator.comm_model import CommModel, GroupPlacement, overlapped_backward_seconds
+from megatron_spindle.estimator.cost_model import step_phases
 from megatron_spindle.estimator.transfer import transfer_load, transfer_seconds
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph
@@ -32,8 +34,9 @@ from megatron_spindle.plan.buckets import (
     unit_completion,
 )
 from megatron_spindle.plan.derive import plan_slice_pairs
-from megatron_spindle.plan.layout import device_programs, slice_units, stepped_elements
+from megatron_spindle.plan.layout import device_programs, micro_batch_metaop, slice_units, stepped_elements
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, grad_reduce_bytes
+from megatron_spindle.plan.order import BWD, slice_order
 from megatron_spindle.plan.routing import Router
 from megatron_spindle.plan.schema import Plan
 
@@ -42,7 +45,7 @@ from megatron_spindle.plan.schema import Plan
 class PlanEstimate:
     """Seconds of one iteration as the planner estimates it; ``total`` is their sum."""
 
-    waves: float  # the waves of T(n), end to end
+    waves: float  # the plan's steps end to end, each as long as its slowest slice (barriers)
     transfers: float
     grad_sync: float  # beyond the backward: exposed buckets and the overlap slowdown
     optimizer: float
@@ -72,7 +75,7 @@ def estimate_iteration(plan: Plan, metagraph: MetaGraph, cluster: ClusterSpec, c
     comm = CommModel(cluster)
     metaops = metagraph.metaops
     waves = [w.slices for w in plan.waves]
-    makespan = sum(w.duration for w in plan.waves)
+    makespan, _ = _unit_ready(plan, metaops, cost_model)
     transfers = _transfer_seconds(plan, metaops, cost_model, comm)
     sync, gather = _sync_seconds(plan, metaops, cluster, cost_model, comm)
     held = stepped_elements(waves, metaops, cost_model.param_count, plan.settings.zero_stage, plan.num_devices)
@@ -102,26 +105,60 @@ def _transfer_seconds(plan: Plan, metaops, cost_model, comm: CommModel) -> float
     return sum(worst.values()) * plan.settings.micro_batches
 
 
-def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: CommModel) -> tuple[float, float]:
-    """(what the gradient buckets add beyond the backward on the worst device, the ZeRO 1/2 weight gather)."""
-    settings = plan.settings
-    waves = [w.slices for w in plan.waves]
-    # the backward of the last micro-batch, waves in reverse: when each unit's last accumulation happens
-    bwd_span, ready = 0.0, {}
-    for w in reversed(plan.waves):
-        share = max((backward_share(cost_model, metaops[s.metaop], s.tp, s.dp) for s in w.slices), default=2 / 3)
-        length = w.duration * share / settings.micro_batches
-        for s in w.slices:
-            units = slice_units(metaops[s.metaop], s.layer_start, s.layer_end)
+def slice_phases(plan: Plan, metaops, cost_model) -> dict[str, tuple[float, float]]:
+    """slice id -> (forward, backward) seconds of one micro-batch: the cost model's ``step_phases`` per layer
+    and its ``recompute_seconds`` for the slice's recomputation (what the simulator charges)."""
+    out = {}
+    micro = plan.settings.micro_batches
+    for s in plan.slices():
+        run = micro_batch_metaop(metaops[s.metaop], micro)
+        fwd, bwd = step_phases(cost_model, run, s.tp, s.dp)
+        extra = 0.0
+        recompute = getattr(cost_model, "recompute_seconds", None)
+        if recompute is not None:
+            extra = recompute(run, s.tp, s.dp, plan.settings.recompute_of(s.id), s.num_layers)
+        out[s.id] = (fwd * s.num_layers, bwd * s.num_layers + extra)
+    return out
+
+
+def _unit_ready(plan: Plan, metaops, cost_model) -> tuple[float, dict[str, float]]:
+    """The iteration's compute span with barriers between the steps of the plan's order (each step as long as
+    its slowest slice's phase), and per unit the time of its last accumulation in the last micro-batch's
+    backward."""
+    waves = plan.waves
+    tasks = [[s.task for s in w.slices] for w in waves]
+    micro = plan.settings.micro_batches
+    phases = slice_phases(plan, metaops, cost_model)
+    steps: list[list[tuple[int, int, str]]] = []
+    for wi, si, phase in slice_order(tasks, plan.settings):  # consecutive entries of a wave and phase: a step
+        if steps and steps[-1][0][0] == wi and steps[-1][0][2] == phase:
+            steps[-1].append((wi, si, phase))
+        else:
+            steps.append([(wi, si, phase)])
+    t, ready = 0.0, {}
+    for step in steps:
+        lengths = [phases[waves[wi].slices[si].id][1 if phase == BWD else 0] for wi, si, phase in step]
+        for (wi, si, phase), own in zip(step, lengths):
+            if phase != BWD:
+                continue
+            s = waves[wi].slices[si]
             ops = s.layer_end - s.layer_start
             first: dict[str, int] = {}
             for i, names in enumerate(metaops[s.metaop].params[s.layer_start:s.layer_end]):
                 for u in names:
                     first.setdefault(u, i)
-            for u in units:
-                t = bwd_span + length * (ops - first[u]) / ops
-                ready[u] = max(ready.get(u, 0.0), t)
-        bwd_span += length
+            for u, i in first.items():
+                ready[u] = max(ready.get(u, 0.0), t + own * (ops - i) / ops)
+        t += max(lengths, default=0.0)
+    return t * micro, {u: r + t * (micro - 1) for u, r in ready.items()}
+
+
+def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: CommModel) -> tuple[float, float]:
+    """(what the gradient buckets add beyond the compute on the worst device, the ZeRO 1/2 weight gather).
+    Each bucket can overlap any compute after its last unit's accumulation (a later segment's forward too)."""
+    settings = plan.settings
+    waves = [w.slices for w in plan.waves]
+    bwd_span, ready = _unit_ready(plan, metaops, cost_model)
     if bwd_span <= 0:
         return 0.0, 0.0
     tp_of: dict[str, int] = {}

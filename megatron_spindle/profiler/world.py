@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_spindle.runtime.distributed import group_timeout
+
 
 @dataclass
 class ProfileWorld:
@@ -59,7 +61,7 @@ class ProfileWorld:
         if ranks == tuple(range(self.world_size)):
             return dist.group.WORLD
         if ranks not in self._groups:
-            self._groups[ranks] = dist.new_group(list(ranks))
+            self._groups[ranks] = dist.new_group(list(ranks), timeout=group_timeout())
         return self._groups[ranks]
 
     def sync(self) -> None:

@@ -10,25 +10,31 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_spindle.errors import CliArgumentParser, cli_main
+from megatron_spindle.flags import finite_float
 from megatron_spindle.runtime.distributed import destroy_distributed, env_world, init_distributed
+
+PROG = "python -m megatron_spindle.runtime"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m megatron_spindle.runtime", description=__doc__.splitlines()[0])
+    p = CliArgumentParser(prog=PROG, description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--plan", required=True, help="plan JSON written by the planner")
     p.add_argument("--workload", required=True, help="built-in workload name or workload YAML path")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--lr", type=finite_float, default=1e-3)
+    p.add_argument("--weight-decay", type=finite_float, default=0.0)
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with CUDA, else gloo")
     p.add_argument("--json", action="store_true", help="print one JSON object per step")
     return p.parse_args(argv)
 
 
+@cli_main(PROG)
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     """Returns the per-step losses (on every rank)."""
     from megatron_spindle.graph.opgraph import build_metagraph
@@ -38,6 +44,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     from megatron_spindle.runtime.layout import check_runnable
 
     args = parse_args(argv)
+    if args.steps < 0:
+        raise ValueError(f"--steps must be >= 0, got {args.steps}")
+    if not args.lr > 0 or args.weight_decay < 0:
+        raise ValueError(f"--lr must be positive and --weight-decay >= 0, got {args.lr} and {args.weight_decay}")
+    if not Path(args.plan).is_file():
+        raise FileNotFoundError(f"--plan {args.plan}: no such file")
     plan = Plan.load(args.plan)
     workload = load_workload(args.workload)
     metagraph = build_metagraph(workload)
@@ -63,13 +75,5 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as e:  # a clear one-line error for plan/workload problems, full traceback otherwise
-        from megatron_spindle.graph.workload import WorkloadError
-        from megatron_spindle.plan.schema import PlanError
-
-        if isinstance(e, (PlanError, WorkloadError)):
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
-        raise
+    main()
+    sys.exit(0)

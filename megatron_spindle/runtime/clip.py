@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_spindle.plan.schema import ParamGroup
+from megatron_spindle.runtime import progress
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ and megatron-core: max_norm / (total_norm + 1e-6)
 
@@ -57,6 +58,7 @@ class GradClipper:
         for g in self.owned:
             sq += g.double().square().sum()
         if dist.is_initialized() and dist.get_world_size() > 1:
+            progress.point("the gradient-norm all-reduce (--clip-grad / loss scaler)")
             dist.all_reduce(sq)
         return math.sqrt(float(sq))  # inf or nan when a gradient overflowed
 

@@ -1,15 +1,49 @@
 """The default process group: torchrun's world, or a world of one process. Every entry point joins it here
-(pretrain_multitask.py, ``python -m megatron_spindle.runtime``, tools/profile_metaops.py)."""
+(pretrain_multitask.py, ``python -m megatron_spindle.runtime``, tools/profile_metaops.py).
+
+Every process group gets the timeout of ``--distributed-timeout-minutes`` (``DistributedConfig``; the world
+here, and the plan's groups through ``group_timeout()``: ``new_group`` would otherwise use torch's 30 minutes).
+Under torchrun a worker also exits when its launcher dies (runtime/launcher.py).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from megatron_spindle.flags import flag
+
+DEFAULT_TIMEOUT_MINUTES = 10.0  # as Megatron-LM's --distributed-timeout-minutes
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    timeout_minutes: float = field(default=DEFAULT_TIMEOUT_MINUTES, metadata=flag(
+        "Timeout of every collective and point-to-point transfer, in minutes (fractions allowed); the training "
+        "watchdog stops every rank, naming the missing one, when a rank waits longer.",
+        name="--distributed-timeout-minutes"))
+
+    def __post_init__(self):
+        if not self.timeout_minutes > 0:
+            raise ValueError(f"--distributed-timeout-minutes must be positive, got {self.timeout_minutes}")
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(minutes=self.timeout_minutes)
+
+
+_group_timeout = DistributedConfig().timeout
+
+
+def group_timeout() -> datetime.timedelta:
+    """The timeout of the world, for the process groups created after it (runtime/groups.py)."""
+    return _group_timeout
 
 
 @dataclass(frozen=True)
@@ -26,11 +60,14 @@ def env_world() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
 
 
-def init_distributed(backend: str | None = None) -> DistContext:
+def init_distributed(backend: str | None = None, config: DistributedConfig | None = None) -> DistContext:
     """Join torchrun's world (env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or, without torchrun, form a
     one-process world on an in-memory store (no port, nothing written to the environment, where it would leak
     into processes started later). An initialised default group is reused (``owned`` False).
-    ``backend``: default nccl with CUDA, else gloo; nccl binds this process to cuda:LOCAL_RANK first."""
+    ``backend``: default nccl with CUDA, else gloo; nccl binds this process to cuda:LOCAL_RANK first.
+    ``config``: the timeout of every group (default 10 minutes)."""
+    global _group_timeout
+    config = config or DistributedConfig()
     _, _, local = env_world()
     reuse = dist.is_initialized()
     backend = dist.get_backend() if reuse else backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -38,10 +75,14 @@ def init_distributed(backend: str | None = None) -> DistContext:
         torch.cuda.set_device(local)
     if reuse:
         return DistContext(dist.get_rank(), dist.get_world_size(), local, backend, owned=False)
+    _group_timeout = config.timeout
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, init_method="env://")
+        from megatron_spindle.runtime.launcher import exit_with_launcher
+
+        exit_with_launcher()  # a worker whose torchrun died must not go on training (and writing checkpoints)
+        dist.init_process_group(backend, init_method="env://", timeout=config.timeout)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=config.timeout)
     return DistContext(dist.get_rank(), dist.get_world_size(), local, backend, owned=True)
 
 

@@ -57,6 +57,7 @@ from megatron_spindle.checkpointing.checkpoint import UnitState
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.schema import Plan
+from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.activation_meter import SavedTensorMeter
 from megatron_spindle.runtime.clip import GradClipper, StepStats, norm_owners, prepare_step
 from megatron_spindle.runtime.direct import bind_direct_units
@@ -206,6 +207,8 @@ class RuntimeEngine:
         self._add_time("optimizer-clip-main-grad", t1 - t0)
         if self.optimizer is None or self.last_step.skipped:
             return losses
+        progress.point("the optimizer step (distributed-optimizer all-gathers)" if self.zero_stage == 1 else
+                       "the optimizer step")
         self.master_optimizer.step(self.grad_buffers.unit_grads)
         t2 = self._clock()
         if self.zero_stage == 1 or any(self.generic_keys.values()):

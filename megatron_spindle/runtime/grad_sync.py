@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.direct import DirectBinding
 from megatron_spindle.runtime.grad_buffers import Bucket, GradBuffers
 from megatron_spindle.runtime.groups import PlanGroups
@@ -68,6 +69,7 @@ class GradSync:
         self._next = 0  # position of the first bucket not issued yet
         self._handles: list = []
         self._active = False
+        self._groups_in_flight = sorted({tuple(b.devices) for b in buffers.buckets if len(b.devices) > 1})
         if overlap:
             for sid, params in binding.params.items():
                 for k, p in params.items():
@@ -142,6 +144,7 @@ class GradSync:
         """Issue what is left (in order) and wait for every all-reduce: the buffers then hold the total
         gradients. Call after every local slice's ``slice_done``."""
         self._advance()
+        progress.point("the gradient all-reduces of", self._groups_in_flight)
         if self._next != len(self.buffers.buckets):
             b = self.buffers.buckets[self._next]
             raise RuntimeError(f"gradient bucket {b.index} of devices {list(b.devices)} misses "

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from megatron_spindle.plan.schema import Plan, Slice
+from megatron_spindle.runtime.distributed import group_timeout
 
 
 def tp_group_devices(s: Slice, device: int) -> tuple[int, ...]:
@@ -53,7 +54,8 @@ class GroupCache:
     def get(self, devices: tuple[int, ...]):
         devices = tuple(devices)
         if devices not in self.groups:
-            g = dist.new_group(list(devices), sort_ranks=False)  # the default backend
+            # the default backend, and the world's timeout (new_group's own default is torch's 30 minutes)
+            g = dist.new_group(list(devices), sort_ranks=False, timeout=group_timeout())
             self.groups[devices] = g if self.rank in devices else None
             self.created.append(devices)
         return self.groups[devices]

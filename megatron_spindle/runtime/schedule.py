@@ -14,7 +14,8 @@ remaining backward, and a rank that only sends in a transfer does not wait for t
 waited on at the end; runtime/transfer.py). Before each micro-batch the schedule calls ``micro_start(j)``, after
 each local slice's backward ``slice_done(slice)`` (the gradient sync's cues), and after each step
 ``on_wave(phase, wave_index, seconds)``. ``evaluate`` runs the forward steps alone (validation: no autograd
-graph, no backward, no ``on_wave``).
+graph, no backward, no ``on_wave``). Before each step that may wait for another rank it records
+``progress.point`` (what the watchdog names when a peer is missing).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.order import FWD, execution_steps
 from megatron_spindle.plan.schema import Plan
+from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.layout import dp_rank, transfer_input_index
 from megatron_spindle.runtime.slices import LocalSlice
 from megatron_spindle.runtime.transfer import SpecFn, TransferOp
@@ -111,9 +113,12 @@ class WaveSchedule:
                     ls = None
                 into = [t for t in self._into_wave.get(wave, []) if task is None or t.consumer.task == task]
                 if phase == FWD:
+                    where = "forward" if backward else "validation forward"
                     for t in into:
+                        progress.point(where, wave, t)
                         self._forward_transfer(t, tensors, j)
                     if ls is not None:
+                        progress.point(where, wave, ls)
                         self._forward_slice(ls, tensors[ls.slice.id], micro)
                         if ls.terminal and ls.tp_leader:
                             v = tensors[ls.slice.id].output.detach().to(torch.float64)
@@ -124,21 +129,25 @@ class WaveSchedule:
                         self._wave_done("forward", wave, t0)
                 else:
                     if ls is not None:
+                        progress.point("backward", wave, ls)
                         self._backward_slice(ls, tensors[ls.slice.id])
                         slice_done(ls)
                     for t in into:
+                        progress.point("backward", wave, t)
                         self._backward_transfer(t, tensors, j)
                     self._wave_done("backward", wave, t0)
             del tensors
         self._wait_sends()
 
         def result() -> dict[str, float]:
+            progress.point("the per-task loss all-reduce (all ranks)")
             work.wait()
             return {n: float(losses[i]) for i, n in enumerate(names)}
 
         return result
 
     def _wait_sends(self) -> None:
+        progress.point("the receivers of this step's activation and gradient sends")
         for w in self._pending_sends:  # sends this rank did not wait for (runtime/transfer.py)
             w.wait()
         self._pending_sends.clear()

@@ -7,7 +7,8 @@ import argparse
 import math
 from pathlib import Path
 
-from megatron_spindle.flags import add_flags, config_from_args
+from megatron_spindle.fileio import PICTURE_SUFFIXES, check_output_file, check_output_folder
+from megatron_spindle.flags import add_flags, config_from_args, finite_float
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.training.batch_size import add_batch_size_args
 from megatron_spindle.training.engine_state import TIMING_LOG_LEVELS
@@ -20,15 +21,16 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = parser.add_argument_group("training")
     g.add_argument("--train-iters", type=int, required=True, help="Total iterations to train for.")
     add_flags(g, LRSchedule)  # --lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, --lr-decay-style
-    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decoupled weight decay.")
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--weight-decay", type=finite_float, default=0.01, help="AdamW decoupled weight decay.")
+    g.add_argument("--adam-beta1", type=finite_float, default=0.9)
+    g.add_argument("--adam-beta2", type=finite_float, default=0.999)
+    g.add_argument("--adam-eps", type=finite_float, default=1e-8)
     g.add_argument("--seed", type=int, default=1234, help="Seed of the data order and the RNGs.")
     g.add_argument("--bf16", action="store_true", help="Run the operators in bfloat16 (GPU only; masters and "
                    "optimizer state stay fp32).")
-    g.add_argument("--clip-grad", type=float, default=1.0, help="Clip the global L2 norm of the gradients (every "
-                   "parameter unit counted once, over all ranks) to this value before each step; 0: no clipping.")
+    g.add_argument("--clip-grad", type=finite_float, default=1.0, help="Clip the global L2 norm of the gradients "
+                   "(every parameter unit counted once, over all ranks) to this value before each step; 0: no "
+                   "clipping.")
     add_batch_size_args(g)  # --global-batch-size, --micro-batch-size
     g.add_argument("--ddp-bucket-size", type=int, default=None, help="Elements per gradient all-reduce bucket "
                    "(default: max(40M, 1M * parameter device group size), as megatron-core).")
@@ -60,13 +62,17 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def add_checkpointing_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="Folder to save checkpoints (and the plan and its Gantt chart) in.")
-    g.add_argument("--load", default=None, help="Folder to resume from (its latest checkpoint); the plan and world "
-                   "size may differ from the run that saved it.")
+    g.add_argument("--load", default=None, help="Checkpoint to resume from: a --save folder (its latest checkpoint) "
+                   "or one of its iter_* folders (exactly that one); the plan and world size may differ from the "
+                   "run that saved it. A folder with no checkpoint is an error, except --load equal to --save "
+                   "before the first save (training starts from scratch).")
     g.add_argument("--save-interval", type=int, default=None, help="Save every N iterations (and at the end).")
-    g.add_argument("--no-load-optim", action="store_true", help="Do not restore the optimizer state.")
-    g.add_argument("--no-load-rng", action="store_true", help="Do not restore the RNG states.")
+    g.add_argument("--no-load-optim", action="store_true", help="Do not restore the optimizer state (without it, "
+                   "a checkpoint that lacks it is an error).")
+    g.add_argument("--no-load-rng", action="store_true", help="Do not restore the RNG states (without it, a "
+                   "checkpoint that lacks them is an error).")
     g.add_argument("--no-save-optim", action="store_true", help="Save the weights without the optimizer state "
-                   "(a resume then starts AdamW afresh).")
+                   "(a resume then starts AdamW afresh and needs --no-load-optim).")
     g.add_argument("--finetune", action="store_true", help="Load only the weights from --load: no optimizer, RNG or "
                    "data position, and start at iteration 0.")
     return parser
@@ -185,12 +191,17 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
     if args.num_gpus is not None and args.num_gpus != world_size:
         raise ValueError(f"--num-gpus {args.num_gpus} does not match the world size {world_size} (the runtime "
                          f"runs one rank per device; leave --num-gpus out to plan for the world size)")
+    if not (0 <= args.adam_beta1 < 1 and 0 <= args.adam_beta2 < 1):
+        raise ValueError(f"--adam-beta1 and --adam-beta2 must lie in [0, 1), got {args.adam_beta1} and "
+                         f"{args.adam_beta2}")
+    if not args.adam_eps > 0:
+        raise ValueError(f"--adam-eps must be positive, got {args.adam_eps}")
     for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
-        if path and Path(path).exists() and not Path(path).is_dir():
-            raise ValueError(f"{flag} {path} is a file, not a folder")
-    if args.load and not Path(args.load).exists() and args.load != args.save:
-        raise FileNotFoundError(f"--load {args.load}: no such folder")
-    if args.load and Path(args.load).exists() and not Path(args.load).is_dir():
-        raise ValueError(f"--load {args.load} is not a folder")
+        if path is not None:
+            check_output_folder(path, flag)
+    if args.plan_gantt is not None:
+        check_output_file(args.plan_gantt, "--plan-gantt", PICTURE_SUFFIXES)
+    if args.load is not None and not args.load:
+        raise ValueError("--load: empty path")
     if args.spindle_plan and not Path(args.spindle_plan).is_file():
         raise FileNotFoundError(f"--spindle-plan {args.spindle_plan}: no such file")

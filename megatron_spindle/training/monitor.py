@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from megatron_spindle.runtime import progress
 from megatron_spindle.training.engine_state import PhaseTimer, format_timers, format_wave_phases
 from megatron_spindle.training.log import StepRecord, TensorBoardLogger, format_log_line, format_wave_line
 from megatron_spindle.training.throughput import ThroughputMeter
@@ -64,6 +65,7 @@ class TrainingMonitor:
         """Log the interval ending at ``iteration`` (nothing when it is empty). Collective."""
         if not self.n:
             return None
+        progress.point("logging (the wave-time and timer all-reduces)")
         stats = self.engine.last_step
         waves = [t / self.n * 1e3 for t in self.waves.collect()]
         timers = self.timers.collect(self.n)

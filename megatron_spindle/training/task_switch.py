@@ -20,12 +20,14 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from megatron_spindle.checkpointing import (
+    METADATA_FILE,
     CheckpointError,
     LoadedCheckpoint,
     get_rng_state,
@@ -175,16 +177,6 @@ class TaskSets:
         if self.phase is not None:
             self.phase.loader.close()
 
-    def start_iteration(self) -> int:
-        """The iteration the run will start at (the --load checkpoint's), to pick the first set; 0 without one.
-        A checkpoint that cannot be read is reported when it is loaded."""
-        if not self.args.load or not Path(self.args.load).is_dir() or getattr(self.args, "finetune", False):
-            return 0  # --finetune starts at iteration 0 whatever the checkpoint's
-        try:
-            return read_latest(self.args.load) or 0
-        except CheckpointError:
-            return 0
-
     # ------------------------------------------------------------------------------------------ checkpoints
     def checkpoint_extra(self, tasks: tuple[str, ...]) -> dict[str, Any]:
         return {TASK_SET_KEY: task_set_record(self.base.name, self.base.digest(), tasks),
@@ -196,12 +188,18 @@ class TaskSets:
 
     def open_checkpoint(self, load_dir: str, phase: Phase) -> Resume | None:
         """Read the checkpoint's metadata and compare its task set with the phase's; CheckpointError when its
-        units cannot be explained by a task-set change (another workload)."""
-        iteration = read_latest(load_dir)
-        if iteration is None:
-            return None
-        ckpt = iteration_dir(load_dir, iteration)
-        meta = read_metadata(ckpt)
+        units cannot be explained by a task-set change (another workload). ``load_dir`` may be an iteration
+        folder itself (checkpointing/load_target.py)."""
+        if (Path(load_dir) / METADATA_FILE).is_file():
+            ckpt = Path(load_dir)
+            meta = read_metadata(ckpt)
+            iteration = int(meta["iteration"])
+        else:
+            iteration = read_latest(load_dir)
+            if iteration is None:
+                return None
+            ckpt = iteration_dir(load_dir, iteration)
+            meta = read_metadata(ckpt)
         old = saved_tasks(meta)
         known = [t.name for t in self.base.tasks]
         in_ckpt = set(meta["units"])
@@ -303,11 +301,12 @@ class TaskSets:
         """Rank 0: the new plan and its Gantt chart next to the checkpoints (``plan_iter_<k>.json/.png``)."""
         if self.rank != 0 or not self.args.save:
             return
+        from megatron_spindle.fileio import staged_outputs
         from megatron_spindle.planner.report import draw_gantt, plan_summary
 
         stem = Path(self.args.save) / f"plan_iter_{iteration:07d}"
-        stem.parent.mkdir(parents=True, exist_ok=True)
         print(plan_summary(plan), flush=True)
-        plan.save(stem.with_suffix(".json"))
-        draw_gantt(plan, stem.with_suffix(".png"))
+        with staged_outputs() as out:  # both files, or neither
+            draw_gantt(plan, out.path(stem.with_suffix(".png")))
+            out.write_text(stem.with_suffix(".json"), json.dumps(plan.to_dict(), indent=1))
         print(f"plan from iteration {iteration} written to {stem}.json, its Gantt chart to {stem}.png", flush=True)

@@ -8,6 +8,7 @@ the model/data hooks an entry point supplies (pretrain_multitask.py has the defa
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -28,6 +29,7 @@ from megatron_spindle.arguments import (
 from megatron_spindle.errors import USER_ERRORS, exit_on_user_error
 from megatron_spindle.graph.task_sets import task_set_workload
 from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.runtime import progress
 from megatron_spindle.training.arguments import (
     add_checkpointing_args,
     add_data_args,
@@ -41,6 +43,12 @@ from megatron_spindle.training.arguments import (
     validate_args,
 )
 from megatron_spindle.training.evaluate import add_validation_args, check_validation_args
+from megatron_spindle.training.faults import (
+    FaultGuards,
+    add_fault_tolerance_args,
+    distributed_config_from_args,
+    exit_config_from_args,
+)
 from megatron_spindle.training.precision import add_precision_args, check_precision_args
 from megatron_spindle.training.task_schedule import parse_task_schedule
 
@@ -49,7 +57,7 @@ if TYPE_CHECKING:
 
 ARG_GROUPS = [add_workload_args, add_cluster_args, add_spindle_args, add_plan_args, add_training_args,
               add_precision_args, add_task_args, add_data_args, add_validation_args, add_checkpointing_args,
-              add_logging_args]
+              add_logging_args, add_fault_tolerance_args]
 
 
 def build_pretrain_parser(description: str, extra_args_provider: Callable | None = None) -> argparse.ArgumentParser:
@@ -120,7 +128,7 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
     with exit_on_user_error(prog):
         from megatron_spindle.training.batch_size import apply_batch_size_args
         from megatron_spindle.training.evaluate import split_datasets
-        from megatron_spindle.training.multinode import check_shared_folder, resolve_node_layout
+        from megatron_spindle.training.multinode import resolve_node_layout
         from megatron_spindle.training.wandb_writer import check_wandb
 
         cuda = torch.cuda.is_available()
@@ -129,6 +137,8 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
         check_validation_args(args)
         check_wandb(args)
         resolve_node_layout(args)
+        exit_config_from_args(args)  # --exit-* checked now, not after the process group formed
+        dist_config = distributed_config_from_args(args)
         base = load_workload(args.workload)
         schedule = parse_task_schedule(args.task_schedule, base, args.tasks)
         base = apply_batch_size_args(base, args, schedule.all_tasks(base))
@@ -140,13 +150,17 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
         valid_paths = parse_data_paths(args.valid_data_path, workload, "--valid-data-path")
         datasets = datasets_provider(workload, args, data_paths)
         datasets, valid = split_datasets(workload, datasets, args, valid_paths)
+        # the slow imports (planner, megatron-core operators) now, on every rank at once, rather than while the
+        # other ranks wait for this one inside a collective (and its timeout)
+        import megatron_spindle.models  # noqa: F401
+        import megatron_spindle.planner.pipeline  # noqa: F401
         from megatron_spindle.runtime.distributed import destroy_distributed, init_distributed
 
-        info = init_distributed("nccl" if cuda else "gloo")
+        info = init_distributed("nccl" if cuda else "gloo", dist_config)
         try:
-            check_shared_folder(args.save, "--save", info.rank, info.world_size)  # before planning or training
-            records = train(args, base, schedule, datasets, engine_provider, info, loss_weights, sampling_weights,
-                            valid_datasets=valid)
+            with FaultGuards(args, info, prog) as guards:
+                records = train(args, base, schedule, datasets, engine_provider, info, loss_weights,
+                                sampling_weights, guards, valid_datasets=valid)
             if history is not None:
                 history.extend(records)
         finally:
@@ -165,6 +179,7 @@ def save(args, iteration: int, engine, loader, plan, workload, info: DistContext
     from megatron_spindle.checkpointing.checkpoint import UnitState
     from megatron_spindle.training.precision import scaler_state
 
+    progress.point(f"saving the checkpoint of iteration {iteration}")
     owners = _unit_owners(plan)
     # collective with the distributed optimizer: every rank exports, the owner of each unit writes it
     mine = {u: s for u, s in engine.export_units().items() if owners.get(u, 0) == info.rank}
@@ -188,35 +203,36 @@ def save(args, iteration: int, engine, loader, plan, workload, info: DistContext
     return path
 
 
-def load(args, phase, sets, info: DistContext) -> int:
-    """Restore model, optimizer, RNG and data position from --load; returns the iteration to start at. The
-    checkpoint may have been trained with another task set (training/task_switch.py). --finetune: the weights
-    only, from iteration 0."""
+def load(args, phase, sets, info: DistContext, target) -> int:
+    """Restore model, optimizer, RNG and data position from the checkpoint ``target`` names (--load, resolved
+    by FaultGuards.resolve_load); returns the iteration to start at. The checkpoint may have been trained with
+    another task set (training/task_switch.py). --finetune: the weights only, from iteration 0."""
     from megatron_spindle.checkpointing import set_rng_state
+    from megatron_spindle.checkpointing.load_target import check_complete
     from megatron_spindle.training.precision import load_scaler_state
 
-    err, ck, resume = None, None, None
-    if not Path(args.load).exists():
-        print_rank_0(f"no checkpoint at {args.load} yet: training from scratch")
+    if target.folder is None:
+        print_rank_0(target.notice)
         return 0
+    progress.point(f"loading the checkpoint {target.folder}")
+    err, ck, resume = None, None, None
     try:
-        resume = sets.open_checkpoint(args.load, phase)
+        resume = sets.open_checkpoint(str(target.folder), phase)
     except USER_ERRORS as e:
         err = str(e)
     err = agree(err)
     if err:
         raise ValueError(err)
-    if resume is None:
-        print_rank_0(f"no checkpoint in {args.load} yet: training from scratch")
-        return 0
     fresh = sets.fresh_units(phase, resume)  # collective when the checkpoint lacks units of this model
     try:
         load_optim = not (args.no_load_optim or args.finetune)
+        load_rng = not (args.no_load_rng or args.finetune)
         ck = sets.load_units(resume, phase, fresh, load_optim=load_optim)
+        check_complete(ck, load_rng=load_rng, load_optim=load_optim)
         if load_optim:
             load_scaler_state(getattr(getattr(phase.engine, "config", None), "grad_scaler", None),
                               ck.metadata.get("extra", {}).get("grad_scaler"))
-        if ck.rng is not None and not (args.no_load_rng or args.finetune):
+        if ck.rng is not None and load_rng:
             set_rng_state(ck.rng)
         if args.finetune:
             sets.consumed_samples = 0
@@ -227,6 +243,7 @@ def load(args, phase, sets, info: DistContext) -> int:
                              f"the checkpoint at {ck.iteration}")
     except USER_ERRORS as e:
         err = str(e)
+    progress.point("agreeing that every rank loaded the checkpoint")
     err = agree(err)
     if err:
         raise ValueError(err)
@@ -239,11 +256,34 @@ def load(args, phase, sets, info: DistContext) -> int:
     return 0 if args.finetune else ck.iteration
 
 
+def write_plan_files(args, plan, gantt: str | None) -> None:
+    """<save>/plan.json and the Gantt chart, both or neither, once the run has started (rank 0)."""
+    from megatron_spindle.fileio import staged_outputs
+    from megatron_spindle.planner.report import draw_gantt
+
+    with staged_outputs() as out:
+        if gantt:
+            draw_gantt(plan, out.path(gantt))
+        if args.save:
+            out.write_text(Path(args.save) / "plan.json", json.dumps(plan.to_dict(), indent=1))
+    if gantt:
+        print(f"plan Gantt chart written to {gantt}", flush=True)
+
+
 def train(args, base, schedule, datasets, engine_provider, info: DistContext, loss_weights: dict[str, float],
-          sampling_weights: dict[str, float], valid_datasets: dict | None = None) -> list:
+          sampling_weights: dict[str, float], guards: FaultGuards, valid_datasets: dict | None = None) -> list:
     from megatron_spindle.data.datasets import MultiTaskDataLoader
-    from megatron_spindle.planner.report import draw_gantt, plan_summary
+    from megatron_spindle.planner.report import plan_summary
+    from megatron_spindle.training.multinode import check_shared_folder
     from megatron_spindle.training.task_switch import TaskSets
+
+    progress.point("checking that --save is shared between the ranks (probe files)")
+    check_shared_folder(args.save, "--save", info.rank, info.world_size)  # before planning or training
+    target = guards.resolve_load()  # a --load that names no checkpoint stops here, before anything is written
+    start = (target.iteration or 0) if target is not None and not args.finetune else 0  # --finetune: from 0
+    # a fine-tuning run restarts the iteration count, so a --save holding later checkpoints would be overwritten
+    # even when --load names that folder
+    guards.check_save_target(start, None if args.finetune else target)
 
     def loader_factory(workload, task_datasets):
         return MultiTaskDataLoader(workload, task_datasets, seed=args.seed, num_workers=args.num_workers,
@@ -252,35 +292,34 @@ def train(args, base, schedule, datasets, engine_provider, info: DistContext, lo
     sets = TaskSets(args, base, schedule, datasets, engine_provider, loader_factory,
                     lambda a, workload: get_plan(a, workload, info.world_size, info.rank), info.rank,
                     info.world_size, print_rank_0)
-    tasks = schedule.tasks_at(sets.start_iteration())
+    tasks = schedule.tasks_at(start)
+    progress.point("planning (rank 0) and sharing the plan")
     plan, _, _ = sets.plan(tasks)
     gantt = args.plan_gantt or (str(Path(args.save) / "plan.png") if args.save else None)
     if info.rank == 0:
         print(plan_summary(plan), flush=True)
-        if args.save:
-            plan.save(Path(args.save) / "plan.json")
-        if gantt:
-            draw_gantt(plan, gantt)
-            print(f"plan Gantt chart written to {gantt}", flush=True)
     if not torch.cuda.is_available():
         from megatron_spindle.compat.cpu import apply_cpu_shim
 
         apply_cpu_shim()
     torch.manual_seed(args.seed)
     try:
+        progress.point("building the runtime engine (process groups, operators)")
         sets.build(tasks, plan)
-        return _train_loop(args, sets, info, loss_weights, gantt, valid_datasets or {})
+        return _train_loop(args, sets, info, loss_weights, gantt, guards, target, valid_datasets or {})
     finally:
         sets.close()
 
 
 def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], gantt: str | None,
-                valid_datasets: dict) -> list:
+                guards: FaultGuards, target, valid_datasets: dict) -> list:
     from megatron_spindle.training.evaluate import ValidationBatches, run_validation, validation_config
     from megatron_spindle.training.monitor import TrainingMonitor
 
     phase = sets.phase
-    start = load(args, phase, sets, info) if args.load else 0
+    start = load(args, phase, sets, info, target) if target is not None else 0
+    if info.rank == 0:  # the load succeeded: only now is anything written into --save
+        write_plan_files(args, phase.plan, gantt)
     if start >= args.train_iters:
         print_rank_0(f"the checkpoint is at iteration {start}, --train-iters is {args.train_iters}: nothing to do")
         return []
@@ -290,15 +329,18 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
     monitor.attach(phase)
     valid = validation_config(args)
     batches = ValidationBatches(valid_datasets) if valid.enabled else None
-    last_saved = start if args.load and args.load == args.save else None
+    last_saved = None
     changes = set(sets.schedule.boundaries(start, args.train_iters))
     lr, weights = 0.0, {}
     print_rank_0(f"training {phase.workload.name} for {args.train_iters} iterations from iteration {start} on "
                  f"{info.world_size} rank(s)")
     try:
         for it in range(start, args.train_iters):
+            progress.set_iteration(it + 1)
+            progress.point("loading the batch")
             if it in changes:
                 monitor.log(it, lr, weights, sets.consumed_samples)  # the old set's part of the interval
+                progress.point("changing the task set (export, replan, rebuild, unit hand-over between ranks)")
                 phase = sets.switch(it)
                 monitor.attach(phase)
             engine, loader = phase.engine, phase.loader
@@ -317,6 +359,14 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
             if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
                 save(args, it + 1, engine, loader, phase.plan, phase.workload, info, sets)
                 last_saved = it + 1
+            reason = guards.exit_reason(it + 1)
+            if reason is not None:
+                if args.save and last_saved != it + 1:
+                    save(args, it + 1, engine, loader, phase.plan, phase.workload, info, sets)
+                    last_saved = it + 1
+                print_rank_0(f"exiting at iteration {it + 1}: {reason}"
+                             + (f" (checkpoint saved in {args.save})" if args.save else " (no --save: nothing saved)"))
+                return monitor.records
         if args.save and last_saved != args.train_iters:
             save(args, args.train_iters, phase.engine, phase.loader, phase.plan, phase.workload, info, sets)
     finally:

@@ -48,7 +48,7 @@ tasks:
 """)
     out = run_plan("--workload", str(bad), "--num-gpus", "2", "--out", str(target))
     assert out.returncode == 2
-    assert "error: task 't': flows form a cycle" in out.stderr and "Traceback" not in out.stderr
+    assert f"error: workload {bad}: task 't': flows form a cycle" in out.stderr and "Traceback" not in out.stderr
     assert target.read_text() == "previous plan"
     out = run_plan("--workload", "no-such-workload", "--num-gpus", "2")
     assert out.returncode == 2 and "no built-in workload" in out.stderr

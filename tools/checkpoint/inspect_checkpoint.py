@@ -138,11 +138,22 @@ def main(argv: list[str] | None = None, out=None) -> int:
     parser.add_argument("--format", choices=["auto", "spindle", "hf", "mcore"], default="auto")
     parser.add_argument("--units", action="append", default=[], help="Only units / tensors matching this glob.")
     parser.add_argument("--summary", action="store_true", help="One line per unit, no tensor list.")
+    parser.add_argument("--verify", action="store_true", help="Re-read every file of a megatron-spindle checkpoint "
+                        "and check it against the checksums recorded at save (exit status 2 on any mismatch).")
     args = parser.parse_args(argv)
     out = out or sys.stdout
     path = Path(args.path)
     try:
         kind = detect(path) if args.format == "auto" else args.format
+        if args.verify:
+            from megatron_spindle.checkpointing.integrity import verify, verify_report
+
+            if kind != "spindle":
+                raise ValueError(f"{path}: --verify checks megatron-spindle checkpoints, this is a {kind} one")
+            ok, line = verify_report(verify(path))
+            print(line if ok else f"error: {line}", file=out if ok else sys.stderr)
+            if not ok:
+                return 2
         {"spindle": inspect_spindle, "hf": inspect_hf, "mcore": inspect_mcore}[kind](path, args.units,
                                                                                      args.summary, out)
     except (ValueError, OSError, KeyError) as e:
