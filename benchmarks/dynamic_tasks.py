@@ -140,7 +140,7 @@ def run_scenario(key: str, sc: Scenario, num_gpus: int, change_seconds: float, l
             workload = task_set_workload(base, tasks)
             log(f"{sc.title}: planning and simulating {len(tasks)} tasks ({', '.join(tasks)}) on {num_gpus} GPUs")
             cells[frozenset(tasks)] = run_cell(f"{sc.workload}[{len(tasks)}]", num_gpus, spindle,
-                                               BASELINE_SYSTEMS, log, workload=workload)
+                                               BASELINE_SYSTEMS, log, workload=workload, memory_column=False)
         cell = cells[frozenset(tasks)]
         phases.append({"start": start, "iterations": length, "tasks": list(tasks), "cached": cached,
                        "mem_relaxed": cell["mem_relaxed"],

@@ -74,6 +74,9 @@ BASELINE_SYSTEMS: list[str] = ["optimus", "distmm", "megatron", "deepspeed", "sp
 SOTA_BASELINES = ("optimus", "distmm", "megatron", "deepspeed")  # "the best baseline" of the targets
 
 
+UNLIMITED = 1e6  # times device memory: the memory column's "memory unlimited"
+
+
 def relaxed(cluster: ClusterSpec, factor: float = 16.0) -> ClusterSpec:
     return dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, memory_bytes=cluster.gpu.memory_bytes * factor))
 
@@ -121,10 +124,12 @@ def scale_batches(workload: Workload, factor: float, multiple: int = 64) -> Work
 
 
 def run_cell(name: str, num_gpus: int, spindle_systems, baselines: list[str], log: Callable[[str], None],
-             batch_scale: float = 1.0, workload: Workload | None = None, select: bool = True) -> dict:
+             batch_scale: float = 1.0, workload: Workload | None = None, select: bool = True,
+             memory_column: bool = True) -> dict:
     """Plan and simulate every system on one (workload, cluster) cell (``workload``: instead of the built-in
     ``name``, e.g. a task subset). ``select``: also the selected Spindle plan (column "spindle"); without, that
-    column is the first Spindle system's."""
+    column is the first Spindle system's. ``memory_column``: the selected plan is planned again with memory
+    unlimited (issue 14's cost of memory: capped / unlimited simulated time)."""
     workload = scale_batches(workload or load_workload(name), batch_scale)
     cluster = make_cluster(num_gpus)
     cell: dict[str, Any] = {"workload": name, "gpus": num_gpus, "mem_relaxed": False, "systems": {}}
@@ -154,6 +159,12 @@ def run_cell(name: str, num_gpus: int, spindle_systems, baselines: list[str], lo
     entry = spindle_entry(chosen.result, chosen.sim, secs, 0.0)
     entry["selected"] = chosen.plan.planner["selection"]["selected"]
     entry["candidates"] = chosen.plan.planner["selection"]["candidates"]
+    if memory_column and select:
+        free = autoplan(workload, relaxed(cluster, UNLIMITED), user)
+        entry["unlimited_iteration_time"] = free.sim.iteration_time
+        entry["unlimited_memory_options"] = memory_options(free.plan)
+        entry["unlimited_peak_memory_gib"] = max(free.sim.peak_memory) / 2**30
+        entry["memory_cost"] = chosen.sim.iteration_time / free.sim.iteration_time
     cell["systems"][SELECTED] = entry
     ctx = BaselineContext.build(workload, cluster, metagraph=result.metagraph)
     for b in baselines:
@@ -213,6 +224,37 @@ def fig8_table(cells: list[dict], systems: list[str]) -> str:
 def paper_over_best(paper: tuple) -> float:
     """The paper's Spindle speedup over its best baseline (DeepSpeed = 1)."""
     return paper[0] / max(max(paper[1:4]), 1.0)
+
+
+def memory_table(cells: list[dict]) -> str:
+    """Issue 14: the cost of memory, Spindle's simulated time with the 80 GiB cap / with memory unlimited."""
+    lines = ["Memory: Spindle (the selected plan) with the 80 GiB cap / with memory unlimited, simulated; the memory "
+             "options each uses and its peak",
+             f"{'workload':<13}{'GPUs':>5}{'capped ms':>11}{'unlimited':>11}{'ratio':>7}{'peak GiB':>10}"
+             f"{'unl. GiB':>10}  options (capped | unlimited)"]
+    for c in cells:
+        d = c["systems"].get(SELECTED, {})
+        if "memory_cost" not in d:
+            continue
+        lines.append(f"{c['workload']:<13}{c['gpus']:>5}{_ms(d['iteration_time']):>11}"
+                     f"{_ms(d['unlimited_iteration_time']):>11}{d['memory_cost']:>7.3f}{d['peak_memory_gib']:>10.1f}"
+                     f"{d['unlimited_peak_memory_gib']:>10.1f}  {d['memory_options']} | {d['unlimited_memory_options']}"
+                     + ("  (mem-relaxed)" if c["mem_relaxed"] else ""))
+    return "\n".join(lines)
+
+
+def memory_targets(cells: list[dict]) -> list[tuple[str, bool, str]]:
+    """Issue 14: capped / unlimited <= 1.05 in every cell, no cell mem-relaxed."""
+    with_column = [c for c in cells if "memory_cost" in c["systems"].get(SELECTED, {})]
+    if not with_column:
+        return []
+    ratios = {f"{c['workload']}/{c['gpus']}": c["systems"][SELECTED]["memory_cost"] for c in with_column}
+    over = [k for k, r in ratios.items() if r > 1.05]
+    relaxed_cells = [f"{c['workload']}/{c['gpus']}" for c in cells if c["mem_relaxed"]]
+    worst = max(ratios, key=ratios.get)
+    return [("spindle: simulated time with the 80 GiB cap / with memory unlimited <= 1.05 in every cell", not over,
+             f"max {ratios[worst]:.3f} ({worst}) over {len(ratios)} cells" + (f"; over: {', '.join(over)}" if over else "")),
+            ("no cell mem-relaxed", not relaxed_cells, ", ".join(relaxed_cells) or "none")]
 
 
 def fig10_rows(cells_by_key: dict, quick: bool, log) -> list[dict]:
@@ -506,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     marks = [m for name in [SELECTED] + spindle_names for m in targets(cells, scale, name)]
     cpsat_marks = cpsat_targets(cells) if args.with_cpsat else []
     model_marks = model_targets(cells, [SELECTED] + spindle_names)
+    memory_marks = memory_targets(cells + t2)
 
     print(fig8_table(cells, systems))
     print()
@@ -525,12 +568,18 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(cpsat_table(cells))
     print()
+    print(memory_table(cells + t2))
+    print()
     print("Targets (issue 3):")
     for what, ok, detail in marks:
         print(f"  [{'met' if ok else 'MISSED'}] {what}: {detail}")
     print("Targets (issue 13):")
     for what, ok, detail in model_marks:
         print(f"  [{'met' if ok else 'MISSED'}] {what}: {detail}")
+    if memory_marks:
+        print("Targets (issue 14):")
+        for what, ok, detail in memory_marks:
+            print(f"  [{'met' if ok else 'MISSED'}] {what}: {detail}")
     if cpsat_marks:
         print("Targets (issue 4):")
         for what, ok, detail in cpsat_marks:
@@ -538,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")
 
     doc = {"batch_scale": args.batch_scale, "fig8": cells, "fig10": f10, "table2": t2, "scale": scale, "systems": systems,
-           "targets": [{"target": w, "met": ok, "detail": d} for w, ok, d in marks + model_marks + cpsat_marks]}
+           "targets": [{"target": w, "met": ok, "detail": d}
+                       for w, ok, d in marks + model_marks + memory_marks + cpsat_marks]}
     record.save(doc)
     speedup_figure(cells, record.out_dir / "speedup_fig8.png")
     print(f"wrote {record.out_dir / 'speedup_fig8.png'}")

@@ -115,6 +115,27 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
     return out
 
 
+def _early_backward_candidates(workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
+                               planned: list[tuple[str, PlanningResult, float]]):
+    """The configured planner's plan again with the early backward, where memory binds (the plan recomputes or
+    splits micro-batches) and the planner left the order to it: the early backward lowers the peak, so it may
+    need less of either, but whether its interleaving pays only the simulator can tell."""
+    if config.select == "none" or config.early_backward != "auto" or not planned:
+        return []
+    name, result, _ = planned[0]
+    st = result.plan.settings
+    recomputes = any(st.recompute_of(s.id).mode != "none" for s in result.plan.slices() if s.kind == "layer")
+    if st.order is not None or not (recomputes or st.micro_batches > 1):
+        return []
+    started = time.perf_counter()
+    try:
+        early = plan_workload(workload, cluster, dataclasses.replace(config, early_backward="on", light_follow=True),
+                              profile)
+    except PlanError:
+        return []
+    return [(f"{name}+early-backward", early, time.perf_counter() - started)]
+
+
 def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple[str, PlanningResult, float]],
                    config: PlannerConfig | None = None, progress: Callable[[str], None] | None = None,
                    sim_cost_model=None) -> AutoplanResult:

@@ -42,7 +42,7 @@ from megatron_spindle.estimator import AnalyticCostModel, MemoryModel, valid_con
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.memory import plan_memory
+from megatron_spindle.plan.memory import memory_options, plan_memory
 from megatron_spindle.plan.schema import ExecutionSettings, Plan, Recompute
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.assemble import assemble_plan
@@ -190,12 +190,6 @@ def memory_tuned(ctx: BaselineContext, build: Callable[[BaselineContext, Sequenc
     best.planner["search"] = {memory_options(p): {"time": _sim_time(p), "memory_ok": p.planner["memory_ok"]}
                               for p in plans}
     return best
-
-
-def memory_options(plan: Plan) -> str:
-    """A plan's memory options in words: 'zero1+recompute', 'zero0', ..."""
-    st = plan.settings
-    return f"zero{st.zero_stage}" + ("+recompute" if st.recompute.mode == "full" else "")
 
 
 def _temporal_variants(ctx: BaselineContext, per_task: Callable[[str], list[list[ScheduledSlice]]],

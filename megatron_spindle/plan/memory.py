@@ -237,3 +237,23 @@ def plan_breakdown(plan: Plan, metaops: Mapping[str, MetaOp], numbers: MemoryNum
 def plan_memory(plan: Plan, metaops: Mapping[str, MetaOp], numbers: MemoryNumbers) -> list[float]:
     """Predicted bytes per device of a plan under its settings."""
     return [p + a for p, a in plan_breakdown(plan, metaops, numbers)]
+
+
+def memory_options(plan: Plan) -> str:
+    """A plan's memory options in words: 'zero1+recompute' (full recomputation of every layer), 'zero0',
+    'zero1+mb2+recompute[full (3 layers) x2, selective x1]+early-backward', ..."""
+    st = plan.settings
+    parts = [f"zero{st.zero_stage}"] + ([f"mb{st.micro_batches}"] if st.micro_batches > 1 else [])
+    layers = [s for s in plan.slices() if s.kind == "layer"]
+    counts: dict[str, int] = {}
+    for s in layers:
+        what = st.recompute_of(s.id).for_layers(s.num_layers).describe()
+        counts[what] = counts.get(what, 0) + 1
+    counts.pop("none", None)
+    if counts and counts == {"full": len(layers)}:
+        parts.append("recompute")
+    elif counts:
+        parts.append("recompute[" + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) + "]")
+    if st.order is not None:
+        parts.append("early-backward")
+    return "+".join(parts)

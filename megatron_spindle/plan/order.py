@@ -95,17 +95,32 @@ def check_dataflow(order: Sequence[SliceStep], pairs) -> None:
 
 
 def early_backward_order(tasks: Sequence[Sequence[str]]) -> tuple[Step, ...]:
-    """Forward wave by wave; as soon as a task's last slice has run forward, that task's backward, wave by
-    wave backwards, so its activations are freed while the other tasks' forward goes on (tasks done in the
-    same wave go backwards together). ``tasks[w][s]`` is the task of slice s of wave w."""
+    """Forward wave by wave; once a task's last slice has run forward, that task's backward starts, one of its
+    waves (backwards) after each later forward wave, so its activations are freed while the other tasks'
+    forward goes on, and the devices holding its earlier waves do that backward between their forwards
+    rather than all of it at once (which would stall the forward behind the backward's chain). What is left
+    after the last forward runs backwards wave by wave, every task together. ``tasks[w][s]`` is the task of
+    slice s of wave w."""
     last = {t: w for w, ts in enumerate(tasks) for t in ts}
+    pending: dict[str, list[int]] = {}  # task -> its waves still to run backwards, latest first
+    started: set[str] = set()
     steps: list[Step] = []
     for w, ts in enumerate(tasks):
         steps.append((w, FWD, None))
-        done = sorted({t for t in ts if last[t] == w}, key=list(dict.fromkeys(ts)).index)
-        for v in range(w, -1, -1):  # the tasks done here go backwards together, wave by wave
-            present = set(tasks[v])
-            steps += [(v, BWD, t) for t in done if t in present]
+        if w == len(tasks) - 1:
+            break
+        for t in dict.fromkeys(ts):
+            if last[t] == w:
+                pending[t] = [v for v in range(w, -1, -1) if t in tasks[v]]
+                started.add(t)
+        for t in list(pending):
+            steps.append((pending[t].pop(0), BWD, t))
+            if not pending[t]:
+                del pending[t]
+    for v in range(len(tasks) - 1, -1, -1):  # the rest: every task's remaining backward, wave by wave
+        for t in dict.fromkeys(tasks[v]):
+            if t not in started or v in pending.get(t, ()):
+                steps.append((v, BWD, t))
     return tuple(steps)
 
 

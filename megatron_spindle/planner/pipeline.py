@@ -45,6 +45,7 @@ RECOMPUTE = ("auto", "none", "selective", "full")
 DISTRIBUTED_OPTIMIZER = ("auto", "off", "on")
 EARLY_BACKWARD = ("auto", "on", "off")
 MICRO_BATCH_TRIES = 2  # micro-batch counts tried beyond the first that fits (auto)
+OVERCOMMIT = 2.0  # device memory placement may plan with before recomputation takes the excess off
 SELECTIONS = ("simulate", "none")
 LIGHT_FOLLOW_SLACK = 0.01
 
@@ -87,9 +88,9 @@ class PlannerConfig:
         "slice's data-parallel degree divides a micro-batch): auto trades the per-device efficiency of smaller "
         "micro-batches against memory, 1 when memory allows.", metavar="auto|N"))
     early_backward: str = field(default="auto", metadata=flag(
-        "Run a task's backward as soon as its loss is computed (freeing its activations while other tasks' "
-        "forward goes on): auto where that lowers the peak memory enough to need less recomputation or fewer "
-        "micro-batches.",
+        "Start a task's backward as soon as its loss is computed, one wave after each later forward wave "
+        "(freeing its activations while other tasks' forward goes on): auto where the plan fits no other way; "
+        "plan selection (--spindle-select simulate) also times it where it would only save recomputation.",
         choices=EARLY_BACKWARD))
     distributed_optimizer: str = field(default="auto", metadata=flag(
         "Shard each unit's optimizer state over the data-parallel ranks that run it (ZeRO-1, like "
@@ -212,11 +213,12 @@ def _light_levels_follow(waves, metagraph, workload, cluster, curves, cost_model
         return waves
 
 
-def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost_model, memory_model, say):
+def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost_model, memory_model, say,
+                             shares: tuple[float, ...] = MEMORY_SHARES):
     """Curves, allocation, waves and placement, memory-aware: the paper's allocator ignores memory, and a heavy
     MetaOp on too few devices cannot hold its activations. Each MetaOp's configurations are first limited to
-    those whose whole chain fits half a device; when placement still runs out of memory the share is halved
-    and everything is replanned."""
+    those whose whole chain fits ``shares[0]`` of a device (half by default); when placement still runs out of
+    memory the next share is tried and everything is replanned."""
     N = cluster.num_devices
     needs = memory_needs(metagraph, workload, cluster, memory_model)
     memory_allowed_configs(metagraph, needs, cluster, 1.0)  # a MetaOp that fits nowhere is named first
@@ -225,7 +227,7 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
         # Even spread perfectly (and with weights stored per MetaOp), the chains need more than the cluster has.
         raise PlanError(f"the plan does not fit device memory: the MetaOps need at least {total / 2**30:.0f} GiB "
                         f"in all, the {N} devices have {N * cluster.gpu.memory_bytes / 2**30:.0f} GiB")
-    for attempt, share in enumerate(MEMORY_SHARES):
+    for attempt, share in enumerate(shares):
         allowed = cap_slice_devices(memory_allowed_configs(metagraph, needs, cluster, share), config.max_slice_devices)
         curves = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
                                  allowed=lambda m, tp, dp, fits=allowed: (tp, dp) in fits[m.id])
@@ -239,9 +241,9 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
                            strategy=config.placement)
             return curves, level_allocs, placed
         except PlacementError as e:
-            if attempt == len(MEMORY_SHARES) - 1:
+            if attempt == len(shares) - 1:
                 raise PlanError(f"the plan does not fit device memory: {e}") from e
-            say(f"placement out of memory; replanning with at most {100 * MEMORY_SHARES[attempt + 1]:.0f}% "
+            say(f"placement out of memory; replanning with at most {100 * shares[attempt + 1]:.0f}% "
                 f"of a device per MetaOp")
     raise AssertionError("unreachable")
 
@@ -271,16 +273,23 @@ def recompute_policy(config: PlannerConfig) -> RecomputePolicy:
     return RecomputePolicy(Recompute(config.recompute))
 
 
-def memory_rungs(config: PlannerConfig, policy: RecomputePolicy) -> list[tuple[bool, Recompute]]:
-    """(distributed optimizer, recomputation placement plans with) in order, cheapest first: sharding the
-    optimizer state costs nothing in time (its reduce-scatter + all-gather moves what an all-reduce moves);
-    recomputation costs a forward pass per layer, so placement first plans without it, then with every layer
-    at its leanest (``policy.lean()``), and the slices get the cheapest choice that fits afterwards. With
-    recomputation, sharding is free, so an unsharded recomputing rung is never worth trying."""
+def memory_rungs(config: PlannerConfig, policy: RecomputePolicy) -> list[tuple[bool, Recompute, float]]:
+    """(distributed optimizer, recomputation placement plans with, device memory placement may use / the
+    device's) in order, cheapest first: sharding the optimizer state costs nothing in time (its reduce-scatter
+    + all-gather moves what an all-reduce moves); recomputation costs a forward pass per layer, so placement
+    first plans without it; then, where recomputation may be chosen per slice, without it on devices
+    OVERCOMMIT times as large (placement balances the real activations, recomputation takes off what does not
+    fit), then with every layer at its leanest (``policy.lean()``); the slices get the cheapest choice that
+    fits afterwards. With recomputation, sharding is free, so an unsharded recomputing rung is never worth
+    trying."""
     sharded = {"off": [False], "on": [True], "auto": [False, True]}[config.distributed_optimizer]
-    assumed = [policy.fixed] if policy.fixed is not None else [Recompute(), policy.lean()]
-    rungs = [(z, rc) for rc in assumed for z in sharded]
-    return [(z, rc) for z, rc in rungs if not (rc.mode != "none" and not z and (True, rc) in rungs)]
+    if policy.fixed is not None:
+        assumed = [(policy.fixed, 1.0)]
+    else:
+        assumed = [(Recompute(), 1.0), (Recompute(), OVERCOMMIT), (policy.lean(), 1.0)]
+    rungs = [(z, rc, over) for rc, over in assumed for z in sharded]
+    recomputing = [r for r in rungs if r[1].mode != "none" or r[2] > 1]
+    return [r for r in rungs if not (r in recomputing and not r[0] and (True, r[1], r[2]) in rungs)]
 
 
 def micro_batch_candidates(config: PlannerConfig, metagraph: MetaGraph) -> list[int]:
@@ -325,6 +334,7 @@ class _Candidate:
     order: tuple | None = None
     extra: dict[SliceKey, float] = field(default_factory=dict)  # recomputation seconds per slice
     error: Exception | None = None  # why ``choose`` found nothing
+    estimated: float | None = None
 
     @property
     def waves(self) -> list[ScheduledWave]:
@@ -336,41 +346,46 @@ class _Candidate:
 
     @property
     def predicted(self) -> float:
-        """The planner's iteration time: the waves with recomputation, every micro-batch of them."""
+        """The waves' makespan with recomputation, every micro-batch of them."""
         return max((w.end for w in self.charged_waves()), default=0.0)
 
+    def estimate(self, workload: Workload, cluster: ClusterSpec, metagraph: MetaGraph) -> float:
+        """The planner's estimate of the iteration (planner/objective.py: the waves plus transfers, what the
+        gradient sync adds beyond the last micro-batch's backward, the optimizer step)."""
+        if self.estimated is None:
+            plan = assemble_plan(workload, cluster, metagraph, self.charged_waves(), self.cost_model,
+                                 self.memory_model, {}, validate=False, settings=self.settings())
+            self.estimated = estimate_iteration(plan, metagraph, cluster, self.cost_model).total
+        return self.estimated
+
     def choose(self, cluster: ClusterSpec, config: PlannerConfig) -> bool:
-        """Recomputation per slice and the order (early backward where it helps); False when nothing fits."""
+        """Recomputation per slice, and the order: the plain one, or (``early_backward`` on, or auto when the
+        plain order fits no recomputation choice) the early backward; False when nothing fits. The early
+        backward lowers the peak, but the waves cannot tell what its interleaving costs: where it only saves
+        recomputation, plan selection (megatron_spindle/autoplan.py) simulates it as another candidate."""
         tasks = [[self.metagraph.metaops[s.metaop].task for s in w.slices] for w in self.placed]
-        orders: list[tuple | None] = [] if config.early_backward == "on" else [None]
         early = early_backward_order(tasks)
-        if config.early_backward != "off" and early != default_order(len(tasks)):
-            orders.append(early)
+        orders: list[tuple | None] = {"on": [early], "off": [None], "auto": [None, early]}[config.early_backward]
+        if early == default_order(len(tasks)):
+            orders = [None]
         numbers = ZeroSharded(self.memory_model, self.memory_model.zero_stage)
         waves = [w.slices for w in self.placed]
-        options = []
         for order in orders:
             steps = slice_order(tasks, ExecutionSettings(order=order))
             try:
-                choices = choose_recompute(waves, self.metagraph.metaops, numbers, self.cost_model,
-                                           cluster.gpu.memory_bytes, steps, self.policy, cluster.num_devices,
-                                           cluster.gpu.name)
+                self.choices = choose_recompute(waves, self.metagraph.metaops, numbers, self.cost_model,
+                                                cluster.gpu.memory_bytes, steps, self.policy, cluster.num_devices,
+                                                cluster.gpu.name)
             except RecomputeError as e:
                 self.error = e
                 continue
-            extra = recompute_seconds(waves, self.metagraph.metaops, self.cost_model, choices)
-            options.append((sum(extra.values()), None, order is not None, order, choices, extra))
-        if not options:
-            return False
-        # the least recomputation; at equal cost the plain order (an early backward lowers the peak, but its
-        # interleaving delays the other tasks' forward: it pays only where it saves recomputation)
-        least = min(o[0] for o in options)
-        _, _, _, self.order, self.choices, self.extra = min(
-            options, key=lambda o: (o[0] > least * (1 + 1e-9) + 1e-12, o[2]))
-        return True
+            self.order = order
+            self.extra = recompute_seconds(waves, self.metagraph.metaops, self.cost_model, self.choices)
+            return True
+        return False
 
     def with_waves(self, waves: list[ScheduledWave], cluster: ClusterSpec, config: PlannerConfig) -> _Candidate | None:
-        other = dataclasses.replace(self, placed=waves, choices={}, order=None, extra={})
+        other = dataclasses.replace(self, placed=waves, choices={}, order=None, extra={}, estimated=None)
         return other if other.choose(cluster, config) else None
 
     def charged_waves(self) -> list[ScheduledWave]:
@@ -414,7 +429,8 @@ def _memory_search(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpe
     """The memory options of the plan, cheapest in predicted time first: for each micro-batch count (fewest
     first), the rungs of ``memory_rungs``; the first rung of a count that places is that count's candidate.
     A count whose plan needs no recomputation ends the search (more micro-batches only cost efficiency), as do
-    MICRO_BATCH_TRIES more counts after the first that fits; the fastest candidate wins."""
+    MICRO_BATCH_TRIES more counts after the first that fits; the candidate the planner's estimate times fastest
+    (planner/objective.py) wins."""
     policy = recompute_policy(config)
     counts = micro_batch_candidates(config, metagraph)
     rungs = memory_rungs(config, policy)
@@ -426,13 +442,18 @@ def _memory_search(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpe
             break
         micro = micro_metagraph(metagraph, m)
         found = None
-        for sharded, assumed in rungs:
+        for sharded, assumed, over in rungs:
             cost_model = AnalyticCostModel(workload, cluster)
             placed_mm = MemoryModel(workload, cluster, cost_model, distributed_optimizer=sharded, recompute=assumed)
+            # planning with every layer at its leanest, a chain may take the whole device: what it does not
+            # need is given back to it slice by slice afterwards
+            shares = (1.0,) + MEMORY_SHARES if assumed.mode != "none" else MEMORY_SHARES
+            roomy = cluster if over == 1 else dataclasses.replace(cluster, gpu=dataclasses.replace(
+                cluster.gpu, memory_bytes=over * cluster.gpu.memory_bytes))
             try:
-                curves, allocs, placed = _allocate_schedule_place(micro, workload, cluster, config,
+                curves, allocs, placed = _allocate_schedule_place(micro, workload, roomy, config,
                                                                   profile if m == 1 else None, cost_model,
-                                                                  placed_mm, say)
+                                                                  placed_mm, say, shares)
             except PlanError as e:
                 error = e
                 continue
@@ -450,8 +471,8 @@ def _memory_search(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpe
                 + ("; trying more" if m != counts[-1] else ""))
             continue
         first_fit = i if first_fit is None else first_fit
-        say(f"{found.describe()}: predicted {1e3 * found.predicted:.1f} ms")
-        if best is None or found.predicted < best.predicted:
+        say(f"{found.describe()}: estimated {1e3 * found.estimate(workload, cluster, metagraph):.1f} ms")
+        if best is None or found.estimate(workload, cluster, metagraph) < best.estimate(workload, cluster, metagraph):
             best = found
         if not found.recomputes:
             break

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_spindle.plan.memory import memory_options
 from megatron_spindle.plan.schema import Plan
 
 
@@ -37,7 +38,7 @@ def plan_summary(plan: Plan) -> str:
         + (f"   planner's estimate {_fmt_time(p['planner_estimate'])}" if "planner_estimate" in p else ""),
         f"  waves {len(plan.waves)}   levels {len(plan.levels)}   inter-island {_fmt_bytes(p.get('inter_island_bytes', 0))}"
         f"   intra-island {_fmt_bytes(p.get('intra_island_bytes', 0))}   local {_fmt_bytes(p.get('local_bytes', 0))}",
-        f"  execution: activation recomputation {plan.settings.recompute.mode}   ZeRO stage {plan.settings.zero_stage}"
+        f"  execution: memory options {memory_options(plan)}"
         f"   gradient all-reduce in {plan.settings.grad_reduce_dtype}"
         + (f"   {len(plan.settings.segments)} segments" if plan.settings.segments else ""),
     ]

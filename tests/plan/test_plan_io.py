@@ -126,16 +126,20 @@ def test_execution_order_of_segments_an_explicit_backward_order_and_steps():
         execution_steps(3, ExecutionSettings(segments=[[0], [0, 1, 2]]))
     with pytest.raises(PlanError, match="backward_order"):
         execution_steps(3, ExecutionSettings(backward_order=[0, 1]))
-    # task b finishes in wave 1: its backward runs before wave 2's forward; a backward wave runs in reverse
+    # task b finishes in wave 1: one of its waves runs backward after each later forward wave (wave 1's before
+    # wave 2's forward), the rest with everything else; a backward wave runs its slices in reverse
     tasks = [["a", "b"], ["a", "b"], ["a"]]
     early = ExecutionSettings(order=early_backward_order(tasks))
     assert slice_order(tasks, early) == [(0, 0, FWD), (0, 1, FWD), (1, 0, FWD), (1, 1, FWD), (1, 1, BWD),
-                                         (0, 1, BWD), (2, 0, FWD), (2, 0, BWD), (1, 0, BWD), (0, 0, BWD)]
+                                         (2, 0, FWD), (2, 0, BWD), (1, 0, BWD), (0, 0, BWD), (0, 1, BWD)]
+    five = [["a", "b"], ["a", "b"], ["a", "b"], ["a"], ["a"]]  # b's backward spread over a's last forwards
+    assert [st for st in early_backward_order(five) if st[2] == "b"] == [(2, BWD, "b"), (1, BWD, "b"), (0, BWD, "b")]
+    assert early_backward_order(five).index((1, BWD, "b")) == early_backward_order(five).index((3, FWD, None)) + 1
     assert ExecutionSettings.from_dict(json.loads(json.dumps(early.to_dict()))) == early
     with pytest.raises(PlanError, match="replaces segments"):
         ExecutionSettings(order=early.order, segments=[[0, 1, 2]])
     with pytest.raises(PlanError, match="never runs the bwd of slice 0 of wave 2"):
-        slice_order(tasks, ExecutionSettings(order=early.order[:-3] + early.order[-2:]))
+        slice_order(tasks, ExecutionSettings(order=[st for st in early.order if st != (2, BWD, "a")]))
     with pytest.raises(PlanError, match="backward of slice 1 of wave 0 before its forward"):
         slice_order(tasks, ExecutionSettings(order=[(0, BWD, "b")] + list(early.order)))
     with pytest.raises(PlanError, match="wave 2 has no slice of task 'b'"):

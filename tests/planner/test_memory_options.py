@@ -166,7 +166,7 @@ MIXED = {
 }
 
 
-def test_early_backward_frees_a_shallow_task_s_activations_and_is_used_only_when_it_saves_recomputation():
+def test_early_backward_frees_a_shallow_task_s_activations_and_is_used_where_the_plan_fits_no_other_way():
     w = workload_from_dict(MIXED)
     cluster = make_cluster(1, 1, "CPU")
     res = plan_workload(w, cluster, PlannerConfig(planner="wavefront"))
@@ -179,8 +179,10 @@ def test_early_backward_frees_a_shallow_task_s_activations_and_is_used_only_when
     early_peak = plan_memory(early, res.metagraph.metaops, res.memory_model)[0]
     assert early_peak < plain_peak
     tight = dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, memory_bytes=(early_peak + plain_peak) / 2))
-    squeezed = plan_workload(w, tight, PlannerConfig(planner="wavefront", micro_batches="1", placement="sequential"))
-    assert squeezed.plan.settings.order is not None and squeezed.plan.settings.recompute_choices() == ["none"]
-    off = plan_workload(w, tight, PlannerConfig(planner="wavefront", micro_batches="1", placement="sequential",
-                                                early_backward="off"))
-    assert off.plan.settings.order is None and off.plan.settings.recompute_choices() != ["none"]
+    fixed = dict(planner="wavefront", micro_batches="1", placement="sequential")
+    on = plan_workload(w, tight, PlannerConfig(**fixed, early_backward="on")).plan
+    assert on.settings.order is not None and on.settings.recompute_choices() == ["none"]
+    auto = plan_workload(w, tight, PlannerConfig(**fixed)).plan  # recomputing fits the plain order too
+    assert auto.settings.order is None and auto.settings.recompute_choices() != ["none"]
+    with pytest.raises(PlanError, match="does not fit device memory"):
+        plan_workload(w, tight, PlannerConfig(**fixed, recompute="none", early_backward="off"))

@@ -1,0 +1,191 @@
+"""Issue 14's memory benchmark: a workload whose tasks' activations exceed device memory (built-in ``vla-mem``:
+about 2.6x the memory of 16 A800-80GB devices), Spindle against every baseline, each with and without the
+memory options of issue 14, all timed by the same simulator.
+
+- **without**: what the planners had before: no recomputation or full recomputation of every layer (the
+  cheaper that fits), the ZeRO stages each system tunes, one micro-batch, the plain order (Spindle: autoplan with
+  ``--spindle-recompute none`` or else ``full``, ``--spindle-micro-batches 1``, ``--spindle-early-backward off``;
+  baselines: as built in megatron_spindle/baselines);
+- **with**: Spindle as a user gets it (autoplan, every option auto: per-slice recomputation, micro-batches,
+  the early backward where simulation prefers it); the baselines with the same options applied to their own
+  plans: for m in 1, 2, 4 micro-batches the baseline is planned at the micro-batch's batch, then every layer
+  slice gets the cheapest recomputation that fits (planner/memory_options.py, in the baseline's own order),
+  and the fastest simulated that fits is kept.
+
+    python benchmarks/memory_options.py [--workload vla-mem] [--num-gpus 16] [--out-dir DIR | --update-snapshot]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from typing import Any
+
+from bench_output import Recording, add_output_args
+
+from megatron_spindle.autoplan import autoplan
+from megatron_spindle.baselines import BASELINES, BaselineContext, memory_options
+from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
+from megatron_spindle.graph.cluster import ClusterSpec, make_cluster
+from megatron_spindle.graph.opgraph import build_metagraph
+from megatron_spindle.graph.workload import Workload, load_workload
+from megatron_spindle.plan.derive import derive_transfers, metaop_infos
+from megatron_spindle.plan.memory import ZeroSharded, plan_memory
+from megatron_spindle.plan.order import slice_order
+from megatron_spindle.plan.schema import Plan, PlanError, Recompute
+from megatron_spindle.plan.validate import validate_plan
+from megatron_spindle.planner.memory_options import RecomputeError, RecomputePolicy, choose_recompute
+from megatron_spindle.planner.pipeline import PlannerConfig, micro_metagraph
+from megatron_spindle.simulator import simulate
+
+GiB = 2**30
+MICRO_BATCHES = (1, 2, 4)
+SYSTEMS = ["spindle", "deepspeed", "megatron", "distmm", "optimus", "spindle-seq"]
+
+
+def activation_pressure(workload: Workload, cluster: ClusterSpec) -> dict[str, float]:
+    """The tasks' activations (whole batches, no recomputation, one micro-batch) and the parameter state, as
+    multiples of the cluster's device memory."""
+    g = build_metagraph(workload)
+    mm = MemoryModel(workload, cluster, AnalyticCostModel(workload, cluster))
+    cap = cluster.num_devices * cluster.gpu.memory_bytes
+    per_task: dict[str, float] = {}
+    for m in g.metaops.values():
+        per_task[m.task] = per_task.get(m.task, 0.0) + mm.activation_bytes(m, 1, 1, m.num_layers)
+    params = sum(mm.param_state_bytes(u, 1) for u in {u for m in g.metaops.values() for u in m.param_names()})
+    return {"activations": sum(per_task.values()) / cap, "largest_task": max(per_task.values()) / cap,
+            "parameter_state": params / cap}
+
+
+def entry(plan: Plan, sim, seconds: float) -> dict[str, Any]:
+    return {"iteration_time": sim.iteration_time, "peak_memory_gib": max(sim.peak_memory) / GiB,
+            "memory_options": memory_options(plan), "planning_seconds": seconds, "breakdown": sim.breakdown()}
+
+
+def spindle(workload: Workload, cluster: ClusterSpec, options: bool) -> tuple[Plan, Any, float]:
+    t0 = time.perf_counter()
+    if options:
+        out = autoplan(workload, cluster, PlannerConfig(planner="wavefront"))
+        return out.plan, out.sim, time.perf_counter() - t0
+    base = dict(planner="wavefront", micro_batches="1", early_backward="off")
+    try:
+        out = autoplan(workload, cluster, PlannerConfig(recompute="none", **base))
+    except PlanError:
+        out = autoplan(workload, cluster, PlannerConfig(recompute="full", **base))
+    return out.plan, out.sim, time.perf_counter() - t0
+
+
+def micro_workload(workload: Workload, m: int) -> Workload:
+    tasks = [dataclasses.replace(t, batch_size=t.batch_size // m) for t in workload.tasks]
+    return Workload(workload.name, workload.modules, tasks)
+
+
+def retarget(plan: Plan, workload: Workload, metagraph, cost_model, m: int) -> Plan:
+    """A plan made for the micro-batch workload (batches / m) as a plan of ``workload`` with m micro-batches:
+    the same waves (times of m micro-batches), the workload's MetaOp records, transfers of its whole batches."""
+    waves = [dataclasses.replace(w, start=m * w.start, duration=m * w.duration,
+                                 slices=[dataclasses.replace(s, predicted_time=m * s.predicted_time) for s in w.slices])
+             for w in plan.waves]
+    out = dataclasses.replace(plan, workload_digest=workload.digest(), metaops=metaop_infos(metagraph), waves=waves,
+                              planner=dict(plan.planner), predicted=dict(plan.predicted),
+                              settings=dataclasses.replace(plan.settings, micro_batches=m))
+    out.transfers = derive_transfers(out, lambda mid: cost_model.activation_bytes(metagraph.metaops[mid]))
+    return out
+
+
+def with_recompute(plan: Plan, micro_metaops, cost_model, memory_model, cluster: ClusterSpec) -> Plan | None:
+    """The plan with every layer slice at the cheapest recomputation that fits, in the plan's own order."""
+    base = dataclasses.replace(plan.settings, recompute=Recompute(), slice_recompute={})
+    waves = [w.slices for w in plan.waves]
+    order = slice_order([[s.task for s in w] for w in waves], base)
+    try:
+        choices = choose_recompute(waves, micro_metaops, ZeroSharded(memory_model, base.zero_stage), cost_model,
+                                   cluster.gpu.memory_bytes, order, RecomputePolicy(), cluster.num_devices)
+    except RecomputeError:
+        return None
+    rc = {waves[wi][si].id: r for (wi, si), r in choices.items() if r.mode != "none"}
+    return dataclasses.replace(plan, settings=dataclasses.replace(base, slice_recompute=rc))
+
+
+def baseline(name: str, workload: Workload, cluster: ClusterSpec, options: bool) -> tuple[Plan, Any, float]:
+    t0 = time.perf_counter()
+    g = build_metagraph(workload)
+    cost = AnalyticCostModel(workload, cluster)
+    memory = MemoryModel(workload, cluster, cost)
+    if not options:
+        plan = BASELINES[name](workload, cluster, BaselineContext.build(workload, cluster, cost, memory, g))
+        return plan, simulate(plan, workload, cluster, cost, memory, metagraph=g), time.perf_counter() - t0
+    best = None
+    for m in MICRO_BATCHES:
+        if any(t.batch_size % m for t in workload.tasks):
+            continue
+        small = micro_workload(workload, m)
+        planned = BASELINES[name](small, cluster, BaselineContext.build(small, cluster))
+        plan = retarget(planned, workload, g, cost, m)
+        plan = with_recompute(plan, micro_metagraph(g, m).metaops, cost, memory, cluster)
+        if plan is None:
+            continue
+        plan.memory_per_device = plan_memory(plan, g.metaops, memory)
+        validate_plan(plan, workload, cluster, g)
+        sim = simulate(plan, workload, cluster, cost, memory, metagraph=g)
+        if best is None or sim.iteration_time < best[1].iteration_time:
+            best = (plan, sim)
+    if best is None:
+        raise PlanError(f"{name}: no micro-batch count and recomputation fits")
+    return best[0], best[1], time.perf_counter() - t0
+
+
+def table(rows: dict[str, dict[str, Any]], cap_gib: float) -> str:
+    """One row per system; a time marked * is of a plan that does not fit device memory (the system's least
+    memory plan: nothing it tries fits)."""
+    ds = rows["deepspeed"]["without"]["iteration_time"]
+
+    def ms(e: dict) -> str:
+        return f"{e['iteration_time'] * 1e3:.0f}" + ("*" if e["peak_memory_gib"] > cap_gib * (1 + 1e-9) else " ")
+
+    lines = [f"{'system':<13}{'without ms':>12}{'with ms':>10}{'gain':>7}{'vs DS':>7}{'peak GiB':>15}  "
+             f"memory options (without | with)"]
+    for s, r in rows.items():
+        wo, wi = r["without"], r["with"]
+        lines.append(f"{s:<13}{ms(wo):>12}{ms(wi):>10}{wo['iteration_time'] / wi['iteration_time']:>7.2f}"
+                     f"{ds / wi['iteration_time']:>7.2f}{wo['peak_memory_gib']:>8.1f}{wi['peak_memory_gib']:>7.1f}  "
+                     f"{wo['memory_options']} | {wi['memory_options']}")
+    lines.append(f"(* over the {cap_gib:.0f} GiB of a device; vs DS: the time with the options against DeepSpeed's "
+                 f"without them)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", default="vla-mem")
+    parser.add_argument("--num-gpus", type=int, default=16)
+    add_output_args(parser)
+    args = parser.parse_args(argv)
+    record = Recording(args, "memory_options")
+    workload, cluster = load_workload(args.workload), make_cluster(args.num_gpus)
+    pressure = activation_pressure(workload, cluster)
+    print(f"{args.workload} on {args.num_gpus} x {cluster.gpu.name}: activations {pressure['activations']:.2f}x the "
+          f"devices' memory (largest task {pressure['largest_task']:.2f}x), parameter state "
+          f"{pressure['parameter_state']:.2f}x")
+    rows: dict[str, dict[str, Any]] = {}
+    t0 = time.perf_counter()
+    for name in SYSTEMS:
+        rows[name] = {}
+        for options in (False, True):
+            run = spindle if name == "spindle" else (lambda w, c, o, n=name: baseline(n, w, c, o))
+            plan, sim, secs = run(workload, cluster, options)
+            rows[name]["with" if options else "without"] = entry(plan, sim, secs)
+            print(f"  {name} {'with' if options else 'without'} the options: {sim.iteration_time * 1e3:.0f} ms "
+                  f"({memory_options(plan)}, {secs:.1f} s)", file=sys.stderr, flush=True)
+    print("\nSimulated iteration time without and with the memory options (issue 14), speedup over DeepSpeed "
+          "(DeepSpeed without them = 1), peak memory with them")
+    print(table(rows, cluster.gpu.memory_bytes / GiB))
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+    record.save({"workload": args.workload, "gpus": args.num_gpus, "pressure": pressure, "systems": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
