@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench_output import Recording, add_output_args
-from paper_eval import BASELINE_SYSTEMS, CPSAT_SYSTEM, SPINDLE_SYSTEMS, run_cell
+from paper_eval import BASELINE_SYSTEMS, CPSAT_SYSTEM, SELECTED, SPINDLE_SYSTEMS, run_cell
 
 from megatron_spindle.graph.task_sets import task_set_workload
 from megatron_spindle.graph.workload import load_workload
@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Fig. 13 totals read off the plot (x 10^3 s), spindle-paper.md section 4.6 D
 PAPER_FIG13 = {"clip": {"spindle": 98, "distmm": 118, "megatron": 122, "deepspeed": 128, "optimus": 135},
                "ofasys": {"spindle": 86, "distmm": 114, "megatron": 118, "deepspeed": 114, "optimus": 107}}
-SYSTEMS = [name for name, _ in SPINDLE_SYSTEMS] + BASELINE_SYSTEMS  # --with-cpsat adds CPSAT_SYSTEM's name
+SYSTEMS = [SELECTED] + [name for name, _ in SPINDLE_SYSTEMS] + BASELINE_SYSTEMS  # --with-cpsat adds CPSAT_SYSTEM's
 
 CLIP = ["text_audio", "vision_depth", "audio_thermal", "motion_thermal", "vision_text", "text_motion", "vision_audio",
         "depth_text", "thermal_vision", "audio_motion"]  # clip-10's order: clip-4 and clip-7 are its prefixes
@@ -131,7 +131,7 @@ def measure_change_seconds(log) -> dict:
 def run_scenario(key: str, sc: Scenario, num_gpus: int, change_seconds: float, log, with_cpsat: bool = False) -> dict:
     base = load_workload(sc.workload)
     spindle = SPINDLE_SYSTEMS + ([CPSAT_SYSTEM] if with_cpsat else [])
-    systems = [name for name, _ in spindle] + BASELINE_SYSTEMS
+    systems = [SELECTED] + [name for name, _ in spindle] + BASELINE_SYSTEMS
     cells: dict[frozenset, dict] = {}
     phases = []
     for (start, tasks), length in zip(sc.phases, sc.lengths()):

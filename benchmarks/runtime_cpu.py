@@ -224,6 +224,7 @@ def main(argv=None) -> int:
     results = {}
     torch.set_num_threads(args.threads)
     workload = workload_from_args(args)
+    load_before = os.getloadavg()
     rows = []
     if not args.skip_one_rank:
         r = results["one_rank"] = one_rank(workload, args)
@@ -258,6 +259,10 @@ def main(argv=None) -> int:
                   f"{r['measured_fwd_bwd'] / (r['simulated'] - r['sim_optimizer']):10.3f} x ", "")]
         if not args.profile:
             rows.append(("2 ranks: profiling took", f"{r['profiling']:10.2f} s ", "per round"))
+    load_after = os.getloadavg()
+    results["load_average"] = {"before": load_before, "after": load_after}
+    rows.append(("machine load (1/5/15 min) before, after", " / ".join(f"{x:.1f}" for x in load_before) + ", "
+                 + " / ".join(f"{x:.1f}" for x in load_after), f"{os.cpu_count()} CPUs (shared: timings are noisy)"))
     print(f"\nruntime_cpu: workload '{workload.name}', {args.steps} timed steps (median) after {args.warmup} "
           f"warm-up ({args.rounds} rounds on two ranks), {args.threads} thread(s) per rank, planner {args.planner}")
     width = max(len(r[0]) for r in rows)

@@ -40,6 +40,8 @@ from megatron_spindle.planner.objective import estimate_iteration
 from megatron_spindle.planner.pipeline import PlannerConfig, PlanningResult, plan_workload
 from megatron_spindle.simulator import SimResult, simulate
 
+TIE = 1e-6  # relative difference of simulated times under which candidates are equally fast
+
 
 @dataclass
 class Candidate:
@@ -150,7 +152,10 @@ def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple
                            None if sim_cost_model else result.memory_model, metagraph=result.metagraph)
             candidates.append(Candidate(label, result, plan, sim, secs))
     fitting = [c for c in candidates if c.fits] or candidates
-    best = min(fitting, key=lambda c: c.sim.iteration_time)
+    fastest = min(c.sim.iteration_time for c in fitting)
+    # ties (within TIE): the planner's own plans before the task-sequential fallback, then candidate order
+    best = next(c for c in sorted(fitting, key=lambda c: c.name == "task-sequential")
+                if c.sim.iteration_time <= fastest * (1 + TIE))
     if len(candidates) > 1:
         say(f"selection: {best.name} (simulated {best.sim.iteration_time * 1e3:.1f} ms) of "
             + ", ".join(f"{c.name} {c.sim.iteration_time * 1e3:.1f} ms" for c in candidates))

@@ -29,15 +29,26 @@ def profile_scale(measured: Iterable[CurvePoint], modelled: Callable[[int, int],
 
 
 def cluster_with_bandwidth(cluster: ClusterSpec, bandwidth: Mapping[str, Any] | None) -> ClusterSpec:
-    """The cluster with its link bandwidths and latencies replaced by a profile's measured ones (where
-    measured: the all-reduce bus bandwidth and per-step latency of the "intra_node" / "inter_node" links)."""
+    """The cluster with its links replaced by a profile's measured ones, where measured (the "intra_node" and
+    "inter_node" sections of tools/profile_metaops.py, profiler/comm.py): per link the all-reduce bus bandwidth
+    (``intra_node_bw``; ``inter_node_bw``: one group's ring across nodes), the point-to-point bandwidth
+    (``intra_node_p2p_bw``; ``network_rail_bw``: one device's path to the network), the latency of one small
+    all-reduce (``collective_latency`` inside a node; across nodes, one rank per node, ``network_latency``:
+    what crossing adds; estimator/comm_model.py), and the older per-hop latencies."""
     changes: dict[str, float] = {}
-    for section, bw, lat in (("intra_node", "intra_node_bw", "intra_node_latency"),
-                             ("inter_node", "inter_node_bw", "inter_node_latency")):
+    for section, bw, p2p, small, hop in (
+            ("intra_node", "intra_node_bw", "intra_node_p2p_bw", "collective_latency", "intra_node_latency"),
+            ("inter_node", "inter_node_bw", "network_rail_bw", "network_latency", "inter_node_latency")):
         link = (bandwidth or {}).get(section)
-        if link:
-            changes[bw] = float(link["allreduce_bus_bytes_per_s"])
-            changes[lat] = float(link["allreduce_latency_s"])
+        if not link:
+            continue
+        changes[bw] = float(link["allreduce_bus_bytes_per_s"])
+        changes[hop] = float(link["allreduce_latency_s"])
+        if link.get("p2p_bytes_per_s"):
+            changes[p2p] = float(link["p2p_bytes_per_s"])
+        timed = link.get("allreduce_seconds") or {}
+        if timed:  # the smallest message measured: one collective's latency
+            changes[small] = float(timed[min(timed, key=lambda size: int(size))])
     return dataclasses.replace(cluster, **changes) if changes else cluster
 
 

@@ -33,8 +33,9 @@ def plan_summary(plan: Plan) -> str:
            f" (simulated: compute {_fmt_time(p['simulated_compute'])}, transfers {_fmt_time(p['simulated_transfer'])},"
            f" gradient sync {_fmt_time(p['simulated_grad_sync'])}, optimizer "
            f"{_fmt_time(p['simulated_optimizer'] + p.get('simulated_param_gather', 0.0))})"),
-        f"  waves {_fmt_time(p.get('makespan', p['iteration_time']))}   C* {_fmt_time(p['c_star'])}   "
-        f"gap {100 * p['gap']:.1f}%   mean utilisation {100 * p['utilisation']:.1f}%"
+        f"  waves {_fmt_time(p.get('makespan', p['iteration_time']))}"
+        + (f"   C* {_fmt_time(p['c_star'])}   gap {100 * p['gap']:.1f}%" if p.get("c_star") else "")
+        + f"   mean utilisation {100 * p.get('utilisation', 0.0):.1f}%"
         + (f"   planner's estimate {_fmt_time(p['planner_estimate'])}" if "planner_estimate" in p else ""),
         f"  waves {len(plan.waves)}   levels {len(plan.levels)}   inter-island {_fmt_bytes(p.get('inter_island_bytes', 0))}"
         f"   intra-island {_fmt_bytes(p.get('intra_island_bytes', 0))}   local {_fmt_bytes(p.get('local_bytes', 0))}",
@@ -184,8 +185,9 @@ def gantt_figure(plan: Plan, title: str | None = None):
     top.tick_params(length=0)
     p = plan.predicted
     ax.set_title(title or f"{plan.workload_name}: {len(plan.waves)} waves, predicted "
-                 f"{p['iteration_time'] * scale:.1f} {unit} (C* {p['c_star'] * scale:.1f}), "
-                 f"utilisation {100 * p['utilisation']:.0f}%")
+                 f"{p['iteration_time'] * scale:.1f} {unit}"
+                 + (f" (C* {p['c_star'] * scale:.1f})" if p.get("c_star") else "")
+                 + f", utilisation {100 * p.get('utilisation', 0.0):.0f}%")
     ax.legend(handles=[Patch(color=color[m], label=m) for m in modules], loc="upper left",
               bbox_to_anchor=(1.0, 1.0), fontsize=8, title="module")
     fig.tight_layout()

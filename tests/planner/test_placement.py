@@ -358,3 +358,35 @@ def test_placement_is_deterministic_and_leaves_its_input_alone():
     g, schedule, cluster = big_flow_case()
     assert placed(schedule, g, cluster) == placed(schedule, g, cluster)
     assert all(s.devices is None for wv in schedule for s in wv.slices)
+
+
+def test_shared_tower_stays_on_its_node_when_its_gradients_outweigh_the_rows(monkeypatch):
+    """2 nodes x 2. Wave 0: x (tower enc) on one node, p (its own tower) on the other; wave 1: y, tower enc
+    again, reads p's small output. The rows pull y to p's node, enc's gradients (much bigger) to x's: placement
+    keeps enc's parameter device group inside one node; scoring rows alone it would cross nodes."""
+    import megatron_spindle.planner.placement as placement
+
+    cluster = make_cluster(4, 2, "CPU")
+    x = op("x/enc", "x", "enc", (0, 1), tokens=2)
+    p = op("y/pre", "y", "pre", (0,), batch=8, tokens=2)
+    y = op("y/enc", "y", "enc", (0, 1), tokens=2, level=1)
+    g = graph([x, p, y], [("y/pre", "y/enc")])
+    w = hand_workload([x, p, y])
+    cost, memory = models(w, cluster)
+    grads = sum(cost.param_count(u) for u in ("enc.layers.0", "enc.layers.1")) * placement.GRAD_REDUCE_BYTES
+    assert grads > 10 * cost.activation_bytes(p)  # the gradient sync outweighs the hand-off
+    schedule = waves_of([sl(x, 2), sl(p, 2)], [sl(y, 2)])
+
+    def islands(out, mid, wave):
+        return {cluster.island(d) for d in devices_of(out, mid, wave)}
+
+    out = place(schedule, g, w, cluster, cost, memory)
+    assert islands(out, "x/enc", 0) != islands(out, "y/pre", 0)
+    assert islands(out, "y/enc", 1) == islands(out, "x/enc", 0)
+    plan = assemble_plan(w, cluster, g, out, cost, memory, {"planner": "test"}, validate=False)
+    enc_group = [pg for pg in plan.param_groups if "enc.layers.0" in pg.params]
+    assert len(enc_group) == 1 and cluster.same_island(enc_group[0].devices)
+    # without the gradient term the rows win and enc's group spans both nodes
+    monkeypatch.setattr(placement._Scorer, "sync_penalty", lambda self, island: 0.0)
+    rows_only = place(schedule, g, w, cluster, cost, memory)
+    assert islands(rows_only, "y/enc", 1) == islands(rows_only, "y/pre", 0)

@@ -165,6 +165,12 @@ def test_grouping_configs_and_cost_model():
     fast = cluster_with_bandwidth(cluster, {"intra_node": link, "inter_node": None})
     assert fast.intra_node_bw == 2e9 and fast.intra_node_latency == 1e-4
     assert fast.inter_node_bw == cluster.inter_node_bw
+    # the comm model's constants from the measured links: small all-reduce = one collective's latency
+    full = {"allreduce_bus_bytes_per_s": 2e9, "allreduce_latency_s": 1e-4, "p2p_bytes_per_s": 3e9,
+            "allreduce_seconds": {"1024": 5e-4, "1048576": 2e-3}}
+    measured = cluster_with_bandwidth(cluster, {"intra_node": full, "inter_node": dict(full, p2p_bytes_per_s=1e9)})
+    assert (measured.collective_latency, measured.intra_node_p2p_bw) == (5e-4, 3e9)
+    assert (measured.network_latency, measured.network_rail_bw, measured.inter_node_bw) == (5e-4, 1e9, 2e9)
     meas = Measurement("text_audio/audio", ["text_audio/audio", "audio_depth/audio"], 1, 2, 1, 0.01, 0.002,
                        "measured", 1e6)
     model = ProfiledCostModel(workload, cluster, [meas])

@@ -1,0 +1,46 @@
+"""tools/compare.py: every system planned and simulated side by side (--json on tiny-clip), bad input refused."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import compare  # noqa: E402
+
+
+def test_json_on_tiny_clip_reports_every_system(capsys):
+    assert compare.main(["--workload", "tiny-clip", "--num-gpus", "4", "--gpus-per-node", "4", "--gpu-type", "CPU",
+                         "--spindle-solver-time-limit", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["workload"] == "tiny-clip" and doc["num_devices"] == 4
+    systems = doc["systems"]
+    assert list(systems) == list(compare.ALL_SYSTEMS)
+    for name, d in systems.items():
+        b = d["breakdown"]
+        assert d["iteration_time"] > 0 and d["peak_memory_bytes"] > 0 and d["fits"], name
+        parts = b["compute"] + b["transfer"] + b["grad_sync"] + b["optimizer"] + b["param_gather"]
+        assert parts == pytest.approx(d["iteration_time"]) == pytest.approx(b["iteration_time"]), name
+        assert d["memory_options"].startswith(f"zero{d['zero_stage']}"), name
+    ds = systems["deepspeed"]["iteration_time"]
+    assert systems["deepspeed"]["speedup_vs_deepspeed"] == 1.0
+    assert systems["optimus"]["speedup_vs_deepspeed"] == pytest.approx(ds / systems["optimus"]["iteration_time"])
+    # Spindle as tools/plan.py gives it: the fastest of its candidates, never slower than its sequential fallback
+    assert systems["spindle"]["selected"] is not None
+    assert systems["spindle"]["iteration_time"] <= systems["spindle-seq"]["iteration_time"] * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workload", "tiny-clip", "--num-gpus", "4", "--systems", "spindle,bogus"], "unknown system(s) bogus"),
+    (["--workload", "no-such-workload", "--num-gpus", "4"], "no-such-workload"),
+    (["--workload", "tiny-clip"], "--num-gpus"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        compare.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
