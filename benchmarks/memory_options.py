@@ -8,9 +8,9 @@ memory options of issue 14, all timed by the same simulator.
   baselines: as built in megatron_spindle/baselines);
 - **with**: Spindle as a user gets it (autoplan, every option auto: per-slice recomputation, micro-batches,
   the early backward where simulation prefers it); the baselines with the same options applied to their own
-  plans: for m in 1, 2, 4 micro-batches the baseline is planned at the micro-batch's batch, then every layer
-  slice gets the cheapest recomputation that fits (planner/memory_options.py, in the baseline's own order),
-  and the fastest simulated that fits is kept.
+  plans (baselines/memory_options.py): for m in 1, 2, 4 micro-batches the baseline is planned at the
+  micro-batch's batch, then every layer slice gets the cheapest recomputation that fits (in the baseline's own
+  order), and the fastest simulated that fits is kept.
 
     python benchmarks/memory_options.py [--workload vla-mem] [--num-gpus 16] [--out-dir DIR | --update-snapshot]
 """
@@ -18,7 +18,6 @@ memory options of issue 14, all timed by the same simulator.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from typing import Any
@@ -27,21 +26,16 @@ from bench_output import Recording, add_output_args
 
 from megatron_spindle.autoplan import autoplan
 from megatron_spindle.baselines import BASELINES, BaselineContext, memory_options
+from megatron_spindle.baselines.memory_options import with_memory_options
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
 from megatron_spindle.graph.cluster import ClusterSpec, make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import Workload, load_workload
-from megatron_spindle.plan.derive import derive_transfers, metaop_infos
-from megatron_spindle.plan.memory import ZeroSharded, plan_memory
-from megatron_spindle.plan.order import slice_order
-from megatron_spindle.plan.schema import Plan, PlanError, Recompute
-from megatron_spindle.plan.validate import validate_plan
-from megatron_spindle.planner.memory_options import RecomputeError, RecomputePolicy, choose_recompute
-from megatron_spindle.planner.pipeline import PlannerConfig, micro_metagraph
+from megatron_spindle.plan.schema import Plan, PlanError
+from megatron_spindle.planner.pipeline import PlannerConfig
 from megatron_spindle.simulator import simulate
 
 GiB = 2**30
-MICRO_BATCHES = (1, 2, 4)
 SYSTEMS = ["spindle", "deepspeed", "megatron", "distmm", "optimus", "spindle-seq"]
 
 
@@ -65,6 +59,9 @@ def entry(plan: Plan, sim, seconds: float) -> dict[str, Any]:
 
 
 def spindle(workload: Workload, cluster: ClusterSpec, options: bool) -> tuple[Plan, Any, float]:
+    """Spindle as tools/plan.py gives it (autoplan: the fastest simulated candidate, the task-sequential
+    fallback among them); without the options: the old all-or-nothing recomputation, one micro-batch, the plain
+    order, and the fallback without options."""
     t0 = time.perf_counter()
     if options:
         out = autoplan(workload, cluster, PlannerConfig(planner="wavefront"))
@@ -74,67 +71,23 @@ def spindle(workload: Workload, cluster: ClusterSpec, options: bool) -> tuple[Pl
         out = autoplan(workload, cluster, PlannerConfig(recompute="none", **base))
     except PlanError:
         out = autoplan(workload, cluster, PlannerConfig(recompute="full", **base))
-    return out.plan, out.sim, time.perf_counter() - t0
-
-
-def micro_workload(workload: Workload, m: int) -> Workload:
-    tasks = [dataclasses.replace(t, batch_size=t.batch_size // m) for t in workload.tasks]
-    return Workload(workload.name, workload.modules, tasks)
-
-
-def retarget(plan: Plan, workload: Workload, metagraph, cost_model, m: int) -> Plan:
-    """A plan made for the micro-batch workload (batches / m) as a plan of ``workload`` with m micro-batches:
-    the same waves (times of m micro-batches), the workload's MetaOp records, transfers of its whole batches."""
-    waves = [dataclasses.replace(w, start=m * w.start, duration=m * w.duration,
-                                 slices=[dataclasses.replace(s, predicted_time=m * s.predicted_time) for s in w.slices])
-             for w in plan.waves]
-    out = dataclasses.replace(plan, workload_digest=workload.digest(), metaops=metaop_infos(metagraph), waves=waves,
-                              planner=dict(plan.planner), predicted=dict(plan.predicted),
-                              settings=dataclasses.replace(plan.settings, micro_batches=m))
-    out.transfers = derive_transfers(out, lambda mid: cost_model.activation_bytes(metagraph.metaops[mid]))
-    return out
-
-
-def with_recompute(plan: Plan, micro_metaops, cost_model, memory_model, cluster: ClusterSpec) -> Plan | None:
-    """The plan with every layer slice at the cheapest recomputation that fits, in the plan's own order."""
-    base = dataclasses.replace(plan.settings, recompute=Recompute(), slice_recompute={})
-    waves = [w.slices for w in plan.waves]
-    order = slice_order([[s.task for s in w] for w in waves], base)
-    try:
-        choices = choose_recompute(waves, micro_metaops, ZeroSharded(memory_model, base.zero_stage), cost_model,
-                                   cluster.gpu.memory_bytes, order, RecomputePolicy(), cluster.num_devices)
-    except RecomputeError:
-        return None
-    rc = {waves[wi][si].id: r for (wi, si), r in choices.items() if r.mode != "none"}
-    return dataclasses.replace(plan, settings=dataclasses.replace(base, slice_recompute=rc))
+    plan, sim = out.plan, out.sim
+    seq, seq_sim, _ = baseline("spindle-seq", workload, cluster, False)  # the fallback, as before issue 14
+    if max(seq_sim.peak_memory) <= cluster.gpu.memory_bytes and seq_sim.iteration_time < sim.iteration_time:
+        plan, sim = seq, seq_sim
+    return plan, sim, time.perf_counter() - t0
 
 
 def baseline(name: str, workload: Workload, cluster: ClusterSpec, options: bool) -> tuple[Plan, Any, float]:
     t0 = time.perf_counter()
+    if options:
+        plan, sim, _, _ = with_memory_options(BASELINES[name], workload, cluster)
+        return plan, sim, time.perf_counter() - t0
     g = build_metagraph(workload)
     cost = AnalyticCostModel(workload, cluster)
     memory = MemoryModel(workload, cluster, cost)
-    if not options:
-        plan = BASELINES[name](workload, cluster, BaselineContext.build(workload, cluster, cost, memory, g))
-        return plan, simulate(plan, workload, cluster, cost, memory, metagraph=g), time.perf_counter() - t0
-    best = None
-    for m in MICRO_BATCHES:
-        if any(t.batch_size % m for t in workload.tasks):
-            continue
-        small = micro_workload(workload, m)
-        planned = BASELINES[name](small, cluster, BaselineContext.build(small, cluster))
-        plan = retarget(planned, workload, g, cost, m)
-        plan = with_recompute(plan, micro_metagraph(g, m).metaops, cost, memory, cluster)
-        if plan is None:
-            continue
-        plan.memory_per_device = plan_memory(plan, g.metaops, memory)
-        validate_plan(plan, workload, cluster, g)
-        sim = simulate(plan, workload, cluster, cost, memory, metagraph=g)
-        if best is None or sim.iteration_time < best[1].iteration_time:
-            best = (plan, sim)
-    if best is None:
-        raise PlanError(f"{name}: no micro-batch count and recomputation fits")
-    return best[0], best[1], time.perf_counter() - t0
+    plan = BASELINES[name](workload, cluster, BaselineContext.build(workload, cluster, cost, memory, g))
+    return plan, simulate(plan, workload, cluster, cost, memory, metagraph=g), time.perf_counter() - t0
 
 
 def table(rows: dict[str, dict[str, Any]], cap_gib: float) -> str:

@@ -109,7 +109,8 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
                 raise
             continue
         planned.append((name, result, time.perf_counter() - started))
-    if config.select == "simulate":
+    planned += _early_backward_candidates(workload, cluster, config, profile, planned)
+    if config.select == "simulate" and not config.fixes_memory_options():
         planned += _task_sequential(workload, cluster, planned[0][1], sim_cost_model)
     out = select_fastest(workload, cluster, planned, config, say, sim_cost_model)
     out.seconds = time.perf_counter() - t0
@@ -154,7 +155,7 @@ def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple
     fitting = [c for c in candidates if c.fits] or candidates
     fastest = min(c.sim.iteration_time for c in fitting)
     # ties (within TIE): the planner's own plans before the task-sequential fallback, then candidate order
-    best = next(c for c in sorted(fitting, key=lambda c: c.name == "task-sequential")
+    best = next(c for c in sorted(fitting, key=lambda c: c.name.startswith("task-sequential"))
                 if c.sim.iteration_time <= fastest * (1 + TIE))
     if len(candidates) > 1:
         say(f"selection: {best.name} (simulated {best.sim.iteration_time * 1e3:.1f} ms) of "
@@ -177,13 +178,26 @@ def _task_sequential(workload: Workload, cluster: ClusterSpec, first: PlanningRe
     started = time.perf_counter()
     ctx = BaselineContext.build(workload, cluster, metagraph=first.metagraph)
     plan = spindle_seq_plan(workload, cluster, ctx)
-    if not plan.planner.get("memory_ok", True):
-        return []
-    cost_model = ctx.recomputing(plan.settings.recompute.mode == "full")
-    plan.predicted.update(estimate_iteration(plan, first.metagraph, cluster, cost_model.cost_model).as_predicted())
-    result = dataclasses.replace(first, plan=plan, cost_model=cost_model.cost_model,
-                                 memory_model=cost_model.memory_model, solver=None, timings={})
-    return [("task-sequential", result, time.perf_counter() - started)]
+    out = []
+    if plan.planner.get("memory_ok", True):
+        cost_model = ctx.recomputing(plan.settings.recompute.mode == "full")
+        plan.predicted.update(estimate_iteration(plan, first.metagraph, cluster, cost_model.cost_model).as_predicted())
+        result = dataclasses.replace(first, plan=plan, cost_model=cost_model.cost_model,
+                                     memory_model=cost_model.memory_model, solver=None, timings={})
+        out.append(("task-sequential", result, time.perf_counter() - started))
+    if not plan.planner.get("memory_ok", True) or plan.settings.recompute.mode != "none":
+        # memory binds: the same with micro-batches and per-slice recomputation (baselines/memory_options.py)
+        from megatron_spindle.baselines.memory_options import with_memory_options
+
+        started = time.perf_counter()
+        try:
+            seq, _, cost, memory = with_memory_options(spindle_seq_plan, workload, cluster, metagraph=first.metagraph)
+        except PlanError:
+            return out
+        seq.predicted.update(estimate_iteration(seq, first.metagraph, cluster, cost).as_predicted())
+        result = dataclasses.replace(first, plan=seq, cost_model=cost, memory_model=memory, solver=None, timings={})
+        out.append(("task-sequential+options", result, time.perf_counter() - started))
+    return out
 
 
 def record_simulation(plan: Plan, sim: SimResult) -> None:
