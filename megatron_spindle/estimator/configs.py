@@ -3,7 +3,7 @@
 Rules (the runtime builds megatron-core layers from these, so they mirror megatron-core's own asserts):
 
 - dp divides the MetaOp's batch: DP rank k holds samples [k*B/dp, (k+1)*B/dp) and every rank gets the same
-  number of samples (see planner/plan.py).
+  number of samples (see plan/schema.py).
 - tp divides the number of attention heads, the number of query groups (GQA) and the FFN width, so every TP
   rank holds whole heads, whole KV groups and an equal share of the MLP.
 - tp stays inside a node: tp <= gpus_per_node and tp divides gpus_per_node. TP all-reduces sit on the critical

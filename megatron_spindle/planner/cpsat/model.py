@@ -1,6 +1,6 @@
 """The wave-slot model: one CP-SAT model of (part of) the plan, hinted, solved and read back as waves.
 
-Why a *wave-indexed* model rather than free start times: the plan format (planner/plan.py) is a sequence of
+Why a *wave-indexed* model rather than free start times: the plan format (plan/schema.py) is a sequence of
 waves; within a wave the allocation is fixed, slices have disjoint devices, transfers happen only at wave
 boundaries, and a wave lasts as long as its longest slice. A continuous-time model (start times +
 NoOverlap2D rectangles) optimises a schedule that must afterwards be cut into waves, and that cut either

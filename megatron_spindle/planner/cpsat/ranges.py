@@ -1,7 +1,7 @@
 """Device ranges for the slices of a wave: contiguous, tp-aligned, inside islands when possible.
 
 A slice gets a contiguous device range ``[o, o + n)`` with ``o`` a multiple of tp, so with tp dividing the
-node size every TP group stays inside a node and gets the rank layout of planner/plan.py. Models whose
+node size every TP group stays inside a node and gets the rank layout of plan/schema.py. Models whose
 objective and constraints do not depend on *which* devices keep only a device count per wave, and the
 ranges are packed afterwards here (which always fits when the tp degrees divide one another).
 """
