@@ -33,12 +33,14 @@ bench: $(STAMP)
 	$(PY) benchmarks/paper_eval.py --with-cpsat
 	$(PY) benchmarks/planning_time.py
 	$(PY) benchmarks/runtime_cpu.py --workload tiny-clip
+	$(PY) benchmarks/memory_options.py
 
 # The same runs, refreshing the committed snapshot in benchmarks/results/ (a deliberate step: review the diff).
 bench-snapshot: $(STAMP)
 	$(PY) benchmarks/paper_eval.py --with-cpsat --update-snapshot
 	$(PY) benchmarks/planning_time.py --update-snapshot
 	$(PY) benchmarks/runtime_cpu.py --workload tiny-clip --steps 8 --update-snapshot
+	$(PY) benchmarks/memory_options.py --update-snapshot
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megatron_spindle tools tests benchmarks pretrain_multitask.py

@@ -25,12 +25,13 @@ from typing import Any
 from bench_output import Recording, add_output_args
 
 from megatron_spindle.autoplan import autoplan
-from megatron_spindle.baselines import BASELINES, BaselineContext, memory_options
+from megatron_spindle.baselines import BASELINES, BaselineContext
 from megatron_spindle.baselines.memory_options import with_memory_options
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
 from megatron_spindle.graph.cluster import ClusterSpec, make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import Workload, load_workload
+from megatron_spindle.plan.memory import memory_options
 from megatron_spindle.plan.schema import Plan, PlanError
 from megatron_spindle.planner.pipeline import PlannerConfig
 from megatron_spindle.simulator import simulate

@@ -33,9 +33,10 @@ from typing import Any, Callable
 from bench_output import Recording, add_output_args
 
 from megatron_spindle.autoplan import autoplan, select_fastest
-from megatron_spindle.baselines import BASELINES, BaselineContext, memory_options
+from megatron_spindle.baselines import BASELINES, BaselineContext
 from megatron_spindle.graph.cluster import ClusterSpec, make_cluster
 from megatron_spindle.graph.workload import Workload, load_workload
+from megatron_spindle.plan.memory import memory_options
 from megatron_spindle.plan.schema import PlanError
 from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload
 from megatron_spindle.planner.placement import PlacementError

@@ -56,7 +56,7 @@ def parse_systems(text: str) -> list[str]:
 
 def describe(plan, sim, planning_seconds: float) -> dict:
     """What the table and the JSON report for one system."""
-    from megatron_spindle.baselines import memory_options
+    from megatron_spindle.plan.memory import memory_options
 
     st = plan.settings
     options = memory_options(plan)

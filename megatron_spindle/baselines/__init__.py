@@ -7,7 +7,6 @@ from megatron_spindle.baselines.systems import (
     deepspeed_plan,
     distmm_plan,
     megatron_plan,
-    memory_options,
     memory_tuned,
     optimus_allocation,
     optimus_plan,
@@ -15,5 +14,5 @@ from megatron_spindle.baselines.systems import (
     task_metaops,
 )
 
-__all__ = ["BASELINES", "BaselineContext", "deepspeed_plan", "distmm_plan", "megatron_plan", "memory_options",
+__all__ = ["BASELINES", "BaselineContext", "deepspeed_plan", "distmm_plan", "megatron_plan",
            "memory_tuned", "optimus_allocation", "optimus_plan", "spindle_seq_plan", "task_metaops"]
