@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/planning_time.py
 	$(PY) benchmarks/runtime_cpu.py --workload tiny-clip
 	$(PY) benchmarks/memory_options.py
+	$(PY) benchmarks/cost_model_validation.py
 
 # The same runs, refreshing the committed snapshot in benchmarks/results/ (a deliberate step: review the diff).
 bench-snapshot: $(STAMP)
@@ -41,6 +42,7 @@ bench-snapshot: $(STAMP)
 	$(PY) benchmarks/planning_time.py --update-snapshot
 	$(PY) benchmarks/runtime_cpu.py --workload tiny-clip --steps 8 --update-snapshot
 	$(PY) benchmarks/memory_options.py --update-snapshot
+	$(PY) benchmarks/cost_model_validation.py --out-dir benchmarks/results
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megatron_spindle tools tests benchmarks pretrain_multitask.py
