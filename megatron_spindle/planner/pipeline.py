@@ -197,6 +197,7 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
     plan = assemble_plan(workload, cluster, metagraph, best.charged_waves(), best.cost_model, best.memory_model,
                          info, level_allocs=best.level_allocs, curves=best.curves, settings=best.settings())
     plan.predicted["micro_batch_time"] = plan.predicted["iteration_time"] / best.micro_batches
+    _iteration_c_star(plan, best.micro_batches)
     validate_plan(plan, workload, cluster, metagraph)
     plan.predicted.update(estimate_iteration(plan, metagraph, cluster, best.cost_model).as_predicted())
     lap("assemble")
@@ -295,6 +296,19 @@ def memory_rungs(config: PlannerConfig, policy: RecomputePolicy) -> list[tuple[b
     rungs = [(z, rc, over) for rc, over in assumed for z in sharded]
     recomputing = [r for r in rungs if r[1].mode != "none" or r[2] > 1]
     return [r for r in rungs if not (r in recomputing and not r[0] and (True, r[1], r[2]) in rungs)]
+
+
+def _iteration_c_star(plan: Plan, micro_batches: int) -> None:
+    """The levels were allocated on one micro-batch, so their C~* is a micro-batch's, while the plan's waves are
+    the iteration's (m micro-batches): scale C~* to the iteration so that makespan / C~* compares like with
+    like."""
+    if micro_batches == 1 or "c_star" not in plan.predicted:
+        return
+    for level in plan.levels:
+        level.c_star *= micro_batches
+    plan.predicted["c_star"] *= micro_batches
+    c_star = plan.predicted["c_star"]
+    plan.predicted["gap"] = plan.predicted["iteration_time"] / c_star - 1.0 if c_star > 0 else 0.0
 
 
 def micro_batch_candidates(config: PlannerConfig, metagraph: MetaGraph) -> list[int]:

@@ -86,6 +86,13 @@ def test_micro_batches_are_chosen_by_predicted_time_and_recorded():
         assert forced.settings.micro_batches == m
         assert all((64 // m) % s.dp == 0 for s in forced.slices())  # DP splits of a micro-batch
         assert auto.predicted["iteration_time"] <= forced.predicted["iteration_time"] * (1 + 1e-9)
+        # C~* is the iteration's, like the waves: m times the levels' C~* of one micro-batch
+        assert forced.predicted["c_star"] == pytest.approx(sum(lv.c_star for lv in forced.levels))
+        assert forced.predicted["iteration_time"] >= forced.predicted["c_star"] * (1 - 1e-9)
+        if m == 1:
+            c_star_one = forced.predicted["c_star"]
+        else:  # a micro-batch's relaxed optimum is at least 1/m of the whole batch's (less efficient kernels)
+            assert forced.predicted["c_star"] >= c_star_one * (1 - 1e-9)
     assert micro_batch_candidates(PlannerConfig(), build_metagraph(w)) == [1, 2, 4, 8, 16, 32, 64]
     with pytest.raises(PlanError, match="--spindle-micro-batches 3 does not divide every task's batch"):
         plan_workload(w, tight, PlannerConfig(planner="wavefront", micro_batches="3"))
