@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from planner_workloads import HEAVY
 
 from megatron_spindle.arguments import add_spindle_args, build_parser, planner_config_from_args
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
@@ -27,18 +28,6 @@ from megatron_spindle.planner.pipeline import PlannerConfig, micro_batch_candida
 from megatron_spindle.planner.schedule import ScheduledSlice
 from megatron_spindle.simulator import simulate
 
-HEAVY = {
-    "name": "heavy",
-    "modules": {
-        "vision": {"kind": "encoder", "num_layers": 8, "hidden_size": 1024, "num_heads": 16,
-                   "ffn_hidden_size": 4096, "embed_dim": 256,
-                   "frontend": {"type": "patch", "image_size": 224, "patch_size": 14, "in_channels": 3}},
-        "text": {"kind": "encoder", "num_layers": 4, "hidden_size": 512, "num_heads": 8, "ffn_hidden_size": 2048,
-                 "embed_dim": 256, "frontend": {"type": "text", "vocab_size": 32000}},
-    },
-    "tasks": [{"name": "vt", "batch_size": 64, "tokens": {"vision": 257, "text": 77},
-               "loss": {"kind": "contrastive", "modules": ["vision", "text"]}}],
-}
 GiB = 2**30
 
 

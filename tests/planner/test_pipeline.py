@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+from planner_workloads import HEAVY
 
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
 from megatron_spindle.estimator.cost_model import CostModelConfig
@@ -12,19 +13,6 @@ from megatron_spindle.graph.workload import workload_from_dict
 from megatron_spindle.plan.schema import PlanError, Recompute
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.pipeline import PlannerConfig, make_plan, memory_footprint, memory_needs
-
-HEAVY = {
-    "name": "heavy",
-    "modules": {
-        "vision": {"kind": "encoder", "num_layers": 8, "hidden_size": 1024, "num_heads": 16,
-                   "ffn_hidden_size": 4096, "embed_dim": 256,
-                   "frontend": {"type": "patch", "image_size": 224, "patch_size": 14, "in_channels": 3}},
-        "text": {"kind": "encoder", "num_layers": 4, "hidden_size": 512, "num_heads": 8, "ffn_hidden_size": 2048,
-                 "embed_dim": 256, "frontend": {"type": "text", "vocab_size": 32000}},
-    },
-    "tasks": [{"name": "vt", "batch_size": 64, "tokens": {"vision": 257, "text": 77},
-               "loss": {"kind": "contrastive", "modules": ["vision", "text"]}}],
-}
 
 
 def cluster_with_memory(num_gpus: int, memory_bytes: float):
