@@ -384,7 +384,7 @@ class _Candidate:
             try:
                 self.choices = choose_recompute(waves, self.metagraph.metaops, numbers, self.cost_model,
                                                 cluster.gpu.memory_bytes, steps, self.policy, cluster.num_devices,
-                                                cluster.gpu.name)
+                                                cluster.gpu.name, [w.duration for w in self.placed])
             except RecomputeError as e:
                 self.error = e
                 continue
