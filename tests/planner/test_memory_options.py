@@ -186,3 +186,20 @@ def test_early_backward_frees_a_shallow_task_s_activations_and_is_used_where_the
     assert auto.settings.order is None and auto.settings.recompute_choices() != ["none"]
     with pytest.raises(PlanError, match="does not fit device memory"):
         plan_workload(w, tight, PlannerConfig(**fixed, recompute="none", early_backward="off"))
+
+
+def test_a_plan_without_recomputation_placed_without_the_cap_s_limits_is_picked_when_it_fits_and_is_faster():
+    """3 GiB on 4 devices: the plain placement fits without recomputation, but the share limits under the cap
+    leave out the faster configurations; placed on overcommitted devices the real activations fit all the
+    same, so the planner (which compares every rung by its estimate) takes that plan."""
+    w = workload_from_dict(HEAVY)
+    tight = with_memory(4, 3.0 * GiB)
+    plain, _ = planned(w, tight, recompute="none", micro_batches="1", distributed_optimizer="off")
+    auto, auto_sim = planned(w, tight)
+    assert plain.settings.recompute_choices() == ["none"]
+    assert auto.settings.recompute_choices() == ["none"] and auto.settings.micro_batches == 1
+    assert auto.predicted["planner_estimate"] < plain.predicted["planner_estimate"]
+    assert max(auto_sim.peak_memory) <= tight.gpu.memory_bytes
+    for m in ("1", "2", "4"):  # no forced count without recomputation is predicted faster
+        forced, _ = planned(w, tight, recompute="none", micro_batches=m)
+        assert auto.predicted["planner_estimate"] <= forced.predicted["planner_estimate"] * (1 + 1e-9)
