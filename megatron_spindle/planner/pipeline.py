@@ -47,7 +47,7 @@ EARLY_BACKWARD = ("auto", "on", "off")
 MICRO_BATCH_TRIES = 2  # micro-batch counts tried beyond the first that fits (auto)
 # device memory placement may plan with (times the device's) before recomputation takes the excess off: the more,
 # the less memory limits the configurations and their balance, the more may have to be recomputed
-OVERCOMMITS = (1.5, 2.0, 3.0)
+OVERCOMMITS = (2.0, 3.0)
 SELECTIONS = ("simulate", "none")
 LIGHT_FOLLOW_SLACK = 0.01
 
@@ -152,7 +152,11 @@ def make_plan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | 
 
 
 def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | None = None,
-                  profile: dict | None = None, progress: Callable[[str], None] | None = None) -> PlanningResult:
+                  profile: dict | None = None, progress: Callable[[str], None] | None = None,
+                  placements: dict | None = None) -> PlanningResult:
+    """``placements``: a dict shared by planning runs of the same workload, cluster and profile (plan selection's
+    candidates, megatron_spindle/autoplan.py): the memory search's placements, which depend on neither the
+    planner nor the order, are made once."""
     config = config or PlannerConfig()
     say = progress or (lambda msg: None)
     timings: dict[str, float] = {}
@@ -167,7 +171,7 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
     metagraph = build_metagraph(workload)
     say(f"graph: {len(metagraph.metaops)} MetaOps in {len(metagraph.levels)} MetaLevels")
     lap("contract")
-    best = _memory_search(metagraph, workload, cluster, config, profile, say)
+    best = _memory_search(metagraph, workload, cluster, config, profile, say, placements)
     lap("estimate+allocate+schedule+place")
     say(f"scaling curves: {len(best.curves)} ({sum(c.source == 'profiled' for c in best.curves.values())} profiled)")
     say(f"wavefront: {len(best.waves)} waves; memory: {best.describe()}")
@@ -178,22 +182,28 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
 
         say(f"cp-sat: refining the greedy plan (limit {config.solver_time_limit:g} s, "
             f"{config.solver_workers} workers)")
-        solver = solve_cpsat(best.metagraph, workload, cluster, best.curves, best.placed, best.cost_model,
+        solver = solve_cpsat(best.metagraph, workload, best.placed_on, best.curves, best.placed, best.cost_model,
                              best.memory_model_placed, time_limit=config.solver_time_limit,
                              workers=config.solver_workers, cross_level_overlap=config.cross_level_overlap,
                              level_allocs=best.level_allocs)
         info["planner"] = "cpsat"
         info["solver"] = solver.summary()
         refined = best.with_waves(solver.waves, cluster, config)
+        if refined is not None and (refined.recomputes or best.recomputes):
+            # the solver times the waves without recomputation: what its plan needs recomputed may cost more
+            refined = refined if refined.estimate(workload, cluster, metagraph) <= \
+                best.estimate(workload, cluster, metagraph) else None
+            if refined is None:
+                info["notes"] = ["the CP-SAT plan needs more recomputation than it saves; the greedy plan is kept"]
         if refined is not None:
             best = refined
             info["memory_options"] = best.describe()
         else:
-            info["notes"] = ["the CP-SAT plan fits no recomputation choice; the greedy plan is kept"]
+            info.setdefault("notes", ["the CP-SAT plan fits no recomputation choice; the greedy plan is kept"])
         lap("cpsat")
     if config.light_follow:
-        relaid = _light_levels_follow(best.placed, best.metagraph, workload, cluster, best.curves, best.cost_model,
-                                      best.memory_model_placed, config)
+        relaid = _light_levels_follow(best.placed, best.metagraph, workload, best.placed_on, best.curves,
+                                      best.cost_model, best.memory_model_placed, config)
         refined = best.with_waves(relaid, cluster, config) if relaid is not best.placed else None
         best = refined or best
     plan = assemble_plan(workload, cluster, metagraph, best.charged_waves(), best.cost_model, best.memory_model,
@@ -335,6 +345,7 @@ class _Candidate:
     cost_model: AnalyticCostModel
     memory_model: MemoryModel  # recomputation per slice from the settings
     memory_model_placed: MemoryModel  # what placement (and CP-SAT) planned with
+    placed_on: ClusterSpec  # the cluster placement (and CP-SAT) planned on: device memory overcommitted or not
     policy: RecomputePolicy
     curves: dict[str, Any]
     level_allocs: list[LevelAllocation]
@@ -434,7 +445,7 @@ class _Candidate:
 
 
 def _memory_search(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
-                   say) -> _Candidate:
+                   say, placements: dict | None = None) -> _Candidate:
     """The memory options of the plan: for each micro-batch count (fewest first), every rung of
     ``memory_rungs`` that places and fits is a candidate, and the one the planner's estimate times fastest
     (planner/objective.py) wins. The first rung that fits is not always the fastest: placement under the cap
@@ -458,25 +469,31 @@ def _memory_search(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpe
         if first_fit is not None and i - first_fit > MICRO_BATCH_TRIES:
             break
         micro = micro_metagraph(metagraph, m)
-        found, free = None, False
+        found, free, unbound = None, False, None  # unbound: the least overcommit that placed with memory binding nothing
         for sharded, assumed, over in rungs:
-            cost_model = AnalyticCostModel(workload, cluster)
-            placed_mm = MemoryModel(workload, cluster, cost_model, distributed_optimizer=sharded, recompute=assumed)
-            # planning with every layer at its leanest, a chain may take the whole device: what it does not
-            # need is given back to it slice by slice afterwards
-            shares = (1.0,) + MEMORY_SHARES if assumed.mode != "none" else MEMORY_SHARES
-            roomy = cluster if over == 1 else dataclasses.replace(cluster, gpu=dataclasses.replace(
-                cluster.gpu, memory_bytes=over * cluster.gpu.memory_bytes))
-            try:
-                curves, allocs, placed, bound = _allocate_schedule_place(micro, workload, roomy, config,
-                                                                         profile if m == 1 else None, cost_model,
-                                                                         placed_mm, say, shares)
-            except PlanError as e:
-                error = e
+            if assumed.mode == "none" and unbound is not None and over > unbound:
+                continue  # more memory would place the same
+            if not sharded and i > 0 and config.distributed_optimizer == "auto":
+                continue  # memory bound the first count: sharding the optimizer state costs no time
+            key = (m, sharded, assumed, over, config.inverse, config.placement, config.max_slice_devices)
+            if placements is None or key not in placements:
+                try:
+                    placed = _place_rung(micro, workload, cluster, config, profile if m == 1 else None, sharded,
+                                         assumed, over, say)
+                except PlanError as e:
+                    placed = e
+                if placements is not None:
+                    placements[key] = placed
+            placed = placements[key] if placements is not None else placed
+            if isinstance(placed, PlanError):
+                error = placed
                 continue
+            cost_model, placed_mm, roomy, curves, allocs, placed, bound = placed
             cand = _Candidate(m, micro, cost_model, MemoryModel(workload, cluster, cost_model,
                                                                 distributed_optimizer=sharded),
-                              placed_mm, policy, curves, allocs, placed)
+                              placed_mm, roomy, policy, curves, allocs, placed)
+            if not bound and assumed.mode == "none":
+                unbound = over if unbound is None else min(unbound, over)
             if not cand.choose(cluster, config):
                 error = cand.error
                 continue
@@ -505,6 +522,20 @@ def _memory_search(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpe
                         f"{sorted({op.batch // m for op in metagraph.metaops.values()})} per micro-batch), "
                         f"{policy.lean().describe()} recomputation and the distributed optimizer: {error}")
     return best
+
+
+def _place_rung(micro, workload, cluster, config, profile, sharded, assumed, over, say):
+    """One rung's placement: (cost model, memory model placed with, cluster placed on, curves, allocations,
+    placed waves, whether memory bound it)."""
+    cost_model = AnalyticCostModel(workload, cluster)
+    placed_mm = MemoryModel(workload, cluster, cost_model, distributed_optimizer=sharded, recompute=assumed)
+    # planning with every layer at its leanest, a chain may take the whole device: what it does not need is given
+    # back to it slice by slice afterwards
+    shares = (1.0,) + MEMORY_SHARES if assumed.mode != "none" else MEMORY_SHARES
+    roomy = cluster if over == 1 else dataclasses.replace(cluster, gpu=dataclasses.replace(
+        cluster.gpu, memory_bytes=over * cluster.gpu.memory_bytes))
+    placed = _allocate_schedule_place(micro, workload, roomy, config, profile, cost_model, placed_mm, say, shares)
+    return (cost_model, placed_mm, roomy) + placed
 
 
 def memory_footprint(metaop, tp: int, dp: int, memory_model: MemoryModel) -> float:
