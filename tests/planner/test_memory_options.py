@@ -203,3 +203,27 @@ def test_a_plan_without_recomputation_placed_without_the_cap_s_limits_is_picked_
     for m in ("1", "2", "4"):  # no forced count without recomputation is predicted faster
         forced, _ = planned(w, tight, recompute="none", micro_batches=m)
         assert auto.predicted["planner_estimate"] <= forced.predicted["planner_estimate"] * (1 + 1e-9)
+
+
+def test_recomputation_goes_where_its_wave_has_slack():
+    """Device 0 holds two halves of the vision chain, one the longest slice of wave 0, the other short beside a
+    long text slice in wave 1; memory for one recomputed layer less. Given the waves' durations the layer is
+    recomputed in wave 1's slack (lengthening nothing); counted in seconds alone, in the first half."""
+    w = workload_from_dict(HEAVY)
+    cluster = make_cluster(2, 2)
+    g = build_metagraph(w)
+    cost = AnalyticCostModel(w, cluster)
+    numbers = ZeroSharded(MemoryModel(w, cluster, cost), 0)
+    first = ScheduledSlice("vt/vision", 1, 1, 1, 0, 4, 1.0, devices=[0])
+    second = ScheduledSlice("vt/vision", 1, 1, 1, 4, 8, 0.1, devices=[0])
+    text = ScheduledSlice("vt/text", 1, 1, 1, 0, 4, 1.0, devices=[1])
+    waves = [[first], [second, text]]
+    order = slice_order([["vt"], ["vt", "vt"]], ExecutionSettings())
+    params, peak = memory_breakdown(waves, g.metaops, numbers, 2, order)[0]
+    one_layer = slice_options(g.metaops["vt/vision"], first, numbers, cost, RecomputePolicy())[0].held / 4
+    capacity = params + peak - one_layer / 2
+    args = (waves, g.metaops, numbers, cost, capacity, order, RecomputePolicy(), 2)
+    by_seconds = choose_recompute(*args)
+    by_waves = choose_recompute(*args, durations=[1.0, 1.0])
+    assert by_seconds[(0, 0)].mode != "none" and by_seconds[(1, 0)].mode == "none"
+    assert by_waves[(0, 0)].mode == "none" and by_waves[(1, 0)].mode != "none"
