@@ -100,16 +100,17 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     planned: list[tuple[str, PlanningResult, float]] = []
+    placements: dict = {}  # the memory search's placements, shared by the candidates (planner/pipeline.py)
     for i, (name, cfg) in enumerate(candidate_configs(config, cluster)):
         started = time.perf_counter()
         try:
-            result = plan_workload(workload, cluster, cfg, profile, say if i == 0 else None)
+            result = plan_workload(workload, cluster, cfg, profile, say if i == 0 else None, placements)
         except PlanError:  # a variant that cannot fit; the configured planner's error is the one to report
             if i == 0:
                 raise
             continue
         planned.append((name, result, time.perf_counter() - started))
-    planned += _early_backward_candidates(workload, cluster, config, profile, planned)
+    planned += _early_backward_candidates(workload, cluster, config, profile, planned, placements)
     if config.select == "simulate" and not config.fixes_memory_options():
         planned += _task_sequential(workload, cluster, planned[0][1], sim_cost_model)
     out = select_fastest(workload, cluster, planned, config, say, sim_cost_model)
@@ -119,7 +120,7 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
 
 
 def _early_backward_candidates(workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
-                               planned: list[tuple[str, PlanningResult, float]]):
+                               planned: list[tuple[str, PlanningResult, float]], placements: dict | None = None):
     """The configured planner's plan again with the early backward, where memory binds (the plan recomputes or
     splits micro-batches) and the planner left the order to it: the early backward lowers the peak, so it may
     need less of either, but whether its interleaving pays only the simulator can tell."""
@@ -133,7 +134,7 @@ def _early_backward_candidates(workload: Workload, cluster: ClusterSpec, config:
     started = time.perf_counter()
     try:
         early = plan_workload(workload, cluster, dataclasses.replace(config, early_backward="on", light_follow=True),
-                              profile)
+                              profile, placements=placements)
     except PlanError:
         return []
     return [(f"{name}+early-backward", early, time.perf_counter() - started)]

@@ -10,7 +10,10 @@ of the activations held (``_Program`` keeps that peak per group of devices runni
 
 ``choose_recompute`` starts from no recomputation and, while a device is over its capacity, moves one slice
 live at that device's peak down its ladder: the move that frees the most of the overflow per second of
-recomputation. Then every slice is moved back up as far as the devices still fit (a later move may have made
+recomputation. Given the waves' durations, a second costs what it lengthens its wave (a slice shorter than
+its wave's longest recomputes in the slack; ``SLACK_WEIGHT`` of the seconds still counts, the devices are
+busy): the waves run one after another, so that is what it adds to the iteration. Then every slice is moved
+back up as far as the devices still fit (a later move may have made
 an earlier one unnecessary). ``RecomputePolicy`` restricts the options: the user's Megatron-style choice
 (``--recompute-granularity`` ...) is used as given for every layer slice.
 """
@@ -29,6 +32,7 @@ from megatron_spindle.plan.order import FWD, SliceStep
 from megatron_spindle.plan.schema import Recompute
 
 SliceKey = tuple[int, int]  # (wave, slice)
+SLACK_WEIGHT = 0.1  # share of recomputation seconds counted where the slice's wave absorbs them
 
 
 class RecomputeError(ValueError):
@@ -121,9 +125,11 @@ class _Program:
 
 def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
                      numbers: ShardedNumbers, cost_model, capacity: float, order: Sequence[SliceStep],
-                     policy: RecomputePolicy, num_devices: int, device_name: str = "device") -> dict[SliceKey, Recompute]:
+                     policy: RecomputePolicy, num_devices: int, device_name: str = "device",
+                     durations: Sequence[float] | None = None) -> dict[SliceKey, Recompute]:
     """(wave, slice) -> Recompute for every layer slice of placed waves (``metaops``: as each micro-batch runs
-    them) so that every device fits ``capacity``, as cheap in recomputation seconds as the greedy finds.
+    them) so that every device fits ``capacity``, as cheap in recomputation seconds as the greedy finds
+    (``durations``: the waves' seconds, the slices' own in their ``time``; then as cheap in wave lengthening).
     Raises RecomputeError naming the device that cannot fit even with every slice at its leanest option."""
     ladders: dict[SliceKey, list[Option]] = {}
     for wi, slices in enumerate(waves):
@@ -142,6 +148,15 @@ def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
             p.add(key, ladders[key][0].held, ladders[key][0].transient)
             of_slice[key].append(p)
         programs.append(p)
+
+    def cost(key: SliceKey, seconds: float) -> float:
+        """What ``seconds`` more recomputation of the slice costs the iteration."""
+        if durations is None:
+            return seconds
+        wi, si = key
+        ends = [s.time + ladders[(wi, sj)][level[(wi, sj)]].seconds for sj, s in enumerate(waves[wi])]
+        longest = max([durations[wi]] + ends)
+        return max(0.0, ends[si] + seconds - longest) + SLACK_WEIGHT * seconds
 
     def move(key: SliceKey, to: int) -> None:
         old, new = ladders[key][level[key]], ladders[key][to]
@@ -165,7 +180,7 @@ def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
                 local = -(dh + (dt if at_peak == hi else 0.0)) if lo <= at_peak <= hi else 0.0
                 if gain <= 0 and local <= 0:
                     continue
-                seconds = ladder[j].seconds - ladder[at].seconds
+                seconds = cost(key, ladder[j].seconds - ladder[at].seconds)
                 score = (gain > 0, min(max(gain, local), overflow) / max(seconds, 1e-12), -seconds)
                 if best_score is None or score > best_score:
                     best, best_score = (key, j), score

@@ -45,7 +45,9 @@ RECOMPUTE = ("auto", "none", "selective", "full")
 DISTRIBUTED_OPTIMIZER = ("auto", "off", "on")
 EARLY_BACKWARD = ("auto", "on", "off")
 MICRO_BATCH_TRIES = 2  # micro-batch counts tried beyond the first that fits (auto)
-OVERCOMMIT = 2.0  # device memory placement may plan with before recomputation takes the excess off
+# device memory placement may plan with (times the device's) before recomputation takes the excess off: the more,
+# the less memory limits the configurations and their balance, the more may have to be recomputed
+OVERCOMMITS = (2.0, 3.0)
 SELECTIONS = ("simulate", "none")
 LIGHT_FOLLOW_SLACK = 0.01
 
@@ -150,7 +152,11 @@ def make_plan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | 
 
 
 def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | None = None,
-                  profile: dict | None = None, progress: Callable[[str], None] | None = None) -> PlanningResult:
+                  profile: dict | None = None, progress: Callable[[str], None] | None = None,
+                  placements: dict | None = None) -> PlanningResult:
+    """``placements``: a dict shared by planning runs of the same workload, cluster and profile (plan selection's
+    candidates, megatron_spindle/autoplan.py): the memory search's placements, which depend on neither the
+    planner nor the order, are made once."""
     config = config or PlannerConfig()
     say = progress or (lambda msg: None)
     timings: dict[str, float] = {}
@@ -165,7 +171,7 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
     metagraph = build_metagraph(workload)
     say(f"graph: {len(metagraph.metaops)} MetaOps in {len(metagraph.levels)} MetaLevels")
     lap("contract")
-    best = _memory_search(metagraph, workload, cluster, config, profile, say)
+    best = _memory_search(metagraph, workload, cluster, config, profile, say, placements)
     lap("estimate+allocate+schedule+place")
     say(f"scaling curves: {len(best.curves)} ({sum(c.source == 'profiled' for c in best.curves.values())} profiled)")
     say(f"wavefront: {len(best.waves)} waves; memory: {best.describe()}")
@@ -176,22 +182,28 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
 
         say(f"cp-sat: refining the greedy plan (limit {config.solver_time_limit:g} s, "
             f"{config.solver_workers} workers)")
-        solver = solve_cpsat(best.metagraph, workload, cluster, best.curves, best.placed, best.cost_model,
+        solver = solve_cpsat(best.metagraph, workload, best.placed_on, best.curves, best.placed, best.cost_model,
                              best.memory_model_placed, time_limit=config.solver_time_limit,
                              workers=config.solver_workers, cross_level_overlap=config.cross_level_overlap,
                              level_allocs=best.level_allocs)
         info["planner"] = "cpsat"
         info["solver"] = solver.summary()
         refined = best.with_waves(solver.waves, cluster, config)
+        if refined is not None and (refined.recomputes or best.recomputes):
+            # the solver times the waves without recomputation: what its plan needs recomputed may cost more
+            refined = refined if refined.estimate(workload, cluster, metagraph) <= \
+                best.estimate(workload, cluster, metagraph) else None
+            if refined is None:
+                info["notes"] = ["the CP-SAT plan needs more recomputation than it saves; the greedy plan is kept"]
         if refined is not None:
             best = refined
             info["memory_options"] = best.describe()
         else:
-            info["notes"] = ["the CP-SAT plan fits no recomputation choice; the greedy plan is kept"]
+            info.setdefault("notes", ["the CP-SAT plan fits no recomputation choice; the greedy plan is kept"])
         lap("cpsat")
     if config.light_follow:
-        relaid = _light_levels_follow(best.placed, best.metagraph, workload, cluster, best.curves, best.cost_model,
-                                      best.memory_model_placed, config)
+        relaid = _light_levels_follow(best.placed, best.metagraph, workload, best.placed_on, best.curves,
+                                      best.cost_model, best.memory_model_placed, config)
         refined = best.with_waves(relaid, cluster, config) if relaid is not best.placed else None
         best = refined or best
     plan = assemble_plan(workload, cluster, metagraph, best.charged_waves(), best.cost_model, best.memory_model,
@@ -224,7 +236,8 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
     """Curves, allocation, waves and placement, memory-aware: the paper's allocator ignores memory, and a heavy
     MetaOp on too few devices cannot hold its activations. Each MetaOp's configurations are first limited to
     those whose whole chain fits ``shares[0]`` of a device (half by default); when placement still runs out of
-    memory the next share is tried and everything is replanned."""
+    memory the next share is tried and everything is replanned. Also returns whether memory bound the plan (a
+    configuration was left out or a share replanned): where it did not, more memory would plan the same."""
     N = cluster.num_devices
     needs = memory_needs(metagraph, workload, cluster, memory_model)
     memory_allowed_configs(metagraph, needs, cluster, 1.0)  # a MetaOp that fits nowhere is named first
@@ -245,7 +258,8 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
         try:
             placed = place(waves, metagraph, workload, cluster, cost_model, memory_model,
                            strategy=config.placement)
-            return curves, level_allocs, placed
+            bound = attempt > 0 or any(b > share * cluster.gpu.memory_bytes for n in needs.values() for b in n.values())
+            return curves, level_allocs, placed, bound
         except PlacementError as e:
             if attempt == len(shares) - 1:
                 raise PlanError(f"the plan does not fit device memory: {e}") from e
@@ -284,7 +298,7 @@ def memory_rungs(config: PlannerConfig, policy: RecomputePolicy) -> list[tuple[b
     device's) in order, cheapest first: sharding the optimizer state costs nothing in time (its reduce-scatter
     + all-gather moves what an all-reduce moves); recomputation costs a forward pass per layer, so placement
     first plans without it; then, where recomputation may be chosen per slice, without it on devices
-    OVERCOMMIT times as large (placement balances the real activations, recomputation takes off what does not
+    OVERCOMMITS times as large (placement balances the real activations, recomputation takes off what does not
     fit), then with every layer at its leanest (``policy.lean()``); the slices get the cheapest choice that
     fits afterwards. With recomputation, sharding is free, so an unsharded recomputing rung is never worth
     trying."""
@@ -292,7 +306,7 @@ def memory_rungs(config: PlannerConfig, policy: RecomputePolicy) -> list[tuple[b
     if policy.fixed is not None:
         assumed = [(policy.fixed, 1.0)]
     else:
-        assumed = [(Recompute(), 1.0), (Recompute(), OVERCOMMIT), (policy.lean(), 1.0)]
+        assumed = [(Recompute(), 1.0)] + [(Recompute(), o) for o in OVERCOMMITS] + [(policy.lean(), 1.0)]
     rungs = [(z, rc, over) for rc, over in assumed for z in sharded]
     recomputing = [r for r in rungs if r[1].mode != "none" or r[2] > 1]
     return [r for r in rungs if not (r in recomputing and not r[0] and (True, r[1], r[2]) in rungs)]
@@ -345,6 +359,7 @@ class _Candidate:
     cost_model: AnalyticCostModel
     memory_model: MemoryModel  # recomputation per slice from the settings
     memory_model_placed: MemoryModel  # what placement (and CP-SAT) planned with
+    placed_on: ClusterSpec  # the cluster placement (and CP-SAT) planned on: device memory overcommitted or not
     policy: RecomputePolicy
     curves: dict[str, Any]
     level_allocs: list[LevelAllocation]
@@ -394,7 +409,7 @@ class _Candidate:
             try:
                 self.choices = choose_recompute(waves, self.metagraph.metaops, numbers, self.cost_model,
                                                 cluster.gpu.memory_bytes, steps, self.policy, cluster.num_devices,
-                                                cluster.gpu.name)
+                                                cluster.gpu.name, [w.duration for w in self.placed])
             except RecomputeError as e:
                 self.error = e
                 continue
@@ -444,45 +459,65 @@ class _Candidate:
 
 
 def _memory_search(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
-                   say) -> _Candidate:
-    """The memory options of the plan, cheapest in predicted time first: for each micro-batch count (fewest
-    first), the rungs of ``memory_rungs``; the first rung of a count that places is that count's candidate.
-    A count whose plan needs no recomputation ends the search (more micro-batches only cost efficiency), as do
-    MICRO_BATCH_TRIES more counts after the first that fits; the candidate the planner's estimate times fastest
-    (planner/objective.py) wins."""
+                   say, placements: dict | None = None) -> _Candidate:
+    """The memory options of the plan: for each micro-batch count (fewest first), every rung of
+    ``memory_rungs`` that places and fits is a candidate, and the one the planner's estimate times fastest
+    (planner/objective.py) wins. The first rung that fits is not always the fastest: placement under the cap
+    limits the configurations and their balance, so a placement on overcommitted devices with a little
+    recomputation (or none: the real activations may fit after all) can beat it, and a few more micro-batches
+    can beat recomputation. A rung that fits with memory binding nothing (no recomputation, no configuration
+    left out) ends its count, and such a count ends the search, as do a count that fits without recomputation
+    and is no faster than the best before it (more micro-batches only cost efficiency from there) and
+    MICRO_BATCH_TRIES more counts after the first that fits."""
     policy = recompute_policy(config)
     counts = micro_batch_candidates(config, metagraph)
     rungs = memory_rungs(config, policy)
     best: _Candidate | None = None
     error: Exception | None = None
     first_fit = None  # index of the first count that fits
+
+    def faster(a: _Candidate, b: _Candidate | None) -> bool:
+        return b is None or a.estimate(workload, cluster, metagraph) < b.estimate(workload, cluster, metagraph)
+
     for i, m in enumerate(counts):
         if first_fit is not None and i - first_fit > MICRO_BATCH_TRIES:
             break
         micro = micro_metagraph(metagraph, m)
-        found = None
+        found, free, unbound = None, False, None  # unbound: the least overcommit that placed with memory binding nothing
         for sharded, assumed, over in rungs:
-            cost_model = AnalyticCostModel(workload, cluster)
-            placed_mm = MemoryModel(workload, cluster, cost_model, distributed_optimizer=sharded, recompute=assumed)
-            # planning with every layer at its leanest, a chain may take the whole device: what it does not
-            # need is given back to it slice by slice afterwards
-            shares = (1.0,) + MEMORY_SHARES if assumed.mode != "none" else MEMORY_SHARES
-            roomy = cluster if over == 1 else dataclasses.replace(cluster, gpu=dataclasses.replace(
-                cluster.gpu, memory_bytes=over * cluster.gpu.memory_bytes))
-            try:
-                curves, allocs, placed = _allocate_schedule_place(micro, workload, roomy, config,
-                                                                  profile if m == 1 else None, cost_model,
-                                                                  placed_mm, say, shares)
-            except PlanError as e:
-                error = e
+            if assumed.mode == "none" and unbound is not None and over > unbound:
+                continue  # more memory would place the same
+            if not sharded and i > 0 and config.distributed_optimizer == "auto":
+                continue  # memory bound the first count: sharding the optimizer state costs no time
+            key = (m, sharded, assumed, over, config.inverse, config.placement, config.max_slice_devices)
+            if placements is None or key not in placements:
+                try:
+                    placed = _place_rung(micro, workload, cluster, config, profile if m == 1 else None, sharded,
+                                         assumed, over, say)
+                except PlanError as e:
+                    placed = e
+                if placements is not None:
+                    placements[key] = placed
+            placed = placements[key] if placements is not None else placed
+            if isinstance(placed, PlanError):
+                error = placed
                 continue
+            cost_model, placed_mm, roomy, curves, allocs, placed, bound = placed
             cand = _Candidate(m, micro, cost_model, MemoryModel(workload, cluster, cost_model,
                                                                 distributed_optimizer=sharded),
-                              placed_mm, policy, curves, allocs, placed)
-            if cand.choose(cluster, config):
+                              placed_mm, roomy, policy, curves, allocs, placed)
+            if not bound and assumed.mode == "none":
+                unbound = over if unbound is None else min(unbound, over)
+            if not cand.choose(cluster, config):
+                error = cand.error
+                continue
+            say(f"{cand.describe()} (placed on {over:g}x device memory): estimated "
+                f"{1e3 * cand.estimate(workload, cluster, metagraph):.1f} ms")
+            if faster(cand, found):
                 found = cand
+            if over == 1 and not bound and not cand.recomputes:
+                free = True
                 break
-            error = cand.error
         if found is None:
             if best is not None:
                 break
@@ -490,10 +525,10 @@ def _memory_search(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpe
                 + ("; trying more" if m != counts[-1] else ""))
             continue
         first_fit = i if first_fit is None else first_fit
-        say(f"{found.describe()}: estimated {1e3 * found.estimate(workload, cluster, metagraph):.1f} ms")
-        if best is None or found.estimate(workload, cluster, metagraph) < best.estimate(workload, cluster, metagraph):
+        improves = faster(found, best)
+        if improves:
             best = found
-        if not found.recomputes:
+        if free or (not found.recomputes and not improves):
             break
     if best is None:
         m = counts[-1]
@@ -501,6 +536,20 @@ def _memory_search(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpe
                         f"{sorted({op.batch // m for op in metagraph.metaops.values()})} per micro-batch), "
                         f"{policy.lean().describe()} recomputation and the distributed optimizer: {error}")
     return best
+
+
+def _place_rung(micro, workload, cluster, config, profile, sharded, assumed, over, say):
+    """One rung's placement: (cost model, memory model placed with, cluster placed on, curves, allocations,
+    placed waves, whether memory bound it)."""
+    cost_model = AnalyticCostModel(workload, cluster)
+    placed_mm = MemoryModel(workload, cluster, cost_model, distributed_optimizer=sharded, recompute=assumed)
+    # planning with every layer at its leanest, a chain may take the whole device: what it does not need is given
+    # back to it slice by slice afterwards
+    shares = (1.0,) + MEMORY_SHARES if assumed.mode != "none" else MEMORY_SHARES
+    roomy = cluster if over == 1 else dataclasses.replace(cluster, gpu=dataclasses.replace(
+        cluster.gpu, memory_bytes=over * cluster.gpu.memory_bytes))
+    placed = _allocate_schedule_place(micro, workload, roomy, config, profile, cost_model, placed_mm, say, shares)
+    return (cost_model, placed_mm, roomy) + placed
 
 
 def memory_footprint(metaop, tp: int, dp: int, memory_model: MemoryModel) -> float:

@@ -182,3 +182,44 @@ def test_early_backward_frees_a_shallow_task_s_activations_and_is_used_where_the
     assert auto.settings.order is None and auto.settings.recompute_choices() != ["none"]
     with pytest.raises(PlanError, match="does not fit device memory"):
         plan_workload(w, tight, PlannerConfig(**fixed, recompute="none", early_backward="off"))
+
+
+def test_a_plan_without_recomputation_placed_without_the_cap_s_limits_is_picked_when_it_fits_and_is_faster():
+    """3 GiB on 4 devices: the plain placement fits without recomputation, but the share limits under the cap
+    leave out the faster configurations; placed on overcommitted devices the real activations fit all the
+    same, so the planner (which compares every rung by its estimate) takes that plan."""
+    w = workload_from_dict(HEAVY)
+    tight = with_memory(4, 3.0 * GiB)
+    plain, _ = planned(w, tight, recompute="none", micro_batches="1", distributed_optimizer="off")
+    auto, auto_sim = planned(w, tight)
+    assert plain.settings.recompute_choices() == ["none"]
+    assert auto.settings.recompute_choices() == ["none"] and auto.settings.micro_batches == 1
+    assert auto.predicted["planner_estimate"] < plain.predicted["planner_estimate"]
+    assert max(auto_sim.peak_memory) <= tight.gpu.memory_bytes
+    for m in ("1", "2", "4"):  # no forced count without recomputation is predicted faster
+        forced, _ = planned(w, tight, recompute="none", micro_batches=m)
+        assert auto.predicted["planner_estimate"] <= forced.predicted["planner_estimate"] * (1 + 1e-9)
+
+
+def test_recomputation_goes_where_its_wave_has_slack():
+    """Device 0 holds two halves of the vision chain, one the longest slice of wave 0, the other short beside a
+    long text slice in wave 1; memory for one recomputed layer less. Given the waves' durations the layer is
+    recomputed in wave 1's slack (lengthening nothing); counted in seconds alone, in the first half."""
+    w = workload_from_dict(HEAVY)
+    cluster = make_cluster(2, 2)
+    g = build_metagraph(w)
+    cost = AnalyticCostModel(w, cluster)
+    numbers = ZeroSharded(MemoryModel(w, cluster, cost), 0)
+    first = ScheduledSlice("vt/vision", 1, 1, 1, 0, 4, 1.0, devices=[0])
+    second = ScheduledSlice("vt/vision", 1, 1, 1, 4, 8, 0.1, devices=[0])
+    text = ScheduledSlice("vt/text", 1, 1, 1, 0, 4, 1.0, devices=[1])
+    waves = [[first], [second, text]]
+    order = slice_order([["vt"], ["vt", "vt"]], ExecutionSettings())
+    params, peak = memory_breakdown(waves, g.metaops, numbers, 2, order)[0]
+    one_layer = slice_options(g.metaops["vt/vision"], first, numbers, cost, RecomputePolicy())[0].held / 4
+    capacity = params + peak - one_layer / 2
+    args = (waves, g.metaops, numbers, cost, capacity, order, RecomputePolicy(), 2)
+    by_seconds = choose_recompute(*args)
+    by_waves = choose_recompute(*args, durations=[1.0, 1.0])
+    assert by_seconds[(0, 0)].mode != "none" and by_seconds[(1, 0)].mode == "none"
+    assert by_waves[(0, 0)].mode == "none" and by_waves[(1, 0)].mode != "none"
