@@ -13,6 +13,9 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
   (planner/light_levels.py) where that costs at most 1 % of the waves;
 - on several nodes, the greedy plan with every slice inside one node (``max_slice_devices``): its collectives
   and hand-offs stay on NVLink, at some cost in balance;
+- on several nodes, the tasks partitioned over groups of whole nodes, each group's tasks planned by the
+  wavefront planner on its nodes (planner/node_groups.py), one candidate per number of groups: activations
+  never cross a node, only the shared towers' gradient sync does;
 - each of them with the distributed optimizer (ZeRO-1) as well when it plans without: reduce-scatter in the
   backward and a weight all-gather after the step instead of the all-reduce, and less memory;
 - the fallback ``task-sequential``: Spindle's runtime with each task on the whole cluster in turn (the
@@ -36,6 +39,7 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.memory import plan_memory
 from megatron_spindle.plan.schema import Plan, PlanError
+from megatron_spindle.planner.node_groups import node_group_partitions, plan_node_groups
 from megatron_spindle.planner.objective import estimate_iteration
 from megatron_spindle.planner.pipeline import PlannerConfig, PlanningResult, plan_workload
 from megatron_spindle.simulator import SimResult, simulate
@@ -110,6 +114,7 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
             continue
         planned.append((name, result, time.perf_counter() - started))
     planned += _early_backward_candidates(workload, cluster, config, profile, planned)
+    planned += _node_group_candidates(workload, cluster, config, profile, planned)
     if config.select == "simulate" and not config.fixes_memory_options():
         planned += _task_sequential(workload, cluster, planned[0][1], sim_cost_model)
     out = select_fastest(workload, cluster, planned, config, say, sim_cost_model)
@@ -137,6 +142,25 @@ def _early_backward_candidates(workload: Workload, cluster: ClusterSpec, config:
     except PlanError:
         return []
     return [(f"{name}+early-backward", early, time.perf_counter() - started)]
+
+
+def _node_group_candidates(workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
+                           planned: list[tuple[str, PlanningResult, float]]):
+    """On several nodes, the tasks partitioned over groups of whole nodes, each group's wavefront plan on its
+    nodes (planner/node_groups.py): no activation crosses a node, at some cost in balance and with the shared
+    towers' gradient sync across the groups; one candidate per number of groups."""
+    if config.select == "none" or cluster.num_nodes < 2 or len(workload.tasks) < 2 or not planned:
+        return []
+    out = []
+    group_config = dataclasses.replace(config, light_follow=True)
+    for partition in node_group_partitions(workload, cluster, planned[0][1].metagraph):
+        started = time.perf_counter()
+        try:
+            result = plan_node_groups(workload, cluster, partition, group_config, profile)
+        except PlanError:
+            continue
+        out.append((f"node-groups-{len(partition)}", result, time.perf_counter() - started))
+    return out
 
 
 def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple[str, PlanningResult, float]],
