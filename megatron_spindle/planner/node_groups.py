@@ -32,6 +32,8 @@ from megatron_spindle.planner.objective import estimate_iteration
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
 
 MAX_GROUPS = 8  # partitions tried: 2 .. min(nodes, tasks, MAX_GROUPS) groups
+# worst work per node, relative to the balanced partition's, that fewer shared parameters across groups may cost
+SHARING_TOLERANCES = (1.1, 1.25)
 
 
 @dataclass(frozen=True)
@@ -71,13 +73,72 @@ def _assign(work: dict[str, float], sizes: list[int]) -> tuple[float, list[list[
     return max(x / n for x, n in zip(load, sizes)), groups
 
 
+def task_params(metagraph: MetaGraph, cost_model: AnalyticCostModel) -> dict[str, dict[str, int]]:
+    """Per task, the parameters of every weight unit it uses (shared towers appear under several tasks)."""
+    out: dict[str, dict[str, int]] = {}
+    for m in metagraph.metaops.values():
+        for name in m.param_names():
+            out.setdefault(m.task, {})[name] = cost_model.param_count(name)
+    return out
+
+
+def shared_cut(groups: list[list[str]], params: dict[str, dict[str, int]]) -> int:
+    """Parameters whose gradient sync crosses groups: each unit counted once per group beyond the first."""
+    seen: dict[str, tuple[int, set[int]]] = {}
+    for gi, tasks in enumerate(groups):
+        for t in tasks:
+            for name, count in params.get(t, {}).items():
+                seen.setdefault(name, (count, set()))[1].add(gi)
+    return sum(count * (len(gs) - 1) for count, gs in seen.values())
+
+
+def _rebalance_for_sharing(groups: list[list[str]], sizes: list[int], work: dict[str, float],
+                           params: dict[str, dict[str, int]], tolerance: float) -> list[list[str]]:
+    """Moves and swaps of tasks between groups that lower the parameters synced across groups while the worst
+    work per node stays within ``tolerance`` times the balanced assignment's (first improvement, to a fixed
+    point)."""
+    limit = tolerance * max(sum(work[t] for t in g) / n for g, n in zip(groups, sizes))
+    groups = [list(g) for g in groups]
+
+    def ok(gs):
+        return all(gs) and max(sum(work[t] for t in g) / n for g, n in zip(gs, sizes)) <= limit * (1 + 1e-12)
+
+    best = shared_cut(groups, params)
+    improved = True
+    while improved:
+        improved = False
+        for a, b in itertools.permutations(range(len(groups)), 2):
+            for t in list(groups[a]):
+                options = [None] + list(groups[b])  # move t to b, or swap it with one of b's tasks
+                for u in options:
+                    trial = [list(g) for g in groups]
+                    trial[a].remove(t)
+                    trial[b].append(t)
+                    if u is not None:
+                        trial[b].remove(u)
+                        trial[a].append(u)
+                    if ok(trial) and shared_cut(trial, params) < best:
+                        groups, best, improved = trial, shared_cut(trial, params), True
+                        break
+                if improved:
+                    break
+            if improved:
+                break
+    return groups
+
+
 def node_group_partitions(workload: Workload, cluster: ClusterSpec,
                           metagraph: MetaGraph | None = None) -> list[list[NodeGroup]]:
-    """Per number of groups (2 up to the nodes and tasks there are), the best-balanced partition."""
+    """Per number of groups (2 up to the nodes and tasks there are), the best-balanced partition, and the
+    partitions that sync fewer shared parameters across groups at up to SHARING_TOLERANCES times its worst
+    work per node (distinct partitions only)."""
     metagraph = metagraph or build_metagraph(workload)
-    work = task_work(metagraph, AnalyticCostModel(workload, cluster))
+    cost_model = AnalyticCostModel(workload, cluster)
+    work = task_work(metagraph, cost_model)
+    params = task_params(metagraph, cost_model)
     order = [t.name for t in workload.tasks]
-    out = []
+    out: list[list[NodeGroup]] = []
+    seen = set()
     for k in range(2, min(cluster.num_nodes, len(order), MAX_GROUPS) + 1):
         best = None
         for sizes in _compositions(cluster.num_nodes, k):
@@ -86,12 +147,17 @@ def node_group_partitions(workload: Workload, cluster: ClusterSpec,
                 best = (found[0], sizes, found[1])
         if best is None:
             continue
-        _, sizes, groups = best
-        first, partition = 0, []
-        for n, tasks in zip(sizes, groups):
-            partition.append(NodeGroup(tuple(sorted(tasks, key=order.index)), first, n))
-            first += n
-        out.append(partition)
+        _, sizes, balanced = best
+        for groups in [balanced] + [_rebalance_for_sharing(balanced, sizes, work, params, tol)
+                                    for tol in SHARING_TOLERANCES]:
+            first, partition = 0, []
+            for n, tasks in zip(sizes, groups):
+                partition.append(NodeGroup(tuple(sorted(tasks, key=order.index)), first, n))
+                first += n
+            key = tuple(partition)
+            if key not in seen:
+                seen.add(key)
+                out.append(partition)
     return out
 
 
