@@ -35,7 +35,31 @@ def test_partitions_cover_every_task_and_node_once(name, gpus, per_node):
         assert sorted(tasks) == sorted(t.name for t in w.tasks)
         nodes = [g.first_node + i for g in partition for i in range(g.num_nodes)]
         assert nodes == list(range(c.num_nodes))
-    assert len({len(p) for p in partitions}) == len(partitions)  # one per number of groups
+    assert len({tuple(p) for p in partitions}) == len(partitions)  # each proposed once
+
+
+def test_sharing_aware_partitions_sync_fewer_shared_parameters():
+    """CLIP-10's towers are shared by several tasks: beside the balanced partition, one that syncs fewer of
+    their parameters across groups, within the balance tolerance."""
+    from megatron_spindle.estimator import AnalyticCostModel
+    from megatron_spindle.graph.opgraph import build_metagraph
+    from megatron_spindle.planner.node_groups import SHARING_TOLERANCES, shared_cut, task_params, task_work
+
+    w, c = _cell("clip-10", 32, 8)
+    mg = build_metagraph(w)
+    cost = AnalyticCostModel(w, c)
+    params, work = task_params(mg, cost), task_work(mg, cost)
+    by_k: dict[int, list] = {}
+    for p in node_group_partitions(w, c, mg):
+        by_k.setdefault(len(p), []).append(p)
+    assert any(len(ps) > 1 for ps in by_k.values())
+    for ps in by_k.values():
+        balanced, *others = ps
+        cuts = [shared_cut([list(g.tasks) for g in p], params) for p in ps]
+        worst = [max(sum(work[t] for t in g.tasks) / g.num_nodes for g in p) for p in ps]
+        for cut, load in zip(cuts[1:], worst[1:]):
+            assert cut < cuts[0]
+            assert load <= max(SHARING_TOLERANCES) * worst[0] * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("name,gpus,per_node", CELLS)
