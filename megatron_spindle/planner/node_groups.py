@@ -166,13 +166,14 @@ def describe(partition: list[NodeGroup]) -> str:
 
 
 def plan_node_groups(workload: Workload, cluster: ClusterSpec, partition: list[NodeGroup], config=None,
-                     profile: dict | None = None):
+                     profile: dict | None = None, planner: str = "wavefront"):
     """One plan of ``workload`` on ``cluster`` in which each group's tasks run on its nodes only (module
     docstring), as a PlanningResult; raises PlanError when a group does not plan or the groups' execution
-    settings cannot be merged (an explicit order such as the early backward)."""
+    settings cannot be merged (an explicit order such as the early backward). ``planner``: each group's
+    planner, the greedy wavefront (default) or CP-SAT refining it (``config.solver_time_limit`` per group)."""
     from megatron_spindle.planner.pipeline import PlannerConfig, PlanningResult, plan_workload
 
-    config = dataclasses.replace(config or PlannerConfig(), planner="wavefront", select="none")
+    config = dataclasses.replace(config or PlannerConfig(), planner=planner, select="none")
     started = time.perf_counter()
     metagraph = build_metagraph(workload)
     results = [_plan_group(workload, cluster, g, config, profile, plan_workload) for g in partition]
@@ -191,7 +192,7 @@ def plan_node_groups(workload: Workload, cluster: ClusterSpec, partition: list[N
     cost_model = AnalyticCostModel(workload, cluster)
     memory_model = MemoryModel(workload, cluster, cost_model, distributed_optimizer=zero > 0)
     curves = {k: v for r in results for k, v in r.curves.items()}
-    info = {"planner": "wavefront-node-groups", "requested": dataclasses.asdict(config),
+    info = {"planner": f"{planner}-node-groups", "requested": dataclasses.asdict(config),
             "node_groups": [dataclasses.asdict(g) for g in partition],
             "memory_options": "; ".join(r.plan.planner.get("memory_options", "") for r in results)}
     plan = assemble_plan(workload, cluster, metagraph, waves, cost_model, memory_model, info, curves=curves,

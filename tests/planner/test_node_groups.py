@@ -93,3 +93,17 @@ def test_autoplan_times_the_node_groups_and_is_not_slower_than_task_sequential(n
     sequential = [x.sim.iteration_time for x in fitting if x.name.startswith("task-sequential")]
     assert sequential and chosen.sim.iteration_time <= min(sequential) * (1 + 1e-9)
     validate_plan(chosen.plan, w, c, chosen.result.metagraph)
+
+
+def test_autoplan_with_cpsat_refines_the_fastest_partition_per_group():
+    w, c = _cell("tiny-clip", 4, 2)
+    chosen = autoplan(w, c, PlannerConfig(planner="cpsat", solver_time_limit=1.0, solver_workers=1))
+    names = [cand.name for cand in chosen.candidates]
+    assert len(names) == len(set(names))
+    refined = [cand for cand in chosen.candidates if cand.name.startswith("node-groups-") and "+cpsat" in cand.name]
+    assert refined
+    for cand in refined:
+        validate_plan(cand.plan, w, c, cand.result.metagraph)
+        assert cand.plan.planner["planner"] == "cpsat-node-groups"
+    assert chosen.sim.iteration_time <= min(x.sim.iteration_time for x in chosen.candidates
+                                            if x.name.startswith("task-sequential")) * (1 + 1e-9)
