@@ -13,6 +13,10 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
   (planner/light_levels.py) where that costs at most 1 % of the waves;
 - on several nodes, the greedy plan with every slice inside one node (``max_slice_devices``): its collectives
   and hand-offs stay on NVLink, at some cost in balance;
+- on several nodes, the tasks partitioned over groups of whole nodes, each group's tasks planned by the
+  wavefront planner on its nodes (planner/node_groups.py), one candidate per number of groups: activations
+  never cross a node, only the shared towers' gradient sync does; with the CP-SAT planner, the fastest of
+  them again with each group refined by CP-SAT;
 - each of them with the distributed optimizer (ZeRO-1) as well when it plans without: reduce-scatter in the
   backward and a weight all-gather after the step instead of the all-reduce, and less memory;
 - the fallback ``task-sequential``: Spindle's runtime with each task on the whole cluster in turn (the
@@ -36,10 +40,12 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.memory import plan_memory
 from megatron_spindle.plan.schema import Plan, PlanError
+from megatron_spindle.planner.node_groups import node_group_partitions, plan_node_groups
 from megatron_spindle.planner.objective import estimate_iteration
 from megatron_spindle.planner.pipeline import PlannerConfig, PlanningResult, plan_workload
 from megatron_spindle.simulator import SimResult, simulate
 
+NODE_GROUP_SOLVER_LIMIT = 2.0  # seconds of CP-SAT per node group
 TIE = 1e-6  # relative difference of simulated times under which candidates are equally fast
 
 
@@ -111,6 +117,7 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
             continue
         planned.append((name, result, time.perf_counter() - started))
     planned += _early_backward_candidates(workload, cluster, config, profile, planned, placements)
+    planned += _node_group_candidates(workload, cluster, config, profile, planned, sim_cost_model)
     if config.select == "simulate" and not config.fixes_memory_options():
         planned += _task_sequential(workload, cluster, planned[0][1], sim_cost_model)
     out = select_fastest(workload, cluster, planned, config, say, sim_cost_model)
@@ -138,6 +145,43 @@ def _early_backward_candidates(workload: Workload, cluster: ClusterSpec, config:
     except PlanError:
         return []
     return [(f"{name}+early-backward", early, time.perf_counter() - started)]
+
+
+def _node_group_candidates(workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
+                           planned: list[tuple[str, PlanningResult, float]], sim_cost_model=None):
+    """On several nodes, the tasks partitioned over groups of whole nodes, each group's wavefront plan on its
+    nodes (planner/node_groups.py): no activation crosses a node, at some cost in balance and with the shared
+    towers' gradient sync across the groups; one candidate per partition proposed. With the CP-SAT planner,
+    the partition whose greedy plan simulates fastest again with each group refined by CP-SAT (at most
+    NODE_GROUP_SOLVER_LIMIT seconds a group)."""
+    if config.select == "none" or cluster.num_nodes < 2 or len(workload.tasks) < 2 or not planned:
+        return []
+    out, partitions = [], []
+    group_config = dataclasses.replace(config, light_follow=True)
+    for partition in node_group_partitions(workload, cluster, planned[0][1].metagraph):
+        started = time.perf_counter()
+        try:
+            result = plan_node_groups(workload, cluster, partition, group_config, profile)
+        except PlanError:
+            continue
+        same = sum(len(p) == len(partition) for p in partitions)  # the k-group partitions: k, k-2, k-3, ...
+        out.append((f"node-groups-{len(partition)}" + (f"-{same + 1}" if same else ""), result,
+                    time.perf_counter() - started))
+        partitions.append(partition)
+    if config.planner != "cpsat" or not out:
+        return out
+    times = [simulate(r.plan, workload, cluster, sim_cost_model or r.cost_model,
+                      None if sim_cost_model else r.memory_model, metagraph=r.metagraph).iteration_time
+             for _, r, _ in out]
+    best = min(range(len(out)), key=times.__getitem__)
+    started = time.perf_counter()
+    limit = min(config.solver_time_limit, NODE_GROUP_SOLVER_LIMIT)
+    try:
+        refined = plan_node_groups(workload, cluster, partitions[best],
+                                   dataclasses.replace(group_config, solver_time_limit=limit), profile, "cpsat")
+    except PlanError:
+        return out
+    return out + [(f"{out[best][0]}+cpsat", refined, time.perf_counter() - started)]
 
 
 def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple[str, PlanningResult, float]],

@@ -1,0 +1,109 @@
+"""Tasks partitioned over groups of whole nodes (planner/node_groups.py): every partition covers each task once
+and every node once; the merged plan is a valid plan of the whole workload whose slices stay on their group's
+nodes, so no activation crosses a node (fewer inter-node transfer bytes than the plain wavefront plan's);
+autoplan proposes it on several nodes and still never returns a plan slower than the task-sequential one."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+
+from megatron_spindle.autoplan import autoplan
+from megatron_spindle.graph.cluster import make_cluster
+from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.plan.validate import validate_plan
+from megatron_spindle.planner.node_groups import node_group_partitions, plan_node_groups
+from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload
+
+CELLS = [("tiny-clip", 4, 2), ("clip-4", 16, 8)]  # (workload, GPUs, GPUs per node): 2 nodes each
+
+
+@lru_cache(maxsize=None)
+def _cell(name: str, gpus: int, per_node: int):
+    return load_workload(name), make_cluster(gpus, gpus_per_node=per_node)
+
+
+@pytest.mark.parametrize("name,gpus,per_node", CELLS + [("clip-10", 32, 8)])
+def test_partitions_cover_every_task_and_node_once(name, gpus, per_node):
+    w, c = _cell(name, gpus, per_node)
+    partitions = node_group_partitions(w, c)
+    assert partitions, "several nodes and tasks: at least one partition"
+    for partition in partitions:
+        assert len(partition) >= 2
+        tasks = [t for g in partition for t in g.tasks]
+        assert sorted(tasks) == sorted(t.name for t in w.tasks)
+        nodes = [g.first_node + i for g in partition for i in range(g.num_nodes)]
+        assert nodes == list(range(c.num_nodes))
+    assert len({tuple(p) for p in partitions}) == len(partitions)  # each proposed once
+
+
+def test_sharing_aware_partitions_sync_fewer_shared_parameters():
+    """CLIP-10's towers are shared by several tasks: beside the balanced partition, one that syncs fewer of
+    their parameters across groups, within the balance tolerance."""
+    from megatron_spindle.estimator import AnalyticCostModel
+    from megatron_spindle.graph.opgraph import build_metagraph
+    from megatron_spindle.planner.node_groups import SHARING_TOLERANCES, shared_cut, task_params, task_work
+
+    w, c = _cell("clip-10", 32, 8)
+    mg = build_metagraph(w)
+    cost = AnalyticCostModel(w, c)
+    params, work = task_params(mg, cost), task_work(mg, cost)
+    by_k: dict[int, list] = {}
+    for p in node_group_partitions(w, c, mg):
+        by_k.setdefault(len(p), []).append(p)
+    assert any(len(ps) > 1 for ps in by_k.values())
+    for ps in by_k.values():
+        balanced, *others = ps
+        cuts = [shared_cut([list(g.tasks) for g in p], params) for p in ps]
+        worst = [max(sum(work[t] for t in g.tasks) / g.num_nodes for g in p) for p in ps]
+        for cut, load in zip(cuts[1:], worst[1:]):
+            assert cut < cuts[0]
+            assert load <= max(SHARING_TOLERANCES) * worst[0] * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("name,gpus,per_node", CELLS)
+def test_node_group_plan_is_valid_and_keeps_activations_on_its_nodes(name, gpus, per_node):
+    w, c = _cell(name, gpus, per_node)
+    plain = plan_workload(w, c, PlannerConfig(planner="wavefront", select="none")).plan
+    for partition in node_group_partitions(w, c):
+        result = plan_node_groups(w, c, partition)
+        plan = result.plan
+        validate_plan(plan, w, c, result.metagraph)
+        for g in partition:
+            mine = range(g.first_node * c.gpus_per_node, (g.first_node + g.num_nodes) * c.gpus_per_node)
+            for s in plan.slices():
+                if s.task in g.tasks:
+                    assert set(s.devices) <= set(mine), f"slice {s.id} of {s.task} leaves its nodes"
+        # a task's transfers stay inside its group; one node per group: on NVLink only
+        if all(g.num_nodes == 1 for g in partition):
+            assert plan.predicted["inter_island_bytes"] == 0.0
+        assert plan.predicted["inter_island_bytes"] < plain.predicted["inter_island_bytes"]
+        assert {s.task for s in plan.slices()} == {t.name for t in w.tasks}
+
+
+@pytest.mark.parametrize("name,gpus,per_node", CELLS)
+def test_autoplan_times_the_node_groups_and_is_not_slower_than_task_sequential(name, gpus, per_node):
+    w, c = _cell(name, gpus, per_node)
+    chosen = autoplan(w, c, PlannerConfig(planner="wavefront"))
+    by_name = {cand.name: cand for cand in chosen.candidates}
+    assert any(n.startswith("node-groups-") for n in by_name)
+    fitting = [cand for cand in chosen.candidates if cand.fits]
+    assert chosen.sim.iteration_time == pytest.approx(min(x.sim.iteration_time for x in fitting), rel=1e-9)
+    sequential = [x.sim.iteration_time for x in fitting if x.name.startswith("task-sequential")]
+    assert sequential and chosen.sim.iteration_time <= min(sequential) * (1 + 1e-9)
+    validate_plan(chosen.plan, w, c, chosen.result.metagraph)
+
+
+def test_autoplan_with_cpsat_refines_the_fastest_partition_per_group():
+    w, c = _cell("tiny-clip", 4, 2)
+    chosen = autoplan(w, c, PlannerConfig(planner="cpsat", solver_time_limit=1.0, solver_workers=1))
+    names = [cand.name for cand in chosen.candidates]
+    assert len(names) == len(set(names))
+    refined = [cand for cand in chosen.candidates if cand.name.startswith("node-groups-") and "+cpsat" in cand.name]
+    assert refined
+    for cand in refined:
+        validate_plan(cand.plan, w, c, cand.result.metagraph)
+        assert cand.plan.planner["planner"] == "cpsat-node-groups"
+    assert chosen.sim.iteration_time <= min(x.sim.iteration_time for x in chosen.candidates
+                                            if x.name.startswith("task-sequential")) * (1 + 1e-9)
