@@ -258,7 +258,8 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
         try:
             placed = place(waves, metagraph, workload, cluster, cost_model, memory_model,
                            strategy=config.placement)
-            bound = attempt > 0 or any(b > share * cluster.gpu.memory_bytes for n in needs.values() for b in n.values())
+            bound = attempt > 0 or _restriction_binds(placed, curves, needs, share, metagraph, workload, cluster,
+                                                      config, profile, cost_model)  # else more memory plans the same
             return curves, level_allocs, placed, bound
         except PlacementError as e:
             if attempt == len(shares) - 1:
@@ -266,6 +267,19 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
             say(f"placement out of memory; replanning with at most {100 * shares[attempt + 1]:.0f}% "
                 f"of a device per MetaOp")
     raise AssertionError("unreachable")
+
+
+def _restriction_binds(placed, curves, needs, share, metagraph, workload, cluster, config, profile, cost_model) -> bool:
+    """Whether a configuration left out for memory would have run some slice faster on its device count (one
+    left out only where the plan never goes, e.g. a large MetaOp on 1 of 1024 devices, binds nothing)."""
+    limit = share * cluster.gpu.memory_bytes
+    if not any(b > limit for n in needs.values() for b in n.values()):
+        return False
+    every = cap_slice_devices({m: set(n) for m, n in needs.items()}, config.max_slice_devices)
+    free = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
+                           allowed=lambda m, tp, dp: (tp, dp) in every[m.id])
+    return any(free[s.metaop].time(s.n) < curves[s.metaop].time(s.n) * (1 - 1e-9)
+               for w in placed for s in w.slices)
 
 
 def cap_slice_devices(allowed: dict[str, set[tuple[int, int]]], cap: int) -> dict[str, set[tuple[int, int]]]:
@@ -313,15 +327,12 @@ def memory_rungs(config: PlannerConfig, policy: RecomputePolicy) -> list[tuple[b
 
 
 def _iteration_c_star(plan: Plan, micro_batches: int) -> None:
-    """The levels were allocated on one micro-batch, so their C~* is a micro-batch's, while the plan's waves are
-    the iteration's (m micro-batches): scale C~* to the iteration so that makespan / C~* compares like with
-    like."""
+    """C~* of the levels (allocated on one micro-batch) scaled to the iteration, as the waves are (m micro-batches)."""
     if micro_batches == 1 or "c_star" not in plan.predicted:
         return
     for level in plan.levels:
         level.c_star *= micro_batches
-    plan.predicted["c_star"] *= micro_batches
-    c_star = plan.predicted["c_star"]
+    c_star = plan.predicted["c_star"] = plan.predicted["c_star"] * micro_batches
     plan.predicted["gap"] = plan.predicted["iteration_time"] / c_star - 1.0 if c_star > 0 else 0.0
 
 

@@ -24,7 +24,7 @@ from megatron_spindle.planner.memory_options import (
     choose_recompute,
     slice_options,
 )
-from megatron_spindle.planner.pipeline import PlannerConfig, micro_batch_candidates, plan_workload
+from megatron_spindle.planner.pipeline import PlannerConfig, memory_needs, micro_batch_candidates, plan_workload
 from megatron_spindle.planner.schedule import ScheduledSlice
 from megatron_spindle.simulator import simulate
 
@@ -223,3 +223,20 @@ def test_recomputation_goes_where_its_wave_has_slack():
     by_waves = choose_recompute(*args, durations=[1.0, 1.0])
     assert by_seconds[(0, 0)].mode != "none" and by_seconds[(1, 0)].mode == "none"
     assert by_waves[(0, 0)].mode == "none" and by_waves[(1, 0)].mode != "none"
+
+
+def test_a_configuration_left_out_where_the_plan_never_goes_ends_the_search():
+    """The vision chain on one device needs more than half a device, so that configuration is left out; the
+    plan on 16 devices never runs vision on one device, so memory binds nothing: no further rung is planned."""
+    w = workload_from_dict(HEAVY)
+    probe = make_cluster(16, 8, "A800-80GB")
+    g = build_metagraph(w)
+    cost = AnalyticCostModel(w, probe)
+    needs = memory_needs(g, w, probe, MemoryModel(w, probe, cost))
+    one_device = max(n[(1, 1)] for n in needs.values())
+    cluster = with_memory(16, 1.5 * one_device)
+    said = []
+    res = plan_workload(w, cluster, PlannerConfig(planner="wavefront"), progress=said.append)
+    assert all(len(s.devices) > 1 for s in res.plan.slices() if s.module == "vision" and s.kind == "layer")
+    assert [m for m in said if "estimated" in m] == [m for m in said if "estimated" in m][:1], said
+    assert res.plan.settings.recompute_choices() in ([], ["none"])
