@@ -24,7 +24,12 @@ from megatron_spindle.planner.memory_options import (
     choose_recompute,
     slice_options,
 )
-from megatron_spindle.planner.pipeline import PlannerConfig, memory_needs, micro_batch_candidates, plan_workload
+from megatron_spindle.planner.pipeline import (
+    PlannerConfig,
+    memory_needs,
+    micro_batch_candidates,
+    plan_workload,
+)
 from megatron_spindle.planner.schedule import ScheduledSlice
 from megatron_spindle.simulator import simulate
 
