@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_params import checkpoint_params
 
 from megatron_spindle.checkpointing import iteration_dir, load_checkpoint, read_latest
 
@@ -171,10 +172,6 @@ def test_stopped_rank_is_named_within_the_timeout(tmp_path, jobs):
     assert took <= timeout_min * 60 + 5, took  # within the timeout (plus the last iteration and the diagnosis)
 
 
-def _params(path):
-    ck = load_checkpoint(path)
-    return ck, {k: v for s in ck.units.values() for k, v in s.model.items()}
-
 
 @pytest.mark.multiproc
 def test_sigterm_saves_the_current_iteration_and_resumes_exactly_and_the_folder_is_locked(tmp_path, jobs, capsys):
@@ -203,8 +200,8 @@ def test_sigterm_saves_the_current_iteration_and_resumes_exactly_and_the_folder_
     assert pretrain_multitask.main(COMMON + ["--train-iters", str(done + 2), "--load", str(save), "--save",
                                              str(resumed)]) == 0
     assert pretrain_multitask.main(COMMON + ["--train-iters", str(done + 2), "--save", str(straight)]) == 0
-    ck_a, a = _params(straight)
-    ck_b, b = _params(resumed)
+    ck_a, a = checkpoint_params(straight)
+    ck_b, b = checkpoint_params(resumed)
     assert sorted(a) == sorted(b) and len(a) > 20
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
     assert ck_a.data_position == ck_b.data_position

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from checkpoint_params import checkpoint_params
 
 from megatron_spindle.checkpointing import load_checkpoint
 from megatron_spindle.data.datasets import MockTaskDataset, collate
@@ -44,10 +45,6 @@ ALL = "text_audio,vision_depth,vision_text,audio_depth"
 PHASES = [(0, "text_audio,vision_text"), (2, ALL), (4, "vision_depth,audio_depth"), (6, "text_audio,vision_text")]
 SCHEDULE = ["--tasks", PHASES[0][1], "--task-schedule", ";".join(f"{k}:{t}" for k, t in PHASES[1:])]
 
-
-def _params(path) -> tuple:
-    ck = load_checkpoint(path)
-    return ck, {k: v for s in ck.units.values() for k, v in s.model.items()}
 
 
 def _worst(a: dict, b: dict) -> float:
@@ -141,8 +138,8 @@ def test_schedule_equals_stop_and_resume_and_a_reference(scheduled, tmp_path):
                                                             "--save", str(again)]) == 0
     finally:
         torch.set_num_threads(threads)
-    ck_a, a = _params(save)
-    ck_b, b = _params(chain)
+    ck_a, a = checkpoint_params(save)
+    ck_b, b = checkpoint_params(chain)
     assert len(ck_a.units) == 18  # the whole tiny-clip model: the depth tower is set aside, not lost
     assert sorted(load_checkpoint(again).units) == sorted(ck_a.units)
     assert _worst(a, b) <= 1e-6, _worst(a, b)  # growing, shrinking and coming back
@@ -244,7 +241,7 @@ def test_two_rank_schedule_then_resume_on_one_rank_with_another_set(scheduled, t
     assert "at iteration 4 (saved by 2 rank(s), now 1)" in out
     assert "task set change at resume (checkpoint iteration 4): [text_audio, vision_depth, vision_text, audio_depth]" \
            " -> [vision_depth, audio_depth]" in out
-    ck_s, s = _params(scheduled[0])
-    ck_r, r_ = _params(resumed)
+    ck_s, s = checkpoint_params(scheduled[0])
+    ck_r, r_ = checkpoint_params(resumed)
     assert _worst(s, r_) <= 1e-6, _worst(s, r_)
     assert ck_s.data_position == ck_r.data_position

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from checkpoint_params import checkpoint_params
 
 from megatron_spindle.checkpointing import iteration_dir, load_checkpoint, read_latest
 
@@ -30,10 +31,6 @@ COMMON = ["--workload", "tiny-clip", "--mock-data", "--mock-data-samples", "24",
           "--weight-decay", "0.01", "--spindle-planner", "wavefront", "--gpu-type", "A800-80GB",
           "--log-interval", "1"]
 
-
-def _params(path):
-    ck = load_checkpoint(path)
-    return ck, {k: v for s in ck.units.values() for k, v in s.model.items()}
 
 
 @pytest.mark.multiproc
@@ -68,12 +65,12 @@ def test_launch_script_then_resume_on_one_rank_under_another_plan(tmp_path, caps
     log = capsys.readouterr().out
     assert "loaded checkpoint" in log and "at iteration 3 (saved by 2 rank(s), now 1)" in log
     assert [h.iteration for h in hist] == [4, 5, 6]
-    ck_a, a = _params(straight)
-    ck_b, b = _params(resumed)
+    ck_a, a = checkpoint_params(straight)
+    ck_b, b = checkpoint_params(resumed)
     assert sorted(a) == sorted(b) and len(a) > 20
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert worst <= 1e-6, worst
-    _, f = _params(first)
+    _, f = checkpoint_params(first)
     moved = max(float((a[k] - f[k]).abs().max()) for k in a)
     assert moved > 0  # training really changed the weights after iteration 3
     for u, s in ck_a.units.items():  # AdamW state too
