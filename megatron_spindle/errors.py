@@ -54,9 +54,16 @@ def program_name(prog: str | None = None) -> str:
     return prog or os.path.basename(sys.argv[0] or "python")
 
 
+def stderr_line(line: str) -> None:
+    """One line on stderr in one write. Ranks share the launcher's stream, and ``print`` writes the text and
+    its newline separately, so two ranks' lines printed at once could run together."""
+    sys.stderr.write(line + "\n")  # one write(2) on the line-buffered, write-through stderr
+    sys.stderr.flush()
+
+
 def fail(prog: str | None, message: str, status: int = 2):
     """Print ``<prog>: error: <message>`` on stderr and exit with ``status``."""
-    print(f"{program_name(prog)}: error: {one_line(message)}", file=sys.stderr, flush=True)
+    stderr_line(f"{program_name(prog)}: error: {one_line(message)}")
     raise SystemExit(status)
 
 

@@ -21,6 +21,8 @@ import sys
 import threading
 import time
 
+from megatron_spindle.errors import stderr_line
+
 PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 0.5
 EXIT_STATUS = 1
@@ -44,8 +46,7 @@ def _set_parent_death_signal(sig: int) -> bool:
 
 def _launcher_gone(parent: int) -> None:
     rank = os.environ.get("RANK", "?")
-    print(f"rank {rank}: the launcher (pid {parent}) exited; stopping this worker (pid {os.getpid()})",
-          file=sys.stderr, flush=True)
+    stderr_line(f"rank {rank}: the launcher (pid {parent}) exited; stopping this worker (pid {os.getpid()})")
     os._exit(EXIT_STATUS)
 
 

@@ -34,6 +34,7 @@ import threading
 import time
 from typing import Any
 
+from megatron_spindle.errors import stderr_line
 from megatron_spindle.runtime import progress
 
 EXIT_STATUS = 1
@@ -174,8 +175,8 @@ class Watchdog:
         where = progress.describe(progress.current(), self.rank)
         found, missing = self.missing_ranks(window=False) if self._store_ok and not self._orphaned() else ("", False)
         self._once.acquire()
-        print(f"{self.prog}: error: rank {self.rank} got SIGTERM (from the launcher) at {where}"
-              + (f": {found}" if missing else ""), file=sys.stderr, flush=True)
+        stderr_line(f"{self.prog}: error: rank {self.rank} got SIGTERM (from the launcher) at {where}"
+             + (f": {found}" if missing else ""))
         os._exit(128 + signal.SIGTERM)
 
     # ------------------------------------------------------------------------------------------ store
@@ -303,7 +304,7 @@ class Watchdog:
         self._set(f"exit/{self.rank}", line[:300])
         if publish and not self._get("abort"):
             self._set("abort", line[:600])
-        print(f"{self.prog}: error: {line}", file=sys.stderr, flush=True)
+        stderr_line(f"{self.prog}: error: {line}")
         if publish:  # let the other ranks' threads read the diagnosis before the launcher stops them
             time.sleep(min(2 * self.interval_s, 2.0))
         os._exit(EXIT_STATUS)
