@@ -43,12 +43,21 @@ def _free_port() -> int:
 
 
 def _alive(pid: int) -> bool:
-    """Running (a zombie, or a process gone, is not)."""
+    """Any of its threads still runs (a process gone, or a zombie whose threads have all exited, is not). The
+    main thread alone is not enough: killed, it turns zombie while others still hold the process's files, the
+    ``--save`` lock among them."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        tids = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
         return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            continue
+    return False
 
 
 class Job:
