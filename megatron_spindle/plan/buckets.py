@@ -15,6 +15,10 @@ and the simulator times the same buckets, so both agree on what is reduced when:
 - **Launch order.** Buckets by the completion of their last unit (backward step, then position), then by
   group and index: buckets of one group come in index order, and any two ranks issue the buckets they share
   in the same relative order.
+- **Micro-batches.** With m micro-batches the gradients accumulate in full over them and the buckets are
+  reduced once, after the last micro-batch's accumulations; under ZeRO-2 and 3 a rank keeps only its shard of
+  the gradient, so every micro-batch's buckets are reduce-scattered after its backward (DeepSpeed's way),
+  ``synced_micro_batches``.
 """
 
 from __future__ import annotations
@@ -93,3 +97,9 @@ def launch_key(done: Completion, devices: Sequence[int], index: int) -> tuple:
     """Sort key of a bucket in the plan-wide launch order: ``done`` is the completion of its last unit, then
     the group and the index."""
     return (completion_key(done), tuple(devices), index)
+
+
+def synced_micro_batches(zero_stage: int, micro_batches: int) -> range:
+    """The micro-batches whose backward is followed by the gradient buckets' reduction (see the module's
+    docstring): the last one, or every one when the ZeRO stage shards the gradients."""
+    return range(micro_batches) if zero_stage >= 2 else range(micro_batches - 1, micro_batches)

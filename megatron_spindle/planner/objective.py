@@ -31,6 +31,7 @@ from megatron_spindle.plan.buckets import (
     completion_sorted,
     default_bucket_numel,
     split_buckets,
+    synced_micro_batches,
     unit_completion,
 )
 from megatron_spindle.plan.derive import plan_slice_pairs
@@ -167,6 +168,8 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
             for u in slice_units(metaops[s.metaop], s.layer_start, s.layer_end):
                 tp_of[u] = min(tp_of.get(u, s.tp), s.tp)
     completion = unit_completion(waves, metaops, settings)
+    micro = settings.micro_batches
+    synced, per_micro_batch = synced_micro_batches(settings.zero_stage, micro), bwd_span / micro
     op = "all_reduce" if settings.zero_stage == 0 else "reduce_scatter"
     rings = []
     for g in plan.param_groups:
@@ -183,8 +186,9 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
             nbytes = grad_reduce_bytes(sum(cost_model.param_count(u) for u in units), settings) / tp
             seconds = comm.collective_seconds(op, nbytes, ring, sharing)
             at = max(ready[u] for u in units)
-            for d in g.devices:
-                per_device.setdefault(d, []).append((at, seconds))
+            for mb in synced:  # the last micro-batch's accumulations, or (ZeRO-2) every micro-batch's
+                for d in g.devices:
+                    per_device.setdefault(d, []).append((at - per_micro_batch * (micro - 1 - mb), seconds))
         if settings.zero_stage in (1, 2):
             params = sum(cost_model.param_count(u) for u in g.params)
             gather = max(gather, comm.all_gather(params * WEIGHT_BYTES_PER_PARAM / tp, ring, sharing))

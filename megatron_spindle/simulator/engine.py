@@ -9,7 +9,8 @@ engine is timeline.py):
   order (or ``backward_order``); or an explicit ``order`` of (wave, phase, task) steps (early backward).
   Every device executes its own slices in that global order. With ``micro_batches`` m the order runs m times
   one after another, each slice on B/m samples (its costs and transfers at that batch), and the gradient
-  synchronisation (overlapped with the last micro-batch's backward) and the optimizer step follow.
+  synchronisation (overlapped with the last micro-batch's backward; with every micro-batch's under ZeRO-2)
+  and the optimizer step follow.
 - **Dataflow, no global barrier.** A slice starts when all its devices are free and its inputs have arrived:
   a wave boundary is a point-to-point dependency, not a cluster-wide barrier (a device only waits for the
   devices it receives from). On wave-aligned Spindle plans this changes little; it lets the baselines whose
@@ -70,6 +71,7 @@ from megatron_spindle.estimator.transfer import (
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
+from megatron_spindle.plan.buckets import synced_micro_batches
 from megatron_spindle.plan.derive import plan_slice_pairs
 from megatron_spindle.plan.layout import micro_batch_metaop, slice_units, stepped_elements
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, plan_memory
@@ -153,7 +155,7 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=No
         else moved
     buckets = ctx.buckets if full is not moved else []
     device_done = list(full.device_end)
-    for b, c_end in zip(buckets, full.coll_end):
+    for b, _, c_end in _bucket_runs(buckets, full):
         for d in b.devices:
             device_done[d] = max(device_done[d], c_end)
     synced = max(device_done, default=0.0)
@@ -316,7 +318,8 @@ def _flow(load: TransferLoad, comm: CommModel) -> _Flow:
 
 def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool) -> TimelineResult:
     """One run of the event engine over the plan's tasks (the order once per micro-batch), with or without
-    transfers and gradient buckets; the buckets follow the last micro-batch's accumulations."""
+    transfers and gradient buckets; the buckets follow the last micro-batch's accumulations (every
+    micro-batch's under ZeRO-2 and 3: plan/buckets.py ``synced_micro_batches``)."""
     micro = ctx.plan.settings.micro_batches
     index = {(key, mb): k for k, (key, mb) in enumerate(_task_keys(ctx))}
     tasks = []
@@ -342,11 +345,13 @@ def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool
     if sync and ctx.buckets:
         slowdown = ctx.settings.overlap_slowdown or OVERLAP_SLOWDOWN
         gpn = ctx.cluster.gpus_per_node
-        collectives = [Collective(b.devices, _bucket_seconds(timer, b), nodes_of(b.devices, gpn), b.rings)
-                       for b in ctx.buckets]
-        last = {key: k for (key, mb), k in index.items() if mb == micro - 1}
-        for c, (k, fraction, d) in _milestones(ctx, last, tasks):
-            tasks[k].milestones.append((fraction, c, d))
+        for mb in synced_micro_batches(ctx.zero_stage, micro):
+            first = len(collectives)
+            collectives += [Collective(b.devices, _bucket_seconds(timer, b), nodes_of(b.devices, gpn), b.rings)
+                            for b in ctx.buckets]
+            at = {key: k for (key, b), k in index.items() if b == mb}
+            for c, (k, fraction, d) in _milestones(ctx, at, tasks):
+                tasks[k].milestones.append((fraction, first + c, d))
     return run_timeline(ctx.plan.num_devices, tasks, flows, collectives, slowdown)
 
 
@@ -420,26 +425,34 @@ def _busy(ctx: _Context, run: TimelineResult) -> tuple[list[list[Interval]], flo
     return busy, forward_end
 
 
+def _bucket_runs(buckets: list[BucketSync], run: TimelineResult):
+    """(bucket, start, end) of every gradient collective of the run: the buckets once, or once per synced
+    micro-batch (``_timeline`` issues them micro-batch after micro-batch)."""
+    for c, (start, end) in enumerate(zip(run.coll_start, run.coll_end)):
+        if buckets:
+            yield buckets[c % len(buckets)], start, end
+
+
 def _group_syncs(ctx: _Context, buckets: list[BucketSync], run: TimelineResult) -> list[GroupSync]:
-    by_group: dict[int, list[int]] = {}
-    for c, b in enumerate(buckets):
-        by_group.setdefault(b.group, []).append(c)
+    by_group: dict[int, list[tuple[BucketSync, float, float]]] = {}
+    for b, start, end in _bucket_runs(buckets, run):
+        by_group.setdefault(b.group, []).append((b, start, end))
     out = []
-    for gi, cs in sorted(by_group.items()):
+    for gi, runs in sorted(by_group.items()):
         g = ctx.groups[gi]
-        out.append(GroupSync(list(g.devices), len(g.units), sum(buckets[c].nbytes for c in cs), g.ranks,
-                             g.ring.crosses_nodes, min(run.coll_start[c] for c in cs),
-                             max(run.coll_end[c] for c in cs), buckets=len(cs),
-                             comm_seconds=sum(run.coll_end[c] - run.coll_start[c] for c in cs)))
+        out.append(GroupSync(list(g.devices), len(g.units), sum(b.nbytes for b, _, _ in runs), g.ranks,
+                             g.ring.crosses_nodes, min(start for _, start, _ in runs),
+                             max(end for _, _, end in runs), buckets=len(runs),
+                             comm_seconds=sum(end - start for _, start, end in runs)))
     return out
 
 
 def _per_device_comm(ctx: _Context, buckets: list[BucketSync], run: TimelineResult) -> list[float]:
     """Seconds each device spends in gradient collectives."""
     out = [0.0] * ctx.plan.num_devices
-    for c, b in enumerate(buckets):
+    for b, start, end in _bucket_runs(buckets, run):
         for d in b.devices:
-            out[d] += run.coll_end[c] - run.coll_start[c]
+            out[d] += end - start
     return out
 
 

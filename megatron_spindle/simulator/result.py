@@ -24,12 +24,12 @@ class GroupSync:
 
     devices: list[int]
     num_units: int
-    grad_bytes: float  # per rank, after TP sharding
+    grad_bytes: float  # per rank, after TP sharding (every synced micro-batch's)
     ranks: int  # data-parallel replicas in the ring
     cross_island: bool
     start: float
     end: float
-    buckets: int = 1
+    buckets: int = 1  # bucket collectives (once per synced micro-batch)
     comm_seconds: float = 0.0  # the buckets' collectives, summed
 
     @property

@@ -122,3 +122,22 @@ def test_simulator_buckets_are_the_runtimes():
     runtime = GradBuffers(unit_groups, shards, backward_order(plan, g), limit, torch.device("cpu")).buckets
     assert len(sim) > len(multi)  # some group has several buckets
     assert [(b.devices, b.units) for b in sim] == [(b.devices, b.units) for b in runtime]
+
+
+def test_zero_2_reduces_every_micro_batch_s_gradients_zero_1_only_the_last():
+    """Two micro-batches: ZeRO-1 accumulates the full gradient over both and reduces it once, overlapped with
+    the second micro-batch's backward; ZeRO-2 keeps only shards, so the first micro-batch's buckets are
+    reduce-scattered too (during the second micro-batch) and twice the bytes move (plan/buckets.py)."""
+    w, cluster = _workload(), _cluster()
+    cost = StubCostModel({"a": 6.0, "b": 1.0}, activation=0.0, params_per_unit=250_000_000)
+    group = [ParamGroup([0, 1], ["a.layers.0", "a.layers.1"])]
+    wave = [Wave(0, 0, 0.0, 1.0, [_slice(0, "t/a", [0, 1])])]
+    runs = {stage: simulate(_plan(w, cluster, wave, group, {"zero_stage": stage, "micro_batches": 2}), w, cluster,
+                            cost, StubMemoryModel(cost, 0.0), SimSettings(overlap_slowdown=1.0))
+            for stage in (1, 2)}  # no slowdown while overlapping: each bucket takes its own time
+    one, two = runs[1].grad_sync[0], runs[2].grad_sync[0]
+    assert two.buckets == 2 * one.buckets == 4
+    assert two.grad_bytes == pytest.approx(2 * one.grad_bytes)
+    assert two.comm_seconds == pytest.approx(2 * one.comm_seconds)
+    assert two.start < one.start  # the first micro-batch's buckets, during the second micro-batch
+    assert runs[2].iteration_time >= runs[1].iteration_time - 1e-9
