@@ -316,7 +316,7 @@ def cpsat_table(cells: list[dict]) -> str:
     lines = ["CP-SAT planner (10 s limit) vs greedy wavefront: planned makespan / C*, improvement, solver status "
              "and gap to its bound" + ("; cross-level overlap beside" if overlap else ""),
              f"{'workload':<10}{'GPUs':>5}{'greedy':>8}{'cp-sat':>8}{'better':>8}{'status':>10}{'to bound':>9}"
-             f"{'plan s':>8}" + (f"{'overlap':>9}{'gain':>7}" if overlap else "")]
+             f"{'solve s':>8}{'plan s':>8}" + (f"{'overlap':>9}{'gain':>7}" if overlap else "")]
     for c in cells:
         g, p = c["systems"][GREEDY_SYSTEM[0]], c["systems"]["spindle-cpsat"]
         sol = p.get("solver") or {}
@@ -325,7 +325,7 @@ def cpsat_table(cells: list[dict]) -> str:
                f"{100 * (1 - p['predicted_iteration_time'] / g['predicted_iteration_time']):>7.1f}%"
                f"{sol.get('status', '-'):>10}"
                + (f"{100 * bound_gap:>8.1f}%" if bound_gap is not None else f"{'-':>9}")
-               + f"{p['planning_seconds']:>8.2f}")
+               + f"{_solve_seconds(p):>8.2f}{p['planning_seconds']:>8.2f}")
         if overlap:
             o = c["systems"][OVERLAP_SYSTEM[0]]
             gain = 1 - o["predicted_iteration_time"] / p["predicted_iteration_time"]
@@ -334,19 +334,26 @@ def cpsat_table(cells: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _solve_seconds(entry: dict) -> float:
+    """CP-SAT's own time in a planning call: the solve and the placement of its plan (the pipeline's "cpsat"
+    stage), which its time limit bounds; the greedy plan it starts from is planned before it."""
+    return float(entry["timings"].get("cpsat", entry["planning_seconds"]))
+
+
 def cpsat_targets(cells: list[dict]) -> list[tuple[str, bool, str]]:
     """Issue 4's targets: never worse than greedy, mean gap to C* under 3 %, within the limit at <= 64 GPUs."""
     worse = [f"{c['workload']}/{c['gpus']}" for c in cells
              if c["systems"]["spindle-cpsat"]["predicted_iteration_time"]
              > c["systems"][GREEDY_SYSTEM[0]]["predicted_iteration_time"] * (1 + 1e-9)]
     gaps = [c["systems"]["spindle-cpsat"]["makespan_over_c_star"] - 1 for c in cells]
-    secs = [c["systems"]["spindle-cpsat"]["planning_seconds"] for c in cells if c["gpus"] <= 64]
+    secs = [_solve_seconds(c["systems"]["spindle-cpsat"]) for c in cells if c["gpus"] <= 64]
+    whole = max(c["systems"]["spindle-cpsat"]["planning_seconds"] for c in cells if c["gpus"] <= 64)
     mean = sum(gaps) / len(gaps)
     out = [("spindle-cpsat: makespan <= greedy in every cell", not worse,
             f"{len(cells) - len(worse)} of {len(cells)} cells" + (f" (worse: {', '.join(worse)})" if worse else "")),
            ("spindle-cpsat: mean gap to C* < 3 %", mean < 0.03, f"{100 * mean:.2f} % (max {100 * max(gaps):.1f} %)"),
-           ("spindle-cpsat: planning within its 10 s limit at <= 64 GPUs (solve + placement)", max(secs) <= 10.5,
-            f"max {max(secs):.2f} s")]
+           ("spindle-cpsat: planning within its 10 s limit at <= 64 GPUs (solve + placement)", max(secs) <= 10.0,
+            f"max {max(secs):.2f} s (the whole planning call, greedy plan first: max {whole:.2f} s)")]
     if all(OVERLAP_SYSTEM[0] in c["systems"] for c in cells):
         gains = [1 - c["systems"][OVERLAP_SYSTEM[0]]["predicted_iteration_time"]
                  / c["systems"]["spindle-cpsat"]["predicted_iteration_time"] for c in cells]
