@@ -106,7 +106,7 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     planned: list[tuple[str, PlanningResult, float]] = []
-    placements: dict = {}  # the memory search's placements, shared by the candidates (planner/pipeline.py)
+    placements: dict = {}  # the memory search's placements, shared by the candidates (planner/memory_search.py)
     for i, (name, cfg) in enumerate(candidate_configs(config, cluster)):
         started = time.perf_counter()
         try:

@@ -59,10 +59,13 @@ class MemoryModel:
     (default: full recomputation of every layer when the cost model's ``config.recompute``, else none)."""
 
     def __init__(self, workload: Workload, cluster: ClusterSpec, cost_model: AnalyticCostModel | None = None,
-                 distributed_optimizer: bool = False, recompute: Recompute | None = None):
+                 distributed_optimizer: bool = False, recompute: Recompute | None = None,
+                 zero_stage: int | None = None):
         # distributed_optimizer: the optimizer state (master weights, Adam moments) of a unit is sharded over
-        # the data-parallel ranks that run it (ZeRO-1, Megatron's --use-distributed-optimizer).
-        self.distributed_optimizer = distributed_optimizer
+        # the data-parallel ranks that run it (ZeRO-1, Megatron's --use-distributed-optimizer); ``zero_stage``
+        # instead names the stage (2: the gradients too)
+        self._zero_stage = zero_stage if zero_stage is not None else (1 if distributed_optimizer else 0)
+        self.distributed_optimizer = self._zero_stage >= 1
         self.workload = workload
         self.cluster = cluster
         self.cost_model = cost_model or AnalyticCostModel(workload, cluster)
@@ -74,8 +77,9 @@ class MemoryModel:
 
     @property
     def zero_stage(self) -> int:
-        """The ZeRO stage ``param_state_bytes`` shards for: 1 with the distributed optimizer, else 0."""
-        return 1 if self.distributed_optimizer else 0
+        """The ZeRO stage ``param_state_bytes`` shards for: as given, else 1 with the distributed optimizer, 0
+        without."""
+        return self._zero_stage
 
     # ---------------------------------------------------------------------------------------- parameters
 

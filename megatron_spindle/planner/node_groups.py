@@ -190,7 +190,7 @@ def plan_node_groups(workload: Workload, cluster: ClusterSpec, partition: list[N
     settings = ExecutionSettings(slice_recompute=recompute, zero_stage=zero,
                                  micro_batches=plans[0].settings.micro_batches)
     cost_model = AnalyticCostModel(workload, cluster)
-    memory_model = MemoryModel(workload, cluster, cost_model, distributed_optimizer=zero > 0)
+    memory_model = MemoryModel(workload, cluster, cost_model, zero_stage=zero)
     curves = {k: v for r in results for k, v in r.curves.items()}
     info = {"planner": f"{planner}-node-groups", "requested": dataclasses.asdict(config),
             "node_groups": [dataclasses.asdict(g) for g in partition],

@@ -14,7 +14,7 @@ from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import workload_from_dict
-from megatron_spindle.plan.memory import ZeroSharded, memory_breakdown, plan_memory
+from megatron_spindle.plan.memory import ZeroSharded, memory_breakdown, memory_options, plan_memory
 from megatron_spindle.plan.order import early_backward_order, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings, PlanError, Recompute
 from megatron_spindle.plan.validate import validate_plan
@@ -24,12 +24,8 @@ from megatron_spindle.planner.memory_options import (
     choose_recompute,
     slice_options,
 )
-from megatron_spindle.planner.pipeline import (
-    PlannerConfig,
-    memory_needs,
-    micro_batch_candidates,
-    plan_workload,
-)
+from megatron_spindle.planner.memory_search import memory_needs, micro_batch_candidates
+from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload
 from megatron_spindle.planner.schedule import ScheduledSlice
 from megatron_spindle.simulator import simulate
 
@@ -68,7 +64,22 @@ def test_a_plan_forced_into_full_recomputation_fits_with_cheaper_options_and_run
     assert auto_sim.iteration_time < full_sim.iteration_time
     assert auto.predicted["iteration_time"] < full.predicted["iteration_time"]
     with pytest.raises(PlanError, match="does not fit device memory"):
-        planned(w, tight, recompute="none", micro_batches="1")
+        planned(w, tight, recompute="none", micro_batches="1", distributed_optimizer="on")
+
+
+def test_where_zero_1_needs_recomputation_the_gradients_are_sharded_too_and_nothing_is_recomputed():
+    """1.9 GiB on 4 devices: with the optimizer state sharded (ZeRO-1, Megatron's distributed optimizer) some
+    layers must recompute; sharding the gradients as well (ZeRO-2) fits without, and that plan is faster."""
+    w = workload_from_dict(HEAVY)
+    tight = with_memory(4, 1.9 * GiB)
+    zero1, zero1_sim = planned(w, tight, distributed_optimizer="on")
+    auto, auto_sim = planned(w, tight)
+    assert zero1.settings.zero_stage == 1 and "none" in zero1.settings.recompute_choices()
+    assert any(rc != "none" for rc in zero1.settings.recompute_choices())
+    assert auto.settings.zero_stage == 2 and auto.settings.recompute_choices() == ["none"]
+    assert auto.settings.micro_batches == 1
+    assert auto_sim.iteration_time < zero1_sim.iteration_time
+    assert "zero2" in memory_options(auto)
 
 
 def test_micro_batches_are_chosen_by_predicted_time_and_recorded():

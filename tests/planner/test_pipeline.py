@@ -12,7 +12,8 @@ from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import workload_from_dict
 from megatron_spindle.plan.schema import PlanError, Recompute
 from megatron_spindle.plan.validate import validate_plan
-from megatron_spindle.planner.pipeline import PlannerConfig, make_plan, memory_footprint, memory_needs
+from megatron_spindle.planner.memory_search import memory_footprint, memory_needs
+from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
 
 
 def cluster_with_memory(num_gpus: int, memory_bytes: float):

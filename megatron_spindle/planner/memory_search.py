@@ -1,0 +1,408 @@
+"""The planner's memory search: which micro-batch count, ZeRO stage and recomputation a plan runs with.
+
+For each micro-batch count (fewest first) the MetaGraph as one micro-batch runs it is allocated, scheduled and
+placed on every rung of ``memory_rungs`` (ZeRO stage, the recomputation placement assumes, device memory
+overcommitted or not); each rung that places gets the cheapest recomputation per slice that fits
+(planner/memory_options.py), and the planner's estimate (planner/objective.py) picks the fastest candidate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from megatron_spindle.estimator import AnalyticCostModel, MemoryModel, estimate_curves, valid_configs
+from megatron_spindle.graph.cluster import ClusterSpec
+from megatron_spindle.graph.opgraph import MetaGraph
+from megatron_spindle.graph.workload import Workload
+from megatron_spindle.plan.layout import micro_batch_metaop
+from megatron_spindle.plan.memory import ZeroSharded, slice_memory
+from megatron_spindle.plan.order import default_order, early_backward_order, slice_order
+from megatron_spindle.plan.schema import ExecutionSettings, PlanError, Recompute
+from megatron_spindle.planner.allocator import allocate_level
+from megatron_spindle.planner.assemble import assemble_plan, slice_id
+from megatron_spindle.planner.memory_options import (
+    RecomputeError,
+    RecomputePolicy,
+    SliceKey,
+    choose_recompute,
+    recompute_seconds,
+)
+from megatron_spindle.planner.objective import estimate_iteration
+from megatron_spindle.planner.placement import PlacementError, place
+from megatron_spindle.planner.schedule import LevelAllocation, ScheduledSlice, ScheduledWave
+from megatron_spindle.planner.wavefront import schedule_levels
+
+if TYPE_CHECKING:
+    from megatron_spindle.planner.pipeline import PlannerConfig
+
+MEMORY_SHARES = (0.5, 0.25, 0.125)
+MICRO_BATCH_TRIES = 2  # micro-batch counts tried beyond the first that fits (auto)
+# device memory placement may plan with (times the device's) before recomputation takes the excess off: the more,
+# the less memory limits the configurations and their balance, the more may have to be recomputed
+OVERCOMMITS = (2.0, 3.0)
+
+
+def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost_model, memory_model, say,
+                             shares: tuple[float, ...] = MEMORY_SHARES):
+    """Curves, allocation, waves and placement, memory-aware: the paper's allocator ignores memory, and a heavy
+    MetaOp on too few devices cannot hold its activations. Each MetaOp's configurations are first limited to
+    those whose whole chain fits ``shares[0]`` of a device (half by default); when placement still runs out of
+    memory the next share is tried and everything is replanned. Also returns whether memory bound the plan (a
+    configuration was left out or a share replanned): where it did not, more memory would plan the same."""
+    N = cluster.num_devices
+    needs = memory_needs(metagraph, workload, cluster, memory_model)
+    memory_allowed_configs(metagraph, needs, cluster, 1.0)  # a MetaOp that fits nowhere is named first
+    total = sum(min(b * c[0] * c[1] for c, b in need.items()) for need in needs.values())
+    if total > N * cluster.gpu.memory_bytes:
+        # Even spread perfectly (and with weights stored per MetaOp), the chains need more than the cluster has.
+        raise PlanError(f"the plan does not fit device memory: the MetaOps need at least {total / 2**30:.0f} GiB "
+                        f"in all, the {N} devices have {N * cluster.gpu.memory_bytes / 2**30:.0f} GiB")
+    for attempt, share in enumerate(shares):
+        allowed = cap_slice_devices(memory_allowed_configs(metagraph, needs, cluster, share), config.max_slice_devices)
+        curves = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
+                                 allowed=lambda m, tp, dp, fits=allowed: (tp, dp) in fits[m.id])
+        level_allocs = [
+            allocate_level(k, [metagraph.metaops[m] for m in level], curves, N, mode=config.inverse)
+            for k, level in enumerate(metagraph.levels)
+        ]
+        waves = schedule_levels(level_allocs, metagraph, curves, N)
+        try:
+            placed = place(waves, metagraph, workload, cluster, cost_model, memory_model,
+                           strategy=config.placement)
+            bound = attempt > 0 or _restriction_binds(placed, curves, needs, share, metagraph, workload, cluster,
+                                                      config, profile, cost_model)  # else more memory plans the same
+            return curves, level_allocs, placed, bound
+        except PlacementError as e:
+            if attempt == len(shares) - 1:
+                raise PlanError(f"the plan does not fit device memory: {e}") from e
+            say(f"placement out of memory; replanning with at most {100 * shares[attempt + 1]:.0f}% "
+                f"of a device per MetaOp")
+    raise AssertionError("unreachable")
+
+
+def _restriction_binds(placed, curves, needs, share, metagraph, workload, cluster, config, profile, cost_model) -> bool:
+    """Whether a configuration left out for memory would have run some slice faster on its device count (one
+    left out only where the plan never goes, e.g. a large MetaOp on 1 of 1024 devices, binds nothing)."""
+    limit = share * cluster.gpu.memory_bytes
+    if not any(b > limit for n in needs.values() for b in n.values()):
+        return False
+    every = cap_slice_devices({m: set(n) for m, n in needs.items()}, config.max_slice_devices)
+    free = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
+                           allowed=lambda m, tp, dp: (tp, dp) in every[m.id])
+    return any(free[s.metaop].time(s.n) < curves[s.metaop].time(s.n) * (1 - 1e-9)
+               for w in placed for s in w.slices)
+
+
+def cap_slice_devices(allowed: dict[str, set[tuple[int, int]]], cap: int) -> dict[str, set[tuple[int, int]]]:
+    """The allowed configurations limited to at most ``cap`` devices (0: unlimited), per MetaOp where any is
+    left."""
+    if cap <= 0:
+        return allowed
+    out = {}
+    for mid, configs in allowed.items():
+        small = {c for c in configs if c[0] * c[1] <= cap}
+        out[mid] = small or configs
+    return out
+
+
+def recompute_policy(config: PlannerConfig) -> RecomputePolicy:
+    """The recomputation the planner may choose: the Megatron-style flags as given, else --spindle-recompute."""
+    if config.recompute_granularity == "selective":
+        return RecomputePolicy(Recompute("selective"))
+    if config.recompute_granularity == "full":
+        if (config.recompute_method or "uniform") == "uniform":
+            return RecomputePolicy(Recompute("full", config.recompute_num_layers or 1, "uniform"))
+        return RecomputePolicy(Recompute("full", config.recompute_num_layers))
+    if config.recompute == "auto":
+        return RecomputePolicy()
+    return RecomputePolicy(Recompute(config.recompute))
+
+
+def memory_rungs(config: PlannerConfig, policy: RecomputePolicy) -> list[tuple[int, Recompute, float]]:
+    """(ZeRO stage, recomputation placement plans with, device memory placement may use / the device's) in
+    order, cheapest first: sharding the optimizer state (ZeRO-1, the distributed optimizer) costs nothing in
+    time (its reduce-scatter + all-gather moves what an all-reduce moves), nor do the gradients (ZeRO-2) with one
+    micro-batch, while with m they are reduce-scattered after every micro-batch's backward; recomputation costs a
+    forward pass per layer, so placement first plans without it; then, where recomputation may be chosen per
+    slice, without it on devices OVERCOMMITS times as large (placement balances the real activations,
+    recomputation takes off what does not fit), then with every layer at its leanest (``policy.lean()``); the
+    slices get the cheapest choice that fits afterwards. With recomputation, sharding is free, so an unsharded
+    recomputing rung is never worth trying. ``--spindle-distributed-optimizer on`` is Megatron's: ZeRO-1."""
+    stages = {"off": [0], "on": [1], "auto": [0, 1, 2]}[config.distributed_optimizer]
+    if policy.fixed is not None:
+        assumed = [(policy.fixed, 1.0)]
+    else:
+        assumed = [(Recompute(), 1.0)] + [(Recompute(), o) for o in OVERCOMMITS] + [(policy.lean(), 1.0)]
+    rungs = [(z, rc, over) for rc, over in assumed for z in stages]
+    recomputing = [r for r in rungs if r[1].mode != "none" or r[2] > 1]
+    return [r for r in rungs if not (r in recomputing and r[0] == 0 and (1, r[1], r[2]) in rungs)]
+
+
+def micro_batch_candidates(config: PlannerConfig, metagraph: MetaGraph) -> list[int]:
+    """Micro-batch counts to try, smallest first: each divides every MetaOp's batch (auto: the divisors of
+    their gcd, thinned to roughly doubling steps, the gcd itself last)."""
+    common = math.gcd(*{m.batch for m in metagraph.metaops.values()})
+    if config.micro_batches != "auto":
+        n = int(config.micro_batches)
+        if common % n:
+            batches = sorted({m.batch for m in metagraph.metaops.values()})
+            raise PlanError(f"--spindle-micro-batches {n} does not divide every task's batch {batches}")
+        return [n]
+    out = []
+    for d in range(1, common + 1):
+        if common % d == 0 and (not out or d >= 2 * out[-1] or d == common):
+            out.append(d)
+    return out
+
+
+def micro_metagraph(metagraph: MetaGraph, micro_batches: int) -> MetaGraph:
+    """The MetaGraph as one micro-batch runs it (every batch divided by ``micro_batches``)."""
+    if micro_batches == 1:
+        return metagraph
+    return dataclasses.replace(metagraph, metaops={mid: micro_batch_metaop(m, micro_batches)
+                                                   for mid, m in metagraph.metaops.items()})
+
+
+@dataclass
+class _Candidate:
+    """Placed waves of one micro-batch count and ZeRO stage, with the recomputation and order chosen for them."""
+
+    micro_batches: int
+    metagraph: MetaGraph  # as a micro-batch runs it
+    cost_model: AnalyticCostModel
+    memory_model: MemoryModel  # recomputation per slice from the settings
+    memory_model_placed: MemoryModel  # what placement (and CP-SAT) planned with
+    placed_on: ClusterSpec  # the cluster placement (and CP-SAT) planned on: device memory overcommitted or not
+    policy: RecomputePolicy
+    curves: dict[str, Any]
+    level_allocs: list[LevelAllocation]
+    placed: list[ScheduledWave]
+    choices: dict[SliceKey, Recompute] = field(default_factory=dict)
+    order: tuple | None = None
+    extra: dict[SliceKey, float] = field(default_factory=dict)  # recomputation seconds per slice
+    error: Exception | None = None  # why ``choose`` found nothing
+    estimated: float | None = None
+
+    @property
+    def waves(self) -> list[ScheduledWave]:
+        return self.placed
+
+    @property
+    def recomputes(self) -> bool:
+        return any(rc.mode != "none" for rc in self.choices.values())
+
+    @property
+    def predicted(self) -> float:
+        """The waves' makespan with recomputation, every micro-batch of them."""
+        return max((w.end for w in self.charged_waves()), default=0.0)
+
+    def estimate(self, workload: Workload, cluster: ClusterSpec, metagraph: MetaGraph) -> float:
+        """The planner's estimate of the iteration (planner/objective.py: the waves plus transfers, what the
+        gradient sync adds beyond the last micro-batch's backward, the optimizer step)."""
+        if self.estimated is None:
+            plan = assemble_plan(workload, cluster, metagraph, self.charged_waves(), self.cost_model,
+                                 self.memory_model, {}, validate=False, settings=self.settings())
+            self.estimated = estimate_iteration(plan, metagraph, cluster, self.cost_model).total
+        return self.estimated
+
+    def choose(self, cluster: ClusterSpec, config: PlannerConfig) -> bool:
+        """Recomputation per slice, and the order: the plain one, or (``early_backward`` on, or auto when the
+        plain order fits no recomputation choice) the early backward; False when nothing fits. The early
+        backward lowers the peak, but the waves cannot tell what its interleaving costs: where it only saves
+        recomputation, plan selection (megatron_spindle/autoplan.py) simulates it as another candidate."""
+        tasks = [[self.metagraph.metaops[s.metaop].task for s in w.slices] for w in self.placed]
+        early = early_backward_order(tasks)
+        orders: list[tuple | None] = {"on": [early], "off": [None], "auto": [None, early]}[config.early_backward]
+        if early == default_order(len(tasks)):
+            orders = [None]
+        numbers = ZeroSharded(self.memory_model, self.memory_model.zero_stage)
+        waves = [w.slices for w in self.placed]
+        for order in orders:
+            steps = slice_order(tasks, ExecutionSettings(order=order))
+            try:
+                self.choices = choose_recompute(waves, self.metagraph.metaops, numbers, self.cost_model,
+                                                cluster.gpu.memory_bytes, steps, self.policy, cluster.num_devices,
+                                                cluster.gpu.name, [w.duration for w in self.placed])
+            except RecomputeError as e:
+                self.error = e
+                continue
+            self.order = order
+            self.extra = recompute_seconds(waves, self.metagraph.metaops, self.cost_model, self.choices)
+            return True
+        return False
+
+    def with_waves(self, waves: list[ScheduledWave], cluster: ClusterSpec, config: PlannerConfig) -> _Candidate | None:
+        other = dataclasses.replace(self, placed=waves, choices={}, order=None, extra={}, estimated=None)
+        return other if other.choose(cluster, config) else None
+
+    def charged_waves(self) -> list[ScheduledWave]:
+        """The placed waves as the plan records them: each slice's recomputation added to its time (waves
+        stretched, later ones shifted by as much), and every time for the whole iteration, m micro-batches
+        (the plan's wave times are an iteration's: ``predicted["micro_batch_time"]`` is one micro-batch's)."""
+        m = self.micro_batches
+        out, shift = [], 0.0
+        for wi, w in enumerate(self.placed):
+            slices = [dataclasses.replace(s, time=m * (s.time + self.extra.get((wi, si), 0.0)))
+                      for si, s in enumerate(w.slices)]
+            duration = max([m * w.duration] + [s.time for s in slices])
+            out.append(ScheduledWave(w.level, m * w.start + shift, duration, slices))
+            shift += duration - m * w.duration
+        return out
+
+    def settings(self) -> ExecutionSettings:
+        layer = {k: rc for k, rc in self.choices.items()}
+        distinct = set(layer.values())
+        if self.policy.fixed is not None or len(distinct) <= 1:
+            plan_wide, per_slice = (self.policy.fixed or next(iter(distinct), Recompute())), {}
+        else:
+            plan_wide = Recompute()
+            per_slice = {slice_id(wi, self.placed[wi].slices[si].metaop): rc
+                         for (wi, si), rc in layer.items() if rc.mode != "none"}
+        return ExecutionSettings(recompute=plan_wide, slice_recompute=per_slice,
+                                 zero_stage=self.memory_model.zero_stage, micro_batches=self.micro_batches,
+                                 order=self.order)
+
+    def describe(self) -> str:
+        counts: dict[str, int] = {}
+        for rc in self.choices.values():
+            counts[rc.describe()] = counts.get(rc.describe(), 0) + 1
+        recompute = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()) if k != "none") or "none"
+        return (f"{self.micro_batches} micro-batch(es), ZeRO-{self.memory_model.zero_stage}, recomputation: "
+                f"{recompute}{', early backward' if self.order is not None else ''}")
+
+
+def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
+                   say, placements: dict | None = None) -> _Candidate:
+    """The memory options of the plan: for each micro-batch count (fewest first), every rung of
+    ``memory_rungs`` that places and fits is a candidate, and the one the planner's estimate times fastest
+    (planner/objective.py) wins. The first rung that fits is not always the fastest: placement under the cap
+    limits the configurations and their balance, so a placement on overcommitted devices with a little
+    recomputation (or none: the real activations may fit after all) can beat it, and a few more micro-batches
+    can beat recomputation. A rung that fits with memory binding nothing (no recomputation, no configuration
+    left out) ends its count, and such a count ends the search, as do a count that fits without recomputation
+    and is no faster than the best before it (more micro-batches only cost efficiency from there) and
+    MICRO_BATCH_TRIES more counts after the first that fits."""
+    policy = recompute_policy(config)
+    counts = micro_batch_candidates(config, metagraph)
+    rungs = memory_rungs(config, policy)
+    best: _Candidate | None = None
+    error: Exception | None = None
+    first_fit = None  # index of the first count that fits
+
+    def faster(a: _Candidate, b: _Candidate | None) -> bool:
+        return b is None or a.estimate(workload, cluster, metagraph) < b.estimate(workload, cluster, metagraph)
+
+    for i, m in enumerate(counts):
+        if first_fit is not None and i - first_fit > MICRO_BATCH_TRIES:
+            break
+        micro = micro_metagraph(metagraph, m)
+        found, free, unbound = None, False, None  # unbound: the least overcommit that placed with memory binding nothing
+        roomy_at_stage_1 = set()  # (assumed, over) where ZeRO-1 placed with memory binding nothing, recomputing nothing
+        for stage, assumed, over in rungs:
+            if assumed.mode == "none" and unbound is not None and over > unbound:
+                continue  # more memory would place the same
+            if stage == 0 and i > 0 and config.distributed_optimizer == "auto":
+                continue  # memory bound the first count: sharding the optimizer state costs no time
+            if stage == 2 and (assumed, over) in roomy_at_stage_1:
+                continue  # sharding the gradients too would place the same
+            key = (m, stage, assumed, over, config.inverse, config.placement, config.max_slice_devices)
+            if placements is None or key not in placements:
+                try:
+                    placed = _place_rung(micro, workload, cluster, config, profile if m == 1 else None, stage,
+                                         assumed, over, say)
+                except PlanError as e:
+                    placed = e
+                if placements is not None:
+                    placements[key] = placed
+            placed = placements[key] if placements is not None else placed
+            if isinstance(placed, PlanError):
+                error = placed
+                continue
+            cost_model, placed_mm, roomy, curves, allocs, placed, bound = placed
+            cand = _Candidate(m, micro, cost_model, MemoryModel(workload, cluster, cost_model, zero_stage=stage),
+                              placed_mm, roomy, policy, curves, allocs, placed)
+            if not bound and assumed.mode == "none":
+                unbound = over if unbound is None else min(unbound, over)
+            if not cand.choose(cluster, config):
+                error = cand.error
+                continue
+            if stage == 1 and not bound and not cand.recomputes:
+                roomy_at_stage_1.add((assumed, over))
+            say(f"{cand.describe()} (placed on {over:g}x device memory): estimated "
+                f"{1e3 * cand.estimate(workload, cluster, metagraph):.1f} ms")
+            if faster(cand, found):
+                found = cand
+            if over == 1 and not bound and not cand.recomputes:
+                free = True
+                break
+        if found is None:
+            if best is not None:
+                break
+            say(f"the plan does not fit device memory with {m} micro-batch(es)"
+                + ("; trying more" if m != counts[-1] else ""))
+            continue
+        first_fit = i if first_fit is None else first_fit
+        improves = faster(found, best)
+        if improves:
+            best = found
+        if free or (not found.recomputes and not improves):
+            break
+    if best is None:
+        m = counts[-1]
+        raise PlanError(f"the plan does not fit device memory even with {m} micro-batch(es) (batches "
+                        f"{sorted({op.batch // m for op in metagraph.metaops.values()})} per micro-batch), "
+                        f"{policy.lean().describe()} recomputation and ZeRO-{max(r[0] for r in rungs)}: {error}")
+    return best
+
+
+def _place_rung(micro, workload, cluster, config, profile, stage, assumed, over, say):
+    """One rung's placement: (cost model, memory model placed with, cluster placed on, curves, allocations,
+    placed waves, whether memory bound it)."""
+    cost_model = AnalyticCostModel(workload, cluster)
+    placed_mm = MemoryModel(workload, cluster, cost_model, recompute=assumed, zero_stage=stage)
+    # planning with every layer at its leanest, a chain may take the whole device: what it does not need is given
+    # back to it slice by slice afterwards
+    shares = (1.0,) + MEMORY_SHARES if assumed.mode != "none" else MEMORY_SHARES
+    roomy = cluster if over == 1 else dataclasses.replace(cluster, gpu=dataclasses.replace(
+        cluster.gpu, memory_bytes=over * cluster.gpu.memory_bytes))
+    placed = _allocate_schedule_place(micro, workload, roomy, config, profile, cost_model, placed_mm, say, shares)
+    return (cost_model, placed_mm, roomy) + placed
+
+
+def memory_footprint(metaop, tp: int, dp: int, memory_model: MemoryModel) -> float:
+    """Bytes per device of a MetaOp's whole chain at (tp, dp): parameter state plus activations held for backward."""
+    chain = ScheduledSlice(metaop.id, tp * dp, tp, dp, 0, metaop.num_layers, 0.0)
+    mem = slice_memory(metaop, chain, memory_model)
+    return sum(mem.units.values()) + mem.activations
+
+
+def memory_needs(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec,
+                 memory_model: MemoryModel) -> dict[str, dict[tuple[int, int], float]]:
+    """Per MetaOp, the footprint of each valid (tp, dp)."""
+    return {mid: {c: memory_footprint(m, *c, memory_model) for c in valid_configs(m, workload, cluster)}
+            for mid, m in metagraph.metaops.items()}
+
+
+def memory_allowed_configs(metagraph: MetaGraph, needs: dict[str, dict[tuple[int, int], float]],
+                           cluster: ClusterSpec, share: float) -> dict[str, set[tuple[int, int]]]:
+    """Per MetaOp, the valid (tp, dp) whose footprint fits ``share`` of a device; when none does, those that fit
+    the whole device. A MetaOp that fits under no configuration is an error naming it and the memory it needs."""
+    capacity = cluster.gpu.memory_bytes
+    allowed = {}
+    for mid, need in needs.items():
+        (tp, dp), least = min(need.items(), key=lambda item: item[1])
+        # When no configuration fits the share, only the leanest ones (usually the widest DP) are allowed.
+        fits = {c for c, b in need.items() if b <= max(share * capacity, least)}
+        if least > capacity:
+            m = metagraph.metaops[mid]
+            raise PlanError(
+                f"MetaOp '{mid}' (batch {m.batch}, {m.num_layers} layers) does not fit device memory: it needs "
+                f"{least:.0f} bytes ({least / 2**30:.1f} GiB) per device even at its best configuration (tp {tp} x "
+                f"dp {dp} on {tp * dp} devices), a {cluster.gpu.name} device has {capacity:.0f} bytes "
+                f"({capacity / 2**30:.1f} GiB); no allocation of this batch fits (use more devices, a batch with "
+                f"more divisors, or a smaller batch)")
+        allowed[mid] = fits
+    return allowed
