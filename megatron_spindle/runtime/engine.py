@@ -11,7 +11,8 @@
    parameter device group, split into buckets whose all-reduces run inside the group's process group
    (groups.py) asynchronously during the backward, as soon as each bucket is complete; a unit's gradient is
    summed over every slice that uses it, whatever its device set, wave or TP degree, so every holder gets the
-   exact total d(sum_t w_t loss_t)/dW (``grads``: views of the buffers, valid until the next step).
+   exact total d(sum_t w_t loss_t)/dW (``grads``: views of the buffers, valid until the next step). At
+   zero_stage 2 (grad_shards.py) the same buckets are reduce-scattered and each rank keeps only its shards.
 4. The optimizer (optimizer.py, shards.py): AdamW on fp32 masters, replicated (zero_stage 0) or sharded over
    each parameter device group (zero_stage 1, the distributed optimizer; numerically equal). zero_stage 2
    shards the gradients too (grad_shards.py): each bucket is reduce-scattered into this rank's shards and its
