@@ -77,10 +77,15 @@ def test_buckets_are_issued_during_the_backward_after_their_last_accumulation(wn
         assert engine.held_grad_bytes() == 4 * sum(sh.size for sh in engine.shards.values())
 
 
-def test_without_overlap_every_bucket_waits_for_the_whole_backward():
+@pytest.mark.parametrize("stage", [0, 2])
+def test_without_overlap_every_bucket_waits_for_the_whole_backward(stage):
     w = load_workload("tiny-clip")
-    engine = RuntimeEngine(sequential_plan(w, 1), w, 0, 1, EngineConfig(ddp_bucket_size=1, overlap_grad_reduce=False),
+    plan = sequential_plan(w, 1)
+    plan.settings = dataclasses.replace(plan.settings, zero_stage=stage)
+    engine = RuntimeEngine(plan, w, 0, 1, EngineConfig(ddp_bucket_size=1, overlap_grad_reduce=False),
                            operator_factory=standin_factory, batch_fn=standin_batch)
     log = LaunchLog(engine)
     engine.train_step(0)
     check_launches(log, "no overlap", overlap=False)
+    if stage == 2:  # released in finish
+        assert engine.held_grad_bytes() == 4 * sum(sh.size for sh in engine.shards.values())
