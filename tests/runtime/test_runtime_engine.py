@@ -466,12 +466,13 @@ def check_evaluate(rank, world, workloads, refs, cfg, cache) -> None:
 def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache, stage: int) -> None:
     """zero_stage ``stage`` copies of some plans follow the reference trajectory with the same tolerances; at
     stage 2 every other plan takes the all-reduce fallback instead of the reduce-scatter."""
-    several = False
+    several = mixed = False
     for i, (ops, case, wname, make) in enumerate(zero_cases(world)):
         w = workloads[wname]
         plan = zeroed(make(w), stage)
         tower = "vision.layers.0" if wname.startswith("tiny-clip") else "llm.layers.0"
         several |= len(unit_device_sets(plan, tower)) > 1
+        mixed |= len(unit_tp_degrees(plan, tower)) > 1
         kw = dict(operator_factory=standin_factory, batch_fn=standin_batch) if ops == "standin" else {}
         engine = RuntimeEngine(plan, w, rank, world, cfg, groups=cache, **kw)
         assert engine.direct_units == []  # the fast path is for the replicated optimizer only
@@ -491,7 +492,8 @@ def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache, stage:
             check_sharded_grads(engine, label)
         if (ops, case) == ("standin", "spindle-2"):
             check_resume_across_layouts(engine, w, rank, world, cfg, cache, label, stage)
-    assert several or world == 1, f"no zero_stage {stage} plan put a shared tower on several device sets"
+    assert (several and mixed) or world == 1, f"no zero_stage {stage} plan put a shared tower on several device " \
+        f"sets ({several}) and TP degrees ({mixed})"
 
 
 @pytest.mark.multiproc
