@@ -7,6 +7,9 @@ or TP degree: the lowest-ranked member of its group (the unit's *norm owner*) ad
 one all-reduce (SUM) over the world gives the total. Every rank then knows the same norm and clips its own
 buffers by the same coefficient, as ``torch.nn.utils.clip_grad_norm_`` does on the single-process model:
 ``max_norm / (norm + 1e-6)``, applied when below 1 (megatron-core's ``clip_grad_norm_fp32`` alike).
+With ZeRO-2 (grad_shards.py) a rank holds only its shard of each unit's gradient: every member adds the squared
+sum of its own shards; the shards of a group tile each unit exactly once (their zero padding adds nothing), so
+the same world all-reduce gives the same total, and each rank scales only its shards (``norm_tensors``).
 
 fp16 (``grad_scaler``: a megatron-core ``MegatronGradScaler``): the backward ran on ``loss * scale``, so the norm
 of the buffers is divided by the scale (exact for the power-of-two scales the dynamic scaler uses) and the
@@ -44,13 +47,20 @@ def norm_owners(param_groups: list[ParamGroup]) -> dict[str, int]:
     return {u: min(g.devices) for g in param_groups for u in g.params}
 
 
-class GradClipper:
-    """The global norm of the gradient buffers and the in-place scaling of this rank's buffers."""
+def norm_tensors(unit_grads: dict[str, torch.Tensor], param_groups: list[ParamGroup], rank: int,
+                 sharded: bool) -> list[torch.Tensor]:
+    """The gradients this rank counts in the global norm: its shard of every unit it holds (ZeRO-2), or the
+    full gradients of the units it is the norm owner of (replicated gradients)."""
+    owners = norm_owners(param_groups)
+    return [unit_grads[u] for u in sorted(unit_grads) if sharded or owners.get(u) == rank]
 
-    def __init__(self, buffers, unit_grads: dict[str, torch.Tensor], owners: dict[str, int], rank: int,
-                 device: torch.device):
-        self.buffers, self.device = buffers, device
-        self.owned = [unit_grads[u] for u in sorted(unit_grads) if owners.get(u) == rank]
+
+class GradClipper:
+    """The global norm of the gradients (``counted``: what this rank adds, each element of the model counted
+    once over the world) and the in-place scaling of this rank's gradient storage (``storage``)."""
+
+    def __init__(self, storage: list[torch.Tensor], counted: list[torch.Tensor], device: torch.device):
+        self.storage, self.owned, self.device = storage, counted, device
 
     def norm(self) -> float:
         """The global L2 norm of the synchronised gradients (collective over the world; every rank calls it)."""
@@ -65,7 +75,7 @@ class GradClipper:
     def scale_(self, factor: float) -> None:
         """Multiply every gradient this rank holds by ``factor``."""
         if factor != 1.0:
-            for _, buf in self.buffers.buffers:
+            for buf in self.storage:
                 buf.mul_(factor)
 
 

@@ -6,7 +6,7 @@ slice holding it has TP 1 and an operator whose parameters are the unit's canoni
 to views of the master (``.data``) and of the gradient buffer (``.grad``); local slices holding the same key
 share the views (tied storage). Autograd then accumulates every slice's contribution in place into the buffer
 (GradMode is off in backward), AdamW's in-place update of the master is the operators' update, and nothing is
-exported or pushed for these units. Other units (TP shards, ZeRO-1, low precision, other layouts) are generic:
+exported or pushed for these units. Other units (TP shards, ZeRO-1 and 2, low precision, other layouts) are generic:
 their gradients are exported after each slice's backward and their weights loaded back after each step.
 Directness is decided per rank; the buffers' layout is not, so ranks may differ.
 """

@@ -11,9 +11,13 @@
    parameter device group, split into buckets whose all-reduces run inside the group's process group
    (groups.py) asynchronously during the backward, as soon as each bucket is complete; a unit's gradient is
    summed over every slice that uses it, whatever its device set, wave or TP degree, so every holder gets the
-   exact total d(sum_t w_t loss_t)/dW (``grads``: views of the buffers, valid until the next step).
+   exact total d(sum_t w_t loss_t)/dW (``grads``: views of the buffers, valid until the next step). At
+   zero_stage 2 (grad_shards.py) the same buckets are reduce-scattered and each rank keeps only its shards.
 4. The optimizer (optimizer.py, shards.py): AdamW on fp32 masters, replicated (zero_stage 0) or sharded over
-   each parameter device group (zero_stage 1, the distributed optimizer; numerically equal).
+   each parameter device group (zero_stage 1, the distributed optimizer; numerically equal). zero_stage 2
+   shards the gradients too (grad_shards.py): each bucket is reduce-scattered into this rank's shards and its
+   full storage released as soon as its sync completed, so ``grads`` is empty there (``gather_grads``
+   all-gathers the full gradients; ``held_grad_bytes`` is what is held).
 5. The fast path (direct.py): fp32 TP=1 canonical-layout units alias their masters and gradient buffer, so
    nothing is exported or loaded back for them. Other units are exported after each slice's backward
    (``export_full_state`` on gradients, TP rank 0 contributing) and loaded back after each step.
@@ -28,7 +32,7 @@ returns its task's loss as a scalar whose sum over the slice's DP ranks is the t
 ``dp_loss_reduction = "mean"`` if instead every DP rank returns a loss whose DP-mean is the task loss).
 
 Checkpoints: ``export_units`` / ``load_units`` / ``full_state`` speak full (unsharded) tensors, so they are
-layout-independent. With zero_stage 1, ``export_units`` and ``full_state`` are collective (every rank must call
+layout-independent. With zero_stage 1 or 2, ``export_units`` and ``full_state`` are collective (every rank must call
 them, as the trainer does); ``load_units`` and ``load_full_state`` never communicate.
 
 Between the sync and AdamW (clip.py): the global gradient norm over every unit (each counted once), clipping
@@ -59,14 +63,16 @@ from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.schema import Plan
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.activation_meter import SavedTensorMeter
-from megatron_spindle.runtime.clip import GradClipper, StepStats, norm_owners, prepare_step
+from megatron_spindle.runtime.clip import GradClipper, StepStats, norm_tensors, prepare_step
 from megatron_spindle.runtime.direct import bind_direct_units
 from megatron_spindle.runtime.grad_buffers import GradBuffers, backward_order
+from megatron_spindle.runtime.grad_shards import ShardedGradBuffers, backend_reduces_scatter
 from megatron_spindle.runtime.grad_sync import GradSync
 from megatron_spindle.runtime.groups import PlanGroups
 from megatron_spindle.runtime.layout import check_runnable
 from megatron_spindle.runtime.optimizer import MasterOptimizer, OptimizerConfig
 from megatron_spindle.runtime.schedule import WaveSchedule
+from megatron_spindle.runtime.shards import gather_units
 from megatron_spindle.runtime.slices import build_local_slices, in_wave_order, initial_weights
 from megatron_spindle.runtime.transfer import SpecFn, default_activation_spec
 
@@ -143,8 +149,13 @@ class RuntimeEngine:
         self.master_optimizer = MasterOptimizer(full, self.key_unit, plan.param_groups, rank, self.zero_stage,
                                                 self.config.optimizer, self.groups, self.device)
         opt = self.master_optimizer
-        self.grad_buffers = GradBuffers(opt.unit_groups, opt.shards, backward_order(plan, self.metagraph),
-                                        self.config.ddp_bucket_size, self.device)
+        order = backward_order(plan, self.metagraph)
+        if self.zero_stage == 2:  # gradients sharded like the optimizer state
+            self.grad_buffers = ShardedGradBuffers(opt.unit_groups, opt.shards, order, self.config.ddp_bucket_size,
+                                                   self.device, backend_reduces_scatter(dist.get_backend()))
+        else:
+            self.grad_buffers = GradBuffers(opt.unit_groups, opt.shards, order, self.config.ddp_bucket_size,
+                                            self.device)
         opt.attach_grads(self.grad_buffers.unit_grads)
         self.binding = bind_direct_units(self.local, self.key_unit, opt.shards, opt.masters,
                                          self.grad_buffers.key_grads,
@@ -154,8 +165,8 @@ class RuntimeEngine:
         weights = {t.name: t.loss.weight if t.loss else 1.0 for t in workload.tasks}
         self.schedule = WaveSchedule(plan, workload, rank, self.local, activation_spec or default_activation_spec,
                                      weights, self.config.dtype, self.device, on_wave)
-        self.clipper = GradClipper(self.grad_buffers, self.grad_buffers.unit_grads, norm_owners(plan.param_groups),
-                                   rank, self.device)
+        self.clipper = GradClipper(self.grad_buffers.storage(), norm_tensors(
+            self.grad_buffers.unit_grads, plan.param_groups, rank, self.grad_buffers.sharded), self.device)
         self.grads: dict[str, torch.Tensor] = {}
         self.activation_peak: int | None = None  # bytes, with EngineConfig(measure_activations=True)
         self.last_step = StepStats()
@@ -207,12 +218,12 @@ class RuntimeEngine:
         self._add_time("optimizer-clip-main-grad", t1 - t0)
         if self.optimizer is None or self.last_step.skipped:
             return losses
-        progress.point("the optimizer step (distributed-optimizer all-gathers)" if self.zero_stage == 1 else
+        progress.point("the optimizer step (distributed-optimizer all-gathers)" if self.zero_stage >= 1 else
                        "the optimizer step")
         self.master_optimizer.step(self.grad_buffers.unit_grads)
         t2 = self._clock()
-        if self.zero_stage == 1 or any(self.generic_keys.values()):
-            self._push_weights(self.master_optimizer.full_weights())  # collective at zero_stage 1
+        if self.zero_stage >= 1 or any(self.generic_keys.values()):
+            self._push_weights(self.master_optimizer.full_weights())  # collective at zero_stage 1 and 2
         t3 = self._clock()
         self._add_time("optimizer-inner-step", t2 - t1)
         self._add_time("optimizer-copy-main-to-model-params", t3 - t2)
@@ -221,7 +232,8 @@ class RuntimeEngine:
 
     def forward_backward(self, step: int) -> dict[str, float]:
         """One step without the optimizer; afterwards ``grads`` holds the synchronised full gradients (times the
-        loss scale until ``train_step`` unscales them)."""
+        loss scale until ``train_step`` unscales them); at zero_stage 2 it is empty and ``grad_buffers.unit_grads``
+        are this rank's shards (``gather_grads``)."""
         tasks = sorted({ls.slice.task for ls in self.local.values()})
         t0 = self._clock()
         batches = {t: self.batch_fn(self.workload, t, step, self.config.data_seed) for t in tasks}
@@ -250,6 +262,33 @@ class RuntimeEngine:
         batches = {t: fn(self.workload, t, step, self.config.data_seed) for t in tasks}
         with torch.no_grad():
             return self.schedule.evaluate(batches)()
+
+    def gather_grads(self) -> dict[str, torch.Tensor]:
+        """The synchronised full gradients of every key this rank holds ("<unit>.<path>" -> tensor), as after
+        the last ``forward_backward`` / ``train_step``: ``grads`` itself, or at zero_stage 2 its shards
+        all-gathered (collective over the parameter device groups there; for tests and inspection)."""
+        if not self.grad_buffers.sharded:
+            return dict(self.grads)
+        opt, out = self.master_optimizer, {}
+        for devices, units in opt.unit_groups:
+            vecs = gather_units([opt.shards[u] for u in units], [[self.grad_buffers.unit_grads[u]] for u in units],
+                                self.groups.param_group(devices))
+            for u, (v,) in zip(units, vecs):
+                out.update({k: t.clone() for k, t in opt.shards[u].unflatten(v).items()})
+        return out
+
+    def held_grad_bytes(self) -> int:
+        """Bytes of gradient storage this rank holds now: the gradient buffers (at zero_stage 2 the shards and
+        any bucket's full storage not yet released) and the gradients left in the operators' parameters."""
+        seen, held = set(), self.grad_buffers.held_bytes()
+        buffers = {t.untyped_storage().data_ptr() for t in self.grad_buffers.storage()}
+        for ls in self.local.values():
+            for p in ls.op.parameters():
+                g = p.grad
+                if g is not None and g.untyped_storage().data_ptr() not in buffers | seen:
+                    seen.add(g.untyped_storage().data_ptr())
+                    held += g.untyped_storage().nbytes()
+        return held
 
     def _clock(self) -> float:
         if self.phase_times is None:
@@ -304,7 +343,7 @@ class RuntimeEngine:
         return self.master_optimizer.expected_shapes()
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Full master weights this rank holds ("<unit>.<path>" -> tensor). Collective at zero_stage 1."""
+        """Full master weights this rank holds ("<unit>.<path>" -> tensor). Collective at zero_stage 1 and 2."""
         return {k: v.clone() for k, v in self.master_optimizer.full_weights().items()}
 
     def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -318,7 +357,7 @@ class RuntimeEngine:
 
     def export_units(self) -> dict[str, UnitState]:
         """Every unit this rank holds in full form: fp32 weights and AdamW state (``optim`` empty before the
-        first step), whatever the zero stage. Collective over the parameter device groups at zero_stage 1."""
+        first step), whatever the zero stage. Collective over the parameter device groups at zero_stage 1, 2."""
         return self.master_optimizer.export_units()
 
     def load_units(self, units: dict[str, UnitState], load_optim: bool = True) -> None:

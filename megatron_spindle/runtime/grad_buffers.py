@@ -8,6 +8,8 @@ convention: units are added to the current bucket until it holds at least ``buck
 buckets depend on the plan only, so every member of a group has the same ones.
 
 ``unit_grads`` / ``key_grads`` are views of the buffers: the unit's flat gradient and its full tensors.
+``add`` / ``reduce`` / ``settle`` are what the gradient sync (grad_sync.py) asks of a bucket's storage; ZeRO-2's
+sharded storage (grad_shards.py) answers the same calls.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.plan.buckets import (  # noqa: F401 - the bucket rules are plan/'s, shared with the simulator
@@ -65,6 +68,8 @@ class GradBuffers:
     """``buffers``: (sorted devices, flat fp32 buffer) per group this rank holds units of; ``buckets`` in
     ``launch_order``; ``unit_grads`` unit -> flat view; ``key_grads`` "<unit>.<path>" -> full-shape view."""
 
+    sharded = False
+
     def __init__(self, unit_groups: list[tuple[tuple[int, ...], list[str]]], shards: dict[str, UnitShard],
                  order: dict[str, tuple[int, int]], bucket_numel: int | None, device: torch.device):
         self.buffers: list[tuple[tuple[int, ...], torch.Tensor]] = []
@@ -73,15 +78,14 @@ class GradBuffers:
         buckets: list[Bucket] = []
         self._views: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
         for devices, units in unit_groups:
-            units = completion_sorted(units, order)
+            units, group_buckets = buffer_layout(devices, units, shards, order, bucket_numel)
             buf = torch.zeros(sum(shards[u].numel for u in units), dtype=torch.float32, device=device)
             off = 0
             for u in units:
                 self.unit_grads[u] = buf[off:off + shards[u].numel]
                 self.key_grads.update(shards[u].unflatten(self.unit_grads[u]))
                 off += shards[u].numel
-            limit = bucket_numel if bucket_numel is not None else default_bucket_numel(len(devices))
-            for b in _split(devices, units, shards, order, limit):
+            for b in group_buckets:
                 buckets.append(b)
                 self._views[b.devices, b.index] = buf[b.start:b.end]
             self.buffers.append((devices, buf))
@@ -91,9 +95,38 @@ class GradBuffers:
         """The bucket's elements of its group's buffer (a contiguous view)."""
         return self._views[b.devices, b.index]
 
+    def add(self, grads: dict[str, torch.Tensor], keys: list[str]) -> None:
+        """Add full gradients of ``keys`` into the buffers."""
+        for k in keys:
+            acc = self.key_grads[k]
+            acc += grads[k].to(acc.device, torch.float32)
+
+    def reduce(self, b: Bucket, group):
+        """Start the bucket's all-reduce over its group (None for a one-device group)."""
+        return None if group is None else dist.all_reduce(self.view(b), group=group, async_op=True)
+
+    def settle(self, b: Bucket) -> None:
+        """The bucket's all-reduce completed: the buffer holds the sum in place."""
+
+    def storage(self) -> list[torch.Tensor]:
+        """The gradients this rank holds for the step (the group buffers)."""
+        return [buf for _, buf in self.buffers]
+
+    def held_bytes(self) -> int:
+        return sum(buf.numel() * buf.element_size() for _, buf in self.buffers)
+
     def zero_(self) -> None:
         for _, buf in self.buffers:
             buf.zero_()
+
+
+def buffer_layout(devices: tuple[int, ...], units: list[str], shards: dict[str, UnitShard],
+                  order: dict[str, tuple[int, int]], bucket_numel: int | None) -> tuple[list[str], list[Bucket]]:
+    """A group's units in buffer order (completion in the backward) and its buckets (``bucket_numel``, None:
+    megatron's default for the group's size)."""
+    units = completion_sorted(units, order)
+    limit = bucket_numel if bucket_numel is not None else default_bucket_numel(len(devices))
+    return units, _split(devices, units, shards, order, limit)
 
 
 def _split(devices: tuple[int, ...], units: list[str], shards: dict[str, UnitShard],

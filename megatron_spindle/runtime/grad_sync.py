@@ -25,6 +25,11 @@ this rank, while the rest of the backward runs; ``finish`` waits on every handle
   slice): a bucket expects m accumulations per (slice, key), so it completes, and is issued, during the last
   micro-batch's backward. Generic gradients accumulate in the operators over the micro-batches and are added
   to the buffers once, after the slice's last backward.
+- **ZeRO-2** (grad_shards.py): the same buckets, each summed by a reduce-scatter into this rank's shard. A
+  slice's operator gradients are dropped once added (after its last micro-batch), and a bucket's full storage
+  as soon as its collective has completed (checked, never waited for, after each slice's backward; the rest in
+  ``finish``). With micro-batches the full gradients therefore live in the operators while they accumulate,
+  and are released after the sync of the last one.
 - No barrier precedes the sync, and nothing waits on a handle before ``finish``.
 """
 
@@ -33,11 +38,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.direct import DirectBinding
 from megatron_spindle.runtime.grad_buffers import Bucket, GradBuffers
+from megatron_spindle.runtime.grad_shards import ShardedGradBuffers
 from megatron_spindle.runtime.groups import PlanGroups
 from megatron_spindle.runtime.opstate import full_grads
 from megatron_spindle.runtime.slices import LocalSlice
@@ -49,7 +54,7 @@ class GradSync:
     (after the whole backward). ``on_launch(bucket)`` is told each bucket when it is issued (a bucket of a
     one-device group needs no collective but is reported all the same)."""
 
-    def __init__(self, buffers: GradBuffers, local: dict[str, LocalSlice], binding: DirectBinding,
+    def __init__(self, buffers: GradBuffers | ShardedGradBuffers, local: dict[str, LocalSlice], binding: DirectBinding,
                  key_unit: dict[str, str], groups: PlanGroups, overlap: bool = True,
                  on_launch: Callable[[Bucket], None] | None = None, micro_batches: int = 1):
         self.buffers, self.local, self.binding, self.groups = buffers, local, binding, groups
@@ -99,11 +104,22 @@ class GradSync:
             self._next += 1
 
     def _launch(self, b: Bucket) -> None:
-        if len(b.devices) > 1:
-            self._handles.append(dist.all_reduce(self.buffers.view(b), group=self.groups.param_group(b.devices),
-                                                 async_op=True))
+        group = self.groups.param_group(b.devices) if len(b.devices) > 1 else None
+        self._handles.append((b, self.buffers.reduce(b, group)))
         if self.on_launch is not None:
             self.on_launch(b)
+
+    def _settle_completed(self) -> None:
+        """ZeRO-2: release the full storage of every bucket whose collective has completed (never waits)."""
+        pending = []
+        for b, h in self._handles:
+            if h is None or h.is_completed():
+                if h is not None:
+                    h.wait()  # completed: returns at once (on CUDA it orders the release after the kernel)
+                self.buffers.settle(b)
+            else:
+                pending.append((b, h))
+        self._handles = pending
 
     # ------------------------------------------------------------------------------------------------ step
     def start_step(self) -> None:
@@ -128,17 +144,21 @@ class GradSync:
         group, whose leader contributes them) to the buffers and count every key it holds as accumulated."""
         sid = ls.slice.id
         generic = self.binding.generic_keys[sid]
-        if generic and self._micro == self.micro_batches - 1:  # accumulated in the operator over micro-batches
+        last = self._micro == self.micro_batches - 1
+        if generic and last:  # accumulated in the operator over micro-batches
             g = full_grads(ls.op, ls.param_keys)
             if ls.tp_leader:
-                acc = self.buffers.key_grads
-                for k in generic:
-                    acc[k] += g[k].to(acc[k].device, torch.float32)
+                self.buffers.add(g, generic)
+        if last and self.buffers.sharded:  # ZeRO-2: the operator's full gradients are in the buckets now
+            for p in ls.op.parameters():
+                p.grad = None
         for k in ls.param_keys:
             if (sid, k, self._micro) not in self._counted:
                 self._count(sid, k)
         if self.overlap:
             self._advance()
+        if self.buffers.sharded:
+            self._settle_completed()
 
     def finish(self) -> None:
         """Issue what is left (in order) and wait for every all-reduce: the buffers then hold the total
@@ -153,6 +173,8 @@ class GradSync:
         self._active = False
 
     def _wait(self) -> None:
-        for h in self._handles:
-            h.wait()
+        for b, h in self._handles:
+            if h is not None:
+                h.wait()
+            self.buffers.settle(b)
         self._handles.clear()

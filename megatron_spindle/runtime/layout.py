@@ -14,7 +14,7 @@ from megatron_spindle.plan.derive import plan_slice_pairs
 from megatron_spindle.plan.schema import Plan, PlanError, Slice, Transfer
 from megatron_spindle.plan.validate import validate_plan
 
-RUNTIME_ZERO_STAGES = (0, 1)
+RUNTIME_ZERO_STAGES = (0, 1, 2)
 
 
 def dp_rank(s: Slice, device: int) -> int:
@@ -40,11 +40,12 @@ def slice_units(metagraph: MetaGraph, s: Slice) -> list[str]:
 
 
 def check_settings_runnable(plan: Plan) -> None:
-    """The execution settings this runtime implements: ZeRO 0 or 1; every execution order, micro-batch count and
+    """The execution settings this runtime implements: ZeRO 0, 1 or 2 (not 3: weights are never sharded); every execution order, micro-batch count and
     recomputation choice validate_plan accepts (checked there)."""
     st = plan.settings
     if st.zero_stage not in RUNTIME_ZERO_STAGES:
-        raise PlanError(f"zero_stage {st.zero_stage}: the runtime supports 0 and 1 (distributed optimizer)")
+        raise PlanError(f"zero_stage {st.zero_stage}: the runtime supports 0, 1 (distributed optimizer) and 2 "
+                        f"(+ sharded gradients)")
 
 
 def check_runnable(plan: Plan, workload: Workload, metagraph: MetaGraph, world_size: int) -> None:

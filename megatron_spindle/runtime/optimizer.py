@@ -1,4 +1,4 @@
-"""AdamW on fp32 master weights, one flat master per parameter unit, replicated or ZeRO-1 sharded.
+"""AdamW on fp32 master weights, one flat master per parameter unit, replicated or ZeRO-1/2 sharded.
 
 The AdamW step is elementwise, so it may run on any partition of a unit's elements:
 
@@ -8,13 +8,16 @@ The AdamW step is elementwise, so it may run on any partition of a unit's elemen
   sorted group keeps elements [i*S, (i+1)*S), S = ceil(N / group size)). Each member steps its shard of the
   synchronised gradient, and the shards of all units of a group are all-gathered in one collective, so every
   holder loads identical full weights. Numerically equal to stage 0; master + moments drop to 1/size.
-  The gradient itself is all-reduced in full (runtime/grad_sync.py) and then sliced: a reduce-scatter
-  (``reduce_scatter_tensor`` on NCCL; gloo has none) would move half the bytes, but needs buckets laid out
-  member-major in shard rows and would leave holders without the full gradient that ``grads`` exposes.
+  The gradient itself is all-reduced in full (runtime/grad_sync.py) and then sliced, so every holder keeps
+  the full gradient that the engine's ``grads`` exposes.
+- ``zero_stage`` 2: stage 1, and the gradient sharded the same way (runtime/grad_shards.py): each bucket is
+  reduce-scattered into this rank's shards, its full storage released once synchronised; the masters'
+  ``.grad`` are those shards (``attach_grads``). Numerically equal to stages 0 and 1; the held gradient drops
+  to 1/size after each bucket's sync (with micro-batches the full gradients live while they accumulate).
 
 Whatever the layout, ``export_units`` / ``load_units`` / ``full_weights`` speak full tensors, so checkpoints are
-layout-independent. At stage 1 ``export_units`` and ``full_weights`` are collective over the parameter device
-groups; ``load_*`` never communicate.
+layout-independent. At stages 1 and 2 ``export_units`` and ``full_weights`` are collective over the parameter
+device groups; ``load_*`` never communicate.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class MasterOptimizer:
             units = sorted(held & set(pg.params))
             if rank not in devices or not units:
                 continue
-            members, index = (len(devices), devices.index(rank)) if zero_stage == 1 else (1, 0)
+            members, index = (len(devices), devices.index(rank)) if zero_stage >= 1 else (1, 0)
             for u in units:
                 keys = sorted(k for k in full if key_unit[k] == u)
                 sh = UnitShard(u, keys, [full[k].shape for k in keys], members, index)
@@ -76,8 +79,9 @@ class MasterOptimizer:
 
     # ---------------------------------------------------------------------------------------------- step
     def step(self, unit_grads: dict[str, torch.Tensor]) -> None:
-        """One AdamW step from the synchronised full flat gradient of every unit. At stage 0 the masters'
-        ``.grad`` is that gradient itself (``attach_grads``); at stage 1 each member takes its shard."""
+        """One AdamW step from the synchronised gradient of every unit: at stage 0 the full flat gradient, the
+        masters' ``.grad`` itself (``attach_grads``); at stage 1 each member takes its shard of it; at stage 2
+        it is already this member's shard, attached like stage 0's."""
         if self.adamw is None:
             return
         for u, p in self.masters.items():
@@ -88,8 +92,9 @@ class MasterOptimizer:
         self.adamw.step()
 
     def attach_grads(self, unit_grads: dict[str, torch.Tensor]) -> None:
-        """Stage 0: the masters' gradients are the units' gradient buffers (no copy before the step)."""
-        if self.zero_stage == 0:
+        """Stages 0 and 2: the masters' gradients are the units' gradient storage (the full buffer, or the
+        shard at stage 2; no copy before the step)."""
+        if self.zero_stage != 1:
             for u, p in self.masters.items():
                 p.grad = unit_grads[u]
 
@@ -100,7 +105,7 @@ class MasterOptimizer:
 
     # --------------------------------------------------------------------------------------------- state
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """"<unit>.<path>" -> full fp32 master weight (views; all-gathered over the groups at stage 1)."""
+        """"<unit>.<path>" -> full fp32 master weight (views; all-gathered over the groups at stages 1, 2)."""
         full: dict[str, torch.Tensor] = {}
         for devices, units in self.unit_groups:
             vecs = gather_units([self.shards[u] for u in units], [[self.masters[u].detach()] for u in units],
@@ -125,7 +130,7 @@ class MasterOptimizer:
 
     def export_units(self) -> dict[str, UnitState]:
         """Every unit in full form: fp32 weights and AdamW state (``optim`` empty before the first step).
-        Collective over the parameter device groups at stage 1."""
+        Collective over the parameter device groups at stages 1 and 2."""
         out: dict[str, UnitState] = {}
         for devices, units in self.unit_groups:
             states = [self._adam_state(u) for u in units]

@@ -7,7 +7,9 @@ member with index ``index`` in that sorted list keeps elements ``[index * size, 
 (zero_stage 0) is the case ``members = 1``, ``index = 0``: the shard is the whole unit.
 
 Collectives over a group move one buffer of ``members`` rows: row ``j`` is member ``j``'s shards of every unit
-of the group (units in the group's order), so all units of a group travel in one all-gather.
+of the group (units in the group's order), so all units of a group travel in one all-gather. ZeRO-2's gradient
+buckets (runtime/grad_shards.py) use the same member-major rows, so that a reduce-scatter of the buffer leaves
+each member exactly its shards (``add_to_rows``, ``reduce_scatter_rows``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,41 @@ class UnitShard:
         out = flat.new_zeros(self.size)
         out[:hi - lo] = flat[lo:hi]
         return out
+
+
+def row_offsets(shards: list[UnitShard]) -> list[int]:
+    """Column of each unit's shard in a row of member-major rows (units in order, ``size`` columns each)."""
+    out, off = [], 0
+    for s in shards:
+        out.append(off)
+        off += s.size
+    return out
+
+
+def add_to_rows(rows: torch.Tensor, offset: int, shard: UnitShard, flat: torch.Tensor) -> None:
+    """Add a unit's full flat vector (``numel`` elements) into member-major rows (``members`` x row length) at
+    the unit's columns ``[offset, offset + size)``: member ``j``'s row gets elements ``[j*size, (j+1)*size)``."""
+    for j in range(shard.members):
+        lo = min(j * shard.size, shard.numel)
+        hi = min(lo + shard.size, shard.numel)
+        rows[j, offset:offset + hi - lo] += flat[lo:hi]
+
+
+def reduce_scatter_rows(out: torch.Tensor, rows: torch.Tensor, group, scatter: bool = True):
+    """Sum member-major rows over ``group`` (asynchronously): with ``scatter`` a reduce-scatter writes this
+    member's summed row into ``out`` (``reduce_scatter_single``, torch 2.13's name of
+    ``reduce_scatter_tensor``); without, an all-reduce of ``rows`` in place, after which the caller copies its
+    row (``settle_rows``). Returns the work handle."""
+    if scatter:
+        return dist.reduce_scatter_single(out, rows.view(-1), group=group, async_op=True)
+    return dist.all_reduce(rows, group=group, async_op=True)
+
+
+def settle_rows(out: torch.Tensor, rows: torch.Tensor, index: int, scatter: bool = True) -> None:
+    """After ``reduce_scatter_rows`` completed: this member's summed row into ``out`` (already there after a
+    reduce-scatter)."""
+    if not scatter:
+        out.copy_(rows[index])
 
 
 def gather_units(shards: list[UnitShard], parts: list[list[torch.Tensor]], group) -> list[list[torch.Tensor]]:

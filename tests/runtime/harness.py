@@ -106,16 +106,17 @@ def check_engine_against(engine, ref: Trajectory, label: str, steps: int = STEPS
             e = abs(engine.last_step.grad_norm - ref.norms[step]) / ref.norms[step]
             assert e <= (RTOL if step == 0 else LATER), f"{label} step {step} grad norm " \
                 f"{engine.last_step.grad_norm} != {ref.norms[step]}"
-        if not engine.grads:
+        grads = engine.gather_grads()  # zero_stage 2 keeps shards: all-gathered (collective)
+        if not grads:
             continue
-        assert set(engine.grads) <= set(ref.grads[step]), f"{label}: unknown parameters"
-        for k, g in engine.grads.items():
+        assert set(grads) <= set(ref.grads[step]), f"{label}: unknown parameters"
+        for k, g in grads.items():
             e = rel_err(g, ref.grads[step][k])
             worst["tensor"] = max(worst["tensor"], e)
             if step == 0:
                 worst["grad0"] = max(worst["grad0"], e)
             assert e <= (RTOL if step == 0 else LOOSE), f"{label} step {step}: grad of '{k}' rel err {e:.2e}"
-        e = global_rel_err(engine.grads, ref.grads[step])
+        e = global_rel_err(grads, ref.grads[step])
         worst["grad_global"] = max(worst["grad_global"], e)
         assert e <= (RTOL if step == 0 else LATER), f"{label} step {step}: gradients rel err {e:.2e}"
     state = engine.full_state()

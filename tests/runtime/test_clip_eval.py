@@ -89,13 +89,17 @@ def _nan_at(step_with_nan: int):
     return batch
 
 
-def test_loss_scaling_unscales_exactly_and_skips_overflowing_steps(world):
+@pytest.mark.parametrize("stage", [0, 2])
+def test_loss_scaling_unscales_exactly_and_skips_overflowing_steps(world, stage):
+    """The scaled engine at zero_stage ``stage`` (2: unscaling and the norm on the gradient shards) against a
+    plain zero_stage 0 one."""
     w = load_workload("tiny-vlm")
-    plan = random_plan(w, 1, 2)
+    plain_plan = random_plan(w, 1, 2)
+    plan = dataclasses.replace(plain_plan, settings=dataclasses.replace(plain_plan.settings, zero_stage=stage))
     opt = dataclasses.replace(OPT, clip_grad=1.0)
     kw = dict(operator_factory=standin_factory)
 
-    plain = RuntimeEngine(plan, w, 0, 1, EngineConfig(optimizer=opt), batch_fn=standin_batch, **kw)
+    plain = RuntimeEngine(plain_plan, w, 0, 1, EngineConfig(optimizer=opt), batch_fn=standin_batch, **kw)
     scaler = CpuGradScaler(2.0 ** 12)
     scaled = RuntimeEngine(plan, w, 0, 1, EngineConfig(optimizer=opt, grad_scaler=scaler), batch_fn=standin_batch,
                            **kw)

@@ -1,7 +1,7 @@
 """The engine's fast path ("direct units", runtime/engine.py): on one rank, units whose parameters the operators
 hold unchanged in canonical form alias the fp32 masters and the flat gradient buffers (no export, no push), a
 unit whose operator permutes its layout stays on the generic path, and both follow the single-process reference.
-(TP=2 slices and zero_stage 1 are checked on 2 and 4 ranks in test_runtime_engine.py.)"""
+(TP=2 slices and zero_stages 1, 2 are checked on 2 and 4 ranks in test_runtime_engine.py.)"""
 
 import dataclasses
 
@@ -95,13 +95,14 @@ def test_permuted_layout_stays_generic_beside_direct_units(wname):
         check_engine_against(engine, traj, f"permuted {wname}")
 
 
-def test_no_fast_path_for_low_precision_or_the_distributed_optimizer():
+@pytest.mark.parametrize("stage", [1, 2])
+def test_no_fast_path_for_low_precision_or_the_distributed_optimizer(stage):
     w = load_workload("tiny-clip")
     plan = sequential_plan(w, 1)
-    zero1 = sequential_plan(w, 1)
-    zero1.settings = dataclasses.replace(zero1.settings, zero_stage=1)
+    sharded = sequential_plan(w, 1)
+    sharded.settings = dataclasses.replace(sharded.settings, zero_stage=stage)
     assert RuntimeEngine(plan, w, 0, 1, operator_factory=StandinOp, batch_fn=standin_batch).direct_units
-    assert RuntimeEngine(zero1, w, 0, 1, operator_factory=StandinOp, batch_fn=standin_batch).direct_units == []
+    assert RuntimeEngine(sharded, w, 0, 1, operator_factory=StandinOp, batch_fn=standin_batch).direct_units == []
     half = RuntimeEngine(plan, w, 0, 1, EngineConfig(dtype=torch.bfloat16), operator_factory=StandinOp,
                          batch_fn=standin_batch)
     assert half.direct_units == []

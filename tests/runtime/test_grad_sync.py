@@ -1,6 +1,9 @@
 """Bucketed gradient sync (runtime/grad_buffers.py, grad_sync.py) on one rank: bucket layout and order, and
-buckets issued during the backward, a unit shared by several slices only after its last accumulation.
+buckets issued during the backward, a unit shared by several slices only after its last accumulation, and
+ZeRO-2's release of a bucket's full storage once synchronised.
 (The all-reduces themselves, with several buckets per group, run on 2 and 4 ranks in test_runtime_engine.py.)"""
+
+import dataclasses
 
 import pytest
 import torch
@@ -43,28 +46,46 @@ def test_launch_order_follows_the_backward_and_keeps_each_groups_order():
     assert launch_order(buckets) == [buckets[0], buckets[2], buckets[1], buckets[3]]
 
 
+@pytest.mark.parametrize("stage", [0, 2])
 @pytest.mark.parametrize("wname", ["tiny-clip", "tiny-vlm"])
-def test_buckets_are_issued_during_the_backward_after_their_last_accumulation(wname):
+def test_buckets_are_issued_during_the_backward_after_their_last_accumulation(wname, stage):
+    """At zero_stage 2 also: each bucket's full storage is released as soon as its sync has completed (on one
+    rank at once: before the backward goes on), so only the shards are held after the backward."""
     w = load_workload(wname)
     ref = StandinReference(w)
     traj = reference_trajectory(ref, {k.replace("__", "."): p for k, p in ref.full.items()},
                                 {t.name: t.loss.weight for t in w.tasks}, OPT)
     plan = random_plan(w, 1, 1)  # shared towers: one unit in two slices of different waves
+    plan.settings = dataclasses.replace(plan.settings, zero_stage=stage)
     engine = RuntimeEngine(plan, w, 0, 1, EngineConfig(optimizer=OPT, ddp_bucket_size=1),
                            operator_factory=standin_factory, batch_fn=standin_batch)
-    shared = [b for b in engine.grad_buffers.buckets if sum(set(b.units) <= set(ls.units)
-                                                           for ls in engine.local.values()) > 1]
-    assert shared and len(engine.grad_buffers.buckets) == len(engine.shards)  # one unit per bucket
-    assert any(b.done[0] > 0 for b in engine.grad_buffers.buckets)
+    buffers = engine.grad_buffers
+    shared = [b for b in buffers.buckets if sum(set(b.units) <= set(ls.units) for ls in engine.local.values()) > 1]
+    assert shared and len(buffers.buckets) == len(engine.shards)  # one unit per bucket
+    assert any(b.done[0] > 0 for b in buffers.buckets)
     log = LaunchLog(engine)
-    check_engine_against(engine, traj, f"one rank {wname} tiny buckets")
+    settle = buffers.settle
+    buffers.settle = lambda b: (log.events.append(("settle", b)), settle(b))[1]
+    check_engine_against(engine, traj, f"one rank {wname} tiny buckets zero{stage}")
     check_launches(log, wname)
+    if stage == 2:
+        for events in log.steps():
+            at = {kind: [i for i, e in enumerate(events) if e[0] == kind] for kind in ("launch", "settle")}
+            assert [events[i][1] for i in at["settle"]] == buffers.buckets  # each once, in launch order
+            for i, j in zip(at["launch"], at["settle"]):
+                assert i < j and not any(e[0] == "backward" for e in events[i:j]), "released late"
+        assert engine.held_grad_bytes() == 4 * sum(sh.size for sh in engine.shards.values())
 
 
-def test_without_overlap_every_bucket_waits_for_the_whole_backward():
+@pytest.mark.parametrize("stage", [0, 2])
+def test_without_overlap_every_bucket_waits_for_the_whole_backward(stage):
     w = load_workload("tiny-clip")
-    engine = RuntimeEngine(sequential_plan(w, 1), w, 0, 1, EngineConfig(ddp_bucket_size=1, overlap_grad_reduce=False),
+    plan = sequential_plan(w, 1)
+    plan.settings = dataclasses.replace(plan.settings, zero_stage=stage)
+    engine = RuntimeEngine(plan, w, 0, 1, EngineConfig(ddp_bucket_size=1, overlap_grad_reduce=False),
                            operator_factory=standin_factory, batch_fn=standin_batch)
     log = LaunchLog(engine)
     engine.train_step(0)
     check_launches(log, "no overlap", overlap=False)
+    if stage == 2:  # released in finish
+        assert engine.held_grad_bytes() == 4 * sum(sh.size for sh in engine.shards.values())

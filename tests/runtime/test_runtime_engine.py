@@ -1,7 +1,9 @@
 """Runtime engine vs single-process references, on 1, 2 and 4 gloo ranks (one spawn per world size).
 
 The same workers check gradient clipping (the global norm over every unit, counted once, and the clipped update
-of ``torch.nn.utils.clip_grad_norm_`` on the reference) and the forward-only validation pass.
+of ``torch.nn.utils.clip_grad_norm_`` on the reference), the forward-only validation pass, and the sharded
+stages: zero_stage 1 (the distributed optimizer) on 2 and 4 ranks, zero_stage 2 (+ sharded gradients, by
+reduce-scatter and by its all-reduce fallback) on 1, 2 and 4.
 
 Two operator sets run the same plans: the real megatron-core operators (models/, ``ReferenceModel``) and the
 stand-ins of tests/runtime/standin.py (cheap, so every plan family runs on every world size). Plan families:
@@ -240,8 +242,9 @@ def _worker(rank, world):
         assert all(any(b[k] for b in everywhere) for k in buckets), everywhere
         kinds = {"local", "intra_island", "inter_island"} if world >= 4 else {"local", "inter_island"}
         assert kinds <= routes, routes
-        check_distributed_optimizer(rank, world, workloads, refs, tiny, cache)
-        check_clipping(rank, world, workloads, refs, tiny, cache)
+    for stage in (1, 2) if world > 1 else (2,):  # one rank: nothing to shard, but stage 2's own buffers
+        check_distributed_optimizer(rank, world, workloads, refs, tiny, cache, stage)
+    check_clipping(rank, world, workloads, refs, tiny, cache, (0, 1, 2) if world > 1 else (2,))
     check_evaluate(rank, world, workloads, refs, tiny, cache)
     check_trainer_hooks(rank, world, workloads["tiny-clip"], cfg, cache)
     # 4) the command line entry point (plan JSON, workload by name, mock data) inside this world
@@ -301,20 +304,24 @@ def check_bytes_by_route(engine, plan, workload, cfg, label: str) -> set[str]:
     return {k for t in plan.transfers for k, b in t.bytes_by_kind.items() if b > 0}
 
 
-def zero1(plan):
-    """The same plan with the distributed optimizer (the planner's choice when memory needs it)."""
+def zeroed(plan, stage: int = 1):
+    """The same plan at ZeRO ``stage`` (1: the distributed optimizer, the planner's choice when memory needs
+    it; 2: gradients sharded too)."""
     plan = copy.deepcopy(plan)
-    plan.settings = dataclasses.replace(plan.settings, zero_stage=1)
+    plan.settings = dataclasses.replace(plan.settings, zero_stage=stage)
     return plan
 
 
-def zero1_cases(world: int):
-    """(operators, label, workload, plan factory) run again at zero_stage 1; the spindle plans put the shared
-    towers on several device sets."""
-    sp = lambda s: (lambda w: random_plan(w, world, s))  # noqa: E731
-    return [("standin", "spindle-1", "tiny-clip", sp(1)), ("standin", "spindle-2", "tiny-vlm", sp(2)),
-            ("standin", "sequential-tp2", "tiny-vlm", lambda w: sequential_plan(w, world, tp=2)),
-            ("standin", "spindle-1", "fanout", sp(1)), ("real", "spindle-2", "tiny-vlm", sp(2))]
+def zero_cases(world: int):
+    """(operators, label, workload, plan factory) run again at zero_stage 1 and 2; the spindle plans put the
+    shared towers on several device sets, micro2 accumulates two micro-batches before the sync."""
+    sp = lambda s, m=1: (lambda w: random_plan(w, world, s, micro_batches=m))  # noqa: E731
+    cases = [("standin", "spindle-1", "tiny-clip", sp(1)), ("standin", "spindle-2", "tiny-vlm", sp(2)),
+             ("standin", "micro2", "tiny-vlm", sp(1, 2)), ("standin", "spindle-1", "fanout", sp(1)),
+             ("real", "spindle-2", "tiny-vlm", sp(2))]
+    if world > 1:
+        cases.insert(2, ("standin", "sequential-tp2", "tiny-vlm", lambda w: sequential_plan(w, world, tp=2)))
+    return cases
 
 
 def check_sharded_state(engine, label: str) -> None:
@@ -325,7 +332,7 @@ def check_sharded_state(engine, label: str) -> None:
         assert local == math.ceil(full / sizes[u]), (label, u, local, full, sizes[u])
         st = engine.optimizer.state[engine.masters[u]]
         assert st["exp_avg"].numel() == st["exp_avg_sq"].numel() == local, (label, u)
-    if numel:
+    if numel and dist.get_world_size() > 1:
         assert any(local < full for local, full in numel.values()), f"{label}: nothing is sharded"
     exported, weights = engine.export_units(), engine.full_state()
     assert set(exported) == set(numel)
@@ -336,6 +343,19 @@ def check_sharded_state(engine, label: str) -> None:
             assert st.optim[k]["exp_avg"].shape == v.shape and st.optim[k]["step"] == STEPS, (label, k)
 
 
+def check_sharded_grads(engine, label: str) -> None:
+    """ZeRO-2: after a backward and its sync this rank holds only its shard of each unit's gradient (every
+    bucket's full storage and the operators' gradients released); the shards gather to every key it holds."""
+    engine.forward_backward(STEPS)
+    shard = 4 * sum(sh.size for sh in engine.shards.values())
+    assert engine.held_grad_bytes() == shard, (label, engine.held_grad_bytes(), shard)
+    assert engine.grads == {} and all(p.grad is None for ls in engine.local.values() for p in ls.op.parameters())
+    full = 4 * sum(sh.numel for sh in engine.shards.values())
+    if any(sh.members > 1 for sh in engine.shards.values()):
+        assert shard < full, (label, shard, full)
+    assert set(engine.gather_grads()) == set(engine.key_unit), label
+
+
 def all_units(engine) -> dict:
     """Every rank's exported units merged (collective)."""
     parts = [None] * dist.get_world_size()
@@ -343,16 +363,16 @@ def all_units(engine) -> dict:
     return {u: st for p in parts for u, st in p.items()}
 
 
-def check_resume_across_layouts(engine, w, rank, world, cfg, cache, label: str) -> None:
-    """The zero_stage 1 engine's full units load exactly into a zero_stage 0 engine of another plan and a
-    zero_stage 1 engine on half the devices; one more step on each agrees with the original engine."""
+def check_resume_across_layouts(engine, w, rank, world, cfg, cache, label: str, stage: int) -> None:
+    """The zero_stage 1 (2) engine's full units load exactly into a zero_stage 0 engine of another plan and a
+    zero_stage 2 (1) engine on half the devices; one more step on each agrees with the original engine."""
     units = all_units(engine)
     kw = dict(operator_factory=standin_factory, batch_fn=standin_batch, groups=cache)
     others = [RuntimeEngine(sequential_plan(w, world), w, rank, world, cfg, **kw),
-              RuntimeEngine(zero1(random_plan(w, max(1, world // 2), 3)), w, rank, world, cfg, **kw)]
+              RuntimeEngine(zeroed(random_plan(w, max(1, world // 2), 3), 3 - stage), w, rank, world, cfg, **kw)]
     for other in others:
         other.load_units(units)
-        for u, st in other.export_units().items():  # collective at zero_stage 1
+        for u, st in other.export_units().items():  # collective at zero_stage 1 and 2
             for k, v in st.model.items():
                 assert torch.equal(v, units[u].model[k]), (label, k)
                 for m in ("exp_avg", "exp_avg_sq"):
@@ -392,11 +412,13 @@ def check_trainer_hooks(rank, world, w, cfg, cache) -> None:
     assert all(torch.equal(v, before[k]) for k, v in engine.full_state().items())  # lr 0, weight decay lr-scaled
 
 
-def check_clipping(rank, world, workloads, refs, cfg, cache) -> None:
+def check_clipping(rank, world, workloads, refs, cfg, cache, stages) -> None:
     """--clip-grad at a third of the first step's norm (so every step clips): the global norm (every unit once,
-    whatever its replication and TP degree) and the clipped trajectory equal clip_grad_norm_ on the reference,
-    with the replicated and the distributed optimizer."""
-    cases = [("tiny-vlm", lambda w: random_plan(w, world, 2)), ("tiny-clip", lambda w: sequential_plan(w, world, tp=2))]
+    whatever its replication and TP degree; at zero_stage 2 summed over the gradient shards) and the clipped
+    trajectory equal clip_grad_norm_ on the reference, at each ZeRO stage of ``stages``."""
+    cases = [("tiny-vlm", lambda w: random_plan(w, world, 2))]
+    if world > 1:
+        cases.append(("tiny-clip", lambda w: sequential_plan(w, world, tp=2)))
     for wname, make in cases:
         w = workloads[wname]
         g0 = refs["standin", wname, 1].grads[0]
@@ -404,11 +426,10 @@ def check_clipping(rank, world, workloads, refs, cfg, cache) -> None:
         opt = dataclasses.replace(OPT, clip_grad=clip)
         ref = clipped_standin_trajectory(w, opt)
         assert all(n > clip for n in ref.norms), (ref.norms, clip)
-        for zero in (False, True):
-            plan = zero1(make(w)) if zero else make(w)
-            engine = RuntimeEngine(plan, w, rank, world, dataclasses.replace(cfg, optimizer=opt), groups=cache,
-                                   operator_factory=standin_factory, batch_fn=standin_batch)
-            check_engine_against(engine, ref, f"rank {rank} {wname} clip zero{int(zero)}")
+        for stage in stages:
+            engine = RuntimeEngine(zeroed(make(w), stage), w, rank, world, dataclasses.replace(cfg, optimizer=opt),
+                                   groups=cache, operator_factory=standin_factory, batch_fn=standin_batch)
+            check_engine_against(engine, ref, f"rank {rank} {wname} clip zero{stage}")
 
 
 def clipped_standin_trajectory(workload, opt):
@@ -421,7 +442,7 @@ def check_evaluate(rank, world, workloads, refs, cfg, cache) -> None:
     """The forward-only pass through the wave schedule gives the reference's losses on other batches and
     leaves no trace (no bucket issued, no gradient, no optimizer state, no wave time): training afterwards
     still follows the reference."""
-    cases = [("tiny-vlm", lambda w: random_plan(w, world, 2)), ("fanout", lambda w: zero1(random_plan(w, world, 1)))]
+    cases = [("tiny-vlm", lambda w: random_plan(w, world, 2)), ("fanout", lambda w: zeroed(random_plan(w, world, 1), 2))]
     for wname, make in cases:
         w = workloads[wname]
         engine = RuntimeEngine(make(w), w, rank, world, cfg, groups=cache, operator_factory=standin_factory,
@@ -436,31 +457,43 @@ def check_evaluate(rank, world, workloads, refs, cfg, cache) -> None:
         for t, v in want.items():
             assert abs(got[t] - v) <= RTOL * max(1.0, abs(v)), (wname, t, got[t], v)
         assert events == [], events
-        assert all(not bool(buf.any()) for _, buf in engine.grad_buffers.buffers)
+        assert all(not bool(buf.any()) for buf in engine.grad_buffers.storage())
         assert engine.optimizer is None or not engine.optimizer.state
         engine.on_wave = None
         check_engine_against(engine, refs["standin", wname, 1], f"rank {rank} {wname} after evaluate")
 
 
-def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache) -> None:
-    """zero_stage 1 copies of some plans follow the reference trajectory with the same tolerances."""
-    several = False
-    for ops, case, wname, make in zero1_cases(world):
+def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache, stage: int) -> None:
+    """zero_stage ``stage`` copies of some plans follow the reference trajectory with the same tolerances; at
+    stage 2 every other plan takes the all-reduce fallback instead of the reduce-scatter."""
+    several = mixed = False
+    for i, (ops, case, wname, make) in enumerate(zero_cases(world)):
         w = workloads[wname]
-        plan = zero1(make(w))
+        plan = zeroed(make(w), stage)
         tower = "vision.layers.0" if wname.startswith("tiny-clip") else "llm.layers.0"
         several |= len(unit_device_sets(plan, tower)) > 1
+        mixed |= len(unit_tp_degrees(plan, tower)) > 1
         kw = dict(operator_factory=standin_factory, batch_fn=standin_batch) if ops == "standin" else {}
         engine = RuntimeEngine(plan, w, rank, world, cfg, groups=cache, **kw)
         assert engine.direct_units == []  # the fast path is for the replicated optimizer only
-        label = f"rank {rank} {ops} {wname} {case} zero1"
+        label = f"rank {rank} {ops} {wname} {case} zero{stage}"
+        if stage == 2:
+            assert engine.grad_buffers.reduce_scatter  # gloo reduce-scatters (torch 2.13)
+            engine.grad_buffers.reduce_scatter = i % 2 == 0
+            label += " reduce-scatter" if i % 2 == 0 else " all-reduce"
         log = LaunchLog(engine)
-        check_engine_against(engine, refs[ops, wname, 1], label)
+        m = plan.settings.micro_batches
+        if (ops, wname, m) not in refs:
+            refs[ops, wname, m] = (standin_trajectory if ops == "standin" else real_trajectory)(w, m)
+        check_engine_against(engine, refs[ops, wname, m], label)
         check_launches(log, label)
         check_sharded_state(engine, label)
+        if stage == 2:
+            check_sharded_grads(engine, label)
         if (ops, case) == ("standin", "spindle-2"):
-            check_resume_across_layouts(engine, w, rank, world, cfg, cache, label)
-    assert several, "no zero_stage 1 plan put a shared tower on several device sets"
+            check_resume_across_layouts(engine, w, rank, world, cfg, cache, label, stage)
+    assert (several and mixed) or world == 1, f"no zero_stage {stage} plan put a shared tower on several device " \
+        f"sets ({several}) and TP degrees ({mixed})"
 
 
 @pytest.mark.multiproc

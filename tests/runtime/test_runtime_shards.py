@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_spindle.runtime.shards import UnitShard, gather_units
+from megatron_spindle.runtime.shards import UnitShard, add_to_rows, gather_units, row_offsets, settle_rows
 
 
 def _unit(members: int, index: int) -> tuple[UnitShard, dict[str, torch.Tensor]]:
@@ -29,3 +29,23 @@ def test_unsharded_unit_is_one_shard_and_gathers_without_communication():
     assert torch.equal(sh.shard_of(flat), flat)
     (full,), = gather_units([sh], [[sh.shard_of(flat)]], group=None)
     assert torch.equal(full, flat)
+
+
+def test_member_major_rows_hold_each_members_shards_of_every_unit():
+    """ZeRO-2's gradient buckets: row j of a bucket's buffer is member j's shards, units side by side, so a
+    reduce-scatter (or an all-reduce and this member's row) leaves each member exactly ``shard_of``."""
+    a, ta = _unit(3, 0)
+    b = UnitShard("v", ["v.w"], [torch.Size([4])], 3, 0)
+    tb = {"v.w": torch.arange(4.0) - 10}
+    offsets = row_offsets([a, b])
+    assert offsets == [0, a.size]
+    rows = torch.zeros(3, a.size + b.size)
+    for sh, t, off in ((a, ta, offsets[0]), (b, tb, offsets[1])):
+        add_to_rows(rows, off, sh, sh.flatten(t))
+        add_to_rows(rows, off, sh, sh.flatten(t))  # accumulates
+    for j in range(3):
+        out = torch.empty(a.size + b.size)
+        settle_rows(out, rows, j, scatter=False)
+        for sh, t, off in ((a, ta, offsets[0]), (b, tb, offsets[1])):
+            member = UnitShard(sh.unit, sh.keys, sh.shapes, 3, j)
+            assert torch.equal(out[off:off + sh.size], 2 * member.shard_of(sh.flatten(t)))

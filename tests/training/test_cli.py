@@ -1,5 +1,6 @@
 """Flag and data-path errors of pretrain_multitask.py: one clear line, non-zero exit, before any training."""
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -63,11 +64,15 @@ def test_bad_data_paths(capsys, tmp_path):
     _fails(capsys, BASE + sum((["--data-path", p] for p in paths), []), "has no index.json")
 
 
-def test_saved_plan_for_another_workload_or_world_size(capsys, tmp_path):
+def _plan_tool():
     spec = importlib.util.spec_from_file_location("spindle_tool_plan", os.path.join(ROOT, "tools", "plan.py"))
     plan_tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plan_tool)
+    return plan_tool
 
+
+def test_saved_plan_for_another_workload_or_world_size(capsys, tmp_path):
+    plan_tool = _plan_tool()
     for workload, n in (("tiny-vlm", 1), ("tiny-clip", 2)):
         out = tmp_path / f"{workload}-{n}.json"
         assert plan_tool.main(["--workload", workload, "--num-gpus", str(n), "--spindle-planner", "wavefront",
@@ -106,3 +111,36 @@ def test_megatron_log_format():
     assert "total loss: 2.500000E+00 |" in line and "a loss: 2.000000E+00 | b loss: 1.000000E+00 |" in line
     assert "elapsed time per iteration (ms): 12.5 | predicted iteration time (ms): 2.80" in line
     assert format_wave_line(r) == "  measured wave time (ms): w0=1.0 w1=2.2 | sum 3.2"
+
+
+def test_saved_plan_runs_at_zero_stage_2(capsys, tmp_path):
+    """A plan whose settings say zero_stage 2 (gradients sharded like the optimizer state) trains through
+    pretrain_multitask.py as its zero_stage 0 copy does: same losses and gradient norms (--clip-grad's default
+    1.0 measures them), the same weights, and the checkpoint records the plan it ran."""
+    from megatron_spindle.checkpointing import load_checkpoint
+    from megatron_spindle.plan.schema import Plan
+
+    path = tmp_path / "plan0.json"
+    assert _plan_tool().main(["--workload", "tiny-clip", "--num-gpus", "1", "--spindle-planner", "wavefront",
+                              "--out", str(path), "--quiet"]) == 0
+    plan = Plan.load(path)
+    assert plan.settings.zero_stage == 0
+    plan.settings = dataclasses.replace(plan.settings, zero_stage=2)
+    plan.save(tmp_path / "plan2.json")
+    runs = {}
+    for stage in (0, 2):
+        hist = []
+        assert pretrain_multitask.main(BASE + ["--mock-data", "--log-interval", "1", "--spindle-plan",
+                                               str(tmp_path / f"plan{stage}.json"), "--save",
+                                               str(tmp_path / f"ck{stage}")], history=hist) == 0
+        runs[stage] = (hist, load_checkpoint(tmp_path / f"ck{stage}"))
+    capsys.readouterr()
+    (h0, ck0), (h2, ck2) = runs[0], runs[2]
+    assert ck2.plan["settings"]["zero_stage"] == 2 and ck0.plan["settings"]["zero_stage"] == 0
+    for a, b in zip(h0, h2, strict=True):
+        assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-5) and b.grad_norm is not None
+        assert all(a.losses[t] == pytest.approx(b.losses[t], rel=1e-5) for t in a.losses)
+    w0 = {k: v for st in ck0.units.values() for k, v in st.model.items()}
+    w2 = {k: v for st in ck2.units.values() for k, v in st.model.items()}
+    assert sorted(w0) == sorted(w2)
+    assert max(float((w0[k] - w2[k]).abs().max()) for k in w0) <= 1e-6

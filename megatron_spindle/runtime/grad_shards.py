@@ -1,0 +1,110 @@
+"""ZeRO stage 2: gradient buckets that keep only this rank's shard once they are synchronised.
+
+The buckets are grad_buffers.py's (same units, same launch order, so the gradient sync and the simulator see
+one set of rules); only their storage differs. Each bucket of a group of ``members`` ranks has
+
+- a *staging* buffer of ``members`` x ``row`` fp32 elements, member-major (runtime/shards.py): row ``j``
+  holds member ``j``'s shards of the bucket's units. It is allocated when the bucket's first gradient is
+  added (the exported gradients of a slice's last micro-batch, runtime/grad_sync.py) and released as soon as
+  the bucket's collective has completed;
+- this rank's *shard row* of ``row`` elements, kept for the optimizer step: ``unit_grads[u]`` is unit ``u``'s
+  shard (``UnitShard.size`` elements, zero-padded), the master's ``.grad`` (runtime/optimizer.py).
+
+The collective is a reduce-scatter of the staging buffer into the shard row (``reduce_scatter_single``: NCCL
+and, in torch 2.13, gloo), or, with ``reduce_scatter=False`` (a backend without one), an all-reduce of the
+staging buffer and a copy of this rank's row. Numerically both are the stage-1 gradient sliced.
+
+Micro-batches: the gradients accumulate over the micro-batches in the operators (full size, as at stages 0
+and 1) and are added here once, after a slice's last backward; the sync, and the release, follow.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_spindle.runtime.grad_buffers import Bucket, buffer_layout, launch_order
+from megatron_spindle.runtime.shards import (
+    UnitShard,
+    add_to_rows,
+    reduce_scatter_rows,
+    row_offsets,
+    settle_rows,
+)
+
+REDUCE_SCATTER_BACKENDS = ("nccl", "gloo")  # have reduce_scatter_single (gloo: in torch 2.13, measured)
+
+
+def backend_reduces_scatter(backend: str) -> bool:
+    """Whether every part of a torch.distributed backend string (e.g. "cpu:gloo,cuda:nccl") reduce-scatters."""
+    return all(part.split(":")[-1] in REDUCE_SCATTER_BACKENDS for part in str(backend).split(","))
+
+
+class ShardedGradBuffers:
+    """``buckets`` in launch order (grad_buffers.py's); ``unit_grads`` unit -> this rank's gradient shard;
+    ``key_grads`` empty (nobody holds a unit's full gradient after the sync)."""
+
+    sharded = True
+
+    def __init__(self, unit_groups: list[tuple[tuple[int, ...], list[str]]], shards: dict[str, UnitShard],
+                 order: dict[str, tuple[int, int]], bucket_numel: int | None, device: torch.device,
+                 reduce_scatter: bool = True):
+        self.shards, self.device, self.reduce_scatter = shards, device, reduce_scatter
+        self.unit_grads: dict[str, torch.Tensor] = {}
+        self.key_grads: dict[str, torch.Tensor] = {}
+        self.key_unit = {k: u for u, sh in shards.items() for k in sh.keys}
+        buckets: list[Bucket] = []
+        self._rows: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}  # bucket -> this rank's shard row
+        self._staging: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}  # bucket -> members x row, while live
+        self._place: dict[str, tuple[tuple[tuple[int, ...], int], int]] = {}  # unit -> (bucket, column)
+        for devices, units in unit_groups:
+            for b in buffer_layout(devices, units, shards, order, bucket_numel)[1]:
+                members = [shards[u] for u in b.units]
+                row = torch.zeros(sum(s.size for s in members), dtype=torch.float32, device=device)
+                for u, off in zip(b.units, row_offsets(members)):
+                    self.unit_grads[u] = row[off:off + shards[u].size]
+                    self._place[u] = ((b.devices, b.index), off)
+                self._rows[b.devices, b.index] = row
+                buckets.append(b)
+        self.buckets = launch_order(buckets)
+        self._members = {(b.devices, b.index): self.shards[b.units[0]].members for b in buckets}
+
+    def _staging_of(self, key: tuple[tuple[int, ...], int]) -> torch.Tensor:
+        if key not in self._staging:
+            self._staging[key] = torch.zeros(self._members[key], self._rows[key].numel(), dtype=torch.float32,
+                                             device=self.device)
+        return self._staging[key]
+
+    def add(self, grads: dict[str, torch.Tensor], keys: list[str]) -> None:
+        """Add full gradients (every key of each unit named in ``keys``) into the staging buffers."""
+        for u in dict.fromkeys(self.key_unit[k] for k in keys):
+            sh = self.shards[u]
+            key, off = self._place[u]
+            add_to_rows(self._staging_of(key), off, sh, sh.flatten(grads).to(self.device))
+
+    def reduce(self, b: Bucket, group):
+        """Start the bucket's sum over its group (None for a one-device group: nothing to wait for)."""
+        key = (b.devices, b.index)
+        staging, row = self._staging_of(key), self._rows[key]  # a TP follower adds nothing: zeros
+        if group is None:
+            return None
+        return reduce_scatter_rows(row, staging, group, self.reduce_scatter)
+
+    def settle(self, b: Bucket) -> None:
+        """The bucket's collective has completed: keep this rank's row, release the staging buffer."""
+        key = (b.devices, b.index)
+        staging = self._staging.pop(key)
+        scattered = self.reduce_scatter and len(b.devices) > 1  # a one-device group: copy its only row
+        settle_rows(self._rows[key], staging, self.shards[b.units[0]].index, scattered)
+
+    def storage(self) -> list[torch.Tensor]:
+        """The gradients this rank holds for the step (the shard rows)."""
+        return list(self._rows.values())
+
+    def held_bytes(self) -> int:
+        """Bytes of gradient storage allocated now: the shard rows and the staging buffers still live."""
+        return sum(t.numel() * t.element_size() for t in [*self._rows.values(), *self._staging.values()])
+
+    def zero_(self) -> None:
+        self._staging.clear()
+        for row in self._rows.values():
+            row.zero_()
