@@ -95,17 +95,17 @@ class GradBuffers:
         """The bucket's elements of its group's buffer (a contiguous view)."""
         return self._views[b.devices, b.index]
 
-    def add(self, grads: dict[str, torch.Tensor], keys: list[str]) -> None:
-        """Add full gradients of ``keys`` into the buffers."""
+    def add(self, grads: dict[str, torch.Tensor], keys: list[str], micro: int = 0) -> None:
+        """Add full gradients of ``keys`` into the buffers (whatever the micro-batch: they accumulate)."""
         for k in keys:
             acc = self.key_grads[k]
             acc += grads[k].to(acc.device, torch.float32)
 
-    def reduce(self, b: Bucket, group):
+    def reduce(self, b: Bucket, group, micro: int = 0):
         """Start the bucket's all-reduce over its group (None for a one-device group)."""
         return None if group is None else dist.all_reduce(self.view(b), group=group, async_op=True)
 
-    def settle(self, b: Bucket) -> None:
+    def settle(self, b: Bucket, micro: int = 0) -> None:
         """The bucket's all-reduce completed: the buffer holds the sum in place."""
 
     def storage(self) -> list[torch.Tensor]:

@@ -14,8 +14,11 @@ The collective is a reduce-scatter of the staging buffer into the shard row (``r
 and, in torch 2.13, gloo), or, with ``reduce_scatter=False`` (a backend without one), an all-reduce of the
 staging buffer and a copy of this rank's row. Numerically both are the stage-1 gradient sliced.
 
-Micro-batches: the gradients accumulate over the micro-batches in the operators (full size, as at stages 0
-and 1) and are added here once, after a slice's last backward; the sync, and the release, follow.
+Micro-batches: a rank that keeps only shards cannot accumulate the full gradient, so every micro-batch's
+buckets are reduce-scattered after its backward (DeepSpeed's way; plan/buckets.py ``synced_micro_batches``,
+which the simulator charges). Each micro-batch has its own staging buffers, so one micro-batch's collectives
+may still run while the next one adds its gradients; a completed collective adds its result to the shard row
+(the first micro-batch's reduce-scatter writes into the zeroed row directly).
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ class ShardedGradBuffers:
         self.key_unit = {k: u for u, sh in shards.items() for k in sh.keys}
         buckets: list[Bucket] = []
         self._rows: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}  # bucket -> this rank's shard row
-        self._staging: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}  # bucket -> members x row, while live
+        self._staging: dict[tuple, torch.Tensor] = {}  # (bucket, micro-batch) -> members x row, while live
+        self._results: dict[tuple, torch.Tensor] = {}  # (bucket, micro-batch > 0) -> its reduce-scattered row
         self._place: dict[str, tuple[tuple[tuple[int, ...], int], int]] = {}  # unit -> (bucket, column)
         for devices, units in unit_groups:
             for b in buffer_layout(devices, units, shards, order, bucket_numel)[1]:
@@ -68,33 +72,38 @@ class ShardedGradBuffers:
         self.buckets = launch_order(buckets)
         self._members = {(b.devices, b.index): self.shards[b.units[0]].members for b in buckets}
 
-    def _staging_of(self, key: tuple[tuple[int, ...], int]) -> torch.Tensor:
-        if key not in self._staging:
-            self._staging[key] = torch.zeros(self._members[key], self._rows[key].numel(), dtype=torch.float32,
-                                             device=self.device)
-        return self._staging[key]
+    def _staging_of(self, key: tuple[tuple[int, ...], int], micro: int) -> torch.Tensor:
+        if (key, micro) not in self._staging:
+            self._staging[key, micro] = torch.zeros(self._members[key], self._rows[key].numel(),
+                                                    dtype=torch.float32, device=self.device)
+        return self._staging[key, micro]
 
-    def add(self, grads: dict[str, torch.Tensor], keys: list[str]) -> None:
-        """Add full gradients (every key of each unit named in ``keys``) into the staging buffers."""
+    def add(self, grads: dict[str, torch.Tensor], keys: list[str], micro: int = 0) -> None:
+        """Add full gradients (every key of each unit named in ``keys``) into micro-batch ``micro``'s staging."""
         for u in dict.fromkeys(self.key_unit[k] for k in keys):
             sh = self.shards[u]
             key, off = self._place[u]
-            add_to_rows(self._staging_of(key), off, sh, sh.flatten(grads).to(self.device))
+            add_to_rows(self._staging_of(key, micro), off, sh, sh.flatten(grads).to(self.device))
 
-    def reduce(self, b: Bucket, group):
-        """Start the bucket's sum over its group (None for a one-device group: nothing to wait for)."""
+    def reduce(self, b: Bucket, group, micro: int = 0):
+        """Start the sum of micro-batch ``micro``'s bucket over its group (None for a one-device group: nothing
+        to wait for)."""
         key = (b.devices, b.index)
-        staging, row = self._staging_of(key), self._rows[key]  # a TP follower adds nothing: zeros
+        staging, row = self._staging_of(key, micro), self._rows[key]  # a TP follower adds nothing: zeros
         if group is None:
             return None
-        return reduce_scatter_rows(row, staging, group, self.reduce_scatter)
+        if self.reduce_scatter and micro > 0:  # the row holds earlier micro-batches' sums: reduce beside it
+            self._results[key, micro] = torch.empty_like(row)
+        return reduce_scatter_rows(self._results.get((key, micro), row), staging, group, self.reduce_scatter)
 
-    def settle(self, b: Bucket) -> None:
-        """The bucket's collective has completed: keep this rank's row, release the staging buffer."""
+    def settle(self, b: Bucket, micro: int = 0) -> None:
+        """Micro-batch ``micro``'s collective of the bucket has completed: its sum of this rank's row is added
+        to the shard row, and its staging buffer is released."""
         key = (b.devices, b.index)
-        staging = self._staging.pop(key)
-        scattered = self.reduce_scatter and len(b.devices) > 1  # a one-device group: copy its only row
-        settle_rows(self._rows[key], staging, self.shards[b.units[0]].index, scattered)
+        staging = self._staging.pop((key, micro))
+        scattered = self.reduce_scatter and len(b.devices) > 1  # a one-device group: its only row
+        settle_rows(self._rows[key], staging, self.shards[b.units[0]].index, scattered,
+                    self._results.pop((key, micro), None))
 
     def storage(self) -> list[torch.Tensor]:
         """The gradients this rank holds for the step (the shard rows)."""
@@ -102,9 +111,11 @@ class ShardedGradBuffers:
 
     def held_bytes(self) -> int:
         """Bytes of gradient storage allocated now: the shard rows and the staging buffers still live."""
-        return sum(t.numel() * t.element_size() for t in [*self._rows.values(), *self._staging.values()])
+        return sum(t.numel() * t.element_size()
+                   for t in [*self._rows.values(), *self._staging.values(), *self._results.values()])
 
     def zero_(self) -> None:
         self._staging.clear()
+        self._results.clear()
         for row in self._rows.values():
             row.zero_()

@@ -26,10 +26,12 @@ this rank, while the rest of the backward runs; ``finish`` waits on every handle
   micro-batch's backward. Generic gradients accumulate in the operators over the micro-batches and are added
   to the buffers once, after the slice's last backward.
 - **ZeRO-2** (grad_shards.py): the same buckets, each summed by a reduce-scatter into this rank's shard. A
-  slice's operator gradients are dropped once added (after its last micro-batch), and a bucket's full storage
-  as soon as its collective has completed (checked, never waited for, after each slice's backward; the rest in
-  ``finish``). With micro-batches the full gradients therefore live in the operators while they accumulate,
-  and are released after the sync of the last one.
+  slice's operator gradients are dropped once added, and a bucket's full storage as soon as its collective
+  has completed (checked, never waited for, after each slice's backward; the rest in ``finish``). A rank
+  holding shards only cannot accumulate full gradients, so every micro-batch is a round of its own
+  (plan/buckets.py ``synced_micro_batches``): its buckets expect one accumulation per (slice, key), the
+  operators' gradients are added after each micro-batch's backward, and the buckets are issued, in launch
+  order, during that micro-batch's backward; the next micro-batch starts the launch order again.
 - No barrier precedes the sync, and nothing waits on a handle before ``finish``.
 """
 
@@ -60,6 +62,9 @@ class GradSync:
         self.buffers, self.local, self.binding, self.groups = buffers, local, binding, groups
         self.overlap, self.on_launch = overlap, on_launch
         self.micro_batches = micro_batches
+        # accumulations a bucket expects per (slice, key) before it is issued: every micro-batch's, or (ZeRO-2,
+        # a round per micro-batch) one
+        self._per_round = 1 if buffers.sharded else micro_batches
         self._micro = 0
         position = {u: i for i, b in enumerate(buffers.buckets) for u in b.units}
         self._bucket_of: dict[tuple[str, str], int] = {}  # (slice id, key) -> bucket position
@@ -68,7 +73,7 @@ class GradSync:
             for k in ls.param_keys:
                 i = position[key_unit[k]]
                 self._bucket_of[sid, k] = i
-                self._expected[i] += micro_batches
+                self._expected[i] += self._per_round
         self._missing = list(self._expected)
         self._counted: set[tuple[str, str, int]] = set()  # (slice id, key, micro-batch)
         self._next = 0  # position of the first bucket not issued yet
@@ -105,20 +110,20 @@ class GradSync:
 
     def _launch(self, b: Bucket) -> None:
         group = self.groups.param_group(b.devices) if len(b.devices) > 1 else None
-        self._handles.append((b, self.buffers.reduce(b, group)))
+        self._handles.append((b, self._micro, self.buffers.reduce(b, group, self._micro)))
         if self.on_launch is not None:
             self.on_launch(b)
 
     def _settle_completed(self) -> None:
         """ZeRO-2: release the full storage of every bucket whose collective has completed (never waits)."""
         pending = []
-        for b, h in self._handles:
+        for b, micro, h in self._handles:
             if h is None or h.is_completed():
                 if h is not None:
                     h.wait()  # completed: returns at once (on CUDA it orders the release after the kernel)
-                self.buffers.settle(b)
+                self.buffers.settle(b, micro)
             else:
-                pending.append((b, h))
+                pending.append((b, micro, h))
         self._handles = pending
 
     # ------------------------------------------------------------------------------------------------ step
@@ -136,7 +141,13 @@ class GradSync:
         self._active = True
 
     def micro_start(self, index: int) -> None:
-        """Micro-batch ``index`` begins (the schedule says so before each)."""
+        """Micro-batch ``index`` begins (the schedule says so before each). Under ZeRO-2 the previous one's
+        buckets are all complete here (every local slice has run its backward): issue what is left of them and
+        start the launch order again."""
+        if self.buffers.sharded and index > 0:
+            self._check_all_issued()
+            self._missing = list(self._expected)
+            self._next = 0
         self._micro = index
 
     def slice_done(self, ls: LocalSlice) -> None:
@@ -144,12 +155,13 @@ class GradSync:
         group, whose leader contributes them) to the buffers and count every key it holds as accumulated."""
         sid = ls.slice.id
         generic = self.binding.generic_keys[sid]
-        last = self._micro == self.micro_batches - 1
-        if generic and last:  # accumulated in the operator over micro-batches
+        # accumulated in the operator over the micro-batches, or (ZeRO-2) added after each
+        export = self.buffers.sharded or self._micro == self.micro_batches - 1
+        if generic and export:
             g = full_grads(ls.op, ls.param_keys)
             if ls.tp_leader:
-                self.buffers.add(g, generic)
-        if last and self.buffers.sharded:  # ZeRO-2: the operator's full gradients are in the buckets now
+                self.buffers.add(g, generic, self._micro)
+        if export and self.buffers.sharded:  # ZeRO-2: the operator's full gradients are in the buckets now
             for p in ls.op.parameters():
                 p.grad = None
         for k in ls.param_keys:
@@ -163,18 +175,22 @@ class GradSync:
     def finish(self) -> None:
         """Issue what is left (in order) and wait for every all-reduce: the buffers then hold the total
         gradients. Call after every local slice's ``slice_done``."""
-        self._advance()
         progress.point("the gradient all-reduces of", self._groups_in_flight)
+        self._check_all_issued()
+        self._wait()
+        self._active = False
+
+    def _check_all_issued(self) -> None:
+        """Issue the buckets left (in order); each must be complete after the (micro-batch's) backward."""
+        self._advance()
         if self._next != len(self.buffers.buckets):
             b = self.buffers.buckets[self._next]
             raise RuntimeError(f"gradient bucket {b.index} of devices {list(b.devices)} misses "
                                f"{self._missing[self._next]} accumulation(s) after the backward")
-        self._wait()
-        self._active = False
 
     def _wait(self) -> None:
-        for b, h in self._handles:
+        for b, micro, h in self._handles:
             if h is not None:
                 h.wait()
-            self.buffers.settle(b)
+            self.buffers.settle(b, micro)
         self._handles.clear()

@@ -87,11 +87,14 @@ def reduce_scatter_rows(out: torch.Tensor, rows: torch.Tensor, group, scatter: b
     return dist.all_reduce(rows, group=group, async_op=True)
 
 
-def settle_rows(out: torch.Tensor, rows: torch.Tensor, index: int, scatter: bool = True) -> None:
-    """After ``reduce_scatter_rows`` completed: this member's summed row into ``out`` (already there after a
-    reduce-scatter)."""
+def settle_rows(out: torch.Tensor, rows: torch.Tensor, index: int, scatter: bool = True,
+                result: torch.Tensor | None = None) -> None:
+    """After ``reduce_scatter_rows`` completed: this member's summed row added to ``out`` (already there after a
+    reduce-scatter into ``out`` itself; ``result``: the row a reduce-scatter wrote beside it)."""
     if not scatter:
-        out.copy_(rows[index])
+        out.add_(rows[index])
+    elif result is not None:
+        out.add_(result)
 
 
 def gather_units(shards: list[UnitShard], parts: list[list[torch.Tensor]], group) -> list[list[torch.Tensor]]:

@@ -162,15 +162,18 @@ class LaunchLog:
 
 def check_launches(log: LaunchLog, label: str, overlap: bool = True) -> None:
     """Every step issues every bucket of this rank once, in the engine's fixed order, during its last
-    micro-batch. With overlap, a bucket is issued once the backward has done every step before the one of its
-    last local accumulation (a unit shared by several local slices waits for the last of them), and before
-    the step that completes its last unit plan-wide has ended; without overlap, after the whole backward."""
+    micro-batch (under ZeRO-2 during every micro-batch: plan/buckets.py ``synced_micro_batches``). With
+    overlap, a bucket is issued once the backward has done every step before the one of its last local
+    accumulation (a unit shared by several local slices waits for the last of them), and before the step that
+    completes its last unit plan-wide has ended; without overlap, after the whole (micro-batch's) backward."""
+    from megatron_spindle.plan.buckets import synced_micro_batches
     from megatron_spindle.plan.order import BWD
 
     engine = log.engine
     buckets = engine.grad_buffers.buckets
     order = engine.schedule.steps
     m = engine.plan.settings.micro_batches
+    synced = list(synced_micro_batches(engine.plan.settings.zero_stage, m))
     backward_step = {}  # local slice id -> index of its backward step
     for k, (wave, phase, task) in enumerate(order):
         for ls in engine.local.values():
@@ -180,25 +183,37 @@ def check_launches(log: LaunchLog, label: str, overlap: bool = True) -> None:
     assert steps, f"{label}: no step recorded"
     for events in steps:
         launched = [e[1] for e in events if e[0] == "launch"]
-        assert launched == buckets, f"{label}: buckets issued out of order or not once each"
-        last_micro = events.index(("micro", m - 1))
-        ends = [i for i, e in enumerate(events) if i > last_micro and e[0] in ("forward", "backward")]
-        assert len(ends) == len(order), f"{label}: {len(ends)} step ends in the last micro-batch, not {len(order)}"
-        issued = {(b.devices, b.index): i for i, e in enumerate(events) if e[0] == "launch" for b in [e[1]]}
-        for b in buckets:
-            i = issued[b.devices, b.index]
-            assert i > last_micro, f"{label}: bucket {b} issued before the last micro-batch"
-            if not overlap:
-                assert i > ends[-1], f"{label}: bucket {b} issued during the backward"
-                continue
-            done_wave = engine.plan.waves[b.done[0]]
-            tasks = {s.task for s in done_wave.slices if set(b.units) & set(slice_units_of(engine, s))}
-            done = max(k for k, (w, p, t) in enumerate(order) if p == BWD and w == b.done[0]
-                       and (t is None or t in tasks))
-            assert i < ends[done], f"{label}: bucket {b} issued after the step completing it"
-            last = max(backward_step[ls.slice.id] for ls in engine.local.values() if set(ls.units) & set(b.units))
-            if last > 0:
-                assert i > ends[last - 1], f"{label}: bucket {b} issued before its last accumulation"
+        assert launched == buckets * len(synced), f"{label}: buckets issued out of order or not once each"
+        starts = [events.index(("micro", j)) for j in range(m)] + [len(events)]
+        for j in synced:
+            first, after = starts[j], starts[j + 1]
+            if not overlap and j < m - 1:  # issued at the next micro-batch's start, before its first step
+                after = next(i for i in range(after, len(events)) if events[i][0] in ("forward", "backward"))
+            window = events[first:after]
+            _check_micro_batch_launches(engine, window, buckets, order, backward_step, overlap,
+                                        f"{label} micro-batch {j}")
+
+
+def _check_micro_batch_launches(engine, events, buckets, order, backward_step, overlap, label) -> None:
+    from megatron_spindle.plan.order import BWD
+
+    ends = [i for i, e in enumerate(events) if e[0] in ("forward", "backward")]
+    assert len(ends) == len(order), f"{label}: {len(ends)} step ends in the micro-batch, not {len(order)}"
+    issued = {(b.devices, b.index): i for i, e in enumerate(events) if e[0] == "launch" for b in [e[1]]}
+    assert len(issued) == len(buckets), f"{label}: {len(issued)} buckets issued, not {len(buckets)}"
+    for b in buckets:
+        i = issued[b.devices, b.index]
+        if not overlap:
+            assert i > ends[-1], f"{label}: bucket {b} issued during the backward"
+            continue
+        done_wave = engine.plan.waves[b.done[0]]
+        tasks = {s.task for s in done_wave.slices if set(b.units) & set(slice_units_of(engine, s))}
+        done = max(k for k, (w, p, t) in enumerate(order) if p == BWD and w == b.done[0]
+                   and (t is None or t in tasks))
+        assert i < ends[done], f"{label}: bucket {b} issued after the step completing it"
+        last = max(backward_step[ls.slice.id] for ls in engine.local.values() if set(ls.units) & set(b.units))
+        if last > 0:
+            assert i > ends[last - 1], f"{label}: bucket {b} issued before its last accumulation"
 
 
 def slice_units_of(engine, s) -> list[str]:

@@ -46,16 +46,18 @@ def test_launch_order_follows_the_backward_and_keeps_each_groups_order():
     assert launch_order(buckets) == [buckets[0], buckets[2], buckets[1], buckets[3]]
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage,micro", [(0, 1), (2, 1), (2, 2)])
 @pytest.mark.parametrize("wname", ["tiny-clip", "tiny-vlm"])
-def test_buckets_are_issued_during_the_backward_after_their_last_accumulation(wname, stage):
+def test_buckets_are_issued_during_the_backward_after_their_last_accumulation(wname, stage, micro):
     """At zero_stage 2 also: each bucket's full storage is released as soon as its sync has completed (on one
-    rank at once: before the backward goes on), so only the shards are held after the backward."""
+    rank at once: before the backward goes on), so only the shards are held after the backward; with two
+    micro-batches every bucket is issued and released in each."""
     w = load_workload(wname)
     ref = StandinReference(w)
-    traj = reference_trajectory(ref, {k.replace("__", "."): p for k, p in ref.full.items()},
+    traj = reference_trajectory(lambda step: ref(step, micro_batches=micro),
+                                {k.replace("__", "."): p for k, p in ref.full.items()},
                                 {t.name: t.loss.weight for t in w.tasks}, OPT)
-    plan = random_plan(w, 1, 1)  # shared towers: one unit in two slices of different waves
+    plan = random_plan(w, 1, 1, micro_batches=micro)  # shared towers: one unit in two slices of different waves
     plan.settings = dataclasses.replace(plan.settings, zero_stage=stage)
     engine = RuntimeEngine(plan, w, 0, 1, EngineConfig(optimizer=OPT, ddp_bucket_size=1),
                            operator_factory=standin_factory, batch_fn=standin_batch)
@@ -65,13 +67,14 @@ def test_buckets_are_issued_during_the_backward_after_their_last_accumulation(wn
     assert any(b.done[0] > 0 for b in buffers.buckets)
     log = LaunchLog(engine)
     settle = buffers.settle
-    buffers.settle = lambda b: (log.events.append(("settle", b)), settle(b))[1]
-    check_engine_against(engine, traj, f"one rank {wname} tiny buckets zero{stage}")
+    buffers.settle = lambda b, micro=0: (log.events.append(("settle", b)), settle(b, micro))[1]
+    check_engine_against(engine, traj, f"one rank {wname} tiny buckets zero{stage} m{micro}")
     check_launches(log, wname)
     if stage == 2:
         for events in log.steps():
             at = {kind: [i for i, e in enumerate(events) if e[0] == kind] for kind in ("launch", "settle")}
-            assert [events[i][1] for i in at["settle"]] == buffers.buckets  # each once, in launch order
+            # each once per micro-batch, in launch order
+            assert [events[i][1] for i in at["settle"]] == buffers.buckets * micro
             for i, j in zip(at["launch"], at["settle"]):
                 assert i < j and not any(e[0] == "backward" for e in events[i:j]), "released late"
         assert engine.held_grad_bytes() == 4 * sum(sh.size for sh in engine.shards.values())

@@ -314,7 +314,8 @@ def zeroed(plan, stage: int = 1):
 
 def zero_cases(world: int):
     """(operators, label, workload, plan factory) run again at zero_stage 1 and 2; the spindle plans put the
-    shared towers on several device sets, micro2 accumulates two micro-batches before the sync."""
+    shared towers on several device sets; micro2 accumulates two micro-batches before the sync at stage 1 and
+    reduce-scatters each at stage 2."""
     sp = lambda s, m=1: (lambda w: random_plan(w, world, s, micro_batches=m))  # noqa: E731
     cases = [("standin", "spindle-1", "tiny-clip", sp(1)), ("standin", "spindle-2", "tiny-vlm", sp(2)),
              ("standin", "micro2", "tiny-vlm", sp(1, 2)), ("standin", "spindle-1", "fanout", sp(1)),

@@ -44,8 +44,12 @@ def test_member_major_rows_hold_each_members_shards_of_every_unit():
         add_to_rows(rows, off, sh, sh.flatten(t))
         add_to_rows(rows, off, sh, sh.flatten(t))  # accumulates
     for j in range(3):
-        out = torch.empty(a.size + b.size)
+        out = torch.zeros(a.size + b.size)
         settle_rows(out, rows, j, scatter=False)
         for sh, t, off in ((a, ta, offsets[0]), (b, tb, offsets[1])):
             member = UnitShard(sh.unit, sh.keys, sh.shapes, 3, j)
             assert torch.equal(out[off:off + sh.size], 2 * member.shard_of(sh.flatten(t)))
+        # a later micro-batch's sum adds to the row: beside it after a reduce-scatter, or this member's row
+        settle_rows(out, rows, j, scatter=True, result=rows[j].clone())
+        settle_rows(out, rows, j, scatter=False)
+        assert torch.equal(out, 3 * rows[j])
