@@ -7,7 +7,7 @@ or TP degree: the lowest-ranked member of its group (the unit's *norm owner*) ad
 one all-reduce (SUM) over the world gives the total. Every rank then knows the same norm and clips its own
 buffers by the same coefficient, as ``torch.nn.utils.clip_grad_norm_`` does on the single-process model:
 ``max_norm / (norm + 1e-6)``, applied when below 1 (megatron-core's ``clip_grad_norm_fp32`` alike).
-With ZeRO-2 (grad_shards.py) a rank holds only its shard of each unit's gradient: every member adds the squared
+With ZeRO-1 and 2 (grad_shards.py) a rank holds only its shard of each unit's gradient: every member adds the squared
 sum of its own shards; the shards of a group tile each unit exactly once (their zero padding adds nothing), so
 the same world all-reduce gives the same total, and each rank scales only its shards (``norm_tensors``).
 
@@ -49,7 +49,7 @@ def norm_owners(param_groups: list[ParamGroup]) -> dict[str, int]:
 
 def norm_tensors(unit_grads: dict[str, torch.Tensor], param_groups: list[ParamGroup], rank: int,
                  sharded: bool) -> list[torch.Tensor]:
-    """The gradients this rank counts in the global norm: its shard of every unit it holds (ZeRO-2), or the
+    """The gradients this rank counts in the global norm: its shard of every unit it holds (ZeRO-1, 2), or the
     full gradients of the units it is the norm owner of (replicated gradients)."""
     owners = norm_owners(param_groups)
     return [unit_grads[u] for u in sorted(unit_grads) if sharded or owners.get(u) == rank]

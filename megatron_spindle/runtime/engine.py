@@ -12,12 +12,13 @@
    (groups.py) asynchronously during the backward, as soon as each bucket is complete; a unit's gradient is
    summed over every slice that uses it, whatever its device set, wave or TP degree, so every holder gets the
    exact total d(sum_t w_t loss_t)/dW (``grads``: views of the buffers, valid until the next step). At
-   zero_stage 2 (grad_shards.py) the same buckets are reduce-scattered and each rank keeps only its shards.
+   zero_stage 1 and 2 (grad_shards.py) the same buckets are reduce-scattered and each rank keeps only its shards.
 4. The optimizer (optimizer.py, shards.py): AdamW on fp32 masters, replicated (zero_stage 0) or sharded over
-   each parameter device group (zero_stage 1, the distributed optimizer; numerically equal). zero_stage 2
-   shards the gradients too (grad_shards.py): each bucket is reduce-scattered into this rank's shards and its
-   full storage released as soon as its sync completed, so ``grads`` is empty there (``gather_grads``
-   all-gathers the full gradients; ``held_grad_bytes`` is what is held).
+   each parameter device group (zero_stage 1, the distributed optimizer; numerically equal), its gradient
+   reduce-scattered into those shards (grad_shards.py): each bucket's full storage is released as soon as
+   its sync completed, so ``grads`` is empty there (``gather_grads`` all-gathers the full gradients;
+   ``held_grad_bytes`` is what is held). zero_stage 2 also reduce-scatters every micro-batch's gradients
+   (plan/buckets.py), never holding them in full across micro-batches.
 5. The fast path (direct.py): fp32 TP=1 canonical-layout units alias their masters and gradient buffer, so
    nothing is exported or loaded back for them. Other units are exported after each slice's backward
    (``export_full_state`` on gradients, TP rank 0 contributing) and loaded back after each step.
@@ -150,7 +151,7 @@ class RuntimeEngine:
                                                 self.config.optimizer, self.groups, self.device)
         opt = self.master_optimizer
         order = backward_order(plan, self.metagraph)
-        if self.zero_stage == 2:  # gradients sharded like the optimizer state
+        if self.zero_stage >= 1:  # reduce-scattered into the optimizer's shards (stage 2: kept as shards only)
             self.grad_buffers = ShardedGradBuffers(opt.unit_groups, opt.shards, order, self.config.ddp_bucket_size,
                                                    self.device, backend_reduces_scatter(dist.get_backend()))
         else:
@@ -161,7 +162,8 @@ class RuntimeEngine:
                                          self.grad_buffers.key_grads,
                                          self.zero_stage == 0 and self.config.dtype == torch.float32, self.device)
         self.grad_sync = GradSync(self.grad_buffers, self.local, self.binding, self.key_unit, self.groups,
-                                  overlap=self.config.overlap_grad_reduce, micro_batches=settings.micro_batches)
+                                  overlap=self.config.overlap_grad_reduce, micro_batches=settings.micro_batches,
+                                  zero_stage=self.zero_stage)
         weights = {t.name: t.loss.weight if t.loss else 1.0 for t in workload.tasks}
         self.schedule = WaveSchedule(plan, workload, rank, self.local, activation_spec or default_activation_spec,
                                      weights, self.config.dtype, self.device, on_wave)
@@ -232,7 +234,7 @@ class RuntimeEngine:
 
     def forward_backward(self, step: int) -> dict[str, float]:
         """One step without the optimizer; afterwards ``grads`` holds the synchronised full gradients (times the
-        loss scale until ``train_step`` unscales them); at zero_stage 2 it is empty and ``grad_buffers.unit_grads``
+        loss scale until ``train_step`` unscales them); at zero_stage 1 and 2 it is empty and ``grad_buffers.unit_grads``
         are this rank's shards (``gather_grads``)."""
         tasks = sorted({ls.slice.task for ls in self.local.values()})
         t0 = self._clock()
@@ -265,7 +267,7 @@ class RuntimeEngine:
 
     def gather_grads(self) -> dict[str, torch.Tensor]:
         """The synchronised full gradients of every key this rank holds ("<unit>.<path>" -> tensor), as after
-        the last ``forward_backward`` / ``train_step``: ``grads`` itself, or at zero_stage 2 its shards
+        the last ``forward_backward`` / ``train_step``: ``grads`` itself, or at zero_stage 1 and 2 its shards
         all-gathered (collective over the parameter device groups there; for tests and inspection)."""
         if not self.grad_buffers.sharded:
             return dict(self.grads)
@@ -278,7 +280,7 @@ class RuntimeEngine:
         return out
 
     def held_grad_bytes(self) -> int:
-        """Bytes of gradient storage this rank holds now: the gradient buffers (at zero_stage 2 the shards and
+        """Bytes of gradient storage this rank holds now: the gradient buffers (at zero_stage 1 and 2 the shards and
         any bucket's full storage not yet released) and the gradients left in the operators' parameters."""
         seen, held = set(), self.grad_buffers.held_bytes()
         buffers = {t.untyped_storage().data_ptr() for t in self.grad_buffers.storage()}

@@ -1,24 +1,26 @@
-"""ZeRO stage 2: gradient buckets that keep only this rank's shard once they are synchronised.
+"""ZeRO stages 1 and 2: gradient buckets reduce-scattered into this rank's shard, the only part it keeps.
 
 The buckets are grad_buffers.py's (same units, same launch order, so the gradient sync and the simulator see
 one set of rules); only their storage differs. Each bucket of a group of ``members`` ranks has
 
 - a *staging* buffer of ``members`` x ``row`` fp32 elements, member-major (runtime/shards.py): row ``j``
   holds member ``j``'s shards of the bucket's units. It is allocated when the bucket's first gradient is
-  added (the exported gradients of a slice's last micro-batch, runtime/grad_sync.py) and released as soon as
+  added (the exported gradients of a slice's micro-batch, runtime/grad_sync.py) and released as soon as
   the bucket's collective has completed;
 - this rank's *shard row* of ``row`` elements, kept for the optimizer step: ``unit_grads[u]`` is unit ``u``'s
   shard (``UnitShard.size`` elements, zero-padded), the master's ``.grad`` (runtime/optimizer.py).
 
 The collective is a reduce-scatter of the staging buffer into the shard row (``reduce_scatter_single``: NCCL
 and, in torch 2.13, gloo), or, with ``reduce_scatter=False`` (a backend without one), an all-reduce of the
-staging buffer and a copy of this rank's row. Numerically both are the stage-1 gradient sliced.
+staging buffer and a copy of this rank's row. Numerically both are the full sum, sliced.
 
 Micro-batches: a rank that keeps only shards cannot accumulate the full gradient, so every micro-batch's
 buckets are reduce-scattered after its backward (DeepSpeed's way; plan/buckets.py ``synced_micro_batches``,
 which the simulator charges). Each micro-batch has its own staging buffers, so one micro-batch's collectives
 may still run while the next one adds its gradients; a completed collective adds its result to the shard row
-(the first micro-batch's reduce-scatter writes into the zeroed row directly).
+(a step's first reduce-scatter of a bucket writes into the zeroed row directly). ZeRO-1 (the distributed
+optimizer) uses the same buffers with the micro-batches accumulated in the operators, as at stage 0: one
+round per step, after the last micro-batch.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ class ShardedGradBuffers:
         buckets: list[Bucket] = []
         self._rows: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}  # bucket -> this rank's shard row
         self._staging: dict[tuple, torch.Tensor] = {}  # (bucket, micro-batch) -> members x row, while live
-        self._results: dict[tuple, torch.Tensor] = {}  # (bucket, micro-batch > 0) -> its reduce-scattered row
+        self._results: dict[tuple, torch.Tensor] = {}  # (bucket, micro-batch) -> its row, beside an earlier sum
+        self._written: set[tuple[tuple[int, ...], int]] = set()  # buckets whose row a collective wrote this step
         self._place: dict[str, tuple[tuple[tuple[int, ...], int], int]] = {}  # unit -> (bucket, column)
         for devices, units in unit_groups:
             for b in buffer_layout(devices, units, shards, order, bucket_numel)[1]:
@@ -92,8 +95,9 @@ class ShardedGradBuffers:
         staging, row = self._staging_of(key, micro), self._rows[key]  # a TP follower adds nothing: zeros
         if group is None:
             return None
-        if self.reduce_scatter and micro > 0:  # the row holds earlier micro-batches' sums: reduce beside it
+        if self.reduce_scatter and key in self._written:  # the row holds an earlier sum: reduce beside it
             self._results[key, micro] = torch.empty_like(row)
+        self._written.add(key)
         return reduce_scatter_rows(self._results.get((key, micro), row), staging, group, self.reduce_scatter)
 
     def settle(self, b: Bucket, micro: int = 0) -> None:
@@ -117,5 +121,6 @@ class ShardedGradBuffers:
     def zero_(self) -> None:
         self._staging.clear()
         self._results.clear()
+        self._written.clear()
         for row in self._rows.values():
             row.zero_()

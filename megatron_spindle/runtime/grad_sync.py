@@ -25,10 +25,11 @@ this rank, while the rest of the backward runs; ``finish`` waits on every handle
   slice): a bucket expects m accumulations per (slice, key), so it completes, and is issued, during the last
   micro-batch's backward. Generic gradients accumulate in the operators over the micro-batches and are added
   to the buffers once, after the slice's last backward.
-- **ZeRO-2** (grad_shards.py): the same buckets, each summed by a reduce-scatter into this rank's shard. A
-  slice's operator gradients are dropped once added, and a bucket's full storage as soon as its collective
-  has completed (checked, never waited for, after each slice's backward; the rest in ``finish``). A rank
-  holding shards only cannot accumulate full gradients, so every micro-batch is a round of its own
+- **ZeRO-1 and 2** (grad_shards.py): the same buckets, each summed by a reduce-scatter into this rank's
+  shard (the distributed optimizer steps only that). A slice's operator gradients are dropped once added, and
+  a bucket's full storage as soon as its collective has completed (checked, never waited for, after each
+  slice's backward; the rest in ``finish``). At stage 1 the micro-batches accumulate in the operators, as at
+  stage 0. A ZeRO-2 rank holds shards only and cannot accumulate full gradients, so every micro-batch is a round of its own
   (plan/buckets.py ``synced_micro_batches``): its buckets expect one accumulation per (slice, key), the
   operators' gradients are added after each micro-batch's backward, and the buckets are issued, in launch
   order, during that micro-batch's backward; the next micro-batch starts the launch order again.
@@ -41,6 +42,7 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_spindle.plan.buckets import synced_micro_batches
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.direct import DirectBinding
 from megatron_spindle.runtime.grad_buffers import Bucket, GradBuffers
@@ -58,13 +60,14 @@ class GradSync:
 
     def __init__(self, buffers: GradBuffers | ShardedGradBuffers, local: dict[str, LocalSlice], binding: DirectBinding,
                  key_unit: dict[str, str], groups: PlanGroups, overlap: bool = True,
-                 on_launch: Callable[[Bucket], None] | None = None, micro_batches: int = 1):
+                 on_launch: Callable[[Bucket], None] | None = None, micro_batches: int = 1, zero_stage: int = 0):
         self.buffers, self.local, self.binding, self.groups = buffers, local, binding, groups
         self.overlap, self.on_launch = overlap, on_launch
         self.micro_batches = micro_batches
-        # accumulations a bucket expects per (slice, key) before it is issued: every micro-batch's, or (ZeRO-2,
-        # a round per micro-batch) one
-        self._per_round = 1 if buffers.sharded else micro_batches
+        # every micro-batch a round of its own (ZeRO-2: plan/buckets.py), else one round of all micro-batches;
+        # the accumulations a bucket expects per (slice, key) in a round
+        self._each_micro = len(synced_micro_batches(zero_stage, micro_batches)) == micro_batches
+        self._per_round = 1 if self._each_micro else micro_batches
         self._micro = 0
         position = {u: i for i, b in enumerate(buffers.buckets) for u in b.units}
         self._bucket_of: dict[tuple[str, str], int] = {}  # (slice id, key) -> bucket position
@@ -115,16 +118,17 @@ class GradSync:
             self.on_launch(b)
 
     def _settle_completed(self) -> None:
-        """ZeRO-2: release the full storage of every bucket whose collective has completed (never waits)."""
-        pending = []
-        for b, micro, h in self._handles:
-            if h is None or h.is_completed():
-                if h is not None:
-                    h.wait()  # completed: returns at once (on CUDA it orders the release after the kernel)
-                self.buffers.settle(b, micro)
-            else:
-                pending.append((b, micro, h))
-        self._handles = pending
+        """Sharded buckets: release the full storage of the buckets whose collectives have completed (never
+        waits), in issue order, so that a later micro-batch's sum is added to a row only after the earlier
+        collectives writing it are done."""
+        while self._handles:
+            b, micro, h = self._handles[0]
+            if h is not None and not h.is_completed():
+                return
+            if h is not None:
+                h.wait()  # completed: returns at once (on CUDA it orders the release after the kernel)
+            self.buffers.settle(b, micro)
+            self._handles.pop(0)
 
     # ------------------------------------------------------------------------------------------------ step
     def start_step(self) -> None:
@@ -144,7 +148,7 @@ class GradSync:
         """Micro-batch ``index`` begins (the schedule says so before each). Under ZeRO-2 the previous one's
         buckets are all complete here (every local slice has run its backward): issue what is left of them and
         start the launch order again."""
-        if self.buffers.sharded and index > 0:
+        if self._each_micro and index > 0:
             self._check_all_issued()
             self._missing = list(self._expected)
             self._next = 0
@@ -156,12 +160,12 @@ class GradSync:
         sid = ls.slice.id
         generic = self.binding.generic_keys[sid]
         # accumulated in the operator over the micro-batches, or (ZeRO-2) added after each
-        export = self.buffers.sharded or self._micro == self.micro_batches - 1
+        export = self._each_micro or self._micro == self.micro_batches - 1
         if generic and export:
             g = full_grads(ls.op, ls.param_keys)
             if ls.tp_leader:
                 self.buffers.add(g, generic, self._micro)
-        if export and self.buffers.sharded:  # ZeRO-2: the operator's full gradients are in the buckets now
+        if export and self.buffers.sharded:  # the operator's full gradients are in the buckets now
             for p in ls.op.parameters():
                 p.grad = None
         for k in ls.param_keys:

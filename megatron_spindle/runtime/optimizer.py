@@ -8,12 +8,12 @@ The AdamW step is elementwise, so it may run on any partition of a unit's elemen
   sorted group keeps elements [i*S, (i+1)*S), S = ceil(N / group size)). Each member steps its shard of the
   synchronised gradient, and the shards of all units of a group are all-gathered in one collective, so every
   holder loads identical full weights. Numerically equal to stage 0; master + moments drop to 1/size.
-  The gradient itself is all-reduced in full (runtime/grad_sync.py) and then sliced, so every holder keeps
-  the full gradient that the engine's ``grads`` exposes.
-- ``zero_stage`` 2: stage 1, and the gradient sharded the same way (runtime/grad_shards.py): each bucket is
-  reduce-scattered into this rank's shards, its full storage released once synchronised; the masters'
-  ``.grad`` are those shards (``attach_grads``). Numerically equal to stages 0 and 1; the held gradient drops
-  to 1/size after each bucket's sync (with micro-batches the full gradients live while they accumulate).
+  The gradient is reduce-scattered into the same shards (runtime/grad_shards.py, as Megatron's distributed
+  optimizer does): each bucket's full storage lives until its sync, the masters' ``.grad`` are the shards
+  (``attach_grads``); the micro-batches accumulate in full before the one sync, as at stage 0.
+- ``zero_stage`` 2: stage 1, and the gradient kept only as shards between micro-batches too: every
+  micro-batch's buckets are reduce-scattered after its backward (plan/buckets.py). Numerically equal to
+  stages 0 and 1.
 
 Whatever the layout, ``export_units`` / ``load_units`` / ``full_weights`` speak full tensors, so checkpoints are
 layout-independent. At stages 1 and 2 ``export_units`` and ``full_weights`` are collective over the parameter
@@ -79,24 +79,20 @@ class MasterOptimizer:
 
     # ---------------------------------------------------------------------------------------------- step
     def step(self, unit_grads: dict[str, torch.Tensor]) -> None:
-        """One AdamW step from the synchronised gradient of every unit: at stage 0 the full flat gradient, the
-        masters' ``.grad`` itself (``attach_grads``); at stage 1 each member takes its shard of it; at stage 2
-        it is already this member's shard, attached like stage 0's."""
+        """One AdamW step from the synchronised gradient of every unit: the masters' ``.grad`` itself
+        (``attach_grads``): the full flat gradient at stage 0, this member's shard of it at stages 1 and 2."""
         if self.adamw is None:
             return
         for u, p in self.masters.items():
-            if self.zero_stage == 1:
-                p.grad = self.shards[u].shard_of(unit_grads[u])
-            elif p.grad is None:  # someone called zero_grad(set_to_none=True): reattach the buffer
+            if p.grad is None:  # someone called zero_grad(set_to_none=True): reattach the buffer
                 p.grad = unit_grads[u]
         self.adamw.step()
 
     def attach_grads(self, unit_grads: dict[str, torch.Tensor]) -> None:
-        """Stages 0 and 2: the masters' gradients are the units' gradient storage (the full buffer, or the
-        shard at stage 2; no copy before the step)."""
-        if self.zero_stage != 1:
-            for u, p in self.masters.items():
-                p.grad = unit_grads[u]
+        """The masters' gradients are the units' gradient storage (the full buffer, or the shard at stages 1
+        and 2; no copy before the step)."""
+        for u, p in self.masters.items():
+            p.grad = unit_grads[u]
 
     def set_lr(self, lr: float) -> None:
         if self.adamw is not None:
