@@ -282,12 +282,12 @@ class RuntimeEngine:
     def held_grad_bytes(self) -> int:
         """Bytes of gradient storage this rank holds now: the gradient buffers (at zero_stage 1 and 2 the shards and
         any bucket's full storage not yet released) and the gradients left in the operators' parameters."""
-        seen, held = set(), self.grad_buffers.held_bytes()
-        buffers = {t.untyped_storage().data_ptr() for t in self.grad_buffers.storage()}
+        held = self.grad_buffers.held_bytes()
+        seen = {t.untyped_storage().data_ptr() for t in self.grad_buffers.storage()}  # counted already
         for ls in self.local.values():
             for p in ls.op.parameters():
                 g = p.grad
-                if g is not None and g.untyped_storage().data_ptr() not in buffers | seen:
+                if g is not None and g.untyped_storage().data_ptr() not in seen:
                     seen.add(g.untyped_storage().data_ptr())
                     held += g.untyped_storage().nbytes()
         return held

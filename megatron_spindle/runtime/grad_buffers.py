@@ -8,8 +8,8 @@ convention: units are added to the current bucket until it holds at least ``buck
 buckets depend on the plan only, so every member of a group has the same ones.
 
 ``unit_grads`` / ``key_grads`` are views of the buffers: the unit's flat gradient and its full tensors.
-``add`` / ``reduce`` / ``settle`` are what the gradient sync (grad_sync.py) asks of a bucket's storage; ZeRO-2's
-sharded storage (grad_shards.py) answers the same calls.
+``add`` / ``reduce`` / ``settle`` are what the gradient sync (grad_sync.py) asks of a bucket's storage; the
+sharded storage of ZeRO-1 and 2 (grad_shards.py) answers the same calls.
 """
 
 from __future__ import annotations

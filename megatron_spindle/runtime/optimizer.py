@@ -56,7 +56,7 @@ class MasterOptimizer:
 
     def __init__(self, full: dict[str, torch.Tensor], key_unit: dict[str, str], param_groups: list[ParamGroup],
                  rank: int, zero_stage: int, config: OptimizerConfig, groups: PlanGroups, device: torch.device):
-        self.zero_stage, self.groups, self.device = zero_stage, groups, device
+        self.groups, self.device = groups, device
         self.clip_grad = config.clip_grad
         self.shards: dict[str, UnitShard] = {}
         self.masters: dict[str, torch.nn.Parameter] = {}

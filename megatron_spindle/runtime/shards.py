@@ -7,8 +7,8 @@ member with index ``index`` in that sorted list keeps elements ``[index * size, 
 (zero_stage 0) is the case ``members = 1``, ``index = 0``: the shard is the whole unit.
 
 Collectives over a group move one buffer of ``members`` rows: row ``j`` is member ``j``'s shards of every unit
-of the group (units in the group's order), so all units of a group travel in one all-gather. ZeRO-2's gradient
-buckets (runtime/grad_shards.py) use the same member-major rows, so that a reduce-scatter of the buffer leaves
+of the group (units in the group's order), so all units of a group travel in one all-gather. The gradient
+buckets of ZeRO-1 and 2 (runtime/grad_shards.py) use the same member-major rows, so that a reduce-scatter of the buffer leaves
 each member exactly its shards (``add_to_rows``, ``reduce_scatter_rows``).
 """
 

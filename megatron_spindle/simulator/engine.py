@@ -349,7 +349,7 @@ def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool
             first = len(collectives)
             collectives += [Collective(b.devices, _bucket_seconds(timer, b), nodes_of(b.devices, gpn), b.rings)
                             for b in ctx.buckets]
-            at = {key: k for (key, b), k in index.items() if b == mb}
+            at = {key: k for (key, batch), k in index.items() if batch == mb}
             for c, (k, fraction, d) in _milestones(ctx, at, tasks):
                 tasks[k].milestones.append((fraction, first + c, d))
     return run_timeline(ctx.plan.num_devices, tasks, flows, collectives, slowdown)
