@@ -480,12 +480,15 @@ class AnalyticCostModel:
     def kernel_time(self, metaop: MetaOp, tp: int, dp: int) -> LayerTime:
         """Forward and backward seconds of the kernels of ONE operator on one device of a (tp, dp) config
         (communication excluded). Memoised per (MetaOp, tp, dp)."""
-        key = (metaop.id, metaop.kind, metaop.module, tuple(metaop.input_shape), tp, dp)
+        return self._kernel_time(metaop, tp, dp, self.config.recompute)
+
+    def _kernel_time(self, metaop: MetaOp, tp: int, dp: int, recompute: bool) -> LayerTime:
+        key = (metaop.id, metaop.kind, metaop.module, tuple(metaop.input_shape), tp, dp, recompute)
         cached = self._times.get(key)
         if cached is not None:
             return cached
         if metaop.kind == "layer":
-            result = layer_time(self.kernels, self.layer_shape(metaop, tp, dp), self.config.recompute)
+            result = layer_time(self.kernels, self.layer_shape(metaop, tp, dp), recompute)
         else:
             module = None if metaop.kind == "loss" else self._module(metaop)
             gemms = light_gemms(metaop, module, metaop.batch // dp)
@@ -566,7 +569,7 @@ class AnalyticCostModel:
         if rc.mode == "none":
             return 0.0
         self._check_config(metaop, tp, dp)
-        kernels = layer_time(self.kernels, self.layer_shape(metaop, tp, dp), recompute=False)
+        kernels = self._kernel_time(metaop, tp, dp, recompute=False)
         if rc.mode == "selective":
             return num_layers * core_attention_seconds(kernels.kernels)
         forward = kernels.forward + self._tp_allreduces(metaop, tp) * self._tp_allreduce_seconds(metaop, tp, dp)

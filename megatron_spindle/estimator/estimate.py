@@ -103,16 +103,27 @@ def estimate_curves(
     profile: Mapping[str, Sequence[CurvePoint]] | None = None,
     calibrate: bool = True,
     allowed: Callable[[MetaOp, int, int], bool] | None = None,
+    cache: dict | None = None,
 ) -> dict[str, ScalingCurve]:
     """metaop id -> ScalingCurve. ``profile``: metaop id -> measured points (any subset of valid configs);
     they take precedence, and the analytic model fills the other n (scaled to the measured level when
-    ``calibrate``)."""
+    ``calibrate``). ``cache``: a dict kept by the caller for one cost model and cluster (the memory search fits
+    the same curves on many rungs): a curve is fitted once per MetaOp shape and set of allowed configurations."""
     cost_model = cost_model or AnalyticCostModel(workload, cluster)
     profile = profile or {}
     unknown = sorted(set(profile) - set(metagraph.metaops))
     if unknown:
         raise EstimatorError(f"profile names MetaOps not in the graph: {unknown}")
-    return {
-        mid: estimate_curve(m, workload, cluster, cost_model, profile.get(mid, ()), calibrate, allowed)
-        for mid, m in metagraph.metaops.items()
-    }
+
+    def curve(m: MetaOp) -> ScalingCurve:
+        profiled = tuple(profile.get(m.id, ()))
+        if cache is None:
+            return estimate_curve(m, workload, cluster, cost_model, profiled, calibrate, allowed)
+        configs = valid_configs(m, workload, cluster)
+        fits = frozenset(c for c in configs if allowed is None or allowed(m, *c))
+        key = (m.id, m.kind, m.module, tuple(m.input_shape), fits, profiled, calibrate)
+        if key not in cache:
+            cache[key] = estimate_curve(m, workload, cluster, cost_model, profiled, calibrate, allowed)
+        return cache[key]
+
+    return {mid: curve(m) for mid, m in metagraph.metaops.items()}

@@ -46,7 +46,7 @@ OVERCOMMITS = (2.0, 3.0)
 
 
 def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost_model, memory_model, say,
-                             shares: tuple[float, ...] = MEMORY_SHARES):
+                             shares: tuple[float, ...] = MEMORY_SHARES, curve_cache: dict | None = None):
     """Curves, allocation, waves and placement, memory-aware: the paper's allocator ignores memory, and a heavy
     MetaOp on too few devices cannot hold its activations. Each MetaOp's configurations are first limited to
     those whose whole chain fits ``shares[0]`` of a device (half by default); when placement still runs out of
@@ -63,7 +63,7 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
     for attempt, share in enumerate(shares):
         allowed = cap_slice_devices(memory_allowed_configs(metagraph, needs, cluster, share), config.max_slice_devices)
         curves = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
-                                 allowed=lambda m, tp, dp, fits=allowed: (tp, dp) in fits[m.id])
+                                 allowed=lambda m, tp, dp, fits=allowed: (tp, dp) in fits[m.id], cache=curve_cache)
         level_allocs = [
             allocate_level(k, [metagraph.metaops[m] for m in level], curves, N, mode=config.inverse)
             for k, level in enumerate(metagraph.levels)
@@ -73,7 +73,7 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
             placed = place(waves, metagraph, workload, cluster, cost_model, memory_model,
                            strategy=config.placement)
             bound = attempt > 0 or _restriction_binds(placed, curves, needs, share, metagraph, workload, cluster,
-                                                      config, profile, cost_model)  # else more memory plans the same
+                                                      config, profile, cost_model, curve_cache)  # else more memory plans the same
             return curves, level_allocs, placed, bound
         except PlacementError as e:
             if attempt == len(shares) - 1:
@@ -83,7 +83,8 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
     raise AssertionError("unreachable")
 
 
-def _restriction_binds(placed, curves, needs, share, metagraph, workload, cluster, config, profile, cost_model) -> bool:
+def _restriction_binds(placed, curves, needs, share, metagraph, workload, cluster, config, profile, cost_model,
+                       curve_cache: dict | None = None) -> bool:
     """Whether a configuration left out for memory would have run some slice faster on its device count (one
     left out only where the plan never goes, e.g. a large MetaOp on 1 of 1024 devices, binds nothing)."""
     limit = share * cluster.gpu.memory_bytes
@@ -91,7 +92,7 @@ def _restriction_binds(placed, curves, needs, share, metagraph, workload, cluste
         return False
     every = cap_slice_devices({m: set(n) for m, n in needs.items()}, config.max_slice_devices)
     free = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
-                           allowed=lambda m, tp, dp: (tp, dp) in every[m.id])
+                           allowed=lambda m, tp, dp: (tp, dp) in every[m.id], cache=curve_cache)
     return any(free[s.metaop].time(s.n) < curves[s.metaop].time(s.n) * (1 - 1e-9)
                for w in placed for s in w.slices)
 
@@ -291,6 +292,7 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
     best: _Candidate | None = None
     error: Exception | None = None
     first_fit = None  # index of the first count that fits
+    cost_model, curve_cache = AnalyticCostModel(workload, cluster), {}  # shared by the rungs
 
     def faster(a: _Candidate, b: _Candidate | None) -> bool:
         return b is None or a.estimate(workload, cluster, metagraph) < b.estimate(workload, cluster, metagraph)
@@ -312,7 +314,7 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
             if placements is None or key not in placements:
                 try:
                     placed = _place_rung(micro, workload, cluster, config, profile if m == 1 else None, stage,
-                                         assumed, over, say)
+                                         assumed, over, say, cost_model, curve_cache)
                 except PlanError as e:
                     placed = e
                 if placements is not None:
@@ -321,8 +323,9 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
             if isinstance(placed, PlanError):
                 error = placed
                 continue
-            cost_model, placed_mm, roomy, curves, allocs, placed, bound = placed
-            cand = _Candidate(m, micro, cost_model, MemoryModel(workload, cluster, cost_model, zero_stage=stage),
+            rung_cost_model, placed_mm, roomy, curves, allocs, placed, bound = placed
+            cand = _Candidate(m, micro, rung_cost_model,
+                              MemoryModel(workload, cluster, rung_cost_model, zero_stage=stage),
                               placed_mm, roomy, policy, curves, allocs, placed)
             if not bound and assumed.mode == "none":
                 unbound = over if unbound is None else min(unbound, over)
@@ -358,17 +361,18 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
     return best
 
 
-def _place_rung(micro, workload, cluster, config, profile, stage, assumed, over, say):
+def _place_rung(micro, workload, cluster, config, profile, stage, assumed, over, say, cost_model, curve_cache):
     """One rung's placement: (cost model, memory model placed with, cluster placed on, curves, allocations,
-    placed waves, whether memory bound it)."""
-    cost_model = AnalyticCostModel(workload, cluster)
+    placed waves, whether memory bound it). ``cost_model`` and ``curve_cache``: the search's, shared by its rungs
+    (the cost model memoises per MetaOp shape, so micro-batch counts do not mix)."""
     placed_mm = MemoryModel(workload, cluster, cost_model, recompute=assumed, zero_stage=stage)
     # planning with every layer at its leanest, a chain may take the whole device: what it does not need is given
     # back to it slice by slice afterwards
     shares = (1.0,) + MEMORY_SHARES if assumed.mode != "none" else MEMORY_SHARES
     roomy = cluster if over == 1 else dataclasses.replace(cluster, gpu=dataclasses.replace(
         cluster.gpu, memory_bytes=over * cluster.gpu.memory_bytes))
-    placed = _allocate_schedule_place(micro, workload, roomy, config, profile, cost_model, placed_mm, say, shares)
+    placed = _allocate_schedule_place(micro, workload, roomy, config, profile, cost_model, placed_mm, say, shares,
+                                      curve_cache)
     return (cost_model, placed_mm, roomy) + placed
 
 

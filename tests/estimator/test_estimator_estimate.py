@@ -94,3 +94,22 @@ def test_a_custom_cost_model_is_used(tiny_clip, cluster8):
     frontend = graph.metaops["text_audio/audio.frontend"]
     assert custom["text_audio/audio.frontend"].time(1) == slow_launches.layer_cost(frontend, 1, 1).total
     assert custom["text_audio/audio.frontend"].time(1) >= 9e-3  # 9 kernels of 1 ms
+
+
+def test_cached_curves_equal_fresh_ones_per_allowed_set(tiny_vlm, cluster8):
+    """The memory search's curve cache: a curve comes back from the cache only for the same MetaOp shape and the
+    same allowed configurations; every curve equals the one fitted without the cache."""
+    workload, graph = tiny_vlm
+    model, cache = AnalyticCostModel(workload, cluster8), {}
+    no_tp = lambda m, tp, dp: tp == 1  # noqa: E731
+    for allowed in (None, no_tp, None, no_tp):
+        cached = estimate_curves(graph, workload, cluster8, cost_model=model, allowed=allowed, cache=cache)
+        fresh = estimate_curves(graph, workload, cluster8, cost_model=AnalyticCostModel(workload, cluster8),
+                                allowed=allowed)
+        assert {m: c.points for m, c in cached.items()} == {m: c.points for m, c in fresh.items()}
+    restricted = {m for m, op in graph.metaops.items()
+                  if any(tp > 1 for tp, _ in valid_configs(op, workload, cluster8))}
+    assert restricted  # some MetaOp has a TP config for the restriction to drop
+    assert len(cache) == len(graph.metaops) + len(restricted)
+    again = estimate_curves(graph, workload, cluster8, cost_model=model, allowed=no_tp, cache=cache)
+    assert all(again[m] is cached[m] for m in graph.metaops)  # the second time, fitted nothing
