@@ -341,10 +341,10 @@ def _blocks(n: int, gpus_per_node: int) -> list[int]:
     return [gpus_per_node] * (n // gpus_per_node) + ([n % gpus_per_node] if n % gpus_per_node else [])
 
 
-def _packable(capacities: list[int], sizes: list[int]) -> bool:
-    """First-fit decreasing: can every block still get an island of its own?"""
-    caps = sorted(capacities, reverse=True)
-    for size in sorted(sizes, reverse=True):
+def _packable(capacities: tuple[int, ...], sizes: list[int]) -> bool:
+    """First-fit decreasing: can every block still get an island of its own? Both sorted largest first."""
+    caps = list(capacities)
+    for size in sizes:
         for i, c in enumerate(caps):
             if c >= size:
                 caps[i] = c - size
@@ -384,11 +384,12 @@ class _Scorer:
         # islands already holding each of the slice's units, and the weight of their gradients: a unit held on
         # another island makes its parameter device group's gradient sync cross the network
         self._unit_islands: dict[str, set[int]] = {u: set() for u in sl.memory.units}
+        mine = self._unit_islands.keys()
         for d, have in enumerate(self.memory.held):
-            for u in have:
-                if u in self._unit_islands:
-                    self._unit_islands[u].add(self.cluster.island(d))
+            for u in mine & have.keys():
+                self._unit_islands[u].add(self.cluster.island(d))
         self._sync_weight = GRAD_PER_STATE_BYTE * s.tp  # state bytes are per TP shard
+        self._sync_penalty: dict[int, float] = {}
         self._block_wants: list[tuple[int, int, float]] | None = None
         self._device_demand: dict[int, float] | None = None
 
@@ -419,8 +420,11 @@ class _Scorer:
         slice's n devices' own paths (a transfer moves 1/n of the rows per device, forward and back; a ring's
         all-reduce about twice each rank's gradients at the bandwidth of the GPUs its thinnest node holds), so
         a gradient byte weighs about as much as a byte of rows."""
-        return self._sync_weight * sum(b for u, b in self.sl.memory.units.items()
-                                       if self._unit_islands[u] and island not in self._unit_islands[u])
+        if island not in self._sync_penalty:
+            self._sync_penalty[island] = self._sync_weight * sum(
+                b for u, b in self.sl.memory.units.items()
+                if self._unit_islands[u] and island not in self._unit_islands[u])
+        return self._sync_penalty[island]
 
     def island_bytes(self, positions: range, island: int) -> float:
         """Bytes these positions need that some producer device on the island already holds."""
@@ -540,7 +544,8 @@ def _pick_island(scorer: _Scorer, positions: range, available: dict[int, list[in
     local copy per position, the weights and the free memory of its best devices (cheap bounds: only the
     winner is matched device by device). balance: free memory first."""
     size = len(positions)
-    later_blocks = own_blocks + pending.blocks
+    later_blocks = sorted(own_blocks + pending.blocks, reverse=True)
+    packable: dict[tuple[int, ...], bool] = {}  # by the islands' free counts: many islands leave the same
     candidates = []
     for island, devs in available.items():
         if len(devs) < size:
@@ -554,7 +559,10 @@ def _pick_island(scorer: _Scorer, positions: range, available: dict[int, list[in
         key = (in_island, local, shared, min_free) if mode == "comm" else (min_free, in_island, local, shared)
         caps = list(free_count)
         caps[island] -= size
-        candidates.append((_packable(caps, later_blocks), key, -island))
+        caps = tuple(sorted(caps, reverse=True))
+        if caps not in packable:
+            packable[caps] = _packable(caps, later_blocks)
+        candidates.append((packable[caps], key, -island))
     if not candidates:
         return None
     _, _, neg_island = max(candidates)
