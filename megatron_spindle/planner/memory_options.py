@@ -20,7 +20,7 @@ an earlier one unnecessary). ``RecomputePolicy`` restricts the options: the user
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,6 +122,28 @@ class _Program:
     def total(self) -> float:
         return self.params + self.peak()
 
+    def peaks_after(self) -> Callable[[SliceKey, float, float], float]:
+        """``peak_after`` for many questions about the values as they are now: the maxima before and after each
+        slice's span come from prefix and suffix maxima computed once (the same floats: adding a constant
+        keeps the order)."""
+        v = self.values
+        if not len(v):
+            return self.peak_after
+        before = np.maximum.accumulate(v)
+        after = np.maximum.accumulate(v[::-1])[::-1]
+        spans: dict[SliceKey, tuple[float, float, float]] = {}
+
+        def peak_after(key: SliceKey, held: float, transient: float) -> float:
+            if key not in spans:
+                lo, hi = self.span[key]
+                inner = float(v[lo:hi].max()) if hi > lo else -np.inf
+                outside = max(float(before[lo - 1]) if lo else 0.0, float(after[hi + 1]) if hi + 1 < len(v) else 0.0)
+                spans[key] = (inner, float(v[hi]), outside)
+            inner, last, outside = spans[key]
+            return max(inner + held, (last + held) + transient, outside)
+
+        return peak_after
+
 
 def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
                      numbers: ShardedNumbers, cost_model, capacity: float, order: Sequence[SliceStep],
@@ -170,12 +192,13 @@ def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
             break
         overflow, peak = worst.total() - capacity, worst.peak()
         at_peak = int(worst.values.argmax())
+        peak_after = worst.peaks_after()
         best, best_score = None, None
         for key, (lo, hi) in worst.span.items():
             ladder, at = ladders[key], level[key]
             for j in range(at + 1, len(ladder)):
                 dh, dt = ladder[j].held - ladder[at].held, ladder[j].transient - ladder[at].transient
-                gain = peak - worst.peak_after(key, dh, dt)
+                gain = peak - peak_after(key, dh, dt)
                 # the peak may be reached at several events: then lowering the first of them is progress too
                 local = -(dh + (dt if at_peak == hi else 0.0)) if lo <= at_peak <= hi else 0.0
                 if gain <= 0 and local <= 0:
