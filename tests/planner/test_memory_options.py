@@ -256,3 +256,25 @@ def test_a_configuration_left_out_where_the_plan_never_goes_ends_the_search():
     assert all(len(s.devices) > 1 for s in res.plan.slices() if s.module == "vision" and s.kind == "layer")
     assert [m for m in said if "estimated" in m] == [m for m in said if "estimated" in m][:1], said
     assert res.plan.settings.recompute_choices() in ([], ["none"])
+
+
+def test_program_peaks_after_equal_peak_after():
+    """The recomputation greedy's batched peak questions give the very floats of the one-at-a-time ones."""
+    import random
+
+    from megatron_spindle.plan.order import BWD, FWD
+    from megatron_spindle.planner.memory_options import _Program
+
+    rng = random.Random(0)
+    keys = [(0, i) for i in range(5)]
+    events = [(k, FWD) for k in keys] + [(k, BWD) for k in reversed(keys)]
+    p = _Program([0], events, params=0.0)
+    for k in keys:
+        p.add(k, rng.uniform(0, 3e9), rng.uniform(0, 1e9))
+    asked = p.peaks_after()
+    for k in keys:
+        for held, transient in ((-1e9, 0.0), (0.0, 2e9), (-0.3e9, 0.7e9), (5e9, 0.0)):
+            assert asked(k, held, transient) == p.peak_after(k, held, transient)
+    single = _Program([0], [(keys[0], FWD), (keys[0], BWD)], params=0.0)
+    single.add(keys[0], 1e9, 1e8)
+    assert single.peaks_after()(keys[0], -5e8, 0.0) == single.peak_after(keys[0], -5e8, 0.0)
