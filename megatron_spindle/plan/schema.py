@@ -130,6 +130,10 @@ class ExecutionSettings:
       forward and backward exactly once (plan/order.py); e.g. early backward, a task's backward right after
       its loss.
     - ``grad_reduce_dtype``: the dtype gradients are all-reduced in (``grad_reduce_bytes`` per element).
+    - ``overlap_param_gather``: at ZeRO stages 1 and 2, the all-gather of the updated weights after the optimizer
+      step is asynchronous, and the next iteration's forward waits for a parameter device group's gather only
+      before the first slice that uses its weights (Megatron's ``--overlap-param-gather``); False: every gather
+      completes within the step (DeepSpeed's ZeRO-1/2). Without the key (plans written before it): False.
     """
 
     recompute: Recompute = Recompute()
@@ -140,12 +144,15 @@ class ExecutionSettings:
     backward_order: tuple[int, ...] | None = None
     grad_reduce_dtype: str = "fp32"
     order: tuple[Step, ...] | None = None
+    overlap_param_gather: bool = False
 
     def __post_init__(self):
         if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
             raise PlanError(f"zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}")
         if not _is_count(self.micro_batches) or self.micro_batches < 1:
             raise PlanError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
+        if not isinstance(self.overlap_param_gather, bool):
+            raise PlanError(f"overlap_param_gather must be true or false, got {self.overlap_param_gather!r}")
         if self.grad_reduce_dtype not in REDUCE_DTYPE_BYTES:
             raise PlanError(f"grad_reduce_dtype '{self.grad_reduce_dtype}' is not one of "
                             f"{', '.join(REDUCE_DTYPE_BYTES)}")
@@ -185,6 +192,7 @@ class ExecutionSettings:
             "backward_order": None if self.backward_order is None else list(self.backward_order),
             "grad_reduce_dtype": self.grad_reduce_dtype,
             "order": None if self.order is None else [list(st) for st in self.order],
+            "overlap_param_gather": self.overlap_param_gather,
         }
 
     @classmethod
