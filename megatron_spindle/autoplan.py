@@ -262,8 +262,13 @@ def _settings_variants(result: PlanningResult, config: PlannerConfig, name: str)
     """The plan as planned, and with the distributed optimizer when it has none and the user left it to the
     planner: the same waves, other execution settings (memory per device recomputed). Copies: the planning
     result's own plan is left as the planner made it."""
-    plan = dataclasses.replace(result.plan, planner=dict(result.plan.planner), predicted=dict(result.plan.predicted))
+    settings = dataclasses.replace(result.plan.settings, overlap_param_gather=config.overlap_param_gather)
+    plan = dataclasses.replace(result.plan, planner=dict(result.plan.planner), predicted=dict(result.plan.predicted),
+                               settings=settings)
     plan.predicted.setdefault("makespan", float(plan.predicted.get("iteration_time", 0.0)))
+    if settings != result.plan.settings:  # the user's runtime flag, on every candidate (e.g. the baselines')
+        plan.predicted.update(estimate_iteration(plan, result.metagraph, result.memory_model.cluster,
+                                                 result.cost_model).as_predicted())
     yield plan, name
     if (config.select == "none" or config.distributed_optimizer != "auto" or plan.settings.zero_stage != 0
             or plan.settings.segments is not None):  # the task-sequential plan's options are tuned already

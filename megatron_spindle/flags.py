@@ -13,7 +13,7 @@ A field becomes a flag by its metadata::
 The flag is ``--<prefix><field name in kebab-case>`` unless ``flag(name="--...")`` gives it (Megatron's names
 where they differ from ours, e.g. ``--lr-warmup-iters`` for ``LRSchedule.warmup_iters``); the argparse dest is
 the flag's name in snake case. The type comes from the annotation (``int``, ``float``, ``str``, ``X | None``;
-a ``bool`` defaulting to False is a store-true switch), or from ``flag(type=...)`` for anything else.
+a ``bool`` defaulting to False is a store-true switch, one defaulting to True a ``--flag / --no-flag`` pair), or from ``flag(type=...)`` for anything else.
 Fields without ``flag`` metadata are not on the command line. ``check_choices`` validates a config against
 the same choices, for configs built in code.
 """
@@ -106,9 +106,11 @@ def add_flags(group, cls: type, prefix: str = ""):
         typ = spec.type or _scalar_type(hints[f.name], f"{cls.__name__}.{f.name}")
         typ = finite_float if typ is float else typ
         if typ is bool:
-            if default is not False:
-                raise TypeError(f"{cls.__name__}.{f.name}: a bool flag must default to False (a switch)")
-            kwargs.update(action="store_true", default=False)
+            if default not in (False, True):
+                raise TypeError(f"{cls.__name__}.{f.name}: a bool flag defaults to False or True")
+            # off by default: a switch; on by default: --flag / --no-flag (like --overlap-grad-reduce)
+            kwargs.update(action="store_true" if default is False else argparse.BooleanOptionalAction,
+                          default=default)
         else:
             kwargs.update(type=typ)
             if default is dataclasses.MISSING:

@@ -39,17 +39,28 @@ def test_fields_become_flags_with_their_defaults():
         p.parse_args(["--x-mode", "c"])  # not among the field's choices
 
 
-def test_unflaggable_fields_are_refused():
+def test_a_bool_on_by_default_is_a_flag_pair():
     @dataclass
     class OnByDefault:
         on: bool = field(default=True, metadata=flag("On."))
+
+    p = _parser(OnByDefault)
+    assert config_from_args(OnByDefault, p.parse_args([])) == OnByDefault(True)
+    assert config_from_args(OnByDefault, p.parse_args(["--on"])) == OnByDefault(True)
+    assert config_from_args(OnByDefault, p.parse_args(["--no-on"])) == OnByDefault(False)
+
+
+def test_unflaggable_fields_are_refused():
+    @dataclass
+    class Maybe:
+        on: bool | None = field(default=None, metadata=flag("On."))
 
     @dataclass
     class Listy:
         xs: list[int] = field(default_factory=list, metadata=flag("Xs."))
 
-    with pytest.raises(TypeError, match="must default to False"):
-        _parser(OnByDefault)
+    with pytest.raises(TypeError, match="defaults to False or True"):
+        _parser(Maybe)
     with pytest.raises(TypeError, match="give flag"):
         _parser(Listy)
 

@@ -24,7 +24,8 @@ nothing fits without, and the fastest plan that fits 80 GiB is kept.
 Execution settings of the plans (``Plan.settings``, obeyed by the simulator): ``segments`` lists the waves of
 each segment that runs forward then backward before the next one (a task of a temporally decoupled system);
 ``zero_stage`` is the ZeRO stage of the whole plan, ``recompute`` whether layers recompute their activations
-(the cost and memory models must match it). Wave start times are a serialisation that ``validate_plan``
+(the cost and memory models must match it), ``overlap_param_gather`` on for every system but DeepSpeed (those
+built on Megatron-LM run with --overlap-param-gather). Wave start times are a serialisation that ``validate_plan``
 accepts; the simulator runs device-disjoint work concurrently (Spindle-Optimus tasks). Each plan's memory is
 plan/memory.py's accounting under its settings, which the simulator applies too.
 
@@ -143,12 +144,15 @@ def _serialise(groups: Sequence[Sequence[ScheduledSlice]], metagraph: MetaGraph)
 
 
 def _assemble(ctx: BaselineContext, waves: list[ScheduledWave], segments: list[list[int]],
-              info: dict[str, Any], zero_stages: Sequence[int] = (0,)) -> list[Plan]:
+              info: dict[str, Any], zero_stages: Sequence[int] = (0,), overlap_param_gather: bool = True) -> list[Plan]:
     """Assemble once, then one validated plan per ZeRO stage (the stage changes only the settings and the
-    memory), each timed by the simulator."""
+    memory), each timed by the simulator. ``overlap_param_gather``: Megatron's --overlap-param-gather, which
+    the systems built on Megatron-LM run with (a tuned launch passes it); DeepSpeed's ZeRO-1/2 gathers the
+    weights inside its optimizer step."""
     recompute = Recompute("full" if ctx.recompute else "none")
+    settings = ExecutionSettings(recompute=recompute, segments=segments, overlap_param_gather=overlap_param_gather)
     base = assemble_plan(ctx.workload, ctx.cluster, ctx.metagraph, waves, ctx.cost_model, ctx.memory_model, info,
-                         validate=False, settings=ExecutionSettings(recompute=recompute, segments=segments))
+                         validate=False, settings=settings)
     plans = []
     for stage in zero_stages:
         plan = dataclasses.replace(base, planner=dict(base.planner),
@@ -193,14 +197,14 @@ def memory_tuned(ctx: BaselineContext, build: Callable[[BaselineContext, Sequenc
 
 
 def _temporal_variants(ctx: BaselineContext, per_task: Callable[[str], list[list[ScheduledSlice]]],
-                       settings: dict[str, Any], zero_stages: Sequence[int]) -> list[Plan]:
+                       settings: dict[str, Any], zero_stages: Sequence[int], overlap_param_gather: bool = True) -> list[Plan]:
     """Tasks one after another (each a segment); ``per_task`` gives a task's waves as lists of slices."""
     groups, segments = [], []
     for task in ctx.workload.tasks:
         task_groups = per_task(task.name)
         segments.append(list(range(len(groups), len(groups) + len(task_groups))))
         groups += task_groups
-    return _assemble(ctx, _serialise(groups, ctx.metagraph), segments, settings, zero_stages)
+    return _assemble(ctx, _serialise(groups, ctx.metagraph), segments, settings, zero_stages, overlap_param_gather)
 
 
 def _temporal(ctx: BaselineContext, per_task: Callable[[str], list[list[ScheduledSlice]]], settings: dict[str, Any],
@@ -234,7 +238,7 @@ def deepspeed_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineContex
         def per_task(task: str):
             return _whole_cluster_waves(c, task, lambda m: (1, _largest_dp(m.batch, n)))
 
-        return _temporal_variants(c, per_task, {"planner": "deepspeed"}, stages)
+        return _temporal_variants(c, per_task, {"planner": "deepspeed"}, stages, overlap_param_gather=False)
 
     return memory_tuned(ctx, build, ZERO_STAGES)  # the ZeRO stage and activation checkpointing, tuned together
 

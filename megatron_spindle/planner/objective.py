@@ -11,7 +11,8 @@ steps (plan/order.py) with a barrier after each, every slice's phase timed like 
   first), reduced by the comm model on its group's ring; per device, its buckets overlap the rest of the
   backward at C10's slowdown (``overlapped_backward_seconds``), and what they add beyond the backward counts;
 - **optimizer**: the slowest device's AdamW step (plan/layout.py ``stepped_elements``), and with ZeRO 1 or 2
-  the all-gather of the updated weights.
+  the all-gather of the updated weights (with ``settings.overlap_param_gather`` only what it lasts beyond the
+  start of the first wave using the group's weights).
 
 It is an estimate with wave barriers and no link contention; the simulator (megatron_spindle/simulator) times
 the same plan with dataflow, contention and fluid network sharing, and plan selection (megatron_spindle/autoplan.py)
@@ -154,6 +155,16 @@ def _unit_ready(plan: Plan, metaops, cost_model) -> tuple[float, dict[str, float
     return t * micro, {u: r + t * (micro - 1) for u, r in ready.items()}
 
 
+def _first_use(plan: Plan, metaops) -> dict[str, float]:
+    """unit -> the start of the first wave whose slices use it (the planner's wave times)."""
+    out: dict[str, float] = {}
+    for w in plan.waves:
+        for s in w.slices:
+            for u in slice_units(metaops[s.metaop], s.layer_start, s.layer_end):
+                out[u] = min(out.get(u, w.start), w.start)
+    return out
+
+
 def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: CommModel) -> tuple[float, float]:
     """(what the gradient buckets add beyond the compute on the worst device, the ZeRO 1/2 weight gather).
     Each bucket can overlap any compute after its last unit's accumulation (a later segment's forward too)."""
@@ -177,6 +188,7 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
         rings.append((g, tp, GroupPlacement.dp_ring(g.devices, tp, cluster)))
     per_device: dict[int, list[tuple[float, float]]] = {}
     gather = 0.0
+    first_use = _first_use(plan, metaops) if settings.overlap_param_gather else {}
     for g, tp, ring in rings:
         if ring.size <= 1 or not g.params:
             continue
@@ -191,7 +203,10 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
                     per_device.setdefault(d, []).append((at - per_micro_batch * (micro - 1 - mb), seconds))
         if settings.zero_stage in (1, 2):
             params = sum(cost_model.param_count(u) for u in g.params)
-            gather = max(gather, comm.all_gather(params * WEIGHT_BYTES_PER_PARAM / tp, ring, sharing))
+            seconds = comm.all_gather(params * WEIGHT_BYTES_PER_PARAM / tp, ring, sharing)
+            if settings.overlap_param_gather:  # issued as the iteration starts: what its first user waits
+                seconds = max(0.0, seconds - min(first_use.get(u, 0.0) for u in g.params))
+            gather = max(gather, seconds)
     extra = 0.0
     done: dict[tuple, float] = {}
     for devices in device_programs(waves, plan.num_devices).values():

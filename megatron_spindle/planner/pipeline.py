@@ -8,7 +8,7 @@ stage, recomputation) are chosen around allocation and placement by planner/memo
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
@@ -82,6 +82,12 @@ class PlannerConfig:
         "--use-distributed-optimizer): on; off: never; auto switches it on only when memory requires it, and "
         "shards the gradients too (ZeRO-2) where ZeRO-1 needs recomputation or binds placement.",
         choices=DISTRIBUTED_OPTIMIZER))
+    overlap_param_gather: bool = field(default=True, metadata=flag(
+        "Megatron's --overlap-param-gather, for plans with the distributed optimizer (ZeRO-1/2): the updated "
+        "weights' all-gather after the optimizer step overlaps the next forward, which waits for a parameter "
+        "device group's weights only before the first slice using them (recorded in the plan, charged by the "
+        "planner and the simulator, done by the runtime); --no-overlap-param-gather: the gather ends within the "
+        "step.", name="--overlap-param-gather"))
 
     select: str = field(default="simulate", metadata=flag(
         "simulate: plan a few candidates (the configured planner, the greedy wavefront plan, node-bounded "
@@ -191,7 +197,8 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
         refined = best.with_waves(relaid, cluster, config) if relaid is not best.placed else None
         best = refined or best
     plan = assemble_plan(workload, cluster, metagraph, best.charged_waves(), best.cost_model, best.memory_model,
-                         info, level_allocs=best.level_allocs, curves=best.curves, settings=best.settings())
+                         info, level_allocs=best.level_allocs, curves=best.curves,
+                         settings=replace(best.settings(), overlap_param_gather=config.overlap_param_gather))
     plan.predicted["micro_batch_time"] = plan.predicted["iteration_time"] / best.micro_batches
     _iteration_c_star(plan, best.micro_batches)
     validate_plan(plan, workload, cluster, metagraph)

@@ -35,7 +35,11 @@ engine is timeline.py):
   and compute and communication slowed by C10's factor while they overlap (``SimSettings``:
   ``overlap_grad_reduce=False`` issues every bucket after the device's backward, as the runtime's flag does).
   ZeRO stage 0 all-reduces, stages 1-3 reduce-scatter; stages 1 and 2 all-gather the updated weights after the
-  optimizer step (``param_gather`` in the breakdown).
+  optimizer step (``param_gather`` in the breakdown). With ``settings.overlap_param_gather`` (Megatron's
+  ``--overlap-param-gather``) those gathers belong to the next iteration: in the steady state each group's
+  gather is issued at the iteration's start, on its members' channels ahead of the buckets, and overlaps the
+  forward (slowed by C10's factor like the buckets); a slice's first forward waits for the gathers of the groups
+  holding its units, and ``param_gather`` is what those waits add.
 - **Optimizer step.** After a device's last backward and the gradient synchronisation of every bucket it is
   in, it runs AdamW over the fp32 master elements it holds: per unit, the unit's TP shard (the smallest TP
   degree of its slices on the device, as the memory model counts it), divided over the slice's DP ranks
@@ -149,24 +153,27 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=No
     metagraph = metagraph or build_metagraph(workload)
     ctx = _build_context(plan, cluster, metagraph, cost_model, settings)
     timer = CollectiveTimer(ctx.comm)
-    bare = _timeline(ctx, timer, transfers=False, sync=False)
-    moved = _timeline(ctx, timer, transfers=settings.transfers, sync=False)
-    full = _timeline(ctx, timer, transfers=settings.transfers, sync=True) if settings.grad_sync and ctx.buckets \
+    bare, _ = _timeline(ctx, timer, transfers=False, sync=False)
+    moved, _ = _timeline(ctx, timer, transfers=settings.transfers, sync=False)
+    full = _timeline(ctx, timer, transfers=settings.transfers, sync=True)[0] if settings.grad_sync and ctx.buckets \
         else moved
     buckets = ctx.buckets if full is not moved else []
-    device_done = list(full.device_end)
-    for b, _, c_end in _bucket_runs(buckets, full):
-        for d in b.devices:
-            device_done[d] = max(device_done[d], c_end)
+    # Megatron's --overlap-param-gather: the weights' all-gather of the last step runs during this forward
+    overlapped = settings.grad_sync and plan.settings.overlap_param_gather and bool(param_gathers(plan, ctx.groups))
+    run, gathered = _timeline(ctx, timer, transfers=settings.transfers, sync=bool(buckets), gathers=True) \
+        if overlapped else (full, [])
+    synced_free = max(_device_done(full, buckets), default=0.0)  # without waiting for any gather
+    device_done = _device_done(run, buckets)
     synced = max(device_done, default=0.0)
     optimizer = _optimizer_steps(ctx, device_done, cost_model) if settings.optimizer else \
         [(t, t) for t in device_done]
-    gathers = _param_gathers(ctx, timer, optimizer) if settings.grad_sync else []
+    gathers = gathered or (_param_gathers(ctx, timer, optimizer) if settings.grad_sync else [])
     stepped = max([end for _, end in optimizer] + [synced])
     iteration = max([stepped] + [end for _, _, end in gathers])
-    compute = min(bare.makespan, synced)
-    transfer = max(0.0, min(moved.makespan, synced) - compute)
-    syncs = _group_syncs(ctx, buckets, full)
+    compute = min(bare.makespan, synced_free)
+    transfer = max(0.0, min(moved.makespan, synced_free) - compute)
+    waited = max(0.0, synced - synced_free)  # what the forward's waits for overlapped gathers cost
+    syncs = _group_syncs(ctx, buckets, run)
     seconds_by_kind = {k: 0.0 for k in TRANSFER_KINDS}
     bytes_by_kind = {k: 0.0 for k in TRANSFER_KINDS}
     backward_bytes_by_kind = {k: 0.0 for k in TRANSFER_KINDS}
@@ -179,14 +186,14 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=No
     total_route_seconds = sum(seconds_by_kind.values())
     transfer_by_kind = {k: (transfer * v / total_route_seconds if total_route_seconds > 0 else 0.0)
                         for k, v in seconds_by_kind.items()}
-    busy, fwd_end = _busy(ctx, full)
+    busy, fwd_end = _busy(ctx, run)
     return SimResult(
         iteration_time=iteration,
         compute_time=compute,
         transfer_time=transfer,
-        grad_sync_time=synced - compute - transfer,
+        grad_sync_time=synced - waited - compute - transfer,
         optimizer_time=stepped - synced,
-        param_gather_time=iteration - stepped,
+        param_gather_time=waited + iteration - stepped,
         optimizer_steps=optimizer,
         transfer_by_kind=transfer_by_kind,
         transfer_bytes_by_kind=bytes_by_kind,
@@ -199,8 +206,10 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=No
         num_devices=plan.num_devices,
         extras={"planner_predicted": float(plan.predicted.get("iteration_time", 0.0)),
                 "zero_stage": ctx.zero_stage, "buckets": len(buckets),
-                "sync_seconds": max(_per_device_comm(ctx, buckets, full), default=0.0),
-                "backward_end": max(full.device_end, default=0.0)},
+                "sync_seconds": max(_per_device_comm(ctx, buckets, run), default=0.0),
+                "backward_end": max(run.device_end, default=0.0),
+                "param_gathers": [(gi, start, end) for gi, start, end in gathers],
+                "overlap_param_gather": overlapped},
     )
 
 
@@ -316,10 +325,14 @@ def _flow(load: TransferLoad, comm: CommModel) -> _Flow:
 # ------------------------------------------------------------------------------------------ timeline
 
 
-def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool) -> TimelineResult:
+def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool,
+              gathers: bool = False) -> tuple[TimelineResult, list[tuple[int, float, float]]]:
     """One run of the event engine over the plan's tasks (the order once per micro-batch), with or without
     transfers and gradient buckets; the buckets follow the last micro-batch's accumulations (every
-    micro-batch's under ZeRO-2 and 3: plan/buckets.py ``synced_micro_batches``)."""
+    micro-batch's under ZeRO-2 and 3: plan/buckets.py ``synced_micro_batches``). ``gathers``: the weights'
+    all-gathers of the last step run from time 0, ahead of the buckets on every member's channel, and a slice's
+    first forward waits for those of the groups holding its units. Returns the run (its collectives: the
+    buckets) and each gather's (group, start, end)."""
     micro = ctx.plan.settings.micro_batches
     index = {(key, mb): k for k, (key, mb) in enumerate(_task_keys(ctx))}
     tasks = []
@@ -340,8 +353,9 @@ def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool
             for e in ctx.in_edges[sid]:
                 connect((e.producer, FWD), (sid, FWD), e.fwd, mb)
                 connect((sid, "bwd"), (e.producer, "bwd"), e.bwd, mb)
-    collectives: list[Collective] = []
-    slowdown = 1.0
+    collectives: list[Collective] = _gather_collectives(ctx, timer, tasks, index) if gathers else []
+    groups_of = [gi for gi, _ in param_gathers(ctx.plan, ctx.groups)] if gathers else []
+    slowdown = (ctx.settings.overlap_slowdown or OVERLAP_SLOWDOWN) if collectives else 1.0
     if sync and ctx.buckets:
         slowdown = ctx.settings.overlap_slowdown or OVERLAP_SLOWDOWN
         gpn = ctx.cluster.gpus_per_node
@@ -352,7 +366,41 @@ def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool
             at = {key: k for (key, batch), k in index.items() if batch == mb}
             for c, (k, fraction, d) in _milestones(ctx, at, tasks):
                 tasks[k].milestones.append((fraction, first + c, d))
-    return run_timeline(ctx.plan.num_devices, tasks, flows, collectives, slowdown)
+    run = run_timeline(ctx.plan.num_devices, tasks, flows, collectives, slowdown)
+    n = len(groups_of)
+    spans = [(gi, run.coll_start[c], run.coll_end[c]) for c, gi in enumerate(groups_of)]
+    return dataclasses.replace(run, coll_start=run.coll_start[n:], coll_end=run.coll_end[n:],
+                               coll_issued=run.coll_issued[n:]), spans
+
+
+def _gather_collectives(ctx: _Context, timer: CollectiveTimer, tasks: list[Task], index) -> list[Collective]:
+    """The weights' all-gather of every group (plan order), issued at time 0; the first micro-batch's forward
+    of a slice waits for the gathers of the groups holding its units."""
+    gpn = ctx.cluster.gpus_per_node
+    out, group_of_unit = [], {}
+    for gi, nbytes in param_gathers(ctx.plan, ctx.groups):
+        g = ctx.groups[gi]
+        out.append(Collective(tuple(g.devices), _gather_seconds(timer, nbytes, g.ring),
+                              nodes_of(g.devices, gpn), g.tp, at_start=True))
+        for u in g.units:
+            group_of_unit[u] = len(out) - 1
+    for sid in ctx.slices:
+        k = index[((sid, FWD), 0)]
+        tasks[k].after = sorted({group_of_unit[u] for u in ctx.units[sid] if u in group_of_unit})
+    return out
+
+
+def _gather_seconds(timer: CollectiveTimer, nbytes: float, ring):
+    return lambda sharing: timer.seconds("all_gather", nbytes, ring, sharing)
+
+
+def _device_done(run: TimelineResult, buckets: list[BucketSync]) -> list[float]:
+    """Per device: the end of its last task or of its last bucket's collective."""
+    done = list(run.device_end)
+    for b, _, c_end in _bucket_runs(buckets, run):
+        for d in b.devices:
+            done[d] = max(done[d], c_end)
+    return done
 
 
 def _task_keys(ctx: _Context) -> list[tuple[tuple[str, str], int]]:

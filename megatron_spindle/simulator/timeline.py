@@ -11,6 +11,8 @@
   every collective before it; the collective starts when every member has issued it and is free. Its length
   depends on how many cross-node collectives share the network of its nodes at the moment (``seconds(k)``,
   the comm model's), so it progresses as a fluid: a fraction ``1 / seconds(k)`` per second.
+  A collective ``at_start`` is issued by every member at time 0, and a task may wait for collectives to end
+  (``after``): the weights' all-gather of the previous step, overlapped with the forward.
 - **Overlap.** While a device computes and communicates at the same time, both progress ``slowdown`` times
   slower (C10): a task whose devices run a collective, and a collective whose members run a task.
 
@@ -32,6 +34,7 @@ class Task:
     work: float
     inputs: list[int] = field(default_factory=list)  # flow indices that must arrive first
     milestones: list[tuple[float, int, int]] = field(default_factory=list)  # (fraction, collective, device)
+    after: list[int] = field(default_factory=list)  # collectives that must have ended before it starts
 
 
 @dataclass
@@ -48,6 +51,7 @@ class Collective:
     seconds: Callable[[int], float]  # duration when k cross-node collectives share its busiest node
     nodes: tuple[int, ...] = ()  # nodes whose network it uses (empty: inside one node)
     rings: int = 1  # concurrent rings it runs (one per TP rank): its weight in the nodes' sharing
+    at_start: bool = False  # issued by every member at time 0 (no milestone)
 
 
 @dataclass
@@ -83,6 +87,11 @@ class _Run:
         self.head = [0] * n  # next task position per device
         self.at_head = [0] * len(tasks)
         self.inputs_left = [len(t.inputs) for t in tasks]
+        self.colls_left = [len(t.after) for t in tasks]
+        self.waiting: list[list[int]] = [[] for _ in collectives]  # collective -> tasks waiting for its end
+        for k, t in enumerate(tasks):
+            for c in t.after:
+                self.waiting[c].append(k)
         self.remaining = [t.work for t in tasks]
         self.mile_next = [0] * len(tasks)
         for t in tasks:
@@ -120,7 +129,8 @@ class _Run:
     def start_tasks(self, candidates: list[int]) -> None:
         for k in candidates:
             task = self.tasks[k]
-            if k in self.running or self.at_head[k] != len(task.devices) or self.inputs_left[k] > 0:
+            if (k in self.running or self.at_head[k] != len(task.devices) or self.inputs_left[k] > 0
+                    or self.colls_left[k] > 0):
                 continue
             if any(self.dev_task[d] >= 0 for d in task.devices):
                 continue
@@ -230,6 +240,9 @@ class _Run:
         for node in coll.nodes:
             self.node_users[node] -= coll.rings
         self._rate_cache.clear()
+        for k in self.waiting[c]:
+            self.colls_left[k] -= 1
+            self.pending_tasks.append(k)
 
     # ------------------------------------------------------------------------------------------- rates
     def task_rate(self, k: int) -> float:
@@ -255,6 +268,10 @@ class _Run:
                 self.pending_tasks.append(self.queue[d][0])
             if self.cqueue[d]:
                 self.chan_at_head[self.cqueue[d][0]] += 1
+        for c, coll in enumerate(self.colls):
+            if coll.at_start:
+                for d in coll.devices:
+                    self.accumulated[c][d] = True
         for d in range(n):  # milestones of tasks without work are fired at their start; nothing issued yet
             self._issue(d)
         while True:

@@ -35,6 +35,8 @@ def test_baseline_plan_is_valid_and_simulates(contexts, system, case):
     assert (r.compute_time + r.transfer_time + r.grad_sync_time + r.optimizer_time + r.param_gather_time
             == pytest.approx(r.iteration_time))
     assert r.optimizer_time > 0  # the analytic AdamW step of the devices that finish last
+    # DeepSpeed's ZeRO-1/2 gathers the weights in its step; the systems built on Megatron-LM overlap the gather
+    assert plan.settings.overlap_param_gather is (system != "deepspeed")
     # every wave index is in exactly one segment, and each segment holds one task (or Optimus' task groups)
     segments = plan.settings.segments
     assert sorted(i for seg in segments for i in seg) == [w.index for w in plan.waves]

@@ -57,12 +57,16 @@ def test_version_1_file_converts_to_the_typed_settings_and_today_s_routing(tmp_p
     path = tmp_path / "v1.json"
     path.write_text(json.dumps(as_version_1(plan)))
     loaded = load_plan(path)
-    assert loaded == plan  # settings typed, transfers routed again, group bytes the all-reduce volume
+    # settings typed, transfers routed again, group bytes the all-reduce volume; version 1 predates the overlapped
+    # weight gather (its plans gathered within the step)
+    assert loaded.settings.overlap_param_gather is False
+    assert loaded == dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, overlap_param_gather=False))
     assert "segments" not in loaded.planner and "zero_stage" not in loaded.planner
     validate_plan(loaded, w, c)
     spindle = make_plan(w, c, PlannerConfig(planner="wavefront", distributed_optimizer="on"))
     assert spindle.settings.zero_stage == 1
-    assert plan_from_dict(as_version_1(spindle)) == spindle
+    assert plan_from_dict(as_version_1(spindle)) == dataclasses.replace(
+        spindle, settings=dataclasses.replace(spindle.settings, overlap_param_gather=False))
 
 
 def test_unknown_versions_and_malformed_files_say_how_to_replan(tmp_path, baseline):
@@ -78,6 +82,12 @@ def test_unknown_versions_and_malformed_files_say_how_to_replan(tmp_path, baseli
         plan_from_dict(broken)
     with pytest.raises(PlanError, match="malformed plan"):
         plan_from_dict({**d, "settings": {**d["settings"], "no_such_setting": 1}})
+    with pytest.raises(PlanError, match="overlap_param_gather must be true or false"):
+        plan_from_dict({**d, "settings": {**d["settings"], "overlap_param_gather": "yes"}})
+    saved = plan_to_dict(plan)
+    assert plan_from_dict(saved).settings.overlap_param_gather is plan.settings.overlap_param_gather
+    del saved["settings"]["overlap_param_gather"]  # written before the setting: the gather ends in the step
+    assert plan_from_dict(saved).settings.overlap_param_gather is False
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(PlanError, match="not valid JSON"):
         load_plan(tmp_path / "bad.json")

@@ -48,7 +48,8 @@ def planned(w, cluster, **config):
 def test_with_memory_to_spare_nothing_is_recomputed_and_one_micro_batch_runs():
     w = workload_from_dict(HEAVY)
     plan, _ = planned(w, make_cluster(4, 4))
-    assert plan.settings == ExecutionSettings()  # no recomputation, ZeRO 0, m = 1, the plain order
+    # no recomputation, ZeRO 0, m = 1, the plain order (and the user's --overlap-param-gather, on by default)
+    assert plan.settings == ExecutionSettings(overlap_param_gather=True)
 
 
 def test_a_plan_forced_into_full_recomputation_fits_with_cheaper_options_and_runs_faster():

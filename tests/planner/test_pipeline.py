@@ -87,3 +87,24 @@ def test_planner_config_rejects_unknown_choices():
         PlannerConfig(placement="random")
     with pytest.raises(ValueError, match="unknown recompute 'sometimes'"):
         PlannerConfig(recompute="sometimes")
+
+
+def test_the_overlapped_weight_gather_is_recorded_and_estimated_as_waited_for():
+    """--overlap-param-gather (on by default) is recorded in the plan; the planner's estimate charges a group's
+    weight gather only beyond the start of the first wave using it, never more than the gather after the step."""
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.planner.objective import estimate_iteration
+
+    w, cluster = load_workload("qwen-val"), make_cluster(16)
+    on = make_plan(w, cluster, PlannerConfig(planner="wavefront", distributed_optimizer="on", select="none"))
+    assert on.settings.overlap_param_gather and on.settings.zero_stage == 1
+    off = make_plan(w, cluster, PlannerConfig(planner="wavefront", distributed_optimizer="on", select="none",
+                                              overlap_param_gather=False))
+    assert not off.settings.overlap_param_gather
+    assert [wv.slices for wv in on.waves] == [wv.slices for wv in off.waves]  # a runtime setting: same plan
+    g = build_metagraph(w)
+    cost = AnalyticCostModel(w, cluster)
+    after_step = estimate_iteration(off, g, cluster, cost).param_gather
+    overlapped = estimate_iteration(on, g, cluster, cost).param_gather
+    assert after_step > 0 and 0 <= overlapped < after_step
+    assert on.predicted["planner_estimate_param_gather"] == pytest.approx(overlapped)
