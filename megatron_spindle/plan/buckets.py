@@ -19,6 +19,11 @@ and the simulator times the same buckets, so both agree on what is reduced when:
   reduced once, after the last micro-batch's accumulations; under ZeRO-2 and 3 a rank keeps only its shard of
   the gradient, so every micro-batch's buckets are reduce-scattered after its backward (DeepSpeed's way),
   ``synced_micro_batches``.
+- **Weight gathers** (ZeRO 1 and 2 with ``settings.overlap_param_gather``, Megatron's
+  ``--overlap-param-gather``): after the optimizer step the updated weights are all-gathered bucket by bucket
+  (the gradient buckets), issued at once in the order the next forward first uses them (``gather_key``: the
+  first forward step using one of the bucket's units, then that unit's position, then group and index), and
+  a layer's forward waits only for its own bucket.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import NamedTuple
 
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.plan.layout import SliceGeometry, slice_units
-from megatron_spindle.plan.order import BWD, slice_order
+from megatron_spindle.plan.order import BWD, FWD, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings
 
 DEFAULT_BUCKET_NUMEL = 40_000_000  # megatron-core DDP: max(40M, 1M * dp size) parameters per bucket
@@ -103,3 +108,32 @@ def synced_micro_batches(zero_stage: int, micro_batches: int) -> range:
     """The micro-batches whose backward is followed by the gradient buckets' reduction (see the module's
     docstring): the last one, or every one when the ZeRO stage shards the gradients."""
     return range(micro_batches) if zero_stage >= 2 else range(micro_batches - 1, micro_batches)
+
+
+class FirstUse(NamedTuple):
+    """Where the forward first uses a unit: the forward step in the plan's order (``slice_order``: 0 runs first)
+    and the unit's position in that slice (its layers run forward first to last)."""
+
+    step: int
+    pos: int
+
+
+def unit_first_use(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
+                   settings: ExecutionSettings) -> dict[str, FirstUse]:
+    """unit -> the earliest forward step that uses it, and its position there (module docstring)."""
+    tasks = [[metaops[s.metaop].task for s in slices] for slices in waves]
+    first: dict[str, FirstUse] = {}
+    for k, (wi, si, phase) in enumerate(slice_order(tasks, settings)):
+        if phase != FWD:
+            continue
+        s = waves[wi][si]
+        for pos, u in enumerate(slice_units(metaops[s.metaop], s.layer_start, s.layer_end)):
+            if u not in first or FirstUse(k, pos) < first[u]:
+                first[u] = FirstUse(k, pos)
+    return first
+
+
+def gather_key(units: Sequence[str], first_use: Mapping[str, FirstUse], devices: Sequence[int],
+               index: int) -> tuple:
+    """Sort key of a bucket in the weight gathers' issue order (module docstring)."""
+    return (min(first_use[u] for u in units), tuple(devices), index)

@@ -11,8 +11,8 @@ steps (plan/order.py) with a barrier after each, every slice's phase timed like 
   first), reduced by the comm model on its group's ring; per device, its buckets overlap the rest of the
   backward at C10's slowdown (``overlapped_backward_seconds``), and what they add beyond the backward counts;
 - **optimizer**: the slowest device's AdamW step (plan/layout.py ``stepped_elements``), and with ZeRO 1 or 2
-  the all-gather of the updated weights (with ``settings.overlap_param_gather`` only what it lasts beyond the
-  start of the first wave using the group's weights).
+  the all-gather of the updated weights (with ``settings.overlap_param_gather`` only what the forward waits:
+  bucket by bucket, each needed by the start of the first wave using it).
 
 It is an estimate with wave barriers and no link contention; the simulator (megatron_spindle/simulator) times
 the same plan with dataflow, contention and fluid network sharing, and plan selection (megatron_spindle/autoplan.py)
@@ -155,6 +155,24 @@ def _unit_ready(plan: Plan, metaops, cost_model) -> tuple[float, dict[str, float
     return t * micro, {u: r + t * (micro - 1) for u, r in ready.items()}
 
 
+def _gather_seconds(buckets: list[list[str]], first_use: dict[str, float], cost_model, comm: CommModel, tp: int,
+                    ring, sharing: int) -> float:
+    """A group's weight all-gather after the step, or (``first_use``: unit -> start of its first wave, with
+    --overlap-param-gather) what the forward waits for it: the buckets issued at the iteration's start one after
+    another in the order of their first use (plan/buckets.py), each needed by the start of its first wave."""
+    if not first_use:
+        return comm.all_gather(sum(cost_model.param_count(u) for units in buckets for u in units)
+                               * WEIGHT_BYTES_PER_PARAM / tp, ring, sharing)
+    seconds = [comm.all_gather(sum(cost_model.param_count(u) for u in units) * WEIGHT_BYTES_PER_PARAM / tp, ring,
+                               sharing) for units in buckets]
+    needed = [min(first_use.get(u, 0.0) for u in units) for units in buckets]
+    waited, done = 0.0, 0.0
+    for at, s in sorted(zip(needed, seconds)):
+        done += s
+        waited = max(waited, done - at)
+    return waited
+
+
 def _first_use(plan: Plan, metaops) -> dict[str, float]:
     """unit -> the start of the first wave whose slices use it (the planner's wave times)."""
     out: dict[str, float] = {}
@@ -194,7 +212,8 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
             continue
         sharing = tp if ring.crosses_nodes else 1  # its own TP rings; other groups' overlap is not estimated
         limit = default_bucket_numel(len(g.devices))
-        for units in split_buckets(completion_sorted(g.params, completion), cost_model.param_count, limit):
+        buckets = split_buckets(completion_sorted(g.params, completion), cost_model.param_count, limit)
+        for units in buckets:
             nbytes = grad_reduce_bytes(sum(cost_model.param_count(u) for u in units), settings) / tp
             seconds = comm.collective_seconds(op, nbytes, ring, sharing)
             at = max(ready[u] for u in units)
@@ -202,11 +221,7 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
                 for d in g.devices:
                     per_device.setdefault(d, []).append((at - per_micro_batch * (micro - 1 - mb), seconds))
         if settings.zero_stage in (1, 2):
-            params = sum(cost_model.param_count(u) for u in g.params)
-            seconds = comm.all_gather(params * WEIGHT_BYTES_PER_PARAM / tp, ring, sharing)
-            if settings.overlap_param_gather:  # issued as the iteration starts: what its first user waits
-                seconds = max(0.0, seconds - min(first_use.get(u, 0.0) for u in g.params))
-            gather = max(gather, seconds)
+            gather = max(gather, _gather_seconds(buckets, first_use, cost_model, comm, tp, ring, sharing))
     extra = 0.0
     done: dict[tuple, float] = {}
     for devices in device_programs(waves, plan.num_devices).values():

@@ -75,7 +75,7 @@ from megatron_spindle.estimator.transfer import (
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.buckets import synced_micro_batches
+from megatron_spindle.plan.buckets import gather_key, synced_micro_batches, unit_first_use
 from megatron_spindle.plan.derive import plan_slice_pairs
 from megatron_spindle.plan.layout import micro_batch_metaop, slice_units, stepped_elements
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, plan_memory
@@ -353,8 +353,7 @@ def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool
             for e in ctx.in_edges[sid]:
                 connect((e.producer, FWD), (sid, FWD), e.fwd, mb)
                 connect((sid, "bwd"), (e.producer, "bwd"), e.bwd, mb)
-    collectives: list[Collective] = _gather_collectives(ctx, timer, tasks, index) if gathers else []
-    groups_of = [gi for gi, _ in param_gathers(ctx.plan, ctx.groups)] if gathers else []
+    collectives, gathered = _gather_collectives(ctx, timer, tasks, index) if gathers else ([], [])
     slowdown = (ctx.settings.overlap_slowdown or OVERLAP_SLOWDOWN) if collectives else 1.0
     if sync and ctx.buckets:
         slowdown = ctx.settings.overlap_slowdown or OVERLAP_SLOWDOWN
@@ -367,27 +366,42 @@ def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool
             for c, (k, fraction, d) in _milestones(ctx, at, tasks):
                 tasks[k].milestones.append((fraction, first + c, d))
     run = run_timeline(ctx.plan.num_devices, tasks, flows, collectives, slowdown)
-    n = len(groups_of)
-    spans = [(gi, run.coll_start[c], run.coll_end[c]) for c, gi in enumerate(groups_of)]
+    n = len(gathered)  # the gathers come first
+    spans = [(gi, run.coll_start[c], run.coll_end[c]) for c, gi in enumerate(gathered)]
     return dataclasses.replace(run, coll_start=run.coll_start[n:], coll_end=run.coll_end[n:],
                                coll_issued=run.coll_issued[n:]), spans
 
 
-def _gather_collectives(ctx: _Context, timer: CollectiveTimer, tasks: list[Task], index) -> list[Collective]:
-    """The weights' all-gather of every group (plan order), issued at time 0; the first micro-batch's forward
-    of a slice waits for the gathers of the groups holding its units."""
+def _gather_collectives(ctx: _Context, timer: CollectiveTimer, tasks: list[Task],
+                        index) -> tuple[list[Collective], list[int]]:
+    """The weights' all-gather of every bucket of the gathering groups (plan/buckets.py: the gradient buckets,
+    in ``gather_key`` order), issued at time 0; in the first micro-batch's forward of a slice each layer waits
+    for the buckets of its units (the slice's first layer before the slice starts, the others at the fraction
+    of its work where they begin). Returns the collectives and each one's group."""
     gpn = ctx.cluster.gpus_per_node
-    out, group_of_unit = [], {}
-    for gi, nbytes in param_gathers(ctx.plan, ctx.groups):
-        g = ctx.groups[gi]
-        out.append(Collective(tuple(g.devices), _gather_seconds(timer, nbytes, g.ring),
-                              nodes_of(g.devices, gpn), g.tp, at_start=True))
-        for u in g.units:
-            group_of_unit[u] = len(out) - 1
-    for sid in ctx.slices:
+    gathering = {gi for gi, _ in param_gathers(ctx.plan, ctx.groups)}
+    waves = [w.slices for w in ctx.plan.waves]
+    first_use = unit_first_use(waves, ctx.metaops, ctx.plan.settings)
+    buckets = sorted((b for b in ctx.buckets if b.group in gathering),
+                     key=lambda b: gather_key(b.units, first_use, b.devices, b.index))
+    out, bucket_of_unit = [], {}
+    for b in buckets:
+        g = ctx.groups[b.group]
+        out.append(Collective(b.devices, _gather_seconds(timer, b.params * WEIGHT_BYTES_PER_PARAM / g.tp, b.ring),
+                              nodes_of(b.devices, gpn), b.rings, at_start=True))
+        for u in b.units:
+            bucket_of_unit[u] = len(out) - 1
+    for sid, s in ctx.slices.items():
         k = index[((sid, FWD), 0)]
-        tasks[k].after = sorted({group_of_unit[u] for u in ctx.units[sid] if u in group_of_unit})
-    return out
+        ops = s.num_layers
+        for u, i in _first_operator(ctx.metaops[s.metaop], s).items():
+            if u in bucket_of_unit:
+                if i == 0:
+                    tasks[k].after.append(bucket_of_unit[u])
+                else:
+                    tasks[k].gates.append((i / ops, bucket_of_unit[u]))
+        tasks[k].after = sorted(set(tasks[k].after))
+    return out, [b.group for b in buckets]
 
 
 def _gather_seconds(timer: CollectiveTimer, nbytes: float, ring):

@@ -11,8 +11,9 @@
   every collective before it; the collective starts when every member has issued it and is free. Its length
   depends on how many cross-node collectives share the network of its nodes at the moment (``seconds(k)``,
   the comm model's), so it progresses as a fluid: a fraction ``1 / seconds(k)`` per second.
-  A collective ``at_start`` is issued by every member at time 0, and a task may wait for collectives to end
-  (``after``): the weights' all-gather of the previous step, overlapped with the forward.
+  A collective ``at_start`` is issued by every member at time 0; a task may wait for collectives to end before
+  it starts (``after``) or pause at a fraction of its work until one has (``gates``): the weights' all-gather
+  of the previous step, overlapped with the forward, each layer waiting for its own bucket.
 - **Overlap.** While a device computes and communicates at the same time, both progress ``slowdown`` times
   slower (C10): a task whose devices run a collective, and a collective whose members run a task.
 
@@ -35,6 +36,7 @@ class Task:
     inputs: list[int] = field(default_factory=list)  # flow indices that must arrive first
     milestones: list[tuple[float, int, int]] = field(default_factory=list)  # (fraction, collective, device)
     after: list[int] = field(default_factory=list)  # collectives that must have ended before it starts
+    gates: list[tuple[float, int]] = field(default_factory=list)  # (fraction, collective): pause there until it ends
 
 
 @dataclass
@@ -89,9 +91,15 @@ class _Run:
         self.inputs_left = [len(t.inputs) for t in tasks]
         self.colls_left = [len(t.after) for t in tasks]
         self.waiting: list[list[int]] = [[] for _ in collectives]  # collective -> tasks waiting for its end
+        self.gated: list[list[int]] = [[] for _ in collectives]  # collective -> tasks with a gate on it
         for k, t in enumerate(tasks):
             for c in t.after:
                 self.waiting[c].append(k)
+            t.gates.sort()
+            for _, c in t.gates:
+                self.gated[c].append(k)
+        self.gate_next = [0] * len(tasks)
+        self.paused: set[int] = set()  # running tasks stopped at a gate
         self.remaining = [t.work for t in tasks]
         self.mile_next = [0] * len(tasks)
         for t in tasks:
@@ -143,8 +151,33 @@ class _Run:
                     self.comm_devices[k] += 1
                     self.compute_devices[c] += 1
             self._fire_milestones(k)
-            if self.remaining[k] <= EPS:
+            self._pass_gates(k)
+            if self.remaining[k] <= EPS and k not in self.paused:
                 self._finish_task(k)
+
+    def _pass_gates(self, k: int) -> None:
+        """Go through the gates the task has reached whose collective has ended; pause at the first that has not
+        (its devices stay the task's, and a collective on them no longer counts as overlapping compute)."""
+        task = self.tasks[k]
+        done = 1.0 - self.remaining[k] / task.work if task.work > 0 else 1.0
+        gates = task.gates
+        while self.gate_next[k] < len(gates) and gates[self.gate_next[k]][0] <= done + 1e-9:
+            if gates[self.gate_next[k]][1] not in self.cdone:
+                if k not in self.paused:
+                    self.paused.add(k)
+                    self._count_compute(k, -1)
+                return
+            self.gate_next[k] += 1
+        if k in self.paused:
+            self.paused.discard(k)
+            self._count_compute(k, +1)
+
+    def _count_compute(self, k: int, delta: int) -> None:
+        for d in self.tasks[k].devices:
+            c = self.dev_comm[d]
+            if c >= 0:
+                self.compute_devices[c] += delta
+        self._rate_cache.clear()
 
     def _advance_queue(self, d: int) -> list[int]:
         self.head[d] += 1
@@ -214,7 +247,8 @@ class _Run:
                 k = self.dev_task[d]
                 if k >= 0:
                     self.comm_devices[k] += 1
-                    self.compute_devices[c] += 1
+                    if k not in self.paused:
+                        self.compute_devices[c] += 1
             for node in coll.nodes:
                 self.node_users[node] = self.node_users.get(node, 0) + coll.rings
             self._rate_cache.clear()
@@ -243,9 +277,16 @@ class _Run:
         for k in self.waiting[c]:
             self.colls_left[k] -= 1
             self.pending_tasks.append(k)
+        for k in self.gated[c]:
+            if k in self.paused:
+                self._pass_gates(k)
+                if self.remaining[k] <= EPS and k not in self.paused:
+                    self._finish_task(k)
 
     # ------------------------------------------------------------------------------------------- rates
     def task_rate(self, k: int) -> float:
+        if k in self.paused:
+            return 0.0
         return 1.0 / self.slowdown if self.comm_devices[k] > 0 else 1.0
 
     def coll_rate(self, c: int) -> float:
@@ -289,6 +330,8 @@ class _Run:
                     self._finish_task(x)
                 elif kind == "mile" and x in self.running:
                     self._fire_milestones(x)
+                elif kind == "gate" and x in self.running:
+                    self._pass_gates(x)
                 elif kind == "coll" and x in self.crunning:
                     self._finish_collective(x)
             while self.arrivals and self.arrivals[0][0] <= self.t + EPS:
@@ -305,12 +348,18 @@ class _Run:
         candidates: list[tuple[float, str, int]] = []
         for k in self.running:
             rate = self.task_rate(k)
+            if rate <= 0:  # paused at a gate: its collective's end moves it on
+                continue
             candidates.append((self.remaining[k] / rate, "task", k))
+            work = self.tasks[k].work
             ms = self.tasks[k].milestones
             if self.mile_next[k] < len(ms):
-                work = self.tasks[k].work
                 target = (1.0 - ms[self.mile_next[k]][0]) * work
                 candidates.append((max(0.0, self.remaining[k] - target) / rate, "mile", k))
+            gates = self.tasks[k].gates
+            if self.gate_next[k] < len(gates):
+                target = (1.0 - gates[self.gate_next[k]][0]) * work
+                candidates.append((max(0.0, self.remaining[k] - target) / rate, "gate", k))
         for c in self.crunning:
             candidates.append((self.cleft[c] / self.coll_rate(c), "coll", c))
         if self.arrivals:

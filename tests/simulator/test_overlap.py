@@ -143,32 +143,43 @@ def test_zero_2_reduces_every_micro_batch_s_gradients_zero_1_only_the_last():
     assert runs[2].iteration_time >= runs[1].iteration_time - 1e-9
 
 
-def test_an_overlapped_weight_gather_waits_only_for_its_first_user():
-    """ZeRO-1, a (wave 0) then b (wave 1) on devices 0-1, one parameter group per tower. After the step (no
-    overlap) the two gathers run one after another on the devices' channel, fully exposed. With
-    --overlap-param-gather they are issued as the iteration starts: a's forward waits for a's gather, b's
-    gather runs during a's forward (2 s) and b never waits; the breakdown counts only a's wait."""
+def test_an_overlapped_weight_gather_waits_only_for_its_own_bucket():
+    """ZeRO-1, a (wave 0) then b (wave 1) on devices 0-1, one parameter group per tower, one bucket per layer
+    (each layer 1 GB of fp32 gradient, 0.5 GB of bf16 weights). After the step (no overlap) the two groups'
+    gathers run one after the other, fully exposed. With --overlap-param-gather every bucket's gather is issued
+    as the iteration starts, in the order the forward uses them (a0 a1 b0 b1, g seconds each): a layer waits
+    for its own bucket only. With layers of f < g seconds forward: a starts at g, pauses after its first layer
+    until 2g; b starts at 3g and pauses until 4g: the forward ends at 4g + f."""
     w, cluster = _workload(), _cluster()
-    cost = StubCostModel({"a": 6.0, "b": 6.0}, activation=0.0, params_per_unit=250_000_000)
     groups = [ParamGroup([0, 1], ["a.layers.0", "a.layers.1"]), ParamGroup([0, 1], ["b.layers.0", "b.layers.1"])]
     waves = [Wave(0, 0, 0.0, 1.0, [_slice(0, "t/a", [0, 1])]), Wave(1, 1, 1.0, 1.0, [_slice(1, "t/b", [0, 1])])]
     settings = SimSettings(overlap_slowdown=1.0)
-    runs = {on: simulate(_plan(w, cluster, waves, groups, {"zero_stage": 1, "overlap_param_gather": on}), w,
-                         cluster, cost, StubMemoryModel(cost, 0.0), settings) for on in (False, True)}
-    off, on = runs[False], runs[True]
+
+    def runs(work):
+        cost = StubCostModel({"a": work, "b": work}, activation=0.0, params_per_unit=250_000_000)
+        return {on: simulate(_plan(w, cluster, waves, groups, {"zero_stage": 1, "overlap_param_gather": on}), w,
+                             cluster, cost, StubMemoryModel(cost, 0.0), settings) for on in (False, True)}
+
+    off, on = runs(6.0).values()  # a layer's forward: 1 s
     (ga, a0, a1), (gb, b0, b1) = off.extras["param_gathers"]
-    assert (ga, gb) == (0, 1) and b0 == pytest.approx(a1)  # after the step, one after the other
-    g_a, g_b = a1 - a0, b1 - b0
-    assert 0 < g_b < 2.0  # b's gather fits in a's forward
-    assert off.param_gather_time == pytest.approx(g_a + g_b)
-    assert [g for g, _, _ in on.extras["param_gathers"]] == [0, 1]
-    assert [x for _, s, e in on.extras["param_gathers"] for x in (s, e)] == pytest.approx([0.0, g_a, g_a, g_a + g_b])
-    assert on.param_gather_time == pytest.approx(g_a)
-    assert on.iteration_time == pytest.approx(off.iteration_time - g_b)
+    assert (ga, gb) == (0, 1) and b0 == pytest.approx(a1)  # after the step, one group after the other
+    g = (a1 - a0) / 2
+    assert g == pytest.approx((b1 - b0) / 2) and 0 < g < 1.0
+    assert off.param_gather_time == pytest.approx(4 * g)
+    assert [gi for gi, _, _ in on.extras["param_gathers"]] == [0, 0, 1, 1]
+    assert [x for _, s, e in on.extras["param_gathers"] for x in (s, e)] == pytest.approx(
+        [i * g for i in (0, 1, 1, 2, 2, 3, 3, 4)])
+    assert on.param_gather_time == pytest.approx(g)  # only the first bucket is waited for
+    assert on.iteration_time == pytest.approx(off.iteration_time - 3 * g)
     parts = (on.compute_time, on.transfer_time, on.grad_sync_time, on.optimizer_time, on.param_gather_time)
     assert sum(parts) == pytest.approx(on.iteration_time)
-    assert on.busy[0][0].start == pytest.approx(g_a)  # a's forward starts when its weights are there
+    assert on.busy[0][0].start == pytest.approx(g)  # a's forward starts when its first layer's weights are there
+    short_off, short = runs(0.6).values()  # a layer's forward: 0.1 s, shorter than a bucket's gather
+    f = 0.1
+    assert f < g and short.forward_end == pytest.approx(4 * g + f)
+    assert short_off.forward_end == pytest.approx(4 * f)
     # stage 0 has no gather: the setting changes nothing
+    cost = StubCostModel({"a": 6.0, "b": 6.0}, activation=0.0, params_per_unit=250_000_000)
     plain = [simulate(_plan(w, cluster, waves, groups, {"zero_stage": 0, "overlap_param_gather": x}), w, cluster,
                       cost, StubMemoryModel(cost, 0.0), settings).iteration_time for x in (False, True)]
     assert plain[0] == pytest.approx(plain[1])

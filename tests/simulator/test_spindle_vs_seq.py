@@ -75,10 +75,14 @@ def test_wavefront_plan_not_slower_than_spindle_seq(name, n):
 def test_predicted_is_simulated_and_the_planner_estimate_is_near(name, n):
     """The selected plan's predicted iteration time is the simulator's (its breakdown too); the planner's own
     estimate (waves of T(n) + its estimate of transfers and exposed gradient sync, planner/objective.py) is
-    within 25 % of it: it has wave barriers and no link contention."""
+    within 25 % of it: it has wave barriers and no link contention. A node-group plan's merged waves share
+    barriers its groups do not have: there the estimate is only an upper bound."""
     plan, spindle, *_ = _times(name, n)
     p = plan.predicted
     assert p["iteration_time"] == pytest.approx(spindle.iteration_time, rel=1e-9)
     assert p["simulated_grad_sync"] == pytest.approx(spindle.grad_sync_time, rel=1e-9, abs=1e-12)
-    assert spindle.iteration_time == pytest.approx(p["planner_estimate"], rel=0.25)
+    if plan.planner["selection"]["selected"].startswith("node-groups"):
+        assert spindle.iteration_time <= p["planner_estimate"] * 1.05
+    else:
+        assert spindle.iteration_time == pytest.approx(p["planner_estimate"], rel=0.25)
     assert spindle.compute_time <= p["makespan"] * 1.05  # compute alone (no sync, no transfers) fits the waves
