@@ -18,7 +18,11 @@
    reduce-scattered into those shards (grad_shards.py): each bucket's full storage is released as soon as
    its sync completed, so ``grads`` is empty there (``gather_grads`` all-gathers the full gradients;
    ``held_grad_bytes`` is what is held). zero_stage 2 also reduce-scatters every micro-batch's gradients
-   (plan/buckets.py), never holding them in full across micro-batches.
+   (plan/buckets.py), never holding them in full across micro-batches. With the plan's
+   ``overlap_param_gather`` (Megatron's --overlap-param-gather) the all-gather of the updated shards is only
+   issued by the step, and each slice waits for its groups' gathers just before its next forward
+   (param_gather.py); every reader of weights or masters (``full_state``, ``export_units``, ``load_*``,
+   ``close``) finishes them first (``flush_param_gather``).
 5. The fast path (direct.py): fp32 TP=1 canonical-layout units alias their masters and gradient buffer, so
    nothing is exported or loaded back for them. Other units are exported after each slice's backward
    (``export_full_state`` on gradients, TP rank 0 contributing) and loaded back after each step.
@@ -281,7 +285,8 @@ class RuntimeEngine:
         all-gathered (collective over the parameter device groups there; for tests and inspection)."""
         if not self.grad_buffers.sharded:
             return dict(self.grads)
-        self.flush_param_gather()
+        # no flush: the gradient shards are not what the pending weight gathers read or write, and these gathers
+        # queue behind them on the same process groups, in the same order on every member
         opt, out = self.master_optimizer, {}
         for devices, units in opt.unit_groups:
             vecs = gather_units([opt.shards[u] for u in units], [[self.grad_buffers.unit_grads[u]] for u in units],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import RTOL, check_engine_against, reference_trajectory
+from harness import RTOL, check_engine_against, operator_weights, reference_trajectory
 from plans import random_plan, with_settings
 from standin import StandinReference, standin_batch, standin_factory
 
@@ -34,14 +34,6 @@ def _engine(w, stage: int, overlap: bool, seed: int = 2) -> RuntimeEngine:
                          batch_fn=standin_batch)
 
 
-def op_weights(engine) -> dict[str, torch.Tensor]:
-    """What the operators hold now ("<unit>.<path>" -> full tensor), a copy."""
-    out = {}
-    for ls in in_wave_order(engine.local):
-        out.update({k: v.detach().clone() for k, v in ls.op.export_full_state().items() if k in ls.param_keys})
-    return out
-
-
 def same(a: dict, b: dict) -> bool:
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -57,11 +49,11 @@ def test_each_slice_waits_for_its_weights_just_before_its_forward(world, stage):
     check_engine_against(engine, traj, f"one rank zero{stage} overlapped gather")
     assert not engine.param_gather.pending  # full_state flushed
 
-    old = op_weights(engine)
+    old = operator_weights(engine)
     engine.train_step(3)
     pg = engine.param_gather
     assert pg.pending and all(pg.is_stale(ls) for ls in engine.local.values())
-    assert same(op_weights(engine), old)  # deferred: the operators still hold the weights before the step
+    assert same(operator_weights(engine), old)  # deferred: the operators still hold the weights before the step
     new = engine.master_optimizer.full_weights()  # the masters themselves, no flush
     assert not same(new, old)
 
@@ -79,7 +71,7 @@ def test_each_slice_waits_for_its_weights_just_before_its_forward(world, stage):
     for i, (sid, stale) in enumerate(seen):  # loaded just before its own forward, the later ones not yet
         assert sid not in stale and stale == set(order[i + 1:]) & set(pg.slice_groups), (sid, stale)
     assert not pg.pending
-    assert same(op_weights(engine), {k: v for k, v in new.items()})
+    assert same(operator_weights(engine), {k: v for k, v in new.items()})
 
 
 def test_every_reader_sees_the_new_weights_right_after_a_step(world):
@@ -96,7 +88,7 @@ def test_every_reader_sees_the_new_weights_right_after_a_step(world):
 
     over.train_step(2), plain.train_step(2)
     assert same(over.full_state(), plain.full_state()) and not over.param_gather.pending
-    assert same(op_weights(over), plain.full_state())
+    assert same(operator_weights(over), plain.full_state())
 
     over.train_step(3), plain.train_step(3)
     ex_o, ex_p = over.export_units(), plain.export_units()
@@ -108,9 +100,9 @@ def test_every_reader_sees_the_new_weights_right_after_a_step(world):
     over.train_step(4)
     assert over.param_gather.pending
     over.load_full_state(initial)  # flushes first: no gather lands on top of what is loaded
-    assert not over.param_gather.pending and same(op_weights(over), initial)
+    assert not over.param_gather.pending and same(operator_weights(over), initial)
     over.forward_backward(5)
-    assert same(op_weights(over), initial)
+    assert same(operator_weights(over), initial)
     fresh = _engine(w, 1, overlap=False)
     fresh.forward_backward(5)
     assert all(torch.allclose(g, fresh.gather_grads()[k], rtol=RTOL, atol=0) for k, g in over.gather_grads().items())
