@@ -18,7 +18,11 @@
    reduce-scattered into those shards (grad_shards.py): each bucket's full storage is released as soon as
    its sync completed, so ``grads`` is empty there (``gather_grads`` all-gathers the full gradients;
    ``held_grad_bytes`` is what is held). zero_stage 2 also reduce-scatters every micro-batch's gradients
-   (plan/buckets.py), never holding them in full across micro-batches.
+   (plan/buckets.py), never holding them in full across micro-batches. With the plan's
+   ``overlap_param_gather`` (Megatron's --overlap-param-gather) the all-gather of the updated shards is only
+   issued by the step, and each slice waits for its groups' gathers just before its next forward
+   (param_gather.py); every reader of weights or masters (``full_state``, ``export_units``, ``load_*``,
+   ``close``) finishes them first (``flush_param_gather``).
 5. The fast path (direct.py): fp32 TP=1 canonical-layout units alias their masters and gradient buffer, so
    nothing is exported or loaded back for them. Other units are exported after each slice's backward
    (``export_full_state`` on gradients, TP rank 0 contributing) and loaded back after each step.
@@ -72,6 +76,7 @@ from megatron_spindle.runtime.grad_sync import GradSync
 from megatron_spindle.runtime.groups import PlanGroups
 from megatron_spindle.runtime.layout import check_runnable
 from megatron_spindle.runtime.optimizer import MasterOptimizer, OptimizerConfig
+from megatron_spindle.runtime.param_gather import ParamGather
 from megatron_spindle.runtime.schedule import WaveSchedule
 from megatron_spindle.runtime.shards import gather_units
 from megatron_spindle.runtime.slices import build_local_slices, in_wave_order, initial_weights
@@ -161,6 +166,9 @@ class RuntimeEngine:
         self.binding = bind_direct_units(self.local, self.key_unit, opt.shards, opt.masters,
                                          self.grad_buffers.key_grads,
                                          self.zero_stage == 0 and self.config.dtype == torch.float32, self.device)
+        # --overlap-param-gather (ZeRO-1/2): the weights' all-gather after the step waits for the next forward
+        self.param_gather = (ParamGather(opt, self.local, self.key_unit, self.config.dtype)
+                             if settings.overlap_param_gather and self.zero_stage in (1, 2) else None)
         self.grad_sync = GradSync(self.grad_buffers, self.local, self.binding, self.key_unit, self.groups,
                                   overlap=self.config.overlap_grad_reduce, micro_batches=settings.micro_batches,
                                   zero_stage=self.zero_stage)
@@ -219,12 +227,17 @@ class RuntimeEngine:
         t1 = self._clock()
         self._add_time("optimizer-clip-main-grad", t1 - t0)
         if self.optimizer is None or self.last_step.skipped:
-            return losses
-        progress.point("the optimizer step (distributed-optimizer all-gathers)" if self.zero_stage >= 1 else
+            return losses  # a skipped step issues no all-gather
+        overlap = self.param_gather is not None
+        progress.point("the optimizer step (issuing the overlapped all-gathers)" if overlap else
+                       "the optimizer step (distributed-optimizer all-gathers)" if self.zero_stage >= 1 else
                        "the optimizer step")
+        self.flush_param_gather()  # nothing is pending after a forward; kept for direct callers
         self.master_optimizer.step(self.grad_buffers.unit_grads)
         t2 = self._clock()
-        if self.zero_stage >= 1 or any(self.generic_keys.values()):
+        if overlap:  # issued now, waited for before each slice's next forward (runtime/param_gather.py)
+            self.param_gather.start()
+        elif self.zero_stage >= 1 or any(self.generic_keys.values()):
             self._push_weights(self.master_optimizer.full_weights())  # collective at zero_stage 1 and 2
         t3 = self._clock()
         self._add_time("optimizer-inner-step", t2 - t1)
@@ -241,12 +254,13 @@ class RuntimeEngine:
         batches = {t: self.batch_fn(self.workload, t, step, self.config.data_seed) for t in tasks}
         self._add_time("batch-generator", self._clock() - t0)
         self.grad_sync.start_step()
+        cues = (self.grad_sync.slice_done, self.grad_sync.micro_start, self._before_forward)
         if self.config.measure_activations:
             with SavedTensorMeter(p for ls in self.local.values() for p in ls.op.parameters()) as meter:
-                losses = self.schedule.run(batches, self.grad_sync.slice_done, self.grad_sync.micro_start)
+                losses = self.schedule.run(batches, *cues)
             self.activation_peak = meter.peak
         else:
-            losses = self.schedule.run(batches, self.grad_sync.slice_done, self.grad_sync.micro_start)
+            losses = self.schedule.run(batches, *cues)
         t1 = self._clock()
         self.grad_sync.finish()
         t2 = self._clock()
@@ -263,7 +277,7 @@ class RuntimeEngine:
         tasks = sorted({ls.slice.task for ls in self.local.values()})
         batches = {t: fn(self.workload, t, step, self.config.data_seed) for t in tasks}
         with torch.no_grad():
-            return self.schedule.evaluate(batches)()
+            return self.schedule.evaluate(batches, self._before_forward)()
 
     def gather_grads(self) -> dict[str, torch.Tensor]:
         """The synchronised full gradients of every key this rank holds ("<unit>.<path>" -> tensor), as after
@@ -271,6 +285,8 @@ class RuntimeEngine:
         all-gathered (collective over the parameter device groups there; for tests and inspection)."""
         if not self.grad_buffers.sharded:
             return dict(self.grads)
+        # no flush: the gradient shards are not what the pending weight gathers read or write, and these gathers
+        # queue behind them on the same process groups, in the same order on every member
         opt, out = self.master_optimizer, {}
         for devices, units in opt.unit_groups:
             vecs = gather_units([opt.shards[u] for u in units], [[self.grad_buffers.unit_grads[u]] for u in units],
@@ -303,6 +319,24 @@ class RuntimeEngine:
         if self.phase_times is not None:
             self.phase_times[name] = self.phase_times.get(name, 0.0) + seconds
 
+    def _before_forward(self, ls) -> None:
+        """The schedule's cue before a local slice's forward: with --overlap-param-gather, wait for the gathers
+        of its groups and load its weights (timed as Megatron's ``params-all-gather``); otherwise nothing."""
+        pg = self.param_gather
+        if pg is not None and pg.is_stale(ls):
+            t0 = self._clock()
+            pg.before_forward(ls)
+            self._add_time("params-all-gather", self._clock() - t0)
+
+    def flush_param_gather(self) -> None:
+        """Finish the overlapped weight all-gather now (wait for every pending gather, load every slice):
+        afterwards every operator holds the masters' weights. A no-op without --overlap-param-gather or when
+        nothing is pending. Never communicates beyond waiting for gathers every member issued at its step."""
+        if self.param_gather is not None and self.param_gather.pending:
+            t0 = self._clock()
+            self.param_gather.flush()
+            self._add_time("params-all-gather", self._clock() - t0)
+
     def _push_weights(self, full: dict[str, torch.Tensor]) -> None:
         """Load the masters into the operators that hold generic units (direct ones alias their masters)."""
         for ls in in_wave_order(self.local):
@@ -317,6 +351,7 @@ class RuntimeEngine:
         and ``model-parallel-rng`` tracker stay, as they would over a run."""
         if getattr(self, "_closed", False):
             return
+        self.flush_param_gather()  # no gather may still be in flight on a group about to be destroyed
         dist.barrier()
         if self._owns_groups:
             self.groups.cache.destroy()
@@ -346,6 +381,7 @@ class RuntimeEngine:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Full master weights this rank holds ("<unit>.<path>" -> tensor). Collective at zero_stage 1 and 2."""
+        self.flush_param_gather()
         return {k: v.clone() for k, v in self.master_optimizer.full_weights().items()}
 
     def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -353,6 +389,7 @@ class RuntimeEngine:
         missing = sorted(set(self.key_unit) - set(state))
         if missing:
             raise KeyError(f"load_full_state: missing {missing[:5]}")
+        self.flush_param_gather()  # a gather finishing later would overwrite what is loaded here
         full = {k: state[k].detach().to(self.device, torch.float32) for k in self.key_unit}
         self.master_optimizer.load_weights(full)
         self._push_weights(full)
@@ -360,6 +397,7 @@ class RuntimeEngine:
     def export_units(self) -> dict[str, UnitState]:
         """Every unit this rank holds in full form: fp32 weights and AdamW state (``optim`` empty before the
         first step), whatever the zero stage. Collective over the parameter device groups at zero_stage 1, 2."""
+        self.flush_param_gather()
         return self.master_optimizer.export_units()
 
     def load_units(self, units: dict[str, UnitState], load_optim: bool = True) -> None:

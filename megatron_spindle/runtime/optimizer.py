@@ -30,7 +30,7 @@ import torch
 from megatron_spindle.checkpointing.checkpoint import CheckpointError, UnitState
 from megatron_spindle.plan.schema import ParamGroup
 from megatron_spindle.runtime.groups import PlanGroups
-from megatron_spindle.runtime.shards import UnitShard, gather_units
+from megatron_spindle.runtime.shards import PendingGather, UnitShard, gather_units, issue_gather
 
 
 @dataclass
@@ -103,11 +103,22 @@ class MasterOptimizer:
     def full_weights(self) -> dict[str, torch.Tensor]:
         """"<unit>.<path>" -> full fp32 master weight (views; all-gathered over the groups at stages 1, 2)."""
         full: dict[str, torch.Tensor] = {}
-        for devices, units in self.unit_groups:
-            vecs = gather_units([self.shards[u] for u in units], [[self.masters[u].detach()] for u in units],
-                                self.groups.param_group(devices))
-            for u, (v,) in zip(units, vecs):
-                full.update(self.shards[u].unflatten(v))
+        for i, pending in enumerate(self.issue_weight_gathers()):
+            full.update(self.group_weights(i, pending))
+        return full
+
+    def issue_weight_gathers(self, async_op: bool = False) -> list[PendingGather]:
+        """The all-gather of every group's master shards, one per entry of ``unit_groups`` in that order (the
+        same on every member); ``async_op``: issued without waiting (runtime/param_gather.py)."""
+        return [issue_gather([self.shards[u] for u in units], [[self.masters[u].detach()] for u in units],
+                             self.groups.param_group(devices), async_op)
+                for devices, units in self.unit_groups]
+
+    def group_weights(self, index: int, pending: PendingGather) -> dict[str, torch.Tensor]:
+        """"<unit>.<path>" -> full weight of group ``unit_groups[index]``'s units, once its gather finished."""
+        full: dict[str, torch.Tensor] = {}
+        for u, (v,) in zip(self.unit_groups[index][1], pending.wait()):
+            full.update(self.shards[u].unflatten(v))
         return full
 
     def load_weights(self, full: dict[str, torch.Tensor]) -> None:

@@ -11,8 +11,9 @@ dropped before the next starts. The per-task losses are the sum of every micro-b
 
 Nothing in it is a barrier: the loss all-reduce is issued after the last forward step and runs during the
 remaining backward, and a rank that only sends in a transfer does not wait for the receiver (its requests are
-waited on at the end; runtime/transfer.py). Before each micro-batch the schedule calls ``micro_start(j)``, after
-each local slice's backward ``slice_done(slice)`` (the gradient sync's cues), and after each step
+waited on at the end; runtime/transfer.py). Before each micro-batch the schedule calls ``micro_start(j)``, before
+each local slice's forward ``before_forward(slice)`` (the overlapped weight all-gather's cue), after each local
+slice's backward ``slice_done(slice)`` (the gradient sync's cues), and after each step
 ``on_wave(phase, wave_index, seconds)``. ``evaluate`` runs the forward steps alone (validation: no autograd
 graph, no backward, no ``on_wave``). Before each step that may wait for another rank it records
 ``progress.point`` (what the watchdog names when a peer is missing).
@@ -85,16 +86,19 @@ class WaveSchedule:
         self.loss_scale = 1.0
 
     def run(self, batches: dict[str, Any], slice_done: Callable[[LocalSlice], None],
-            micro_start: Callable[[int], None] | None = None) -> Callable[[], dict[str, float]]:
+            micro_start: Callable[[int], None] | None = None,
+            before_forward: Callable[[LocalSlice], None] | None = None) -> Callable[[], dict[str, float]]:
         """Forward and backward of one step; returns a function that waits for and reads the task losses."""
-        return self._run(batches, slice_done, micro_start, backward=True)
+        return self._run(batches, slice_done, micro_start, before_forward, backward=True)
 
-    def evaluate(self, batches: dict[str, Any]) -> Callable[[], dict[str, float]]:
+    def evaluate(self, batches: dict[str, Any],
+                 before_forward: Callable[[LocalSlice], None] | None = None) -> Callable[[], dict[str, float]]:
         """The forward steps alone (call under ``torch.no_grad()``); returns the task-loss reader like ``run``."""
-        return self._run(batches, None, None, backward=False)
+        return self._run(batches, None, None, before_forward, backward=False)
 
     def _run(self, batches: dict[str, Any], slice_done: Callable[[LocalSlice], None] | None,
-             micro_start: Callable[[int], None] | None, backward: bool) -> Callable[[], dict[str, float]]:
+             micro_start: Callable[[int], None] | None, before_forward: Callable[[LocalSlice], None] | None,
+             backward: bool) -> Callable[[], dict[str, float]]:
         mine = self._slice_of_wave
         names = [t.name for t in self.workload.tasks]
         losses = torch.zeros(len(names), dtype=torch.float64, device=self.device)
@@ -118,6 +122,8 @@ class WaveSchedule:
                         progress.point(where, wave, t)
                         self._forward_transfer(t, tensors, j)
                     if ls is not None:
+                        if before_forward is not None:
+                            before_forward(ls)  # the overlapped weight all-gather (its own progress point)
                         progress.point(where, wave, ls)
                         self._forward_slice(ls, tensors[ls.slice.id], micro)
                         if ls.terminal and ls.tp_leader:

@@ -97,23 +97,46 @@ def settle_rows(out: torch.Tensor, rows: torch.Tensor, index: int, scatter: bool
         out.add_(result)
 
 
-def gather_units(shards: list[UnitShard], parts: list[list[torch.Tensor]], group) -> list[list[torch.Tensor]]:
-    """All-gather the shards of a group's units: ``parts[u]`` are same-layout shard vectors of unit ``u`` on this
-    rank (e.g. master, exp_avg, exp_avg_sq; the same count on every member). Returns the full flat vectors
-    (``numel`` elements each) in the same nesting. Collective over ``group`` when the units are sharded."""
-    if not shards:
-        return []
-    members = shards[0].members
-    if members == 1:
-        return [[p[:s.numel] for p in ps] for s, ps in zip(shards, parts)]
+class PendingGather:
+    """An all-gather of a group's unit shards in flight (``issue_gather``); ``wait`` finishes it once and returns
+    the full flat vectors (``numel`` elements each), nested as the ``parts`` it was issued with."""
+
+    def __init__(self, shards: list[UnitShard], counts: list[int], rows: torch.Tensor | None, work=None,
+                 done: list[list[torch.Tensor]] | None = None):
+        self.shards, self.counts, self.rows, self.work = shards, counts, rows, work
+        self._done = done
+
+    def wait(self) -> list[list[torch.Tensor]]:
+        if self._done is None:
+            if self.work is not None:
+                self.work.wait()
+            out, off = [], 0
+            for s, n in zip(self.shards, self.counts):
+                full = []
+                for _ in range(n):
+                    full.append(self.rows[:, off:off + s.size].reshape(-1)[:s.numel])
+                    off += s.size
+                out.append(full)
+            self._done, self.rows, self.work = out, None, None
+        return self._done
+
+
+def issue_gather(shards: list[UnitShard], parts: list[list[torch.Tensor]], group,
+                 async_op: bool = False) -> PendingGather:
+    """Start the all-gather of the shards of a group's units: ``parts[u]`` are same-layout shard vectors of unit
+    ``u`` on this rank (e.g. master, exp_avg, exp_avg_sq; the same count on every member), packed into one row
+    (a copy: the shards may change afterwards). Collective over ``group`` when the units are sharded
+    (``async_op``: without waiting for it). Unsharded units need no communication: the result is ready."""
+    if not shards or shards[0].members == 1:
+        return PendingGather(shards, [len(ps) for ps in parts], None,
+                             done=[[p[:s.numel] for p in ps] for s, ps in zip(shards, parts)])
     row = torch.cat([p.reshape(-1) for ps in parts for p in ps])
-    rows = row.new_empty(members, row.numel())
-    dist.all_gather(list(rows.unbind(0)), row, group=group)
-    out, off = [], 0
-    for s, ps in zip(shards, parts):
-        full = []
-        for _ in ps:
-            full.append(rows[:, off:off + s.size].reshape(-1)[:s.numel])
-            off += s.size
-        out.append(full)
-    return out
+    rows = row.new_empty(shards[0].members, row.numel())
+    work = dist.all_gather(list(rows.unbind(0)), row, group=group, async_op=async_op)
+    return PendingGather(shards, [len(ps) for ps in parts], rows, work)
+
+
+def gather_units(shards: list[UnitShard], parts: list[list[torch.Tensor]], group) -> list[list[torch.Tensor]]:
+    """All-gather the shards of a group's units now (``issue_gather``, then wait): the full flat vectors
+    (``numel`` elements each) in the nesting of ``parts``. Collective over ``group`` when the units are sharded."""
+    return issue_gather(shards, parts, group).wait()

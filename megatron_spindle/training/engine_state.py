@@ -19,6 +19,9 @@ TIMING_LOG_LEVELS = (0, 1, 2)
 LEVEL_1_TIMERS = ("forward-backward", "all-grads-sync", "optimizer-clip-main-grad", "optimizer-inner-step",
                   "optimizer-copy-main-to-model-params", "optimizer")
 LEVEL_2_TIMERS = ("batch-generator",)
+# --overlap-param-gather: the forward's waits for the weights' all-gathers (and loading them; inside
+# forward-backward), and any flush before a checkpoint export or load
+OVERLAP_PARAM_GATHER_TIMERS = ("params-all-gather",)
 
 
 def _over_ranks(v: torch.Tensor, op: str = "max") -> torch.Tensor:
@@ -64,7 +67,9 @@ class PhaseTimer:
     """The engine's per-phase step times at --timing-log-level >= 1 (``engine.phase_times``)."""
 
     def __init__(self, engine, level: int):
-        self.names = LEVEL_1_TIMERS + (LEVEL_2_TIMERS if level >= 2 else ())
+        overlap = getattr(engine, "param_gather", None) is not None
+        self.names = LEVEL_1_TIMERS + (OVERLAP_PARAM_GATHER_TIMERS if overlap else ()) + (
+            LEVEL_2_TIMERS if level >= 2 else ())
         self.engine = engine
         engine.phase_times = {} if level >= 1 else None
 

@@ -131,6 +131,17 @@ def check_engine_against(engine, ref: Trajectory, label: str, steps: int = STEPS
     return worst
 
 
+def operator_weights(engine) -> dict[str, torch.Tensor]:
+    """What the local operators hold now ("<unit>.<path>" -> full tensor, a copy; not the masters). Collective
+    per TP group, in wave order, like the engine's own initialisation."""
+    from megatron_spindle.runtime.slices import in_wave_order
+
+    out = {}
+    for ls in in_wave_order(engine.local):
+        out.update({k: v.detach().clone() for k, v in ls.op.export_full_state().items() if k in ls.param_keys})
+    return out
+
+
 class LaunchLog:
     """The engine's bucket launches, micro-batch starts and step ends, in the order they happen on this rank
     (``("launch", bucket)``, ``("micro", j)``, ``("forward" | "backward", wave)`` after every step of the

@@ -89,13 +89,15 @@ def _nan_at(step_with_nan: int):
     return batch
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_loss_scaling_unscales_exactly_and_skips_overflowing_steps(world, stage):
-    """The scaled engine at zero_stage ``stage`` (2: unscaling and the norm on the gradient shards) against a
-    plain zero_stage 0 one."""
+@pytest.mark.parametrize("stage,overlap", [(0, False), (2, False), (2, True)])
+def test_loss_scaling_unscales_exactly_and_skips_overflowing_steps(world, stage, overlap):
+    """The scaled engine at zero_stage ``stage`` (2: unscaling and the norm on the gradient shards; ``overlap``:
+    the weights' all-gather deferred to the next forward, none issued by a skipped step) against a plain
+    zero_stage 0 one."""
     w = load_workload("tiny-vlm")
     plain_plan = random_plan(w, 1, 2)
-    plan = dataclasses.replace(plain_plan, settings=dataclasses.replace(plain_plan.settings, zero_stage=stage))
+    plan = dataclasses.replace(plain_plan, settings=dataclasses.replace(plain_plan.settings, zero_stage=stage,
+                                                                        overlap_param_gather=overlap))
     opt = dataclasses.replace(OPT, clip_grad=1.0)
     kw = dict(operator_factory=standin_factory)
 
@@ -121,8 +123,11 @@ def test_loss_scaling_unscales_exactly_and_skips_overflowing_steps(world, stage)
     losses = engine.train_step(1)  # NaN inputs: the gradients overflow
     assert any(math.isnan(v) for v in losses.values())
     assert engine.last_step.skipped and not math.isfinite(engine.last_step.grad_norm)
+    if overlap:  # the forward loaded the previous step's weights, the skipped step issued nothing
+        assert not engine.param_gather.pending
     assert scaler.updates == [False, True] and float(scaler.scale) == 2.0 ** 11
     assert all(torch.equal(v, before[k]) for k, v in engine.full_state().items())  # no step
     assert {id(p): float(st["step"]) for p, st in engine.optimizer.state.items()} == steps
     engine.train_step(2)
     assert not engine.last_step.skipped and engine.last_step.loss_scale == 2.0 ** 11
+    assert (engine.param_gather is not None and engine.param_gather.pending) == overlap

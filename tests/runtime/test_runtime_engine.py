@@ -3,7 +3,8 @@
 The same workers check gradient clipping (the global norm over every unit, counted once, and the clipped update
 of ``torch.nn.utils.clip_grad_norm_`` on the reference), the forward-only validation pass, and the sharded
 stages: zero_stage 1 (the distributed optimizer) on 2 and 4 ranks, zero_stage 2 (+ sharded gradients, by
-reduce-scatter and by its all-reduce fallback) on 1, 2 and 4.
+reduce-scatter and by its all-reduce fallback) on 1, 2 and 4, about half the cases with the weights'
+all-gather overlapped with the next forward (``overlap_param_gather``; resumed without it).
 
 Two operator sets run the same plans: the real megatron-core operators (models/, ``ReferenceModel``) and the
 stand-ins of tests/runtime/standin.py (cheap, so every plan family runs on every world size). Plan families:
@@ -36,6 +37,7 @@ from harness import (
     check_engine_against,
     check_launches,
     global_rel_err,
+    operator_weights,
     reference_trajectory,
     spawn,
 )
@@ -304,11 +306,11 @@ def check_bytes_by_route(engine, plan, workload, cfg, label: str) -> set[str]:
     return {k for t in plan.transfers for k, b in t.bytes_by_kind.items() if b > 0}
 
 
-def zeroed(plan, stage: int = 1):
+def zeroed(plan, stage: int = 1, overlap_param_gather: bool = False):
     """The same plan at ZeRO ``stage`` (1: the distributed optimizer, the planner's choice when memory needs
-    it; 2: gradients sharded too)."""
+    it; 2: gradients sharded too), its weights' all-gather overlapped with the next forward or not."""
     plan = copy.deepcopy(plan)
-    plan.settings = dataclasses.replace(plan.settings, zero_stage=stage)
+    plan.settings = dataclasses.replace(plan.settings, zero_stage=stage, overlap_param_gather=overlap_param_gather)
     return plan
 
 
@@ -366,7 +368,9 @@ def all_units(engine) -> dict:
 
 def check_resume_across_layouts(engine, w, rank, world, cfg, cache, label: str, stage: int) -> None:
     """The zero_stage 1 (2) engine's full units load exactly into a zero_stage 0 engine of another plan and a
-    zero_stage 2 (1) engine on half the devices; one more step on each agrees with the original engine."""
+    zero_stage 2 (1) engine on half the devices, neither overlapping the weights' all-gather; one more step on
+    each agrees with the original engine. With the overlapped all-gather the original's operators still hold
+    the weights before that step when it returns, and its export right after it (a flush) agrees."""
     units = all_units(engine)
     kw = dict(operator_factory=standin_factory, batch_fn=standin_batch, groups=cache)
     others = [RuntimeEngine(sequential_plan(w, world), w, rank, world, cfg, **kw),
@@ -379,9 +383,17 @@ def check_resume_across_layouts(engine, w, rank, world, cfg, cache, label: str, 
                 for m in ("exp_avg", "exp_avg_sq"):
                     assert torch.equal(st.optim[k][m], units[u].optim[k][m]), (label, k, m)
                 assert st.optim[k]["step"] == units[u].optim[k]["step"]
+    overlap = engine.param_gather is not None
+    before = operator_weights(engine) if overlap else {}
     for e in [engine] + others:
         e.train_step(STEPS)
+    if overlap and before:
+        assert engine.param_gather.pending, label
+        assert all(torch.equal(v, before[k]) for k, v in operator_weights(engine).items()), f"{label}: not deferred"
     after = [all_units(e) for e in [engine] + others]
+    if overlap:  # the export flushed: every operator holds the masters' weights
+        mine = {k: v for st in after[0].values() for k, v in st.model.items()}
+        assert all(torch.equal(v, mine[k]) for k, v in operator_weights(engine).items()), label
     flat = [({k: v for s in a.values() for k, v in s.model.items()},
              {k: o["exp_avg"] for s in a.values() for k, o in s.optim.items()}) for a in after]
     for weights, avg in flat[1:]:
@@ -466,18 +478,21 @@ def check_evaluate(rank, world, workloads, refs, cfg, cache) -> None:
 
 def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache, stage: int) -> None:
     """zero_stage ``stage`` copies of some plans follow the reference trajectory with the same tolerances; at
-    stage 2 every other plan takes the all-reduce fallback instead of the reduce-scatter."""
+    stage 2 every other plan takes the all-reduce fallback instead of the reduce-scatter; cases 0, 1, 4, 5 overlap
+    the weights' all-gather with the next forward (``overlap_param_gather``)."""
     several = mixed = False
     for i, (ops, case, wname, make) in enumerate(zero_cases(world)):
         w = workloads[wname]
-        plan = zeroed(make(w), stage)
+        overlap = (i // 2) % 2 == 0  # the overlapped weight all-gather on about half the cases, either sync
+        plan = zeroed(make(w), stage, overlap)
         tower = "vision.layers.0" if wname.startswith("tiny-clip") else "llm.layers.0"
         several |= len(unit_device_sets(plan, tower)) > 1
         mixed |= len(unit_tp_degrees(plan, tower)) > 1
         kw = dict(operator_factory=standin_factory, batch_fn=standin_batch) if ops == "standin" else {}
         engine = RuntimeEngine(plan, w, rank, world, cfg, groups=cache, **kw)
         assert engine.direct_units == []  # the fast path is for the replicated optimizer only
-        label = f"rank {rank} {ops} {wname} {case} zero{stage}"
+        assert (engine.param_gather is not None) == overlap
+        label = f"rank {rank} {ops} {wname} {case} zero{stage}" + (" overlapped-gather" if overlap else "")
         if stage >= 1:
             assert engine.grad_buffers.reduce_scatter  # gloo reduce-scatters (torch 2.13)
             engine.grad_buffers.reduce_scatter = i % 2 == 0

@@ -1,0 +1,119 @@
+"""The overlapped weight all-gather (``overlap_param_gather``, runtime/param_gather.py) on one rank, in this
+process: after a step the operators keep their old weights until their own slice's forward (slices later in the
+order still old when an earlier one runs), every reader of weights or masters sees the new ones (flush), loading
+weights is not overwritten by a gather finishing later, evaluation and the trajectory equal the reference, and
+stage 0 ignores the setting. (The asynchronous gloo all-gathers of 2 and 4 ranks are checked against the
+reference in test_runtime_engine.py's spawned workers.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import RTOL, check_engine_against, operator_weights, reference_trajectory
+from plans import random_plan, with_settings
+from standin import StandinReference, standin_batch, standin_factory
+
+from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.runtime.distributed import distributed
+from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
+from megatron_spindle.runtime.slices import in_wave_order
+
+OPT = OptimizerConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
+
+
+@pytest.fixture(scope="module")
+def world():
+    torch.set_num_threads(1)
+    with distributed("gloo") as ctx:
+        yield ctx
+
+
+def _engine(w, stage: int, overlap: bool, seed: int = 2) -> RuntimeEngine:
+    plan = with_settings(random_plan(w, 1, seed), zero_stage=stage, overlap_param_gather=overlap)
+    return RuntimeEngine(plan, w, 0, 1, EngineConfig(optimizer=OPT), operator_factory=standin_factory,
+                         batch_fn=standin_batch)
+
+
+def same(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_each_slice_waits_for_its_weights_just_before_its_forward(world, stage):
+    w = load_workload("tiny-vlm")
+    ref = StandinReference(w)
+    traj = reference_trajectory(ref, {k.replace("__", "."): p for k, p in ref.full.items()},
+                                {t.name: t.loss.weight for t in w.tasks}, OPT)
+    engine = _engine(w, stage, overlap=True)
+    assert engine.param_gather is not None and len(engine.param_gather.slice_groups) > 1
+    check_engine_against(engine, traj, f"one rank zero{stage} overlapped gather")
+    assert not engine.param_gather.pending  # full_state flushed
+
+    old = operator_weights(engine)
+    engine.train_step(3)
+    pg = engine.param_gather
+    assert pg.pending and all(pg.is_stale(ls) for ls in engine.local.values())
+    assert same(operator_weights(engine), old)  # deferred: the operators still hold the weights before the step
+    new = engine.master_optimizer.full_weights()  # the masters themselves, no flush
+    assert not same(new, old)
+
+    seen = []  # (slice, stale slices when its forward starts)
+    forward = engine.schedule._forward_slice
+
+    def spy(ls, st, batches):
+        seen.append((ls.slice.id, {s for s in engine.local if pg.is_stale(engine.local[s])}))
+        return forward(ls, st, batches)
+
+    engine.schedule._forward_slice = spy
+    engine.forward_backward(4)
+    order = [ls.slice.id for ls in in_wave_order(engine.local)]
+    assert [sid for sid, _ in seen] == order
+    for i, (sid, stale) in enumerate(seen):  # loaded just before its own forward, the later ones not yet
+        assert sid not in stale and stale == set(order[i + 1:]) & set(pg.slice_groups), (sid, stale)
+    assert not pg.pending
+    assert same(operator_weights(engine), {k: v for k, v in new.items()})
+
+
+def test_every_reader_sees_the_new_weights_right_after_a_step(world):
+    """evaluate, full_state, export_units and gather_grads right after a step equal those of an engine without
+    the overlap; load_full_state right after a step is what the next forward runs on."""
+    w = load_workload("tiny-vlm")
+    plain, over = _engine(w, 1, overlap=False), _engine(w, 1, overlap=True)
+    initial = plain.full_state()
+    for step in range(2):
+        assert plain.train_step(step) == over.train_step(step)
+    assert over.param_gather.pending
+    assert over.evaluate(5) == plain.evaluate(5)  # the validation forward waits like a training forward
+    assert not over.param_gather.pending
+
+    over.train_step(2), plain.train_step(2)
+    assert same(over.full_state(), plain.full_state()) and not over.param_gather.pending
+    assert same(operator_weights(over), plain.full_state())
+
+    over.train_step(3), plain.train_step(3)
+    ex_o, ex_p = over.export_units(), plain.export_units()
+    assert set(ex_o) == set(ex_p)
+    for u in ex_o:
+        assert same(ex_o[u].model, ex_p[u].model)
+    assert same(over.gather_grads(), plain.gather_grads())
+
+    over.train_step(4)
+    assert over.param_gather.pending
+    over.load_full_state(initial)  # flushes first: no gather lands on top of what is loaded
+    assert not over.param_gather.pending and same(operator_weights(over), initial)
+    over.forward_backward(5)
+    assert same(operator_weights(over), initial)
+    fresh = _engine(w, 1, overlap=False)
+    fresh.forward_backward(5)
+    assert all(torch.allclose(g, fresh.gather_grads()[k], rtol=RTOL, atol=0) for k, g in over.gather_grads().items())
+
+    over.train_step(6)
+    over.close()  # waits for the gathers before the groups go
+    assert not over.param_gather.pending
+
+
+def test_stage_0_ignores_the_setting(world):
+    w = load_workload("tiny-clip")
+    engine = _engine(w, 0, overlap=True)
+    assert engine.param_gather is None and engine.direct_units  # the replicated fast path, as without it
+    engine.train_step(0)
