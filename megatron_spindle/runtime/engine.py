@@ -65,6 +65,7 @@ import torch.distributed as dist
 from megatron_spindle.checkpointing.checkpoint import UnitState
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
+from megatron_spindle.plan.buckets import unit_first_use
 from megatron_spindle.plan.schema import Plan
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.activation_meter import SavedTensorMeter
@@ -76,7 +77,7 @@ from megatron_spindle.runtime.grad_sync import GradSync
 from megatron_spindle.runtime.groups import PlanGroups
 from megatron_spindle.runtime.layout import check_runnable
 from megatron_spindle.runtime.optimizer import MasterOptimizer, OptimizerConfig
-from megatron_spindle.runtime.param_gather import ParamGather
+from megatron_spindle.runtime.param_gather import ParamGather, gather_buckets
 from megatron_spindle.runtime.schedule import WaveSchedule
 from megatron_spindle.runtime.shards import gather_units
 from megatron_spindle.runtime.slices import build_local_slices, in_wave_order, initial_weights
@@ -167,8 +168,11 @@ class RuntimeEngine:
                                          self.grad_buffers.key_grads,
                                          self.zero_stage == 0 and self.config.dtype == torch.float32, self.device)
         # --overlap-param-gather (ZeRO-1/2): the weights' all-gather after the step waits for the next forward
-        self.param_gather = (ParamGather(opt, self.local, self.key_unit, self.config.dtype)
-                             if settings.overlap_param_gather and self.zero_stage in (1, 2) else None)
+        self.param_gather = None
+        if settings.overlap_param_gather and self.zero_stage in (1, 2):
+            first_use = unit_first_use([w.slices for w in plan.waves], self.metagraph.metaops, settings)
+            self.param_gather = ParamGather(opt, self.local, self.key_unit, self.config.dtype,
+                                            gather_buckets(self.grad_buffers.buckets, first_use), self._timed_gather)
         self.grad_sync = GradSync(self.grad_buffers, self.local, self.binding, self.key_unit, self.groups,
                                   overlap=self.config.overlap_grad_reduce, micro_batches=settings.micro_batches,
                                   zero_stage=self.zero_stage)
@@ -320,22 +324,22 @@ class RuntimeEngine:
             self.phase_times[name] = self.phase_times.get(name, 0.0) + seconds
 
     def _before_forward(self, ls) -> None:
-        """The schedule's cue before a local slice's forward: with --overlap-param-gather, wait for the gathers
-        of its groups and load its weights (timed as Megatron's ``params-all-gather``); otherwise nothing."""
-        pg = self.param_gather
-        if pg is not None and pg.is_stale(ls):
-            t0 = self._clock()
-            pg.before_forward(ls)
-            self._add_time("params-all-gather", self._clock() - t0)
+        """The schedule's cue before a local slice's forward: with --overlap-param-gather, load what of it no
+        layer hook loads (each layer waits for its own bucket: runtime/param_gather.py); otherwise nothing."""
+        if self.param_gather is not None:
+            self.param_gather.before_forward(ls)
+
+    def _timed_gather(self, wait_and_load) -> None:
+        t0 = self._clock()
+        wait_and_load()
+        self._add_time("params-all-gather", self._clock() - t0)  # Megatron's timer name
 
     def flush_param_gather(self) -> None:
-        """Finish the overlapped weight all-gather now (wait for every pending gather, load every slice):
+        """Finish the overlapped weight all-gather now (wait for every pending gather, load every unit):
         afterwards every operator holds the masters' weights. A no-op without --overlap-param-gather or when
         nothing is pending. Never communicates beyond waiting for gathers every member issued at its step."""
         if self.param_gather is not None and self.param_gather.pending:
-            t0 = self._clock()
             self.param_gather.flush()
-            self._add_time("params-all-gather", self._clock() - t0)
 
     def _push_weights(self, full: dict[str, torch.Tensor]) -> None:
         """Load the masters into the operators that hold generic units (direct ones alias their masters)."""
@@ -352,6 +356,8 @@ class RuntimeEngine:
         if getattr(self, "_closed", False):
             return
         self.flush_param_gather()  # no gather may still be in flight on a group about to be destroyed
+        if self.param_gather is not None:
+            self.param_gather.close()
         dist.barrier()
         if self._owns_groups:
             self.groups.cache.destroy()

@@ -3,81 +3,128 @@
 
 Without it, the engine all-gathers every parameter device group's updated master shards right after the
 optimizer step and loads the full weights into the operators before the step returns. With it, ``start``
-issues every group's all-gather asynchronously (``async_op=True``) right after the step, in the optimizer's
-``unit_groups`` order on every member, and returns; the operators keep their old weights ("stale") until
-``before_forward`` of a slice waits for the gathers of the groups holding that slice's units (each group once)
-and loads that slice's weights. Slices already loaded pay nothing. ``flush`` finishes everything (every pending
-gather waited, every stale slice loaded): the engine calls it before anything else reads or writes weights or
-masters (checkpoint export, loading, ``gather_grads``, ``close``) and before the next optimizer step.
+issues the all-gather of every gradient bucket (the same buckets, runtime/grad_buffers.py) asynchronously
+(``async_op=True``) right after the step, in plan/buckets.py's ``gather_key`` order (the order the next
+forward first uses them, the same on every member), and returns; the operators keep their old weights
+("stale") until a layer is about to run: a forward pre-hook on each unit's module waits for that unit's
+bucket and loads the bucket's weights into every local operator holding them, so a slice's later layers
+overlap their gathers with its earlier layers' forward, as the simulator charges. ``before_forward`` of a
+slice loads whatever of it no hook covers. ``flush`` finishes everything: the engine calls it before anything
+else reads or writes weights or masters (checkpoint export, loading, ``close``) and before the next step.
 
 No deadlock: every rank issues every one of its gathers right after its step, before it waits for any, and
-issuing depends on nothing but what the step itself needed; so whenever a rank waits for a group's gather,
-every member of that group has issued it or will without waiting for anything this rank does next. Ops on one
+issuing depends on nothing but what the step itself needed; so whenever a rank waits for a bucket's gather,
+every member of its group has issued it or will without waiting for anything this rank does next. Ops on one
 process group run in issue order (the same on every member), different groups independently (gloo and NCCL).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from functools import partial
+
 import torch
 
+from megatron_spindle.plan.buckets import gather_key
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.optimizer import MasterOptimizer
-from megatron_spindle.runtime.shards import PendingGather
-from megatron_spindle.runtime.slices import LocalSlice, in_wave_order
+from megatron_spindle.runtime.shards import PendingGather, issue_gather
+from megatron_spindle.runtime.slices import LocalSlice
 
 
 class ParamGather:
-    """Deferred weight loading of the local slices after an optimizer step (one per engine)."""
+    """Deferred weight loading of the local slices after an optimizer step (one per engine). ``buckets``:
+    (group devices, units) of every bucket this rank holds, in gather order."""
 
     def __init__(self, optimizer: MasterOptimizer, local: dict[str, LocalSlice], key_unit: dict[str, str],
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, buckets: Sequence[tuple[tuple[int, ...], tuple[str, ...]]],
+                 timed: Callable[[Callable[[], None]], None] | None = None):
+        """``timed(fn)``: runs ``fn`` (a wait and load), e.g. under the engine's ``params-all-gather`` timer."""
         self.optimizer, self.local, self.dtype = optimizer, local, dtype
-        group_of = {u: i for i, (_, units) in enumerate(optimizer.unit_groups) for u in units}
-        # slice id -> indices (into unit_groups) of the groups holding its units, ascending
-        self.slice_groups = {sid: sorted({group_of[key_unit[k]] for k in ls.param_keys})
-                             for sid, ls in local.items() if ls.param_keys}
+        self._timed = timed or (lambda fn: fn())
+        self.buckets = list(buckets)
+        self.bucket_of = {u: i for i, (_, units) in enumerate(self.buckets) for u in units}
+        # unit -> the local slices holding it, and their parameter keys of it
+        self.holders: dict[str, list[tuple[LocalSlice, list[str]]]] = {}
+        for ls in local.values():
+            keys: dict[str, list[str]] = {}
+            for k in ls.param_keys:
+                keys.setdefault(key_unit[k], []).append(k)
+            for u, ks in keys.items():
+                self.holders.setdefault(u, []).append((ls, ks))
+        self.slice_units = {sid: sorted({key_unit[k] for k in ls.param_keys}) for sid, ls in local.items()}
+        self._hooks = []
+        self.unhooked: dict[str, list[str]] = {}  # slice id -> its gathered units no layer hook loads
+        for sid, ls in local.items():
+            modules = ls.op.unit_modules() if hasattr(ls.op, "unit_modules") else {}  # stand-ins have none
+            for u in self.slice_units[sid]:
+                if u in modules and u in self.bucket_of:
+                    self._hooks.append(modules[u].register_forward_pre_hook(partial(self._before_unit, u)))
+                elif u in self.bucket_of:
+                    self.unhooked.setdefault(sid, []).append(u)
         self._pending: dict[int, PendingGather] = {}
-        self._full: dict[str, torch.Tensor] = {}  # gathered full weights not yet loaded everywhere
-        self._stale: set[str] = set()  # slice ids whose operators still hold the weights before the step
+        self._stale: set[str] = set()  # units whose operators still hold the weights before the step
 
     @property
     def pending(self) -> bool:
-        """True while some local slice's operator does not hold the latest masters yet."""
+        """True while some local operator does not hold the latest masters yet."""
         return bool(self._stale or self._pending)
 
     def is_stale(self, ls: LocalSlice) -> bool:
-        return ls.slice.id in self._stale
+        """Whether some of the slice's units still hold the weights before the step."""
+        return any(u in self._stale for u in self.slice_units[ls.slice.id])
 
     def start(self) -> None:
-        """Issue every group's all-gather of the updated masters, asynchronously (right after the step, on
+        """Issue every bucket's all-gather of the updated masters, asynchronously (right after the step, on
         every rank before any wait: see the module docstring). Anything still pending is finished first."""
         self.flush()
-        self._pending = dict(enumerate(self.optimizer.issue_weight_gathers(async_op=True)))
-        self._stale = set(self.slice_groups)
+        opt = self.optimizer
+        self._pending = {
+            i: issue_gather([opt.shards[u] for u in units], [[opt.masters[u].detach()] for u in units],
+                            opt.groups.param_group(devices), async_op=True)
+            for i, (devices, units) in enumerate(self.buckets)}
+        self._stale = set(self.bucket_of)
 
     def before_forward(self, ls: LocalSlice) -> None:
-        """Before ``ls``'s forward: wait for the gathers of its groups and load its weights (nothing if loaded)."""
-        if ls.slice.id not in self._stale:
-            return
-        for i in self.slice_groups[ls.slice.id]:
-            self._finish(i)
-        ls.op.load_full_state({k: self._full[k].to(self.dtype) for k in ls.param_keys})
-        self._stale.discard(ls.slice.id)
-        if not self._stale and not self._pending:
-            self._full = {}
+        """Before ``ls``'s forward: the units of it no layer hook loads (nothing when every unit has one)."""
+        for u in self.unhooked.get(ls.slice.id, ()):
+            if u in self._stale:
+                self._load(self.bucket_of[u])
 
     def flush(self) -> None:
-        """Wait for every pending gather and load every stale slice (wave order)."""
+        """Wait for every pending gather and load every stale unit (gather order)."""
         for i in sorted(self._pending):
-            self._finish(i)
-        for ls in in_wave_order(self.local):
-            self.before_forward(ls)
-        self._full = {}
+            self._load(i)
+        self._stale.clear()
 
-    def _finish(self, index: int) -> None:
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _before_unit(self, unit: str, module, args) -> None:
+        if unit in self._stale:
+            self._load(self.bucket_of[unit])
+
+    def _load(self, index: int) -> None:
+        """Wait for bucket ``index``'s gather and load its units into every local operator holding them."""
         pending = self._pending.pop(index, None)
-        if pending is None:
-            return
-        progress.point("the overlapped weight all-gather (params-all-gather) of",
-                       [list(self.optimizer.unit_groups[index][0])])
-        self._full.update(self.optimizer.group_weights(index, pending))
+        if pending is not None:
+            self._timed(partial(self._finish, index, pending))
+
+    def _finish(self, index: int, pending: PendingGather) -> None:
+        devices, units = self.buckets[index]
+        progress.point("the overlapped weight all-gather (params-all-gather) of", [list(devices)])
+        full: dict[str, torch.Tensor] = {}
+        for u, (v,) in zip(units, pending.wait()):
+            full.update(self.optimizer.shards[u].unflatten(v))
+        for u in units:
+            for ls, keys in self.holders.get(u, ()):
+                ls.op.load_full_state({k: full[k].to(self.dtype) for k in keys}, strict=False)
+            self._stale.discard(u)
+
+
+def gather_buckets(grad_buckets, first_use) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
+    """(devices, units) of the gradient buckets in the weight gathers' issue order (plan/buckets.py)."""
+    ordered = sorted(grad_buckets, key=lambda b: gather_key(b.units, first_use, b.devices, b.index))
+    return [(b.devices, b.units) for b in ordered]

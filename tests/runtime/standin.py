@@ -208,10 +208,12 @@ class StandinOp(torch.nn.Module):
             out[d.key] = x.clone()
         return out
 
-    def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
+    def load_full_state(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """As SliceOperator's: ``strict``: every parameter must be present."""
         with torch.no_grad():
             for d in self.defs:
-                self.params[_pkey(d.key)].copy_(self._shard(d, state[d.key]))
+                if d.key in state or strict:
+                    self.params[_pkey(d.key)].copy_(self._shard(d, state[d.key]))
 
     # -- compute
     def forward(self, inputs: list[torch.Tensor], batch: StandinBatch) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The overlapped weight all-gather (``overlap_param_gather``, runtime/param_gather.py) on one rank, in this
-process: after a step the operators keep their old weights until their own slice's forward (slices later in the
-order still old when an earlier one runs), every reader of weights or masters sees the new ones (flush), loading
+process: after a step the operators keep their old weights until they are about to run (a stand-in slice before
+its forward, a megatron-core layer before its own forward: later layers still old), every reader of weights or masters sees the new ones (flush), loading
 weights is not overwritten by a gather finishing later, evaluation and the trajectory equal the reference, and
 stage 0 ignores the setting. (The asynchronous gloo all-gathers of 2 and 4 ranks are checked against the
 reference in test_runtime_engine.py's spawned workers.)"""
@@ -29,9 +29,10 @@ def world():
 
 
 def _engine(w, stage: int, overlap: bool, seed: int = 2) -> RuntimeEngine:
+    """One bucket per unit (--ddp-bucket-size 1): a bucket's gather loads one unit."""
     plan = with_settings(random_plan(w, 1, seed), zero_stage=stage, overlap_param_gather=overlap)
-    return RuntimeEngine(plan, w, 0, 1, EngineConfig(optimizer=OPT), operator_factory=standin_factory,
-                         batch_fn=standin_batch)
+    return RuntimeEngine(plan, w, 0, 1, EngineConfig(optimizer=OPT, ddp_bucket_size=1),
+                         operator_factory=standin_factory, batch_fn=standin_batch)
 
 
 def same(a: dict, b: dict) -> bool:
@@ -45,7 +46,7 @@ def test_each_slice_waits_for_its_weights_just_before_its_forward(world, stage):
     traj = reference_trajectory(ref, {k.replace("__", "."): p for k, p in ref.full.items()},
                                 {t.name: t.loss.weight for t in w.tasks}, OPT)
     engine = _engine(w, stage, overlap=True)
-    assert engine.param_gather is not None and len(engine.param_gather.slice_groups) > 1
+    assert engine.param_gather is not None and len(engine.param_gather.buckets) > 1
     check_engine_against(engine, traj, f"one rank zero{stage} overlapped gather")
     assert not engine.param_gather.pending  # full_state flushed
 
@@ -68,8 +69,9 @@ def test_each_slice_waits_for_its_weights_just_before_its_forward(world, stage):
     engine.forward_backward(4)
     order = [ls.slice.id for ls in in_wave_order(engine.local)]
     assert [sid for sid, _ in seen] == order
-    for i, (sid, stale) in enumerate(seen):  # loaded just before its own forward, the later ones not yet
-        assert sid not in stale and stale == set(order[i + 1:]) & set(pg.slice_groups), (sid, stale)
+    for i, (sid, stale) in enumerate(seen):  # loaded by its own forward at the latest (a bucket may hold units
+        assert sid not in stale and stale <= set(order[i + 1:]), (sid, stale)  # of later slices too)
+    assert seen[0][1]  # when the first slice runs, later ones still wait for their weights
     assert not pg.pending
     assert same(operator_weights(engine), {k: v for k, v in new.items()})
 
@@ -117,3 +119,32 @@ def test_stage_0_ignores_the_setting(world):
     engine = _engine(w, 0, overlap=True)
     assert engine.param_gather is None and engine.direct_units  # the replicated fast path, as without it
     engine.train_step(0)
+
+
+def test_a_layer_waits_for_its_own_bucket_only(world):
+    """megatron-core operators, one bucket per unit (--ddp-bucket-size 1): when a layer's forward starts its
+    own weights are the masters' and the slice's later layers still hold the weights before the step; the
+    trajectory equals an engine that gathers within the step."""
+    from plans import sequential_plan
+
+    w = load_workload("tiny-clip")
+    plan = with_settings(sequential_plan(w, 1), zero_stage=1, overlap_param_gather=True)
+    engine = RuntimeEngine(plan, w, 0, 1, EngineConfig(optimizer=OPT, ddp_bucket_size=1))
+    plain = RuntimeEngine(with_settings(plan, overlap_param_gather=False), w, 0, 1,
+                          EngineConfig(optimizer=OPT, ddp_bucket_size=1))
+    pg = engine.param_gather
+    layered = [ls for ls in in_wave_order(engine.local) if len(ls.op.unit_modules()) > 1]
+    assert layered and len(pg.buckets) == len(pg.bucket_of)  # one unit per bucket
+    seen = []  # (unit, stale units of its slice when its forward starts)
+    for ls in layered:
+        for u, module in ls.op.unit_modules().items():
+            module.register_forward_pre_hook(
+                lambda m, a, u=u, ls=ls: seen.append((u, {v for v in ls.op.unit_modules() if v in pg._stale})))
+    for step in range(3):
+        assert engine.train_step(step) == plain.train_step(step)
+        assert pg.pending or step == 0
+    assert same(engine.full_state(), plain.full_state())
+    stale_before = [(u, stale) for u, stale in seen[-sum(len(ls.op.unit_modules()) for ls in layered):]]
+    for u, stale in stale_before:
+        assert u not in stale  # its own bucket was waited for
+    assert any(stale for _, stale in stale_before)  # and some later layer of the slice was not yet
