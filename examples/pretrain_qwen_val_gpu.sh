@@ -58,6 +58,10 @@ SPINDLE_ARGS=(
     --spindle-solver-time-limit 120
     --spindle-solver-workers 8
     --spindle-placement spindle
+    # Megatron's overlap flags, our defaults (--no-overlap-...: off): gradient buckets reduced during the
+    # backward, the distributed optimizer's weight all-gather during the next forward
+    --overlap-grad-reduce
+    --overlap-param-gather
 )
 
 TRAINING_ARGS=(
