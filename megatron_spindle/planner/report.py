@@ -41,6 +41,8 @@ def plan_summary(plan: Plan) -> str:
         f"   intra-island {_fmt_bytes(p.get('intra_island_bytes', 0))}   local {_fmt_bytes(p.get('local_bytes', 0))}",
         f"  execution: memory options {memory_options(plan)}"
         f"   gradient all-reduce in {plan.settings.grad_reduce_dtype}"
+        + ("   weight all-gather overlapped with the next forward"
+           if plan.settings.overlap_param_gather and plan.settings.zero_stage in (1, 2) else "")
         + (f"   {len(plan.settings.segments)} segments" if plan.settings.segments else ""),
     ]
     if plan.memory_per_device:
