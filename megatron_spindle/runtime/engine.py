@@ -79,7 +79,6 @@ from megatron_spindle.runtime.layout import check_runnable
 from megatron_spindle.runtime.optimizer import MasterOptimizer, OptimizerConfig
 from megatron_spindle.runtime.param_gather import ParamGather, gather_buckets
 from megatron_spindle.runtime.schedule import WaveSchedule
-from megatron_spindle.runtime.shards import gather_units
 from megatron_spindle.runtime.slices import build_local_slices, in_wave_order, initial_weights
 from megatron_spindle.runtime.transfer import SpecFn, default_activation_spec
 
@@ -291,13 +290,8 @@ class RuntimeEngine:
             return dict(self.grads)
         # no flush: the gradient shards are not what the pending weight gathers read or write, and these gathers
         # queue behind them on the same process groups, in the same order on every member
-        opt, out = self.master_optimizer, {}
-        for devices, units in opt.unit_groups:
-            vecs = gather_units([opt.shards[u] for u in units], [[self.grad_buffers.unit_grads[u]] for u in units],
-                                self.groups.param_group(devices))
-            for u, (v,) in zip(units, vecs):
-                out.update({k: t.clone() for k, t in opt.shards[u].unflatten(v).items()})
-        return out
+        full = self.master_optimizer.gather_full(self.grad_buffers.unit_grads)
+        return {k: t.clone() for k, t in full.items()}
 
     def held_grad_bytes(self) -> int:
         """Bytes of gradient storage this rank holds now: the gradient buffers (at zero_stage 1 and 2 the shards and

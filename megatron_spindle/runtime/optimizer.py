@@ -22,6 +22,7 @@ device groups; ``load_*`` never communicate.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,22 +103,31 @@ class MasterOptimizer:
     # --------------------------------------------------------------------------------------------- state
     def full_weights(self) -> dict[str, torch.Tensor]:
         """"<unit>.<path>" -> full fp32 master weight (views; all-gathered over the groups at stages 1, 2)."""
+        return self.gather_full(self.masters)
+
+    def gather_full(self, vectors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """"<unit>.<path>" -> full tensor, from each held unit's shard vector in ``vectors`` laid out like its
+        master (the masters, the gradient shards); all-gathered over each group, collective at stages 1, 2."""
         full: dict[str, torch.Tensor] = {}
-        for i, pending in enumerate(self.issue_weight_gathers()):
-            full.update(self.group_weights(i, pending))
+        for (_, units), pending in zip(self.unit_groups, self.issue_gathers(vectors)):
+            full.update(self.unflatten(units, pending))
         return full
 
-    def issue_weight_gathers(self, async_op: bool = False) -> list[PendingGather]:
-        """The all-gather of every group's master shards, one per entry of ``unit_groups`` in that order (the
-        same on every member); ``async_op``: issued without waiting (runtime/param_gather.py)."""
-        return [issue_gather([self.shards[u] for u in units], [[self.masters[u].detach()] for u in units],
+    def issue_gathers(self, vectors: Mapping[str, torch.Tensor],
+                      unit_sets: Sequence[tuple[tuple[int, ...], Sequence[str]]] | None = None,
+                      async_op: bool = False) -> list[PendingGather]:
+        """The all-gather of ``vectors``' shards of every (devices, units) of ``unit_sets`` (default
+        ``unit_groups``; the gradient buckets for runtime/param_gather.py), in that order (the same on every
+        member); ``async_op``: issued without waiting."""
+        sets = self.unit_groups if unit_sets is None else unit_sets
+        return [issue_gather([self.shards[u] for u in units], [[vectors[u].detach()] for u in units],
                              self.groups.param_group(devices), async_op)
-                for devices, units in self.unit_groups]
+                for devices, units in sets]
 
-    def group_weights(self, index: int, pending: PendingGather) -> dict[str, torch.Tensor]:
-        """"<unit>.<path>" -> full weight of group ``unit_groups[index]``'s units, once its gather finished."""
+    def unflatten(self, units: Sequence[str], pending: PendingGather) -> dict[str, torch.Tensor]:
+        """"<unit>.<path>" -> full tensor of ``units`` (as issued together), once their gather finished."""
         full: dict[str, torch.Tensor] = {}
-        for u, (v,) in zip(self.unit_groups[index][1], pending.wait()):
+        for u, (v,) in zip(units, pending.wait()):
             full.update(self.shards[u].unflatten(v))
         return full
 

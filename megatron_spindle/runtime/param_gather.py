@@ -28,7 +28,7 @@ import torch
 from megatron_spindle.plan.buckets import gather_key
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.optimizer import MasterOptimizer
-from megatron_spindle.runtime.shards import PendingGather, issue_gather
+from megatron_spindle.runtime.shards import PendingGather
 from megatron_spindle.runtime.slices import LocalSlice
 
 
@@ -40,7 +40,7 @@ class ParamGather:
                  dtype: torch.dtype, buckets: Sequence[tuple[tuple[int, ...], tuple[str, ...]]],
                  timed: Callable[[Callable[[], None]], None] | None = None):
         """``timed(fn)``: runs ``fn`` (a wait and load), e.g. under the engine's ``params-all-gather`` timer."""
-        self.optimizer, self.local, self.dtype = optimizer, local, dtype
+        self.optimizer, self.dtype = optimizer, dtype
         self._timed = timed or (lambda fn: fn())
         self.buckets = list(buckets)
         self.bucket_of = {u: i for i, (_, units) in enumerate(self.buckets) for u in units}
@@ -79,10 +79,7 @@ class ParamGather:
         every rank before any wait: see the module docstring). Anything still pending is finished first."""
         self.flush()
         opt = self.optimizer
-        self._pending = {
-            i: issue_gather([opt.shards[u] for u in units], [[opt.masters[u].detach()] for u in units],
-                            opt.groups.param_group(devices), async_op=True)
-            for i, (devices, units) in enumerate(self.buckets)}
+        self._pending = dict(enumerate(opt.issue_gathers(opt.masters, self.buckets, async_op=True)))
         self._stale = set(self.bucket_of)
 
     def before_forward(self, ls: LocalSlice) -> None:
@@ -115,9 +112,7 @@ class ParamGather:
     def _finish(self, index: int, pending: PendingGather) -> None:
         devices, units = self.buckets[index]
         progress.point("the overlapped weight all-gather (params-all-gather) of", [list(devices)])
-        full: dict[str, torch.Tensor] = {}
-        for u, (v,) in zip(units, pending.wait()):
-            full.update(self.optimizer.shards[u].unflatten(v))
+        full = self.optimizer.unflatten(units, pending)
         for u in units:
             for ls, keys in self.holders.get(u, ()):
                 ls.op.load_full_state({k: full[k].to(self.dtype) for k in keys}, strict=False)

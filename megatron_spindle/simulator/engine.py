@@ -354,17 +354,17 @@ def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool
                 connect((e.producer, FWD), (sid, FWD), e.fwd, mb)
                 connect((sid, "bwd"), (e.producer, "bwd"), e.bwd, mb)
     collectives, gathered = _gather_collectives(ctx, timer, tasks, index) if gathers else ([], [])
-    slowdown = (ctx.settings.overlap_slowdown or OVERLAP_SLOWDOWN) if collectives else 1.0
     if sync and ctx.buckets:
-        slowdown = ctx.settings.overlap_slowdown or OVERLAP_SLOWDOWN
         gpn = ctx.cluster.gpus_per_node
         for mb in synced_micro_batches(ctx.zero_stage, micro):
             first = len(collectives)
-            collectives += [Collective(b.devices, _bucket_seconds(timer, b), nodes_of(b.devices, gpn), b.rings)
+            collectives += [Collective(b.devices, _collective_seconds(timer, b.op, b.nbytes, b.ring),
+                                      nodes_of(b.devices, gpn), b.rings)
                             for b in ctx.buckets]
             at = {key: k for (key, batch), k in index.items() if batch == mb}
             for c, (k, fraction, d) in _milestones(ctx, at, tasks):
                 tasks[k].milestones.append((fraction, first + c, d))
+    slowdown = (ctx.settings.overlap_slowdown or OVERLAP_SLOWDOWN) if collectives else 1.0
     run = run_timeline(ctx.plan.num_devices, tasks, flows, collectives, slowdown)
     n = len(gathered)  # the gathers come first
     spans = [(gi, run.coll_start[c], run.coll_end[c]) for c, gi in enumerate(gathered)]
@@ -386,8 +386,8 @@ def _gather_collectives(ctx: _Context, timer: CollectiveTimer, tasks: list[Task]
                      key=lambda b: gather_key(b.units, first_use, b.devices, b.index))
     out, bucket_of_unit = [], {}
     for b in buckets:
-        g = ctx.groups[b.group]
-        out.append(Collective(b.devices, _gather_seconds(timer, b.params * WEIGHT_BYTES_PER_PARAM / g.tp, b.ring),
+        nbytes = b.params * WEIGHT_BYTES_PER_PARAM / ctx.groups[b.group].tp  # bf16 weights of one TP shard
+        out.append(Collective(b.devices, _collective_seconds(timer, "all_gather", nbytes, b.ring),
                               nodes_of(b.devices, gpn), b.rings, at_start=True))
         for u in b.units:
             bucket_of_unit[u] = len(out) - 1
@@ -404,10 +404,6 @@ def _gather_collectives(ctx: _Context, timer: CollectiveTimer, tasks: list[Task]
     return out, [b.group for b in buckets]
 
 
-def _gather_seconds(timer: CollectiveTimer, nbytes: float, ring):
-    return lambda sharing: timer.seconds("all_gather", nbytes, ring, sharing)
-
-
 def _device_done(run: TimelineResult, buckets: list[BucketSync]) -> list[float]:
     """Per device: the end of its last task or of its last bucket's collective."""
     done = list(run.device_end)
@@ -422,8 +418,9 @@ def _task_keys(ctx: _Context) -> list[tuple[tuple[str, str], int]]:
     return [(key, mb) for mb in range(ctx.plan.settings.micro_batches) for key in ctx.order]
 
 
-def _bucket_seconds(timer: CollectiveTimer, b: BucketSync):
-    return lambda sharing: timer.seconds(b.op, b.nbytes, b.ring, sharing)
+def _collective_seconds(timer: CollectiveTimer, op: str, nbytes: float, ring):
+    """A Collective's ``seconds(sharing)``: the ring's ``op`` of ``nbytes`` while it shares its nodes."""
+    return lambda sharing: timer.seconds(op, nbytes, ring, sharing)
 
 
 def _milestones(ctx: _Context, index: dict[tuple[str, str], int], tasks: list[Task]):
