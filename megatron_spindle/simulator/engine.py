@@ -356,14 +356,18 @@ def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool
     collectives, gathered = _gather_collectives(ctx, timer, tasks, index) if gathers else ([], [])
     if sync and ctx.buckets:
         gpn = ctx.cluster.gpus_per_node
+        # A micro-batch's tasks are the first one's shifted by whole runs of the order (_task_keys): the
+        # milestones are found once and shifted (without overlap every bucket waits for the devices' last tasks).
+        at = {key: k for (key, batch), k in index.items() if batch == 0}
+        milestones = list(_milestones(ctx, at, tasks))
         for mb in synced_micro_batches(ctx.zero_stage, micro):
             first = len(collectives)
+            shift = mb * len(ctx.order) if ctx.settings.overlap_grad_reduce else 0
             collectives += [Collective(b.devices, _collective_seconds(timer, b.op, b.nbytes, b.ring),
                                       nodes_of(b.devices, gpn), b.rings)
                             for b in ctx.buckets]
-            at = {key: k for (key, batch), k in index.items() if batch == mb}
-            for c, (k, fraction, d) in _milestones(ctx, at, tasks):
-                tasks[k].milestones.append((fraction, first + c, d))
+            for c, (k, fraction, d) in milestones:
+                tasks[k + shift].milestones.append((fraction, first + c, d))
     slowdown = (ctx.settings.overlap_slowdown or OVERLAP_SLOWDOWN) if collectives else 1.0
     run = run_timeline(ctx.plan.num_devices, tasks, flows, collectives, slowdown)
     n = len(gathered)  # the gathers come first
