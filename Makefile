@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/runtime_cpu.py --workload tiny-clip
 	$(PY) benchmarks/memory_options.py
 	$(PY) benchmarks/cost_model_validation.py
+	$(PY) benchmarks/host_floor.py
 
 # The same runs, refreshing the committed snapshot in benchmarks/results/ (a deliberate step: review the diff).
 bench-snapshot: $(STAMP)
@@ -43,6 +44,7 @@ bench-snapshot: $(STAMP)
 	$(PY) benchmarks/runtime_cpu.py --workload tiny-clip --steps 8 --update-snapshot
 	$(PY) benchmarks/memory_options.py --update-snapshot
 	$(PY) benchmarks/cost_model_validation.py --out-dir benchmarks/results
+	$(PY) benchmarks/host_floor.py --update-snapshot
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megatron_spindle tools tests benchmarks pretrain_multitask.py

@@ -14,7 +14,8 @@ One process, one GPU, no NCCL:
   Llama-3-8B's (hidden 4096, 32 heads, 8 query groups, SwiGLU FFN 14336, sequence 2048, RoPE, causal): the width of
   C4's GPT layer with the GQA / SwiGLU / RMSNorm choices of current LLMs (QWen-VAL's backbone class), so one run
   checks the regime C4 checks on A100 on the GPU at hand. Forward and backward are timed apart and compared with
-  ``tools/estimate.py layer --json``.
+  ``tools/estimate.py layer --json``;
+- the host's launch floor: the same layers at tiny shapes (benchmarks/host_floor.py), against the model's floor.
 
     python benchmarks/gpu_validate.py [--out-dir DIR] [--gpu-type H200] [--dry-run]
 """
@@ -172,6 +173,18 @@ def layer_points(torch, timer, device, gpu_type, dry, layers: int) -> list[dict]
     return out
 
 
+def host_points(torch, device, dry) -> list[dict]:
+    """The host's launch floor (benchmarks/host_floor.py): the runtime's layers at tiny shapes, fwd + bwd per layer,
+    against the cost model's floor for them (its kernel count x HOST_SECONDS_PER_KERNEL)."""
+    from host_floor import measure
+
+    from megatron_spindle.estimator.cost_model import HOST_SECONDS_PER_KERNEL
+
+    return [{"point": f"host floor, {r['layer']} layer fwd+bwd", "unit": "ms",
+             "measured": r["forward_ms"] + r["backward_ms"], "model": r["model_kernels"] * HOST_SECONDS_PER_KERNEL * 1e3}
+            for r in measure(torch, device, 3 if dry else 30)]
+
+
 def table(points: list[dict]) -> str:
     lines = [f"{'point':<34}{'unit':>9}{'measured':>11}{'model':>11}{'model/meas':>12}"]
     for p in points:
@@ -216,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = [("gemm", lambda: gemm_points(torch, timer, km, device, dry)),
              ("copy", lambda: copy_point(torch, timer, km, device, dry)),
              ("flash", lambda: flash_points(torch, timer, km, device, dry)),
-             ("layers", lambda: layer_points(torch, timer, device, gpu, dry, 1 if dry else args.layers))]
+             ("layers", lambda: layer_points(torch, timer, device, gpu, dry, 1 if dry else args.layers)),
+             ("host", lambda: host_points(torch, device, dry))]
     skipped = []
     for name, step in steps:
         if time.perf_counter() - start > args.budget_seconds:

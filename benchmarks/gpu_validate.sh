@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Measure the cost model's calibration points on one GPU and print them against tools/estimate.py (issue 13, GPU):
 # bf16 GEMMs, an HBM copy, FlashAttention-2 fwd + bwd, and the runtime's megatron-core layers (Transformer Engine
-# when it imports): a ViT-H encoder layer at micro-batches 8 / 32 / 64 and a Llama-3-8B-sized LLM layer at 1 / 2 / 4.
+# when it imports): a ViT-H encoder layer at micro-batches 8 / 32 / 64 and a Llama-3-8B-sized LLM layer at 1 / 2 / 4,
+# and the host's launch floor (the same layers at tiny shapes, benchmarks/host_floor.py).
 # One process, no NCCL; well under 8 minutes on an H200 or an A100-class GPU (budget: 420 s, then it skips the rest).
 #
 # NOTE: it has never run on a GPU yet; only the CPU dry run (tests/tools/test_gpu_validate.py) has. When a GPU machine
@@ -23,7 +24,7 @@ while [[ $# -gt 0 ]]; do
         --dry-run) DEVICE=cpu; shift ;;
         --gpu-type) ARGS+=(--gpu-type "$2"); shift 2 ;;
         --out-dir) OUT_DIR="$2"; shift 2 ;;
-        -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
         *) echo "gpu_validate.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done

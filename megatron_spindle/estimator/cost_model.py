@@ -23,6 +23,7 @@ profiles (estimator.estimate_curves(profile=...)) override the model where measu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_spindle.estimator.comm_model import CommModel, GroupPlacement, bucket_params
@@ -40,11 +41,11 @@ from megatron_spindle.estimator.op_kernels import (
     ATTENTION_KINDS,
     LayerShape,
     LayerTime,
-    core_attention_seconds,
+    core_attention,
     layer_time,
     light_time,
 )
-from megatron_spindle.graph.cluster import HBM_STREAM_EFFICIENCY, ClusterSpec
+from megatron_spindle.graph.cluster import HBM_STREAM_EFFICIENCY, ClusterSpec, GPUSpec
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.graph.workload import ModuleSpec, Workload
 
@@ -54,9 +55,20 @@ from megatron_spindle.graph.workload import ModuleSpec, Workload
 KERNELS_PER_OPERATOR = {"frontend": 9, "projector": 15, "head": 12, "lm_head": 15, "loss": 12}
 # AdamW per fp32 master element: reads the master, exp_avg, exp_avg_sq and the gradient, writes the first three.
 ADAMW_BYTES_PER_ELEMENT = 28
-# Host time per launched kernel in eager PyTorch (Python, dispatcher, cudaLaunchKernel): estimate, 5-10 us on a
-# current server CPU; a layer the GPU finishes sooner than the host can launch it is host-bound.
-HOST_SECONDS_PER_KERNEL = 6e-6
+# Host time per kernel the model counts, in eager PyTorch (megatron-core's module logic, Python, the dispatcher, the
+# launch): a layer the GPU finishes sooner than the host issues it is host-bound. Measured on the runtime's own
+# megatron-core layers at tiny shapes (benchmarks/host_floor.py, benchmarks/results/host_floor.txt: 31-43 us per
+# counted kernel, an encoder layer 1.0 ms forward + 0.7 ms backward, an LLM layer 1.5 + 1.1 ms, on a 2.8 GHz Xeon
+# core; on CUDA benchmarks/gpu_validate.sh measures it again).
+HOST_SECONDS_PER_KERNEL = 36e-6
+# The CPU device type (tests, planning for the gloo runtime) keeps the floor its placeholder numbers were set with,
+# so that the tiny workloads' plans keep the shape of GPU plans (graph/cluster.py "CPU").
+CPU_PLACEHOLDER_HOST_SECONDS_PER_KERNEL = 6e-6
+
+
+def host_seconds_per_kernel(gpu: GPUSpec) -> float:
+    """The launch floor per counted kernel on ``gpu``: measured (GPU types) or the CPU type's placeholder."""
+    return CPU_PLACEHOLDER_HOST_SECONDS_PER_KERNEL if gpu.arch == "cpu" else HOST_SECONDS_PER_KERNEL
 
 
 @dataclass(frozen=True)
@@ -68,8 +80,8 @@ class CostModelConfig:
     attention: str = "flash"
     # Achieved / datasheet HBM bandwidth of streaming kernels (graph/cluster.py HBM_STREAM_EFFICIENCY).
     memory_efficiency: float = HBM_STREAM_EFFICIENCY
-    # Host seconds per launched kernel (see HOST_SECONDS_PER_KERNEL).
-    launch_seconds: float = HOST_SECONDS_PER_KERNEL
+    # Host seconds per counted kernel; None: the GPU type's (host_seconds_per_kernel).
+    launch_seconds: float | None = None
     # Gradients are reduced in fp32 (4: main grads of mixed precision; the memory model counts 4 bytes for them)
     # or bf16 (2).
     grad_bytes: int = 4
@@ -88,7 +100,7 @@ class CostModelConfig:
             raise EstimatorError(f"cost model: attention must be one of {ATTENTION_KINDS}, got '{self.attention}'")
         if not 0 < self.memory_efficiency <= 1:
             raise EstimatorError("cost model: memory_efficiency must be in (0, 1]")
-        if self.launch_seconds < 0:
+        if self.launch_seconds is not None and self.launch_seconds < 0:
             raise EstimatorError("cost model: launch_seconds must be >= 0")
         if self.grad_bytes not in (2, 4):
             raise EstimatorError(f"cost model: grad_bytes must be 2 (bf16) or 4 (fp32), got {self.grad_bytes}")
@@ -177,6 +189,10 @@ def step_phases(cost_model, metaop: MetaOp, tp: int, dp: int, forward_fraction: 
     return fraction * per_layer + data / 2, (1.0 - fraction) * per_layer + data / 2
 
 
+def launch_seconds(config: CostModelConfig, gpu: GPUSpec) -> float:
+    return host_seconds_per_kernel(gpu) if config.launch_seconds is None else config.launch_seconds
+
+
 def layer_seconds(shape: LayerShape, cluster: ClusterSpec, config: CostModelConfig | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of one transformer layer ``shape`` on one GPU of ``cluster``, TP all-reduces
     (over ``shape.tp`` GPUs of one node) and the launch floor included: what tools/estimate.py prints."""
@@ -184,7 +200,7 @@ def layer_seconds(shape: LayerShape, cluster: ClusterSpec, config: CostModelConf
     kernels = layer_time(KernelModel(cluster.gpu, config.memory_efficiency), shape, config.recompute)
     comm = CommModel(cluster)
     return phase_times(kernels, shape.tp_allreduces, comm.tp_allreduce_seconds(shape.tp_allreduce_bytes, shape.tp),
-                       config.launch_seconds)
+                       launch_seconds(config, cluster.gpu))
 
 
 def _parse_unit(param_name: str) -> tuple[str, str]:
@@ -216,6 +232,7 @@ class AnalyticCostModel:
         self.config = config or CostModelConfig()
         self.kernels = KernelModel(cluster.gpu, self.config.memory_efficiency)
         self.comm = CommModel(cluster)
+        self.launch_seconds = launch_seconds(self.config, cluster.gpu)
         self._param_counts: dict[str, int] = {}
         self._times: dict[tuple, LayerTime] = {}
 
@@ -506,7 +523,7 @@ class AnalyticCostModel:
     def _analytic_phases(self, metaop: MetaOp, tp: int, dp: int) -> tuple[float, float]:
         self._check_config(metaop, tp, dp)
         return phase_times(self.kernel_time(metaop, tp, dp), self._tp_allreduces(metaop, tp),
-                           self._tp_allreduce_seconds(metaop, tp, dp), self.config.launch_seconds)
+                           self._tp_allreduce_seconds(metaop, tp, dp), self.launch_seconds)
 
     # ---------------------------------------------------------------------------------------------- time
 
@@ -555,14 +572,14 @@ class AnalyticCostModel:
         """Host time to launch one operator's kernels and TP collectives, forward + backward."""
         kt = self.kernel_time(metaop, tp, dp)
         kernels = kt.forward_kernels + kt.backward_kernels + 2 * self._tp_allreduces(metaop, tp)
-        return kernels * self.config.launch_seconds
+        return kernels * self.launch_seconds
 
     def recompute_seconds(self, metaop: MetaOp, tp: int, dp: int, recompute, num_layers: int) -> float:
         """Seconds the backward of ``num_layers`` operators of ``metaop`` spends recomputing under ``recompute``
         (plan/schema.py ``Recompute``), on one device of a (tp, dp) config: selective reruns every layer's
-        attention core (op_kernels.core_attention_seconds), full reruns the whole forward of each recomputed
-        layer, its TP all-reduces included. Charged on top of ``phase_seconds`` of a model without
-        ``config.recompute`` (the simulator does; the launch floor is not counted again)."""
+        attention core (op_kernels.core_attention), full reruns the whole forward of each recomputed layer, its TP
+        all-reduces included. Charged on top of ``phase_seconds`` of a model without ``config.recompute`` (the
+        simulator does): a rerun launches its kernels again, so a host-bound layer pays them at the launch floor."""
         if metaop.kind != "layer" or num_layers <= 0:
             return 0.0
         rc = recompute.for_layers(num_layers)
@@ -571,9 +588,21 @@ class AnalyticCostModel:
         self._check_config(metaop, tp, dp)
         kernels = self._kernel_time(metaop, tp, dp, recompute=False)
         if rc.mode == "selective":
-            return num_layers * core_attention_seconds(kernels.kernels)
-        forward = kernels.forward + self._tp_allreduces(metaop, tp) * self._tp_allreduce_seconds(metaop, tp, dp)
-        return rc.recomputed_layers(num_layers) * forward
+            seconds, launches = core_attention(kernels.kernels)
+            return num_layers * self._rerun_seconds(metaop, tp, dp, kernels, seconds, launches, 0)
+        rerun = self._rerun_seconds(metaop, tp, dp, kernels, kernels.forward, kernels.forward_kernels,
+                                    self._tp_allreduces(metaop, tp))
+        return rc.recomputed_layers(num_layers) * rerun
+
+    def _rerun_seconds(self, metaop: MetaOp, tp: int, dp: int, kernels: LayerTime, seconds: float, launches: int,
+                       allreduces: int) -> float:
+        """What one operator's forward + backward gains when its backward also reruns kernels of ``seconds`` and
+        ``launches`` and ``allreduces`` TP all-reduces (phase_times: GPU time, or the host's launch floor)."""
+        per_phase, ar_seconds = self._tp_allreduces(metaop, tp), self._tp_allreduce_seconds(metaop, tp, dp)
+        plain = sum(phase_times(kernels, per_phase, ar_seconds, self.launch_seconds))
+        rerun = dataclasses.replace(kernels, backward=kernels.backward + seconds + allreduces * ar_seconds,
+                                    backward_kernels=kernels.backward_kernels + launches + allreduces)
+        return sum(phase_times(rerun, per_phase, ar_seconds, self.launch_seconds)) - plain
 
     def layer_cost(self, metaop: MetaOp, tp: int, dp: int) -> LayerCost:
         """Seconds for ONE operator of ``metaop``, forward + backward, on tp * dp devices."""

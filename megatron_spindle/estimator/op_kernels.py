@@ -280,10 +280,11 @@ def layer_time(km: KernelModel, shape: LayerShape, recompute: bool = False) -> L
     return _time(forward, backward)
 
 
-def core_attention_seconds(kernels: list[Kernel]) -> float:
-    """Forward seconds of the attention cores among a layer's kernels (QK^T, softmax, PV and the context copy,
-    or the FlashAttention kernel; self- and cross-attention): what selective recomputation reruns."""
-    return sum(k.seconds for k in kernels if k.phase == "forward" and k.name.split(".")[0] in ATTENTION_CORES)
+def core_attention(kernels: list[Kernel]) -> tuple[float, int]:
+    """Forward seconds and launches of the attention cores among a layer's kernels (QK^T, softmax, PV and the
+    context copy, or the FlashAttention kernel; self- and cross-attention): what selective recomputation reruns."""
+    core = [k for k in kernels if k.phase == "forward" and k.name.split(".")[0] in ATTENTION_CORES]
+    return sum(k.seconds for k in core), sum(k.launches for k in core)
 
 
 ATTENTION_CORES = ("attention", "attention_x")  # kernel names of the cores (_attention_forward)

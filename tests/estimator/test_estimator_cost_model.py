@@ -165,6 +165,39 @@ def test_launch_floor_bounds_tiny_ops(tiny_clip, cluster8):
         )
 
 
+def test_the_launch_floor_is_the_measured_one_on_gpus_and_the_placeholder_on_the_cpu_type(tiny_clip, cluster8):
+    from megatron_spindle.estimator.cost_model import (
+        CPU_PLACEHOLDER_HOST_SECONDS_PER_KERNEL,
+        HOST_SECONDS_PER_KERNEL,
+    )
+
+    workload, graph = tiny_clip
+    layer = next(m for m in graph.metaops.values() if m.kind == "layer")
+    kt = AnalyticCostModel(workload, cluster8).kernel_time(layer, 1, 1)
+    kernels = kt.forward_kernels + kt.backward_kernels
+    for cluster, config, per_kernel in ((cluster8, None, HOST_SECONDS_PER_KERNEL),
+                                        (make_cluster(8, 8, "CPU"), None, CPU_PLACEHOLDER_HOST_SECONDS_PER_KERNEL),
+                                        (cluster8, CostModelConfig(launch_seconds=1e-3), 1e-3)):
+        model = AnalyticCostModel(workload, cluster, config=config)
+        assert model.launch_floor_seconds(layer, 1, 1) == pytest.approx(kernels * per_kernel)
+
+
+def test_a_rerun_forward_pays_its_launches_where_the_layer_is_host_bound(tiny_clip, cluster8):
+    """Full recomputation reruns the forward: GPU-bound, its kernels' seconds (and TP all-reduces); host-bound
+    (tiny-clip's layers on an A800), the host launching them again."""
+    from megatron_spindle.plan.schema import Recompute
+
+    workload, graph = tiny_clip
+    layer = next(m for m in graph.metaops.values() if m.kind == "layer")
+    host_bound = AnalyticCostModel(workload, cluster8)
+    kt = host_bound.kernel_time(layer, 1, 1)
+    assert host_bound.launch_floor_seconds(layer, 1, 1) > kt.total  # the premise: tiny layers wait for the host
+    full = host_bound.recompute_seconds(layer, 1, 1, Recompute("full"), 3)
+    assert full == pytest.approx(3 * kt.forward_kernels * host_bound.launch_seconds)
+    free = AnalyticCostModel(workload, cluster8, config=CostModelConfig(launch_seconds=0.0))
+    assert free.recompute_seconds(layer, 1, 1, Recompute("full"), 3) == pytest.approx(3 * kt.forward)
+
+
 def test_layer_cost_total_sums_its_parts():
     cost = LayerCost(compute=1.0, tp_comm=0.5, dp_sync=0.25, launch=0.125)
     assert cost.total == 1.875

@@ -53,7 +53,9 @@ def check_invariants(plan: Plan, workload, cluster):
     validate_plan(plan, workload, cluster, build_metagraph(workload))
     for w in plan.waves:
         assert sum(len(s.devices) for s in w.slices) <= cluster.num_devices
-    assert plan.iteration_time >= plan.predicted["c_star"] * (1 - 1e-9)
+    # C* is the relaxed optimum, solved to the bisection's relative tolerance (allocator.bisect_level rel_eps): a
+    # plan of host-bound (flat) curves meets it exactly
+    assert plan.iteration_time >= plan.predicted["c_star"] * (1 - 1e-6)
     assert Plan.from_dict(plan.to_dict()).to_dict() == plan.to_dict()
 
 

@@ -1,0 +1,179 @@
+"""The host's time per transformer layer of our runtime: the launch floor of the cost model (issue 13, item 1).
+
+Eager PyTorch spends host time on every op (Python, megatron-core's module logic, the dispatcher, the launch),
+whatever the op's size; a layer whose kernels finish sooner waits for the host. The cost model charges
+``kernels x HOST_SECONDS_PER_KERNEL`` per layer (estimator/cost_model.py) against its GPU time. This measures that
+floor on the runtime's own megatron-core layers (models.operator.build_operator, the spec the runtime takes here)
+at tiny shapes, where the kernels take no time: forward and backward per layer, the aten ops they run, and the
+host seconds per kernel of the cost model's kernel count for the same layer (op_kernels.layer_time).
+
+On CPU the ops run in place, so the figure is host time plus the (negligible) work of 8-token tensors; the
+CPU shim's torch-function mode (compat/cpu.py), which a GPU run does not have, is switched off while timing (the
+causal mask it would redirect is built once on the CPU beforehand). On CUDA (``--device cuda``, also a step of
+benchmarks/gpu_validate.py) the time is the host's, synchronised once per pass.
+
+    python benchmarks/host_floor.py [--device cpu|cuda] [--repeats 30] [--out-dir DIR | --update-snapshot]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+
+from bench_output import Recording, add_output_args
+
+LAYERS = 8  # layers per timed pass (the operator's own Python around them amortised)
+SHAPES = {  # tiny: the kernels take nothing next to the host
+    "encoder": {"kind": "encoder", "hidden_size": 64, "num_heads": 4, "num_query_groups": 4, "ffn_hidden_size": 256},
+    "llm": {"kind": "llm", "hidden_size": 64, "num_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 224},
+}
+SEQ, BATCH = 8, 1
+
+
+def model_kernels(name: str) -> int:
+    """Kernels the cost model counts for one such layer, forward + backward (unfused attention: the local spec)."""
+    from megatron_spindle.estimator.kernels import KernelModel
+    from megatron_spindle.estimator.op_kernels import LayerShape, layer_time
+    from megatron_spindle.graph.cluster import GPU_TYPES
+
+    s = SHAPES[name]
+    llm = s["kind"] == "llm"
+    shape = LayerShape(BATCH, SEQ, s["hidden_size"], s["num_heads"], s["ffn_hidden_size"],
+                       kv_groups=s["num_query_groups"], swiglu=llm, causal=llm, attention="unfused", bias=not llm,
+                       rotary=llm)
+    t = layer_time(KernelModel(GPU_TYPES["A800-80GB"]), shape)
+    return t.forward_kernels + t.backward_kernels
+
+
+class _CountOps:
+    """Counts the aten ops of one pass (a torch dispatch mode)."""
+
+    def __init__(self, torch):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            count = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                Mode.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode
+
+    def __call__(self, fn) -> int:
+        self.mode.count = 0
+        with self.mode():
+            fn()
+        return self.mode.count
+
+
+def _without_shim_mode():
+    """Leaves the CPU shim's torch-function mode for the rest of the process (a GPU run never has it); megatron's
+    default causal mask, the one call that needs it, is built on the CPU and cached."""
+    import megatron.core.fusions.fused_softmax as fused_softmax
+
+    from megatron_spindle.compat import cpu
+
+    if cpu._CUDA_TO_CPU_MODE is not None:
+        cpu._CUDA_TO_CPU_MODE.__exit__(None, None, None)
+        cpu._CUDA_TO_CPU_MODE = None
+
+    @functools.lru_cache(maxsize=None)
+    def causal_mask(sq: int):
+        import torch
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    fused_softmax.get_default_causal_mask = causal_mask
+
+
+def measure(torch, device: str, repeats: int) -> list[dict]:
+    """One row per layer kind of ``SHAPES``: median host ms per layer by phase, aten ops, host seconds per kernel."""
+    return [_measure_layer(torch, device, name, repeats) for name in SHAPES]
+
+
+def _measure_layer(torch, device: str, name: str, repeats: int) -> dict:
+    from megatron_spindle.graph.workload import workload_from_dict
+    from megatron_spindle.models.config import ModelConfig
+    from megatron_spindle.models.operator import build_operator, metaop_infos
+
+    cuda, module = device == "cuda", SHAPES[name]
+    spec = {"name": name, "modules": {"m": {**module, "num_layers": LAYERS}},
+            "tasks": [{"name": "t", "batch_size": BATCH, "tokens": {"m": SEQ}}]}
+    workload = workload_from_dict(spec)
+    op = build_operator(workload, metaop_infos(workload)["t/m"], 0, LAYERS, config=ModelConfig(bf16=cuda))
+    dtype = torch.bfloat16 if cuda else torch.float32
+    op = op.to(device=device, dtype=dtype)
+    if not cuda:
+        _without_shim_mode()
+    x = torch.randn(BATCH, SEQ, module["hidden_size"], device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+    for _ in range(5):  # warm-up (allocator, lazy inits)
+        op([x], None).backward(grad)
+    count = _CountOps(torch)
+    fwd_ops = count(lambda: op([x], None))
+    y = op([x], None)
+    bwd_ops = count(lambda: y.backward(grad))
+    fwd, bwd = [], []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        y = op([x], None)
+        t1 = time.perf_counter()
+        y.backward(grad)
+        if cuda:
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        fwd.append((t1 - t0) / LAYERS)
+        bwd.append((t2 - t1) / LAYERS)
+    f, b = statistics.median(fwd), statistics.median(bwd)
+    kernels = model_kernels(name)
+    return {"layer": name, "forward_ms": f * 1e3, "backward_ms": b * 1e3, "forward_aten_ops": fwd_ops / LAYERS,
+            "backward_aten_ops": bwd_ops / LAYERS, "model_kernels": kernels, "seconds_per_kernel": (f + b) / kernels}
+
+
+def table(rows: list[dict], current: float) -> str:
+    lines = [f"{'layer':<8} {'fwd ms':>7} {'bwd ms':>7} {'aten ops f/b':>13} {'model kernels':>14} "
+             f"{'host us / kernel':>17}"]
+    for r in rows:
+        lines.append(f"{r['layer']:<8} {r['forward_ms']:>7.3f} {r['backward_ms']:>7.3f} "
+                     f"{r['forward_aten_ops']:>6.0f}/{r['backward_aten_ops']:<6.0f} {r['model_kernels']:>14d} "
+                     f"{r['seconds_per_kernel'] * 1e6:>17.1f}")
+    mean = statistics.fmean(r["seconds_per_kernel"] for r in rows)
+    lines.append(f"mean: {mean * 1e6:.1f} us per kernel; the cost model's HOST_SECONDS_PER_KERNEL: {current * 1e6:.1f} us")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--repeats", type=int, default=30, help="timed passes (median)")
+    add_output_args(parser)
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+
+    import torch
+
+    from megatron_spindle.estimator.cost_model import HOST_SECONDS_PER_KERNEL
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("host_floor: CUDA is not available (use --device cpu)", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    recording = Recording(args, "host_floor")
+    start = time.perf_counter()
+    print(f"host_floor: the runtime's megatron-core layers at hidden 64, {SEQ} tokens, batch {BATCH}, {LAYERS} layers "
+          f"per pass, {args.repeats} passes (median), device {args.device}, torch {torch.__version__}")
+    rows = measure(torch, args.device, args.repeats)
+    print(table(rows, HOST_SECONDS_PER_KERNEL))
+    print(f"({time.perf_counter() - start:.0f} s)")
+    recording.save({"device": args.device, "rows": rows, "host_seconds_per_kernel": HOST_SECONDS_PER_KERNEL})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
