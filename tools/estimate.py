@@ -9,7 +9,8 @@
 
 layer: forward and backward of one layer on one GPU (kernels, TP all-reduces inside a node, the host's launch
 floor; no gradient sync) and the achieved model FLOP/s of forward + backward per GPU. --json prints
-{"forward_ms", "backward_ms", "tflops", ...}.
+{"forward_ms", "backward_ms", "tflops", "launch_floor_ms", "host_bound", ...}: the host's time to issue the
+layer (measured per kernel, benchmarks/host_floor.py) and whether it, not the GPU, sets the layer's time.
 
 collective: one collective over a group of --num-gpus GPUs: consecutive GPUs on nodes of --gpus-per-node, or with
 --strided spread over --num-nodes nodes (default: one GPU per node) while the other groups of that layout (one per
@@ -99,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def estimate_layer(args) -> dict:
-    from megatron_spindle.estimator.cost_model import CostModelConfig, layer_seconds
+    from megatron_spindle.estimator.cost_model import CostModelConfig, layer_launch_floor, layer_seconds
     from megatron_spindle.estimator.op_kernels import LayerShape
     from megatron_spindle.graph.cluster import make_cluster
 
@@ -113,11 +114,14 @@ def estimate_layer(args) -> dict:
         attention=args.attention, bias=not args.disable_bias_linear,
         rotary=args.position_embedding_type == "rope", fused_softmax=args.masked_softmax_fusion)
     recompute = args.recompute_granularity == "full"
-    forward, backward = layer_seconds(shape, cluster, CostModelConfig(attention=args.attention, recompute=recompute))
+    config = CostModelConfig(attention=args.attention, recompute=recompute)
+    forward, backward = layer_seconds(shape, cluster, config)
+    floor = layer_launch_floor(shape, cluster, config)
     flops = 3 * shape.forward_flops()  # model FLOPs of forward + backward on this GPU
     return {"forward_ms": forward * 1e3, "backward_ms": backward * 1e3, "tflops": flops / (forward + backward) / 1e12,
-            "model_flops_per_gpu": flops, "gpu_type": args.gpu_type, "tensor_model_parallel_size": tp,
-            "attention": args.attention}
+            "model_flops_per_gpu": flops, "launch_floor_ms": floor * 1e3,
+            "host_bound": floor >= forward + backward - 1e-12, "gpu_type": args.gpu_type,
+            "tensor_model_parallel_size": tp, "attention": args.attention}
 
 
 def collective_group(args, cluster_of):
@@ -164,7 +168,9 @@ def describe(result: dict, command: str) -> str:
     if command == "layer":
         return (f"layer on one {result['gpu_type']} (tp {result['tensor_model_parallel_size']}, "
                 f"{result['attention']} attention): forward {result['forward_ms']:.3f} ms, backward "
-                f"{result['backward_ms']:.3f} ms, {result['tflops']:.3g} TFLOP/s (model FLOPs, fwd + bwd)")
+                f"{result['backward_ms']:.3f} ms, {result['tflops']:.3g} TFLOP/s (model FLOPs, fwd + bwd); the host "
+                f"issues it in {result['launch_floor_ms']:.3f} ms"
+                + (" (host-bound: the launch floor sets the time)" if result["host_bound"] else ""))
     return (f"{result['op']} of {result['bytes']} bytes over {result['num_gpus']} {result['gpu_type']} GPUs "
             f"({result['ranks_per_node']} per node, {result['concurrent_groups']} group(s) at once): "
             f"{result['seconds'] * 1e6:.1f} us, bus bandwidth {result['bus_bandwidth_gb_s']:.2f} GB/s")

@@ -160,13 +160,18 @@ def phase_times(kernels: LayerTime, tp_allreduces: int, tp_allreduce_seconds: fl
     the host's time, split between the phases like the GPU work (the host runs ahead across the phases)."""
     tp = tp_allreduces * tp_allreduce_seconds
     forward, backward = kernels.forward + tp, kernels.backward + tp
-    host = (kernels.forward_kernels + kernels.backward_kernels + 2 * tp_allreduces) * launch_seconds
+    host = host_seconds(kernels, tp_allreduces, launch_seconds)
     gpu = forward + backward
     if host <= gpu:
         return forward, backward
     if gpu <= 0:
         return host / 3, 2 * host / 3
     return forward * host / gpu, backward * host / gpu
+
+
+def host_seconds(kernels: LayerTime, tp_allreduces: int, launch_seconds: float) -> float:
+    """The host's time to issue one operator's kernels and TP all-reduces (per phase), forward + backward."""
+    return (kernels.forward_kernels + kernels.backward_kernels + 2 * tp_allreduces) * launch_seconds
 
 
 def step_phases(cost_model, metaop: MetaOp, tp: int, dp: int, forward_fraction: float | None = None,
@@ -202,6 +207,13 @@ def layer_seconds(shape: LayerShape, cluster: ClusterSpec, config: CostModelConf
     comm = CommModel(cluster)
     return phase_times(kernels, shape.tp_allreduces, comm.tp_allreduce_seconds(shape.tp_allreduce_bytes, shape.tp),
                        launch_seconds(config, cluster.gpu))
+
+
+def layer_launch_floor(shape: LayerShape, cluster: ClusterSpec, config: CostModelConfig | None = None) -> float:
+    """The host's seconds to issue that layer's forward + backward: ``layer_seconds`` is at least this."""
+    config = config or CostModelConfig()
+    kernels = layer_time(KernelModel(cluster.gpu, config.memory_efficiency), shape, config.recompute)
+    return host_seconds(kernels, shape.tp_allreduces, launch_seconds(config, cluster.gpu))
 
 
 def _parse_unit(param_name: str) -> tuple[str, str]:
@@ -571,9 +583,7 @@ class AnalyticCostModel:
 
     def launch_floor_seconds(self, metaop: MetaOp, tp: int, dp: int = 1) -> float:
         """Host time to launch one operator's kernels and TP collectives, forward + backward."""
-        kt = self.kernel_time(metaop, tp, dp)
-        kernels = kt.forward_kernels + kt.backward_kernels + 2 * self._tp_allreduces(metaop, tp)
-        return kernels * self.launch_seconds
+        return host_seconds(self.kernel_time(metaop, tp, dp), self._tp_allreduces(metaop, tp), self.launch_seconds)
 
     def recompute_seconds(self, metaop: MetaOp, tp: int, dp: int, recompute, num_layers: int) -> float:
         """Seconds the backward of ``num_layers`` operators of ``metaop`` spends recomputing under ``recompute``

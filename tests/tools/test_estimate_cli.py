@@ -40,6 +40,24 @@ def test_layer_json_is_the_library_estimate():
     assert text.returncode == 0 and "forward" in text.stdout and "TFLOP/s" in text.stdout and "A800" in text.stdout
 
 
+def test_layer_reports_the_launch_floor_and_whether_it_sets_the_time():
+    """A CLIP text layer at 8 samples waits for the host (its time is the floor); a GPT-4096 layer does not."""
+    from megatron_spindle.estimator.cost_model import layer_launch_floor
+
+    small = json.loads(estimate("layer", "--hidden-size", "512", "--num-attention-heads", "8", "--ffn-hidden-size",
+                                "2048", "--seq-length", "77", "--micro-batch-size", "8", "--json").stdout)
+    shape = LayerShape(8, 77, 512, 8, 2048)
+    floor = layer_launch_floor(shape, make_cluster(8, 8, "A800-80GB"))
+    assert small["launch_floor_ms"] == pytest.approx(floor * 1e3)
+    assert small["host_bound"] and small["forward_ms"] + small["backward_ms"] == pytest.approx(floor * 1e3)
+    large = json.loads(estimate("layer", "--hidden-size", "4096", "--num-attention-heads", "32", "--ffn-hidden-size",
+                                "16384", "--seq-length", "2048", "--micro-batch-size", "1", "--json").stdout)
+    assert not large["host_bound"] and large["forward_ms"] + large["backward_ms"] > large["launch_floor_ms"]
+    text = estimate("layer", "--hidden-size", "512", "--num-attention-heads", "8", "--ffn-hidden-size", "2048",
+                    "--seq-length", "77", "--micro-batch-size", "8").stdout
+    assert "host-bound" in text
+
+
 def test_collective_json_is_the_library_estimate_in_nccl_tests_units():
     out = estimate("collective", "--op", "all_reduce", "--bytes", "64M", "--num-gpus", "16", "--json")
     assert out.returncode == 0, out.stderr
