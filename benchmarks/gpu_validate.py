@@ -178,7 +178,7 @@ def host_points(torch, device, dry) -> list[dict]:
     against the cost model's floor for them (its kernel count x HOST_SECONDS_PER_KERNEL)."""
     from host_floor import measure
 
-    from megatron_spindle.estimator.cost_model import HOST_SECONDS_PER_KERNEL
+    from megatron_spindle.estimator.host import HOST_SECONDS_PER_KERNEL
 
     return [{"point": f"host floor, {r['layer']} layer fwd+bwd", "unit": "ms",
              "measured": r["forward_ms"] + r["backward_ms"], "model": r["model_kernels"] * HOST_SECONDS_PER_KERNEL * 1e3}

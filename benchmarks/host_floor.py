@@ -2,7 +2,7 @@
 
 Eager PyTorch spends host time on every op (Python, megatron-core's module logic, the dispatcher, the launch),
 whatever the op's size; a layer whose kernels finish sooner waits for the host. The cost model charges
-``kernels x HOST_SECONDS_PER_KERNEL`` per layer (estimator/cost_model.py) against its GPU time. This measures that
+``kernels x HOST_SECONDS_PER_KERNEL`` per layer (estimator/host.py) against its GPU time. This measures that
 floor on the runtime's own megatron-core layers (models.operator.build_operator, the spec the runtime takes here)
 at tiny shapes, where the kernels take no time: forward and backward per layer, the aten ops they run, and the
 host seconds per kernel of the cost model's kernel count for the same layer (op_kernels.layer_time).
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from megatron_spindle.estimator.cost_model import HOST_SECONDS_PER_KERNEL
+    from megatron_spindle.estimator.host import HOST_SECONDS_PER_KERNEL
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("host_floor: CUDA is not available (use --device cpu)", file=sys.stderr)

@@ -166,7 +166,7 @@ def test_launch_floor_bounds_tiny_ops(tiny_clip, cluster8):
 
 
 def test_the_launch_floor_is_the_measured_one_on_gpus_and_the_placeholder_on_the_cpu_type(tiny_clip, cluster8):
-    from megatron_spindle.estimator.cost_model import (
+    from megatron_spindle.estimator.host import (
         CPU_PLACEHOLDER_HOST_SECONDS_PER_KERNEL,
         HOST_SECONDS_PER_KERNEL,
     )
