@@ -48,26 +48,20 @@ def model_kernels(name: str) -> int:
     return t.forward_kernels + t.backward_kernels
 
 
-class _CountOps:
-    """Counts the aten ops of one pass (a torch dispatch mode)."""
+def _aten_ops(fn) -> int:
+    """The aten ops ``fn()`` runs (a torch dispatch mode counting them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def __init__(self, torch):
-        from torch.utils._python_dispatch import TorchDispatchMode
+    class Count(TorchDispatchMode):
+        ops = 0
 
-        class Mode(TorchDispatchMode):
-            count = 0
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
 
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                Mode.count += 1
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Mode
-
-    def __call__(self, fn) -> int:
-        self.mode.count = 0
-        with self.mode():
-            fn()
-        return self.mode.count
+    with Count() as counter:
+        fn()
+    return counter.ops
 
 
 def _without_shim_mode():
@@ -112,10 +106,9 @@ def _measure_layer(torch, device: str, name: str, repeats: int) -> dict:
     grad = torch.randn_like(x)
     for _ in range(5):  # warm-up (allocator, lazy inits)
         op([x], None).backward(grad)
-    count = _CountOps(torch)
-    fwd_ops = count(lambda: op([x], None))
+    fwd_ops = _aten_ops(lambda: op([x], None))
     y = op([x], None)
-    bwd_ops = count(lambda: y.backward(grad))
+    bwd_ops = _aten_ops(lambda: y.backward(grad))
     fwd, bwd = [], []
     for _ in range(repeats):
         if cuda:

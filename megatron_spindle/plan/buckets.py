@@ -21,21 +21,22 @@ and the simulator times the same buckets, so both agree on what is reduced when:
   ``synced_micro_batches``.
 - **Weight gathers** (ZeRO 1 and 2 with ``settings.overlap_param_gather``, Megatron's
   ``--overlap-param-gather``): after the optimizer step the updated weights are all-gathered bucket by bucket
-  (the gradient buckets), issued at once in the order the next forward first uses them (``gather_key``: the
+  (the gradient buckets), issued at once in the order the next forward first uses them (``gather_order``: the
   first forward step using one of the bucket's units, then that unit's position, then group and index), and
   a layer's forward waits only for its own bucket.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple, TypeVar
 
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.plan.layout import SliceGeometry, slice_units
 from megatron_spindle.plan.order import BWD, FWD, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings
 
+_B = TypeVar("_B")
 DEFAULT_BUCKET_NUMEL = 40_000_000  # megatron-core DDP: max(40M, 1M * dp size) parameters per bucket
 BUCKET_NUMEL_PER_MEMBER = 1_000_000
 
@@ -133,7 +134,7 @@ def unit_first_use(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[st
     return first
 
 
-def gather_key(units: Sequence[str], first_use: Mapping[str, FirstUse], devices: Sequence[int],
-               index: int) -> tuple:
-    """Sort key of a bucket in the weight gathers' issue order (module docstring)."""
-    return (min(first_use[u] for u in units), tuple(devices), index)
+def gather_order(buckets: Iterable[_B], first_use: Mapping[str, FirstUse]) -> list[_B]:
+    """The buckets (anything with ``units``, ``devices`` and ``index``: the runtime's and the simulator's) in the
+    weight gathers' issue order (module docstring)."""
+    return sorted(buckets, key=lambda b: (min(first_use[u] for u in b.units), tuple(b.devices), b.index))

@@ -4,7 +4,7 @@
 Without it, the engine all-gathers every parameter device group's updated master shards right after the
 optimizer step and loads the full weights into the operators before the step returns. With it, ``start``
 issues the all-gather of every gradient bucket (the same buckets, runtime/grad_buffers.py) asynchronously
-(``async_op=True``) right after the step, in plan/buckets.py's ``gather_key`` order (the order the next
+(``async_op=True``) right after the step, in plan/buckets.py's ``gather_order`` (the order the next
 forward first uses them, the same on every member), and returns; the operators keep their old weights
 ("stale") until a layer is about to run: a forward pre-hook on each unit's module waits for that unit's
 bucket and loads the bucket's weights into every local operator holding them, so a slice's later layers
@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 
-from megatron_spindle.plan.buckets import gather_key
+from megatron_spindle.plan.buckets import gather_order
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.optimizer import MasterOptimizer
 from megatron_spindle.runtime.shards import PendingGather
@@ -121,5 +121,4 @@ class ParamGather:
 
 def gather_buckets(grad_buckets, first_use) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
     """(devices, units) of the gradient buckets in the weight gathers' issue order (plan/buckets.py)."""
-    ordered = sorted(grad_buckets, key=lambda b: gather_key(b.units, first_use, b.devices, b.index))
-    return [(b.devices, b.units) for b in ordered]
+    return [(b.devices, b.units) for b in gather_order(grad_buckets, first_use)]

@@ -75,7 +75,7 @@ from megatron_spindle.estimator.transfer import (
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.buckets import gather_key, synced_micro_batches, unit_first_use
+from megatron_spindle.plan.buckets import gather_order, synced_micro_batches, unit_first_use
 from megatron_spindle.plan.derive import plan_slice_pairs
 from megatron_spindle.plan.layout import micro_batch_metaop, slice_units, stepped_elements
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, plan_memory
@@ -379,15 +379,14 @@ def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool
 def _gather_collectives(ctx: _Context, timer: CollectiveTimer, tasks: list[Task],
                         index) -> tuple[list[Collective], list[int]]:
     """The weights' all-gather of every bucket of the gathering groups (plan/buckets.py: the gradient buckets,
-    in ``gather_key`` order), issued at time 0; in the first micro-batch's forward of a slice each layer waits
+    in ``gather_order``), issued at time 0; in the first micro-batch's forward of a slice each layer waits
     for the buckets of its units (the slice's first layer before the slice starts, the others at the fraction
     of its work where they begin). Returns the collectives and each one's group."""
     gpn = ctx.cluster.gpus_per_node
     gathering = {gi for gi, _ in param_gathers(ctx.plan, ctx.groups)}
     waves = [w.slices for w in ctx.plan.waves]
     first_use = unit_first_use(waves, ctx.metaops, ctx.plan.settings)
-    buckets = sorted((b for b in ctx.buckets if b.group in gathering),
-                     key=lambda b: gather_key(b.units, first_use, b.devices, b.index))
+    buckets = gather_order((b for b in ctx.buckets if b.group in gathering), first_use)
     out, bucket_of_unit = [], {}
     for b in buckets:
         nbytes = b.params * WEIGHT_BYTES_PER_PARAM / ctx.groups[b.group].tp  # bf16 weights of one TP shard
