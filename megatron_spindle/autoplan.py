@@ -17,6 +17,10 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
   wavefront planner on its nodes (planner/node_groups.py), one candidate per number of groups: activations
   never cross a node, only the shared towers' gradient sync does; with the CP-SAT planner, the fastest of
   them again with each group refined by CP-SAT;
+- each of them with its light levels pinned to their partners' devices (planner/light_levels.py
+  ``pinned_plan``): front ends, heads and losses run data-parallel on the devices of the slice they exchange
+  activations with, so those hand-offs are local copies instead of transfers across devices and nodes, while
+  the light waves multiply and the light units' parameter device groups follow the towers';
 - each of them with the distributed optimizer (ZeRO-1) as well when it plans without: reduce-scatter in the
   backward and a weight all-gather after the step instead of the all-reduce, and less memory;
 - the fallback ``task-sequential``: Spindle's runtime with each task on the whole cluster in turn (the
@@ -40,6 +44,7 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.memory import plan_memory
 from megatron_spindle.plan.schema import Plan, PlanError
+from megatron_spindle.planner.light_levels import pinned_plan
 from megatron_spindle.planner.node_groups import node_group_partitions, plan_node_groups
 from megatron_spindle.planner.objective import estimate_iteration
 from megatron_spindle.planner.pipeline import PlannerConfig, PlanningResult, plan_workload
@@ -118,6 +123,7 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
         planned.append((name, result, time.perf_counter() - started))
     planned += _early_backward_candidates(workload, cluster, config, profile, planned, placements)
     planned += _node_group_candidates(workload, cluster, config, profile, planned, sim_cost_model)
+    planned += _pinned_candidates(workload, cluster, config, planned)
     if config.select == "simulate" and not config.fixes_memory_options():
         planned += _task_sequential(workload, cluster, planned[0][1], sim_cost_model)
     out = select_fastest(workload, cluster, planned, config, say, sim_cost_model)
@@ -182,6 +188,27 @@ def _node_group_candidates(workload: Workload, cluster: ClusterSpec, config: Pla
     except PlanError:
         return out
     return out + [(f"{out[best][0]}+cpsat", refined, time.perf_counter() - started)]
+
+
+def _pinned_candidates(workload: Workload, cluster: ClusterSpec, config: PlannerConfig,
+                       planned: list[tuple[str, PlanningResult, float]]):
+    """Every candidate again with its light levels (front ends, heads, losses) on the devices of the slices they
+    exchange activations with (planner/light_levels.py ``pinned_plan``): their hand-offs become local copies,
+    at the price of more light waves and of parameter device groups that follow the towers. Whether that pays
+    depends on the gradient sync and weight gathers of those groups, so the simulator decides."""
+    if config.select == "none":
+        return []
+    out = []
+    for name, result, _ in planned:
+        started = time.perf_counter()
+        try:
+            plan = pinned_plan(result.plan, result.metagraph, result.curves, workload, cluster, result.cost_model,
+                               result.memory_model, result.level_allocs)
+        except PlanError:  # the light slices' memory on their partners' devices does not fit
+            continue
+        if plan is not None:
+            out.append((f"{name}+pinned", dataclasses.replace(result, plan=plan), time.perf_counter() - started))
+    return out
 
 
 def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple[str, PlanningResult, float]],

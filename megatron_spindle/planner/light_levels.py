@@ -8,15 +8,26 @@ the data-parallel degree of the slice it exchanges activations with (a front end
 a head or a loss: its producer's last slice), TP 1 (light operators do not split), and the level's slices are
 packed first-fit into waves of at most N devices. Placement then puts each one where its rows are (local
 copies). A MetaOp whose neighbour's degree is not one of its valid device counts keeps its slice.
+
+Placement still moves some of them elsewhere (a wave's packing, memory), so after placement ``pin_to_partners``
+puts every light slice on exactly its partner's data-parallel devices and packs the light levels again into
+waves of disjoint devices; ``pinned_plan`` does it to a finished plan, which plan selection
+(megatron_spindle/autoplan.py) times beside the unpinned one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from megatron_spindle.estimator.configs import LIGHT_KINDS
+from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph
+from megatron_spindle.graph.workload import Workload
+from megatron_spindle.plan.schema import Plan
+from megatron_spindle.planner.assemble import assemble_plan, slice_id
+from megatron_spindle.planner.objective import estimate_iteration
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
 
 
@@ -96,4 +107,108 @@ def _retime(waves: list[ScheduledWave]) -> list[ScheduledWave]:
     for w in waves:
         out.append(ScheduledWave(w.level, t, w.duration, list(w.slices)))
         t += w.duration
+    return out
+
+
+def pin_to_partners(waves: Sequence[ScheduledWave], metagraph: MetaGraph, curves: Mapping,
+                    time_scale: float = 1.0) -> list[ScheduledWave]:
+    """Placed waves with every light level's slices on the devices of the slice they exchange activations with.
+
+    After placement a light MetaOp may still sit on other devices than its partner (``_partner``), so its
+    hand-off crosses devices, often nodes. Here it runs data-parallel on its partner's data-parallel degree,
+    data-parallel rank k on the device of the partner's rank k (its first TP rank), so the hand-off is a local
+    copy (and an NVLink copy to the other TP ranks). Slices whose partner's degree is not a valid count of their
+    own keep their devices. Two slices on common devices cannot share a wave any more, so each light level is
+    packed again (longest first into the first wave whose devices are disjoint from it) and every wave re-timed
+    back to back. Levels are pinned in order, so a loss follows its head where it was pinned. ``time_scale``:
+    the waves' time per curve time (the micro-batches of an iteration). Returns ``waves`` itself when nothing
+    moves."""
+    light = light_levels(metagraph)
+    if not light:
+        return waves
+    first, last = {}, {}
+    for w in waves:
+        for s in w.slices:
+            if s.layer_start == 0:
+                first.setdefault(s.metaop, s)
+            if s.layer_end == metagraph.metaops[s.metaop].num_layers:
+                last[s.metaop] = s
+    consumers: dict[str, list[str]] = {}
+    for src, dst in metagraph.edges:
+        consumers.setdefault(src, []).append(dst)
+    out: list[ScheduledWave] = []
+    moved = False
+    for level in sorted({w.level for w in waves}):
+        mine = [w for w in waves if w.level == level]
+        if level not in light:
+            out += mine
+            continue
+        pinned = []
+        for w in mine:
+            for s in w.slices:
+                new = _pinned(s, metagraph, curves, _partner(s.metaop, metagraph, first, last, consumers),
+                              time_scale)
+                moved |= new is not s
+                pinned.append(new)
+                first[s.metaop] = last[s.metaop] = new
+        out += _pack_disjoint(level, pinned)
+    return _retime(out) if moved else waves
+
+
+def _pinned(s: ScheduledSlice, metagraph: MetaGraph, curves: Mapping, partner: ScheduledSlice | None,
+            time_scale: float) -> ScheduledSlice:
+    """``s`` on its partner's data-parallel devices, or ``s`` itself when it already is or cannot be."""
+    curve = curves.get(s.metaop)
+    if partner is None or partner.devices is None or curve is None:
+        return s
+    dp = partner.dp
+    devices = [partner.devices[k * partner.tp] for k in range(dp)]
+    if (s.tp, s.dp, s.devices) == (1, dp, devices):
+        return s
+    if dp not in curve.valid_ns or curve.config(dp) != (1, dp) or metagraph.metaops[s.metaop].batch % dp:
+        return s
+    layers = s.layer_end - s.layer_start
+    return ScheduledSlice(s.metaop, dp, 1, dp, s.layer_start, s.layer_end, curve.time(dp) * layers * time_scale,
+                          devices)
+
+
+def _pack_disjoint(level: int, slices: list[ScheduledSlice]) -> list[ScheduledWave]:
+    """Longest slice first into the first wave whose devices it does not touch (and whose MetaOps it is not)."""
+    bins: list[tuple[set[int], list[ScheduledSlice]]] = []
+    for s in sorted(slices, key=lambda s: (-s.time, s.metaop)):
+        for used, members in bins:
+            if used.isdisjoint(s.devices) and all(x.metaop != s.metaop for x in members):
+                used.update(s.devices)
+                members.append(s)
+                break
+        else:
+            bins.append((set(s.devices), [s]))
+    return [ScheduledWave(level, 0.0, max(s.time for s in members), members) for _, members in bins]
+
+
+def pinned_plan(plan: Plan, metagraph: MetaGraph, curves: Mapping, workload: Workload, cluster: ClusterSpec,
+                cost_model, memory_model, level_allocs=None) -> Plan | None:
+    """``plan`` with its light levels pinned to their partners (``pin_to_partners``) and everything derived
+    again (transfers, parameter device groups, memory, the planner's estimate); None when nothing moves or
+    the plan has an explicit execution order (its steps name waves by index). Per-slice recomputation keeps
+    its slices under their new wave indices."""
+    settings = plan.settings
+    if settings.order is not None or settings.segments is not None or settings.backward_order is not None:
+        return None
+    waves = [ScheduledWave(w.level, w.start, w.duration,
+                           [ScheduledSlice(s.metaop, len(s.devices), s.tp, s.dp, s.layer_start, s.layer_end,
+                                           s.predicted_time, list(s.devices)) for s in w.slices])
+             for w in plan.waves]
+    pinned = pin_to_partners(waves, metagraph, curves, settings.micro_batches)
+    if pinned is waves:
+        return None
+    index = {(s.metaop, s.layer_start): wi for wi, w in enumerate(pinned) for s in w.slices}
+    recompute = {slice_id(index[(s.metaop, s.layer_start)], s.metaop): settings.slice_recompute[s.id]
+                 for w in plan.waves for s in w.slices if s.id in settings.slice_recompute}
+    out = assemble_plan(workload, cluster, metagraph, pinned, cost_model, memory_model, dict(plan.planner),
+                        level_allocs=level_allocs, curves=curves,
+                        settings=dataclasses.replace(settings, slice_recompute=recompute))
+    out.planner["light_levels"] = "pinned to their partners' devices"
+    out.predicted["micro_batch_time"] = out.predicted["iteration_time"] / settings.micro_batches
+    out.predicted.update(estimate_iteration(out, metagraph, cluster, cost_model).as_predicted())
     return out
