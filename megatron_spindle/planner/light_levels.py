@@ -44,12 +44,7 @@ def follow_neighbours(waves: Sequence[ScheduledWave], metagraph: MetaGraph, curv
     light = light_levels(metagraph)
     if not light:
         return list(waves)
-    slices = [s for w in waves for s in w.slices]
-    first = {s.metaop: s for s in slices if s.layer_start == 0}
-    last = {s.metaop: s for s in slices if s.layer_end == metagraph.metaops[s.metaop].num_layers}
-    consumers: dict[str, list[str]] = {}
-    for src, dst in metagraph.edges:
-        consumers.setdefault(src, []).append(dst)
+    first, last, consumers = _chain_ends(waves, metagraph)
     out: list[ScheduledWave] = []
     for level in sorted({w.level for w in waves}):
         mine = [w for w in waves if w.level == level]
@@ -75,6 +70,17 @@ def follow_neighbours(waves: Sequence[ScheduledWave], metagraph: MetaGraph, curv
                     first[m.id] = new
         out += _pack(level, relaid, num_devices)
     return _retime(out)
+
+
+def _chain_ends(waves: Sequence[ScheduledWave], metagraph: MetaGraph):
+    """Each MetaOp's first and last slice, and each MetaOp's consumers."""
+    slices = [s for w in waves for s in w.slices]
+    first = {s.metaop: s for s in reversed(slices) if s.layer_start == 0}
+    last = {s.metaop: s for s in slices if s.layer_end == metagraph.metaops[s.metaop].num_layers}
+    consumers: dict[str, list[str]] = {}
+    for src, dst in metagraph.edges:
+        consumers.setdefault(src, []).append(dst)
+    return first, last, consumers
 
 
 def _partner(mid: str, metagraph: MetaGraph, first, last, consumers) -> ScheduledSlice | None:
@@ -126,16 +132,7 @@ def pin_to_partners(waves: Sequence[ScheduledWave], metagraph: MetaGraph, curves
     light = light_levels(metagraph)
     if not light:
         return waves
-    first, last = {}, {}
-    for w in waves:
-        for s in w.slices:
-            if s.layer_start == 0:
-                first.setdefault(s.metaop, s)
-            if s.layer_end == metagraph.metaops[s.metaop].num_layers:
-                last[s.metaop] = s
-    consumers: dict[str, list[str]] = {}
-    for src, dst in metagraph.edges:
-        consumers.setdefault(src, []).append(dst)
+    first, last, consumers = _chain_ends(waves, metagraph)
     out: list[ScheduledWave] = []
     moved = False
     for level in sorted({w.level for w in waves}):
