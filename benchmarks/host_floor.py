@@ -5,7 +5,9 @@ whatever the op's size; a layer whose kernels finish sooner waits for the host. 
 ``kernels x HOST_SECONDS_PER_KERNEL`` per layer (estimator/host.py) against its GPU time. This measures that
 floor on the runtime's own megatron-core layers (models.operator.build_operator, the spec the runtime takes here)
 at tiny shapes, where the kernels take no time: forward and backward per layer, the aten ops they run, and the
-host seconds per kernel of the cost model's kernel count for the same layer (op_kernels.layer_time).
+host seconds per kernel of the cost model's kernel count for the same layer (op_kernels.layer_time), and how much
+more host time a forward kernel takes than a backward one (the cost model's HOST_FORWARD_KERNEL_WEIGHT: the
+forward runs megatron-core's Python, the backward autograd's C++).
 
 On CPU the ops run in place, so the figure is host time plus the (negligible) work of 8-token tensors; the
 CPU shim's torch-function mode (compat/cpu.py), which a GPU run does not have, is switched off while timing (the
@@ -33,8 +35,8 @@ SHAPES = {  # tiny: the kernels take nothing next to the host
 SEQ, BATCH = 8, 1
 
 
-def model_kernels(name: str) -> int:
-    """Kernels the cost model counts for one such layer, forward + backward (unfused attention: the local spec)."""
+def model_kernels(name: str) -> tuple[int, int]:
+    """Kernels the cost model counts for one such layer, forward and backward (unfused attention: the local spec)."""
     from megatron_spindle.estimator.kernels import KernelModel
     from megatron_spindle.estimator.op_kernels import LayerShape, layer_time
     from megatron_spindle.graph.cluster import GPU_TYPES
@@ -45,7 +47,7 @@ def model_kernels(name: str) -> int:
                        kv_groups=s["num_query_groups"], swiglu=llm, causal=llm, attention="unfused", bias=not llm,
                        rotary=llm)
     t = layer_time(KernelModel(GPU_TYPES["A800-80GB"]), shape)
-    return t.forward_kernels + t.backward_kernels
+    return t.forward_kernels, t.backward_kernels
 
 
 def _aten_ops(fn) -> int:
@@ -123,20 +125,31 @@ def _measure_layer(torch, device: str, name: str, repeats: int) -> dict:
         fwd.append((t1 - t0) / LAYERS)
         bwd.append((t2 - t1) / LAYERS)
     f, b = statistics.median(fwd), statistics.median(bwd)
-    kernels = model_kernels(name)
+    fk, bk = model_kernels(name)
     return {"layer": name, "forward_ms": f * 1e3, "backward_ms": b * 1e3, "forward_aten_ops": fwd_ops / LAYERS,
-            "backward_aten_ops": bwd_ops / LAYERS, "model_kernels": kernels, "seconds_per_kernel": (f + b) / kernels}
+            "backward_aten_ops": bwd_ops / LAYERS, "model_kernels": fk + bk, "model_forward_kernels": fk,
+            "model_backward_kernels": bk, "seconds_per_kernel": (f + b) / (fk + bk)}
 
 
-def table(rows: list[dict], current: float) -> str:
-    lines = [f"{'layer':<8} {'fwd ms':>7} {'bwd ms':>7} {'aten ops f/b':>13} {'model kernels':>14} "
+def forward_kernel_weight(rows: list[dict]) -> float:
+    """Host time of a counted forward kernel over a backward one, pooled over the rows (the cost model's
+    HOST_FORWARD_KERNEL_WEIGHT)."""
+    forward = sum(r["forward_ms"] for r in rows) / sum(r["model_forward_kernels"] for r in rows)
+    return forward / (sum(r["backward_ms"] for r in rows) / sum(r["model_backward_kernels"] for r in rows))
+
+
+def table(rows: list[dict], current: float, weight: float) -> str:
+    lines = [f"{'layer':<8} {'fwd ms':>7} {'bwd ms':>7} {'aten ops f/b':>13} {'model kernels f/b':>18} "
              f"{'host us / kernel':>17}"]
     for r in rows:
+        kernels = f"{r['model_forward_kernels']}/{r['model_backward_kernels']}"
         lines.append(f"{r['layer']:<8} {r['forward_ms']:>7.3f} {r['backward_ms']:>7.3f} "
-                     f"{r['forward_aten_ops']:>6.0f}/{r['backward_aten_ops']:<6.0f} {r['model_kernels']:>14d} "
+                     f"{r['forward_aten_ops']:>6.0f}/{r['backward_aten_ops']:<6.0f} {kernels:>18} "
                      f"{r['seconds_per_kernel'] * 1e6:>17.1f}")
     mean = statistics.fmean(r["seconds_per_kernel"] for r in rows)
     lines.append(f"mean: {mean * 1e6:.1f} us per kernel; the cost model's HOST_SECONDS_PER_KERNEL: {current * 1e6:.1f} us")
+    lines.append(f"a forward kernel's host time / a backward one's: {forward_kernel_weight(rows):.2f}; the cost "
+                 f"model's HOST_FORWARD_KERNEL_WEIGHT: {weight:.2f}")
     return "\n".join(lines)
 
 
@@ -151,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from megatron_spindle.estimator.host import HOST_SECONDS_PER_KERNEL
+    from megatron_spindle.estimator.host import HOST_FORWARD_KERNEL_WEIGHT, HOST_SECONDS_PER_KERNEL
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("host_floor: CUDA is not available (use --device cpu)", file=sys.stderr)
@@ -162,9 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host_floor: the runtime's megatron-core layers at hidden 64, {SEQ} tokens, batch {BATCH}, {LAYERS} layers "
           f"per pass, {args.repeats} passes (median), device {args.device}, torch {torch.__version__}")
     rows = measure(torch, args.device, args.repeats)
-    print(table(rows, HOST_SECONDS_PER_KERNEL))
+    print(table(rows, HOST_SECONDS_PER_KERNEL, HOST_FORWARD_KERNEL_WEIGHT))
     print(f"({time.perf_counter() - start:.0f} s)")
-    recording.save({"device": args.device, "rows": rows, "host_seconds_per_kernel": HOST_SECONDS_PER_KERNEL})
+    recording.save({"device": args.device, "rows": rows, "host_seconds_per_kernel": HOST_SECONDS_PER_KERNEL,
+                    "forward_kernel_weight": forward_kernel_weight(rows),
+                    "host_forward_kernel_weight": HOST_FORWARD_KERNEL_WEIGHT})
     return 0
 
 

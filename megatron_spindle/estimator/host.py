@@ -7,14 +7,20 @@ from megatron_spindle.estimator.op_kernels import LayerTime
 from megatron_spindle.graph.cluster import GPUSpec
 
 # Host time per kernel the model counts. Measured on the runtime's own
-# megatron-core layers at tiny shapes (benchmarks/host_floor.py) on a shared 2.8 GHz Xeon VM: 31-69 us per counted
-# kernel over runs (benchmarks/results/host_floor.txt: 53 us); we take the fastest runs' 36 us (an encoder layer
-# 1.0 ms forward + 0.7 ms backward), as a shared machine's contention only adds. On CUDA benchmarks/gpu_validate.sh
-# measures it again.
+# megatron-core layers at tiny shapes (benchmarks/host_floor.py) on shared Xeon VMs: 31-69 us per counted kernel
+# over the seventh session's runs, 29.5-30.5 us over four quiet runs of the eighth; we keep 36 us (an encoder layer
+# 1.0 ms forward + 0.7 ms backward), inside that range, as the VM is no GPU server's host. On CUDA
+# benchmarks/gpu_validate.sh measures it again.
 HOST_SECONDS_PER_KERNEL = 36e-6
 # The CPU device type (tests, planning for the gloo runtime) keeps the floor its placeholder numbers were set with,
 # so that the tiny workloads' plans keep the shape of GPU plans (graph/cluster.py "CPU").
 CPU_PLACEHOLDER_HOST_SECONDS_PER_KERNEL = 6e-6
+# Host time of a counted forward kernel over that of a backward one. Megatron-core's Python runs in the forward,
+# autograd's C++ engine runs the backward: the seventh session's snapshot measured the encoder layer 1.460 ms
+# forward / 1.102 ms backward over the model's 17 / 39 kernels and the LLM layer 2.159 / 1.591 ms over 24 / 38,
+# (3.619 ms / 41) / (2.693 ms / 77) = 2.52; four runs of the eighth session 2.66-2.70 (host_floor.txt). We take
+# 2.6: the forward is then 53-62 % of a layer's host time, measured 57-59 %.
+HOST_FORWARD_KERNEL_WEIGHT = 2.6
 
 
 def host_seconds_per_kernel(gpu: GPUSpec) -> float:
@@ -27,17 +33,24 @@ def host_seconds(kernels: LayerTime, tp_allreduces: int, launch_seconds: float) 
     return (kernels.forward_kernels + kernels.backward_kernels + 2 * tp_allreduces) * launch_seconds
 
 
+def host_phase_seconds(kernels: LayerTime, tp_allreduces: int, launch_seconds: float) -> tuple[float, float]:
+    """``host_seconds`` split into the forward's and the backward's (a forward kernel weighs
+    HOST_FORWARD_KERNEL_WEIGHT backward ones)."""
+    host = host_seconds(kernels, tp_allreduces, launch_seconds)
+    forward = HOST_FORWARD_KERNEL_WEIGHT * (kernels.forward_kernels + tp_allreduces)
+    backward = kernels.backward_kernels + tp_allreduces
+    share = forward / (forward + backward) if forward + backward > 0 else 0.0
+    return host * share, host * (1.0 - share)
+
+
 def phase_times(kernels: LayerTime, tp_allreduces: int, tp_allreduce_seconds: float,
                 launch_seconds: float) -> tuple[float, float]:
     """(forward, backward) seconds of one operator on one device: its kernels plus ``tp_allreduces`` TP
-    all-reduces per phase on the stream, or, when the host takes longer to launch them all (the launch floor),
-    the host's time, split between the phases like the GPU work (the host runs ahead across the phases)."""
+    all-reduces per phase on the stream, or the host's time to launch them where that is longer (the launch
+    floor). The host issues the forward, then the backward, running ahead of the GPU where it can: the forward
+    ends when both have done theirs, the backward when the GPU has run it and the host has issued all of it."""
     tp = tp_allreduces * tp_allreduce_seconds
-    forward, backward = kernels.forward + tp, kernels.backward + tp
-    host = host_seconds(kernels, tp_allreduces, launch_seconds)
-    gpu = forward + backward
-    if host <= gpu:
-        return forward, backward
-    if gpu <= 0:
-        return host / 3, 2 * host / 3
-    return forward * host / gpu, backward * host / gpu
+    gpu_forward, gpu_backward = kernels.forward + tp, kernels.backward + tp
+    host_forward, host_backward = host_phase_seconds(kernels, tp_allreduces, launch_seconds)
+    forward = max(gpu_forward, host_forward)
+    return forward, max(gpu_backward, host_forward + host_backward - forward)

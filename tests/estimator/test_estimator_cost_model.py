@@ -319,3 +319,25 @@ def test_invalid_configs_are_rejected(tiny_clip, cluster8):
 def test_bad_cost_model_constants_are_rejected(kwargs, message):
     with pytest.raises(EstimatorError, match=message):
         CostModelConfig(**kwargs)
+
+
+def test_the_host_floor_splits_by_the_measured_weight_of_a_forward_kernel():
+    """Hand-computed: 10 forward and 20 backward kernels at 1 ms each, a forward kernel weighing 2.6 backward
+    ones: the host spends 30 ms, 30 * 26 / 46 = 16.96 ms of it on the forward."""
+    from megatron_spindle.estimator.host import HOST_FORWARD_KERNEL_WEIGHT, phase_times
+    from megatron_spindle.estimator.op_kernels import LayerTime
+
+    assert HOST_FORWARD_KERNEL_WEIGHT == 2.6
+    host_forward = 30e-3 * 26 / 46
+    # host-bound in both phases: the host's own split
+    fwd, bwd = phase_times(LayerTime(1e-3, 2e-3, 10, 20), 0, 0.0, 1e-3)
+    assert (fwd, bwd) == pytest.approx((host_forward, 30e-3 - host_forward))
+    # GPU-bound in both: the kernels' time
+    assert phase_times(LayerTime(20e-3, 40e-3, 10, 20), 0, 0.0, 1e-3) == pytest.approx((20e-3, 40e-3))
+    # the forward waits for the host, the backward for the GPU: the backward's kernels cannot start before the
+    # forward's end, so the layer takes more than either total (16.96 + 20 ms > 30 ms of host, 25 ms of GPU)
+    fwd, bwd = phase_times(LayerTime(5e-3, 20e-3, 10, 20), 0, 0.0, 1e-3)
+    assert (fwd, bwd) == pytest.approx((host_forward, 20e-3))
+    # the forward's GPU work outlasts the host's, which runs ahead into the backward: max of the totals
+    fwd, bwd = phase_times(LayerTime(25e-3, 2e-3, 10, 20), 0, 0.0, 1e-3)
+    assert (fwd, bwd) == pytest.approx((25e-3, 5e-3))
