@@ -26,10 +26,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megatron_spindle.estimator import host
 from megatron_spindle.estimator.comm_model import CommModel, GroupPlacement, bucket_params
 from megatron_spindle.estimator.configs import valid_tp_degrees
 from megatron_spindle.estimator.errors import EstimatorError
-from megatron_spindle.estimator.host import host_seconds, host_seconds_per_kernel, phase_times
+from megatron_spindle.estimator.host import host_seconds, phase_times
 from megatron_spindle.estimator.kernels import KernelModel
 from megatron_spindle.estimator.light_ops import (
     FWD_BWD_FACTOR,
@@ -159,7 +160,7 @@ def step_phases(cost_model, metaop: MetaOp, tp: int, dp: int, forward_fraction: 
 
 
 def launch_seconds(config: CostModelConfig, gpu: GPUSpec) -> float:
-    return host_seconds_per_kernel(gpu) if config.launch_seconds is None else config.launch_seconds
+    return host.host_seconds_per_kernel(gpu) if config.launch_seconds is None else config.launch_seconds
 
 
 def layer_seconds(shape: LayerShape, cluster: ClusterSpec, config: CostModelConfig | None = None) -> tuple[float, float]:
@@ -169,7 +170,7 @@ def layer_seconds(shape: LayerShape, cluster: ClusterSpec, config: CostModelConf
     kernels = layer_time(KernelModel(cluster.gpu, config.memory_efficiency), shape, config.recompute)
     comm = CommModel(cluster)
     return phase_times(kernels, shape.tp_allreduces, comm.tp_allreduce_seconds(shape.tp_allreduce_bytes, shape.tp),
-                       launch_seconds(config, cluster.gpu))
+                       launch_seconds(config, cluster.gpu), host.host_forward_kernel_weight(cluster.gpu))
 
 
 def layer_launch_floor(shape: LayerShape, cluster: ClusterSpec, config: CostModelConfig | None = None) -> float:
@@ -209,6 +210,7 @@ class AnalyticCostModel:
         self.kernels = KernelModel(cluster.gpu, self.config.memory_efficiency)
         self.comm = CommModel(cluster)
         self.launch_seconds = launch_seconds(self.config, cluster.gpu)
+        self.host_forward_weight = host.host_forward_kernel_weight(cluster.gpu)
         self._param_counts: dict[str, int] = {}
         self._times: dict[tuple, LayerTime] = {}
 
@@ -499,7 +501,7 @@ class AnalyticCostModel:
     def _analytic_phases(self, metaop: MetaOp, tp: int, dp: int) -> tuple[float, float]:
         self._check_config(metaop, tp, dp)
         return phase_times(self.kernel_time(metaop, tp, dp), self._tp_allreduces(metaop, tp),
-                           self._tp_allreduce_seconds(metaop, tp, dp), self.launch_seconds)
+                           self._tp_allreduce_seconds(metaop, tp, dp), self.launch_seconds, self.host_forward_weight)
 
     # ---------------------------------------------------------------------------------------------- time
 
@@ -573,10 +575,10 @@ class AnalyticCostModel:
         """What one operator's forward + backward gains when its backward also reruns kernels of ``seconds`` and
         ``launches`` and ``allreduces`` TP all-reduces (phase_times: GPU time, or the host's launch floor)."""
         per_phase, ar_seconds = self._tp_allreduces(metaop, tp), self._tp_allreduce_seconds(metaop, tp, dp)
-        plain = sum(phase_times(kernels, per_phase, ar_seconds, self.launch_seconds))
+        plain = sum(phase_times(kernels, per_phase, ar_seconds, self.launch_seconds, self.host_forward_weight))
         rerun = dataclasses.replace(kernels, backward=kernels.backward + seconds + allreduces * ar_seconds,
                                     backward_kernels=kernels.backward_kernels + launches + allreduces)
-        return sum(phase_times(rerun, per_phase, ar_seconds, self.launch_seconds)) - plain
+        return sum(phase_times(rerun, per_phase, ar_seconds, self.launch_seconds, self.host_forward_weight)) - plain
 
     def layer_cost(self, metaop: MetaOp, tp: int, dp: int) -> LayerCost:
         """Seconds for ONE operator of ``metaop``, forward + backward, on tp * dp devices."""

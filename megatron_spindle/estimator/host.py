@@ -28,29 +28,42 @@ def host_seconds_per_kernel(gpu: GPUSpec) -> float:
     return CPU_PLACEHOLDER_HOST_SECONDS_PER_KERNEL if gpu.arch == "cpu" else HOST_SECONDS_PER_KERNEL
 
 
+def host_forward_kernel_weight(gpu: GPUSpec) -> float | None:
+    """HOST_FORWARD_KERNEL_WEIGHT on GPU types; None on the CPU type, whose placeholder floor keeps the rule it was
+    set with (``phase_times``): on a CPU the host and the kernels are one thread, there is no running ahead."""
+    return None if gpu.arch == "cpu" else HOST_FORWARD_KERNEL_WEIGHT
+
+
 def host_seconds(kernels: LayerTime, tp_allreduces: int, launch_seconds: float) -> float:
     """The host's time to issue one operator's kernels and TP all-reduces (per phase), forward + backward."""
     return (kernels.forward_kernels + kernels.backward_kernels + 2 * tp_allreduces) * launch_seconds
 
 
-def host_phase_seconds(kernels: LayerTime, tp_allreduces: int, launch_seconds: float) -> tuple[float, float]:
-    """``host_seconds`` split into the forward's and the backward's (a forward kernel weighs
-    HOST_FORWARD_KERNEL_WEIGHT backward ones)."""
+def host_phase_seconds(kernels: LayerTime, tp_allreduces: int, launch_seconds: float,
+                       forward_weight: float = HOST_FORWARD_KERNEL_WEIGHT) -> tuple[float, float]:
+    """``host_seconds`` split into the forward's and the backward's (a forward kernel weighs ``forward_weight``
+    backward ones)."""
     host = host_seconds(kernels, tp_allreduces, launch_seconds)
-    forward = HOST_FORWARD_KERNEL_WEIGHT * (kernels.forward_kernels + tp_allreduces)
+    forward = forward_weight * (kernels.forward_kernels + tp_allreduces)
     backward = kernels.backward_kernels + tp_allreduces
     share = forward / (forward + backward) if forward + backward > 0 else 0.0
     return host * share, host * (1.0 - share)
 
 
-def phase_times(kernels: LayerTime, tp_allreduces: int, tp_allreduce_seconds: float,
-                launch_seconds: float) -> tuple[float, float]:
+def phase_times(kernels: LayerTime, tp_allreduces: int, tp_allreduce_seconds: float, launch_seconds: float,
+                forward_weight: float | None = HOST_FORWARD_KERNEL_WEIGHT) -> tuple[float, float]:
     """(forward, backward) seconds of one operator on one device: its kernels plus ``tp_allreduces`` TP
     all-reduces per phase on the stream, or the host's time to launch them where that is longer (the launch
     floor). The host issues the forward, then the backward, running ahead of the GPU where it can: the forward
-    ends when both have done theirs, the backward when the GPU has run it and the host has issued all of it."""
+    ends when both have done theirs, the backward when the GPU has run it and the host has issued all of it.
+    ``forward_weight`` None (the CPU type): the larger of the two totals, split like the kernels' time."""
     tp = tp_allreduces * tp_allreduce_seconds
     gpu_forward, gpu_backward = kernels.forward + tp, kernels.backward + tp
-    host_forward, host_backward = host_phase_seconds(kernels, tp_allreduces, launch_seconds)
+    if forward_weight is None:
+        host, gpu = host_seconds(kernels, tp_allreduces, launch_seconds), gpu_forward + gpu_backward
+        if host <= gpu:
+            return gpu_forward, gpu_backward
+        return (gpu_forward * host / gpu, gpu_backward * host / gpu) if gpu > 0 else (host / 3, 2 * host / 3)
+    host_forward, host_backward = host_phase_seconds(kernels, tp_allreduces, launch_seconds, forward_weight)
     forward = max(gpu_forward, host_forward)
     return forward, max(gpu_backward, host_forward + host_backward - forward)

@@ -341,3 +341,10 @@ def test_the_host_floor_splits_by_the_measured_weight_of_a_forward_kernel():
     # the forward's GPU work outlasts the host's, which runs ahead into the backward: max of the totals
     fwd, bwd = phase_times(LayerTime(25e-3, 2e-3, 10, 20), 0, 0.0, 1e-3)
     assert (fwd, bwd) == pytest.approx((25e-3, 5e-3))
+    # the CPU type (one thread issues and runs): the larger total, split like the kernels' time
+    assert phase_times(LayerTime(1e-3, 2e-3, 10, 20), 0, 0.0, 1e-3, None) == pytest.approx((10e-3, 20e-3))
+    from megatron_spindle.estimator.host import host_forward_kernel_weight
+    from megatron_spindle.graph.cluster import GPU_TYPES
+
+    assert host_forward_kernel_weight(GPU_TYPES["CPU"]) is None
+    assert host_forward_kernel_weight(GPU_TYPES["A800-80GB"]) == HOST_FORWARD_KERNEL_WEIGHT
