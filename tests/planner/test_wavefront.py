@@ -99,6 +99,18 @@ def test_align_runs_at_least_one_layer():
     assert waves[0].duration == pytest.approx(3.0)
 
 
+def test_a_wave_lengthened_by_one_long_layer_is_filled_by_the_others():
+    # c's shortest span (1 s) sets T_wave, a's single layer (3 s) lengthens the wave to 3 s: b (1 s per layer)
+    # runs 3 of its layers in it instead of 1 and idling 2 s; c has only its one layer.
+    curves = {"a": ScalingCurve.from_table("a", {1: 3.0}), "b": ScalingCurve.from_table("b", {1: 1.0}),
+              "c": ScalingCurve.from_table("c", {1: 1.0})}
+    tuples = {"a": [(1, 2)], "b": [(1, 4)], "c": [(1, 1)]}
+    metaops = [make_metaop("a", 2), make_metaop("b", 4), make_metaop("c", 1)]
+    waves = schedule_level(LevelAllocation(0, 0.0, {}, tuples), metaops, curves, 3, t_start=0.0)
+    assert summary(waves)[0] == [("a", 1, 0, 1), ("b", 1, 0, 3), ("c", 1, 0, 1)]
+    assert waves[0].duration == pytest.approx(3.0)
+
+
 def test_slices_take_tp_and_dp_from_the_curve():
     points = [CurvePoint(1, 1, 1, 2.0), CurvePoint(2, 1, 2, 1.1), CurvePoint(4, 2, 2, 0.6),
               CurvePoint(4, 1, 4, 0.7)]
