@@ -40,7 +40,7 @@ def host_seconds(kernels: LayerTime, tp_allreduces: int, launch_seconds: float) 
 
 
 def host_phase_seconds(kernels: LayerTime, tp_allreduces: int, launch_seconds: float,
-                       forward_weight: float = HOST_FORWARD_KERNEL_WEIGHT) -> tuple[float, float]:
+                       forward_weight: float) -> tuple[float, float]:
     """``host_seconds`` split into the forward's and the backward's (a forward kernel weighs ``forward_weight``
     backward ones)."""
     host = host_seconds(kernels, tp_allreduces, launch_seconds)

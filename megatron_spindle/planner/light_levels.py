@@ -18,7 +18,7 @@ waves of disjoint devices; ``pinned_plan`` does it to a finished plan, which pla
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from megatron_spindle.estimator.configs import LIGHT_KINDS
@@ -28,7 +28,7 @@ from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.schema import Plan
 from megatron_spindle.planner.assemble import assemble_plan, slice_id
 from megatron_spindle.planner.objective import estimate_iteration
-from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
+from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave, scheduled_slice
 
 
 def light_levels(metagraph: MetaGraph) -> set[int]:
@@ -41,11 +41,34 @@ def follow_neighbours(waves: Sequence[ScheduledWave], metagraph: MetaGraph, curv
                       num_devices: int) -> list[ScheduledWave]:
     """The waves with every light level re-laid-out (module docstring) and all waves re-timed back to back;
     the waves unchanged when the graph has no light level. Devices are cleared (placement runs after)."""
-    light = light_levels(metagraph)
-    if not light:
+    if not light_levels(metagraph):
         return list(waves)
+    out, _ = _relay_light_levels(waves, metagraph, lambda s, partner: _followed(s, curves, partner),
+                                 lambda level, slices: _pack(level, slices, num_devices))
+    return _retime(out)
+
+
+def _followed(s: ScheduledSlice, curves: Mapping, partner: ScheduledSlice | None) -> ScheduledSlice:
+    """``s`` on its partner's data-parallel degree without devices, or ``s`` without devices when it cannot be."""
+    curve = curves.get(s.metaop)
+    dp = partner.dp if partner is not None else None
+    if dp is None or curve is None or dp not in curve.valid_ns or curve.config(dp) != (1, dp):
+        return replace(s, devices=None)
+    layers = s.layer_end - s.layer_start
+    return ScheduledSlice(s.metaop, dp, 1, dp, s.layer_start, s.layer_end, curve.time(dp) * layers)
+
+
+def _relay_light_levels(waves: Sequence[ScheduledWave], metagraph: MetaGraph,
+                        relay: Callable[[ScheduledSlice, ScheduledSlice | None], ScheduledSlice],
+                        pack: Callable[[int, list[ScheduledSlice]], list[ScheduledWave]],
+                        ) -> tuple[list[ScheduledWave], bool]:
+    """The waves level by level, every light level's slices replaced by ``relay(slice, partner)`` and packed
+    into waves again by ``pack``; and whether any slice changed. Levels go in order and a relaid slice becomes
+    its MetaOp's first / last, so a loss follows its head as relaid."""
+    light = light_levels(metagraph)
     first, last, consumers = _chain_ends(waves, metagraph)
     out: list[ScheduledWave] = []
+    moved = False
     for level in sorted({w.level for w in waves}):
         mine = [w for w in waves if w.level == level]
         if level not in light:
@@ -54,28 +77,21 @@ def follow_neighbours(waves: Sequence[ScheduledWave], metagraph: MetaGraph, curv
         relaid = []
         for w in mine:
             for s in w.slices:
-                m = metagraph.metaops[s.metaop]
-                partner = _partner(m.id, metagraph, first, last, consumers)
-                curve = curves.get(m.id)
-                dp = partner.dp if partner is not None else None
-                if dp is None or curve is None or dp not in curve.valid_ns or curve.config(dp) != (1, dp):
-                    relaid.append(replace(s, devices=None))
-                    continue
-                layers = s.layer_end - s.layer_start
-                new = ScheduledSlice(m.id, dp, 1, dp, s.layer_start, s.layer_end, curve.time(dp) * layers)
+                new = relay(s, _partner(s.metaop, metagraph, first, last, consumers))
+                moved |= new is not s
                 relaid.append(new)
-                if s.layer_end == m.num_layers:
-                    last[m.id] = new
                 if s.layer_start == 0:
-                    first[m.id] = new
-        out += _pack(level, relaid, num_devices)
-    return _retime(out)
+                    first[s.metaop] = new
+                if s.layer_end == metagraph.metaops[s.metaop].num_layers:
+                    last[s.metaop] = new
+        out += pack(level, relaid)
+    return out, moved
 
 
 def _chain_ends(waves: Sequence[ScheduledWave], metagraph: MetaGraph):
     """Each MetaOp's first and last slice, and each MetaOp's consumers."""
     slices = [s for w in waves for s in w.slices]
-    first = {s.metaop: s for s in reversed(slices) if s.layer_start == 0}
+    first = {s.metaop: s for s in slices if s.layer_start == 0}
     last = {s.metaop: s for s in slices if s.layer_end == metagraph.metaops[s.metaop].num_layers}
     consumers: dict[str, list[str]] = {}
     for src, dst in metagraph.edges:
@@ -129,26 +145,10 @@ def pin_to_partners(waves: Sequence[ScheduledWave], metagraph: MetaGraph, curves
     back to back. Levels are pinned in order, so a loss follows its head where it was pinned. ``time_scale``:
     the waves' time per curve time (the micro-batches of an iteration). Returns ``waves`` itself when nothing
     moves."""
-    light = light_levels(metagraph)
-    if not light:
+    if not light_levels(metagraph):
         return waves
-    first, last, consumers = _chain_ends(waves, metagraph)
-    out: list[ScheduledWave] = []
-    moved = False
-    for level in sorted({w.level for w in waves}):
-        mine = [w for w in waves if w.level == level]
-        if level not in light:
-            out += mine
-            continue
-        pinned = []
-        for w in mine:
-            for s in w.slices:
-                new = _pinned(s, metagraph, curves, _partner(s.metaop, metagraph, first, last, consumers),
-                              time_scale)
-                moved |= new is not s
-                pinned.append(new)
-                first[s.metaop] = last[s.metaop] = new
-        out += _pack_disjoint(level, pinned)
+    out, moved = _relay_light_levels(
+        waves, metagraph, lambda s, partner: _pinned(s, metagraph, curves, partner, time_scale), _pack_disjoint)
     return _retime(out) if moved else waves
 
 
@@ -192,10 +192,7 @@ def pinned_plan(plan: Plan, metagraph: MetaGraph, curves: Mapping, workload: Wor
     settings = plan.settings
     if settings.order is not None or settings.segments is not None or settings.backward_order is not None:
         return None
-    waves = [ScheduledWave(w.level, w.start, w.duration,
-                           [ScheduledSlice(s.metaop, len(s.devices), s.tp, s.dp, s.layer_start, s.layer_end,
-                                           s.predicted_time, list(s.devices)) for s in w.slices])
-             for w in plan.waves]
+    waves = [ScheduledWave(w.level, w.start, w.duration, [scheduled_slice(s) for s in w.slices]) for w in plan.waves]
     pinned = pin_to_partners(waves, metagraph, curves, settings.micro_batches)
     if pinned is waves:
         return None

@@ -29,7 +29,7 @@ from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.schema import ExecutionSettings, Plan, PlanError, Recompute
 from megatron_spindle.planner.assemble import assemble_plan, slice_id
 from megatron_spindle.planner.objective import estimate_iteration
-from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
+from megatron_spindle.planner.schedule import ScheduledWave, scheduled_slice
 
 MAX_GROUPS = 8  # partitions tried: 2 .. min(nodes, tasks, MAX_GROUPS) groups
 # worst work per node, relative to the balanced partition's, that fewer shared parameters across groups may cost
@@ -237,8 +237,7 @@ def _merge_waves(metagraph: MetaGraph, partition: list[NodeGroup], cluster: Clus
             slices = []
             for wave, offset, settings in parts:
                 for s in wave.slices:
-                    slices.append(ScheduledSlice(s.metaop, len(s.devices), s.tp, s.dp, s.layer_start, s.layer_end,
-                                                 s.predicted_time, [d + offset for d in s.devices]))
+                    slices.append(scheduled_slice(s, offset))
                     rc = settings.recompute_of(s.id)
                     if s.kind == "layer" and rc.mode != "none":
                         recompute[slice_id(index, s.metaop)] = rc

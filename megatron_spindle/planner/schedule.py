@@ -7,6 +7,10 @@ the concrete devices and turns it into a ``Plan``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_spindle.plan.schema import Slice
 
 
 @dataclass
@@ -19,6 +23,12 @@ class ScheduledSlice:
     layer_end: int
     time: float  # seconds: T_m(n) * (layer_end - layer_start)
     devices: list[int] | None = None  # filled by placement (or pinned by a planner that places itself)
+
+
+def scheduled_slice(s: Slice, device_offset: int = 0) -> ScheduledSlice:
+    """A plan's slice back as a placed schedule slice (its devices shifted by ``device_offset``)."""
+    return ScheduledSlice(s.metaop, len(s.devices), s.tp, s.dp, s.layer_start, s.layer_end, s.predicted_time,
+                          [d + device_offset for d in s.devices])
 
 
 @dataclass
