@@ -13,6 +13,12 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
   (planner/light_levels.py) where that costs at most 1 % of the waves;
 - on several nodes, the greedy plan with every slice inside one node (``max_slice_devices``): its collectives
   and hand-offs stay on NVLink, at some cost in balance;
+- on several nodes, where the configured plan's configurations leave a sizeable share of its device time in
+  gradient sync they cannot hide, the configured planner with sync-aware curves (``sync_aware_curves``): each
+  configuration's time carries that sync (estimator/estimate.py ``exposed_sync_seconds``), so a MetaOp whose
+  weights are large for its compute takes more tensor parallelism or fewer devices;
+- the configured planner's plans (with and without sync-aware curves) with the early backward, where they need
+  memory options;
 - on several nodes, the tasks partitioned over groups of whole nodes, each group's tasks planned by the
   wavefront planner on its nodes (planner/node_groups.py), one candidate per number of groups: activations
   never cross a node, only the shared towers' gradient sync does; with the CP-SAT planner, the fastest of
@@ -46,11 +52,14 @@ from megatron_spindle.plan.memory import plan_memory
 from megatron_spindle.plan.schema import Plan, PlanError
 from megatron_spindle.planner.light_levels import pinned_plan
 from megatron_spindle.planner.node_groups import node_group_partitions, plan_node_groups
-from megatron_spindle.planner.objective import estimate_iteration
+from megatron_spindle.planner.objective import estimate_iteration, exposed_sync_share
 from megatron_spindle.planner.pipeline import PlannerConfig, PlanningResult, plan_workload
 from megatron_spindle.simulator import SimResult, simulate
 
 NODE_GROUP_SOLVER_LIMIT = 2.0  # seconds of CP-SAT per node group
+# sync-aware curves are tried where the configured plan's configurations leave this share of its device time in
+# gradient sync they cannot hide behind their backward
+SYNC_AWARE_MIN_SHARE = 0.1
 TIE = 1e-6  # relative difference of simulated times under which candidates are equally fast
 
 
@@ -112,7 +121,8 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
     t0 = time.perf_counter()
     planned: list[tuple[str, PlanningResult, float]] = []
     placements: dict = {}  # the memory search's placements, shared by the candidates (planner/memory_search.py)
-    for i, (name, cfg) in enumerate(candidate_configs(config, cluster)):
+    configs = candidate_configs(config, cluster)
+    for i, (name, cfg) in enumerate(configs):
         started = time.perf_counter()
         try:
             result = plan_workload(workload, cluster, cfg, profile, say if i == 0 else None, placements)
@@ -121,7 +131,10 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
                 raise
             continue
         planned.append((name, result, time.perf_counter() - started))
-    planned += _early_backward_candidates(workload, cluster, config, profile, planned, placements)
+    runs = [(planned[0][0], configs[0][1], planned[0][1], planned[0][2])] if planned else []  # configured
+    runs += _sync_aware_run(workload, cluster, configs[0][1], profile, planned, placements)
+    planned += [(name, result, secs) for name, _, result, secs in runs[1:]]
+    planned += _early_backward_candidates(workload, cluster, profile, runs, placements)
     planned += _node_group_candidates(workload, cluster, config, profile, planned, sim_cost_model)
     planned += _pinned_candidates(workload, cluster, config, planned)
     if config.select == "simulate" and not config.fixes_memory_options():
@@ -132,25 +145,50 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
     return out
 
 
-def _early_backward_candidates(workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
-                               planned: list[tuple[str, PlanningResult, float]], placements: dict | None = None):
-    """The configured planner's plan again with the early backward, where memory binds (the plan recomputes or
-    splits micro-batches) and the planner left the order to it: the early backward lowers the peak, so it may
-    need less of either, but whether its interleaving pays only the simulator can tell."""
-    if config.select == "none" or config.early_backward != "auto" or not planned:
+def _sync_aware_run(workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
+                    planned: list[tuple[str, PlanningResult, float]], placements: dict | None = None):
+    """The configured planner again with sync-aware curves, as ``[(name, config, result, planning seconds)]``
+    (or none): on several nodes, where the configured plan's own configurations leave at least
+    SYNC_AWARE_MIN_SHARE of its device time in gradient sync they cannot hide (planner/objective.py
+    ``exposed_sync_share``); below that the curves barely change, and the run would cost a solve for nothing."""
+    if config.select == "none" or config.sync_aware_curves or cluster.num_nodes < 2 or not planned:
         return []
     name, result, _ = planned[0]
-    st = result.plan.settings
-    recomputes = any(st.recompute_of(s.id).mode != "none" for s in result.plan.slices() if s.kind == "layer")
-    if st.order is not None or not (recomputes or st.micro_batches > 1):
+    if exposed_sync_share(result.plan, result.metagraph, result.cost_model) < SYNC_AWARE_MIN_SHARE:
         return []
+    aware = dataclasses.replace(config, sync_aware_curves=True)
     started = time.perf_counter()
     try:
-        early = plan_workload(workload, cluster, dataclasses.replace(config, early_backward="on", light_follow=True),
-                              profile, placements=placements)
+        result = plan_workload(workload, cluster, aware, profile, placements=placements)
     except PlanError:
         return []
-    return [(f"{name}+early-backward", early, time.perf_counter() - started)]
+    return [(f"{name}-sync-aware", aware, result, time.perf_counter() - started)]
+
+
+def _early_backward_candidates(workload: Workload, cluster: ClusterSpec, profile,
+                               runs: list[tuple[str, PlannerConfig, PlanningResult, float]],
+                               placements: dict | None = None):
+    """The configured planner's plans (``runs``: as configured, and sync-aware) again with the early backward,
+    where memory binds (the plan recomputes or splits micro-batches) and the planner left the order to it: the
+    early backward lowers the peak, so it may need less of either, but whether its interleaving pays only the
+    simulator can tell."""
+    out = []
+    for name, config, result, _ in runs:
+        if config.select == "none" or config.early_backward != "auto":
+            continue
+        st = result.plan.settings
+        recomputes = any(st.recompute_of(s.id).mode != "none" for s in result.plan.slices() if s.kind == "layer")
+        if st.order is not None or not (recomputes or st.micro_batches > 1):
+            continue
+        started = time.perf_counter()
+        try:
+            early = plan_workload(workload, cluster, dataclasses.replace(config, early_backward="on",
+                                                                         light_follow=True),
+                                  profile, placements=placements)
+        except PlanError:
+            continue
+        out.append((f"{name}+early-backward", early, time.perf_counter() - started))
+    return out
 
 
 def _node_group_candidates(workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from megatron_spindle.estimator.comm_model import overlapped_backward_seconds
 from megatron_spindle.estimator.configs import valid_configs
 from megatron_spindle.estimator.cost_model import AnalyticCostModel
 from megatron_spindle.estimator.curve import CurvePoint, ScalingCurve
@@ -23,6 +24,30 @@ def analytic_points(
         CurvePoint(tp * dp, tp, dp, cost_model.layer_cost(metaop, tp, dp).step, "analytic")
         for tp, dp in valid_configs(metaop, workload, cluster)
     ]
+
+
+def exposed_sync_seconds(cost_model: AnalyticCostModel, metaop: MetaOp, tp: int, dp: int, sharers: int) -> float:
+    """What one operator's gradient sync adds to its step in steady state: its share (1 / ``sharers``: the
+    MetaOps that hold the same weights sync them once) of the all-reduce, overlapped with one operator's
+    backward at the overlap slowdown (C10). Layer i's buckets overlap layer i-1's backward, so a sync longer
+    than a layer's backward is exposed layer after layer, and only the curves of sync-aware planning see it."""
+    sync = cost_model.layer_cost(metaop, tp, dp).dp_sync / max(1, sharers)
+    if sync <= 0:
+        return 0.0
+    _, backward = cost_model.phase_seconds(metaop, tp, dp)
+    return overlapped_backward_seconds(backward, [sync], ready=[0.0]).end - backward
+
+
+def weight_sharers(metagraph: MetaGraph) -> dict[str, int]:
+    """MetaOp id -> how many MetaOps (itself included) hold any of its weights."""
+    ops = metagraph.metaops
+    return {mid: sum(1 for o in ops.values() if o.param_names() & mo.param_names()) for mid, mo in ops.items()}
+
+
+def _with_exposed_sync(points: Sequence[CurvePoint], metaop: MetaOp, cost_model: AnalyticCostModel,
+                       sharers: int) -> list[CurvePoint]:
+    return [CurvePoint(p.n, p.tp, p.dp, p.seconds + exposed_sync_seconds(cost_model, metaop, p.tp, p.dp, sharers),
+                       p.source) for p in points]
 
 
 def _check_profiled(
@@ -57,11 +82,15 @@ def estimate_curve(
     profiled: Sequence[CurvePoint] = (),
     calibrate: bool = True,
     allowed: Callable[[MetaOp, int, int], bool] | None = None,
+    sync_sharers: int = 0,
 ) -> ScalingCurve:
     """The curve of one MetaOp: fastest config per valid n; at an n with profiled points the fastest profiled
     one, elsewhere the fastest modelled one scaled to the measured level (``profile_scale``; not when
     ``calibrate`` is False). ``allowed(metaop, tp, dp)`` filters configurations (e.g. those that fit device
-    memory)."""
+    memory). ``sync_sharers`` > 0 (sync-aware planning): every point also carries the gradient sync it cannot
+    hide (``exposed_sync_seconds``, its weights held by that many MetaOps), so the fastest config per n and the
+    allocation weigh it; by default T(n) is compute alone and the sync is charged per parameter device group
+    by the planner's estimate and the simulator."""
     configs = valid_configs(metaop, workload, cluster)
     measured = _check_profiled(metaop, profiled, set(configs))
     modelled = analytic_points(metaop, workload, cluster, cost_model)
@@ -73,6 +102,10 @@ def estimate_curve(
         modelled = [p for p in modelled if allowed(metaop, p.tp, p.dp)]
         if not modelled:
             raise EstimatorError(f"MetaOp '{metaop.id}': none of its valid (tp, dp) configurations is allowed")
+    if sync_sharers > 0:
+        measured = _with_exposed_sync(measured, metaop, cost_model, sync_sharers)
+        modelled = _with_exposed_sync([_scaled(p, scale) for p in modelled], metaop, cost_model, sync_sharers)
+        scale = 1.0
     measured = _best_per_n(measured)
     modelled = _best_per_n(modelled)
     points = [measured[n] if n in measured else _scaled(modelled[n], scale) for n in modelled]
@@ -104,26 +137,31 @@ def estimate_curves(
     calibrate: bool = True,
     allowed: Callable[[MetaOp, int, int], bool] | None = None,
     cache: dict | None = None,
+    sync_aware: bool = False,
 ) -> dict[str, ScalingCurve]:
     """metaop id -> ScalingCurve. ``profile``: metaop id -> measured points (any subset of valid configs);
     they take precedence, and the analytic model fills the other n (scaled to the measured level when
     ``calibrate``). ``cache``: a dict kept by the caller for one cost model and cluster (the memory search fits
-    the same curves on many rungs): a curve is fitted once per MetaOp shape and set of allowed configurations."""
+    the same curves on many rungs): a curve is fitted once per MetaOp shape and set of allowed configurations.
+    ``sync_aware``: the curves weigh each MetaOp's exposed gradient sync (``estimate_curve``'s ``sync_sharers``)."""
     cost_model = cost_model or AnalyticCostModel(workload, cluster)
     profile = profile or {}
     unknown = sorted(set(profile) - set(metagraph.metaops))
     if unknown:
         raise EstimatorError(f"profile names MetaOps not in the graph: {unknown}")
 
+    sharers = weight_sharers(metagraph) if sync_aware else {}
+
     def curve(m: MetaOp) -> ScalingCurve:
         profiled = tuple(profile.get(m.id, ()))
+        shared = sharers.get(m.id, 0)
         if cache is None:
-            return estimate_curve(m, workload, cluster, cost_model, profiled, calibrate, allowed)
+            return estimate_curve(m, workload, cluster, cost_model, profiled, calibrate, allowed, shared)
         configs = valid_configs(m, workload, cluster)
         fits = frozenset(c for c in configs if allowed is None or allowed(m, *c))
-        key = (m.id, m.kind, m.module, tuple(m.input_shape), fits, profiled, calibrate)
+        key = (m.id, m.kind, m.module, tuple(m.input_shape), fits, profiled, calibrate, shared)
         if key not in cache:
-            cache[key] = estimate_curve(m, workload, cluster, cost_model, profiled, calibrate, allowed)
+            cache[key] = estimate_curve(m, workload, cluster, cost_model, profiled, calibrate, allowed, shared)
         return cache[key]
 
     return {mid: curve(m) for mid, m in metagraph.metaops.items()}

@@ -63,7 +63,8 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
     for attempt, share in enumerate(shares):
         allowed = cap_slice_devices(memory_allowed_configs(metagraph, needs, cluster, share), config.max_slice_devices)
         curves = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
-                                 allowed=lambda m, tp, dp, fits=allowed: (tp, dp) in fits[m.id], cache=curve_cache)
+                                 allowed=lambda m, tp, dp, fits=allowed: (tp, dp) in fits[m.id], cache=curve_cache,
+                                 sync_aware=config.sync_aware_curves)
         level_allocs = [
             allocate_level(k, [metagraph.metaops[m] for m in level], curves, N, mode=config.inverse)
             for k, level in enumerate(metagraph.levels)
@@ -92,7 +93,8 @@ def _restriction_binds(placed, curves, needs, share, metagraph, workload, cluste
         return False
     every = cap_slice_devices({m: set(n) for m, n in needs.items()}, config.max_slice_devices)
     free = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
-                           allowed=lambda m, tp, dp: (tp, dp) in every[m.id], cache=curve_cache)
+                           allowed=lambda m, tp, dp: (tp, dp) in every[m.id], cache=curve_cache,
+                           sync_aware=config.sync_aware_curves)
     return any(free[s.metaop].time(s.n) < curves[s.metaop].time(s.n) * (1 - 1e-9)
                for w in placed for s in w.slices)
 
@@ -310,7 +312,8 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
                 continue  # memory bound the first count: sharding the optimizer state costs no time
             if stage == 2 and (assumed, over) in roomy_at_stage_1:
                 continue  # sharding the gradients too would place the same
-            key = (m, stage, assumed, over, config.inverse, config.placement, config.max_slice_devices)
+            key = (m, stage, assumed, over, config.inverse, config.placement, config.max_slice_devices,
+                   config.sync_aware_curves)
             if placements is None or key not in placements:
                 try:
                     placed = _place_rung(micro, workload, cluster, config, profile if m == 1 else None, stage,

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 from megatron_spindle.estimator.comm_model import CommModel, GroupPlacement, overlapped_backward_seconds
 from megatron_spindle.estimator.cost_model import step_phases
+from megatron_spindle.estimator.estimate import exposed_sync_seconds, weight_sharers
 from megatron_spindle.estimator.transfer import transfer_load, transfer_seconds
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph
@@ -70,6 +71,19 @@ def backward_share(cost_model, metaop, tp: int, dp: int) -> float:
         return 2.0 / 3.0
     fwd, bwd = phases(metaop, tp, dp)
     return bwd / (fwd + bwd) if fwd + bwd > 0 else 2.0 / 3.0
+
+
+def exposed_sync_share(plan: Plan, metagraph: MetaGraph, cost_model) -> float:
+    """The device time the plan's slices would add, relative to their own, if each carried the gradient sync its
+    configuration cannot hide behind its backward (what sync-aware curves charge, estimator/estimate.py)."""
+    sharers = weight_sharers(metagraph)
+    own = added = 0.0
+    for s in plan.slices():
+        devices = len(s.devices)
+        own += s.predicted_time * devices
+        added += devices * s.num_layers * exposed_sync_seconds(cost_model, metagraph.metaops[s.metaop], s.tp, s.dp,
+                                                              sharers[s.metaop])
+    return added / own if own > 0 else 0.0
 
 
 def estimate_iteration(plan: Plan, metagraph: MetaGraph, cluster: ClusterSpec, cost_model) -> PlanEstimate:

@@ -100,6 +100,9 @@ class PlannerConfig:
     # Light MetaLevels laid out like their neighbours (planner/light_levels.py) when that lengthens the waves
     # by at most LIGHT_FOLLOW_SLACK.
     light_follow: bool = False
+    # Curves that weigh each MetaOp's exposed gradient sync (estimator/estimate.py ``exposed_sync_seconds``): the
+    # configurations and allocation trade compute for less sync where it crosses nodes.
+    sync_aware_curves: bool = False
 
     def __post_init__(self):
         check_choices(self)

@@ -1,4 +1,5 @@
 import math
+import types
 
 import pytest
 
@@ -11,6 +12,11 @@ from megatron_spindle.estimator import (
     valid_configs,
     valid_ns,
 )
+from megatron_spindle.estimator.comm_model import OVERLAP_SLOWDOWN
+from megatron_spindle.estimator.estimate import exposed_sync_seconds, weight_sharers
+from megatron_spindle.graph.cluster import make_cluster
+from megatron_spindle.graph.opgraph import build_metagraph
+from megatron_spindle.graph.workload import load_workload
 
 
 @pytest.mark.parametrize("name", ["tiny_clip", "tiny_vlm"])
@@ -113,3 +119,46 @@ def test_cached_curves_equal_fresh_ones_per_allowed_set(tiny_vlm, cluster8):
     assert len(cache) == len(graph.metaops) + len(restricted)
     again = estimate_curves(graph, workload, cluster8, cost_model=model, allowed=no_tp, cache=cache)
     assert all(again[m] is cached[m] for m in graph.metaops)  # the second time, fitted nothing
+
+
+class _SyncStub:
+    """A cost model with a fixed gradient sync and backward per operator."""
+
+    def __init__(self, sync: float, backward: float):
+        self.sync, self.backward = sync, backward
+
+    def layer_cost(self, metaop, tp, dp):
+        return types.SimpleNamespace(dp_sync=self.sync)
+
+    def phase_seconds(self, metaop, tp, dp):
+        return 1.0, self.backward
+
+
+def test_exposed_sync_is_the_overlap_beyond_one_backward():
+    slow = OVERLAP_SLOWDOWN
+    # sync 3 s against a 2 s backward: both run slowed until the backward ends (2 * slow); the sync has 1 s left
+    assert exposed_sync_seconds(_SyncStub(3.0, 2.0), None, 1, 2, 1) == pytest.approx(2 * slow + 1 - 2)
+    # three MetaOps hold the weights: 1 s of it, done while the backward runs slowed; the backward's rest alone
+    assert exposed_sync_seconds(_SyncStub(3.0, 2.0), None, 1, 2, 3) == pytest.approx(slow + 1 - 2)
+    assert exposed_sync_seconds(_SyncStub(0.0, 2.0), None, 1, 1, 1) == 0.0
+
+
+def test_sync_aware_curves_trade_compute_for_less_sync_across_nodes():
+    workload = load_workload("qwen-val")
+    cluster = make_cluster(64)
+    graph = build_metagraph(workload)
+    model = AnalyticCostModel(workload, cluster)
+    plain = estimate_curves(graph, workload, cluster, model)
+    aware = estimate_curves(graph, workload, cluster, model, sync_aware=True)
+    sharers = weight_sharers(graph)
+    assert sharers["al/llm"] == 3 and sharers["vl/vision"] == 2 and sharers["al/llm.frontend"] == 3
+    llm = graph.metaops["al/llm"]
+    for n in aware["al/llm"].valid_ns:
+        charged = {(tp, dp): model.layer_cost(llm, tp, dp).step + exposed_sync_seconds(model, llm, tp, dp, 3)
+                   for tp, dp in valid_configs(llm, workload, cluster) if tp * dp == n}
+        assert aware["al/llm"].time(n) == pytest.approx(min(charged.values()))
+        assert aware["al/llm"].time(n) >= plain["al/llm"].time(n)
+    # on four nodes the 7B LLM's gradients (fp32, a third of them per task) outlast a layer's backward at tp 1
+    assert plain["al/llm"].config(32) == (1, 32)
+    assert aware["al/llm"].config(32)[0] > 1
+    assert aware["al/llm"].time(32) > 1.1 * plain["al/llm"].time(32)

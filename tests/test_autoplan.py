@@ -1,0 +1,46 @@
+"""Plan selection's sync-aware candidate (megatron_spindle/autoplan.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_spindle.autoplan import SYNC_AWARE_MIN_SHARE, _sync_aware_run, autoplan
+from megatron_spindle.graph.cluster import make_cluster
+from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.planner.objective import exposed_sync_share
+from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload
+from megatron_spindle.simulator import simulate
+
+
+def test_sync_aware_plan_is_a_candidate_and_wins_on_qwen_val_64():
+    w, c = load_workload("qwen-val"), make_cluster(64)
+    chosen = autoplan(w, c, PlannerConfig(planner="wavefront"))
+    times = {cand.name: cand.sim.iteration_time for cand in chosen.candidates}
+    assert "wavefront-sync-aware" in times and "wavefront-sync-aware+pinned" in times
+    # the greedy plans run the 7B LLM at tp 1 across nodes and expose about 300 ms of its gradient sync
+    unaware = min(t for name, t in times.items() if "sync-aware" not in name)
+    assert chosen.plan.planner["selection"]["selected"].startswith("wavefront-sync-aware")
+    assert chosen.sim.iteration_time < 0.95 * unaware
+    sim = simulate(chosen.plan, w, c, chosen.result.cost_model, chosen.result.memory_model,
+                   metagraph=chosen.result.metagraph)
+    assert sim.iteration_time == pytest.approx(chosen.sim.iteration_time, rel=1e-9)
+    # its curves charge the exposed sync: no LLM slice at tp 1 any more (the plain plan has them)
+    plain = next(cand for cand in chosen.candidates if cand.name == "wavefront").plan
+    def llm_tp(plan):
+        return [s.tp for s in plan.slices() if s.module == "llm" and s.kind == "layer"]
+    assert min(llm_tp(plain)) == 1 and min(llm_tp(chosen.plan)) > 1
+
+
+@pytest.mark.parametrize("name, gpus, tried", [("qwen-val", 64, True), ("clip-10", 32, False), ("qwen-val", 8, False)])
+def test_sync_aware_run_only_where_the_sync_cannot_hide(name, gpus, tried):
+    w, c = load_workload(name), make_cluster(gpus)
+    config = PlannerConfig(planner="wavefront", light_follow=True)
+    result = plan_workload(w, c, config)
+    share = exposed_sync_share(result.plan, result.metagraph, result.cost_model)
+    runs = _sync_aware_run(w, c, config, None, [("wavefront", result, 0.0)])
+    assert bool(runs) == tried
+    if c.num_nodes > 1:
+        assert (share >= SYNC_AWARE_MIN_SHARE) == tried
+    if tried:
+        (run_name, aware, _, _), = runs
+        assert run_name == "wavefront-sync-aware" and aware.sync_aware_curves
