@@ -184,6 +184,8 @@ class Measurement:
     dp_comm_source: str
     flops: float  # analytic forward + backward FLOPs of one operator, whole batch
     wall_seconds: float = 0.0  # time this measurement took (build + runs)
+    # per operator, the forward alone (part of compute_seconds); 0: not measured (profiles written before it)
+    forward_seconds: float = 0.0
 
     @property
     def n(self) -> int:

@@ -84,13 +84,15 @@ class ProfiledCostModel(AnalyticCostModel):
         return self.measured_optimizer if self.measured_optimizer is not None else super().optimizer_cost()
 
     def phase_seconds(self, metaop: MetaOp, tp: int, dp: int) -> tuple[float, float]:
-        """(forward, backward) of ONE operator without gradient sync: a measured compute split like the
-        analytic model splits it at the same config (the profiler times forward + backward together), else the
-        analytic phases scaled like ``layer_cost``."""
+        """(forward, backward) of ONE operator without gradient sync: a measured compute split as measured
+        (``Measurement.forward_seconds``) or, in profiles without it, like the analytic model splits it at the
+        same config; else the analytic phases scaled like ``layer_cost``."""
         fwd, bwd = self._analytic_phases(metaop, tp, dp)
         meas = self.measured.get((metaop.id, tp, dp))
         if meas is not None:
             share = fwd / (fwd + bwd) if fwd + bwd > 0 else 1.0 / 3.0
+            if 0.0 < meas.forward_seconds <= meas.compute_seconds:
+                share = meas.forward_seconds / meas.compute_seconds
             return meas.compute_seconds * share, meas.compute_seconds * (1.0 - share)
         s = self.scale(metaop)
         return fwd * s, bwd * s

@@ -1,4 +1,4 @@
-"""Timing one operator (forward + backward on a real TP group) and the AdamW step."""
+"""Timing one operator (forward + backward on a real TP group, and its forward alone) and the AdamW step."""
 
 from __future__ import annotations
 
@@ -44,14 +44,18 @@ def _inputs_for(info, dp: int, device: torch.device, dtype: torch.dtype, seed: i
 
 
 def time_operator(op: torch.nn.Module, inputs: list[torch.Tensor], batch, world: ProfileWorld,
-                  warmup: int, repeats: int) -> float:
-    """Median seconds of forward + backward of ``op`` (device-synchronised). A scalar output (loss) is
-    back-propagated directly, a tensor output with a fixed random output gradient."""
+                  warmup: int, repeats: int) -> tuple[float, float]:
+    """(median seconds of forward + backward, median seconds of the forward alone) of ``op``
+    (device-synchronised). A scalar output (loss) is back-propagated directly, a tensor output with a fixed
+    random output gradient. The forward alone records its autograd graph as in training and drops it: how a
+    step splits between the phases differs by device (on a CPU the forward's Python takes about half)."""
     out_grad: list[torch.Tensor | None] = [None]
 
+    def forward():
+        return op([x.detach().requires_grad_(True) for x in inputs], batch)
+
     def step():
-        xs = [x.detach().requires_grad_(True) for x in inputs]
-        out = op(xs, batch)
+        out = forward()
         if out.dim() == 0:
             out.backward()
         else:
@@ -61,7 +65,8 @@ def time_operator(op: torch.nn.Module, inputs: list[torch.Tensor], batch, world:
             out.backward(out_grad[0])
         op.zero_grad(set_to_none=True)
 
-    return median_seconds(step, world, warmup, repeats)
+    total = median_seconds(step, world, warmup, repeats)
+    return total, median_seconds(forward, world, warmup, repeats)
 
 
 def measure_optimizer(world: ProfileWorld, settings: ProfilerSettings) -> OptimizerCost:
@@ -91,16 +96,16 @@ def _is_oom(e: BaseException) -> bool:
 
 
 def measure_config(workload: Workload, info, metaop: MetaOp, tp: int, dp: int, world: ProfileWorld,
-                   settings: ProfilerSettings) -> tuple[float, int, int]:
-    """(compute seconds per operator, gradient elements per operator on one TP rank, operators timed) of one
-    config; seconds is inf when a rank ran out of memory. Collective over the world."""
+                   settings: ProfilerSettings) -> tuple[float, float, int, int]:
+    """(compute seconds per operator, its forward's seconds, gradient elements per operator on one TP rank,
+    operators timed) of one config; seconds is inf when a rank ran out of memory. Collective over the world."""
     from megatron_spindle.compat.groups import make_pg_collection
     from megatron_spindle.models.config import ModelConfig
     from megatron_spindle.models.operator import build_operator
 
     layers = min(info.num_layers, settings.layers) if info.kind == "layer" else 1
     tp_group, member = world.tp_group(tp) if tp > 1 else (None, True)
-    seconds, numel = 0.0, 0
+    seconds, forward, numel = 0.0, 0.0, 0
     if member:
         op = None
         try:
@@ -110,7 +115,8 @@ def measure_config(workload: Workload, info, metaop: MetaOp, tp: int, dp: int, w
             op = op.to(device=world.device, dtype=cfg.params_dtype)
             batch = _batch_for(workload, info, dp, world.device, cfg.params_dtype, settings.seed)
             inputs = _inputs_for(info, dp, world.device, cfg.params_dtype, settings.seed)
-            seconds = time_operator(op, inputs, batch, world, settings.warmup, settings.repeats) / layers
+            seconds, forward = (t / layers for t in time_operator(op, inputs, batch, world, settings.warmup,
+                                                                   settings.repeats))
             numel = sum(p.numel() for p in op.parameters()) // layers
         except RuntimeError as e:
             if not _is_oom(e):
@@ -120,5 +126,5 @@ def measure_config(workload: Workload, info, metaop: MetaOp, tp: int, dp: int, w
             del op
             if world.device.type == "cuda":
                 torch.cuda.empty_cache()
-    seconds, numel = world.all_max([seconds, numel])
-    return seconds, int(numel), layers
+    seconds, forward, numel = world.all_max([seconds, forward, numel])
+    return seconds, forward, int(numel), layers

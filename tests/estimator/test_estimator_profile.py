@@ -127,3 +127,23 @@ def test_planner_and_simulator_fill_unmeasured_configs_alike(tiny_clip, tmp_path
         assert curve.time(n) == pytest.approx(model.layer_cost(vision, tp, dp).step)
         assert curve.time(n) == pytest.approx(scale * base.layer_cost(vision, tp, dp).step)
     assert curve.time(1) == model.layer_cost(vision, 1, 1).total == measurements[0].seconds
+
+
+def test_measured_forward_splits_the_phases(tiny_clip, tmp_path):
+    """A measurement with its forward timed splits compute as measured; one without (an older profile) like the
+    analytic model at the same config."""
+    workload, graph = tiny_clip
+    cluster = make_cluster(8)
+    base = AnalyticCostModel(workload, cluster)
+    vision = graph.metaops["vision_depth/vision"]
+    timed = Measurement(vision.id, [vision.id], 1, 1, 1, 0.010, 0.0, "none", 1.0, forward_seconds=0.006)
+    untimed = Measurement(vision.id, [vision.id], 2, 1, 1, 0.008, 0.0, "none", 1.0)
+    path = tmp_path / "profile.json"
+    save_profile_points(path, workload, cluster, points_of([timed, untimed]),
+                        extra={"measurements": [timed.to_dict(), untimed.to_dict()]})
+    profile = load_profile(path, workload, cluster)
+    assert profile.measurements == [timed, untimed]
+    model = ProfiledCostModel(workload, cluster, profile.measurements)
+    assert model.phase_seconds(vision, 1, 1) == pytest.approx((0.006, 0.004))
+    fwd, bwd = base.phase_seconds(vision, 2, 1)
+    assert model.phase_seconds(vision, 2, 1) == pytest.approx((0.008 * fwd / (fwd + bwd), 0.008 * bwd / (fwd + bwd)))

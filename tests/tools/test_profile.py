@@ -80,6 +80,8 @@ def test_one_rank_profile_plans_and_is_cached(tmp_path, capsys, monkeypatch, one
     # one progress line per measured MetaOp group and config: 7 MetaOps, none share a shape, dp in {1, 2, 4}
     assert printed.count("[profile] [") == len(doc["measurements"]) == 7 * 3
     assert all(m["tp"] == 1 for m in doc["measurements"])
+    # the forward is timed alone too (the phases' split): part of the compute
+    assert all(0 < m["forward_seconds"] <= m["compute_seconds"] for m in doc["measurements"])
     sources = {(m["dp"], m["dp_comm_source"]) for m in doc["measurements"] if m["metaop"] == "text_audio/audio"}
     assert sources == {(1, "none"), (2, "nominal"), (4, "nominal")}  # no second rank: the cluster's links
     # TP > 1 needs ranks: left to the analytic model, and said so
