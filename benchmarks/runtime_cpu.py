@@ -160,6 +160,8 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
         plan = make_plan(workload, cluster, PlannerConfig(planner=args.planner), profile=profiles[0].points).to_dict()
     plan = Plan.from_dict(world.broadcast(plan))
     engine = RuntimeEngine(plan, workload, rank, world_size)
+    wave_seconds: dict[tuple[str, int], list[float]] = {}  # (phase, wave) -> wall seconds, timed train_steps only
+    phase_times: dict[str, float] = {}
 
     def timed(fn, step: int) -> float:
         dist.barrier()
@@ -174,7 +176,10 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
             profiles.append(profile_now())
         for step in range(args.warmup + args.steps):
             a = timed(engine.forward_backward, step)  # everything but the optimizer step
+            engine.on_wave = _wave_recorder(wave_seconds) if step >= args.warmup else None
+            engine.phase_times = phase_times if step >= args.warmup else None  # the engine's Megatron-style timers
             b = timed(engine.train_step, step)
+            engine.on_wave, engine.phase_times = None, None
             if step >= args.warmup:
                 fwd_bwd.append(a)
                 steps.append(b)
@@ -184,14 +189,49 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
         measured_cluster = cluster_with_bandwidth(cluster, profile.bandwidth)
         cost_model = ProfiledCostModel(workload, measured_cluster, profile.measurements, optimizer=profile.optimizer)
         sims.append(simulate(plan, workload, measured_cluster, cost_model=cost_model))
-    sim = sorted(sims, key=lambda x: x.iteration_time)[(len(sims) - 1) // 2]  # the median profile's simulation
+    median = sorted(range(len(sims)), key=lambda i: sims[i].iteration_time)[(len(sims) - 1) // 2]
+    sim = sims[median]  # the median profile's simulation
+    waves = _waves_against_profile(plan, workload, cluster, profiles[median], rank, wave_seconds)
     return {"measured": statistics.median(steps), "measured_fwd_bwd": statistics.median(fwd_bwd),
             "simulated": sim.iteration_time, "simulated_all": [x.iteration_time for x in sims],
             "measured_rounds": [statistics.median(steps[i * args.steps:(i + 1) * args.steps])
                                 for i in range(args.rounds)],
             "sim_compute": sim.compute_time, "sim_transfer": sim.transfer_time, "sim_grad_sync": sim.grad_sync_time,
             "sim_optimizer": sim.optimizer_time,
-            "planner": float(plan.predicted["iteration_time"]), "waves": len(plan.waves), "profiling": profiling}
+            "planner": float(plan.predicted["iteration_time"]), "waves": len(plan.waves), "profiling": profiling,
+            "rank0_waves": waves,
+            "rank0_phase_times": {k: v / len(steps) for k, v in phase_times.items()}}
+
+
+def _wave_recorder(into: dict[tuple[str, int], list[float]]):
+    def record(phase: str, wave: int, seconds: float) -> None:
+        into.setdefault((phase, wave), []).append(seconds)
+    return record
+
+
+def _waves_against_profile(plan, workload, cluster, profile, rank: int, wave_seconds) -> list[dict]:
+    """Per wave of this rank: its slice, the measured wall time of the wave's forward and backward step (median
+    over the timed steps; waits for the other rank included) and the profiled operators' forward and backward as
+    the simulator charges them (``step_phases`` of the profile's cost model, times the slice's layers)."""
+    from megatron_spindle.estimator.cost_model import step_phases
+    from megatron_spindle.estimator.profiled import ProfiledCostModel, cluster_with_bandwidth
+    from megatron_spindle.graph.opgraph import build_metagraph
+
+    measured_cluster = cluster_with_bandwidth(cluster, profile.bandwidth)
+    cost_model = ProfiledCostModel(workload, measured_cluster, profile.measurements, optimizer=profile.optimizer)
+    metaops = build_metagraph(workload).metaops
+    rows = []
+    for w in plan.waves:
+        mine = [s for s in w.slices if rank in s.devices]
+        fwd = bwd = 0.0
+        for s in mine:
+            f, b = step_phases(cost_model, metaops[s.metaop], s.tp, s.dp)
+            fwd, bwd = fwd + f * s.num_layers, bwd + b * s.num_layers
+        rows.append({"wave": w.index, "slices": [s.metaop for s in mine],
+                     "measured_forward": statistics.median(wave_seconds.get(("forward", w.index), [0.0])),
+                     "measured_backward": statistics.median(wave_seconds.get(("backward", w.index), [0.0])),
+                     "simulated_forward": fwd, "simulated_backward": bwd})
+    return rows
 
 
 def two_ranks(workload, args, world_size: int = 2) -> dict[str, float]:
@@ -211,6 +251,24 @@ def two_ranks(workload, args, world_size: int = 2) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------------ report
+
+
+def _wave_rows(waves: list[dict], step: float) -> list[tuple[str, str, str]]:
+    """Rank 0's waves, measured against the profiled operators: where a step's time goes that the simulator does
+    not charge."""
+    out = []
+    for w in waves:
+        out.append((f"2 ranks: rank 0 wave {w['wave']:>2} fwd / bwd", f"{w['measured_forward'] * 1e3:5.2f} / "
+                    f"{w['measured_backward'] * 1e3:5.2f} ms", f"profiled {w['simulated_forward'] * 1e3:.2f} / "
+                    f"{w['simulated_backward'] * 1e3:.2f} ms  " + ", ".join(w["slices"])))
+    measured = [sum(w[f"measured_{p}"] for w in waves) for p in ("forward", "backward")]
+    profiled = [sum(w[f"simulated_{p}"] for w in waves) for p in ("forward", "backward")]
+    out.append(("2 ranks: rank 0 waves, fwd / bwd", f"{measured[0] * 1e3:5.2f} / {measured[1] * 1e3:5.2f} ms",
+                f"profiled {profiled[0] * 1e3:.2f} / {profiled[1] * 1e3:.2f} ms (forward share measured "
+                f"{measured[0] / max(sum(measured), 1e-12):.0%}, modelled {profiled[0] / max(sum(profiled), 1e-12):.0%})"))
+    out.append(("2 ranks: rank 0 step outside the waves", _ms(step - sum(measured)),
+                "optimizer, gradient-sync wait, the step's own work"))
+    return out
 
 
 def _ms(s: float) -> str:
@@ -259,6 +317,9 @@ def main(argv=None) -> int:
                   f"{r['measured_fwd_bwd'] / (r['simulated'] - r['sim_optimizer']):10.3f} x ", "")]
         if not args.profile:
             rows.append(("2 ranks: profiling took", f"{r['profiling']:10.2f} s ", "per round"))
+        rows += _wave_rows(r["rank0_waves"], r["measured"])
+        rows.append(("2 ranks: rank 0 engine timers per step", " ".join(
+            f"{k} {v * 1e3:.1f}" for k, v in r["rank0_phase_times"].items()) + " ms", ""))
     load_after = os.getloadavg()
     results["load_average"] = {"before": load_before, "after": load_after}
     rows.append(("machine load (1/5/15 min) before, after", " / ".join(f"{x:.1f}" for x in load_before) + ", "
