@@ -131,7 +131,8 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
                 raise
             continue
         planned.append((name, result, time.perf_counter() - started))
-    runs = [(planned[0][0], configs[0][1], planned[0][1], planned[0][2])] if planned else []  # configured
+    # (name, config, result, seconds) of the configured planner's runs: planned[0] is its plan (it raises, never skips)
+    runs = [(planned[0][0], configs[0][1], planned[0][1], planned[0][2])] if planned else []
     runs += _sync_aware_run(workload, cluster, configs[0][1], profile, planned, placements)
     planned += [(name, result, secs) for name, _, result, secs in runs[1:]]
     planned += _early_backward_candidates(workload, cluster, profile, runs, placements)
