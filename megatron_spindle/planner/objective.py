@@ -14,7 +14,8 @@ steps (plan/order.py) with a barrier after each, every slice's phase timed like 
   the all-gather of the updated weights (with ``settings.overlap_param_gather`` only what the forward waits:
   bucket by bucket, each needed by the start of the first wave using it).
 
-It is an estimate with wave barriers and no link contention; the simulator (megatron_spindle/simulator) times
+It is an estimate with wave barriers (per component: slices joined by a device or a hand-off, so the node groups
+of a node-group plan keep their own) and no link contention; the simulator (megatron_spindle/simulator) times
 the same plan with dataflow, contention and fluid network sharing, and plan selection (megatron_spindle/autoplan.py)
 keeps the plan it times fastest. ``plan.predicted["planner_estimate"]`` records this estimate.
 """
@@ -137,36 +138,66 @@ def slice_phases(plan: Plan, metaops, cost_model) -> dict[str, tuple[float, floa
     return out
 
 
+def device_components(plan: Plan) -> dict[str, int]:
+    """slice id -> its component: slices are joined by sharing a device or by a hand-off of activations. Node-group
+    plans (planner/node_groups.py) have one per group; their groups only meet in the gradient sync."""
+    parent = list(range(plan.num_devices))
+
+    def find(d: int) -> int:
+        while parent[d] != d:
+            parent[d] = parent[parent[d]]
+            d = parent[d]
+        return d
+
+    slices = {s.id: s for s in plan.slices()}
+    links = [s.devices for s in slices.values()]
+    links += [[slices[p].devices[0], slices[c].devices[0]] for p, c in plan_slice_pairs(plan)]
+    for devices in links:
+        for d in devices[1:]:
+            parent[find(d)] = find(devices[0])
+    return {sid: find(s.devices[0]) for sid, s in slices.items()}
+
+
 def _unit_ready(plan: Plan, metaops, cost_model) -> tuple[float, dict[str, float]]:
     """The iteration's compute span with barriers between the steps of the plan's order (each step as long as
     its slowest slice's phase), and per unit the time of its last accumulation in the last micro-batch's
-    backward."""
+    backward. Components that share no device and no hand-off (``device_components``) keep their own barriers:
+    the span is the longest of theirs."""
     waves = plan.waves
     tasks = [[s.task for s in w.slices] for w in waves]
     micro = plan.settings.micro_batches
     phases = slice_phases(plan, metaops, cost_model)
+    component = device_components(plan)
     steps: list[list[tuple[int, int, str]]] = []
     for wi, si, phase in slice_order(tasks, plan.settings):  # consecutive entries of a wave and phase: a step
         if steps and steps[-1][0][0] == wi and steps[-1][0][2] == phase:
             steps[-1].append((wi, si, phase))
         else:
             steps.append([(wi, si, phase)])
-    t, ready = 0.0, {}
+    clock: dict[int, float] = {}
+    ready: dict[str, tuple[float, int]] = {}  # unit -> (time in its component, component)
     for step in steps:
-        lengths = [phases[waves[wi].slices[si].id][1 if phase == BWD else 0] for wi, si, phase in step]
-        for (wi, si, phase), own in zip(step, lengths):
+        longest: dict[int, float] = {}
+        for wi, si, phase in step:
+            s = waves[wi].slices[si]
+            c, own = component[s.id], phases[s.id][1 if phase == BWD else 0]
+            longest[c] = max(longest.get(c, 0.0), own)
             if phase != BWD:
                 continue
-            s = waves[wi].slices[si]
+            t = clock.get(c, 0.0)
             ops = s.layer_end - s.layer_start
             first: dict[str, int] = {}
             for i, names in enumerate(metaops[s.metaop].params[s.layer_start:s.layer_end]):
                 for u in names:
                     first.setdefault(u, i)
             for u, i in first.items():
-                ready[u] = max(ready.get(u, 0.0), t + own * (ops - i) / ops)
-        t += max(lengths, default=0.0)
-    return t * micro, {u: r + t * (micro - 1) for u, r in ready.items()}
+                at = t + own * (ops - i) / ops
+                if u not in ready or at > ready[u][0]:
+                    ready[u] = (at, c)
+        for c, length in longest.items():
+            clock[c] = clock.get(c, 0.0) + length
+    span = max(clock.values(), default=0.0)
+    return span * micro, {u: r + clock[c] * (micro - 1) for u, (r, c) in ready.items()}
 
 
 def _gather_seconds(buckets: list[list[str]], first_use: dict[str, float], cost_model, comm: CommModel, tp: int,

@@ -107,3 +107,42 @@ def test_autoplan_with_cpsat_refines_the_fastest_partition_per_group():
         assert cand.plan.planner["planner"] == "cpsat-node-groups"
     assert chosen.sim.iteration_time <= min(x.sim.iteration_time for x in chosen.candidates
                                             if x.name.startswith("task-sequential")) * (1 + 1e-9)
+
+
+def test_estimate_keeps_each_groups_own_barriers():
+    """The merged plan's waves join the groups level by level, but no device or hand-off joins them: the
+    planner's estimate runs each group's steps with its own barriers (objective.py ``device_components``), so its
+    compute span is the longest group's, not the sum of the merged steps' maxima."""
+    from megatron_spindle.plan.order import BWD, slice_order
+    from megatron_spindle.planner.objective import device_components, estimate_iteration, slice_phases
+
+    w, c = _cell("clip-4", 16, 8)
+    partition = node_group_partitions(w, c)[0]
+    result = plan_node_groups(w, c, partition)
+    plan, mg = result.plan, result.metagraph
+    component = device_components(plan)
+    groups = {}
+    for g in partition:
+        groups.update({t: g.first_node for t in g.tasks})
+    # one component per group: slices of two groups never share one
+    by_group = {}
+    for s in plan.slices():
+        by_group.setdefault(groups[s.task], set()).add(component[s.id])
+    assert all(len(v) == 1 for v in by_group.values()) and len(set().union(*by_group.values())) == len(partition)
+    # the span by hand: per group, its steps' longest slice phase, summed; the estimate takes the longest group
+    phases = slice_phases(plan, mg.metaops, result.cost_model)
+    waves = plan.waves
+    spans: dict[int, float] = {}
+    tasks = [[s.task for s in wv.slices] for wv in waves]
+    steps: dict[tuple[int, str], dict[int, float]] = {}
+    for wi, si, phase in slice_order(tasks, plan.settings):
+        s = waves[wi].slices[si]
+        longest = steps.setdefault((wi, phase), {})
+        longest[groups[s.task]] = max(longest.get(groups[s.task], 0.0), phases[s.id][1 if phase == BWD else 0])
+    for longest in steps.values():
+        for g, t in longest.items():
+            spans[g] = spans.get(g, 0.0) + t
+    merged = sum(max(longest.values()) for longest in steps.values())
+    estimate = estimate_iteration(plan, mg, c, result.cost_model)
+    assert estimate.waves == pytest.approx(max(spans.values()) * plan.settings.micro_batches)
+    assert estimate.waves < merged * plan.settings.micro_batches
