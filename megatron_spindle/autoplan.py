@@ -14,7 +14,7 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
 - on several nodes, the greedy plan with every slice inside one node (``max_slice_devices``): its collectives
   and hand-offs stay on NVLink, at some cost in balance;
 - on several nodes, where the configured plan's configurations leave a sizeable share of its device time in
-  gradient sync they cannot hide, the configured planner with sync-aware curves (``sync_aware_curves``): each
+  gradient sync they cannot hide, the configured planner with sync-aware curves (``--spindle-sync-aware``): each
   configuration's time carries that sync (estimator/estimate.py ``exposed_sync_seconds``), so a MetaOp whose
   weights are large for its compute takes more tensor parallelism or fewer devices;
 - the configured planner's plans (with and without sync-aware curves) with the early backward, where they need
@@ -152,12 +152,12 @@ def _sync_aware_run(workload: Workload, cluster: ClusterSpec, config: PlannerCon
     (or none): on several nodes, where the configured plan's own configurations leave at least
     SYNC_AWARE_MIN_SHARE of its device time in gradient sync they cannot hide (planner/objective.py
     ``exposed_sync_share``); below that the curves barely change, and the run would cost a solve for nothing."""
-    if config.select == "none" or config.sync_aware_curves or cluster.num_nodes < 2 or not planned:
+    if config.select == "none" or config.sync_aware != "auto" or cluster.num_nodes < 2 or not planned:
         return []
     name, result, _ = planned[0]
     if exposed_sync_share(result.plan, result.metagraph, result.cost_model) < SYNC_AWARE_MIN_SHARE:
         return []
-    aware = dataclasses.replace(config, sync_aware_curves=True)
+    aware = dataclasses.replace(config, sync_aware="on")
     started = time.perf_counter()
     try:
         result = plan_workload(workload, cluster, aware, profile, placements=placements)

@@ -43,4 +43,20 @@ def test_sync_aware_run_only_where_the_sync_cannot_hide(name, gpus, tried):
         assert (share >= SYNC_AWARE_MIN_SHARE) == tried
     if tried:
         (run_name, aware, _, _), = runs
-        assert run_name == "wavefront-sync-aware" and aware.sync_aware_curves
+        assert run_name == "wavefront-sync-aware" and aware.sync_aware == "on"
+
+
+def test_sync_aware_flag_forces_or_forbids_the_curves():
+    """--spindle-sync-aware on: the planner itself plans on sync-aware curves (here without selection); off: plan
+    selection never tries them."""
+    w, c = load_workload("qwen-val"), make_cluster(64)
+    plain = plan_workload(w, c, PlannerConfig(planner="wavefront", select="none", sync_aware="off"))
+    aware = plan_workload(w, c, PlannerConfig(planner="wavefront", select="none", sync_aware="on"))
+
+    def llm_tp(plan):
+        return [s.tp for s in plan.slices() if s.module == "llm" and s.kind == "layer"]
+    assert min(llm_tp(plain.plan)) == 1 and min(llm_tp(aware.plan)) > 1
+    off = PlannerConfig(planner="wavefront", light_follow=True, sync_aware="off")
+    assert _sync_aware_run(w, c, off, None, [("wavefront", plain, 0.0)]) == []
+    with pytest.raises(ValueError, match="sync_aware"):
+        PlannerConfig(sync_aware="yes")

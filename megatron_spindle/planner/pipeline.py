@@ -31,6 +31,7 @@ PLACEMENTS = ("spindle", "sequential")
 RECOMPUTE = ("auto", "none", "selective", "full")
 DISTRIBUTED_OPTIMIZER = ("auto", "off", "on")
 EARLY_BACKWARD = ("auto", "on", "off")
+SYNC_AWARE = ("auto", "on", "off")
 SELECTIONS = ("simulate", "none")
 LIGHT_FOLLOW_SLACK = 0.01
 
@@ -82,6 +83,12 @@ class PlannerConfig:
         "--use-distributed-optimizer): on; off: never; auto switches it on only when memory requires it, and "
         "shards the gradients too (ZeRO-2) where ZeRO-1 needs recomputation or binds placement.",
         choices=DISTRIBUTED_OPTIMIZER))
+    sync_aware: str = field(default="auto", metadata=flag(
+        "Scaling curves whose configurations carry the gradient sync they cannot hide behind their backward "
+        "(estimator/estimate.py exposed_sync_seconds), so a MetaOp with large weights for its compute takes more "
+        "tensor parallelism or fewer devices: on; off: T(n) is compute alone; auto: compute alone, and plan "
+        "selection (--spindle-select simulate) also times the planner on sync-aware curves where gradient sync "
+        "across nodes would add at least 10 %% to the plan's device time.", choices=SYNC_AWARE))
     overlap_param_gather: bool = field(default=True, metadata=flag(
         "Megatron's --overlap-param-gather, for plans with the distributed optimizer (ZeRO-1/2): the updated "
         "weights' all-gather after the optimizer step overlaps the next forward, which waits for a parameter "
@@ -100,9 +107,6 @@ class PlannerConfig:
     # Light MetaLevels laid out like their neighbours (planner/light_levels.py) when that lengthens the waves
     # by at most LIGHT_FOLLOW_SLACK.
     light_follow: bool = False
-    # Curves that weigh each MetaOp's exposed gradient sync (estimator/estimate.py ``exposed_sync_seconds``): the
-    # configurations and allocation trade compute for less sync where it crosses nodes.
-    sync_aware_curves: bool = False
 
     def __post_init__(self):
         check_choices(self)
