@@ -184,14 +184,15 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
                 fwd_bwd.append(a)
                 steps.append(b)
     steps, fwd_bwd = world.all_max(steps), world.all_max(fwd_bwd)
-    sims = []
+    sims, cost_models = [], []
     for profile in profiles:
         measured_cluster = cluster_with_bandwidth(cluster, profile.bandwidth)
-        cost_model = ProfiledCostModel(workload, measured_cluster, profile.measurements, optimizer=profile.optimizer)
-        sims.append(simulate(plan, workload, measured_cluster, cost_model=cost_model))
+        cost_models.append(ProfiledCostModel(workload, measured_cluster, profile.measurements,
+                                             optimizer=profile.optimizer))
+        sims.append(simulate(plan, workload, measured_cluster, cost_model=cost_models[-1]))
     median = sorted(range(len(sims)), key=lambda i: sims[i].iteration_time)[(len(sims) - 1) // 2]
     sim = sims[median]  # the median profile's simulation
-    waves = _waves_against_profile(plan, workload, cluster, profiles[median], rank, wave_seconds)
+    waves = _waves_against_profile(plan, workload, cost_models[median], rank, wave_seconds)
     return {"measured": statistics.median(steps), "measured_fwd_bwd": statistics.median(fwd_bwd),
             "simulated": sim.iteration_time, "simulated_all": [x.iteration_time for x in sims],
             "measured_rounds": [statistics.median(steps[i * args.steps:(i + 1) * args.steps])
@@ -209,16 +210,13 @@ def _wave_recorder(into: dict[tuple[str, int], list[float]]):
     return record
 
 
-def _waves_against_profile(plan, workload, cluster, profile, rank: int, wave_seconds) -> list[dict]:
+def _waves_against_profile(plan, workload, cost_model, rank: int, wave_seconds) -> list[dict]:
     """Per wave of this rank: its slice, the measured wall time of the wave's forward and backward step (median
     over the timed steps; waits for the other rank included) and the profiled operators' forward and backward as
     the simulator charges them (``step_phases`` of the profile's cost model, times the slice's layers)."""
     from megatron_spindle.estimator.cost_model import step_phases
-    from megatron_spindle.estimator.profiled import ProfiledCostModel, cluster_with_bandwidth
     from megatron_spindle.graph.opgraph import build_metagraph
 
-    measured_cluster = cluster_with_bandwidth(cluster, profile.bandwidth)
-    cost_model = ProfiledCostModel(workload, measured_cluster, profile.measurements, optimizer=profile.optimizer)
     metaops = build_metagraph(workload).metaops
     rows = []
     for w in plan.waves:

@@ -313,7 +313,7 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
             if stage == 2 and (assumed, over) in roomy_at_stage_1:
                 continue  # sharding the gradients too would place the same
             key = (m, stage, assumed, over, config.inverse, config.placement, config.max_slice_devices,
-                   config.sync_aware)
+                   config.sync_aware == "on")
             if placements is None or key not in placements:
                 try:
                     placed = _place_rung(micro, workload, cluster, config, profile if m == 1 else None, stage,

@@ -92,9 +92,9 @@ def estimate_iteration(plan: Plan, metagraph: MetaGraph, cluster: ClusterSpec, c
     comm = CommModel(cluster)
     metaops = metagraph.metaops
     waves = [w.slices for w in plan.waves]
-    makespan, _ = _unit_ready(plan, metaops, cost_model)
+    makespan, ready = _unit_ready(plan, metaops, cost_model)
     transfers = _transfer_seconds(plan, metaops, cost_model, comm)
-    sync, gather = _sync_seconds(plan, metaops, cluster, cost_model, comm)
+    sync, gather = _sync_seconds(plan, metaops, cluster, cost_model, comm, makespan, ready)
     held = stepped_elements(waves, metaops, cost_model.param_count, plan.settings.zero_stage, plan.num_devices)
     step = getattr(cost_model, "optimizer_seconds", None)
     optimizer = max((step(sum(u.values()), len(u)) for u in held if u), default=0.0) if step else 0.0
@@ -228,12 +228,13 @@ def _first_use(plan: Plan, metaops) -> dict[str, float]:
     return out
 
 
-def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: CommModel) -> tuple[float, float]:
-    """(what the gradient buckets add beyond the compute on the worst device, the ZeRO 1/2 weight gather).
-    Each bucket can overlap any compute after its last unit's accumulation (a later segment's forward too)."""
+def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: CommModel, bwd_span: float,
+                  ready: dict[str, float]) -> tuple[float, float]:
+    """(what the gradient buckets add beyond the compute on the worst device, the ZeRO 1/2 weight gather), given
+    ``_unit_ready``'s compute span and unit accumulation times. Each bucket can overlap any compute after its
+    last unit's accumulation (a later segment's forward too)."""
     settings = plan.settings
     waves = [w.slices for w in plan.waves]
-    bwd_span, ready = _unit_ready(plan, metaops, cost_model)
     if bwd_span <= 0:
         return 0.0, 0.0
     tp_of: dict[str, int] = {}
