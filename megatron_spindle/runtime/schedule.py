@@ -1,9 +1,11 @@
 """The wave schedule of one step (paper section 3.6, steps 2 and 4): the plan's execution order
 (plan/order.py: by default forward wave by wave, then the backward in reverse wave order; or segments, or
-explicit steps such as an early backward), once per micro-batch. A forward step runs the transfers into the
-wave (of the step's task) and then this rank's slice of it; a backward step this rank's slice, then the
-gradients of the transfers into that wave back to their producers. Every rank walks the same steps, so the
-transfers and collectives of two ranks meet in the same order.
+explicit steps such as an early backward), once per micro-batch. A forward step waits for the transfers into
+the wave (of the step's task), runs this rank's slice of it and posts the transfers out of it; a backward step
+waits for the gradients of the transfers out of the wave, runs this rank's slice and posts the gradients of
+the transfers into the wave back to their producers (runtime/transfer.py: a transfer leaves when its data
+exists and holds up only the slice that needs it). Every rank walks the same steps, so the transfers and
+collectives of two ranks meet in the same order.
 
 With ``micro_batches`` m the whole order runs m times on micro-batch j's rows (``TaskBatch.micro``; each
 slice's DP rank then takes its share of the micro-batch), gradients accumulating; a micro-batch's tensors are
@@ -36,7 +38,7 @@ from megatron_spindle.plan.schema import Plan
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.layout import dp_rank, transfer_input_index
 from megatron_spindle.runtime.slices import LocalSlice
-from megatron_spindle.runtime.transfer import SpecFn, TransferOp
+from megatron_spindle.runtime.transfer import PendingTransfer, SpecFn, TransferOp
 
 
 def build_transfers(plan: Plan, workload: Workload, spec_fn: SpecFn, wave_index: dict[str, int]) -> list[TransferOp]:
@@ -76,9 +78,12 @@ class WaveSchedule:
         self.loss_weights, self.dtype, self.device, self.on_wave = loss_weights, dtype, device, on_wave
         wave_index = {s.id: wi for wi, w in enumerate(plan.waves) for s in w.slices}
         self.transfers = build_transfers(plan, workload, spec_fn, wave_index)
-        self._into_wave: dict[int, list[TransferOp]] = {}
+        self._into_wave: dict[int, list[TransferOp]] = {}  # by consumer wave
+        self._out_of_wave: dict[int, list[TransferOp]] = {}  # by producer wave
         for t in self.transfers:
-            self._into_wave.setdefault(wave_index[t.consumer.id], []).append(t)
+            if t.involves(rank):
+                self._into_wave.setdefault(wave_index[t.consumer.id], []).append(t)
+                self._out_of_wave.setdefault(wave_index[t.producer.id], []).append(t)
         self._slice_of_wave = {ls.wave: ls for ls in local.values()}
         self._pending_sends: list = []
         self.steps = execution_steps(len(plan.waves), plan.settings)
@@ -110,17 +115,19 @@ class WaveSchedule:
                 micro_start(j)
             micro = {t: micro_batch(b, j, self.micro_batches) for t, b in batches.items()}
             tensors = {sid: _SliceTensors([None] * ls.num_inputs) for sid, ls in self.local.items()}
+            posted: dict[tuple[int, int], PendingTransfer | None] = {}  # (transfer, direction) -> its receive
             for i, (wave, phase, task) in enumerate(steps):
                 t0 = time.perf_counter()
                 ls = mine.get(wave)
                 if ls is not None and task is not None and ls.slice.task != task:
                     ls = None
                 into = [t for t in self._into_wave.get(wave, []) if task is None or t.consumer.task == task]
+                out_of = [t for t in self._out_of_wave.get(wave, []) if task is None or t.producer.task == task]
                 if phase == FWD:
                     where = "forward" if backward else "validation forward"
                     for t in into:
                         progress.point(where, wave, t)
-                        self._forward_transfer(t, tensors, j)
+                        self._receive_forward(t, tensors, posted.pop((t.index, 0)))
                     if ls is not None:
                         if before_forward is not None:
                             before_forward(ls)  # the overlapped weight all-gather (its own progress point)
@@ -129,19 +136,25 @@ class WaveSchedule:
                         if ls.terminal and ls.tp_leader:
                             v = tensors[ls.slice.id].output.detach().to(torch.float64)
                             losses[names.index(ls.slice.task)] += v / ls.slice.dp if ls.dp_loss_mean else v
+                    for t in out_of:
+                        posted[(t.index, 0)] = self._post_forward(t, tensors, j)
                     if j == self.micro_batches - 1 and i == last_forward:
                         work = dist.all_reduce(losses, async_op=True)  # in flight during the backward
                     if backward:
                         self._wave_done("forward", wave, t0)
                 else:
+                    for t in out_of:
+                        progress.point("backward", wave, t)
+                        self._receive_backward(t, tensors, posted.pop((t.index, 1)))
                     if ls is not None:
                         progress.point("backward", wave, ls)
                         self._backward_slice(ls, tensors[ls.slice.id])
                         slice_done(ls)
                     for t in into:
-                        progress.point("backward", wave, t)
-                        self._backward_transfer(t, tensors, j)
+                        posted[(t.index, 1)] = self._post_backward(t, tensors, j)
                     self._wave_done("backward", wave, t0)
+            if posted:
+                raise RuntimeError(f"transfers {sorted(posted)} were posted but never received")
             del tensors
         self._wait_sends()
 
@@ -162,15 +175,18 @@ class WaveSchedule:
         if self.on_wave is not None:
             self.on_wave(phase, wave, time.perf_counter() - t0)
 
-    def _forward_transfer(self, t: TransferOp, tensors: dict[str, _SliceTensors], micro: int) -> None:
-        if not t.involves(self.rank):
-            return
+    def _post_forward(self, t: TransferOp, tensors: dict[str, _SliceTensors], micro: int) -> PendingTransfer | None:
         src = tensors.get(t.producer.id)
-        x = t.forward(self.rank, src.output.detach() if src is not None else None, self.dtype, self.device,
-                      self._pending_sends, micro)
+        return t.post_forward(self.rank, src.output.detach() if src is not None else None, self.dtype, self.device,
+                              self._pending_sends, micro)
+
+    def _receive_forward(self, t: TransferOp, tensors: dict[str, _SliceTensors],
+                         pending: PendingTransfer | None) -> None:
         dst = tensors.get(t.consumer.id)
-        if dst is not None:
-            dst.inputs[t.input_index] = x.requires_grad_(torch.is_grad_enabled())
+        if pending is not None:
+            x = pending.result()
+            if dst is not None:
+                dst.inputs[t.input_index] = x.requires_grad_(torch.is_grad_enabled())
 
     def _forward_slice(self, ls: LocalSlice, st: _SliceTensors, batches: dict[str, Any]) -> None:
         s = ls.slice
@@ -189,18 +205,21 @@ class WaveSchedule:
         if grad is not None and st.output.requires_grad:
             torch.autograd.backward([st.output], [grad])
 
-    def _backward_transfer(self, t: TransferOp, tensors: dict[str, _SliceTensors], micro: int) -> None:
-        if not t.involves(self.rank):
-            return
+    def _post_backward(self, t: TransferOp, tensors: dict[str, _SliceTensors], micro: int) -> PendingTransfer | None:
         dst = tensors.get(t.consumer.id)
         g = None
         if dst is not None:
             x = dst.inputs[t.input_index]
             g = x.grad if x.grad is not None else torch.zeros_like(x)
-        out = t.backward(self.rank, g, self.dtype, self.device, self._pending_sends, micro)
+        return t.post_backward(self.rank, g, self.dtype, self.device, self._pending_sends, micro)
+
+    def _receive_backward(self, t: TransferOp, tensors: dict[str, _SliceTensors],
+                          pending: PendingTransfer | None) -> None:
         src = tensors.get(t.producer.id)
-        if src is not None:
-            src.out_grad = out if src.out_grad is None else src.out_grad + out
+        if pending is not None:
+            out = pending.result()
+            if src is not None:
+                src.out_grad = out if src.out_grad is None else src.out_grad + out
 
 
 def micro_batch(batch: Any, index: int, micro_batches: int) -> Any:

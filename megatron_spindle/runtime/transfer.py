@@ -1,14 +1,21 @@
 """Inter-wave data flow: activations forward, their gradients backward (paper section 3.6, step 2).
 
-One ``TransferOp`` per plan transfer. Each direction is one ``dist.batch_isend_irecv`` batch holding every
-message this rank sends or receives for that transfer, in a deterministic order (sorted by (src, dst)), with a
-tag unique to the transfer and direction. Within one batch there is at most one message per ordered
-(src, dst) pair, so gloo cannot confuse same-peer same-shape messages, and every rank walks the transfers in
-the same order. A rank that receives in a batch waits for the whole batch before it goes on; a rank that only
-sends may instead hand the batch's requests to the caller (``pending_sends``) and go on computing: the tag
-tells its messages apart from later transfers', and the requests keep the send buffers alive until the
-caller waits on them (the engine does before its gradient synchronisation). A sender then no longer waits
-for a slower receiver to reach the transfer.
+One ``TransferOp`` per plan transfer. Each direction is posted once its data exists, on every rank the
+direction involves, and waited on where the data is needed: the forward is posted right after the producer's
+forward step and waited on at the consumer's, the backward posted right after the consumer's backward step and
+waited on at the producer's. That is the simulator's transfer: it leaves when its sender finishes and delays
+only the slice that needs it; sent at the consumer's step instead, a transfer made the sender reach the
+consumer's wave first, and a gradient received there held the producer's rank at a wave where it had nothing
+to wait for.
+
+Posting is one ``dist.batch_isend_irecv`` batch holding every message this rank sends or receives for that
+direction, in a deterministic order (sorted by (src, dst)), with a tag unique to the transfer, direction and
+micro-batch (gloo matches on it); every rank posts at the same step of the schedule, in the same order, so the
+two ends of each pair also issue their messages in the same order (NCCL matches on that). Local copies are
+made when posting. A rank that only sends hands the batch's requests to the caller (``pending_sends``) and goes
+on computing; the requests keep the send buffers alive until the caller waits on them (the engine does before
+its gradient synchronisation). A rank that receives gets a ``PendingTransfer`` whose ``result`` waits for the
+batch and assembles its shard.
 
 Shapes are not exchanged: both ends derive them from the workload (``ActivationSpec``). The messages are
 plan/routing.py's (island-aware: a local copy, else a holder on the receiver's node, else any holder), the same
@@ -61,18 +68,32 @@ def _shard_shape(spec: ActivationSpec, n: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def run_messages(messages: list[Message], rank: int, src_tensor: torch.Tensor | None, dst_shape: tuple[int, ...],
-                 batch_dim: int, tag: int, dtype: torch.dtype, device: torch.device,
-                 group=None, pending_sends: list | None = None,
-                 received: dict[str, int] | None = None) -> torch.Tensor | None:
-    """Execute one direction of a transfer on this rank. ``src_tensor`` is this rank's local shard when it
-    sends; returns the assembled local shard when this rank receives (``None`` otherwise). With
-    ``pending_sends`` a rank that only sends appends its requests there instead of waiting on them; with
-    ``received`` the bytes this rank receives are added to it per route."""
+class PendingTransfer:
+    """One direction of a transfer posted on a rank that receives: ``result`` waits for the batch's requests
+    and assembles the rank's shard (local copies are in it already)."""
+
+    def __init__(self, out: torch.Tensor, works: list, received: list[tuple[Message, torch.Tensor]], batch_dim: int):
+        self.out, self.works, self.received, self.batch_dim = out, works, received, batch_dim
+
+    def result(self) -> torch.Tensor:
+        for w in self.works:
+            w.wait()
+        for m, buf in self.received:
+            self.out.narrow(self.batch_dim, m.dst_start, m.n).copy_(buf)
+        self.works, self.received = [], []
+        return self.out
+
+
+def post_messages(messages: list[Message], rank: int, src_tensor: torch.Tensor | None, dst_shape: tuple[int, ...],
+                  batch_dim: int, tag: int, dtype: torch.dtype, device: torch.device, pending_sends: list,
+                  group=None, received: dict[str, int] | None = None) -> PendingTransfer | None:
+    """Post one direction of a transfer on this rank: ``src_tensor`` is this rank's local shard when it sends.
+    Returns the pending receive when this rank receives (``None`` otherwise, its send requests appended to
+    ``pending_sends``); with ``received`` the bytes this rank receives are added to it per route."""
     mine = sorted((m for m in messages if rank in (m.src, m.dst)), key=lambda m: (m.src, m.dst))
     receives = any(m.dst == rank for m in mine)
     out = torch.empty(dst_shape, dtype=dtype, device=device) if receives else None
-    ops, pending = [], []
+    ops, incoming = [], []
     for m in mine:
         if m.src == rank and m.dst == rank:
             out.narrow(batch_dim, m.dst_start, m.n).copy_(src_tensor.narrow(batch_dim, m.src_start, m.n))
@@ -84,22 +105,18 @@ def run_messages(messages: list[Message], rank: int, src_tensor: torch.Tensor | 
             shape[batch_dim] = m.n
             buf = torch.empty(shape, dtype=dtype, device=device)
             ops.append(dist.P2POp(dist.irecv, buf, peer=m.src, group=group, tag=tag))
-            pending.append((m, buf))
-    if ops:
-        works = dist.batch_isend_irecv(ops)
-        if receives or pending_sends is None:
-            for w in works:
-                w.wait()
-        else:
-            pending_sends.extend(works)
-    for m, buf in pending:
-        out.narrow(batch_dim, m.dst_start, m.n).copy_(buf)
+            incoming.append((m, buf))
+    # one batch, so NCCL may hand back a single request for all of it: a receiving rank waits on everything
+    works = dist.batch_isend_irecv(ops) if ops else []
     if received is not None and out is not None:
         row_bytes = out.element_size() * out.numel() // max(1, out.shape[batch_dim])
         for m in mine:
             if m.dst == rank:
                 received[m.route] += m.n * row_bytes
-    return out
+    if not receives:
+        pending_sends.extend(works)
+        return None
+    return PendingTransfer(out, works, incoming, batch_dim)
 
 
 class TransferOp:
@@ -129,27 +146,23 @@ class TransferOp:
     def _tag(self, direction: int, micro: int) -> int:
         return 2 * (self.index + micro * self.tag_stride) + direction
 
-    def forward(self, rank: int, output: torch.Tensor | None, dtype, device,
-                pending_sends: list | None = None, micro: int = 0) -> torch.Tensor | None:
-        """Producer output shard -> consumer input shard (on consumer devices)."""
-        if rank not in self.consumer.devices and rank not in self.producer.devices:
-            return None
+    def post_forward(self, rank: int, output: torch.Tensor | None, dtype, device, pending_sends: list,
+                     micro: int = 0) -> PendingTransfer | None:
+        """Post producer output shard -> consumer input shard (received on consumer devices)."""
         if output is not None:
             expect = _shard_shape(self.spec, self._local_rows(self.producer, rank))
             if tuple(output.shape) != expect:
                 raise RuntimeError(f"slice '{self.producer.id}' produced shape {tuple(output.shape)} but the "
                                    f"runtime expects {expect} (transfer to '{self.consumer.id}')")
         n = self._local_rows(self.consumer, rank) if rank in self.consumer.devices else 0
-        return run_messages(self.fwd, rank, output, _shard_shape(self.spec, n), self.spec.batch_dim,
-                            tag=self._tag(0, micro), dtype=dtype, device=device, pending_sends=pending_sends,
-                            received=self.received["forward"])
+        return post_messages(self.fwd, rank, output, _shard_shape(self.spec, n), self.spec.batch_dim,
+                             tag=self._tag(0, micro), dtype=dtype, device=device, pending_sends=pending_sends,
+                             received=self.received["forward"])
 
-    def backward(self, rank: int, input_grad: torch.Tensor | None, dtype, device,
-                 pending_sends: list | None = None, micro: int = 0) -> torch.Tensor | None:
-        """Consumer input-gradient shard -> producer output-gradient shard (on producer devices)."""
-        if rank not in self.consumer.devices and rank not in self.producer.devices:
-            return None
+    def post_backward(self, rank: int, input_grad: torch.Tensor | None, dtype, device, pending_sends: list,
+                      micro: int = 0) -> PendingTransfer | None:
+        """Post consumer input-gradient shard -> producer output-gradient shard (received on producer devices)."""
         n = self._local_rows(self.producer, rank) if rank in self.producer.devices else 0
-        return run_messages(self.bwd, rank, input_grad, _shard_shape(self.spec, n), self.spec.batch_dim,
-                            tag=self._tag(1, micro), dtype=dtype, device=device, pending_sends=pending_sends,
-                            received=self.received["backward"])
+        return post_messages(self.bwd, rank, input_grad, _shard_shape(self.spec, n), self.spec.batch_dim,
+                             tag=self._tag(1, micro), dtype=dtype, device=device, pending_sends=pending_sends,
+                             received=self.received["backward"])
