@@ -192,7 +192,7 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
         sims.append(simulate(plan, workload, measured_cluster, cost_model=cost_models[-1]))
     median = sorted(range(len(sims)), key=lambda i: sims[i].iteration_time)[(len(sims) - 1) // 2]
     sim = sims[median]  # the median profile's simulation
-    waves = _waves_against_profile(plan, workload, cost_models[median], rank, wave_seconds)
+    waves = _waves_against_profile(plan, workload, cost_models[median], rank, wave_seconds, sim)
     return {"measured": statistics.median(steps), "measured_fwd_bwd": statistics.median(fwd_bwd),
             "simulated": sim.iteration_time, "simulated_all": [x.iteration_time for x in sims],
             "measured_rounds": [statistics.median(steps[i * args.steps:(i + 1) * args.steps])
@@ -210,14 +210,29 @@ def _wave_recorder(into: dict[tuple[str, int], list[float]]):
     return record
 
 
-def _waves_against_profile(plan, workload, cost_model, rank: int, wave_seconds) -> list[dict]:
+def _simulated_walls(plan, sim, rank: int) -> dict[tuple[str, int], float]:
+    """(phase, wave) -> the simulated wall time of this rank's step of it, waits included: from the end of the
+    rank's previous interval to the end of this one (what ``on_wave`` measures in the runtime)."""
+    wave_of = {s.id: w.index for w in plan.waves for s in w.slices}
+    phase = {"fwd": "forward", "bwd": "backward"}
+    out, last = {}, 0.0
+    for iv in sim.busy[rank]:
+        key = (phase[iv.phase], wave_of[iv.slice_id])
+        out[key] = out.get(key, 0.0) + iv.end - last
+        last = iv.end
+    return out
+
+
+def _waves_against_profile(plan, workload, cost_model, rank: int, wave_seconds, sim) -> list[dict]:
     """Per wave of this rank: its slice, the measured wall time of the wave's forward and backward step (median
-    over the timed steps; waits for the other rank included) and the profiled operators' forward and backward as
-    the simulator charges them (``step_phases`` of the profile's cost model, times the slice's layers)."""
+    over the timed steps; waits for the other rank included), the profiled operators' forward and backward as
+    the simulator charges them (``step_phases`` of the profile's cost model, times the slice's layers) and the
+    simulated wall time of the step, waits included."""
     from megatron_spindle.estimator.cost_model import step_phases
     from megatron_spindle.graph.opgraph import build_metagraph
 
     metaops = build_metagraph(workload).metaops
+    walls = _simulated_walls(plan, sim, rank)
     rows = []
     for w in plan.waves:
         mine = [s for s in w.slices if rank in s.devices]
@@ -228,7 +243,9 @@ def _waves_against_profile(plan, workload, cost_model, rank: int, wave_seconds) 
         rows.append({"wave": w.index, "slices": [s.metaop for s in mine],
                      "measured_forward": statistics.median(wave_seconds.get(("forward", w.index), [0.0])),
                      "measured_backward": statistics.median(wave_seconds.get(("backward", w.index), [0.0])),
-                     "simulated_forward": fwd, "simulated_backward": bwd})
+                     "simulated_forward": fwd, "simulated_backward": bwd,
+                     "simulated_wall_forward": walls.get(("forward", w.index), 0.0),
+                     "simulated_wall_backward": walls.get(("backward", w.index), 0.0)})
     return rows
 
 
@@ -258,12 +275,15 @@ def _wave_rows(waves: list[dict], step: float) -> list[tuple[str, str, str]]:
     for w in waves:
         out.append((f"2 ranks: rank 0 wave {w['wave']:>2} fwd / bwd", f"{w['measured_forward'] * 1e3:5.2f} / "
                     f"{w['measured_backward'] * 1e3:5.2f} ms", f"profiled {w['simulated_forward'] * 1e3:.2f} / "
-                    f"{w['simulated_backward'] * 1e3:.2f} ms  " + ", ".join(w["slices"])))
+                    f"{w['simulated_backward'] * 1e3:.2f} ms, simulated wall {w['simulated_wall_forward'] * 1e3:.2f} / "
+                    f"{w['simulated_wall_backward'] * 1e3:.2f} ms  " + ", ".join(w["slices"])))
     measured = [sum(w[f"measured_{p}"] for w in waves) for p in ("forward", "backward")]
     profiled = [sum(w[f"simulated_{p}"] for w in waves) for p in ("forward", "backward")]
+    walls = [sum(w[f"simulated_wall_{p}"] for w in waves) for p in ("forward", "backward")]
     out.append(("2 ranks: rank 0 waves, fwd / bwd", f"{measured[0] * 1e3:5.2f} / {measured[1] * 1e3:5.2f} ms",
                 f"profiled {profiled[0] * 1e3:.2f} / {profiled[1] * 1e3:.2f} ms (forward share measured "
-                f"{measured[0] / max(sum(measured), 1e-12):.0%}, modelled {profiled[0] / max(sum(profiled), 1e-12):.0%})"))
+                f"{measured[0] / max(sum(measured), 1e-12):.0%}, modelled {profiled[0] / max(sum(profiled), 1e-12):.0%}), "
+                f"simulated wall {walls[0] * 1e3:.2f} / {walls[1] * 1e3:.2f} ms"))
     out.append(("2 ranks: rank 0 step outside the waves", _ms(step - sum(measured)),
                 "optimizer, gradient-sync wait, the step's own work"))
     return out
