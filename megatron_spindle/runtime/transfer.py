@@ -12,7 +12,8 @@ Posting is one ``dist.batch_isend_irecv`` batch holding every message this rank 
 direction, in a deterministic order (sorted by (src, dst)), with a tag unique to the transfer, direction and
 micro-batch (gloo matches on it); every rank posts at the same step of the schedule, in the same order, so the
 two ends of each pair also issue their messages in the same order (NCCL matches on that). Local copies are
-made when posting. A rank that only sends hands the batch's requests to the caller (``pending_sends``) and goes
+made when posting; where a rank hands its whole shard to itself (a transfer between slices on the same devices
+with the same layout) the consumer reads the producer's tensor instead, detached, with no copy. A rank that only sends hands the batch's requests to the caller (``pending_sends``) and goes
 on computing; the requests keep the send buffers alive until the caller waits on them (the engine does before
 its gradient synchronisation). A rank that receives gets a ``PendingTransfer`` whose ``result`` waits for the
 batch and assembles its shard.
@@ -84,17 +85,31 @@ class PendingTransfer:
         return self.out
 
 
+def _whole_shard(m: Message, rank: int, src: torch.Tensor | None, dst_shape: tuple[int, ...], batch_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``m`` is a local copy of this rank's whole shard into a shard of the same shape and type."""
+    return (src is not None and m.src == rank == m.dst and m.src_start == 0 and m.dst_start == 0
+            and tuple(src.shape) == tuple(dst_shape) and m.n == dst_shape[batch_dim]
+            and src.dtype == dtype and src.device == torch.device(device))
+
+
 def post_messages(messages: list[Message], rank: int, src_tensor: torch.Tensor | None, dst_shape: tuple[int, ...],
                   batch_dim: int, tag: int, dtype: torch.dtype, device: torch.device, pending_sends: list,
                   group=None, received: dict[str, int] | None = None) -> PendingTransfer | None:
-    """Post one direction of a transfer on this rank: ``src_tensor`` is this rank's local shard when it sends.
+    """Post one direction of a transfer on this rank: ``messages`` are this rank's (those it sends or receives),
+    in the same order on every rank; ``src_tensor`` is this rank's local shard when it sends.
     Returns the pending receive when this rank receives (``None`` otherwise, its send requests appended to
     ``pending_sends``); with ``received`` the bytes this rank receives are added to it per route."""
-    mine = sorted((m for m in messages if rank in (m.src, m.dst)), key=lambda m: (m.src, m.dst))
-    receives = any(m.dst == rank for m in mine)
+    receives = any(m.dst == rank for m in messages)
+    if len(messages) == 1 and _whole_shard(messages[0], rank, src_tensor, dst_shape, batch_dim, dtype, device):
+        # this rank hands its whole shard to itself: the consumer reads the producer's tensor (a detached view;
+        # autograd keeps the two sides apart), no copy
+        if received is not None:
+            received[messages[0].route] += src_tensor.numel() * src_tensor.element_size()
+        return PendingTransfer(src_tensor, [], [], batch_dim)
     out = torch.empty(dst_shape, dtype=dtype, device=device) if receives else None
     ops, incoming = [], []
-    for m in mine:
+    for m in messages:
         if m.src == rank and m.dst == rank:
             out.narrow(batch_dim, m.dst_start, m.n).copy_(src_tensor.narrow(batch_dim, m.src_start, m.n))
         elif m.src == rank:
@@ -110,7 +125,7 @@ def post_messages(messages: list[Message], rank: int, src_tensor: torch.Tensor |
     works = dist.batch_isend_irecv(ops) if ops else []
     if received is not None and out is not None:
         row_bytes = out.element_size() * out.numel() // max(1, out.shape[batch_dim])
-        for m in mine:
+        for m in messages:
             if m.dst == rank:
                 received[m.route] += m.n * row_bytes
     if not receives:
@@ -135,13 +150,32 @@ class TransferOp:
         self.bwd = backward_messages(producer, consumer, batch, gpus_per_node)
         # bytes this rank received, per direction and route (local copies included)
         self.received = {d: dict.fromkeys(TRANSFER_KINDS, 0) for d in ("forward", "backward")}
+        self._shards: dict[tuple[str, int], tuple[int, ...]] = {}
+        self._messages_of: dict[tuple[int, int], list[Message]] = {}
 
     def involves(self, rank: int) -> bool:
         return rank in self.producer.devices or rank in self.consumer.devices
 
-    def _local_rows(self, s: Slice, rank: int) -> int:
-        a, b = local_rows(s, rank, self.batch)
-        return b - a
+    def _shard(self, s: Slice, rank: int) -> tuple[int, ...]:
+        """This rank's shard shape of the slice's side of the transfer (no rows where it is not a member)."""
+        key = (s.id, rank)
+        shape = self._shards.get(key)
+        if shape is None:
+            n = 0
+            if rank in s.devices:
+                a, b = local_rows(s, rank, self.batch)
+                n = b - a
+            shape = self._shards[key] = _shard_shape(self.spec, n)
+        return shape
+
+    def _mine(self, direction: int, rank: int) -> list[Message]:
+        """This rank's messages of one direction, in posting order (sorted by (src, dst))."""
+        key = (direction, rank)
+        if key not in self._messages_of:
+            messages = self.bwd if direction else self.fwd
+            self._messages_of[key] = sorted((m for m in messages if rank in (m.src, m.dst)),
+                                            key=lambda m: (m.src, m.dst))
+        return self._messages_of[key]
 
     def _tag(self, direction: int, micro: int) -> int:
         return 2 * (self.index + micro * self.tag_stride) + direction
@@ -149,20 +183,16 @@ class TransferOp:
     def post_forward(self, rank: int, output: torch.Tensor | None, dtype, device, pending_sends: list,
                      micro: int = 0) -> PendingTransfer | None:
         """Post producer output shard -> consumer input shard (received on consumer devices)."""
-        if output is not None:
-            expect = _shard_shape(self.spec, self._local_rows(self.producer, rank))
-            if tuple(output.shape) != expect:
-                raise RuntimeError(f"slice '{self.producer.id}' produced shape {tuple(output.shape)} but the "
-                                   f"runtime expects {expect} (transfer to '{self.consumer.id}')")
-        n = self._local_rows(self.consumer, rank) if rank in self.consumer.devices else 0
-        return post_messages(self.fwd, rank, output, _shard_shape(self.spec, n), self.spec.batch_dim,
+        if output is not None and tuple(output.shape) != self._shard(self.producer, rank):
+            raise RuntimeError(f"slice '{self.producer.id}' produced shape {tuple(output.shape)} but the runtime "
+                               f"expects {self._shard(self.producer, rank)} (transfer to '{self.consumer.id}')")
+        return post_messages(self._mine(0, rank), rank, output, self._shard(self.consumer, rank), self.spec.batch_dim,
                              tag=self._tag(0, micro), dtype=dtype, device=device, pending_sends=pending_sends,
                              received=self.received["forward"])
 
     def post_backward(self, rank: int, input_grad: torch.Tensor | None, dtype, device, pending_sends: list,
                       micro: int = 0) -> PendingTransfer | None:
         """Post consumer input-gradient shard -> producer output-gradient shard (received on producer devices)."""
-        n = self._local_rows(self.producer, rank) if rank in self.producer.devices else 0
-        return post_messages(self.bwd, rank, input_grad, _shard_shape(self.spec, n), self.spec.batch_dim,
-                             tag=self._tag(1, micro), dtype=dtype, device=device, pending_sends=pending_sends,
-                             received=self.received["backward"])
+        return post_messages(self._mine(1, rank), rank, input_grad, self._shard(self.producer, rank),
+                             self.spec.batch_dim, tag=self._tag(1, micro), dtype=dtype, device=device,
+                             pending_sends=pending_sends, received=self.received["backward"])
