@@ -62,3 +62,22 @@ def test_transfers_leave_when_their_data_exists_and_wait_where_it_is_needed():
     # most transfers skip waves here (a task's frontend feeds its tower after the other tasks' frontends)
     assert early >= len(w.tasks), (early, len(plan.transfers))
     assert len(slice_steps) == 2 * sum(len(wave.slices) for wave in plan.waves)
+
+
+def test_a_whole_local_shard_is_handed_over_without_a_copy():
+    from megatron_spindle.plan.routing import ROUTE_LOCAL, Message
+    from megatron_spindle.runtime.transfer import post_messages
+
+    src = torch.arange(12.0).reshape(4, 3)
+    received = {ROUTE_LOCAL: 0}
+    whole = post_messages([Message(0, 0, 0, 0, 4, ROUTE_LOCAL)], 0, src, (4, 3), 0, tag=0, dtype=torch.float32,
+                          device=torch.device("cpu"), pending_sends=[], received=received).result()
+    assert whole.data_ptr() == src.data_ptr() and received[ROUTE_LOCAL] == src.numel() * 4
+    # rows moved within the rank (two messages, swapped halves) and a type change are copies
+    halves = [Message(0, 0, 0, 2, 2, ROUTE_LOCAL), Message(0, 0, 2, 0, 2, ROUTE_LOCAL)]
+    swapped = post_messages(halves, 0, src, (4, 3), 0, tag=0, dtype=torch.float32, device=torch.device("cpu"),
+                            pending_sends=[]).result()
+    assert swapped.data_ptr() != src.data_ptr() and torch.equal(swapped, torch.cat([src[2:], src[:2]]))
+    double = post_messages([Message(0, 0, 0, 0, 4, ROUTE_LOCAL)], 0, src, (4, 3), 0, tag=0, dtype=torch.float64,
+                           device=torch.device("cpu"), pending_sends=[]).result()
+    assert double.dtype == torch.float64 and torch.equal(double, src.double())
