@@ -73,6 +73,9 @@ TRAINING_ARGS=(
     --adam-beta2 0.98
     --adam-eps 1e-6
     --seed 1234
+    # every rank collects garbage at the same iterations instead of stalling alone mid-step (Megatron's flags)
+    --manual-gc
+    --manual-gc-interval 100
     "${PRECISION_ARGS[@]}"
 )
 

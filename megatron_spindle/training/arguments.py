@@ -12,6 +12,7 @@ from megatron_spindle.flags import add_flags, config_from_args, finite_float
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.training.batch_size import add_batch_size_args
 from megatron_spindle.training.engine_state import TIMING_LOG_LEVELS
+from megatron_spindle.training.manual_gc import add_manual_gc_args, check_manual_gc_args
 from megatron_spindle.training.schedule import LRSchedule
 from megatron_spindle.training.task_schedule import TaskScheduleConfig
 from megatron_spindle.training.wandb_writer import add_wandb_args
@@ -37,6 +38,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
                    help="All-reduce each gradient bucket during the backward, as soon as it is complete "
                         "(--no-overlap-grad-reduce: after the whole backward).")
+    add_manual_gc_args(g)  # --manual-gc, --manual-gc-interval, --no-manual-gc-eval
     return parser
 
 
@@ -172,6 +174,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
         raise ValueError(f"--weight-decay must be >= 0, got {args.weight_decay}")
     if args.log_interval <= 0:
         raise ValueError(f"--log-interval must be positive, got {args.log_interval}")
+    check_manual_gc_args(args)
     if args.save_interval is not None and args.save_interval <= 0:
         raise ValueError(f"--save-interval must be positive, got {args.save_interval}")
     if args.save_interval is not None and not args.save:

@@ -314,6 +314,7 @@ def train(args, base, schedule, datasets, engine_provider, info: DistContext, lo
 def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], gantt: str | None,
                 guards: FaultGuards, target, valid_datasets: dict) -> list:
     from megatron_spindle.training.evaluate import ValidationBatches, run_validation, validation_config
+    from megatron_spindle.training.manual_gc import ManualGC
     from megatron_spindle.training.monitor import TrainingMonitor
 
     phase = sets.phase
@@ -334,39 +335,44 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
     lr, weights = 0.0, {}
     print_rank_0(f"training {phase.workload.name} for {args.train_iters} iterations from iteration {start} on "
                  f"{info.world_size} rank(s)")
+    collector = ManualGC.from_args(args)  # --manual-gc
     try:
-        for it in range(start, args.train_iters):
-            progress.set_iteration(it + 1)
-            progress.point("loading the batch")
-            if it in changes:
-                monitor.log(it, lr, weights, sets.consumed_samples)  # the old set's part of the interval
-                progress.point("changing the task set (export, replan, rebuild, unit hand-over between ranks)")
-                phase = sets.switch(it)
-                monitor.attach(phase)
-            engine, loader = phase.engine, phase.loader
-            lr = sched(it)
-            engine.set_lr(lr)
-            mb = loader.advance()
-            weights = {t: (base[t] if mb.active[t] else 0.0) for t in phase.tasks}
-            engine.set_loss_weights(weights)
-            t0 = time.perf_counter()
-            losses = engine.train_step(it)
-            seconds = time.perf_counter() - t0
-            sets.consumed_samples += phase.global_batch_size
-            monitor.end_iteration(it + 1, lr, losses, weights, mb.active, seconds, sets.consumed_samples)
-            if batches is not None and ((it + 1) % valid.eval_interval == 0 or it + 1 == args.train_iters):
-                monitor.validation(run_validation(engine, batches, valid.eval_iters, it + 1, base))
-            if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
-                save(args, it + 1, engine, loader, phase.plan, phase.workload, info, sets)
-                last_saved = it + 1
-            reason = guards.exit_reason(it + 1)
-            if reason is not None:
-                if args.save and last_saved != it + 1:
+        with collector.training():
+            for it in range(start, args.train_iters):
+                progress.set_iteration(it + 1)
+                progress.point("loading the batch")
+                if it in changes:
+                    monitor.log(it, lr, weights, sets.consumed_samples)  # the old set's part of the interval
+                    progress.point("changing the task set (export, replan, rebuild, unit hand-over between ranks)")
+                    phase = sets.switch(it)
+                    monitor.attach(phase)
+                engine, loader = phase.engine, phase.loader
+                lr = sched(it)
+                engine.set_lr(lr)
+                mb = loader.advance()
+                weights = {t: (base[t] if mb.active[t] else 0.0) for t in phase.tasks}
+                engine.set_loss_weights(weights)
+                t0 = time.perf_counter()
+                losses = engine.train_step(it)
+                seconds = time.perf_counter() - t0
+                sets.consumed_samples += phase.global_batch_size
+                monitor.end_iteration(it + 1, lr, losses, weights, mb.active, seconds, sets.consumed_samples)
+                collector.after_iteration(it + 1)
+                if batches is not None and ((it + 1) % valid.eval_interval == 0 or it + 1 == args.train_iters):
+                    with collector.validation():
+                        result = run_validation(engine, batches, valid.eval_iters, it + 1, base)
+                    monitor.validation(result)
+                if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
                     save(args, it + 1, engine, loader, phase.plan, phase.workload, info, sets)
                     last_saved = it + 1
-                print_rank_0(f"exiting at iteration {it + 1}: {reason}"
-                             + (f" (checkpoint saved in {args.save})" if args.save else " (no --save: nothing saved)"))
-                return monitor.records
+                reason = guards.exit_reason(it + 1)
+                if reason is not None:
+                    if args.save and last_saved != it + 1:
+                        save(args, it + 1, engine, loader, phase.plan, phase.workload, info, sets)
+                        last_saved = it + 1
+                    print_rank_0(f"exiting at iteration {it + 1}: {reason}"
+                                 + (f" (checkpoint saved in {args.save})" if args.save else " (no --save: nothing saved)"))
+                    return monitor.records
         if args.save and last_saved != args.train_iters:
             save(args, args.train_iters, phase.engine, phase.loader, phase.plan, phase.workload, info, sets)
     finally:

@@ -4,6 +4,8 @@
   validation batches with the checkpointed weights, and validating leaves training bit for bit unchanged;
 - --log-throughput, --timing-log-level 2, --log-memory-to-tensorboard, grad norm and loss scale: in the log line,
   the timer block and TensorBoard; wandb (a stand-in module) gets the same scalars;
+- --manual-gc: the automatic garbage collector is off while training and every rank collects at the start,
+  every --manual-gc-interval iterations and around validation (unless --no-manual-gc-eval);
 - --no-save-optim saves no optimizer state, --finetune restarts from the weights alone at iteration 0,
   --global-batch-size scales the task batches, --use-distributed-optimizer shards the optimizer;
 - refused at start with one line: --micro-batch-size, --fp16 on CPU, wandb not importable, a --gpus-per-node that
@@ -165,6 +167,47 @@ def test_flags_refused_at_start(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     err = _fails(capsys, base + ["--gpus-per-node", "2"], "--gpus-per-node 2 does not match torchrun")
     assert "1 process(es) per node on 2 node(s)" in err and "Give --gpus-per-node 1" in err
+
+
+class _RecordingGC:
+    """The gc module as megatron_spindle/training/manual_gc.py uses it, recording each collection and whether the
+    automatic collector was on at that moment."""
+
+    def __init__(self):
+        self.enabled, self.collections = True, []
+
+    def isenabled(self):
+        return self.enabled
+
+    def disable(self):
+        self.enabled = False
+
+    def enable(self):
+        self.enabled = True
+
+    def collect(self):
+        self.collections.append(self.enabled)
+        return 0
+
+
+def test_manual_gc_collects_at_the_same_points_on_every_rank(capsys, monkeypatch, one_thread):
+    from megatron_spindle.training import manual_gc
+
+    for extra, collections in ((["--manual-gc-interval", "1"], 1 + 2 + 2 * 2),  # start, 2 iterations, 2 validations
+                               (["--manual-gc-interval", "2", "--no-manual-gc-eval"], 1 + 1),
+                               ([], 1 + 2 * 2)):  # --manual-gc-interval 0: around validation only
+        fake = _RecordingGC()
+        monkeypatch.setattr(manual_gc, "gc", fake)
+        assert pretrain_multitask.main(COMMON + EVAL + ["--manual-gc"] + extra) == 0
+        assert len(fake.collections) == collections, (extra, fake.collections)
+        assert not any(fake.collections)  # the automatic collector is off throughout training ...
+        assert fake.enabled  # ... and on again afterwards
+    fake = _RecordingGC()
+    monkeypatch.setattr(manual_gc, "gc", fake)
+    assert pretrain_multitask.main(COMMON + ["--manual-gc-interval", "1"]) == 0  # without --manual-gc: Megatron's
+    assert fake.collections == [] and fake.enabled
+    capsys.readouterr()
+    _fails(capsys, COMMON + ["--manual-gc", "--manual-gc-interval", "-1"], "--manual-gc-interval must be >= 0")
 
 
 def test_node_layout_and_batch_flags_map():
