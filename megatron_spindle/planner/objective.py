@@ -4,8 +4,9 @@ T(n) is forward + backward compute without gradient sync (``LayerCost.step``). T
 steps (plan/order.py) with a barrier after each, every slice's phase timed like the simulator times it
 (``step_phases`` and ``recompute_seconds``), and adds, from the estimator's models and plan/'s rules:
 
-- **transfers**: per wave, the slowest of the transfers into it, forward and backward (estimator/transfer.py on
-  plan/routing.py's messages);
+- **transfers**: what they add to the span: a slice's forward waits for its activations, a backward for their
+  gradients, each transfer timed by estimator/transfer.py on plan/routing.py's messages and leaving when its
+  sender's phase ends (as the simulator times it), so only the transfers on the span's path cost;
 - **gradient sync**: the buckets of every parameter device group (plan/buckets.py), each ready when its last
   unit's accumulation is done in the backward (waves run backward in reverse, a slice's layers from last to
   first), reduced by the comm model on its group's ring; per device, its buckets overlap the rest of the
@@ -40,7 +41,7 @@ from megatron_spindle.plan.buckets import (
 from megatron_spindle.plan.derive import plan_slice_pairs
 from megatron_spindle.plan.layout import device_programs, micro_batch_metaop, slice_units, stepped_elements
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, grad_reduce_bytes
-from megatron_spindle.plan.order import BWD, slice_order
+from megatron_spindle.plan.order import BWD, FWD, slice_order
 from megatron_spindle.plan.routing import Router
 from megatron_spindle.plan.schema import Plan
 
@@ -92,34 +93,35 @@ def estimate_iteration(plan: Plan, metagraph: MetaGraph, cluster: ClusterSpec, c
     comm = CommModel(cluster)
     metaops = metagraph.metaops
     waves = [w.slices for w in plan.waves]
-    makespan, ready = _unit_ready(plan, metaops, cost_model)
-    transfers = _transfer_seconds(plan, metaops, cost_model, comm)
+    compute, _ = _unit_ready(plan, metaops, cost_model)
+    makespan, ready = _unit_ready(plan, metaops, cost_model, _hand_off_seconds(plan, metaops, cost_model, comm))
     sync, gather = _sync_seconds(plan, metaops, cluster, cost_model, comm, makespan, ready)
     held = stepped_elements(waves, metaops, cost_model.param_count, plan.settings.zero_stage, plan.num_devices)
     step = getattr(cost_model, "optimizer_seconds", None)
     optimizer = max((step(sum(u.values()), len(u)) for u in held if u), default=0.0) if step else 0.0
-    return PlanEstimate(makespan, transfers, sync, optimizer, gather)
+    return PlanEstimate(compute, makespan - compute, sync, optimizer, gather)
 
 
-def _transfer_seconds(plan: Plan, metaops, cost_model, comm: CommModel) -> float:
+def _hand_off_seconds(plan: Plan, metaops, cost_model, comm: CommModel) -> dict[tuple[str, str], tuple[float, float]]:
+    """(producer, consumer) slice ids -> seconds of the forward transfer and of its gradients backward, one
+    micro-batch's rows (estimator/transfer.py on plan/routing.py's messages)."""
     slices = {s.id: s for s in plan.slices()}
-    wave_of = {s.id: w.index for w in plan.waves for s in w.slices}
     router = Router(plan.gpus_per_node)
-    worst: dict[int, float] = {}
     cache: dict[tuple, float] = {}
+    out = {}
     for p, c in plan_slice_pairs(plan):
         src, dst = slices[p], slices[c]
         m = metaops[src.metaop]
         rows = m.batch // plan.settings.micro_batches
         per_row = float(cost_model.activation_bytes(m)) / m.batch
-        seconds = 0.0
+        seconds = []
         for holders, needers in ((src, dst), (dst, src)):  # activations forward, their gradients backward
             key = (router.key(holders, needers, rows), per_row)
             if key not in cache:
                 cache[key] = transfer_seconds(transfer_load(router.route(holders, needers, rows), per_row), comm)
-            seconds += cache[key]
-        worst[wave_of[c]] = max(worst.get(wave_of[c], 0.0), seconds)
-    return sum(worst.values()) * plan.settings.micro_batches
+            seconds.append(cache[key])
+        out[(p, c)] = (seconds[0], seconds[1])
+    return out
 
 
 def slice_phases(plan: Plan, metaops, cost_model) -> dict[str, tuple[float, float]]:
@@ -158,16 +160,24 @@ def device_components(plan: Plan) -> dict[str, int]:
     return {sid: find(s.devices[0]) for sid, s in slices.items()}
 
 
-def _unit_ready(plan: Plan, metaops, cost_model) -> tuple[float, dict[str, float]]:
-    """The iteration's compute span with barriers between the steps of the plan's order (each step as long as
-    its slowest slice's phase), and per unit the time of its last accumulation in the last micro-batch's
+def _unit_ready(plan: Plan, metaops, cost_model,
+                hand_offs: dict[tuple[str, str], tuple[float, float]] | None = None) -> tuple[float, dict[str, float]]:
+    """The iteration's compute span with barriers between the steps of the plan's order (a step ends when its
+    slowest slice's phase does), and per unit the time of its last accumulation in the last micro-batch's
     backward. Components that share no device and no hand-off (``device_components``) keep their own barriers:
-    the span is the longest of theirs."""
+    the span is the longest of theirs. With ``hand_offs`` (``_hand_off_seconds``) a slice's phase also waits for
+    its inputs, as the simulator times transfers: a forward for its activations (its producer's forward end plus
+    the transfer), a backward for their gradients (each consumer's backward end plus the transfer back); a
+    transfer only costs where it is on that path."""
     waves = plan.waves
     tasks = [[s.task for s in w.slices] for w in waves]
     micro = plan.settings.micro_batches
     phases = slice_phases(plan, metaops, cost_model)
     component = device_components(plan)
+    inputs: dict[tuple[str, str], list[tuple[tuple[str, str], float]]] = {}  # (slice, phase) -> (source, seconds)
+    for (p, c), (forward, backward) in (hand_offs or {}).items():
+        inputs.setdefault((c, FWD), []).append(((p, FWD), forward))
+        inputs.setdefault((p, BWD), []).append(((c, BWD), backward))
     steps: list[list[tuple[int, int, str]]] = []
     for wi, si, phase in slice_order(tasks, plan.settings):  # consecutive entries of a wave and phase: a step
         if steps and steps[-1][0][0] == wi and steps[-1][0][2] == phase:
@@ -175,16 +185,19 @@ def _unit_ready(plan: Plan, metaops, cost_model) -> tuple[float, dict[str, float
         else:
             steps.append([(wi, si, phase)])
     clock: dict[int, float] = {}
+    end: dict[tuple[str, str], float] = {}  # (slice, phase) -> when it ended, on its component's clock
     ready: dict[str, tuple[float, int]] = {}  # unit -> (time in its component, component)
     for step in steps:
-        longest: dict[int, float] = {}
+        ends: dict[int, float] = {}
         for wi, si, phase in step:
             s = waves[wi].slices[si]
             c, own = component[s.id], phases[s.id][1 if phase == BWD else 0]
-            longest[c] = max(longest.get(c, 0.0), own)
+            key = (s.id, BWD if phase == BWD else FWD)
+            t = max([clock.get(c, 0.0)] + [end.get(src, 0.0) + secs for src, secs in inputs.get(key, [])])
+            end[key] = t + own
+            ends[c] = max(ends.get(c, clock.get(c, 0.0)), t + own)
             if phase != BWD:
                 continue
-            t = clock.get(c, 0.0)
             ops = s.layer_end - s.layer_start
             first: dict[str, int] = {}
             for i, names in enumerate(metaops[s.metaop].params[s.layer_start:s.layer_end]):
@@ -194,8 +207,7 @@ def _unit_ready(plan: Plan, metaops, cost_model) -> tuple[float, dict[str, float
                 at = t + own * (ops - i) / ops
                 if u not in ready or at > ready[u][0]:
                     ready[u] = (at, c)
-        for c, length in longest.items():
-            clock[c] = clock.get(c, 0.0) + length
+        clock.update(ends)
     span = max(clock.values(), default=0.0)
     return span * micro, {u: r + clock[c] * (micro - 1) for u, (r, c) in ready.items()}
 

@@ -1,0 +1,51 @@
+"""The planner's estimate (planner/objective.py): a transfer costs only where it is on the span's path, as the
+simulator times it: it leaves when its sender's phase ends and delays the phase that needs it."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_spindle.estimator import AnalyticCostModel
+from megatron_spindle.graph.cluster import make_cluster
+from megatron_spindle.graph.opgraph import build_metagraph
+from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.plan.derive import plan_slice_pairs
+from megatron_spindle.planner.objective import _unit_ready, slice_phases
+from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """tiny-clip on one device: its waves run one after another, the order is every forward, then every backward
+    in reverse."""
+    w = load_workload("tiny-clip")
+    cluster = make_cluster(1, 1, "CPU")
+    plan = make_plan(w, cluster, PlannerConfig(planner="wavefront"))
+    metaops = build_metagraph(w).metaops
+    return plan, metaops, AnalyticCostModel(w, cluster)
+
+
+def _gap(plan, phases, producer: str, consumer: str, phase: int) -> float:
+    """Compute of ``phase`` (0 forward, 1 backward) between the producer's and the consumer's on the one device:
+    the forward runs the waves in order, the backward in reverse."""
+    wave_of = {s.id: w.index for w in plan.waves for s in w.slices}
+    between = [s.id for w in plan.waves[wave_of[producer] + 1:wave_of[consumer]] for s in w.slices]
+    return sum(phases[sid][phase] for sid in between)
+
+
+def test_a_transfer_costs_only_what_the_compute_in_between_does_not_hide(one_device):
+    plan, metaops, cost = one_device
+    phases = slice_phases(plan, metaops, cost)
+    span, _ = _unit_ready(plan, metaops, cost)
+    assert span == pytest.approx(sum(f + b for f, b in phases.values()))  # one device: phases back to back
+    pairs = plan_slice_pairs(plan)
+    gaps = {pair: _gap(plan, phases, *pair, 0) for pair in pairs}
+    hidden = max(pairs, key=lambda pair: gaps[pair])  # a hand-off with waves in between
+    assert gaps[hidden] > 0
+    for seconds, added in ((0.5 * gaps[hidden], 0.0), (gaps[hidden] + 1e-3, 1e-3)):
+        with_transfer, _ = _unit_ready(plan, metaops, cost, {hidden: (seconds, 0.0)})
+        assert with_transfer - span == pytest.approx(added, abs=1e-12)
+    # a gradient going back is waited for by the producer's backward in the same way
+    back, _ = _unit_ready(plan, metaops, cost, {hidden: (0.0, 1.0)})
+    assert back - span == pytest.approx(1.0 - _gap(plan, phases, *hidden, 1), abs=1e-12)
+
