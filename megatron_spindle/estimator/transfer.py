@@ -63,6 +63,13 @@ def route_bandwidths(comm: CommModel) -> dict[str, float]:
             ROUTE_INTER: comm.send_recv_bandwidth(True)}
 
 
+def link_devices(load: TransferLoad) -> tuple[int, ...]:
+    """The devices whose links a transfer occupies while it runs: every device it involves when anything leaves
+    a device, none when it is local copies only."""
+    moved = load.total_by_route()
+    return tuple(sorted(load.devices)) if moved[ROUTE_INTRA] > 0 or moved[ROUTE_INTER] > 0 else ()
+
+
 def transfer_seconds(load: TransferLoad, comm: CommModel) -> float:
     """Time of one transfer: its busiest device (receiving or sending), plus one point-to-point latency of the
     slowest route that moves anything."""

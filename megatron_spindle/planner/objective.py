@@ -5,8 +5,9 @@ steps (plan/order.py) with a barrier after each, every slice's phase timed like 
 (``step_phases`` and ``recompute_seconds``), and adds, from the estimator's models and plan/'s rules:
 
 - **transfers**: what they add to the span: a slice's forward waits for its activations, a backward for their
-  gradients, each transfer timed by estimator/transfer.py on plan/routing.py's messages and leaving when its
-  sender's phase ends (as the simulator times it), so only the transfers on the span's path cost;
+  gradients, each transfer timed by estimator/transfer.py on plan/routing.py's messages, leaving when its
+  sender's phase ends and its devices' links are free (as the simulator times it), so only the transfers on the
+  span's path cost;
 - **gradient sync**: the buckets of every parameter device group (plan/buckets.py), each ready when its last
   unit's accumulation is done in the backward (waves run backward in reverse, a slice's layers from last to
   first), reduced by the comm model on its group's ring; per device, its buckets overlap the rest of the
@@ -16,7 +17,7 @@ steps (plan/order.py) with a barrier after each, every slice's phase timed like 
   bucket by bucket, each needed by the start of the first wave using it).
 
 It is an estimate with wave barriers (per component: slices joined by a device or a hand-off, so the node groups
-of a node-group plan keep their own) and no link contention; the simulator (megatron_spindle/simulator) times
+of a node-group plan keep their own), links taken first come, first served, and no sharing of a node's network; the simulator (megatron_spindle/simulator) times
 the same plan with dataflow, contention and fluid network sharing, and plan selection (megatron_spindle/autoplan.py)
 keeps the plan it times fastest. ``plan.predicted["planner_estimate"]`` records this estimate.
 """
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass
 from megatron_spindle.estimator.comm_model import CommModel, GroupPlacement, overlapped_backward_seconds
 from megatron_spindle.estimator.cost_model import step_phases
 from megatron_spindle.estimator.estimate import exposed_sync_seconds, weight_sharers
-from megatron_spindle.estimator.transfer import transfer_load, transfer_seconds
+from megatron_spindle.estimator.transfer import link_devices, transfer_load, transfer_seconds
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.plan.buckets import (
@@ -94,7 +95,7 @@ def estimate_iteration(plan: Plan, metagraph: MetaGraph, cluster: ClusterSpec, c
     metaops = metagraph.metaops
     waves = [w.slices for w in plan.waves]
     compute, _ = _unit_ready(plan, metaops, cost_model)
-    makespan, ready = _unit_ready(plan, metaops, cost_model, _hand_off_seconds(plan, metaops, cost_model, comm))
+    makespan, ready = _unit_ready(plan, metaops, cost_model, _hand_offs(plan, metaops, cost_model, comm))
     sync, gather = _sync_seconds(plan, metaops, cluster, cost_model, comm, makespan, ready)
     held = stepped_elements(waves, metaops, cost_model.param_count, plan.settings.zero_stage, plan.num_devices)
     step = getattr(cost_model, "optimizer_seconds", None)
@@ -102,25 +103,30 @@ def estimate_iteration(plan: Plan, metagraph: MetaGraph, cluster: ClusterSpec, c
     return PlanEstimate(compute, makespan - compute, sync, optimizer, gather)
 
 
-def _hand_off_seconds(plan: Plan, metaops, cost_model, comm: CommModel) -> dict[tuple[str, str], tuple[float, float]]:
-    """(producer, consumer) slice ids -> seconds of the forward transfer and of its gradients backward, one
-    micro-batch's rows (estimator/transfer.py on plan/routing.py's messages)."""
+Flow = tuple[float, tuple[int, ...]]  # one direction of a transfer: seconds, the devices whose links it occupies
+
+
+def _hand_offs(plan: Plan, metaops, cost_model, comm: CommModel) -> dict[tuple[str, str], tuple[Flow, Flow]]:
+    """(producer, consumer) slice ids -> the forward transfer and its gradients backward, one micro-batch's rows
+    (estimator/transfer.py on plan/routing.py's messages): each its seconds and the devices whose links it
+    occupies."""
     slices = {s.id: s for s in plan.slices()}
     router = Router(plan.gpus_per_node)
-    cache: dict[tuple, float] = {}
+    cache: dict[tuple, Flow] = {}
     out = {}
     for p, c in plan_slice_pairs(plan):
         src, dst = slices[p], slices[c]
         m = metaops[src.metaop]
         rows = m.batch // plan.settings.micro_batches
         per_row = float(cost_model.activation_bytes(m)) / m.batch
-        seconds = []
+        flows = []
         for holders, needers in ((src, dst), (dst, src)):  # activations forward, their gradients backward
             key = (router.key(holders, needers, rows), per_row)
             if key not in cache:
-                cache[key] = transfer_seconds(transfer_load(router.route(holders, needers, rows), per_row), comm)
-            seconds.append(cache[key])
-        out[(p, c)] = (seconds[0], seconds[1])
+                load = transfer_load(router.route(holders, needers, rows), per_row)
+                cache[key] = (transfer_seconds(load, comm), link_devices(load))
+            flows.append(cache[key])
+        out[(p, c)] = (flows[0], flows[1])
     return out
 
 
@@ -161,23 +167,23 @@ def device_components(plan: Plan) -> dict[str, int]:
 
 
 def _unit_ready(plan: Plan, metaops, cost_model,
-                hand_offs: dict[tuple[str, str], tuple[float, float]] | None = None) -> tuple[float, dict[str, float]]:
+                hand_offs: dict[tuple[str, str], tuple[Flow, Flow]] | None = None) -> tuple[float, dict[str, float]]:
     """The iteration's compute span with barriers between the steps of the plan's order (a step ends when its
     slowest slice's phase does), and per unit the time of its last accumulation in the last micro-batch's
     backward. Components that share no device and no hand-off (``device_components``) keep their own barriers:
-    the span is the longest of theirs. With ``hand_offs`` (``_hand_off_seconds``) a slice's phase also waits for
-    its inputs, as the simulator times transfers: a forward for its activations (its producer's forward end plus
-    the transfer), a backward for their gradients (each consumer's backward end plus the transfer back); a
-    transfer only costs where it is on that path."""
+    the span is the longest of theirs. With ``hand_offs`` (``_hand_offs``) a slice's phase also waits for its
+    inputs, as the simulator times transfers: a forward for its activations, a backward for their gradients,
+    each transfer leaving when its sender's phase ends and its devices' links are free (first come, first
+    served); a transfer only costs where it is on that path."""
     waves = plan.waves
     tasks = [[s.task for s in w.slices] for w in waves]
     micro = plan.settings.micro_batches
     phases = slice_phases(plan, metaops, cost_model)
     component = device_components(plan)
-    inputs: dict[tuple[str, str], list[tuple[tuple[str, str], float]]] = {}  # (slice, phase) -> (source, seconds)
+    sends: dict[tuple[str, str], list[tuple[tuple[str, str], Flow]]] = {}  # (slice, phase) -> (receiver, flow)
     for (p, c), (forward, backward) in (hand_offs or {}).items():
-        inputs.setdefault((c, FWD), []).append(((p, FWD), forward))
-        inputs.setdefault((p, BWD), []).append(((c, BWD), backward))
+        sends.setdefault((p, FWD), []).append(((c, FWD), forward))
+        sends.setdefault((c, BWD), []).append(((p, BWD), backward))
     steps: list[list[tuple[int, int, str]]] = []
     for wi, si, phase in slice_order(tasks, plan.settings):  # consecutive entries of a wave and phase: a step
         if steps and steps[-1][0][0] == wi and steps[-1][0][2] == phase:
@@ -185,16 +191,18 @@ def _unit_ready(plan: Plan, metaops, cost_model,
         else:
             steps.append([(wi, si, phase)])
     clock: dict[int, float] = {}
-    end: dict[tuple[str, str], float] = {}  # (slice, phase) -> when it ended, on its component's clock
+    arrival: dict[tuple[str, str], float] = {}  # (slice, phase) -> when its last input has arrived
+    link_free: dict[int, float] = {}
     ready: dict[str, tuple[float, int]] = {}  # unit -> (time in its component, component)
     for step in steps:
         ends: dict[int, float] = {}
+        done: list[tuple[tuple[str, str], float]] = []
         for wi, si, phase in step:
             s = waves[wi].slices[si]
             c, own = component[s.id], phases[s.id][1 if phase == BWD else 0]
             key = (s.id, BWD if phase == BWD else FWD)
-            t = max([clock.get(c, 0.0)] + [end.get(src, 0.0) + secs for src, secs in inputs.get(key, [])])
-            end[key] = t + own
+            t = max(clock.get(c, 0.0), arrival.get(key, 0.0))
+            done.append((key, t + own))
             ends[c] = max(ends.get(c, clock.get(c, 0.0)), t + own)
             if phase != BWD:
                 continue
@@ -207,6 +215,12 @@ def _unit_ready(plan: Plan, metaops, cost_model,
                 at = t + own * (ops - i) / ops
                 if u not in ready or at > ready[u][0]:
                     ready[u] = (at, c)
+        for key, end in sorted(done, key=lambda kv: kv[1]):  # the step's transfers leave as their senders end
+            for receiver, (seconds, links) in sends.get(key, []):
+                start = max([end] + [link_free.get(d, 0.0) for d in links])
+                for d in links:
+                    link_free[d] = start + seconds
+                arrival[receiver] = max(arrival.get(receiver, 0.0), start + seconds)
         clock.update(ends)
     span = max(clock.values(), default=0.0)
     return span * micro, {u: r + clock[c] * (micro - 1) for u, (r, c) in ready.items()}

@@ -68,6 +68,7 @@ from megatron_spindle.estimator.comm_model import OVERLAP_SLOWDOWN, CommModel, G
 from megatron_spindle.estimator.cost_model import step_phases
 from megatron_spindle.estimator.transfer import (
     TransferLoad,
+    link_devices,
     route_bandwidths,
     transfer_load,
     transfer_seconds,
@@ -80,7 +81,7 @@ from megatron_spindle.plan.derive import plan_slice_pairs
 from megatron_spindle.plan.layout import micro_batch_metaop, slice_units, stepped_elements
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, plan_memory
 from megatron_spindle.plan.order import FWD, slice_order
-from megatron_spindle.plan.routing import ROUTE_INTER, ROUTE_INTRA, Router
+from megatron_spindle.plan.routing import Router
 from megatron_spindle.plan.schema import TRANSFER_KINDS, Plan, Slice
 from megatron_spindle.simulator.grad_sync import (
     BucketSync,
@@ -318,8 +319,7 @@ def _flow(load: TransferLoad, comm: CommModel) -> _Flow:
     raw = {k: by_route[k] / bw[k] for k in TRANSFER_KINDS}
     total_raw = sum(raw.values())
     by_seconds = {k: (seconds * raw[k] / total_raw if total_raw > 0 else 0.0) for k in TRANSFER_KINDS}
-    moving = tuple(sorted(load.devices)) if any(by_route[k] > 0 for k in (ROUTE_INTRA, ROUTE_INTER)) else ()
-    return _Flow(moving, seconds, by_route, by_seconds)
+    return _Flow(link_devices(load), seconds, by_route, by_seconds)
 
 
 # ------------------------------------------------------------------------------------------ timeline
