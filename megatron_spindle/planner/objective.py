@@ -17,9 +17,9 @@ steps (plan/order.py) with a barrier after each, every slice's phase timed like 
   bucket by bucket, each needed by the start of the first wave using it).
 
 It is an estimate with wave barriers (per component: slices joined by a device or a hand-off, so the node groups
-of a node-group plan keep their own), links taken first come, first served, and no sharing of a node's network; the simulator (megatron_spindle/simulator) times
-the same plan with dataflow, contention and fluid network sharing, and plan selection (megatron_spindle/autoplan.py)
-keeps the plan it times fastest. ``plan.predicted["planner_estimate"]`` records this estimate.
+of a node-group plan keep their own), links taken first come, first served, and no sharing of a node's network;
+the simulator (megatron_spindle/simulator) times the same plan with dataflow, contention and fluid network
+sharing, and plan selection (megatron_spindle/autoplan.py) keeps the plan it times fastest. ``plan.predicted["planner_estimate"]`` records this estimate.
 """
 
 from __future__ import annotations
@@ -94,8 +94,7 @@ def estimate_iteration(plan: Plan, metagraph: MetaGraph, cluster: ClusterSpec, c
     comm = CommModel(cluster)
     metaops = metagraph.metaops
     waves = [w.slices for w in plan.waves]
-    compute, _ = _unit_ready(plan, metaops, cost_model)
-    makespan, ready = _unit_ready(plan, metaops, cost_model, _hand_offs(plan, metaops, cost_model, comm))
+    compute, makespan, ready = _unit_ready(plan, metaops, cost_model, _hand_offs(plan, metaops, cost_model, comm))
     sync, gather = _sync_seconds(plan, metaops, cluster, cost_model, comm, makespan, ready)
     held = stepped_elements(waves, metaops, cost_model.param_count, plan.settings.zero_stage, plan.num_devices)
     step = getattr(cost_model, "optimizer_seconds", None)
@@ -167,10 +166,11 @@ def device_components(plan: Plan) -> dict[str, int]:
 
 
 def _unit_ready(plan: Plan, metaops, cost_model,
-                hand_offs: dict[tuple[str, str], tuple[Flow, Flow]] | None = None) -> tuple[float, dict[str, float]]:
-    """The iteration's compute span with barriers between the steps of the plan's order (a step ends when its
-    slowest slice's phase does), and per unit the time of its last accumulation in the last micro-batch's
-    backward. Components that share no device and no hand-off (``device_components``) keep their own barriers:
+                hand_offs: dict[tuple[str, str], tuple[Flow, Flow]] | None = None,
+                ) -> tuple[float, float, dict[str, float]]:
+    """(the iteration's compute span without transfers, the span with them, per unit the time of its last
+    accumulation in the last micro-batch's backward), with barriers between the steps of the plan's order (a
+    step ends when its slowest slice's phase does). Components that share no device and no hand-off (``device_components``) keep their own barriers:
     the span is the longest of theirs. With ``hand_offs`` (``_hand_offs``) a slice's phase also waits for its
     inputs, as the simulator times transfers: a forward for its activations, a backward for their gradients,
     each transfer leaving when its sender's phase ends and its devices' links are free (first come, first
@@ -191,19 +191,22 @@ def _unit_ready(plan: Plan, metaops, cost_model,
         else:
             steps.append([(wi, si, phase)])
     clock: dict[int, float] = {}
+    alone: dict[int, float] = {}  # the components' clocks as if every transfer were free
     arrival: dict[tuple[str, str], float] = {}  # (slice, phase) -> when its last input has arrived
     link_free: dict[int, float] = {}
     ready: dict[str, tuple[float, int]] = {}  # unit -> (time in its component, component)
     for step in steps:
         ends: dict[int, float] = {}
+        longest: dict[int, float] = {}
         done: list[tuple[tuple[str, str], float]] = []
         for wi, si, phase in step:
             s = waves[wi].slices[si]
             c, own = component[s.id], phases[s.id][1 if phase == BWD else 0]
-            key = (s.id, BWD if phase == BWD else FWD)
+            key = (s.id, phase)
             t = max(clock.get(c, 0.0), arrival.get(key, 0.0))
             done.append((key, t + own))
             ends[c] = max(ends.get(c, clock.get(c, 0.0)), t + own)
+            longest[c] = max(longest.get(c, 0.0), own)
             if phase != BWD:
                 continue
             ops = s.layer_end - s.layer_start
@@ -222,8 +225,11 @@ def _unit_ready(plan: Plan, metaops, cost_model,
                     link_free[d] = start + seconds
                 arrival[receiver] = max(arrival.get(receiver, 0.0), start + seconds)
         clock.update(ends)
+        for c, length in longest.items():
+            alone[c] = alone.get(c, 0.0) + length
     span = max(clock.values(), default=0.0)
-    return span * micro, {u: r + clock[c] * (micro - 1) for u, (r, c) in ready.items()}
+    return (max(alone.values(), default=0.0) * micro, span * micro,
+            {u: r + clock[c] * (micro - 1) for u, (r, c) in ready.items()})
 
 
 def _gather_seconds(buckets: list[list[str]], first_use: dict[str, float], cost_model, comm: CommModel, tp: int,
@@ -257,8 +263,8 @@ def _first_use(plan: Plan, metaops) -> dict[str, float]:
 def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: CommModel, bwd_span: float,
                   ready: dict[str, float]) -> tuple[float, float]:
     """(what the gradient buckets add beyond the compute on the worst device, the ZeRO 1/2 weight gather), given
-    ``_unit_ready``'s compute span and unit accumulation times. Each bucket can overlap any compute after its
-    last unit's accumulation (a later segment's forward too)."""
+    ``_unit_ready``'s span (transfers included) and unit accumulation times. Each bucket can overlap any compute
+    after its last unit's accumulation (a later segment's forward too)."""
     settings = plan.settings
     waves = [w.slices for w in plan.waves]
     if bwd_span <= 0:

@@ -36,17 +36,18 @@ def _gap(plan, phases, producer: str, consumer: str, phase: int) -> float:
 def test_a_transfer_costs_only_what_the_compute_in_between_does_not_hide(one_device):
     plan, metaops, cost = one_device
     phases = slice_phases(plan, metaops, cost)
-    span, _ = _unit_ready(plan, metaops, cost)
+    span, same, _ = _unit_ready(plan, metaops, cost)
+    assert same == span  # no hand-offs: nothing to wait for
     assert span == pytest.approx(sum(f + b for f, b in phases.values()))  # one device: phases back to back
     pairs = plan_slice_pairs(plan)
     gaps = {pair: _gap(plan, phases, *pair, 0) for pair in pairs}
     hidden = max(pairs, key=lambda pair: gaps[pair])  # a hand-off with waves in between
     assert gaps[hidden] > 0
     for seconds, added in ((0.5 * gaps[hidden], 0.0), (gaps[hidden] + 1e-3, 1e-3)):
-        with_transfer, _ = _unit_ready(plan, metaops, cost, {hidden: ((seconds, ()), (0.0, ()))})
-        assert with_transfer - span == pytest.approx(added, abs=1e-12)
+        compute, with_transfer, _ = _unit_ready(plan, metaops, cost, {hidden: ((seconds, ()), (0.0, ()))})
+        assert compute == span and with_transfer - span == pytest.approx(added, abs=1e-12)
     # a gradient going back is waited for by the producer's backward in the same way
-    back, _ = _unit_ready(plan, metaops, cost, {hidden: ((0.0, ()), (1.0, ()))})
+    _, back, _ = _unit_ready(plan, metaops, cost, {hidden: ((0.0, ()), (1.0, ()))})
     assert back - span == pytest.approx(1.0 - _gap(plan, phases, *hidden, 1), abs=1e-12)
 
 
@@ -59,8 +60,8 @@ def test_transfers_on_one_link_go_one_after_another(one_device):
     first, second = sorted(plan_slice_pairs(plan), key=lambda pair: wave_of[pair[0]])[:2]
     assert wave_of[first[0]] < wave_of[second[0]]
     long = 10.0  # far longer than the compute: both consumers wait for their transfers
-    apart, _ = _unit_ready(plan, metaops, cost, {first: ((long, (0,)), (0.0, ())), second: ((long, (1,)), (0.0, ()))})
-    shared, _ = _unit_ready(plan, metaops, cost, {first: ((long, (0,)), (0.0, ())), second: ((long, (0,)), (0.0, ()))})
+    _, apart, _ = _unit_ready(plan, metaops, cost, {first: ((long, (0,)), (0.0, ())), second: ((long, (1,)), (0.0, ()))})
+    _, shared, _ = _unit_ready(plan, metaops, cost, {first: ((long, (0,)), (0.0, ())), second: ((long, (0,)), (0.0, ()))})
     # on its own link the second transfer would overlap the first almost wholly; on the same link it waits for it
     gap = sum(phases[s.id][0] for w in plan.waves[wave_of[first[0]] + 1:wave_of[second[0]] + 1] for s in w.slices)
     assert shared - apart == pytest.approx(long - gap, rel=1e-9)
