@@ -132,6 +132,8 @@ CASES = [
     Case("plan", PLANNING + ["--out", "{ws}/previous_plan.json", "--gantt", "{ws}/a_file/plan.png"],
          "{ws}/a_file is a file, not a folder"),
     Case("plan", PLANNING + ["--spindle-solver-time-limit", "nan"], "invalid finite float value: 'nan'"),
+    Case("plan", PLANNING + ["--spindle-solver-time-limit", "-1"], "solver time limit must be >= 0, got -1.0"),
+    Case("plan", PLANNING + ["--spindle-solver-workers", "0"], "solver workers must be >= 1, got 0"),
     Case("plan", PLANNING + ["--spindle-planner", "magic"], "invalid choice: 'magic'"),
     Case("plan", PLANNING + ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     Case("plan", ["--workload", "{ws}/dup.yaml", "--num-gpus", "2"], "duplicate key 'hidden_size'"),

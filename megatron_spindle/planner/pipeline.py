@@ -117,15 +117,15 @@ class PlannerConfig:
             raise ValueError("--recompute-method and --recompute-num-layers need --recompute-granularity full")
         if self.recompute_num_layers is not None and self.recompute_num_layers < 1:
             raise ValueError(f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")
+        if self.solver_time_limit < 0:
+            raise ValueError(f"solver time limit must be >= 0, got {self.solver_time_limit}")
+        if self.solver_workers < 1:
+            raise ValueError(f"solver workers must be >= 1, got {self.solver_workers}")
 
     def fixes_memory_options(self) -> bool:
         """The user gave recomputation, micro-batches or the early backward (a plan must use them)."""
         return (self.recompute != "auto" or self.recompute_granularity is not None or self.micro_batches != "auto"
                 or self.early_backward == "on")
-        if self.solver_time_limit < 0:
-            raise ValueError(f"solver time limit must be >= 0, got {self.solver_time_limit}")
-        if self.solver_workers < 1:
-            raise ValueError(f"solver workers must be >= 1, got {self.solver_workers}")
 
 
 @dataclass
