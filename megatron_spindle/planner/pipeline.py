@@ -122,6 +122,10 @@ class PlannerConfig:
         if self.solver_workers < 1:
             raise ValueError(f"solver workers must be >= 1, got {self.solver_workers}")
 
+    def sync_aware_curves(self) -> bool:
+        """The planner plans on sync-aware curves (auto leaves them to plan selection as a candidate)."""
+        return self.sync_aware == "on"
+
     def fixes_memory_options(self) -> bool:
         """The user gave recomputation, micro-batches or the early backward (a plan must use them)."""
         return (self.recompute != "auto" or self.recompute_granularity is not None or self.micro_batches != "auto"
