@@ -106,16 +106,28 @@ def one_rank(workload, args) -> dict[str, float]:
 def _simulated_one_rank(plan, workload, args) -> float:
     """The simulator's time of the one-rank plan from a profile taken on this rank just after the steps: what
     the model gets wrong without a second rank (the two-rank rows measure the rest)."""
-    from megatron_spindle.estimator.profiled import ProfiledCostModel
     from megatron_spindle.graph.cluster import ClusterSpec
-    from megatron_spindle.profiler import ProfilerSettings, ProfileWorld, run_profile
-    from megatron_spindle.simulator import simulate
+    from megatron_spindle.profiler import ProfileWorld, run_profile
 
     cluster = ClusterSpec.from_dict(plan.cluster)
-    settings = ProfilerSettings(layers=args.profile_layers, repeats=args.profile_repeats, warmup=1)
-    profile = run_profile(workload, cluster, settings, ProfileWorld.current("cpu")).profile()
-    cost_model = ProfiledCostModel(workload, cluster, profile.measurements, optimizer=profile.optimizer)
-    return simulate(plan, workload, cluster, cost_model=cost_model).iteration_time
+    profile = run_profile(workload, cluster, _profiler_settings(args), ProfileWorld.current("cpu")).profile()
+    return _simulate_profiled(plan, workload, cluster, profile)[1].iteration_time
+
+
+def _profiler_settings(args):
+    from megatron_spindle.profiler import ProfilerSettings
+
+    return ProfilerSettings(layers=args.profile_layers, repeats=args.profile_repeats, warmup=1)
+
+
+def _simulate_profiled(plan, workload, cluster, profile):
+    """(cost model, simulation) of the plan from a profile: its measured operators, AdamW step and links."""
+    from megatron_spindle.estimator.profiled import ProfiledCostModel, cluster_with_bandwidth
+    from megatron_spindle.simulator import simulate
+
+    measured = cluster_with_bandwidth(cluster, profile.bandwidth)
+    cost_model = ProfiledCostModel(workload, measured, profile.measurements, optimizer=profile.optimizer)
+    return cost_model, simulate(plan, workload, measured, cost_model=cost_model)
 
 
 # ------------------------------------------------------------------------------------------------ two ranks
@@ -151,18 +163,16 @@ def _two_rank_worker(rank: int, world_size: int, port: int, workload, args, queu
 def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
     from megatron_spindle.compat.cpu import apply_cpu_shim
     from megatron_spindle.estimator.profile import load_profile
-    from megatron_spindle.estimator.profiled import ProfiledCostModel, cluster_with_bandwidth
     from megatron_spindle.graph.cluster import make_cluster
     from megatron_spindle.plan.schema import Plan
     from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
-    from megatron_spindle.profiler import ProfilerSettings, ProfileWorld, run_profile
+    from megatron_spindle.profiler import ProfileWorld, run_profile
     from megatron_spindle.runtime.engine import RuntimeEngine
-    from megatron_spindle.simulator import simulate
 
     apply_cpu_shim()
     cluster = make_cluster(world_size, world_size, "CPU")
     world = ProfileWorld.current("cpu")
-    settings = ProfilerSettings(layers=args.profile_layers, repeats=args.profile_repeats, warmup=1)
+    settings = _profiler_settings(args)
 
     def profile_now():
         """A fresh profile, or --profile (whose optimizer cost may be None: the analytic one applies)."""
@@ -202,12 +212,7 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
                 fwd_bwd.append(a)
                 steps.append(b)
     steps, fwd_bwd = world.all_max(steps), world.all_max(fwd_bwd)
-    sims, cost_models = [], []
-    for profile in profiles:
-        measured_cluster = cluster_with_bandwidth(cluster, profile.bandwidth)
-        cost_models.append(ProfiledCostModel(workload, measured_cluster, profile.measurements,
-                                             optimizer=profile.optimizer))
-        sims.append(simulate(plan, workload, measured_cluster, cost_model=cost_models[-1]))
+    cost_models, sims = zip(*(_simulate_profiled(plan, workload, cluster, profile) for profile in profiles))
     median = sorted(range(len(sims)), key=lambda i: sims[i].iteration_time)[(len(sims) - 1) // 2]
     sim = sims[median]  # the median profile's simulation
     waves = _waves_against_profile(plan, workload, cost_models[median], rank, wave_seconds, sim)
