@@ -303,10 +303,11 @@ def _wave_rows(waves: list[dict], step: float) -> list[tuple[str, str, str]]:
     measured = [sum(w[f"measured_{p}"] for w in waves) for p in ("forward", "backward")]
     profiled = [sum(w[f"simulated_{p}"] for w in waves) for p in ("forward", "backward")]
     walls = [sum(w[f"simulated_wall_{p}"] for w in waves) for p in ("forward", "backward")]
+    share = [m[0] / max(sum(m), 1e-12) for m in (measured, profiled)]  # forward's share, measured and modelled
     out.append(("2 ranks: rank 0 waves, fwd / bwd", f"{measured[0] * 1e3:5.2f} / {measured[1] * 1e3:5.2f} ms",
                 f"profiled {profiled[0] * 1e3:.2f} / {profiled[1] * 1e3:.2f} ms (forward share measured "
-                f"{measured[0] / max(sum(measured), 1e-12):.0%}, modelled {profiled[0] / max(sum(profiled), 1e-12):.0%}), "
-                f"simulated wall {walls[0] * 1e3:.2f} / {walls[1] * 1e3:.2f} ms"))
+                f"{share[0]:.0%}, modelled {share[1]:.0%}), simulated wall {walls[0] * 1e3:.2f} / "
+                f"{walls[1] * 1e3:.2f} ms"))
     out.append(("2 ranks: rank 0 step outside the waves", _ms(step - sum(measured)),
                 "optimizer, gradient-sync wait, the step's own work"))
     return out

@@ -19,7 +19,8 @@ steps (plan/order.py) with a barrier after each, every slice's phase timed like 
 It is an estimate with wave barriers (per component: slices joined by a device or a hand-off, so the node groups
 of a node-group plan keep their own), links taken first come, first served, and no sharing of a node's network;
 the simulator (megatron_spindle/simulator) times the same plan with dataflow, contention and fluid network
-sharing, and plan selection (megatron_spindle/autoplan.py) keeps the plan it times fastest. ``plan.predicted["planner_estimate"]`` records this estimate.
+sharing, and plan selection (megatron_spindle/autoplan.py) keeps the plan it times fastest.
+``plan.predicted["planner_estimate"]`` records this estimate.
 """
 
 from __future__ import annotations
@@ -170,11 +171,11 @@ def _unit_ready(plan: Plan, metaops, cost_model,
                 ) -> tuple[float, float, dict[str, float]]:
     """(the iteration's compute span without transfers, the span with them, per unit the time of its last
     accumulation in the last micro-batch's backward), with barriers between the steps of the plan's order (a
-    step ends when its slowest slice's phase does). Components that share no device and no hand-off (``device_components``) keep their own barriers:
-    the span is the longest of theirs. With ``hand_offs`` (``_hand_offs``) a slice's phase also waits for its
-    inputs, as the simulator times transfers: a forward for its activations, a backward for their gradients,
-    each transfer leaving when its sender's phase ends and its devices' links are free (first come, first
-    served); a transfer only costs where it is on that path."""
+    step ends when its slowest slice's phase does). Components that share no device and no hand-off
+    (``device_components``) keep their own barriers: the span is the longest of theirs. With ``hand_offs``
+    (``_hand_offs``) a slice's phase also waits for its inputs, as the simulator times transfers: a forward for
+    its activations, a backward for their gradients, each transfer leaving when its sender's phase ends and its
+    devices' links are free (first come, first served); a transfer only costs where it is on that path."""
     waves = plan.waves
     tasks = [[s.task for s in w.slices] for w in waves]
     micro = plan.settings.micro_batches

@@ -13,11 +13,12 @@ direction, in a deterministic order (sorted by (src, dst)), with a tag unique to
 micro-batch (gloo matches on it); every rank posts at the same step of the schedule, in the same order, so the
 two ends of each pair also issue their messages in the same order (NCCL matches on that). Local copies are
 made when posting; where a rank hands its whole shard to itself (a transfer between slices on the same devices
-with the same layout) the consumer reads the producer's tensor instead, detached, with no copy. A rank that only sends hands the batch's requests to the caller (``pending_sends``) and goes
-on computing; the requests keep the send buffers alive until the caller waits on them (the engine does before
-its gradient synchronisation). A rank that receives gets a ``PendingTransfer`` whose ``result`` waits for the
-batch and assembles its shard; it holds the receive buffers from the post on, so an activation that skips waves
-occupies its consumer's devices from the producer's step (plan/memory.py counts it from the consumer's forward).
+with the same layout) the consumer reads the producer's tensor instead, detached, with no copy. A rank that
+only sends hands the batch's requests to the caller (``pending_sends``) and goes on computing; the requests keep
+the send buffers alive until the caller waits on them (the engine does before its gradient synchronisation). A
+rank that receives gets a ``PendingTransfer`` whose ``result`` waits for the batch and assembles its shard; it
+holds the receive buffers from the post on, so an activation that skips waves occupies its consumer's devices
+from the producer's step (plan/memory.py counts it from the consumer's forward).
 
 Shapes are not exchanged: both ends derive them from the workload (``ActivationSpec``). The messages are
 plan/routing.py's (island-aware: a local copy, else a holder on the receiver's node, else any holder), the same

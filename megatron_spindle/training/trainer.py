@@ -370,8 +370,8 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
                     if args.save and last_saved != it + 1:
                         save(args, it + 1, engine, loader, phase.plan, phase.workload, info, sets)
                         last_saved = it + 1
-                    print_rank_0(f"exiting at iteration {it + 1}: {reason}"
-                                 + (f" (checkpoint saved in {args.save})" if args.save else " (no --save: nothing saved)"))
+                    saved = f" (checkpoint saved in {args.save})" if args.save else " (no --save: nothing saved)"
+                    print_rank_0(f"exiting at iteration {it + 1}: {reason}{saved}")
                     return monitor.records
         if args.save and last_saved != args.train_iters:
             save(args, args.train_iters, phase.engine, phase.loader, phase.plan, phase.workload, info, sets)

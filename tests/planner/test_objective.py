@@ -60,8 +60,11 @@ def test_transfers_on_one_link_go_one_after_another(one_device):
     first, second = sorted(plan_slice_pairs(plan), key=lambda pair: wave_of[pair[0]])[:2]
     assert wave_of[first[0]] < wave_of[second[0]]
     long = 10.0  # far longer than the compute: both consumers wait for their transfers
-    _, apart, _ = _unit_ready(plan, metaops, cost, {first: ((long, (0,)), (0.0, ())), second: ((long, (1,)), (0.0, ()))})
-    _, shared, _ = _unit_ready(plan, metaops, cost, {first: ((long, (0,)), (0.0, ())), second: ((long, (0,)), (0.0, ()))})
+    def on_links(a, b):
+        return {first: ((long, a), (0.0, ())), second: ((long, b), (0.0, ()))}
+
+    _, apart, _ = _unit_ready(plan, metaops, cost, on_links((0,), (1,)))
+    _, shared, _ = _unit_ready(plan, metaops, cost, on_links((0,), (0,)))
     # on its own link the second transfer would overlap the first almost wholly; on the same link it waits for it
     gap = sum(phases[s.id][0] for w in plan.waves[wave_of[first[0]] + 1:wave_of[second[0]] + 1] for s in w.slices)
     assert shared - apart == pytest.approx(long - gap, rel=1e-9)
