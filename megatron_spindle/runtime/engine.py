@@ -80,7 +80,7 @@ from megatron_spindle.runtime.optimizer import MasterOptimizer, OptimizerConfig
 from megatron_spindle.runtime.param_gather import ParamGather, gather_buckets
 from megatron_spindle.runtime.schedule import WaveSchedule
 from megatron_spindle.runtime.slices import build_local_slices, in_wave_order, initial_weights
-from megatron_spindle.runtime.transfer import SpecFn, default_activation_spec
+from megatron_spindle.runtime.transfer import SpecFn, default_activation_spec, receives_early
 
 __all__ = ["EngineConfig", "OptimizerConfig", "RuntimeEngine"]
 
@@ -177,7 +177,8 @@ class RuntimeEngine:
                                   zero_stage=self.zero_stage)
         weights = {t.name: t.loss.weight if t.loss else 1.0 for t in workload.tasks}
         self.schedule = WaveSchedule(plan, workload, rank, self.local, activation_spec or default_activation_spec,
-                                     weights, self.config.dtype, self.device, on_wave)
+                                     weights, self.config.dtype, self.device, on_wave,
+                                     early_receives=receives_early(dist.get_backend()))
         self.clipper = GradClipper(self.grad_buffers.storage(), norm_tensors(
             self.grad_buffers.unit_grads, plan.param_groups, rank, self.grad_buffers.sharded), self.device)
         self.grads: dict[str, torch.Tensor] = {}

@@ -73,8 +73,9 @@ class WaveSchedule:
 
     def __init__(self, plan: Plan, workload: Workload, rank: int, local: dict[str, LocalSlice], spec_fn: SpecFn,
                  loss_weights: dict[str, float], dtype: torch.dtype, device: torch.device,
-                 on_wave: Callable[[str, int, float], None] | None = None):
+                 on_wave: Callable[[str, int, float], None] | None = None, early_receives: bool = False):
         self.plan, self.workload, self.rank, self.local = plan, workload, rank, local
+        self.early_receives = early_receives  # every receive posted when a micro-batch begins (gloo)
         self.loss_weights, self.dtype, self.device, self.on_wave = loss_weights, dtype, device, on_wave
         wave_index = {s.id: wi for wi, w in enumerate(plan.waves) for s in w.slices}
         self.transfers = build_transfers(plan, workload, spec_fn, wave_index)
@@ -85,6 +86,9 @@ class WaveSchedule:
                 self._into_wave.setdefault(wave_index[t.consumer.id], []).append(t)
                 self._out_of_wave.setdefault(wave_index[t.producer.id], []).append(t)
         self._slice_of_wave = {ls.wave: ls for ls in local.values()}
+        # (transfer, direction) where this rank receives from another rank: what early_receives posts
+        self._remote_receives = [(t, d) for t in self.transfers if t.involves(rank) for d in (0, 1)
+                                 if t.receives_remote(d, rank)]
         self._pending_sends: list = []
         self.steps = execution_steps(len(plan.waves), plan.settings)
         self.micro_batches = plan.settings.micro_batches
@@ -115,6 +119,7 @@ class WaveSchedule:
                 micro_start(j)
             micro = {t: micro_batch(b, j, self.micro_batches) for t, b in batches.items()}
             tensors = {sid: _SliceTensors([None] * ls.num_inputs) for sid, ls in self.local.items()}
+            early = self._post_receives(j, backward) if self.early_receives else {}
             posted: dict[tuple[int, int], PendingTransfer | None] = {}  # (transfer, direction) -> its receive
             for i, (wave, phase, task) in enumerate(steps):
                 t0 = time.perf_counter()
@@ -137,7 +142,7 @@ class WaveSchedule:
                             v = tensors[ls.slice.id].output.detach().to(torch.float64)
                             losses[names.index(ls.slice.task)] += v / ls.slice.dp if ls.dp_loss_mean else v
                     for t in out_of:
-                        posted[(t.index, 0)] = self._post_forward(t, tensors, j)
+                        posted[(t.index, 0)] = self._post_forward(t, tensors, j, early.pop((t.index, 0), None))
                     if j == self.micro_batches - 1 and i == last_forward:
                         work = dist.all_reduce(losses, async_op=True)  # in flight during the backward
                     if backward:
@@ -151,10 +156,10 @@ class WaveSchedule:
                         self._backward_slice(ls, tensors[ls.slice.id])
                         slice_done(ls)
                     for t in into:
-                        posted[(t.index, 1)] = self._post_backward(t, tensors, j)
+                        posted[(t.index, 1)] = self._post_backward(t, tensors, j, early.pop((t.index, 1), None))
                     self._wave_done("backward", wave, t0)
-            if posted:
-                raise RuntimeError(f"transfers {sorted(posted)} were posted but never received")
+            if posted or early:
+                raise RuntimeError(f"transfers {sorted(set(posted) | set(early))} were posted but never received")
             del tensors
         self._wait_sends()
 
@@ -164,6 +169,11 @@ class WaveSchedule:
             return {n: float(losses[i]) for i, n in enumerate(names)}
 
         return result
+
+    def _post_receives(self, micro: int, backward: bool) -> dict[tuple[int, int], PendingTransfer]:
+        """(transfer, direction) -> this rank's receives from other ranks, posted now (``early_receives``)."""
+        return {(t.index, d): t.post_receives(d, self.rank, self.dtype, self.device, micro)
+                for t, d in self._remote_receives if backward or d == 0}
 
     def _wait_sends(self) -> None:
         progress.point("the receivers of this step's activation and gradient sends")
@@ -175,10 +185,11 @@ class WaveSchedule:
         if self.on_wave is not None:
             self.on_wave(phase, wave, time.perf_counter() - t0)
 
-    def _post_forward(self, t: TransferOp, tensors: dict[str, _SliceTensors], micro: int) -> PendingTransfer | None:
+    def _post_forward(self, t: TransferOp, tensors: dict[str, _SliceTensors], micro: int,
+                      early: PendingTransfer | None) -> PendingTransfer | None:
         src = tensors.get(t.producer.id)
         return t.post_forward(self.rank, src.output.detach() if src is not None else None, self.dtype, self.device,
-                              self._pending_sends, micro)
+                              self._pending_sends, micro, early)
 
     def _receive_forward(self, t: TransferOp, tensors: dict[str, _SliceTensors],
                          pending: PendingTransfer | None) -> None:
@@ -205,13 +216,14 @@ class WaveSchedule:
         if grad is not None and st.output.requires_grad:
             torch.autograd.backward([st.output], [grad])
 
-    def _post_backward(self, t: TransferOp, tensors: dict[str, _SliceTensors], micro: int) -> PendingTransfer | None:
+    def _post_backward(self, t: TransferOp, tensors: dict[str, _SliceTensors], micro: int,
+                       early: PendingTransfer | None) -> PendingTransfer | None:
         dst = tensors.get(t.consumer.id)
         g = None
         if dst is not None:
             x = dst.inputs[t.input_index]
             g = x.grad if x.grad is not None else torch.zeros_like(x)
-        return t.post_backward(self.rank, g, self.dtype, self.device, self._pending_sends, micro)
+        return t.post_backward(self.rank, g, self.dtype, self.device, self._pending_sends, micro, early)
 
     def _receive_backward(self, t: TransferOp, tensors: dict[str, _SliceTensors],
                           pending: PendingTransfer | None) -> None:

@@ -198,6 +198,7 @@ def _worker(rank, world):
     refs = {}
     cache = GroupCache(rank)  # shared by the engines of this worker: a device tuple's group is created once
     seen = {"tp2": False, "concurrent": False, "tower_on_several_device_sets": False, "tower_mixed_tp": False}
+    early_receives = False  # a plan where this rank receives from another rank
     buckets = {"several_buckets_per_group": False, "overlapped_all_reduce": False}
     routes: set[str] = set()  # routes some plan's transfers take
     for ops, label, wname, make in plan_cases(world):
@@ -219,6 +220,8 @@ def _worker(rank, world):
         kw = dict(operator_factory=standin_factory, batch_fn=standin_batch) if ops == "standin" else {}
         engine = RuntimeEngine(plan, w, rank, world, tiny if ops == "standin" else cfg, groups=cache, **kw)
         log = LaunchLog(engine)
+        early = EarlyReceiveLog(engine)
+        early_receives |= early.remote > 0
         note_buckets(engine, buckets)
         mine = [s for s in plan.slices() if rank in s.devices]  # selective storage: only the units it runs
         assert set(engine.key_unit.values()) == {u for s in mine for u in slice_units(engine.metagraph, s)}
@@ -236,9 +239,11 @@ def _worker(rank, world):
             check_recompute_flags(engine, plan, f"rank {rank} {wname} {label}")
         check_engine_against(engine, refs[ops, wname, m], f"rank {rank} {ops} {wname} {label}")
         check_launches(log, f"rank {rank} {ops} {wname} {label}")
+        early.check(m, f"rank {rank} {ops} {wname} {label}")
         routes |= check_bytes_by_route(engine, plan, w, cfg, f"{ops} {wname} {label}")
     if world > 1:
         assert all(seen.values()), seen
+        assert early_receives, "no plan had this rank receive from another rank"
         everywhere = [None] * world  # several buckets in a group and an overlapped all-reduce, on some rank
         dist.all_gather_object(everywhere, buckets)
         assert all(any(b[k] for b in everywhere) for k in buckets), everywhere
@@ -275,6 +280,39 @@ def check_recompute_flags(engine, plan, label: str) -> None:
         got = {(c.recompute_granularity, c.recompute_method, c.recompute_num_layers) for c in configs}
         assert got == {(want.get("recompute_granularity"), want.get("recompute_method"),
                         want.get("recompute_num_layers"))}, (label, ls.slice.id, got, want)
+
+
+class EarlyReceiveLog:
+    """On gloo a rank posts every receive it gets from another rank when a micro-batch begins, before the
+    micro-batch's first slice step (runtime/transfer.py): the schedule's posts and slice steps, in order."""
+
+    def __init__(self, engine):
+        schedule = engine.schedule
+        assert schedule.early_receives == (dist.get_backend() == "gloo")
+        self.remote = len(schedule._remote_receives)
+        self.events: list[tuple[str, int]] = []
+        post, forward = schedule._post_receives, schedule._forward_slice
+
+        def posted(micro, backward):
+            pending = post(micro, backward)
+            self.events.append(("posted", len(pending) if backward else -1))
+            return pending
+
+        def sliced(ls, *args):
+            self.events.append(("slice", 0))
+            return forward(ls, *args)
+
+        schedule._post_receives, schedule._forward_slice = posted, sliced
+
+    def check(self, micro_batches: int, label: str) -> None:
+        trained = [i for i, e in enumerate(self.events) if e == ("posted", self.remote)]
+        assert trained and len(trained) % micro_batches == 0, (label, self.events[:8], self.remote)
+        # each micro-batch posts before its first slice step: the slices between two posts are one micro-batch's
+        starts = [i for i, e in enumerate(self.events) if e[0] == "posted"]
+        runs = {len([e for e in self.events[a + 1:b] if e[0] == "slice"])
+                for a, b in zip(starts, starts[1:] + [len(self.events)]) if self.events[a][1] != -1}
+        assert len(runs) <= 1, (label, runs)  # every training micro-batch runs this rank's slices once
+        assert all(e[0] == "slice" or e[1] in (self.remote, -1) for e in self.events), label
 
 
 def note_buckets(engine, seen: dict) -> None:
