@@ -6,10 +6,12 @@
    two alternate so that machine load hits both alike. Target: engine / plain <= 1.05. Also the simulator's
    time of that plan from a profile taken on the rank afterwards: the model of one rank, without a second
    rank's effects (printed, no target).
-2. Two gloo ranks (spawned): the workload is profiled on the two ranks (tools/profile_metaops.py's measuring code), a
-   plan is made from the profiled curves, and the engine's measured iteration time is compared with the
-   simulator's prediction from the same measurements (``ProfiledCostModel``, links at the measured bandwidth,
-   the AdamW step at the measured per-element and per-tensor cost). The CPU's speed drifts by tens of percent
+2. Two gloo ranks (spawned): the workload is profiled on the two ranks (tools/profile_metaops.py's measuring code),
+   planned from that profile as ``tools/plan.py --spindle-profile`` plans (plan selection on the profile's
+   operators, links and message cost), and the engine's measured iteration time is compared with the
+   simulator's prediction from the same measurements (``ProfiledCostModel``, links at the measured bandwidth and
+   latency, the compute each message costs a rank, the AdamW step at the measured per-element and per-tensor
+   cost). The CPU's speed drifts by tens of percent
    within seconds (shared machine), so ``--rounds`` rounds each profile again and then time ``--steps`` steps;
    each round's median step is compared with the simulation of the one plan (made from the first profile)
    from that round's profile, and the median of the per-round ratios is the result. Each rank is pinned to its
@@ -161,11 +163,13 @@ def _two_rank_worker(rank: int, world_size: int, port: int, workload, args, queu
 
 
 def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
+    from megatron_spindle.autoplan import autoplan
     from megatron_spindle.compat.cpu import apply_cpu_shim
     from megatron_spindle.estimator.profile import load_profile
+    from megatron_spindle.estimator.profiled import cluster_with_bandwidth
     from megatron_spindle.graph.cluster import make_cluster
     from megatron_spindle.plan.schema import Plan
-    from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
+    from megatron_spindle.planner.pipeline import PlannerConfig
     from megatron_spindle.profiler import ProfileWorld, run_profile
     from megatron_spindle.runtime.engine import RuntimeEngine
 
@@ -185,7 +189,8 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
     profiling = time.perf_counter() - t0
     plan = None
     if rank == 0:
-        plan = make_plan(workload, cluster, PlannerConfig(planner=args.planner), profile=profiles[0].points).to_dict()
+        plan = autoplan(workload, cluster_with_bandwidth(cluster, profiles[0].bandwidth),
+                        PlannerConfig(planner=args.planner), profile=profiles[0]).plan.to_dict()
     plan = Plan.from_dict(world.broadcast(plan))
     engine = RuntimeEngine(plan, workload, rank, world_size)
     wave_seconds: dict[tuple[str, int], list[float]] = {}  # (phase, wave) -> wall seconds, timed train_steps only

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_spindle.estimator.profiled import ProfiledCostModel
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.memory import plan_memory
@@ -114,8 +115,9 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
              profile: dict | None = None, progress: Callable[[str], None] | None = None,
              sim_cost_model=None) -> AutoplanResult:
     """Plan every candidate, simulate each, keep the fastest that fits device memory (module docstring).
-    ``profile``: measured points for the planner's curves; ``sim_cost_model``: the cost model the simulator
-    times with (e.g. a ProfiledCostModel; default: the planner's)."""
+    ``profile``: a ``Profile`` (estimator/profile.py: its measurements give the planner's curves and its cost
+    model, so the candidates are estimated and simulated on them) or curve points alone (the curves only);
+    ``sim_cost_model``: the cost model the simulator times with (default: the planner's)."""
     config = config or PlannerConfig()
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
@@ -281,8 +283,9 @@ def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple
 def _task_sequential(workload: Workload, cluster: ClusterSpec, first: PlanningResult, sim_cost_model=None):
     """The fallback candidate: Spindle's runtime with each task on the whole cluster in turn (the Spindle-Seq
     plan, its memory options tuned like the baselines'), as a PlanningResult of the first planner run's
-    models. Skipped with a profiled simulator model (the baseline plans are timed by the analytic model)."""
-    if sim_cost_model is not None:
+    models. Skipped with a profiled simulator or planner model (the baseline plans are timed by the analytic
+    model)."""
+    if sim_cost_model is not None or isinstance(first.cost_model, ProfiledCostModel):
         return []
     from megatron_spindle.baselines import BaselineContext, spindle_seq_plan
 

@@ -147,7 +147,16 @@ class CommModel:
         group = GroupPlacement((1, 1) if cross_node else (2,))
         return self.collective_seconds("send_recv", nbytes, group)
 
+    @property
+    def overlap_slowdown(self) -> float:
+        """How much compute and a collective slow while they overlap: the cluster's measured factor, else C10's."""
+        return self.cluster.overlap_slowdown or OVERLAP_SLOWDOWN
+
     def send_recv_latency(self, cross_node: bool) -> float:
+        """A small message's time point to point: the measured one inside a node where a profile gave it
+        (``p2p_latency``), else a small collective's (``latency``)."""
+        if not cross_node and self.cluster.p2p_latency > 0:
+            return self.cluster.p2p_latency
         return self.latency(GroupPlacement((1, 1) if cross_node else (2,)))
 
     def send_recv_bandwidth(self, cross_node: bool) -> float:

@@ -16,7 +16,7 @@ from typing import Any
 
 from megatron_spindle.estimator.cost_model import AnalyticCostModel, LayerCost, OptimizerCost
 from megatron_spindle.estimator.curve import CurvePoint
-from megatron_spindle.estimator.profile import Measurement
+from megatron_spindle.estimator.profile import Measurement, Profile, load_profile
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.graph.workload import Workload
@@ -34,7 +34,10 @@ def cluster_with_bandwidth(cluster: ClusterSpec, bandwidth: Mapping[str, Any] | 
     (``intra_node_bw``; ``inter_node_bw``: one group's ring across nodes), the point-to-point bandwidth
     (``intra_node_p2p_bw``; ``network_rail_bw``: one device's path to the network), the latency of one small
     all-reduce (``collective_latency`` inside a node; across nodes, one rank per node, ``network_latency``:
-    what crossing adds; estimator/comm_model.py), and the older per-hop latencies."""
+    what crossing adds; estimator/comm_model.py), and the older per-hop latencies. Inside a node also one small
+    point-to-point message's time (``p2p_latency``), and from either link the compute time a device loses per
+    message (``message_host_seconds``) and the slowdown of compute and a collective that overlap
+    (``overlap_slowdown``), the larger of the two links' (profiler/comm.py)."""
     changes: dict[str, float] = {}
     for section, bw, p2p, small, hop in (
             ("intra_node", "intra_node_bw", "intra_node_p2p_bw", "collective_latency", "intra_node_latency"),
@@ -49,7 +52,35 @@ def cluster_with_bandwidth(cluster: ClusterSpec, bandwidth: Mapping[str, Any] | 
         timed = link.get("allreduce_seconds") or {}
         if timed:  # the smallest message measured: one collective's latency
             changes[small] = float(timed[min(timed, key=lambda size: int(size))])
+        if section == "intra_node" and link.get("p2p_latency_s"):
+            changes["p2p_latency"] = float(link["p2p_latency_s"])
+        if link.get("overlap_slowdown"):
+            changes["overlap_slowdown"] = max(changes.get("overlap_slowdown", 0.0), float(link["overlap_slowdown"]))
+        if link.get("message_host_s"):
+            changes["message_host_seconds"] = max(changes.get("message_host_seconds", 0.0),
+                                                  float(link["message_host_s"]))
     return dataclasses.replace(cluster, **changes) if changes else cluster
+
+
+def load_planning_profile(path, workload: Workload, cluster: ClusterSpec) -> tuple[Profile, ClusterSpec]:
+    """A profile file read for planning (``--spindle-profile``): the profile, and the cluster with the links it
+    measured (``cluster_with_bandwidth``), so that the plan records and is timed on what was measured."""
+    profile = load_profile(path, workload, cluster)
+    return profile, cluster_with_bandwidth(cluster, profile.bandwidth)
+
+
+def planning_cost_model(workload: Workload, cluster: ClusterSpec, profile=None) -> AnalyticCostModel:
+    """The planner's cost model: a ``Profile`` with measurements gives a ``ProfiledCostModel`` (its operators
+    and AdamW step as measured), so the planner's estimate and plan selection time what the curves were made
+    of; anything else (no profile, or its curve points alone) the analytic model."""
+    if isinstance(profile, Profile) and profile.measurements:
+        return ProfiledCostModel(workload, cluster, profile.measurements, optimizer=profile.optimizer)
+    return AnalyticCostModel(workload, cluster)
+
+
+def profile_points(profile) -> dict | None:
+    """The curve points of a profile given to the planner: a ``Profile``'s, or the points themselves."""
+    return profile.points if isinstance(profile, Profile) else profile
 
 
 class ProfiledCostModel(AnalyticCostModel):

@@ -6,7 +6,9 @@ receives the rows of its data-parallel rank (each of its TP ranks), from itself 
 island (NVLink) or another island (network); the backward sends the input gradients to every producer device
 the same way. A direction of a transfer takes as long as its busiest device, sending or receiving, plus one
 point-to-point latency when anything leaves a device. Bandwidths and latencies are the comm model's
-(estimator/comm_model.py).
+(estimator/comm_model.py). Where a device loses compute time per message it sends or receives
+(``ClusterSpec.message_host_seconds``, measured on CPU devices), ``transfer_host_seconds`` is what the busiest
+device of a direction loses: the simulator and the planner add it to the sender's and the receiver's phase.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class TransferLoad:
 
     received: dict[int, dict[str, float]] = field(default_factory=dict)
     sent: dict[int, dict[str, float]] = field(default_factory=dict)
+    messages: dict[int, int] = field(default_factory=dict)  # per device, messages it sends or receives to others
 
     def total_by_route(self) -> dict[str, float]:
         out = {k: 0.0 for k in TRANSFER_KINDS}
@@ -42,13 +45,15 @@ def transfer_load(messages: Iterable[Message], bytes_per_row: float) -> Transfer
     """Per-device bytes of routed messages: every receiver, and every sender that is not the receiver."""
     received: dict[tuple[int, str], int] = {}
     sent: dict[tuple[int, str], int] = {}
+    load = TransferLoad()
     for m in messages:
         key = (m.dst, m.route)
         received[key] = received.get(key, 0) + m.n
-        if m.src != m.dst:
+        if m.src != m.dst and m.n:
             key = (m.src, m.route)
             sent[key] = sent.get(key, 0) + m.n
-    load = TransferLoad()
+            for device in (m.src, m.dst):
+                load.messages[device] = load.messages.get(device, 0) + 1
     for table, rows in ((load.received, received), (load.sent, sent)):
         for (device, route), n in rows.items():
             if n and bytes_per_row > 0:
@@ -68,6 +73,11 @@ def link_devices(load: TransferLoad) -> tuple[int, ...]:
     a device, none when it is local copies only."""
     moved = load.total_by_route()
     return tuple(sorted(load.devices)) if moved[ROUTE_INTRA] > 0 or moved[ROUTE_INTER] > 0 else ()
+
+
+def transfer_host_seconds(load: TransferLoad, comm: CommModel) -> float:
+    """Compute time the busiest device of a transfer loses to its messages (``message_host_seconds`` each)."""
+    return comm.cluster.message_host_seconds * max(load.messages.values(), default=0)
 
 
 def transfer_seconds(load: TransferLoad, comm: CommModel) -> float:

@@ -145,6 +145,8 @@ NODE_TYPES: dict[str, dict[str, Any]] = {
     "CPU": {"gpu": "CPU", "gpus_per_node": 8, "intra_node_bw": 5 * GB, "inter_node_bw": 1 * GB,
             "collective_latency": 20e-6},
 }
+# ClusterSpec fields only a profile sets; left out of to_dict (and so of the digest) while 0
+MEASURED_ONLY_KEYS = ("p2p_latency", "message_host_seconds", "overlap_slowdown")
 LINK_KEYS = ("intra_node_bw", "inter_node_bw", "node_network_bw", "network_rail_bw", "intra_node_p2p_bw",
              "collective_latency", "network_latency", "nvls_bus_bw")
 
@@ -161,6 +163,15 @@ class ClusterSpec:
     ``collective_latency`` is the time of one small collective inside a node, ``network_latency`` what crossing
     nodes adds to it. ``intra_node_latency`` / ``inter_node_latency`` are per ring hop (the simulator's and the
     profiler's older alpha-beta rings use them).
+
+    Measured by a profile where set (0: not measured; ``estimator/profiled.py cluster_with_bandwidth``):
+    ``p2p_latency`` is one small point-to-point message inside a node (0: ``collective_latency``);
+    ``message_host_seconds`` is the compute time a device loses per point-to-point message it sends or receives
+    (0: none, as on a GPU, whose host runs ahead and whose copies run beside its kernels; on a CPU device the
+    transport's thread runs on the rank's own core); ``overlap_slowdown`` is the factor by which compute and a
+    collective both slow while they overlap (0: C10's GPU measurement, ``estimator/comm_model.py``
+    ``OVERLAP_SLOWDOWN``; about 2 on a CPU device: the collective takes the compute's core). They are left out
+    of ``to_dict`` at 0, so clusters that do not set them keep their digest.
     """
 
     num_nodes: int
@@ -176,6 +187,9 @@ class ClusterSpec:
     collective_latency: float = A100_COLLECTIVE_LATENCY
     network_latency: float = NETWORK_COLLECTIVE_LATENCY
     nvls_bus_bw: tuple = ()
+    p2p_latency: float = 0.0
+    message_host_seconds: float = 0.0
+    overlap_slowdown: float = 0.0
 
     def __post_init__(self):
         for what in ("num_nodes", "gpus_per_node"):
@@ -186,9 +200,12 @@ class ClusterSpec:
             if getattr(self, what) <= 0:
                 raise ClusterError(f"cluster: {what} must be positive")
         for what in ("node_network_bw", "network_rail_bw", "intra_node_p2p_bw", "collective_latency",
-                     "network_latency", "intra_node_latency", "inter_node_latency"):
+                     "network_latency", "intra_node_latency", "inter_node_latency", "p2p_latency",
+                     "message_host_seconds"):
             if getattr(self, what) < 0:
                 raise ClusterError(f"cluster: {what} must be >= 0")
+        if self.overlap_slowdown and self.overlap_slowdown < 1:
+            raise ClusterError(f"cluster: overlap_slowdown must be 0 (not measured) or >= 1, got {self.overlap_slowdown}")
         nvls = tuple((int(g), float(bw)) for g, bw in self.nvls_bus_bw)  # JSON gives lists
         if any(g < 2 or bw <= 0 for g, bw in nvls):
             raise ClusterError("cluster: nvls_bus_bw must be (gpus >= 2, bandwidth > 0) pairs")
@@ -219,6 +236,9 @@ class ClusterSpec:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["nvls_bus_bw"] = [list(pair) for pair in self.nvls_bus_bw]  # JSON-stable (lists, not tuples)
+        for key in MEASURED_ONLY_KEYS:
+            if not d[key]:
+                del d[key]
         return d
 
     def digest(self) -> str:

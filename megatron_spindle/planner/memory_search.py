@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel, estimate_curves, valid_configs
+from megatron_spindle.estimator.profiled import planning_cost_model, profile_points
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.graph.workload import Workload
@@ -279,7 +280,8 @@ class _Candidate:
 
 def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
                    say, placements: dict | None = None) -> _Candidate:
-    """The memory options of the plan: for each micro-batch count (fewest first), every rung of
+    """The memory options of the plan (``profile``: a ``Profile``, whose measurements then time the candidates,
+    or curve points alone): for each micro-batch count (fewest first), every rung of
     ``memory_rungs`` that places and fits is a candidate, and the one the planner's estimate times fastest
     (planner/objective.py) wins. The first rung that fits is not always the fastest: placement under the cap
     limits the configurations and their balance, so a placement on overcommitted devices with a little
@@ -294,7 +296,8 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
     best: _Candidate | None = None
     error: Exception | None = None
     first_fit = None  # index of the first count that fits
-    cost_model, curve_cache = AnalyticCostModel(workload, cluster), {}  # shared by the rungs
+    cost_model, curve_cache = planning_cost_model(workload, cluster, profile), {}  # shared by the rungs
+    points = profile_points(profile)
 
     def faster(a: _Candidate, b: _Candidate | None) -> bool:
         return b is None or a.estimate(workload, cluster, metagraph) < b.estimate(workload, cluster, metagraph)
@@ -316,7 +319,7 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
                    config.sync_aware_curves())
             if placements is None or key not in placements:
                 try:
-                    placed = _place_rung(micro, workload, cluster, config, profile if m == 1 else None, stage,
+                    placed = _place_rung(micro, workload, cluster, config, points if m == 1 else None, stage,
                                          assumed, over, say, cost_model, curve_cache)
                 except PlanError as e:
                     placed = e

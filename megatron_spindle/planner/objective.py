@@ -7,11 +7,13 @@ steps (plan/order.py) with a barrier after each, every slice's phase timed like 
 - **transfers**: what they add to the span: a slice's forward waits for its activations, a backward for their
   gradients, each transfer timed by estimator/transfer.py on plan/routing.py's messages, leaving when its
   sender's phase ends and its devices' links are free (as the simulator times it), so only the transfers on the
-  span's path cost;
+  span's path cost; where a device loses compute time per message (``ClusterSpec.message_host_seconds``, a
+  profiled CPU device), the sending and the receiving phase take that much longer;
 - **gradient sync**: the buckets of every parameter device group (plan/buckets.py), each ready when its last
   unit's accumulation is done in the backward (waves run backward in reverse, a slice's layers from last to
   first), reduced by the comm model on its group's ring; per device, its buckets overlap the rest of the
-  backward at C10's slowdown (``overlapped_backward_seconds``), and what they add beyond the backward counts;
+  backward at the cluster's overlap slowdown (C10 unless measured; ``overlapped_backward_seconds``), and what
+  they add beyond the backward counts;
 - **optimizer**: the slowest device's AdamW step (plan/layout.py ``stepped_elements``), and with ZeRO 1 or 2
   the all-gather of the updated weights (with ``settings.overlap_param_gather`` only what the forward waits:
   bucket by bucket, each needed by the start of the first wave using it).
@@ -26,11 +28,17 @@ sharing, and plan selection (megatron_spindle/autoplan.py) keeps the plan it tim
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 from megatron_spindle.estimator.comm_model import CommModel, GroupPlacement, overlapped_backward_seconds
 from megatron_spindle.estimator.cost_model import step_phases
 from megatron_spindle.estimator.estimate import exposed_sync_seconds, weight_sharers
-from megatron_spindle.estimator.transfer import link_devices, transfer_load, transfer_seconds
+from megatron_spindle.estimator.transfer import (
+    link_devices,
+    transfer_host_seconds,
+    transfer_load,
+    transfer_seconds,
+)
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.plan.buckets import (
@@ -103,13 +111,18 @@ def estimate_iteration(plan: Plan, metagraph: MetaGraph, cluster: ClusterSpec, c
     return PlanEstimate(compute, makespan - compute, sync, optimizer, gather)
 
 
-Flow = tuple[float, tuple[int, ...]]  # one direction of a transfer: seconds, the devices whose links it occupies
+class Flow(NamedTuple):
+    """One direction of a transfer: its seconds, the devices whose links it occupies, and the compute time its
+    busiest device loses to its messages (charged to the sending and the receiving phase)."""
+
+    seconds: float
+    links: tuple[int, ...]
+    host: float = 0.0
 
 
 def _hand_offs(plan: Plan, metaops, cost_model, comm: CommModel) -> dict[tuple[str, str], tuple[Flow, Flow]]:
     """(producer, consumer) slice ids -> the forward transfer and its gradients backward, one micro-batch's rows
-    (estimator/transfer.py on plan/routing.py's messages): each its seconds and the devices whose links it
-    occupies."""
+    (estimator/transfer.py on plan/routing.py's messages)."""
     slices = {s.id: s for s in plan.slices()}
     router = Router(plan.gpus_per_node)
     cache: dict[tuple, Flow] = {}
@@ -124,7 +137,7 @@ def _hand_offs(plan: Plan, metaops, cost_model, comm: CommModel) -> dict[tuple[s
             key = (router.key(holders, needers, rows), per_row)
             if key not in cache:
                 load = transfer_load(router.route(holders, needers, rows), per_row)
-                cache[key] = (transfer_seconds(load, comm), link_devices(load))
+                cache[key] = Flow(transfer_seconds(load, comm), link_devices(load), transfer_host_seconds(load, comm))
             flows.append(cache[key])
         out[(p, c)] = (flows[0], flows[1])
     return out
@@ -175,16 +188,20 @@ def _unit_ready(plan: Plan, metaops, cost_model,
     (``device_components``) keep their own barriers: the span is the longest of theirs. With ``hand_offs``
     (``_hand_offs``) a slice's phase also waits for its inputs, as the simulator times transfers: a forward for
     its activations, a backward for their gradients, each transfer leaving when its sender's phase ends and its
-    devices' links are free (first come, first served); a transfer only costs where it is on that path."""
+    devices' links are free (first come, first served); a transfer only costs where it is on that path. A flow's
+    ``host`` seconds lengthen its sender's and its receiver's phase (not the transfer-free span)."""
     waves = plan.waves
     tasks = [[s.task for s in w.slices] for w in waves]
     micro = plan.settings.micro_batches
     phases = slice_phases(plan, metaops, cost_model)
     component = device_components(plan)
     sends: dict[tuple[str, str], list[tuple[tuple[str, str], Flow]]] = {}  # (slice, phase) -> (receiver, flow)
+    host: dict[tuple[str, str], float] = {}  # (slice, phase) -> compute time lost to its messages
     for (p, c), (forward, backward) in (hand_offs or {}).items():
-        sends.setdefault((p, FWD), []).append(((c, FWD), forward))
-        sends.setdefault((c, BWD), []).append(((p, BWD), backward))
+        for sender, receiver, flow in (((p, FWD), (c, FWD), forward), ((c, BWD), (p, BWD), backward)):
+            sends.setdefault(sender, []).append((receiver, flow))
+            for key in (sender, receiver):
+                host[key] = host.get(key, 0.0) + flow.host
     steps: list[list[tuple[int, int, str]]] = []
     for wi, si, phase in slice_order(tasks, plan.settings):  # consecutive entries of a wave and phase: a step
         if steps and steps[-1][0][0] == wi and steps[-1][0][2] == phase:
@@ -205,8 +222,8 @@ def _unit_ready(plan: Plan, metaops, cost_model,
             c, own = component[s.id], phases[s.id][1 if phase == BWD else 0]
             key = (s.id, phase)
             t = max(clock.get(c, 0.0), arrival.get(key, 0.0))
-            done.append((key, t + own))
-            ends[c] = max(ends.get(c, clock.get(c, 0.0)), t + own)
+            done.append((key, t + own + host.get(key, 0.0)))
+            ends[c] = max(ends.get(c, clock.get(c, 0.0)), done[-1][1])
             longest[c] = max(longest.get(c, 0.0), own)
             if phase != BWD:
                 continue
@@ -220,7 +237,7 @@ def _unit_ready(plan: Plan, metaops, cost_model,
                 if u not in ready or at > ready[u][0]:
                     ready[u] = (at, c)
         for key, end in sorted(done, key=lambda kv: kv[1]):  # the step's transfers leave as their senders end
-            for receiver, (seconds, links) in sends.get(key, []):
+            for receiver, (seconds, links, _) in sends.get(key, []):
                 start = max([end] + [link_free.get(d, 0.0) for d in links])
                 for d in links:
                     link_free[d] = start + seconds
@@ -312,7 +329,8 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
             for at, _ in buckets:
                 running = max(running, min(1.0, at / bwd_span))
                 fractions.append(running)
-            times = overlapped_backward_seconds(bwd_span, [s for _, s in buckets], fractions)
+            times = overlapped_backward_seconds(bwd_span, [s for _, s in buckets], fractions,
+                                                comm.overlap_slowdown)
             done[buckets] = max(0.0, times.end - bwd_span)
         extra = max(extra, done[buckets])
     return extra, gather

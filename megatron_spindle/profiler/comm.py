@@ -1,8 +1,10 @@
-"""Link bandwidth (point-to-point and all-reduce, inside a node and across nodes) and the DP communication of
-one operator."""
+"""Link bandwidth (point-to-point and all-reduce, inside a node and across nodes), the compute time a CPU rank
+loses per message, and the DP communication of one operator."""
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,8 +16,19 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.profiler.settings import ProfilerSettings
 from megatron_spindle.profiler.world import ProfileWorld, median_seconds
+from megatron_spindle.runtime.transfer import receives_early
 
 GRAD_BYTES = 4  # fp32 main gradients, as the cost model and the runtime engine reduce them
+# The message-cost probe: chunks of compute about as long as a small slice's phase on a CPU (a few tenths of a
+# millisecond), a message posted after each, all waited on at the end.
+HOST_PROBE_CHUNKS = 16
+HOST_PROBE_MATMULS = 8
+HOST_PROBE_SIZE = 128
+HOST_PROBE_TRIALS = 15
+# The overlap probe: a gradient-bucket-sized all-reduce against a few milliseconds of matrix products.
+OVERLAP_PROBE_BYTES = 1 << 20
+OVERLAP_PROBE_MATMULS = 20
+OVERLAP_PROBE_SIZE = 256
 
 
 def _comm_tensor(world: ProfileWorld, nbytes: int) -> torch.Tensor:
@@ -48,6 +61,92 @@ def _allreduce_seconds(world: ProfileWorld, ranks: Sequence[int], nbytes: int, r
     return world.all_max([seconds])[0]
 
 
+def message_host_seconds(world: ProfileWorld, a: int, b: int, nbytes: int = 4) -> float:
+    """Compute time ranks ``a`` and ``b`` each lose per message that ``a`` sends ``b`` while both compute
+    (max-reduced; 0 when not measurable). Both run the same chunks of matrix products, with and without a message
+    sent after each chunk, alternating; receives are posted as the runtime posts them (on gloo all of them
+    first, ``receives_early``), and everything is waited on at the end; the cost per message is the difference
+    of the two medians over the chunks. On a CPU the transport's thread shares the rank's core. On a GPU the host
+    runs ahead of the kernels and NCCL's copies run beside them: not measured, 0."""
+    if world.device.type != "cpu":
+        return 0.0
+    group = world.group([a, b])  # collective: every rank asks for it
+    if world.rank not in (a, b):
+        return world.all_max([0.0])[0]
+    x = torch.randn(HOST_PROBE_SIZE, HOST_PROBE_SIZE)
+    msg = _comm_tensor(world, nbytes)
+
+    sender = world.rank == a
+    backend_early = receives_early(dist.get_backend())
+
+    def trial(messages: bool, tag: int) -> float:
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        works = []
+        if messages and not sender and backend_early:  # as the runtime posts them (runtime/transfer.py)
+            works = [dist.irecv(torch.empty_like(msg), a, tag=tag + i) for i in range(HOST_PROBE_CHUNKS)]
+        for i in range(HOST_PROBE_CHUNKS):
+            for _ in range(HOST_PROBE_MATMULS):
+                x @ x
+            if messages and sender:
+                works.append(dist.isend(msg, b, tag=tag + i))
+            elif messages and not backend_early:
+                works.append(dist.irecv(torch.empty_like(msg), a, tag=tag + i))
+        for w in works:
+            w.wait()
+        return time.perf_counter() - t0
+
+    trial(False, 0), trial(True, 0)  # warm-up
+    plain, posting = [], []
+    for k in range(HOST_PROBE_TRIALS):
+        plain.append(trial(False, 0))
+        posting.append(trial(True, (k + 1) * HOST_PROBE_CHUNKS))
+    seconds = max(0.0, (statistics.median(posting) - statistics.median(plain)) / HOST_PROBE_CHUNKS)
+    return world.all_max([seconds])[0]
+
+
+def overlap_slowdown(world: ProfileWorld, ranks: Sequence[int]) -> float:
+    """How much compute and an all-reduce over ``ranks`` both slow while they overlap (0 when not measured), as
+    C10 measures it on GPUs: compute alone (C), the all-reduce alone (X), then the all-reduce issued
+    asynchronously and the compute run beside it (W); with both slowed by s while they overlap,
+    W = max(C, X) + (s - 1) min(C, X). On a CPU the collective takes the compute's core: about 2 (no overlap).
+    GPUs are not measured here (0: C10's factor applies)."""
+    if world.device.type != "cpu":
+        return 0.0
+    group = world.group(ranks)  # collective: every rank asks for it
+    if world.rank not in ranks:
+        return world.all_max([0.0])[0]
+    x = torch.randn(OVERLAP_PROBE_SIZE, OVERLAP_PROBE_SIZE)
+    buf = _comm_tensor(world, OVERLAP_PROBE_BYTES)
+
+    def compute():
+        for _ in range(OVERLAP_PROBE_MATMULS):
+            x @ x
+
+    def both():
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        compute()
+        work.wait()
+
+    def timed(fn) -> float:
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    for fn in (compute, both):  # warm-up
+        timed(fn)
+    runs = {"compute": [], "comm": [], "both": []}
+    for _ in range(HOST_PROBE_TRIALS):
+        runs["compute"].append(timed(compute))
+        runs["comm"].append(timed(lambda: dist.all_reduce(buf, group=group)))
+        runs["both"].append(timed(both))
+    c, x_, w = (statistics.median(runs[k]) for k in ("compute", "comm", "both"))
+    lo, hi = min(c, x_), max(c, x_)
+    slowdown = 1.0 + max(0.0, w - hi) / lo if lo > 0 else 1.0
+    return world.all_max([slowdown])[0]
+
+
 def _measure_link(world: ProfileWorld, peer: int, ranks: Sequence[int], sizes: Sequence[int],
                   repeats: int) -> dict[str, Any]:
     sizes = sorted(sizes)
@@ -62,6 +161,8 @@ def _measure_link(world: ProfileWorld, peer: int, ranks: Sequence[int], sizes: S
         "allreduce_ranks": list(ranks),
         "allreduce_bus_bytes_per_s": 2 * (k - 1) / k * big / ar[big],
         "allreduce_latency_s": ar[small] / (2 * (k - 1)),
+        "message_host_s": message_host_seconds(world, 0, peer, sizes[0]),
+        "overlap_slowdown": overlap_slowdown(world, ranks),
         "p2p_seconds": {str(s): v for s, v in p2p.items()},
         "allreduce_seconds": {str(s): v for s, v in ar.items()},
     }

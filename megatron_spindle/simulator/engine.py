@@ -29,6 +29,8 @@ engine is timeline.py):
   sender finishes and the links of every device involved are free (first come, first served), and takes the
   time of its busiest device at the comm model's point-to-point bandwidths (estimator/transfer.py). They sit on the
   critical path of the consumer (forward) or producer (backward) and may overlap compute of unrelated slices.
+  Where a device loses compute time per message (``ClusterSpec.message_host_seconds``, a profiled CPU device),
+  the sending and the receiving slice's phase each take that much longer per message of their busiest device.
 - **Gradient synchronisation** (grad_sync.py): the runtime's buckets of each parameter device group, issued in
   the plan-wide launch order as soon as their last gradient is accumulated on a member, reduced by the comm
   model's collectives during the rest of the backward, with cross-node collectives sharing the node's network
@@ -64,12 +66,13 @@ import copy
 import dataclasses
 from dataclasses import dataclass, field
 
-from megatron_spindle.estimator.comm_model import OVERLAP_SLOWDOWN, CommModel, GroupPlacement
+from megatron_spindle.estimator.comm_model import CommModel, GroupPlacement
 from megatron_spindle.estimator.cost_model import step_phases
 from megatron_spindle.estimator.transfer import (
     TransferLoad,
     link_devices,
     route_bandwidths,
+    transfer_host_seconds,
     transfer_load,
     transfer_seconds,
 )
@@ -106,17 +109,19 @@ class SimSettings:
     optimizer: bool = True  # False: no optimizer step
     overlap_grad_reduce: bool = True  # False: buckets are issued after the device's whole backward
     bucket_numel: int | None = None  # elements per gradient bucket (--ddp-bucket-size); None: megatron-core's
-    overlap_slowdown: float | None = None  # None: estimator.comm_model.OVERLAP_SLOWDOWN (C10)
+    overlap_slowdown: float | None = None  # None: the cluster's (CommModel.overlap_slowdown; C10 unless measured)
 
 
 @dataclass
 class _Flow:
-    """One direction of a transfer: the devices whose links it occupies (none for local copies only)."""
+    """One direction of a transfer: the devices whose links it occupies (none for local copies only) and the
+    compute time its busiest device loses to its messages (``host``, charged to the sender and receiver)."""
 
     devices: tuple[int, ...]
     seconds: float
     bytes_by_route: dict[str, float]
     seconds_by_route: dict[str, float]
+    host: float = 0.0
 
 
 @dataclass
@@ -319,7 +324,7 @@ def _flow(load: TransferLoad, comm: CommModel) -> _Flow:
     raw = {k: by_route[k] / bw[k] for k in TRANSFER_KINDS}
     total_raw = sum(raw.values())
     by_seconds = {k: (seconds * raw[k] / total_raw if total_raw > 0 else 0.0) for k in TRANSFER_KINDS}
-    return _Flow(link_devices(load), seconds, by_route, by_seconds)
+    return _Flow(link_devices(load), seconds, by_route, by_seconds, transfer_host_seconds(load, comm))
 
 
 # ------------------------------------------------------------------------------------------ timeline
@@ -347,6 +352,9 @@ def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool
             return  # a producer that runs later: the plan is invalid, validate_plan says why
         tasks[b].inputs.append(len(flows))
         flows.append(Flow(a, b, flow.devices if transfers else (), flow.seconds if transfers else 0.0))
+        if transfers and flow.host > 0:  # posting and receiving take the devices' own compute time
+            tasks[a].work += flow.host
+            tasks[b].work += flow.host
 
     for mb in range(micro):
         for sid in ctx.slices:
@@ -368,7 +376,7 @@ def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool
                             for b in ctx.buckets]
             for c, (k, fraction, d) in milestones:
                 tasks[k + shift].milestones.append((fraction, first + c, d))
-    slowdown = (ctx.settings.overlap_slowdown or OVERLAP_SLOWDOWN) if collectives else 1.0
+    slowdown = (ctx.settings.overlap_slowdown or ctx.comm.overlap_slowdown) if collectives else 1.0
     run = run_timeline(ctx.plan.num_devices, tasks, flows, collectives, slowdown)
     n = len(gathered)  # the gathers come first
     spans = [(gi, run.coll_start[c], run.coll_end[c]) for c, gi in enumerate(gathered)]

@@ -12,7 +12,7 @@ from megatron_spindle.estimator import (
     valid_configs,
     valid_ns,
 )
-from megatron_spindle.estimator.comm_model import OVERLAP_SLOWDOWN
+from megatron_spindle.estimator.comm_model import OVERLAP_SLOWDOWN, CommModel
 from megatron_spindle.estimator.estimate import exposed_sync_seconds, weight_sharers
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
@@ -124,8 +124,9 @@ def test_cached_curves_equal_fresh_ones_per_allowed_set(tiny_vlm, cluster8):
 class _SyncStub:
     """A cost model with a fixed gradient sync and backward per operator."""
 
-    def __init__(self, sync: float, backward: float):
+    def __init__(self, sync: float, backward: float, cluster=None):
         self.sync, self.backward = sync, backward
+        self.comm = CommModel(cluster or make_cluster(8))
 
     def layer_cost(self, metaop, tp, dp):
         return types.SimpleNamespace(dp_sync=self.sync)
@@ -141,6 +142,9 @@ def test_exposed_sync_is_the_overlap_beyond_one_backward():
     # three MetaOps hold the weights: 1 s of it, done while the backward runs slowed; the backward's rest alone
     assert exposed_sync_seconds(_SyncStub(3.0, 2.0), None, 1, 2, 3) == pytest.approx(slow + 1 - 2)
     assert exposed_sync_seconds(_SyncStub(0.0, 2.0), None, 1, 1, 1) == 0.0
+    # a measured slowdown (a CPU's: 2, no overlap at all) replaces C10's: the sync and the backward add up
+    serial = make_cluster(8, overlap_slowdown=2.0)
+    assert exposed_sync_seconds(_SyncStub(3.0, 2.0, serial), None, 1, 2, 1) == pytest.approx(3.0)
 
 
 def test_sync_aware_curves_trade_compute_for_less_sync_across_nodes():

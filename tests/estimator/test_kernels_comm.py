@@ -243,3 +243,29 @@ def test_cpu_type_keeps_working(tiny_clip):
     with pytest.raises(EstimatorError, match="unknown kernel family"):
         KernelModel(dataclasses.replace(cluster.gpu, arch="tpu"))
     assert CostModelConfig().memory_efficiency == HBM_STREAM_EFFICIENCY
+
+
+def test_measured_point_to_point_latency_and_overlap_replace_the_defaults():
+    cluster = make_cluster(16)  # 2 nodes of 8 A800
+    comm = CommModel(cluster)
+    assert comm.send_recv_latency(False) == pytest.approx(43.83e-6)  # no measurement: a small collective's
+    assert comm.overlap_slowdown == OVERLAP_SLOWDOWN
+    measured = CommModel(dataclasses.replace(cluster, p2p_latency=80e-6, overlap_slowdown=2.0))
+    assert measured.send_recv_latency(False) == 80e-6
+    assert measured.send_recv_latency(True) == comm.send_recv_latency(True)  # across nodes: not measured here
+    assert measured.overlap_slowdown == 2.0
+
+
+def test_profile_only_cluster_fields_keep_old_digests_and_are_checked():
+    from megatron_spindle.graph.cluster import ClusterError, ClusterSpec
+
+    cluster = make_cluster(16)
+    assert "message_host_seconds" not in cluster.to_dict() and "overlap_slowdown" not in cluster.to_dict()
+    measured = dataclasses.replace(cluster, message_host_seconds=5e-5, overlap_slowdown=2.0, p2p_latency=1e-4)
+    assert measured.digest() != cluster.digest()
+    assert ClusterSpec.from_dict(measured.to_dict()) == measured
+    assert ClusterSpec.from_dict(cluster.to_dict()).digest() == cluster.digest()
+    with pytest.raises(ClusterError, match="overlap_slowdown"):
+        dataclasses.replace(cluster, overlap_slowdown=0.5)
+    with pytest.raises(ClusterError, match="message_host_seconds"):
+        dataclasses.replace(cluster, message_host_seconds=-1.0)

@@ -10,7 +10,7 @@ from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.plan.derive import plan_slice_pairs
-from megatron_spindle.planner.objective import _unit_ready, slice_phases
+from megatron_spindle.planner.objective import Flow, _unit_ready, slice_phases
 from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
 
 
@@ -44,10 +44,10 @@ def test_a_transfer_costs_only_what_the_compute_in_between_does_not_hide(one_dev
     hidden = max(pairs, key=lambda pair: gaps[pair])  # a hand-off with waves in between
     assert gaps[hidden] > 0
     for seconds, added in ((0.5 * gaps[hidden], 0.0), (gaps[hidden] + 1e-3, 1e-3)):
-        compute, with_transfer, _ = _unit_ready(plan, metaops, cost, {hidden: ((seconds, ()), (0.0, ()))})
+        compute, with_transfer, _ = _unit_ready(plan, metaops, cost, {hidden: (Flow(seconds, ()), Flow(0.0, ()))})
         assert compute == span and with_transfer - span == pytest.approx(added, abs=1e-12)
     # a gradient going back is waited for by the producer's backward in the same way
-    _, back, _ = _unit_ready(plan, metaops, cost, {hidden: ((0.0, ()), (1.0, ()))})
+    _, back, _ = _unit_ready(plan, metaops, cost, {hidden: (Flow(0.0, ()), Flow(1.0, ()))})
     assert back - span == pytest.approx(1.0 - _gap(plan, phases, *hidden, 1), abs=1e-12)
 
 
@@ -61,7 +61,7 @@ def test_transfers_on_one_link_go_one_after_another(one_device):
     assert wave_of[first[0]] < wave_of[second[0]]
     long = 10.0  # far longer than the compute: both consumers wait for their transfers
     def on_links(a, b):
-        return {first: ((long, a), (0.0, ())), second: ((long, b), (0.0, ()))}
+        return {first: (Flow(long, a), Flow(0.0, ())), second: (Flow(long, b), Flow(0.0, ()))}
 
     _, apart, _ = _unit_ready(plan, metaops, cost, on_links((0,), (1,)))
     _, shared, _ = _unit_ready(plan, metaops, cost, on_links((0,), (0,)))
@@ -69,3 +69,14 @@ def test_transfers_on_one_link_go_one_after_another(one_device):
     gap = sum(phases[s.id][0] for w in plan.waves[wave_of[first[0]] + 1:wave_of[second[0]] + 1] for s in w.slices)
     assert shared - apart == pytest.approx(long - gap, rel=1e-9)
 
+
+
+def test_message_host_time_lengthens_the_sending_and_the_receiving_phase(one_device):
+    """A flow's host seconds are compute its sender and its receiver lose: on one device both phases run back to
+    back, so a transfer with h host seconds each way adds 2h forward and 2h backward, none of it to the
+    transfer-free span."""
+    plan, metaops, cost = one_device
+    span, _, _ = _unit_ready(plan, metaops, cost)
+    pair = plan_slice_pairs(plan)[0]
+    compute, with_host, _ = _unit_ready(plan, metaops, cost, {pair: (Flow(0.0, (), 0.25), Flow(0.0, (), 0.5))})
+    assert compute == span and with_host - span == pytest.approx(2 * 0.25 + 2 * 0.5)

@@ -152,6 +152,26 @@ def test_two_waves_intra_island_transfer_timed_by_busiest_device():
     assert r.iteration_time == pytest.approx(14.0)
 
 
+def test_message_host_time_lengthens_the_sending_and_the_receiving_phase():
+    """As above, on devices that lose 0.5 s of compute per message (a profiled CPU): device 0 sends (forward) and
+    receives (backward) two messages per direction, 1 s on a's phase and 1 s on b's each way: 4 s in all, charged
+    to the transfers; a measured point-to-point latency of 0.25 s adds to each direction."""
+    w = _workload()
+    cluster = dataclasses.replace(_cluster(), message_host_seconds=0.5)
+    cost = StubCostModel({"a": 2.0, "b": 2.0}, activation=4 * GB, params_per_unit=0)
+    plan = _two_wave_plan(w, cluster, [0], [1, 2], [])
+    r = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0))
+    assert r.compute_time == pytest.approx(6.0)
+    assert r.transfer_time == pytest.approx(8.0 + 4.0)
+    assert r.iteration_time == pytest.approx(18.0)
+    latent = dataclasses.replace(cluster, p2p_latency=0.25)
+    assert simulate(plan, w, latent, cost, StubMemoryModel(cost, 0.0)).iteration_time == pytest.approx(18.5)
+    # local copies are no messages: the same devices with the same layout cost nothing more
+    local = simulate(_two_wave_plan(w, cluster, [0], [0], []), w, cluster, cost, StubMemoryModel(cost, 0.0))
+    assert local.iteration_time == pytest.approx(simulate(_two_wave_plan(w, _cluster(), [0], [0], []), w,
+                                                          _cluster(), cost, StubMemoryModel(cost, 0.0)).iteration_time)
+
+
 def test_inter_island_transfer_uses_network_bandwidth():
     """a on devices 0-1 (node 0), b on devices 2-3 (node 1): each receiver gets 2 GB at 0.5 GB/s."""
     w, cluster = _workload(), _cluster(nodes=2, per_node=2)

@@ -63,6 +63,30 @@ def _check_curves_and_plan(path: Path, cluster) -> dict:
     return curves
 
 
+def _check_planning_on_the_whole_profile(path: Path, cluster) -> None:
+    """Planned with the whole profile (``--spindle-profile``), the planner times its candidates on the measured
+    operators and AdamW step: its estimate is the profiled model's, and the selected plan's predicted time is
+    the simulator's on that model."""
+    from megatron_spindle.autoplan import autoplan
+    from megatron_spindle.estimator import AnalyticCostModel, ProfiledCostModel
+    from megatron_spindle.estimator.profiled import load_planning_profile
+    from megatron_spindle.planner.objective import estimate_iteration
+    from megatron_spindle.planner.pipeline import plan_workload
+    from megatron_spindle.simulator import simulate
+
+    workload, graph = _workload(), build_metagraph(_workload())
+    profile, measured = load_planning_profile(path, workload, cluster)
+    result = plan_workload(workload, measured, PlannerConfig(planner="wavefront"), profile)
+    assert isinstance(result.cost_model, ProfiledCostModel)
+    timed = ProfiledCostModel(workload, measured, profile.measurements, optimizer=profile.optimizer)
+    estimate = estimate_iteration(result.plan, graph, measured, timed).total
+    assert result.plan.predicted["planner_estimate"] == pytest.approx(estimate)
+    assert estimate != pytest.approx(estimate_iteration(result.plan, graph, measured,
+                                                        AnalyticCostModel(workload, measured)).total)
+    plan = autoplan(workload, measured, PlannerConfig(planner="wavefront"), profile=profile).plan
+    assert plan.predicted["iteration_time"] == pytest.approx(simulate(plan, workload, measured, timed).iteration_time)
+
+
 def test_one_rank_profile_plans_and_is_cached(tmp_path, capsys, monkeypatch, one_thread):
     tool = _tool()
     out, cache = tmp_path / "tiny.profile.json", tmp_path / "cache"
@@ -91,6 +115,7 @@ def test_one_rank_profile_plans_and_is_cached(tmp_path, capsys, monkeypatch, one
     curves = _check_curves_and_plan(out, cluster)
     assert {p.source for p in curves["text_audio/audio"].points.values()} == {"profiled"}  # tp=1 wins per n
     assert len(list((cache / "profiles").glob("*.json"))) == 1
+    _check_planning_on_the_whole_profile(out, cluster)
 
     # second run with the same key: read from the cache, nothing measured
     def no_measuring(*args, **kwargs):
@@ -124,6 +149,8 @@ def test_two_gloo_ranks_under_torchrun(tmp_path):
     link = doc["bandwidth"]["intra_node"]
     assert link["p2p_bytes_per_s"] > 0 and link["allreduce_bus_bytes_per_s"] > 0
     assert link["allreduce_ranks"] == [0, 1] and doc["bandwidth"]["inter_node"] is None
+    # what a message costs the ranks' compute, and compute beside an all-reduce: measured (about 2 on one core each)
+    assert link["message_host_s"] >= 0 and link["overlap_slowdown"] >= 1 and link["p2p_latency_s"] > 0
     configs = {(m["metaop"], m["tp"], m["dp"]): m for m in doc["measurements"]}
     # tp=2 runs on a real 2-rank TP group; the DP all-reduce of dp=2 is timed on a real dp group
     assert ("text_audio/audio", 2, 1) in configs and ("text_audio/text", 2, 1) in configs
@@ -169,10 +196,15 @@ def test_grouping_configs_and_cost_model():
     assert fast.inter_node_bw == cluster.inter_node_bw
     # the comm model's constants from the measured links: small all-reduce = one collective's latency
     full = {"allreduce_bus_bytes_per_s": 2e9, "allreduce_latency_s": 1e-4, "p2p_bytes_per_s": 3e9,
-            "allreduce_seconds": {"1024": 5e-4, "1048576": 2e-3}}
-    measured = cluster_with_bandwidth(cluster, {"intra_node": full, "inter_node": dict(full, p2p_bytes_per_s=1e9)})
+            "allreduce_seconds": {"1024": 5e-4, "1048576": 2e-3}, "p2p_latency_s": 7e-5, "message_host_s": 4e-5,
+            "overlap_slowdown": 2.0}
+    across = dict(full, p2p_bytes_per_s=1e9, p2p_latency_s=9e-5, message_host_s=6e-5, overlap_slowdown=1.5)
+    measured = cluster_with_bandwidth(cluster, {"intra_node": full, "inter_node": across})
     assert (measured.collective_latency, measured.intra_node_p2p_bw) == (5e-4, 3e9)
     assert (measured.network_latency, measured.network_rail_bw, measured.inter_node_bw) == (5e-4, 1e9, 2e9)
+    # a small message's latency inside the node; per message and overlap, the costlier link's
+    assert (measured.p2p_latency, measured.message_host_seconds, measured.overlap_slowdown) == (7e-5, 6e-5, 2.0)
+    assert fast.message_host_seconds == 0.0 and fast.overlap_slowdown == 0.0  # older profiles: not measured
     meas = Measurement("text_audio/audio", ["text_audio/audio", "audio_depth/audio"], 1, 2, 1, 0.01, 0.002,
                        "measured", 1e6)
     model = ProfiledCostModel(workload, cluster, [meas])
