@@ -194,6 +194,7 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
     plan = Plan.from_dict(world.broadcast(plan))
     engine = RuntimeEngine(plan, workload, rank, world_size)
     wave_seconds: dict[tuple[str, int], list[float]] = {}  # (phase, wave) -> wall seconds, timed train_steps only
+    wave_cpu: dict[tuple[str, int], list[float]] = {}  # (phase, wave) -> this rank's own CPU seconds in it
     phase_times: dict[str, float] = {}
 
     def timed(fn, step: int) -> float:
@@ -209,7 +210,7 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
             profiles.append(profile_now())
         for step in range(args.warmup + args.steps):
             a = timed(engine.forward_backward, step)  # everything but the optimizer step
-            engine.on_wave = _wave_recorder(wave_seconds) if step >= args.warmup else None
+            engine.on_wave = _wave_recorder(wave_seconds, wave_cpu) if step >= args.warmup else None
             engine.phase_times = phase_times if step >= args.warmup else None  # the engine's Megatron-style timers
             b = timed(engine.train_step, step)
             engine.on_wave, engine.phase_times = None, None
@@ -220,7 +221,7 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
     cost_models, sims = zip(*(_simulate_profiled(plan, workload, cluster, profile) for profile in profiles))
     median = sorted(range(len(sims)), key=lambda i: sims[i].iteration_time)[(len(sims) - 1) // 2]
     sim = sims[median]  # the median profile's simulation
-    waves = _waves_against_profile(plan, workload, cost_models[median], rank, wave_seconds, sim)
+    waves = _waves_against_profile(plan, workload, cost_models[median], rank, wave_seconds, wave_cpu, sim)
     return {"measured": statistics.median(steps), "measured_fwd_bwd": statistics.median(fwd_bwd),
             "simulated": sim.iteration_time, "simulated_all": [x.iteration_time for x in sims],
             "measured_rounds": [statistics.median(steps[i * args.steps:(i + 1) * args.steps])
@@ -232,9 +233,17 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
             "rank0_phase_times": {k: v / len(steps) for k, v in phase_times.items()}}
 
 
-def _wave_recorder(into: dict[tuple[str, int], list[float]]):
+def _wave_recorder(into: dict[tuple[str, int], list[float]], cpu_into: dict[tuple[str, int], list[float]]):
+    """One step's ``on_wave``: each wave step's wall seconds, and the CPU seconds of this rank's main thread
+    since the previous wave step (the first one's since the recorder was made, just before the step: the
+    step's own start is in it). Wall minus CPU is what the rank waited."""
+    last = [time.thread_time()]
+
     def record(phase: str, wave: int, seconds: float) -> None:
+        now = time.thread_time()
         into.setdefault((phase, wave), []).append(seconds)
+        cpu_into.setdefault((phase, wave), []).append(now - last[0])
+        last[0] = now
     return record
 
 
@@ -251,9 +260,9 @@ def _simulated_walls(plan, sim, rank: int) -> dict[tuple[str, int], float]:
     return out
 
 
-def _waves_against_profile(plan, workload, cost_model, rank: int, wave_seconds, sim) -> list[dict]:
+def _waves_against_profile(plan, workload, cost_model, rank: int, wave_seconds, wave_cpu, sim) -> list[dict]:
     """Per wave of this rank: its slice, the measured wall time of the wave's forward and backward step (median
-    over the timed steps; waits for the other rank included), the profiled operators' forward and backward as
+    over the timed steps; waits for the other rank included) and the rank's own CPU time in it, the profiled operators' forward and backward as
     the simulator charges them (``step_phases`` of the profile's cost model, times the slice's layers) and the
     simulated wall time of the step, waits included."""
     from megatron_spindle.estimator.cost_model import step_phases
@@ -271,6 +280,8 @@ def _waves_against_profile(plan, workload, cost_model, rank: int, wave_seconds, 
         rows.append({"wave": w.index, "slices": [s.metaop for s in mine],
                      "measured_forward": statistics.median(wave_seconds.get(("forward", w.index), [0.0])),
                      "measured_backward": statistics.median(wave_seconds.get(("backward", w.index), [0.0])),
+                     "cpu_forward": statistics.median(wave_cpu.get(("forward", w.index), [0.0])),
+                     "cpu_backward": statistics.median(wave_cpu.get(("backward", w.index), [0.0])),
                      "simulated_forward": fwd, "simulated_backward": bwd,
                      "simulated_wall_forward": walls.get(("forward", w.index), 0.0),
                      "simulated_wall_backward": walls.get(("backward", w.index), 0.0)})
@@ -302,14 +313,17 @@ def _wave_rows(waves: list[dict], step: float) -> list[tuple[str, str, str]]:
     out = []
     for w in waves:
         out.append((f"2 ranks: rank 0 wave {w['wave']:>2} fwd / bwd", f"{w['measured_forward'] * 1e3:5.2f} / "
-                    f"{w['measured_backward'] * 1e3:5.2f} ms", f"profiled {w['simulated_forward'] * 1e3:.2f} / "
+                    f"{w['measured_backward'] * 1e3:5.2f} ms", f"cpu {w['cpu_forward'] * 1e3:.2f} / "
+                    f"{w['cpu_backward'] * 1e3:.2f} ms, profiled {w['simulated_forward'] * 1e3:.2f} / "
                     f"{w['simulated_backward'] * 1e3:.2f} ms, simulated wall {w['simulated_wall_forward'] * 1e3:.2f} / "
                     f"{w['simulated_wall_backward'] * 1e3:.2f} ms  " + ", ".join(w["slices"])))
     measured = [sum(w[f"measured_{p}"] for w in waves) for p in ("forward", "backward")]
+    cpu = [sum(w[f"cpu_{p}"] for w in waves) for p in ("forward", "backward")]
     profiled = [sum(w[f"simulated_{p}"] for w in waves) for p in ("forward", "backward")]
     walls = [sum(w[f"simulated_wall_{p}"] for w in waves) for p in ("forward", "backward")]
     share = [m[0] / max(sum(m), 1e-12) for m in (measured, profiled)]  # forward's share, measured and modelled
     out.append(("2 ranks: rank 0 waves, fwd / bwd", f"{measured[0] * 1e3:5.2f} / {measured[1] * 1e3:5.2f} ms",
+                f"cpu {cpu[0] * 1e3:.2f} / {cpu[1] * 1e3:.2f} ms (the rest waited), "
                 f"profiled {profiled[0] * 1e3:.2f} / {profiled[1] * 1e3:.2f} ms (forward share measured "
                 f"{share[0]:.0%}, modelled {share[1]:.0%}), simulated wall {walls[0] * 1e3:.2f} / "
                 f"{walls[1] * 1e3:.2f} ms"))
