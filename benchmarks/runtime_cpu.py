@@ -229,8 +229,19 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
             "sim_compute": sim.compute_time, "sim_transfer": sim.transfer_time, "sim_grad_sync": sim.grad_sync_time,
             "sim_optimizer": sim.optimizer_time,
             "planner": float(plan.predicted["iteration_time"]), "waves": len(plan.waves), "profiling": profiling,
+            "selected": plan.planner.get("selection", {}).get("selected", ""), "zero_stage": plan.settings.zero_stage,
+            "links": _measured_links(cluster, profiles[median]),
             "rank0_waves": waves,
             "rank0_phase_times": {k: v / len(steps) for k, v in phase_times.items()}}
+
+
+def _measured_links(cluster, profile) -> dict[str, float]:
+    """What the median profile measured of the ranks' link and the model takes from it (cluster_with_bandwidth)."""
+    from megatron_spindle.estimator.profiled import cluster_with_bandwidth
+
+    measured = cluster_with_bandwidth(cluster, profile.bandwidth)
+    return {"p2p_latency": measured.p2p_latency, "message_host_seconds": measured.message_host_seconds,
+            "overlap_slowdown": measured.overlap_slowdown, "allreduce_bus_bw": measured.intra_node_bw}
 
 
 def _wave_recorder(into: dict[tuple[str, int], list[float]], cpu_into: dict[tuple[str, int], list[float]]):
@@ -370,7 +381,12 @@ def main(argv=None) -> int:
                  ("2 ranks: simulated (median profile)", _ms(r["simulated"]),
                   f"compute {r['sim_compute'] * 1e3:.1f} + transfer {r['sim_transfer'] * 1e3:.1f} + "
                   f"grad sync {r['sim_grad_sync'] * 1e3:.1f} + optimizer {r['sim_optimizer'] * 1e3:.1f} ms"),
-                 ("2 ranks: planner prediction", _ms(r["planner"]), ""),
+                 ("2 ranks: planner prediction", _ms(r["planner"]),
+                  f"selected {r['selected'] or 'the planned one'} (ZeRO-{r['zero_stage']})"),
+                 ("2 ranks: measured link", f"{r['links']['p2p_latency'] * 1e6:.0f} us",
+                  f"a small message's latency; a message costs a rank {r['links']['message_host_seconds'] * 1e6:.0f} us "
+                  f"of compute, compute beside an all-reduce runs x{r['links']['overlap_slowdown']:.2f}, "
+                  f"all-reduce bus {r['links']['allreduce_bus_bw'] / 1e9:.2f} GB/s"),
                  ("2 ranks: measured / simulated per round", " ".join(f"{x:.3f}" for x in ratios) + " x",
                   "each round against the profile taken just before it"),
                  ("2 ranks: measured / simulated (median of rounds)", f"{ratio:10.3f} x ",
