@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -61,6 +61,19 @@ def _allreduce_seconds(world: ProfileWorld, ranks: Sequence[int], nbytes: int, r
     return world.all_max([seconds])[0]
 
 
+def _timed_after_barrier(fn: Callable[[], Any], group) -> float:
+    """Wall seconds of ``fn`` on this rank, started together with the group's other members."""
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _matmuls(x: torch.Tensor, count: int) -> None:
+    for _ in range(count):
+        x @ x
+
+
 def message_host_seconds(world: ProfileWorld, a: int, b: int, nbytes: int = 4) -> float:
     """Compute time ranks ``a`` and ``b`` each lose per message that ``a`` sends ``b`` while both compute
     (max-reduced; 0 when not measurable). Both run the same chunks of matrix products, with and without a message
@@ -75,32 +88,28 @@ def message_host_seconds(world: ProfileWorld, a: int, b: int, nbytes: int = 4) -
         return world.all_max([0.0])[0]
     x = torch.randn(HOST_PROBE_SIZE, HOST_PROBE_SIZE)
     msg = _comm_tensor(world, nbytes)
-
     sender = world.rank == a
     backend_early = receives_early(dist.get_backend())
 
-    def trial(messages: bool, tag: int) -> float:
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
+    def chunks(messages: bool, tag: int) -> None:
         works = []
         if messages and not sender and backend_early:  # as the runtime posts them (runtime/transfer.py)
             works = [dist.irecv(torch.empty_like(msg), a, tag=tag + i) for i in range(HOST_PROBE_CHUNKS)]
         for i in range(HOST_PROBE_CHUNKS):
-            for _ in range(HOST_PROBE_MATMULS):
-                x @ x
+            _matmuls(x, HOST_PROBE_MATMULS)
             if messages and sender:
                 works.append(dist.isend(msg, b, tag=tag + i))
             elif messages and not backend_early:
                 works.append(dist.irecv(torch.empty_like(msg), a, tag=tag + i))
         for w in works:
             w.wait()
-        return time.perf_counter() - t0
 
-    trial(False, 0), trial(True, 0)  # warm-up
+    for messages in (False, True):  # warm-up
+        _timed_after_barrier(lambda messages=messages: chunks(messages, 0), group)
     plain, posting = [], []
     for k in range(HOST_PROBE_TRIALS):
-        plain.append(trial(False, 0))
-        posting.append(trial(True, (k + 1) * HOST_PROBE_CHUNKS))
+        plain.append(_timed_after_barrier(lambda: chunks(False, 0), group))
+        posting.append(_timed_after_barrier(lambda k=k: chunks(True, (k + 1) * HOST_PROBE_CHUNKS), group))
     seconds = max(0.0, (statistics.median(posting) - statistics.median(plain)) / HOST_PROBE_CHUNKS)
     return world.all_max([seconds])[0]
 
@@ -120,27 +129,20 @@ def overlap_slowdown(world: ProfileWorld, ranks: Sequence[int]) -> float:
     buf = _comm_tensor(world, OVERLAP_PROBE_BYTES)
 
     def compute():
-        for _ in range(OVERLAP_PROBE_MATMULS):
-            x @ x
+        _matmuls(x, OVERLAP_PROBE_MATMULS)
 
     def both():
         work = dist.all_reduce(buf, group=group, async_op=True)
         compute()
         work.wait()
 
-    def timed(fn) -> float:
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
     for fn in (compute, both):  # warm-up
-        timed(fn)
+        _timed_after_barrier(fn, group)
     runs = {"compute": [], "comm": [], "both": []}
     for _ in range(HOST_PROBE_TRIALS):
-        runs["compute"].append(timed(compute))
-        runs["comm"].append(timed(lambda: dist.all_reduce(buf, group=group)))
-        runs["both"].append(timed(both))
+        runs["compute"].append(_timed_after_barrier(compute, group))
+        runs["comm"].append(_timed_after_barrier(lambda: dist.all_reduce(buf, group=group), group))
+        runs["both"].append(_timed_after_barrier(both, group))
     c, x_, w = (statistics.median(runs[k]) for k in ("compute", "comm", "both"))
     lo, hi = min(c, x_), max(c, x_)
     slowdown = 1.0 + max(0.0, w - hi) / lo if lo > 0 else 1.0
