@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
+from megatron_spindle.estimator.profiled import planning_cost_model
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
@@ -166,7 +167,7 @@ def describe(partition: list[NodeGroup]) -> str:
 
 
 def plan_node_groups(workload: Workload, cluster: ClusterSpec, partition: list[NodeGroup], config=None,
-                     profile: dict | None = None, planner: str = "wavefront"):
+                     profile=None, planner: str = "wavefront"):
     """One plan of ``workload`` on ``cluster`` in which each group's tasks run on its nodes only (module
     docstring), as a PlanningResult; raises PlanError when a group does not plan or the groups' execution
     settings cannot be merged (an explicit order such as the early backward). ``planner``: each group's
@@ -189,7 +190,7 @@ def plan_node_groups(workload: Workload, cluster: ClusterSpec, partition: list[N
     zero = max(p.settings.zero_stage for p in plans)
     settings = ExecutionSettings(slice_recompute=recompute, zero_stage=zero,
                                  micro_batches=plans[0].settings.micro_batches)
-    cost_model = AnalyticCostModel(workload, cluster)
+    cost_model = planning_cost_model(workload, cluster, profile)  # the groups' own (profiled where given)
     memory_model = MemoryModel(workload, cluster, cost_model, zero_stage=zero)
     curves = {k: v for r in results for k, v in r.curves.items()}
     info = {"planner": f"{planner}-node-groups", "requested": dataclasses.asdict(config),

@@ -146,3 +146,24 @@ def test_estimate_keeps_each_groups_own_barriers():
     estimate = estimate_iteration(plan, mg, c, result.cost_model)
     assert estimate.waves == pytest.approx(max(spans.values()) * plan.settings.micro_batches)
     assert estimate.waves < merged * plan.settings.micro_batches
+
+
+def test_node_groups_plan_on_a_whole_profile_with_its_cost_model():
+    """Given a profile's measurements, the merged plan is estimated (and selected) on the profiled model, as the
+    other candidates are: a measured tower that is 10x the analytic time shows in the plan's estimate."""
+    from megatron_spindle.estimator import AnalyticCostModel, Measurement, ProfiledCostModel
+    from megatron_spindle.estimator.profile import Profile
+    from megatron_spindle.graph.opgraph import build_metagraph
+
+    w, c = _cell("tiny-clip", 4, 2)
+    graph, analytic = build_metagraph(w), AnalyticCostModel(w, c)
+    tower = graph.metaops["vision_depth/vision"]
+    members = [m for m in graph.metaops if m.endswith("/vision")]
+    slow = 10 * analytic.layer_cost(tower, 1, 1).step
+    profile = Profile({}, [Measurement(tower.id, members, 1, 1, 1, slow, 0.0, "none", 0.0)])
+    partition = node_group_partitions(w, c)[0]
+    measured = plan_node_groups(w, c, partition, profile=profile)
+    assert isinstance(measured.cost_model, ProfiledCostModel)
+    plain = plan_node_groups(w, c, partition)
+    assert type(plain.cost_model) is AnalyticCostModel
+    assert measured.plan.predicted["planner_estimate"] > plain.plan.predicted["planner_estimate"]
