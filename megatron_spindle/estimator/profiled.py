@@ -83,6 +83,21 @@ def profile_points(profile) -> dict | None:
     return profile.points if isinstance(profile, Profile) else profile
 
 
+def profile_for(profile, metaops: Iterable[str], num_devices: int):
+    """A profile given to the planner, for a part of the workload (``metaops``: a subset's) on a part of the
+    cluster (``num_devices``), e.g. one node group's: ``estimate_curves`` refuses points of other MetaOps and
+    of configs that do not fit, as ``load_profile`` drops what was measured on more devices."""
+    if profile is None:
+        return None
+    keep = set(metaops)
+    points = {m: [p for p in pts if p.n <= num_devices] for m, pts in profile_points(profile).items() if m in keep}
+    points = {m: pts for m, pts in points.items() if pts}
+    if not isinstance(profile, Profile):
+        return points
+    return dataclasses.replace(profile, points=points,
+                               measurements=[m for m in profile.measurements if m.n <= num_devices])
+
+
 class ProfiledCostModel(AnalyticCostModel):
     """The analytic cost model with ``layer_cost`` replaced by measurements where they exist: compute (TP
     communication included) and the DP communication kept apart, as the simulator charges the gradient

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
-from megatron_spindle.estimator.profiled import planning_cost_model
+from megatron_spindle.estimator.profiled import planning_cost_model, profile_for
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
@@ -207,7 +207,9 @@ def plan_node_groups(workload: Workload, cluster: ClusterSpec, partition: list[N
 
 def _plan_group(workload, cluster, group: NodeGroup, config, profile, plan_workload):
     sub_cluster = dataclasses.replace(cluster, num_nodes=group.num_nodes)
-    return plan_workload(workload.subset(list(group.tasks)), sub_cluster, config, profile)
+    subset = workload.subset(list(group.tasks))
+    return plan_workload(subset, sub_cluster, config,
+                         profile_for(profile, build_metagraph(subset).metaops, sub_cluster.num_devices))
 
 
 def _merge_waves(metagraph: MetaGraph, partition: list[NodeGroup], cluster: ClusterSpec,

@@ -167,3 +167,23 @@ def test_node_groups_plan_on_a_whole_profile_with_its_cost_model():
     plain = plan_node_groups(w, c, partition)
     assert type(plain.cost_model) is AnalyticCostModel
     assert measured.plan.predicted["planner_estimate"] > plain.plan.predicted["planner_estimate"]
+
+
+def test_node_groups_plan_with_a_profile_of_the_whole_cluster():
+    """A profile of every MetaOp on the whole cluster (points up to all its devices) plans each group on its
+    share: the group's own MetaOps, the points that fit its nodes (it was refused for naming the other groups'
+    MetaOps before)."""
+    from megatron_spindle.estimator import AnalyticCostModel, valid_configs
+    from megatron_spindle.estimator.curve import CurvePoint
+    from megatron_spindle.graph.opgraph import build_metagraph
+
+    w = load_workload("tiny-clip")
+    c = make_cluster(4, 2, "CPU")  # 2 nodes of 2
+    graph, model = build_metagraph(w), AnalyticCostModel(w, c)
+    points = {mid: [CurvePoint(tp * dp, tp, dp, 2 * model.layer_cost(m, tp, dp).step, "profiled")
+                    for tp, dp in valid_configs(m, w, c)] for mid, m in graph.metaops.items()}
+    assert any(p.n == 4 for pts in points.values() for p in pts)
+    partition = next(p for p in node_group_partitions(w, c) if all(g.num_nodes == 1 for g in p))
+    result = plan_node_groups(w, c, partition, profile=points)
+    validate_plan(result.plan, w, c, result.metagraph)
+    assert {m.curve_source for m in result.plan.metaops} == {"profiled"}
