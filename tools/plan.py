@@ -48,9 +48,10 @@ def main(argv=None, extra_args_provider=None):
     cluster = cluster_from_args(args)
     profile = None
     if args.spindle_profile:
-        from megatron_spindle.estimator.profiled import load_planning_profile
+        from megatron_spindle.estimator.profiled import load_planning_profile, profile_summary
 
         profile, cluster = load_planning_profile(args.spindle_profile, workload, cluster)
+        print(f"[plan] {profile_summary(profile, cluster)}", flush=True)
     t0 = time.perf_counter()
     plan = autoplan(workload, cluster, planner_config_from_args(args), profile=profile,
                     progress=lambda msg: print(f"[plan] {msg}", flush=True)).plan

@@ -69,6 +69,28 @@ def load_planning_profile(path, workload: Workload, cluster: ClusterSpec) -> tup
     return profile, cluster_with_bandwidth(cluster, profile.bandwidth)
 
 
+def profile_summary(profile: Profile, cluster: ClusterSpec) -> str:
+    """One line on what planning takes from a profile: its measurements and the links it measured
+    (``cluster``: the cluster with them, ``load_planning_profile``'s)."""
+    parts = [f"{len(profile.measurements)} measured configurations" if profile.measurements else
+             f"curve points of {len(profile.points)} MetaOps"]
+    if profile.optimizer is not None:
+        parts.append("the AdamW step")
+    bandwidth = profile.bandwidth or {}
+    measured = [f"{where} all-reduce bus {bw / 1e9:.3g} GB/s" for section, where, bw in (
+        ("intra_node", "in a node", cluster.intra_node_bw), ("inter_node", "across nodes", cluster.inter_node_bw))
+        if bandwidth.get(section)]
+    if measured:
+        if cluster.p2p_latency:
+            measured.append(f"a message {cluster.p2p_latency * 1e6:.0f} us")
+        if cluster.message_host_seconds:
+            measured.append(f"{cluster.message_host_seconds * 1e6:.0f} us of compute per message")
+        if cluster.overlap_slowdown:
+            measured.append(f"compute beside a collective x{cluster.overlap_slowdown:.2f}")
+        parts.append("links: " + ", ".join(measured))
+    return "profile: " + "; ".join(parts)
+
+
 def planning_cost_model(workload: Workload, cluster: ClusterSpec, profile=None) -> AnalyticCostModel:
     """The planner's cost model: a ``Profile`` with measurements gives a ``ProfiledCostModel`` (its operators
     and AdamW step as measured), so the planner's estimate and plan selection time what the curves were made

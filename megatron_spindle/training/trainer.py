@@ -99,9 +99,10 @@ def get_plan(args, workload, world_size: int, rank: int):
             cluster = cluster_from_args(args, default_num_gpus=world_size)
             profile = None
             if args.spindle_profile:
-                from megatron_spindle.estimator.profiled import load_planning_profile
+                from megatron_spindle.estimator.profiled import load_planning_profile, profile_summary
 
                 profile, cluster = load_planning_profile(args.spindle_profile, workload, cluster)
+                print(f"[plan] {profile_summary(profile, cluster)}", flush=True)
             t0 = time.perf_counter()
             plan = autoplan(workload, cluster, planner_config_from_args(args),
                             profile=profile, progress=lambda m: print(f"[plan] {m}", flush=True)).plan

@@ -69,13 +69,16 @@ def _check_planning_on_the_whole_profile(path: Path, cluster) -> None:
     the simulator's on that model."""
     from megatron_spindle.autoplan import autoplan
     from megatron_spindle.estimator import AnalyticCostModel, ProfiledCostModel
-    from megatron_spindle.estimator.profiled import load_planning_profile
+    from megatron_spindle.estimator.profiled import load_planning_profile, profile_summary
     from megatron_spindle.planner.objective import estimate_iteration
     from megatron_spindle.planner.pipeline import plan_workload
     from megatron_spindle.simulator import simulate
 
     workload, graph = _workload(), build_metagraph(_workload())
     profile, measured = load_planning_profile(path, workload, cluster)
+    summary = profile_summary(profile, measured)  # what tools/plan.py prints
+    assert f"{len(profile.measurements)} measured configurations; the AdamW step" in summary
+    assert ("links:" in summary) == any(profile.bandwidth.values())
     result = plan_workload(workload, measured, PlannerConfig(planner="wavefront"), profile)
     assert isinstance(result.cost_model, ProfiledCostModel)
     timed = ProfiledCostModel(workload, measured, profile.measurements, optimizer=profile.optimizer)
@@ -159,6 +162,7 @@ def test_two_gloo_ranks_under_torchrun(tmp_path):
     assert configs[("text_audio/loss", 1, 2)]["dp_comm_source"] == "bandwidth"  # no weights: all-gather model
     assert not doc["unmeasured"]  # every valid config of a 2-device cluster fits 2 ranks
     _check_curves_and_plan(out, make_cluster(2, 2, "CPU"))
+    _check_planning_on_the_whole_profile(out, make_cluster(2, 2, "CPU"))
 
 
 def test_grouping_configs_and_cost_model():
