@@ -205,7 +205,8 @@ class ClusterSpec:
             if getattr(self, what) < 0:
                 raise ClusterError(f"cluster: {what} must be >= 0")
         if self.overlap_slowdown and self.overlap_slowdown < 1:
-            raise ClusterError(f"cluster: overlap_slowdown must be 0 (not measured) or >= 1, got {self.overlap_slowdown}")
+            raise ClusterError(f"cluster: overlap_slowdown must be 0 (not measured) or >= 1, "
+                               f"got {self.overlap_slowdown}")
         nvls = tuple((int(g), float(bw)) for g, bw in self.nvls_bus_bw)  # JSON gives lists
         if any(g < 2 or bw <= 0 for g, bw in nvls):
             raise ClusterError("cluster: nvls_bus_bw must be (gpus >= 2, bandwidth > 0) pairs")

@@ -110,6 +110,15 @@ def _remote_incoming(messages: list[Message], rank: int) -> list[Message]:
     return [m for m in messages if m.dst == rank and m.src != rank]
 
 
+def _receive(m: Message, dst_shape: tuple[int, ...], batch_dim: int, tag: int, dtype: torch.dtype,
+             device: torch.device, group) -> tuple[dist.P2POp, torch.Tensor]:
+    """The receive of one message from another rank into a buffer of its rows."""
+    shape = list(dst_shape)
+    shape[batch_dim] = m.n
+    buf = torch.empty(shape, dtype=dtype, device=device)
+    return dist.P2POp(dist.irecv, buf, peer=m.src, group=group, tag=tag), buf
+
+
 def post_receives(messages: list[Message], rank: int, dst_shape: tuple[int, ...], batch_dim: int, tag: int,
                   dtype: torch.dtype, device: torch.device, group=None) -> PendingTransfer | None:
     """Post only the receives from other ranks of one direction (``messages`` as for ``post_messages``, which
@@ -117,15 +126,10 @@ def post_receives(messages: list[Message], rank: int, dst_shape: tuple[int, ...]
     remote = _remote_incoming(messages, rank)
     if not remote:
         return None
-    out = torch.empty(dst_shape, dtype=dtype, device=device)
-    ops, incoming = [], []
-    for m in remote:
-        shape = list(dst_shape)
-        shape[batch_dim] = m.n
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        ops.append(dist.P2POp(dist.irecv, buf, peer=m.src, group=group, tag=tag))
-        incoming.append((m, buf))
-    return PendingTransfer(out, dist.batch_isend_irecv(ops), incoming, batch_dim)
+    received = [_receive(m, dst_shape, batch_dim, tag, dtype, device, group) for m in remote]
+    return PendingTransfer(torch.empty(dst_shape, dtype=dtype, device=device),
+                           dist.batch_isend_irecv([op for op, _ in received]),
+                           [(m, buf) for m, (_, buf) in zip(remote, received)], batch_dim)
 
 
 def post_messages(messages: list[Message], rank: int, src_tensor: torch.Tensor | None, dst_shape: tuple[int, ...],
@@ -159,10 +163,8 @@ def post_messages(messages: list[Message], rank: int, src_tensor: torch.Tensor |
             buf = src_tensor.narrow(batch_dim, m.src_start, m.n).contiguous()
             ops.append(dist.P2POp(dist.isend, buf, peer=m.dst, group=group, tag=tag))
         else:
-            shape = list(dst_shape)
-            shape[batch_dim] = m.n
-            buf = torch.empty(shape, dtype=dtype, device=device)
-            ops.append(dist.P2POp(dist.irecv, buf, peer=m.src, group=group, tag=tag))
+            op, buf = _receive(m, dst_shape, batch_dim, tag, dtype, device, group)
+            ops.append(op)
             incoming.append((m, buf))
     # one batch, so NCCL may hand back a single request for all of it: a receiving rank waits on everything
     works = dist.batch_isend_irecv(ops) if ops else []
