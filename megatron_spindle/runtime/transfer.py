@@ -23,7 +23,8 @@ from the producer's step (plan/memory.py counts it from the consumer's forward).
 On gloo every receive of a step is posted when the step (micro-batch) begins (``receives_early``), before
 any of its data is sent: a gloo message whose receive is posted after the data has arrived costs both ranks
 about 0.2 ms more (measured with 16 small messages between chunks of compute: 8.3-9.2 ms against 5.5 ms posted
-first), on the same core as their compute. Sends and local copies still happen when the data exists. NCCL
+first), on the same core as their compute. Sends and local copies still happen when the data exists; the receive
+buffers are held from the micro-batch's start (host memory, which plan/memory.py does not count). NCCL
 receives are posted with the sends, as above: a receive posted early would hold NCCL's stream for the pair.
 
 Shapes are not exchanged: both ends derive them from the workload (``ActivationSpec``). The messages are
