@@ -17,8 +17,8 @@ waited on at the end; runtime/transfer.py). Before each micro-batch the schedule
 each local slice's forward ``before_forward(slice)`` (the overlapped weight all-gather's cue), after each local
 slice's backward ``slice_done(slice)`` (the gradient sync's cues), and after each step
 ``on_wave(phase, wave_index, seconds)``. ``evaluate`` runs the forward steps alone (validation: no autograd
-graph, no backward, no ``on_wave``). Before each step that may wait for another rank it records
-``progress.point`` (what the watchdog names when a peer is missing).
+graph, no backward, no ``on_wave``). Before each step that may wait for another rank, and before posting a
+micro-batch's receives on gloo, it records ``progress.point`` (what the watchdog names when a peer is missing).
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ class WaveSchedule:
         self._slice_of_wave = {ls.wave: ls for ls in local.values()}
         # (transfer, direction) where this rank receives from another rank: what early_receives posts
         self._remote_receives = [(t, d) for t in self.transfers if t.involves(rank) for d in (0, 1)
-                                 if t.receives_remote(d, rank)]
+                                 if t.remote_incoming(d, rank)]
+        self._receive_peers = sorted({m.src for t, d in self._remote_receives for m in t.remote_incoming(d, rank)})
         self._pending_sends: list = []
         self.steps = execution_steps(len(plan.waves), plan.settings)
         self.micro_batches = plan.settings.micro_batches
@@ -172,6 +173,9 @@ class WaveSchedule:
 
     def _post_receives(self, micro: int, backward: bool) -> dict[tuple[int, int], PendingTransfer]:
         """(transfer, direction) -> this rank's receives from other ranks, posted now (``early_receives``)."""
+        if self._remote_receives:
+            progress.point("the receives posted when the micro-batch begins (from rank(s) "
+                           f"{', '.join(map(str, self._receive_peers))})")
         return {(t.index, d): t.post_receives(d, self.rank, self.dtype, self.device, micro)
                 for t, d in self._remote_receives if backward or d == 0}
 

@@ -232,9 +232,9 @@ class TransferOp:
     def _receiver(self, direction: int) -> Slice:
         return self.producer if direction else self.consumer
 
-    def receives_remote(self, direction: int, rank: int) -> bool:
-        """Whether this rank receives anything from another rank in one direction (0: forward, 1: backward)."""
-        return bool(_remote_incoming(self._mine(direction, rank), rank))
+    def remote_incoming(self, direction: int, rank: int) -> list[Message]:
+        """The messages this rank receives from other ranks in one direction (0: forward, 1: backward)."""
+        return _remote_incoming(self._mine(direction, rank), rank)
 
     def post_receives(self, direction: int, rank: int, dtype, device, micro: int = 0) -> PendingTransfer | None:
         """Post this rank's receives from other ranks of one direction (0: forward, 1: backward) ahead of its

@@ -56,6 +56,7 @@ from megatron_spindle.estimator import AnalyticCostModel
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.workload import load_workload, workload_from_dict
 from megatron_spindle.plan.schema import TRANSFER_KINDS, PlanError, Recompute
+from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.__main__ import main
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
 from megatron_spindle.runtime.groups import GroupCache
@@ -296,6 +297,8 @@ class EarlyReceiveLog:
         def posted(micro, backward):
             pending = post(micro, backward)
             self.events.append(("posted", len(pending) if backward else -1))
+            if pending:  # a peer that dies now is named at this point (the watchdog's and the error's words)
+                assert progress.current().what[0].startswith("the receives posted when the micro-batch begins")
             return pending
 
         def sliced(ls, *args):
