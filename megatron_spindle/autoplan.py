@@ -29,6 +29,10 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
   the light waves multiply and the light units' parameter device groups follow the towers';
 - each of them with the distributed optimizer (ZeRO-1) as well when it plans without: reduce-scatter in the
   backward and a weight all-gather after the step instead of the all-reduce, and less memory;
+- where memory bound the configured plan, the greedy plan made with memory unlimited (16x each device's, no
+  memory option) and then given ZeRO-2 or ZeRO-1 and each layer slice's cheapest recomputation that fits the
+  real devices: the memory search limits every MetaOp's configurations before it schedules, and a plan that keeps
+  the fastest configurations can pay less in recomputation than the limited ones cost;
 - the fallback ``task-sequential``: Spindle's runtime with each task on the whole cluster in turn (the
   Spindle-Seq plan of paper appendix H), so that the plan a user gets is never slower than that; reports name
   the cells where it wins (the wavefront planner then had nothing to gain).
@@ -49,8 +53,9 @@ from typing import Any
 from megatron_spindle.estimator.profiled import ProfiledCostModel
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.memory import plan_memory
+from megatron_spindle.plan.memory import memory_options, plan_memory
 from megatron_spindle.plan.schema import Plan, PlanError
+from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.light_levels import pinned_plan
 from megatron_spindle.planner.node_groups import node_group_partitions, plan_node_groups
 from megatron_spindle.planner.objective import estimate_iteration, exposed_sync_share
@@ -62,6 +67,9 @@ NODE_GROUP_SOLVER_LIMIT = 2.0  # seconds of CP-SAT per node group
 # gradient sync they cannot hide behind their backward
 SYNC_AWARE_MIN_SHARE = 0.1
 TIE = 1e-6  # relative difference of simulated times under which candidates are equally fast
+# the memory "unlimited" plans are made with (times a device's), as benchmarks/paper_eval.py measures the cost of
+# memory: enough that memory binds nothing in any paper cell
+UNLIMITED_MEMORY_FACTOR = 16.0
 
 
 @dataclass
@@ -141,6 +149,7 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
     planned += _node_group_candidates(workload, cluster, config, profile, planned, sim_cost_model)
     planned += _pinned_candidates(workload, cluster, config, planned)
     if config.select == "simulate" and not config.fixes_memory_options():
+        planned += _unlimited_candidates(workload, cluster, config, profile, planned[0][1])
         planned += _task_sequential(workload, cluster, planned[0][1], sim_cost_model)
     out = select_fastest(workload, cluster, planned, config, say, sim_cost_model)
     out.seconds = time.perf_counter() - t0
@@ -278,6 +287,53 @@ def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple
     plan.planner["selection"] = {"selected": best.name, "candidates": [c.summary() for c in candidates]}
     return AutoplanResult(dataclasses.replace(best.result, plan=plan), best.sim, candidates,
                           sum(secs for _, _, secs in planned))
+
+
+def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
+                          first: PlanningResult):
+    """Where memory bound the configured plan (it has the distributed optimizer, micro-batches or
+    recomputation), the greedy plan made as if devices had UNLIMITED_MEMORY_FACTOR times their memory and no
+    memory option at all, then given ZeRO-2 or ZeRO-1 and each layer slice's cheapest recomputation that fits
+    the real devices
+    (baselines/memory_options.py ``with_cheapest_recompute``, in the plan's own order). The memory search
+    limits every MetaOp's configurations to what its whole chain fits before it schedules; the plan made
+    without that limit keeps its fastest configurations and may pay less in recomputation than the limited
+    ones cost (QWen-VAL-70B / 256: 10.5 s where the capped search's plan simulates 13.1 s)."""
+    settings = first.plan.settings
+    if settings.zero_stage == 0 and settings.micro_batches == 1 and not settings.slice_recompute \
+            and settings.recompute.mode == "none":
+        return []  # memory did not bind: the plan made without the limit is this one
+    from megatron_spindle.baselines.memory_options import with_cheapest_recompute
+    from megatron_spindle.estimator import MemoryModel
+
+    started = time.perf_counter()
+    roomy = dataclasses.replace(cluster, gpu=dataclasses.replace(
+        cluster.gpu, memory_bytes=cluster.gpu.memory_bytes * UNLIMITED_MEMORY_FACTOR))
+    try:
+        plain = dataclasses.replace(config, planner="wavefront", select="none", distributed_optimizer="off",
+                                    recompute="none", micro_batches="1", early_backward="off")
+        unlimited = plan_workload(workload, roomy, plain, profile).plan
+    except PlanError:
+        return []
+    unlimited = dataclasses.replace(unlimited, cluster=cluster.to_dict(), cluster_digest=cluster.digest(),
+                                    planner=dict(unlimited.planner), predicted=dict(unlimited.predicted))
+    cost_model, metagraph = first.cost_model, first.metagraph
+    memory_model = MemoryModel(workload, cluster, cost_model)  # no ZeRO of its own: the plan's settings shard
+    out = []
+    for stage in (2, 1):
+        staged = dataclasses.replace(unlimited, settings=dataclasses.replace(unlimited.settings, zero_stage=stage))
+        plan = with_cheapest_recompute(staged, metagraph, cost_model, memory_model, cluster)
+        if plan is None:
+            continue
+        plan = dataclasses.replace(plan, planner=dict(plan.planner), predicted=dict(plan.predicted))
+        plan.memory_per_device = plan_memory(plan, metagraph.metaops, memory_model)
+        plan.planner["memory_options"] = memory_options(plan)
+        plan.predicted.update(estimate_iteration(plan, metagraph, cluster, cost_model).as_predicted())
+        validate_plan(plan, workload, cluster, metagraph)
+        out.append((f"wavefront-unlimited+zero{stage}", dataclasses.replace(
+            first, plan=plan, memory_model=memory_model, solver=None, timings={}),
+            time.perf_counter() - started))
+    return out
 
 
 def _task_sequential(workload: Workload, cluster: ClusterSpec, first: PlanningResult, sim_cost_model=None):

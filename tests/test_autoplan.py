@@ -1,6 +1,8 @@
-"""Plan selection's sync-aware candidate (megatron_spindle/autoplan.py)."""
+"""Plan selection's sync-aware candidate and its plan made with memory unlimited (megatron_spindle/autoplan.py)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -60,3 +62,49 @@ def test_sync_aware_flag_forces_or_forbids_the_curves():
     assert _sync_aware_run(w, c, off, None, [("wavefront", plain, 0.0)]) == []
     with pytest.raises(ValueError, match="sync_aware"):
         PlannerConfig(sync_aware="yes")
+
+
+def test_unlimited_plan_with_memory_options_is_a_candidate_where_memory_binds():
+    """clip-4 on 8 GPUs needs the distributed optimizer: the plan made with memory unlimited comes back with ZeRO-2
+    and ZeRO-1, each slice at the cheapest recomputation that fits; clip-4 on 32 GPUs needs nothing: no candidate."""
+    from megatron_spindle.autoplan import UNLIMITED_MEMORY_FACTOR, _unlimited_candidates
+    from megatron_spindle.plan.validate import validate_plan
+
+    w, c = load_workload("clip-4"), make_cluster(8)
+    config = PlannerConfig(planner="wavefront")
+    first = plan_workload(w, c, config)
+    assert first.plan.settings.zero_stage >= 1  # memory binds here
+    out = _unlimited_candidates(w, c, config, None, first)
+    assert [name for name, _, _ in out] == ["wavefront-unlimited+zero2", "wavefront-unlimited+zero1"]
+    roomy = dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, memory_bytes=c.gpu.memory_bytes * UNLIMITED_MEMORY_FACTOR))
+    unlimited = plan_workload(w, roomy, PlannerConfig(planner="wavefront", select="none", distributed_optimizer="off",
+                                                      recompute="none", micro_batches="1", early_backward="off")).plan
+    for name, result, _ in out:
+        plan = result.plan
+        validate_plan(plan, w, c, result.metagraph)
+        assert plan.settings.zero_stage == int(name[-1]) and plan.settings.micro_batches == 1
+        assert max(plan.memory_per_device) <= c.gpu.memory_bytes  # fits the real devices
+        assert [[(s.id, s.devices) for s in wv.slices] for wv in plan.waves] == \
+            [[(s.id, s.devices) for s in wv.slices] for wv in unlimited.waves]  # the unlimited plan's layout
+        assert plan.cluster == c.to_dict()
+    light = plan_workload(w, make_cluster(32), config)
+    assert _unlimited_candidates(w, make_cluster(32), config, None, light) == []
+
+
+def test_unlimited_plan_with_memory_options_wins_on_qwen_val_70b():
+    """QWen-VAL-70B on 256 GPUs: the capped search limits the LLM's configurations to what its whole chain fits
+    (tensor parallelism 8) and settles for 4 micro-batches and recomputation; the plan made with memory unlimited
+    fits with ZeRO-2 and recomputation of some slices and simulates at least 20 % faster."""
+    from megatron_spindle.autoplan import _unlimited_candidates
+
+    w, c = load_workload("qwen-val-70b"), make_cluster(256)
+    config = PlannerConfig(planner="wavefront")
+    capped = plan_workload(w, c, config)
+    capped_time = simulate(capped.plan, w, c, capped.cost_model, capped.memory_model,
+                           metagraph=capped.metagraph).iteration_time
+    out = _unlimited_candidates(w, c, config, None, capped)
+    assert out and out[0][0] == "wavefront-unlimited+zero2"
+    best = out[0][1]
+    assert best.plan.settings.slice_recompute  # memory still binds: some slices recompute
+    time = simulate(best.plan, w, c, best.cost_model, best.memory_model, metagraph=best.metagraph).iteration_time
+    assert time < 0.8 * capped_time, (time, capped_time)
