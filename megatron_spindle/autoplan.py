@@ -29,10 +29,11 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
   the light waves multiply and the light units' parameter device groups follow the towers';
 - each of them with the distributed optimizer (ZeRO-1) as well when it plans without: reduce-scatter in the
   backward and a weight all-gather after the step instead of the all-reduce, and less memory;
-- where memory bound the configured plan, the greedy plan made with memory unlimited (16x each device's, no
-  memory option) and then given ZeRO-2 or ZeRO-1 and each layer slice's cheapest recomputation that fits the
-  real devices: the memory search limits every MetaOp's configurations before it schedules, and a plan that keeps
-  the fastest configurations can pay less in recomputation than the limited ones cost;
+- where memory bound the configured plan, the configured and the greedy planner's plans made with memory
+  unlimited (16x each device's, no memory option; each also on sync-aware curves where it leaves a sizeable
+  share in gradient sync) and then given ZeRO-2 or ZeRO-1 and each layer slice's cheapest recomputation that
+  fits the real devices: the memory search limits every MetaOp's configurations before it schedules, and a plan
+  that keeps the fastest configurations can pay less in recomputation than the limited ones cost;
 - the fallback ``task-sequential``: Spindle's runtime with each task on the whole cluster in turn (the
   Spindle-Seq plan of paper appendix H), so that the plan a user gets is never slower than that; reports name
   the cells where it wins (the wavefront planner then had nothing to gain).
@@ -149,7 +150,7 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
     planned += _node_group_candidates(workload, cluster, config, profile, planned, sim_cost_model)
     planned += _pinned_candidates(workload, cluster, config, planned)
     if config.select == "simulate" and not config.fixes_memory_options():
-        planned += _unlimited_candidates(workload, cluster, config, profile, planned[0][1])
+        planned += _unlimited_candidates(workload, cluster, configs[0][1], profile, planned[0][1])
         planned += _task_sequential(workload, cluster, planned[0][1], sim_cost_model)
     out = select_fastest(workload, cluster, planned, config, say, sim_cost_model)
     out.seconds = time.perf_counter() - t0
@@ -291,48 +292,60 @@ def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple
 
 def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
                           first: PlanningResult):
-    """Where memory bound the configured plan (it has the distributed optimizer, micro-batches or
-    recomputation), the greedy plan made as if devices had UNLIMITED_MEMORY_FACTOR times their memory and no
-    memory option at all, then given ZeRO-2 or ZeRO-1 and each layer slice's cheapest recomputation that fits
-    the real devices
-    (baselines/memory_options.py ``with_cheapest_recompute``, in the plan's own order). The memory search
-    limits every MetaOp's configurations to what its whole chain fits before it schedules; the plan made
-    without that limit keeps its fastest configurations and may pay less in recomputation than the limited
-    ones cost (QWen-VAL-70B / 256: 10.5 s where the capped search's plan simulates 13.1 s)."""
+    """Where memory bound the configured plan (``first``: it has the distributed optimizer, micro-batches or
+    recomputation), the configured planner and the greedy one again as if devices had UNLIMITED_MEMORY_FACTOR
+    times their memory and no memory option at all (each also on sync-aware curves where its plan leaves a
+    sizeable share in gradient sync: ``_sync_aware_run``), every such plan then given ZeRO-2 or ZeRO-1 and each
+    layer slice's cheapest recomputation that fits the real devices (baselines/memory_options.py
+    ``with_cheapest_recompute``, in the plan's own order). The memory search limits every MetaOp's
+    configurations to what its whole chain fits before it schedules; a plan made without that limit keeps its
+    fastest configurations and may pay less in recomputation than the limited ones cost (QWen-VAL-70B / 256:
+    about 9.7 s where the capped search's plans simulate 13.1 s and more)."""
     settings = first.plan.settings
     if settings.zero_stage == 0 and settings.micro_batches == 1 and not settings.slice_recompute \
             and settings.recompute.mode == "none":
-        return []  # memory did not bind: the plan made without the limit is this one
+        return []  # memory did not bind: the plans made without the limit are these
+    roomy = dataclasses.replace(cluster, gpu=dataclasses.replace(
+        cluster.gpu, memory_bytes=cluster.gpu.memory_bytes * UNLIMITED_MEMORY_FACTOR))
+    unlimited = []
+    for planner in dict.fromkeys((config.planner, "wavefront")):
+        plain = dataclasses.replace(config, planner=planner, distributed_optimizer="off", recompute="none",
+                                    micro_batches="1", early_backward="off")
+        started = time.perf_counter()
+        try:
+            result = plan_workload(workload, roomy, plain, profile)
+        except PlanError:
+            continue
+        unlimited.append((planner, result, time.perf_counter() - started))
+        unlimited += [(name, aware, secs) for name, _, aware, secs
+                      in _sync_aware_run(workload, roomy, plain, profile, unlimited[-1:])]
+    return [candidate for name, result, secs in unlimited
+            for candidate in _fitted(name + "-unlimited", result.plan, workload, cluster, first, secs)]
+
+
+def _fitted(name: str, unlimited: Plan, workload: Workload, cluster: ClusterSpec, first: PlanningResult,
+            seconds: float):
+    """A plan made for more memory as candidates on ``cluster``: with ZeRO-2, then ZeRO-1, each layer slice at the
+    cheapest recomputation that fits (none where nothing does), timed on ``first``'s models."""
     from megatron_spindle.baselines.memory_options import with_cheapest_recompute
     from megatron_spindle.estimator import MemoryModel
 
-    started = time.perf_counter()
-    roomy = dataclasses.replace(cluster, gpu=dataclasses.replace(
-        cluster.gpu, memory_bytes=cluster.gpu.memory_bytes * UNLIMITED_MEMORY_FACTOR))
-    try:
-        plain = dataclasses.replace(config, planner="wavefront", select="none", distributed_optimizer="off",
-                                    recompute="none", micro_batches="1", early_backward="off")
-        unlimited = plan_workload(workload, roomy, plain, profile).plan
-    except PlanError:
-        return []
-    unlimited = dataclasses.replace(unlimited, cluster=cluster.to_dict(), cluster_digest=cluster.digest(),
-                                    planner=dict(unlimited.planner), predicted=dict(unlimited.predicted))
     cost_model, metagraph = first.cost_model, first.metagraph
     memory_model = MemoryModel(workload, cluster, cost_model)  # no ZeRO of its own: the plan's settings shard
     out = []
     for stage in (2, 1):
-        staged = dataclasses.replace(unlimited, settings=dataclasses.replace(unlimited.settings, zero_stage=stage))
+        staged = dataclasses.replace(unlimited, cluster=cluster.to_dict(), cluster_digest=cluster.digest(),
+                                     planner=dict(unlimited.planner), predicted=dict(unlimited.predicted),
+                                     settings=dataclasses.replace(unlimited.settings, zero_stage=stage))
         plan = with_cheapest_recompute(staged, metagraph, cost_model, memory_model, cluster)
         if plan is None:
             continue
-        plan = dataclasses.replace(plan, planner=dict(plan.planner), predicted=dict(plan.predicted))
         plan.memory_per_device = plan_memory(plan, metagraph.metaops, memory_model)
         plan.planner["memory_options"] = memory_options(plan)
         plan.predicted.update(estimate_iteration(plan, metagraph, cluster, cost_model).as_predicted())
         validate_plan(plan, workload, cluster, metagraph)
-        out.append((f"wavefront-unlimited+zero{stage}", dataclasses.replace(
-            first, plan=plan, memory_model=memory_model, solver=None, timings={}),
-            time.perf_counter() - started))
+        out.append((f"{name}+zero{stage}", dataclasses.replace(first, plan=plan, memory_model=memory_model,
+                                                                 solver=None, timings={}), seconds))
     return out
 
 
