@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any, Callable
 
 from bench_output import Recording, add_output_args
 
-from megatron_spindle.autoplan import autoplan, select_fastest
+from megatron_spindle.autoplan import UNLIMITED_MEMORY_FACTOR, autoplan, select_fastest
 from megatron_spindle.baselines import BASELINES, BaselineContext
 from megatron_spindle.graph.cluster import ClusterSpec, make_cluster
 from megatron_spindle.graph.workload import Workload, load_workload
@@ -79,8 +78,8 @@ SOTA_BASELINES = ("optimus", "distmm", "megatron", "deepspeed")  # "the best bas
 UNLIMITED = 1e6  # times device memory: the memory column's "memory unlimited"
 
 
-def relaxed(cluster: ClusterSpec, factor: float = 16.0) -> ClusterSpec:
-    return dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, memory_bytes=cluster.gpu.memory_bytes * factor))
+def relaxed(cluster: ClusterSpec, factor: float = UNLIMITED_MEMORY_FACTOR) -> ClusterSpec:
+    return cluster.with_memory_factor(factor)
 
 
 def plan_spindle(workload: Workload, cluster: ClusterSpec, config: PlannerConfig):

@@ -305,8 +305,7 @@ def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: Plan
     if settings.zero_stage == 0 and settings.micro_batches == 1 and not settings.slice_recompute \
             and settings.recompute.mode == "none":
         return []  # memory did not bind: the plans made without the limit are these
-    roomy = dataclasses.replace(cluster, gpu=dataclasses.replace(
-        cluster.gpu, memory_bytes=cluster.gpu.memory_bytes * UNLIMITED_MEMORY_FACTOR))
+    roomy = cluster.with_memory_factor(UNLIMITED_MEMORY_FACTOR)
     unlimited = []
     for planner in dict.fromkeys((config.planner, "wavefront")):
         plain = dataclasses.replace(config, planner=planner, distributed_optimizer="off", recompute="none",

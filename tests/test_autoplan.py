@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from megatron_spindle.autoplan import SYNC_AWARE_MIN_SHARE, _sync_aware_run, autoplan
@@ -76,7 +74,7 @@ def test_unlimited_plan_with_memory_options_is_a_candidate_where_memory_binds():
     assert first.plan.settings.zero_stage >= 1  # memory binds here
     out = _unlimited_candidates(w, c, config, None, first)
     assert [name for name, _, _ in out] == ["wavefront-unlimited+zero2", "wavefront-unlimited+zero1"]
-    roomy = dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, memory_bytes=c.gpu.memory_bytes * UNLIMITED_MEMORY_FACTOR))
+    roomy = c.with_memory_factor(UNLIMITED_MEMORY_FACTOR)
     unlimited = plan_workload(w, roomy, PlannerConfig(planner="wavefront", select="none", distributed_optimizer="off",
                                                       recompute="none", micro_batches="1", early_backward="off")).plan
     for name, result, _ in out:

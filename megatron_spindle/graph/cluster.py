@@ -228,6 +228,10 @@ class ClusterSpec:
     def intra_node_p2p_bandwidth(self) -> float:
         return self.intra_node_p2p_bw or self.intra_node_bw
 
+    def with_memory_factor(self, factor: float) -> ClusterSpec:
+        """The same cluster with ``factor`` times each device's memory (memory-relaxed planning)."""
+        return replace(self, gpu=replace(self.gpu, memory_bytes=self.gpu.memory_bytes * factor))
+
     def island(self, device: int) -> int:
         return device // self.gpus_per_node
 

@@ -375,8 +375,7 @@ def _place_rung(micro, workload, cluster, config, profile, stage, assumed, over,
     # planning with every layer at its leanest, a chain may take the whole device: what it does not need is given
     # back to it slice by slice afterwards
     shares = (1.0,) + MEMORY_SHARES if assumed.mode != "none" else MEMORY_SHARES
-    roomy = cluster if over == 1 else dataclasses.replace(cluster, gpu=dataclasses.replace(
-        cluster.gpu, memory_bytes=over * cluster.gpu.memory_bytes))
+    roomy = cluster if over == 1 else cluster.with_memory_factor(over)
     placed = _allocate_schedule_place(micro, workload, roomy, config, profile, cost_model, placed_mm, say, shares,
                                       curve_cache)
     return (cost_model, placed_mm, roomy) + placed

@@ -11,7 +11,6 @@ tests lift the memory cap (as benchmarks/paper_eval.py does for such cells, mark
 
 from __future__ import annotations
 
-import dataclasses
 from functools import lru_cache
 
 import pytest
@@ -32,7 +31,7 @@ CELLS = [("tiny-clip", 4), ("tiny-vlm", 4), ("clip-4", 16), ("clip-10", 16), ("o
 
 
 def relaxed(cluster: ClusterSpec) -> ClusterSpec:
-    return dataclasses.replace(cluster, gpu=dataclasses.replace(cluster.gpu, memory_bytes=16 * cluster.gpu.memory_bytes))
+    return cluster.with_memory_factor(16)
 
 
 @lru_cache(maxsize=None)
