@@ -230,16 +230,14 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
             "sim_optimizer": sim.optimizer_time,
             "planner": float(plan.predicted["iteration_time"]), "waves": len(plan.waves), "profiling": profiling,
             "selected": plan.planner.get("selection", {}).get("selected", ""), "zero_stage": plan.settings.zero_stage,
-            "links": _measured_links(cluster, profiles[median]),
+            "links": _measured_links(cost_models[median].cluster),
             "rank0_waves": waves,
             "rank0_phase_times": {k: v / len(steps) for k, v in phase_times.items()}}
 
 
-def _measured_links(cluster, profile) -> dict[str, float]:
-    """What the median profile measured of the ranks' link and the model takes from it (cluster_with_bandwidth)."""
-    from megatron_spindle.estimator.profiled import cluster_with_bandwidth
-
-    measured = cluster_with_bandwidth(cluster, profile.bandwidth)
+def _measured_links(measured) -> dict[str, float]:
+    """What the model takes of the ranks' link from a profile (``measured``: its cost model's cluster, the
+    profile's links in it: ``_simulate_profiled``)."""
     return {"p2p_latency": measured.p2p_latency, "message_host_seconds": measured.message_host_seconds,
             "overlap_slowdown": measured.overlap_slowdown, "allreduce_bus_bw": measured.intra_node_bw}
 

@@ -54,11 +54,9 @@ def cluster_with_bandwidth(cluster: ClusterSpec, bandwidth: Mapping[str, Any] | 
             changes[small] = float(timed[min(timed, key=lambda size: int(size))])
         if section == "intra_node" and link.get("p2p_latency_s"):
             changes["p2p_latency"] = float(link["p2p_latency_s"])
-        if link.get("overlap_slowdown"):
-            changes["overlap_slowdown"] = max(changes.get("overlap_slowdown", 0.0), float(link["overlap_slowdown"]))
-        if link.get("message_host_s"):
-            changes["message_host_seconds"] = max(changes.get("message_host_seconds", 0.0),
-                                                  float(link["message_host_s"]))
+        for key, field in (("overlap_slowdown", "overlap_slowdown"), ("message_host_s", "message_host_seconds")):
+            if link.get(key):  # the costlier of the two links
+                changes[field] = max(changes.get(field, 0.0), float(link[key]))
     return dataclasses.replace(cluster, **changes) if changes else cluster
 
 
