@@ -239,7 +239,8 @@ def _measured_links(measured) -> dict[str, float]:
     """What the model takes of the ranks' link from a profile (``measured``: its cost model's cluster, the
     profile's links in it: ``_simulate_profiled``)."""
     return {"p2p_latency": measured.p2p_latency, "message_host_seconds": measured.message_host_seconds,
-            "overlap_slowdown": measured.overlap_slowdown, "allreduce_bus_bw": measured.intra_node_bw}
+            "overlap_slowdown": measured.overlap_slowdown, "overlap_latency": measured.overlap_latency,
+            "allreduce_bus_bw": measured.intra_node_bw}
 
 
 def _wave_recorder(into: dict[tuple[str, int], list[float]], cpu_into: dict[tuple[str, int], list[float]]):
@@ -383,7 +384,8 @@ def main(argv=None) -> int:
                   f"selected {r['selected'] or 'the planned one'} (ZeRO-{r['zero_stage']})"),
                  ("2 ranks: measured link", f"{r['links']['p2p_latency'] * 1e6:.0f} us",
                   f"a small message's latency; a message costs a rank {r['links']['message_host_seconds'] * 1e6:.0f} us "
-                  f"of compute, compute beside an all-reduce runs x{r['links']['overlap_slowdown']:.2f}, "
+                  f"of compute, compute beside an all-reduce runs x{r['links']['overlap_slowdown']:.2f} and the "
+                  f"all-reduce beside compute takes {r['links'].get('overlap_latency', 0.0) * 1e3:.2f} ms more, "
                   f"all-reduce bus {r['links']['allreduce_bus_bw'] / 1e9:.2f} GB/s"),
                  ("2 ranks: measured / simulated per round", " ".join(f"{x:.3f}" for x in ratios) + " x",
                   "each round against the profile taken just before it"),

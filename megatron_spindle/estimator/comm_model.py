@@ -152,6 +152,12 @@ class CommModel:
         """How much compute and a collective slow while they overlap: the cluster's measured factor, else C10's."""
         return self.cluster.overlap_slowdown or OVERLAP_SLOWDOWN
 
+    @property
+    def overlap_latency(self) -> float:
+        """What a collective issued beside compute takes beyond its slowed time: the measured delay (0 unless a
+        CPU profile measured one; ClusterSpec ``overlap_latency``)."""
+        return self.cluster.overlap_latency
+
     def send_recv_latency(self, cross_node: bool) -> float:
         """A small message's time point to point: the measured one inside a node where a profile gave it
         (``p2p_latency``), else a small collective's (``latency``)."""
@@ -247,13 +253,15 @@ class OverlapTimes:
 
 
 def overlapped_backward_seconds(backward: float, syncs: Sequence[float], ready: Sequence[float] | None = None,
-                                slowdown: float = OVERLAP_SLOWDOWN) -> OverlapTimes:
+                                slowdown: float = OVERLAP_SLOWDOWN, latency: float = 0.0) -> OverlapTimes:
     """A backward of ``backward`` seconds of compute whose gradient buckets are all-reduced as they complete.
 
     Bucket i (``syncs[i]`` seconds alone) is ready once a fraction ``ready[i]`` of the backward's compute is done
     (default: evenly spread, the last one at the end). The all-reduces run one after another on their own stream;
-    while compute and communication overlap both progress ``slowdown`` times slower (C10)."""
-    if backward < 0 or any(s < 0 for s in syncs) or slowdown < 1:
+    while compute and communication overlap both progress ``slowdown`` times slower (C10), and a bucket beside
+    compute takes ``latency`` more (a measured CPU scheduling delay, ClusterSpec ``overlap_latency``): its rate
+    is 1 / (slowdown + latency / syncs[i]), as the simulator's timeline runs it."""
+    if backward < 0 or any(s < 0 for s in syncs) or slowdown < 1 or latency < 0:
         raise EstimatorError("overlap: seconds must be >= 0 and the slowdown >= 1")
     k = len(syncs)
     ready = list(ready) if ready is not None else [(i + 1) / k for i in range(k)]
@@ -267,13 +275,15 @@ def overlapped_backward_seconds(backward: float, syncs: Sequence[float], ready: 
             comm_left, nxt = syncs[nxt], nxt + 1
             continue
         computing, communicating = backward_end is None, comm_left > 0
-        rate = 1.0 / slowdown if computing and communicating else 1.0
+        overlapping = computing and communicating
+        rate = 1.0 / slowdown if overlapping else 1.0
+        comm_rate = 1.0 / (slowdown + latency / syncs[nxt - 1]) if overlapping else 1.0
         steps = []
         if computing:
             target = ready[nxt] * backward if (nxt < k and not communicating) else backward
             steps.append((max(target - done, 0.0) / rate, "compute"))
         if communicating:
-            steps.append((comm_left / rate, "comm"))
+            steps.append((comm_left / comm_rate, "comm"))
         dt = min(s for s, _ in steps)
         t += dt
         if computing:
@@ -281,7 +291,7 @@ def overlapped_backward_seconds(backward: float, syncs: Sequence[float], ready: 
             if done >= backward - 1e-15:
                 backward_end = t
         if communicating:
-            comm_left = max(0.0, comm_left - dt * rate)
+            comm_left = max(0.0, comm_left - dt * comm_rate)
             if comm_left <= 1e-18:
                 comm_left = 0.0
     return OverlapTimes(backward_end, t if k else 0.0)

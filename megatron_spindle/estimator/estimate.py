@@ -29,14 +29,15 @@ def analytic_points(
 def exposed_sync_seconds(cost_model: AnalyticCostModel, metaop: MetaOp, tp: int, dp: int, sharers: int) -> float:
     """What one operator's gradient sync adds to its step in steady state: its share (1 / ``sharers``: the
     MetaOps that hold the same weights sync them once) of the all-reduce, overlapped with one operator's
-    backward at the overlap slowdown (the cluster's, else C10). Layer i's buckets overlap layer i-1's backward,
-    so a sync longer than a layer's backward is exposed layer after layer, and only the curves of sync-aware
-    planning see it."""
+    backward at the overlap slowdown (the cluster's, else C10) and with its share of the overlap latency (0
+    unless measured). Layer i's buckets overlap layer i-1's backward, so a sync longer than a layer's backward
+    is exposed layer after layer, and only the curves of sync-aware planning see it."""
     sync = cost_model.layer_cost(metaop, tp, dp).dp_sync / max(1, sharers)
     if sync <= 0:
         return 0.0
     _, backward = cost_model.phase_seconds(metaop, tp, dp)
-    times = overlapped_backward_seconds(backward, [sync], ready=[0.0], slowdown=cost_model.comm.overlap_slowdown)
+    times = overlapped_backward_seconds(backward, [sync], ready=[0.0], slowdown=cost_model.comm.overlap_slowdown,
+                                        latency=cost_model.comm.overlap_latency / max(1, sharers))
     return times.end - backward
 
 

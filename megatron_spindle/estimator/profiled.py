@@ -36,8 +36,9 @@ def cluster_with_bandwidth(cluster: ClusterSpec, bandwidth: Mapping[str, Any] | 
     all-reduce (``collective_latency`` inside a node; across nodes, one rank per node, ``network_latency``:
     what crossing adds; estimator/comm_model.py), and the older per-hop latencies. Inside a node also one small
     point-to-point message's time (``p2p_latency``), and from either link the compute time a device loses per
-    message (``message_host_seconds``) and the slowdown of compute and a collective that overlap
-    (``overlap_slowdown``), the larger of the two links' (profiler/comm.py)."""
+    message (``message_host_seconds``), the slowdown of compute and a collective that overlap
+    (``overlap_slowdown``) and what a collective beside compute takes beyond that (``overlap_latency``), the
+    larger of the two links' (profiler/comm.py)."""
     changes: dict[str, float] = {}
     for section, bw, p2p, small, hop in (
             ("intra_node", "intra_node_bw", "intra_node_p2p_bw", "collective_latency", "intra_node_latency"),
@@ -54,7 +55,8 @@ def cluster_with_bandwidth(cluster: ClusterSpec, bandwidth: Mapping[str, Any] | 
             changes[small] = float(timed[min(timed, key=lambda size: int(size))])
         if section == "intra_node" and link.get("p2p_latency_s"):
             changes["p2p_latency"] = float(link["p2p_latency_s"])
-        for key, field in (("overlap_slowdown", "overlap_slowdown"), ("message_host_s", "message_host_seconds")):
+        for key, field in (("overlap_slowdown", "overlap_slowdown"), ("message_host_s", "message_host_seconds"),
+                           ("overlap_latency_s", "overlap_latency")):
             if link.get(key):  # the costlier of the two links
                 changes[field] = max(changes.get(field, 0.0), float(link[key]))
     return dataclasses.replace(cluster, **changes) if changes else cluster
@@ -85,6 +87,8 @@ def profile_summary(profile: Profile, cluster: ClusterSpec) -> str:
             measured.append(f"{cluster.message_host_seconds * 1e6:.0f} us of compute per message")
         if cluster.overlap_slowdown:
             measured.append(f"compute beside a collective x{cluster.overlap_slowdown:.2f}")
+        if cluster.overlap_latency:
+            measured.append(f"a collective beside compute +{cluster.overlap_latency * 1e3:.2f} ms")
         parts.append("links: " + ", ".join(measured))
     return "profile: " + "; ".join(parts)
 

@@ -146,7 +146,7 @@ NODE_TYPES: dict[str, dict[str, Any]] = {
             "collective_latency": 20e-6},
 }
 # ClusterSpec fields only a profile sets; left out of to_dict (and so of the digest) while 0
-MEASURED_ONLY_KEYS = ("p2p_latency", "message_host_seconds", "overlap_slowdown")
+MEASURED_ONLY_KEYS = ("p2p_latency", "message_host_seconds", "overlap_slowdown", "overlap_latency")
 LINK_KEYS = ("intra_node_bw", "inter_node_bw", "node_network_bw", "network_rail_bw", "intra_node_p2p_bw",
              "collective_latency", "network_latency", "nvls_bus_bw")
 
@@ -170,8 +170,10 @@ class ClusterSpec:
     (0: none, as on a GPU, whose host runs ahead and whose copies run beside its kernels; on a CPU device the
     transport's thread runs on the rank's own core); ``overlap_slowdown`` is the factor by which compute and a
     collective both slow while they overlap (0: C10's GPU measurement, ``estimator/comm_model.py``
-    ``OVERLAP_SLOWDOWN``; about 2 on a CPU device: the collective takes the compute's core). They are left out
-    of ``to_dict`` at 0, so clusters that do not set them keep their digest.
+    ``OVERLAP_SLOWDOWN``); ``overlap_latency`` is what a collective issued beside compute takes beyond its
+    slowed time (0: nothing, as on a GPU; on a CPU device the transport's thread waits for the scheduler to give
+    it the compute's core, a few milliseconds, while the collective alone takes tenths of one). They are left
+    out of ``to_dict`` at 0, so clusters that do not set them keep their digest.
     """
 
     num_nodes: int
@@ -190,6 +192,7 @@ class ClusterSpec:
     p2p_latency: float = 0.0
     message_host_seconds: float = 0.0
     overlap_slowdown: float = 0.0
+    overlap_latency: float = 0.0
 
     def __post_init__(self):
         for what in ("num_nodes", "gpus_per_node"):
@@ -201,7 +204,7 @@ class ClusterSpec:
                 raise ClusterError(f"cluster: {what} must be positive")
         for what in ("node_network_bw", "network_rail_bw", "intra_node_p2p_bw", "collective_latency",
                      "network_latency", "intra_node_latency", "inter_node_latency", "p2p_latency",
-                     "message_host_seconds"):
+                     "message_host_seconds", "overlap_latency"):
             if getattr(self, what) < 0:
                 raise ClusterError(f"cluster: {what} must be >= 0")
         if self.overlap_slowdown and self.overlap_slowdown < 1:

@@ -263,7 +263,7 @@ def _gather_seconds(buckets: list[list[str]], first_use: dict[str, float], cost_
     needed = [min(first_use.get(u, 0.0) for u in units) for units in buckets]
     waited, done = 0.0, 0.0
     for at, s in sorted(zip(needed, seconds)):
-        done += s
+        done += s + comm.overlap_latency  # beside the forward's compute (0 unless a CPU profile measured it)
         waited = max(waited, done - at)
     return waited
 
@@ -330,7 +330,7 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
                 running = max(running, min(1.0, at / bwd_span))
                 fractions.append(running)
             times = overlapped_backward_seconds(bwd_span, [s for _, s in buckets], fractions,
-                                                comm.overlap_slowdown)
+                                                comm.overlap_slowdown, comm.overlap_latency)
             done[buckets] = max(0.0, times.end - bwd_span)
         extra = max(extra, done[buckets])
     return extra, gather

@@ -25,9 +25,10 @@ HOST_PROBE_CHUNKS = 16
 HOST_PROBE_MATMULS = 8
 HOST_PROBE_SIZE = 128
 HOST_PROBE_TRIALS = 15
-# The overlap probe: a gradient-bucket-sized all-reduce against a few milliseconds of matrix products.
+# The overlap probe: a gradient-bucket-sized all-reduce against matrix products long enough (about 20 ms on a
+# CPU core) for the all-reduce to end beside them even when it waits milliseconds for the scheduler.
 OVERLAP_PROBE_BYTES = 1 << 20
-OVERLAP_PROBE_MATMULS = 20
+OVERLAP_PROBE_MATMULS = 64
 OVERLAP_PROBE_SIZE = 256
 
 
@@ -114,39 +115,61 @@ def message_host_seconds(world: ProfileWorld, a: int, b: int, nbytes: int = 4) -
     return world.all_max([seconds])[0]
 
 
-def overlap_slowdown(world: ProfileWorld, ranks: Sequence[int]) -> float:
-    """How much compute and an all-reduce over ``ranks`` both slow while they overlap (0 when not measured), as
-    C10 measures it on GPUs: compute alone (C), the all-reduce alone (X), then the all-reduce issued
-    asynchronously and the compute run beside it (W); with both slowed by s while they overlap,
-    W = max(C, X) + (s - 1) min(C, X). On a CPU the collective takes the compute's core: about 2 (no overlap).
-    GPUs are not measured here (0: C10's factor applies)."""
+def overlap_constants(world: ProfileWorld, ranks: Sequence[int]) -> tuple[float, float]:
+    """(slowdown, latency) of compute and an all-reduce over ``ranks`` that overlap ((0, 0) when not measured):
+    compute alone (C), the all-reduce alone (X), then the all-reduce issued asynchronously and the compute run
+    beside it in small chunks, noting when the compute ends (Tc) and when the all-reduce is first seen complete
+    between two chunks (Tx). In the simulator's model (simulator/timeline.py) compute beside a collective runs
+    ``slowdown`` times slower, and the collective beside compute takes slowdown * X + ``latency``; so with the
+    collective done first, slowdown = Tx / (Tx + C - Tc) and latency = Tx - slowdown * X. On a CPU rank the
+    compute loses the collective's own work, and the collective waits milliseconds for the scheduler to give its
+    thread the core (the compute is made long enough for it to finish beside it). GPUs are not measured here
+    ((0, 0): C10's factor applies, and no latency)."""
     if world.device.type != "cpu":
-        return 0.0
+        return 0.0, 0.0
     group = world.group(ranks)  # collective: every rank asks for it
     if world.rank not in ranks:
-        return world.all_max([0.0])[0]
+        world.all_max([0.0, 0.0])
+        return 0.0, 0.0
     x = torch.randn(OVERLAP_PROBE_SIZE, OVERLAP_PROBE_SIZE)
     buf = _comm_tensor(world, OVERLAP_PROBE_BYTES)
 
     def compute():
         _matmuls(x, OVERLAP_PROBE_MATMULS)
 
-    def both():
-        work = dist.all_reduce(buf, group=group, async_op=True)
-        compute()
+    def both() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        work, done = dist.all_reduce(buf, group=group, async_op=True), None
+        for _ in range(OVERLAP_PROBE_MATMULS):
+            x @ x
+            if done is None and work.is_completed():
+                done = time.perf_counter() - t0
+        computed = time.perf_counter() - t0
         work.wait()
+        return computed, done if done is not None else time.perf_counter() - t0
 
     for fn in (compute, both):  # warm-up
-        _timed_after_barrier(fn, group)
-    runs = {"compute": [], "comm": [], "both": []}
+        dist.barrier(group=group)
+        fn()
+    runs: dict[str, list[float]] = {"compute": [], "comm": [], "tc": [], "tx": []}
     for _ in range(HOST_PROBE_TRIALS):
         runs["compute"].append(_timed_after_barrier(compute, group))
         runs["comm"].append(_timed_after_barrier(lambda: dist.all_reduce(buf, group=group), group))
-        runs["both"].append(_timed_after_barrier(both, group))
-    c, x_, w = (statistics.median(runs[k]) for k in ("compute", "comm", "both"))
-    lo, hi = min(c, x_), max(c, x_)
-    slowdown = 1.0 + max(0.0, w - hi) / lo if lo > 0 else 1.0
-    return world.all_max([slowdown])[0]
+        dist.barrier(group=group)
+        tc, tx = both()
+        runs["tc"].append(tc)
+        runs["tx"].append(tx)
+    c, x_, tc, tx = (statistics.median(runs[k]) for k in ("compute", "comm", "tc", "tx"))
+    if tx < tc:  # the collective ended beside the compute
+        slowdown = max(1.0, tx / max(tx + c - tc, 1e-9))
+        latency = max(0.0, tx - slowdown * x_)
+    else:  # the compute ended first: it ran beside the collective throughout, the rest of X ran alone
+        slowdown = max(1.0, tc / c) if c > 0 else 1.0
+        progressed = max(tc + x_ - tx, 1e-9)  # the share of X done beside the compute, in seconds alone
+        latency = max(0.0, tc * x_ / progressed - slowdown * x_)
+        latency = min(latency, tx)  # no progress at all: bounded by what was seen
+    slowdown, latency = world.all_max([slowdown, latency])
+    return slowdown, latency
 
 
 def _measure_link(world: ProfileWorld, peer: int, ranks: Sequence[int], sizes: Sequence[int],
@@ -164,7 +187,7 @@ def _measure_link(world: ProfileWorld, peer: int, ranks: Sequence[int], sizes: S
         "allreduce_bus_bytes_per_s": 2 * (k - 1) / k * big / ar[big],
         "allreduce_latency_s": ar[small] / (2 * (k - 1)),
         "message_host_s": message_host_seconds(world, 0, peer, sizes[0]),
-        "overlap_slowdown": overlap_slowdown(world, ranks),
+        **dict(zip(("overlap_slowdown", "overlap_latency_s"), overlap_constants(world, ranks))),
         "p2p_seconds": {str(s): v for s, v in p2p.items()},
         "allreduce_seconds": {str(s): v for s, v in ar.items()},
     }

@@ -377,7 +377,7 @@ def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool
             for c, (k, fraction, d) in milestones:
                 tasks[k + shift].milestones.append((fraction, first + c, d))
     slowdown = (ctx.settings.overlap_slowdown or ctx.comm.overlap_slowdown) if collectives else 1.0
-    run = run_timeline(ctx.plan.num_devices, tasks, flows, collectives, slowdown)
+    run = run_timeline(ctx.plan.num_devices, tasks, flows, collectives, slowdown, ctx.comm.overlap_latency)
     n = len(gathered)  # the gathers come first
     spans = [(gi, run.coll_start[c], run.coll_end[c]) for c, gi in enumerate(gathered)]
     return dataclasses.replace(run, coll_start=run.coll_start[n:], coll_end=run.coll_end[n:],

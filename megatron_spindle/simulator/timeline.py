@@ -15,7 +15,9 @@
   it starts (``after``) or pause at a fraction of its work until one has (``gates``): the weights' all-gather
   of the previous step, overlapped with the forward, each layer waiting for its own bucket.
 - **Overlap.** While a device computes and communicates at the same time, both progress ``slowdown`` times
-  slower (C10): a task whose devices run a collective, and a collective whose members run a task.
+  slower (C10): a task whose devices run a collective, and a collective whose members run a task. A collective
+  beside compute also takes ``latency`` more (a CPU rank's transport thread waiting for the scheduler; 0 on
+  GPUs): its rate there is 1 / (slowdown * seconds + latency).
 
 Rates change only at events (a start, an end, a milestone, an arrival), so the run is exact for this model.
 """
@@ -73,8 +75,9 @@ class TimelineResult:
 
 class _Run:
     def __init__(self, num_devices: int, tasks: Sequence[Task], flows: Sequence[Flow],
-                 collectives: Sequence[Collective], slowdown: float):
+                 collectives: Sequence[Collective], slowdown: float, latency: float = 0.0):
         self.tasks, self.flows, self.colls, self.slowdown = tasks, flows, collectives, slowdown
+        self.latency = latency
         n = num_devices
         self.t = 0.0
         # per device: its tasks in order, and its collectives in launch order
@@ -296,7 +299,9 @@ class _Run:
             sharing = max((self.node_users[node] for node in coll.nodes), default=1)
             seconds = coll.seconds(max(1, sharing))
             base = self._rate_cache[c] = 1.0 / seconds if seconds > 0 else float("inf")
-        return base / self.slowdown if self.compute_devices[c] > 0 else base
+        if self.compute_devices[c] == 0:
+            return base
+        return base / (self.slowdown + self.latency * base) if base != float("inf") else base
 
     # --------------------------------------------------------------------------------------------- loop
     def run(self) -> TimelineResult:
@@ -381,9 +386,12 @@ class _Run:
 
 
 def run_timeline(num_devices: int, tasks: Sequence[Task], flows: Sequence[Flow] = (),
-                 collectives: Sequence[Collective] = (), slowdown: float = 1.0) -> TimelineResult:
+                 collectives: Sequence[Collective] = (), slowdown: float = 1.0,
+                 latency: float = 0.0) -> TimelineResult:
     """Run ``tasks`` (in their global order), ``flows`` and ``collectives`` (in launch order); see the module
     docstring. Milestones of a task are (fraction of its work, collective index, member device)."""
     if slowdown < 1:
         raise ValueError(f"overlap slowdown must be >= 1, got {slowdown}")
-    return _Run(num_devices, tasks, flows, collectives, slowdown).run()
+    if latency < 0:
+        raise ValueError(f"overlap latency must be >= 0, got {latency}")
+    return _Run(num_devices, tasks, flows, collectives, slowdown, latency).run()

@@ -254,14 +254,29 @@ def test_measured_point_to_point_latency_and_overlap_replace_the_defaults():
     assert measured.send_recv_latency(False) == 80e-6
     assert measured.send_recv_latency(True) == comm.send_recv_latency(True)  # across nodes: not measured here
     assert measured.overlap_slowdown == 2.0
+    assert comm.overlap_latency == 0.0  # GPUs: no scheduling delay
+    assert CommModel(dataclasses.replace(cluster, overlap_latency=3e-3)).overlap_latency == 3e-3
+
+
+def test_overlap_latency_lengthens_a_bucket_beside_the_backward():
+    # one bucket of 0.1 s ready at the start of a 1 s backward, slowdown 2, latency 0.3 s: the bucket runs at
+    # 1 / (2 * 0.1 + 0.3) = 2 per second beside the compute, so it ends at 0.5 s; the compute did 0.25 s of work
+    # by then and the rest alone: it ends at 0.5 + 0.75 = 1.25 s
+    t = overlapped_backward_seconds(1.0, [0.1], ready=[0.0], slowdown=2.0, latency=0.3)
+    assert t.backward_end == pytest.approx(1.25) and t.end == pytest.approx(1.25)
+    # a bucket after the backward runs alone: no latency
+    assert overlapped_backward_seconds(1.0, [0.1], ready=[1.0], slowdown=2.0, latency=0.3).end == pytest.approx(1.1)
+    with pytest.raises(EstimatorError):
+        overlapped_backward_seconds(1.0, [0.1], latency=-1.0)
 
 
 def test_profile_only_cluster_fields_keep_old_digests_and_are_checked():
     from megatron_spindle.graph.cluster import ClusterError, ClusterSpec
 
     cluster = make_cluster(16)
-    assert "message_host_seconds" not in cluster.to_dict() and "overlap_slowdown" not in cluster.to_dict()
-    measured = dataclasses.replace(cluster, message_host_seconds=5e-5, overlap_slowdown=2.0, p2p_latency=1e-4)
+    assert not {"message_host_seconds", "overlap_slowdown", "overlap_latency"} & set(cluster.to_dict())
+    measured = dataclasses.replace(cluster, message_host_seconds=5e-5, overlap_slowdown=2.0, p2p_latency=1e-4,
+                                   overlap_latency=2e-3)
     assert measured.digest() != cluster.digest()
     assert ClusterSpec.from_dict(measured.to_dict()) == measured
     assert ClusterSpec.from_dict(cluster.to_dict()).digest() == cluster.digest()
@@ -269,3 +284,5 @@ def test_profile_only_cluster_fields_keep_old_digests_and_are_checked():
         dataclasses.replace(cluster, overlap_slowdown=0.5)
     with pytest.raises(ClusterError, match="message_host_seconds"):
         dataclasses.replace(cluster, message_host_seconds=-1.0)
+    with pytest.raises(ClusterError, match="overlap_latency"):
+        dataclasses.replace(cluster, overlap_latency=-1e-3)

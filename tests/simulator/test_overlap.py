@@ -44,6 +44,22 @@ def test_one_group_two_buckets_overlap_the_rest_of_the_backward(slowdown):
     assert one.grad_sync[0].buckets == 1 and one.iteration_time == pytest.approx(6.0 + 2.0)  # one 2 s bucket
 
 
+def test_a_bucket_beside_compute_takes_the_measured_overlap_latency_more():
+    """The same bucket of 1 s beside layer 0's backward, slowdown 1.5 and a measured overlap latency of 0.5 s (a
+    CPU rank's): the bucket runs at 1 / (1.5 + 0.5) and ends 2 s after it starts (t=6), when the compute has
+    done 4/3 s of its 2; the rest alone ends it at 6 + 2/3; layer 0's bucket follows it alone, with no latency."""
+    import dataclasses
+
+    w = _workload()
+    cluster = dataclasses.replace(_cluster(), overlap_latency=0.5)
+    cost = StubCostModel({"a": 6.0, "b": 1.0}, activation=0.0, params_per_unit=250_000_000)
+    plan = _one_wave(w, cluster, [0, 1], [ParamGroup([0, 1], ["a.layers.0", "a.layers.1"])])
+    r = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0), SimSettings(overlap_slowdown=1.5))
+    assert r.iteration_time == pytest.approx(6.0 + 2.0 / 3.0 + 1.0)
+    assert r.iteration_time == pytest.approx(
+        2.0 + overlapped_backward_seconds(4.0, [1.0, 1.0], [0.5, 1.0], 1.5, 0.5).end)
+
+
 def _two_tasks() -> Workload:
     mods = {m: ModuleSpec(m, "encoder", hidden_size=8, num_layers=2, num_heads=2, ffn_hidden_size=16) for m in "ab"}
     tasks = [SpindleTask("t1", batch_size=2).use("a", 3), SpindleTask("t2", batch_size=2).use("b", 3)]

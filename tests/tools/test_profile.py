@@ -154,6 +154,7 @@ def test_two_gloo_ranks_under_torchrun(tmp_path):
     assert link["allreduce_ranks"] == [0, 1] and doc["bandwidth"]["inter_node"] is None
     # what a message costs the ranks' compute, and compute beside an all-reduce: measured (about 2 on one core each)
     assert link["message_host_s"] >= 0 and link["overlap_slowdown"] >= 1 and link["p2p_latency_s"] > 0
+    assert link["overlap_latency_s"] >= 0
     configs = {(m["metaop"], m["tp"], m["dp"]): m for m in doc["measurements"]}
     # tp=2 runs on a real 2-rank TP group; the DP all-reduce of dp=2 is timed on a real dp group
     assert ("text_audio/audio", 2, 1) in configs and ("text_audio/text", 2, 1) in configs
@@ -202,13 +203,16 @@ def test_grouping_configs_and_cost_model():
     full = {"allreduce_bus_bytes_per_s": 2e9, "allreduce_latency_s": 1e-4, "p2p_bytes_per_s": 3e9,
             "allreduce_seconds": {"1024": 5e-4, "1048576": 2e-3}, "p2p_latency_s": 7e-5, "message_host_s": 4e-5,
             "overlap_slowdown": 2.0}
-    across = dict(full, p2p_bytes_per_s=1e9, p2p_latency_s=9e-5, message_host_s=6e-5, overlap_slowdown=1.5)
+    across = dict(full, p2p_bytes_per_s=1e9, p2p_latency_s=9e-5, message_host_s=6e-5, overlap_slowdown=1.5,
+                  overlap_latency_s=3e-3)
     measured = cluster_with_bandwidth(cluster, {"intra_node": full, "inter_node": across})
     assert (measured.collective_latency, measured.intra_node_p2p_bw) == (5e-4, 3e9)
     assert (measured.network_latency, measured.network_rail_bw, measured.inter_node_bw) == (5e-4, 1e9, 2e9)
     # a small message's latency inside the node; per message and overlap, the costlier link's
     assert (measured.p2p_latency, measured.message_host_seconds, measured.overlap_slowdown) == (7e-5, 6e-5, 2.0)
+    assert measured.overlap_latency == 3e-3
     assert fast.message_host_seconds == 0.0 and fast.overlap_slowdown == 0.0  # older profiles: not measured
+    assert fast.overlap_latency == 0.0
     meas = Measurement("text_audio/audio", ["text_audio/audio", "audio_depth/audio"], 1, 2, 1, 0.01, 0.002,
                        "measured", 1e6)
     model = ProfiledCostModel(workload, cluster, [meas])
