@@ -34,7 +34,9 @@ engine is timeline.py):
 - **Gradient synchronisation** (grad_sync.py): the runtime's buckets of each parameter device group, issued in
   the plan-wide launch order as soon as their last gradient is accumulated on a member, reduced by the comm
   model's collectives during the rest of the backward, with cross-node collectives sharing the node's network
-  and compute and communication slowed by C10's factor while they overlap (``SimSettings``:
+  and compute and communication slowed by C10's factor while they overlap (a collective beside compute also
+  takes the measured ``overlap_latency`` more: 0 on GPUs, milliseconds on a profiled CPU device, whose gloo
+  thread waits for the scheduler) (``SimSettings``:
   ``overlap_grad_reduce=False`` issues every bucket after the device's backward, as the runtime's flag does).
   ZeRO stage 0 all-reduces, stages 1-3 reduce-scatter; stages 1 and 2 all-gather the updated weights after the
   optimizer step (``param_gather`` in the breakdown). With ``settings.overlap_param_gather`` (Megatron's
