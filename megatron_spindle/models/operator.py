@@ -28,6 +28,7 @@ Conventions (the runtime depends on them):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -140,15 +141,23 @@ class SliceOperator(nn.Module):
             out[name] = gather_full(grad, p, self.tp_group)
         return out
 
+    @functools.cached_property
+    def _params_by_name(self) -> dict[str, nn.Parameter]:
+        """``full_named_parameters`` as a dict, made once (the parameters are loaded in place, never replaced)."""
+        return dict(self.full_named_parameters())
+
     @torch.no_grad()
     def load_full_state(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load full tensors (any TP layout's export) into this rank's shards. ``strict``: every parameter of the
-        operator must be present (extra names, e.g. other units', are ignored)."""
-        for name, p in self.full_named_parameters():
-            if name not in state:
-                if strict:
-                    raise KeyError(f"{self.metaop.id}: full state lacks '{name}'")
-                continue
+        operator must be present (extra names, e.g. other units', are ignored); without, only the names given are
+        visited (the overlapped weight gather loads one unit at a time, runtime/param_gather.py)."""
+        params = self._params_by_name
+        if strict:
+            missing = next((name for name in params if name not in state), None)
+            if missing is not None:
+                raise KeyError(f"{self.metaop.id}: full state lacks '{missing}'")
+        for name in (params if strict else [n for n in state if n in params]):
+            p = params[name]
             full = state[name]
             if tuple(full.shape) != full_shape(p, self.tp_size):
                 raise ValueError(f"{name}: full shape {tuple(full.shape)} != expected {full_shape(p, self.tp_size)}")
