@@ -140,8 +140,8 @@ def overlap_constants(world: ProfileWorld, ranks: Sequence[int]) -> tuple[float,
     def both() -> tuple[float, float]:
         t0 = time.perf_counter()
         work, done = dist.all_reduce(buf, group=group, async_op=True), None
-        for _ in range(OVERLAP_PROBE_MATMULS):
-            x @ x
+        for _ in range(OVERLAP_PROBE_MATMULS):  # the compute in chunks of one product, polling between them
+            _matmuls(x, 1)
             if done is None and work.is_completed():
                 done = time.perf_counter() - t0
         computed = time.perf_counter() - t0
@@ -179,6 +179,7 @@ def _measure_link(world: ProfileWorld, peer: int, ranks: Sequence[int], sizes: S
     group = world.group(ranks)
     ar = {s: _allreduce_seconds(world, ranks, s, repeats, group) for s in sizes}
     k, big, small = len(ranks), sizes[-1], sizes[0]
+    slowdown, latency = overlap_constants(world, ranks)
     return {
         "p2p_ranks": [0, peer],
         "p2p_bytes_per_s": big / p2p[big],
@@ -187,7 +188,8 @@ def _measure_link(world: ProfileWorld, peer: int, ranks: Sequence[int], sizes: S
         "allreduce_bus_bytes_per_s": 2 * (k - 1) / k * big / ar[big],
         "allreduce_latency_s": ar[small] / (2 * (k - 1)),
         "message_host_s": message_host_seconds(world, 0, peer, sizes[0]),
-        **dict(zip(("overlap_slowdown", "overlap_latency_s"), overlap_constants(world, ranks))),
+        "overlap_slowdown": slowdown,
+        "overlap_latency_s": latency,
         "p2p_seconds": {str(s): v for s, v in p2p.items()},
         "allreduce_seconds": {str(s): v for s, v in ar.items()},
     }
