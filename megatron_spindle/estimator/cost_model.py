@@ -159,6 +159,21 @@ def step_phases(cost_model, metaop: MetaOp, tp: int, dp: int, forward_fraction: 
     return fraction * per_layer + data / 2, (1.0 - fraction) * per_layer + data / 2
 
 
+def sharded_phases(cost_model, metaop: MetaOp, tp: int, dp: int, zero_stage: int,
+                   micro_batches: int = 1) -> tuple[float, float]:
+    """(forward, backward) seconds ONE operator's phases of one micro-batch take longer for the sharded runtime's
+    host copies (ZeRO 1 and 2, runtime/param_gather.py and grad_shards.py): loading the gathered weights into
+    the operator before its first forward of the step, and copying its gradients into the staging rows (once a
+    step at ZeRO-1, every micro-batch at ZeRO-2). The cost model's ``sharded_copy_seconds``: measured by a
+    profile, 0 otherwise (and on models without it); the once-a-step parts are spread over the micro-batches.
+    The simulator and the planner's estimate both charge it."""
+    copies = getattr(cost_model, "sharded_copy_seconds", None)
+    if zero_stage not in (1, 2) or copies is None:
+        return 0.0, 0.0
+    load, grads = copies(metaop, tp, dp)
+    return load / micro_batches, grads if zero_stage == 2 else grads / micro_batches
+
+
 def launch_seconds(config: CostModelConfig, gpu: GPUSpec) -> float:
     return host.host_seconds_per_kernel(gpu) if config.launch_seconds is None else config.launch_seconds
 
@@ -417,6 +432,12 @@ class AnalyticCostModel:
     def optimizer_cost(self) -> OptimizerCost:
         """AdamW is a streaming element-wise update: ``ADAMW_BYTES_PER_ELEMENT`` of HBM traffic per element."""
         return OptimizerCost(ADAMW_BYTES_PER_ELEMENT / self.kernels.bandwidth, 0.0, "analytic")
+
+    def sharded_copy_seconds(self, metaop: MetaOp, tp: int, dp: int) -> tuple[float, float]:
+        """(weights loaded, gradients staged) seconds of ONE operator's host copies under ZeRO 1 and 2
+        (``sharded_phases``): not modelled analytically (0: on a GPU they are small kernels the host runs ahead
+        of); a profile measures them (``ProfiledCostModel``)."""
+        return 0.0, 0.0
 
     def optimizer_seconds(self, elements: float, tensors: int = 0) -> float:
         """One AdamW step over ``tensors`` master tensors of ``elements`` fp32 elements in all."""

@@ -186,6 +186,10 @@ class Measurement:
     wall_seconds: float = 0.0  # time this measurement took (build + runs)
     # per operator, the forward alone (part of compute_seconds); 0: not measured (profiles written before it)
     forward_seconds: float = 0.0
+    # per operator, the sharded runtime's host copies (ZeRO 1 and 2; cost_model.py ``sharded_phases``): loading
+    # the gathered weights, and staging the gradients; 0: not measured
+    shard_load_seconds: float = 0.0
+    shard_grad_seconds: float = 0.0
 
     @property
     def n(self) -> int:

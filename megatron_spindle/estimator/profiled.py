@@ -167,6 +167,18 @@ class ProfiledCostModel(AnalyticCostModel):
         s = self.scale(metaop)
         return fwd * s, bwd * s
 
+    def sharded_copy_seconds(self, metaop: MetaOp, tp: int, dp: int) -> tuple[float, float]:
+        """The measured host copies of the sharded runtime (``Measurement.shard_load_seconds`` and
+        ``shard_grad_seconds``): at this config, else of the measured config of the MetaOp with the nearest
+        tp (they copy one TP rank's tensors; dp hardly matters), else none."""
+        measured = [meas for (mid, _, _), meas in self.measured.items()
+                    if mid == metaop.id and (meas.shard_load_seconds or meas.shard_grad_seconds)]
+        if not measured:
+            return 0.0, 0.0
+        exact = self.measured.get((metaop.id, tp, dp))
+        meas = exact if exact in measured else min(measured, key=lambda m: (abs(m.tp - tp), abs(m.dp - dp)))
+        return meas.shard_load_seconds, meas.shard_grad_seconds
+
     def recompute_seconds(self, metaop: MetaOp, tp: int, dp: int, recompute, num_layers: int) -> float:
         """The analytic recomputation time at the MetaOp's measured level (``scale``)."""
         return super().recompute_seconds(metaop, tp, dp, recompute, num_layers) * self.scale(metaop)

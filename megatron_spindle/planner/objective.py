@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 from megatron_spindle.estimator.comm_model import CommModel, GroupPlacement, overlapped_backward_seconds
-from megatron_spindle.estimator.cost_model import step_phases
+from megatron_spindle.estimator.cost_model import sharded_phases, step_phases
 from megatron_spindle.estimator.estimate import exposed_sync_seconds, weight_sharers
 from megatron_spindle.estimator.transfer import (
     link_devices,
@@ -151,6 +151,8 @@ def slice_phases(plan: Plan, metaops, cost_model) -> dict[str, tuple[float, floa
     for s in plan.slices():
         run = micro_batch_metaop(metaops[s.metaop], micro)
         fwd, bwd = step_phases(cost_model, run, s.tp, s.dp)
+        load, stage = sharded_phases(cost_model, metaops[s.metaop], s.tp, s.dp, plan.settings.zero_stage, micro)
+        fwd, bwd = fwd + load, bwd + stage
         extra = 0.0
         recompute = getattr(cost_model, "recompute_seconds", None)
         if recompute is not None:

@@ -69,6 +69,40 @@ def time_operator(op: torch.nn.Module, inputs: list[torch.Tensor], batch, world:
     return total, median_seconds(forward, world, warmup, repeats)
 
 
+def time_sharded_copies(op: torch.nn.Module, dp: int, world: ProfileWorld, warmup: int,
+                        repeats: int) -> tuple[float, float]:
+    """(weights loaded, gradients staged): median seconds of ``op``'s host copies under ZeRO 1 and 2, done with the
+    runtime's own code. Weights: per unit, the gathered flat vector unflattened and loaded into the operator
+    (runtime/param_gather.py). Gradients: the operator's exported, flattened and added into member-major
+    staging rows of ``dp`` members (runtime/grad_shards.py). Collective over the operator's TP group (the
+    exports gather TP shards)."""
+    from megatron_spindle.runtime.shards import UnitShard, add_to_rows
+
+    state = op.export_full_state()
+    dtype = next(op.parameters()).dtype
+    shards = [UnitShard(unit, keys, [state[k].shape for k in keys], dp, 0)
+              for unit, module in op.unit_modules().items()
+              for keys in [sorted(f"{unit}.{path}" for path, _ in module.named_parameters())]]
+    flats = [sh.flatten(state) for sh in shards]
+    rows = [torch.zeros(sh.members, sh.size, dtype=torch.float32, device=world.device) for sh in shards]
+    for p in op.parameters():
+        p.grad = torch.ones_like(p)
+
+    def load():
+        for sh, flat in zip(shards, flats):
+            full = sh.unflatten(flat)
+            op.load_full_state({k: full[k].to(dtype) for k in sh.keys}, strict=False)
+
+    def stage():
+        grads = op.export_full_grads()
+        for sh, row in zip(shards, rows):
+            add_to_rows(row, 0, sh, sh.flatten(grads))
+
+    seconds = (median_seconds(load, world, warmup, repeats), median_seconds(stage, world, warmup, repeats))
+    op.zero_grad(set_to_none=True)
+    return seconds
+
+
 def measure_optimizer(world: ProfileWorld, settings: ProfilerSettings) -> OptimizerCost:
     """Seconds of torch.optim.AdamW (default implementation for the device, as the runtime engine steps its
     masters) per element, from one tensor of ``OPTIMIZER_PROBE_ELEMENTS``, and per tensor, from
@@ -96,16 +130,18 @@ def _is_oom(e: BaseException) -> bool:
 
 
 def measure_config(workload: Workload, info, metaop: MetaOp, tp: int, dp: int, world: ProfileWorld,
-                   settings: ProfilerSettings) -> tuple[float, float, int, int]:
+                   settings: ProfilerSettings) -> tuple[float, float, int, int, float, float]:
     """(compute seconds per operator, its forward's seconds, gradient elements per operator on one TP rank,
-    operators timed) of one config; seconds is inf when a rank ran out of memory. Collective over the world."""
+    operators timed, and per operator the sharded runtime's weight loads and gradient staging,
+    ``time_sharded_copies``) of one config; seconds is inf when a rank ran out of memory. Collective over the
+    world."""
     from megatron_spindle.compat.groups import make_pg_collection
     from megatron_spindle.models.config import ModelConfig
     from megatron_spindle.models.operator import build_operator
 
     layers = min(info.num_layers, settings.layers) if info.kind == "layer" else 1
     tp_group, member = world.tp_group(tp) if tp > 1 else (None, True)
-    seconds, forward, numel = 0.0, 0.0, 0
+    seconds, forward, numel, load, stage = 0.0, 0.0, 0, 0.0, 0.0
     if member:
         op = None
         try:
@@ -118,6 +154,9 @@ def measure_config(workload: Workload, info, metaop: MetaOp, tp: int, dp: int, w
             seconds, forward = (t / layers for t in time_operator(op, inputs, batch, world, settings.warmup,
                                                                    settings.repeats))
             numel = sum(p.numel() for p in op.parameters()) // layers
+            if any(True for _ in op.parameters()):
+                load, stage = (t / layers for t in time_sharded_copies(op, dp, world, settings.warmup,
+                                                                       settings.repeats))
         except RuntimeError as e:
             if not _is_oom(e):
                 raise
@@ -126,5 +165,5 @@ def measure_config(workload: Workload, info, metaop: MetaOp, tp: int, dp: int, w
             del op
             if world.device.type == "cuda":
                 torch.cuda.empty_cache()
-    seconds, forward, numel = world.all_max([seconds, forward, numel])
-    return seconds, forward, int(numel), layers
+    seconds, forward, numel, load, stage = world.all_max([seconds, forward, numel, load, stage])
+    return seconds, forward, int(numel), layers, load, stage

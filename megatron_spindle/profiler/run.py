@@ -165,7 +165,8 @@ def run_profile(workload: Workload, cluster: ClusterSpec, settings: ProfilerSett
         t0 = time.perf_counter()
         rep = members[0]
         m = g.metaops[rep]
-        compute, forward, numel, layers = measure_config(workload, infos[rep], m, tp, dp, world, settings)
+        compute, forward, numel, layers, load, stage = measure_config(workload, infos[rep], m, tp, dp, world,
+                                                                      settings)
         if not math.isfinite(compute):
             for mid in members:
                 failed.setdefault(mid, []).append((tp, dp))
@@ -174,7 +175,8 @@ def run_profile(workload: Workload, cluster: ClusterSpec, settings: ProfilerSett
             continue
         comm, source = dp_comm_seconds(world, cluster, model, m, tp, dp, numel, settings, measured_links)
         meas = Measurement(rep, list(members), tp, dp, layers, compute, comm, source, flops_model.flops(m),
-                           time.perf_counter() - t0, forward_seconds=min(forward, compute))
+                           time.perf_counter() - t0, forward_seconds=min(forward, compute),
+                           shard_load_seconds=load, shard_grad_seconds=stage)
         measurements.append(meas)
         shared = f" (+{len(members) - 1} same-shape)" if len(members) > 1 else ""
         say(f"[{i}/{len(plan)}] {rep}{shared} tp={tp} dp={dp}: {meas.seconds * 1e3:.3f} ms/op = compute "

@@ -69,7 +69,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_spindle.estimator.comm_model import CommModel, GroupPlacement
-from megatron_spindle.estimator.cost_model import step_phases
+from megatron_spindle.estimator.cost_model import sharded_phases, step_phases
 from megatron_spindle.estimator.transfer import (
     TransferLoad,
     link_devices,
@@ -259,6 +259,8 @@ def _build_context(plan: Plan, cluster: ClusterSpec, metagraph: MetaGraph, cost_
         m = metaops[s.metaop]
         run = micro_batch_metaop(m, micro)  # what one micro-batch runs
         fwd, bwd = step_phases(cost_model, run, s.tp, s.dp, settings.forward_fraction)
+        load, stage = sharded_phases(cost_model, m, s.tp, s.dp, zero, micro)
+        fwd, bwd = fwd + load, bwd + stage
         if zero == 3 and s.dp > 1:
             layer_params = sum(cost_model.param_count(p) for p in m.params[0]) if m.params else 0
             ring = GroupPlacement.dp_ring(s.devices, s.tp, cluster)

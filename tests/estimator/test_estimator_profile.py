@@ -129,6 +129,38 @@ def test_planner_and_simulator_fill_unmeasured_configs_alike(tiny_clip, tmp_path
     assert curve.time(1) == model.layer_cost(vision, 1, 1).total == measurements[0].seconds
 
 
+def test_measured_sharded_copies_and_their_phases(tiny_clip, tmp_path):
+    """The sharded runtime's measured host copies (ZeRO 1 and 2): at the measured config, else at the measured
+    config with the nearest tp; read back from a profile; charged to the phases by ``sharded_phases`` (weights
+    once a step, gradients once a step at ZeRO-1 and every micro-batch at ZeRO-2; nothing at ZeRO-0, nothing on
+    the analytic model)."""
+    from megatron_spindle.estimator.cost_model import sharded_phases
+
+    workload, graph = tiny_clip
+    cluster = make_cluster(8)
+    vision, audio = graph.metaops["vision_depth/vision"], graph.metaops["text_audio/audio"]
+    one = Measurement(vision.id, [vision.id], 1, 2, 1, 0.010, 0.0, "none", 1.0, shard_load_seconds=0.002,
+                      shard_grad_seconds=0.003)
+    two = Measurement(vision.id, [vision.id], 2, 1, 1, 0.008, 0.0, "none", 1.0, shard_load_seconds=0.001,
+                      shard_grad_seconds=0.004)
+    path = tmp_path / "profile.json"
+    save_profile_points(path, workload, cluster, points_of([one, two]),
+                        extra={"measurements": [one.to_dict(), two.to_dict()]})
+    model = ProfiledCostModel(workload, cluster, load_profile(path, workload, cluster).measurements)
+    assert model.sharded_copy_seconds(vision, 1, 2) == (0.002, 0.003)
+    assert model.sharded_copy_seconds(vision, 2, 1) == (0.001, 0.004)
+    assert model.sharded_copy_seconds(vision, 1, 8) == (0.002, 0.003)  # the nearest tp
+    assert model.sharded_copy_seconds(vision, 4, 2) == (0.001, 0.004)
+    assert model.sharded_copy_seconds(audio, 1, 1) == (0.0, 0.0)  # not measured
+    assert Measurement.from_dict({k: v for k, v in one.to_dict().items() if not k.startswith("shard_")}
+                                 ).shard_load_seconds == 0.0  # profiles written before it
+    assert sharded_phases(model, vision, 1, 2, 0) == (0.0, 0.0)
+    assert sharded_phases(model, vision, 1, 2, 1) == pytest.approx((0.002, 0.003))
+    assert sharded_phases(model, vision, 1, 2, 1, micro_batches=2) == pytest.approx((0.001, 0.0015))
+    assert sharded_phases(model, vision, 1, 2, 2, micro_batches=2) == pytest.approx((0.001, 0.003))
+    assert sharded_phases(AnalyticCostModel(workload, cluster), vision, 1, 2, 1) == (0.0, 0.0)
+
+
 def test_measured_forward_splits_the_phases(tiny_clip, tmp_path):
     """A measurement with its forward timed splits compute as measured; one without (an older profile) like the
     analytic model at the same config."""

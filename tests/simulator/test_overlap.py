@@ -60,6 +60,35 @@ def test_a_bucket_beside_compute_takes_the_measured_overlap_latency_more():
         2.0 + overlapped_backward_seconds(4.0, [1.0, 1.0], [0.5, 1.0], 1.5, 0.5).end)
 
 
+class _CopyingCost(StubCostModel):
+    """The stub with the sharded runtime's host copies measured: per layer 0.25 s loading weights, 0.5 s
+    staging gradients."""
+
+    def sharded_copy_seconds(self, metaop, tp, dp):
+        return 0.25, 0.5
+
+
+def test_the_sharded_runtime_s_copies_lengthen_the_phases():
+    """At ZeRO-1 every layer's forward takes the weight loads longer and its backward the gradient staging
+    (cost_model.py ``sharded_phases``): a (2 layers, 2 s forward, 4 s backward) gains 0.5 + 1 s, and the
+    planner's estimate as much; at ZeRO-0 nothing changes."""
+    from megatron_spindle.planner.objective import estimate_iteration
+
+    w, cluster = _workload(), _cluster()
+    group = [ParamGroup([0, 1], ["a.layers.0", "a.layers.1"])]
+    wave = [Wave(0, 0, 0.0, 1.0, [_slice(0, "t/a", [0, 1])])]
+    plain = StubCostModel({"a": 6.0, "b": 1.0}, activation=0.0, params_per_unit=250_000_000)
+    copying = _CopyingCost({"a": 6.0, "b": 1.0}, activation=0.0, params_per_unit=250_000_000)
+    settings = SimSettings(overlap_slowdown=1.0)
+    for stage, added in ((0, 0.0), (1, 1.5)):
+        plan = _plan(w, cluster, wave, group, {"zero_stage": stage})
+        runs = [simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0), settings) for cost in (plain, copying)]
+        assert runs[1].compute_time == pytest.approx(runs[0].compute_time + added)
+        assert runs[1].iteration_time == pytest.approx(runs[0].iteration_time + added)
+        estimates = [estimate_iteration(plan, build_metagraph(w), cluster, cost).total for cost in (plain, copying)]
+        assert estimates[1] == pytest.approx(estimates[0] + added)
+
+
 def _two_tasks() -> Workload:
     mods = {m: ModuleSpec(m, "encoder", hidden_size=8, num_layers=2, num_heads=2, ffn_hidden_size=16) for m in "ab"}
     tasks = [SpindleTask("t1", batch_size=2).use("a", 3), SpindleTask("t2", batch_size=2).use("b", 3)]

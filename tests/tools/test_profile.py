@@ -109,6 +109,9 @@ def test_one_rank_profile_plans_and_is_cached(tmp_path, capsys, monkeypatch, one
     assert all(m["tp"] == 1 for m in doc["measurements"])
     # the forward is timed alone too (the phases' split): part of the compute
     assert all(0 < m["forward_seconds"] <= m["compute_seconds"] for m in doc["measurements"])
+    # the sharded runtime's host copies of every operator with weights (the contrastive loss has none)
+    copies = {m["metaop"]: m["shard_load_seconds"] > 0 and m["shard_grad_seconds"] > 0 for m in doc["measurements"]}
+    assert [mid for mid, copied in copies.items() if not copied] == ["text_audio/loss"], copies
     sources = {(m["dp"], m["dp_comm_source"]) for m in doc["measurements"] if m["metaop"] == "text_audio/audio"}
     assert sources == {(1, "none"), (2, "nominal"), (4, "nominal")}  # no second rank: the cluster's links
     # TP > 1 needs ranks: left to the analytic model, and said so
