@@ -21,7 +21,8 @@ CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/tiny_clip_cpu}
 TENSORBOARD_LOGS_PATH=${TENSORBOARD_LOGS_PATH:-$CHECKPOINT_PATH/tensorboard}
 NPROC_PER_NODE=${NPROC_PER_NODE:-2}
 TRAIN_ITERS=${TRAIN_ITERS:-10}
-MASTER_PORT=${MASTER_PORT:-$(( 20000 + RANDOM % 20000 ))}
+# below Linux's default ephemeral range (32768-60999), where the ranks' own connections could hold the port
+MASTER_PORT=${MASTER_PORT:-$(( 20000 + RANDOM % 12000 ))}
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
