@@ -72,7 +72,9 @@ def load_planning_profile(path, workload: Workload, cluster: ClusterSpec) -> tup
 def profile_summary(profile: Profile, cluster: ClusterSpec) -> str:
     """One line on what planning takes from a profile: its measurements and the links it measured
     (``cluster``: the cluster with them, ``load_planning_profile``'s)."""
-    parts = [f"{len(profile.measurements)} measured configurations" if profile.measurements else
+    copies = any(m.shard_load_seconds or m.shard_grad_seconds for m in profile.measurements)
+    parts = [f"{len(profile.measurements)} measured configurations"
+             + (" (with the sharded runtime's copies)" if copies else "") if profile.measurements else
              f"curve points of {len(profile.points)} MetaOps"]
     if profile.optimizer is not None:
         parts.append("the AdamW step")

@@ -181,7 +181,7 @@ def run_profile(workload: Workload, cluster: ClusterSpec, settings: ProfilerSett
         shared = f" (+{len(members) - 1} same-shape)" if len(members) > 1 else ""
         say(f"[{i}/{len(plan)}] {rep}{shared} tp={tp} dp={dp}: {meas.seconds * 1e3:.3f} ms/op = compute "
             f"{compute * 1e3:.3f} + dp comm {comm * 1e3:.3f} ({source}); {layers} op(s) timed, "
-            f"{meas.tflops_per_device:.3g} TFLOP/s per device")
+            f"{meas.tflops_per_device:.3g} TFLOP/s per device; ZeRO-1/2 copies {(load + stage) * 1e3:.3f} ms/op")
     optimizer = measure_optimizer(world, settings)
     say(f"optimizer: AdamW {optimizer.seconds_per_element * 1e9:.3f} ns/element + "
         f"{optimizer.seconds_per_tensor * 1e6:.1f} us/tensor")

@@ -77,7 +77,8 @@ def _check_planning_on_the_whole_profile(path: Path, cluster) -> None:
     workload, graph = _workload(), build_metagraph(_workload())
     profile, measured = load_planning_profile(path, workload, cluster)
     summary = profile_summary(profile, measured)  # what tools/plan.py prints
-    assert f"{len(profile.measurements)} measured configurations; the AdamW step" in summary
+    assert (f"{len(profile.measurements)} measured configurations (with the sharded runtime's copies); the AdamW "
+            f"step") in summary
     assert ("links:" in summary) == any(profile.bandwidth.values())
     result = plan_workload(workload, measured, PlannerConfig(planner="wavefront"), profile)
     assert isinstance(result.cost_model, ProfiledCostModel)
