@@ -72,10 +72,12 @@ def load_planning_profile(path, workload: Workload, cluster: ClusterSpec) -> tup
 def profile_summary(profile: Profile, cluster: ClusterSpec) -> str:
     """One line on what planning takes from a profile: its measurements and the links it measured
     (``cluster``: the cluster with them, ``load_planning_profile``'s)."""
-    copies = any(m.shard_load_seconds or m.shard_grad_seconds for m in profile.measurements)
-    parts = [f"{len(profile.measurements)} measured configurations"
-             + (" (with the sharded runtime's copies)" if copies else "") if profile.measurements else
-             f"curve points of {len(profile.points)} MetaOps"]
+    if profile.measurements:
+        copies = any(m.shard_load_seconds or m.shard_grad_seconds for m in profile.measurements)
+        parts = [f"{len(profile.measurements)} measured configurations"
+                 + (" (with the sharded runtime's copies)" if copies else "")]
+    else:
+        parts = [f"curve points of {len(profile.points)} MetaOps"]
     if profile.optimizer is not None:
         parts.append("the AdamW step")
     bandwidth = profile.bandwidth or {}
@@ -136,9 +138,12 @@ class ProfiledCostModel(AnalyticCostModel):
         self.measured_optimizer = optimizer
         self.calibrate = calibrate
         self.measured: dict[tuple[str, int, int], Measurement] = {}
+        self.copies_measured: dict[str, list[Measurement]] = {}  # MetaOp -> its measurements with sharded copies
         for meas in measurements:
             for mid in meas.members:
                 self.measured[(mid, meas.tp, meas.dp)] = meas
+                if meas.shard_load_seconds or meas.shard_grad_seconds:
+                    self.copies_measured.setdefault(mid, []).append(meas)
         self._scale: dict[str, float] = {}
 
     def scale(self, metaop: MetaOp) -> float:
@@ -173,12 +178,10 @@ class ProfiledCostModel(AnalyticCostModel):
         """The measured host copies of the sharded runtime (``Measurement.shard_load_seconds`` and
         ``shard_grad_seconds``): at this config, else of the measured config of the MetaOp with the nearest
         tp (they copy one TP rank's tensors; dp hardly matters), else none."""
-        measured = [meas for (mid, _, _), meas in self.measured.items()
-                    if mid == metaop.id and (meas.shard_load_seconds or meas.shard_grad_seconds)]
+        measured = self.copies_measured.get(metaop.id)
         if not measured:
             return 0.0, 0.0
-        exact = self.measured.get((metaop.id, tp, dp))
-        meas = exact if exact in measured else min(measured, key=lambda m: (abs(m.tp - tp), abs(m.dp - dp)))
+        meas = min(measured, key=lambda m: (abs(m.tp - tp), abs(m.dp - dp)))  # the exact config first
         return meas.shard_load_seconds, meas.shard_grad_seconds
 
     def recompute_seconds(self, metaop: MetaOp, tp: int, dp: int, recompute, num_layers: int) -> float:

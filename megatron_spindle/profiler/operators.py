@@ -80,9 +80,10 @@ def time_sharded_copies(op: torch.nn.Module, dp: int, world: ProfileWorld, warmu
 
     state = op.export_full_state()
     dtype = next(op.parameters()).dtype
-    shards = [UnitShard(unit, keys, [state[k].shape for k in keys], dp, 0)
-              for unit, module in op.unit_modules().items()
-              for keys in [sorted(f"{unit}.{path}" for path, _ in module.named_parameters())]]
+    shards = []
+    for unit, module in op.unit_modules().items():
+        keys = sorted(f"{unit}.{path}" for path, _ in module.named_parameters())
+        shards.append(UnitShard(unit, keys, [state[k].shape for k in keys], dp, 0))
     flats = [sh.flatten(state) for sh in shards]
     rows = [torch.zeros(sh.members, sh.size, dtype=torch.float32, device=world.device) for sh in shards]
     for p in op.parameters():
@@ -154,7 +155,7 @@ def measure_config(workload: Workload, info, metaop: MetaOp, tp: int, dp: int, w
             seconds, forward = (t / layers for t in time_operator(op, inputs, batch, world, settings.warmup,
                                                                    settings.repeats))
             numel = sum(p.numel() for p in op.parameters()) // layers
-            if any(True for _ in op.parameters()):
+            if numel:  # an operator with weights
                 load, stage = (t / layers for t in time_sharded_copies(op, dp, world, settings.warmup,
                                                                        settings.repeats))
         except RuntimeError as e:
