@@ -46,6 +46,7 @@ its breakdown); ``predicted["planner_estimate"]`` keeps the planner's own estima
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -151,7 +152,7 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
     planned += _pinned_candidates(workload, cluster, config, planned)
     if config.select == "simulate" and not config.fixes_memory_options():
         planned += _unlimited_candidates(workload, cluster, configs[0][1], profile, planned[0][1])
-        planned += _task_sequential(workload, cluster, planned[0][1], sim_cost_model)
+        planned += _task_sequential(workload, cluster, config, planned[0][1], sim_cost_model)
     out = select_fastest(workload, cluster, planned, config, say, sim_cost_model)
     out.seconds = time.perf_counter() - t0
     out.plan.planner["selection_seconds"] = out.seconds
@@ -348,10 +349,11 @@ def _fitted(name: str, unlimited: Plan, workload: Workload, cluster: ClusterSpec
     return out
 
 
-def _task_sequential(workload: Workload, cluster: ClusterSpec, first: PlanningResult, sim_cost_model=None):
+def _task_sequential(workload: Workload, cluster: ClusterSpec, config: PlannerConfig, first: PlanningResult,
+                     sim_cost_model=None):
     """The fallback candidate: Spindle's runtime with each task on the whole cluster in turn (the Spindle-Seq
-    plan, its memory options tuned like the baselines'), as a PlanningResult of the first planner run's
-    models. Skipped with a profiled simulator or planner model (the baseline plans are timed by the analytic
+    plan, its memory options tuned like the baselines' among the ZeRO stages ``config`` allows), as a
+    PlanningResult of the first planner run's models. Skipped with a profiled simulator or planner model (the baseline plans are timed by the analytic
     model)."""
     if sim_cost_model is not None or isinstance(first.cost_model, ProfiledCostModel):
         return []
@@ -359,7 +361,8 @@ def _task_sequential(workload: Workload, cluster: ClusterSpec, first: PlanningRe
 
     started = time.perf_counter()
     ctx = BaselineContext.build(workload, cluster, metagraph=first.metagraph)
-    plan = spindle_seq_plan(workload, cluster, ctx)
+    build = functools.partial(spindle_seq_plan, zero_stages=config.zero_stages())
+    plan = build(workload, cluster, ctx)
     out = []
     if plan.planner.get("memory_ok", True):
         cost_model = ctx.recomputing(plan.settings.recompute.mode == "full")
@@ -373,7 +376,7 @@ def _task_sequential(workload: Workload, cluster: ClusterSpec, first: PlanningRe
 
         started = time.perf_counter()
         try:
-            seq, _, cost, memory = with_memory_options(spindle_seq_plan, workload, cluster, metagraph=first.metagraph)
+            seq, _, cost, memory = with_memory_options(build, workload, cluster, metagraph=first.metagraph)
         except PlanError:
             return out
         seq.predicted.update(estimate_iteration(seq, first.metagraph, cluster, cost).as_predicted())

@@ -106,3 +106,24 @@ def test_unlimited_plan_with_memory_options_wins_on_qwen_val_70b():
     assert best.plan.settings.slice_recompute  # memory still binds: some slices recompute
     time = simulate(best.plan, w, c, best.cost_model, best.memory_model, metagraph=best.metagraph).iteration_time
     assert time < 0.8 * capped_time, (time, capped_time)
+
+
+def test_task_sequential_candidate_keeps_to_the_zero_stages_allowed():
+    """The task-sequential fallback tunes the ZeRO stage like Spindle's own plans: every stage the runtime
+    implements under --spindle-distributed-optimizer auto (ZeRO-2 where ZeRO-1 would recompute), only ZeRO-1
+    with on, and with off no candidate at all where ZeRO-0 cannot fit."""
+    import dataclasses
+
+    from megatron_spindle.autoplan import _task_sequential
+    from megatron_spindle.baselines import BaselineContext, spindle_seq_plan
+    from megatron_spindle.plan.memory import plan_memory
+
+    w, c = load_workload("tiny-vlm"), make_cluster(4, 2, "CPU")
+    ctx = BaselineContext.build(w, c)
+    peak = {z: max(plan_memory(spindle_seq_plan(w, c, ctx, zero_stages=(z,)), ctx.metagraph.metaops,
+                               ctx.memory_model)) for z in (1, 2)}
+    tight = dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, memory_bytes=(peak[1] + peak[2]) / 2))
+    first = plan_workload(w, tight, PlannerConfig(planner="wavefront", select="none"))
+    for setting, stages in (("auto", {2}), ("on", {1}), ("off", set())):  # ZeRO-0 fits no way here
+        out = _task_sequential(w, tight, PlannerConfig(planner="wavefront", distributed_optimizer=setting), first)
+        assert {result.plan.settings.zero_stage for _, result, _ in out} == stages, setting

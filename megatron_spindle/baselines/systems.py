@@ -17,8 +17,8 @@ All of them run on the same runtime model as Spindle (``simulator/``), so one si
   every MetaOp on the largest valid n with its fastest (tp, dp) by Spindle's T(n) (no amortised sync).
 
 Memory options are tuned like the paper's hand tuning ("tuned by hand for the best result"), the way a user
-tuning the system would (``memory_tuned``): every ZeRO stage the system offers (DeepSpeed 0-3; the others 0 and
-1, the distributed optimizer) is simulated, without activation recomputation first and with it only when
+tuning the system would (``memory_tuned``): every ZeRO stage the system offers (DeepSpeed 0-3; Spindle-Seq 0-2, what
+Spindle's runtime implements; the others 0 and 1, the distributed optimizer) is simulated, without activation recomputation first and with it only when
 nothing fits without, and the fastest plan that fits 80 GiB is kept.
 
 Execution settings of the plans (``Plan.settings``, obeyed by the simulator): ``segments`` lists the waves of
@@ -44,7 +44,7 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.memory import memory_options, plan_memory
-from megatron_spindle.plan.schema import ExecutionSettings, Plan, Recompute
+from megatron_spindle.plan.schema import RUNTIME_ZERO_STAGES, ExecutionSettings, Plan, Recompute
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.assemble import assemble_plan
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
@@ -415,8 +415,10 @@ def _optimus(ctx: BaselineContext, zero_stages: Sequence[int]) -> list[Plan]:
 # ------------------------------------------------------------------------------------------ Spindle-Seq
 
 
-def spindle_seq_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineContext | None = None) -> Plan:
-    """Spindle's runtime, each task on the whole cluster in turn: every MetaOp on the largest valid n."""
+def spindle_seq_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineContext | None = None,
+                     zero_stages: Sequence[int] = RUNTIME_ZERO_STAGES) -> Plan:
+    """Spindle's runtime, each task on the whole cluster in turn: every MetaOp on the largest valid n; its ZeRO
+    stage tuned among ``zero_stages`` (default: all the runtime implements)."""
     ctx = ctx or BaselineContext.build(workload, cluster)
     n = cluster.num_devices
 
@@ -427,7 +429,7 @@ def spindle_seq_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineCont
 
         return _temporal_variants(c, per_task, {"planner": "spindle-seq"}, stages)
 
-    return memory_tuned(ctx, build)
+    return memory_tuned(ctx, build, zero_stages)
 
 
 BASELINES: dict[str, Callable[..., Plan]] = {

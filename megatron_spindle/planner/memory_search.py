@@ -135,7 +135,7 @@ def memory_rungs(config: PlannerConfig, policy: RecomputePolicy) -> list[tuple[i
     recomputation takes off what does not fit), then with every layer at its leanest (``policy.lean()``); the
     slices get the cheapest choice that fits afterwards. With recomputation, sharding is free, so an unsharded
     recomputing rung is never worth trying. ``--spindle-distributed-optimizer on`` is Megatron's: ZeRO-1."""
-    stages = {"off": [0], "on": [1], "auto": [0, 1, 2]}[config.distributed_optimizer]
+    stages = config.zero_stages()
     if policy.fixed is not None:
         assumed = [(policy.fixed, 1.0)]
     else:

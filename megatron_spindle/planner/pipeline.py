@@ -16,7 +16,7 @@ from megatron_spindle.flags import check_choices, flag
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.schema import Plan
+from megatron_spindle.plan.schema import RUNTIME_ZERO_STAGES, Plan
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.assemble import assemble_plan
 from megatron_spindle.planner.light_levels import follow_neighbours
@@ -125,6 +125,11 @@ class PlannerConfig:
     def sync_aware_curves(self) -> bool:
         """The planner plans on sync-aware curves (auto leaves them to plan selection as a candidate)."""
         return self.sync_aware == "on"
+
+    def zero_stages(self) -> tuple[int, ...]:
+        """The ZeRO stages a plan may use: --spindle-distributed-optimizer on is Megatron's ZeRO-1, off none,
+        auto every stage the runtime implements."""
+        return {"off": (0,), "on": (1,), "auto": RUNTIME_ZERO_STAGES}[self.distributed_optimizer]
 
     def fixes_memory_options(self) -> bool:
         """The user gave recomputation, micro-batches or the early backward (a plan must use them)."""

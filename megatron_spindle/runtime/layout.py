@@ -11,10 +11,8 @@ from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan import layout
 from megatron_spindle.plan.derive import plan_slice_pairs
-from megatron_spindle.plan.schema import Plan, PlanError, Slice, Transfer
+from megatron_spindle.plan.schema import RUNTIME_ZERO_STAGES, Plan, PlanError, Slice, Transfer
 from megatron_spindle.plan.validate import validate_plan
-
-RUNTIME_ZERO_STAGES = (0, 1, 2)
 
 
 def dp_rank(s: Slice, device: int) -> int:

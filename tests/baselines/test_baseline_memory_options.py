@@ -38,3 +38,22 @@ def test_with_the_options_a_baseline_fits_where_its_plain_plan_did_not():
     validate_plan(plan, w, tight, g)
     assert max(plan_memory(plan, g.metaops, memory)) <= tight.gpu.memory_bytes
     assert sim.iteration_time > 0 and max(sim.peak_memory) <= tight.gpu.memory_bytes
+
+
+def test_spindle_seq_tunes_every_zero_stage_the_runtime_implements():
+    """Spindle-Seq runs on Spindle's runtime, which shards gradients too (ZeRO-2): where ZeRO-1 needs
+    recomputation and ZeRO-2 does not, it picks ZeRO-2; limited to Megatron's stages it recomputes."""
+    w, c = load_workload("tiny-vlm"), make_cluster(4, 2, "CPU")
+    g = build_metagraph(w)
+    ctx = BaselineContext.build(w, c)
+    peak = {z: max(plan_memory(spindle_seq_plan(w, c, ctx, zero_stages=(z,)), g.metaops, ctx.memory_model))
+            for z in (1, 2)}
+    assert peak[2] < peak[1]
+    tight = dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, memory_bytes=(peak[1] + peak[2]) / 2))
+    tight_ctx = BaselineContext.build(w, tight)
+    plan = spindle_seq_plan(w, tight, tight_ctx)
+    assert plan.settings.zero_stage == 2 and plan.settings.recompute.mode == "none"
+    assert "zero2" in plan.planner["search"]
+    megatron_stages = spindle_seq_plan(w, tight, tight_ctx, zero_stages=(0, 1))
+    assert megatron_stages.settings.recompute.mode == "full"
+    assert not any(k.startswith("zero2") for k in megatron_stages.planner["search"])
