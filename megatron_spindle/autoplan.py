@@ -320,20 +320,21 @@ def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: Plan
         unlimited += [(name, aware, secs) for name, _, aware, secs
                       in _sync_aware_run(workload, roomy, plain, profile, unlimited[-1:])]
     return [candidate for name, result, secs in unlimited
-            for candidate in _fitted(name + "-unlimited", result.plan, workload, cluster, first, secs)]
+            for candidate in _fitted(name + "-unlimited", result.plan, workload, cluster, config, first, secs)]
 
 
-def _fitted(name: str, unlimited: Plan, workload: Workload, cluster: ClusterSpec, first: PlanningResult,
-            seconds: float):
-    """A plan made for more memory as candidates on ``cluster``: with ZeRO-2, then ZeRO-1, each layer slice at the
-    cheapest recomputation that fits (none where nothing does), timed on ``first``'s models."""
+def _fitted(name: str, unlimited: Plan, workload: Workload, cluster: ClusterSpec, config: PlannerConfig,
+            first: PlanningResult, seconds: float):
+    """A plan made for more memory as candidates on ``cluster``: with ZeRO-2, then ZeRO-1 (those ``config``
+    allows; ZeRO-0 where it allows neither), each layer slice at the cheapest recomputation that fits (none where
+    nothing does), timed on ``first``'s models."""
     from megatron_spindle.baselines.memory_options import with_cheapest_recompute
     from megatron_spindle.estimator import MemoryModel
 
     cost_model, metagraph = first.cost_model, first.metagraph
     memory_model = MemoryModel(workload, cluster, cost_model)  # no ZeRO of its own: the plan's settings shard
     out = []
-    for stage in (2, 1):
+    for stage in sorted((z for z in config.zero_stages() if z), reverse=True) or [0]:
         staged = dataclasses.replace(unlimited, cluster=cluster.to_dict(), cluster_digest=cluster.digest(),
                                      planner=dict(unlimited.planner), predicted=dict(unlimited.predicted),
                                      settings=dataclasses.replace(unlimited.settings, zero_stage=stage))

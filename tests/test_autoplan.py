@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron_spindle.autoplan import SYNC_AWARE_MIN_SHARE, _sync_aware_run, autoplan
@@ -85,6 +87,9 @@ def test_unlimited_plan_with_memory_options_is_a_candidate_where_memory_binds():
         assert [[(s.id, s.devices) for s in wv.slices] for wv in plan.waves] == \
             [[(s.id, s.devices) for s in wv.slices] for wv in unlimited.waves]  # the unlimited plan's layout
         assert plan.cluster == c.to_dict()
+    # --spindle-distributed-optimizer on is Megatron's ZeRO-1: the fitted plans keep to it
+    on = dataclasses.replace(config, distributed_optimizer="on")
+    assert [name for name, _, _ in _unlimited_candidates(w, c, on, None, first)] == ["wavefront-unlimited+zero1"]
     light = plan_workload(w, make_cluster(32), config)
     assert _unlimited_candidates(w, make_cluster(32), config, None, light) == []
 
@@ -112,8 +117,6 @@ def test_task_sequential_candidate_keeps_to_the_zero_stages_allowed():
     """The task-sequential fallback tunes the ZeRO stage like Spindle's own plans: every stage the runtime
     implements under --spindle-distributed-optimizer auto (ZeRO-2 where ZeRO-1 would recompute), only ZeRO-1
     with on, and with off no candidate at all where ZeRO-0 cannot fit."""
-    import dataclasses
-
     from megatron_spindle.autoplan import _task_sequential
     from megatron_spindle.baselines import BaselineContext, spindle_seq_plan
     from megatron_spindle.plan.memory import plan_memory
