@@ -43,7 +43,7 @@ bench-snapshot: $(STAMP)
 	$(PY) benchmarks/planning_time.py --update-snapshot
 	$(PY) benchmarks/runtime_cpu.py --workload tiny-clip --steps 8 --update-snapshot
 	$(PY) benchmarks/memory_options.py --update-snapshot
-	$(PY) benchmarks/cost_model_validation.py --out-dir benchmarks/results
+	$(PY) benchmarks/cost_model_validation.py --update-snapshot
 	$(PY) benchmarks/host_floor.py --update-snapshot
 
 lint: $(STAMP)

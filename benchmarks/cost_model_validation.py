@@ -22,7 +22,8 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
+
+from bench_output import add_output_args, output_dir
 
 from megatron_spindle.estimator import AnalyticCostModel, CostModelConfig
 from megatron_spindle.estimator.comm_model import (
@@ -34,11 +35,11 @@ from megatron_spindle.estimator.comm_model import (
 )
 from megatron_spindle.estimator.kernels import KernelModel
 from megatron_spindle.estimator.op_kernels import LayerShape, layer_time
+from megatron_spindle.fileio import write_text_atomic
 from megatron_spindle.graph.cluster import GB, GPU_TYPES, MIB_PER_MS, GiB, make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import workload_from_dict
 
-DEFAULT_OUT = Path(__file__).parent / "out"
 MIB = 2**20
 
 
@@ -342,9 +343,9 @@ def table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out-dir", default=str(DEFAULT_OUT), help="where to write cost_model_validation.json/.txt")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
     parser.add_argument("--skip-memory", action="store_true", help="leave out C11 (it plans CLIP-4 on 16 GPUs)")
+    add_output_args(parser)
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     rows: list[Row] = []
@@ -354,10 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[validate] {', '.join(ids)} ...", file=sys.stderr, flush=True)
         rows += fn()
     text = table(rows) + f"\n({time.perf_counter() - t0:.0f} s)"
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cost_model_validation.json").write_text(json.dumps([r.to_dict() for r in rows], indent=1))
-    (out / "cost_model_validation.txt").write_text(text + "\n")
+    out = output_dir(args)
+    write_text_atomic(out / "cost_model_validation.json", json.dumps([r.to_dict() for r in rows], indent=1))
+    write_text_atomic(out / "cost_model_validation.txt", text + "\n")
     print(json.dumps([r.to_dict() for r in rows], indent=1) if args.json else text)
     print(f"wrote {out / 'cost_model_validation.json'} and {out / 'cost_model_validation.txt'}", file=sys.stderr)
     return 0
