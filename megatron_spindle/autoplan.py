@@ -354,8 +354,8 @@ def _task_sequential(workload: Workload, cluster: ClusterSpec, config: PlannerCo
                      sim_cost_model=None):
     """The fallback candidate: Spindle's runtime with each task on the whole cluster in turn (the Spindle-Seq
     plan, its memory options tuned like the baselines' among the ZeRO stages ``config`` allows), as a
-    PlanningResult of the first planner run's models. Skipped with a profiled simulator or planner model (the baseline plans are timed by the analytic
-    model)."""
+    PlanningResult of the first planner run's models. Skipped with a profiled simulator or planner model (the
+    baseline plans are timed by the analytic model)."""
     if sim_cost_model is not None or isinstance(first.cost_model, ProfiledCostModel):
         return []
     from megatron_spindle.baselines import BaselineContext, spindle_seq_plan
