@@ -111,8 +111,14 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f}GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f}MiB"
 
 
+def _memory_options(d: dict) -> str:
+    return d["memory_options"] + ("" if d["fits"] else " (OOM)")
+
+
 def table(results: dict) -> str:
-    lines = [f"{'system':<14}{'iteration':>11}{'vs DS':>7}{'peak mem':>10}  {'memory options':<22}"
+    # the memory options column as wide as its longest entry (per-slice recomputation can be long)
+    width = max([22] + [len(_memory_options(d)) + 1 for d in results.values() if "error" not in d])
+    lines = [f"{'system':<14}{'iteration':>11}{'vs DS':>7}{'peak mem':>10}  {'memory options':<{width}}"
              f"{'compute':>9}{'transfer':>9}{'sync':>8}{'optim':>8}{'gather':>8}  selected"]
     for name, d in results.items():
         if "error" in d:
@@ -121,7 +127,7 @@ def table(results: dict) -> str:
         b = d["breakdown"]
         speedup = d["speedup_vs_deepspeed"]
         lines.append(f"{name:<14}{d['iteration_time'] * 1e3:>9.1f}ms{speedup if speedup else float('nan'):>7.2f}"
-                     f"{_gib(d['peak_memory_bytes']):>10}  {d['memory_options'] + ('' if d['fits'] else ' (OOM)'):<22}"
+                     f"{_gib(d['peak_memory_bytes']):>10}  {_memory_options(d):<{width}}"
                      + "".join(f"{b[k] * 1e3:>{w}.1f}" for k, w in (("compute", 9), ("transfer", 9), ("grad_sync", 8),
                                                                    ("optimizer", 8), ("param_gather", 8)))
                      + f"  {d['selected'] or ''}")

@@ -44,3 +44,15 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_table_columns_stay_aligned_with_long_memory_options():
+    """Per-slice recomputation makes long memory options: the columns after it move right for every row."""
+    breakdown = {"compute": 1.0, "transfer": 0.0, "grad_sync": 0.0, "optimizer": 0.0, "param_gather": 0.0}
+    row = {"iteration_time": 1.0, "speedup_vs_deepspeed": 1.0, "peak_memory_bytes": 2**31, "fits": True,
+           "breakdown": breakdown, "selected": None}
+    results = {"spindle": {**row, "memory_options": "zero2+recompute[full (29 layers) x1, full (4 layers) x1]"},
+               "deepspeed": {**row, "memory_options": "zero3"}}
+    header, *rows, _ = compare.table(results).splitlines()
+    end = header.index("compute") + len("compute")
+    assert all(r[end - len("1000.0"):end] == "1000.0" for r in rows), rows
