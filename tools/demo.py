@@ -47,7 +47,8 @@ def parse_log_line(line: str):
 
 def run_torchrun(nproc: int, flags: list[str]):
     """pretrain_multitask.py on ``nproc`` gloo processes; its output is shown as it comes and parsed."""
-    port = 20000 + os.getpid() % 20000
+    # below Linux's ephemeral range (from 32768), where the ranks' own connections could hold the port
+    port = int(os.environ.get("MASTER_PORT") or 20000 + os.getpid() % 12000)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(port), os.path.join(ROOT, "pretrain_multitask.py"), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
