@@ -4,9 +4,9 @@ against Spindle-Seq; the selected plan's prediction is the simulator's time, and
 is near it.
 
 The shipped paper workloads use batches calibrated to the paper's DeepSpeed times (examples/workloads/
-README.md); our memory model has no activation checkpointing, so at those batches Spindle's plan (which holds
-every task's activations until the backward) does not fit 80 GiB. The property here is about time, so these
-tests lift the memory cap (as benchmarks/paper_eval.py does for such cells, marked "mem-relaxed").
+README.md); at those batches Spindle's plans (which hold every task's activations until the backward) need
+memory options (ZeRO, recomputation, micro-batches) to fit 80 GiB, which change the time. The property here is
+about the schedules themselves, so these tests lift the memory cap.
 """
 
 from __future__ import annotations
