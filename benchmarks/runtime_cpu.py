@@ -385,7 +385,7 @@ def main(argv=None) -> int:
                  ("2 ranks: measured link", f"{r['links']['p2p_latency'] * 1e6:.0f} us",
                   f"a small message's latency; a message costs a rank {r['links']['message_host_seconds'] * 1e6:.0f} us "
                   f"of compute, compute beside an all-reduce runs x{r['links']['overlap_slowdown']:.2f} and the "
-                  f"all-reduce beside compute takes {r['links'].get('overlap_latency', 0.0) * 1e3:.2f} ms more, "
+                  f"all-reduce beside compute takes {r['links']['overlap_latency'] * 1e3:.2f} ms more, "
                   f"all-reduce bus {r['links']['allreduce_bus_bw'] / 1e9:.2f} GB/s"),
                  ("2 ranks: measured / simulated per round", " ".join(f"{x:.3f}" for x in ratios) + " x",
                   "each round against the profile taken just before it"),

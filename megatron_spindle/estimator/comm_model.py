@@ -262,7 +262,7 @@ def overlapped_backward_seconds(backward: float, syncs: Sequence[float], ready: 
     compute takes ``latency`` more (a measured CPU scheduling delay, ClusterSpec ``overlap_latency``): its rate
     is 1 / (slowdown + latency / syncs[i]), as the simulator's timeline runs it."""
     if backward < 0 or any(s < 0 for s in syncs) or slowdown < 1 or latency < 0:
-        raise EstimatorError("overlap: seconds must be >= 0 and the slowdown >= 1")
+        raise EstimatorError("overlap: seconds and the latency must be >= 0, the slowdown >= 1")
     k = len(syncs)
     ready = list(ready) if ready is not None else [(i + 1) / k for i in range(k)]
     if len(ready) != k or any(not 0 <= r <= 1 for r in ready) or ready != sorted(ready):
