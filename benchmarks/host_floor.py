@@ -9,9 +9,8 @@ host seconds per kernel of the cost model's kernel count for the same layer (op_
 more host time a forward kernel takes than a backward one (the cost model's HOST_FORWARD_KERNEL_WEIGHT: the
 forward runs megatron-core's Python, the backward autograd's C++).
 
-On CPU the ops run in place, so the figure is host time plus the (negligible) work of 8-token tensors; the
-CPU shim's torch-function mode (compat/cpu.py), which a GPU run does not have, is switched off while timing (the
-causal mask it would redirect is built once on the CPU beforehand). On CUDA (``--device cuda``, also a step of
+On CPU the ops run in place, so the figure is host time plus the (negligible) work of 8-token tensors (the CPU
+shim, compat/cpu.py, redirects only the causal mask's allocation, as a GPU run builds it too). On CUDA (``--device cuda``, also a step of
 benchmarks/gpu_validate.py) the time is the host's, synchronised once per pass.
 
     python benchmarks/host_floor.py [--device cpu|cuda] [--repeats 30] [--out-dir DIR | --update-snapshot]
@@ -20,7 +19,6 @@ benchmarks/gpu_validate.py) the time is the host's, synchronised once per pass.
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 import time
@@ -66,25 +64,6 @@ def _aten_ops(fn) -> int:
     return counter.ops
 
 
-def _without_shim_mode():
-    """Leaves the CPU shim's torch-function mode for the rest of the process (a GPU run never has it); megatron's
-    default causal mask, the one call that needs it, is built on the CPU and cached."""
-    import megatron.core.fusions.fused_softmax as fused_softmax
-
-    from megatron_spindle.compat import cpu
-
-    if cpu._CUDA_TO_CPU_MODE is not None:
-        cpu._CUDA_TO_CPU_MODE.__exit__(None, None, None)
-        cpu._CUDA_TO_CPU_MODE = None
-
-    @functools.lru_cache(maxsize=None)
-    def causal_mask(sq: int):
-        import torch
-        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
-
-    fused_softmax.get_default_causal_mask = causal_mask
-
-
 def measure(torch, device: str, repeats: int) -> list[dict]:
     """One row per layer kind of ``SHAPES``: median host ms per layer by phase, aten ops, host seconds per kernel."""
     return [_measure_layer(torch, device, name, repeats) for name in SHAPES]
@@ -102,8 +81,6 @@ def _measure_layer(torch, device: str, name: str, repeats: int) -> dict:
     op = build_operator(workload, metaop_infos(workload)["t/m"], 0, LAYERS, config=ModelConfig(bf16=cuda))
     dtype = torch.bfloat16 if cuda else torch.float32
     op = op.to(device=device, dtype=dtype)
-    if not cuda:
-        _without_shim_mode()
     x = torch.randn(BATCH, SEQ, module["hidden_size"], device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
     for _ in range(5):  # warm-up (allocator, lazy inits)
