@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,8 +20,9 @@ from megatron_spindle.profiler.world import ProfileWorld, median_seconds
 from megatron_spindle.runtime.transfer import receives_early
 
 GRAD_BYTES = 4  # fp32 main gradients, as the cost model and the runtime engine reduce them
-# The message-cost probe: chunks of compute about as long as a small slice's phase on a CPU (a few tenths of a
-# millisecond), a message posted after each, all waited on at the end.
+# The message-cost probe: chunks of compute, a message posted after each, all waited on at the end. The chunk is
+# the workload's own lightest layer, forward and backward (``run_profile``); without one, matrix products about
+# as long as a small slice's phase on a CPU (a few tenths of a millisecond).
 HOST_PROBE_CHUNKS = 16
 HOST_PROBE_MATMULS = 8
 HOST_PROBE_SIZE = 128
@@ -30,6 +32,14 @@ HOST_PROBE_TRIALS = 15
 OVERLAP_PROBE_BYTES = 1 << 20
 OVERLAP_PROBE_MATMULS = 64
 OVERLAP_PROBE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class ProbeChunk:
+    """The compute the message-cost probe runs between messages, and what it is (written to the profile)."""
+
+    name: str
+    run: Callable[[], Any]
 
 
 def _comm_tensor(world: ProfileWorld, nbytes: int) -> torch.Tensor:
@@ -75,19 +85,27 @@ def _matmuls(x: torch.Tensor, count: int) -> None:
         x @ x
 
 
-def message_host_seconds(world: ProfileWorld, a: int, b: int, nbytes: int = 4) -> float:
+def message_host_seconds(world: ProfileWorld, a: int, b: int, nbytes: int = 4,
+                         compute: Callable[[], Any] | None = None) -> float:
     """Compute time ranks ``a`` and ``b`` each lose per message that ``a`` sends ``b`` while both compute
-    (max-reduced; 0 when not measurable). Both run the same chunks of matrix products, with and without a message
-    sent after each chunk, alternating; receives are posted as the runtime posts them (on gloo all of them
-    first, ``receives_early``), and everything is waited on at the end; the cost per message is the difference
-    of the two medians over the chunks. On a CPU the transport's thread shares the rank's core. On a GPU the host
-    runs ahead of the kernels and NCCL's copies run beside them: not measured, 0."""
+    (max-reduced; 0 when not measurable). Both run the same chunks of compute (``compute``, by default matrix
+    products), with and without a message sent after each chunk, alternating; receives are posted as the runtime
+    posts them (on gloo all of them first, ``receives_early``), and everything is waited on at the end; the cost
+    per message is the difference of the two medians over the chunks. On a CPU the transport's threads share the
+    rank's core, and what a message costs them depends on what the core ran before: between a real layer's
+    forward and backward about 3-4x what it costs between small matrix products (tiny-clip on two gloo ranks:
+    115-137 against 33-37 us). On a GPU the host runs ahead of the kernels and NCCL's copies run beside them:
+    not measured, 0."""
     if world.device.type != "cpu":
         return 0.0
     group = world.group([a, b])  # collective: every rank asks for it
     if world.rank not in (a, b):
         return world.all_max([0.0])[0]
-    x = torch.randn(HOST_PROBE_SIZE, HOST_PROBE_SIZE)
+    if compute is None:
+        x = torch.randn(HOST_PROBE_SIZE, HOST_PROBE_SIZE)
+
+        def compute():
+            _matmuls(x, HOST_PROBE_MATMULS)
     msg = _comm_tensor(world, nbytes)
     sender = world.rank == a
     backend_early = receives_early(dist.get_backend())
@@ -97,7 +115,7 @@ def message_host_seconds(world: ProfileWorld, a: int, b: int, nbytes: int = 4) -
         if messages and not sender and backend_early:  # as the runtime posts them (runtime/transfer.py)
             works = [dist.irecv(torch.empty_like(msg), a, tag=tag + i) for i in range(HOST_PROBE_CHUNKS)]
         for i in range(HOST_PROBE_CHUNKS):
-            _matmuls(x, HOST_PROBE_MATMULS)
+            compute()
             if messages and sender:
                 works.append(dist.isend(msg, b, tag=tag + i))
             elif messages and not backend_early:
@@ -173,7 +191,7 @@ def overlap_constants(world: ProfileWorld, ranks: Sequence[int]) -> tuple[float,
 
 
 def _measure_link(world: ProfileWorld, peer: int, ranks: Sequence[int], sizes: Sequence[int],
-                  repeats: int) -> dict[str, Any]:
+                  repeats: int, chunk: ProbeChunk | None) -> dict[str, Any]:
     sizes = sorted(sizes)
     p2p = {s: _p2p_seconds(world, 0, peer, s, repeats) for s in sizes}
     group = world.group(ranks)
@@ -187,7 +205,8 @@ def _measure_link(world: ProfileWorld, peer: int, ranks: Sequence[int], sizes: S
         "allreduce_ranks": list(ranks),
         "allreduce_bus_bytes_per_s": 2 * (k - 1) / k * big / ar[big],
         "allreduce_latency_s": ar[small] / (2 * (k - 1)),
-        "message_host_s": message_host_seconds(world, 0, peer, sizes[0]),
+        "message_host_s": message_host_seconds(world, 0, peer, sizes[0], chunk.run if chunk else None),
+        "message_probe_compute": chunk.name if chunk else "matrix products",
         "overlap_slowdown": slowdown,
         "overlap_latency_s": latency,
         "p2p_seconds": {str(s): v for s, v in p2p.items()},
@@ -195,16 +214,19 @@ def _measure_link(world: ProfileWorld, peer: int, ranks: Sequence[int], sizes: S
     }
 
 
-def measure_bandwidth(world: ProfileWorld, sizes: Sequence[int], repeats: int = 5) -> dict[str, Any]:
+def measure_bandwidth(world: ProfileWorld, sizes: Sequence[int], repeats: int = 5,
+                      chunk: ProbeChunk | None = None) -> dict[str, Any]:
     """Point-to-point (rank 0 to a peer) and all-reduce bandwidth inside node 0 and, with several nodes, across
-    nodes (one rank per node). A section is None when there are not two ranks for it."""
+    nodes (one rank per node), and what a message costs a CPU rank's compute (``chunk``: the work
+    ``message_host_seconds`` runs between messages; matrix products without one). A section is None when there
+    are not two ranks for it."""
     out: dict[str, Any] = {"intra_node": None, "inter_node": None}
     local = world.local_world_size
     if local >= 2:
-        out["intra_node"] = _measure_link(world, 1, list(range(local)), sizes, repeats)
+        out["intra_node"] = _measure_link(world, 1, list(range(local)), sizes, repeats, chunk)
     if world.num_nodes >= 2:
         out["inter_node"] = _measure_link(world, local, [k * local for k in range(world.num_nodes)], sizes,
-                                          repeats)
+                                          repeats, chunk)
     world.barrier()
     return out
 

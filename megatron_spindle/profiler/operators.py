@@ -69,6 +69,27 @@ def time_operator(op: torch.nn.Module, inputs: list[torch.Tensor], batch, world:
     return total, median_seconds(forward, world, warmup, repeats)
 
 
+def layer_chunk(workload: Workload, info, world: ProfileWorld, settings: ProfilerSettings):
+    """One layer of ``info``'s MetaOp at TP 1 on the whole batch, as a function that runs its forward and backward
+    (the message-cost probe's chunk of compute: profiler/comm.py ``message_host_seconds``)."""
+    from megatron_spindle.models.config import ModelConfig
+    from megatron_spindle.models.operator import build_operator
+
+    cfg = ModelConfig(bf16=settings.bf16, init_seed=settings.seed)
+    op = build_operator(workload, info, 0, 1, config=cfg).to(device=world.device, dtype=cfg.params_dtype)
+    inputs = _inputs_for(info, 1, world.device, cfg.params_dtype, settings.seed)
+    batch = _batch_for(workload, info, 1, world.device, cfg.params_dtype, settings.seed)
+    out_grad: list[torch.Tensor | None] = [None]
+
+    def run() -> None:
+        out = op([x.detach().requires_grad_(True) for x in inputs], batch)
+        if out_grad[0] is None:
+            out_grad[0] = torch.ones_like(out)
+        out.backward(out_grad[0])
+        op.zero_grad(set_to_none=True)
+    return run
+
+
 def time_sharded_copies(op: torch.nn.Module, dp: int, world: ProfileWorld, warmup: int,
                         repeats: int) -> tuple[float, float]:
     """(weights loaded, gradients staged): median seconds of ``op``'s host copies under ZeRO 1 and 2, done with the

@@ -23,11 +23,11 @@ from megatron_spindle.estimator.profile import (
 )
 from megatron_spindle.estimator.profiled import cluster_with_bandwidth
 from megatron_spindle.graph.cluster import ClusterSpec
-from megatron_spindle.graph.opgraph import MetaOp, build_metagraph
+from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.profiler.comm import dp_comm_seconds, measure_bandwidth
+from megatron_spindle.profiler.comm import ProbeChunk, dp_comm_seconds, measure_bandwidth
 from megatron_spindle.profiler.fingerprint import describe_hardware, profile_key, software_versions
-from megatron_spindle.profiler.operators import measure_config, measure_optimizer
+from megatron_spindle.profiler.operators import layer_chunk, measure_config, measure_optimizer
 from megatron_spindle.profiler.settings import ProfilerSettings
 from megatron_spindle.profiler.world import ProfileWorld
 
@@ -117,6 +117,21 @@ class ProfileResult:
         return path
 
 
+def _message_probe_chunk(workload: Workload, g: MetaGraph, infos: dict, world: ProfileWorld, settings: ProfilerSettings,
+                         flops_model: AnalyticCostModel) -> ProbeChunk | None:
+    """The compute the message-cost probe runs between messages on CPU ranks: the workload's lightest layer
+    MetaOp, one layer forward and backward (None on GPUs, where the probe measures nothing, with one rank, and
+    without layers)."""
+    if world.device.type != "cpu" or world.world_size < 2:
+        return None
+    layers = [m for m in g.metaops.values() if m.kind == "layer"]
+    if not layers:
+        return None
+    lightest = min(layers, key=lambda m: (flops_model.flops(m), m.id))
+    return ProbeChunk(f"{lightest.id} (one layer, forward and backward)",
+                      layer_chunk(workload, infos[lightest.id], world, settings))
+
+
 def run_profile(workload: Workload, cluster: ClusterSpec, settings: ProfilerSettings | None = None,
                 world: ProfileWorld | None = None, progress: Callable[[str], None] | None = None) -> ProfileResult:
     """Measure every MetaOp group at its measurable configs (see ``megatron_spindle.profiler``). Collective."""
@@ -135,20 +150,24 @@ def run_profile(workload: Workload, cluster: ClusterSpec, settings: ProfilerSett
     g = build_metagraph(workload)
     infos = metaop_infos(workload)
 
+    flops_model = AnalyticCostModel(workload, cluster)
     say(f"bandwidth: {world.world_size} rank(s), {world.num_nodes} node(s) of {world.local_world_size}")
-    bandwidth = measure_bandwidth(world, settings.bandwidth_sizes, settings.repeats)
+    bandwidth = measure_bandwidth(world, settings.bandwidth_sizes, settings.repeats,
+                                  _message_probe_chunk(workload, g, infos, world, settings, flops_model))
     for section in ("intra_node", "inter_node"):
         link = bandwidth[section]
         if link:
             say(f"  {section}: p2p {link['p2p_bytes_per_s'] / 1e9:.2f} GB/s, all-reduce bus "
                 f"{link['allreduce_bus_bytes_per_s'] / 1e9:.2f} GB/s over {len(link['allreduce_ranks'])} ranks, "
                 f"latency {link['allreduce_latency_s'] * 1e6:.1f} us")
+            if link["message_host_s"]:
+                say(f"  a message costs a rank {link['message_host_s'] * 1e6:.0f} us of compute (measured between "
+                    f"runs of {link['message_probe_compute']})")
         else:
             say(f"  {section}: not measured (needs two ranks); nominal cluster links are used")
     link_cluster = cluster_with_bandwidth(cluster, bandwidth)
     measured_links = any(bandwidth.values())
     model = AnalyticCostModel(workload, link_cluster)
-    flops_model = AnalyticCostModel(workload, cluster)
 
     groups = group_metaops(workload, settings.metaops)
     plan: list[tuple[list[str], int, int]] = []

@@ -9,7 +9,7 @@ from typing import Any
 from megatron_spindle.estimator.errors import EstimatorError
 from megatron_spindle.flags import flag
 
-PROFILER_VERSION = 2  # 2: the "optimizer" section
+PROFILER_VERSION = 3  # 2: the "optimizer" section; 3: the message probe computes with the workload's layer
 
 
 def _patterns(text: str) -> tuple[str, ...]:

@@ -159,6 +159,8 @@ def test_two_gloo_ranks_under_torchrun(tmp_path):
     # what a message costs the ranks' compute, and compute beside an all-reduce: measured (about 2 on one core each)
     assert link["message_host_s"] >= 0 and link["overlap_slowdown"] >= 1 and link["p2p_latency_s"] > 0
     assert link["overlap_latency_s"] >= 0
+    # the message probe computed with the workload's lightest layer between its messages
+    assert link["message_probe_compute"] == "text_audio/text (one layer, forward and backward)"
     configs = {(m["metaop"], m["tp"], m["dp"]): m for m in doc["measurements"]}
     # tp=2 runs on a real 2-rank TP group; the DP all-reduce of dp=2 is timed on a real dp group
     assert ("text_audio/audio", 2, 1) in configs and ("text_audio/text", 2, 1) in configs
@@ -168,6 +170,33 @@ def test_two_gloo_ranks_under_torchrun(tmp_path):
     assert not doc["unmeasured"]  # every valid config of a 2-device cluster fits 2 ranks
     _check_curves_and_plan(out, make_cluster(2, 2, "CPU"))
     _check_planning_on_the_whole_profile(out, make_cluster(2, 2, "CPU"))
+
+
+def test_message_probe_computes_with_the_lightest_layer(one_thread):
+    """On two or more CPU ranks the message-cost probe runs the workload's lightest layer MetaOp (fewest analytic
+    FLOPs), one layer forward and backward, between its messages; nothing on one rank or on a GPU."""
+    import torch
+
+    from megatron_spindle.compat.cpu import apply_cpu_shim
+    from megatron_spindle.estimator.cost_model import AnalyticCostModel
+    from megatron_spindle.models.operator import metaop_infos
+    from megatron_spindle.profiler import ProfilerSettings, ProfileWorld
+    from megatron_spindle.profiler.run import _message_probe_chunk
+
+    apply_cpu_shim()
+    w = load_workload("tiny-clip")
+    g, infos = build_metagraph(w), metaop_infos(w)
+    flops = AnalyticCostModel(w, make_cluster(2, 2, "CPU"))
+    layer_flops = {mid: flops.flops(m) for mid, m in g.metaops.items() if m.kind == "layer"}
+    lightest = min(layer_flops, key=lambda mid: (layer_flops[mid], mid))
+    assert layer_flops[lightest] < max(layer_flops.values())  # a real choice: the towers differ
+    settings = ProfilerSettings(layers=1, warmup=0, repeats=1)
+    chunk = _message_probe_chunk(w, g, infos, ProfileWorld(0, 2, 2), settings, flops)
+    assert chunk.name == f"{lightest} (one layer, forward and backward)"
+    chunk.run()
+    chunk.run()  # the probe runs it again and again
+    assert _message_probe_chunk(w, g, infos, ProfileWorld(0, 1, 1), settings, flops) is None
+    assert _message_probe_chunk(w, g, infos, ProfileWorld(0, 2, 2, torch.device("cuda")), settings, flops) is None
 
 
 def test_grouping_configs_and_cost_model():
