@@ -10,8 +10,9 @@ more host time a forward kernel takes than a backward one (the cost model's HOST
 forward runs megatron-core's Python, the backward autograd's C++).
 
 On CPU the ops run in place, so the figure is host time plus the (negligible) work of 8-token tensors (the CPU
-shim, compat/cpu.py, redirects only the causal mask's allocation, as a GPU run builds it too). On CUDA (``--device cuda``, also a step of
-benchmarks/gpu_validate.py) the time is the host's, synchronised once per pass.
+shim, compat/cpu.py, redirects only the causal mask's allocation, which a GPU run makes too). On CUDA
+(``--device cuda``, also a step of benchmarks/gpu_validate.py) the time is the host's, synchronised once per
+pass.
 
     python benchmarks/host_floor.py [--device cpu|cuda] [--repeats 30] [--out-dir DIR | --update-snapshot]
 """

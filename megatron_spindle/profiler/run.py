@@ -117,8 +117,8 @@ class ProfileResult:
         return path
 
 
-def _message_probe_chunk(workload: Workload, g: MetaGraph, infos: dict, world: ProfileWorld, settings: ProfilerSettings,
-                         flops_model: AnalyticCostModel) -> ProbeChunk | None:
+def _message_probe_chunk(workload: Workload, g: MetaGraph, infos: dict, world: ProfileWorld,
+                         settings: ProfilerSettings, flops_model: AnalyticCostModel) -> ProbeChunk | None:
     """The compute the message-cost probe runs between messages on CPU ranks: the workload's lightest layer
     MetaOp, one layer forward and backward (None on GPUs, where the probe measures nothing, with one rank, and
     without layers)."""
