@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -205,6 +206,7 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
         return time.perf_counter() - t0
 
     steps, fwd_bwd = [], []
+    threads = {"compute": 0.0, "communication": 0.0}  # CPU seconds of this rank's threads over the timed steps
     for r in range(args.rounds):  # rounds alternate profiling and running: both see the machine's changing speed
         if r > 0 and not args.profile:
             profiles.append(profile_now())
@@ -212,7 +214,10 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
             a = timed(engine.forward_backward, step)  # everything but the optimizer step
             engine.on_wave = _wave_recorder(wave_seconds, wave_cpu) if step >= args.warmup else None
             engine.phase_times = phase_times if step >= args.warmup else None  # the engine's Megatron-style timers
+            before = _thread_cpu()
             b = timed(engine.train_step, step)
+            if step >= args.warmup:
+                _add_thread_cpu(threads, before, _thread_cpu())
             engine.on_wave, engine.phase_times = None, None
             if step >= args.warmup:
                 fwd_bwd.append(a)
@@ -222,7 +227,10 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
     median = sorted(range(len(sims)), key=lambda i: sims[i].iteration_time)[(len(sims) - 1) // 2]
     sim = sims[median]  # the median profile's simulation
     waves = _waves_against_profile(plan, workload, cost_models[median], rank, wave_seconds, wave_cpu, sim)
+    per_rank = [None] * world_size
+    dist.all_gather_object(per_rank, {k: v / len(steps) for k, v in threads.items()})
     return {"measured": statistics.median(steps), "measured_fwd_bwd": statistics.median(fwd_bwd),
+            "thread_cpu": per_rank,
             "simulated": sim.iteration_time, "simulated_all": [x.iteration_time for x in sims],
             "measured_rounds": [statistics.median(steps[i * args.steps:(i + 1) * args.steps])
                                 for i in range(args.rounds)],
@@ -233,6 +241,33 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
             "links": _measured_links(cost_models[median].cluster),
             "rank0_waves": waves,
             "rank0_phase_times": {k: v / len(steps) for k, v in phase_times.items()}}
+
+
+def _thread_cpu() -> dict[int, float]:
+    """CPU seconds of each of this process's threads (Linux's /proc; empty elsewhere)."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended
+        fields = stat[stat.rindex(")") + 2:].split()  # after the name: state is field 3, utime 14, stime 15
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _add_thread_cpu(into: dict[str, float], before: dict[int, float], after: dict[int, float]) -> None:
+    """The CPU time between two ``_thread_cpu`` readings: this (compute) thread's, and the rest of the process's
+    (gloo's event loops and workers, which share the rank's core)."""
+    main = threading.get_native_id()
+    for tid, seconds in after.items():
+        into["compute" if tid == main else "communication"] += seconds - before.get(tid, 0.0)
 
 
 def _measured_links(measured) -> dict[str, float]:
@@ -397,6 +432,10 @@ def main(argv=None) -> int:
                   f"{r['measured_fwd_bwd'] / (r['simulated'] - r['sim_optimizer']):10.3f} x ", "")]
         if not args.profile:
             rows.append(("2 ranks: profiling took", f"{r['profiling']:10.2f} s ", "per round"))
+        if any(t["compute"] for t in r["thread_cpu"]):
+            rows.append(("2 ranks: CPU per step, compute / other threads", ", ".join(
+                f"rank {i} {t['compute'] * 1e3:.1f} / {t['communication'] * 1e3:.1f}" for i, t in
+                enumerate(r["thread_cpu"])) + " ms", "the other threads (gloo's) share the rank's core; 10 ms ticks"))
         rows += _wave_rows(r["rank0_waves"], r["measured"])
         rows.append(("2 ranks: rank 0 engine timers per step", " ".join(
             f"{k} {v * 1e3:.1f}" for k, v in r["rank0_phase_times"].items()) + " ms", ""))
