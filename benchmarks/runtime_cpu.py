@@ -229,8 +229,10 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
     waves = _waves_against_profile(plan, workload, cost_models[median], rank, wave_seconds, wave_cpu, sim)
     per_rank = [None] * world_size
     dist.all_gather_object(per_rank, {k: v / len(steps) for k, v in threads.items()})
+    rank_waves = [None] * world_size  # every rank's own waves (rank 0's are printed wave by wave)
+    dist.all_gather_object(rank_waves, waves)
     return {"measured": statistics.median(steps), "measured_fwd_bwd": statistics.median(fwd_bwd),
-            "thread_cpu": per_rank,
+            "thread_cpu": per_rank, "rank_waves": rank_waves,
             "simulated": sim.iteration_time, "simulated_all": [x.iteration_time for x in sims],
             "measured_rounds": [statistics.median(steps[i * args.steps:(i + 1) * args.steps])
                                 for i in range(args.rounds)],
@@ -239,7 +241,6 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
             "planner": float(plan.predicted["iteration_time"]), "waves": len(plan.waves), "profiling": profiling,
             "selected": plan.planner.get("selection", {}).get("selected", ""), "zero_stage": plan.settings.zero_stage,
             "links": _measured_links(cost_models[median].cluster),
-            "rank0_waves": waves,
             "rank0_phase_times": {k: v / len(steps) for k, v in phase_times.items()}}
 
 
@@ -352,28 +353,29 @@ def two_ranks(workload, args, world_size: int = 2) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------ report
 
 
-def _wave_rows(waves: list[dict], step: float) -> list[tuple[str, str, str]]:
-    """Rank 0's waves, measured against the profiled operators: where a step's time goes that the simulator does
-    not charge."""
+def _wave_rows(rank_waves: list[list[dict]], step: float) -> list[tuple[str, str, str]]:
+    """Rank 0's waves one by one, then every rank's waves summed, measured against the profiled operators: where a
+    step's time goes that the simulator does not charge."""
     out = []
-    for w in waves:
+    for w in rank_waves[0]:
         out.append((f"2 ranks: rank 0 wave {w['wave']:>2} fwd / bwd", f"{w['measured_forward'] * 1e3:5.2f} / "
                     f"{w['measured_backward'] * 1e3:5.2f} ms", f"cpu {w['cpu_forward'] * 1e3:.2f} / "
                     f"{w['cpu_backward'] * 1e3:.2f} ms, profiled {w['simulated_forward'] * 1e3:.2f} / "
                     f"{w['simulated_backward'] * 1e3:.2f} ms, simulated wall {w['simulated_wall_forward'] * 1e3:.2f} / "
                     f"{w['simulated_wall_backward'] * 1e3:.2f} ms  " + ", ".join(w["slices"])))
-    measured = [sum(w[f"measured_{p}"] for w in waves) for p in ("forward", "backward")]
-    cpu = [sum(w[f"cpu_{p}"] for w in waves) for p in ("forward", "backward")]
-    profiled = [sum(w[f"simulated_{p}"] for w in waves) for p in ("forward", "backward")]
-    walls = [sum(w[f"simulated_wall_{p}"] for w in waves) for p in ("forward", "backward")]
-    share = [m[0] / max(sum(m), 1e-12) for m in (measured, profiled)]  # forward's share, measured and modelled
-    out.append(("2 ranks: rank 0 waves, fwd / bwd", f"{measured[0] * 1e3:5.2f} / {measured[1] * 1e3:5.2f} ms",
-                f"cpu {cpu[0] * 1e3:.2f} / {cpu[1] * 1e3:.2f} ms (the rest waited), "
-                f"profiled {profiled[0] * 1e3:.2f} / {profiled[1] * 1e3:.2f} ms (forward share measured "
-                f"{share[0]:.0%}, modelled {share[1]:.0%}), simulated wall {walls[0] * 1e3:.2f} / "
-                f"{walls[1] * 1e3:.2f} ms"))
-    out.append(("2 ranks: rank 0 step outside the waves", _ms(step - sum(measured)),
-                "optimizer, gradient-sync wait, the step's own work"))
+    for rank, waves in enumerate(rank_waves):
+        measured = [sum(w[f"measured_{p}"] for w in waves) for p in ("forward", "backward")]
+        cpu = [sum(w[f"cpu_{p}"] for w in waves) for p in ("forward", "backward")]
+        profiled = [sum(w[f"simulated_{p}"] for w in waves) for p in ("forward", "backward")]
+        walls = [sum(w[f"simulated_wall_{p}"] for w in waves) for p in ("forward", "backward")]
+        share = [m[0] / max(sum(m), 1e-12) for m in (measured, profiled)]  # forward's share, measured and modelled
+        out.append((f"2 ranks: rank {rank} waves, fwd / bwd", f"{measured[0] * 1e3:5.2f} / {measured[1] * 1e3:5.2f} ms",
+                    f"cpu {cpu[0] * 1e3:.2f} / {cpu[1] * 1e3:.2f} ms (the rest waited), "
+                    f"profiled {profiled[0] * 1e3:.2f} / {profiled[1] * 1e3:.2f} ms (forward share measured "
+                    f"{share[0]:.0%}, modelled {share[1]:.0%}), simulated wall {walls[0] * 1e3:.2f} / "
+                    f"{walls[1] * 1e3:.2f} ms"))
+        out.append((f"2 ranks: rank {rank} step outside the waves", _ms(step - sum(measured)),
+                    "optimizer, gradient-sync wait, the step's own work"))
     return out
 
 
@@ -436,7 +438,7 @@ def main(argv=None) -> int:
             rows.append(("2 ranks: CPU per step, compute / other threads", ", ".join(
                 f"rank {i} {t['compute'] * 1e3:.1f} / {t['communication'] * 1e3:.1f}" for i, t in
                 enumerate(r["thread_cpu"])) + " ms", "the other threads (gloo's) share the rank's core; 10 ms ticks"))
-        rows += _wave_rows(r["rank0_waves"], r["measured"])
+        rows += _wave_rows(r["rank_waves"], r["measured"])
         rows.append(("2 ranks: rank 0 engine timers per step", " ".join(
             f"{k} {v * 1e3:.1f}" for k, v in r["rank0_phase_times"].items()) + " ms", ""))
     load_after = os.getloadavg()
