@@ -9,7 +9,9 @@ from typing import Any
 from megatron_spindle.estimator.errors import EstimatorError
 from megatron_spindle.flags import flag
 
-PROFILER_VERSION = 3  # 2: the "optimizer" section; 3: the message probe computes with the workload's layer
+# 2: the "optimizer" section; 3: the message probe computes with the workload's layer, and the forward is timed
+# inside the forward + backward repeats
+PROFILER_VERSION = 3
 
 
 def _patterns(text: str) -> tuple[str, ...]:

@@ -172,6 +172,33 @@ def test_two_gloo_ranks_under_torchrun(tmp_path):
     _check_planning_on_the_whole_profile(out, make_cluster(2, 2, "CPU"))
 
 
+def test_operator_phases_are_timed_in_the_same_repeats():
+    """The forward is timed inside the forward + backward repeats (each forward after the previous repeat's
+    backward, as in training), not in a separate forward-alone loop: every forward has its backward, and the
+    forward's median is part of the step's."""
+    import torch
+
+    from megatron_spindle.profiler import ProfileWorld
+    from megatron_spindle.profiler.operators import time_operator
+
+    calls = []
+
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, inputs, batch):
+            calls.append("forward")
+            out = inputs[0] * self.w
+            out.register_hook(lambda g: calls.append("backward"))
+            return out
+
+    total, forward = time_operator(Counting(), [torch.ones(2, 4)], None, ProfileWorld(), warmup=2, repeats=3)
+    assert calls == ["forward", "backward"] * 5
+    assert 0 < forward <= total
+
+
 def test_message_probe_computes_with_the_lightest_layer(one_thread):
     """On two or more CPU ranks the message-cost probe runs the workload's lightest layer MetaOp (fewest analytic
     FLOPs), one layer forward and backward, between its messages; nothing on one rank or on a GPU."""
