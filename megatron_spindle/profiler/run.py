@@ -201,7 +201,8 @@ def run_profile(workload: Workload, cluster: ClusterSpec, settings: ProfilerSett
         say(f"[{i}/{len(plan)}] {rep}{shared} tp={tp} dp={dp}: {meas.seconds * 1e3:.3f} ms/op = compute "
             f"{compute * 1e3:.3f} + dp comm {comm * 1e3:.3f} ({source}); {layers} op(s) timed, "
             f"{meas.tflops_per_device:.3g} TFLOP/s per device; ZeRO-1/2 copies {(load + stage) * 1e3:.3f} ms/op")
-    optimizer = measure_optimizer(world, settings)
+    units = sorted({u for m in g.metaops.values() for ps in m.params for u in ps})
+    optimizer = measure_optimizer(world, settings, [flops_model.param_count(u) for u in units])
     say(f"optimizer: AdamW {optimizer.seconds_per_element * 1e9:.3f} ns/element + "
         f"{optimizer.seconds_per_tensor * 1e6:.1f} us/tensor")
     world.barrier()

@@ -9,8 +9,8 @@ from typing import Any
 from megatron_spindle.estimator.errors import EstimatorError
 from megatron_spindle.flags import flag
 
-# 2: the "optimizer" section; 3: the message probe computes with the workload's layer, and the forward is timed
-# inside the forward + backward repeats
+# 2: the "optimizer" section; 3: the message probe computes with the workload's layer, the forward is timed inside
+# the forward + backward repeats, and AdamW's cost per element on tensors of the workload's unit sizes
 PROFILER_VERSION = 3
 
 

@@ -199,6 +199,27 @@ def test_operator_phases_are_timed_in_the_same_repeats():
     assert 0 < forward <= total
 
 
+def test_optimizer_probe_steps_tensors_of_the_workloads_units():
+    """AdamW's cost per element is timed on tensors of the workload's unit sizes (the runtime's flat masters), the
+    largest first within the probe's budget; a unit above the budget is timed at the budget."""
+    from megatron_spindle.estimator.cost_model import AnalyticCostModel
+    from megatron_spindle.profiler.operators import (
+        OPTIMIZER_PROBE_ELEMENTS,
+        OPTIMIZER_PROBE_MAX_ELEMENTS,
+        probe_sizes,
+    )
+
+    assert probe_sizes([]) == [OPTIMIZER_PROBE_ELEMENTS]
+    assert probe_sizes([0, 300, 5000, 300]) == [5000, 300, 300]
+    big = OPTIMIZER_PROBE_MAX_ELEMENTS
+    assert probe_sizes([big // 2, big // 2, big // 4]) == [big // 2, big // 2]
+    assert probe_sizes([3 * big, 10]) == [big]
+    w = load_workload("tiny-clip")
+    units = sorted({u for m in build_metagraph(w).metaops.values() for ps in m.params for u in ps})
+    counts = [AnalyticCostModel(w, make_cluster(1, 1, "CPU")).param_count(u) for u in units]
+    assert sorted(probe_sizes(counts)) == sorted(counts)  # tiny-clip's 18 units fit the budget whole
+
+
 def test_message_probe_computes_with_the_lightest_layer(one_thread):
     """On two or more CPU ranks the message-cost probe runs the workload's lightest layer MetaOp (fewest analytic
     FLOPs), one layer forward and backward, between its messages; nothing on one rank or on a GPU."""
