@@ -6,7 +6,7 @@ import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -47,60 +47,66 @@ def _inputs_for(info, dp: int, device: torch.device, dtype: torch.dtype, seed: i
     return [torch.randn(*shape, generator=gen).to(device=device, dtype=dtype) for shape in shapes]
 
 
+class _Repeat:
+    """One forward + backward of ``op`` as a training step runs it (``run``: the forward's and the whole repeat's
+    seconds, device-synchronised). A scalar output (loss) is back-propagated directly, a tensor output with a fixed
+    random output gradient; the gradients are dropped after each repeat."""
+
+    def __init__(self, op: torch.nn.Module, inputs: list[torch.Tensor], batch, world: ProfileWorld):
+        self.op, self.inputs, self.batch, self.world = op, inputs, batch, world
+        self.out_grad: torch.Tensor | None = None
+
+    def run(self) -> tuple[float, float]:
+        self.world.sync()
+        t0 = time.perf_counter()
+        out = self.op([x.detach().requires_grad_(True) for x in self.inputs], self.batch)
+        self.world.sync()
+        forward = time.perf_counter() - t0
+        if out.dim() == 0:
+            out.backward()
+        else:
+            if self.out_grad is None or self.out_grad.shape != out.shape:
+                gen = torch.Generator().manual_seed(1)
+                self.out_grad = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
+            out.backward(self.out_grad)
+        self.op.zero_grad(set_to_none=True)
+        self.world.sync()
+        return forward, time.perf_counter() - t0
+
+
 def time_operator(op: torch.nn.Module, inputs: list[torch.Tensor], batch, world: ProfileWorld,
                   warmup: int, repeats: int) -> tuple[float, float]:
-    """(median seconds of forward + backward, median seconds of the forward) of ``op`` (device-synchronised). A
-    scalar output (loss) is back-propagated directly, a tensor output with a fixed random output gradient. Both
+    """(median seconds of forward + backward, median seconds of the forward) of ``op`` over ``_Repeat``s. Both
     are timed in the same repeats, as a training step runs the phases: each forward records its autograd graph and
     follows the previous repeat's backward. How a step splits between the phases differs by device (on a CPU the
     forward's Python takes about half). A forward timed alone, repeated back to back, runs warmer than that: on
     tiny-clip's towers on a CPU it took 39-44 % of their time, where the runtime's steps and these repeats
     measure 50-56 %."""
-    out_grad: list[torch.Tensor | None] = [None]
-
-    def step() -> tuple[float, float]:
-        """(forward, forward + backward) seconds of one repeat."""
-        world.sync()
-        t0 = time.perf_counter()
-        out = op([x.detach().requires_grad_(True) for x in inputs], batch)
-        world.sync()
-        forward = time.perf_counter() - t0
-        if out.dim() == 0:
-            out.backward()
-        else:
-            if out_grad[0] is None or out_grad[0].shape != out.shape:
-                gen = torch.Generator().manual_seed(1)
-                out_grad[0] = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
-            out.backward(out_grad[0])
-        op.zero_grad(set_to_none=True)
-        world.sync()
-        return forward, time.perf_counter() - t0
-
+    repeat = _Repeat(op, inputs, batch, world)
     for _ in range(warmup):
-        step()
-    runs = [step() for _ in range(repeats)]
+        repeat.run()
+    runs = [repeat.run() for _ in range(repeats)]
     return statistics.median(t for _, t in runs), statistics.median(f for f, _ in runs)
 
 
-def layer_chunk(workload: Workload, info, world: ProfileWorld, settings: ProfilerSettings):
-    """One layer of ``info``'s MetaOp at TP 1 on the whole batch, as a function that runs its forward and backward
-    (the message-cost probe's chunk of compute: profiler/comm.py ``message_host_seconds``)."""
+def _build(workload: Workload, info, layers: int, dp: int, world: ProfileWorld, settings: ProfilerSettings,
+           pg_collection=None) -> tuple[torch.nn.Module, list[torch.Tensor], object]:
+    """``layers`` layers of ``info``'s MetaOp on the device, its inputs and the task's batch for one DP rank of
+    ``dp`` (``pg_collection``: its TP groups, None at TP 1)."""
     from megatron_spindle.models.config import ModelConfig
     from megatron_spindle.models.operator import build_operator
 
     cfg = ModelConfig(bf16=settings.bf16, init_seed=settings.seed)
-    op = build_operator(workload, info, 0, 1, config=cfg).to(device=world.device, dtype=cfg.params_dtype)
-    inputs = _inputs_for(info, 1, world.device, cfg.params_dtype, settings.seed)
-    batch = _batch_for(workload, info, 1, world.device, cfg.params_dtype, settings.seed)
-    out_grad: list[torch.Tensor | None] = [None]
+    op = build_operator(workload, info, 0, layers, pg_collection=pg_collection, config=cfg)
+    op = op.to(device=world.device, dtype=cfg.params_dtype)
+    return (op, _inputs_for(info, dp, world.device, cfg.params_dtype, settings.seed),
+            _batch_for(workload, info, dp, world.device, cfg.params_dtype, settings.seed))
 
-    def run() -> None:
-        out = op([x.detach().requires_grad_(True) for x in inputs], batch)
-        if out_grad[0] is None:
-            out_grad[0] = torch.ones_like(out)
-        out.backward(out_grad[0])
-        op.zero_grad(set_to_none=True)
-    return run
+
+def layer_chunk(workload: Workload, info, world: ProfileWorld, settings: ProfilerSettings) -> Callable[[], object]:
+    """One layer of ``info``'s MetaOp at TP 1 on the whole batch, as a function that runs its forward and backward
+    (the message-cost probe's chunk of compute: profiler/comm.py ``message_host_seconds``)."""
+    return _Repeat(*_build(workload, info, 1, 1, world, settings), world).run
 
 
 def time_sharded_copies(op: torch.nn.Module, dp: int, world: ProfileWorld, warmup: int,
@@ -193,8 +199,6 @@ def measure_config(workload: Workload, info, metaop: MetaOp, tp: int, dp: int, w
     ``time_sharded_copies``) of one config; seconds is inf when a rank ran out of memory. Collective over the
     world."""
     from megatron_spindle.compat.groups import make_pg_collection
-    from megatron_spindle.models.config import ModelConfig
-    from megatron_spindle.models.operator import build_operator
 
     layers = min(info.num_layers, settings.layers) if info.kind == "layer" else 1
     tp_group, member = world.tp_group(tp) if tp > 1 else (None, True)
@@ -202,12 +206,8 @@ def measure_config(workload: Workload, info, metaop: MetaOp, tp: int, dp: int, w
     if member:
         op = None
         try:
-            cfg = ModelConfig(bf16=settings.bf16, init_seed=settings.seed)
             pgs = make_pg_collection(tp_group) if tp > 1 else None
-            op = build_operator(workload, info, 0, layers, pg_collection=pgs, config=cfg)
-            op = op.to(device=world.device, dtype=cfg.params_dtype)
-            batch = _batch_for(workload, info, dp, world.device, cfg.params_dtype, settings.seed)
-            inputs = _inputs_for(info, dp, world.device, cfg.params_dtype, settings.seed)
+            op, inputs, batch = _build(workload, info, layers, dp, world, settings, pgs)
             seconds, forward = (t / layers for t in time_operator(op, inputs, batch, world, settings.warmup,
                                                                    settings.repeats))
             numel = sum(p.numel() for p in op.parameters()) // layers

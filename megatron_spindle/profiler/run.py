@@ -24,6 +24,7 @@ from megatron_spindle.estimator.profile import (
 from megatron_spindle.estimator.profiled import cluster_with_bandwidth
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
+from megatron_spindle.graph.task_sets import workload_units
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.profiler.comm import ProbeChunk, dp_comm_seconds, measure_bandwidth
 from megatron_spindle.profiler.fingerprint import describe_hardware, profile_key, software_versions
@@ -201,8 +202,7 @@ def run_profile(workload: Workload, cluster: ClusterSpec, settings: ProfilerSett
         say(f"[{i}/{len(plan)}] {rep}{shared} tp={tp} dp={dp}: {meas.seconds * 1e3:.3f} ms/op = compute "
             f"{compute * 1e3:.3f} + dp comm {comm * 1e3:.3f} ({source}); {layers} op(s) timed, "
             f"{meas.tflops_per_device:.3g} TFLOP/s per device; ZeRO-1/2 copies {(load + stage) * 1e3:.3f} ms/op")
-    units = sorted({u for m in g.metaops.values() for ps in m.params for u in ps})
-    optimizer = measure_optimizer(world, settings, [flops_model.param_count(u) for u in units])
+    optimizer = measure_optimizer(world, settings, [flops_model.param_count(u) for u in workload_units(workload)])
     say(f"optimizer: AdamW {optimizer.seconds_per_element * 1e9:.3f} ns/element + "
         f"{optimizer.seconds_per_tensor * 1e6:.1f} us/tensor")
     world.barrier()

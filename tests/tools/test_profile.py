@@ -203,6 +203,7 @@ def test_optimizer_probe_steps_tensors_of_the_workloads_units():
     """AdamW's cost per element is timed on tensors of the workload's unit sizes (the runtime's flat masters), the
     largest first within the probe's budget; a unit above the budget is timed at the budget."""
     from megatron_spindle.estimator.cost_model import AnalyticCostModel
+    from megatron_spindle.graph.task_sets import workload_units
     from megatron_spindle.profiler.operators import (
         OPTIMIZER_PROBE_ELEMENTS,
         OPTIMIZER_PROBE_MAX_ELEMENTS,
@@ -215,8 +216,7 @@ def test_optimizer_probe_steps_tensors_of_the_workloads_units():
     assert probe_sizes([big // 2, big // 2, big // 4]) == [big // 2, big // 2]
     assert probe_sizes([3 * big, 10]) == [big]
     w = load_workload("tiny-clip")
-    units = sorted({u for m in build_metagraph(w).metaops.values() for ps in m.params for u in ps})
-    counts = [AnalyticCostModel(w, make_cluster(1, 1, "CPU")).param_count(u) for u in units]
+    counts = [AnalyticCostModel(w, make_cluster(1, 1, "CPU")).param_count(u) for u in workload_units(w)]
     assert sorted(probe_sizes(counts)) == sorted(counts)  # tiny-clip's 18 units fit the budget whole
 
 
