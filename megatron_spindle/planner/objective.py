@@ -2,7 +2,8 @@
 
 T(n) is forward + backward compute without gradient sync (``LayerCost.step``). The estimate runs the plan's
 steps (plan/order.py) with a barrier after each, every slice's phase timed like the simulator times it
-(``step_phases`` and ``recompute_seconds``), and adds, from the estimator's models and plan/'s rules:
+(estimator/slice_time.py: ``step_phases``, ``recompute_seconds``, the ZeRO copies and ZeRO-3's prefetched
+weight gathers), and adds, from the estimator's models and plan/'s rules:
 
 - **transfers**: what they add to the span: a slice's forward waits for its activations, a backward for their
   gradients, each transfer timed by estimator/transfer.py on plan/routing.py's messages, leaving when its
@@ -31,8 +32,8 @@ from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 from megatron_spindle.estimator.comm_model import CommModel, GroupPlacement, overlapped_backward_seconds
-from megatron_spindle.estimator.cost_model import sharded_phases, step_phases
 from megatron_spindle.estimator.estimate import exposed_sync_seconds, weight_sharers
+from megatron_spindle.estimator.slice_time import slice_phase_seconds
 from megatron_spindle.estimator.transfer import (
     link_devices,
     transfer_host_seconds,
@@ -49,7 +50,7 @@ from megatron_spindle.plan.buckets import (
     unit_completion,
 )
 from megatron_spindle.plan.derive import plan_slice_pairs
-from megatron_spindle.plan.layout import device_programs, micro_batch_metaop, slice_units, stepped_elements
+from megatron_spindle.plan.layout import device_programs, slice_units, stepped_elements
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, grad_reduce_bytes
 from megatron_spindle.plan.order import BWD, FWD, slice_order
 from megatron_spindle.plan.routing import Router
@@ -103,7 +104,8 @@ def estimate_iteration(plan: Plan, metagraph: MetaGraph, cluster: ClusterSpec, c
     comm = CommModel(cluster)
     metaops = metagraph.metaops
     waves = [w.slices for w in plan.waves]
-    compute, makespan, ready = _unit_ready(plan, metaops, cost_model, _hand_offs(plan, metaops, cost_model, comm))
+    compute, makespan, ready = _unit_ready(plan, metaops, cost_model, _hand_offs(plan, metaops, cost_model, comm),
+                                              comm)
     sync, gather = _sync_seconds(plan, metaops, cluster, cost_model, comm, makespan, ready)
     held = stepped_elements(waves, metaops, cost_model.param_count, plan.settings.zero_stage, plan.num_devices)
     step = getattr(cost_model, "optimizer_seconds", None)
@@ -143,22 +145,12 @@ def _hand_offs(plan: Plan, metaops, cost_model, comm: CommModel) -> dict[tuple[s
     return out
 
 
-def slice_phases(plan: Plan, metaops, cost_model) -> dict[str, tuple[float, float]]:
-    """slice id -> (forward, backward) seconds of one micro-batch: the cost model's ``step_phases`` per layer
-    and its ``recompute_seconds`` for the slice's recomputation (what the simulator charges)."""
-    out = {}
-    micro = plan.settings.micro_batches
-    for s in plan.slices():
-        run = micro_batch_metaop(metaops[s.metaop], micro)
-        fwd, bwd = step_phases(cost_model, run, s.tp, s.dp)
-        load, stage = sharded_phases(cost_model, metaops[s.metaop], s.tp, s.dp, plan.settings.zero_stage, micro)
-        fwd, bwd = fwd + load, bwd + stage
-        extra = 0.0
-        recompute = getattr(cost_model, "recompute_seconds", None)
-        if recompute is not None:
-            extra = recompute(run, s.tp, s.dp, plan.settings.recompute_of(s.id), s.num_layers)
-        out[s.id] = (fwd * s.num_layers, bwd * s.num_layers + extra)
-    return out
+def slice_phases(plan: Plan, metaops, cost_model, comm: CommModel | None = None) -> dict[str, tuple[float, float]]:
+    """slice id -> (forward, backward) seconds of one micro-batch, as the simulator charges them
+    (estimator/slice_time.py: the cost model's phases, recomputation, ZeRO copies and ZeRO-3's prefetched
+    gathers). ``comm``: the links the plan is estimated on (default: the plan's own cluster)."""
+    comm = comm or CommModel(ClusterSpec.from_dict(plan.cluster))
+    return {s.id: slice_phase_seconds(cost_model, comm, metaops[s.metaop], s, plan.settings) for s in plan.slices()}
 
 
 def device_components(plan: Plan) -> dict[str, int]:
@@ -182,7 +174,7 @@ def device_components(plan: Plan) -> dict[str, int]:
 
 
 def _unit_ready(plan: Plan, metaops, cost_model,
-                hand_offs: dict[tuple[str, str], tuple[Flow, Flow]] | None = None,
+                hand_offs: dict[tuple[str, str], tuple[Flow, Flow]] | None = None, comm: CommModel | None = None,
                 ) -> tuple[float, float, dict[str, float]]:
     """(the iteration's compute span without transfers, the span with them, per unit the time of its last
     accumulation in the last micro-batch's backward), with barriers between the steps of the plan's order (a
@@ -195,7 +187,7 @@ def _unit_ready(plan: Plan, metaops, cost_model,
     waves = plan.waves
     tasks = [[s.task for s in w.slices] for w in waves]
     micro = plan.settings.micro_batches
-    phases = slice_phases(plan, metaops, cost_model)
+    phases = slice_phases(plan, metaops, cost_model, comm)
     component = device_components(plan)
     sends: dict[tuple[str, str], list[tuple[tuple[str, str], Flow]]] = {}  # (slice, phase) -> (receiver, flow)
     host: dict[tuple[str, str], float] = {}  # (slice, phase) -> compute time lost to its messages

@@ -22,7 +22,8 @@ engine is timeline.py):
   slice's activation recomputation (``settings.recompute_of``) adds the cost model's ``recompute_seconds``
   to its backward: the attention cores (selective) or the whole forward of each recomputed layer (full).
   With ZeRO stage 3 (``settings.zero_stage``) every layer also all-gathers its weights forward and again
-  backward.
+  backward, each gather prefetched beside the previous layer's compute as DeepSpeed and FSDP do. These rules
+  are estimator/slice_time.py's, which the planner's estimate charges too.
 - **Transfers** (activations forward, their gradients backward) happen between a producer slice and a
   consumer slice, routed by plan/routing.py as the runtime sends them (the backward reaches every producer
   device, so its bytes differ from the forward's when the TP degrees differ): each direction starts when its
@@ -68,8 +69,8 @@ import copy
 import dataclasses
 from dataclasses import dataclass, field
 
-from megatron_spindle.estimator.comm_model import CommModel, GroupPlacement
-from megatron_spindle.estimator.cost_model import sharded_phases, step_phases
+from megatron_spindle.estimator.comm_model import CommModel
+from megatron_spindle.estimator.slice_time import slice_phase_seconds
 from megatron_spindle.estimator.transfer import (
     TransferLoad,
     link_devices,
@@ -83,7 +84,7 @@ from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.buckets import gather_order, synced_micro_batches, unit_first_use
 from megatron_spindle.plan.derive import plan_slice_pairs
-from megatron_spindle.plan.layout import micro_batch_metaop, slice_units, stepped_elements
+from megatron_spindle.plan.layout import slice_units, stepped_elements
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, plan_memory
 from megatron_spindle.plan.order import FWD, slice_order
 from megatron_spindle.plan.routing import Router
@@ -252,39 +253,18 @@ def _build_context(plan: Plan, cluster: ClusterSpec, metagraph: MetaGraph, cost_
             raise ValueError(f"slice '{s.id}': MetaOp '{s.metaop}' is not in the workload's MetaGraph")
         metaops[s.metaop] = metagraph.metaops[s.metaop]
     zero = plan.settings.zero_stage
-    micro = plan.settings.micro_batches
     comm = CommModel(cluster)
     fwd_time, bwd_time, units = {}, {}, {}
     for sid, s in slices.items():
         m = metaops[s.metaop]
-        run = micro_batch_metaop(m, micro)  # what one micro-batch runs
-        fwd, bwd = step_phases(cost_model, run, s.tp, s.dp, settings.forward_fraction)
-        load, stage = sharded_phases(cost_model, m, s.tp, s.dp, zero, micro)
-        fwd, bwd = fwd + load, bwd + stage
-        if zero == 3 and s.dp > 1:
-            layer_params = sum(cost_model.param_count(p) for p in m.params[0]) if m.params else 0
-            ring = GroupPlacement.dp_ring(s.devices, s.tp, cluster)
-            gather = comm.all_gather(layer_params * WEIGHT_BYTES_PER_PARAM / s.tp, ring,
-                                     s.tp if ring.crosses_nodes else 1)
-            fwd, bwd = fwd + gather, bwd + gather
-        fwd_time[sid] = fwd * s.num_layers
-        bwd_time[sid] = bwd * s.num_layers + _recompute_seconds(cost_model, run, s, plan.settings.recompute_of(sid),
-                                                                fwd)
+        fwd_time[sid], bwd_time[sid] = slice_phase_seconds(cost_model, comm, m, s, plan.settings,
+                                                           settings.forward_fraction)
         units[sid] = slice_units(m, s.layer_start, s.layer_end)
     in_edges, out_edges = _edges(plan, slices, metaops, cost_model, comm)
     groups = group_infos(plan, metagraph.metaops, cost_model.param_count, cluster)
     buckets = plan_buckets(plan, metagraph.metaops, cost_model.param_count, groups, settings.bucket_numel)
     return _Context(plan, cluster, slices, metaops, _order(plan), fwd_time, bwd_time, in_edges, out_edges, zero,
                     units, comm, groups, buckets, settings)
-
-
-def _recompute_seconds(cost_model, metaop: MetaOp, s: Slice, recompute, forward_per_layer: float) -> float:
-    """Backward seconds a slice spends recomputing: the cost model's ``recompute_seconds``; a cost model
-    without one (stand-ins) reruns the forward of each fully recomputed layer."""
-    seconds = getattr(cost_model, "recompute_seconds", None)
-    if seconds is not None:
-        return seconds(metaop, s.tp, s.dp, recompute, s.num_layers)
-    return recompute.recomputed_layers(s.num_layers) * forward_per_layer
 
 
 def _order(plan: Plan) -> list[tuple[str, str]]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from megatron_spindle.estimator.comm_model import OVERLAP_SLOWDOWN
 from megatron_spindle.graph.cluster import HBM_STREAM_EFFICIENCY, ClusterSpec, GPUSpec
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import ModuleSpec, SpindleTask, Workload
@@ -270,9 +271,14 @@ def test_zero_stages_shard_state_and_stage3_costs_gathers():
     assert results[2].iteration_time == pytest.approx(results[0].iteration_time - 1.5)
     assert max(results[2].peak_memory) < max(results[0].peak_memory)
     assert max(results[3].peak_memory) < max(results[2].peak_memory)
-    # stage 3: 4 layers x 2 gathers of 0.5 GB bf16 weights over 4 ranks (3/4 x 0.5 s) = 3 s more compute,
-    # half the all-reduce (4 GB over 4 ranks: 6 s -> 3 s)
-    assert results[3].compute_time == pytest.approx(results[0].compute_time + 3.0)
+    # stage 3: each phase of the two slices (2 layers of 1/3 s forward, 2/3 s backward on each device) gathers
+    # 0.5 GB of bf16 weights per layer over 4 ranks (3/4 x 0.5 s alone): the first gather alone, the second
+    # beside the first layer's compute, both slowed by C10 (estimator/slice_time.py). Forward: the gather
+    # (s x 0.375 s) outlasts the layer, which then waits for it; backward: the layer outlasts it and takes
+    # (s - 1) x 0.375 s more. Half the all-reduce (6 s -> 3 s).
+    g, s = 0.75 * 0.5, OVERLAP_SLOWDOWN
+    forward, backward = g + s * g - 1 / 3, g + (s - 1) * g
+    assert results[3].compute_time == pytest.approx(results[0].compute_time + 2 * (forward + backward))
     assert results[3].grad_sync_time == pytest.approx(results[0].grad_sync_time / 2)
 
 
