@@ -19,7 +19,9 @@ and the simulator times the same buckets, so both agree on what is reduced when:
   reduced once, after the last micro-batch's accumulations; under ZeRO-2 and 3 a rank keeps only its shard of
   the gradient, so every micro-batch's buckets are reduce-scattered after its backward (DeepSpeed's way),
   ``synced_micro_batches``.
-- **Weight gathers** (ZeRO 1 and 2 with ``settings.overlap_param_gather``, Megatron's
+- **Weight gathers after the step** (``regathered_groups``): at ZeRO 1 and 2 every group's, at ZeRO 3 only
+  those whose slices do not keep their weights sharded as the masters are.
+- **Overlapped weight gathers** (ZeRO 1 and 2 with ``settings.overlap_param_gather``, Megatron's
   ``--overlap-param-gather``): after the optimizer step the updated weights are all-gathered bucket by bucket
   (the gradient buckets), issued at once in the order the next forward first uses them (``gather_order``: the
   first forward step using one of the bucket's units, then that unit's position, then group and index), and
@@ -109,6 +111,40 @@ def synced_micro_batches(zero_stage: int, micro_batches: int) -> range:
     """The micro-batches whose backward is followed by the gradient buckets' reduction (see the module's
     docstring): the last one, or every one when the ZeRO stage shards the gradients."""
     return range(micro_batches) if zero_stage >= 2 else range(micro_batches - 1, micro_batches)
+
+
+def regathered_groups(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
+                      groups: Sequence[tuple[Sequence[int], Sequence[str]]], zero_stage: int) -> list[bool]:
+    """Per parameter device group (devices, units): whether the optimizer step is followed by an all-gather of
+    the group's updated weights over its devices.
+
+    - ZeRO 0: never (every holder steps the whole master).
+    - ZeRO 1 and 2: always (each member stepped its shard; every holder loads the full weights).
+    - ZeRO 3 (runtime/weight_shards.py): each slice keeps its DP shard of its weights. Where every slice holding
+      the group's units runs with TP 1 on exactly the group's devices, that shard is the member's master shard
+      (same units, same flat layout, same members), cast: nothing to gather, as in DeepSpeed ZeRO-3. Elsewhere
+      (a TP shard, or a unit shared by slices on other device sets) the full weights are gathered and each
+      slice keeps its shard of them."""
+    if zero_stage not in (1, 2, 3):
+        return [False] * len(groups)
+    if zero_stage in (1, 2):
+        return [True] * len(groups)
+    holders: dict[str, list[SliceGeometry]] = {}
+    for slices in waves:
+        for s in slices:
+            for u in slice_units(metaops[s.metaop], s.layer_start, s.layer_end):
+                holders.setdefault(u, []).append(s)
+    out = []
+    for devices, units in groups:  # the slice's DP ranks in the group's (sorted) member order
+        own = sorted(devices)
+        out.append(any(s.tp != 1 or list(s.devices or ()) != own for u in units for s in holders.get(u, ())))
+    return out
+
+
+def overlaps_param_gather(settings: ExecutionSettings) -> bool:
+    """Whether the weights' all-gather after the step is deferred to the next forward (Megatron's
+    --overlap-param-gather): at ZeRO 1 and 2; ZeRO-3's regathered groups are gathered after the step."""
+    return settings.overlap_param_gather and settings.zero_stage in (1, 2)
 
 
 class FirstUse(NamedTuple):

@@ -30,7 +30,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("block", "uniform")  # megatron-core's recompute_method
 PHASES = ("fwd", "bwd")
 ZERO_STAGES = (0, 1, 2, 3)
-RUNTIME_ZERO_STAGES = (0, 1, 2)  # what Spindle's runtime implements (3: baselines' plans only)
+RUNTIME_ZERO_STAGES = (0, 1, 2, 3)  # what Spindle's runtime implements (runtime/weight_shards.py: 3)
 REDUCE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 

@@ -129,7 +129,9 @@ def memory_rungs(config: PlannerConfig, policy: RecomputePolicy) -> list[tuple[i
     """(ZeRO stage, recomputation placement plans with, device memory placement may use / the device's) in
     order, cheapest first: sharding the optimizer state (ZeRO-1, the distributed optimizer) costs nothing in
     time (its reduce-scatter + all-gather moves what an all-reduce moves), nor do the gradients (ZeRO-2) with one
-    micro-batch, while with m they are reduce-scattered after every micro-batch's backward; recomputation costs a
+    micro-batch, while with m they are reduce-scattered after every micro-batch's backward; sharding the weights
+    too (ZeRO-3) all-gathers each layer's weights before its forward and its backward, mostly behind the previous
+    layer's compute (estimator/slice_time.py); recomputation costs a
     forward pass per layer, so placement first plans without it; then, where recomputation may be chosen per
     slice, without it on devices OVERCOMMITS times as large (placement balances the real activations,
     recomputation takes off what does not fit), then with every layer at its leanest (``policy.lean()``); the
@@ -307,14 +309,14 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
             break
         micro = micro_metagraph(metagraph, m)
         found, free, unbound = None, False, None  # unbound: the least overcommit that placed with memory binding nothing
-        roomy_at_stage_1 = set()  # (assumed, over) where ZeRO-1 placed with memory binding nothing, recomputing nothing
+        roomy_sharded = set()  # (assumed, over) where ZeRO-1 or 2 placed with memory binding nothing, recomputing nothing
         for stage, assumed, over in rungs:
             if assumed.mode == "none" and unbound is not None and over > unbound:
                 continue  # more memory would place the same
             if stage == 0 and i > 0 and config.distributed_optimizer == "auto":
                 continue  # memory bound the first count: sharding the optimizer state costs no time
-            if stage == 2 and (assumed, over) in roomy_at_stage_1:
-                continue  # sharding the gradients too would place the same
+            if stage >= 2 and (assumed, over) in roomy_sharded:
+                continue  # sharding the gradients (or the weights) too would place the same, no faster
             key = (m, stage, assumed, over, config.inverse, config.placement, config.max_slice_devices,
                    config.sync_aware_curves())
             if placements is None or key not in placements:
@@ -338,8 +340,8 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
             if not cand.choose(cluster, config):
                 error = cand.error
                 continue
-            if stage == 1 and not bound and not cand.recomputes:
-                roomy_at_stage_1.add((assumed, over))
+            if stage in (1, 2) and not bound and not cand.recomputes:
+                roomy_sharded.add((assumed, over))
             say(f"{cand.describe()} (placed on {over:g}x device memory): estimated "
                 f"{1e3 * cand.estimate(workload, cluster, metagraph):.1f} ms")
             if faster(cand, found):

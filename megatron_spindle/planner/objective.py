@@ -45,6 +45,8 @@ from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.plan.buckets import (
     completion_sorted,
     default_bucket_numel,
+    overlaps_param_gather,
+    regathered_groups,
     split_buckets,
     synced_micro_batches,
     unit_completion,
@@ -274,8 +276,8 @@ def _first_use(plan: Plan, metaops) -> dict[str, float]:
 
 def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: CommModel, bwd_span: float,
                   ready: dict[str, float]) -> tuple[float, float]:
-    """(what the gradient buckets add beyond the compute on the worst device, the ZeRO 1/2 weight gather), given
-    ``_unit_ready``'s span (transfers included) and unit accumulation times. Each bucket can overlap any compute
+    """(what the gradient buckets add beyond the compute on the worst device, the weight gather after the step
+    of the groups plan/buckets.py ``regathered_groups`` names), given ``_unit_ready``'s span (transfers included) and unit accumulation times. Each bucket can overlap any compute
     after its last unit's accumulation (a later segment's forward too)."""
     settings = plan.settings
     waves = [w.slices for w in plan.waves]
@@ -290,14 +292,16 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
     micro = settings.micro_batches
     synced, per_micro_batch = synced_micro_batches(settings.zero_stage, micro), bwd_span / micro
     op = "all_reduce" if settings.zero_stage == 0 else "reduce_scatter"
+    regathered = regathered_groups(waves, metaops, [(g.devices, g.params) for g in plan.param_groups],
+                                   settings.zero_stage)
     rings = []
-    for g in plan.param_groups:
+    for g, again in zip(plan.param_groups, regathered):
         tp = min((tp_of.get(u, 1) for u in g.params), default=1)
-        rings.append((g, tp, GroupPlacement.dp_ring(g.devices, tp, cluster)))
+        rings.append((g, tp, GroupPlacement.dp_ring(g.devices, tp, cluster), again))
     per_device: dict[int, list[tuple[float, float]]] = {}
     gather = 0.0
-    first_use = _first_use(plan, metaops) if settings.overlap_param_gather else {}
-    for g, tp, ring in rings:
+    first_use = _first_use(plan, metaops) if overlaps_param_gather(settings) else {}
+    for g, tp, ring, again in rings:
         if ring.size <= 1 or not g.params:
             continue
         sharing = tp if ring.crosses_nodes else 1  # its own TP rings; other groups' overlap is not estimated
@@ -310,7 +314,7 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
             for mb in synced:  # the last micro-batch's accumulations, or (ZeRO-2) every micro-batch's
                 for d in g.devices:
                     per_device.setdefault(d, []).append((at - per_micro_batch * (micro - 1 - mb), seconds))
-        if settings.zero_stage in (1, 2):
+        if again:
             gather = max(gather, _gather_seconds(buckets, first_use, cost_model, comm, tp, ring, sharing))
     extra = 0.0
     done: dict[tuple, float] = {}

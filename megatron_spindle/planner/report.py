@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_spindle.plan.buckets import overlaps_param_gather
 from megatron_spindle.plan.memory import memory_options
 from megatron_spindle.plan.schema import Plan
 
@@ -42,7 +43,7 @@ def plan_summary(plan: Plan) -> str:
         f"  execution: memory options {memory_options(plan)}"
         f"   gradient all-reduce in {plan.settings.grad_reduce_dtype}"
         + ("   weight all-gather overlapped with the next forward"
-           if plan.settings.overlap_param_gather and plan.settings.zero_stage in (1, 2) else "")
+           if overlaps_param_gather(plan.settings) else "")
         + (f"   {len(plan.settings.segments)} segments" if plan.settings.segments else ""),
     ]
     if plan.memory_per_device:

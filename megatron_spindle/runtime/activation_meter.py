@@ -22,7 +22,7 @@ class SavedTensorMeter:
     backward, ``peak`` its maximum. ``exclude``: tensors (parameters) whose storages are not counted."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._exclude = list(exclude)  # their storages are looked up at each save: ZeRO-3 refills them
         self._refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self.live = 0
         self.peak = 0
@@ -38,7 +38,7 @@ class SavedTensorMeter:
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key in self._excluded or storage.nbytes() == 0:
+        if storage.nbytes() == 0 or any(e.untyped_storage().data_ptr() == key for e in self._exclude):
             return t
         return _Saved(self, key, storage.nbytes(), t)
 

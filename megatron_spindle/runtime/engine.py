@@ -12,13 +12,15 @@
    (groups.py) asynchronously during the backward, as soon as each bucket is complete; a unit's gradient is
    summed over every slice that uses it, whatever its device set, wave or TP degree, so every holder gets the
    exact total d(sum_t w_t loss_t)/dW (``grads``: views of the buffers, valid until the next step). At
-   zero_stage 1 and 2 (grad_shards.py) the same buckets are reduce-scattered and each rank keeps only its shards.
+   zero_stage 1 to 3 (grad_shards.py) the same buckets are reduce-scattered and each rank keeps only its shards.
 4. The optimizer (optimizer.py, shards.py): AdamW on fp32 masters, replicated (zero_stage 0) or sharded over
    each parameter device group (zero_stage 1, the distributed optimizer; numerically equal), its gradient
    reduce-scattered into those shards (grad_shards.py): each bucket's full storage is released as soon as
    its sync completed, so ``grads`` is empty there (``gather_grads`` all-gathers the full gradients;
    ``held_grad_bytes`` is what is held). zero_stage 2 also reduce-scatters every micro-batch's gradients
-   (plan/buckets.py), never holding them in full across micro-batches. With the plan's
+   (plan/buckets.py), never holding them in full across micro-batches; zero_stage 3 also keeps only each slice's
+   DP shard of its weights between uses, a layer's weights gathered around its forward and its backward
+   (weight_shards.py). With the plan's
    ``overlap_param_gather`` (Megatron's --overlap-param-gather) the all-gather of the updated shards is only
    issued by the step, and each slice waits for its groups' gathers just before its next forward
    (param_gather.py); every reader of weights or masters (``full_state``, ``export_units``, ``load_*``,
@@ -54,6 +56,7 @@ of each wave on this rank (its slice and the transfers into that wave; no synchr
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,7 +68,7 @@ import torch.distributed as dist
 from megatron_spindle.checkpointing.checkpoint import UnitState
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.buckets import unit_first_use
+from megatron_spindle.plan.buckets import overlaps_param_gather, regathered_groups, unit_first_use
 from megatron_spindle.plan.schema import Plan
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.activation_meter import SavedTensorMeter
@@ -81,6 +84,7 @@ from megatron_spindle.runtime.param_gather import ParamGather, gather_buckets
 from megatron_spindle.runtime.schedule import WaveSchedule
 from megatron_spindle.runtime.slices import build_local_slices, in_wave_order, initial_weights
 from megatron_spindle.runtime.transfer import SpecFn, default_activation_spec, receives_early
+from megatron_spindle.runtime.weight_shards import WeightShards
 
 __all__ = ["EngineConfig", "OptimizerConfig", "RuntimeEngine"]
 
@@ -168,10 +172,19 @@ class RuntimeEngine:
                                          self.zero_stage == 0 and self.config.dtype == torch.float32, self.device)
         # --overlap-param-gather (ZeRO-1/2): the weights' all-gather after the step waits for the next forward
         self.param_gather = None
-        if settings.overlap_param_gather and self.zero_stage in (1, 2):
+        if overlaps_param_gather(settings):
             first_use = unit_first_use([w.slices for w in plan.waves], self.metagraph.metaops, settings)
             self.param_gather = ParamGather(opt, self.local, self.key_unit, self.config.dtype,
                                             gather_buckets(self.grad_buffers.buckets, first_use), self._timed_gather)
+        # ZeRO-3: each slice keeps its DP shard of its weights, a layer gathered around its use (weight_shards.py)
+        self.weight_shards, self._regathered = None, set()
+        if self.zero_stage == 3:
+            groups = [(tuple(sorted(g.devices)), g.params) for g in plan.param_groups]
+            again = regathered_groups([w.slices for w in plan.waves], self.metagraph.metaops, groups, 3)
+            self._regathered = {d for (d, _), a in zip(groups, again) if a}
+            aligned = {u for (d, units), a in zip(groups, again) if not a and len(d) > 1 for u in units}
+            self.weight_shards = WeightShards(self.local, self.groups, self.key_unit, aligned, opt.masters,
+                                              self.device)
         self.grad_sync = GradSync(self.grad_buffers, self.local, self.binding, self.key_unit, self.groups,
                                   overlap=self.config.overlap_grad_reduce, micro_batches=settings.micro_batches,
                                   zero_stage=self.zero_stage)
@@ -241,8 +254,10 @@ class RuntimeEngine:
         t2 = self._clock()
         if overlap:  # issued now, waited for before each slice's next forward (runtime/param_gather.py)
             self.param_gather.start()
+        elif self.weight_shards is not None:
+            self._push_weight_shards()
         elif self.zero_stage >= 1 or any(self.generic_keys.values()):
-            self._push_weights(self.master_optimizer.full_weights())  # collective at zero_stage 1 and 2
+            self._push_weights(self.master_optimizer.full_weights())  # collective at zero_stage 1 to 3
         t3 = self._clock()
         self._add_time("optimizer-inner-step", t2 - t1)
         self._add_time("optimizer-copy-main-to-model-params", t3 - t2)
@@ -251,14 +266,14 @@ class RuntimeEngine:
 
     def forward_backward(self, step: int) -> dict[str, float]:
         """One step without the optimizer; afterwards ``grads`` holds the synchronised full gradients (times the
-        loss scale until ``train_step`` unscales them); at zero_stage 1 and 2 it is empty and ``grad_buffers.unit_grads``
+        loss scale until ``train_step`` unscales them); at zero_stage 1 to 3 it is empty and ``grad_buffers.unit_grads``
         are this rank's shards (``gather_grads``)."""
         tasks = sorted({ls.slice.task for ls in self.local.values()})
         t0 = self._clock()
         batches = {t: self.batch_fn(self.workload, t, step, self.config.data_seed) for t in tasks}
         self._add_time("batch-generator", self._clock() - t0)
         self.grad_sync.start_step()
-        cues = (self.grad_sync.slice_done, self.grad_sync.micro_start, self._before_forward)
+        cues = (self._slice_done, self.grad_sync.micro_start, self._before_forward)
         if self.config.measure_activations:
             with SavedTensorMeter(p for ls in self.local.values() for p in ls.op.parameters()) as meter:
                 losses = self.schedule.run(batches, *cues)
@@ -285,7 +300,7 @@ class RuntimeEngine:
 
     def gather_grads(self) -> dict[str, torch.Tensor]:
         """The synchronised full gradients of every key this rank holds ("<unit>.<path>" -> tensor), as after
-        the last ``forward_backward`` / ``train_step``: ``grads`` itself, or at zero_stage 1 and 2 its shards
+        the last ``forward_backward`` / ``train_step``: ``grads`` itself, or at zero_stage 1 to 3 its shards
         all-gathered (collective over the parameter device groups there; for tests and inspection)."""
         if not self.grad_buffers.sharded:
             return dict(self.grads)
@@ -295,7 +310,7 @@ class RuntimeEngine:
         return {k: t.clone() for k, t in full.items()}
 
     def held_grad_bytes(self) -> int:
-        """Bytes of gradient storage this rank holds now: the gradient buffers (at zero_stage 1 and 2 the shards and
+        """Bytes of gradient storage this rank holds now: the gradient buffers (at zero_stage 1 to 3 the shards and
         any bucket's full storage not yet released) and the gradients left in the operators' parameters."""
         held = self.grad_buffers.held_bytes()
         seen = {t.untyped_storage().data_ptr() for t in self.grad_buffers.storage()}  # counted already
@@ -324,6 +339,13 @@ class RuntimeEngine:
         if self.param_gather is not None:
             self.param_gather.before_forward(ls)
 
+    def _slice_done(self, ls) -> None:
+        """The schedule's cue after a local slice's backward: at ZeRO-3 its weights are released (what the layers'
+        own hooks left), then its gradients go to the gradient sync."""
+        if self.weight_shards is not None:
+            self.weight_shards.after_backward(ls)
+        self.grad_sync.slice_done(ls)
+
     def _timed_gather(self, wait_and_load) -> None:
         t0 = self._clock()
         wait_and_load()
@@ -340,7 +362,28 @@ class RuntimeEngine:
         """Load the masters into the operators that hold generic units (direct ones alias their masters)."""
         for ls in in_wave_order(self.local):
             if self.generic_keys[ls.slice.id]:
-                ls.op.load_full_state({k: full[k].to(self.config.dtype) for k in ls.param_keys})
+                with self._loading(ls):
+                    ls.op.load_full_state({k: full[k].to(self.config.dtype) for k in ls.param_keys})
+
+    def _push_weight_shards(self) -> None:
+        """ZeRO-3 after the step: the aligned units' weight shards from their masters (no communication), the
+        others all-gathered over their groups (plan/buckets.py ``regathered_groups``; a one-device group's
+        master is whole) and loaded, each slice keeping its shard."""
+        opt = self.master_optimizer
+        sets = [(d, units) for d, units in opt.unit_groups if d in self._regathered or len(d) == 1]
+        full: dict[str, torch.Tensor] = {}
+        for (_, units), pending in zip(sets, opt.issue_gathers(opt.masters, sets)):
+            full.update(opt.unflatten(units, pending))
+        self.weight_shards.update_from_masters(opt.masters)
+        for ls in in_wave_order(self.local):
+            keys = [k for k in ls.param_keys if k in full]
+            if keys:
+                with self.weight_shards.loading(ls, aligned_too=False):
+                    ls.op.load_full_state({k: full[k].to(self.config.dtype) for k in keys}, strict=False)
+
+    def _loading(self, ls):
+        """Around writing full weights into a slice's operator: at ZeRO-3 it keeps its shards of them."""
+        return self.weight_shards.loading(ls) if self.weight_shards is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         """Tear the engine down so that another can be built in this process (a task-set change): destroy the
@@ -353,6 +396,8 @@ class RuntimeEngine:
         self.flush_param_gather()  # no gather may still be in flight on a group about to be destroyed
         if self.param_gather is not None:
             self.param_gather.close()
+        if self.weight_shards is not None:
+            self.weight_shards.close()
         dist.barrier()
         if self._owns_groups:
             self.groups.cache.destroy()
@@ -381,7 +426,7 @@ class RuntimeEngine:
         return self.master_optimizer.expected_shapes()
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Full master weights this rank holds ("<unit>.<path>" -> tensor). Collective at zero_stage 1 and 2."""
+        """Full master weights this rank holds ("<unit>.<path>" -> tensor). Collective at zero_stage 1 to 3."""
         self.flush_param_gather()
         return {k: v.clone() for k, v in self.master_optimizer.full_weights().items()}
 
@@ -397,7 +442,7 @@ class RuntimeEngine:
 
     def export_units(self) -> dict[str, UnitState]:
         """Every unit this rank holds in full form: fp32 weights and AdamW state (``optim`` empty before the
-        first step), whatever the zero stage. Collective over the parameter device groups at zero_stage 1, 2."""
+        first step), whatever the zero stage. Collective over the parameter device groups at zero_stage 1-3."""
         self.flush_param_gather()
         return self.master_optimizer.export_units()
 

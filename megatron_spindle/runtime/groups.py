@@ -20,6 +20,8 @@ import torch.distributed as dist
 from megatron_spindle.plan.schema import Plan, Slice
 from megatron_spindle.runtime.distributed import group_timeout
 
+WEIGHT_GATHERS = "zero3-weights"  # GroupCache purpose of ZeRO-3's weight all-gathers
+
 
 def tp_group_devices(s: Slice, device: int) -> tuple[int, ...]:
     """Devices of the TP group of ``device`` inside slice ``s`` (plan order = TP rank order)."""
@@ -51,14 +53,17 @@ class GroupCache:
     groups: dict[tuple[int, ...], object] = field(default_factory=dict)
     created: list[tuple[int, ...]] = field(default_factory=list)  # creation order (for tests and debugging)
 
-    def get(self, devices: tuple[int, ...]):
+    def get(self, devices: tuple[int, ...], purpose: str = ""):
+        """The group of ``devices``; a ``purpose`` gets a group of its own on the same devices (its collectives
+        then never queue behind, or pair with, other collectives on those devices)."""
         devices = tuple(devices)
-        if devices not in self.groups:
+        key = (purpose, *devices) if purpose else devices
+        if key not in self.groups:
             # the default backend, and the world's timeout (new_group's own default is torch's 30 minutes)
             g = dist.new_group(list(devices), sort_ranks=False, timeout=group_timeout())
-            self.groups[devices] = g if self.rank in devices else None
-            self.created.append(devices)
-        return self.groups[devices]
+            self.groups[key] = g if self.rank in devices else None
+            self.created.append(key)
+        return self.groups[key]
 
     def destroy(self) -> None:
         """Destroy every group this cache created (local on each member; non-members hold none). The groups must
@@ -75,7 +80,10 @@ class PlanGroups:
 
     ``slice_pgs(slice_id)`` -> megatron-core ``ProcessGroupCollection`` with ``tp``, ``dp``, ``cp`` and ``pp``
     for this rank's position in that slice (``cp``/``pp`` are this rank alone: Spindle uses neither);
-    ``param_group(devices)`` -> the group of one parameter device group (sorted devices).
+    ``param_group(devices)`` -> the group of one parameter device group (sorted devices);
+    ``weight_group(slice_id)`` -> at ZeRO-3, a group of this rank's DP ranks in that slice for the weights'
+    all-gathers alone (runtime/weight_shards.py): they run inside the slice's forward and backward, while the
+    gradient buckets of a parameter group on the same devices are issued wherever each rank completes them.
     """
 
     def __init__(self, plan: Plan, rank: int, cache: GroupCache | None = None):
@@ -97,6 +105,11 @@ class PlanGroups:
                 self.cache.get(devs)
         for g in self.plan.param_groups:
             self.cache.get(tuple(sorted(g.devices)))
+        if self.plan.settings.zero_stage == 3:
+            for s in self.plan.slices():
+                for devs in all_dp_groups(s):
+                    if len(devs) > 1:
+                        self.cache.get(devs, WEIGHT_GATHERS)
         me = singletons[self.rank]
         for s in self.plan.slices():
             if self.rank in s.devices:
@@ -110,3 +123,7 @@ class PlanGroups:
 
     def param_group(self, devices) -> object:
         return self.cache.get(tuple(sorted(devices)))
+
+    def weight_group(self, slice_id: str) -> object:
+        s = next(x for x in self.plan.slices() if x.id == slice_id)
+        return self.cache.get(dp_group_devices(s, self.rank), WEIGHT_GATHERS)

@@ -38,12 +38,11 @@ def slice_units(metagraph: MetaGraph, s: Slice) -> list[str]:
 
 
 def check_settings_runnable(plan: Plan) -> None:
-    """The execution settings this runtime implements: ZeRO 0, 1 or 2 (not 3: weights are never sharded); every execution order, micro-batch count and
-    recomputation choice validate_plan accepts (checked there)."""
+    """The execution settings this runtime implements: every ZeRO stage in ``RUNTIME_ZERO_STAGES``; every
+    execution order, micro-batch count and recomputation choice validate_plan accepts (checked there)."""
     st = plan.settings
     if st.zero_stage not in RUNTIME_ZERO_STAGES:
-        raise PlanError(f"zero_stage {st.zero_stage}: the runtime supports 0, 1 (distributed optimizer) and 2 "
-                        f"(+ sharded gradients)")
+        raise PlanError(f"zero_stage {st.zero_stage}: the runtime supports {list(RUNTIME_ZERO_STAGES)}")
 
 
 def check_runnable(plan: Plan, workload: Workload, metagraph: MetaGraph, world_size: int) -> None:

@@ -1,4 +1,4 @@
-"""AdamW on fp32 master weights, one flat master per parameter unit, replicated or ZeRO-1/2 sharded.
+"""AdamW on fp32 master weights, one flat master per parameter unit, replicated or ZeRO-1/2/3 sharded.
 
 The AdamW step is elementwise, so it may run on any partition of a unit's elements:
 
@@ -14,9 +14,11 @@ The AdamW step is elementwise, so it may run on any partition of a unit's elemen
 - ``zero_stage`` 2: stage 1, and the gradient kept only as shards between micro-batches too: every
   micro-batch's buckets are reduce-scattered after its backward (plan/buckets.py). Numerically equal to
   stages 0 and 1.
+- ``zero_stage`` 3: stage 2 here; the operators' weights are sharded too, over each slice's data-parallel ranks
+  (runtime/weight_shards.py).
 
 Whatever the layout, ``export_units`` / ``load_units`` / ``full_weights`` speak full tensors, so checkpoints are
-layout-independent. At stages 1 and 2 ``export_units`` and ``full_weights`` are collective over the parameter
+layout-independent. At stages 1 to 3 ``export_units`` and ``full_weights`` are collective over the parameter
 device groups; ``load_*`` never communicate.
 """
 
@@ -81,7 +83,7 @@ class MasterOptimizer:
     # ---------------------------------------------------------------------------------------------- step
     def step(self, unit_grads: dict[str, torch.Tensor]) -> None:
         """One AdamW step from the synchronised gradient of every unit: the masters' ``.grad`` itself
-        (``attach_grads``): the full flat gradient at stage 0, this member's shard of it at stages 1 and 2."""
+        (``attach_grads``): the full flat gradient at stage 0, this member's shard of it at stages 1 to 3."""
         if self.adamw is None:
             return
         for u, p in self.masters.items():
@@ -102,12 +104,12 @@ class MasterOptimizer:
 
     # --------------------------------------------------------------------------------------------- state
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """"<unit>.<path>" -> full fp32 master weight (views; all-gathered over the groups at stages 1, 2)."""
+        """"<unit>.<path>" -> full fp32 master weight (views; all-gathered over the groups at stages 1-3)."""
         return self.gather_full(self.masters)
 
     def gather_full(self, vectors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """"<unit>.<path>" -> full tensor, from each held unit's shard vector in ``vectors`` laid out like its
-        master (the masters, the gradient shards); all-gathered over each group, collective at stages 1, 2."""
+        master (the masters, the gradient shards); all-gathered over each group, collective at stages 1-3."""
         full: dict[str, torch.Tensor] = {}
         for (_, units), pending in zip(self.unit_groups, self.issue_gathers(vectors)):
             full.update(self.unflatten(units, pending))
@@ -147,7 +149,7 @@ class MasterOptimizer:
 
     def export_units(self) -> dict[str, UnitState]:
         """Every unit in full form: fp32 weights and AdamW state (``optim`` empty before the first step).
-        Collective over the parameter device groups at stages 1 and 2."""
+        Collective over the parameter device groups at stages 1 to 3."""
         out: dict[str, UnitState] = {}
         for devices, units in self.unit_groups:
             states = [self._adam_state(u) for u in units]

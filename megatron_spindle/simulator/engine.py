@@ -40,8 +40,10 @@ engine is timeline.py):
   thread waits for the scheduler) (``SimSettings``:
   ``overlap_grad_reduce=False`` issues every bucket after the device's backward, as the runtime's flag does).
   ZeRO stage 0 all-reduces, stages 1-3 reduce-scatter; stages 1 and 2 all-gather the updated weights after the
-  optimizer step (``param_gather`` in the breakdown). With ``settings.overlap_param_gather`` (Megatron's
-  ``--overlap-param-gather``) those gathers belong to the next iteration: in the steady state each group's
+  optimizer step (``param_gather`` in the breakdown), and so does stage 3 for the groups whose weight shards
+  are not their master shards (plan/buckets.py ``regathered_groups``: a TP shard, or a unit on several device
+  sets). With ``settings.overlap_param_gather`` (Megatron's
+  ``--overlap-param-gather``, stages 1 and 2) those gathers belong to the next iteration: in the steady state each group's
   gather is issued at the iteration's start, on its members' channels ahead of the buckets, and overlaps the
   forward (slowed by C10's factor like the buckets); a slice's first forward waits for the gathers of the groups
   holding its units, and ``param_gather`` is what those waits add.
@@ -82,7 +84,12 @@ from megatron_spindle.estimator.transfer import (
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.buckets import gather_order, synced_micro_batches, unit_first_use
+from megatron_spindle.plan.buckets import (
+    gather_order,
+    overlaps_param_gather,
+    synced_micro_batches,
+    unit_first_use,
+)
 from megatron_spindle.plan.derive import plan_slice_pairs
 from megatron_spindle.plan.layout import slice_units, stepped_elements
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, plan_memory
@@ -168,7 +175,8 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=No
         else moved
     buckets = ctx.buckets if full is not moved else []
     # Megatron's --overlap-param-gather: the weights' all-gather of the last step runs during this forward
-    overlapped = settings.grad_sync and plan.settings.overlap_param_gather and bool(param_gathers(plan, ctx.groups))
+    overlapped = settings.grad_sync and overlaps_param_gather(plan.settings) and bool(
+        param_gathers(plan, ctx.groups, ctx.metaops))
     run, gathered = _timeline(ctx, timer, transfers=settings.transfers, sync=bool(buckets), gathers=True) \
         if overlapped else (full, [])
     synced_free = max(_device_done(full, buckets), default=0.0)  # without waiting for any gather
@@ -375,7 +383,7 @@ def _gather_collectives(ctx: _Context, timer: CollectiveTimer, tasks: list[Task]
     for the buckets of its units (the slice's first layer before the slice starts, the others at the fraction
     of its work where they begin). Returns the collectives and each one's group."""
     gpn = ctx.cluster.gpus_per_node
-    gathering = {gi for gi, _ in param_gathers(ctx.plan, ctx.groups)}
+    gathering = {gi for gi, _ in param_gathers(ctx.plan, ctx.groups, ctx.metaops)}
     waves = [w.slices for w in ctx.plan.waves]
     first_use = unit_first_use(waves, ctx.metaops, ctx.plan.settings)
     buckets = gather_order((b for b in ctx.buckets if b.group in gathering), first_use)
@@ -525,10 +533,10 @@ def _optimizer_steps(ctx: _Context, ready: list[float], cost_model) -> list[tupl
 
 
 def _param_gathers(ctx: _Context, timer: CollectiveTimer, steps: list[tuple[float, float]]):
-    """ZeRO 1 and 2: each group all-gathers its updated weights once its members have stepped; gathers sharing
-    a device run one after another, and a cross-node gather shares its nodes' network with the cross-node
+    """Each group plan/buckets.py ``regathered_groups`` names all-gathers its updated weights once its members
+    have stepped; gathers sharing a device run one after another, and a cross-node gather shares its nodes' network with the cross-node
     gathers already running there when it starts. (group, start, end) each."""
-    gathers = param_gathers(ctx.plan, ctx.groups)
+    gathers = param_gathers(ctx.plan, ctx.groups, ctx.metaops)
     if not gathers:
         return []
     gpn = ctx.cluster.gpus_per_node

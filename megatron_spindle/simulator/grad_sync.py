@@ -13,7 +13,8 @@ collective of its parameter device group timed by the comm model.
   ZeRO stage 0 all-reduces the bucket; stages 1-3 reduce-scatter it (each member keeps the gradient of the
   optimizer shard it steps), and stages 1 and 2 all-gather the updated bf16 weights after the optimizer step,
   one collective per group (``param_gathers``); stage 3 gathers weights in every layer's forward and
-  backward instead (the compute tasks carry those).
+  backward (the compute tasks carry those), and after the step only where a group's weight shards are not its
+  master shards (plan/buckets.py ``regathered_groups``).
 - **Time.** ``CommModel.collective_seconds`` with the number of cross-node collectives sharing the busiest
   node at the moment (the timeline's fluid sharing), and the overlap slowdown while the members compute.
 """
@@ -31,6 +32,7 @@ from megatron_spindle.plan.buckets import (
     completion_sorted,
     default_bucket_numel,
     launch_key,
+    regathered_groups,
     split_buckets,
     unit_completion,
 )
@@ -110,12 +112,14 @@ def plan_buckets(plan: Plan, metaops: Mapping[str, MetaOp], param_count, groups:
     return sorted(out, key=BucketSync.launch_key)
 
 
-def param_gathers(plan: Plan, groups: list[GroupInfo]) -> list[tuple[int, float]]:
-    """ZeRO stages 1 and 2: (group index, bytes per ring) of the all-gather of its updated bf16 weights."""
-    if plan.settings.zero_stage not in (1, 2):
-        return []
+def param_gathers(plan: Plan, groups: list[GroupInfo], metaops: Mapping[str, MetaOp]) -> list[tuple[int, float]]:
+    """(group index, bytes per ring) of the all-gather of its updated bf16 weights after the optimizer step, for
+    every group that gathers them (plan/buckets.py ``regathered_groups``: ZeRO 1 and 2, and 3 where the weights'
+    shards are not the masters')."""
+    regathered = regathered_groups([w.slices for w in plan.waves], metaops,
+                                   [(g.devices, g.units) for g in groups], plan.settings.zero_stage)
     return [(gi, g.params * WEIGHT_BYTES_PER_PARAM / g.tp) for gi, g in enumerate(groups)
-            if g.ranks > 1 and g.units]
+            if regathered[gi] and g.ranks > 1 and g.units]
 
 
 class CollectiveTimer:

@@ -4,7 +4,9 @@ The same workers check gradient clipping (the global norm over every unit, count
 of ``torch.nn.utils.clip_grad_norm_`` on the reference), the forward-only validation pass, and the sharded
 stages: zero_stage 1 (the distributed optimizer) on 2 and 4 ranks, zero_stage 2 (+ sharded gradients, by
 reduce-scatter and by its all-reduce fallback) on 1, 2 and 4, about half the cases with the weights'
-all-gather overlapped with the next forward (``overlap_param_gather``; resumed without it).
+all-gather overlapped with the next forward (``overlap_param_gather``; resumed without it), and zero_stage 3
+(+ weights sharded over each slice's DP ranks, gathered per layer) on 2 and 4, also under recomputation, two
+micro-batches and the early backward.
 
 Two operator sets run the same plans: the real megatron-core operators (models/, ``ReferenceModel``) and the
 stand-ins of tests/runtime/standin.py (cheap, so every plan family runs on every world size). Plan families:
@@ -55,6 +57,7 @@ from standin import StandinReference, standin_batch, standin_factory
 from megatron_spindle.estimator import AnalyticCostModel
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.workload import load_workload, workload_from_dict
+from megatron_spindle.plan.buckets import regathered_groups
 from megatron_spindle.plan.schema import TRANSFER_KINDS, PlanError, Recompute
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.__main__ import main
@@ -250,8 +253,10 @@ def _worker(rank, world):
         assert all(any(b[k] for b in everywhere) for k in buckets), everywhere
         kinds = {"local", "intra_island", "inter_island"} if world >= 4 else {"local", "inter_island"}
         assert kinds <= routes, routes
-    for stage in (1, 2) if world > 1 else (2,):  # one rank: nothing to shard, but stage 2's own buffers
+    for stage in (1, 2, 3) if world > 1 else (2,):  # one rank: nothing to shard, but stage 2's own buffers
         check_distributed_optimizer(rank, world, workloads, refs, tiny, cache, stage)
+    if world > 1:
+        check_weight_shards_with_options(rank, world, workloads, refs, tiny, cache)
     check_clipping(rank, world, workloads, refs, tiny, cache, (0, 1, 2) if world > 1 else (2,))
     check_evaluate(rank, world, workloads, refs, tiny, cache)
     check_trainer_hooks(rank, world, workloads["tiny-clip"], cfg, cache)
@@ -522,7 +527,8 @@ def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache, stage:
     stage 2 every other plan takes the all-reduce fallback instead of the reduce-scatter; cases 0, 1, 4, 5 overlap
     the weights' all-gather with the next forward (``overlap_param_gather``)."""
     several = mixed = False
-    for i, (ops, case, wname, make) in enumerate(zero_cases(world)):
+    aligned = {False: False, True: False}  # ZeRO-3: units sharded as their masters are (or not) on some rank
+    for i, (ops, case, wname, make) in enumerate(zero_cases(world) + (zero3_cases(world) if stage == 3 else [])):
         w = workloads[wname]
         overlap = (i // 2) % 2 == 0  # the overlapped weight all-gather on about half the cases, either sync
         plan = zeroed(make(w), stage, overlap)
@@ -532,7 +538,7 @@ def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache, stage:
         kw = dict(operator_factory=standin_factory, batch_fn=standin_batch) if ops == "standin" else {}
         engine = RuntimeEngine(plan, w, rank, world, cfg, groups=cache, **kw)
         assert engine.direct_units == []  # the fast path is for the replicated optimizer only
-        assert (engine.param_gather is not None) == overlap
+        assert (engine.param_gather is not None) == (overlap and stage < 3)  # stage 3 gathers per layer
         label = f"rank {rank} {ops} {wname} {case} zero{stage}" + (" overlapped-gather" if overlap else "")
         if stage >= 1:
             assert engine.grad_buffers.reduce_scatter  # gloo reduce-scatters (torch 2.13)
@@ -547,10 +553,82 @@ def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache, stage:
         check_sharded_state(engine, label)
         if stage >= 1:
             check_sharded_grads(engine, label)
+        if stage == 3:
+            for kind in check_weight_shards(engine, label, one_at_a_time=True):
+                aligned[kind] = True
         if (ops, case) == ("standin", "spindle-2"):
             check_resume_across_layouts(engine, w, rank, world, cfg, cache, label, stage)
     assert (several and mixed) or world == 1, f"no zero_stage {stage} plan put a shared tower on several device " \
         f"sets ({several}) and TP degrees ({mixed})"
+    if stage == 3 and world > 1:
+        everywhere = [None] * world
+        dist.all_gather_object(everywhere, aligned)
+        assert all(any(a[k] for a in everywhere) for k in aligned), everywhere
+
+
+def zero3_cases(world: int):
+    """ZeRO-3 only: every MetaOp on all devices at TP 1 (DeepSpeed's layout), where each unit's weight shard is
+    its master shard (plan/buckets.py regathered_groups), with the stand-ins and the real operators."""
+    seq = lambda w: sequential_plan(w, world)  # noqa: E731
+    return [("standin", "sequential", "tiny-vlm", seq), ("real", "sequential", "tiny-clip", seq)]
+
+
+def check_weight_shards(engine, label: str, one_at_a_time: bool) -> set[bool]:
+    """ZeRO-3 (runtime/weight_shards.py): between steps every slice with several DP ranks holds only its shard
+    of each unit's weights (the parameters' storages released) and every slice with one DP rank holds them all;
+    a unit is aligned (its weight shard is its master shard, updated without communication) exactly where the
+    plan's rule says; ``one_at_a_time`` (no recomputation): a step holds one module's units at a time (a layer's;
+    a stand-in operator's, which has no modules of its own) and the next one's, prefetched. Returns the kinds seen (True: an aligned unit, False: one regathered after the step)."""
+    ws, plan = engine.weight_shards, engine.plan
+    assert set(ws.units) == {sid for sid, ls in engine.local.items() if ls.slice.dp > 1}, label
+    rule = regathered_groups([w.slices for w in plan.waves], engine.metagraph.metaops,
+                             [(g.devices, g.params) for g in plan.param_groups], 3)
+    aligned = {u for g, again in zip(plan.param_groups, rule) if not again for u in g.params}
+    kinds = set()
+    for sid, units in ws.units.items():
+        dp = engine.local[sid].slice.dp
+        for u in units:
+            assert not u.gathered and u.shard.numel() == math.ceil(u.numel / dp), (label, u.name)
+            assert all(p.untyped_storage().nbytes() == 0 for p in u.params), (label, u.name)
+            assert u.gathers > 0, (label, u.name, "never gathered")
+            if u is not units[0]:  # issued by the unit before it, beside that one's forward
+                assert u.prefetched > 0, (label, u.name, "never prefetched")
+            assert (u.unit is not None) == (u.name in aligned), (label, u.name)
+            kinds.add(u.unit is not None)
+            if u.unit is not None:  # the master shard, cast: what the step left needs no gather
+                assert torch.equal(u.shard, engine.masters[u.unit].detach().to(u.shard.dtype)), (label, u.name)
+    if not ws.units:
+        return kinds
+    ws.peak_gathered = 0
+    engine.forward_backward(STEPS)
+    at_once: dict[int, int] = {}  # the units one module's forward gathers together
+    for units in ws.units.values():
+        for u in units:
+            at_once[id(u.module)] = at_once.get(id(u.module), 0) + u.full_bytes
+    two = sorted(at_once.values())[-2:]  # a unit's weights, and the next one's prefetched beside it
+    if one_at_a_time:
+        assert max(two) <= ws.peak_gathered <= sum(two), (label, ws.peak_gathered, two)
+    total = sum(u.full_bytes for units in ws.units.values() for u in units)
+    assert ws.gathered_bytes == 0, label
+    assert ws.peak_gathered < total or sum(len(units) for units in ws.units.values()) == 1, (label, total)
+    return kinds
+
+
+def check_weight_shards_with_options(rank, world, workloads, refs, cfg, cache) -> None:
+    """ZeRO-3 under the memory options whose backward reruns a forward (megatron-core's recomputation: the layers'
+    weights gathered again inside the backward) or interleaves tasks (early backward, two micro-batches)."""
+    for ops, case, wname, make in option_cases(world):
+        if case not in ("block", "mix"):
+            continue
+        w = workloads[wname]
+        plan = zeroed(make(w), 3)
+        engine = RuntimeEngine(plan, w, rank, world, cfg, groups=cache)
+        m = plan.settings.micro_batches
+        if (ops, wname, m) not in refs:
+            refs[ops, wname, m] = real_trajectory(w, m)
+        label = f"rank {rank} {ops} {wname} {case} zero3"
+        check_engine_against(engine, refs[ops, wname, m], label)
+        check_weight_shards(engine, label, one_at_a_time=False)
 
 
 @pytest.mark.multiproc

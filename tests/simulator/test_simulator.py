@@ -280,6 +280,9 @@ def test_zero_stages_shard_state_and_stage3_costs_gathers():
     forward, backward = g + s * g - 1 / 3, g + (s - 1) * g
     assert results[3].compute_time == pytest.approx(results[0].compute_time + 2 * (forward + backward))
     assert results[3].grad_sync_time == pytest.approx(results[0].grad_sync_time / 2)
+    # both slices hold their units at TP 1 on exactly their group's devices: each weight shard is the master
+    # shard, so nothing is gathered after the step (plan/buckets.py regathered_groups)
+    assert results[3].param_gather_time == 0.0
 
 
 def test_bad_segments_and_zero_stage_are_rejected():
