@@ -501,7 +501,8 @@ def check_evaluate(rank, world, workloads, refs, cfg, cache) -> None:
     """The forward-only pass through the wave schedule gives the reference's losses on other batches and
     leaves no trace (no bucket issued, no gradient, no optimizer state, no wave time): training afterwards
     still follows the reference."""
-    cases = [("tiny-vlm", lambda w: random_plan(w, world, 2)), ("fanout", lambda w: zeroed(random_plan(w, world, 1), 2))]
+    cases = [("tiny-vlm", lambda w: random_plan(w, world, 2)), ("fanout", lambda w: zeroed(random_plan(w, world, 1), 2)),
+             ("tiny-vlm", lambda w: zeroed(sequential_plan(w, world), 3))]  # ZeRO-3: each layer gathered, released
     for wname, make in cases:
         w = workloads[wname]
         engine = RuntimeEngine(make(w), w, rank, world, cfg, groups=cache, operator_factory=standin_factory,
@@ -518,6 +519,7 @@ def check_evaluate(rank, world, workloads, refs, cfg, cache) -> None:
         assert events == [], events
         assert all(not bool(buf.any()) for buf in engine.grad_buffers.storage())
         assert engine.optimizer is None or not engine.optimizer.state
+        assert engine.weight_shards is None or engine.weight_shards.gathered_bytes == 0
         engine.on_wave = None
         check_engine_against(engine, refs["standin", wname, 1], f"rank {rank} {wname} after evaluate")
 
