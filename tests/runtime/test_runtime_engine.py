@@ -413,14 +413,15 @@ def all_units(engine) -> dict:
 
 
 def check_resume_across_layouts(engine, w, rank, world, cfg, cache, label: str, stage: int) -> None:
-    """The zero_stage 1 (2) engine's full units load exactly into a zero_stage 0 engine of another plan and a
-    zero_stage 2 (1) engine on half the devices, neither overlapping the weights' all-gather; one more step on
+    """The zero_stage 1 (2, 3) engine's full units load exactly into a zero_stage 0 engine of another plan and a
+    zero_stage 3 (1, 2) engine on half the devices, neither overlapping the weights' all-gather; one more step on
     each agrees with the original engine. With the overlapped all-gather the original's operators still hold
     the weights before that step when it returns, and its export right after it (a flush) agrees."""
     units = all_units(engine)
     kw = dict(operator_factory=standin_factory, batch_fn=standin_batch, groups=cache)
     others = [RuntimeEngine(sequential_plan(w, world), w, rank, world, cfg, **kw),
-              RuntimeEngine(zeroed(random_plan(w, max(1, world // 2), 3), 3 - stage), w, rank, world, cfg, **kw)]
+              RuntimeEngine(zeroed(random_plan(w, max(1, world // 2), 3), {1: 3, 2: 1, 3: 2}[stage]), w, rank, world,
+                            cfg, **kw)]
     for other in others:
         other.load_units(units)
         for u, st in other.export_units().items():  # collective at zero_stage 1 and 2
