@@ -619,7 +619,8 @@ def check_weight_shards(engine, label: str, one_at_a_time: bool) -> set[bool]:
 
 def check_weight_shards_with_options(rank, world, workloads, refs, cfg, cache) -> None:
     """ZeRO-3 under the memory options whose backward reruns a forward (megatron-core's recomputation: the layers'
-    weights gathered again inside the backward) or interleaves tasks (early backward, two micro-batches)."""
+    weights gathered again inside the backward) or interleaves tasks (early backward, two micro-batches); and in
+    bf16 against ZeRO-2."""
     for ops, case, wname, make in option_cases(world):
         if case not in ("block", "mix"):
             continue
@@ -632,6 +633,15 @@ def check_weight_shards_with_options(rank, world, workloads, refs, cfg, cache) -
         label = f"rank {rank} {ops} {wname} {case} zero3"
         check_engine_against(engine, refs[ops, wname, m], label)
         check_weight_shards(engine, label, one_at_a_time=False)
+    # bf16, the GPU's dtype: the aligned units' weight shards are their fp32 masters cast, and every step of ZeRO-3
+    # gives exactly ZeRO-2's losses
+    w, half = workloads["tiny-vlm"], dataclasses.replace(cfg, dtype=torch.bfloat16)
+    losses = {}
+    for stage in (2, 3):
+        engine = RuntimeEngine(zeroed(sequential_plan(w, world), stage), w, rank, world, half, groups=cache)
+        losses[stage] = [engine.train_step(step) for step in range(STEPS)]
+    assert any(u.unit for units in engine.weight_shards.units.values() for u in units)
+    assert losses[3] == losses[2], (rank, losses)
 
 
 @pytest.mark.multiproc
