@@ -18,6 +18,10 @@ slice's activations come from the estimator's ``MemoryModel`` (``MemoryNumbers``
   (``settings.recompute_of``); a slice that recomputes also needs, during its backward, the activations of
   the layer it is recomputing (``SliceMemory.transient``). With ``micro_batches`` m every slice runs on B/m
   samples at a time, and a micro-batch's activations are freed before the next one starts.
+- **ZeRO-3's gathered weights.** While a slice with several DP ranks runs, a device also holds the full weights
+  (its TP shard) of ``GATHERED_LAYERS`` layers: the one running and the next one, prefetched
+  (runtime/weight_shards.py). They count as transient (``gathered_weight_bytes``); a slice's backward sees the
+  same activations live as the end of its forward, so its transient covers both.
 
 A device's predicted memory is its parameter state plus its activation peak.
 """
@@ -37,6 +41,7 @@ WEIGHT_BYTES_PER_PARAM = 2  # bf16 weight
 GRAD_BYTES_PER_PARAM = 4  # fp32 main gradient
 OPTIMIZER_BYTES_PER_PARAM = 4 + 4 + 4  # fp32 master weight, Adam m and v
 STATE_BYTES_PER_PARAM = WEIGHT_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM
+GATHERED_LAYERS = 2  # ZeRO-3: the layer running and the next one's weights, prefetched (runtime/weight_shards.py)
 
 
 class MemoryNumbers(Protocol):
@@ -107,15 +112,25 @@ class SliceMemory(NamedTuple):
     transient: float = 0.0  # bytes beyond those its backward needs at once (a layer being recomputed)
 
 
+def gathered_weight_bytes(numbers: ShardedNumbers, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> float:
+    """Bytes of gathered full weights a device of a slice holds while it runs: at ZeRO-3 with several DP ranks,
+    ``GATHERED_LAYERS`` of its layers' (one layer's, for a one-layer slice); 0 otherwise."""
+    if getattr(numbers, "zero_stage", 0) != 3 or dp == 1 or not metaop.params:
+        return 0.0
+    layer = sum(float(numbers.param_state_bytes(u, tp, 1)) for u in metaop.params[0])  # dp 1: unsharded
+    return min(GATHERED_LAYERS, num_layers) * layer * WEIGHT_BYTES_PER_PARAM / STATE_BYTES_PER_PARAM
+
+
 def activation_memory(numbers: ShardedNumbers, metaop: MetaOp, tp: int, dp: int, num_layers: int,
                       recompute: Recompute | None = None) -> tuple[float, float]:
     """(held, transient) bytes of ``num_layers`` operators of the MetaOp under ``recompute`` (None: the numbers'
-    own default)."""
+    own default); the transient includes ZeRO-3's gathered weights (``gathered_weight_bytes``)."""
+    gathered = gathered_weight_bytes(numbers, metaop, tp, dp, num_layers)
     memory = getattr(numbers, "activation_memory", None)
     if memory is None:
-        return float(numbers.activation_bytes(metaop, tp, dp, num_layers)), 0.0
+        return float(numbers.activation_bytes(metaop, tp, dp, num_layers)), gathered
     held, transient = memory(metaop, tp, dp, num_layers, recompute)
-    return float(held), float(transient)
+    return float(held), float(transient) + gathered
 
 
 def slice_memory(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers, recompute: Recompute | None = None,

@@ -14,6 +14,7 @@ from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.plan.layout import device_programs
 from megatron_spindle.plan.memory import (
     STATE_BYTES_PER_PARAM,
+    WEIGHT_BYTES_PER_PARAM,
     DeviceMemory,
     SliceMemory,
     ZeroSharded,
@@ -64,11 +65,16 @@ def test_a_unit_counts_once_at_its_largest_share():
 
 
 def test_zero_shards_the_state_over_the_slice_s_data_parallel_ranks():
+    """At stage 3 a device also holds, while the slice runs, two layers' full bf16 weights (the one running and
+    the next, prefetched: runtime/weight_shards.py): 2 x 1000 x 2 / 18 bytes; none on one DP rank."""
     waves = [[S("c", [0, 1, 2, 3])]]  # dp 4
     for stage, per_param in ((0, 18), (1, 2 + 4 + 12 / 4), (2, 2 + 16 / 4), (3, 18 / 4)):
         assert zero_state_bytes_per_param(stage, 4) == pytest.approx(per_param)
-        held = peak_memory(waves, METAOPS, ZeroSharded(Numbers(), stage), 4)[0] - 10 * 2 * 4 / 4
+        gathered = 2 * 1000 * WEIGHT_BYTES_PER_PARAM / STATE_BYTES_PER_PARAM if stage == 3 else 0.0
+        held = peak_memory(waves, METAOPS, ZeroSharded(Numbers(), stage), 4)[0] - 10 * 2 * 4 / 4 - gathered
         assert held == pytest.approx(2 * 1000 * per_param / STATE_BYTES_PER_PARAM)
+    one = peak_memory([[S("c", [0])]], METAOPS, ZeroSharded(Numbers(), 3), 1)[0]
+    assert one == pytest.approx(2 * 1000 + 10 * 2 * 4)
 
 
 def test_the_estimator_s_distributed_optimizer_is_the_same_rule_exactly():
