@@ -17,7 +17,7 @@ All of them run on the same runtime model as Spindle (``simulator/``), so one si
   every MetaOp on the largest valid n with its fastest (tp, dp) by Spindle's T(n) (no amortised sync).
 
 Memory options are tuned like the paper's hand tuning ("tuned by hand for the best result"), the way a user
-tuning the system would (``memory_tuned``): every ZeRO stage the system offers (DeepSpeed 0-3; Spindle-Seq 0-2,
+tuning the system would (``memory_tuned``): every ZeRO stage the system offers (DeepSpeed 0-3; Spindle-Seq 0-3,
 what Spindle's runtime implements; the others 0 and 1, the distributed optimizer) is simulated, without
 activation recomputation first and with it only when nothing fits without, and the fastest plan that fits 80 GiB
 is kept.
