@@ -326,8 +326,8 @@ def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: Plan
 def _fitted(name: str, unlimited: Plan, workload: Workload, cluster: ClusterSpec, config: PlannerConfig,
             first: PlanningResult, seconds: float):
     """A plan made for more memory as candidates on ``cluster``: with ZeRO-3, ZeRO-2, then ZeRO-1 (those
-    ``config`` allows; ZeRO-0 where it allows none), each layer slice at the cheapest recomputation that fits (none where
-    nothing does), timed on ``first``'s models."""
+    ``config`` allows; ZeRO-0 where it allows none), each layer slice at the cheapest recomputation that fits
+    (none where nothing does), timed on ``first``'s models."""
     from megatron_spindle.baselines.memory_options import with_cheapest_recompute
     from megatron_spindle.estimator import MemoryModel
 

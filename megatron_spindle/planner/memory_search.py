@@ -309,7 +309,8 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
             break
         micro = micro_metagraph(metagraph, m)
         found, free, unbound = None, False, None  # unbound: the least overcommit that placed with memory binding nothing
-        roomy_sharded = set()  # (assumed, over) where ZeRO-1 or 2 placed with memory binding nothing, recomputing nothing
+        # (assumed, over) where ZeRO-1 or 2 placed with memory binding nothing, recomputing nothing
+        roomy_sharded = set()
         for stage, assumed, over in rungs:
             if assumed.mode == "none" and unbound is not None and over > unbound:
                 continue  # more memory would place the same

@@ -277,8 +277,9 @@ def _first_use(plan: Plan, metaops) -> dict[str, float]:
 def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: CommModel, bwd_span: float,
                   ready: dict[str, float]) -> tuple[float, float]:
     """(what the gradient buckets add beyond the compute on the worst device, the weight gather after the step
-    of the groups plan/buckets.py ``regathered_groups`` names), given ``_unit_ready``'s span (transfers included) and unit accumulation times. Each bucket can overlap any compute
-    after its last unit's accumulation (a later segment's forward too)."""
+    of the groups plan/buckets.py ``regathered_groups`` names), given ``_unit_ready``'s span (transfers included)
+    and unit accumulation times. Each bucket can overlap any compute after its last unit's accumulation (a later
+    segment's forward too)."""
     settings = plan.settings
     waves = [w.slices for w in plan.waves]
     if bwd_span <= 0:

@@ -138,11 +138,10 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _unit_params(ls: LocalSlice, key_unit: dict[str, str],
+def _unit_params(ls: LocalSlice, modules: dict[str, torch.nn.Module], key_unit: dict[str, str],
                  device: torch.device) -> dict[str, list[tuple[str, torch.nn.Parameter]]] | None:
-    """unit -> its (key, parameter) in the slice's operator, keys sorted; None when they cannot be told apart
-    (a TP-sharded operator without ``unit_modules``)."""
-    modules = ls.op.unit_modules() if hasattr(ls.op, "unit_modules") else {}
+    """unit -> its (key, parameter) in the slice's operator (``modules``: its ``unit_modules``), keys sorted;
+    None when they cannot be told apart (a TP-sharded operator without ``unit_modules``)."""
     if modules:
         return {u: sorted((f"{u}.{path}", p) for path, p in m.named_parameters()) for u, m in modules.items()}
     if ls.slice.tp != 1:
@@ -174,7 +173,7 @@ class WeightShards:
             group = groups.weight_group(sid)  # the slice's DP ranks, a group for these gathers alone
             index = dist.get_rank(group)
             modules = ls.op.unit_modules() if hasattr(ls.op, "unit_modules") else {}
-            by_unit = _unit_params(ls, key_unit, device)
+            by_unit = _unit_params(ls, modules, key_unit, device)
             if by_unit is None:
                 mixed = sorted(aligned & set(ls.units))
                 if mixed:

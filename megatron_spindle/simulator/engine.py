@@ -42,11 +42,11 @@ engine is timeline.py):
   ZeRO stage 0 all-reduces, stages 1-3 reduce-scatter; stages 1 and 2 all-gather the updated weights after the
   optimizer step (``param_gather`` in the breakdown), and so does stage 3 for the groups whose weight shards
   are not their master shards (plan/buckets.py ``regathered_groups``: a TP shard, or a unit on several device
-  sets). With ``settings.overlap_param_gather`` (Megatron's
-  ``--overlap-param-gather``, stages 1 and 2) those gathers belong to the next iteration: in the steady state each group's
-  gather is issued at the iteration's start, on its members' channels ahead of the buckets, and overlaps the
-  forward (slowed by C10's factor like the buckets); a slice's first forward waits for the gathers of the groups
-  holding its units, and ``param_gather`` is what those waits add.
+  sets). With ``settings.overlap_param_gather`` (Megatron's ``--overlap-param-gather``, stages 1 and 2) those
+  gathers belong to the next iteration: in the steady state each group's gather is issued at the iteration's
+  start, on its members' channels ahead of the buckets, and overlaps the forward (slowed by C10's factor like
+  the buckets); a slice's first forward waits for the gathers of the groups holding its units, and
+  ``param_gather`` is what those waits add.
 - **Optimizer step.** After a device's last backward and the gradient synchronisation of every bucket it is
   in, it runs AdamW over the fp32 master elements it holds: per unit, the unit's TP shard (the smallest TP
   degree of its slices on the device, as the memory model counts it), divided over the slice's DP ranks
@@ -534,8 +534,8 @@ def _optimizer_steps(ctx: _Context, ready: list[float], cost_model) -> list[tupl
 
 def _param_gathers(ctx: _Context, timer: CollectiveTimer, steps: list[tuple[float, float]]):
     """Each group plan/buckets.py ``regathered_groups`` names all-gathers its updated weights once its members
-    have stepped; gathers sharing a device run one after another, and a cross-node gather shares its nodes' network with the cross-node
-    gathers already running there when it starts. (group, start, end) each."""
+    have stepped; gathers sharing a device run one after another, and a cross-node gather shares its nodes'
+    network with the cross-node gathers already running there when it starts. (group, start, end) each."""
     gathers = param_gathers(ctx.plan, ctx.groups, ctx.metaops)
     if not gathers:
         return []

@@ -502,7 +502,8 @@ def check_evaluate(rank, world, workloads, refs, cfg, cache) -> None:
     """The forward-only pass through the wave schedule gives the reference's losses on other batches and
     leaves no trace (no bucket issued, no gradient, no optimizer state, no wave time): training afterwards
     still follows the reference."""
-    cases = [("tiny-vlm", lambda w: random_plan(w, world, 2)), ("fanout", lambda w: zeroed(random_plan(w, world, 1), 2)),
+    cases = [("tiny-vlm", lambda w: random_plan(w, world, 2)),
+             ("fanout", lambda w: zeroed(random_plan(w, world, 1), 2)),
              ("tiny-vlm", lambda w: zeroed(sequential_plan(w, world), 3))]  # ZeRO-3: each layer gathered, released
     for wname, make in cases:
         w = workloads[wname]
@@ -581,7 +582,8 @@ def check_weight_shards(engine, label: str, one_at_a_time: bool) -> set[bool]:
     of each unit's weights (the parameters' storages released) and every slice with one DP rank holds them all;
     a unit is aligned (its weight shard is its master shard, updated without communication) exactly where the
     plan's rule says; ``one_at_a_time`` (no recomputation): a step holds one module's units at a time (a layer's;
-    a stand-in operator's, which has no modules of its own) and the next one's, prefetched. Returns the kinds seen (True: an aligned unit, False: one regathered after the step)."""
+    a stand-in operator's, which has no modules of its own) and the next one's, prefetched. Returns the kinds seen
+    (True: an aligned unit, False: one regathered after the step)."""
     ws, plan = engine.weight_shards, engine.plan
     assert set(ws.units) == {sid for sid, ls in engine.local.items() if ls.slice.dp > 1}, label
     rule = regathered_groups([w.slices for w in plan.waves], engine.metagraph.metaops,
