@@ -129,16 +129,32 @@ def regathered_groups(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping
         return [False] * len(groups)
     if zero_stage in (1, 2):
         return [True] * len(groups)
-    holders: dict[str, list[SliceGeometry]] = {}
-    for slices in waves:
-        for s in slices:
-            for u in slice_units(metaops[s.metaop], s.layer_start, s.layer_end):
-                holders.setdefault(u, []).append(s)
+    holders = unit_holders(waves, metaops)
     out = []
     for devices, units in groups:  # the slice's DP ranks in the group's (sorted) member order
         own = sorted(devices)
         out.append(any(s.tp != 1 or list(s.devices or ()) != own for u in units for s in holders.get(u, ())))
     return out
+
+
+def unit_holders(waves: Sequence[Sequence[SliceGeometry]],
+                 metaops: Mapping[str, MetaOp]) -> dict[str, list[SliceGeometry]]:
+    """unit -> every slice holding it, in wave order."""
+    holders: dict[str, list[SliceGeometry]] = {}
+    for slices in waves:
+        for s in slices:
+            for u in slice_units(metaops[s.metaop], s.layer_start, s.layer_end):
+                holders.setdefault(u, []).append(s)
+    return holders
+
+
+def group_tp(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
+             groups: Sequence[Sequence[str]]) -> list[int]:
+    """Per parameter device group (its units): the TP degree of the gradient shard its rings reduce, the smallest
+    TP of the slices holding its units (1 when none does). A unit held at TP 2 and TP 4 is reduced in the TP-2
+    shard's layout, so each ring carries 1/2 of its gradient."""
+    holders = unit_holders(waves, metaops)
+    return [min((s.tp for u in units for s in holders.get(u, ())), default=1) for units in groups]
 
 
 def overlaps_param_gather(settings: ExecutionSettings) -> bool:

@@ -45,6 +45,7 @@ from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.plan.buckets import (
     completion_sorted,
     default_bucket_numel,
+    group_tp,
     overlaps_param_gather,
     regathered_groups,
     split_buckets,
@@ -284,20 +285,15 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
     waves = [w.slices for w in plan.waves]
     if bwd_span <= 0:
         return 0.0, 0.0
-    tp_of: dict[str, int] = {}
-    for slices in waves:
-        for s in slices:
-            for u in slice_units(metaops[s.metaop], s.layer_start, s.layer_end):
-                tp_of[u] = min(tp_of.get(u, s.tp), s.tp)
     completion = unit_completion(waves, metaops, settings)
     micro = settings.micro_batches
     synced, per_micro_batch = synced_micro_batches(settings.zero_stage, micro), bwd_span / micro
     op = "all_reduce" if settings.zero_stage == 0 else "reduce_scatter"
     regathered = regathered_groups(waves, metaops, [(g.devices, g.params) for g in plan.param_groups],
                                    settings.zero_stage)
+    tps = group_tp(waves, metaops, [g.params for g in plan.param_groups])
     rings = []
-    for g, again in zip(plan.param_groups, regathered):
-        tp = min((tp_of.get(u, 1) for u in g.params), default=1)
+    for g, tp, again in zip(plan.param_groups, tps, regathered):
         rings.append((g, tp, GroupPlacement.dp_ring(g.devices, tp, cluster), again))
     per_device: dict[int, list[tuple[float, float]]] = {}
     gather = 0.0

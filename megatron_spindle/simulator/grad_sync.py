@@ -31,12 +31,12 @@ from megatron_spindle.plan.buckets import (
     Completion,
     completion_sorted,
     default_bucket_numel,
+    group_tp,
     launch_key,
     regathered_groups,
     split_buckets,
     unit_completion,
 )
-from megatron_spindle.plan.layout import slice_units
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, grad_reduce_bytes
 from megatron_spindle.plan.schema import Plan
 
@@ -73,20 +73,10 @@ class GroupInfo:
         return self.ring.size
 
 
-def unit_tp(plan: Plan, metaops: Mapping[str, MetaOp]) -> dict[str, int]:
-    """unit -> the smallest TP degree of the slices holding it (the shard the group's rings reduce)."""
-    out: dict[str, int] = {}
-    for s in plan.slices():
-        for u in slice_units(metaops[s.metaop], s.layer_start, s.layer_end):
-            out[u] = min(out.get(u, s.tp), s.tp)
-    return out
-
-
 def group_infos(plan: Plan, metaops: Mapping[str, MetaOp], param_count, cluster: ClusterSpec) -> list[GroupInfo]:
-    tps = unit_tp(plan, metaops)
+    tps = group_tp([w.slices for w in plan.waves], metaops, [g.params for g in plan.param_groups])
     out = []
-    for g in plan.param_groups:
-        tp = min((tps.get(u, 1) for u in g.params), default=1)
+    for g, tp in zip(plan.param_groups, tps):
         params = sum(param_count(u) for u in g.params)
         out.append(GroupInfo(tuple(sorted(g.devices)), list(g.params), params, tp,
                              GroupPlacement.dp_ring(g.devices, tp, cluster)))

@@ -1,5 +1,6 @@
-"""plan/buckets.py's rule for the weights' all-gather after the optimizer step (``regathered_groups``), which the
-simulator, the planner's estimate and the runtime (runtime/weight_shards.py) all follow."""
+"""plan/buckets.py's rules for the weights' all-gather after the optimizer step (``regathered_groups``), which the
+simulator, the planner's estimate and the runtime (runtime/weight_shards.py) all follow, and for the TP shard a
+group's gradient rings reduce (``group_tp``: the simulator's and the planner's)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from types import SimpleNamespace
 
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
-from megatron_spindle.plan.buckets import overlaps_param_gather, regathered_groups
+from megatron_spindle.plan.buckets import group_tp, overlaps_param_gather, regathered_groups
 from megatron_spindle.plan.layout import slice_units
 from megatron_spindle.plan.schema import ExecutionSettings
 
@@ -44,3 +45,22 @@ def test_overlapped_param_gather_only_at_zero_1_and_2():
     for stage, expected in ((0, False), (1, True), (2, True), (3, False)):
         assert overlaps_param_gather(ExecutionSettings(zero_stage=stage, overlap_param_gather=True)) is expected
     assert not overlaps_param_gather(ExecutionSettings(zero_stage=1, overlap_param_gather=False))
+
+
+def test_group_tp_is_the_smallest_holder_tp():
+    g = build_metagraph(load_workload("tiny-vlm"))
+    vision = next(m for m in g.metaops.values() if m.kind == "layer" and m.module == "vision")
+    audio = next(m for m in g.metaops.values() if m.kind == "layer" and m.module == "audio")
+    half = vision.num_layers // 2
+    first = SimpleNamespace(**{**vars(_layer_slice(g.metaops, vision.id, [0, 1, 2, 3], tp=4)), "layer_end": half})
+    waves = [[first, _layer_slice(g.metaops, audio.id, [4, 5], tp=2)],
+             [_layer_slice(g.metaops, vision.id, [0, 1], tp=2)]]
+    head = slice_units(vision, 0, half)
+    tail = slice_units(vision, half, vision.num_layers)
+    groups = [head, tail, slice_units(audio, 0, audio.num_layers), ["nobody.holds.this"]]
+    # the first layers are held at TP 4 and TP 2 (reduced in the TP-2 layout), the rest at TP 2 alone
+    assert group_tp(waves, g.metaops, groups) == [2, 2, 2, 1]
+    waves[1][0].tp = 1
+    assert group_tp(waves, g.metaops, groups) == [1, 1, 2, 1]
+    waves[1] = []
+    assert group_tp(waves, g.metaops, [head, tail]) == [4, 1]
