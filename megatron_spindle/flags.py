@@ -39,14 +39,16 @@ class FlagSpec:
     choices: tuple | None = None
     type: Callable[[str], Any] | None = None  # parses the flag's text; default: from the annotation
     metavar: str | None = None
+    nargs: str | None = None  # "+": a list of values (the field holds a tuple)
 
 
 def flag(help: str, *, name: str | None = None, choices: Sequence | None = None,
-         type: Callable[[str], Any] | None = None, metavar: str | None = None) -> dict[str, FlagSpec]:
+         type: Callable[[str], Any] | None = None, metavar: str | None = None,
+         nargs: str | None = None) -> dict[str, FlagSpec]:
     """Field metadata making the field a command-line flag: ``field(default=..., metadata=flag(...))``."""
     if name is not None and not name.startswith("--"):
         raise ValueError(f"flag name must start with '--', got {name!r}")
-    return {_KEY: FlagSpec(help, name, tuple(choices) if choices is not None else None, type, metavar)}
+    return {_KEY: FlagSpec(help, name, tuple(choices) if choices is not None else None, type, metavar, nargs)}
 
 
 def flag_spec(f: dataclasses.Field) -> FlagSpec | None:
@@ -121,6 +123,8 @@ def add_flags(group, cls: type, prefix: str = ""):
                 kwargs["choices"] = spec.choices
             if spec.metavar is not None:
                 kwargs["metavar"] = spec.metavar
+            if spec.nargs is not None:
+                kwargs["nargs"] = spec.nargs
         group.add_argument(option, **kwargs)
     return group
 
@@ -137,6 +141,11 @@ def check_choices(config) -> None:
     for f, spec in _flagged(type(config)):
         value = getattr(config, f.name)
         if value is None and f.default is None:  # an optional flag left out
+            continue
+        if spec.nargs is not None and spec.choices is not None and not isinstance(value, str):
+            bad = [v for v in value if v not in spec.choices]
+            if bad:
+                raise ValueError(f"unknown {f.name} '{bad[0]}' (expected one of {', '.join(map(str, spec.choices))})")
             continue
         if spec.choices is not None and value not in spec.choices:
             raise ValueError(f"unknown {f.name} '{value}' (expected one of {', '.join(map(str, spec.choices))})")

@@ -43,9 +43,9 @@ from megatron_spindle.estimator.op_kernels import (
     ATTENTION_KINDS,
     LayerShape,
     LayerTime,
-    core_attention,
     layer_time,
     light_time,
+    rerun_kernels,
 )
 from megatron_spindle.graph.cluster import HBM_STREAM_EFFICIENCY, ClusterSpec, GPUSpec
 from megatron_spindle.graph.opgraph import MetaOp
@@ -574,8 +574,8 @@ class AnalyticCostModel:
     def recompute_seconds(self, metaop: MetaOp, tp: int, dp: int, recompute, num_layers: int) -> float:
         """Seconds the backward of ``num_layers`` operators of ``metaop`` spends recomputing under ``recompute``
         (plan/schema.py ``Recompute``), on one device of a (tp, dp) config: selective reruns every layer's
-        attention core (op_kernels.core_attention), full reruns the whole forward of each recomputed layer, its TP
-        all-reduces included. Charged on top of ``phase_seconds`` of a model without ``config.recompute`` (the
+        modules (op_kernels.rerun_kernels; the MLP's with its output's TP all-reduce), full reruns the whole
+        forward of each recomputed layer, its TP all-reduces included. Charged on top of ``phase_seconds`` of a model without ``config.recompute`` (the
         simulator does): a rerun launches its kernels again, so a host-bound layer pays them at the launch floor."""
         if metaop.kind != "layer" or num_layers <= 0:
             return 0.0
@@ -585,8 +585,10 @@ class AnalyticCostModel:
         self._check_config(metaop, tp, dp)
         kernels = self._kernel_time(metaop, tp, dp, recompute=False)
         if rc.mode == "selective":
-            seconds, launches = core_attention(kernels.kernels)
-            return num_layers * self._rerun_seconds(metaop, tp, dp, kernels, seconds, launches, 0)
+            modules = rc.recompute_modules
+            seconds, launches = rerun_kernels(kernels.kernels, modules)
+            allreduces = 1 if "mlp" in modules and tp > 1 else 0
+            return num_layers * self._rerun_seconds(metaop, tp, dp, kernels, seconds, launches, allreduces)
         rerun = self._rerun_seconds(metaop, tp, dp, kernels, kernels.forward, kernels.forward_kernels,
                                     self._tp_allreduces(metaop, tp))
         return rc.recomputed_layers(num_layers) * rerun

@@ -20,10 +20,14 @@ device of a (tp, dp) slice, T = b * s tokens of its data-parallel shard, d bytes
 - MLP: GELU keeps the biased FC1 output and the activation (2 T F / tp); SwiGLU the FC1 output, the SiLU
   output, the linear half and their product (5 T F / tp).
 
-Recomputation (``Recompute``): ``selective`` keeps what enters the attention core (q, k, v before any
-expansion) instead of what it saves inside, and needs the core's tensors of one layer while that layer's
-backward recomputes them; ``full`` keeps a recomputed layer's input only, and needs one layer's (a chunk's)
-full activations while its backward runs. Dropout masks are not counted: our operators run without dropout.
+Recomputation (``Recompute``): ``selective`` reruns the parts ``recompute_modules`` names, in every layer:
+``core_attn`` keeps what enters the attention core (q, k, v before any expansion) instead of what it saves
+inside; ``layernorm`` keeps each pre-norm's input only (its statistics are not saved, and its output is released
+once used: megatron-core's ``CheckpointWithoutOutput``); ``mlp`` keeps the MLP's input only (the pre-MLP norm's
+output, counted with that norm). While one layer's backward reruns them it needs that layer's rerun tensors
+again (``core``, the MLP's, a norm's output). ``full`` keeps a recomputed layer's input only, and needs one
+layer's (a chunk's) full activations while its backward runs. Dropout masks are not counted: our operators run
+without dropout.
 """
 
 from __future__ import annotations
@@ -46,12 +50,32 @@ FP32, INT64 = 4, 8
 class LayerActivations:
     """Bytes one transformer layer saves on one device: ``full`` without recomputation, ``selective`` with its
     attention core recomputed, ``core`` what rerunning the core needs beyond what the layer's backward has
-    freed by then, ``input`` the layer's input (all a fully recomputed layer keeps)."""
+    freed by then, ``input`` the layer's input (all a fully recomputed layer keeps). For the other selective
+    modules: ``norm`` what one pre-norm holds beyond its input (its statistics and output: what layernorm
+    recomputation frees, per norm), ``mlp`` the MLP's own tensors (what MLP recomputation frees, and needs again
+    while it reruns), ``core_saved`` the core's tensors before the layer's backward frees anything."""
 
     full: float
     selective: float
     core: float
     input: float
+    norm: float = 0.0
+    mlp: float = 0.0
+    core_saved: float = 0.0
+
+    def selective_memory(self, modules: tuple[str, ...]) -> tuple[float, float]:
+        """(held, transient) of one layer whose selective recomputation reruns ``modules`` (plan/schema.py
+        RECOMPUTE_MODULES). The backward reruns the MLP first (its input norm's output with it under layernorm
+        recomputation), then the second norm, then the attention core, having freed the MLP's tensors and the
+        second norm's (its input, of the layer input's size, and the rest) by then."""
+        core_attn, layernorm, mlp = ("core_attn" in modules, "layernorm" in modules, "mlp" in modules)
+        held = self.full - (self.full - self.selective if core_attn else 0.0) - (2 * self.norm if layernorm
+                                                                                 else 0.0) - (self.mlp if mlp else 0.0)
+        freed = (0.0 if mlp else self.mlp) + self.input + (0.0 if layernorm else self.norm)  # the second norm's
+        transient = max(self.mlp + (self.norm if layernorm else 0.0) if mlp else 0.0,
+                        self.norm if layernorm else 0.0,
+                        max(0.0, self.core_saved - freed) if core_attn else 0.0)
+        return held, transient
 
 
 class MemoryModel:
@@ -155,8 +179,8 @@ class MemoryModel:
             selective += extra + cross_entering
             core += cross_core
         # the backward frees the layer's MLP activations and second norm before it reruns the attention core
-        core = max(0.0, core - mlp - norm)
-        return LayerActivations(full, selective, core, t * h * d)
+        return LayerActivations(full, selective, max(0.0, core - mlp - norm), t * h * d, norm - t * h * d, mlp,
+                                core)
 
     def _light_op(self, metaop: MetaOp, micro_batch: float, tp: int = 1) -> float:
         d = self.dtype_bytes
@@ -229,7 +253,8 @@ class MemoryModel:
         if rc.mode == "none":
             return num_layers * layer.full, 0.0
         if rc.mode == "selective":
-            return num_layers * layer.selective, layer.core
+            held, transient = layer.selective_memory(rc.recompute_modules)
+            return num_layers * held, transient
         if rc.method == "uniform":  # chunks of `chunk` layers keep one input each; one chunk is rerun at a time
             chunk = rc.chunk(num_layers)
             return math.ceil(num_layers / chunk) * layer.input, max(0.0, chunk * layer.full - layer.input)

@@ -280,14 +280,18 @@ def layer_time(km: KernelModel, shape: LayerShape, recompute: bool = False) -> L
     return _time(forward, backward)
 
 
-def core_attention(kernels: list[Kernel]) -> tuple[float, int]:
-    """Forward seconds and launches of the attention cores among a layer's kernels (QK^T, softmax, PV and the
-    context copy, or the FlashAttention kernel; self- and cross-attention): what selective recomputation reruns."""
-    core = [k for k in kernels if k.phase == "forward" and k.name.split(".")[0] in ATTENTION_CORES]
-    return sum(k.seconds for k in core), sum(k.launches for k in core)
+def rerun_kernels(kernels: list[Kernel], modules: tuple[str, ...]) -> tuple[float, int]:
+    """Forward seconds and launches of the kernels among a layer's that selective recomputation of ``modules``
+    reruns (``RERUN_KERNELS``): the attention cores (QK^T, softmax, PV and the context copy, or the
+    FlashAttention kernel; self- and cross-attention), the two pre-norms, the MLP."""
+    names = {n for m in modules for n in RERUN_KERNELS[m]}
+    rerun = [k for k in kernels if k.phase == "forward" and k.name.split(".")[0] in names]
+    return sum(k.seconds for k in rerun), sum(k.launches for k in rerun)
 
 
-ATTENTION_CORES = ("attention", "attention_x")  # kernel names of the cores (_attention_forward)
+# forward kernel names (_forward) per megatron-core recompute module; the cross-attention's norm is not rerun
+RERUN_KERNELS = {"core_attn": ("attention", "attention_x"), "layernorm": ("norm1", "norm2"),
+                 "mlp": ("fc1", "activation", "fc2")}
 
 
 def _time(forward: list[Kernel], backward: list[Kernel]) -> LayerTime:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
 from megatron_spindle.graph.workload import ModuleSpec
-from megatron_spindle.plan.schema import Recompute
+from megatron_spindle.plan.schema import Recompute, recompute_fits
 
 
 @dataclass
@@ -92,14 +92,15 @@ def _base_kwargs(cfg: ModelConfig, tp_size: int, module: ModuleSpec | None = Non
 
 def recompute_fields(recompute: Recompute, num_layers: int) -> dict:
     """megatron-core's TransformerConfig fields for ``recompute`` of a block of ``num_layers`` layers:
-    selective recomputes the attention core (``recompute_modules`` defaults to ["core_attn"]); full with the
+    selective recomputes the recompute's modules (``recompute_modules``: the attention core, the pre-norms,
+    the MLP; megatron-core's default ["core_attn"] where none are named); full with the
     block method checkpoints the first k layers one by one, with the uniform method every chunk of k (the largest
     divisor of the block's layer count up to k)."""
     rc = recompute.for_layers(num_layers)
     if rc.mode == "none":
         return {}
     if rc.mode == "selective":
-        return dict(recompute_granularity="selective")
+        return dict(recompute_granularity="selective", recompute_modules=list(rc.recompute_modules))
     if rc.method == "uniform":
         return dict(recompute_granularity="full", recompute_method="uniform",
                     recompute_num_layers=rc.chunk(num_layers))
@@ -112,6 +113,9 @@ def transformer_config(module: ModuleSpec, num_layers: int, tp_size: int, cfg: M
     Module options: ``activation`` (the MLP's; gated for llm modules), ``qkv_bias`` (llm q/k/v biases,
     megatron's add_qkv_bias), ``norm_epsilon``."""
     is_llm = module.kind == "llm"
+    if not recompute_fits(cfg.recomputation, module.kind):
+        raise ValueError(f"module '{module.name}': MLP recomputation needs a bias-free MLP (plan/schema.py "
+                         f"MLP_RECOMPUTE_KINDS); megatron-core's checkpoint of an MLP with biases never returns")
     return TransformerConfig(
         num_layers=num_layers,
         hidden_size=module.hidden_size,

@@ -49,6 +49,7 @@ from megatron_spindle.compat.groups import (
     group_size,
     make_pg_collection,
 )
+from megatron_spindle.compat.recompute import patch_checkpoint_without_output
 from megatron_spindle.data.mock import TaskBatch, own_text_tokens
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import Workload
@@ -389,6 +390,7 @@ def build_operator(workload: Workload, metaop: MetaOpInfo, layer_start: int, lay
     if not 0 <= layer_start < layer_end <= limit:
         raise ValueError(f"{metaop.id}: layer range [{layer_start}, {layer_end}) outside [0, {limit})")
     apply_cpu_shim()
+    patch_checkpoint_without_output()
     ensure_torch_distributed()
     ensure_global_memory_buffer()
     ensure_model_parallel_rng()

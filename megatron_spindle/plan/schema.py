@@ -28,6 +28,26 @@ PLAN_FORMAT = "megatron-spindle-plan"
 TRANSFER_KINDS = ("local", "intra_island", "inter_island")
 RECOMPUTE_MODES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("block", "uniform")  # megatron-core's recompute_method
+# megatron-core's recompute_modules of a dense layer under selective recomputation, in canonical order
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
+# module kinds whose layers may recompute their MLP: megatron-core 0.16.1's checkpoint of an MLP that returns its
+# fc2 bias (every encoder's: linear biases) recurses in the backward without end, so only bias-free MLPs (llm)
+MLP_RECOMPUTE_KINDS = ("llm",)
+
+
+def recompute_fits(recompute: Recompute, module_kind: str) -> bool:
+    """Whether a layer of a module of ``module_kind`` can run ``recompute`` (``MLP_RECOMPUTE_KINDS``)."""
+    return "mlp" not in recompute.recompute_modules or module_kind in MLP_RECOMPUTE_KINDS
+
+
+def fitted_recompute(recompute: Recompute, module_kind: str) -> Recompute:
+    """``recompute`` for a layer of ``module_kind``: without the MLP where it cannot rerun it (the other modules
+    it names, or megatron-core's default core_attn when the MLP was the only one)."""
+    if recompute_fits(recompute, module_kind):
+        return recompute
+    rest = tuple(m for m in recompute.recompute_modules if m != "mlp")
+    return Recompute("selective", modules=rest or DEFAULT_RECOMPUTE_MODULES)
 PHASES = ("fwd", "bwd")
 ZERO_STAGES = (0, 1, 2, 3)
 RUNTIME_ZERO_STAGES = (0, 1, 2, 3)  # what Spindle's runtime implements (runtime/weight_shards.py: 3)
@@ -43,8 +63,10 @@ class Recompute:
     """Activation recomputation of a slice's transformer layers, as megatron-core's TransformerConfig says it:
 
     - ``none``: every layer keeps what its backward needs;
-    - ``selective``: the attention core (QK^T, softmax, PV) of every layer is recomputed in the backward
-      (``recompute_granularity="selective"``, ``recompute_modules=["core_attn"]``);
+    - ``selective``: parts of every layer are recomputed in the backward (``recompute_granularity="selective"``)
+      as ``modules`` says (megatron-core's ``recompute_modules``; None: ``["core_attn"]``, its default):
+      ``core_attn`` the attention core (QK^T, softmax, PV), ``layernorm`` the two pre-norms (their outputs are
+      released after use and rerun when the backward needs them), ``mlp`` the whole MLP;
     - ``full``: a recomputed layer keeps only its input and reruns its forward in the backward
       (``recompute_granularity="full"``). With ``method="block"`` the first ``layers`` layers of the slice
       recompute, each on its own (None: all of them; ``recompute_method="block"``, ``recompute_num_layers``);
@@ -54,10 +76,13 @@ class Recompute:
     mode: str = "none"
     layers: int | None = None
     method: str = "block"
+    modules: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.mode not in RECOMPUTE_MODES:
             raise PlanError(f"recompute mode '{self.mode}' is not one of {', '.join(RECOMPUTE_MODES)}")
+        if self.modules is not None:
+            self._check_modules()
         if self.method not in RECOMPUTE_METHODS:
             raise PlanError(f"recompute method '{self.method}' is not one of {', '.join(RECOMPUTE_METHODS)}")
         if self.layers is not None and (self.mode != "full" or not _is_count(self.layers)):
@@ -66,6 +91,28 @@ class Recompute:
         if self.method == "uniform" and (self.mode != "full" or self.layers == 0):
             raise PlanError(f"recompute method 'uniform' needs mode 'full' and chunks of at least 1 layer, got "
                             f"mode '{self.mode}', layers {self.layers!r}")
+
+    def _check_modules(self) -> None:
+        mods = self.modules
+        if isinstance(mods, str) or not all(isinstance(m, str) for m in mods):
+            raise PlanError(f"recompute modules {mods!r}: a list of module names")
+        unknown = sorted(set(mods) - set(RECOMPUTE_MODULES))
+        if unknown or not mods:
+            raise PlanError(f"recompute modules {list(mods)!r}: each one of {', '.join(RECOMPUTE_MODULES)}, at "
+                            f"least one")
+        if self.mode != "selective":
+            raise PlanError(f"recompute modules {list(mods)!r}: only mode 'selective' takes modules, got mode "
+                            f"'{self.mode}'")
+        canonical = tuple(m for m in RECOMPUTE_MODULES if m in mods)
+        # the default is stored as None, so Recompute("selective") equals it
+        object.__setattr__(self, "modules", None if canonical == DEFAULT_RECOMPUTE_MODULES else canonical)
+
+    @property
+    def recompute_modules(self) -> tuple[str, ...]:
+        """The layer parts a selective recomputation reruns (none for other modes)."""
+        if self.mode != "selective":
+            return ()
+        return self.modules or DEFAULT_RECOMPUTE_MODULES
 
     def recomputed_layers(self, num_layers: int) -> int:
         """How many of a slice's ``num_layers`` layers rerun their whole forward in the backward."""
@@ -99,6 +146,8 @@ class Recompute:
         return Recompute("none") if k == 0 else Recompute("full") if k == num_layers else Recompute("full", k)
 
     def describe(self) -> str:
+        if self.mode == "selective" and self.modules is not None:
+            return f"selective ({', '.join(self.modules)})"
         if self.mode != "full" or (self.layers is None and self.method == "block"):
             return self.mode
         if self.method == "uniform":
@@ -107,6 +156,9 @@ class Recompute:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Recompute:
+        d = dict(d)
+        if isinstance(d.get("modules"), list):
+            d["modules"] = tuple(d["modules"])
         return cls(**d)
 
 
@@ -376,4 +428,6 @@ def _recompute_dict(r: Recompute) -> dict[str, Any]:
     d: dict[str, Any] = {"mode": r.mode, "layers": r.layers}
     if r.method != "block":
         d["method"] = r.method
+    if r.modules is not None:
+        d["modules"] = list(r.modules)
     return d

@@ -8,7 +8,7 @@ from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.layout import transfer_pairs
 from megatron_spindle.plan.order import check_dataflow, slice_order
 from megatron_spindle.plan.routing import Router
-from megatron_spindle.plan.schema import TRANSFER_KINDS, Plan, PlanError
+from megatron_spindle.plan.schema import MLP_RECOMPUTE_KINDS, TRANSFER_KINDS, Plan, PlanError, recompute_fits
 
 TIME_EPS = 1e-9
 
@@ -35,6 +35,8 @@ def validate_plan(plan: Plan, workload: Workload | None = None, cluster: Cluster
                         f"not for this one of {cluster.num_devices} ({cluster.digest()})")
     metaops = {m.id: m for m in plan.metaops}
     _check_slices(plan, metaops)
+    if workload is not None:
+        _check_recompute_modules(plan, workload)
     for i, w in enumerate(plan.waves):
         if w.index != i:
             raise PlanError(f"wave at position {i} has index {w.index}: wave i must have index i")
@@ -85,6 +87,18 @@ def check_settings(plan: Plan) -> None:
 def _pairs(plan: Plan):
     return transfer_pairs([w.slices for w in plan.waves], {m.id: m.preds for m in plan.metaops},
                           {m.id: m.num_layers for m in plan.metaops})
+
+
+def _check_recompute_modules(plan: Plan, workload: Workload) -> None:
+    for w in plan.waves:
+        for s in w.slices:
+            if s.kind != "layer":
+                continue
+            rc, module = plan.settings.recompute_of(s.id), workload.modules[plan.metaop(s.metaop).module]
+            if not recompute_fits(rc, module.kind):
+                raise PlanError(f"slice '{s.id}': recompute modules {list(rc.recompute_modules)} include mlp, which "
+                                f"only {', '.join(MLP_RECOMPUTE_KINDS)} modules can recompute (module "
+                                f"'{module.name}' is an {module.kind} with linear biases)")
 
 
 def _check_slices(plan: Plan, metaops) -> None:

@@ -1,8 +1,8 @@
 """Activation recomputation per slice: the cheapest choice for every layer slice of placed waves whose memory
 fits every device.
 
-Each layer slice has a ladder of options (``slice_options``): none, selective (the attention cores), and full
-recomputation of its first k layers (k = 1..L, megatron-core's block method), each with the seconds its
+Each layer slice has a ladder of options (``slice_options``): none, selective (every subset of megatron-core's
+recompute modules the layer can rerun: the attention core, the pre-norms, the MLP), and full recomputation of its first k layers (k = 1..L, megatron-core's block method), each with the seconds its
 backward spends recomputing (the cost model's ``recompute_seconds``) and the bytes it holds and needs while
 recomputing (the memory model's ``activation_memory``); options that cost more without holding less are
 dropped. A device's memory is plan/memory.py's: its parameter state plus the peak, over the execution order,
@@ -29,7 +29,7 @@ from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.plan.layout import SliceGeometry, device_programs
 from megatron_spindle.plan.memory import ShardedNumbers, activation_memory, memory_breakdown
 from megatron_spindle.plan.order import FWD, SliceStep
-from megatron_spindle.plan.schema import Recompute
+from megatron_spindle.plan.schema import RECOMPUTE_MODULES, Recompute, fitted_recompute, recompute_fits
 
 SliceKey = tuple[int, int]  # (wave, slice)
 SLACK_WEIGHT = 0.1  # share of recomputation seconds counted where the slice's wave absorbs them
@@ -72,9 +72,10 @@ def slice_options(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers, cos
     if metaop.kind != "layer":
         choices = [Recompute()]
     elif policy.fixed is not None:
-        choices = [policy.fixed.for_layers(layers)]
+        choices = [fitted_recompute(policy.fixed.for_layers(layers), cost_model.workload.modules[metaop.module].kind)]
     else:
-        choices = [Recompute()] + ([Recompute("selective")] if policy.allow_selective else [])
+        choices = [Recompute()] + (selective_choices(cost_model.workload.modules[metaop.module].kind)
+                                   if policy.allow_selective else [])
         choices += [Recompute("full", k).for_layers(layers) for k in range(1, layers + 1)]
     options = []
     for rc in choices:
@@ -88,6 +89,15 @@ def slice_options(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers, cos
                 o.held + o.transient < min(x.held + x.transient for x in ladder):
             ladder.append(o)
     return ladder
+
+
+def selective_choices(module_kind: str) -> list[Recompute]:
+    """Selective recomputation of every subset of megatron-core's modules a layer of ``module_kind`` can rerun
+    (plan/schema.py ``recompute_fits``)."""
+    subsets = [tuple(m for i, m in enumerate(RECOMPUTE_MODULES) if bits >> i & 1)
+               for bits in range(1, 1 << len(RECOMPUTE_MODULES))]
+    choices = [Recompute("selective", modules=m) for m in subsets]
+    return [rc for rc in choices if recompute_fits(rc, module_kind)]
 
 
 class _Program:

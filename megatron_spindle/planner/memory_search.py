@@ -115,7 +115,7 @@ def cap_slice_devices(allowed: dict[str, set[tuple[int, int]]], cap: int) -> dic
 def recompute_policy(config: PlannerConfig) -> RecomputePolicy:
     """The recomputation the planner may choose: the Megatron-style flags as given, else --spindle-recompute."""
     if config.recompute_granularity == "selective":
-        return RecomputePolicy(Recompute("selective"))
+        return RecomputePolicy(Recompute("selective", modules=config.recompute_modules))
     if config.recompute_granularity == "full":
         if (config.recompute_method or "uniform") == "uniform":
             return RecomputePolicy(Recompute("full", config.recompute_num_layers or 1, "uniform"))
@@ -261,7 +261,9 @@ class _Candidate:
     def settings(self) -> ExecutionSettings:
         layer = {k: rc for k, rc in self.choices.items()}
         distinct = set(layer.values())
-        if self.policy.fixed is not None or len(distinct) <= 1:
+        fixed = self.policy.fixed  # as given, unless MLP recomputation was left out for some modules
+        narrowed = fixed is not None and any(rc.recompute_modules != fixed.recompute_modules for rc in distinct)
+        if (fixed is not None and not narrowed) or len(distinct) <= 1:
             plan_wide, per_slice = (self.policy.fixed or next(iter(distinct), Recompute())), {}
         else:
             plan_wide = Recompute()

@@ -16,7 +16,7 @@ from megatron_spindle.flags import check_choices, flag
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.schema import RUNTIME_ZERO_STAGES, Plan
+from megatron_spindle.plan.schema import RECOMPUTE_MODULES, RUNTIME_ZERO_STAGES, Plan
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.assemble import assemble_plan
 from megatron_spindle.planner.light_levels import follow_neighbours
@@ -55,13 +55,17 @@ class PlannerConfig:
         "CP-SAT: let a MetaOp start when its own producers end instead of at the level barrier."))
     recompute: str = field(default="auto", metadata=flag(
         "Activation recomputation of transformer layers: auto chooses per slice the cheapest of none, selective "
-        "(the attention core) and full recomputation of k of its layers whose memory fits, and nothing when "
+        "(subsets of the attention core, the pre-norms and the MLP) and full recomputation of k of its layers whose memory fits, and nothing when "
         "memory allows; none, selective, full: that for every layer. --recompute-granularity overrides it.",
         choices=RECOMPUTE))
     recompute_granularity: str | None = field(default=None, metadata=flag(
         "Megatron-style: recompute every layer slice's attention core (selective) or whole layers (full, with "
         "--recompute-method and --recompute-num-layers); the planner uses it as given.",
         name="--recompute-granularity", choices=("full", "selective")))
+    recompute_modules: tuple[str, ...] | None = field(default=None, metadata=flag(
+        "Megatron-style, with --recompute-granularity selective: the parts of every layer recomputed (core_attn, "
+        "layernorm, mlp; default core_attn). mlp only where a module's MLP is bias-free (LLMs): encoders rerun the "
+        "rest.", name="--recompute-modules", choices=RECOMPUTE_MODULES, type=str, nargs="+"))
     recompute_method: str | None = field(default=None, metadata=flag(
         "With --recompute-granularity full: uniform (every layer, in chunks of --recompute-num-layers; the "
         "default) or block (the first --recompute-num-layers layers of every slice).",
@@ -114,6 +118,10 @@ class PlannerConfig:
         if self.micro_batches != "auto" and not (str(self.micro_batches).isdigit() and int(self.micro_batches) > 0):
             raise ValueError(f"--spindle-micro-batches must be auto or a positive integer, got {self.micro_batches!r}")
         self.micro_batches = str(self.micro_batches)
+        if self.recompute_modules is not None:
+            self.recompute_modules = tuple(self.recompute_modules)
+            if self.recompute_granularity != "selective":
+                raise ValueError("--recompute-modules needs --recompute-granularity selective")
         if self.recompute_granularity != "full" and (self.recompute_method or self.recompute_num_layers is not None):
             raise ValueError("--recompute-method and --recompute-num-layers need --recompute-granularity full")
         if self.recompute_num_layers is not None and self.recompute_num_layers < 1:

@@ -6,8 +6,10 @@ rest of a step's memory is parameter state, gradient buffers, and transient outp
 does not count. A storage saved by several operations (q, k, v as views of one projection output; a layer's
 input saved by the recomputation and again by its first norm) counts once, from its first save until the last
 reference autograd holds is released (the graph is freed by the backward, or a recomputed layer's inner
-graph after its own backward), so recomputation's transient activations are measured too. Parameters (and
-anything sharing their storage: the fast path's masters) are not activations and are left out.
+graph after its own backward), so recomputation's transient activations are measured too. A storage counts
+at its size now: megatron-core's layernorm recomputation releases a norm's output (``resize_(0)``) after the
+next projection saved it, and refills it in the backward. Parameters (and anything sharing their storage: the
+fast path's masters) are not activations and are left out.
 """
 
 from __future__ import annotations
@@ -22,9 +24,8 @@ class SavedTensorMeter:
     backward, ``peak`` its maximum. ``exclude``: tensors (parameters) whose storages are not counted."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self._exclude = list(exclude)  # their storages are looked up at each save: ZeRO-3 refills them
-        self._refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
-        self.live = 0
+        self._exclude = {e.untyped_storage()._cdata for e in exclude}  # kept through ZeRO-3's release/refill
+        self._refs: dict[int, list] = {}  # storage -> [references, storage]
         self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -37,20 +38,24 @@ class SavedTensorMeter:
 
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if storage.nbytes() == 0 or any(e.untyped_storage().data_ptr() == key for e in self._exclude):
+        key = storage._cdata  # the storage itself, whatever its data pointer (released and refilled storages)
+        if storage.nbytes() == 0 or key in self._exclude:
             return t
-        return _Saved(self, key, storage.nbytes(), t)
+        return _Saved(self, key, storage, t)
 
     @staticmethod
     def _unpack(saved) -> torch.Tensor:
         return saved.tensor if isinstance(saved, _Saved) else saved
 
-    def _add(self, key: int, nbytes: int) -> None:
+    @property
+    def live(self) -> int:
+        """Bytes of the storages autograd holds now, each at its current size."""
+        return sum(storage.nbytes() for _, storage in self._refs.values())
+
+    def _add(self, key: int, storage) -> None:
         ref = self._refs.get(key)
         if ref is None:
-            self._refs[key] = [1, nbytes]
-            self.live += nbytes
+            self._refs[key] = [1, storage]
             self.peak = max(self.peak, self.live)
         else:
             ref[0] += 1
@@ -60,7 +65,6 @@ class SavedTensorMeter:
         ref[0] -= 1
         if ref[0] == 0:
             del self._refs[key]
-            self.live -= ref[1]
 
 
 class _Saved:
@@ -68,9 +72,9 @@ class _Saved:
 
     __slots__ = ("meter", "key", "tensor")
 
-    def __init__(self, meter: SavedTensorMeter, key: int, nbytes: int, tensor: torch.Tensor):
+    def __init__(self, meter: SavedTensorMeter, key: int, storage, tensor: torch.Tensor):
         self.meter, self.key, self.tensor = meter, key, tensor
-        meter._add(key, nbytes)
+        meter._add(key, storage)
 
     def __del__(self):
         self.meter._release(self.key)

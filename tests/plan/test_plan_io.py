@@ -13,7 +13,14 @@ from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.plan.io import load_plan, plan_from_dict, plan_to_dict
 from megatron_spindle.plan.order import BWD, FWD, early_backward_order, execution_steps, slice_order
-from megatron_spindle.plan.schema import ExecutionSettings, Plan, PlanError, Recompute
+from megatron_spindle.plan.schema import (
+    ExecutionSettings,
+    Plan,
+    PlanError,
+    Recompute,
+    fitted_recompute,
+    recompute_fits,
+)
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
 
@@ -120,6 +127,28 @@ def test_recompute_choices_say_how_many_layers_recompute():
     settings = ExecutionSettings(recompute=Recompute("selective"), slice_recompute={"w0:a": Recompute("full", 2)})
     assert settings.recompute_of("w0:a") == Recompute("full", 2) and settings.recompute_of("w1:b").mode == "selective"
     assert ExecutionSettings.from_dict(settings.to_dict()) == settings
+
+
+def test_selective_recompute_modules_are_megatron_core_s_and_round_trip():
+    both = Recompute("selective", modules=("mlp", "layernorm"))
+    assert both.modules == ("layernorm", "mlp") and both.recompute_modules == ("layernorm", "mlp")
+    assert Recompute("selective", modules=("core_attn",)) == Recompute("selective")  # megatron-core's default
+    assert Recompute("selective").recompute_modules == ("core_attn",) and Recompute("full").recompute_modules == ()
+    assert both.describe() == "selective (layernorm, mlp)" and Recompute("selective").describe() == "selective"
+    settings = ExecutionSettings(recompute=both, slice_recompute={"w0:a": Recompute("selective", modules=("mlp",))})
+    d = json.loads(json.dumps(settings.to_dict()))
+    assert d["recompute"]["modules"] == ["layernorm", "mlp"] and d["slice_recompute"]["w0:a"]["modules"] == ["mlp"]
+    assert ExecutionSettings.from_dict(d) == settings
+    assert "modules" not in ExecutionSettings(recompute=Recompute("selective")).to_dict()["recompute"]
+    for bad, words in (((), "at least one"), (("moe",), "each one of core_attn, layernorm, mlp"),
+                       ("mlp", "a list of module names")):
+        with pytest.raises(PlanError, match=words):
+            Recompute("selective", modules=bad)
+    with pytest.raises(PlanError, match="only mode 'selective' takes modules"):
+        Recompute("full", modules=("mlp",))
+    assert fitted_recompute(both, "encoder") == Recompute("selective", modules=("layernorm",))
+    assert fitted_recompute(Recompute("selective", modules=("mlp",)), "encoder") == Recompute("selective")
+    assert fitted_recompute(both, "llm") == both and recompute_fits(both, "llm") and not recompute_fits(both, "encoder")
 
 
 def test_execution_order_of_segments_an_explicit_backward_order_and_steps():

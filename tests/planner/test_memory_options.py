@@ -130,6 +130,10 @@ def test_megatron_style_recompute_flags_are_used_as_given():
         assert plan.settings.recompute == want and not plan.settings.slice_recompute
     with pytest.raises(ValueError, match="need --recompute-granularity full"):
         PlannerConfig(recompute_method="block")
+    with pytest.raises(ValueError, match="needs --recompute-granularity selective"):
+        PlannerConfig(recompute_modules=("layernorm",))
+    with pytest.raises(ValueError, match="unknown recompute_modules 'moe'"):
+        PlannerConfig(recompute_granularity="selective", recompute_modules=("layernorm", "moe"))
     with pytest.raises(ValueError, match="auto or a positive integer"):
         PlannerConfig(micro_batches="many")
 
@@ -284,3 +288,43 @@ def test_program_peaks_after_equal_peak_after():
     single = _Program([0], [(keys[0], FWD), (keys[0], BWD)], params=0.0)
     single.add(keys[0], 1e9, 1e8)
     assert single.peaks_after()(keys[0], -5e8, 0.0) == single.peak_after(keys[0], -5e8, 0.0)
+
+
+def test_recompute_modules_flag_is_used_as_given_and_mlp_only_where_the_mlp_is_bias_free():
+    """--recompute-modules layernorm mlp: every LLM layer slice reruns both, the encoders (MLPs with biases:
+    megatron-core's MLP checkpoint cannot rerun them) the pre-norms alone; the plan says so and validates."""
+    parser = build_parser("plan", [add_spindle_args])
+    w = workload_from_dict(MIXED)
+    args = parser.parse_args(["--recompute-granularity", "selective", "--recompute-modules", "mlp", "layernorm"])
+    config = dataclasses.replace(planner_config_from_args(args), planner="wavefront")
+    assert config.recompute_modules == ("mlp", "layernorm")
+    plan = plan_workload(w, make_cluster(2, 2), config).plan
+    modules = {plan.metaop(s.metaop).module: plan.settings.recompute_of(s.id).recompute_modules
+               for s in plan.slices() if s.kind == "layer"}
+    assert modules == {"llm": ("layernorm", "mlp"), "vision": ("layernorm",), "text": ("layernorm",)}
+    validate_plan(plan, w)
+    wrong = dataclasses.replace(plan, settings=dataclasses.replace(
+        plan.settings, recompute=Recompute("selective", modules=("mlp",)), slice_recompute={}))
+    with pytest.raises(PlanError, match="include mlp, which only llm modules can recompute"):
+        validate_plan(wrong, w)
+
+
+def test_selective_modules_sit_on_the_ladder_between_none_and_full():
+    """An LLM slice at TP 2: the pre-norms' recomputation (norms are not TP-sharded) frees a quarter of a layer
+    for a short rerun and is a rung of its own; the MLP's frees more for more time; full holds the least; an
+    encoder (MLP biases) is never offered the MLP's."""
+    w = workload_from_dict(MIXED)
+    cluster = make_cluster(4, 4)
+    g = build_metagraph(w)
+    llm = next(m for m in g.metaops.values() if m.kind == "layer" and m.module == "llm")
+    cost = AnalyticCostModel(w, cluster)
+    numbers = ZeroSharded(MemoryModel(w, cluster, cost), 0)
+    s = ScheduledSlice(llm.id, 2, 2, 1, 0, llm.num_layers, 1.0, devices=[0, 1])
+    ladder = [o.recompute for o in slice_options(llm, s, numbers, cost, RecomputePolicy())]
+    assert ladder[0] == Recompute() and Recompute("selective", modules=("layernorm",)) in ladder
+    assert any("mlp" in rc.recompute_modules for rc in ladder) and ladder[-1] == Recompute("full")
+    vision = g.metaops["clip/vision"] if "clip/vision" in g.metaops else next(
+        m for m in g.metaops.values() if m.kind == "layer" and m.module == "vision")
+    v = ScheduledSlice(vision.id, 1, 1, 1, 0, vision.num_layers, 1.0, devices=[0])
+    assert not any("mlp" in o.recompute.recompute_modules
+                   for o in slice_options(vision, v, numbers, cost, RecomputePolicy()))

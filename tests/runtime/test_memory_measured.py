@@ -21,7 +21,7 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.plan.memory import plan_breakdown
-from megatron_spindle.plan.schema import Recompute
+from megatron_spindle.plan.schema import Recompute, recompute_fits
 from megatron_spindle.runtime.activation_meter import SavedTensorMeter
 from megatron_spindle.runtime.engine import EngineConfig, RuntimeEngine
 
@@ -35,11 +35,18 @@ def runtime_memory_model(plan, workload) -> MemoryModel:
     return MemoryModel(workload, cluster, cost)
 
 
-def options(plan):
+def options(plan, workload):
     """The plan under each memory option."""
+    kinds = {m.id: workload.modules[m.module].kind for m in plan.metaops if m.module in workload.modules}
     every = lambda rc: recomputing(plan, lambda i, s: rc)  # noqa: E731
-    turns = (Recompute("selective"), Recompute("full", 1), Recompute("full"), Recompute())
-    return {"none": plan, "selective": every(Recompute("selective")), "full": every(Recompute("full")),
+    turns = (Recompute("selective"), Recompute("full", 1), Recompute("full"), Recompute(),
+             Recompute("selective", modules=("layernorm",)))
+    # MLP recomputation only where the layers' MLPs are bias-free (plan/schema.py recompute_fits)
+    modules = {f"selective-{'+'.join(m)}": recomputing(plan, lambda i, s, m=m: Recompute(
+        "selective", modules=m if recompute_fits(Recompute("selective", modules=m), kinds[s.metaop]) else
+        tuple(x for x in m if x != "mlp") or ("core_attn",)))
+        for m in (("layernorm",), ("mlp",), ("core_attn", "layernorm", "mlp"))}
+    return {"none": plan, "selective": every(Recompute("selective")), **modules, "full": every(Recompute("full")),
             "block-1": every(Recompute("full", 1)), "uniform-2": every(Recompute("full", 2, "uniform")),
             "mix": recomputing(plan, lambda i, s: turns[i % len(turns)]), "early": early_backward(plan)}
 
@@ -55,7 +62,7 @@ def test_predicted_activation_peak_is_what_the_runtime_saves(wname, make):
     w = load_workload(wname)
     metaops = build_metagraph(w).metaops
     ratios = {}
-    for label, plan in options(make(w)).items():
+    for label, plan in options(make(w), w).items():
         engine = RuntimeEngine(plan, w, 0, 1, EngineConfig(measure_activations=True))
         engine.forward_backward(0)
         measured = engine.activation_peak

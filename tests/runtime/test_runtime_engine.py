@@ -157,8 +157,9 @@ def option_cases(world: int):
     layers), micro-batches (2 and 3), the early backward, a baseline's task segments, and a mix of them in one
     plan (selective, block, full and none by turns, two micro-batches, early backward)."""
     sp = lambda s, m=1: (lambda w: random_plan(w, world, s, micro_batches=m))  # noqa: E731
-    turns = (Recompute("selective"), Recompute("full", 1), Recompute("full"), Recompute())
-    selective = lambda w: recomputing(random_plan(w, world, 2), lambda i, s: Recompute("selective"))  # noqa: E731
+    turns = (Recompute("selective"), Recompute("full", 1), Recompute("full"), Recompute(),
+             Recompute("selective", modules=("layernorm",)))
+    selective = lambda w: selective_modules(w, random_plan(w, world, 2))  # noqa: E731
     block = lambda w: recomputing(sequential_plan(w, world),  # noqa: E731
                                   lambda i, s: Recompute("full", max(1, s.num_layers - 1)))
     mix = lambda w: early_backward(recomputing(random_plan(w, world, 1, micro_batches=2),  # noqa: E731
@@ -172,6 +173,19 @@ def option_cases(world: int):
     if world == 1:  # three micro-batches of real contrastive losses (each a mean over its micro-batch)
         cases.append(("real", "micro3", "tiny-clip-12", sp(3, 3)))
     return cases
+
+
+def selective_modules(workload, plan):
+    """The plan with selective recomputation of megatron-core's modules by turns over its layer slices: the
+    attention core, the pre-norms, and the MLP with the pre-norms where the layers' MLPs are bias-free
+    (plan/schema.py recompute_fits), else the core and the pre-norms."""
+    kinds = {m.id: workload.modules[m.module].kind for m in plan.metaops if m.module in workload.modules}
+
+    def turn(i, s):
+        last = ("layernorm", "mlp") if kinds[s.metaop] == "llm" else ("core_attn", "layernorm")
+        return Recompute("selective", modules=(("core_attn",), ("layernorm",), last)[i % 3])
+
+    return recomputing(plan, turn)
 
 
 def bad_plans(workload, world: int):
