@@ -69,8 +69,10 @@ class LayerActivations:
         recomputation), then the second norm, then the attention core, having freed the MLP's tensors and the
         second norm's (its input, of the layer input's size, and the rest) by then."""
         core_attn, layernorm, mlp = ("core_attn" in modules, "layernorm" in modules, "mlp" in modules)
-        held = self.full - (self.full - self.selective if core_attn else 0.0) - (2 * self.norm if layernorm
-                                                                                 else 0.0) - (self.mlp if mlp else 0.0)
+        held = self.full
+        held -= (self.full - self.selective) if core_attn else 0.0
+        held -= 2 * self.norm if layernorm else 0.0
+        held -= self.mlp if mlp else 0.0
         freed = (0.0 if mlp else self.mlp) + self.input + (0.0 if layernorm else self.norm)  # the second norm's
         transient = max(self.mlp + (self.norm if layernorm else 0.0) if mlp else 0.0,
                         self.norm if layernorm else 0.0,

@@ -2,9 +2,10 @@
 fits every device.
 
 Each layer slice has a ladder of options (``slice_options``): none, selective (every subset of megatron-core's
-recompute modules the layer can rerun: the attention core, the pre-norms, the MLP), and full recomputation of its first k layers (k = 1..L, megatron-core's block method), each with the seconds its
-backward spends recomputing (the cost model's ``recompute_seconds``) and the bytes it holds and needs while
-recomputing (the memory model's ``activation_memory``); options that cost more without holding less are
+recompute modules the layer can rerun: the attention core, the pre-norms, the MLP), and full recomputation of
+its first k layers (k = 1..L, megatron-core's block method), each with the seconds its backward spends
+recomputing (the cost model's ``recompute_seconds``) and the bytes it holds and needs while recomputing (the
+memory model's ``activation_memory``); options that cost more without holding less are
 dropped. A device's memory is plan/memory.py's: its parameter state plus the peak, over the execution order,
 of the activations held (``_Program`` keeps that peak per group of devices running the same slices).
 
