@@ -73,9 +73,9 @@ def slice_options(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers, cos
     if metaop.kind != "layer":
         choices = [Recompute()]
     elif policy.fixed is not None:
-        choices = [fitted_recompute(policy.fixed.for_layers(layers), cost_model.workload.modules[metaop.module].kind)]
+        choices = [fitted_recompute(policy.fixed.for_layers(layers), _module_kind(metaop, cost_model))]
     else:
-        choices = [Recompute()] + (selective_choices(cost_model.workload.modules[metaop.module].kind)
+        choices = [Recompute()] + (selective_choices(_module_kind(metaop, cost_model))
                                    if policy.allow_selective else [])
         choices += [Recompute("full", k).for_layers(layers) for k in range(1, layers + 1)]
     options = []
@@ -90,6 +90,10 @@ def slice_options(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers, cos
                 o.held + o.transient < min(x.held + x.transient for x in ladder):
             ladder.append(o)
     return ladder
+
+
+def _module_kind(metaop: MetaOp, cost_model) -> str:
+    return cost_model.workload.modules[metaop.module].kind
 
 
 def selective_choices(module_kind: str) -> list[Recompute]:

@@ -21,7 +21,7 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.plan.memory import plan_breakdown
-from megatron_spindle.plan.schema import Recompute, recompute_fits
+from megatron_spindle.plan.schema import Recompute, fitted_recompute
 from megatron_spindle.runtime.activation_meter import SavedTensorMeter
 from megatron_spindle.runtime.engine import EngineConfig, RuntimeEngine
 
@@ -41,10 +41,9 @@ def options(plan, workload):
     every = lambda rc: recomputing(plan, lambda i, s: rc)  # noqa: E731
     turns = (Recompute("selective"), Recompute("full", 1), Recompute("full"), Recompute(),
              Recompute("selective", modules=("layernorm",)))
-    # MLP recomputation only where the layers' MLPs are bias-free (plan/schema.py recompute_fits)
-    modules = {f"selective-{'+'.join(m)}": recomputing(plan, lambda i, s, m=m: Recompute(
-        "selective", modules=m if recompute_fits(Recompute("selective", modules=m), kinds[s.metaop]) else
-        tuple(x for x in m if x != "mlp") or ("core_attn",)))
+    # MLP recomputation only where the layers' MLPs are bias-free (plan/schema.py fitted_recompute)
+    modules = {f"selective-{'+'.join(m)}": recomputing(
+        plan, lambda i, s, m=m: fitted_recompute(Recompute("selective", modules=m), kinds[s.metaop]))
         for m in (("layernorm",), ("mlp",), ("core_attn", "layernorm", "mlp"))}
     return {"none": plan, "selective": every(Recompute("selective")), **modules, "full": every(Recompute("full")),
             "block-1": every(Recompute("full", 1)), "uniform-2": every(Recompute("full", 2, "uniform")),
