@@ -575,11 +575,17 @@ class AnalyticCostModel:
         """Seconds the backward of ``num_layers`` operators of ``metaop`` spends recomputing under ``recompute``
         (plan/schema.py ``Recompute``), on one device of a (tp, dp) config: selective reruns every layer's
         modules (op_kernels.rerun_kernels; the MLP's with its output's TP all-reduce), full reruns the whole
-        forward of each recomputed layer, its TP all-reduces included. Charged on top of ``phase_seconds`` of a model without ``config.recompute`` (the
-        simulator does): a rerun launches its kernels again, so a host-bound layer pays them at the launch floor."""
+        forward of each recomputed layer, its TP all-reduces included (the others, with modules, as selective).
+        Charged on top of ``phase_seconds`` of a model without ``config.recompute`` (the simulator does): a
+        rerun launches its kernels again, so a host-bound layer pays them at the launch floor."""
         if metaop.kind != "layer" or num_layers <= 0:
             return 0.0
-        rc = recompute.for_layers(num_layers)
+        # full for some layers and selective for the others: two blocks
+        return sum(self._block_recompute_seconds(metaop, tp, dp, rc, n)
+                   for n, rc in recompute.blocks(num_layers))
+
+    def _block_recompute_seconds(self, metaop: MetaOp, tp: int, dp: int, rc, num_layers: int) -> float:
+        """``recompute_seconds`` of one block (``Recompute.blocks``)."""
         if rc.mode == "none":
             return 0.0
         self._check_config(metaop, tp, dp)

@@ -26,7 +26,8 @@ inside; ``layernorm`` keeps each pre-norm's input only (its statistics are not s
 once used: megatron-core's ``CheckpointWithoutOutput``); ``mlp`` keeps the MLP's input only (the pre-MLP norm's
 output, counted with that norm). While one layer's backward reruns them it needs that layer's rerun tensors
 again (``core``, the MLP's, a norm's output). ``full`` keeps a recomputed layer's input only, and needs one
-layer's (a chunk's) full activations while its backward runs. Dropout masks are not counted: our operators run
+layer's (a chunk's) full activations while its backward runs; with modules, the layers it does not recompute
+fully are selective's. Dropout masks are not counted: our operators run
 without dropout.
 """
 
@@ -251,6 +252,9 @@ class MemoryModel:
         if num_layers == 0:
             return 0.0, 0.0
         rc = (recompute or self.recompute).for_layers(num_layers)
+        blocks = rc.blocks(num_layers)
+        if len(blocks) > 1:
+            return _one_after_another([self.activation_memory(metaop, tp, dp, n, r) for n, r in blocks])
         layer = self.layer_activations(self.workload.modules[metaop.module], micro_batch, metaop.tokens, tp)
         if rc.mode == "none":
             return num_layers * layer.full, 0.0
@@ -270,6 +274,16 @@ class MemoryModel:
                          recompute: Recompute | None = None) -> float:
         """Bytes held on one device from forward to backward (``activation_memory``'s first part)."""
         return self.activation_memory(metaop, tp, dp, num_layers, recompute)[0]
+
+
+def _one_after_another(blocks: list[tuple[float, float]]) -> tuple[float, float]:
+    """(held, transient) of consecutive blocks of layers, each's (held, transient): the backward runs the last
+    block first, and a block's transient comes on top of what it and the blocks before it still hold."""
+    total, before, peak = sum(held for held, _ in blocks), 0.0, 0.0
+    for held, transient in blocks:
+        before += held
+        peak = max(peak, before + transient)
+    return total, max(0.0, peak - total)
 
 
 def _check_positive(what: str, value: int) -> None:

@@ -96,7 +96,11 @@ def recompute_fields(recompute: Recompute, num_layers: int) -> dict:
     the MLP; megatron-core's default ["core_attn"] where none are named); full with the
     block method checkpoints the first k layers one by one, with the uniform method every chunk of k (the largest
     divisor of the block's layer count up to k)."""
-    rc = recompute.for_layers(num_layers)
+    blocks = recompute.blocks(num_layers)
+    if len(blocks) > 1:
+        raise ValueError(f"recompute '{recompute.describe()}' of {num_layers} layers takes one TransformerBlock per "
+                         f"granularity (Recompute.blocks), not one config")
+    rc = blocks[0][1]
     if rc.mode == "none":
         return {}
     if rc.mode == "selective":

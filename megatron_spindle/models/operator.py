@@ -28,6 +28,7 @@ Conventions (the runtime depends on them):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator
 
@@ -214,16 +215,23 @@ class FrontendOperator(SliceOperator):
 
 
 class LayerRangeOperator(SliceOperator):
-    """Transformer layers ``[layer_start, layer_end)`` of the MetaOp (a megatron-core TransformerBlock).
-    Encoders: bidirectional. LLMs: causal with RoPE over the whole (concatenated) sequence."""
+    """Transformer layers ``[layer_start, layer_end)`` of the MetaOp (megatron-core TransformerBlocks: one, or
+    one per recomputation granularity when some layers recompute fully and the others selectively,
+    ``Recompute.blocks``). Encoders: bidirectional. LLMs: causal with RoPE over the whole (concatenated)
+    sequence."""
 
     def __init__(self, *args):
         super().__init__(*args)
         spec = self.workload.modules[self.metaop.module]
         self.module_spec = spec
         self.first_layer = self.metaop.layer_offset + self.layer_start  # module layer of the first layer here
-        tcfg = transformer_config(spec, self.layer_end - self.layer_start, self.tp_size, self.config)
-        self.block = TransformerBlock(tcfg, layer_spec(spec), post_layer_norm=False, pg_collection=self.pg_collection)
+        blocks = self.config.recomputation.blocks(self.layer_end - self.layer_start)
+        tcfgs = [transformer_config(spec, n, self.tp_size, dataclasses.replace(self.config, recompute=rc))
+                 for n, rc in blocks]
+        self.blocks = nn.ModuleList(
+            TransformerBlock(tcfg, layer_spec(spec), post_layer_norm=False, pg_collection=self.pg_collection)
+            for tcfg in tcfgs)
+        tcfg = tcfgs[0]
         self.rotary = None
         if spec.kind == "llm":
             scaling = spec.rope_scaling_factor is not None
@@ -249,7 +257,8 @@ class LayerRangeOperator(SliceOperator):
         return [i for i, _ in sorted(pairs, key=key)]
 
     def unit_modules(self):
-        return {f"{self.owner}.layers.{self.first_layer + i}": layer for i, layer in enumerate(self.block.layers)}
+        layers = [layer for block in self.blocks for layer in block.layers]
+        return {f"{self.owner}.layers.{self.first_layer + i}": layer for i, layer in enumerate(layers)}
 
     def assemble_input(self, inputs: list[torch.Tensor]) -> torch.Tensor:
         if len(inputs) == 1:
@@ -264,8 +273,9 @@ class LayerRangeOperator(SliceOperator):
         mask = None
         if self.module_spec.is_causal and not te_available():
             mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=hidden.device), diagonal=1)[None, None]
-        out = self.block(hidden, attention_mask=mask, rotary_pos_emb=rotary)
-        return out.transpose(0, 1).contiguous()
+        for block in self.blocks:
+            hidden = block(hidden, attention_mask=mask, rotary_pos_emb=rotary)
+        return hidden.transpose(0, 1).contiguous()
 
 
 class ProjectorOperator(SliceOperator):

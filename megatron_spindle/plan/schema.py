@@ -20,6 +20,7 @@ dict of planner diagnostics (which planner, solver status, notes, timings) that 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +48,7 @@ def fitted_recompute(recompute: Recompute, module_kind: str) -> Recompute:
     if recompute_fits(recompute, module_kind):
         return recompute
     rest = tuple(m for m in recompute.recompute_modules if m != "mlp")
-    return Recompute("selective", modules=rest or DEFAULT_RECOMPUTE_MODULES)
+    return dataclasses.replace(recompute, modules=rest or DEFAULT_RECOMPUTE_MODULES)
 PHASES = ("fwd", "bwd")
 ZERO_STAGES = (0, 1, 2, 3)
 RUNTIME_ZERO_STAGES = (0, 1, 2, 3)  # what Spindle's runtime implements (runtime/weight_shards.py: 3)
@@ -71,7 +72,9 @@ class Recompute:
       (``recompute_granularity="full"``). With ``method="block"`` the first ``layers`` layers of the slice
       recompute, each on its own (None: all of them; ``recompute_method="block"``, ``recompute_num_layers``);
       with ``method="uniform"`` every layer recomputes, in chunks of ``layers`` layers that keep one input each
-      (None: chunks of 1; ``recompute_method="uniform"``)."""
+      (None: chunks of 1; ``recompute_method="uniform"``). ``full`` with the block method and ``modules``: the
+      first ``layers`` layers recompute fully and the others selectively, rerunning ``modules``. megatron-core
+      takes one granularity per TransformerBlock, so such a slice runs as two blocks (``blocks``)."""
 
     mode: str = "none"
     layers: int | None = None
@@ -81,10 +84,10 @@ class Recompute:
     def __post_init__(self):
         if self.mode not in RECOMPUTE_MODES:
             raise PlanError(f"recompute mode '{self.mode}' is not one of {', '.join(RECOMPUTE_MODES)}")
-        if self.modules is not None:
-            self._check_modules()
         if self.method not in RECOMPUTE_METHODS:
             raise PlanError(f"recompute method '{self.method}' is not one of {', '.join(RECOMPUTE_METHODS)}")
+        if self.modules is not None:
+            self._check_modules()
         if self.layers is not None and (self.mode != "full" or not _is_count(self.layers)):
             raise PlanError(f"recompute layers {self.layers!r}: only 'full' takes a count of layers (an integer "
                             f">= 0), got mode '{self.mode}'")
@@ -100,19 +103,34 @@ class Recompute:
         if unknown or not mods:
             raise PlanError(f"recompute modules {list(mods)!r}: each one of {', '.join(RECOMPUTE_MODULES)}, at "
                             f"least one")
-        if self.mode != "selective":
-            raise PlanError(f"recompute modules {list(mods)!r}: only mode 'selective' takes modules, got mode "
-                            f"'{self.mode}'")
+        if self.mode == "none" or self.method != "block":
+            raise PlanError(f"recompute modules {list(mods)!r}: only mode 'selective', or 'full' with method "
+                            f"'block' (for the layers it does not recompute fully), takes modules, got mode "
+                            f"'{self.mode}', method '{self.method}'")
         canonical = tuple(m for m in RECOMPUTE_MODULES if m in mods)
-        # the default is stored as None, so Recompute("selective") equals it
-        object.__setattr__(self, "modules", None if canonical == DEFAULT_RECOMPUTE_MODULES else canonical)
+        # selective's default is stored as None, so Recompute("selective") equals it; full's None reruns nothing
+        default = self.mode == "selective" and canonical == DEFAULT_RECOMPUTE_MODULES
+        object.__setattr__(self, "modules", None if default else canonical)
 
     @property
     def recompute_modules(self) -> tuple[str, ...]:
-        """The layer parts a selective recomputation reruns (none for other modes)."""
+        """The layer parts a selective recomputation reruns: every layer's, or under ``full`` those of the layers
+        not recomputed fully (none for other modes)."""
+        if self.mode == "full":
+            return self.modules or ()
         if self.mode != "selective":
             return ()
         return self.modules or DEFAULT_RECOMPUTE_MODULES
+
+    def blocks(self, num_layers: int) -> list[tuple[int, Recompute]]:
+        """A slice of ``num_layers`` layers as runs of consecutive layers, first to last, each with the one
+        megatron-core recomputation of a TransformerBlock: (layers, choice). One run, except full recomputation
+        of some of the layers with the others' modules rerun: the fully recomputed ones, then the others."""
+        rc = self.for_layers(num_layers)
+        if rc.mode != "full" or rc.modules is None:
+            return [(num_layers, rc)]
+        k = rc.recomputed_layers(num_layers)
+        return [(k, Recompute("full")), (num_layers - k, Recompute("selective", modules=rc.modules))]
 
     def recomputed_layers(self, num_layers: int) -> int:
         """How many of a slice's ``num_layers`` layers rerun their whole forward in the backward."""
@@ -136,14 +154,16 @@ class Recompute:
 
     def for_layers(self, num_layers: int) -> Recompute:
         """The same choice for a slice of ``num_layers`` layers, in its plainest form: full recomputation of 0
-        layers is none, of every layer (one at a time) is ``Recompute("full")``."""
+        layers is none (or selective of its modules), of every layer (one at a time) is ``Recompute("full")``."""
         if self.mode != "full":
             return self
         if self.method == "uniform":
             c = self.chunk(num_layers)
             return Recompute("full") if c == 1 else Recompute("full", c, "uniform")
         k = self.recomputed_layers(num_layers)
-        return Recompute("none") if k == 0 else Recompute("full") if k == num_layers else Recompute("full", k)
+        if k == 0:
+            return Recompute("selective", modules=self.modules) if self.modules else Recompute("none")
+        return Recompute("full") if k == num_layers else Recompute("full", k, modules=self.modules)
 
     def describe(self) -> str:
         if self.mode == "selective" and self.modules is not None:
@@ -152,7 +172,8 @@ class Recompute:
             return self.mode
         if self.method == "uniform":
             return f"full (uniform, chunks of {self.chunk()})"
-        return f"full ({self.layers} layers)"
+        rest = f" + selective ({', '.join(self.modules)})" if self.modules else ""
+        return f"full ({self.layers} layers){rest}"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Recompute:

@@ -3,7 +3,8 @@ fits every device.
 
 Each layer slice has a ladder of options (``slice_options``): none, selective (every subset of megatron-core's
 recompute modules the layer can rerun: the attention core, the pre-norms, the MLP), and full recomputation of
-its first k layers (k = 1..L, megatron-core's block method), each with the seconds its backward spends
+its first k layers (k = 1..L, megatron-core's block method) with the others rerunning nothing or a module set
+on selective's own ladder (two TransformerBlocks), each with the seconds its backward spends
 recomputing (the cost model's ``recompute_seconds``) and the bytes it holds and needs while recomputing (the
 memory model's ``activation_memory``); options that cost more without holding less are
 dropped. A device's memory is plan/memory.py's: its parameter state plus the peak, over the execution order,
@@ -71,19 +72,29 @@ def slice_options(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers, cos
     at its most (held + transient), than every cheaper one."""
     layers = s.layer_end - s.layer_start
     if metaop.kind != "layer":
-        choices = [Recompute()]
-    elif policy.fixed is not None:
-        choices = [fitted_recompute(policy.fixed.for_layers(layers), _module_kind(metaop, cost_model))]
-    else:
-        choices = [Recompute()] + (selective_choices(_module_kind(metaop, cost_model))
-                                   if policy.allow_selective else [])
-        choices += [Recompute("full", k).for_layers(layers) for k in range(1, layers + 1)]
-    options = []
-    for rc in choices:
-        held, transient = activation_memory(numbers, metaop, s.tp, s.dp, layers, rc)
-        seconds = cost_model.recompute_seconds(metaop, s.tp, s.dp, rc, layers) if rc.mode != "none" else 0.0
-        options.append(Option(rc, seconds, held, transient))
-    options.sort(key=lambda o: (o.seconds, o.held + o.transient))
+        return [_option(metaop, s, numbers, cost_model, Recompute())]
+    if policy.fixed is not None:
+        fixed = fitted_recompute(policy.fixed.for_layers(layers), _module_kind(metaop, cost_model))
+        return [_option(metaop, s, numbers, cost_model, fixed)]
+    selective = selective_choices(_module_kind(metaop, cost_model)) if policy.allow_selective else []
+    plain = [_option(metaop, s, numbers, cost_model, rc) for rc in [Recompute(), *selective]]
+    # beside full recomputation of k layers, the others rerun nothing or a module set on selective's own ladder
+    rests = [None] + [o.recompute.recompute_modules for o in _ladder(plain) if o.recompute.mode == "selective"]
+    full = dict.fromkeys(Recompute("full", k, modules=m).for_layers(layers)
+                         for m in rests for k in range(1, layers + 1))
+    return _ladder(plain + [_option(metaop, s, numbers, cost_model, rc) for rc in full])
+
+
+def _option(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers, cost_model, rc: Recompute) -> Option:
+    layers = s.layer_end - s.layer_start
+    held, transient = activation_memory(numbers, metaop, s.tp, s.dp, layers, rc)
+    seconds = cost_model.recompute_seconds(metaop, s.tp, s.dp, rc, layers) if rc.mode != "none" else 0.0
+    return Option(rc, seconds, held, transient)
+
+
+def _ladder(options: list[Option]) -> list[Option]:
+    """The options cheapest first, each holding less, or needing less at its most, than every cheaper one."""
+    options = sorted(options, key=lambda o: (o.seconds, o.held + o.transient))
     ladder: list[Option] = []
     for o in options:
         if not ladder or o.held < min(x.held for x in ladder) or \

@@ -196,6 +196,10 @@ def test_a_rerun_forward_pays_its_launches_where_the_layer_is_host_bound(tiny_cl
     assert full == pytest.approx(3 * kt.forward_kernels * host_bound.launch_seconds)
     free = AnalyticCostModel(workload, cluster8, config=CostModelConfig(launch_seconds=0.0))
     assert free.recompute_seconds(layer, 1, 1, Recompute("full"), 3) == pytest.approx(3 * kt.forward)
+    # full for one layer, the others' modules selectively: the two blocks' seconds
+    both = free.recompute_seconds(layer, 1, 1, Recompute("full", 1, modules=("layernorm",)), 3)
+    assert both == pytest.approx(kt.forward + free.recompute_seconds(
+        layer, 1, 1, Recompute("selective", modules=("layernorm",)), 2))
 
 
 def test_layer_cost_total_sums_its_parts():

@@ -62,6 +62,11 @@ def test_recomputation_keeps_less_and_needs_one_layer_while_it_reruns(cluster8):
     assert held == (L - 3) * layer.full + 3 * layer.input and transient == 0.0
     assert memory.activation_memory(vision, 1, 1, L, Recompute("full", 2, "uniform")) == (
         L // 2 * layer.input, 2 * layer.full - layer.input)
+    # full for 3 layers, the pre-norms rerun in the others: the backward reaches the full block last
+    sel_held, sel_transient = layer.selective_memory(("layernorm",))
+    held, transient = memory.activation_memory(vision, 1, 1, L, Recompute("full", 3, modules=("layernorm",)))
+    assert held == pytest.approx((L - 3) * sel_held + 3 * layer.input)
+    assert transient == pytest.approx(max(sel_transient, 2 * layer.input + layer.full - held))
     default = MemoryModel(workload, cluster8, AnalyticCostModel(workload, cluster8, config=CostModelConfig(
         attention="unfused", recompute=True)))
     assert default.activation_bytes(vision, 1, 1, L) == L * layer.input

@@ -16,6 +16,7 @@ from megatron_spindle.estimator import (
 from megatron_spindle.estimator.profile import points_of, profile_to_dict
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.plan.schema import Recompute
 
 MEASURED = {
     "vision_depth/vision": [
@@ -127,6 +128,9 @@ def test_planner_and_simulator_fill_unmeasured_configs_alike(tiny_clip, tmp_path
         assert curve.time(n) == pytest.approx(model.layer_cost(vision, tp, dp).step)
         assert curve.time(n) == pytest.approx(scale * base.layer_cost(vision, tp, dp).step)
     assert curve.time(1) == model.layer_cost(vision, 1, 1).total == measurements[0].seconds
+    two_blocks = Recompute("full", 1, modules=("layernorm",))  # scaled once, not once per block
+    assert model.recompute_seconds(vision, 2, 1, two_blocks, 2) == pytest.approx(
+        scale * base.recompute_seconds(vision, 2, 1, two_blocks, 2))
 
 
 def test_measured_sharded_copies_and_their_phases(tiny_clip, tmp_path):

@@ -59,8 +59,8 @@ def test_llm_layers_are_llama_style_and_encoders_clip_style():
 
     w = load_workload("tiny-vlm")
     infos = metaop_infos(w)
-    llm = build_operator(w, infos["caption/llm"], 0, 1).block.layers[0]
-    enc = build_operator(w, infos["caption/vision"], 0, 1).block.layers[0]
+    llm = build_operator(w, infos["caption/llm"], 0, 1).blocks[0].layers[0]
+    enc = build_operator(w, infos["caption/vision"], 0, 1).blocks[0].layers[0]
     assert isinstance(llm.input_layernorm, torch.nn.RMSNorm) and isinstance(enc.input_layernorm, torch.nn.LayerNorm)
     assert llm.mlp.linear_fc1.weight.shape == (2 * 176, 64)  # SwiGLU: [gate; up]
     assert llm.self_attention.linear_qkv.weight.shape == (64 + 2 * 2 * 16, 64)  # GQA: 4 q heads, 2 kv groups

@@ -141,6 +141,39 @@ def test_split_layer_ranges_equal_whole(workload_name, metaop, split):
         assert rel_err(g_split[k], g_whole[k]) < 1e-5, k
 
 
+@pytest.mark.parametrize("metaop,modules", [("caption/llm", ("layernorm", "mlp")),
+                                            ("caption/vision", ("core_attn", "layernorm"))])
+def test_full_recomputation_of_some_layers_and_selective_of_the_others_is_two_blocks_and_exact(vlm, metaop, modules):
+    """Full recomputation of the first layer, the others' modules rerun: megatron-core's own recomputation in
+    two TransformerBlocks (one granularity each), same units, output and gradients as without recomputation."""
+    from megatron_spindle.models import ModelConfig
+    from megatron_spindle.plan.schema import Recompute
+
+    infos = metaop_infos(vlm)
+    info = infos[metaop]
+    batch = mock_batch(vlm, info.task, 0)
+    upstream = run_chain(vlm, infos, info.task, batch)
+    rc = Recompute("full", 1, modules=modules)
+    plain = build_operator(vlm, info, 0, info.num_layers)
+    both = build_operator(vlm, info, 0, info.num_layers, config=ModelConfig(recompute=rc))
+    flags = [(b.config.recompute_granularity, b.config.recompute_method, b.config.recompute_num_layers,
+              tuple(b.config.recompute_modules) if b.config.recompute_granularity == "selective" else None,
+              len(b.layers)) for b in both.blocks]
+    assert flags == [("full", "block", 1, None, 1), ("selective", None, None, modules, info.num_layers - 1)]
+    assert both.units() == plain.units()
+    probe = torch.randn(upstream[metaop].shape, generator=torch.Generator().manual_seed(0))
+    grads = []
+    for op in (plain, both):
+        inputs = [upstream[p].detach().requires_grad_() for p in info.preds]
+        out = op(inputs, batch)
+        (out * probe).sum().backward()
+        grads.append((out.detach(), [x.grad for x in inputs], op.export_full_grads()))
+    (out_p, in_p, g_p), (out_b, in_b, g_b) = grads
+    assert rel_err(out_b, out_p) < 1e-6
+    assert all(rel_err(a, b) < 1e-5 for a, b in zip(in_b, in_p))
+    assert g_b.keys() == g_p.keys() and all(rel_err(g_b[k], g_p[k]) < 1e-5 for k in g_p)
+
+
 def test_llm_first_layer_concatenates_flows_then_own_text(vlm):
     """inputs come in metaop.preds order (front end first here); the sequence is projector tokens then text."""
     infos = metaop_infos(vlm)

@@ -88,12 +88,12 @@ def test_activation_option_changes_the_mlp(base):
     quick = _op(workload_from_dict(_spec(vision={"activation": "quick_gelu"})), "vt/vision", 5)
     assert ref.export_full_state().keys() == quick.export_full_state().keys()
     assert _rel(quick([x], None) - x, ref([x], None) - x) > 2e-3  # the layers' updates of the residual stream
-    assert ref.block.layers[0].mlp.activation_func is F.gelu
-    assert quick.block.layers[0].mlp.activation_func is quick_gelu
+    assert ref.blocks[0].layers[0].mlp.activation_func is F.gelu
+    assert quick.blocks[0].layers[0].mlp.activation_func is quick_gelu
     llm = _op(base, "cap/llm")
     geglu = _op(workload_from_dict(_spec(llm={"activation": "gelu"})), "cap/llm")
-    assert llm.block.layers[0].mlp.activation_func is F.silu  # default: SwiGLU
-    assert geglu.block.layers[0].mlp.activation_func is F.gelu and geglu.block.layers[0].config.gated_linear_unit
+    assert llm.blocks[0].layers[0].mlp.activation_func is F.silu  # default: SwiGLU
+    assert geglu.blocks[0].layers[0].mlp.activation_func is F.gelu and geglu.blocks[0].layers[0].config.gated_linear_unit
 
 
 # ------------------------------------------------------------------------------------------------ pre_norm
@@ -180,7 +180,7 @@ def test_qkv_bias_adds_trained_qkv_biases(base):
     extra = set(biased.export_full_state()) - set(plain.export_full_state())
     assert extra == {"llm.layers.0.self_attention.linear_qkv.bias"}
     assert all("linear_proj.bias" not in k and "fc1.bias" not in k for k in biased.export_full_state())
-    qkv = biased.block.layers[0].self_attention.linear_qkv
+    qkv = biased.blocks[0].layers[0].self_attention.linear_qkv
     assert torch.count_nonzero(qkv.bias) > 0  # initialised like every other weight
     with_bias = biased([x], None)
     qkv.bias.zero_()
@@ -205,7 +205,7 @@ def test_norm_epsilon_rotary_base_and_rope_scaling_per_module(base):
     low = 2 * torch.pi / freqs > 8192  # wavelengths beyond the original context: divided by the factor
     assert low.any() and torch.allclose(inv[low], freqs[low] / 8) and torch.allclose(inv[~low][:1], freqs[~low][:1])
     eps = _op(workload_from_dict(_spec(llm={"norm_epsilon": 0.5})), "cap/llm", 5)
-    assert eps.block.layers[0].input_layernorm.eps == 0.5
+    assert eps.blocks[0].layers[0].input_layernorm.eps == 0.5
     assert _rel(eps([x], None) - x, ref - x) > 1e-3
     lm = _op(workload_from_dict(_spec(llm={"norm_epsilon": 0.5})), "cap/llm.lm_head")
     assert lm.lm_head.final_norm.eps == 0.5

@@ -144,11 +144,32 @@ def test_selective_recompute_modules_are_megatron_core_s_and_round_trip():
                        ("mlp", "a list of module names")):
         with pytest.raises(PlanError, match=words):
             Recompute("selective", modules=bad)
-    with pytest.raises(PlanError, match="only mode 'selective' takes modules"):
-        Recompute("full", modules=("mlp",))
+    with pytest.raises(PlanError, match="only mode 'selective', or 'full' with method 'block'"):
+        Recompute("full", 2, "uniform", modules=("mlp",))
+    with pytest.raises(PlanError, match="got mode 'none'"):
+        Recompute("none", modules=("mlp",))
     assert fitted_recompute(both, "encoder") == Recompute("selective", modules=("layernorm",))
     assert fitted_recompute(Recompute("selective", modules=("mlp",)), "encoder") == Recompute("selective")
     assert fitted_recompute(both, "llm") == both and recompute_fits(both, "llm") and not recompute_fits(both, "encoder")
+
+
+def test_full_recomputation_of_k_layers_with_the_others_selective_is_two_megatron_core_blocks():
+    rc = Recompute("full", 3, modules=("layernorm", "core_attn"))
+    assert rc.modules == ("core_attn", "layernorm") and rc.recompute_modules == ("core_attn", "layernorm")
+    assert rc.describe() == "full (3 layers) + selective (core_attn, layernorm)"
+    assert rc.blocks(8) == [(3, Recompute("full")), (5, Recompute("selective", modules=("core_attn", "layernorm")))]
+    assert Recompute("full", 3, modules=("core_attn",)).blocks(4)[1] == (1, Recompute("selective"))
+    # its plainest form: every layer full, or none full (the others' modules alone)
+    assert rc.for_layers(3) == rc.for_layers(2) == Recompute("full") and rc.blocks(3) == [(3, Recompute("full"))]
+    assert Recompute("full", 0, modules=("mlp",)).for_layers(4) == Recompute("selective", modules=("mlp",))
+    assert Recompute("full", 3).blocks(8) == [(8, Recompute("full", 3))]  # the others rerun nothing: one block
+    assert recompute_fits(rc, "encoder") and not recompute_fits(Recompute("full", 1, modules=("mlp",)), "encoder")
+    assert fitted_recompute(Recompute("full", 2, modules=("layernorm", "mlp")), "encoder") == \
+        Recompute("full", 2, modules=("layernorm",))
+    settings = ExecutionSettings(slice_recompute={"w0:a": rc})
+    d = json.loads(json.dumps(settings.to_dict()))
+    assert d["slice_recompute"]["w0:a"] == {"mode": "full", "layers": 3, "modules": ["core_attn", "layernorm"]}
+    assert ExecutionSettings.from_dict(d) == settings
 
 
 def test_execution_order_of_segments_an_explicit_backward_order_and_steps():

@@ -15,7 +15,13 @@ from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import workload_from_dict
-from megatron_spindle.plan.memory import ZeroSharded, memory_breakdown, memory_options, plan_memory
+from megatron_spindle.plan.memory import (
+    ZeroSharded,
+    activation_memory,
+    memory_breakdown,
+    memory_options,
+    plan_memory,
+)
 from megatron_spindle.plan.order import early_backward_order, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings, PlanError, Recompute
 from megatron_spindle.plan.validate import validate_plan
@@ -152,9 +158,13 @@ def test_each_slice_gets_the_cheapest_option_that_fits():
     s = ScheduledSlice("vt/vision", 1, 1, 1, 0, 8, 1.0, devices=[0])
     ladder = slice_options(vision, s, numbers, cost, RecomputePolicy())
     assert [o.recompute for o in ladder][0] == Recompute() and ladder[-1].recompute == Recompute("full")
-    assert all(a.seconds < b.seconds and a.held > b.held and a.held + a.transient >= b.held + b.transient
-               for a, b in zip(ladder, ladder[1:]))
+    assert all(a.seconds < b.seconds for a, b in zip(ladder, ladder[1:]))
+    # each rung holds less, or needs less at its most, than every cheaper one
+    assert all(b.held < min(a.held for a in ladder[:i]) or
+               b.held + b.transient < min(a.held + a.transient for a in ladder[:i])
+               for i, b in enumerate(ladder) if i)
     assert Recompute("full", 3) in [o.recompute for o in ladder]
+    assert Recompute("full", 3, modules=("layernorm",)) in [o.recompute for o in ladder]
     waves, order = [[s]], slice_order([["vt"]], ExecutionSettings())
     params = memory_breakdown(waves, g.metaops, numbers, 1, order)[0][0]
     for option in ladder:  # alone on its device, a slice needs held + transient at its backward
@@ -309,17 +319,22 @@ def test_recompute_modules_flag_is_used_as_given_and_mlp_only_where_the_mlp_is_b
         validate_plan(wrong, w)
 
 
-def test_selective_modules_sit_on_the_ladder_between_none_and_full():
-    """An LLM slice at TP 2: the pre-norms' recomputation (norms are not TP-sharded) frees a quarter of a layer
-    for a short rerun and is a rung of its own; the MLP's frees more for more time; full holds the least; an
-    encoder (MLP biases) is never offered the MLP's."""
+def mixed_llm_slice():
+    """MIXED on 4 devices: (metagraph, its LLM MetaOp, cost model, ZeRO-0 numbers, the whole chain at TP 2)."""
     w = workload_from_dict(MIXED)
     cluster = make_cluster(4, 4)
     g = build_metagraph(w)
     llm = next(m for m in g.metaops.values() if m.kind == "layer" and m.module == "llm")
     cost = AnalyticCostModel(w, cluster)
-    numbers = ZeroSharded(MemoryModel(w, cluster, cost), 0)
-    s = ScheduledSlice(llm.id, 2, 2, 1, 0, llm.num_layers, 1.0, devices=[0, 1])
+    return g, llm, cost, ZeroSharded(MemoryModel(w, cluster, cost), 0), ScheduledSlice(
+        llm.id, 2, 2, 1, 0, llm.num_layers, 1.0, devices=[0, 1])
+
+
+def test_selective_modules_sit_on_the_ladder_between_none_and_full():
+    """An LLM slice at TP 2: the pre-norms' recomputation (norms are not TP-sharded) frees a quarter of a layer
+    for a short rerun and is a rung of its own; the MLP's frees more for more time; full holds the least; an
+    encoder (MLP biases) is never offered the MLP's."""
+    g, llm, cost, numbers, s = mixed_llm_slice()
     ladder = [o.recompute for o in slice_options(llm, s, numbers, cost, RecomputePolicy())]
     assert ladder[0] == Recompute() and Recompute("selective", modules=("layernorm",)) in ladder
     assert any("mlp" in rc.recompute_modules for rc in ladder) and ladder[-1] == Recompute("full")
@@ -328,3 +343,22 @@ def test_selective_modules_sit_on_the_ladder_between_none_and_full():
     v = ScheduledSlice(vision.id, 1, 1, 1, 0, vision.num_layers, 1.0, devices=[0])
     assert not any("mlp" in o.recompute.recompute_modules
                    for o in slice_options(vision, v, numbers, cost, RecomputePolicy()))
+
+
+def test_full_recomputation_of_some_layers_reruns_the_others_modules_where_that_is_cheaper():
+    """The LLM slice at TP 2: full recomputation of its first k layers with the others' modules rerun (two
+    megatron-core blocks) sits on the ladder, holding less than full recomputation of k layers alone for less
+    time than one more fully recomputed layer; a capacity of exactly what it needs picks it."""
+    g, llm, cost, numbers, s = mixed_llm_slice()
+    ladder = slice_options(llm, s, numbers, cost, RecomputePolicy())
+    both = next(o for o in ladder if o.recompute.mode == "full" and o.recompute.modules)
+    k, rest = both.recompute.layers, both.recompute.modules
+    assert both.recompute.blocks(llm.num_layers) == [
+        (k, Recompute("full")), (llm.num_layers - k, Recompute("selective", modules=rest))]
+    assert both.held < activation_memory(numbers, llm, 2, 2, llm.num_layers, Recompute("full", k))[0]
+    assert both.seconds < cost.recompute_seconds(llm, 2, 2, Recompute("full", k + 1), llm.num_layers)
+    waves, order = [[s]], slice_order([["caption"]], ExecutionSettings())
+    params = memory_breakdown(waves, g.metaops, numbers, 2, order)[0][0]
+    got = choose_recompute(waves, g.metaops, numbers, cost, params + both.held + both.transient, order,
+                           RecomputePolicy(), 2)
+    assert got == {(0, 0): both.recompute}

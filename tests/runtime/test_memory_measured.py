@@ -47,6 +47,7 @@ def options(plan, workload):
         for m in (("layernorm",), ("mlp",), ("core_attn", "layernorm", "mlp"))}
     return {"none": plan, "selective": every(Recompute("selective")), **modules, "full": every(Recompute("full")),
             "block-1": every(Recompute("full", 1)), "uniform-2": every(Recompute("full", 2, "uniform")),
+            "block-1+layernorm": every(Recompute("full", 1, modules=("layernorm",))),
             "mix": recomputing(plan, lambda i, s: turns[i % len(turns)]), "early": early_backward(plan)}
 
 

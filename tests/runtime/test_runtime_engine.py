@@ -178,11 +178,14 @@ def option_cases(world: int):
 def selective_modules(workload, plan):
     """The plan with selective recomputation of megatron-core's modules by turns over its layer slices: the
     attention core, the pre-norms, and the MLP with the pre-norms where the layers' MLPs are bias-free
-    (plan/schema.py recompute_fits), else the core and the pre-norms."""
+    (plan/schema.py recompute_fits), else the core and the pre-norms; every other slice of several layers
+    recomputes its first layer fully and reruns the last of those module sets in the others (two blocks)."""
     kinds = {m.id: workload.modules[m.module].kind for m in plan.metaops if m.module in workload.modules}
 
     def turn(i, s):
         last = ("layernorm", "mlp") if kinds[s.metaop] == "llm" else ("core_attn", "layernorm")
+        if s.num_layers > 1 and i % 2 == 0:
+            return Recompute("full", 1, modules=last)
         return Recompute("selective", modules=(("core_attn",), ("layernorm",), last)[i % 3])
 
     return recomputing(plan, turn)
@@ -295,11 +298,14 @@ def check_recompute_flags(engine, plan, label: str) -> None:
     for ls in engine.local.values():
         if ls.slice.kind != "layer":
             continue
-        want = recompute_fields(plan.settings.recompute_of(ls.slice.id), ls.slice.num_layers)
+        blocks = plan.settings.recompute_of(ls.slice.id).blocks(ls.slice.num_layers)
+        wants = [recompute_fields(rc, n) for n, rc in blocks]  # one TransformerBlock per granularity
+        want = {(w.get("recompute_granularity"), w.get("recompute_method"), w.get("recompute_num_layers"),
+                 tuple(w.get("recompute_modules", ()))) for w in wants}
         configs = [m.config for m in ls.op.modules() if isinstance(getattr(m, "config", None), TransformerConfig)]
-        got = {(c.recompute_granularity, c.recompute_method, c.recompute_num_layers) for c in configs}
-        assert got == {(want.get("recompute_granularity"), want.get("recompute_method"),
-                        want.get("recompute_num_layers"))}, (label, ls.slice.id, got, want)
+        got = {(c.recompute_granularity, c.recompute_method, c.recompute_num_layers,
+                tuple(c.recompute_modules) if c.recompute_granularity == "selective" else ()) for c in configs}
+        assert got == want and len(ls.op.blocks) == len(blocks), (label, ls.slice.id, got, want)
 
 
 class EarlyReceiveLog:
