@@ -180,9 +180,13 @@ def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
     (``durations``: the waves' seconds, the slices' own in their ``time``; then as cheap in wave lengthening).
     Raises RecomputeError naming the device that cannot fit even with every slice at its leanest option."""
     ladders: dict[SliceKey, list[Option]] = {}
+    alike: dict[tuple, list[Option]] = {}  # slices of one MetaOp, configuration and layer count share a ladder
     for wi, slices in enumerate(waves):
         for si, s in enumerate(slices):
-            ladders[(wi, si)] = slice_options(metaops[s.metaop], s, numbers, cost_model, policy)
+            shape = (s.metaop, s.tp, s.dp, s.layer_end - s.layer_start)
+            if shape not in alike:
+                alike[shape] = slice_options(metaops[s.metaop], s, numbers, cost_model, policy)
+            ladders[(wi, si)] = alike[shape]
     level = {key: 0 for key in ladders}
     params = memory_breakdown(waves, metaops, numbers, num_devices, order,
                               lambda wi, si: ladders[(wi, si)][0].recompute)
@@ -197,14 +201,14 @@ def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
             of_slice[key].append(p)
         programs.append(p)
 
-    def cost(key: SliceKey, seconds: float) -> float:
-        """What ``seconds`` more recomputation of the slice costs the iteration."""
+    def coster(key: SliceKey) -> Callable[[float], float]:
+        """What ``seconds`` more recomputation of the slice costs the iteration, at the slices' levels now."""
         if durations is None:
-            return seconds
+            return lambda seconds: seconds
         wi, si = key
         ends = [s.time + ladders[(wi, sj)][level[(wi, sj)]].seconds for sj, s in enumerate(waves[wi])]
-        longest = max([durations[wi]] + ends)
-        return max(0.0, ends[si] + seconds - longest) + SLACK_WEIGHT * seconds
+        end, longest = ends[si], max([durations[wi]] + ends)
+        return lambda seconds: max(0.0, end + seconds - longest) + SLACK_WEIGHT * seconds
 
     def move(key: SliceKey, to: int) -> None:
         old, new = ladders[key][level[key]], ladders[key][to]
@@ -221,7 +225,7 @@ def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
         peak_after = worst.peaks_after()
         best, best_score = None, None
         for key, (lo, hi) in worst.span.items():
-            ladder, at = ladders[key], level[key]
+            ladder, at, cost = ladders[key], level[key], coster(key)
             for j in range(at + 1, len(ladder)):
                 dh, dt = ladder[j].held - ladder[at].held, ladder[j].transient - ladder[at].transient
                 gain = peak - peak_after(key, dh, dt)
@@ -229,7 +233,7 @@ def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
                 local = -(dh + (dt if at_peak == hi else 0.0)) if lo <= at_peak <= hi else 0.0
                 if gain <= 0 and local <= 0:
                     continue
-                seconds = cost(key, ladder[j].seconds - ladder[at].seconds)
+                seconds = cost(ladder[j].seconds - ladder[at].seconds)
                 score = (gain > 0, min(max(gain, local), overflow) / max(seconds, 1e-12), -seconds)
                 if best_score is None or score > best_score:
                     best, best_score = (key, j), score
