@@ -27,8 +27,8 @@ once used: megatron-core's ``CheckpointWithoutOutput``); ``mlp`` keeps the MLP's
 output, counted with that norm). While one layer's backward reruns them it needs that layer's rerun tensors
 again (``core``, the MLP's, a norm's output). ``full`` keeps a recomputed layer's input only, and needs one
 layer's (a chunk's) full activations while its backward runs; with modules, the layers it does not recompute
-fully are selective's. Dropout masks are not counted: our operators run
-without dropout.
+fully are selective's (two blocks, one after another). Dropout masks are not counted: our operators run without
+dropout.
 """
 
 from __future__ import annotations
