@@ -50,15 +50,14 @@ FP32, INT64 = 4, 8
 @dataclass(frozen=True)
 class LayerActivations:
     """Bytes one transformer layer saves on one device: ``full`` without recomputation, ``selective`` with its
-    attention core recomputed, ``core`` what rerunning the core needs beyond what the layer's backward has
-    freed by then, ``input`` the layer's input (all a fully recomputed layer keeps). For the other selective
-    modules: ``norm`` what one pre-norm holds beyond its input (its statistics and output: what layernorm
-    recomputation frees, per norm), ``mlp`` the MLP's own tensors (what MLP recomputation frees, and needs again
-    while it reruns), ``core_saved`` the core's tensors before the layer's backward frees anything."""
+    attention core recomputed, ``input`` the layer's input (all a fully recomputed layer keeps). For the
+    selective modules: ``norm`` what one pre-norm holds beyond its input (its statistics and output: what
+    layernorm recomputation frees, per norm), ``mlp`` the MLP's own tensors (what MLP recomputation frees, and
+    needs again while it reruns), ``core_saved`` the core's tensors before the layer's backward frees anything
+    (what rerunning the core needs beyond what that backward has freed by then: ``selective_memory``)."""
 
     full: float
     selective: float
-    core: float
     input: float
     norm: float = 0.0
     mlp: float = 0.0
@@ -181,9 +180,7 @@ class MemoryModel:
             full += extra + cross_plain
             selective += extra + cross_entering
             core += cross_core
-        # the backward frees the layer's MLP activations and second norm before it reruns the attention core
-        return LayerActivations(full, selective, max(0.0, core - mlp - norm), t * h * d, norm - t * h * d, mlp,
-                                core)
+        return LayerActivations(full, selective, input=t * h * d, norm=norm - t * h * d, mlp=mlp, core_saved=core)
 
     def _light_op(self, metaop: MetaOp, micro_batch: float, tp: int = 1) -> float:
         d = self.dtype_bytes

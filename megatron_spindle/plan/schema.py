@@ -35,20 +35,6 @@ DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 # module kinds whose layers may recompute their MLP: megatron-core 0.16.1's checkpoint of an MLP that returns its
 # fc2 bias (every encoder's: linear biases) recurses in the backward without end, so only bias-free MLPs (llm)
 MLP_RECOMPUTE_KINDS = ("llm",)
-
-
-def recompute_fits(recompute: Recompute, module_kind: str) -> bool:
-    """Whether a layer of a module of ``module_kind`` can run ``recompute`` (``MLP_RECOMPUTE_KINDS``)."""
-    return "mlp" not in recompute.recompute_modules or module_kind in MLP_RECOMPUTE_KINDS
-
-
-def fitted_recompute(recompute: Recompute, module_kind: str) -> Recompute:
-    """``recompute`` for a layer of ``module_kind``: without the MLP where it cannot rerun it (the other modules
-    it names, or megatron-core's default core_attn when the MLP was the only one)."""
-    if recompute_fits(recompute, module_kind):
-        return recompute
-    rest = tuple(m for m in recompute.recompute_modules if m != "mlp")
-    return dataclasses.replace(recompute, modules=rest or DEFAULT_RECOMPUTE_MODULES)
 PHASES = ("fwd", "bwd")
 ZERO_STAGES = (0, 1, 2, 3)
 RUNTIME_ZERO_STAGES = (0, 1, 2, 3)  # what Spindle's runtime implements (runtime/weight_shards.py: 3)
@@ -181,6 +167,20 @@ class Recompute:
         if isinstance(d.get("modules"), list):
             d["modules"] = tuple(d["modules"])
         return cls(**d)
+
+
+def recompute_fits(recompute: Recompute, module_kind: str) -> bool:
+    """Whether a layer of a module of ``module_kind`` can run ``recompute`` (``MLP_RECOMPUTE_KINDS``)."""
+    return "mlp" not in recompute.recompute_modules or module_kind in MLP_RECOMPUTE_KINDS
+
+
+def fitted_recompute(recompute: Recompute, module_kind: str) -> Recompute:
+    """``recompute`` for a layer of ``module_kind``: without the MLP where it cannot rerun it (the other modules
+    it names, or megatron-core's default core_attn when the MLP was the only one)."""
+    if recompute_fits(recompute, module_kind):
+        return recompute
+    rest = tuple(m for m in recompute.recompute_modules if m != "mlp")
+    return dataclasses.replace(recompute, modules=rest or DEFAULT_RECOMPUTE_MODULES)
 
 
 Step = tuple[int, str, "str | None"]  # (wave index, "fwd" | "bwd", task or None: every slice of the wave)

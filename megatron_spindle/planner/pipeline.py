@@ -55,8 +55,9 @@ class PlannerConfig:
         "CP-SAT: let a MetaOp start when its own producers end instead of at the level barrier."))
     recompute: str = field(default="auto", metadata=flag(
         "Activation recomputation of transformer layers: auto chooses per slice the cheapest of none, selective "
-        "(subsets of the attention core, the pre-norms and the MLP) and full recomputation of k of its layers whose memory fits, and nothing when "
-        "memory allows; none, selective, full: that for every layer. --recompute-granularity overrides it.",
+        "(subsets of the attention core, the pre-norms and the MLP) and full recomputation of k of its layers "
+        "(the others rerunning nothing or such a subset) whose memory fits, and nothing when memory allows; "
+        "none, selective, full: that for every layer. --recompute-granularity overrides it.",
         choices=RECOMPUTE))
     recompute_granularity: str | None = field(default=None, metadata=flag(
         "Megatron-style: recompute every layer slice's attention core (selective) or whole layers (full, with "
