@@ -123,6 +123,11 @@ def layer_slices(plan: Plan) -> list:
     return [s for s in plan.slices() if s.kind == "layer"]
 
 
+def module_kinds(plan: Plan, workload) -> dict[str, str]:
+    """MetaOp id -> the kind of its module (encoder, llm, ...), for the MetaOps that run a module."""
+    return {m.id: workload.modules[m.module].kind for m in plan.metaops if m.module in workload.modules}
+
+
 def recomputing(plan: Plan, choose) -> Plan:
     """The plan with ``choose(index, slice) -> Recompute`` for its i-th layer slice."""
     return with_settings(plan, slice_recompute={s.id: choose(i, s) for i, s in enumerate(layer_slices(plan))})

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from plans import early_backward, random_plan, recomputing, sequential_plan, with_settings
+from plans import early_backward, module_kinds, random_plan, recomputing, sequential_plan, with_settings
 
 from megatron_spindle.compat.groups import ensure_torch_distributed
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
@@ -37,7 +37,7 @@ def runtime_memory_model(plan, workload) -> MemoryModel:
 
 def options(plan, workload):
     """The plan under each memory option."""
-    kinds = {m.id: workload.modules[m.module].kind for m in plan.metaops if m.module in workload.modules}
+    kinds = module_kinds(plan, workload)
     every = lambda rc: recomputing(plan, lambda i, s: rc)  # noqa: E731
     turns = (Recompute("selective"), Recompute("full", 1), Recompute("full"), Recompute(),
              Recompute("selective", modules=("layernorm",)))

@@ -45,6 +45,7 @@ from harness import (
 )
 from plans import (
     early_backward,
+    module_kinds,
     random_plan,
     recomputing,
     sequential_plan,
@@ -180,7 +181,7 @@ def selective_modules(workload, plan):
     attention core, the pre-norms, and the MLP with the pre-norms where the layers' MLPs are bias-free
     (plan/schema.py recompute_fits), else the core and the pre-norms; every other slice of several layers
     recomputes its first layer fully and reruns the last of those module sets in the others (two blocks)."""
-    kinds = {m.id: workload.modules[m.module].kind for m in plan.metaops if m.module in workload.modules}
+    kinds = module_kinds(plan, workload)
 
     def turn(i, s):
         last = ("layernorm", "mlp") if kinds[s.metaop] == "llm" else ("core_attn", "layernorm")
