@@ -16,7 +16,8 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
 - on several nodes, where the configured plan's configurations leave a sizeable share of its device time in
   gradient sync they cannot hide, the configured planner with sync-aware curves (``--spindle-sync-aware``): each
   configuration's time carries that sync (estimator/estimate.py ``exposed_sync_seconds``), so a MetaOp whose
-  weights are large for its compute takes more tensor parallelism or fewer devices;
+  weights are large for its compute takes more tensor parallelism or fewer devices; once with a shared
+  MetaOp's sync split among the MetaOps that hold its weights, and once among the MetaLevels that do;
 - the configured planner's plans (with and without sync-aware curves) with the early backward, where they need
   memory options;
 - on several nodes, the tasks partitioned over groups of whole nodes, each group's tasks planned by the
@@ -52,6 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_spindle.estimator.estimate import SHARER_COUNTS, weight_sharers
 from megatron_spindle.estimator.profiled import ProfiledCostModel
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.workload import Workload
@@ -161,22 +163,32 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
 
 def _sync_aware_run(workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
                     planned: list[tuple[str, PlanningResult, float]], placements: dict | None = None):
-    """The configured planner again with sync-aware curves, as ``[(name, config, result, planning seconds)]``
-    (or none): on several nodes, where the configured plan's own configurations leave at least
-    SYNC_AWARE_MIN_SHARE of its device time in gradient sync they cannot hide (planner/objective.py
-    ``exposed_sync_share``); below that the curves barely change, and the run would cost a solve for nothing."""
+    """The configured planner again on sync-aware curves, as ``[(name, config, result, planning seconds)]``: on
+    several nodes, where the configured plan's own configurations leave at least SYNC_AWARE_MIN_SHARE of its
+    device time in gradient sync they cannot hide (planner/objective.py ``exposed_sync_share``); below that the
+    curves barely change, and a run would cost a solve for nothing. One run per way of counting a MetaOp's
+    weight sharers (estimator/estimate.py ``weight_sharers``) that gives other counts: whether sharers sync one
+    copy depends on the placement, which the curves do not know, so the simulator decides."""
     if config.select == "none" or config.sync_aware != "auto" or cluster.num_nodes < 2 or not planned:
         return []
     name, result, _ = planned[0]
     if exposed_sync_share(result.plan, result.metagraph, result.cost_model) < SYNC_AWARE_MIN_SHARE:
         return []
-    aware = dataclasses.replace(config, sync_aware="on")
-    started = time.perf_counter()
-    try:
-        result = plan_workload(workload, cluster, aware, profile, placements=placements)
-    except PlanError:
-        return []
-    return [(f"{name}-sync-aware", aware, result, time.perf_counter() - started)]
+    runs, counted = [], []
+    for by in SHARER_COUNTS:
+        counts = weight_sharers(result.metagraph, by)
+        if counts in counted:
+            continue
+        counted.append(counts)
+        aware = dataclasses.replace(config, sync_aware="on", sync_sharers=by)
+        started = time.perf_counter()
+        try:
+            aware_result = plan_workload(workload, cluster, aware, profile, placements=placements)
+        except PlanError:
+            continue
+        suffix = "" if by == SHARER_COUNTS[0] else f"-by-{by}"
+        runs.append((f"{name}-sync-aware{suffix}", aware, aware_result, time.perf_counter() - started))
+    return runs
 
 
 def _early_backward_candidates(workload: Workload, cluster: ClusterSpec, profile,

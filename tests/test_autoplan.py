@@ -43,9 +43,15 @@ def test_sync_aware_run_only_where_the_sync_cannot_hide(name, gpus, tried):
     assert bool(runs) == tried
     if c.num_nodes > 1:
         assert (share >= SYNC_AWARE_MIN_SHARE) == tried
-    if tried:
-        (run_name, aware, _, _), = runs
-        assert run_name == "wavefront-sync-aware" and aware.sync_aware == "on"
+    if tried:  # once per way of counting the sharers of a weight: the three LLM MetaOps are one MetaLevel
+        assert [(n, a.sync_aware, a.sync_sharers) for n, a, _, _ in runs] == [
+            ("wavefront-sync-aware", "on", "metaop"), ("wavefront-sync-aware-by-level", "on", "level")]
+        by_metaop, by_level = (r.plan for _, _, r, _ in runs)
+
+        def llm_tp(plan):
+            return sorted(s.tp for s in plan.slices() if s.module == "llm" and s.kind == "layer")
+        # charged its whole sync, the LLM takes at least as much tensor parallelism as when charged a third
+        assert min(llm_tp(by_level)) >= min(llm_tp(by_metaop)) > 1
 
 
 def test_sync_aware_flag_forces_or_forbids_the_curves():
@@ -62,6 +68,8 @@ def test_sync_aware_flag_forces_or_forbids_the_curves():
     assert _sync_aware_run(w, c, off, None, [("wavefront", plain, 0.0)]) == []
     with pytest.raises(ValueError, match="sync_aware"):
         PlannerConfig(sync_aware="yes")
+    with pytest.raises(ValueError, match="sync_sharers"):
+        PlannerConfig(sync_sharers="task")
 
 
 def test_unlimited_plan_with_memory_options_is_a_candidate_where_memory_binds():

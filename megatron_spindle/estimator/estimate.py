@@ -41,10 +41,21 @@ def exposed_sync_seconds(cost_model: AnalyticCostModel, metaop: MetaOp, tp: int,
     return times.end - backward
 
 
-def weight_sharers(metagraph: MetaGraph) -> dict[str, int]:
-    """MetaOp id -> how many MetaOps (itself included) hold any of its weights."""
+SHARER_COUNTS = ("metaop", "level")
+
+
+def weight_sharers(metagraph: MetaGraph, by: str = "metaop") -> dict[str, int]:
+    """MetaOp id -> how many MetaOps (itself included) hold any of its weights (``by="metaop"``), or how many
+    MetaLevels hold them (``by="level"``: MetaOps of one level run side by side on disjoint devices, so each
+    syncs the copy its devices hold, and only sharers at different levels may sync one copy). Which is nearer
+    depends on the placement, which curves do not know; plan selection tries both (autoplan.py)."""
+    if by not in SHARER_COUNTS:
+        raise ValueError(f"weight sharers are counted by one of {SHARER_COUNTS}, got {by!r}")
     ops = metagraph.metaops
-    return {mid: sum(1 for o in ops.values() if o.param_names() & mo.param_names()) for mid, mo in ops.items()}
+    level_of = {mid: k for k, level in enumerate(metagraph.levels) for mid in level}
+    key = (lambda o: o) if by == "metaop" else level_of.__getitem__
+    return {mid: len({key(o) for o, other in ops.items() if other.param_names() & mo.param_names()})
+            for mid, mo in ops.items()}
 
 
 def _with_exposed_sync(points: Sequence[CurvePoint], metaop: MetaOp, cost_model: AnalyticCostModel,
@@ -140,20 +151,21 @@ def estimate_curves(
     calibrate: bool = True,
     allowed: Callable[[MetaOp, int, int], bool] | None = None,
     cache: dict | None = None,
-    sync_aware: bool = False,
+    sync_sharers: str | None = None,
 ) -> dict[str, ScalingCurve]:
     """metaop id -> ScalingCurve. ``profile``: metaop id -> measured points (any subset of valid configs);
     they take precedence, and the analytic model fills the other n (scaled to the measured level when
     ``calibrate``). ``cache``: a dict kept by the caller for one cost model and cluster (the memory search fits
     the same curves on many rungs): a curve is fitted once per MetaOp shape and set of allowed configurations.
-    ``sync_aware``: the curves weigh each MetaOp's exposed gradient sync (``estimate_curve``'s ``sync_sharers``)."""
+    ``sync_sharers`` (one of SHARER_COUNTS): the curves weigh each MetaOp's exposed gradient sync, its weights'
+    sharers counted that way (``weight_sharers``, ``estimate_curve``'s ``sync_sharers``); None: compute alone."""
     cost_model = cost_model or AnalyticCostModel(workload, cluster)
     profile = profile or {}
     unknown = sorted(set(profile) - set(metagraph.metaops))
     if unknown:
         raise EstimatorError(f"profile names MetaOps not in the graph: {unknown}")
 
-    sharers = weight_sharers(metagraph) if sync_aware else {}
+    sharers = weight_sharers(metagraph, sync_sharers) if sync_sharers else {}
 
     def curve(m: MetaOp) -> ScalingCurve:
         profiled = tuple(profile.get(m.id, ()))

@@ -65,7 +65,7 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
         allowed = cap_slice_devices(memory_allowed_configs(metagraph, needs, cluster, share), config.max_slice_devices)
         curves = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
                                  allowed=lambda m, tp, dp, fits=allowed: (tp, dp) in fits[m.id], cache=curve_cache,
-                                 sync_aware=config.sync_aware_curves())
+                                 sync_sharers=config.curve_sync_sharers())
         level_allocs = [
             allocate_level(k, [metagraph.metaops[m] for m in level], curves, N, mode=config.inverse)
             for k, level in enumerate(metagraph.levels)
@@ -95,7 +95,7 @@ def _restriction_binds(placed, curves, needs, share, metagraph, workload, cluste
     every = cap_slice_devices({m: set(n) for m, n in needs.items()}, config.max_slice_devices)
     free = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
                            allowed=lambda m, tp, dp: (tp, dp) in every[m.id], cache=curve_cache,
-                           sync_aware=config.sync_aware_curves())
+                           sync_sharers=config.curve_sync_sharers())
     return any(free[s.metaop].time(s.n) < curves[s.metaop].time(s.n) * (1 - 1e-9)
                for w in placed for s in w.slices)
 
@@ -321,7 +321,7 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
             if stage >= 2 and (assumed, over) in roomy_sharded:
                 continue  # sharding the gradients (or the weights) too would place the same, no faster
             key = (m, stage, assumed, over, config.inverse, config.placement, config.max_slice_devices,
-                   config.sync_aware_curves())
+                   config.curve_sync_sharers())
             if placements is None or key not in placements:
                 try:
                     placed = _place_rung(micro, workload, cluster, config, points if m == 1 else None, stage,

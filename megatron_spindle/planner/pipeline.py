@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
+from megatron_spindle.estimator.estimate import SHARER_COUNTS
 from megatron_spindle.flags import check_choices, flag
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
@@ -113,6 +114,9 @@ class PlannerConfig:
     # Light MetaLevels laid out like their neighbours (planner/light_levels.py) when that lengthens the waves
     # by at most LIGHT_FOLLOW_SLACK.
     light_follow: bool = False
+    # How sync-aware curves count a MetaOp's weight sharers (estimator/estimate.py SHARER_COUNTS): plan selection
+    # tries each where they differ.
+    sync_sharers: str = "metaop"
 
     def __post_init__(self):
         check_choices(self)
@@ -131,10 +135,14 @@ class PlannerConfig:
             raise ValueError(f"solver time limit must be >= 0, got {self.solver_time_limit}")
         if self.solver_workers < 1:
             raise ValueError(f"solver workers must be >= 1, got {self.solver_workers}")
+        if self.sync_sharers not in SHARER_COUNTS:
+            raise ValueError(f"sync_sharers must be one of {SHARER_COUNTS}, got {self.sync_sharers!r}")
 
-    def sync_aware_curves(self) -> bool:
-        """The planner plans on sync-aware curves (auto leaves them to plan selection as a candidate)."""
-        return self.sync_aware == "on"
+    def curve_sync_sharers(self) -> str | None:
+        """How the planner's curves count a MetaOp's weight sharers when they carry its gradient sync
+        (estimator/estimate.py ``weight_sharers``); None: the curves are compute alone (auto leaves sync-aware
+        curves to plan selection as candidates)."""
+        return self.sync_sharers if self.sync_aware == "on" else None
 
     def zero_stages(self) -> tuple[int, ...]:
         """The ZeRO stages a plan may use: --spindle-distributed-optimizer on is Megatron's ZeRO-1, off none,

@@ -153,9 +153,16 @@ def test_sync_aware_curves_trade_compute_for_less_sync_across_nodes():
     graph = build_metagraph(workload)
     model = AnalyticCostModel(workload, cluster)
     plain = estimate_curves(graph, workload, cluster, model)
-    aware = estimate_curves(graph, workload, cluster, model, sync_aware=True)
+    aware = estimate_curves(graph, workload, cluster, model, sync_sharers="metaop")
     sharers = weight_sharers(graph)
     assert sharers["al/llm"] == 3 and sharers["vl/vision"] == 2 and sharers["al/llm.frontend"] == 3
+    # the three LLM MetaOps are one MetaLevel: counted by level, each syncs its own copy
+    by_level = weight_sharers(graph, "level")
+    assert set(by_level.values()) == {1}
+    whole = estimate_curves(graph, workload, cluster, model, sync_sharers="level")
+    assert all(whole["al/llm"].time(n) >= aware["al/llm"].time(n) for n in whole["al/llm"].valid_ns)
+    with pytest.raises(ValueError, match="counted by one of"):
+        weight_sharers(graph, "task")
     llm = graph.metaops["al/llm"]
     for n in aware["al/llm"].valid_ns:
         charged = {(tp, dp): model.layer_cost(llm, tp, dp).step + exposed_sync_seconds(model, llm, tp, dp, 3)
@@ -166,3 +173,14 @@ def test_sync_aware_curves_trade_compute_for_less_sync_across_nodes():
     assert plain["al/llm"].config(32) == (1, 32)
     assert aware["al/llm"].config(32)[0] > 1
     assert aware["al/llm"].time(32) > 1.1 * plain["al/llm"].time(32)
+
+
+def test_weight_sharers_by_level_count_the_levels_that_hold_a_weight():
+    """OFASys-7: seven tasks hold the text encoder, whose MetaOps sit at two MetaLevels (after the vision tower
+    for the tasks with images, first for the others)."""
+    graph = build_metagraph(load_workload("ofasys-7"))
+    by_metaop, by_level = weight_sharers(graph), weight_sharers(graph, "level")
+    assert by_metaop["caption/lm_encoder"] == 7 and by_level["caption/lm_encoder"] == 2
+    levels = {k for k, level in enumerate(graph.levels) for m in level if graph.shares_params(m, "caption/lm_encoder")}
+    assert len(levels) == by_level["caption/lm_encoder"]
+    assert by_metaop["caption/vision"] == 3 and by_level["caption/vision"] == 1
