@@ -51,11 +51,10 @@ def weight_sharers(metagraph: MetaGraph, by: str = "metaop") -> dict[str, int]:
     depends on the placement, which curves do not know; plan selection tries both (autoplan.py)."""
     if by not in SHARER_COUNTS:
         raise ValueError(f"weight sharers are counted by one of {SHARER_COUNTS}, got {by!r}")
-    ops = metagraph.metaops
     level_of = {mid: k for k, level in enumerate(metagraph.levels) for mid in level}
     key = (lambda o: o) if by == "metaop" else level_of.__getitem__
-    return {mid: len({key(o) for o, other in ops.items() if other.param_names() & mo.param_names()})
-            for mid, mo in ops.items()}
+    return {mid: len({key(o) for o in metagraph.metaops if metagraph.shares_params(o, mid)})
+            for mid in metagraph.metaops}
 
 
 def _with_exposed_sync(points: Sequence[CurvePoint], metaop: MetaOp, cost_model: AnalyticCostModel,
