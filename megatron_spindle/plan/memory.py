@@ -168,9 +168,12 @@ class DeviceMemory:
         common = have.keys() & units.keys()
         return sum(min(units[u], have[u]) for u in common) if common else 0.0
 
-    def need(self, device: int, sm: SliceMemory) -> float:
-        """How much the device's total grows when it runs the slice's forward next."""
-        extra = sum(sm.units.values()) - self.shared_param_bytes(device, sm.units)
+    def need(self, device: int, sm: SliceMemory, shared: float | None = None) -> float:
+        """How much the device's total grows when it runs the slice's forward next (``shared``: its
+        ``shared_param_bytes``, where the caller has them)."""
+        if shared is None:
+            shared = self.shared_param_bytes(device, sm.units)
+        extra = sum(sm.units.values()) - shared
         return extra + max(0.0, self.live[device] + sm.activations - self.peak[device])
 
     def forward(self, device: int, sm: SliceMemory) -> None:

@@ -296,7 +296,8 @@ def _place_wave(problem: _Problem, wi: int, state: _State, mode: str) -> None:
     order = problem.slice_order(wi)
     # producers sit in earlier waves and a device taken in this wave is no candidate any more, so each
     # slice's scores can be computed once, up front
-    scorers = {key: _Scorer(problem, problem.info[key], state) for key in order}
+    unit_islands = _unit_islands(state.memory, cluster, {u for key in order for u in problem.info[key].memory.units})
+    scorers = {key: _Scorer(problem, problem.info[key], state, unit_islands) for key in order}
     for pos, key in enumerate(order):
         sl = problem.info[key]
         pending = _Pending.of([scorers[k] for k in order[pos + 1:]], cluster)
@@ -354,10 +355,19 @@ def _packable(capacities: tuple[int, ...], sizes: list[int]) -> bool:
     return True
 
 
+def _unit_islands(memory: DeviceMemory, cluster: ClusterSpec, units: set[str]) -> dict[str, set[int]]:
+    """unit -> the islands whose devices hold its state so far, for these units (once for a wave's slices)."""
+    out: dict[str, set[int]] = {u: set() for u in units}
+    for d, have in enumerate(memory.held):
+        for u in units & have.keys():
+            out[u].add(cluster.island(d))
+    return out
+
+
 class _Scorer:
     """Communication and memory scores of putting one slice's positions on devices (cached per device)."""
 
-    def __init__(self, problem: _Problem, sl: _SliceInfo, state: _State):
+    def __init__(self, problem: _Problem, sl: _SliceInfo, state: _State, unit_islands: dict[str, set[int]]):
         self.cluster = problem.cluster
         self.sl = sl
         self.memory = state.memory
@@ -383,11 +393,7 @@ class _Scorer:
         self._free_after: dict[int, float] = {}
         # islands already holding each of the slice's units, and the weight of their gradients: a unit held on
         # another island makes its parameter device group's gradient sync cross the network
-        self._unit_islands: dict[str, set[int]] = {u: set() for u in sl.memory.units}
-        mine = self._unit_islands.keys()
-        for d, have in enumerate(self.memory.held):
-            for u in mine & have.keys():
-                self._unit_islands[u].add(self.cluster.island(d))
+        self._unit_islands = {u: unit_islands[u] for u in sl.memory.units}
         self._sync_weight = GRAD_PER_STATE_BYTE * s.tp  # state bytes are per TP shard
         self._sync_penalty: dict[int, float] = {}
         self._block_wants: list[tuple[int, int, float]] | None = None
@@ -438,7 +444,7 @@ class _Scorer:
 
     def free_after(self, device: int) -> float:
         if device not in self._free_after:
-            need = self.memory.need(device, self.sl.memory)
+            need = self.memory.need(device, self.sl.memory, self.shared(device))
             self._free_after[device] = self.memory.free(device) - need
         return self._free_after[device]
 
@@ -517,9 +523,10 @@ def _place_slice(scorer: _Scorer, free_devices: set[int], pending: _Pending, mod
     free_count = [0] * cluster.num_nodes
     for d in free_devices:
         free_count[cluster.island(d)] += 1
-    available: dict[int, list[int]] = {}
+    available: dict[int, _IslandDevices] = {}
     for d in fitting:
         available.setdefault(cluster.island(d), []).append(d)
+    available = {i: _IslandDevices(scorer, devs) for i, devs in available.items()}
     blocks = _blocks(sl.n, cluster.gpus_per_node)
     assignment: dict[int, int] = {}
     start = 0
@@ -531,12 +538,27 @@ def _place_slice(scorer: _Scorer, free_devices: set[int], pending: _Pending, mod
             return _place_split(scorer, fitting, mode)
         island, matched = picked
         assignment.update(matched)
-        available[island] = [d for d in available[island] if d not in matched.values()]
+        taken = set(matched.values())
+        available[island] = _IslandDevices(scorer, [d for d in available[island].devices if d not in taken])
         free_count[island] -= size
     return [assignment[r] for r in range(sl.n)]
 
 
-def _pick_island(scorer: _Scorer, positions: range, available: dict[int, list[int]], free_count: list[int],
+class _IslandDevices:
+    """One island's devices a slice may still take, with what ``_pick_island`` ranks them by: the slice's shared
+    weights and free memory per device, best first (computed once per island, not once per block)."""
+
+    def __init__(self, scorer: _Scorer, devices: list[int]):
+        self.devices = devices
+        self.shared = sorted((scorer.shared(d) for d in devices), reverse=True)
+        self.free_after = sorted((scorer.free_after(d) for d in devices), reverse=True)
+        self.has_local = any(d in scorer.local for d in devices)
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+
+def _pick_island(scorer: _Scorer, positions: range, available: dict[int, _IslandDevices], free_count: list[int],
                  own_blocks: list[int], pending: _Pending, mode: str) -> tuple[int, dict[int, int]] | None:
     """Best island for one block of positions, keeping the rest of the wave packable when possible.
 
@@ -545,7 +567,9 @@ def _pick_island(scorer: _Scorer, positions: range, available: dict[int, list[in
     winner is matched device by device). balance: free memory first."""
     size = len(positions)
     later_blocks = sorted(own_blocks + pending.blocks, reverse=True)
-    packable: dict[tuple[int, ...], bool] = {}  # by the islands' free counts: many islands leave the same
+    # whether the rest of the wave stays packable depends only on the taken island's free count (the multiset of
+    # counts left is the same for islands with equal counts)
+    packable: dict[int, bool] = {}
     candidates = []
     for island, devs in available.items():
         if len(devs) < size:
@@ -553,21 +577,21 @@ def _pick_island(scorer: _Scorer, positions: range, available: dict[int, list[in
         in_island = scorer.island_bytes(positions, island)
         in_island -= pending.displaced_bytes(island, free_count[island], size)
         in_island -= scorer.sync_penalty(island)
-        local = scorer.best_local_bytes(positions, devs)
-        shared = sum(sorted((scorer.shared(d) for d in devs), reverse=True)[:size])
-        min_free = sorted((scorer.free_after(d) for d in devs), reverse=True)[size - 1]
+        local = scorer.best_local_bytes(positions, devs.devices) if devs.has_local else 0
+        shared = sum(devs.shared[:size])
+        min_free = devs.free_after[size - 1]
         key = (in_island, local, shared, min_free) if mode == "comm" else (min_free, in_island, local, shared)
-        caps = list(free_count)
-        caps[island] -= size
-        caps = tuple(sorted(caps, reverse=True))
-        if caps not in packable:
-            packable[caps] = _packable(caps, later_blocks)
-        candidates.append((packable[caps], key, -island))
+        count = free_count[island]
+        if count not in packable:
+            caps = list(free_count)
+            caps[island] -= size
+            packable[count] = _packable(tuple(sorted(caps, reverse=True)), later_blocks)
+        candidates.append((packable[count], key, -island))
     if not candidates:
         return None
     _, _, neg_island = max(candidates)
     island = -neg_island
-    return island, scorer.match(positions, available[island], mode, pending.device_demand)
+    return island, scorer.match(positions, available[island].devices, mode, pending.device_demand)
 
 
 def _place_split(scorer: _Scorer, fitting: list[int], mode: str) -> list[int]:
