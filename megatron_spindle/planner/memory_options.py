@@ -174,18 +174,24 @@ class _Program:
 def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
                      numbers: ShardedNumbers, cost_model, capacity: float, order: Sequence[SliceStep],
                      policy: RecomputePolicy, num_devices: int, device_name: str = "device",
-                     durations: Sequence[float] | None = None) -> dict[SliceKey, Recompute]:
+                     durations: Sequence[float] | None = None,
+                     ladder_cache: dict | None = None) -> dict[SliceKey, Recompute]:
     """(wave, slice) -> Recompute for every layer slice of placed waves (``metaops``: as each micro-batch runs
     them) so that every device fits ``capacity``, as cheap in recomputation seconds as the greedy finds
     (``durations``: the waves' seconds, the slices' own in their ``time``; then as cheap in wave lengthening).
-    Raises RecomputeError naming the device that cannot fit even with every slice at its leanest option."""
+    Raises RecomputeError naming the device that cannot fit even with every slice at its leanest option.
+    ``ladder_cache``: the slices' ladders, kept across calls that share the cost model, the memory numbers (but
+    for the ZeRO stage) and the policy, as the memory search's candidates do."""
     ladders: dict[SliceKey, list[Option]] = {}
-    alike: dict[tuple, list[Option]] = {}  # slices of one MetaOp, configuration and layer count share a ladder
+    # slices of one MetaOp, batch, configuration and layer count share a ladder
+    alike: dict[tuple, list[Option]] = {} if ladder_cache is None else ladder_cache
+    stage = getattr(numbers, "zero_stage", None)
     for wi, slices in enumerate(waves):
         for si, s in enumerate(slices):
-            shape = (s.metaop, s.tp, s.dp, s.layer_end - s.layer_start)
+            m = metaops[s.metaop]
+            shape = (s.metaop, m.input_shape, s.tp, s.dp, s.layer_end - s.layer_start, stage)
             if shape not in alike:
-                alike[shape] = slice_options(metaops[s.metaop], s, numbers, cost_model, policy)
+                alike[shape] = slice_options(m, s, numbers, cost_model, policy)
             ladders[(wi, si)] = alike[shape]
     level = {key: 0 for key in ladders}
     params = memory_breakdown(waves, metaops, numbers, num_devices, order,

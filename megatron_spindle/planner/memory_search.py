@@ -191,6 +191,7 @@ class _Candidate:
     extra: dict[SliceKey, float] = field(default_factory=dict)  # recomputation seconds per slice
     error: Exception | None = None  # why ``choose`` found nothing
     estimated: float | None = None
+    ladder_cache: dict = field(default_factory=dict)  # the search's: its candidates share the cost model and policy
 
     @property
     def waves(self) -> list[ScheduledWave]:
@@ -231,7 +232,8 @@ class _Candidate:
             try:
                 self.choices = choose_recompute(waves, self.metagraph.metaops, numbers, self.cost_model,
                                                 cluster.gpu.memory_bytes, steps, self.policy, cluster.num_devices,
-                                                cluster.gpu.name, [w.duration for w in self.placed])
+                                                cluster.gpu.name, [w.duration for w in self.placed],
+                                                self.ladder_cache)
             except RecomputeError as e:
                 self.error = e
                 continue
@@ -301,6 +303,7 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
     error: Exception | None = None
     first_fit = None  # index of the first count that fits
     cost_model, curve_cache = planning_cost_model(workload, cluster, profile), {}  # shared by the rungs
+    ladder_cache: dict = {}  # recomputation ladders, shared by the candidates (one cost model and policy)
     points = profile_points(profile)
 
     def faster(a: _Candidate, b: _Candidate | None) -> bool:
@@ -337,7 +340,7 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
             rung_cost_model, placed_mm, roomy, curves, allocs, placed, bound = placed
             cand = _Candidate(m, micro, rung_cost_model,
                               MemoryModel(workload, cluster, rung_cost_model, zero_stage=stage),
-                              placed_mm, roomy, policy, curves, allocs, placed)
+                              placed_mm, roomy, policy, curves, allocs, placed, ladder_cache=ladder_cache)
             if not bound and assumed.mode == "none":
                 unbound = over if unbound is None else min(unbound, over)
             if not cand.choose(cluster, config):
