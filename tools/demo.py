@@ -1,19 +1,23 @@
 #!/usr/bin/env python
-"""`make demo`: plan and train the tiny Multitask-CLIP on CPU, save a checkpoint, show where everything is.
+"""`make demo`: profile, plan and train the tiny Multitask-CLIP on CPU, save a checkpoint, show where everything is.
 
-Plans tiny-clip with Spindle's wavefront planner, trains it for a few dozen iterations on mock data, checks
-that the losses fall, saves a layout-independent checkpoint into demo_output/, and prints where the plan's
-Gantt chart and the TensorBoard logs are. Trains on 2 gloo processes by default (--nproc 1: in this process).
-Runs in one to two minutes on 2 cores.
+Profiles tiny-clip's MetaOps on this machine (tools/profile_metaops.py), plans it from that profile with
+Spindle's wavefront planner, trains it for a few dozen iterations on mock data, checks that the losses fall,
+saves a layout-independent checkpoint into demo_output/, and prints the plan's predicted iteration time against
+the measured one and where the plan's Gantt chart and the TensorBoard logs are. Runs on 2 gloo processes by
+default (--nproc 1: training in this process). --no-profile plans from the analytic model's placeholder CPU
+numbers instead, whose prediction is far from the measured time. Runs in about a minute on 2 cores.
 """
 
 import importlib.util
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 from megatron_spindle.errors import CliArgumentParser, cli_main
 
@@ -28,29 +32,39 @@ def _entry_point():
     return module
 
 
-LOG_LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*?total loss: (\S+) \|(.*)$")
+LOG_LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): (\S+) \|"
+                      r".*?predicted iteration time \(ms\): (\S+) \|.*?total loss: (\S+) \|(.*)$")
 TASK_LOSS = re.compile(r"\s*(\S+) loss: (\S+)\s*")
 
 
-def parse_log_line(line: str):
-    """(iteration, {task: loss}, total) from a Megatron-format log line, or None."""
+class LogRecord(NamedTuple):
+    iteration: int
+    losses: dict[str, float]
+    total: float
+    elapsed_ms: float
+    predicted_ms: float
+
+
+def parse_log_line(line: str) -> LogRecord | None:
+    """A Megatron-format log line's iteration, losses and times, or None."""
     m = LOG_LINE.search(line)
     if not m:
         return None
     losses = {}
-    for part in m.group(3).split("|"):
+    for part in m.group(5).split("|"):
         t = TASK_LOSS.fullmatch(part)
         if t:
             losses[t.group(1)] = float(t.group(2))
-    return int(m.group(1)), losses, float(m.group(2))
+    return LogRecord(int(m.group(1)), losses, float(m.group(4)), float(m.group(2)), float(m.group(3)))
 
 
-def run_torchrun(nproc: int, flags: list[str]):
-    """pretrain_multitask.py on ``nproc`` gloo processes; its output is shown as it comes and parsed."""
+def run_torchrun(nproc: int, script: str, flags: list[str], port_offset: int = 0):
+    """A script of this repository on ``nproc`` gloo processes; its output is shown as it comes and its
+    training log lines parsed."""
     # below Linux's ephemeral range (from 32768), where the ranks' own connections could hold the port
-    port = int(os.environ.get("MASTER_PORT") or 20000 + os.getpid() % 12000)
+    port = int(os.environ.get("MASTER_PORT") or 20000 + os.getpid() % 12000) + port_offset
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(port), os.path.join(ROOT, "pretrain_multitask.py"), *flags]
+           "127.0.0.1", "--master-port", str(port), os.path.join(ROOT, script), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     records = []
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
@@ -63,7 +77,7 @@ def run_torchrun(nproc: int, flags: list[str]):
 
 
 MARKER = ".spindle-demo-output"
-DEMO_FILES = {MARKER, "checkpoints", "tensorboard", "plan.png"}  # only a folder of these (or empty) is replaced
+DEMO_FILES = {MARKER, "checkpoints", "tensorboard", "plan.png", "profile.json"}  # only a folder of these (or empty) is replaced
 
 
 def prepare_output(out: str) -> None:
@@ -80,12 +94,27 @@ def prepare_output(out: str) -> None:
         f.write("written by tools/demo.py; the next demo run replaces this folder\n")
 
 
+def iteration_time_line(records: list[LogRecord], profiled: bool) -> str:
+    """The plan's predicted iteration time against the measured one (the median of the logged intervals after
+    the first, which holds the warm-up)."""
+    steady = records[1:] or records
+    measured = statistics.median(r.elapsed_ms for r in steady)
+    predicted = records[-1].predicted_ms
+    source = ("from the profile of this machine" if profiled else
+              "from the analytic model's placeholder CPU numbers: run without --no-profile to plan from measurements")
+    return (f"iteration time:   predicted {predicted:.1f} ms ({source}), measured {measured:.1f} ms "
+            f"(median of the logged intervals after the first): measured / predicted {measured / predicted:.2f}")
+
+
 @cli_main()
 def main(argv=None) -> int:
     p = CliArgumentParser(description=__doc__.strip().splitlines()[0], allow_abbrev=False)
     p.add_argument("--out", default=os.path.join(ROOT, "demo_output"), help="Output folder (replaced).")
     p.add_argument("--train-iters", type=int, default=40)
     p.add_argument("--nproc", type=int, default=2, help="gloo processes (torchrun); 1 trains in this process.")
+    p.add_argument("--no-profile", action="store_true",
+                   help="Plan from the analytic model's placeholder CPU numbers instead of a profile of this "
+                        "machine (faster; the predicted iteration time is then far from the measured one).")
     args = p.parse_args(argv)
     if args.train_iters < 2:
         raise ValueError(f"--train-iters must be at least 2 (the demo compares losses), got {args.train_iters}")
@@ -103,27 +132,42 @@ def main(argv=None) -> int:
         "--tensorboard-dir", tb, "--plan-gantt", os.path.join(out, "plan.png"),
     ]
     t0 = time.perf_counter()
+    if not args.no_profile:
+        profile = os.path.join(out, "profile.json")
+        print(f"demo: profiling tiny-clip's MetaOps on this machine ({args.nproc} process(es))", flush=True)
+        rc, _ = run_torchrun(args.nproc, os.path.join("tools", "profile_metaops.py"),
+                             ["--workload", "tiny-clip", "--gpu-type", "CPU", "--no-profile-cache", "--out", profile],
+                             port_offset=1)
+        if rc:
+            return rc
+        flags += ["--spindle-profile", profile]
     if args.nproc == 1:
         import torch
 
         torch.set_num_threads(1)  # tiny operators: threads only add contention on a 2-core machine
         history: list = []
         rc = _entry_point().main(flags, history=history)
-        records = [(r.iteration, r.losses, r.total_loss) for r in history]
+        records = [LogRecord(r.iteration, r.losses, r.total_loss, r.elapsed_ms, r.predicted_ms) for r in history]
     else:
-        rc, records = run_torchrun(args.nproc, flags)
+        rc, records = run_torchrun(args.nproc, "pretrain_multitask.py", flags)
     if rc:
         return rc
     if len(records) < 2:
         print("demo: no training log lines found", file=sys.stderr)
         return 1
-    (it0, first, total0), (it1, last, total1) = records[0], records[-1]
+    head, tail = records[0], records[-1]
     print()
-    print(f"demo: trained {it1} iterations on {args.nproc} process(es) in {time.perf_counter() - t0:.1f} s")
-    for task in first:
-        print(f"  {task:<14} loss {first[task]:.4f} (iteration {it0}) -> {last[task]:.4f} (iteration {it1})")
-    fell = total1 < total0
-    print(f"  total loss {total0:.4f} -> {total1:.4f}: {'falling' if fell else 'NOT falling'}")
+    print(f"demo: profiled, planned and trained {tail.iteration} iterations on {args.nproc} process(es) in "
+          f"{time.perf_counter() - t0:.1f} s" if not args.no_profile else
+          f"demo: trained {tail.iteration} iterations on {args.nproc} process(es) in {time.perf_counter() - t0:.1f} s")
+    for task in head.losses:
+        print(f"  {task:<14} loss {head.losses[task]:.4f} (iteration {head.iteration}) -> "
+              f"{tail.losses[task]:.4f} (iteration {tail.iteration})")
+    fell = tail.total < head.total
+    print(f"  total loss {head.total:.4f} -> {tail.total:.4f}: {'falling' if fell else 'NOT falling'}")
+    print("  " + iteration_time_line(records, profiled=not args.no_profile))
+    if not args.no_profile:
+        print(f"  profile:          {out}/profile.json   (tools/plan.py --spindle-profile {out}/profile.json ...)")
     print(f"  plan picture:     {out}/plan.png")
     print(f"  checkpoint:       {ckpt} (resume with --load {ckpt}, under any plan or world size)")
     print(f"  TensorBoard logs: {tb}   (tensorboard --logdir {tb})")
