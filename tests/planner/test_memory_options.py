@@ -75,6 +75,34 @@ def test_a_plan_forced_into_full_recomputation_fits_with_cheaper_options_and_run
         planned(w, tight, recompute="none", micro_batches="1", distributed_optimizer="on")
 
 
+def test_shared_recomputation_ladders_choose_what_each_candidate_would_alone(monkeypatch):
+    """The memory search's candidates (micro-batch counts, ZeRO stages, rungs) share their slices' ladders
+    (choose_recompute's ladder_cache): the plan is the one made with a fresh ladder per call."""
+    from megatron_spindle.planner import memory_search
+
+    w, tight = workload_from_dict(HEAVY), with_memory(4, 1.4 * GiB)  # candidates of several ZeRO stages
+
+    def plan_dict():
+        d = plan_workload(w, tight, PlannerConfig(planner="wavefront")).plan.to_dict()
+        del d["planner"]["planning_seconds"]
+        return d
+
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append((kwargs.get("ladder_cache", args[10] if len(args) > 10 else None), args[2].zero_stage))
+        return choose_recompute(*args, **kwargs)
+
+    monkeypatch.setattr(memory_search, "choose_recompute", counting)
+    shared = plan_dict()
+    caches = [cache for cache, _ in calls]
+    assert all(c is caches[0] for c in caches) and caches[0], "one cache for the whole search"
+    assert len({stage for _, stage in calls}) > 1
+    monkeypatch.setattr(memory_search, "choose_recompute", lambda *a, **k: choose_recompute(*a[:10], **k))
+    assert plan_dict() == shared
+    assert shared["settings"]["slice_recompute"] or shared["settings"]["recompute"]["mode"] != "none"
+
+
 def test_where_zero_1_needs_recomputation_the_gradients_are_sharded_too_and_nothing_is_recomputed():
     """HEAVY at twice its batch (at 64 its vision layers sit near the host's launch floor, where a rerun costs
     little GPU time) in 3 GiB on 4 devices: with the optimizer state sharded (ZeRO-1, Megatron's distributed
