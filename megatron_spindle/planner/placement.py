@@ -523,10 +523,10 @@ def _place_slice(scorer: _Scorer, free_devices: set[int], pending: _Pending, mod
     free_count = [0] * cluster.num_nodes
     for d in free_devices:
         free_count[cluster.island(d)] += 1
-    available: dict[int, _IslandDevices] = {}
+    by_island: dict[int, list[int]] = {}
     for d in fitting:
-        available.setdefault(cluster.island(d), []).append(d)
-    available = {i: _IslandDevices(scorer, devs) for i, devs in available.items()}
+        by_island.setdefault(cluster.island(d), []).append(d)
+    available = {i: _IslandDevices(scorer, devs) for i, devs in by_island.items()}
     blocks = _blocks(sl.n, cluster.gpus_per_node)
     assignment: dict[int, int] = {}
     start = 0
