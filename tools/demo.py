@@ -157,9 +157,8 @@ def main(argv=None) -> int:
         return 1
     head, tail = records[0], records[-1]
     print()
-    print(f"demo: profiled, planned and trained {tail.iteration} iterations on {args.nproc} process(es) in "
-          f"{time.perf_counter() - t0:.1f} s" if not args.no_profile else
-          f"demo: trained {tail.iteration} iterations on {args.nproc} process(es) in {time.perf_counter() - t0:.1f} s")
+    done = "trained" if args.no_profile else "profiled, planned and trained"
+    print(f"demo: {done} {tail.iteration} iterations on {args.nproc} process(es) in {time.perf_counter() - t0:.1f} s")
     for task in head.losses:
         print(f"  {task:<14} loss {head.losses[task]:.4f} (iteration {head.iteration}) -> "
               f"{tail.losses[task]:.4f} (iteration {tail.iteration})")
