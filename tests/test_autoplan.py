@@ -103,16 +103,15 @@ def test_unlimited_plan_with_memory_options_is_a_candidate_where_memory_binds():
     assert _unlimited_candidates(w, make_cluster(32), config, None, light) == []
 
 
-def test_unlimited_plan_with_memory_options_wins_on_qwen_val_70b():
+def test_unlimited_plan_with_memory_options_wins_on_qwen_val_70b(wavefront_plan):
     """QWen-VAL-70B on 256 GPUs: the capped search limits the LLM's configurations to what its whole chain fits
     (tensor parallelism 8) and settles for 4 micro-batches and recomputation; the plan made with memory unlimited
     fits with ZeRO-2 and recomputation of some slices (or with ZeRO-3, whose gathered layers take about what its
     sharded weights free), and the faster simulates at least 20 % faster."""
     from megatron_spindle.autoplan import _unlimited_candidates
 
-    w, c = load_workload("qwen-val-70b"), make_cluster(256)
+    w, c, capped = wavefront_plan("qwen-val-70b", 256)  # shared with tests/baselines/test_memory_agreement.py
     config = PlannerConfig(planner="wavefront")
-    capped = plan_workload(w, c, config)
     capped_time = simulate(capped.plan, w, c, capped.cost_model, capped.memory_model,
                            metagraph=capped.metagraph).iteration_time
     out = {name: result for name, result, _ in _unlimited_candidates(w, c, config, None, capped)}

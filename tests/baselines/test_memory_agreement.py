@@ -38,12 +38,11 @@ CELLS = [(w, n) for w, ns in PAPER_EVAL.PAPER_FIG8.items() for n in ns] + [(w, 2
 
 
 @pytest.mark.parametrize("name,gpus", CELLS, ids=[f"{w}-{n}" for w, n in CELLS])
-def test_predicted_memory_is_the_simulated_peak_on_every_cell(name, gpus):
-    workload, cluster = load_workload(name), make_cluster(gpus)
+def test_predicted_memory_is_the_simulated_peak_on_every_cell(name, gpus, wavefront_plan):
     try:
-        result = plan_workload(workload, cluster, PlannerConfig(planner="wavefront"))
+        workload, cluster, result = wavefront_plan(name, gpus)
     except PlanError:
-        cluster = PAPER_EVAL.relaxed(cluster)
+        workload, cluster = load_workload(name), PAPER_EVAL.relaxed(make_cluster(gpus))
         result = plan_workload(workload, cluster, PlannerConfig(planner="wavefront"))
     plans = {"spindle": result.plan}
     ctx = BaselineContext(workload, cluster, result.metagraph, result.cost_model, result.memory_model)
