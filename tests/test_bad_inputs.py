@@ -8,7 +8,6 @@ the same from a shell, and that SPINDLE_DEBUG=1 brings the traceback back.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -24,22 +23,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from script_loader import load_script  # noqa: E402
+
 import pretrain_multitask  # noqa: E402
 from megatron_spindle.checkpointing import UnitState, load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_spindle.checkpointing.lock import SaveFolderLock  # noqa: E402
 from megatron_spindle.runtime import __main__ as runtime_main  # noqa: E402
 from tools.checkpoint import convert, inspect_checkpoint  # noqa: E402
 
-
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(f"spindle_tool_{name}", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-PLAN, DATASET, DEMO, PROFILE, ESTIMATE = (_tool(n) for n in ("plan", "build_multitask_dataset", "demo",
-                                                              "profile_metaops", "estimate"))
+PLAN, DATASET, DEMO, PROFILE, ESTIMATE = (load_script(f"tools/{n}.py") for n in (
+    "plan", "build_multitask_dataset", "demo", "profile_metaops", "estimate"))
 ENTRY = {"plan": PLAN.main, "pretrain": pretrain_multitask.main, "runtime": runtime_main.main,
          "dataset": DATASET.main, "inspect": inspect_checkpoint.main, "convert": convert.main, "demo": DEMO.main,
          "profile": PROFILE.main, "estimate": ESTIMATE.main}

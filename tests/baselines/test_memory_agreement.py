@@ -6,11 +6,8 @@ seconds to make)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from script_loader import load_script
 
 from megatron_spindle.baselines import BASELINES, BaselineContext
 from megatron_spindle.graph.cluster import make_cluster
@@ -19,21 +16,7 @@ from megatron_spindle.plan.schema import PlanError
 from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload
 from megatron_spindle.simulator import simulate
 
-
-def _paper_eval():
-    """benchmarks/paper_eval.py as a module; it imports its sibling bench_output.py, as it does when run."""
-    folder = Path(__file__).resolve().parents[2] / "benchmarks"
-    spec = importlib.util.spec_from_file_location("paper_eval", folder / "paper_eval.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(folder))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(folder))
-    return module
-
-
-PAPER_EVAL = _paper_eval()
+PAPER_EVAL = load_script("benchmarks/paper_eval.py")
 CELLS = [(w, n) for w, ns in PAPER_EVAL.PAPER_FIG8.items() for n in ns] + [(w, 256) for w in PAPER_EVAL.PAPER_TABLE2]
 
 

@@ -1,8 +1,6 @@
 import copy
-import importlib.util
 import io
 import json
-import os
 import tarfile
 import wave
 
@@ -10,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from script_loader import load_script
 
 from megatron_spindle.data.datasets import (
     MockTaskDataset,
@@ -26,17 +25,7 @@ from megatron_spindle.data.shards import DatasetError
 from megatron_spindle.data.tokenizer import BOS, EOS, PAD, ByteTokenizer
 from megatron_spindle.graph.workload import load_workload
 
-
-def _load_tool(name):
-    """tools/<name>.py by path (tools/ on sys.path would shadow the standard library's profile module)."""
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"spindle_tool_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-build_multitask_dataset = _load_tool("build_multitask_dataset")
+build_multitask_dataset = load_script("tools/build_multitask_dataset.py")
 
 
 @pytest.fixture(scope="module")

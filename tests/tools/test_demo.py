@@ -1,23 +1,11 @@
 """tools/demo.py reads the trainer's own log lines: the losses and the predicted and measured iteration times."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from script_loader import load_script
 
 from megatron_spindle.training.log import StepRecord, format_log_line
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _demo():
-    spec = importlib.util.spec_from_file_location("spindle_tool_demo", ROOT / "tools" / "demo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-DEMO = _demo()
+DEMO = load_script("tools/demo.py")
 
 
 def _record(iteration: int, elapsed_ms: float, predicted_ms: float = 61.7) -> StepRecord:

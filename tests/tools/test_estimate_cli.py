@@ -1,7 +1,6 @@
 """tools/estimate.py: both subcommands print what the library computes; bad arguments are one clear line, exit 2.
 benchmarks/cost_model_validation.py covers every calibration point (no targets asserted here)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 from megatron_spindle.estimator.comm_model import CommModel, GroupPlacement
 from megatron_spindle.estimator.cost_model import CostModelConfig, layer_seconds
@@ -101,16 +101,7 @@ def test_bad_arguments_are_one_clear_line(args, message):
 
 
 def test_the_validation_benchmark_covers_every_calibration_point():
-    spec = importlib.util.spec_from_file_location("cost_model_validation",
-                                                  ROOT / "benchmarks" / "cost_model_validation.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # dataclasses look their module up while the file runs
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # its sibling bench_output, as when it runs as a script
-    try:
-        spec.loader.exec_module(bench)
-    finally:
-        del sys.modules[spec.name]
-        sys.path.remove(str(ROOT / "benchmarks"))
+    bench = load_script("benchmarks/cost_model_validation.py")
     declared = [i for ids, _ in bench.POINTS for i in ids]
     assert sorted(declared, key=lambda i: int(i[1:])) == list(bench.POINT_IDS) == [f"C{i}" for i in range(1, 13)]
     for ids, fn in bench.POINTS:

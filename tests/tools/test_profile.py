@@ -4,7 +4,6 @@ script's CPU dry run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 from megatron_spindle.estimator import estimate_curves
 from megatron_spindle.estimator.profile import load_profile_points
@@ -25,13 +25,6 @@ from megatron_spindle.planner.report import plan_summary
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = "text_audio"  # one task of tiny-clip: 7 MetaOps, keeps every run small
 FAST = ["--profile-layers", "1", "--profile-warmup", "1", "--profile-repeats", "2"]
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("spindle_tools_profile", ROOT / "tools" / "profile_metaops.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _workload():
@@ -92,7 +85,7 @@ def _check_planning_on_the_whole_profile(path: Path, cluster) -> None:
 
 
 def test_one_rank_profile_plans_and_is_cached(tmp_path, capsys, monkeypatch, one_thread):
-    tool = _tool()
+    tool = load_script("tools/profile_metaops.py")
     out, cache = tmp_path / "tiny.profile.json", tmp_path / "cache"
     argv = ["--workload", "tiny-clip", "--tasks", TASKS, "--num-gpus", "4", "--gpus-per-node", "4",
             "--out", str(out), "--profile-cache-dir", str(cache), *FAST]

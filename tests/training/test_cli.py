@@ -1,7 +1,6 @@
 """Flag and data-path errors of pretrain_multitask.py: one clear line, non-zero exit, before any training."""
 
 import dataclasses
-import importlib.util
 import math
 import os
 import subprocess
@@ -14,6 +13,8 @@ from megatron_spindle.training.schedule import LRSchedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from script_loader import load_script  # noqa: E402
+
 import pretrain_multitask  # noqa: E402
 
 BASE = ["--workload", "tiny-clip", "--train-iters", "2"]
@@ -64,15 +65,8 @@ def test_bad_data_paths(capsys, tmp_path):
     _fails(capsys, BASE + sum((["--data-path", p] for p in paths), []), "has no index.json")
 
 
-def _plan_tool():
-    spec = importlib.util.spec_from_file_location("spindle_tool_plan", os.path.join(ROOT, "tools", "plan.py"))
-    plan_tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plan_tool)
-    return plan_tool
-
-
 def test_saved_plan_for_another_workload_or_world_size(capsys, tmp_path):
-    plan_tool = _plan_tool()
+    plan_tool = load_script("tools/plan.py")
     for workload, n in (("tiny-vlm", 1), ("tiny-clip", 2)):
         out = tmp_path / f"{workload}-{n}.json"
         assert plan_tool.main(["--workload", workload, "--num-gpus", str(n), "--spindle-planner", "wavefront",
@@ -121,8 +115,8 @@ def test_saved_plan_runs_at_zero_stage_2(capsys, tmp_path):
     from megatron_spindle.plan.schema import Plan
 
     path = tmp_path / "plan0.json"
-    assert _plan_tool().main(["--workload", "tiny-clip", "--num-gpus", "1", "--spindle-planner", "wavefront",
-                              "--out", str(path), "--quiet"]) == 0
+    assert load_script("tools/plan.py").main(["--workload", "tiny-clip", "--num-gpus", "1", "--spindle-planner",
+                                              "wavefront", "--out", str(path), "--quiet"]) == 0
     plan = Plan.load(path)
     assert plan.settings.zero_stage == 0
     plan.settings = dataclasses.replace(plan.settings, zero_stage=2)

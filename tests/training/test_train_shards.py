@@ -1,7 +1,6 @@
 """Real on-disk data through the whole stack: raw files -> tools/build_multitask_dataset.py -> tar shards ->
 pretrain_multitask.py (one process), with sampling weights, and the data position in the checkpoint."""
 
-import importlib.util
 import io
 import os
 import sys
@@ -15,14 +14,9 @@ from megatron_spindle.checkpointing import load_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from script_loader import load_script  # noqa: E402
+
 import pretrain_multitask  # noqa: E402
-
-
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(f"spindle_tool_{name}", os.path.join(ROOT, "tools", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_train_on_built_shards(tmp_path, capsys):
@@ -43,7 +37,7 @@ def test_train_on_built_shards(tmp_path, capsys):
             w.setframerate(8000)
             w.writeframes((rng.standard_normal(2 * 2000) * 3000).astype("<i2").tobytes())
         (ta / f"{i:04d}.audio.wav").write_bytes(wav.getvalue())
-    build = _tool("build_multitask_dataset")
+    build = load_script("tools/build_multitask_dataset.py")
     for raw, task in ((vt, "vision_text"), (ta, "text_audio")):
         assert build.main(["--input", str(raw), "--output", str(tmp_path / task), "--workload", "tiny-clip",
                            "--task", task, "--samples-per-shard", "4", "--quiet"]) == 0
