@@ -16,8 +16,8 @@ nothing when CUDA is available and is idempotent. What it fixes (measured with t
 - the RNG patch alone is not enough: the all-gather/reduce-scatter mappings still allocate on the CUDA device.
 
 With the shim, GPTModel and TransformerBlock (local spec, TP 1 and 2) train on CPU, and TP=2 column/row parallel
-linears match a dense reference to 2.4e-7. Still unsupported on CPU: sequence parallelism (torch LayerNorm asserts
-it off), gradient clipping in megatron's optimizer (asserts ``torch.cuda.FloatTensor``), megatron's
+linears match a dense reference to 2.4e-7. Sequence parallelism needs ``SequenceParallelTorchNorm`` in the local spec
+(megatron-core's torch norm asserts it off). Still unsupported on CPU: gradient clipping in megatron's optimizer (asserts ``torch.cuda.FloatTensor``), megatron's
 distributed optimizer (TypeError on CPU tensors), megatron's grad scalers and its pipeline schedules (both
 allocate with ``device="cuda"``; wrap such calls in ``cuda_factories_on_cpu()``).
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 
 import torch
@@ -197,10 +198,29 @@ def te_available() -> bool:
     return True
 
 
-def layer_spec(module_spec):
+class SequenceParallelTorchNorm:
+    """megatron-core's WrappedTorchNorm for a sequence-parallel layer of the local spec, which megatron-core refuses
+    (``assert not config.sequence_parallel``, torch_norm.py) because nothing would sum the norm's gradients over
+    the TP group: each rank's norm sees only its part of the sequence. Built from the layer's config with sequence
+    parallelism off (the norm itself does not depend on it), its parameters are marked ``sequence_parallel`` as
+    Transformer Engine's norms mark theirs, and the operators sum the gradients of every parameter so marked over
+    the TP group (models/operator.py ``export_full_grads``; RowParallelLinear marks its biases itself)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        norm = WrappedTorchNorm(config=dataclasses.replace(config, sequence_parallel=False), hidden_size=hidden_size,
+                                eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+
+def layer_spec(module_spec, sequence_parallel: bool = False):
     """megatron-core layer spec for a workload module (graph.workload.ModuleSpec): the Transformer Engine spec when
     ``te_available()``, else the local spec; RMSNorm for LLMs; the attention mask type from ``is_causal``
-    (bidirectional encoders use ``AttnMaskType.no_mask``)."""
+    (bidirectional encoders use ``AttnMaskType.no_mask``). ``sequence_parallel``: the local spec's pre-norms are
+    ``SequenceParallelTorchNorm`` (Transformer Engine's norms handle it themselves)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -213,6 +233,9 @@ def layer_spec(module_spec):
     else:
         spec = get_gpt_layer_local_spec(normalization=normalization)
     spec = copy.deepcopy(spec)
+    if sequence_parallel and not te_available():
+        spec.submodules.input_layernorm = SequenceParallelTorchNorm
+        spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
     mask_type = AttnMaskType.causal if module_spec.is_causal else AttnMaskType.no_mask
     spec.submodules.self_attention.params = {**spec.submodules.self_attention.params, "attn_mask_type": mask_type}
     return spec

@@ -31,6 +31,9 @@ class ModelConfig:
     # Activation recomputation of the transformer layers (the plan's settings.recompute_of(slice)), done by
     # megatron-core itself (``recompute_fields``): a Recompute, or True for full recomputation of every layer.
     recompute: Recompute | bool = False
+    # Megatron's sequence parallelism in the transformer layers of TP > 1 slices (``--sequence-parallel``): the
+    # norms, residuals and dropouts run on 1/TP of the sequence, so their activations are divided by TP too.
+    sequence_parallel: bool = False
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -66,8 +69,8 @@ def rotary_base(module: ModuleSpec, cfg: ModelConfig) -> float:
 
 
 def _base_kwargs(cfg: ModelConfig, tp_size: int, module: ModuleSpec | None = None) -> dict:
-    """Settings every config needs on CPU/gloo: no sequence parallelism (torch LayerNorm asserts it off), no
-    fused kernels (each would compile with torch.compile on first use, ~20 s), and ``batch_p2p_comm=False``
+    """Settings every config needs on CPU/gloo: no sequence parallelism (only the transformer layers take it,
+    ``transformer_config``), no fused kernels (each would compile with torch.compile on first use, ~20 s), and ``batch_p2p_comm=False``
     (batched p2p on gloo mixes up same-shaped messages when the previous and next rank are one peer)."""
     return dict(
         tensor_model_parallel_size=tp_size,
@@ -132,9 +135,14 @@ def transformer_config(module: ModuleSpec, num_layers: int, tp_size: int, cfg: M
         activation_func=ACTIVATION_FUNCS[module.act],
         add_bias_linear=not is_llm,
         add_qkv_bias=is_llm and module.qkv_bias,
-        **_base_kwargs(cfg, tp_size, module),
+        **{**_base_kwargs(cfg, tp_size, module), "sequence_parallel": sequence_parallel(cfg, tp_size)},
         **recompute_fields(cfg.recomputation, num_layers),
     )
+
+
+def sequence_parallel(cfg: ModelConfig, tp_size: int) -> bool:
+    """Whether a layer slice on ``tp_size`` TP ranks runs sequence-parallel (megatron-core needs TP > 1 for it)."""
+    return cfg.sequence_parallel and tp_size > 1
 
 
 def projector_config(module: ModuleSpec, tp_size: int, cfg: ModelConfig) -> TransformerConfig:

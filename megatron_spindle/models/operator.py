@@ -33,10 +33,16 @@ import functools
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.transformer_block import TransformerBlock
 from torch import nn
@@ -60,6 +66,7 @@ from megatron_spindle.models.config import (
     norm_epsilon,
     projector_config,
     rotary_base,
+    sequence_parallel,
     transformer_config,
 )
 from megatron_spindle.models.frontends import ConvStemFrontend, PatchFrontend, TextFrontend, WindowFrontend
@@ -136,11 +143,15 @@ class SliceOperator(nn.Module):
         return {name: gather_full(p, p, self.tp_group) for name, p in self.full_named_parameters()}
 
     def export_full_grads(self) -> dict[str, torch.Tensor]:
-        """Full (TP-unsharded) gradients (zeros where no gradient was produced). Collective over the TP group."""
+        """Full (TP-unsharded) gradients (zeros where no gradient was produced). Collective over the TP group.
+        Parameters marked ``sequence_parallel`` (norms and row-parallel biases of sequence-parallel layers) are
+        replicated but saw only this rank's part of the sequence: their gradients are summed over the group."""
         out = {}
         for name, p in self.full_named_parameters():
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             out[name] = gather_full(grad, p, self.tp_group)
+            if getattr(p, "sequence_parallel", False) and self.tp_size > 1:
+                dist.all_reduce(out[name], group=self.tp_group)
         return out
 
     @functools.cached_property
@@ -228,8 +239,10 @@ class LayerRangeOperator(SliceOperator):
         blocks = self.config.recomputation.blocks(self.layer_end - self.layer_start)
         tcfgs = [transformer_config(spec, n, self.tp_size, dataclasses.replace(self.config, recompute=rc))
                  for n, rc in blocks]
+        self.sequence_parallel = sequence_parallel(self.config, self.tp_size)
         self.blocks = nn.ModuleList(
-            TransformerBlock(tcfg, layer_spec(spec), post_layer_norm=False, pg_collection=self.pg_collection)
+            TransformerBlock(tcfg, layer_spec(spec, self.sequence_parallel), post_layer_norm=False,
+                             pg_collection=self.pg_collection)
             for tcfg in tcfgs)
         tcfg = tcfgs[0]
         self.rotary = None
@@ -268,14 +281,34 @@ class LayerRangeOperator(SliceOperator):
 
     def forward(self, inputs, batch):
         hidden = self.assemble_input(inputs).transpose(0, 1).contiguous()  # [s, b, h]
-        seq = hidden.shape[0]
+        tokens = hidden.shape[0]
+        if self.sequence_parallel:
+            hidden = self._split_sequence(hidden)
+        seq = hidden.shape[0] * (self.tp_size if self.sequence_parallel else 1)  # padded: what attention sees
         rotary = self.rotary(seq) if self.rotary is not None else None
         mask = None
         if self.module_spec.is_causal and not te_available():
             mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=hidden.device), diagonal=1)[None, None]
         for block in self.blocks:
             hidden = block(hidden, attention_mask=mask, rotary_pos_emb=rotary)
+        if self.sequence_parallel:  # replicated again, as the operator contract has it; each rank's gradient is
+            # the whole one already, so the backward only takes this rank's part (no reduce-scatter)
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
+                                                          group=self.tp_group)[:tokens]
         return hidden.transpose(0, 1).contiguous()
+
+    def _split_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This TP rank's part of the sequence. A causal module's sequence is padded at the end to a multiple of
+        the TP size: no real token attends to a later one, so the padding changes no output or gradient of theirs;
+        a bidirectional one's must divide (plan/ enables sequence parallelism only there)."""
+        tokens = hidden.shape[0]
+        pad = -tokens % self.tp_size
+        if pad and not self.module_spec.is_causal:
+            raise ValueError(f"{self.metaop.id}: sequence parallelism over {self.tp_size} TP ranks needs a sequence "
+                             f"length divisible by {self.tp_size} in a bidirectional module, got {tokens} tokens")
+        if pad:
+            hidden = torch.cat([hidden, hidden.new_zeros(pad, *hidden.shape[1:])])
+        return scatter_to_sequence_parallel_region(hidden, group=self.tp_group)
 
 
 class ProjectorOperator(SliceOperator):

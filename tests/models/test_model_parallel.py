@@ -1,8 +1,9 @@
-"""One spawned 2-process gloo run: tensor-parallel operators equal TP=1, and data-parallel losses equal the
-single-process loss (values and gradients)."""
+"""One spawned 2-process gloo run: tensor-parallel operators equal TP=1, with and without sequence parallelism,
+and data-parallel losses equal the single-process loss (values and gradients)."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import pytest
@@ -72,6 +73,46 @@ def _check_tensor_parallel(rank):
             assert_close(g2[k], g1[k], f"{mid} grad {k}")
         sharded = [n for n, p in split.full_named_parameters() if getattr(p, "tensor_model_parallel", False)]
         assert sharded, f"{mid}: no tensor-parallel parameter was exercised"
+    _check_sequence_parallel(pgs)
+
+
+def _check_sequence_parallel(pgs):
+    """Layer slices with megatron's sequence parallelism on 2 TP ranks equal TP=1: an encoder (its LayerNorms'
+    and row-parallel biases' gradients summed over the TP group), and an LLM of 25 tokens, padded to 26 at the end
+    (causal), without and with megatron-core's recomputation (the pre-norms' selective one among it). A
+    bidirectional module whose sequence does not divide by TP is refused with its numbers."""
+    from megatron_spindle.data.mock import mock_batch
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.models import ModelConfig, build_operator, metaop_infos
+    from megatron_spindle.plan.schema import Recompute
+
+    clip, vlm = load_workload("tiny-clip"), load_workload("tiny-vlm")
+    on = ModelConfig(sequence_parallel=True)
+    cases = [(clip, "vision_text/vision", (1, 3), [(4, 16, 64)], on),
+             (vlm, "caption/llm", (0, 3), [(4, 8, 64), (4, 17, 64)], on),
+             (vlm, "caption/llm", (0, 3), [(4, 8, 64), (4, 17, 64)],
+              ModelConfig(sequence_parallel=True, recompute=Recompute("full", 1, modules=("layernorm",))))]
+    for i, (w, mid, (lo, hi), shapes, cfg) in enumerate(cases):
+        info = metaop_infos(w)[mid]
+        batch = mock_batch(w, info.task, 0)
+        inputs = [_seeded(s, 50 + 10 * i + j) for j, s in enumerate(shapes)]
+        single = build_operator(w, info, lo, hi, config=dataclasses.replace(cfg, sequence_parallel=False))
+        split = build_operator(w, info, lo, hi, pg_collection=pgs, config=cfg)
+        assert split.sequence_parallel and not single.sequence_parallel
+        marked = [n for n, p in split.full_named_parameters() if getattr(p, "sequence_parallel", False)]
+        assert any("layernorm" in n for n in marked), f"{mid}: no norm is marked sequence-parallel"
+        out1, gin1 = _run(single, inputs, batch, 11)
+        out2, gin2 = _run(split, inputs, batch, 11)
+        assert_close(out2, out1, f"{mid} sequence-parallel output")
+        for a, b in zip(gin2, gin1):
+            assert_close(a, b, f"{mid} sequence-parallel input grad")
+        g1, g2 = single.export_full_grads(), split.export_full_grads()
+        for k in g1:
+            assert_close(g2[k], g1[k], f"{mid} sequence-parallel grad {k}")
+    info = metaop_infos(clip)["vision_text/vision"]
+    odd = build_operator(clip, info, 1, 3, pg_collection=pgs, config=on)
+    with pytest.raises(ValueError, match="divisible by 2 in a bidirectional module, got 17 tokens"):
+        odd([_seeded((4, 17, 64), 0)], mock_batch(clip, info.task, 0))
 
 
 def _check_data_parallel(rank):
