@@ -35,6 +35,18 @@ def _run(op, inputs, batch, probe_seed):
     return out.detach(), [x.grad for x in leaves]
 
 
+def _assert_same_results(single, split, inputs, batch, what: str) -> None:
+    """The TP=1 and the split operator give the same output, input gradients and full weight gradients."""
+    out1, gin1 = _run(single, inputs, batch, 7)
+    out2, gin2 = _run(split, inputs, batch, 7)
+    assert_close(out2, out1, f"{what} output")
+    for a, b in zip(gin2, gin1):
+        assert_close(a, b, f"{what} input grad")
+    g1, g2 = single.export_full_grads(), split.export_full_grads()
+    for k in g1:
+        assert_close(g2[k], g1[k], f"{what} grad {k}")
+
+
 def _check_tensor_parallel(rank):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -63,14 +75,7 @@ def _check_tensor_parallel(rank):
         assert full_single.keys() == full_split.keys()
         for k in full_single:
             assert torch.equal(full_single[k], full_split[k]), f"{mid}: initial {k} differs between TP layouts"
-        out1, gin1 = _run(single, inputs, batch, 7)
-        out2, gin2 = _run(split, inputs, batch, 7)
-        assert_close(out2, out1, f"{mid} output")
-        for a, b in zip(gin2, gin1):
-            assert_close(a, b, f"{mid} input grad")
-        g1, g2 = single.export_full_grads(), split.export_full_grads()
-        for k in g1:
-            assert_close(g2[k], g1[k], f"{mid} grad {k}")
+        _assert_same_results(single, split, inputs, batch, mid)
         sharded = [n for n, p in split.full_named_parameters() if getattr(p, "tensor_model_parallel", False)]
         assert sharded, f"{mid}: no tensor-parallel parameter was exercised"
     _check_sequence_parallel(pgs)
@@ -101,14 +106,7 @@ def _check_sequence_parallel(pgs):
         assert split.sequence_parallel and not single.sequence_parallel
         marked = [n for n, p in split.full_named_parameters() if getattr(p, "sequence_parallel", False)]
         assert any("layernorm" in n for n in marked), f"{mid}: no norm is marked sequence-parallel"
-        out1, gin1 = _run(single, inputs, batch, 11)
-        out2, gin2 = _run(split, inputs, batch, 11)
-        assert_close(out2, out1, f"{mid} sequence-parallel output")
-        for a, b in zip(gin2, gin1):
-            assert_close(a, b, f"{mid} sequence-parallel input grad")
-        g1, g2 = single.export_full_grads(), split.export_full_grads()
-        for k in g1:
-            assert_close(g2[k], g1[k], f"{mid} sequence-parallel grad {k}")
+        _assert_same_results(single, split, inputs, batch, f"{mid} sequence-parallel")
     info = metaop_infos(clip)["vision_text/vision"]
     odd = build_operator(clip, info, 1, 3, pg_collection=pgs, config=on)
     with pytest.raises(ValueError, match="divisible by 2 in a bidirectional module, got 17 tokens"):
