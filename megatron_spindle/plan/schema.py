@@ -208,6 +208,8 @@ class ExecutionSettings:
       step is asynchronous, and the next iteration's forward waits for a parameter device group's gather only
       before the first slice that uses its weights (Megatron's ``--overlap-param-gather``); False: every gather
       completes within the step (DeepSpeed's ZeRO-1/2). Without the key (plans written before it): False.
+    - ``sequence_parallel``: Megatron's sequence parallelism in the layer slices where ``sequence_parallel_runs``
+      says it applies (``--sequence-parallel``). Without the key: False.
     """
 
     recompute: Recompute = Recompute()
@@ -219,14 +221,16 @@ class ExecutionSettings:
     grad_reduce_dtype: str = "fp32"
     order: tuple[Step, ...] | None = None
     overlap_param_gather: bool = False
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
             raise PlanError(f"zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}")
         if not _is_count(self.micro_batches) or self.micro_batches < 1:
             raise PlanError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
-        if not isinstance(self.overlap_param_gather, bool):
-            raise PlanError(f"overlap_param_gather must be true or false, got {self.overlap_param_gather!r}")
+        for name in ("overlap_param_gather", "sequence_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise PlanError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.grad_reduce_dtype not in REDUCE_DTYPE_BYTES:
             raise PlanError(f"grad_reduce_dtype '{self.grad_reduce_dtype}' is not one of "
                             f"{', '.join(REDUCE_DTYPE_BYTES)}")
@@ -267,11 +271,20 @@ class ExecutionSettings:
             "grad_reduce_dtype": self.grad_reduce_dtype,
             "order": None if self.order is None else [list(st) for st in self.order],
             "overlap_param_gather": self.overlap_param_gather,
+            "sequence_parallel": self.sequence_parallel,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ExecutionSettings:
         return cls(**d)
+
+
+def sequence_parallel_runs(enabled: bool, kind: str, tp: int, tokens: int, causal: bool) -> bool:
+    """Whether a slice of a MetaOp of ``kind`` with ``tokens`` tokens on ``tp`` TP ranks runs sequence-parallel
+    when the plan enables it: transformer layers at TP > 1, whose sequence divides by TP or, in a causal module,
+    is padded at its end to a multiple of TP (no real token attends to the padding). A bidirectional module whose
+    sequence does not divide (a ViT's 197 tokens at TP 2) runs without it."""
+    return enabled and kind == "layer" and tp > 1 and (causal or tokens % tp == 0)
 
 
 @dataclass

@@ -113,13 +113,16 @@ class EngineConfig:
             raise ValueError(f"ddp_bucket_size must be positive, got {self.ddp_bucket_size}")
 
 
-def default_factory(workload, info, layer_start, layer_end, pg_collection=None, dp_group=None, recompute=None):
+def default_factory(workload, info, layer_start, layer_end, pg_collection=None, dp_group=None, recompute=None,
+                    sequence_parallel=False):
     """megatron-core operators (models/build_operator), recomputing activations as megatron-core does where the
-    plan says so (``recompute``: the slice's ``Recompute``)."""
+    plan says so (``recompute``: the slice's ``Recompute``) and sequence-parallel where it applies."""
     from megatron_spindle.models import build_operator
     from megatron_spindle.models.config import ModelConfig
 
-    config = ModelConfig(recompute=recompute) if recompute is not None else None
+    config = None
+    if recompute is not None or sequence_parallel:
+        config = ModelConfig(recompute=recompute or False, sequence_parallel=sequence_parallel)
     return build_operator(workload, info, layer_start, layer_end, pg_collection=pg_collection, dp_group=dp_group,
                           config=config)
 

@@ -11,7 +11,7 @@ import torch
 
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.schema import Plan, Slice
+from megatron_spindle.plan.schema import Plan, Slice, sequence_parallel_runs
 from megatron_spindle.runtime.groups import PlanGroups
 from megatron_spindle.runtime.layout import is_tp_leader, slice_units
 from megatron_spindle.runtime.opstate import param_keys
@@ -45,7 +45,8 @@ def build_local_slices(plan: Plan, workload: Workload, metagraph: MetaGraph, ran
                        factory: Callable, device: torch.device, dtype: torch.dtype) -> dict[str, LocalSlice]:
     """slice id -> LocalSlice for every slice on ``rank``, built in wave order (operator construction and the
     parameter probe are collective over the slice's TP group). A slice that recomputes activations
-    (``settings.recompute_of``) is built with ``factory(..., recompute=Recompute)``."""
+    (``settings.recompute_of``) is built with ``factory(..., recompute=Recompute)``, one that runs
+    sequence-parallel (``sequence_parallel_runs``) with ``factory(..., sequence_parallel=True)``."""
     local = {}
     for wi, w in enumerate(plan.waves):
         for s in w.slices:
@@ -55,6 +56,9 @@ def build_local_slices(plan: Plan, workload: Workload, metagraph: MetaGraph, ran
             pgs = groups.slice_pgs(s.id)
             rc = plan.settings.recompute_of(s.id).for_layers(s.num_layers) if s.kind == "layer" else None
             extra = {"recompute": rc} if rc is not None and rc.mode != "none" else {}
+            if sequence_parallel_runs(plan.settings.sequence_parallel, s.kind, s.tp, info.input_shape[1],
+                                      s.kind == "layer" and workload.modules[s.module].is_causal):
+                extra["sequence_parallel"] = True
             op = factory(workload, info, s.layer_start, s.layer_end, pg_collection=pgs, dp_group=pgs.dp, **extra)
             op = op.to(device=device, dtype=dtype)
             local[s.id] = LocalSlice(

@@ -52,6 +52,7 @@ from plans import (
     task_segments,
     unit_device_sets,
     unit_tp_degrees,
+    with_settings,
 )
 from standin import StandinReference, standin_batch, standin_factory
 
@@ -59,7 +60,7 @@ from megatron_spindle.estimator import AnalyticCostModel
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.workload import load_workload, workload_from_dict
 from megatron_spindle.plan.buckets import regathered_groups
-from megatron_spindle.plan.schema import TRANSFER_KINDS, PlanError, Recompute
+from megatron_spindle.plan.schema import TRANSFER_KINDS, PlanError, Recompute, sequence_parallel_runs
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.__main__ import main
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
@@ -146,10 +147,13 @@ def plan_cases(world: int):
     if world > 1:  # a plan for fewer devices than ranks: the others only join the collectives of the step
         cases.append(("standin", "idle-ranks", "tiny-vlm", lambda w: random_plan(w, world // 2, 3)))
     cases += option_cases(world)
+    seq_par = lambda make: (lambda w: with_settings(make(w), sequence_parallel=True))  # noqa: E731
     real = {1: [("sequential", "tiny-clip", seq), ("sequential", "tiny-vlm", seq)],
             2: [("sequential-tp2", "tiny-clip", tp2), ("planner", "tiny-vlm", planned), ("spindle-2", "tiny-vlm", sp(2)),
-                ("spindle-1", "fanout", sp(1))],
-            4: [("planner", "tiny-clip", planned), ("sequential-tp2", "tiny-vlm", tp2), ("spindle-2", "tiny-vlm", sp(2))]}
+                ("spindle-1", "fanout", sp(1)), ("sequence-parallel-tp2", "tiny-vlm", seq_par(tp2)),
+                ("sequence-parallel-spindle-2", "tiny-vlm", seq_par(sp(2)))],
+            4: [("planner", "tiny-clip", planned), ("sequential-tp2", "tiny-vlm", tp2), ("spindle-2", "tiny-vlm", sp(2)),
+                ("sequence-parallel-tp2", "tiny-vlm", seq_par(tp2))]}
     return cases + [("real", label, wn, make) for label, wn, make in real[world]]
 
 
@@ -219,7 +223,8 @@ def _worker(rank, world):
     # 2) every plan reproduces its reference
     refs = {}
     cache = GroupCache(rank)  # shared by the engines of this worker: a device tuple's group is created once
-    seen = {"tp2": False, "concurrent": False, "tower_on_several_device_sets": False, "tower_mixed_tp": False}
+    seen = {"tp2": False, "concurrent": False, "tower_on_several_device_sets": False, "tower_mixed_tp": False,
+            "sequence_parallel": False}
     early_receives = False  # a plan where this rank receives from another rank
     buckets = {"several_buckets_per_group": False, "overlapped_all_reduce": False}
     routes: set[str] = set()  # routes some plan's transfers take
@@ -259,6 +264,7 @@ def _worker(rank, world):
         assert len(created) == len(set(created)), "a process group was created twice"
         if ops == "real":
             check_recompute_flags(engine, plan, f"rank {rank} {wname} {label}")
+            seen["sequence_parallel"] |= check_sequence_parallel(engine, plan, w, f"rank {rank} {wname} {label}")
         check_engine_against(engine, refs[ops, wname, m], f"rank {rank} {ops} {wname} {label}")
         check_launches(log, f"rank {rank} {ops} {wname} {label}")
         early.check(m, f"rank {rank} {ops} {wname} {label}")
@@ -310,6 +316,19 @@ def check_recompute_flags(engine, plan, label: str) -> None:
         got = {(c.recompute_granularity, c.recompute_method, c.recompute_num_layers,
                 tuple(c.recompute_modules) if c.recompute_granularity == "selective" else ()) for c in configs}
         assert got == want and len(ls.op.blocks) == len(blocks), (label, ls.slice.id, got, want)
+
+
+def check_sequence_parallel(engine, plan, workload, label: str) -> bool:
+    """Each local layer slice runs sequence-parallel exactly where plan/'s rule says (TP > 1, and a sequence that
+    divides by TP or a causal module); returns whether one of this rank's does."""
+    runs = False
+    for ls in engine.local.values():
+        s = ls.slice
+        want = sequence_parallel_runs(plan.settings.sequence_parallel, s.kind, s.tp, plan.metaop(s.metaop).input_shape[1],
+                                      s.kind == "layer" and workload.modules[s.module].is_causal)
+        assert getattr(ls.op, "sequence_parallel", False) == want, (label, s.id)
+        runs |= want
+    return runs
 
 
 class EarlyReceiveLog:
