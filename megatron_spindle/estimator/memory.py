@@ -29,6 +29,12 @@ again (``core``, the MLP's, a norm's output). ``full`` keeps a recomputed layer'
 layer's (a chunk's) full activations while its backward runs; with modules, the layers it does not recompute
 fully are selective's (two blocks, one after another). Dropout masks are not counted: our operators run without
 dropout.
+
+Sequence parallelism (Megatron's ``--sequence-parallel``, where plan/schema.py ``sequence_parallel_runs`` applies
+it): the sequence is padded to a multiple of tp (causal modules), the pre-norms run on this rank's 1/tp of it,
+so their inputs, statistics and outputs, and the layer's input, are of s / tp positions; the tensors inside
+attention and the MLP are of the whole (padded) sequence at 1/tp of the width, as without it (the column-parallel
+projections save their sequence-parallel input and gather it again in the backward).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.graph.workload import ModuleSpec, Workload, output_tokens
 from megatron_spindle.plan.memory import STATE_BYTES_PER_PARAM, zero_sharded_bytes
-from megatron_spindle.plan.schema import Recompute
+from megatron_spindle.plan.schema import Recompute, sequence_parallel_runs
 
 FP32, INT64 = 4, 8
 
@@ -86,7 +92,7 @@ class MemoryModel:
 
     def __init__(self, workload: Workload, cluster: ClusterSpec, cost_model: AnalyticCostModel | None = None,
                  distributed_optimizer: bool = False, recompute: Recompute | None = None,
-                 zero_stage: int | None = None):
+                 zero_stage: int | None = None, sequence_parallel: bool = False):
         # distributed_optimizer: the optimizer state (master weights, Adam moments) of a unit is sharded over
         # the data-parallel ranks that run it (ZeRO-1, Megatron's --use-distributed-optimizer); ``zero_stage``
         # instead names the stage (2: the gradients too)
@@ -100,6 +106,7 @@ class MemoryModel:
         if recompute is None:
             recompute = Recompute("full" if self.cost_model.config.recompute else "none")
         self.recompute = recompute
+        self.sequence_parallel = sequence_parallel  # the plan setting; where it applies: sequence_parallel_runs
 
     @property
     def zero_stage(self) -> int:
@@ -161,14 +168,17 @@ class MemoryModel:
         kept = q_rope + k_kept + expanded + (qkv if views else 0.0) + probs
         return kept, entering, probs + expanded
 
-    def layer_activations(self, module: ModuleSpec, micro_batch: float, tokens: int, tp: int) -> LayerActivations:
+    def layer_activations(self, module: ModuleSpec, micro_batch: float, tokens: int, tp: int,
+                          sequence_parallel: bool = False) -> LayerActivations:
         """Bytes one transformer layer of ``module`` saves on one device for ``micro_batch`` samples of
-        ``tokens`` tokens at TP degree ``tp`` (see the module docstring)."""
-        b, s, h, d = micro_batch, tokens, module.hidden_size, self.dtype_bytes
+        ``tokens`` tokens at TP degree ``tp``, sequence-parallel or not (see the module docstring)."""
+        b, h, d = micro_batch, module.hidden_size, self.dtype_bytes
+        s = -(-tokens // tp) * tp if sequence_parallel else tokens  # padded to a multiple of TP (causal modules)
         t = b * s
+        local = t // tp if sequence_parallel else t  # positions of the norms and the layer input here
         f = module.ffn_hidden_size
         mlp = (5 if module.kind == "llm" else 2) * t * f / tp * d
-        norm = self._norm(module, t) + t * h * d  # input and statistics, output (the next projection's input)
+        norm = self._norm(module, local) + local * h * d  # input and statistics, output (the next projection's input)
         block = 2 * norm + t * h / tp * d  # both norms and the attention output (the output projection's input)
         if module.kind == "llm":  # RoPE's cos and sin of q and k, per position
             block += 4 * s * (h // module.num_heads) * d
@@ -180,7 +190,8 @@ class MemoryModel:
             full += extra + cross_plain
             selective += extra + cross_entering
             core += cross_core
-        return LayerActivations(full, selective, input=t * h * d, norm=norm - t * h * d, mlp=mlp, core_saved=core)
+        return LayerActivations(full, selective, input=local * h * d, norm=norm - local * h * d, mlp=mlp,
+                                core_saved=core)
 
     def _light_op(self, metaop: MetaOp, micro_batch: float, tp: int = 1) -> float:
         d = self.dtype_bytes
@@ -238,10 +249,12 @@ class MemoryModel:
             raise EstimatorError(f"MetaOp '{metaop.id}': module '{metaop.module}' is not in the workload")
 
     def activation_memory(self, metaop: MetaOp, tp: int, dp: int, num_layers: int,
-                          recompute: Recompute | None = None) -> tuple[float, float]:
+                          recompute: Recompute | None = None,
+                          sequence_parallel: bool | None = None) -> tuple[float, float]:
         """(held, transient) bytes on one device of ``num_layers`` operators of the MetaOp run with (tp, dp):
         what they keep from forward to backward (each DP rank its B/dp samples), and what their backward needs
-        beyond that while it recomputes (``recompute``; None: the model's own)."""
+        beyond that while it recomputes (``recompute``; None: the model's own), in a plan with sequence
+        parallelism enabled or not (``sequence_parallel``; None: the model's own)."""
         self._check(metaop, tp, dp, num_layers)
         micro_batch = metaop.batch / dp
         if metaop.kind != "layer":
@@ -251,8 +264,12 @@ class MemoryModel:
         rc = (recompute or self.recompute).for_layers(num_layers)
         blocks = rc.blocks(num_layers)
         if len(blocks) > 1:
-            return _one_after_another([self.activation_memory(metaop, tp, dp, n, r) for n, r in blocks])
-        layer = self.layer_activations(self.workload.modules[metaop.module], micro_batch, metaop.tokens, tp)
+            return _one_after_another([self.activation_memory(metaop, tp, dp, n, r, sequence_parallel)
+                                       for n, r in blocks])
+        module = self.workload.modules[metaop.module]
+        enabled = self.sequence_parallel if sequence_parallel is None else sequence_parallel
+        sp = sequence_parallel_runs(enabled, metaop.kind, tp, metaop.tokens, module.is_causal)
+        layer = self.layer_activations(module, micro_batch, metaop.tokens, tp, sp)
         if rc.mode == "none":
             return num_layers * layer.full, 0.0
         if rc.mode == "selective":

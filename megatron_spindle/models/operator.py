@@ -308,7 +308,9 @@ class LayerRangeOperator(SliceOperator):
                              f"length divisible by {self.tp_size} in a bidirectional module, got {tokens} tokens")
         if pad:
             hidden = torch.cat([hidden, hidden.new_zeros(pad, *hidden.shape[1:])])
-        return scatter_to_sequence_parallel_region(hidden, group=self.tp_group)
+        # a copy, as megatron's embedding clones its scatter's output: the part is a view of the whole sequence,
+        # and the first layer saving it would keep all of it alive until the backward
+        return scatter_to_sequence_parallel_region(hidden, group=self.tp_group).clone()
 
 
 class ProjectorOperator(SliceOperator):

@@ -28,6 +28,7 @@ A device's predicted memory is its parameter state plus its activation peak.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -81,10 +82,12 @@ def grad_reduce_bytes(params: float, settings: ExecutionSettings) -> float:
 
 @dataclass(frozen=True)
 class ZeroSharded:
-    """``MemoryNumbers`` under a ZeRO stage: ``param_state_bytes(unit, tp, dp)`` is one device's share."""
+    """``MemoryNumbers`` under a plan's ZeRO stage (``param_state_bytes(unit, tp, dp)`` is one device's share)
+    and its sequence-parallel setting (the activations of the slices where it applies; None: the numbers' own)."""
 
     numbers: MemoryNumbers
     zero_stage: int
+    sequence_parallel: bool | None = None
 
     def param_state_bytes(self, unit: str, tp: int, dp: int = 1) -> float:
         return zero_sharded_bytes(float(self.numbers.param_state_bytes(unit, tp)), self.zero_stage, dp)
@@ -94,8 +97,11 @@ class ZeroSharded:
 
     @property
     def activation_memory(self):
-        """The numbers' ``activation_memory`` (None when they have none)."""
-        return getattr(self.numbers, "activation_memory", None)
+        """The numbers' ``activation_memory`` under this sequence-parallel setting (None when they have none)."""
+        memory = getattr(self.numbers, "activation_memory", None)
+        if memory is None or self.sequence_parallel is None:
+            return memory
+        return functools.partial(memory, sequence_parallel=self.sequence_parallel)
 
 
 class ShardedNumbers(Protocol):
@@ -247,7 +253,8 @@ def plan_breakdown(plan: Plan, metaops: Mapping[str, MetaOp], numbers: MemoryNum
     recomputation per slice, micro-batches)."""
     settings = plan.settings
     waves = [w.slices for w in plan.waves]
-    return memory_breakdown(waves, metaops, ZeroSharded(numbers, settings.zero_stage), plan.num_devices,
+    return memory_breakdown(waves, metaops, ZeroSharded(numbers, settings.zero_stage, settings.sequence_parallel),
+                            plan.num_devices,
                             slice_order([[s.task for s in w] for w in waves], settings),
                             lambda wi, si: settings.recompute_of(waves[wi][si].id), settings.micro_batches)
 

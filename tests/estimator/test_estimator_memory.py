@@ -104,3 +104,28 @@ def test_bad_memory_queries_are_rejected(tiny_clip, cluster8):
         memory.activation_bytes(vision, 1, 1, 5)
     with pytest.raises(EstimatorError, match="tp must be a positive integer"):
         memory.param_state_bytes("vision.layers.0", 0)
+
+
+def test_sequence_parallelism_divides_the_norms_and_the_layer_input_where_it_applies(cluster8):
+    """257 tokens (ViT): at TP 2 a bidirectional encoder does not run sequence-parallel (the sequence does not
+    divide) and keeps everything; a causal module of the same shape is padded to 258 tokens, its norms and input
+    divided by TP; TP 1 never runs it. The plan's setting reaches the numbers through ZeroSharded."""
+    from megatron_spindle.plan.memory import ZeroSharded
+
+    workload = workload_from_dict(clip_like_spec(num_layers=2))
+    vision = build_metagraph(workload).metaops["vt/vision"]
+    memory = MemoryModel(workload, cluster8, AnalyticCostModel(workload, cluster8))
+    module = workload.modules["vision"]
+    b = vision.batch
+    plain, split = (memory.layer_activations(module, b, 257, 2, sp) for sp in (False, True))
+    h, d = module.hidden_size, memory.dtype_bytes
+    assert split.input == b * 129 * h * d and plain.input == b * 257 * h * d
+    assert split.norm < plain.norm and split.mlp > plain.mlp  # the MLP on the padded 258 tokens
+    assert memory.activation_memory(vision, 2, 1, 2, Recompute(), sequence_parallel=True) == \
+        memory.activation_memory(vision, 2, 1, 2, Recompute())  # 257 does not divide by 2: not applied
+    causal = workload_from_dict(clip_like_spec(num_layers=2, causal=True))
+    on = MemoryModel(causal, cluster8, AnalyticCostModel(causal, cluster8), sequence_parallel=True)
+    metaop = build_metagraph(causal).metaops["vt/vision"]
+    assert on.activation_memory(metaop, 2, 1, 2, Recompute()) == (2 * split.full, 0.0)
+    assert on.activation_memory(metaop, 1, 1, 2, Recompute()) == memory.activation_memory(vision, 1, 1, 2, Recompute())
+    assert ZeroSharded(on, 0, False).activation_memory(metaop, 2, 1, 2, Recompute()) == (2 * plain.full, 0.0)

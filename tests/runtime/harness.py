@@ -231,3 +231,14 @@ def slice_units_of(engine, s) -> list[str]:
     from megatron_spindle.runtime.layout import slice_units
 
     return slice_units(engine.metagraph, s)
+
+
+def runtime_memory_model(plan, workload):
+    """The memory model of the CPU runtime: fp32 activations and megatron-core's unfused attention."""
+    from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
+    from megatron_spindle.estimator.cost_model import CostModelConfig
+    from megatron_spindle.graph.cluster import ClusterSpec
+
+    cluster = ClusterSpec.from_dict(plan.cluster)
+    cost = AnalyticCostModel(workload, cluster, dtype_bytes=4, config=CostModelConfig(attention="unfused"))
+    return MemoryModel(workload, cluster, cost)

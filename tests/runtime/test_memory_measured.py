@@ -12,12 +12,10 @@ import dataclasses
 
 import pytest
 import torch
+from harness import runtime_memory_model
 from plans import early_backward, module_kinds, random_plan, recomputing, sequential_plan, with_settings
 
 from megatron_spindle.compat.groups import ensure_torch_distributed
-from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
-from megatron_spindle.estimator.cost_model import CostModelConfig
-from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.plan.memory import plan_breakdown
@@ -26,13 +24,6 @@ from megatron_spindle.runtime.activation_meter import SavedTensorMeter
 from megatron_spindle.runtime.engine import EngineConfig, RuntimeEngine
 
 TOLERANCE = 0.05  # the issue asks for 20 %
-
-
-def runtime_memory_model(plan, workload) -> MemoryModel:
-    """The memory model of the CPU runtime: fp32 activations and megatron-core's unfused attention."""
-    cluster = ClusterSpec.from_dict(plan.cluster)
-    cost = AnalyticCostModel(workload, cluster, dtype_bytes=4, config=CostModelConfig(attention="unfused"))
-    return MemoryModel(workload, cluster, cost)
 
 
 def options(plan, workload):

@@ -41,6 +41,7 @@ from harness import (
     global_rel_err,
     operator_weights,
     reference_trajectory,
+    runtime_memory_model,
     spawn,
 )
 from plans import (
@@ -58,8 +59,10 @@ from standin import StandinReference, standin_batch, standin_factory
 
 from megatron_spindle.estimator import AnalyticCostModel
 from megatron_spindle.graph.cluster import ClusterSpec
+from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload, workload_from_dict
 from megatron_spindle.plan.buckets import regathered_groups
+from megatron_spindle.plan.memory import plan_breakdown
 from megatron_spindle.plan.schema import TRANSFER_KINDS, PlanError, Recompute, sequence_parallel_runs
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.__main__ import main
@@ -284,6 +287,8 @@ def _worker(rank, world):
         check_distributed_optimizer(rank, world, workloads, refs, tiny, cache, stage)
     if world > 1:
         check_weight_shards_with_options(rank, world, workloads, refs, tiny, cache)
+    if world == 2:
+        check_sequence_parallel_memory(rank, world, workloads, cache)
     check_clipping(rank, world, workloads, refs, tiny, cache, (0, 1, 2) if world == 2 else (2,))  # as above
     check_evaluate(rank, world, workloads, refs, tiny, cache)
     check_trainer_hooks(rank, world, workloads["tiny-clip"], cfg, cache)
@@ -329,6 +334,30 @@ def check_sequence_parallel(engine, plan, workload, label: str) -> bool:
         assert getattr(ls.op, "sequence_parallel", False) == want, (label, s.id)
         runs |= want
     return runs
+
+
+def check_sequence_parallel_memory(rank, world, workloads, cache) -> None:
+    """With sequence parallelism the memory model's activation peak is still what autograd saves on each rank
+    (runtime/activation_meter.py; one rank's under every option: tests/runtime/test_memory_measured.py), and it
+    is lower than without: an encoder whose sequence divides, and an LLM padded from 25 to 26 tokens, without and
+    with recomputation."""
+    for wname in ("tiny-clip", "tiny-vlm"):
+        w = workloads[wname]
+        metaops = build_metagraph(w).metaops
+        plain = sequential_plan(w, world, tp=2)
+        sp = with_settings(plain, sequence_parallel=True)
+        peaks = {}
+        for label, plan in (("plain", plain), ("sequence-parallel", sp),
+                            ("sequence-parallel+layernorm", recomputing(sp, lambda i, s: Recompute(
+                                "selective", modules=("layernorm",)))),
+                            ("sequence-parallel+block-1", recomputing(sp, lambda i, s: Recompute("full", 1)))):
+            engine = RuntimeEngine(plan, w, rank, world, EngineConfig(measure_activations=True), groups=cache)
+            engine.forward_backward(0)
+            predicted = plan_breakdown(plan, metaops, runtime_memory_model(plan, w))[rank][1]
+            assert abs(predicted / engine.activation_peak - 1) <= 0.01, (rank, wname, label, predicted,
+                                                                          engine.activation_peak)
+            peaks[label] = engine.activation_peak
+        assert peaks["sequence-parallel"] < peaks["plain"], (wname, peaks)
 
 
 class EarlyReceiveLog:
