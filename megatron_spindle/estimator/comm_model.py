@@ -210,6 +210,15 @@ class CommModel:
             return 0.0
         return self.all_reduce(nbytes, GroupPlacement.strided(tp, 1, self.cluster))
 
+    def tp_collective_seconds(self, nbytes: float, tp: int, sequence_parallel: bool = False) -> float:
+        """One of a layer's TP collectives of an ``nbytes`` activation: the all-reduce, or with sequence
+        parallelism an all-gather or a reduce-scatter of it (the same bytes and latency either way)."""
+        if not sequence_parallel:
+            return self.tp_allreduce_seconds(nbytes, tp)
+        if tp <= 1:
+            return 0.0
+        return self.all_gather(nbytes, GroupPlacement.strided(tp, 1, self.cluster))
+
 
 def _check_op(op: str) -> None:
     if op not in COLLECTIVES:

@@ -50,6 +50,7 @@ from megatron_spindle.estimator.op_kernels import (
 from megatron_spindle.graph.cluster import HBM_STREAM_EFFICIENCY, ClusterSpec, GPUSpec
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.graph.workload import ModuleSpec, Workload
+from megatron_spindle.plan.schema import sequence_parallel_runs
 
 # Kernels launched per light operator, forward + backward (GEMMs included): an embedding gather or a patch
 # projection with its bias, position add and layout copies; a 2-layer projector; a norm, pooling and projection;
@@ -80,6 +81,10 @@ class CostModelConfig:
     param_cast: bool = False
     # unfused attention with a fused softmax kernel (apex / TE); False: megatron-core's torch fp32 fallback
     fused_softmax: bool = False
+    # Megatron's --sequence-parallel in the layers where plan/schema.py sequence_parallel_runs applies it: norms
+    # and residual adds on 1/tp of the (padded) sequence, an all-gather and a reduce-scatter per TP all-reduce.
+    # The memory model follows it by default.
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         if self.attention not in ATTENTION_KINDS:
@@ -184,15 +189,16 @@ def layer_seconds(shape: LayerShape, cluster: ClusterSpec, config: CostModelConf
     config = config or CostModelConfig()
     kernels = layer_time(KernelModel(cluster.gpu, config.memory_efficiency), shape, config.recompute)
     comm = CommModel(cluster)
-    return phase_times(kernels, shape.tp_allreduces, comm.tp_allreduce_seconds(shape.tp_allreduce_bytes, shape.tp),
-                       launch_seconds(config, cluster.gpu), host.host_forward_kernel_weight(cluster.gpu))
+    seconds = comm.tp_collective_seconds(shape.tp_allreduce_bytes, shape.tp, shape.sequence_parallel)
+    return phase_times(kernels, shape.tp_collectives, seconds, launch_seconds(config, cluster.gpu),
+                       host.host_forward_kernel_weight(cluster.gpu))
 
 
 def layer_launch_floor(shape: LayerShape, cluster: ClusterSpec, config: CostModelConfig | None = None) -> float:
     """The host's seconds to issue that layer's forward + backward: ``layer_seconds`` is at least this."""
     config = config or CostModelConfig()
     kernels = layer_time(KernelModel(cluster.gpu, config.memory_efficiency), shape, config.recompute)
-    return host_seconds(kernels, shape.tp_allreduces, launch_seconds(config, cluster.gpu))
+    return host_seconds(kernels, shape.tp_collectives, launch_seconds(config, cluster.gpu))
 
 
 def _parse_unit(param_name: str) -> tuple[str, str]:
@@ -485,13 +491,19 @@ class AnalyticCostModel:
         module = self._module(metaop)
         b, s, _ = metaop.input_shape
         llm = module.kind == "llm"
+        sp = self.sequence_parallel(metaop, tp)
         return LayerShape(
-            batch=b // dp, seq=s, hidden=module.hidden_size, heads=module.num_heads, ffn=module.ffn_hidden_size,
-            kv_groups=module.query_groups, swiglu=self._is_swiglu(module), causal=module.is_causal, tp=tp,
-            attention=self.config.attention, bias=not llm, rotary=llm, cross_attention=module.cross_attention,
-            dtype_bytes=self.dtype_bytes, param_cast=self.config.param_cast,
-            fused_softmax=self.config.fused_softmax,
+            batch=b // dp, seq=-(-s // tp) * tp if sp else s, hidden=module.hidden_size, heads=module.num_heads,
+            ffn=module.ffn_hidden_size, kv_groups=module.query_groups, swiglu=self._is_swiglu(module),
+            causal=module.is_causal, tp=tp, attention=self.config.attention, bias=not llm, rotary=llm,
+            cross_attention=module.cross_attention, dtype_bytes=self.dtype_bytes, param_cast=self.config.param_cast,
+            fused_softmax=self.config.fused_softmax, sequence_parallel=sp,
         )
+
+    def sequence_parallel(self, metaop: MetaOp, tp: int) -> bool:
+        """Whether the MetaOp's operators run sequence-parallel at ``tp`` under this model's setting."""
+        return sequence_parallel_runs(self.config.sequence_parallel, metaop.kind, tp, metaop.tokens,
+                                      metaop.kind == "layer" and self._module(metaop).is_causal)
 
     def kernel_time(self, metaop: MetaOp, tp: int, dp: int) -> LayerTime:
         """Forward and backward seconds of the kernels of ONE operator on one device of a (tp, dp) config
@@ -531,16 +543,19 @@ class AnalyticCostModel:
         return self.kernel_time(metaop, tp, dp).total
 
     def _tp_allreduces(self, metaop: MetaOp, tp: int) -> int:
+        """TP collectives of one operator's forward: its all-reduces, or with sequence parallelism an all-gather
+        and a reduce-scatter for each."""
         if tp == 1 or metaop.kind != "layer":
             return 0
-        return 2 + (1 if self._module(metaop).cross_attention else 0)
+        return (2 + (1 if self._module(metaop).cross_attention else 0)) * (2 if self.sequence_parallel(metaop, tp)
+                                                                            else 1)
 
     def _tp_allreduce_seconds(self, metaop: MetaOp, tp: int, dp: int) -> float:
+        """Seconds of one of those collectives."""
         if tp == 1 or metaop.kind != "layer":
             return 0.0
-        b, s, _ = metaop.input_shape
-        per_rank = b // dp * s * self._module(metaop).hidden_size * self.dtype_bytes
-        return self.comm.tp_allreduce_seconds(per_rank, tp)
+        shape = self.layer_shape(metaop, tp, dp)
+        return self.comm.tp_collective_seconds(shape.tp_allreduce_bytes, tp, shape.sequence_parallel)
 
     def tp_comm_seconds(self, metaop: MetaOp, tp: int, dp: int) -> float:
         """Megatron TP all-reduces of one operator (as many in the backward as in the forward)."""

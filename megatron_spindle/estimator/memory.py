@@ -92,7 +92,7 @@ class MemoryModel:
 
     def __init__(self, workload: Workload, cluster: ClusterSpec, cost_model: AnalyticCostModel | None = None,
                  distributed_optimizer: bool = False, recompute: Recompute | None = None,
-                 zero_stage: int | None = None, sequence_parallel: bool = False):
+                 zero_stage: int | None = None, sequence_parallel: bool | None = None):
         # distributed_optimizer: the optimizer state (master weights, Adam moments) of a unit is sharded over
         # the data-parallel ranks that run it (ZeRO-1, Megatron's --use-distributed-optimizer); ``zero_stage``
         # instead names the stage (2: the gradients too)
@@ -106,7 +106,9 @@ class MemoryModel:
         if recompute is None:
             recompute = Recompute("full" if self.cost_model.config.recompute else "none")
         self.recompute = recompute
-        self.sequence_parallel = sequence_parallel  # the plan setting; where it applies: sequence_parallel_runs
+        # the plan setting (None: the cost model's); where it applies: plan/schema.py sequence_parallel_runs
+        self.sequence_parallel = self.cost_model.config.sequence_parallel if sequence_parallel is None \
+            else sequence_parallel
 
     @property
     def zero_stage(self) -> int:

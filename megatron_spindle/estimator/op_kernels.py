@@ -3,8 +3,9 @@
 
 The layer is megatron-core's (local spec or Transformer Engine): pre-norm, QKV projection, attention (FlashAttention
 or the unfused QK^T / softmax / PV path with its s^2 memory traffic), output projection, residual, pre-MLP norm,
-FC1, activation (GELU, or SwiGLU for llama-style LLMs), FC2, residual. Tensor parallelism (Megatron style, no
-sequence parallelism) splits heads and the FFN over ``tp`` ranks; norms and residuals stay replicated. The
+FC1, activation (GELU, or SwiGLU for llama-style LLMs), FC2, residual. Tensor parallelism (Megatron style) splits
+heads and the FFN over ``tp`` ranks; norms and residuals stay replicated, or with sequence parallelism
+(``LayerShape.sequence_parallel``) run on 1/tp of the tokens. The
 backward runs, per linear, a data-gradient and a weight-gradient GEMM, the elementwise backward of every
 memory-bound kernel, and accumulates the weight gradients into fp32 main gradients (megatron-core DDP without
 gradient-accumulation fusion). Full recomputation reruns the forward inside the backward.
@@ -49,6 +50,9 @@ class LayerShape:
     # fp32 parameters cast to bf16 before every forward (torch FSDP MixedPrecision(param_dtype=bf16), autocast):
     # read 4 + write 2 bytes per parameter. megatron-core keeps bf16 parameters (False).
     param_cast: bool = False
+    # Megatron's sequence parallelism: the norms and the residual adds run on 1/tp of the tokens (``seq`` is then
+    # the sequence padded to a multiple of tp), and each TP all-reduce is an all-gather and a reduce-scatter.
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         for what in ("batch", "seq", "hidden", "heads", "ffn", "tp", "dtype_bytes"):
@@ -92,8 +96,14 @@ class LayerShape:
 
     @property
     def tp_allreduces(self) -> int:
-        """TP all-reduces of the forward (the backward has as many)."""
+        """TP all-reduces of the forward (the backward has as many); with sequence parallelism each is an
+        all-gather and a reduce-scatter of the same bytes (``tp_collectives``)."""
         return (TP_ALLREDUCES_FORWARD + (1 if self.cross_attention else 0)) if self.tp > 1 else 0
+
+    @property
+    def tp_collectives(self) -> int:
+        """TP collectives of the forward (the backward has as many)."""
+        return self.tp_allreduces * (2 if self.sequence_parallel else 1)
 
     @property
     def tp_allreduce_bytes(self) -> float:
@@ -183,7 +193,7 @@ def _attention_backward(b: _Builder, s: LayerShape, name: str) -> None:
 def _forward(km: KernelModel, s: LayerShape) -> list[Kernel]:
     b = _Builder(km, "forward")
     t, h, d, tp = s.tokens, s.hidden, s.dtype_bytes, s.tp
-    act = t * h * d  # one pass over the [tokens, hidden] activation
+    act = _norm_pass(s)
     qkv_out = (h + 2 * s.kv_width) / tp
     if s.param_cast:
         b.memory("param_cast", s.params() * (4 + d), _param_tensors(s))
@@ -216,6 +226,12 @@ def _forward(km: KernelModel, s: LayerShape) -> list[Kernel]:
     return b.kernels
 
 
+def _norm_pass(s: LayerShape) -> float:
+    """Bytes of one pass over the [tokens, hidden] activation the norms and residual adds read and write on this
+    device: all the tokens, or with sequence parallelism this rank's 1/tp of them."""
+    return s.tokens * s.hidden * s.dtype_bytes / (s.tp if s.sequence_parallel else 1)
+
+
 def _residual(b: _Builder, s: LayerShape, name: str, act: float) -> None:
     """Megatron's bias-dropout-add unfused (our runtime: bias_dropout_fusion off, dropout 0): the bias add and
     the residual add each read two and write one activation."""
@@ -233,7 +249,7 @@ def _linear_backward(b: _Builder, s: LayerShape, name: str, tokens: float, out: 
 def _backward(km: KernelModel, s: LayerShape) -> list[Kernel]:
     b = _Builder(km, "backward")
     t, h, d, tp = s.tokens, s.hidden, s.dtype_bytes, s.tp
-    act = t * h * d
+    act = _norm_pass(s)
     ffn = s.ffn / tp
     fc1_out = (2 if s.swiglu else 1) * ffn
     _linear_backward(b, s, "fc2", t, h, ffn)

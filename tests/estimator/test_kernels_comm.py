@@ -25,6 +25,8 @@ from megatron_spindle.estimator.kernels import (
 )
 from megatron_spindle.estimator.op_kernels import LayerShape, layer_time
 from megatron_spindle.graph.cluster import GPU_TYPES, HBM_STREAM_EFFICIENCY, make_cluster
+from megatron_spindle.graph.opgraph import build_metagraph
+from megatron_spindle.graph.workload import load_workload
 
 A800 = GPU_TYPES["A800-80GB"]
 SM_RATE = 267.9e12 / 108  # the measured matmul rate (C1) shared by A800's 108 SMs
@@ -137,6 +139,35 @@ def test_recomputation_reruns_the_forward_in_the_backward():
     plain, again = layer_time(km, shape), layer_time(km, shape, recompute=True)
     assert again.forward == plain.forward
     assert again.backward == pytest.approx(plain.backward + plain.forward)
+
+
+def test_sequence_parallelism_runs_the_norms_on_a_part_and_swaps_each_all_reduce_for_two_collectives():
+    """A 70B LLM layer at TP 8: the same kernels but the norms' and residual adds' memory passes divided by 8, and
+    each TP all-reduce an all-gather and a reduce-scatter of the same activation (one more latency each). The
+    cost model pads a causal module's sequence and leaves a bidirectional one that does not divide alone."""
+    km = KernelModel(A800)
+    shape = LayerShape(1, 2048, 8192, 64, 28672, kv_groups=8, swiglu=True, causal=True, tp=8, bias=False, rotary=True)
+    plain, split = layer_time(km, shape), layer_time(km, dataclasses.replace(shape, sequence_parallel=True))
+    norms = {k.name: k.seconds for k in plain.kernels if k.name.split(".")[0] in ("norm1", "norm2", "residual1",
+                                                                                "residual2")}
+    parts = {k.name: k.seconds for k in split.kernels if k.name in norms}
+    assert len(norms) == 4 and parts.keys() == norms.keys() and all(parts[k] < norms[k] for k in norms)
+    others = [(k.name, k.seconds) for k in plain.kernels if k.name not in norms]
+    assert others == [(k.name, k.seconds) for k in split.kernels if k.name not in norms]
+    comm = CommModel(make_cluster(8))
+    nbytes = shape.tp_allreduce_bytes
+    ar, ag = comm.tp_collective_seconds(nbytes, 8), comm.tp_collective_seconds(nbytes, 8, sequence_parallel=True)
+    assert ag == comm.all_gather(nbytes, GroupPlacement.strided(8, 1, make_cluster(8))) and ag < ar < 2 * ag
+    assert dataclasses.replace(shape, sequence_parallel=True).tp_collectives == 2 * shape.tp_collectives == 4
+    # through the cost model: a bidirectional tower of an odd token count keeps it off; the LLM's are padded
+    w = load_workload("tiny-vlm")
+    metaops = build_metagraph(w).metaops
+    on = AnalyticCostModel(w, make_cluster(8), config=CostModelConfig(sequence_parallel=True))
+    llm = next(m for m in metaops.values() if m.kind == "layer" and m.module == "llm")
+    assert on.sequence_parallel(llm, 2) and not on.sequence_parallel(llm, 1)
+    assert on.layer_shape(llm, 2, 1).seq == -(-llm.tokens // 2) * 2
+    odd = next(m for m in metaops.values() if m.kind == "layer" and m.tokens % 2)
+    assert not on.sequence_parallel(odd, 2), odd.id
 
 
 # -------------------------------------------------------------------------------------------- collectives
