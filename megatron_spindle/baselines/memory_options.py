@@ -57,9 +57,9 @@ def with_cheapest_recompute(plan: Plan, metagraph: MetaGraph, cost_model, memory
     order = slice_order([[s.task for s in w] for w in waves], base)
     micro = {mid: micro_batch_metaop(m, base.micro_batches) for mid, m in metagraph.metaops.items()}
     try:
-        choices = choose_recompute(waves, micro, ZeroSharded(memory_model, base.zero_stage), cost_model,
-                                   cluster.gpu.memory_bytes, order, RecomputePolicy(), cluster.num_devices,
-                                   cluster.gpu.name)
+        numbers = ZeroSharded(memory_model, base.zero_stage, base.sequence_parallel)
+        choices = choose_recompute(waves, micro, numbers, cost_model, cluster.gpu.memory_bytes, order,
+                                   RecomputePolicy(), cluster.num_devices, cluster.gpu.name)
     except RecomputeError:
         return None
     per_slice = {waves[wi][si].id: rc for (wi, si), rc in choices.items() if rc.mode != "none"}

@@ -77,6 +77,11 @@ class BaselineContext:
     def recompute(self) -> bool:
         return bool(getattr(getattr(self.cost_model, "config", None), "recompute", False))
 
+    @property
+    def sequence_parallel(self) -> bool:
+        """The cost model's --sequence-parallel: the baselines' plans record it, as Megatron-LM runs it."""
+        return bool(getattr(getattr(self.cost_model, "config", None), "sequence_parallel", False))
+
     def recomputing(self, flag: bool) -> BaselineContext:
         """The same context with full activation recomputation on or off (cost and memory models rebuilt)."""
         if flag == self.recompute:
@@ -151,7 +156,8 @@ def _assemble(ctx: BaselineContext, waves: list[ScheduledWave], segments: list[l
     the systems built on Megatron-LM run with (a tuned launch passes it); DeepSpeed's ZeRO-1/2 gathers the
     weights inside its optimizer step."""
     recompute = Recompute("full" if ctx.recompute else "none")
-    settings = ExecutionSettings(recompute=recompute, segments=segments, overlap_param_gather=overlap_param_gather)
+    settings = ExecutionSettings(recompute=recompute, segments=segments, overlap_param_gather=overlap_param_gather,
+                                 sequence_parallel=ctx.sequence_parallel)
     base = assemble_plan(ctx.workload, ctx.cluster, ctx.metagraph, waves, ctx.cost_model, ctx.memory_model, info,
                          validate=False, settings=settings)
     plans = []

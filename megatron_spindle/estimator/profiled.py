@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from megatron_spindle.estimator.cost_model import AnalyticCostModel, LayerCost, OptimizerCost
+from megatron_spindle.estimator.cost_model import AnalyticCostModel, CostModelConfig, LayerCost, OptimizerCost
 from megatron_spindle.estimator.curve import CurvePoint
 from megatron_spindle.estimator.profile import Measurement, Profile, load_profile
 from megatron_spindle.graph.cluster import ClusterSpec
@@ -97,13 +97,16 @@ def profile_summary(profile: Profile, cluster: ClusterSpec) -> str:
     return "profile: " + "; ".join(parts)
 
 
-def planning_cost_model(workload: Workload, cluster: ClusterSpec, profile=None) -> AnalyticCostModel:
+def planning_cost_model(workload: Workload, cluster: ClusterSpec, profile=None,
+                        sequence_parallel: bool = False) -> AnalyticCostModel:
     """The planner's cost model: a ``Profile`` with measurements gives a ``ProfiledCostModel`` (its operators
     and AdamW step as measured), so the planner's estimate and plan selection time what the curves were made
-    of; anything else (no profile, or its curve points alone) the analytic model."""
+    of; anything else (no profile, or its curve points alone) the analytic model. ``sequence_parallel``:
+    ``--sequence-parallel`` (CostModelConfig; measured operators keep their measured times)."""
+    config = CostModelConfig(sequence_parallel=sequence_parallel)
     if isinstance(profile, Profile) and profile.measurements:
-        return ProfiledCostModel(workload, cluster, profile.measurements, optimizer=profile.optimizer)
-    return AnalyticCostModel(workload, cluster)
+        return ProfiledCostModel(workload, cluster, profile.measurements, optimizer=profile.optimizer, config=config)
+    return AnalyticCostModel(workload, cluster, config=config)
 
 
 def profile_points(profile) -> dict | None:

@@ -102,6 +102,12 @@ class PlannerConfig:
         "device group's weights only before the first slice using them (recorded in the plan, charged by the "
         "planner and the simulator, done by the runtime); --no-overlap-param-gather: the gather ends within the "
         "step.", name="--overlap-param-gather"))
+    sequence_parallel: bool = field(default=False, metadata=flag(
+        "Megatron's sequence parallelism in the transformer layers of slices with tensor parallelism: norms, "
+        "residuals and dropouts on 1/TP of the sequence (their activations divided by TP), an all-gather and a "
+        "reduce-scatter for each TP all-reduce. Applied where the sequence divides by TP or the module is causal "
+        "(padded at its end); recorded in the plan, charged by the planner and the simulator, run by the runtime.",
+        name="--sequence-parallel"))
 
     select: str = field(default="simulate", metadata=flag(
         "simulate: plan a few candidates (the configured planner, the greedy wavefront plan, node-bounded "
@@ -232,7 +238,8 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
         best = refined or best
     plan = assemble_plan(workload, cluster, metagraph, best.charged_waves(), best.cost_model, best.memory_model,
                          info, level_allocs=best.level_allocs, curves=best.curves,
-                         settings=replace(best.settings(), overlap_param_gather=config.overlap_param_gather))
+                         settings=replace(best.settings(), overlap_param_gather=config.overlap_param_gather,
+                                          sequence_parallel=config.sequence_parallel))
     plan.predicted["micro_batch_time"] = plan.predicted["iteration_time"] / best.micro_batches
     _iteration_c_star(plan, best.micro_batches)
     validate_plan(plan, workload, cluster, metagraph)

@@ -108,3 +108,29 @@ def test_the_overlapped_weight_gather_is_recorded_and_estimated_as_waited_for():
     overlapped = estimate_iteration(on, g, cluster, cost).param_gather
     assert after_step > 0 and 0 <= overlapped < after_step
     assert on.predicted["planner_estimate_param_gather"] == pytest.approx(overlapped)
+
+
+def test_sequence_parallel_plans_record_it_and_hold_less_where_it_applies():
+    """--sequence-parallel on QWen-VAL / 32 GPUs: the plan records it; the simulator's peak memory is the plan's
+    (both from plan/'s rule); the same plan without it holds more on the devices of its TP > 1 layer slices, and
+    the baselines' plans made with that cost model record it too."""
+    from megatron_spindle.baselines import BASELINES, BaselineContext
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.plan.memory import plan_memory
+    from megatron_spindle.planner.pipeline import plan_workload
+    from megatron_spindle.simulator import simulate
+
+    w, c = load_workload("qwen-val"), make_cluster(32)
+    result = plan_workload(w, c, PlannerConfig(planner="wavefront", select="none", sequence_parallel=True))
+    plan = result.plan
+    assert plan.settings.sequence_parallel and result.cost_model.config.sequence_parallel
+    assert any(s.tp > 1 and s.kind == "layer" for s in plan.slices())
+    sim = simulate(plan, w, c, result.cost_model, result.memory_model, metagraph=result.metagraph)
+    assert sim.peak_memory == plan.memory_per_device
+    assert simulate(plan, w, c, metagraph=result.metagraph).peak_memory == plan.memory_per_device  # default models
+    without = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, sequence_parallel=False))
+    more = plan_memory(without, result.metagraph.metaops, result.memory_model)
+    split = {d for s in plan.slices() if s.tp > 1 and s.kind == "layer" for d in s.devices}
+    assert all(more[d] > plan.memory_per_device[d] for d in split) and split
+    ctx = BaselineContext(w, c, result.metagraph, result.cost_model, result.memory_model)
+    assert BASELINES["megatron"](w, c, ctx).settings.sequence_parallel
