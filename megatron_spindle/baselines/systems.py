@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_spindle.estimator import AnalyticCostModel, MemoryModel, valid_configs
+from megatron_spindle.estimator import AnalyticCostModel, CostModelConfig, MemoryModel, valid_configs
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
@@ -68,8 +68,10 @@ class BaselineContext:
 
     @classmethod
     def build(cls, workload: Workload, cluster: ClusterSpec, cost_model=None, memory_model=None,
-              metagraph: MetaGraph | None = None) -> BaselineContext:
-        cost_model = cost_model or AnalyticCostModel(workload, cluster)
+              metagraph: MetaGraph | None = None, sequence_parallel: bool = False) -> BaselineContext:
+        """``sequence_parallel``: the analytic cost model's (--sequence-parallel), when no cost model is given."""
+        cost_model = cost_model or AnalyticCostModel(workload, cluster,
+                                                     config=CostModelConfig(sequence_parallel=sequence_parallel))
         memory_model = memory_model or MemoryModel(workload, cluster, cost_model)
         return cls(workload, cluster, metagraph or build_metagraph(workload), cost_model, memory_model)
 

@@ -134,3 +134,5 @@ def test_sequence_parallel_plans_record_it_and_hold_less_where_it_applies():
     assert all(more[d] > plan.memory_per_device[d] for d in split) and split
     ctx = BaselineContext(w, c, result.metagraph, result.cost_model, result.memory_model)
     assert BASELINES["megatron"](w, c, ctx).settings.sequence_parallel
+    built = BaselineContext.build(w, c, sequence_parallel=True)  # tools/compare.py's and the fallback's
+    assert built.sequence_parallel and BASELINES["deepspeed"](w, c, built).settings.sequence_parallel
