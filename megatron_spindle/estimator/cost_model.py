@@ -50,7 +50,7 @@ from megatron_spindle.estimator.op_kernels import (
 from megatron_spindle.graph.cluster import HBM_STREAM_EFFICIENCY, ClusterSpec, GPUSpec
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.graph.workload import ModuleSpec, Workload
-from megatron_spindle.plan.schema import sequence_parallel_runs
+from megatron_spindle.plan.schema import sequence_parallel_runs, sequence_parallel_tokens
 
 # Kernels launched per light operator, forward + backward (GEMMs included): an embedding gather or a patch
 # projection with its bias, position add and layout copies; a 2-layer projector; a norm, pooling and projection;
@@ -493,7 +493,8 @@ class AnalyticCostModel:
         llm = module.kind == "llm"
         sp = self.sequence_parallel(metaop, tp)
         return LayerShape(
-            batch=b // dp, seq=-(-s // tp) * tp if sp else s, hidden=module.hidden_size, heads=module.num_heads,
+            batch=b // dp, seq=sequence_parallel_tokens(s, tp) if sp else s, hidden=module.hidden_size,
+            heads=module.num_heads,
             ffn=module.ffn_hidden_size, kv_groups=module.query_groups, swiglu=self._is_swiglu(module),
             causal=module.is_causal, tp=tp, attention=self.config.attention, bias=not llm, rotary=llm,
             cross_attention=module.cross_attention, dtype_bytes=self.dtype_bytes, param_cast=self.config.param_cast,
@@ -554,8 +555,10 @@ class AnalyticCostModel:
         """Seconds of one of those collectives."""
         if tp == 1 or metaop.kind != "layer":
             return 0.0
-        shape = self.layer_shape(metaop, tp, dp)
-        return self.comm.tp_collective_seconds(shape.tp_allreduce_bytes, tp, shape.sequence_parallel)
+        b, s, _ = metaop.input_shape
+        sp = self.sequence_parallel(metaop, tp)
+        tokens = b // dp * (sequence_parallel_tokens(s, tp) if sp else s)
+        return self.comm.tp_collective_seconds(tokens * self._module(metaop).hidden_size * self.dtype_bytes, tp, sp)
 
     def tp_comm_seconds(self, metaop: MetaOp, tp: int, dp: int) -> float:
         """Megatron TP all-reduces of one operator (as many in the backward as in the forward)."""

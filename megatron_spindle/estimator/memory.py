@@ -48,7 +48,7 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.graph.workload import ModuleSpec, Workload, output_tokens
 from megatron_spindle.plan.memory import STATE_BYTES_PER_PARAM, zero_sharded_bytes
-from megatron_spindle.plan.schema import Recompute, sequence_parallel_runs
+from megatron_spindle.plan.schema import Recompute, sequence_parallel_runs, sequence_parallel_tokens
 
 FP32, INT64 = 4, 8
 
@@ -175,7 +175,7 @@ class MemoryModel:
         """Bytes one transformer layer of ``module`` saves on one device for ``micro_batch`` samples of
         ``tokens`` tokens at TP degree ``tp``, sequence-parallel or not (see the module docstring)."""
         b, h, d = micro_batch, module.hidden_size, self.dtype_bytes
-        s = -(-tokens // tp) * tp if sequence_parallel else tokens  # padded to a multiple of TP (causal modules)
+        s = sequence_parallel_tokens(tokens, tp) if sequence_parallel else tokens  # padded (causal modules)
         t = b * s
         local = t // tp if sequence_parallel else t  # positions of the norms and the layer input here
         f = module.ffn_hidden_size

@@ -74,7 +74,7 @@ from megatron_spindle.models.heads import LMHead, PooledHead, eos_positions
 from megatron_spindle.models.losses import contrastive_loss, lm_loss
 from megatron_spindle.models.state import full_shape, gather_full, init_full_tensor, shard_full_tensor
 from megatron_spindle.plan.derive import metaop_infos as plan_metaop_infos
-from megatron_spindle.plan.schema import MetaOpInfo
+from megatron_spindle.plan.schema import MetaOpInfo, sequence_parallel_tokens
 
 METAOP_KINDS = ("frontend", "layer", "projector", "head", "lm_head", "loss")
 
@@ -302,7 +302,7 @@ class LayerRangeOperator(SliceOperator):
         the TP size: no real token attends to a later one, so the padding changes no output or gradient of theirs;
         a bidirectional one's must divide (plan/ enables sequence parallelism only there)."""
         tokens = hidden.shape[0]
-        pad = -tokens % self.tp_size
+        pad = sequence_parallel_tokens(tokens, self.tp_size) - tokens
         if pad and not self.module_spec.is_causal:
             raise ValueError(f"{self.metaop.id}: sequence parallelism over {self.tp_size} TP ranks needs a sequence "
                              f"length divisible by {self.tp_size} in a bidirectional module, got {tokens} tokens")

@@ -287,6 +287,11 @@ def sequence_parallel_runs(enabled: bool, kind: str, tp: int, tokens: int, causa
     return enabled and kind == "layer" and tp > 1 and (causal or tokens % tp == 0)
 
 
+def sequence_parallel_tokens(tokens: int, tp: int) -> int:
+    """The sequence length a sequence-parallel layer runs on: ``tokens`` padded at the end to a multiple of tp."""
+    return -(-tokens // tp) * tp
+
+
 @dataclass
 class Slice:
     id: str  # unique in the plan, e.g. "w3:t1/vision"
