@@ -16,10 +16,11 @@ nothing when CUDA is available and is idempotent. What it fixes (measured with t
 - the RNG patch alone is not enough: the all-gather/reduce-scatter mappings still allocate on the CUDA device.
 
 With the shim, GPTModel and TransformerBlock (local spec, TP 1 and 2) train on CPU, and TP=2 column/row parallel
-linears match a dense reference to 2.4e-7. Sequence parallelism needs ``SequenceParallelTorchNorm`` in the local spec
-(megatron-core's torch norm asserts it off). Still unsupported on CPU: gradient clipping in megatron's optimizer (asserts ``torch.cuda.FloatTensor``), megatron's
-distributed optimizer (TypeError on CPU tensors), megatron's grad scalers and its pipeline schedules (both
-allocate with ``device="cuda"``; wrap such calls in ``cuda_factories_on_cpu()``).
+linears match a dense reference to 2.4e-7. Sequence parallelism needs ``SequenceParallelTorchNorm`` in the local
+spec (megatron-core's torch norm asserts it off). Still unsupported on CPU: gradient clipping in megatron's
+optimizer (asserts ``torch.cuda.FloatTensor``), megatron's distributed optimizer (TypeError on CPU tensors),
+megatron's grad scalers and its pipeline schedules (both allocate with ``device="cuda"``; wrap such calls in
+``cuda_factories_on_cpu()``).
 
 ``te_available()`` and ``layer_spec(module_spec)`` pick megatron's Transformer Engine spec only where TE can work.
 """

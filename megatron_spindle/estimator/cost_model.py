@@ -504,7 +504,7 @@ class AnalyticCostModel:
     def sequence_parallel(self, metaop: MetaOp, tp: int) -> bool:
         """Whether the MetaOp's operators run sequence-parallel at ``tp`` under this model's setting."""
         return sequence_parallel_runs(self.config.sequence_parallel, metaop.kind, tp, metaop.tokens,
-                                      metaop.kind == "layer" and self._module(metaop).is_causal)
+                                      self.workload.modules.get(metaop.module))
 
     def kernel_time(self, metaop: MetaOp, tp: int, dp: int) -> LayerTime:
         """Forward and backward seconds of the kernels of ONE operator on one device of a (tp, dp) config
@@ -534,8 +534,8 @@ class AnalyticCostModel:
 
     def _analytic_phases(self, metaop: MetaOp, tp: int, dp: int) -> tuple[float, float]:
         self._check_config(metaop, tp, dp)
-        return phase_times(self.kernel_time(metaop, tp, dp), self._tp_allreduces(metaop, tp),
-                           self._tp_allreduce_seconds(metaop, tp, dp), self.launch_seconds, self.host_forward_weight)
+        return phase_times(self.kernel_time(metaop, tp, dp), self._tp_collectives(metaop, tp),
+                           self._tp_collective_seconds(metaop, tp, dp), self.launch_seconds, self.host_forward_weight)
 
     # ---------------------------------------------------------------------------------------------- time
 
@@ -543,7 +543,7 @@ class AnalyticCostModel:
         """GPU time of one operator's kernels, forward + backward, on one device."""
         return self.kernel_time(metaop, tp, dp).total
 
-    def _tp_allreduces(self, metaop: MetaOp, tp: int) -> int:
+    def _tp_collectives(self, metaop: MetaOp, tp: int) -> int:
         """TP collectives of one operator's forward: its all-reduces, or with sequence parallelism an all-gather
         and a reduce-scatter for each."""
         if tp == 1 or metaop.kind != "layer":
@@ -551,7 +551,7 @@ class AnalyticCostModel:
         return (2 + (1 if self._module(metaop).cross_attention else 0)) * (2 if self.sequence_parallel(metaop, tp)
                                                                             else 1)
 
-    def _tp_allreduce_seconds(self, metaop: MetaOp, tp: int, dp: int) -> float:
+    def _tp_collective_seconds(self, metaop: MetaOp, tp: int, dp: int) -> float:
         """Seconds of one of those collectives."""
         if tp == 1 or metaop.kind != "layer":
             return 0.0
@@ -562,7 +562,7 @@ class AnalyticCostModel:
 
     def tp_comm_seconds(self, metaop: MetaOp, tp: int, dp: int) -> float:
         """Megatron TP all-reduces of one operator (as many in the backward as in the forward)."""
-        return 2 * self._tp_allreduces(metaop, tp) * self._tp_allreduce_seconds(metaop, tp, dp)
+        return 2 * self._tp_collectives(metaop, tp) * self._tp_collective_seconds(metaop, tp, dp)
 
     def dp_sync_seconds(self, metaop: MetaOp, tp: int, dp: int) -> float:
         """This operator's share of the bucketed gradient all-reduce over its dp ranks: its bytes at the DP
@@ -587,7 +587,7 @@ class AnalyticCostModel:
 
     def launch_floor_seconds(self, metaop: MetaOp, tp: int, dp: int = 1) -> float:
         """Host time to launch one operator's kernels and TP collectives, forward + backward."""
-        return host_seconds(self.kernel_time(metaop, tp, dp), self._tp_allreduces(metaop, tp), self.launch_seconds)
+        return host_seconds(self.kernel_time(metaop, tp, dp), self._tp_collectives(metaop, tp), self.launch_seconds)
 
     def recompute_seconds(self, metaop: MetaOp, tp: int, dp: int, recompute, num_layers: int) -> float:
         """Seconds the backward of ``num_layers`` operators of ``metaop`` spends recomputing under ``recompute``
@@ -614,14 +614,14 @@ class AnalyticCostModel:
             allreduces = 1 if "mlp" in modules and tp > 1 else 0
             return num_layers * self._rerun_seconds(metaop, tp, dp, kernels, seconds, launches, allreduces)
         rerun = self._rerun_seconds(metaop, tp, dp, kernels, kernels.forward, kernels.forward_kernels,
-                                    self._tp_allreduces(metaop, tp))
+                                    self._tp_collectives(metaop, tp))
         return rc.recomputed_layers(num_layers) * rerun
 
     def _rerun_seconds(self, metaop: MetaOp, tp: int, dp: int, kernels: LayerTime, seconds: float, launches: int,
                        allreduces: int) -> float:
         """What one operator's forward + backward gains when its backward also reruns kernels of ``seconds`` and
         ``launches`` and ``allreduces`` TP all-reduces (phase_times: GPU time, or the host's launch floor)."""
-        per_phase, ar_seconds = self._tp_allreduces(metaop, tp), self._tp_allreduce_seconds(metaop, tp, dp)
+        per_phase, ar_seconds = self._tp_collectives(metaop, tp), self._tp_collective_seconds(metaop, tp, dp)
         plain = sum(phase_times(kernels, per_phase, ar_seconds, self.launch_seconds, self.host_forward_weight))
         rerun = dataclasses.replace(kernels, backward=kernels.backward + seconds + allreduces * ar_seconds,
                                     backward_kernels=kernels.backward_kernels + launches + allreduces)

@@ -270,7 +270,7 @@ class MemoryModel:
                                        for n, r in blocks])
         module = self.workload.modules[metaop.module]
         enabled = self.sequence_parallel if sequence_parallel is None else sequence_parallel
-        sp = sequence_parallel_runs(enabled, metaop.kind, tp, metaop.tokens, module.is_causal)
+        sp = sequence_parallel_runs(enabled, metaop.kind, tp, metaop.tokens, module)
         layer = self.layer_activations(module, micro_batch, metaop.tokens, tp, sp)
         if rc.mode == "none":
             return num_layers * layer.full, 0.0

@@ -70,8 +70,9 @@ def rotary_base(module: ModuleSpec, cfg: ModelConfig) -> float:
 
 def _base_kwargs(cfg: ModelConfig, tp_size: int, module: ModuleSpec | None = None) -> dict:
     """Settings every config needs on CPU/gloo: no sequence parallelism (only the transformer layers take it,
-    ``transformer_config``), no fused kernels (each would compile with torch.compile on first use, ~20 s), and ``batch_p2p_comm=False``
-    (batched p2p on gloo mixes up same-shaped messages when the previous and next rank are one peer)."""
+    ``transformer_config``), no fused kernels (each would compile with torch.compile on first use, ~20 s), and
+    ``batch_p2p_comm=False`` (batched p2p on gloo mixes up same-shaped messages when the previous and next rank
+    are one peer)."""
     return dict(
         tensor_model_parallel_size=tp_size,
         sequence_parallel=False,

@@ -279,12 +279,13 @@ class ExecutionSettings:
         return cls(**d)
 
 
-def sequence_parallel_runs(enabled: bool, kind: str, tp: int, tokens: int, causal: bool) -> bool:
+def sequence_parallel_runs(enabled: bool, kind: str, tp: int, tokens: int, module) -> bool:
     """Whether a slice of a MetaOp of ``kind`` with ``tokens`` tokens on ``tp`` TP ranks runs sequence-parallel
     when the plan enables it: transformer layers at TP > 1, whose sequence divides by TP or, in a causal module,
     is padded at its end to a multiple of TP (no real token attends to the padding). A bidirectional module whose
-    sequence does not divide (a ViT's 197 tokens at TP 2) runs without it."""
-    return enabled and kind == "layer" and tp > 1 and (causal or tokens % tp == 0)
+    sequence does not divide (a ViT's 197 tokens at TP 2) runs without it. ``module``: the MetaOp's workload
+    module (graph/workload.py ModuleSpec; read only for a layer, so None will do for a loss)."""
+    return enabled and kind == "layer" and tp > 1 and (tokens % tp == 0 or module.is_causal)
 
 
 def sequence_parallel_tokens(tokens: int, tp: int) -> int:

@@ -57,7 +57,7 @@ def build_local_slices(plan: Plan, workload: Workload, metagraph: MetaGraph, ran
             rc = plan.settings.recompute_of(s.id).for_layers(s.num_layers) if s.kind == "layer" else None
             extra = {"recompute": rc} if rc is not None and rc.mode != "none" else {}
             if sequence_parallel_runs(plan.settings.sequence_parallel, s.kind, s.tp, info.input_shape[1],
-                                      s.kind == "layer" and workload.modules[s.module].is_causal):
+                                      workload.modules.get(s.module)):
                 extra["sequence_parallel"] = True
             op = factory(workload, info, s.layer_start, s.layer_end, pg_collection=pgs, dp_group=pgs.dp, **extra)
             op = op.to(device=device, dtype=dtype)

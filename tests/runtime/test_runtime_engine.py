@@ -329,8 +329,8 @@ def check_sequence_parallel(engine, plan, workload, label: str) -> bool:
     runs = False
     for ls in engine.local.values():
         s = ls.slice
-        want = sequence_parallel_runs(plan.settings.sequence_parallel, s.kind, s.tp, plan.metaop(s.metaop).input_shape[1],
-                                      s.kind == "layer" and workload.modules[s.module].is_causal)
+        want = sequence_parallel_runs(plan.settings.sequence_parallel, s.kind, s.tp,
+                                      plan.metaop(s.metaop).input_shape[1], workload.modules.get(s.module))
         assert getattr(ls.op, "sequence_parallel", False) == want, (label, s.id)
         runs |= want
     return runs
