@@ -3,7 +3,8 @@
 
     python tools/estimate.py layer --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 16384 \\
         --seq-length 2048 --micro-batch-size 8 [--num-query-groups 8] [--swiglu] \\
-        [--tensor-model-parallel-size 2] [--attention flash|unfused] [--gpu-type A800-80GB] [--json]
+        [--tensor-model-parallel-size 2 [--sequence-parallel]] [--attention flash|unfused] [--gpu-type A800-80GB] \
+        [--json]
     python tools/estimate.py collective --op all_reduce --bytes 64M --num-gpus 16 [--gpus-per-node 8] \\
         [--strided [--num-nodes 2]] [--gpu-type A800-80GB] [--json]
 
@@ -23,8 +24,10 @@ bus bandwidth, GB = 1e9 bytes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from types import SimpleNamespace
 
 from megatron_spindle.errors import CliArgumentParser, exit_on_user_error
 
@@ -80,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disable-bias-linear", action="store_true", help="no linear biases, RMSNorm (llama style)")
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
     g.add_argument("--recompute-granularity", choices=("none", "full"), default="none")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism at TP > 1: norms and residual adds on 1/TP of the sequence, "
+                        "an all-gather and a reduce-scatter for each TP all-reduce; as the planner applies it "
+                        "(a sequence that TP does not divide is padded in a --causal layer, else runs without)")
     g.add_argument("--gpu-type", default="A800-80GB", choices=sorted(NODE_TYPES))
     g.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -103,6 +110,7 @@ def estimate_layer(args) -> dict:
     from megatron_spindle.estimator.cost_model import CostModelConfig, layer_launch_floor, layer_seconds
     from megatron_spindle.estimator.op_kernels import LayerShape
     from megatron_spindle.graph.cluster import make_cluster
+    from megatron_spindle.plan.schema import sequence_parallel_runs, sequence_parallel_tokens
 
     cluster = make_cluster(8, 8, args.gpu_type)
     tp = args.tensor_model_parallel_size
@@ -113,15 +121,20 @@ def estimate_layer(args) -> dict:
         ffn=args.ffn_hidden_size, kv_groups=args.num_query_groups, swiglu=args.swiglu, causal=args.causal, tp=tp,
         attention=args.attention, bias=not args.disable_bias_linear,
         rotary=args.position_embedding_type == "rope", fused_softmax=args.masked_softmax_fusion)
+    # the planner's rule (plan/schema.py), which reads only the module's causality
+    sp = sequence_parallel_runs(args.sequence_parallel, "layer", tp, args.seq_length,
+                                SimpleNamespace(is_causal=args.causal))
+    timed = dataclasses.replace(shape, seq=sequence_parallel_tokens(args.seq_length, tp),
+                                sequence_parallel=True) if sp else shape
     recompute = args.recompute_granularity == "full"
     config = CostModelConfig(attention=args.attention, recompute=recompute)
-    forward, backward = layer_seconds(shape, cluster, config)
-    floor = layer_launch_floor(shape, cluster, config)
-    flops = 3 * shape.forward_flops()  # model FLOPs of forward + backward on this GPU
+    forward, backward = layer_seconds(timed, cluster, config)
+    floor = layer_launch_floor(timed, cluster, config)
+    flops = 3 * shape.forward_flops()  # model FLOPs of forward + backward on this GPU (the padding is not model work)
     return {"forward_ms": forward * 1e3, "backward_ms": backward * 1e3, "tflops": flops / (forward + backward) / 1e12,
             "model_flops_per_gpu": flops, "launch_floor_ms": floor * 1e3,
             "host_bound": floor >= forward + backward - 1e-12, "gpu_type": args.gpu_type,
-            "tensor_model_parallel_size": tp, "attention": args.attention}
+            "tensor_model_parallel_size": tp, "sequence_parallel": sp, "attention": args.attention}
 
 
 def collective_group(args, cluster_of):
@@ -166,7 +179,8 @@ def estimate_collective(args) -> dict:
 
 def describe(result: dict, command: str) -> str:
     if command == "layer":
-        return (f"layer on one {result['gpu_type']} (tp {result['tensor_model_parallel_size']}, "
+        return (f"layer on one {result['gpu_type']} (tp {result['tensor_model_parallel_size']}"
+                f"{' + sequence parallelism' if result['sequence_parallel'] else ''}, "
                 f"{result['attention']} attention): forward {result['forward_ms']:.3f} ms, backward "
                 f"{result['backward_ms']:.3f} ms, {result['tflops']:.3g} TFLOP/s (model FLOPs, fwd + bwd); the host "
                 f"issues it in {result['launch_floor_ms']:.3f} ms"

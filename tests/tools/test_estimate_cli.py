@@ -1,6 +1,7 @@
 """tools/estimate.py: both subcommands print what the library computes; bad arguments are one clear line, exit 2.
 benchmarks/cost_model_validation.py covers every calibration point (no targets asserted here)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -57,6 +58,35 @@ def test_layer_reports_the_launch_floor_and_whether_it_sets_the_time():
                     "--seq-length", "77", "--micro-batch-size", "8").stdout
     assert "host-bound" in text
 
+
+
+def test_layer_with_sequence_parallelism_follows_the_planners_rule(capsys):
+    """--sequence-parallel times the layer as the planner does: a causal 4095-token layer at TP 8 runs on 4096
+    tokens (padded) with SP's collectives, its model FLOPs those of the real tokens; a bidirectional 257-token
+    layer at TP 2 and any layer at TP 1 run without it (the same numbers as without the flag)."""
+    main = load_script("tools/estimate.py").main
+
+    def run(*args):
+        assert main([*args, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    llm = ["layer", "--hidden-size", "8192", "--num-attention-heads", "64", "--num-query-groups", "8",
+           "--ffn-hidden-size", "29568", "--seq-length", "4095", "--micro-batch-size", "1", "--swiglu", "--causal",
+           "--tensor-model-parallel-size", "8"]
+    sp, plain = run(*llm, "--sequence-parallel"), run(*llm)
+    shape = LayerShape(1, 4095, 8192, 64, 29568, kv_groups=8, swiglu=True, causal=True, tp=8)
+    padded = dataclasses.replace(shape, seq=4096, sequence_parallel=True)
+    fwd, bwd = layer_seconds(padded, make_cluster(8, 8, "A800-80GB"))
+    assert sp["sequence_parallel"] and not plain["sequence_parallel"]
+    assert (sp["forward_ms"], sp["backward_ms"]) == pytest.approx((fwd * 1e3, bwd * 1e3))
+    assert sp["tflops"] == pytest.approx(3 * shape.forward_flops() / (fwd + bwd) / 1e12)
+    assert sp["forward_ms"] + sp["backward_ms"] < plain["forward_ms"] + plain["backward_ms"]
+    vit = ["layer", "--hidden-size", "1280", "--num-attention-heads", "16", "--ffn-hidden-size", "5120",
+           "--seq-length", "257", "--micro-batch-size", "32"]
+    for tp in ("2", "1"):
+        with_flag = run(*vit, "--tensor-model-parallel-size", tp, "--sequence-parallel")
+        assert not with_flag["sequence_parallel"]
+        assert with_flag == {**run(*vit, "--tensor-model-parallel-size", tp), "sequence_parallel": False}
 
 def test_collective_json_is_the_library_estimate_in_nccl_tests_units():
     out = estimate("collective", "--op", "all_reduce", "--bytes", "64M", "--num-gpus", "16", "--json")
