@@ -260,7 +260,7 @@ class RuntimeEngine:
         elif self.weight_shards is not None:
             self._push_weight_shards()
         elif self.zero_stage >= 1 or any(self.generic_keys.values()):
-            self._push_weights(self.master_optimizer.full_weights())  # collective at zero_stage 1 to 3
+            self._push_weights(self.master_optimizer.full_weights(self.config.dtype))  # collective at stages 1-3
         t3 = self._clock()
         self._add_time("optimizer-inner-step", t2 - t1)
         self._add_time("optimizer-copy-main-to-model-params", t3 - t2)
@@ -375,7 +375,7 @@ class RuntimeEngine:
         opt = self.master_optimizer
         sets = [(d, units) for d, units in opt.unit_groups if d in self._regathered or len(d) == 1]
         full: dict[str, torch.Tensor] = {}
-        for (_, units), pending in zip(sets, opt.issue_gathers(opt.masters, sets)):
+        for (_, units), pending in zip(sets, opt.issue_gathers(opt.masters, sets, dtype=self.config.dtype)):
             full.update(opt.unflatten(units, pending))
         self.weight_shards.update_from_masters(opt.masters)
         for ls in in_wave_order(self.local):

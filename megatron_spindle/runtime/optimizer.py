@@ -103,27 +103,30 @@ class MasterOptimizer:
                 g["lr"] = lr
 
     # --------------------------------------------------------------------------------------------- state
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """"<unit>.<path>" -> full fp32 master weight (views; all-gathered over the groups at stages 1-3)."""
-        return self.gather_full(self.masters)
+    def full_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """"<unit>.<path>" -> full master weight (fp32 views; all-gathered over the groups at stages 1-3, in
+        ``dtype`` when given: the model's weights need only their own dtype's bytes, as the cost model charges)."""
+        return self.gather_full(self.masters, dtype)
 
-    def gather_full(self, vectors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def gather_full(self, vectors: Mapping[str, torch.Tensor],
+                    dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """"<unit>.<path>" -> full tensor, from each held unit's shard vector in ``vectors`` laid out like its
-        master (the masters, the gradient shards); all-gathered over each group, collective at stages 1-3."""
+        master (the masters, the gradient shards); all-gathered over each group (in ``dtype`` when given),
+        collective at stages 1-3."""
         full: dict[str, torch.Tensor] = {}
-        for (_, units), pending in zip(self.unit_groups, self.issue_gathers(vectors)):
+        for (_, units), pending in zip(self.unit_groups, self.issue_gathers(vectors, dtype=dtype)):
             full.update(self.unflatten(units, pending))
         return full
 
     def issue_gathers(self, vectors: Mapping[str, torch.Tensor],
                       unit_sets: Sequence[tuple[tuple[int, ...], Sequence[str]]] | None = None,
-                      async_op: bool = False) -> list[PendingGather]:
+                      async_op: bool = False, dtype: torch.dtype | None = None) -> list[PendingGather]:
         """The all-gather of ``vectors``' shards of every (devices, units) of ``unit_sets`` (default
         ``unit_groups``; the gradient buckets for runtime/param_gather.py), in that order (the same on every
-        member); ``async_op``: issued without waiting."""
+        member); ``async_op``: issued without waiting; ``dtype``: the bytes moved (default the vectors')."""
         sets = self.unit_groups if unit_sets is None else unit_sets
         return [issue_gather([self.shards[u] for u in units], [[vectors[u].detach()] for u in units],
-                             self.groups.param_group(devices), async_op)
+                             self.groups.param_group(devices), async_op, dtype)
                 for devices, units in sets]
 
     def unflatten(self, units: Sequence[str], pending: PendingGather) -> dict[str, torch.Tensor]:

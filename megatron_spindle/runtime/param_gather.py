@@ -79,7 +79,8 @@ class ParamGather:
         every rank before any wait: see the module docstring). Anything still pending is finished first."""
         self.flush()
         opt = self.optimizer
-        self._pending = dict(enumerate(opt.issue_gathers(opt.masters, self.buckets, async_op=True)))
+        gathers = opt.issue_gathers(opt.masters, self.buckets, async_op=True, dtype=self.dtype)  # the weights' bytes
+        self._pending = dict(enumerate(gathers))
         self._stale = set(self.bucket_of)
 
     def before_forward(self, ls: LocalSlice) -> None:

@@ -122,15 +122,18 @@ class PendingGather:
 
 
 def issue_gather(shards: list[UnitShard], parts: list[list[torch.Tensor]], group,
-                 async_op: bool = False) -> PendingGather:
+                 async_op: bool = False, dtype: torch.dtype | None = None) -> PendingGather:
     """Start the all-gather of the shards of a group's units: ``parts[u]`` are same-layout shard vectors of unit
     ``u`` on this rank (e.g. master, exp_avg, exp_avg_sq; the same count on every member), packed into one row
-    (a copy: the shards may change afterwards). Collective over ``group`` when the units are sharded
-    (``async_op``: without waiting for it). Unsharded units need no communication: the result is ready."""
+    (a copy: the shards may change afterwards; ``dtype``: cast to it, e.g. the weights' bf16, so that the
+    collective moves those bytes). Collective over ``group`` when the units are sharded (``async_op``: without
+    waiting for it). Unsharded units need no communication: the result is ready (as given)."""
     if not shards or shards[0].members == 1:
         return PendingGather(shards, [len(ps) for ps in parts], None,
                              done=[[p[:s.numel] for p in ps] for s, ps in zip(shards, parts)])
     row = torch.cat([p.reshape(-1) for ps in parts for p in ps])
+    if dtype is not None:
+        row = row.to(dtype)
     rows = row.new_empty(shards[0].members, row.numel())
     work = dist.all_gather(list(rows.unbind(0)), row, group=group, async_op=async_op)
     return PendingGather(shards, [len(ps) for ps in parts], rows, work)

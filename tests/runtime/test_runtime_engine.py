@@ -21,6 +21,7 @@ must be exactly what the ranks receive, counted inside runtime/transfer.py, forw
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -708,14 +709,34 @@ def check_weight_shards_with_options(rank, world, workloads, refs, cfg, cache) -
         check_engine_against(engine, refs[ops, wname, m], label)
         check_weight_shards(engine, label, one_at_a_time=False)
     # bf16, the GPU's dtype: the aligned units' weight shards are their fp32 masters cast, and every step of ZeRO-3
-    # gives exactly ZeRO-2's losses
+    # gives exactly ZeRO-2's losses, and ZeRO-1's with the overlapped gather. Every weight all-gather moves bf16,
+    # the bytes the cost model charges (the masters are cast before they are gathered, not after)
     w, half = workloads["tiny-vlm"], dataclasses.replace(cfg, dtype=torch.bfloat16)
-    losses = {}
-    for stage in (2, 3):
-        engine = RuntimeEngine(zeroed(sequential_plan(w, world), stage), w, rank, world, half, groups=cache)
-        losses[stage] = [engine.train_step(step) for step in range(STEPS)]
-    assert any(u.unit for units in engine.weight_shards.units.values() for u in units)
-    assert losses[3] == losses[2], (rank, losses)
+    losses, gathered = {}, []
+    for stage, overlap in ((2, False), (3, False), (1, True)):
+        engine = RuntimeEngine(zeroed(sequential_plan(w, world), stage, overlap), w, rank, world, half, groups=cache)
+        with recorded_all_gathers(gathered):
+            losses[stage] = [engine.train_step(step) for step in range(STEPS)]
+        if stage == 3:
+            assert any(u.unit for units in engine.weight_shards.units.values() for u in units)
+    assert losses[3] == losses[2] == losses[1], (rank, losses)
+    assert gathered and set(gathered) == {torch.bfloat16}, (rank, gathered)
+
+
+@contextlib.contextmanager
+def recorded_all_gathers(into: list):
+    """The dtype of every ``dist.all_gather`` issued inside (the runtime's weight gathers)."""
+    original = dist.all_gather
+
+    def recording(tensors, tensor, *args, **kwargs):
+        into.append(tensor.dtype)
+        return original(tensors, tensor, *args, **kwargs)
+
+    dist.all_gather = recording
+    try:
+        yield
+    finally:
+        dist.all_gather = original
 
 
 @pytest.mark.multiproc
