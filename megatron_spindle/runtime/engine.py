@@ -80,9 +80,9 @@ from megatron_spindle.runtime.grad_sync import GradSync
 from megatron_spindle.runtime.groups import PlanGroups
 from megatron_spindle.runtime.layout import check_runnable
 from megatron_spindle.runtime.optimizer import MasterOptimizer, OptimizerConfig
-from megatron_spindle.runtime.param_gather import ParamGather, gather_buckets
+from megatron_spindle.runtime.param_gather import ParamGather, gather_buckets, streamed_gathers
 from megatron_spindle.runtime.schedule import WaveSchedule
-from megatron_spindle.runtime.slices import build_local_slices, in_wave_order, initial_weights
+from megatron_spindle.runtime.slices import build_local_slices, in_wave_order, initial_weights, unit_holders
 from megatron_spindle.runtime.transfer import SpecFn, default_activation_spec, receives_early
 from megatron_spindle.runtime.weight_shards import WeightShards
 
@@ -188,6 +188,17 @@ class RuntimeEngine:
             aligned = {u for (d, units), a in zip(groups, again) if not a and len(d) > 1 for u in units}
             self.weight_shards = WeightShards(self.local, self.groups, self.key_unit, aligned, opt.masters,
                                               self.device)
+        # the buckets whose weights are all-gathered right after the step (plan/buckets.py ``regathered_groups``),
+        # in gather order, and the local slices holding each unit
+        self._holders = unit_holders(self.local, self.key_unit)
+        self._gathered_buckets = []
+        if self.param_gather is None and self.zero_stage >= 1:
+            first_use = unit_first_use([w.slices for w in plan.waves], self.metagraph.metaops, settings)
+            self._gathered_buckets = [(d, units) for d, units in gather_buckets(self.grad_buffers.buckets, first_use)
+                                      if self.zero_stage < 3 or d in self._regathered or len(d) == 1]
+        gathered = {u for _, units in self._gathered_buckets for u in units}
+        self._gathered_keys = {sid: [k for k in ls.param_keys if self.key_unit[k] in gathered]
+                               for sid, ls in self.local.items()}
         self.grad_sync = GradSync(self.grad_buffers, self.local, self.binding, self.key_unit, self.groups,
                                   overlap=self.config.overlap_grad_reduce, micro_batches=settings.micro_batches,
                                   zero_stage=self.zero_stage)
@@ -259,8 +270,10 @@ class RuntimeEngine:
             self.param_gather.start()
         elif self.weight_shards is not None:
             self._push_weight_shards()
-        elif self.zero_stage >= 1 or any(self.generic_keys.values()):
-            self._push_weights(self.master_optimizer.full_weights(self.config.dtype))  # collective at stages 1-3
+        elif self.zero_stage >= 1:
+            self._push_gathered_weights()
+        elif any(self.generic_keys.values()):
+            self._push_weights(self.master_optimizer.full_weights())
         t3 = self._clock()
         self._add_time("optimizer-inner-step", t2 - t1)
         self._add_time("optimizer-copy-main-to-model-params", t3 - t2)
@@ -368,21 +381,35 @@ class RuntimeEngine:
                 with self._loading(ls):
                     ls.op.load_full_state({k: full[k].to(self.config.dtype) for k in ls.param_keys})
 
+    def _push_gathered_weights(self) -> None:
+        """ZeRO-1/2 without --overlap-param-gather: every bucket's updated weights all-gathered in turn
+        (``streamed_gathers``) and loaded into every local operator holding them."""
+        for units, full in streamed_gathers(self.master_optimizer, self._gathered_buckets, self.config.dtype):
+            for u in units:
+                for ls, keys in self._holders.get(u, ()):
+                    ls.op.load_full_state({k: full[k] for k in keys}, strict=False)
+
     def _push_weight_shards(self) -> None:
         """ZeRO-3 after the step: the aligned units' weight shards from their masters (no communication), the
-        others all-gathered over their groups (plan/buckets.py ``regathered_groups``; a one-device group's
-        master is whole) and loaded, each slice keeping its shard."""
-        opt = self.master_optimizer
-        sets = [(d, units) for d, units in opt.unit_groups if d in self._regathered or len(d) == 1]
-        full: dict[str, torch.Tensor] = {}
-        for (_, units), pending in zip(sets, opt.issue_gathers(opt.masters, sets, dtype=self.config.dtype)):
-            full.update(opt.unflatten(units, pending))
-        self.weight_shards.update_from_masters(opt.masters)
-        for ls in in_wave_order(self.local):
-            keys = [k for k in ls.param_keys if k in full]
-            if keys:
-                with self.weight_shards.loading(ls, aligned_too=False):
-                    ls.op.load_full_state({k: full[k].to(self.config.dtype) for k in keys}, strict=False)
+        others' weights all-gathered bucket by bucket (plan/buckets.py ``regathered_groups``; a one-device
+        group's master is whole) and loaded unit by unit, each slice keeping its shard: a rank holds one unit's
+        weights at full size at a time, as in the forward. A slice gathered whole (weight_shards.py ``whole``)
+        is loaded once all of its keys are in."""
+        ws = self.weight_shards
+        ws.update_from_masters(self.master_optimizer.masters)
+        waiting = {ls.slice.id: {} for ls in self.local.values() if ls.slice.id in ws.whole}
+        for units, full in streamed_gathers(self.master_optimizer, self._gathered_buckets, self.config.dtype):
+            for u in units:
+                for ls, keys in self._holders.get(u, ()):
+                    tensors = {k: full[k] for k in keys}
+                    if ls.slice.id not in waiting:
+                        with ws.loading(ls, aligned_too=False, unit=u):
+                            ls.op.load_full_state(tensors, strict=False)
+                        continue
+                    waiting[ls.slice.id].update(tensors)
+                    if len(waiting[ls.slice.id]) == len(self._gathered_keys[ls.slice.id]):
+                        with ws.loading(ls, aligned_too=False):
+                            ls.op.load_full_state(waiting.pop(ls.slice.id), strict=False)
 
     def _loading(self, ls):
         """Around writing full weights into a slice's operator: at ZeRO-3 it keeps its shards of them."""

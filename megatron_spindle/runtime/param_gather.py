@@ -20,7 +20,7 @@ process group run in issue order (the same on every member), different groups in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 import torch
@@ -29,7 +29,7 @@ from megatron_spindle.plan.buckets import gather_order
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.optimizer import MasterOptimizer
 from megatron_spindle.runtime.shards import PendingGather
-from megatron_spindle.runtime.slices import LocalSlice
+from megatron_spindle.runtime.slices import LocalSlice, unit_holders
 
 
 class ParamGather:
@@ -44,14 +44,7 @@ class ParamGather:
         self._timed = timed or (lambda fn: fn())
         self.buckets = list(buckets)
         self.bucket_of = {u: i for i, (_, units) in enumerate(self.buckets) for u in units}
-        # unit -> the local slices holding it, and their parameter keys of it
-        self.holders: dict[str, list[tuple[LocalSlice, list[str]]]] = {}
-        for ls in local.values():
-            keys: dict[str, list[str]] = {}
-            for k in ls.param_keys:
-                keys.setdefault(key_unit[k], []).append(k)
-            for u, ks in keys.items():
-                self.holders.setdefault(u, []).append((ls, ks))
+        self.holders = unit_holders(local, key_unit)  # unit -> the local slices holding it, their keys of it
         self.slice_units = {sid: sorted({key_unit[k] for k in ls.param_keys}) for sid, ls in local.items()}
         self._hooks = []
         self.unhooked: dict[str, list[str]] = {}  # slice id -> its gathered units no layer hook loads
@@ -118,6 +111,20 @@ class ParamGather:
             for ls, keys in self.holders.get(u, ()):
                 ls.op.load_full_state({k: full[k].to(self.dtype) for k in keys}, strict=False)
             self._stale.discard(u)
+
+
+def streamed_gathers(optimizer: MasterOptimizer, buckets: Sequence[tuple[tuple[int, ...], Sequence[str]]],
+                     dtype: torch.dtype) -> Iterator[tuple[Sequence[str], dict[str, torch.Tensor]]]:
+    """The updated weights after the step without --overlap-param-gather (plan/buckets.py): (units, full
+    tensors) of each bucket in turn, all-gathered in ``dtype``, the next bucket's gather issued before this one
+    is waited for. A rank holds at most two buckets' gathered weights (every group's at once, before). Deadlock-
+    free as the overlapped gathers are: every rank issues and waits for its buckets in the one gather order."""
+    issue = partial(optimizer.issue_gathers, optimizer.masters, async_op=True, dtype=dtype)
+    following = issue(buckets[:1])
+    for i, (devices, units) in enumerate(buckets):
+        pending, following = following[0], issue(buckets[i + 1:i + 2])
+        progress.point("the weight all-gather after the optimizer step of", [list(devices)])
+        yield units, optimizer.unflatten(units, pending)
 
 
 def gather_buckets(grad_buckets, first_use) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:

@@ -72,6 +72,19 @@ def in_wave_order(local: dict[str, LocalSlice]) -> list[LocalSlice]:
     return sorted(local.values(), key=lambda ls: ls.wave)
 
 
+def unit_holders(local: dict[str, LocalSlice],
+                 key_unit: dict[str, str]) -> dict[str, list[tuple[LocalSlice, list[str]]]]:
+    """unit -> the local slices holding it (wave order) and each one's parameter keys of it."""
+    holders: dict[str, list[tuple[LocalSlice, list[str]]]] = {}
+    for ls in in_wave_order(local):
+        keys: dict[str, list[str]] = {}
+        for k in ls.param_keys:
+            keys.setdefault(key_unit[k], []).append(k)
+        for u, ks in keys.items():
+            holders.setdefault(u, []).append((ls, ks))
+    return holders
+
+
 def initial_weights(local: dict[str, LocalSlice], rank: int,
                     device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(key -> full fp32 weight, key -> its unit) from the operators' own deterministic initialisation; slices

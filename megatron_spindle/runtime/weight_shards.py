@@ -163,6 +163,7 @@ class WeightShards:
     def __init__(self, local: dict[str, LocalSlice], groups: PlanGroups, key_unit: dict[str, str], aligned: set[str],
                  masters: dict[str, torch.Tensor], device: torch.device):
         self.units: dict[str, list[GatherUnit]] = {}
+        self.whole: set[str] = set()  # slices gathered as one unit (their operator has no unit modules)
         self._hooks = []
         self.peak_gathered = 0
         self._next: dict[int, GatherUnit] = {}
@@ -181,6 +182,7 @@ class WeightShards:
                                        f"plan keeps {mixed} sharded as their masters are")
                 units = [GatherUnit(sid, list(ls.op.parameters()), group, ls.slice.dp, index)]
                 hooked = [(ls.op, units[0])]
+                self.whole.add(sid)
             else:
                 units = [GatherUnit(u, [p for _, p in kps], group, ls.slice.dp, index,
                                     unit=u if u in aligned else None) for u, kps in by_unit.items() if kps]
@@ -253,14 +255,19 @@ class WeightShards:
                     u.shard.copy_(masters[u.unit].detach())
 
     @contextmanager
-    def loading(self, ls: LocalSlice, aligned_too: bool = True):
+    def loading(self, ls: LocalSlice, aligned_too: bool = True, unit: str | None = None):
         """Around writing full weights into the slice's operator (after the optimizer step: the units that are
-        not aligned, ``aligned_too=False``; a checkpoint load: all): the parameters at full size inside, this
-        rank's shards of what was written kept afterwards."""
-        units = [u for u in self.units.get(ls.slice.id, ()) if aligned_too or u.unit is None]
+        not aligned, ``aligned_too=False``, one ``unit`` at a time; a checkpoint load: all): the parameters at
+        full size inside, this rank's shards of what was written kept afterwards. ``unit`` needs a slice
+        gathered unit by unit (not in ``whole``: materialising a part of one gather unit would lose the rest)."""
+        if unit is not None and ls.slice.id in self.whole:
+            raise ValueError(f"ZeRO-3: slice '{ls.slice.id}' is gathered whole, not unit '{unit}' alone")
+        units = [u for u in self.units.get(ls.slice.id, ())
+                 if (aligned_too or u.unit is None) and (unit is None or u.name == unit)]
         for u in units:
             u.settle()
             u.materialize()
+        self.peak_gathered = max(self.peak_gathered, self.gathered_bytes)
         yield
         for u in units:
             u.reshard()

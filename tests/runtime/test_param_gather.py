@@ -148,3 +148,31 @@ def test_a_layer_waits_for_its_own_bucket_only(world):
     for u, stale in stale_before:
         assert u not in stale  # its own bucket was waited for
     assert any(stale for _, stale in stale_before)  # and some later layer of the slice was not yet
+
+
+def test_the_gather_after_the_step_holds_at_most_two_buckets():
+    """Without the overlap (and for ZeRO-3's regathered groups) the weights come bucket by bucket: the next
+    bucket's gather is issued before this one is waited for and loaded, never more (runtime/param_gather.py
+    ``streamed_gathers``), in the given order and in the weights' dtype."""
+    from megatron_spindle.runtime.param_gather import streamed_gathers
+
+    events = []
+
+    class Optimizer:  # records what streamed_gathers asks of the MasterOptimizer
+        masters = {}
+
+        def issue_gathers(self, vectors, unit_sets, async_op, dtype):
+            assert async_op and dtype == torch.bfloat16
+            events.extend(("issue", units[0]) for _, units in unit_sets)
+            return [units[0] for _, units in unit_sets]
+
+        def unflatten(self, units, pending):
+            events.append(("wait", pending))
+            return {pending: pending}
+
+    buckets = [((0, 1), (name,)) for name in "abc"]
+    for units, full in streamed_gathers(Optimizer(), buckets, torch.bfloat16):
+        assert tuple(full) == units
+        events.append(("load", *full))
+    assert events == [("issue", "a"), ("issue", "b"), ("wait", "a"), ("load", "a"), ("issue", "c"),
+                      ("wait", "b"), ("load", "b"), ("wait", "c"), ("load", "c")]

@@ -689,6 +689,11 @@ def check_weight_shards(engine, label: str, one_at_a_time: bool) -> set[bool]:
     total = sum(u.full_bytes for units in ws.units.values() for u in units)
     assert ws.gathered_bytes == 0, label
     assert ws.peak_gathered < total or sum(len(units) for units in ws.units.values()) == 1, (label, total)
+    # what a step ends with (the masters are unchanged here, so the weights too): the regathered units'
+    # weights loaded one module's at a time, never a whole slice's
+    ws.peak_gathered = 0
+    engine._push_weight_shards()
+    assert ws.peak_gathered <= max(two) and ws.gathered_bytes == 0, (label, ws.peak_gathered, two)
     return kinds
 
 
