@@ -20,7 +20,9 @@ and the simulator times the same buckets, so both agree on what is reduced when:
   the gradient, so every micro-batch's buckets are reduce-scattered after its backward (DeepSpeed's way),
   ``synced_micro_batches``.
 - **Weight gathers after the step** (``regathered_groups``): at ZeRO 1 and 2 every group's, at ZeRO 3 only
-  those whose slices do not keep their weights sharded as the masters are.
+  those whose slices do not keep their weights sharded as the masters are. Bucket by bucket (the gradient
+  buckets, in ``gather_order``), in the weights' dtype, one after another: a rank holds one or two buckets'
+  gathered weights at a time, not every group's.
 - **Overlapped weight gathers** (ZeRO 1 and 2 with ``settings.overlap_param_gather``, Megatron's
   ``--overlap-param-gather``): after the optimizer step the updated weights are all-gathered bucket by bucket
   (the gradient buckets), issued at once in the order the next forward first uses them (``gather_order``: the

@@ -249,14 +249,14 @@ def _unit_ready(plan: Plan, metaops, cost_model,
 
 def _gather_seconds(buckets: list[list[str]], first_use: dict[str, float], cost_model, comm: CommModel, tp: int,
                     ring, sharing: int) -> float:
-    """A group's weight all-gather after the step, or (``first_use``: unit -> start of its first wave, with
-    --overlap-param-gather) what the forward waits for it: the buckets issued at the iteration's start one after
-    another in the order of their first use (plan/buckets.py), each needed by the start of its first wave."""
-    if not first_use:
-        return comm.all_gather(sum(cost_model.param_count(u) for units in buckets for u in units)
-                               * WEIGHT_BYTES_PER_PARAM / tp, ring, sharing)
+    """A group's weight all-gather after the step, bucket by bucket (plan/buckets.py), or (``first_use``: unit ->
+    start of its first wave, with --overlap-param-gather) what the forward waits for it: the buckets issued at
+    the iteration's start one after another in the order of their first use, each needed by the start of its
+    first wave."""
     seconds = [comm.all_gather(sum(cost_model.param_count(u) for u in units) * WEIGHT_BYTES_PER_PARAM / tp, ring,
                                sharing) for units in buckets]
+    if not first_use:
+        return sum(seconds)
     needed = [min(first_use.get(u, 0.0) for u in units) for units in buckets]
     waited, done = 0.0, 0.0
     for at, s in sorted(zip(needed, seconds)):

@@ -535,16 +535,20 @@ def _optimizer_steps(ctx: _Context, ready: list[float], cost_model) -> list[tupl
 
 def _param_gathers(ctx: _Context, timer: CollectiveTimer, steps: list[tuple[float, float]]):
     """Each group plan/buckets.py ``regathered_groups`` names all-gathers its updated weights once its members
-    have stepped; gathers sharing a device run one after another, and a cross-node gather shares its nodes'
-    network with the cross-node gathers already running there when it starts. (group, start, end) each."""
+    have stepped, bucket by bucket (its gradient buckets, one after another, as the runtime streams them);
+    gathers sharing a device run one after another, and a cross-node gather shares its nodes' network with the
+    cross-node gathers already running there when it starts. (group, start, end) each."""
     gathers = param_gathers(ctx.plan, ctx.groups, ctx.metaops)
     if not gathers:
         return []
+    bucket_bytes: dict[int, list[float]] = {}  # group -> its buckets' bf16 bytes of one TP shard
+    for b in ctx.buckets:
+        bucket_bytes.setdefault(b.group, []).append(b.params * WEIGHT_BYTES_PER_PARAM / ctx.groups[b.group].tp)
     gpn = ctx.cluster.gpus_per_node
     free = [end for _, end in steps]
     out: list[tuple[int, float, float]] = []
     running: list[tuple[float, float, tuple[int, ...], int]] = []  # (start, end, nodes, rings) of cross-node ones
-    for gi, nbytes in sorted(gathers, key=lambda x: max(steps[d][1] for d in ctx.groups[x[0]].devices)):
+    for gi, _ in sorted(gathers, key=lambda x: max(steps[d][1] for d in ctx.groups[x[0]].devices)):
         g = ctx.groups[gi]
         start = max(free[d] for d in g.devices)
         nodes = nodes_of(g.devices, gpn)
@@ -552,7 +556,7 @@ def _param_gathers(ctx: _Context, timer: CollectiveTimer, steps: list[tuple[floa
         if nodes:
             for node in nodes:
                 sharing = max(sharing, g.tp + sum(r for a, b, ns, r in running if a <= start < b and node in ns))
-        end = start + timer.seconds("all_gather", nbytes, g.ring, sharing)
+        end = start + sum(timer.seconds("all_gather", part, g.ring, sharing) for part in bucket_bytes[gi])
         for d in g.devices:
             free[d] = end
         if nodes:

@@ -3,10 +3,13 @@ model, round bandwidths, zero latency), and its buckets against the runtime's.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from test_simulator import GB, StubCostModel, StubMemoryModel, _cluster, _plan, _slice, _workload
 
 from megatron_spindle.estimator import OVERLAP_SLOWDOWN, overlapped_backward_seconds
+from megatron_spindle.estimator.comm_model import CommModel, GroupPlacement
 from megatron_spindle.graph.cluster import ClusterSpec, GPUSpec
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import ModuleSpec, SpindleTask, Workload
@@ -228,3 +231,20 @@ def test_an_overlapped_weight_gather_waits_only_for_its_own_bucket():
     plain = [simulate(_plan(w, cluster, waves, groups, {"zero_stage": 0, "overlap_param_gather": x}), w, cluster,
                       cost, StubMemoryModel(cost, 0.0), settings).iteration_time for x in (False, True)]
     assert plain[0] == pytest.approx(plain[1])
+
+
+def test_the_gather_after_the_step_is_charged_bucket_by_bucket():
+    """Without --overlap-param-gather a group's updated weights are all-gathered one bucket after another (as
+    the runtime streams them, plan/buckets.py): each bucket's collective, its latency included, and not one
+    collective of the whole group."""
+    w = _workload()
+    cluster = dataclasses.replace(_cluster(), collective_latency=0.01)
+    groups = [ParamGroup([0, 1], ["a.layers.0", "a.layers.1"]), ParamGroup([0, 1], ["b.layers.0", "b.layers.1"])]
+    waves = [Wave(0, 0, 0.0, 1.0, [_slice(0, "t/a", [0, 1])]), Wave(1, 1, 1.0, 1.0, [_slice(1, "t/b", [0, 1])])]
+    cost = StubCostModel({"a": 6.0, "b": 6.0}, activation=0.0, params_per_unit=250_000_000)
+    run = simulate(_plan(w, cluster, waves, groups, {"zero_stage": 1, "overlap_param_gather": False}), w, cluster,
+                   cost, StubMemoryModel(cost, 0.0), SimSettings(overlap_slowdown=1.0))
+    comm, ring = CommModel(cluster), GroupPlacement.dp_ring([0, 1], 1, cluster)
+    bucket = comm.all_gather(250_000_000 * 2, ring)  # one layer's bf16 weights: one bucket per layer here
+    assert [e - s for _, s, e in run.extras["param_gathers"]] == pytest.approx([2 * bucket, 2 * bucket])
+    assert 2 * bucket > comm.all_gather(2 * 250_000_000 * 2, ring)  # one more latency than a group's gather
