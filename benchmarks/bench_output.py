@@ -22,6 +22,14 @@ DEFAULT_OUT_DIR = BENCHMARKS / "out"
 SNAPSHOT_DIR = BENCHMARKS / "results"
 
 
+def cell(text: str) -> tuple[str, int]:
+    """argparse type of a benchmark cell: WORKLOAD:GPUS -> (workload, GPUs)."""
+    name, _, gpus = text.partition(":")
+    if not name or not gpus.isdigit() or int(gpus) < 1:
+        raise argparse.ArgumentTypeError(f"takes WORKLOAD:GPUS, got '{text}'")
+    return name, int(gpus)
+
+
 def add_output_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("output")
     where = g.add_mutually_exclusive_group()

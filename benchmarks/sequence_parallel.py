@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 
-from bench_output import Recording, add_output_args
+from bench_output import Recording, add_output_args, cell
 from paper_eval import UNLIMITED, relaxed
 
 from megatron_spindle.autoplan import autoplan
@@ -21,7 +21,7 @@ from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.plan.memory import memory_options
 from megatron_spindle.planner.pipeline import PLANNERS, PlannerConfig
 
-TABLE2_CELLS = ("qwen-val-30b:256", "qwen-val-70b:256")
+TABLE2_CELLS = (("qwen-val-30b", 256), ("qwen-val-70b", 256))
 
 
 def cell_row(name: str, gpus: int, planner: str, sequence_parallel: bool) -> dict:
@@ -36,20 +36,13 @@ def cell_row(name: str, gpus: int, planner: str, sequence_parallel: bool) -> dic
             "capped_options": memory_options(capped.plan), "unlimited_options": memory_options(free.plan)}
 
 
-def parse_cell(text: str) -> tuple[str, int]:
-    name, _, gpus = text.partition(":")
-    if not gpus.isdigit():
-        raise SystemExit(f"sequence_parallel.py: error: --cells takes WORKLOAD:GPUS, got '{text}'")
-    return name, int(gpus)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cells", nargs="+", default=list(TABLE2_CELLS), help="WORKLOAD:GPUS ...")
+    parser.add_argument("--cells", nargs="+", type=cell, default=list(TABLE2_CELLS), help="WORKLOAD:GPUS ...")
     parser.add_argument("--planner", choices=PLANNERS, default="cpsat")
     add_output_args(parser)
     args = parser.parse_args(argv)
-    cells = [parse_cell(c) for c in args.cells]
+    cells = args.cells
     record = Recording(args, "sequence_parallel")
     rows = []
     print(f"Cost of memory: the selected plan ({args.planner}) with the 80 GiB cap / with memory unlimited, simulated")
