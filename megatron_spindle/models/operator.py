@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -131,23 +131,26 @@ class SliceOperator(nn.Module):
 
     named_units = units  # docs/architecture.md spelling
 
-    def full_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """(``"<unit>.<path>"``, local parameter) for every parameter of every unit."""
+    def full_named_parameters(self, units: Iterable[str] | None = None) -> Iterator[tuple[str, nn.Parameter]]:
+        """(``"<unit>.<path>"``, local parameter) for every parameter of every unit (of ``units`` when given)."""
+        wanted = None if units is None else set(units)
         for unit, module in self.unit_modules().items():
-            for path, param in module.named_parameters():
-                yield f"{unit}.{path}", param
+            if wanted is None or unit in wanted:
+                for path, param in module.named_parameters():
+                    yield f"{unit}.{path}", param
 
     # ------------------------------------------------------------------------------------------ full state
     def export_full_state(self) -> dict[str, torch.Tensor]:
         """Full (TP-unsharded) copies of the parameters. Collective over the TP group."""
         return {name: gather_full(p, p, self.tp_group) for name, p in self.full_named_parameters()}
 
-    def export_full_grads(self) -> dict[str, torch.Tensor]:
-        """Full (TP-unsharded) gradients (zeros where no gradient was produced). Collective over the TP group.
-        Parameters marked ``sequence_parallel`` (norms and row-parallel biases of sequence-parallel layers) are
-        replicated but saw only this rank's part of the sequence: their gradients are summed over the group."""
+    def export_full_grads(self, units: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Full (TP-unsharded) gradients (zeros where no gradient was produced), of ``units`` when given.
+        Collective over the TP group. Parameters marked ``sequence_parallel`` (norms and row-parallel biases of
+        sequence-parallel layers) are replicated but saw only this rank's part of the sequence: their gradients
+        are summed over the group."""
         out = {}
-        for name, p in self.full_named_parameters():
+        for name, p in self.full_named_parameters(units):
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             out[name] = gather_full(grad, p, self.tp_group)
             if getattr(p, "sequence_parallel", False) and self.tp_size > 1:

@@ -78,6 +78,14 @@ class GradSync:
                 self._bucket_of[sid, k] = i
                 self._expected[i] += self._per_round
         self._missing = list(self._expected)
+        # slice id -> its generic keys unit by unit: exported one unit at a time, so that a TP > 1 slice holds one
+        # unit's TP-gathered gradients at once, not its whole operator's
+        self._generic_units: dict[str, list[tuple[str, list[str]]]] = {}
+        for sid, keys in binding.generic_keys.items():
+            by_unit: dict[str, list[str]] = {}
+            for k in keys:
+                by_unit.setdefault(key_unit[k], []).append(k)
+            self._generic_units[sid] = list(by_unit.items())
         self._counted: set[tuple[str, str, int]] = set()  # (slice id, key, micro-batch)
         self._next = 0  # position of the first bucket not issued yet
         self._handles: list = []
@@ -158,13 +166,13 @@ class GradSync:
         """After the slice's backward: add its generic gradients (exported in full; collective over its TP
         group, whose leader contributes them) to the buffers and count every key it holds as accumulated."""
         sid = ls.slice.id
-        generic = self.binding.generic_keys[sid]
         # accumulated in the operator over the micro-batches, or (ZeRO-2) added after each
         export = self._each_micro or self._micro == self.micro_batches - 1
-        if generic and export:
-            g = full_grads(ls.op, ls.param_keys)
-            if ls.tp_leader:
-                self.buffers.add(g, generic, self._micro)
+        if export:
+            for unit, keys in self._generic_units.get(sid, ()):
+                g = full_grads(ls.op, keys, unit)
+                if ls.tp_leader:
+                    self.buffers.add(g, keys, self._micro)
         if export and self.buffers.sharded:  # the operator's full gradients are in the buckets now
             for p in ls.op.parameters():
                 p.grad = None

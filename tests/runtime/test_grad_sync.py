@@ -93,3 +93,26 @@ def test_without_overlap_every_bucket_waits_for_the_whole_backward(stage):
     check_launches(log, "no overlap", overlap=False)
     if stage >= 1:  # released in finish
         assert engine.held_grad_bytes() == 4 * sum(sh.size for sh in engine.shards.values())
+
+
+def test_generic_gradients_are_exported_one_unit_at_a_time():
+    """A slice's gradients that the runtime exports (TP-gathered on several TP ranks) come one parameter unit at a
+    time, so a rank holds one unit's exported gradients at once, not its whole operator's: here bf16 megatron-core
+    operators on one rank (bf16 units are not direct), with the same trajectory as the reference."""
+    w = load_workload("tiny-clip")
+    engine = RuntimeEngine(sequential_plan(w, 1), w, 0, 1, EngineConfig(optimizer=OPT, dtype=torch.bfloat16))
+    exported = []  # the units of each export call
+    for ls in engine.local.values():
+        original = ls.op.export_full_grads
+
+        def recording(units=None, original=original):
+            exported.append(None if units is None else set(units))
+            grads = original(units)
+            assert units is None or all(any(k.startswith(u + ".") for u in units) for k in grads)
+            return grads
+
+        ls.op.export_full_grads = recording
+    engine.train_step(0)
+    layered = [ls for ls in engine.local.values() if len(ls.op.units()) > 1]
+    assert layered and exported and all(units is not None and len(units) == 1 for units in exported)
+    assert len(exported) == sum(len(ls.op.units()) for ls in engine.local.values())
