@@ -8,9 +8,10 @@ parameter group's gradients and masters canonical (TP-unsharded):
 - gradients: every bucket reduced whole, in fp32 (the runtime's buffers), over all of the group's devices, where
   the simulator charges each TP rank's 1/tp shard in the plan's reduce dtype over its data-parallel ring;
 - weights after the step: the groups plan/buckets.py ``regathered_groups`` names, gathered whole in bf16 over all
-  of their devices (the simulator: each TP rank's shard over its ring);
-- the TP all-gather of a TP > 1 slice's gradients after its backward (``export_full_grads``, bf16), which the
-  simulator does not charge.
+  of their devices (the simulator: each TP rank's shard over its ring).
+
+(Each TP rank adds its own part of a unit's gradient into the canonical buffer, so no TP all-gather of gradients
+is needed: models/operator.py ``export_grad_contributions``.)
 
 Bytes are nccl-tests bus bytes (all-reduce 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n), per
 gradient reduction round (ZeRO-2 and 3 reduce once per micro-batch, both sides alike).
@@ -35,7 +36,6 @@ from megatron_spindle.estimator import AnalyticCostModel
 from megatron_spindle.graph.cluster import ClusterSpec, make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
-from megatron_spindle.plan.layout import slice_units
 from megatron_spindle.plan.schema import Plan
 from megatron_spindle.planner.pipeline import PLANNERS, PlannerConfig
 from megatron_spindle.simulator.grad_sync import group_infos, param_gathers, plan_buckets
@@ -43,7 +43,6 @@ from megatron_spindle.simulator.grad_sync import group_infos, param_gathers, pla
 DEFAULT_CELLS = (("qwen-val", 32), ("qwen-val-70b", 256))
 RUNTIME_GRAD_BYTES = 4  # runtime/grad_buffers.py: flat fp32 buffers
 RUNTIME_WEIGHT_BYTES = 2  # the weights' all-gather in the model's dtype (bf16 on GPUs)
-RUNTIME_TP_GRAD_BYTES = 2  # a slice's bf16 gradients, all-gathered over TP (models/operator.py export_full_grads)
 GB = 1e9
 
 
@@ -55,12 +54,12 @@ def bus_factor(op: str, n: int) -> float:
 
 
 def plan_bytes(plan: Plan, workload) -> dict:
-    """Per device (bytes): the simulator's and the runtime's gradient reduction, weight gather after the step, and
-    the runtime's TP gradient all-gathers; the busiest device's row and the maxima."""
+    """Per device (bytes): the simulator's and the runtime's gradient reduction and weight gather after the step;
+    the busiest device's row, the maxima and the sums over the devices."""
     cluster = ClusterSpec.from_dict(plan.cluster)
     metagraph, cost = build_metagraph(workload), AnalyticCostModel(workload, cluster)
     groups = group_infos(plan, metagraph.metaops, cost.param_count, cluster)
-    sums = {k: Counter() for k in ("model_grad", "runtime_grad", "model_weights", "runtime_weights", "runtime_tp")}
+    sums = {k: Counter() for k in ("model_grad", "runtime_grad", "model_weights", "runtime_weights")}
     for b in plan_buckets(plan, metagraph.metaops, cost.param_count, groups):
         for d in b.devices:
             sums["model_grad"][d] += bus_factor(b.op, b.ring.size) * b.nbytes
@@ -70,20 +69,14 @@ def plan_bytes(plan: Plan, workload) -> dict:
         for d in g.devices:
             sums["model_weights"][d] += bus_factor("all_gather", g.ring.size) * nbytes
             sums["runtime_weights"][d] += bus_factor("all_gather", len(g.devices)) * g.params * RUNTIME_WEIGHT_BYTES
-    for wave in plan.waves:
-        for s in wave.slices:
-            if s.tp > 1:
-                params = sum(cost.param_count(u) for u in slice_units(metagraph.metaops[s.metaop], s.layer_start,
-                                                                      s.layer_end))
-                for d in s.devices:
-                    sums["runtime_tp"][d] += bus_factor("all_gather", s.tp) * params * RUNTIME_TP_GRAD_BYTES
     runtime_total = Counter()
-    for k in ("runtime_grad", "runtime_weights", "runtime_tp"):
+    for k in ("runtime_grad", "runtime_weights"):
         runtime_total.update(sums[k])
     busiest = max(range(plan.num_devices), key=lambda d: runtime_total[d])
     return {"zero_stage": plan.settings.zero_stage, "busiest_device": busiest,
             "busiest": {k: v[busiest] for k, v in sums.items()},
             "max": {k: max(v.values(), default=0.0) for k, v in sums.items()},
+            "total": {k: sum(v.values()) for k, v in sums.items()},
             "tp_degrees": sorted({s.tp for w in plan.waves for s in w.slices})}
 
 
@@ -112,19 +105,20 @@ def main(argv: list[str] | None = None) -> int:
             plans.append((name, autoplan(load_workload(name), make_cluster(gpus), PlannerConfig(
                 planner=args.planner)).plan))
     record = Recording(args, "comm_bytes")
-    print("GB per device and gradient round (nccl-tests bus bytes), busiest device of the runtime: simulator charges "
-          "| runtime's layout moves")
+    print("GB per gradient round (nccl-tests bus bytes), the runtime's busiest device and all devices together: "
+          "simulator charges | runtime's layout moves")
     print(f"{'workload':<14}{'GPUs':>5}{'ZeRO':>5}  {'TP':<10}{'grad sync':>19}{'weight gather':>19}"
-          f"{'TP grad gather':>16}")
+          f"{'all: grad sync':>24}{'weight gather':>22}")
     rows = []
     for name, plan in plans:
         row = {"workload": name, "gpus": plan.num_devices, **plan_bytes(plan, load_workload(name))}
         rows.append(row)
-        b = row["busiest"]
+        b, t = row["busiest"], row["total"]
         print(f"{name:<14}{plan.num_devices:>5}{row['zero_stage']:>5}  {','.join(map(str, row['tp_degrees'])):<10}"
               f"{b['model_grad'] / GB:>9.1f} | {b['runtime_grad'] / GB:>6.1f}"
               f"{b['model_weights'] / GB:>9.1f} | {b['runtime_weights'] / GB:>6.1f}"
-              f"{'0 | ':>10}{b['runtime_tp'] / GB:>6.1f}")
+              f"{t['model_grad'] / GB:>14.0f} | {t['runtime_grad'] / GB:>7.0f}"
+              f"{t['model_weights'] / GB:>12.0f} | {t['runtime_weights'] / GB:>7.0f}")
     record.save(rows)
     return 0
 

@@ -72,7 +72,13 @@ from megatron_spindle.models.config import (
 from megatron_spindle.models.frontends import ConvStemFrontend, PatchFrontend, TextFrontend, WindowFrontend
 from megatron_spindle.models.heads import LMHead, PooledHead, eos_positions
 from megatron_spindle.models.losses import contrastive_loss, lm_loss
-from megatron_spindle.models.state import full_shape, gather_full, init_full_tensor, shard_full_tensor
+from megatron_spindle.models.state import (
+    full_shape,
+    gather_full,
+    init_full_tensor,
+    placed_full,
+    shard_full_tensor,
+)
 from megatron_spindle.plan.derive import metaop_infos as plan_metaop_infos
 from megatron_spindle.plan.schema import MetaOpInfo, sequence_parallel_tokens
 
@@ -155,6 +161,23 @@ class SliceOperator(nn.Module):
             out[name] = gather_full(grad, p, self.tp_group)
             if getattr(p, "sequence_parallel", False) and self.tp_size > 1:
                 dist.all_reduce(out[name], group=self.tp_group)
+        return out
+
+    def export_grad_contributions(self, units: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """This TP rank's part of ``export_full_grads`` (of ``units`` when given), without communication: full
+        (TP-unsharded) tensors whose sum over the TP group is ``export_full_grads``. A sharded parameter's
+        gradient sits at its own positions, zeros elsewhere; a replicated one's is the TP leader's (zeros on the
+        others), except those marked ``sequence_parallel``, whose every rank contributes its own part. The
+        runtime adds them into gradient buffers that its group reduction sums anyway, so no TP all-gather of
+        gradients is needed."""
+        out = {}
+        rank, size = self.tp_rank, self.tp_size
+        for name, p in self.full_named_parameters(units):
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            if size > 1 and not getattr(p, "tensor_model_parallel", False) \
+                    and not getattr(p, "sequence_parallel", False) and rank != 0:
+                grad = torch.zeros_like(grad)
+            out[name] = placed_full(grad, p, rank, size)
         return out
 
     @functools.cached_property

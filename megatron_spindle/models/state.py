@@ -58,6 +58,17 @@ def unshard_local_tensors(locals_: list[torch.Tensor], param: torch.Tensor) -> t
     return torch.cat([per_rank[r][j] for j in range(stride) for r in range(len(locals_))], dim=dim)
 
 
+def placed_full(tensor: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """A full tensor holding this TP rank's ``tensor`` where ``shard_full_tensor`` takes it from, zeros elsewhere:
+    summed over the TP ranks, these are ``unshard_local_tensors`` of their tensors (no communication)."""
+    tensor = tensor.detach()
+    if not _is_sharded(param) or tp_size == 1:
+        return tensor.clone()
+    parts = [torch.zeros_like(tensor) for _ in range(tp_size)]
+    parts[tp_rank] = tensor
+    return unshard_local_tensors(parts, param)
+
+
 def gather_full(tensor: torch.Tensor, param: torch.Tensor, tp_group) -> torch.Tensor:
     """Full tensor from this rank's ``tensor`` (the parameter or its gradient); collective over ``tp_group``."""
     tensor = tensor.detach()

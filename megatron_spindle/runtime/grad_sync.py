@@ -170,6 +170,9 @@ class GradSync:
         export = self._each_micro or self._micro == self.micro_batches - 1
         if export:
             for unit, keys in self._generic_units.get(sid, ()):
+                if hasattr(ls.op, "export_grad_contributions"):  # every TP rank its part: the reduction sums them
+                    self.buffers.add(ls.op.export_grad_contributions([unit]), keys, self._micro)
+                    continue
                 g = full_grads(ls.op, keys, unit)
                 if ls.tp_leader:
                     self.buffers.add(g, keys, self._micro)

@@ -45,6 +45,12 @@ def _assert_same_results(single, split, inputs, batch, what: str) -> None:
     g1, g2 = single.export_full_grads(), split.export_full_grads()
     for k in g1:
         assert_close(g2[k], g1[k], f"{what} grad {k}")
+    # what the runtime adds to its gradient buffers instead, each TP rank its part: summed over TP, the full ones
+    parts = split.export_grad_contributions()
+    assert list(parts) == list(g2), what
+    for k, part in parts.items():
+        dist.all_reduce(part, group=split.tp_group)
+        assert torch.equal(part, g2[k]), f"{what} grad contributions of {k}"
 
 
 def _check_tensor_parallel(rank):

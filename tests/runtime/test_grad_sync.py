@@ -96,22 +96,25 @@ def test_without_overlap_every_bucket_waits_for_the_whole_backward(stage):
 
 
 def test_generic_gradients_are_exported_one_unit_at_a_time():
-    """A slice's gradients that the runtime exports (TP-gathered on several TP ranks) come one parameter unit at a
-    time, so a rank holds one unit's exported gradients at once, not its whole operator's: here bf16 megatron-core
-    operators on one rank (bf16 units are not direct), with the same trajectory as the reference."""
+    """A slice's gradients that the runtime adds to its buffers (each TP rank its part, runtime/grad_sync.py) come
+    one parameter unit at a time, so a rank holds one unit's full-shape gradients at once, not its whole
+    operator's: here bf16 megatron-core operators on one rank (bf16 units are not direct), whose contribution is
+    the whole gradient (TP 1)."""
     w = load_workload("tiny-clip")
     engine = RuntimeEngine(sequential_plan(w, 1), w, 0, 1, EngineConfig(optimizer=OPT, dtype=torch.bfloat16))
     exported = []  # the units of each export call
     for ls in engine.local.values():
-        original = ls.op.export_full_grads
+        original = ls.op.export_grad_contributions
 
-        def recording(units=None, original=original):
+        def recording(units=None, op=ls.op, original=original):
             exported.append(None if units is None else set(units))
             grads = original(units)
             assert units is None or all(any(k.startswith(u + ".") for u in units) for k in grads)
+            full = op.export_full_grads(units)
+            assert set(grads) == set(full) and all(torch.equal(grads[k], full[k]) for k in grads)
             return grads
 
-        ls.op.export_full_grads = recording
+        ls.op.export_grad_contributions = recording
     engine.train_step(0)
     layered = [ls for ls in engine.local.values() if len(ls.op.units()) > 1]
     assert layered and exported and all(units is not None and len(units) == 1 for units in exported)
