@@ -113,9 +113,9 @@ def time_sharded_copies(op: torch.nn.Module, dp: int, world: ProfileWorld, warmu
                         repeats: int) -> tuple[float, float]:
     """(weights loaded, gradients staged): median seconds of ``op``'s host copies under ZeRO 1 and 2, done with the
     runtime's own code. Weights: per unit, the gathered flat vector unflattened and loaded into the operator
-    (runtime/param_gather.py). Gradients: the operator's exported, flattened and added into member-major
-    staging rows of ``dp`` members (runtime/grad_shards.py). Collective over the operator's TP group (the
-    exports gather TP shards)."""
+    (runtime/param_gather.py). Gradients: each unit's part on this TP rank (``export_grad_contributions``),
+    flattened and added into member-major staging rows of ``dp`` members (runtime/grad_shards.py). Collective
+    over the operator's TP group (the state's export gathers TP shards)."""
     from megatron_spindle.runtime.shards import UnitShard, add_to_rows
 
     state = op.export_full_state()
@@ -134,10 +134,9 @@ def time_sharded_copies(op: torch.nn.Module, dp: int, world: ProfileWorld, warmu
             full = sh.unflatten(flat)
             op.load_full_state({k: full[k].to(dtype) for k in sh.keys}, strict=False)
 
-    def stage():
-        grads = op.export_full_grads()
+    def stage():  # as runtime/grad_sync.py: each unit's part of this TP rank, added in turn
         for sh, row in zip(shards, rows):
-            add_to_rows(row, 0, sh, sh.flatten(grads))
+            add_to_rows(row, 0, sh, sh.flatten(op.export_grad_contributions([sh.unit])))
 
     seconds = (median_seconds(load, world, warmup, repeats), median_seconds(stage, world, warmup, repeats))
     op.zero_grad(set_to_none=True)
