@@ -197,8 +197,9 @@ class RuntimeEngine:
             self._gathered_buckets = [(d, units) for d, units in gather_buckets(self.grad_buffers.buckets, first_use)
                                       if self.zero_stage < 3 or d in self._regathered or len(d) == 1]
         gathered = {u for _, units in self._gathered_buckets for u in units}
-        self._gathered_keys = {sid: [k for k in ls.param_keys if self.key_unit[k] in gathered]
-                               for sid, ls in self.local.items()}
+        whole = self.weight_shards.whole if self.weight_shards is not None else set()
+        self._gathered_keys = {sid: [k for k in self.local[sid].param_keys if self.key_unit[k] in gathered]
+                               for sid in whole}  # the keys a slice gathered whole waits for after the step
         self.grad_sync = GradSync(self.grad_buffers, self.local, self.binding, self.key_unit, self.groups,
                                   overlap=self.config.overlap_grad_reduce, micro_batches=settings.micro_batches,
                                   zero_stage=self.zero_stage)
@@ -397,7 +398,7 @@ class RuntimeEngine:
         is loaded once all of its keys are in."""
         ws = self.weight_shards
         ws.update_from_masters(self.master_optimizer.masters)
-        waiting = {ls.slice.id: {} for ls in self.local.values() if ls.slice.id in ws.whole}
+        waiting = {sid: {} for sid in self._gathered_keys}
         for units, full in streamed_gathers(self.master_optimizer, self._gathered_buckets, self.config.dtype):
             for u in units:
                 for ls, keys in self._holders.get(u, ()):
