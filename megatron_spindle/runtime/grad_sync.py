@@ -78,8 +78,8 @@ class GradSync:
                 self._bucket_of[sid, k] = i
                 self._expected[i] += self._per_round
         self._missing = list(self._expected)
-        # slice id -> its generic keys unit by unit: exported one unit at a time, so that a TP > 1 slice holds one
-        # unit's TP-gathered gradients at once, not its whole operator's
+        # slice id -> its generic keys unit by unit: exported one unit at a time, so that a rank holds one unit's
+        # full-shape gradients at once, not its whole operator's
         self._generic_units: dict[str, list[tuple[str, list[str]]]] = {}
         for sid, keys in binding.generic_keys.items():
             by_unit: dict[str, list[str]] = {}
@@ -163,8 +163,10 @@ class GradSync:
         self._micro = index
 
     def slice_done(self, ls: LocalSlice) -> None:
-        """After the slice's backward: add its generic gradients (exported in full; collective over its TP
-        group, whose leader contributes them) to the buffers and count every key it holds as accumulated."""
+        """After the slice's backward: add its generic gradients to the buffers, unit by unit, and count every
+        key it holds as accumulated. Each TP rank adds its own part (``export_grad_contributions``: zeros where
+        another TP rank's shard sits), which the group's reduction sums; an operator without it exports full
+        gradients (collective over its TP group) and its TP leader adds them."""
         sid = ls.slice.id
         # accumulated in the operator over the micro-batches, or (ZeRO-2) added after each
         export = self._each_micro or self._micro == self.micro_batches - 1
