@@ -208,8 +208,10 @@ def bad_plans(workload, world: int):
     next(s for s in layers.slices() if s.kind == "layer").layer_end += 3
     digest = sequential_plan(workload, world)
     digest.workload_digest = "0" * 16
+    half = sequential_plan(workload, world)  # timed at bf16's bytes, which the runtime's fp32 buffers would not be
+    half.settings = dataclasses.replace(half.settings, grad_reduce_dtype="bf16")
     return [(beyond, "beyond the world size"), (layers, r"layer range \[0, \d+\) does not exist"),
-            (digest, "was made for workload")]
+            (digest, "was made for workload"), (half, "reduces gradients in fp32")]
 
 
 def _worker(rank, world):
