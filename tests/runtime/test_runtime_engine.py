@@ -716,17 +716,18 @@ def check_weight_shards_with_options(rank, world, workloads, refs, cfg, cache) -
         check_engine_against(engine, refs[ops, wname, m], label)
         check_weight_shards(engine, label, one_at_a_time=False)
     # bf16, the GPU's dtype: the aligned units' weight shards are their fp32 masters cast, and every step of ZeRO-3
-    # gives exactly ZeRO-2's losses, and ZeRO-1's with the overlapped gather. Every weight all-gather moves bf16,
-    # the bytes the cost model charges (the masters are cast before they are gathered, not after)
+    # gives exactly ZeRO-2's losses, and (2 ranks; the 4-rank run is the suite's slowest) ZeRO-1's with the
+    # overlapped gather. Every weight all-gather moves bf16, the bytes the cost model charges (the masters are cast
+    # before they are gathered, not after)
     w, half = workloads["tiny-vlm"], dataclasses.replace(cfg, dtype=torch.bfloat16)
     losses, gathered = {}, []
-    for stage, overlap in ((2, False), (3, False), (1, True)):
+    for stage, overlap in ((2, False), (3, False), (1, True))[:3 if world == 2 else 2]:
         engine = RuntimeEngine(zeroed(sequential_plan(w, world), stage, overlap), w, rank, world, half, groups=cache)
         with recorded_all_gathers(gathered):
             losses[stage] = [engine.train_step(step) for step in range(STEPS)]
         if stage == 3:
             assert any(u.unit for units in engine.weight_shards.units.values() for u in units)
-    assert losses[3] == losses[2] == losses[1], (rank, losses)
+    assert losses[3] == losses[2] == losses.get(1, losses[2]), (rank, losses)
     assert gathered and set(gathered) == {torch.bfloat16}, (rank, gathered)
 
 
