@@ -66,12 +66,10 @@ class ReferenceModel(nn.Module):
     def export_full_state(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in self.full_named_parameters().items()}
 
-    def export_full_grads(self, units=None) -> dict[str, torch.Tensor]:
-        wanted = None if units is None else set(units)
+    def export_full_grads(self) -> dict[str, torch.Tensor]:
         return {
             name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
             for name, p in self.full_named_parameters().items()
-            if wanted is None or any(name.startswith(u + ".") for u in wanted)
         }
 
     @torch.no_grad()

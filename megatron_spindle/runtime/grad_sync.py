@@ -165,19 +165,19 @@ class GradSync:
     def slice_done(self, ls: LocalSlice) -> None:
         """After the slice's backward: add its generic gradients to the buffers, unit by unit, and count every
         key it holds as accumulated. Each TP rank adds its own part (``export_grad_contributions``: zeros where
-        another TP rank's shard sits), which the group's reduction sums; an operator without it exports full
-        gradients (collective over its TP group) and its TP leader adds them."""
+        another TP rank's shard sits), which the group's reduction sums; an operator without it exports its full
+        gradients once (collective over its TP group) and its TP leader adds them."""
         sid = ls.slice.id
         # accumulated in the operator over the micro-batches, or (ZeRO-2) added after each
         export = self._each_micro or self._micro == self.micro_batches - 1
-        if export:
-            for unit, keys in self._generic_units.get(sid, ()):
-                if hasattr(ls.op, "export_grad_contributions"):  # every TP rank its part: the reduction sums them
-                    self.buffers.add(ls.op.export_grad_contributions([unit]), keys, self._micro)
-                    continue
-                g = full_grads(ls.op, keys, unit)
-                if ls.tp_leader:
-                    self.buffers.add(g, keys, self._micro)
+        generic = self.binding.generic_keys[sid]
+        if export and generic and not hasattr(ls.op, "export_grad_contributions"):
+            g = full_grads(ls.op, ls.param_keys)  # one export of the whole operator (stand-ins)
+            if ls.tp_leader:
+                self.buffers.add(g, generic, self._micro)
+        elif export:
+            for unit, keys in self._generic_units.get(sid, ()):  # every TP rank its part: the reduction sums them
+                self.buffers.add(ls.op.export_grad_contributions([unit]), keys, self._micro)
         if export and self.buffers.sharded:  # the operator's full gradients are in the buckets now
             for p in ls.op.parameters():
                 p.grad = None

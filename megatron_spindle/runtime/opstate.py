@@ -52,11 +52,10 @@ def identical_params(op: torch.nn.Module, keys: list[str], device: torch.device)
     return {k: p for k, p in found.items() if owners.count(id(p)) == 1}
 
 
-def full_grads(op: torch.nn.Module, keys: list[str], unit: str | None = None) -> dict[str, torch.Tensor]:
-    """Full (TP-gathered, canonical) gradients of ``keys`` (those of ``unit`` when given, else any of the
-    operator's): the operator's ``export_full_grads`` if it has one (of that unit alone), else its
+def full_grads(op: torch.nn.Module, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Full (TP-gathered, canonical) gradients: the operator's ``export_full_grads`` if it has one, else its
     ``export_full_state`` run on the gradients in place of the weights. Collective over its TP group."""
     if hasattr(op, "export_full_grads"):
-        return op.export_full_grads(units=None if unit is None else [unit])
+        return op.export_full_grads()
     st = _export_swapped(op, lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
     return {k: st[k] for k in keys}
