@@ -5,10 +5,14 @@ Derived, not measured (no GPU): the simulator's side is its own buckets (simulat
 side follows the runtime's layout (runtime/grad_buffers.py, shards.py, models/operator.py), which keeps every
 parameter group's gradients and masters canonical (TP-unsharded):
 
-- gradients: every bucket reduced whole, in fp32 (the runtime's buffers), over all of the group's devices, where
-  the simulator charges each TP rank's 1/tp shard in the plan's reduce dtype over its data-parallel ring;
+- gradients: every bucket reduced whole, in fp32 (the runtime's buffers), over all of the group's devices;
 - weights after the step: the groups plan/buckets.py ``regathered_groups`` names, gathered whole in bf16 over all
-  of their devices (the simulator: each TP rank's shard over its ring).
+  of their devices.
+
+The simulator charges the plan's layout (``settings.tp_sharded_grads``). Spindle's plans are timed in the
+runtime's, so both sides agree; a plan timed by TP shard (a baseline's: each TP rank's 1/tp shard over its
+data-parallel ring) shows what the runtime would move instead, and the runtime refuses it where a group is held
+at TP > 1.
 
 (Each TP rank adds its own part of a unit's gradient into the canonical buffer, so no TP all-gather of gradients
 is needed: models/operator.py ``export_grad_contributions``.)

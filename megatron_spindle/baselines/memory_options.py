@@ -57,7 +57,7 @@ def with_cheapest_recompute(plan: Plan, metagraph: MetaGraph, cost_model, memory
     order = slice_order([[s.task for s in w] for w in waves], base)
     micro = {mid: micro_batch_metaop(m, base.micro_batches) for mid, m in metagraph.metaops.items()}
     try:
-        numbers = ZeroSharded(memory_model, base.zero_stage, base.sequence_parallel)
+        numbers = ZeroSharded.of(memory_model, base)
         choices = choose_recompute(waves, micro, numbers, cost_model, cluster.gpu.memory_bytes, order,
                                    RecomputePolicy(), cluster.num_devices, cluster.gpu.name)
     except RecomputeError:

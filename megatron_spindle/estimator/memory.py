@@ -92,12 +92,15 @@ class MemoryModel:
 
     def __init__(self, workload: Workload, cluster: ClusterSpec, cost_model: AnalyticCostModel | None = None,
                  distributed_optimizer: bool = False, recompute: Recompute | None = None,
-                 zero_stage: int | None = None, sequence_parallel: bool | None = None):
+                 zero_stage: int | None = None, sequence_parallel: bool | None = None,
+                 tp_sharded_grads: bool = False):
         # distributed_optimizer: the optimizer state (master weights, Adam moments) of a unit is sharded over
         # the data-parallel ranks that run it (ZeRO-1, Megatron's --use-distributed-optimizer); ``zero_stage``
         # instead names the stage (2: the gradients too)
         self._zero_stage = zero_stage if zero_stage is not None else (1 if distributed_optimizer else 0)
         self.distributed_optimizer = self._zero_stage >= 1
+        # the gradients' layout the stage shards in (plan/schema.py ExecutionSettings.tp_sharded_grads)
+        self.tp_sharded_grads = tp_sharded_grads
         self.workload = workload
         self.cluster = cluster
         self.cost_model = cost_model or AnalyticCostModel(workload, cluster)
@@ -118,14 +121,18 @@ class MemoryModel:
 
     # ---------------------------------------------------------------------------------------- parameters
 
-    def param_state_bytes(self, param_name: str, tp: int, dp: int = 1) -> float:
-        """Weights + gradients + Adam state of one parameter unit on each of its tp ranks (the optimizer state
-        split over ``dp`` ranks with the distributed optimizer: plan/memory.py's ZeRO rule). Norms and some
-        biases are replicated rather than split by TP; they are tiny, so we divide everything by tp."""
+    def param_state_bytes(self, param_name: str, tp: int, dp: int | None = None) -> float:
+        """Weights + gradients + Adam state of one parameter unit on each of its tp ranks. Without ``dp``: the
+        unsharded state of a TP rank (plan/memory.py ``MemoryNumbers``, which ``ZeroSharded`` shards); with it,
+        one device's share under this model's ZeRO stage and gradient layout (plan/memory.py
+        ``zero_sharded_bytes``). Norms and some biases are replicated rather than split by TP; they are tiny, so
+        we divide everything by tp."""
         _check_positive("tp", tp)
-        _check_positive("dp", dp)
         state = self.cost_model.param_count(param_name) / tp * STATE_BYTES_PER_PARAM
-        return zero_sharded_bytes(state, self.zero_stage, dp)
+        if dp is None:
+            return state
+        _check_positive("dp", dp)
+        return zero_sharded_bytes(state, self.zero_stage, dp, tp, self.tp_sharded_grads)
 
     def slice_param_state_bytes(self, metaop: MetaOp, tp: int, layer_start: int, layer_end: int,
                                 dp: int = 1) -> float:

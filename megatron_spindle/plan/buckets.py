@@ -151,10 +151,17 @@ def unit_holders(waves: Sequence[Sequence[SliceGeometry]],
 
 
 def group_tp(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
-             groups: Sequence[Sequence[str]]) -> list[int]:
-    """Per parameter device group (its units): the TP degree of the gradient shard its rings reduce, the smallest
-    TP of the slices holding its units (1 when none does). A unit held at TP 2 and TP 4 is reduced in the TP-2
-    shard's layout, so each ring carries 1/2 of its gradient."""
+             groups: Sequence[Sequence[str]], settings: ExecutionSettings) -> list[int]:
+    """Per parameter device group (its units): the TP degree of the gradient shard each of its rings reduces,
+    and of the weights' shard gathered after the step.
+
+    - ``settings.tp_sharded_grads`` (Megatron-LM's, DeepSpeed's layout): the smallest TP of the slices holding
+      its units (1 when none does). A unit held at TP 2 and TP 4 is reduced in the TP-2 shard's layout, so each
+      ring carries 1/2 of its gradient.
+    - Otherwise (our runtime's canonical layout): 1. Whole units, over one ring of every member, whatever TP
+      holds them: a TP rank's contribution is zero outside its shard, but the buffer is reduced in full."""
+    if not settings.tp_sharded_grads:
+        return [1] * len(groups)
     holders = unit_holders(waves, metaops)
     return [min((s.tp for u in units for s in holders.get(u, ())), default=1) for units in groups]
 

@@ -56,23 +56,29 @@ class MemoryNumbers(Protocol):
     def activation_bytes(self, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> float: ...
 
 
-def zero_state_bytes_per_param(stage: int, dp: int) -> float:
-    """Training-state bytes per parameter on one device under ZeRO ``stage`` with ``dp`` data-parallel ranks."""
+def zero_state_bytes_per_param(stage: int, dp: int, tp: int = 1, tp_sharded: bool = True) -> float:
+    """Training-state bytes per parameter of a TP shard on one device under ZeRO ``stage`` with ``dp``
+    data-parallel ranks. ``tp_sharded`` False (plan/schema.py ``ExecutionSettings.tp_sharded_grads``: our
+    runtime's canonical layout): a device holds the whole unit's gradient at stages 0 and 1, and its whole
+    optimizer state at stage 0, t times a shard's at TP t; the ZeRO shards of the whole unit span the group's
+    members, at least tp x dp, so they weigh no more than a shard's over dp."""
     w, g, o = WEIGHT_BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
+    whole = 1 if tp_sharded else tp
     if stage == 0:
-        return w + g + o
+        return w + (g + o) * whole
     if stage == 1:
-        return w + g + o / dp
+        return w + g * whole + o / dp
     if stage == 2:
         return w + (g + o) / dp
     return (w + g + o) / dp
 
 
-def zero_sharded_bytes(state: float, stage: int, dp: int) -> float:
-    """One device's share of ``state`` (a unit's unsharded training state on a TP rank) under ZeRO."""
-    if stage == 0 or dp == 1:
+def zero_sharded_bytes(state: float, stage: int, dp: int, tp: int = 1, tp_sharded: bool = True) -> float:
+    """One device's share of ``state`` (a unit's unsharded training state on a TP rank of ``tp``) under ZeRO and
+    the gradients' layout (``zero_state_bytes_per_param``)."""
+    if (stage == 0 or dp == 1) and (tp_sharded or tp == 1 or stage >= 2):
         return state
-    return state * zero_state_bytes_per_param(stage, dp) / STATE_BYTES_PER_PARAM
+    return state * zero_state_bytes_per_param(stage, dp, tp, tp_sharded) / STATE_BYTES_PER_PARAM
 
 
 def grad_reduce_bytes(params: float, settings: ExecutionSettings) -> float:
@@ -82,15 +88,22 @@ def grad_reduce_bytes(params: float, settings: ExecutionSettings) -> float:
 
 @dataclass(frozen=True)
 class ZeroSharded:
-    """``MemoryNumbers`` under a plan's ZeRO stage (``param_state_bytes(unit, tp, dp)`` is one device's share)
-    and its sequence-parallel setting (the activations of the slices where it applies; None: the numbers' own)."""
+    """``MemoryNumbers`` under a plan's ZeRO stage and gradient layout (``param_state_bytes(unit, tp, dp)`` is one
+    device's share) and its sequence-parallel setting (the activations of the slices where it applies; None: the
+    numbers' own)."""
 
     numbers: MemoryNumbers
     zero_stage: int
     sequence_parallel: bool | None = None
+    tp_sharded: bool = False  # ExecutionSettings.tp_sharded_grads
+
+    @classmethod
+    def of(cls, numbers: MemoryNumbers, settings: ExecutionSettings) -> ZeroSharded:
+        return cls(numbers, settings.zero_stage, settings.sequence_parallel, settings.tp_sharded_grads)
 
     def param_state_bytes(self, unit: str, tp: int, dp: int = 1) -> float:
-        return zero_sharded_bytes(float(self.numbers.param_state_bytes(unit, tp)), self.zero_stage, dp)
+        return zero_sharded_bytes(float(self.numbers.param_state_bytes(unit, tp)), self.zero_stage, dp, tp,
+                                  self.tp_sharded)
 
     def activation_bytes(self, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> float:
         return self.numbers.activation_bytes(metaop, tp, dp, num_layers)
@@ -253,7 +266,7 @@ def plan_breakdown(plan: Plan, metaops: Mapping[str, MetaOp], numbers: MemoryNum
     recomputation per slice, micro-batches)."""
     settings = plan.settings
     waves = [w.slices for w in plan.waves]
-    return memory_breakdown(waves, metaops, ZeroSharded(numbers, settings.zero_stage, settings.sequence_parallel),
+    return memory_breakdown(waves, metaops, ZeroSharded.of(numbers, settings),
                             plan.num_devices,
                             slice_order([[s.task for s in w] for w in waves], settings),
                             lambda wi, si: settings.recompute_of(waves[wi][si].id), settings.micro_batches)

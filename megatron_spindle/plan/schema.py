@@ -210,6 +210,13 @@ class ExecutionSettings:
       completes within the step (DeepSpeed's ZeRO-1/2). Without the key (plans written before it): False.
     - ``sequence_parallel``: Megatron's sequence parallelism in the layer slices where ``sequence_parallel_runs``
       says it applies (``--sequence-parallel``). Without the key: False.
+    - ``tp_sharded_grads``: the layout gradients and optimizer state are kept and reduced in. True: by TP shard,
+      each TP rank's shard over the ring of its data-parallel replicas (Megatron-LM, DeepSpeed: the baselines'
+      plans). False: our runtime's layout, whole units (the TP ranks' parts added into one canonical buffer),
+      reduced and, under ZeRO, sharded over every member of the parameter device group; a unit held at TP t then
+      moves t times the bytes, and at ZeRO 0 and 1 holds t times the gradient (ZeRO 0: and optimizer) state of
+      a shard (plan/buckets.py ``group_tp``, plan/memory.py ``zero_sharded_bytes``). The two are the same
+      where no unit is held at TP > 1. Without the key: False.
     """
 
     recompute: Recompute = Recompute()
@@ -222,13 +229,14 @@ class ExecutionSettings:
     order: tuple[Step, ...] | None = None
     overlap_param_gather: bool = False
     sequence_parallel: bool = False
+    tp_sharded_grads: bool = False
 
     def __post_init__(self):
         if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
             raise PlanError(f"zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}")
         if not _is_count(self.micro_batches) or self.micro_batches < 1:
             raise PlanError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
-        for name in ("overlap_param_gather", "sequence_parallel"):
+        for name in ("overlap_param_gather", "sequence_parallel", "tp_sharded_grads"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.grad_reduce_dtype not in REDUCE_DTYPE_BYTES:
@@ -272,6 +280,7 @@ class ExecutionSettings:
             "order": None if self.order is None else [list(st) for st in self.order],
             "overlap_param_gather": self.overlap_param_gather,
             "sequence_parallel": self.sequence_parallel,
+            "tp_sharded_grads": self.tp_sharded_grads,
         }
 
     @classmethod

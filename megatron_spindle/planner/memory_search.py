@@ -225,7 +225,8 @@ class _Candidate:
         orders: list[tuple | None] = {"on": [early], "off": [None], "auto": [None, early]}[config.early_backward]
         if early == default_order(len(tasks)):
             orders = [None]
-        numbers = ZeroSharded(self.memory_model, self.memory_model.zero_stage)
+        numbers = ZeroSharded(self.memory_model, self.memory_model.zero_stage,
+                              tp_sharded=self.memory_model.tp_sharded_grads)
         waves = [w.slices for w in self.placed]
         for order in orders:
             steps = slice_order(tasks, ExecutionSettings(order=order))

@@ -291,7 +291,7 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
     op = "all_reduce" if settings.zero_stage == 0 else "reduce_scatter"
     regathered = regathered_groups(waves, metaops, [(g.devices, g.params) for g in plan.param_groups],
                                    settings.zero_stage)
-    tps = group_tp(waves, metaops, [g.params for g in plan.param_groups])
+    tps = group_tp(waves, metaops, [g.params for g in plan.param_groups], settings)
     rings = []
     for g, tp, again in zip(plan.param_groups, tps, regathered):
         rings.append((g, tp, GroupPlacement.dp_ring(g.devices, tp, cluster), again))

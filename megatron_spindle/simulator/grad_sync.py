@@ -74,7 +74,8 @@ class GroupInfo:
 
 
 def group_infos(plan: Plan, metaops: Mapping[str, MetaOp], param_count, cluster: ClusterSpec) -> list[GroupInfo]:
-    tps = group_tp([w.slices for w in plan.waves], metaops, [g.params for g in plan.param_groups])
+    tps = group_tp([w.slices for w in plan.waves], metaops, [g.params for g in plan.param_groups],
+                   plan.settings)
     out = []
     for g, tp in zip(plan.param_groups, tps):
         params = sum(param_count(u) for u in g.params)

@@ -169,10 +169,24 @@ def test_sync_aware_curves_trade_compute_for_less_sync_across_nodes():
                    for tp, dp in valid_configs(llm, workload, cluster) if tp * dp == n}
         assert aware["al/llm"].time(n) == pytest.approx(min(charged.values()))
         assert aware["al/llm"].time(n) >= plain["al/llm"].time(n)
-    # on four nodes the 7B LLM's gradients (fp32, a third of them per task) outlast a layer's backward at tp 1
-    assert plain["al/llm"].config(32) == (1, 32)
-    assert aware["al/llm"].config(32)[0] > 1
+    # on four nodes the 7B LLM's gradients (fp32, a third of them per task) outlast a layer's backward at tp 1;
+    # in the runtime's layout TP does not shrink them (whole units over all tp x dp ranks), so TP buys no sync
+    assert plain["al/llm"].config(32) == (1, 32) and aware["al/llm"].config(32) == (1, 32)
     assert aware["al/llm"].time(32) > 1.1 * plain["al/llm"].time(32)
+
+
+def test_exposed_sync_is_the_whole_operator_s_over_every_rank():
+    """The runtime reduces whole units (plan/schema.py tp_sharded_grads False): a (tp, dp) operator's sync is the
+    whole operator's gradient over tp x dp ranks, what the cost model charges a TP-1 operator on that many."""
+    asked = []
+
+    class Recording(_SyncStub):
+        def layer_cost(self, metaop, tp, dp):
+            asked.append((tp, dp))
+            return super().layer_cost(metaop, tp, dp)
+
+    exposed_sync_seconds(Recording(3.0, 2.0), None, 4, 8, 1)
+    assert asked == [(1, 32)]
 
 
 def test_weight_sharers_by_level_count_the_levels_that_hold_a_weight():

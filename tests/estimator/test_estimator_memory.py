@@ -14,13 +14,17 @@ def test_param_state_is_18_bytes_per_param_split_by_tp(tiny_clip, cluster8):
     count = AnalyticCostModel(workload, cluster8).param_count("vision.layers.0")
     assert memory.param_state_bytes("vision.layers.0", 1) == 18 * count
     assert memory.param_state_bytes("vision.layers.0", 4) == 18 * count / 4
+    # one device's share at ZeRO 0 in our runtime's layout: the whole unit's gradient and optimizer state
+    assert memory.param_state_bytes("vision.layers.0", 4, 1) == (2 / 4 + 16) * count
+    sharded = MemoryModel(workload, cluster8, tp_sharded_grads=True)
+    assert sharded.param_state_bytes("vision.layers.0", 4, 1) == 18 * count / 4
 
 
 def test_slice_param_state_sums_its_layers(tiny_clip, cluster8):
     workload, graph = tiny_clip
     memory = MemoryModel(workload, cluster8)
     vision = graph.metaops["vision_depth/vision"]
-    one = memory.param_state_bytes("vision.layers.0", 2)
+    one = memory.param_state_bytes("vision.layers.0", 2, 1)
     assert memory.slice_param_state_bytes(vision, 2, 1, 4) == pytest.approx(3 * one)
     with pytest.raises(EstimatorError, match=r"layers \[2, 7\)"):
         memory.slice_param_state_bytes(vision, 1, 2, 7)

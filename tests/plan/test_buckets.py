@@ -47,7 +47,7 @@ def test_overlapped_param_gather_only_at_zero_1_and_2():
     assert not overlaps_param_gather(ExecutionSettings(zero_stage=1, overlap_param_gather=False))
 
 
-def test_group_tp_is_the_smallest_holder_tp():
+def test_group_tp_is_the_smallest_holder_tp_in_the_tp_sharded_layout():
     g = build_metagraph(load_workload("tiny-vlm"))
     vision = next(m for m in g.metaops.values() if m.kind == "layer" and m.module == "vision")
     audio = next(m for m in g.metaops.values() if m.kind == "layer" and m.module == "audio")
@@ -58,9 +58,12 @@ def test_group_tp_is_the_smallest_holder_tp():
     head = slice_units(vision, 0, half)
     tail = slice_units(vision, half, vision.num_layers)
     groups = [head, tail, slice_units(audio, 0, audio.num_layers), ["nobody.holds.this"]]
+    sharded = ExecutionSettings(tp_sharded_grads=True)
     # the first layers are held at TP 4 and TP 2 (reduced in the TP-2 layout), the rest at TP 2 alone
-    assert group_tp(waves, g.metaops, groups) == [2, 2, 2, 1]
+    assert group_tp(waves, g.metaops, groups, sharded) == [2, 2, 2, 1]
+    # our runtime's canonical layout reduces whole units whatever TP holds them
+    assert group_tp(waves, g.metaops, groups, ExecutionSettings()) == [1, 1, 1, 1]
     waves[1][0].tp = 1
-    assert group_tp(waves, g.metaops, groups) == [1, 1, 2, 1]
+    assert group_tp(waves, g.metaops, groups, sharded) == [1, 1, 2, 1]
     waves[1] = []
-    assert group_tp(waves, g.metaops, [head, tail]) == [4, 1]
+    assert group_tp(waves, g.metaops, [head, tail], sharded) == [4, 1]

@@ -46,6 +46,7 @@ from harness import (
     spawn,
 )
 from plans import (
+    build_plan,
     early_backward,
     module_kinds,
     random_plan,
@@ -69,7 +70,7 @@ from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.__main__ import main
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
 from megatron_spindle.runtime.groups import GroupCache
-from megatron_spindle.runtime.layout import slice_units
+from megatron_spindle.runtime.layout import check_grad_layout_runnable, slice_units
 
 OPT = OptimizerConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
 TINY_BUCKET = 4096  # elements: the stand-ins' units are 192..33k, so groups get several buckets of 1+ units
@@ -200,6 +201,15 @@ def selective_modules(workload, plan):
     return recomputing(plan, turn)
 
 
+def layers_at_tp2(workload, world: int):
+    """Every layer MetaOp at TP 2 on all devices, every other MetaOp on device 0: the layers' parameter group
+    holds TP-2 units alone."""
+    g = build_metagraph(workload)
+    waves = [[(mid, 0, g.metaops[mid].num_layers, list(range(world)), 2) if g.metaops[mid].kind == "layer"
+              else (mid, 0, g.metaops[mid].num_layers, [0], 1)] for level in g.levels for mid in level]
+    return build_plan(workload, world, waves)
+
+
 def bad_plans(workload, world: int):
     """Plans that must be refused before any communication, with words of the expected message."""
     beyond = sequential_plan(workload, world)
@@ -210,8 +220,13 @@ def bad_plans(workload, world: int):
     digest.workload_digest = "0" * 16
     half = sequential_plan(workload, world)  # timed at bf16's bytes, which the runtime's fp32 buffers would not be
     half.settings = dataclasses.replace(half.settings, grad_reduce_dtype="bf16")
-    return [(beyond, "beyond the world size"), (layers, r"layer range \[0, \d+\) does not exist"),
-            (digest, "was made for workload"), (half, "reduces gradients in fp32")]
+    out = [(beyond, "beyond the world size"), (layers, r"layer range \[0, \d+\) does not exist"),
+           (digest, "was made for workload"), (half, "reduces gradients in fp32")]
+    if world > 1:  # timed with TP-sharded gradients (a baseline's plan), which the runtime's whole units are not
+        sharded = layers_at_tp2(workload, world)
+        sharded.settings = dataclasses.replace(sharded.settings, tp_sharded_grads=True)
+        out.append((sharded, "held at TP 2 and would be reduced by TP shard"))
+    return out
 
 
 def _worker(rank, world):
@@ -759,3 +774,7 @@ def test_wrong_plan_fails_before_any_communication():
     for plan, words in bad_plans(w, 2):
         with pytest.raises(PlanError, match=words):
             RuntimeEngine(plan, w, 0, 2, operator_factory=standin_factory, batch_fn=standin_batch)
+    # a plan timed with TP-sharded gradients but held at TP 1 throughout has the runtime's own layout: it runs
+    plain = sequential_plan(w, 2)
+    plain.settings = dataclasses.replace(plain.settings, tp_sharded_grads=True)
+    check_grad_layout_runnable(plain, build_metagraph(w))
