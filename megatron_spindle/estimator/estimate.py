@@ -33,8 +33,9 @@ def exposed_sync_seconds(cost_model: AnalyticCostModel, metaop: MetaOp, tp: int,
     unless measured). Layer i's buckets overlap layer i-1's backward, so a sync longer than a layer's backward
     is exposed layer after layer, and only the curves of sync-aware planning see it. The sync is the runtime's
     (plan/schema.py ``tp_sharded_grads`` False, the layout Spindle's plans run in): the whole operator's
-    gradient over all tp x dp ranks, not each TP rank's shard over its dp ranks."""
-    sync = cost_model.layer_cost(metaop, 1, tp * dp).dp_sync / max(1, sharers)
+    gradient over all tp x dp ranks, not each TP rank's shard over its dp ranks (the analytic collective: no
+    measured TP-1 configuration need exist, and tp x dp need not divide the batch)."""
+    sync = cost_model.dp_sync_seconds(metaop, 1, tp * dp) / max(1, sharers)
     if sync <= 0:
         return 0.0
     _, backward = cost_model.phase_seconds(metaop, tp, dp)

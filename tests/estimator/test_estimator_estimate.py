@@ -1,5 +1,4 @@
 import math
-import types
 
 import pytest
 
@@ -128,8 +127,8 @@ class _SyncStub:
         self.sync, self.backward = sync, backward
         self.comm = CommModel(cluster or make_cluster(8))
 
-    def layer_cost(self, metaop, tp, dp):
-        return types.SimpleNamespace(dp_sync=self.sync)
+    def dp_sync_seconds(self, metaop, tp, dp):
+        return self.sync
 
     def phase_seconds(self, metaop, tp, dp):
         return 1.0, self.backward
@@ -181,12 +180,19 @@ def test_exposed_sync_is_the_whole_operator_s_over_every_rank():
     asked = []
 
     class Recording(_SyncStub):
-        def layer_cost(self, metaop, tp, dp):
+        def dp_sync_seconds(self, metaop, tp, dp):
             asked.append((tp, dp))
-            return super().layer_cost(metaop, tp, dp)
+            return super().dp_sync_seconds(metaop, tp, dp)
 
     exposed_sync_seconds(Recording(3.0, 2.0), None, 4, 8, 1)
     assert asked == [(1, 32)]
+    # where tp x dp does not divide the batch (vision at TP 4 x DP 64, batch 64, on 256 GPUs): the collective
+    # alone, no layer at TP 1 over 256 ranks
+    w, cluster = load_workload("qwen-val"), make_cluster(256)
+    graph = build_metagraph(w)
+    vision = graph.metaops["vl/vision"]
+    assert vision.batch == 64
+    assert exposed_sync_seconds(AnalyticCostModel(w, cluster), vision, 4, 64, 2) >= 0.0
 
 
 def test_weight_sharers_by_level_count_the_levels_that_hold_a_weight():
