@@ -27,8 +27,8 @@ each segment that runs forward then backward before the next one (a task of a te
 ``zero_stage`` is the ZeRO stage of the whole plan, ``recompute`` whether layers recompute their activations
 (the cost and memory models must match it), ``overlap_param_gather`` on for every system but DeepSpeed (those
 built on Megatron-LM run with --overlap-param-gather), ``tp_sharded_grads`` for every system but Spindle-Seq
-(Megatron-LM and DeepSpeed keep gradients by TP shard; Spindle-Seq is our runtime, which keeps whole units). Wave start times are a serialisation that ``validate_plan``
-accepts; the simulator runs device-disjoint work concurrently (Spindle-Optimus tasks). Each plan's memory is
+(Megatron-LM and DeepSpeed keep gradients by TP shard; Spindle-Seq is our runtime, which keeps whole units).
+Wave start times are a serialisation that ``validate_plan`` accepts; the simulator runs device-disjoint work concurrently (Spindle-Optimus tasks). Each plan's memory is
 plan/memory.py's accounting under its settings, which the simulator applies too.
 
 This package sits above the planner and the simulator (it uses both); neither imports it.

@@ -76,9 +76,10 @@ def zero_state_bytes_per_param(stage: int, dp: int, tp: int = 1, tp_sharded: boo
 def zero_sharded_bytes(state: float, stage: int, dp: int, tp: int = 1, tp_sharded: bool = True) -> float:
     """One device's share of ``state`` (a unit's unsharded training state on a TP rank of ``tp``) under ZeRO and
     the gradients' layout (``zero_state_bytes_per_param``)."""
-    if (stage == 0 or dp == 1) and (tp_sharded or tp == 1 or stage >= 2):
+    per_param = zero_state_bytes_per_param(stage, dp, tp, tp_sharded)
+    if per_param == STATE_BYTES_PER_PARAM:  # nothing sharded, nothing whole: the state as it is, to the bit
         return state
-    return state * zero_state_bytes_per_param(stage, dp, tp, tp_sharded) / STATE_BYTES_PER_PARAM
+    return state * per_param / STATE_BYTES_PER_PARAM
 
 
 def grad_reduce_bytes(params: float, settings: ExecutionSettings) -> float:
