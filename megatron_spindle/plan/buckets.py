@@ -32,6 +32,7 @@ and the simulator times the same buckets, so both agree on what is reduced when:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, TypeVar
 
@@ -155,15 +156,16 @@ def group_tp(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, Met
     """Per parameter device group (its units): the TP degree of the gradient shard each of its rings reduces,
     and of the weights' shard gathered after the step.
 
-    - ``settings.tp_sharded_grads`` (Megatron-LM's, DeepSpeed's layout): the smallest TP of the slices holding
-      its units (1 when none does). A unit held at TP 2 and TP 4 is reduced in the TP-2 shard's layout, so each
-      ring carries 1/2 of its gradient.
+    - ``settings.tp_sharded_grads`` (Megatron-LM's, DeepSpeed's layout): the greatest common divisor of the TPs
+      of the slices holding its units (1 when none does; the smallest of them for powers of two). A unit held at
+      TP 2 and TP 4 is reduced in the TP-2 shard's layout, so each ring carries 1/2 of its gradient; the TP-4
+      ranks' parts nest in those shards (plan/tp_shards.py).
     - Otherwise (our runtime's canonical layout): 1. Whole units, over one ring of every member, whatever TP
       holds them: a TP rank's contribution is zero outside its shard, but the buffer is reduced in full."""
     if not settings.tp_sharded_grads:
         return [1] * len(groups)
     holders = unit_holders(waves, metaops)
-    return [min((s.tp for u in units for s in holders.get(u, ())), default=1) for units in groups]
+    return [math.gcd(*(s.tp for u in units for s in holders.get(u, ()))) or 1 for units in groups]
 
 
 def overlaps_param_gather(settings: ExecutionSettings) -> bool:

@@ -25,6 +25,11 @@
    issued by the step, and each slice waits for its groups' gathers just before its next forward
    (param_gather.py); every reader of weights or masters (``full_state``, ``export_units``, ``load_*``,
    ``close``) finishes them first (``flush_param_gather``).
+   With ``settings.tp_sharded_grads`` (the default) a parameter device group held at TP t > 1 keeps, reduces
+   and steps each unit's TP-split tensors by TP shard (tp_shards.py, plan/tp_shards.py): shard p of degree t is a
+   sub-unit of its own, reduced over the ring of devices holding it, so a device moves and stores 1/t of such a
+   unit, as in Megatron-LM; ``sync_groups`` are the sets of units reduced together, ``keys`` translates between
+   the runtime's keys and the operators' canonical ones. Checkpoints and ``full_state`` stay canonical.
 5. The fast path (direct.py): fp32 TP=1 canonical-layout units alias their masters and gradient buffer, so
    nothing is exported or loaded back for them. Other units are exported after each slice's backward
    (``export_full_state`` on gradients, TP rank 0 contributing) and loaded back after each step.
@@ -69,7 +74,8 @@ from megatron_spindle.checkpointing.checkpoint import UnitState
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.buckets import overlaps_param_gather, regathered_groups, unit_first_use
-from megatron_spindle.plan.schema import Plan
+from megatron_spindle.plan.schema import ParamGroup, Plan
+from megatron_spindle.plan.tp_shards import base_unit, runtime_groups, unit_rings
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.activation_meter import SavedTensorMeter
 from megatron_spindle.runtime.clip import GradClipper, StepStats, norm_tensors, prepare_step
@@ -83,6 +89,7 @@ from megatron_spindle.runtime.optimizer import MasterOptimizer, OptimizerConfig
 from megatron_spindle.runtime.param_gather import ParamGather, gather_buckets, streamed_gathers
 from megatron_spindle.runtime.schedule import WaveSchedule
 from megatron_spindle.runtime.slices import build_local_slices, in_wave_order, initial_weights, unit_holders
+from megatron_spindle.runtime.tp_shards import KeyLayout
 from megatron_spindle.runtime.transfer import SpecFn, default_activation_spec, receives_early
 from megatron_spindle.runtime.weight_shards import WeightShards
 
@@ -154,15 +161,24 @@ class RuntimeEngine:
         self.device = torch.device(self.config.device or (f"cuda:{torch.cuda.current_device()}"
                                                            if torch.cuda.is_available() else "cpu"))
         self.batch_fn = batch_fn or _default_batch_fn()
-        self.groups = PlanGroups(plan, rank, cache=groups)
+        # the sets of units reduced together: the plan's groups and, with TP-sharded gradients, each unit's
+        # TP shards over their rings (plan/tp_shards.py), in one order on every rank
+        plan_groups = [(tuple(sorted(g.devices)), list(g.params)) for g in plan.param_groups]
+        rings = unit_rings([w.slices for w in plan.waves], self.metagraph.metaops, [u for _, u in plan_groups],
+                           settings)
+        self.sync_groups = [ParamGroup(list(d), units) for d, units in runtime_groups(plan_groups, rings)]
+        self.keys = KeyLayout(rings, plan_groups, rank)
+        self.groups = PlanGroups(plan, rank, cache=groups, extra=[tuple(g.devices) for g in self.sync_groups])
         self._owns_groups = groups is None
         self.local = build_local_slices(plan, workload, self.metagraph, rank, self.groups,
-                                        operator_factory or default_factory, self.device, self.config.dtype)
+                                        operator_factory or default_factory, self.device, self.config.dtype,
+                                        self.keys)
         full, self.key_unit = initial_weights(self.local, rank, self.device)
-        self.master_optimizer = MasterOptimizer(full, self.key_unit, plan.param_groups, rank, self.zero_stage,
+        self.master_optimizer = MasterOptimizer(full, self.key_unit, self.sync_groups, rank, self.zero_stage,
                                                 self.config.optimizer, self.groups, self.device)
         opt = self.master_optimizer
-        order = backward_order(plan, self.metagraph)
+        completion = backward_order(plan, self.metagraph)  # a TP shard completes with its unit
+        order = {u: completion[base_unit(u)] for u in opt.shards}
         if self.zero_stage >= 1:  # reduce-scattered into the optimizer's shards (stage 2: kept as shards only)
             self.grad_buffers = ShardedGradBuffers(opt.unit_groups, opt.shards, order, self.config.ddp_bucket_size,
                                                    self.device, backend_reduces_scatter(dist.get_backend()))
@@ -176,16 +192,15 @@ class RuntimeEngine:
         # --overlap-param-gather (ZeRO-1/2): the weights' all-gather after the step waits for the next forward
         self.param_gather = None
         if overlaps_param_gather(settings):
-            first_use = unit_first_use([w.slices for w in plan.waves], self.metagraph.metaops, settings)
             self.param_gather = ParamGather(opt, self.local, self.key_unit, self.config.dtype,
-                                            gather_buckets(self.grad_buffers.buckets, first_use), self._timed_gather)
+                                            gather_buckets(self.grad_buffers.buckets, self._first_use()),
+                                            self._timed_gather)
         # ZeRO-3: each slice keeps its DP shard of its weights, a layer gathered around its use (weight_shards.py)
         self.weight_shards, self._regathered = None, set()
         if self.zero_stage == 3:
-            groups = [(tuple(sorted(g.devices)), g.params) for g in plan.param_groups]
-            again = regathered_groups([w.slices for w in plan.waves], self.metagraph.metaops, groups, 3)
-            self._regathered = {d for (d, _), a in zip(groups, again) if a}
-            aligned = {u for (d, units), a in zip(groups, again) if not a and len(d) > 1 for u in units}
+            again = regathered_groups([w.slices for w in plan.waves], self.metagraph.metaops, plan_groups, 3)
+            self._regathered = {u for (_, units), a in zip(plan_groups, again) if a for u in units}
+            aligned = {u for (d, units), a in zip(plan_groups, again) if not a and len(d) > 1 for u in units}
             self.weight_shards = WeightShards(self.local, self.groups, self.key_unit, aligned, opt.masters,
                                               self.device)
         # the buckets whose weights are all-gathered right after the step (plan/buckets.py ``regathered_groups``),
@@ -193,13 +208,21 @@ class RuntimeEngine:
         self._holders = unit_holders(self.local, self.key_unit)
         self._gathered_buckets = []
         if self.param_gather is None and self.zero_stage >= 1:
-            first_use = unit_first_use([w.slices for w in plan.waves], self.metagraph.metaops, settings)
-            self._gathered_buckets = [(d, units) for d, units in gather_buckets(self.grad_buffers.buckets, first_use)
-                                      if self.zero_stage < 3 or d in self._regathered or len(d) == 1]
+            self._gathered_buckets = [
+                (d, kept) for d, units in gather_buckets(self.grad_buffers.buckets, self._first_use())
+                if (kept := tuple(u for u in units if self.zero_stage < 3 or len(d) == 1
+                                  or base_unit(u) in self._regathered))]
         gathered = {u for _, units in self._gathered_buckets for u in units}
         whole = self.weight_shards.whole if self.weight_shards is not None else set()
-        self._gathered_keys = {sid: [k for k in self.local[sid].param_keys if self.key_unit[k] in gathered]
-                               for sid in whole}  # the keys a slice gathered whole waits for after the step
+        # ZeRO-3: the keys each gather unit of a slice (a unit, or a slice gathered whole: None) waits for after
+        # the step before it is loaded (a unit's TP shards and its replicated tensors come in separate buckets)
+        self._gathered_keys: dict[tuple[str, str | None], list[str]] = {}
+        if self.weight_shards is not None:
+            for sid, ls in self.local.items():
+                for k in ls.param_keys:
+                    if self.key_unit[k] in gathered:
+                        part = None if sid in whole else base_unit(self.key_unit[k])
+                        self._gathered_keys.setdefault((sid, part), []).append(k)
         self.grad_sync = GradSync(self.grad_buffers, self.local, self.binding, self.key_unit, self.groups,
                                   overlap=self.config.overlap_grad_reduce, micro_batches=settings.micro_batches,
                                   zero_stage=self.zero_stage)
@@ -208,11 +231,16 @@ class RuntimeEngine:
                                      weights, self.config.dtype, self.device, on_wave,
                                      early_receives=receives_early(dist.get_backend()))
         self.clipper = GradClipper(self.grad_buffers.storage(), norm_tensors(
-            self.grad_buffers.unit_grads, plan.param_groups, rank, self.grad_buffers.sharded), self.device)
+            self.grad_buffers.unit_grads, self.sync_groups, rank, self.grad_buffers.sharded), self.device)
         self.grads: dict[str, torch.Tensor] = {}
         self.activation_peak: int | None = None  # bytes, with EngineConfig(measure_activations=True)
         self.last_step = StepStats()
         self.phase_times: dict[str, float] | None = None
+
+    def _first_use(self):
+        """unit (a TP shard: its unit's) -> where the forward first uses it (plan/buckets.py)."""
+        first = unit_first_use([w.slices for w in self.plan.waves], self.metagraph.metaops, self.plan.settings)
+        return {u: first[base_unit(u)] for u in self.master_optimizer.shards}
 
     # ------------------------------------------------------------------------------------------ views
     @property
@@ -222,6 +250,12 @@ class RuntimeEngine:
     @on_wave.setter
     def on_wave(self, fn: Callable[[str, int, float], None] | None) -> None:
         self.schedule.on_wave = fn
+
+    @property
+    def units(self) -> list[str]:
+        """The parameter units this rank holds (checkpoint names; ``shards`` has the runtime's, TP shards
+        included: runtime/tp_shards.py)."""
+        return sorted(set(self.keys.canonical_units().values()))
 
     @property
     def shards(self):
@@ -320,11 +354,11 @@ class RuntimeEngine:
         the last ``forward_backward`` / ``train_step``: ``grads`` itself, or at zero_stage 1 to 3 its shards
         all-gathered (collective over the parameter device groups there; for tests and inspection)."""
         if not self.grad_buffers.sharded:
-            return dict(self.grads)
-        # no flush: the gradient shards are not what the pending weight gathers read or write, and these gathers
-        # queue behind them on the same process groups, in the same order on every member
-        full = self.master_optimizer.gather_full(self.grad_buffers.unit_grads)
-        return {k: t.clone() for k, t in full.items()}
+            full = dict(self.grads)
+        else:  # no flush: the gradient shards are not what the pending weight gathers read or write, and these
+            # gathers queue behind them on the same process groups, in the same order on every member
+            full = self.master_optimizer.gather_full(self.grad_buffers.unit_grads)
+        return {k: t.clone() for k, t in self.keys.canonical([full], self.groups)[0].items()}
 
     def held_grad_bytes(self) -> int:
         """Bytes of gradient storage this rank holds now: the gradient buffers (at zero_stage 1 to 3 the shards and
@@ -380,7 +414,8 @@ class RuntimeEngine:
         for ls in in_wave_order(self.local):
             if self.generic_keys[ls.slice.id]:
                 with self._loading(ls):
-                    ls.op.load_full_state({k: full[k].to(self.config.dtype) for k in ls.param_keys})
+                    ls.op.load_full_state(ls.keys.to_canonical({k: full[k].to(self.config.dtype)
+                                                                for k in ls.param_keys}))
 
     def _push_gathered_weights(self) -> None:
         """ZeRO-1/2 without --overlap-param-gather: every bucket's updated weights all-gathered in turn
@@ -388,29 +423,26 @@ class RuntimeEngine:
         for units, full in streamed_gathers(self.master_optimizer, self._gathered_buckets, self.config.dtype):
             for u in units:
                 for ls, keys in self._holders.get(u, ()):
-                    ls.op.load_full_state({k: full[k] for k in keys}, strict=False)
+                    ls.op.load_full_state(ls.keys.to_canonical({k: full[k] for k in keys}), strict=False)
 
     def _push_weight_shards(self) -> None:
         """ZeRO-3 after the step: the aligned units' weight shards from their masters (no communication), the
         others' weights all-gathered bucket by bucket (plan/buckets.py ``regathered_groups``; a one-device
         group's master is whole) and loaded unit by unit, each slice keeping its shard: a rank holds one unit's
         weights at full size at a time, as in the forward. A slice gathered whole (weight_shards.py ``whole``)
-        is loaded once all of its keys are in."""
+        is loaded once all of its keys are in, and a unit once its TP shards and its replicated tensors are."""
         ws = self.weight_shards
         ws.update_from_masters(self.master_optimizer.masters)
-        waiting = {sid: {} for sid in self._gathered_keys}
+        waiting: dict[tuple[str, str | None], dict[str, torch.Tensor]] = {}
         for units, full in streamed_gathers(self.master_optimizer, self._gathered_buckets, self.config.dtype):
             for u in units:
                 for ls, keys in self._holders.get(u, ()):
-                    tensors = {k: full[k] for k in keys}
-                    if ls.slice.id not in waiting:
-                        with ws.loading(ls, aligned_too=False, unit=u):
-                            ls.op.load_full_state(tensors, strict=False)
-                        continue
-                    waiting[ls.slice.id].update(tensors)
-                    if len(waiting[ls.slice.id]) == len(self._gathered_keys[ls.slice.id]):
-                        with ws.loading(ls, aligned_too=False):
-                            ls.op.load_full_state(waiting.pop(ls.slice.id), strict=False)
+                    part = (ls.slice.id, None if ls.slice.id in ws.whole else base_unit(u))
+                    tensors = waiting.setdefault(part, {})
+                    tensors.update({k: full[k] for k in keys})
+                    if len(tensors) == len(self._gathered_keys[part]):
+                        with ws.loading(ls, aligned_too=False, unit=part[1]):
+                            ls.op.load_full_state(ls.keys.to_canonical(waiting.pop(part)), strict=False)
 
     def _loading(self, ls):
         """Around writing full weights into a slice's operator: at ZeRO-3 it keeps its shards of them."""
@@ -454,35 +486,44 @@ class RuntimeEngine:
 
     def expected_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
         """unit -> {"<unit>.<path>": full shape} for every unit this rank holds."""
-        return self.master_optimizer.expected_shapes()
+        shapes = self.keys.shapes
+        out: dict[str, dict[str, tuple[int, ...]]] = {}
+        for k, u in sorted(self.keys.canonical_units().items()):
+            out.setdefault(u, {})[k] = tuple(shapes[k])
+        return out
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Full master weights this rank holds ("<unit>.<path>" -> tensor). Collective at zero_stage 1 to 3."""
+        """Full master weights this rank holds ("<unit>.<path>" -> tensor). Collective at zero_stage 1 to 3 and
+        with TP-sharded gradients."""
         self.flush_param_gather()
-        return {k: v.clone() for k, v in self.master_optimizer.full_weights().items()}
+        full = self.keys.canonical([self.master_optimizer.full_weights()], self.groups)[0]
+        return {k: v.clone() for k, v in full.items()}
 
     def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
         """Overwrite the weights this rank holds (keys it does not hold are ignored; missing keys raise)."""
-        missing = sorted(set(self.key_unit) - set(state))
+        keys = self.keys.canonical_keys()
+        missing = sorted(set(keys) - set(state))
         if missing:
             raise KeyError(f"load_full_state: missing {missing[:5]}")
         self.flush_param_gather()  # a gather finishing later would overwrite what is loaded here
-        full = {k: state[k].detach().to(self.device, torch.float32) for k in self.key_unit}
+        full = self.keys.to_runtime({k: state[k].detach().to(self.device, torch.float32) for k in keys})
         self.master_optimizer.load_weights(full)
         self._push_weights(full)
 
     def export_units(self) -> dict[str, UnitState]:
         """Every unit this rank holds in full form: fp32 weights and AdamW state (``optim`` empty before the
-        first step), whatever the zero stage. Collective over the parameter device groups at zero_stage 1-3."""
+        first step), whatever the zero stage and gradient layout. Collective over the parameter device groups at
+        zero_stage 1-3 and with TP-sharded gradients."""
         self.flush_param_gather()
-        return self.master_optimizer.export_units()
+        return self.keys.canonical_unit_states(self.master_optimizer.export_units(), self.groups)
 
     def load_units(self, units: dict[str, UnitState], load_optim: bool = True) -> None:
         """Load the weights (and AdamW state) of every unit this rank holds from their full forms; each rank
         keeps its own shard. A unit without optimizer state starts AdamW afresh. Never communicates."""
-        missing = sorted(set(self.shards) - set(units))
+        missing = sorted(set(self.units) - set(units))
         if missing:
             raise KeyError(f"load_units: missing units {missing[:5]}")
-        self.load_full_state({k: v for u in self.shards for k, v in units[u].model.items()})
+        self.load_full_state({k: v for u in self.units for k, v in units[u].model.items()})
         if load_optim:
-            self.master_optimizer.load_optimizer_state(units)
+            held = {u: units[u] for u in self.units}
+            self.master_optimizer.load_optimizer_state(self.keys.runtime_unit_states(held, self.key_unit))

@@ -43,6 +43,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_spindle.plan.buckets import synced_micro_batches
+from megatron_spindle.plan.tp_shards import base_unit
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.direct import DirectBinding
 from megatron_spindle.runtime.grad_buffers import Bucket, GradBuffers
@@ -78,13 +79,14 @@ class GradSync:
                 self._bucket_of[sid, k] = i
                 self._expected[i] += self._per_round
         self._missing = list(self._expected)
-        # slice id -> its generic keys unit by unit: exported one unit at a time, so that a rank holds one unit's
-        # full-shape gradients at once, not its whole operator's
+        # slice id -> its generic keys unit by unit (a unit's TP shard with its unit: runtime/tp_shards.py):
+        # exported one unit at a time, so that a rank holds one unit's full-shape gradients at once, not its
+        # whole operator's
         self._generic_units: dict[str, list[tuple[str, list[str]]]] = {}
         for sid, keys in binding.generic_keys.items():
             by_unit: dict[str, list[str]] = {}
             for k in keys:
-                by_unit.setdefault(key_unit[k], []).append(k)
+                by_unit.setdefault(base_unit(key_unit[k]), []).append(k)
             self._generic_units[sid] = list(by_unit.items())
         self._counted: set[tuple[str, str, int]] = set()  # (slice id, key, micro-batch)
         self._next = 0  # position of the first bucket not issued yet
@@ -172,12 +174,12 @@ class GradSync:
         export = self._each_micro or self._micro == self.micro_batches - 1
         generic = self.binding.generic_keys[sid]
         if export and generic and not hasattr(ls.op, "export_grad_contributions"):
-            g = full_grads(ls.op, ls.param_keys)  # one export of the whole operator (stand-ins)
+            g = full_grads(ls.op, ls.keys.canonical)  # one export of the whole operator (stand-ins: never split)
             if ls.tp_leader:
-                self.buffers.add(g, generic, self._micro)
+                self.buffers.add(ls.keys.to_runtime(g), generic, self._micro)
         elif export:
             for unit, keys in self._generic_units.get(sid, ()):  # every TP rank its part: the reduction sums them
-                self.buffers.add(ls.op.export_grad_contributions([unit]), keys, self._micro)
+                self.buffers.add(ls.keys.to_runtime(ls.op.export_grad_contributions([unit])), keys, self._micro)
         if export and self.buffers.sharded:  # the operator's full gradients are in the buckets now
             for p in ls.op.parameters():
                 p.grad = None

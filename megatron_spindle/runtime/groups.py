@@ -86,8 +86,10 @@ class PlanGroups:
     gradient buckets of a parameter group on the same devices are issued wherever each rank completes them.
     """
 
-    def __init__(self, plan: Plan, rank: int, cache: GroupCache | None = None):
+    def __init__(self, plan: Plan, rank: int, cache: GroupCache | None = None,
+                 extra: list[tuple[int, ...]] = ()):
         self.plan = plan
+        self.extra = list(extra)  # further sets of units reduced together (TP shards' rings: plan/tp_shards.py)
         self.rank = rank
         self.cache = cache if cache is not None else GroupCache(rank)
         self._slice_pgs: dict[str, object] = {}
@@ -105,6 +107,8 @@ class PlanGroups:
                 self.cache.get(devs)
         for g in self.plan.param_groups:
             self.cache.get(tuple(sorted(g.devices)))
+        for devices in self.extra:
+            self.cache.get(tuple(sorted(devices)))
         if self.plan.settings.zero_stage == 3:
             for s in self.plan.slices():
                 for devs in all_dp_groups(s):

@@ -10,7 +10,6 @@ from __future__ import annotations
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan import layout
-from megatron_spindle.plan.buckets import group_tp
 from megatron_spindle.plan.derive import plan_slice_pairs
 from megatron_spindle.plan.schema import RUNTIME_ZERO_STAGES, Plan, PlanError, Slice, Transfer
 from megatron_spindle.plan.validate import validate_plan
@@ -50,21 +49,6 @@ def check_settings_runnable(plan: Plan) -> None:
                         f"gradient buffers, as Megatron-LM does for bf16 training)")
 
 
-def check_grad_layout_runnable(plan: Plan, metagraph: MetaGraph) -> None:
-    """A plan timed with gradients kept by TP shard (``settings.tp_sharded_grads``, a baseline's) runs only where
-    that layout is this runtime's too: no parameter group held at TP > 1. Elsewhere the runtime's whole-unit
-    buffers would move TP times the bytes the plan was timed with."""
-    if not plan.settings.tp_sharded_grads:
-        return
-    units = [g.params for g in plan.param_groups]
-    for g, tp in zip(plan.param_groups, group_tp([w.slices for w in plan.waves], metagraph.metaops, units,
-                                                  plan.settings)):
-        if tp > 1:
-            raise PlanError(f"settings.tp_sharded_grads: the parameter group of devices {sorted(g.devices)} is "
-                            f"held at TP {tp} and would be reduced by TP shard; the runtime reduces whole units "
-                            f"(canonical gradient buffers), {tp} times the bytes the plan was timed with")
-
-
 def check_runnable(plan: Plan, workload: Workload, metagraph: MetaGraph, world_size: int) -> None:
     """Everything the runtime relies on, checked before any communication. Raises PlanError."""
     if plan.workload_digest != workload.digest():
@@ -87,7 +71,6 @@ def check_runnable(plan: Plan, workload: Workload, metagraph: MetaGraph, world_s
             raise PlanError(f"plan MetaOp '{info.id}' does not match the workload's MetaOp graph")
     validate_plan(plan, workload=workload, metagraph=metagraph, check_memory=False)
     check_settings_runnable(plan)
-    check_grad_layout_runnable(plan, metagraph)
     have = {(t.producer, t.consumer) for t in plan.transfers}
     need = plan_slice_pairs(plan)
     missing = [p for p in need if p not in have]

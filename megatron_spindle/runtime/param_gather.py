@@ -26,6 +26,7 @@ from functools import partial
 import torch
 
 from megatron_spindle.plan.buckets import gather_order
+from megatron_spindle.plan.tp_shards import base_unit
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.optimizer import MasterOptimizer
 from megatron_spindle.runtime.shards import PendingGather
@@ -50,9 +51,9 @@ class ParamGather:
         self.unhooked: dict[str, list[str]] = {}  # slice id -> its gathered units no layer hook loads
         for sid, ls in local.items():
             modules = ls.op.unit_modules() if hasattr(ls.op, "unit_modules") else {}  # stand-ins have none
-            for u in self.slice_units[sid]:
-                if u in modules and u in self.bucket_of:
-                    self._hooks.append(modules[u].register_forward_pre_hook(partial(self._before_unit, u)))
+            for u in self.slice_units[sid]:  # a unit's TP shard (runtime/tp_shards.py) before its unit's layer
+                if base_unit(u) in modules and u in self.bucket_of:
+                    self._hooks.append(modules[base_unit(u)].register_forward_pre_hook(partial(self._before_unit, u)))
                 elif u in self.bucket_of:
                     self.unhooked.setdefault(sid, []).append(u)
         self._pending: dict[int, PendingGather] = {}
@@ -109,7 +110,7 @@ class ParamGather:
         full = self.optimizer.unflatten(units, pending)
         for u in units:
             for ls, keys in self.holders.get(u, ()):
-                ls.op.load_full_state({k: full[k].to(self.dtype) for k in keys}, strict=False)
+                ls.op.load_full_state(ls.keys.to_canonical({k: full[k].to(self.dtype) for k in keys}), strict=False)
             self._stale.discard(u)
 
 

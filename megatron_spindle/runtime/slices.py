@@ -15,14 +15,17 @@ from megatron_spindle.plan.schema import Plan, Slice, sequence_parallel_runs
 from megatron_spindle.runtime.groups import PlanGroups
 from megatron_spindle.runtime.layout import is_tp_leader, slice_units
 from megatron_spindle.runtime.opstate import param_keys
+from megatron_spindle.runtime.tp_shards import KeyLayout, SliceKeys
 
 TERMINAL_KINDS = ("loss", "lm_head")
 
 
 @dataclass(frozen=True)
 class LocalSlice:
-    """A slice this rank runs. ``param_keys``: the "<unit>.<path>" keys of its parameters (full form);
-    ``dp_loss_mean``: a terminal operator whose DP ranks each return the task loss (not a share of it)."""
+    """A slice this rank runs. ``param_keys``: the runtime keys of its parameters ("<unit>.<path>", full form,
+    or a TP shard's "<sub-unit>.<path>": runtime/tp_shards.py), ``keys`` their translation to and from the
+    operator's canonical keys; ``dp_loss_mean``: a terminal operator whose DP ranks each return the task loss
+    (not a share of it)."""
 
     slice: Slice
     wave: int
@@ -34,6 +37,7 @@ class LocalSlice:
     num_inputs: int
     param_keys: list[str]
     dp_loss_mean: bool
+    keys: SliceKeys
 
 
 def is_terminal(metagraph: MetaGraph, s: Slice) -> bool:
@@ -42,11 +46,13 @@ def is_terminal(metagraph: MetaGraph, s: Slice) -> bool:
 
 
 def build_local_slices(plan: Plan, workload: Workload, metagraph: MetaGraph, rank: int, groups: PlanGroups,
-                       factory: Callable, device: torch.device, dtype: torch.dtype) -> dict[str, LocalSlice]:
+                       factory: Callable, device: torch.device, dtype: torch.dtype,
+                       layout: KeyLayout) -> dict[str, LocalSlice]:
     """slice id -> LocalSlice for every slice on ``rank``, built in wave order (operator construction and the
     parameter probe are collective over the slice's TP group). A slice that recomputes activations
     (``settings.recompute_of``) is built with ``factory(..., recompute=Recompute)``, one that runs
-    sequence-parallel (``sequence_parallel_runs``) with ``factory(..., sequence_parallel=True)``."""
+    sequence-parallel (``sequence_parallel_runs``) with ``factory(..., sequence_parallel=True)``. Each slice's
+    keys are registered in ``layout``."""
     local = {}
     for wi, w in enumerate(plan.waves):
         for s in w.slices:
@@ -61,10 +67,12 @@ def build_local_slices(plan: Plan, workload: Workload, metagraph: MetaGraph, ran
                 extra["sequence_parallel"] = True
             op = factory(workload, info, s.layer_start, s.layer_end, pg_collection=pgs, dp_group=pgs.dp, **extra)
             op = op.to(device=device, dtype=dtype)
+            units = slice_units(metagraph, s)
+            keys = layout.slices[s.id] = SliceKeys(s, rank, op, param_keys(op), units, layout.rings)
             local[s.id] = LocalSlice(
-                slice=s, wave=wi, op=op, pgs=pgs, units=slice_units(metagraph, s), terminal=is_terminal(metagraph, s),
+                slice=s, wave=wi, op=op, pgs=pgs, units=units, terminal=is_terminal(metagraph, s),
                 tp_leader=is_tp_leader(s, rank), num_inputs=1 if s.layer_start > 0 else len(info.preds),
-                param_keys=param_keys(op), dp_loss_mean=getattr(op, "dp_loss_reduction", "sum") == "mean")
+                param_keys=keys.runtime, dp_loss_mean=getattr(op, "dp_loss_reduction", "sum") == "mean", keys=keys)
     return local
 
 
@@ -87,23 +95,21 @@ def unit_holders(local: dict[str, LocalSlice],
 
 def initial_weights(local: dict[str, LocalSlice], rank: int,
                     device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(key -> full fp32 weight, key -> its unit) from the operators' own deterministic initialisation; slices
-    holding the same key must agree. Collective per TP group (wave order)."""
+    """(runtime key -> full fp32 weight, runtime key -> its unit) from the operators' own deterministic
+    initialisation, and the canonical shapes recorded in each slice's keys; slices holding the same key must
+    agree. Collective per TP group (wave order)."""
     full: dict[str, torch.Tensor] = {}
     key_unit: dict[str, str] = {}
     for ls in in_wave_order(local):
         state = ls.op.export_full_state()
-        for k in ls.param_keys:
-            unit = next((u for u in ls.units if k.startswith(u + ".")), None)
-            if unit is None:
-                raise RuntimeError(f"slice '{ls.slice.id}': exported parameter '{k}' belongs to none of its "
-                                   f"units {ls.units}")
-            v = state[k].detach().to(device, torch.float32)
+        ls.keys.shapes.update({k: state[k].shape for k in ls.keys.canonical})
+        for k, v in ls.keys.to_runtime({k: state[k] for k in ls.keys.canonical}).items():
+            v = v.detach().to(device, torch.float32)
             if k in full:
                 if not torch.equal(full[k], v):
                     raise RuntimeError(f"parameter '{k}' was initialised differently by two slices on rank "
                                        f"{rank}: operators must initialise weights from unit names")
                 continue
             full[k] = v.clone()
-            key_unit[k] = unit
+            key_unit[k] = ls.keys.unit_of[k]
     return full, key_unit

@@ -278,7 +278,7 @@ class TaskSets:
         initialised = sorted(set(new_units) - set(holders))
         fresh = phase.engine.export_units() if initialised else {}  # every rank: collective at stage 1
         units = {}
-        for u in phase.engine.shards:
+        for u in phase.engine.units:
             units[u] = received[u] if u in received else available[u] if u in available else fresh[u]
         phase.engine.load_units(units, load_optim=True)
         restored = sorted(u for u in self.retained.holder if u in new_units)

@@ -61,8 +61,8 @@ def test_group_tp_is_the_smallest_holder_tp_in_the_tp_sharded_layout():
     sharded = ExecutionSettings(tp_sharded_grads=True)
     # the first layers are held at TP 4 and TP 2 (reduced in the TP-2 layout), the rest at TP 2 alone
     assert group_tp(waves, g.metaops, groups, sharded) == [2, 2, 2, 1]
-    # our runtime's canonical layout reduces whole units whatever TP holds them
-    assert group_tp(waves, g.metaops, groups, ExecutionSettings()) == [1, 1, 1, 1]
+    # the whole-unit layout (plans written before the flag) reduces whole units whatever TP holds them
+    assert group_tp(waves, g.metaops, groups, ExecutionSettings(tp_sharded_grads=False)) == [1, 1, 1, 1]
     waves[1][0].tp = 1
     assert group_tp(waves, g.metaops, groups, sharded) == [1, 1, 2, 1]
     waves[1] = []

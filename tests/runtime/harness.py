@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_spindle.plan.tp_shards import base_unit
+
 RTOL = 1e-5
 LOOSE = 1e-3  # per tensor after optimizer steps
 LATER = 1e-4  # all gradients of steps after the first (their weights went through fp32 AdamW noise)
@@ -218,11 +220,13 @@ def _check_micro_batch_launches(engine, events, buckets, order, backward_step, o
             assert i > ends[-1], f"{label}: bucket {b} issued during the backward"
             continue
         done_wave = engine.plan.waves[b.done[0]]
-        tasks = {s.task for s in done_wave.slices if set(b.units) & set(slice_units_of(engine, s))}
+        units = {base_unit(u) for u in b.units}  # a unit's TP shard (runtime/tp_shards.py) with its unit
+        tasks = {s.task for s in done_wave.slices if units & set(slice_units_of(engine, s))}
         done = max(k for k, (w, p, t) in enumerate(order) if p == BWD and w == b.done[0]
                    and (t is None or t in tasks))
         assert i < ends[done], f"{label}: bucket {b} issued after the step completing it"
-        last = max(backward_step[ls.slice.id] for ls in engine.local.values() if set(ls.units) & set(b.units))
+        last = max(backward_step[ls.slice.id] for ls in engine.local.values()
+                   if {engine.key_unit[k] for k in ls.param_keys} & set(b.units))
         if last > 0:
             assert i > ends[last - 1], f"{label}: bucket {b} issued before its last accumulation"
 

@@ -66,11 +66,12 @@ from megatron_spindle.graph.workload import load_workload, workload_from_dict
 from megatron_spindle.plan.buckets import regathered_groups
 from megatron_spindle.plan.memory import plan_breakdown
 from megatron_spindle.plan.schema import TRANSFER_KINDS, PlanError, Recompute, sequence_parallel_runs
+from megatron_spindle.plan.tp_shards import base_unit
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.__main__ import main
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
 from megatron_spindle.runtime.groups import GroupCache
-from megatron_spindle.runtime.layout import check_grad_layout_runnable, slice_units
+from megatron_spindle.runtime.layout import slice_units
 
 OPT = OptimizerConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
 TINY_BUCKET = 4096  # elements: the stand-ins' units are 192..33k, so groups get several buckets of 1+ units
@@ -117,14 +118,14 @@ def standin_trajectory(workload, micro_batches: int = 1):
     return reference_trajectory(run, params, {t.name: t.loss.weight for t in workload.tasks}, OPT)
 
 
-def real_trajectory(workload, micro_batches: int = 1):
+def real_trajectory(workload, micro_batches: int = 1, opt=OPT):
     from megatron_spindle.data.mock import mock_batch
     from megatron_spindle.models.reference import ReferenceModel
 
     ref = ReferenceModel(workload)
     run = lambda step: ref({t.name: mock_batch(workload, t.name, step, 0) for t in workload.tasks},  # noqa: E731
                            micro_batches=micro_batches)
-    return reference_trajectory(run, ref.full_named_parameters(), {t.name: t.loss.weight for t in workload.tasks}, OPT)
+    return reference_trajectory(run, ref.full_named_parameters(), {t.name: t.loss.weight for t in workload.tasks}, opt)
 
 
 def planner_plan(workload, world: int):
@@ -201,11 +202,13 @@ def selective_modules(workload, plan):
     return recomputing(plan, turn)
 
 
-def layers_at_tp2(workload, world: int):
-    """Every layer MetaOp at TP 2 on all devices, every other MetaOp on device 0: the layers' parameter group
-    holds TP-2 units alone."""
+def layers_at_tp(workload, world: int, placements, by_metaop=None):
+    """The layer MetaOps on (devices, TP) of ``placements`` by turns, or of ``by_metaop`` for those it names;
+    every other MetaOp on device 0."""
     g = build_metagraph(workload)
-    waves = [[(mid, 0, g.metaops[mid].num_layers, list(range(world)), 2) if g.metaops[mid].kind == "layer"
+    layers = [mid for level in g.levels for mid in level if g.metaops[mid].kind == "layer"]
+    at = {mid: (by_metaop or {}).get(mid, placements[i % len(placements)]) for i, mid in enumerate(layers)}
+    waves = [[(mid, 0, g.metaops[mid].num_layers, *at[mid]) if mid in at
               else (mid, 0, g.metaops[mid].num_layers, [0], 1)] for level in g.levels for mid in level]
     return build_plan(workload, world, waves)
 
@@ -220,13 +223,8 @@ def bad_plans(workload, world: int):
     digest.workload_digest = "0" * 16
     half = sequential_plan(workload, world)  # timed at bf16's bytes, which the runtime's fp32 buffers would not be
     half.settings = dataclasses.replace(half.settings, grad_reduce_dtype="bf16")
-    out = [(beyond, "beyond the world size"), (layers, r"layer range \[0, \d+\) does not exist"),
-           (digest, "was made for workload"), (half, "reduces gradients in fp32")]
-    if world > 1:  # timed with TP-sharded gradients (a baseline's plan), which the runtime's whole units are not
-        sharded = layers_at_tp2(workload, world)
-        sharded.settings = dataclasses.replace(sharded.settings, tp_sharded_grads=True)
-        out.append((sharded, "held at TP 2 and would be reduced by TP shard"))
-    return out
+    return [(beyond, "beyond the world size"), (layers, r"layer range \[0, \d+\) does not exist"),
+            (digest, "was made for workload"), (half, "reduces gradients in fp32")]
 
 
 def _worker(rank, world):
@@ -272,10 +270,11 @@ def _worker(rank, world):
         early_receives |= early.remote > 0
         note_buckets(engine, buckets)
         mine = [s for s in plan.slices() if rank in s.devices]  # selective storage: only the units it runs
-        assert set(engine.key_unit.values()) == {u for s in mine for u in slice_units(engine.metagraph, s)}
+        assert set(engine.units) == {u for s in mine for u in slice_units(engine.metagraph, s)}
         assert set(engine.local) == {s.id for s in mine}
         tp_units = {u for s in mine if s.tp > 1 for u in slice_units(engine.metagraph, s)}
-        assert set(engine.direct_units) == set(engine.shards) - tp_units, "fast path: every unit without a TP>1 slice"
+        assert set(engine.direct_units) == {u for u in engine.shards if base_unit(u) not in tp_units}, \
+            "fast path: every unit without a TP>1 slice"
         for s in mine:  # group ranks follow the plan layout: TP rank r % tp, DP rank r // tp
             pgs = engine.groups.slice_pgs(s.id)
             r = s.devices.index(rank)
@@ -305,6 +304,7 @@ def _worker(rank, world):
         check_distributed_optimizer(rank, world, workloads, refs, tiny, cache, stage)
     if world > 1:
         check_weight_shards_with_options(rank, world, workloads, refs, tiny, cache)
+        check_tp_sharded_grads(rank, world, workloads, refs, cfg, cache)
     if world == 2:
         check_sequence_parallel_memory(rank, world, workloads, cache)
     check_clipping(rank, world, workloads, refs, tiny, cache, (0, 1, 2) if world == 2 else (2,))  # as above
@@ -465,7 +465,7 @@ def zero_cases(world: int):
 
 def check_sharded_state(engine, label: str) -> None:
     """Each rank keeps ceil(N / group size) elements of a unit's master and moments; exports are full."""
-    sizes = {u: len(g.devices) for g in engine.plan.param_groups for u in g.params}
+    sizes = {u: len(g.devices) for g in engine.sync_groups for u in g.params}  # a TP shard: over its ring
     numel = engine.optimizer_numel()
     for u, (local, full) in numel.items():
         assert local == math.ceil(full / sizes[u]), (label, u, local, full, sizes[u])
@@ -474,7 +474,7 @@ def check_sharded_state(engine, label: str) -> None:
     if numel and dist.get_world_size() > 1:
         assert any(local < full for local, full in numel.values()), f"{label}: nothing is sharded"
     exported, weights = engine.export_units(), engine.full_state()
-    assert set(exported) == set(numel)
+    assert set(exported) == set(engine.units) == {base_unit(u) for u in numel}
     for u, st in exported.items():
         assert set(st.model) == set(st.optim) == set(engine.expected_shapes()[u]), (label, u)
         for k, v in st.model.items():
@@ -492,7 +492,7 @@ def check_sharded_grads(engine, label: str) -> None:
     full = 4 * sum(sh.numel for sh in engine.shards.values())
     if any(sh.members > 1 for sh in engine.shards.values()):
         assert shard < full, (label, shard, full)
-    assert set(engine.gather_grads()) == set(engine.key_unit), label
+    assert set(engine.gather_grads()) == set(engine.keys.canonical_keys()), label
 
 
 def all_units(engine) -> dict:
@@ -660,6 +660,79 @@ def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache, stage:
         assert all(any(a[k] for a in everywhere) for k in aligned), everywhere
 
 
+def tp_sharded_cases(world: int):
+    """(label, workload, plan factory, zero stage, overlapped weight gather) run with TP-sharded gradients on the
+    real operators (the stand-ins say nothing of how their tensors split, so they keep whole units). The layers
+    sit on all devices at TP 2, and by turns in another device order, so that the LLM's units (shared by both
+    tasks) have devices in both of its shards' rings; once sequence-parallel. On 4 ranks CLIP's vision tower
+    (shared by two tasks) is also held at TP 4 in another order: its shards of degree 2 gather TP-4 parts."""
+    ranks = list(range(world))
+    turned = [ranks[1::-1] + ranks[2:][::-1]]  # [1, 0] or [1, 0, 3, 2]
+    two = lambda w: layers_at_tp(w, world, [(ranks, 2)])  # noqa: E731
+    turns = lambda w: layers_at_tp(w, world, [(ranks, 2), (turned[0], 2)])  # noqa: E731
+    mixed = lambda w: layers_at_tp(w, world, [(ranks, 2)], {"vision_text/vision": (turned[0], 4)})  # noqa: E731
+    seq_par = lambda w: with_settings(two(w), sequence_parallel=True)  # noqa: E731
+    if world == 2:
+        return [("tp2", "tiny-vlm", two, 0, False), ("turns", "tiny-vlm", turns, 1, True),
+                ("sequence-parallel", "tiny-vlm", seq_par, 2, False), ("turns", "tiny-vlm", turns, 3, False)]
+    return [("mixed", "tiny-clip", mixed, 0, False), ("turns", "tiny-vlm", turns, 2, True),
+            ("mixed", "tiny-clip", mixed, 3, False)]
+
+
+def check_tp_sharded_grads(rank, world, workloads, refs, cfg, cache) -> None:
+    """Plans timed with TP-sharded gradients (``settings.tp_sharded_grads``) run in that layout
+    (runtime/tp_shards.py): each TP shard of a unit held at TP > 1 is a sub-unit kept, reduced and stepped by its
+    ring alone, a TP rank's gradient storage is its shard's (not the whole unit's), and losses, the global
+    gradient norm (--clip-grad at a third of the first step's: every step clips), gradients, weights and exported
+    units still equal the single-process reference, at every ZeRO stage. A checkpoint of it loads into a
+    whole-unit engine exactly, and back."""
+    split_somewhere = False
+    for label, wname, make, stage, overlap in tp_sharded_cases(world):
+        w = workloads[wname]
+        if ("real", wname, 1) not in refs:
+            refs["real", wname, 1] = real_trajectory(w)
+        if ("real-clip", wname) not in refs:
+            g0 = refs["real", wname, 1].grads[0]
+            opt = dataclasses.replace(OPT, clip_grad=0.3 * float(torch.cat([g.double().reshape(-1)
+                                                                            for g in g0.values()]).norm()))
+            refs["real-clip", wname] = opt, real_trajectory(w, opt=opt)
+        opt, ref = refs["real-clip", wname]
+        plan = zeroed(with_settings(make(w), tp_sharded_grads=True), stage, overlap)
+        engine = RuntimeEngine(plan, w, rank, world, dataclasses.replace(cfg, optimizer=opt), groups=cache)
+        label = f"rank {rank} real {wname} {label} zero{stage} tp-sharded"
+        sub = {u for u in engine.shards if u != base_unit(u)}
+        held = {u for s in plan.slices() if rank in s.devices and s.tp > 1 for u in slice_units(engine.metagraph, s)}
+        assert {base_unit(u) for u in sub} <= held, label
+        for u in sub:  # a shard of a unit's TP-split tensors: 1/t of them
+            t = int(u.rsplit("of", 1)[1])
+            split = [k for k in engine.keys.canonical_units() if engine.keys.canonical_units()[k] == base_unit(u)
+                     and any(sk.runtime_of.get(k, k) != k for sk in engine.keys.slices.values())]
+            shapes = engine.keys.shapes
+            assert engine.shards[u].numel == sum(math.prod(shapes[k]) for k in split) // t, (label, u)
+        split_somewhere |= bool(sub)
+        check_engine_against(engine, ref, label)
+        assert set(engine.export_units()) == set(engine.units), label
+        if stage == 3:
+            check_weight_shards(engine, label, one_at_a_time=True)
+        units = all_units(engine)
+        whole = RuntimeEngine(sequential_plan(w, world), w, rank, world, cfg, groups=cache)
+        whole.load_units(units)
+        for u, st in whole.export_units().items():
+            for k, v in st.model.items():
+                assert torch.equal(v, units[u].model[k]), (label, k)
+                assert torch.equal(st.optim[k]["exp_avg_sq"], units[u].optim[k]["exp_avg_sq"]), (label, k)
+        back = RuntimeEngine(plan, w, rank, world, cfg, groups=cache)  # and back into the TP-sharded layout
+        back.load_units(all_units(whole))
+        again = all_units(back)
+        for u, st in units.items():
+            for k, v in st.model.items():
+                assert torch.equal(again[u].model[k], v), (label, k)
+                assert torch.equal(again[u].optim[k]["exp_avg"], st.optim[k]["exp_avg"]), (label, k)
+    everywhere = [None] * world
+    dist.all_gather_object(everywhere, split_somewhere)
+    assert any(everywhere), "no rank held a TP shard of its own"
+
+
 def zero3_cases(world: int):
     """ZeRO-3 only: every MetaOp on all devices at TP 1 (DeepSpeed's layout), where each unit's weight shard is
     its master shard (plan/buckets.py regathered_groups), with the stand-ins and the real operators."""
@@ -774,7 +847,3 @@ def test_wrong_plan_fails_before_any_communication():
     for plan, words in bad_plans(w, 2):
         with pytest.raises(PlanError, match=words):
             RuntimeEngine(plan, w, 0, 2, operator_factory=standin_factory, batch_fn=standin_batch)
-    # a plan timed with TP-sharded gradients but held at TP 1 throughout has the runtime's own layout: it runs
-    plain = sequential_plan(w, 2)
-    plain.settings = dataclasses.replace(plain.settings, tp_sharded_grads=True)
-    check_grad_layout_runnable(plain, build_metagraph(w))
