@@ -2,20 +2,19 @@
 moves, for a plan (made here, as tools/plan.py makes it, or given). Prints a table; writes it to --out-dir.
 
 Derived, not measured (no GPU): the simulator's side is its own buckets (simulator/grad_sync.py); the runtime's
-side follows the runtime's layout (runtime/grad_buffers.py, shards.py, models/operator.py), which keeps every
-parameter group's gradients and masters canonical (TP-unsharded):
+side follows the sets of units the runtime reduces together (plan/tp_shards.py ``runtime_groups``, which
+runtime/engine.py builds its buffers on), in fp32 (the runtime's buffers):
 
-- gradients: every bucket reduced whole, in fp32 (the runtime's buffers), over all of the group's devices;
-- weights after the step: the groups plan/buckets.py ``regathered_groups`` names, gathered whole in bf16 over all
-  of their devices.
+- whole units (``settings.tp_sharded_grads`` False, or a group of degree 1): every unit reduced whole over all
+  of its group's devices;
+- by TP shard: each of a unit's TP shards (1/t of it, counted here as 1/t of all of its parameters) over the ring
+  of devices holding it; its replicated tensors (norms, biases: not counted) stay whole over the group;
+- weights after the step: the groups plan/buckets.py ``regathered_groups`` names, gathered in bf16 over the same
+  sets.
 
-The simulator charges the plan's layout (``settings.tp_sharded_grads``). Spindle's plans are timed in the
-runtime's, so both sides agree; a plan timed by TP shard (a baseline's: each TP rank's 1/tp shard over its
-data-parallel ring) shows what the runtime would move instead, and the runtime refuses it where a group is held
-at TP > 1.
-
-(Each TP rank adds its own part of a unit's gradient into the canonical buffer, so no TP all-gather of gradients
-is needed: models/operator.py ``export_grad_contributions``.)
+The simulator charges each shard over a ring of group size / t devices; the runtime's rings are larger where a
+device holds a unit at different TP ranks in different slices (it then reduces that unit's shards on several
+rings), which this table shows.
 
 Bytes are nccl-tests bus bytes (all-reduce 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n), per
 gradient reduction round (ZeRO-2 and 3 reduce once per micro-batch, both sides alike).
@@ -40,7 +39,9 @@ from megatron_spindle.estimator import AnalyticCostModel
 from megatron_spindle.graph.cluster import ClusterSpec, make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.plan.buckets import regathered_groups
 from megatron_spindle.plan.schema import Plan
+from megatron_spindle.plan.tp_shards import base_unit, runtime_groups, unit_rings
 from megatron_spindle.planner.pipeline import PLANNERS, PlannerConfig
 from megatron_spindle.simulator.grad_sync import group_infos, param_gathers, plan_buckets
 
@@ -57,6 +58,21 @@ def bus_factor(op: str, n: int) -> float:
     return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
 
 
+def runtime_sets(plan: Plan, metaops, param_count) -> list[tuple[tuple[int, ...], float, bool]]:
+    """(devices, parameters, gathered after the step) of every set of units the runtime reduces together."""
+    waves = [w.slices for w in plan.waves]
+    plan_groups = [(tuple(sorted(g.devices)), list(g.params)) for g in plan.param_groups]
+    rings = unit_rings(waves, metaops, [units for _, units in plan_groups], plan.settings)
+    again = regathered_groups(waves, metaops, plan_groups, plan.settings.zero_stage)
+    regathered = {u for (_, units), a in zip(plan_groups, again) if a for u in units}
+    out = []
+    for devices, units in runtime_groups(plan_groups, rings):
+        params = sum(param_count(base_unit(u)) / rings[base_unit(u)].degree if u != base_unit(u)
+                     else 0.0 if u in rings else param_count(u) for u in units)
+        out.append((devices, params, any(base_unit(u) in regathered for u in units)))
+    return out
+
+
 def plan_bytes(plan: Plan, workload) -> dict:
     """Per device (bytes): the simulator's and the runtime's gradient reduction and weight gather after the step;
     the busiest device's row, the maxima and the sums over the devices."""
@@ -67,12 +83,15 @@ def plan_bytes(plan: Plan, workload) -> dict:
     for b in plan_buckets(plan, metagraph.metaops, cost.param_count, groups):
         for d in b.devices:
             sums["model_grad"][d] += bus_factor(b.op, b.ring.size) * b.nbytes
-            sums["runtime_grad"][d] += bus_factor(b.op, len(b.devices)) * b.params * RUNTIME_GRAD_BYTES
     for gi, nbytes in param_gathers(plan, groups, metagraph.metaops):
-        g = groups[gi]
-        for d in g.devices:
-            sums["model_weights"][d] += bus_factor("all_gather", g.ring.size) * nbytes
-            sums["runtime_weights"][d] += bus_factor("all_gather", len(g.devices)) * g.params * RUNTIME_WEIGHT_BYTES
+        for d in groups[gi].devices:
+            sums["model_weights"][d] += bus_factor("all_gather", groups[gi].ring.size) * nbytes
+    op = "all_reduce" if plan.settings.zero_stage == 0 else "reduce_scatter"
+    for devices, params, regathered in runtime_sets(plan, metagraph.metaops, cost.param_count):
+        for d in devices:
+            sums["runtime_grad"][d] += bus_factor(op, len(devices)) * params * RUNTIME_GRAD_BYTES
+            if regathered:
+                sums["runtime_weights"][d] += bus_factor("all_gather", len(devices)) * params * RUNTIME_WEIGHT_BYTES
     runtime_total = Counter()
     for k in ("runtime_grad", "runtime_weights"):
         runtime_total.update(sums[k])

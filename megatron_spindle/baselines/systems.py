@@ -26,8 +26,8 @@ Execution settings of the plans (``Plan.settings``, obeyed by the simulator): ``
 each segment that runs forward then backward before the next one (a task of a temporally decoupled system);
 ``zero_stage`` is the ZeRO stage of the whole plan, ``recompute`` whether layers recompute their activations
 (the cost and memory models must match it), ``overlap_param_gather`` on for every system but DeepSpeed (those
-built on Megatron-LM run with --overlap-param-gather), ``tp_sharded_grads`` for every system but Spindle-Seq
-(Megatron-LM and DeepSpeed keep gradients by TP shard; Spindle-Seq is our runtime, which keeps whole units).
+built on Megatron-LM run with --overlap-param-gather), ``tp_sharded_grads`` for every system (Megatron-LM and
+DeepSpeed keep gradients by TP shard, and so does our runtime, which Spindle-Seq is).
 Wave start times are a serialisation that ``validate_plan`` accepts; the simulator runs device-disjoint work concurrently (Spindle-Optimus tasks). Each plan's memory is
 plan/memory.py's accounting under its settings, which the simulator applies too.
 
@@ -153,16 +153,15 @@ def _serialise(groups: Sequence[Sequence[ScheduledSlice]], metagraph: MetaGraph)
 
 
 def _assemble(ctx: BaselineContext, waves: list[ScheduledWave], segments: list[list[int]],
-              info: dict[str, Any], zero_stages: Sequence[int] = (0,), overlap_param_gather: bool = True,
-              tp_sharded_grads: bool = True) -> list[Plan]:
+              info: dict[str, Any], zero_stages: Sequence[int] = (0,), overlap_param_gather: bool = True) -> list[Plan]:
     """Assemble once, then one validated plan per ZeRO stage (the stage changes only the settings and the
     memory), each timed by the simulator. ``overlap_param_gather``: Megatron's --overlap-param-gather, which
     the systems built on Megatron-LM run with (a tuned launch passes it); DeepSpeed's ZeRO-1/2 gathers the
-    weights inside its optimizer step. ``tp_sharded_grads``: the system keeps and reduces gradients by TP shard
-    (Megatron-LM and DeepSpeed do; Spindle-Seq runs on our runtime, which does not)."""
+    weights inside its optimizer step. Gradients are kept and reduced by TP shard (the settings' default), as
+    Megatron-LM, DeepSpeed and our runtime do."""
     recompute = Recompute("full" if ctx.recompute else "none")
     settings = ExecutionSettings(recompute=recompute, segments=segments, overlap_param_gather=overlap_param_gather,
-                                 sequence_parallel=ctx.sequence_parallel, tp_sharded_grads=tp_sharded_grads)
+                                 sequence_parallel=ctx.sequence_parallel)
     base = assemble_plan(ctx.workload, ctx.cluster, ctx.metagraph, waves, ctx.cost_model, ctx.memory_model, info,
                          validate=False, settings=settings)
     plans = []
@@ -209,16 +208,15 @@ def memory_tuned(ctx: BaselineContext, build: Callable[[BaselineContext, Sequenc
 
 
 def _temporal_variants(ctx: BaselineContext, per_task: Callable[[str], list[list[ScheduledSlice]]],
-                       settings: dict[str, Any], zero_stages: Sequence[int], overlap_param_gather: bool = True,
-                       tp_sharded_grads: bool = True) -> list[Plan]:
+                       settings: dict[str, Any], zero_stages: Sequence[int], overlap_param_gather: bool = True
+                       ) -> list[Plan]:
     """Tasks one after another (each a segment); ``per_task`` gives a task's waves as lists of slices."""
     groups, segments = [], []
     for task in ctx.workload.tasks:
         task_groups = per_task(task.name)
         segments.append(list(range(len(groups), len(groups) + len(task_groups))))
         groups += task_groups
-    return _assemble(ctx, _serialise(groups, ctx.metagraph), segments, settings, zero_stages, overlap_param_gather,
-                     tp_sharded_grads)
+    return _assemble(ctx, _serialise(groups, ctx.metagraph), segments, settings, zero_stages, overlap_param_gather)
 
 
 def _temporal(ctx: BaselineContext, per_task: Callable[[str], list[list[ScheduledSlice]]], settings: dict[str, Any],
@@ -441,7 +439,7 @@ def spindle_seq_plan(workload: Workload, cluster: ClusterSpec, ctx: BaselineCont
             return _whole_cluster_waves(c, task, lambda m: c.best_config(m, n, exact_n=True,
                                                                          amortised_sync=False)[:2])
 
-        return _temporal_variants(c, per_task, {"planner": "spindle-seq"}, stages, tp_sharded_grads=False)
+        return _temporal_variants(c, per_task, {"planner": "spindle-seq"}, stages)
 
     return memory_tuned(ctx, build, zero_stages)
 

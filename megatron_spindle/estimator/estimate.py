@@ -31,11 +31,10 @@ def exposed_sync_seconds(cost_model: AnalyticCostModel, metaop: MetaOp, tp: int,
     MetaOps that hold the same weights sync them once) of the all-reduce, overlapped with one operator's
     backward at the overlap slowdown (the cluster's, else C10) and with its share of the overlap latency (0
     unless measured). Layer i's buckets overlap layer i-1's backward, so a sync longer than a layer's backward
-    is exposed layer after layer, and only the curves of sync-aware planning see it. The sync is the runtime's
-    (plan/schema.py ``tp_sharded_grads`` False, the layout Spindle's plans run in): the whole operator's
-    gradient over all tp x dp ranks, not each TP rank's shard over its dp ranks (the analytic collective: no
-    measured TP-1 configuration need exist, and tp x dp need not divide the batch)."""
-    sync = cost_model.dp_sync_seconds(metaop, 1, tp * dp) / max(1, sharers)
+    is exposed layer after layer, and only the curves of sync-aware planning see it. The sync is each TP rank's
+    shard over its dp ranks (plan/schema.py ``tp_sharded_grads``, the layout Spindle's plans run in; the
+    analytic collective, which needs no measured configuration)."""
+    sync = cost_model.dp_sync_seconds(metaop, tp, dp) / max(1, sharers)
     if sync <= 0:
         return 0.0
     _, backward = cost_model.phase_seconds(metaop, tp, dp)

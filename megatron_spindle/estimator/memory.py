@@ -93,7 +93,7 @@ class MemoryModel:
     def __init__(self, workload: Workload, cluster: ClusterSpec, cost_model: AnalyticCostModel | None = None,
                  distributed_optimizer: bool = False, recompute: Recompute | None = None,
                  zero_stage: int | None = None, sequence_parallel: bool | None = None,
-                 tp_sharded_grads: bool = False):
+                 tp_sharded_grads: bool = True):
         # distributed_optimizer: the optimizer state (master weights, Adam moments) of a unit is sharded over
         # the data-parallel ranks that run it (ZeRO-1, Megatron's --use-distributed-optimizer); ``zero_stage``
         # instead names the stage (2: the gradients too)

@@ -96,7 +96,7 @@ class ZeroSharded:
     numbers: MemoryNumbers
     zero_stage: int
     sequence_parallel: bool | None = None
-    tp_sharded: bool = False  # ExecutionSettings.tp_sharded_grads
+    tp_sharded: bool = True  # ExecutionSettings.tp_sharded_grads
 
     @classmethod
     def of(cls, numbers: MemoryNumbers, settings: ExecutionSettings) -> ZeroSharded:

@@ -210,13 +210,14 @@ class ExecutionSettings:
       completes within the step (DeepSpeed's ZeRO-1/2). Without the key (plans written before it): False.
     - ``sequence_parallel``: Megatron's sequence parallelism in the layer slices where ``sequence_parallel_runs``
       says it applies (``--sequence-parallel``). Without the key: False.
-    - ``tp_sharded_grads``: the layout gradients and optimizer state are kept and reduced in. True: by TP shard,
-      each TP rank's shard over the ring of its data-parallel replicas (Megatron-LM, DeepSpeed: the baselines'
-      plans). False: our runtime's layout, whole units (the TP ranks' parts added into one canonical buffer),
-      reduced and, under ZeRO, sharded over every member of the parameter device group; a unit held at TP t then
-      moves t times the bytes, and at ZeRO 0 and 1 holds t times the gradient (ZeRO 0: and optimizer) state of
-      a shard (plan/buckets.py ``group_tp``, plan/memory.py ``zero_sharded_bytes``). The two are the same
-      where no unit is held at TP > 1. Without the key: False.
+    - ``tp_sharded_grads``: the layout gradients and optimizer state are kept and reduced in. True (the
+      default, as in Megatron-LM and DeepSpeed): by TP shard, each shard of a parameter device group's degree
+      (plan/buckets.py ``group_tp``) over the ring of devices holding it (plan/tp_shards.py; the runtime's
+      runtime/tp_shards.py). False: whole units (the TP ranks' parts added into one canonical buffer), reduced
+      and, under ZeRO, sharded over every member of the parameter device group; a unit held at TP t then moves
+      t times the bytes, and at ZeRO 0 and 1 holds t times the gradient (ZeRO 0: and optimizer) state of a
+      shard (plan/memory.py ``zero_sharded_bytes``). The two are the same where no group's degree exceeds 1.
+      Without the key (plans written before it, which the runtime ran in whole units): False.
     """
 
     recompute: Recompute = Recompute()
@@ -229,7 +230,7 @@ class ExecutionSettings:
     order: tuple[Step, ...] | None = None
     overlap_param_gather: bool = False
     sequence_parallel: bool = False
-    tp_sharded_grads: bool = False
+    tp_sharded_grads: bool = True
 
     def __post_init__(self):
         if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
@@ -285,7 +286,7 @@ class ExecutionSettings:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ExecutionSettings:
-        return cls(**d)
+        return cls(**{"tp_sharded_grads": False, **d})  # a plan written before the key: whole units
 
 
 def sequence_parallel_runs(enabled: bool, kind: str, tp: int, tokens: int, module) -> bool:

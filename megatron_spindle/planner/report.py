@@ -42,7 +42,7 @@ def plan_summary(plan: Plan) -> str:
         f"   intra-island {_fmt_bytes(p.get('intra_island_bytes', 0))}   local {_fmt_bytes(p.get('local_bytes', 0))}",
         f"  execution: memory options {memory_options(plan)}"
         f"   gradient all-reduce in {plan.settings.grad_reduce_dtype}"
-        + (" by TP shard" if plan.settings.tp_sharded_grads else "")
+        + ("" if plan.settings.tp_sharded_grads else " in whole units")
         + ("   weight all-gather overlapped with the next forward"
            if overlaps_param_gather(plan.settings) else "")
         + (f"   {len(plan.settings.segments)} segments" if plan.settings.segments else ""),

@@ -169,14 +169,15 @@ def test_sync_aware_curves_trade_compute_for_less_sync_across_nodes():
         assert aware["al/llm"].time(n) == pytest.approx(min(charged.values()))
         assert aware["al/llm"].time(n) >= plain["al/llm"].time(n)
     # on four nodes the 7B LLM's gradients (fp32, a third of them per task) outlast a layer's backward at tp 1;
-    # in the runtime's layout TP does not shrink them (whole units over all tp x dp ranks), so TP buys no sync
-    assert plain["al/llm"].config(32) == (1, 32) and aware["al/llm"].config(32) == (1, 32)
+    # by TP shard (the runtime's layout) a TP rank reduces 1/tp of them, so the sync-aware curve buys TP
+    assert plain["al/llm"].config(32) == (1, 32)
+    assert aware["al/llm"].config(32)[0] > 1
     assert aware["al/llm"].time(32) > 1.1 * plain["al/llm"].time(32)
 
 
-def test_exposed_sync_is_the_whole_operator_s_over_every_rank():
-    """The runtime reduces whole units (plan/schema.py tp_sharded_grads False): a (tp, dp) operator's sync is the
-    whole operator's gradient over tp x dp ranks, what the cost model charges a TP-1 operator on that many."""
+def test_exposed_sync_is_a_tp_shard_s_over_its_data_parallel_ranks():
+    """The runtime reduces by TP shard (plan/schema.py tp_sharded_grads): a (tp, dp) operator's sync is each TP
+    rank's shard over its dp ranks, the cost model's analytic collective."""
     asked = []
 
     class Recording(_SyncStub):
@@ -185,7 +186,7 @@ def test_exposed_sync_is_the_whole_operator_s_over_every_rank():
             return super().dp_sync_seconds(metaop, tp, dp)
 
     exposed_sync_seconds(Recording(3.0, 2.0), None, 4, 8, 1)
-    assert asked == [(1, 32)]
+    assert asked == [(4, 8)]
     # where tp x dp does not divide the batch (vision at TP 4 x DP 64, batch 64, on 256 GPUs): the collective
     # alone, no layer at TP 1 over 256 ranks
     w, cluster = load_workload("qwen-val"), make_cluster(256)

@@ -10,13 +10,13 @@ from megatron_spindle.plan.schema import Recompute
 
 def test_param_state_is_18_bytes_per_param_split_by_tp(tiny_clip, cluster8):
     workload, _ = tiny_clip
-    memory = MemoryModel(workload, cluster8)
+    memory = MemoryModel(workload, cluster8, tp_sharded_grads=False)
     count = AnalyticCostModel(workload, cluster8).param_count("vision.layers.0")
     assert memory.param_state_bytes("vision.layers.0", 1) == 18 * count
     assert memory.param_state_bytes("vision.layers.0", 4) == 18 * count / 4
-    # one device's share at ZeRO 0 in our runtime's layout: the whole unit's gradient and optimizer state
+    # one device's share at ZeRO 0 in whole units: the whole unit's gradient and optimizer state
     assert memory.param_state_bytes("vision.layers.0", 4, 1) == (2 / 4 + 16) * count
-    sharded = MemoryModel(workload, cluster8, tp_sharded_grads=True)
+    sharded = MemoryModel(workload, cluster8)  # by TP shard, the default
     assert sharded.param_state_bytes("vision.layers.0", 4, 1) == 18 * count / 4
 
 

@@ -64,9 +64,10 @@ def test_a_unit_counts_once_at_its_largest_share():
     assert memory == [2000 + acts_a + acts_b, 2 * 500 + acts_b, 0.0]
 
 
-def test_the_runtime_s_layout_holds_whole_units_of_gradients():
-    """Our runtime (``tp_sharded_grads`` False) keeps a TP-2 unit's gradient whole at ZeRO 0 and 1, and its
-    optimizer state whole at ZeRO 0; the ZeRO shards of whole units weigh what a TP shard's over dp would."""
+def test_the_whole_unit_layout_holds_whole_units_of_gradients():
+    """The whole-unit layout (``tp_sharded_grads`` False: plans written before the flag) keeps a TP-2 unit's
+    gradient whole at ZeRO 0 and 1, and its optimizer state whole at ZeRO 0; the ZeRO shards of whole units
+    weigh what a TP shard's over dp would."""
     per_shard_param = {0: 2 + 16 * 2, 1: 2 + 4 * 2 + 12 / 2, 2: 2 + 16 / 2, 3: 18 / 2}
     for stage, per_param in per_shard_param.items():
         assert zero_state_bytes_per_param(stage, 2, tp=2, tp_sharded=False) == pytest.approx(per_param)
@@ -74,10 +75,12 @@ def test_the_runtime_s_layout_holds_whole_units_of_gradients():
         # b at TP 2 and DP 2 on four devices: each holds 500 bytes of state of a TP shard, as the rule scales it
         waves = [[S("b", [0, 1, 2, 3], tp=2)]]
         gathered = 2 * 500 * WEIGHT_BYTES_PER_PARAM / STATE_BYTES_PER_PARAM if stage == 3 else 0.0
-        held = peak_memory(waves, METAOPS, ZeroSharded(Numbers(), stage), 4)[0] - 10 * 2 * 4 / 2 - gathered
+        held = peak_memory(waves, METAOPS, ZeroSharded(Numbers(), stage, tp_sharded=False), 4)[0] \
+            - 10 * 2 * 4 / 2 - gathered
         assert held == pytest.approx(2 * 500 * per_param / STATE_BYTES_PER_PARAM)
     # settings carry the layout into the plan's accounting
-    assert ZeroSharded.of(Numbers(), ExecutionSettings(zero_stage=1, tp_sharded_grads=True)).tp_sharded
+    assert ZeroSharded.of(Numbers(), ExecutionSettings(zero_stage=1)).tp_sharded
+    assert not ZeroSharded.of(Numbers(), ExecutionSettings(zero_stage=1, tp_sharded_grads=False)).tp_sharded
 
 
 def test_zero_shards_the_state_over_the_slice_s_data_parallel_ranks():

@@ -206,19 +206,19 @@ def test_grad_sync_groups_overlap_when_disjoint_and_serialise_when_sharing():
 
 
 def test_tp_shards_reduce_in_parallel_rings():
-    """4 devices with tp=2: by TP shard (a baseline's layout) two rings of 2 ranks, each reducing half the
-    gradients; in our runtime's layout whole units over all 4."""
+    """4 devices with tp=2: by TP shard two rings of 2 ranks, each reducing half the gradients; in whole units
+    (a plan written before the flag) over all 4."""
     w, cluster = _workload(), _cluster()
     cost = StubCostModel({"a": 4.0, "b": 4.0}, activation=0.0, params_per_unit=250_000_000)  # 1 GB grads/unit
     groups = [ParamGroup([0, 1, 2, 3], ["a.layers.0", "a.layers.1", "b.layers.0", "b.layers.1"])]
     waves = [Wave(0, 0, 0.0, 1.0, [_slice(0, "t/a", [0, 1, 2, 3], tp=2)]),
              Wave(1, 1, 1.0, 1.0, [_slice(1, "t/b", [0, 1, 2, 3], tp=2)])]
-    plan = _plan(w, cluster, waves, groups, planner={"tp_sharded_grads": True})
-    r = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0), AFTER_BACKWARD)
+    r = simulate(_plan(w, cluster, waves, groups), w, cluster, cost, StubMemoryModel(cost, 0.0), AFTER_BACKWARD)
     # 4 GB / tp 2 = 2 GB per rank over 2 ranks: 2 x (1/2) x 2 GB at 1 GB/s, 2 s
     assert r.grad_sync[0].ranks == 2
     assert r.grad_sync_time == pytest.approx(2.0)
-    r = simulate(_plan(w, cluster, waves, groups), w, cluster, cost, StubMemoryModel(cost, 0.0), AFTER_BACKWARD)
+    plan = _plan(w, cluster, waves, groups, planner={"tp_sharded_grads": False})
+    r = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0), AFTER_BACKWARD)
     # 4 GB over 4 ranks: 2 x (3/4) x 4 GB, 6 s
     assert r.grad_sync[0].ranks == 4
     assert r.grad_sync_time == pytest.approx(6.0)
