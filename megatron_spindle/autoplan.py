@@ -307,14 +307,13 @@ def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: Plan
                           first: PlanningResult):
     """Where memory bound the configured plan (``first``: it has the distributed optimizer, micro-batches or
     recomputation), the configured planner and the greedy one again as if devices had UNLIMITED_MEMORY_FACTOR
-    times their memory, without recomputation or micro-batches (the least ZeRO stage that fits; each also on
-    sync-aware curves where its plan leaves a sizeable share in gradient sync: ``_sync_aware_run``), every such
-    plan then given ZeRO-2 or ZeRO-1 and each layer slice's cheapest recomputation that fits the real devices
-    (baselines/memory_options.py ``with_cheapest_recompute``, in the plan's own order). The memory search limits
-    every MetaOp's configurations to what its whole chain fits before it schedules; a plan made without that
-    limit keeps its fastest configurations and may pay less in recomputation than the limited ones cost
-    (QWen-VAL-70B / 256 while the model charged TP-sharded gradients: about 9.7 s against 13.1 s and more; in
-    the runtime's whole-unit layout its refits are 1-12 % slower than the capped plan)."""
+    times their memory and no memory option at all (each also on sync-aware curves where its plan leaves a
+    sizeable share in gradient sync: ``_sync_aware_run``), every such plan then given ZeRO-2 or ZeRO-1 and each
+    layer slice's cheapest recomputation that fits the real devices (baselines/memory_options.py
+    ``with_cheapest_recompute``, in the plan's own order). The memory search limits every MetaOp's
+    configurations to what its whole chain fits before it schedules; a plan made without that limit keeps its
+    fastest configurations and may pay less in recomputation than the limited ones cost (QWen-VAL-70B / 256:
+    about 9.7 s where the capped search's plans simulate 13.1 s and more)."""
     settings = first.plan.settings
     if settings.zero_stage == 0 and settings.micro_batches == 1 and not settings.slice_recompute \
             and settings.recompute.mode == "none":
@@ -322,10 +321,8 @@ def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: Plan
     roomy = cluster.with_memory_factor(UNLIMITED_MEMORY_FACTOR)
     unlimited = []
     for planner in dict.fromkeys((config.planner, "wavefront")):
-        # ZeRO stays the user's choice: in the runtime's layout a ZeRO-0 device at TP t keeps t times a shard's
-        # gradients and optimizer state, which even these devices may not hold (QWen-VAL-70B / 256)
-        plain = dataclasses.replace(config, planner=planner, recompute="none", micro_batches="1",
-                                    early_backward="off")
+        plain = dataclasses.replace(config, planner=planner, distributed_optimizer="off", recompute="none",
+                                    micro_batches="1", early_backward="off")
         started = time.perf_counter()
         try:
             result = plan_workload(workload, roomy, plain, profile)

@@ -249,12 +249,11 @@ def test_early_backward_frees_a_shallow_task_s_activations_and_is_used_where_the
 
 
 def test_a_plan_without_recomputation_placed_without_the_cap_s_limits_is_picked_when_it_fits_and_is_faster():
-    """3.5 GiB on 4 devices: the plain placement fits without recomputation, but the share limits under the cap
+    """3 GiB on 4 devices: the plain placement fits without recomputation, but the share limits under the cap
     leave out the faster configurations; placed on overcommitted devices the real activations fit all the
-    same, so the planner (which compares every rung by its estimate) takes that plan. (3 GiB until TP slices at
-    ZeRO 0 held their whole units' gradients and optimizer state, as the runtime does.)"""
+    same, so the planner (which compares every rung by its estimate) takes that plan."""
     w = workload_from_dict(HEAVY)
-    tight = with_memory(4, 3.5 * GiB)
+    tight = with_memory(4, 3.0 * GiB)
     plain, _ = planned(w, tight, recompute="none", micro_batches="1", distributed_optimizer="off")
     auto, auto_sim = planned(w, tight)
     assert plain.settings.recompute_choices() == ["none"]

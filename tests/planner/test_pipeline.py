@@ -22,11 +22,9 @@ def cluster_with_memory(num_gpus: int, memory_bytes: float):
 
 
 def least_footprint(workload, cluster, recompute: bool) -> float:
-    """The vision layers' smallest per-device footprint over all valid configurations, at ZeRO 0 with the state
-    split by TP (what ZeRO 1 and 2 shard it to in the runtime's layout, about: a capacity to test at)."""
+    """The vision layers' smallest per-device footprint over all valid configurations."""
     cost = AnalyticCostModel(workload, cluster, config=CostModelConfig(recompute=recompute))
-    needs = memory_needs(build_metagraph(workload), workload, cluster,
-                         MemoryModel(workload, cluster, cost, tp_sharded_grads=True))
+    needs = memory_needs(build_metagraph(workload), workload, cluster, MemoryModel(workload, cluster, cost))
     return min(needs["vt/vision"].values())
 
 
