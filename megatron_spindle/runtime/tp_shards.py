@@ -96,11 +96,6 @@ class KeyLayout:
         self.slices: dict[str, SliceKeys] = {}
 
     @property
-    def sharded(self) -> bool:
-        """Whether some key of this rank is a TP shard."""
-        return any(sk.split for sk in self.slices.values())
-
-    @property
     def shapes(self) -> dict[str, torch.Size]:
         """canonical key -> full shape."""
         return {k: v for sk in self.slices.values() for k, v in sk.shapes.items()}
