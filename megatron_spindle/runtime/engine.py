@@ -486,11 +486,7 @@ class RuntimeEngine:
 
     def expected_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
         """unit -> {"<unit>.<path>": full shape} for every unit this rank holds."""
-        shapes = self.keys.shapes
-        out: dict[str, dict[str, tuple[int, ...]]] = {}
-        for k, u in sorted(self.keys.canonical_units().items()):
-            out.setdefault(u, {})[k] = tuple(shapes[k])
-        return out
+        return self.keys.expected_shapes()
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Full master weights this rank holds ("<unit>.<path>" -> tensor). Collective at zero_stage 1 to 3 and

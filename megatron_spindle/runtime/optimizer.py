@@ -143,9 +143,6 @@ class MasterOptimizer:
                 sh = self.shards[u]
                 p.copy_(sh.shard_of(sh.flatten(full)))
 
-    def expected_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
-        return {u: {k: tuple(shape) for k, shape in zip(sh.keys, sh.shapes)} for u, sh in self.shards.items()}
-
     def numel(self) -> dict[str, tuple[int, int]]:
         """unit -> (elements of its master shard on this rank, elements of the full unit)."""
         return {u: (self.masters[u].numel(), sh.numel) for u, sh in self.shards.items()}

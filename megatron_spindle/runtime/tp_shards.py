@@ -107,6 +107,14 @@ class KeyLayout:
         """canonical key -> its unit."""
         return {k: u for sk in self.slices.values() for k, u in sk.canonical_unit.items()}
 
+    def expected_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """unit -> {canonical key: full shape} of every unit this rank holds (checkpoint form)."""
+        shapes = self.shapes
+        out: dict[str, dict[str, tuple[int, ...]]] = {}
+        for k, u in sorted(self.canonical_units().items()):
+            out.setdefault(u, {})[k] = tuple(shapes[k])
+        return out
+
     def runtime_unit_states(self, units: Mapping[str, UnitState],
                             key_unit: Mapping[str, str]) -> dict[str, UnitState]:
         """Full units (checkpoint form) -> the runtime units of this rank (``key_unit``: runtime key -> runtime
@@ -136,7 +144,8 @@ class KeyLayout:
         vectors = [model] + ([{k: o[n] for k, o in optim.items()} for n in ("exp_avg", "exp_avg_sq")]
                              if with_optim else [])
         full = self.canonical(vectors, groups)
-        steps = {self._canonical_of(rk): o["step"] for rk, o in optim.items()}
+        canonical_of = {rk: k for sk in self.slices.values() for rk, k in sk.canonical_of.items()}
+        steps = {canonical_of[rk]: o["step"] for rk, o in optim.items()}
         out: dict[str, UnitState] = {}
         for k, unit in sorted(self.canonical_units().items()):
             st = out.setdefault(unit, UnitState({}, {}))
@@ -144,9 +153,6 @@ class KeyLayout:
             if with_optim:
                 st.optim[k] = {"exp_avg": full[1][k], "exp_avg_sq": full[2][k], "step": steps[k]}
         return out
-
-    def _canonical_of(self, rk: str) -> str:
-        return next(sk.canonical_of[rk] for sk in self.slices.values() if rk in sk.canonical_of)
 
     def to_runtime(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical tensors -> every runtime key of this rank's slices that they cover."""
