@@ -8,8 +8,10 @@ different TP degrees and device orders, so the rule is stated per unit:
   slices holding the group's units), so every holder slice's TP is a multiple of t;
 - a device at TP rank r of a slice of TP s holds its part of **shard** ``p = r // (s / t)`` (megatron's TP
   chunks nest: TP rank r of s lies inside TP rank r // (s / t) of t, strided layouts included);
-- the **ring** of shard p is every device holding a part of it, over every holder slice; a device may be in
-  several rings of one unit (its TP rank differs between slices).
+- the **ring** of shard p is every device holding a part of it, over every holder slice. A device would be in
+  several rings of one unit where its TP rank differs between slices; plans are assembled with each TP
+  group's ranks ordered so that it does not (``aligned_device_orders``), and each ring is then the group's
+  members of that shard, ``group size / t`` devices, as the simulator and the memory model count it.
 
 The shard's parameters (TP-split tensors) are kept, reduced and stepped as a unit of their own, the
 *sub-unit* ``sub_unit(u, p, t)``, by its ring; the unit's replicated parameters (norms, row-parallel biases)
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.plan.buckets import group_tp, unit_holders
-from megatron_spindle.plan.layout import SliceGeometry
+from megatron_spindle.plan.layout import SliceGeometry, slice_units
 from megatron_spindle.plan.schema import ExecutionSettings
 
 SUB_UNIT_MARK = "~tp"
@@ -86,3 +88,120 @@ def runtime_groups(param_groups: Sequence[tuple[Sequence[int], Sequence[str]]],
                 for p, ring in enumerate(r.rings):
                     out.setdefault(ring, []).append(sub_unit(u, p, r.degree))
     return list(out.items())
+
+
+
+def ring_surplus(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
+                 groups: Sequence[Sequence[str]], settings: ExecutionSettings) -> int:
+    """Ring memberships beyond one per device and unit, summed over the units reduced by TP shard: 0 when every
+    device holds one TP shard of each unit (each ring is its group's ``size / t`` members of that shard)."""
+    return sum(sum(map(len, r.rings)) - len({d for ring in r.rings for d in ring})
+               for r in unit_rings(waves, metaops, groups, settings).values())
+
+
+def aligned_device_orders(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
+                          groups: Sequence[Sequence[str]], settings: ExecutionSettings,
+                          effort: float = 2.0) -> list[list[list[int]]]:
+    """Every slice's devices (per wave, per slice), reordered inside each of its TP groups so that a device
+    holds the same TP shard of a unit in every slice holding it. Each shard's ring is then the group's members
+    of that shard, ``group size / t`` devices, as the simulator and the memory model count it; otherwise a
+    device holding a unit at TP rank 0 in one slice and 1 in another reduces and keeps both shards.
+
+    Reordering inside a TP group is free: its devices keep their TP group and hold the same rows
+    (plan/routing.py). Which order works is a joint choice over all slices (two slices' TP groups may cross,
+    as a strided and a compact one do), so each device gets a shard label per degree from a CP-SAT model: every
+    TP group of a holder slice holds each shard ``tp / t`` times. ``effort`` bounds its deterministic time (the
+    result does not depend on the machine). The planned orders are kept when they already agree, or when the
+    model does not find fewer ring memberships (``ring_surplus``)."""
+    planned = [[list(s.devices or ()) for s in slices] for slices in waves]
+    if not settings.tp_sharded_grads or ring_surplus(waves, metaops, groups, settings) == 0:
+        return planned
+    held = _held_degrees(waves, metaops, groups, settings)
+    labels = _shard_labels(waves, held, planned, effort)
+    if labels is None:
+        return planned
+    orders = [[list(o) for o in slices] for slices in planned]
+    for (wi, si), degrees in held.items():
+        s, top = waves[wi][si], max(degrees)
+        order = orders[wi][si]
+        for k in range(0, len(order), s.tp):
+            group = order[k:k + s.tp]
+            order[k:k + s.tp] = sorted(group, key=lambda d: (labels[top, d], group.index(d)))
+    reordered = [[_with_devices(s, o) for s, o in zip(slices, os)] for slices, os in zip(waves, orders)]
+    if ring_surplus(reordered, metaops, groups, settings) >= ring_surplus(waves, metaops, groups, settings):
+        return planned
+    return orders
+
+
+@dataclass(frozen=True)
+class _Placed:
+    metaop: str
+    layer_start: int
+    layer_end: int
+    tp: int
+    dp: int
+    devices: tuple[int, ...]
+
+
+def _with_devices(s: SliceGeometry, devices: Sequence[int]) -> _Placed:
+    return _Placed(s.metaop, s.layer_start, s.layer_end, s.tp, s.dp, tuple(devices))
+
+
+def _held_degrees(waves, metaops, groups, settings) -> dict[tuple[int, int], tuple[int, ...]]:
+    """(wave, slice) -> the shard degrees (> 1) of the groups whose units the slice holds, for slices at TP > 1."""
+    degrees = group_tp(waves, metaops, groups, settings)
+    degree_of = {u: degrees[gi] for gi, units in enumerate(groups) for u in units}
+    out = {}
+    for wi, slices in enumerate(waves):
+        for si, s in enumerate(slices):
+            mine = {degree_of.get(u, 1) for u in slice_units(metaops[s.metaop], s.layer_start, s.layer_end)} - {1}
+            if mine and s.tp > 1:
+                out[wi, si] = tuple(sorted(mine))
+    return out
+
+
+def _shard_labels(waves, held, planned, effort: float) -> dict[tuple[int, int], int] | None:
+    """(degree, device) -> shard, from CP-SAT: each TP group of each holder slice holds each shard ``tp / t``
+    times (softly: the model minimises the shortfall), a slice's smaller degrees nest in its largest; hinted
+    with the planned orders' first shards. None when no solution is found within ``effort``."""
+    from ortools.sat.python import cp_model  # planning-time only: the runtime never builds this model
+
+    model = cp_model.CpModel()
+    x: dict[tuple[int, int, int], cp_model.IntVar] = {}
+
+    def label(t: int, d: int) -> list:
+        if (t, d, 0) not in x:
+            for p in range(t):
+                x[t, d, p] = model.new_bool_var(f"x{t}_{d}_{p}")
+            model.add_exactly_one(x[t, d, p] for p in range(t))
+        return [x[t, d, p] for p in range(t)]
+
+    shortfall = []
+    hinted: set[tuple[int, int]] = set()
+    for (wi, si), degrees in held.items():
+        s, top = waves[wi][si], max(degrees)
+        order = planned[wi][si]
+        for k in range(0, len(order), s.tp):
+            group = order[k:k + s.tp]
+            for t in degrees:
+                for p in range(t):
+                    miss = model.new_int_var(0, s.tp // t, "")
+                    model.add(sum(label(t, d)[p] for d in group) + miss >= s.tp // t)
+                    shortfall.append(miss)
+            for r, d in enumerate(group):
+                for t in degrees:
+                    if (t, d) not in hinted:
+                        hinted.add((t, d))
+                        for p, var in enumerate(label(t, d)):
+                            model.add_hint(var, p == r // (s.tp // t))
+                    if t != top and top % t == 0:  # nested: TP rank r of top lies in shard r // (top / t) of t
+                        for p, var in enumerate(label(t, d)):
+                            model.add(var == sum(label(top, d)[q] for q in range(top) if q // (top // t) == p))
+    model.minimize(sum(shortfall))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    solver.parameters.max_deterministic_time = effort
+    if solver.solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    return {(t, d): p for (t, d, p), var in x.items() if solver.boolean_value(var)}

@@ -24,6 +24,7 @@ from megatron_spindle.plan.schema import (
     Transfer,
     Wave,
 )
+from megatron_spindle.plan.tp_shards import aligned_device_orders
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.placement import FlowCostModel
 from megatron_spindle.planner.schedule import LevelAllocation, ScheduledWave
@@ -65,8 +66,9 @@ def assemble_plan(workload: Workload, cluster: ClusterSpec, metagraph: MetaGraph
         predicted={},
         settings=settings,
     )
-    plan.transfers = derive_transfers(plan, lambda mid: cost_model.activation_bytes(metagraph.metaops[mid]))
     plan.param_groups = derive_param_groups(plan, metagraph.metaops, cost_model.param_count)
+    _align_tp_shards(plan, metagraph)
+    plan.transfers = derive_transfers(plan, lambda mid: cost_model.activation_bytes(metagraph.metaops[mid]))
     plan.memory_per_device = plan_memory(plan, metagraph.metaops, memory_model)
     plan.predicted = _predictions(waves, cluster, plan.transfers, allocs if level_allocs is not None else None)
     if validate:
@@ -85,6 +87,16 @@ def _check_placed(waves: Sequence[ScheduledWave], metagraph: MetaGraph) -> None:
             if s.metaop in seen:
                 raise PlanError(f"wave {wi}: MetaOp '{s.metaop}' has two slices in one wave")
             seen.add(s.metaop)
+
+
+def _align_tp_shards(plan: Plan, metagraph: MetaGraph) -> None:
+    """Order each slice's TP groups so a device holds one TP shard of each unit (plan/tp_shards.py): the
+    placement chose which devices form a TP group, not which of them takes which TP rank."""
+    orders = aligned_device_orders([w.slices for w in plan.waves], metagraph.metaops,
+                                   [g.params for g in plan.param_groups], plan.settings)
+    for w, wave_orders in zip(plan.waves, orders):
+        for s, devices in zip(w.slices, wave_orders):
+            s.devices = list(devices)
 
 
 def _plan_waves(waves: Sequence[ScheduledWave], metagraph: MetaGraph) -> list[Wave]:

@@ -11,7 +11,9 @@ from megatron_spindle.plan.layout import slice_units
 from megatron_spindle.plan.schema import ExecutionSettings
 from megatron_spindle.plan.tp_shards import (
     UnitRings,
+    aligned_device_orders,
     base_unit,
+    ring_surplus,
     runtime_groups,
     shard_of,
     sub_unit,
@@ -60,6 +62,56 @@ def test_the_degree_divides_every_holder_tp():
     assert unit_rings(six, g.metaops, units, SHARDED)[units[0][0]] == UnitRings(2, ((0, 1, 2), (2, 3, 4, 5)))
     coprime = [[_slice(a, [0, 1], 2)], [_slice(b, [0, 1, 2], 3)]]  # nothing nests in both: whole units
     assert unit_rings(coprime, g.metaops, units, SHARDED) == {}
+
+
+def _reordered(waves, orders):
+    return [[SimpleNamespace(**{**vars(s), "devices": o}) for s, o in zip(ws, os)] for ws, os in zip(waves, orders)]
+
+
+def _tp_groups(devices, tp):
+    return [set(devices[k:k + tp]) for k in range(0, len(devices), tp)]
+
+
+def test_crossing_tp_groups_are_ordered_so_each_device_holds_one_shard():
+    # the twenty-fourth session's 70B plan: one slice's TP-4 groups strided, the other's compact
+    g, (a, b) = _clip_towers()
+    units = [slice_units(a, 0, a.num_layers)]
+    waves = [[_slice(a, [0, 4, 2, 3, 1, 6, 5, 7], 4)], [_slice(b, list(range(8)), 4)]]
+    assert ring_surplus(waves, g.metaops, units, SHARDED) > 0
+    orders = aligned_device_orders(waves, g.metaops, units, SHARDED)
+    for s, order in zip((w[0] for w in waves), (o[0] for o in orders)):
+        assert _tp_groups(order, 4) == _tp_groups(s.devices, 4)  # only TP ranks move
+    aligned = _reordered(waves, orders)
+    assert ring_surplus(aligned, g.metaops, units, SHARDED) == 0
+    assert all(len(r) == 2 for r in unit_rings(aligned, g.metaops, units, SHARDED)[units[0][0]].rings)
+
+
+def test_nested_degrees_in_one_slice_are_ordered_together():
+    # a's first layer is shared with b at TP 2 (degree 2), the rest only by a and c at TP 4 (degree 4)
+    g, (a, b) = _clip_towers()
+    first, rest = [slice_units(a, 0, 1)], [slice_units(a, 1, a.num_layers)]
+    shared_b = SimpleNamespace(metaop=b.id, layer_start=0, layer_end=1, tp=2, dp=2, devices=[1, 3, 2, 0])
+    again_a = SimpleNamespace(metaop=a.id, layer_start=1, layer_end=a.num_layers, tp=4, dp=1, devices=[3, 1, 0, 2])
+    waves = [[_slice(a, [0, 1, 2, 3], 4)], [shared_b], [again_a]]
+    groups = first + rest
+    assert ring_surplus(waves, g.metaops, groups, SHARDED) > 0
+    aligned = _reordered(waves, aligned_device_orders(waves, g.metaops, groups, SHARDED))
+    assert ring_surplus(aligned, g.metaops, groups, SHARDED) == 0
+
+
+def test_aligned_or_unshardable_orders_are_kept():
+    g, (a, b) = _clip_towers()
+    units = [slice_units(a, 0, a.num_layers)]
+    aligned = [[_slice(a, [0, 1, 2, 3], 2)], [_slice(b, [2, 3, 0, 1], 2)]]
+    assert aligned_device_orders(aligned, g.metaops, units, SHARDED) == [[[0, 1, 2, 3]], [[2, 3, 0, 1]]]
+    crossed = [[_slice(a, [0, 1, 2, 3], 2)], [_slice(b, [1, 0, 3, 2], 2)]]
+    whole = ExecutionSettings(tp_sharded_grads=False)
+    assert aligned_device_orders(crossed, g.metaops, units, whole) == [[[0, 1, 2, 3]], [[1, 0, 3, 2]]]
+    # an odd cycle of TP-2 pairs has no order with one shard per device: never worse than planned
+    cycle = [[_slice(a, [0, 1], 2)], [_slice(b, [1, 2], 2)], [_slice(a, [2, 0], 2)]]
+    orders = aligned_device_orders(cycle, g.metaops, units, SHARDED)
+    assert (ring_surplus(_reordered(cycle, orders), g.metaops, units, SHARDED)
+            <= ring_surplus(cycle, g.metaops, units, SHARDED))
 
 
 def test_runtime_groups_list_plan_groups_then_rings_merged_by_devices():

@@ -104,6 +104,21 @@ def test_transfers_connect_consecutive_slices_and_producer_last_layer_to_consume
 # ---------------------------------------------------------------------------------------- param groups
 
 
+def test_tp_ranks_are_ordered_so_each_device_holds_one_shard_of_a_shared_unit():
+    """x holds enc at TP 2 in pairs (0, 1), (2, 3), y in pairs (1, 2), (3, 0): the planned orders put device 1
+    at TP rank 1 of x and 0 of y; the plan keeps each pair and gives every device one TP rank of enc."""
+    w, cluster = hand_workload(), make_cluster(8, 4, "CPU")
+    g = graph([op("x/enc", "x", "enc", 2), op("y/enc", "y", "enc", 2)])
+    waves = [wave(0, 0.0, ("x/enc", [0, 1, 2, 3], 2, 0, 2)), wave(0, 2.0, ("y/enc", [1, 2, 3, 0], 2, 0, 2))]
+    plan = assemble(w, cluster, g, waves)
+    x, y = (s.devices for s in plan.slices())
+    assert [set(x[:2]), set(x[2:]), set(y[:2]), set(y[2:])] == [{0, 1}, {2, 3}, {1, 2}, {0, 3}]
+    assert {d: x.index(d) % 2 for d in x} == {d: y.index(d) % 2 for d in y}
+    whole = assemble(w, cluster, g, waves, settings=ExecutionSettings(tp_sharded_grads=False))
+    assert [s.devices for s in whole.slices()] == [[0, 1, 2, 3], [1, 2, 3, 0]]  # nothing to align
+
+
+
 def test_param_groups_pool_units_by_identical_device_sets():
     """x runs both shared layers on 0-1; y runs layer 0 on 2-3 and layer 1 on 0-1; z's own layer on 4."""
     w, cluster = hand_workload(), make_cluster(8, 4, "CPU")
