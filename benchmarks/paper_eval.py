@@ -15,7 +15,8 @@ solver's status and bound, the gap to C*, and what overlap adds.
 
 Memory: Spindle's planner chooses per-slice recomputation, micro-batches, the early backward and the
 distributed optimizer (issue 14); the baselines tune their ZeRO stage and recomputation as a user would. The
-memory table divides Spindle's simulated time under the 80 GiB cap by its time with memory unlimited. Only when
+memory table divides Spindle's simulated time under the 80 GiB cap by its time with memory unlimited (the
+faster of the plan selected for unlimited memory and the capped plan, which runs there too). Only when
 no Spindle plan fits 80 GiB at all is a cell planned and timed with the cap lifted ("mem-relaxed", a missed
 target), every system of that cell on that cluster; peak memory is reported beside.
 """
@@ -124,6 +125,13 @@ def scale_batches(workload: Workload, factor: float, multiple: int = 64) -> Work
     return Workload(workload.name, copy.deepcopy(workload.modules), tasks)
 
 
+def unlimited_reference(capped, free):
+    """The best known plan with memory unlimited: the one selected for it (``free``), or the capped plan where
+    that is faster (it runs there too; selection is not optimal, and with room to spare it need not try the
+    memory options that also save time)."""
+    return free if free.sim.iteration_time <= capped.sim.iteration_time else capped
+
+
 def run_cell(name: str, num_gpus: int, spindle_systems, baselines: list[str], log: Callable[[str], None],
              batch_scale: float = 1.0, workload: Workload | None = None, select: bool = True,
              memory_column: bool = True) -> dict:
@@ -162,10 +170,12 @@ def run_cell(name: str, num_gpus: int, spindle_systems, baselines: list[str], lo
     entry["candidates"] = chosen.plan.planner["selection"]["candidates"]
     if memory_column and select:
         free = autoplan(workload, relaxed(cluster, UNLIMITED), user)
-        entry["unlimited_iteration_time"] = free.sim.iteration_time
-        entry["unlimited_memory_options"] = memory_options(free.plan)
-        entry["unlimited_peak_memory_gib"] = max(free.sim.peak_memory) / 2**30
-        entry["memory_cost"] = chosen.sim.iteration_time / free.sim.iteration_time
+        best = unlimited_reference(chosen, free)
+        entry["unlimited_iteration_time"] = best.sim.iteration_time
+        entry["unlimited_memory_options"] = memory_options(best.plan) + ("" if best is free else " (the capped plan)")
+        entry["unlimited_peak_memory_gib"] = max(best.sim.peak_memory) / 2**30
+        entry["unlimited_selected_iteration_time"] = free.sim.iteration_time
+        entry["memory_cost"] = chosen.sim.iteration_time / best.sim.iteration_time
     cell["systems"][SELECTED] = entry
     ctx = BaselineContext.build(workload, cluster, metagraph=result.metagraph)
     for b in baselines:

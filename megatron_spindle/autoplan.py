@@ -32,8 +32,8 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
   backward and a weight all-gather after the step instead of the all-reduce, and less memory;
 - where memory bound the configured plan, the configured and the greedy planner's plans made with memory
   unlimited (16x each device's, no memory option; each also on sync-aware curves where it leaves a sizeable
-  share in gradient sync) and then given ZeRO-2 or ZeRO-1 and each layer slice's cheapest recomputation that
-  fits the real devices: the memory search limits every MetaOp's configurations before it schedules, and a plan
+  share in gradient sync; each also with its light levels pinned) and then given ZeRO-3, ZeRO-2 or ZeRO-1 and
+  each layer slice's cheapest recomputation that fits the real devices: the memory search limits every MetaOp's configurations before it schedules, and a plan
   that keeps the fastest configurations can pay less in recomputation than the limited ones cost;
 - the fallback ``task-sequential``: Spindle's runtime with each task on the whole cluster in turn (the
   Spindle-Seq plan of paper appendix H), so that the plan a user gets is never slower than that; reports name
@@ -308,9 +308,11 @@ def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: Plan
     """Where memory bound the configured plan (``first``: it has the distributed optimizer, micro-batches or
     recomputation), the configured planner and the greedy one again as if devices had UNLIMITED_MEMORY_FACTOR
     times their memory and no memory option at all (each also on sync-aware curves where its plan leaves a
-    sizeable share in gradient sync: ``_sync_aware_run``), every such plan then given ZeRO-2 or ZeRO-1 and each
-    layer slice's cheapest recomputation that fits the real devices (baselines/memory_options.py
-    ``with_cheapest_recompute``, in the plan's own order). The memory search limits every MetaOp's
+    sizeable share in gradient sync: ``_sync_aware_run``), and each with its light levels pinned to their
+    partners' devices (``_pinned_candidates``: the heads' memory, which the capped plans often cannot spare for
+    it, is there), every such plan then given ZeRO-3, ZeRO-2 or ZeRO-1 and each layer slice's cheapest
+    recomputation that fits the real devices (baselines/memory_options.py ``with_cheapest_recompute``, in the
+    plan's own order): QWen-VAL-30B / 256's pinned one costs recomputation and saves 0.4 s of transfers. The memory search limits every MetaOp's
     configurations to what its whole chain fits before it schedules; a plan made without that limit keeps its
     fastest configurations and may pay less in recomputation than the limited ones cost (QWen-VAL-70B / 256:
     about 9.7 s where the capped search's plans simulate 13.1 s and more)."""
@@ -331,8 +333,10 @@ def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: Plan
         unlimited.append((planner, result, time.perf_counter() - started))
         unlimited += [(name, aware, secs) for name, _, aware, secs
                       in _sync_aware_run(workload, roomy, plain, profile, unlimited[-1:])]
+    unlimited = [(f"{name}-unlimited", result, secs) for name, result, secs in unlimited]
+    unlimited += _pinned_candidates(workload, roomy, config, unlimited)  # pinned where the memory is there
     return [candidate for name, result, secs in unlimited
-            for candidate in _fitted(name + "-unlimited", result.plan, workload, cluster, config, first, secs)]
+            for candidate in _fitted(name, result.plan, workload, cluster, config, first, secs)]
 
 
 def _fitted(name: str, unlimited: Plan, workload: Workload, cluster: ClusterSpec, config: PlannerConfig,

@@ -73,32 +73,38 @@ def test_sync_aware_flag_forces_or_forbids_the_curves():
 
 
 def test_unlimited_plan_with_memory_options_is_a_candidate_where_memory_binds():
-    """clip-4 on 8 GPUs needs the distributed optimizer: the plan made with memory unlimited comes back with ZeRO-3,
-    ZeRO-2 and ZeRO-1, each slice at the cheapest recomputation that fits; clip-4 on 32 GPUs needs nothing: no
-    candidate."""
+    """clip-4 on 8 GPUs needs the distributed optimizer: the plan made with memory unlimited, and that plan with
+    its light levels pinned, come back with ZeRO-3, ZeRO-2 and ZeRO-1, each slice at the cheapest recomputation
+    that fits; clip-4 on 32 GPUs needs nothing: no candidate."""
     from megatron_spindle.autoplan import UNLIMITED_MEMORY_FACTOR, _unlimited_candidates
     from megatron_spindle.plan.validate import validate_plan
+    from megatron_spindle.planner.light_levels import pinned_plan
 
     w, c = load_workload("clip-4"), make_cluster(8)
     config = PlannerConfig(planner="wavefront")
     first = plan_workload(w, c, config)
     assert first.plan.settings.zero_stage >= 1  # memory binds here
     out = _unlimited_candidates(w, c, config, None, first)
-    assert [name for name, _, _ in out] == [f"wavefront-unlimited+zero{z}" for z in (3, 2, 1)]
+    assert [name for name, _, _ in out] == [f"wavefront-unlimited{pin}+zero{z}" for pin in ("", "+pinned")
+                                            for z in (3, 2, 1)]
     roomy = c.with_memory_factor(UNLIMITED_MEMORY_FACTOR)
-    unlimited = plan_workload(w, roomy, PlannerConfig(planner="wavefront", select="none", distributed_optimizer="off",
-                                                      recompute="none", micro_batches="1", early_backward="off")).plan
+    made = plan_workload(w, roomy, PlannerConfig(planner="wavefront", select="none", distributed_optimizer="off",
+                                                 recompute="none", micro_batches="1", early_backward="off"))
+    pinned = pinned_plan(made.plan, made.metagraph, made.curves, w, roomy, made.cost_model, made.memory_model,
+                         made.level_allocs)
     for name, result, _ in out:
         plan = result.plan
         validate_plan(plan, w, c, result.metagraph)
         assert plan.settings.zero_stage == int(name[-1]) and plan.settings.micro_batches == 1
         assert max(plan.memory_per_device) <= c.gpu.memory_bytes  # fits the real devices
+        unlimited = pinned if "+pinned" in name else made.plan
         assert [[(s.id, s.devices) for s in wv.slices] for wv in plan.waves] == \
             [[(s.id, s.devices) for s in wv.slices] for wv in unlimited.waves]  # the unlimited plan's layout
         assert plan.cluster == c.to_dict()
     # --spindle-distributed-optimizer on is Megatron's ZeRO-1: the fitted plans keep to it
     on = dataclasses.replace(config, distributed_optimizer="on")
-    assert [name for name, _, _ in _unlimited_candidates(w, c, on, None, first)] == ["wavefront-unlimited+zero1"]
+    assert [name for name, _, _ in _unlimited_candidates(w, c, on, None, first)] == \
+        ["wavefront-unlimited+zero1", "wavefront-unlimited+pinned+zero1"]
     light = plan_workload(w, make_cluster(32), config)
     assert _unlimited_candidates(w, make_cluster(32), config, None, light) == []
 
