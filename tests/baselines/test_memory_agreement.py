@@ -1,7 +1,8 @@
 """The memory a plan predicts per device is the simulator's peak memory per device, exactly, for Spindle's plan
 and every baseline on every cell of benchmarks/paper_eval.py (the greedy wavefront planner, as its default
 Spindle column; cells that do not fit 80 GiB are planned on the memory-relaxed cluster, as paper_eval does).
-The 1024-GPU scale row is covered by its whole-cluster baselines (Spindle's own 1024-GPU plan takes tens of
+On the same plans every device holds one TP shard of each unit it holds, so the runtime's rings are the
+group size / t the simulator and the memory model count (plan/tp_shards.py ``ring_surplus``). The 1024-GPU scale row is covered by its whole-cluster baselines (Spindle's own 1024-GPU plan takes tens of
 seconds to make)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from megatron_spindle.baselines import BASELINES, BaselineContext
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.plan.schema import PlanError
+from megatron_spindle.plan.tp_shards import ring_surplus
 from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload
 from megatron_spindle.simulator import simulate
 
@@ -34,6 +36,8 @@ def test_predicted_memory_is_the_simulated_peak_on_every_cell(name, gpus, wavefr
         sim = simulate(plan, workload, cluster, result.cost_model, result.memory_model, metagraph=result.metagraph)
         assert sim.peak_memory == plan.memory_per_device, f"{name} {gpus} {system}"
         assert max(plan.memory_per_device) > 0
+        assert ring_surplus([w.slices for w in plan.waves], result.metagraph.metaops,
+                            [g.params for g in plan.param_groups], plan.settings) == 0, f"{name} {gpus} {system}"
 
 
 @pytest.mark.parametrize("system", ["spindle-seq", "deepspeed"])
