@@ -88,6 +88,8 @@ class GradSync:
             for k in keys:
                 by_unit.setdefault(base_unit(key_unit[k]), []).append(k)
             self._generic_units[sid] = list(by_unit.items())
+        # slice id -> its operator's parameters, listed once (their gradients are dropped after every export)
+        self._op_params = {sid: list(ls.op.parameters()) for sid, ls in local.items()}
         self._counted: set[tuple[str, str, int]] = set()  # (slice id, key, micro-batch)
         self._next = 0  # position of the first bucket not issued yet
         self._handles: list = []
@@ -181,7 +183,7 @@ class GradSync:
             for unit, keys in self._generic_units.get(sid, ()):  # every TP rank its part: the reduction sums them
                 self.buffers.add(ls.keys.to_runtime(ls.op.export_grad_contributions([unit])), keys, self._micro)
         if export and self.buffers.sharded:  # the operator's full gradients are in the buckets now
-            for p in ls.op.parameters():
+            for p in self._op_params[sid]:
                 p.grad = None
         for k in ls.param_keys:
             if (sid, k, self._micro) not in self._counted:
