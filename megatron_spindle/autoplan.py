@@ -33,8 +33,9 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
 - where memory bound the configured plan, the configured and the greedy planner's plans made with memory
   unlimited (16x each device's, no memory option; each also on sync-aware curves where it leaves a sizeable
   share in gradient sync; each also with its light levels pinned) and then given ZeRO-3, ZeRO-2 or ZeRO-1 and
-  each layer slice's cheapest recomputation that fits the real devices: the memory search limits every MetaOp's configurations before it schedules, and a plan
-  that keeps the fastest configurations can pay less in recomputation than the limited ones cost;
+  each layer slice's cheapest recomputation that fits the real devices: the memory search limits every
+  MetaOp's configurations before it schedules, and a plan that keeps the fastest configurations can pay less in
+  recomputation than the limited ones cost;
 - the fallback ``task-sequential``: Spindle's runtime with each task on the whole cluster in turn (the
   Spindle-Seq plan of paper appendix H), so that the plan a user gets is never slower than that; reports name
   the cells where it wins (the wavefront planner then had nothing to gain).
@@ -312,10 +313,10 @@ def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: Plan
     partners' devices (``_pinned_candidates``: the heads' memory, which the capped plans often cannot spare for
     it, is there), every such plan then given ZeRO-3, ZeRO-2 or ZeRO-1 and each layer slice's cheapest
     recomputation that fits the real devices (baselines/memory_options.py ``with_cheapest_recompute``, in the
-    plan's own order): QWen-VAL-30B / 256's pinned one costs recomputation and saves 0.4 s of transfers. The memory search limits every MetaOp's
-    configurations to what its whole chain fits before it schedules; a plan made without that limit keeps its
-    fastest configurations and may pay less in recomputation than the limited ones cost (QWen-VAL-70B / 256:
-    about 9.7 s where the capped search's plans simulate 13.1 s and more)."""
+    plan's own order): QWen-VAL-30B / 256's pinned one costs recomputation and saves 0.4 s of transfers. The
+    memory search limits every MetaOp's configurations to what its whole chain fits before it schedules; a plan
+    made without that limit keeps its fastest configurations and may pay less in recomputation than the limited
+    ones cost (QWen-VAL-70B / 256: about 9.7 s where the capped search's plans simulate 13.1 s and more)."""
     settings = first.plan.settings
     if settings.zero_stage == 0 and settings.micro_batches == 1 and not settings.slice_recompute \
             and settings.recompute.mode == "none":

@@ -90,7 +90,6 @@ def runtime_groups(param_groups: Sequence[tuple[Sequence[int], Sequence[str]]],
     return list(out.items())
 
 
-
 def ring_surplus(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
                  groups: Sequence[Sequence[str]], settings: ExecutionSettings) -> int:
     """Ring memberships beyond one per device and unit, summed over the units reduced by TP shard: 0 when every
@@ -114,7 +113,8 @@ def aligned_device_orders(waves: Sequence[Sequence[SliceGeometry]], metaops: Map
     result does not depend on the machine). The planned orders are kept when they already agree, or when the
     model does not find fewer ring memberships (``ring_surplus``)."""
     planned = [[list(s.devices or ()) for s in slices] for slices in waves]
-    if not settings.tp_sharded_grads or ring_surplus(waves, metaops, groups, settings) == 0:
+    surplus = ring_surplus(waves, metaops, groups, settings) if settings.tp_sharded_grads else 0
+    if surplus == 0:
         return planned
     held = _held_degrees(waves, metaops, groups, settings)
     labels = _shard_labels(waves, held, planned, effort)
@@ -128,7 +128,7 @@ def aligned_device_orders(waves: Sequence[Sequence[SliceGeometry]], metaops: Map
             group = order[k:k + s.tp]
             order[k:k + s.tp] = sorted(group, key=lambda d: (labels[top, d], group.index(d)))
     reordered = [[_with_devices(s, o) for s, o in zip(slices, os)] for slices, os in zip(waves, orders)]
-    if ring_surplus(reordered, metaops, groups, settings) >= ring_surplus(waves, metaops, groups, settings):
+    if ring_surplus(reordered, metaops, groups, settings) >= surplus:
         return planned
     return orders
 
@@ -178,6 +178,7 @@ def _shard_labels(waves, held, planned, effort: float) -> dict[tuple[int, int], 
 
     shortfall = []
     hinted: set[tuple[int, int]] = set()
+    nested: set[tuple[int, int, int]] = set()
     for (wi, si), degrees in held.items():
         s, top = waves[wi][si], max(degrees)
         order = planned[wi][si]
@@ -194,7 +195,8 @@ def _shard_labels(waves, held, planned, effort: float) -> dict[tuple[int, int], 
                         hinted.add((t, d))
                         for p, var in enumerate(label(t, d)):
                             model.add_hint(var, p == r // (s.tp // t))
-                    if t != top and top % t == 0:  # nested: TP rank r of top lies in shard r // (top / t) of t
+                    if t != top and top % t == 0 and (t, top, d) not in nested:
+                        nested.add((t, top, d))  # TP rank r of top lies in shard r // (top / t) of t
                         for p, var in enumerate(label(t, d)):
                             model.add(var == sum(label(top, d)[q] for q in range(top) if q // (top // t) == p))
     model.minimize(sum(shortfall))
