@@ -12,10 +12,11 @@ runtime/engine.py builds its buffers on), in fp32 (the runtime's buffers):
 - weights after the step: the groups plan/buckets.py ``regathered_groups`` names, gathered in bf16 over the same
   sets.
 
-The simulator charges each shard over a ring of group size / t devices; the runtime's rings are larger where a
-device holds a unit at different TP ranks in different slices (it then reduces that unit's shards on several
-rings), which this table would show. Plans are assembled with their TP ranks ordered so that this does not
-happen where any order allows it (plan/tp_shards.py ``aligned_device_orders``).
+The simulator times each shard on the rings plan/tp_shards.py ``group_rings`` names. Where a device holds a
+unit at different TP ranks in different slices it reduces that unit's shards on several rings; the simulator
+then charges every member what that busiest device moves, so its side is the larger one here. Plans are
+assembled with their TP ranks ordered so that this does not happen where any order allows it (plan/tp_shards.py
+``aligned_device_orders``).
 
 Bytes are nccl-tests bus bytes (all-reduce 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n), per
 gradient reduction round (ZeRO-2 and 3 reduce once per micro-batch, both sides alike).

@@ -7,7 +7,8 @@ Layout conventions (implemented once, in ``plan/layout.py`` and ``plan/routing.p
   ``devices[r]`` has tensor-parallel rank ``r % tp`` and data-parallel rank ``r // tp``; data-parallel rank k
   holds samples ``[k*B/dp, (k+1)*B/dp)`` of the MetaOp's batch B. Planners order each TP group's devices so
   that a device holds one TP shard of every unit over all its slices (``plan/tp_shards.py``
-  ``aligned_device_orders``); a hand-made plan need not, and then reduces those shards on larger rings.
+  ``aligned_device_orders``); a hand-made plan need not, and then reduces those shards on larger rings
+  (which the simulator charges: ``group_rings``).
 - Wave ``i`` is ``waves[i]`` (``index == i``) and waves run one after another; within a wave the slices' device
   sets are disjoint. The order of forward and backward passes is the ``settings``' (``plan/order.py``).
 - A transfer moves a producer slice's output to a consumer slice (activations forward, their gradients

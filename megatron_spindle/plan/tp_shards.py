@@ -207,3 +207,40 @@ def _shard_labels(waves, held, planned, effort: float) -> dict[tuple[int, int], 
     if solver.solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     return {(t, d): p for (t, d, p), var in x.items() if solver.boolean_value(var)}
+
+
+@dataclass(frozen=True)
+class GroupRing:
+    """How a parameter device group's gradients and gathered weights travel: ``degree`` rings at once (one per
+    TP shard; 1: the whole group), the devices of the widest, and ``share``, the part of the group's parameters
+    the busiest device reduces: 1 / degree where every device holds one shard of each unit, more where a device
+    sits in several rings of a unit (a plan whose TP groups cross with no aligned order)."""
+
+    degree: int
+    devices: tuple[int, ...]
+    share: float
+
+
+def group_rings(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
+                param_groups: Sequence[tuple[Sequence[int], Sequence[str]]],
+                settings: ExecutionSettings) -> list[GroupRing]:
+    """Per parameter device group (devices, units): its rings as the runtime forms them (``unit_rings``), the
+    rule the simulator and the planner's estimate time gradient buckets and weight gathers by."""
+    units_of = [units for _, units in param_groups]
+    degrees = group_tp(waves, metaops, units_of, settings)
+    rings = unit_rings(waves, metaops, units_of, settings)
+    out = []
+    for (devices, units), degree in zip(param_groups, degrees):
+        if degree == 1 or not units:
+            out.append(GroupRing(1, tuple(sorted(devices)), 1.0))
+            continue
+        widest, most = (), 1
+        for layout in {rings[u].rings for u in units}:
+            widest = max([widest, *layout], key=lambda r: (len(r), r))
+            count: dict[int, int] = {}
+            for ring in layout:
+                for d in ring:
+                    count[d] = count.get(d, 0) + 1
+            most = max(most, *count.values())
+        out.append(GroupRing(degree, widest, most / degree))
+    return out

@@ -45,7 +45,6 @@ from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.plan.buckets import (
     completion_sorted,
     default_bucket_numel,
-    group_tp,
     overlaps_param_gather,
     regathered_groups,
     split_buckets,
@@ -58,6 +57,7 @@ from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, grad_reduce_byt
 from megatron_spindle.plan.order import BWD, FWD, slice_order
 from megatron_spindle.plan.routing import Router
 from megatron_spindle.plan.schema import Plan
+from megatron_spindle.plan.tp_shards import group_rings
 
 
 @dataclass(frozen=True)
@@ -247,14 +247,14 @@ def _unit_ready(plan: Plan, metaops, cost_model,
             {u: r + clock[c] * (micro - 1) for u, (r, c) in ready.items()})
 
 
-def _gather_seconds(buckets: list[list[str]], first_use: dict[str, float], cost_model, comm: CommModel, tp: int,
-                    ring, sharing: int) -> float:
+def _gather_seconds(buckets: list[list[str]], first_use: dict[str, float], cost_model, comm: CommModel,
+                    share: float, ring, sharing: int) -> float:
     """A group's weight all-gather after the step, bucket by bucket (plan/buckets.py), or (``first_use``: unit ->
     start of its first wave, with --overlap-param-gather) what the forward waits for it: the buckets issued at
     the iteration's start one after another in the order of their first use, each needed by the start of its
     first wave."""
-    seconds = [comm.all_gather(sum(cost_model.param_count(u) for u in units) * WEIGHT_BYTES_PER_PARAM / tp, ring,
-                               sharing) for units in buckets]
+    seconds = [comm.all_gather(sum(cost_model.param_count(u) for u in units) * WEIGHT_BYTES_PER_PARAM * share,
+                               ring, sharing) for units in buckets]
     if not first_use:
         return sum(seconds)
     needed = [min(first_use.get(u, 0.0) for u in units) for units in buckets]
@@ -291,28 +291,27 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
     op = "all_reduce" if settings.zero_stage == 0 else "reduce_scatter"
     regathered = regathered_groups(waves, metaops, [(g.devices, g.params) for g in plan.param_groups],
                                    settings.zero_stage)
-    tps = group_tp(waves, metaops, [g.params for g in plan.param_groups], settings)
-    rings = []
-    for g, tp, again in zip(plan.param_groups, tps, regathered):
-        rings.append((g, tp, GroupPlacement.dp_ring(g.devices, tp, cluster), again))
+    shards = group_rings(waves, metaops, [(g.devices, g.params) for g in plan.param_groups], settings)
+    rings = [(g, r.degree, r.share, GroupPlacement.of_devices(r.devices, cluster), again)
+             for g, r, again in zip(plan.param_groups, shards, regathered)]
     per_device: dict[int, list[tuple[float, float]]] = {}
     gather = 0.0
     first_use = _first_use(plan, metaops) if overlaps_param_gather(settings) else {}
-    for g, tp, ring, again in rings:
+    for g, tp, share, ring, again in rings:
         if ring.size <= 1 or not g.params:
             continue
         sharing = tp if ring.crosses_nodes else 1  # its own TP rings; other groups' overlap is not estimated
         limit = default_bucket_numel(len(g.devices))
         buckets = split_buckets(completion_sorted(g.params, completion), cost_model.param_count, limit)
         for units in buckets:
-            nbytes = grad_reduce_bytes(sum(cost_model.param_count(u) for u in units), settings) / tp
+            nbytes = grad_reduce_bytes(sum(cost_model.param_count(u) for u in units), settings) * share
             seconds = comm.collective_seconds(op, nbytes, ring, sharing)
             at = max(ready[u] for u in units)
             for mb in synced:  # the last micro-batch's accumulations, or (ZeRO-2) every micro-batch's
                 for d in g.devices:
                     per_device.setdefault(d, []).append((at - per_micro_batch * (micro - 1 - mb), seconds))
         if again:
-            gather = max(gather, _gather_seconds(buckets, first_use, cost_model, comm, tp, ring, sharing))
+            gather = max(gather, _gather_seconds(buckets, first_use, cost_model, comm, share, ring, sharing))
     extra = 0.0
     done: dict[tuple, float] = {}
     for devices in device_programs(waves, plan.num_devices).values():

@@ -543,7 +543,7 @@ def _param_gathers(ctx: _Context, timer: CollectiveTimer, steps: list[tuple[floa
         return []
     bucket_bytes: dict[int, list[float]] = {}  # group -> its buckets' bf16 bytes of one TP shard
     for b in ctx.buckets:
-        bucket_bytes.setdefault(b.group, []).append(b.params * WEIGHT_BYTES_PER_PARAM / ctx.groups[b.group].tp)
+        bucket_bytes.setdefault(b.group, []).append(b.params * WEIGHT_BYTES_PER_PARAM * ctx.groups[b.group].share)
     gpn = ctx.cluster.gpus_per_node
     free = [end for _, end in steps]
     out: list[tuple[int, float, float]] = []

@@ -8,8 +8,10 @@ collective of its parameter device group timed by the comm model.
   is done: in the device's last backward holding a unit of the bucket, at the unit's layer (a slice runs its
   layers' backward from last to first; a light operator's one unit is complete at the end of its backward).
   Without overlap (``overlap=False``) every bucket waits for the device's whole backward.
-- **Volume.** The TP ranks of a group reduce their own shards, each over the ring of its data-parallel
-  replicas (``tp`` rings at once, each ``1/tp`` of the bucket, sharing the network of the nodes they cross).
+- **Volume.** The TP ranks of a group reduce their own shards, each over the ring of devices holding it
+  (``tp`` rings at once, each ``1/tp`` of the bucket, sharing the network of the nodes they cross), timed on
+  the widest ring plan/tp_shards.py ``group_rings`` names, the runtime's; where a device sits in several rings
+  of a unit (a plan whose TP groups cross), each member is charged what that busiest device reduces.
   ZeRO stage 0 all-reduces the bucket; stages 1-3 reduce-scatter it (each member keeps the gradient of the
   optimizer shard it steps), and stages 1 and 2 all-gather the updated bf16 weights after the optimizer step,
   one collective per group (``param_gathers``); stage 3 gathers weights in every layer's forward and
@@ -31,7 +33,6 @@ from megatron_spindle.plan.buckets import (
     Completion,
     completion_sorted,
     default_bucket_numel,
-    group_tp,
     launch_key,
     regathered_groups,
     split_buckets,
@@ -39,6 +40,7 @@ from megatron_spindle.plan.buckets import (
 )
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, grad_reduce_bytes
 from megatron_spindle.plan.schema import Plan
+from megatron_spindle.plan.tp_shards import group_rings
 
 
 @dataclass
@@ -65,8 +67,9 @@ class GroupInfo:
     devices: tuple[int, ...]
     units: list[str]
     params: int
-    tp: int
-    ring: GroupPlacement
+    tp: int  # TP rings running at once
+    ring: GroupPlacement  # the widest of them
+    share: float  # of the group's parameters, what the busiest member reduces (plan/tp_shards.py GroupRing)
 
     @property
     def ranks(self) -> int:
@@ -74,13 +77,13 @@ class GroupInfo:
 
 
 def group_infos(plan: Plan, metaops: Mapping[str, MetaOp], param_count, cluster: ClusterSpec) -> list[GroupInfo]:
-    tps = group_tp([w.slices for w in plan.waves], metaops, [g.params for g in plan.param_groups],
-                   plan.settings)
+    rings = group_rings([w.slices for w in plan.waves], metaops, [(g.devices, g.params) for g in plan.param_groups],
+                        plan.settings)
     out = []
-    for g, tp in zip(plan.param_groups, tps):
+    for g, r in zip(plan.param_groups, rings):
         params = sum(param_count(u) for u in g.params)
-        out.append(GroupInfo(tuple(sorted(g.devices)), list(g.params), params, tp,
-                             GroupPlacement.dp_ring(g.devices, tp, cluster)))
+        out.append(GroupInfo(tuple(sorted(g.devices)), list(g.params), params, r.degree,
+                             GroupPlacement.of_devices(r.devices, cluster), r.share))
     return out
 
 
@@ -97,7 +100,7 @@ def plan_buckets(plan: Plan, metaops: Mapping[str, MetaOp], param_count, groups:
         ordered = completion_sorted(g.units, completion)
         for index, units in enumerate(split_buckets(ordered, param_count, limit)):
             params = sum(param_count(u) for u in units)
-            nbytes = grad_reduce_bytes(params, plan.settings) / g.tp
+            nbytes = grad_reduce_bytes(params, plan.settings) * g.share
             out.append(BucketSync(gi, g.devices, index, tuple(units), params, completion[units[-1]], op, nbytes,
                                   g.ring, g.tp))
     return sorted(out, key=BucketSync.launch_key)
@@ -109,7 +112,7 @@ def param_gathers(plan: Plan, groups: list[GroupInfo], metaops: Mapping[str, Met
     shards are not the masters')."""
     regathered = regathered_groups([w.slices for w in plan.waves], metaops,
                                    [(g.devices, g.units) for g in groups], plan.settings.zero_stage)
-    return [(gi, g.params * WEIGHT_BYTES_PER_PARAM / g.tp) for gi, g in enumerate(groups)
+    return [(gi, g.params * WEIGHT_BYTES_PER_PARAM * g.share) for gi, g in enumerate(groups)
             if regathered[gi] and g.ranks > 1 and g.units]
 
 

@@ -39,3 +39,4 @@ def test_tp2_plans_move_the_charged_bytes_in_both_layouts(wavefront_plan):
         assert abs(row["max"]["runtime_grad"] - row["max"]["model_grad"]) <= 1e-6 * row["max"]["model_grad"]
         totals[sharded] = row["total"]["runtime_grad"]
     assert totals[True] < totals[False]  # each TP shard over its ring, not the whole unit over every member
+

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel, estimate_curves
@@ -10,11 +12,14 @@ from megatron_spindle.graph.cluster import ClusterSpec, make_cluster
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload, load_workload, workload_from_dict
 from megatron_spindle.plan.schema import ExecutionSettings, ParamGroup, Plan, PlanError
+from megatron_spindle.plan.tp_shards import group_rings
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.allocator import allocate_level
 from megatron_spindle.planner.assemble import assemble_plan
+from megatron_spindle.planner.objective import estimate_iteration
 from megatron_spindle.planner.placement import place, predicted_memory
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
+from megatron_spindle.simulator import simulate
 
 HIDDEN = 64
 BATCH = 8
@@ -116,6 +121,18 @@ def test_tp_ranks_are_ordered_so_each_device_holds_one_shard_of_a_shared_unit():
     assert {d: x.index(d) % 2 for d in x} == {d: y.index(d) % 2 for d in y}
     whole = assemble(w, cluster, g, waves, settings=ExecutionSettings(tp_sharded_grads=False))
     assert [s.devices for s in whole.slices()] == [[0, 1, 2, 3], [1, 2, 3, 0]]  # nothing to align
+    # the crossed orders by TP shard (a hand-made plan): every device in both rings of enc, which the
+    # simulator and the planner's estimate charge (plan/tp_shards.py group_rings), and the aligned plan does not
+    crossed = dataclasses.replace(whole, settings=dataclasses.replace(whole.settings, tp_sharded_grads=True))
+    rings = [group_rings([wv.slices for wv in p.waves], g.metaops, [(grp.devices, grp.params)
+                                                                   for grp in p.param_groups], p.settings)
+             for p in (plan, crossed)]
+    assert [(r.degree, len(r.devices), r.share) for r in rings[0]] == [(2, 2, 0.5)]
+    assert [(r.degree, len(r.devices), r.share) for r in rings[1]] == [(2, 4, 1.0)]
+    sims = [simulate(p, w, cluster, *models(w, cluster), metagraph=g) for p in (plan, crossed)]
+    assert sims[1].grad_sync_time > sims[0].grad_sync_time > 0
+    estimates = [estimate_iteration(p, g, cluster, AnalyticCostModel(w, cluster)) for p in (plan, crossed)]
+    assert estimates[1].grad_sync > estimates[0].grad_sync
 
 
 
