@@ -226,14 +226,13 @@ def group_rings(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, 
                 settings: ExecutionSettings) -> list[GroupRing]:
     """Per parameter device group (devices, units): its rings as the runtime forms them (``unit_rings``), the
     rule the simulator and the planner's estimate time gradient buckets and weight gathers by."""
-    units_of = [units for _, units in param_groups]
-    degrees = group_tp(waves, metaops, units_of, settings)
-    rings = unit_rings(waves, metaops, units_of, settings)
+    rings = unit_rings(waves, metaops, [units for _, units in param_groups], settings)
     out = []
-    for (devices, units), degree in zip(param_groups, degrees):
-        if degree == 1 or not units:
+    for devices, units in param_groups:
+        if not units or units[0] not in rings:  # degree 1: the whole group, one ring
             out.append(GroupRing(1, tuple(sorted(devices)), 1.0))
             continue
+        degree = rings[units[0]].degree  # the group's (every unit of it has its degree)
         widest, most = (), 1
         for layout in {rings[u].rings for u in units}:
             widest = max([widest, *layout], key=lambda r: (len(r), r))
