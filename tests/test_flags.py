@@ -78,9 +78,9 @@ def test_planner_flags_are_planner_config():
     assert planner_config_from_args(p.parse_args([])) == PlannerConfig()
     args = p.parse_args(["--spindle-planner", "wavefront", "--spindle-solver-time-limit", "3", "--spindle-"
                          "cross-level-overlap", "--spindle-distributed-optimizer", "on", "--spindle-sync-aware",
-                         "off"])
+                         "off", "--spindle-solver-deterministic"])
     assert planner_config_from_args(args) == PlannerConfig(planner="wavefront", solver_time_limit=3.0,
                                                            cross_level_overlap=True, distributed_optimizer="on",
-                                                           sync_aware="off")
+                                                           sync_aware="off", solver_deterministic=True)
     action = next(a for a in p._actions if a.dest == "spindle_distributed_optimizer")
     assert tuple(action.choices) == DISTRIBUTED_OPTIMIZER and "ZeRO-1" in action.help

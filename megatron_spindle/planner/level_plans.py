@@ -17,7 +17,7 @@ Options are anything with ``n``, ``tp``, ``dp`` and ``seconds`` (per layer), as 
 from __future__ import annotations
 
 import math
-import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
@@ -32,7 +32,7 @@ class SliceOption(Protocol):
 
 def few_wave_plans(metaops: dict[str, Any], options: dict[str, list[SliceOption]], num_devices: int,
                    max_waves: int, layer_cap: dict[tuple[str, int], int] | None = None,
-                   level: int = 0, deadline: float = math.inf) -> dict[int, list[ScheduledWave]]:
+                   level: int = 0, expired: Callable[[], bool] = lambda: False) -> dict[int, list[ScheduledWave]]:
     """Plans of one MetaLevel with at most K waves, for K = 1 .. max_waves (those that exist): hints for the
     K-slot models, which otherwise start from nothing when the best plan has more waves than K.
 
@@ -42,10 +42,10 @@ def few_wave_plans(metaops: dict[str, Any], options: dict[str, list[SliceOption]
     packed into K waves of N devices (at most one per wave and MetaOp; widest first, each into the k waves
     with the most free devices) and the layers spread evenly over a MetaOp's occurrences. Bisection finds the smallest D that packs; the wave durations are then the longest slices.
     ``layer_cap[(metaop, option index)]`` is the memory bound on layers per slice (none if absent). Stops at
-    ``deadline`` (time.perf_counter()) with the plans found so far."""
+    when ``expired()`` (the caller's budget) with the plans found so far."""
     plans = {}
     for K in range(1, max_waves + 1):
-        if time.perf_counter() > deadline:
+        if expired():
             break
         lo = max(min(o.seconds for o in opts) * metaops[m].num_layers / K for m, opts in options.items())
         hi = sum(max(o.seconds for o in opts) * metaops[m].num_layers for m, opts in options.items())

@@ -52,6 +52,10 @@ class PlannerConfig:
         choices=PLACEMENTS))
     solver_time_limit: float = field(default=10.0, metadata=flag("CP-SAT time limit in seconds."))
     solver_workers: int = field(default=2, metadata=flag("CP-SAT search workers."))
+    solver_deterministic: bool = field(default=False, metadata=flag(
+        "CP-SAT: count --spindle-solver-time-limit in the solver's deterministic time (its unit is meant to be "
+        "about a second; 1-2 s of wall time each on a 2-core VM) and search with one worker, so that the plan "
+        "depends on the inputs alone, not on the machine's speed or load (same OR-Tools version)."))
     cross_level_overlap: bool = field(default=False, metadata=flag(
         "CP-SAT: let a MetaOp start when its own producers end instead of at the level barrier."))
     recompute: str = field(default="auto", metadata=flag(
@@ -210,11 +214,13 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
     if config.planner == "cpsat":
         from megatron_spindle.planner.cpsat import solve_cpsat
 
-        say(f"cp-sat: refining the greedy plan (limit {config.solver_time_limit:g} s, "
-            f"{config.solver_workers} workers)")
+        say(f"cp-sat: refining the greedy plan (limit {config.solver_time_limit:g} "
+            + ("deterministic s, 1 worker)" if config.solver_deterministic
+               else f"s, {config.solver_workers} workers)"))
         solver = solve_cpsat(best.metagraph, workload, best.placed_on, best.curves, best.placed, best.cost_model,
                              best.memory_model_placed, time_limit=config.solver_time_limit,
-                             workers=config.solver_workers, cross_level_overlap=config.cross_level_overlap,
+                             workers=config.solver_workers, deterministic=config.solver_deterministic,
+                             cross_level_overlap=config.cross_level_overlap,
                              level_allocs=best.level_allocs)
         info["planner"] = "cpsat"
         info["solver"] = solver.summary()

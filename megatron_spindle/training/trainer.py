@@ -79,8 +79,9 @@ def print_rank_0(*a, **k) -> None:
 
 
 def get_plan(args, workload, world_size: int, rank: int):
-    """The saved plan (--spindle-plan) or a fresh one made on rank 0 and broadcast (CP-SAT with a time limit
-    is not deterministic, so ranks must not plan separately)."""
+    """The saved plan (--spindle-plan) or a fresh one made on rank 0 and broadcast (CP-SAT with a wall-clock
+    limit is not deterministic, so ranks must not plan separately; with --spindle-solver-deterministic they could,
+    but one plan sent is cheaper than a plan made on every rank)."""
     from megatron_spindle.plan.schema import Plan, PlanError
     from megatron_spindle.plan.validate import validate_plan
 

@@ -3,7 +3,10 @@ cross-level overlap, and valid plans that are never worse than the greedy path."
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
@@ -25,9 +28,10 @@ from megatron_spindle.planner.cpsat import (
     pack_ranges,
     solve_cpsat,
 )
-from megatron_spindle.planner.cpsat.budget import TimeBudget
+from megatron_spindle.planner.cpsat.budget import MIN_SOLVE_WORK, TimeBudget
 from megatron_spindle.planner.cpsat.problem import Problem, curve_options, time_unit, with_units
 from megatron_spindle.planner.cpsat.search import Search
+from megatron_spindle.planner.cpsat.solve import PLACEMENT_RESERVE
 from megatron_spindle.planner.schedule import LevelAllocation, ScheduledSlice, ScheduledWave
 
 LIMIT = 5.0  # seconds; the tiny instances solve to optimality far sooner
@@ -449,6 +453,39 @@ def test_time_budget_children_never_outlast_their_parent():
         assert child.deadline <= parent.deadline
     empty = TimeBudget.of(0.0)
     assert empty.left() == 0.0 and empty.spent_fraction() == 1.0 and empty.share(0.5).seconds == 0.0
+
+
+def test_work_clock_runs_only_by_the_solves():
+    budget = TimeBudget.of(1.0, deterministic=True)
+    child = budget.share(0.5)
+    assert child.seconds == 0.5 and child.clock is budget.clock  # no wall time counted, however long it takes
+    child.clock.spend(0.3)
+    assert child.left() == pytest.approx(0.2) and budget.left() == pytest.approx(0.7)
+    budget.clock.spend(0.0)  # a solve that reports nothing still costs something: budget loops end
+    assert budget.left() == pytest.approx(0.7 - MIN_SOLVE_WORK)
+    assert not child.expired()
+    budget.clock.spend(0.3)
+    assert child.expired() and child.spent_fraction() == 1.0 and budget.part(5.0).seconds <= 0.4
+
+
+def test_deterministic_limit_plans_the_same_however_fast_the_wall_clock_runs(monkeypatch):
+    """clip-4 on 16 GPUs stops at its limit (FEASIBLE, not proved optimal): with the limit counted in the
+    solver's deterministic time the plan is the same when the wall clock races (1000 s a reading), where the
+    wall-clock limit would then leave the greedy plan."""
+    workload, cluster = load_workload("clip-4"), make_cluster(16, gpu_type_name="A800-80GB")
+    deterministic = pipeline.PlannerConfig(planner="cpsat", solver_time_limit=0.5, solver_deterministic=True,
+                                           select="none")
+    first = pipeline.plan_workload(workload, cluster, deterministic)
+    solver = first.plan.planner["solver"]
+    assert solver["status"] == "FEASIBLE" and not solver["used_hint_only"]
+    assert 0.5 * (1 - PLACEMENT_RESERVE) * 0.9 <= solver["solve_work"] <= 0.5
+    real, readings = time.perf_counter, itertools.count()
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + 1000.0 * next(readings))
+    again = pipeline.plan_workload(workload, cluster, deterministic)
+    assert [w.__dict__ for w in again.plan.waves] == [w.__dict__ for w in first.plan.waves]
+    assert again.plan.settings == first.plan.settings and again.plan.predicted == first.plan.predicted
+    wall = pipeline.plan_workload(workload, cluster, dataclasses.replace(deterministic, solver_deterministic=False))
+    assert wall.plan.planner["solver"]["used_hint_only"]
 
 
 def _problem(g: MetaGraph, curves, cluster, memory) -> Problem:

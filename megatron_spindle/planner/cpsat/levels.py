@@ -158,7 +158,7 @@ def constructive_plans(problem: Problem, sub: MetaGraph, max_waves: int,
     caps = {(m, c): problem.layer_cap(mo, o) for m, mo in sub.metaops.items() for c, o in enumerate(options[m])}
     level = min((mo.level for mo in sub.metaops.values()), default=0)
     N = problem.cluster.num_devices
-    plans = few_wave_plans(sub.metaops, options, N, max_waves, caps, level, budget.deadline)
+    plans = few_wave_plans(sub.metaops, options, N, max_waves, caps, level, budget.expired)
     for urgency, grid in PORTFOLIO:
         if budget.left() <= 0:
             break

@@ -31,6 +31,7 @@ class CpSatResult:
     cross_level_overlap: bool = False
     barrier_makespan: float | None = None  # best level-barrier plan, when cross_level_overlap ran
     solve_seconds: float = 0.0
+    solve_work: float | None = None  # deterministic time spent (--spindle-solver-deterministic), None otherwise
     notes: list[str] = field(default_factory=list)
 
     def gap_to_bound(self) -> float | None:
@@ -73,6 +74,7 @@ class CpSatResult:
             "barrier_makespan": self.barrier_makespan,
             "overlap_gain": self.overlap_gain(),
             "solve_seconds": self.solve_seconds,
+            "solve_work": self.solve_work,
             "notes": "; ".join(dict.fromkeys(self.notes)),
         }
 

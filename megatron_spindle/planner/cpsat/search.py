@@ -72,6 +72,7 @@ class SearchState:
     exact_memory: bool = False  # the models from the memory stage on carry per-device memory
     barrier_makespan: float | None = None
     seconds: float = 0.0
+    work: float | None = None  # the solver's deterministic time, on the work clock (budget.py)
 
 
 class Search:
@@ -96,11 +97,13 @@ class Search:
         return stages
 
     def run(self, budget: TimeBudget) -> SearchState:
-        start = time.perf_counter()
+        start, work = time.perf_counter(), budget.clock.now()
         stages = self.stages()
         for i, stage in enumerate(stages):
             stage.run(budget.share(stage.weight / sum(s.weight for s in stages[i:])))
         self.state.seconds = time.perf_counter() - start
+        if budget.clock.deterministic:
+            self.state.work = budget.clock.now() - work
         return self.state
 
     # ---------------------------------------------------------------- stages

@@ -31,11 +31,12 @@ PLACEMENT_RESERVE = 0.15
 
 def solve_cpsat(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec, curves: Mapping[str, Curve],
                 greedy_waves: list[ScheduledWave], cost_model: FlowCostModel, memory_model: MemoryModel,
-                time_limit: float, workers: int = 2, cross_level_overlap: bool = False,
+                time_limit: float, workers: int = 2, deterministic: bool = False, cross_level_overlap: bool = False,
                 options: CpSatOptions | None = None,
                 level_allocs: Sequence[LevelAllocation] | None = None) -> CpSatResult:
     """Refine the greedy (placed) waves with CP-SAT within ``time_limit`` seconds (model building and
-    placement included); a zero limit returns them unchanged.
+    placement included); a zero limit returns them unchanged. ``deterministic``: seconds of the solver's
+    deterministic time (the work clock, budget.py; model building and placement not counted).
 
     ``level_allocs`` (the allocator's LevelAllocations) supply C* and n*; without them the allocator runs
     here with its default inverse. With ``cross_level_overlap`` the level-barrier plan is found first and
@@ -54,7 +55,7 @@ def solve_cpsat(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec, 
     if time_limit <= 0 or not greedy_waves:
         return CpSatResult(greedy_waves, "NOT_RUN", greedy_makespan, None, 0.0, 0.0, True,
                            notes=["time limit 0: the greedy plan is returned unchanged"], **base)
-    budget = TimeBudget.of(time_limit * (1 - PLACEMENT_RESERVE))
+    budget = TimeBudget.of(time_limit * (1 - PLACEMENT_RESERVE), deterministic)
     unit = time_unit(greedy_makespan, metagraph)
     slice_options = {m: with_units(o, unit) for m, o in raw_options.items()}
     rounding = rounding_bound(metagraph, slice_options, unit)
@@ -68,7 +69,7 @@ def solve_cpsat(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec, 
     # the solver bounds the rounded makespan; minus the rounding bound it bounds the real one
     bound = max(0.0, state.bound_units * unit - rounding) if state.bound_units is not None else None
     base.update(status=state.status, best_bound=bound, time_unit=unit, rounding_error_bound=rounding,
-                solve_seconds=state.seconds)
+                solve_seconds=state.seconds, solve_work=state.work)
     return _result(problem, state, greedy_waves, base)
 
 
