@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -67,10 +68,13 @@ FIG11_CELLS = [(w, n) for w in ("clip-4", "clip-7", "clip-10") for n in (16, 32)
 # the fastest candidate as simulated; the CP-SAT planner's candidates with --with-cpsat, else the greedy one's).
 GREEDY_SYSTEM = ("spindle-greedy", PlannerConfig(planner="wavefront", select="none"))
 SPINDLE_SYSTEMS: list[tuple[str, PlannerConfig]] = [GREEDY_SYSTEM]
-CPSAT_SYSTEM = ("spindle-cpsat", PlannerConfig(planner="cpsat", solver_time_limit=10.0, select="none"))
+# CP-SAT's limit in its deterministic time, so that a snapshot repeats whatever the machine's load
+# (--solver-wall-clock: the wall-clock limit users get by default)
+SOLVER = dict(solver_time_limit=10.0, solver_deterministic=True)
+CPSAT_SYSTEM = ("spindle-cpsat", PlannerConfig(planner="cpsat", select="none", **SOLVER))
 # issue 4's option beyond the paper: a MetaOp may start when its own producers end (no level barrier)
-OVERLAP_SYSTEM = ("spindle-cpsat-overlap", PlannerConfig(planner="cpsat", solver_time_limit=10.0,
-                                                         cross_level_overlap=True, select="none"))
+OVERLAP_SYSTEM = ("spindle-cpsat-overlap", PlannerConfig(planner="cpsat", cross_level_overlap=True, select="none",
+                                                         **SOLVER))
 SELECTED = "spindle"  # the selected plan's column
 BASELINE_SYSTEMS: list[str] = ["optimus", "distmm", "megatron", "deepspeed", "spindle-seq"]
 SOTA_BASELINES = ("optimus", "distmm", "megatron", "deepspeed")  # "the best baseline" of the targets
@@ -158,7 +162,8 @@ def run_cell(name: str, num_gpus: int, spindle_systems, baselines: list[str], lo
         cell["systems"][sys_name] = spindle_entry(res, sim, secs, time.perf_counter() - t0)
     # Spindle as a user gets it (tools/plan.py): autoplan's fastest candidate as simulated
     if select:
-        user = PlannerConfig(planner="cpsat" if CPSAT_SYSTEM[0] in results else "wavefront", solver_time_limit=10.0)
+        cpsat = dict(spindle_systems).get(CPSAT_SYSTEM[0])
+        user = dataclasses.replace(cpsat, select="simulate") if cpsat else PlannerConfig(planner="wavefront", **SOLVER)
         chosen = autoplan(workload, cluster, user)
         secs = chosen.seconds
     else:
@@ -545,6 +550,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-scale", type=float, default=1.0,
                         help="sensitivity: scale every task's batch (Fig. 8 cells only; the calibration is at 1)")
     parser.add_argument("--fig8-only", action="store_true", help="only the Fig. 8 cells (and Fig. 11/12 from them)")
+    parser.add_argument("--solver-wall-clock", action="store_true",
+                        help="CP-SAT stops at 10 s of wall time (tools/plan.py's default) instead of 10 units of its "
+                             "deterministic time with one worker (a snapshot that repeats)")
     add_output_args(parser)
     args = parser.parse_args(argv)
     record = Recording(args, "paper_eval")
@@ -553,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     spindle = SPINDLE_SYSTEMS + ([CPSAT_SYSTEM, OVERLAP_SYSTEM] if args.with_cpsat else [])
+    if args.solver_wall_clock:
+        SOLVER["solver_deterministic"] = False
+        spindle = [(name, dataclasses.replace(config, solver_deterministic=False)) for name, config in spindle]
     spindle_names = [s for s, _ in spindle]
     systems = [SELECTED] + spindle_names + BASELINE_SYSTEMS
     grid = [(w, n) for w, ns in PAPER_FIG8.items() for n in ns]
