@@ -58,7 +58,7 @@ def assemble_plan(workload: Workload, cluster: ClusterSpec, metagraph: MetaGraph
         cluster_digest=cluster.digest(),
         planner=dict(planner_info),
         metaops=_metaop_records(metagraph, allocs, curves or {}),
-        levels=_level_infos(metagraph, waves, allocs),
+        levels=_level_infos(metagraph, waves, allocs, settings.micro_batches),
         waves=_plan_waves(waves, metagraph),
         transfers=[],
         param_groups=[],
@@ -70,7 +70,8 @@ def assemble_plan(workload: Workload, cluster: ClusterSpec, metagraph: MetaGraph
     _align_tp_shards(plan, metagraph)
     plan.transfers = derive_transfers(plan, lambda mid: cost_model.activation_bytes(metagraph.metaops[mid]))
     plan.memory_per_device = plan_memory(plan, metagraph.metaops, memory_model)
-    plan.predicted = _predictions(waves, cluster, plan.transfers, allocs if level_allocs is not None else None)
+    plan.predicted = _predictions(waves, cluster, plan.transfers, allocs if level_allocs is not None else None,
+                                  settings.micro_batches)
     if validate:
         validate_plan(plan, workload, cluster, metagraph)
     return plan
@@ -127,7 +128,9 @@ def _metaop_records(metagraph: MetaGraph, allocs: dict[int, LevelAllocation],
 
 
 def _level_infos(metagraph: MetaGraph, waves: Sequence[ScheduledWave],
-                 allocs: dict[int, LevelAllocation]) -> list[LevelInfo]:
+                 allocs: dict[int, LevelAllocation], micro_batches: int) -> list[LevelInfo]:
+    """Per MetaLevel its span in the waves and C~* scaled to the iteration as the waves are (the allocator
+    allocates one micro-batch; the waves run ``micro_batches``)."""
     out = []
     previous_end = 0.0
     for index, metaops in enumerate(metagraph.levels):
@@ -135,24 +138,28 @@ def _level_infos(metagraph: MetaGraph, waves: Sequence[ScheduledWave],
         start = min((w.start for w in mine), default=previous_end)
         end = max((w.end for w in mine), default=start)
         alloc = allocs.get(index)
-        out.append(LevelInfo(index=index, metaops=list(metaops), c_star=float(alloc.c_star) if alloc else 0.0,
+        out.append(LevelInfo(index=index, metaops=list(metaops),
+                             c_star=float(alloc.c_star) * micro_batches if alloc else 0.0,
                              start=float(start), end=float(end)))
         previous_end = end
     return out
 
 
 def _predictions(waves: Sequence[ScheduledWave], cluster: ClusterSpec, transfers: list[Transfer],
-                 allocs: dict[int, LevelAllocation] | None) -> dict[str, float]:
+                 allocs: dict[int, LevelAllocation] | None, micro_batches: int) -> dict[str, float]:
+    """The waves' makespan (an iteration's), one micro-batch's share of it, utilisation, bytes per route kind and,
+    with the allocations, C~* of the iteration and the gap to it."""
     makespan = max((w.end for w in waves), default=0.0)
     busy = sum(s.time * s.n for w in waves for s in w.slices)
     predicted = {
         "iteration_time": float(makespan),
+        "micro_batch_time": float(makespan) / micro_batches,
         "utilisation": float(busy / (cluster.num_devices * makespan)) if makespan > 0 else 0.0,
     }
     for kind in TRANSFER_KINDS:
         predicted[f"{kind}_bytes"] = float(sum(t.bytes_by_kind.get(kind, 0.0) for t in transfers))
     if allocs is not None:
-        c_star = float(sum(a.c_star for a in allocs.values()))
+        c_star = float(sum(a.c_star for a in allocs.values())) * micro_batches
         predicted["c_star"] = c_star
         predicted["gap"] = makespan / c_star - 1.0 if c_star > 0 else 0.0
     return predicted

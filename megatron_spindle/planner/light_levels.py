@@ -203,6 +203,5 @@ def pinned_plan(plan: Plan, metagraph: MetaGraph, curves: Mapping, workload: Wor
                         level_allocs=level_allocs, curves=curves,
                         settings=dataclasses.replace(settings, slice_recompute=recompute))
     out.planner["light_levels"] = "pinned to their partners' devices"
-    out.predicted["micro_batch_time"] = out.predicted["iteration_time"] / settings.micro_batches
     out.predicted.update(estimate_iteration(out, metagraph, cluster, cost_model).as_predicted())
     return out

@@ -200,7 +200,6 @@ def plan_node_groups(workload: Workload, cluster: ClusterSpec, partition: list[N
             "memory_options": "; ".join(r.plan.planner.get("memory_options", "") for r in results)}
     plan = assemble_plan(workload, cluster, metagraph, waves, cost_model, memory_model, info, curves=curves,
                          settings=settings)
-    plan.predicted["micro_batch_time"] = plan.predicted["iteration_time"] / settings.micro_batches
     plan.predicted.update(estimate_iteration(plan, metagraph, cluster, cost_model).as_predicted())
     seconds = time.perf_counter() - started
     plan.planner["planning_seconds"] = seconds

@@ -246,8 +246,6 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
                          info, level_allocs=best.level_allocs, curves=best.curves,
                          settings=replace(best.settings(), overlap_param_gather=config.overlap_param_gather,
                                           sequence_parallel=config.sequence_parallel))
-    plan.predicted["micro_batch_time"] = plan.predicted["iteration_time"] / best.micro_batches
-    _iteration_c_star(plan, best.micro_batches)
     validate_plan(plan, workload, cluster, metagraph)
     plan.predicted.update(estimate_iteration(plan, metagraph, cluster, best.cost_model).as_predicted())
     lap("assemble")
@@ -267,13 +265,3 @@ def _light_levels_follow(waves, metagraph, workload, cluster, curves, cost_model
         return place(relaid, metagraph, workload, cluster, cost_model, memory_model, strategy=config.placement)
     except PlacementError:
         return waves
-
-
-def _iteration_c_star(plan: Plan, micro_batches: int) -> None:
-    """C~* of the levels (allocated on one micro-batch) scaled to the iteration, as the waves are (m micro-batches)."""
-    if micro_batches == 1 or "c_star" not in plan.predicted:
-        return
-    for level in plan.levels:
-        level.c_star *= micro_batches
-    c_star = plan.predicted["c_star"] = plan.predicted["c_star"] * micro_batches
-    plan.predicted["gap"] = plan.predicted["iteration_time"] / c_star - 1.0 if c_star > 0 else 0.0

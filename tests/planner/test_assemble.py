@@ -228,6 +228,27 @@ def test_assembled_plan_is_valid_and_survives_save_load(tmp_path, name, strategy
     for s in plan.slices():
         for u in {u for names in g.metaops[s.metaop].params[s.layer_start:s.layer_end] for u in names}:
             assert set(s.devices) <= set(group_of[u].devices)
+    assert p["micro_batch_time"] == pytest.approx(makespan)
+
+
+def test_relaxed_optimum_is_scaled_to_the_iteration_of_micro_batches():
+    """The waves are an iteration's: with 2 micro-batches C~* (allocated on one) is scaled to the iteration
+    (every planner path assembles here; plan selection's pinned candidates once reported twice the gap)."""
+    w, cluster = load_workload("tiny-vlm"), make_cluster(4, 4, "CPU")
+    g = build_metagraph(w)
+    cost, memory = models(w, cluster)
+    curves = estimate_curves(g, w, cluster, cost)
+    allocs = [allocate_level(i, [g.metaops[m] for m in ids], curves, cluster.num_devices)
+              for i, ids in enumerate(g.levels)]
+    waves = place(naive_schedule(g, curves, cluster), g, w, cluster, cost, memory)
+    one, two = (assemble_plan(w, cluster, g, waves, cost, memory, {}, allocs, curves, validate=False,
+                              settings=ExecutionSettings(micro_batches=m)) for m in (1, 2))
+    makespan, c_star = waves[-1].end, sum(a.c_star for a in allocs)
+    assert one.predicted["micro_batch_time"] == pytest.approx(makespan) and one.predicted["c_star"] == c_star
+    assert two.predicted["micro_batch_time"] == pytest.approx(makespan / 2)
+    assert two.predicted["c_star"] == pytest.approx(2 * c_star)
+    assert two.predicted["gap"] == pytest.approx(makespan / (2 * c_star) - 1)
+    assert [lv.c_star for lv in two.levels] == pytest.approx([2 * a.c_star for a in allocs])
 
 
 def test_without_level_allocations_there_is_no_gap():
