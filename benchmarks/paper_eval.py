@@ -327,7 +327,8 @@ def fig11_12_table(cells: list[dict], spindle_names: list[str]) -> str:
 def cpsat_table(cells: list[dict]) -> str:
     """Issue 4: CP-SAT against the greedy wavefront plan, per cell; and what cross-level overlap adds."""
     overlap = all(OVERLAP_SYSTEM[0] in c["systems"] for c in cells)
-    lines = ["CP-SAT planner (10 s limit) vs greedy wavefront: planned makespan / C*, improvement, solver status "
+    limit = "10 units of deterministic time, one worker" if _deterministic(cells) else "10 s limit"
+    lines = [f"CP-SAT planner ({limit}) vs greedy wavefront: planned makespan / C*, improvement, solver status "
              "and gap to its bound" + ("; cross-level overlap beside" if overlap else ""),
              f"{'workload':<10}{'GPUs':>5}{'greedy':>8}{'cp-sat':>8}{'better':>8}{'status':>10}{'to bound':>9}"
              f"{'solve s':>8}{'plan s':>8}" + (f"{'overlap':>9}{'gain':>7}" if overlap else "")]
@@ -354,6 +355,15 @@ def _solve_seconds(entry: dict) -> float:
     return float(entry["timings"].get("cpsat", entry["planning_seconds"]))
 
 
+def _solve_work(entry: dict) -> float | None:
+    """CP-SAT's deterministic time in a planning call (--spindle-solver-deterministic), else None."""
+    return (entry.get("solver") or {}).get("solve_work")
+
+
+def _deterministic(cells: list[dict]) -> bool:
+    return all(_solve_work(c["systems"]["spindle-cpsat"]) is not None for c in cells)
+
+
 def cpsat_targets(cells: list[dict]) -> list[tuple[str, bool, str]]:
     """Issue 4's targets: never worse than greedy, mean gap to C* under 3 %, within the limit at <= 64 GPUs."""
     worse = [f"{c['workload']}/{c['gpus']}" for c in cells
@@ -368,6 +378,11 @@ def cpsat_targets(cells: list[dict]) -> list[tuple[str, bool, str]]:
            ("spindle-cpsat: mean gap to C* < 3 %", mean < 0.03, f"{100 * mean:.2f} % (max {100 * max(gaps):.1f} %)"),
            ("spindle-cpsat: planning within its 10 s limit at <= 64 GPUs (solve + placement)", max(secs) <= 10.0,
             f"max {max(secs):.2f} s (the whole planning call, greedy plan first: max {whole:.2f} s)")]
+    if _deterministic(cells):  # the limit counts the solver's deterministic time; wall time is reported beside
+        works = [_solve_work(c["systems"]["spindle-cpsat"]) for c in cells if c["gpus"] <= 64]
+        out[-1] = ("spindle-cpsat: planning within its limit of 10 deterministic units at <= 64 GPUs (the solves)",
+                   max(works) <= 10.0, f"max {max(works):.2f} units; wall time of solve + placement max "
+                   f"{max(secs):.2f} s, the whole planning call max {whole:.2f} s (one worker)")
     if all(OVERLAP_SYSTEM[0] in c["systems"] for c in cells):
         gains = [1 - c["systems"][OVERLAP_SYSTEM[0]]["predicted_iteration_time"]
                  / c["systems"]["spindle-cpsat"]["predicted_iteration_time"] for c in cells]
