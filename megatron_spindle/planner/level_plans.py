@@ -41,7 +41,7 @@ def few_wave_plans(metaops: dict[str, Any], options: dict[str, list[SliceOption]
     option with the fewest device-waves ``n * k`` (then the shortest time). The MetaOps' k occurrences are
     packed into K waves of N devices (at most one per wave and MetaOp; widest first, each into the k waves
     with the most free devices) and the layers spread evenly over a MetaOp's occurrences. Bisection finds the smallest D that packs; the wave durations are then the longest slices.
-    ``layer_cap[(metaop, option index)]`` is the memory bound on layers per slice (none if absent). Stops at
+    ``layer_cap[(metaop, option index)]`` is the memory bound on layers per slice (none if absent). Stops
     when ``expired()`` (the caller's budget) with the plans found so far."""
     plans = {}
     for K in range(1, max_waves + 1):
