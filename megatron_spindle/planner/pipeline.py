@@ -215,7 +215,7 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
         from megatron_spindle.planner.cpsat import solve_cpsat
 
         say(f"cp-sat: refining the greedy plan (limit {config.solver_time_limit:g} "
-            + ("deterministic s, 1 worker)" if config.solver_deterministic
+            + ("units of deterministic time, 1 worker)" if config.solver_deterministic
                else f"s, {config.solver_workers} workers)"))
         solver = solve_cpsat(best.metagraph, workload, best.placed_on, best.curves, best.placed, best.cost_model,
                              best.memory_model_placed, time_limit=config.solver_time_limit,

@@ -87,7 +87,9 @@ def _solver_lines(solver: dict) -> list[str]:
 
     head = (f"  cp-sat: {solver.get('status')}"
             + (" (no better plan than the greedy hint)" if solver.get("used_hint_only") else "")
-            + f" in {solver.get('solve_seconds', 0):.1f} s; makespan {ms(solver.get('makespan'))} vs greedy "
+            + f" in {solver.get('solve_seconds', 0):.1f} s"
+            + (f" ({solver['solve_work']:.2f} deterministic units)" if solver.get("solve_work") is not None else "")
+            + f"; makespan {ms(solver.get('makespan'))} vs greedy "
               f"{ms(solver.get('greedy_makespan'))} ({pct(solver.get('improvement'))} better); best bound "
               f"{ms(solver.get('best_bound'))} (gap {pct(solver.get('gap_to_bound'))}); C* {ms(solver.get('c_star'))} "
               f"(gap {pct(solver.get('gap_to_c_star'))}); time rounding <= {ms(solver.get('rounding_error_bound'))}")

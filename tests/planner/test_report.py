@@ -12,7 +12,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 from megatron_spindle.graph.cluster import make_cluster  # noqa: E402
 from megatron_spindle.graph.workload import load_workload  # noqa: E402
 from megatron_spindle.planner.pipeline import PlannerConfig, make_plan  # noqa: E402
-from megatron_spindle.planner.report import _device_runs, draw_gantt, gantt_figure, module_colors  # noqa: E402
+from megatron_spindle.planner.report import (  # noqa: E402
+    _device_runs,
+    _solver_lines,
+    draw_gantt,
+    gantt_figure,
+    module_colors,
+)
 
 
 def test_gantt_numbers_waves_and_labels_every_wide_block(tmp_path):
@@ -52,3 +58,11 @@ def test_module_colours_are_stable_across_charts():
     assert module_colors(["b", "a", "c"]) == module_colors(["c", "a", "b"])  # not the order of appearance
     many = module_colors([f"module{i}" for i in range(40)])
     assert len(set(many.values())) == 40  # hash collisions inside a chart move to a free colour
+
+
+def test_summary_names_the_solver_time_and_its_deterministic_units():
+    """The CP-SAT line says how long the solves took, and on the deterministic limit how many units they used."""
+    summary = {"status": "FEASIBLE", "solve_seconds": 12.34, "makespan": 0.5, "greedy_makespan": 0.52,
+               "improvement": 0.04}
+    assert "in 12.3 s; makespan" in _solver_lines(summary)[0]
+    assert "in 12.3 s (8.50 deterministic units); makespan" in _solver_lines({**summary, "solve_work": 8.5})[0]
