@@ -163,7 +163,8 @@ def run_cell(name: str, num_gpus: int, spindle_systems, baselines: list[str], lo
     # Spindle as a user gets it (tools/plan.py): autoplan's fastest candidate as simulated
     if select:
         cpsat = dict(spindle_systems).get(CPSAT_SYSTEM[0])
-        user = dataclasses.replace(cpsat, select="simulate") if cpsat else PlannerConfig(planner="wavefront", **SOLVER)
+        # the greedy planner's selection solves no CP-SAT model: no solver settings to carry
+        user = dataclasses.replace(cpsat, select="simulate") if cpsat else PlannerConfig(planner="wavefront")
         chosen = autoplan(workload, cluster, user)
         secs = chosen.seconds
     else:
@@ -577,7 +578,6 @@ def main(argv: list[str] | None = None) -> int:
 
     spindle = SPINDLE_SYSTEMS + ([CPSAT_SYSTEM, OVERLAP_SYSTEM] if args.with_cpsat else [])
     if args.solver_wall_clock:
-        SOLVER["solver_deterministic"] = False
         spindle = [(name, dataclasses.replace(config, solver_deterministic=False)) for name, config in spindle]
     spindle_names = [s for s, _ in spindle]
     systems = [SELECTED] + spindle_names + BASELINE_SYSTEMS
