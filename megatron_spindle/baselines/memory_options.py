@@ -24,6 +24,7 @@ from megatron_spindle.plan.order import slice_order
 from megatron_spindle.plan.schema import Plan, PlanError, Recompute
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.memory_options import RecomputeError, RecomputePolicy, choose_recompute
+from megatron_spindle.planner.schedule import scheduled_slice
 from megatron_spindle.simulator import SimResult, simulate
 
 MICRO_BATCHES = (1, 2, 4)
@@ -51,18 +52,22 @@ def retarget(plan: Plan, workload: Workload, metagraph: MetaGraph, cost_model, m
 def with_cheapest_recompute(plan: Plan, metagraph: MetaGraph, cost_model, memory_model,
                             cluster: ClusterSpec) -> Plan | None:
     """The plan with every layer slice at the cheapest recomputation that fits, in the plan's own order (None
-    when nothing fits)."""
+    when nothing fits). Cheapest as the planner's memory search counts it (planner/memory_options.py): a second
+    of recomputation costs what it lengthens its wave, by the plan's predicted times of one micro-batch."""
     base = dataclasses.replace(plan.settings, recompute=Recompute(), slice_recompute={})
-    waves = [w.slices for w in plan.waves]
-    order = slice_order([[s.task for s in w] for w in waves], base)
-    micro = {mid: micro_batch_metaop(m, base.micro_batches) for mid, m in metagraph.metaops.items()}
+    order = slice_order([[s.task for s in w.slices] for w in plan.waves], base)
+    m = base.micro_batches
+    micro = {mid: micro_batch_metaop(op, m) for mid, op in metagraph.metaops.items()}
+    waves = [[dataclasses.replace(scheduled_slice(s), time=s.predicted_time / m) for s in w.slices]
+             for w in plan.waves]
     try:
         numbers = ZeroSharded.of(memory_model, base)
         choices = choose_recompute(waves, micro, numbers, cost_model, cluster.gpu.memory_bytes, order,
-                                   RecomputePolicy(), cluster.num_devices, cluster.gpu.name)
+                                   RecomputePolicy(), cluster.num_devices, cluster.gpu.name,
+                                   [w.duration / m for w in plan.waves])
     except RecomputeError:
         return None
-    per_slice = {waves[wi][si].id: rc for (wi, si), rc in choices.items() if rc.mode != "none"}
+    per_slice = {plan.waves[wi].slices[si].id: rc for (wi, si), rc in choices.items() if rc.mode != "none"}
     return dataclasses.replace(plan, settings=dataclasses.replace(base, slice_recompute=per_slice))
 
 

@@ -11,6 +11,7 @@ import pytest
 from planner_workloads import HEAVY
 
 from megatron_spindle.arguments import add_spindle_args, build_parser, planner_config_from_args
+from megatron_spindle.baselines.memory_options import with_cheapest_recompute
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
@@ -25,6 +26,7 @@ from megatron_spindle.plan.memory import (
 from megatron_spindle.plan.order import early_backward_order, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings, PlanError, Recompute
 from megatron_spindle.plan.validate import validate_plan
+from megatron_spindle.planner.assemble import assemble_plan
 from megatron_spindle.planner.memory_options import (
     RecomputeError,
     RecomputePolicy,
@@ -33,7 +35,7 @@ from megatron_spindle.planner.memory_options import (
 )
 from megatron_spindle.planner.memory_search import memory_needs, micro_batch_candidates
 from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload
-from megatron_spindle.planner.schedule import ScheduledSlice
+from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
 from megatron_spindle.simulator import simulate
 
 GiB = 2**30
@@ -287,6 +289,31 @@ def test_recomputation_goes_where_its_wave_has_slack():
     by_waves = choose_recompute(*args, durations=[1.0, 1.0])
     assert by_seconds[(0, 0)].mode != "none" and by_seconds[(1, 0)].mode == "none"
     assert by_waves[(0, 0)].mode == "none" and by_waves[(1, 0)].mode != "none"
+
+
+def test_a_plans_cheapest_recomputation_goes_where_its_wave_has_slack():
+    """The same waves as a plan given the cheapest recomputation that fits (a plan made with memory unlimited,
+    fitted by plan selection; baselines/memory_options.py): costed by what it lengthens the plan's waves, as
+    the memory search costs it, the layer is recomputed in wave 1's slack."""
+    w = workload_from_dict(HEAVY)
+    cluster = make_cluster(2, 2)
+    g = build_metagraph(w)
+    cost = AnalyticCostModel(w, cluster)
+    memory = MemoryModel(w, cluster, cost)
+    first = ScheduledSlice("vt/vision", 1, 1, 1, 0, 4, 1.0, devices=[0])
+    second = ScheduledSlice("vt/vision", 1, 1, 1, 4, 8, 0.1, devices=[0])
+    text = ScheduledSlice("vt/text", 1, 1, 1, 0, 4, 1.0, devices=[1])
+    level = g.metaops["vt/vision"].level
+    waves = [ScheduledWave(level, 0.0, 1.0, [first]), ScheduledWave(level, 1.0, 1.0, [second, text])]
+    plan = assemble_plan(w, cluster, g, waves, cost, memory, {}, validate=False)
+    order = slice_order([["vt"], ["vt", "vt"]], ExecutionSettings())
+    numbers = ZeroSharded(memory, 0)
+    params, peak = memory_breakdown([wave.slices for wave in waves], g.metaops, numbers, 2, order)[0]
+    one_layer = slice_options(g.metaops["vt/vision"], first, numbers, cost, RecomputePolicy())[0].held / 4
+    tight = with_memory(2, params + peak - one_layer / 2)
+    fitted = with_cheapest_recompute(plan, g, cost, MemoryModel(w, tight, cost), tight)
+    assert [s.id for s in fitted.slices() if s.id in fitted.settings.slice_recompute] == [plan.waves[1].slices[0].id]
+    assert max(plan_memory(fitted, g.metaops, MemoryModel(w, tight, cost))) <= tight.gpu.memory_bytes
 
 
 def test_a_configuration_left_out_where_the_plan_never_goes_ends_the_search():
