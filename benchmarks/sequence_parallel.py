@@ -1,8 +1,9 @@
 """Issue 14's cost of memory with and without Megatron's sequence parallelism (--sequence-parallel): Spindle's
-selected plan (autoplan, as tools/plan.py makes it; CP-SAT as paper_eval.py --with-cpsat) simulated with the
-80 GiB cap and with memory unlimited, per cell. Prints a table; writes it to --out-dir.
+selected plan (autoplan, as tools/plan.py makes it; CP-SAT as paper_eval.py --with-cpsat, on its limit of 10 units
+of deterministic time, so that the rows repeat) simulated with the 80 GiB cap and with memory unlimited, per cell.
+Prints a table; writes it to --out-dir.
 
-    python benchmarks/sequence_parallel.py                          # the Table 2 cells (about 15 min here)
+    python benchmarks/sequence_parallel.py                          # the Table 2 cells (about 30 min here)
     python benchmarks/sequence_parallel.py --cells qwen-val:64 --planner wavefront
 """
 
@@ -13,7 +14,7 @@ import sys
 import time
 
 from bench_output import Recording, add_output_args, cell
-from paper_eval import UNLIMITED, relaxed, unlimited_reference
+from paper_eval import SOLVER, UNLIMITED, relaxed, unlimited_reference
 
 from megatron_spindle.autoplan import autoplan
 from megatron_spindle.graph.cluster import make_cluster
@@ -27,7 +28,7 @@ TABLE2_CELLS = (("qwen-val-30b", 256), ("qwen-val-70b", 256))
 def cell_row(name: str, gpus: int, planner: str, sequence_parallel: bool) -> dict:
     """The selected plan's simulated time with the cap and with memory unlimited."""
     workload, cluster = load_workload(name), make_cluster(gpus)
-    config = PlannerConfig(planner=planner, solver_time_limit=10.0, sequence_parallel=sequence_parallel)
+    config = PlannerConfig(planner=planner, sequence_parallel=sequence_parallel, **SOLVER)
     capped = autoplan(workload, cluster, config)
     free = unlimited_reference(capped, autoplan(workload, relaxed(cluster, UNLIMITED), config))
     return {"workload": name, "gpus": gpus, "sequence_parallel": sequence_parallel,
