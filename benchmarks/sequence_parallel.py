@@ -3,7 +3,7 @@ selected plan (autoplan, as tools/plan.py makes it; CP-SAT as paper_eval.py --wi
 of deterministic time, so that the rows repeat) simulated with the 80 GiB cap and with memory unlimited, per cell.
 Prints a table; writes it to --out-dir.
 
-    python benchmarks/sequence_parallel.py                          # the Table 2 cells (about 30 min here)
+    python benchmarks/sequence_parallel.py                          # the Table 2 cells (about 13 min here)
     python benchmarks/sequence_parallel.py --cells qwen-val:64 --planner wavefront
 """
 

@@ -316,7 +316,7 @@ def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: Plan
     plan's own order): QWen-VAL-30B / 256's pinned one costs recomputation and saves 0.4 s of transfers. The
     memory search limits every MetaOp's configurations to what its whole chain fits before it schedules; a plan
     made without that limit keeps its fastest configurations and may pay less in recomputation than the limited
-    ones cost (QWen-VAL-70B / 256: about 9.7 s where the capped search's plans simulate 13.1 s and more)."""
+    ones cost (QWen-VAL-70B / 256: about 9.6 s where the capped search's plans simulate 11.9 s and more)."""
     settings = first.plan.settings
     if settings.zero_stage == 0 and settings.micro_batches == 1 and not settings.slice_recompute \
             and settings.recompute.mode == "none":
