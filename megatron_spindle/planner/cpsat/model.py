@@ -407,14 +407,15 @@ class SlotModel:
         solver = cp_model.CpSolver()
         solver.parameters.cp_model_presolve = len(self.slots) <= LIGHT_PRESOLVE_SLOTS
         solver.parameters.random_seed = SEED
+        limit = max(budget.left(), 0.001)
         if budget.clock.deterministic:
             # one worker: parallel workers race (not reproducible), and OR-Tools' deterministic interleaved
             # search took 14-43 s where this one takes 0.05 s, on a 15-slot level model of QWen-VAL / 64
             solver.parameters.num_workers = 1
-            solver.parameters.max_deterministic_time = max(budget.left(), 0.001)
+            solver.parameters.max_deterministic_time = limit
         else:
             solver.parameters.num_workers = max(1, self.problem.workers)
-            solver.parameters.max_time_in_seconds = max(budget.left(), 0.001)
+            solver.parameters.max_time_in_seconds = limit
         status = solver.Solve(self.model)
         budget.clock.spend(solver.deterministic_time)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
