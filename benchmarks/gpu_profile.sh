@@ -8,7 +8,8 @@
 #
 # Options: --device cuda|cpu (default cuda), --nproc N (ranks; default 1), --out-dir DIR (default .),
 #          --layers L (operators timed per MetaOp; default 1). Env: PYTHON (interpreter), GPU_TYPE (built-in
-#          node type when the device name is not recognised), EXTRA_ARGS (more tools/profile_metaops.py flags).
+#          node type when the device name is not recognised), EXTRA_ARGS (more tools/profile_metaops.py flags),
+#          WHEELS (wheels to install where the interpreter lacks megatron-core: benchmarks/gpu_env.sh).
 # Writes DIR/gpu_profile.json (a profile the planner can load with --spindle-profile) and DIR/gpu_profile.log.
 set -euo pipefail
 
@@ -22,15 +23,15 @@ while [[ $# -gt 0 ]]; do
         --nproc) NPROC="$2"; shift 2 ;;
         --out-dir) OUT_DIR="$2"; shift 2 ;;
         --layers) LAYERS="$2"; shift 2 ;;
-        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
         *) echo "gpu_profile.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-if [[ -z "${PYTHON:-}" ]]; then
-    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
-fi
+# shellcheck source=benchmarks/gpu_env.sh
+source "$ROOT/benchmarks/gpu_env.sh"
+gpu_env_setup gpu_profile.sh torch megatron.core yaml
 mkdir -p "$OUT_DIR"
 OUT="$OUT_DIR/gpu_profile.json"
 LOG="$OUT_DIR/gpu_profile.log"

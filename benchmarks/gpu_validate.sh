@@ -13,7 +13,12 @@
 #   benchmarks/gpu_validate.sh --dry-run            # tiny shapes on the CPU, a few iterations
 #
 # Options: --dry-run, --gpu-type X, --out-dir DIR (default: $OUT when set, else benchmarks/out/gpu_validate).
-# Env: PYTHON (interpreter). Writes DIR/gpu_validate.json, DIR/gpu_validate.txt and DIR/gpu_validate.log.
+# Env: PYTHON (interpreter), WHEELS (default .whl). Writes DIR/gpu_validate.json, DIR/gpu_validate.txt and
+# DIR/gpu_validate.log.
+#
+# Where the interpreter lacks megatron-core (this workplace's GPU image, which has no network), it installs the
+# wheels of .whl first (benchmarks/gpu_env.sh): run benchmarks/gpu_wheels.sh here beforehand and carry .whl, i.e.
+# the device tool's run(command="benchmarks/gpu_validate.sh", carry=[".whl"], timeout_s=540).
 set -euo pipefail
 
 DEVICE=cuda
@@ -24,18 +29,17 @@ while [[ $# -gt 0 ]]; do
         --dry-run) DEVICE=cpu; shift ;;
         --gpu-type) ARGS+=(--gpu-type "$2"); shift 2 ;;
         --out-dir) OUT_DIR="$2"; shift 2 ;;
-        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "gpu_validate.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-if [[ -z "${PYTHON:-}" ]]; then
-    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
-fi
+# shellcheck source=benchmarks/gpu_env.sh
+source "$ROOT/benchmarks/gpu_env.sh"
+gpu_env_setup gpu_validate.sh torch megatron.core yaml
 OUT_DIR="${OUT_DIR:-$ROOT/benchmarks/out/gpu_validate}"
 mkdir -p "$OUT_DIR"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 if [[ "$DEVICE" == cuda ]]; then
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv

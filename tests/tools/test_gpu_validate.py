@@ -22,3 +22,55 @@ def test_gpu_validate_dry_run_measures_and_estimates_every_point(tmp_path):
                 for phase in ("forward", "backward")} <= set(names)
     assert all(p["measured"] > 0 and p["model"] > 0 for p in doc["points"])
     assert "model/meas" in proc.stdout
+
+
+def _probe_wheel(folder: Path) -> Path:
+    """A pure-Python wheel of one module, ``spindle_gpu_probe`` (VALUE = 42), built by hand: no network, no build."""
+    import zipfile
+
+    folder.mkdir(parents=True)
+    path = folder / "spindle_gpu_probe-1.0-py3-none-any.whl"
+    info = "spindle_gpu_probe-1.0.dist-info"
+    files = {"spindle_gpu_probe.py": "VALUE = 42\n",
+             f"{info}/METADATA": "Metadata-Version: 2.1\nName: spindle-gpu-probe\nVersion: 1.0\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return path
+
+
+def _gpu_env(tmp_path: Path, wheels: Path, module: str) -> subprocess.CompletedProcess:
+    """benchmarks/gpu_env.sh's setup for ``module`` in a shell, then the module imported with the path it set."""
+    script = (f'ROOT="{ROOT}"; source "{ROOT}/benchmarks/gpu_env.sh"; gpu_env_setup probe.sh {module}; '
+              f'"$PYTHON" -c "import {module}; print({module}.VALUE)"')
+    env = {**os.environ, "WHEELS": str(wheels), "TMPDIR": str(tmp_path), "PYTHONPATH": ""}
+    return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_gpu_env_installs_the_carried_wheels_where_the_interpreter_lacks_a_module(tmp_path):
+    """The GPU machine's image has no megatron-core and no network: the scripts install the wheels of .whl
+    (benchmarks/gpu_wheels.sh) into a folder of their own, leaving the interpreter's packages as they are."""
+    wheels = _probe_wheel(tmp_path / "whl").parent
+    proc = _gpu_env(tmp_path, wheels, "spindle_gpu_probe")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-1] == "42"
+    assert "lacks spindle_gpu_probe" in proc.stdout
+    assert (tmp_path / "spindle-gpu-site" / "spindle_gpu_probe.py").is_file()
+
+
+def test_gpu_env_names_the_missing_module_and_the_fix_in_one_line(tmp_path):
+    (tmp_path / "whl").mkdir()
+    proc = _gpu_env(tmp_path, tmp_path / "whl", "spindle_gpu_probe")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "cannot import spindle_gpu_probe" in proc.stderr and "benchmarks/gpu_wheels.sh" in proc.stderr
+
+
+def test_gpu_wheels_rejects_a_bad_python_version_before_downloading(tmp_path):
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_wheels.sh"), "--python-version", "twelve",
+                           "--dest", str(tmp_path / "whl")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "--python-version must look like 3.12" in proc.stderr
+    assert not (tmp_path / "whl").exists()

@@ -1,0 +1,53 @@
+# Sourced by the GPU scripts (gpu_validate.sh, gpu_profile.sh): the interpreter and its import path.
+#
+# gpu_env_setup SCRIPT MODULE... sets PYTHON (unless set: the repository's .venv, else python3) and puts the
+# repository on PYTHONPATH. Where that interpreter cannot import a MODULE (a GPU machine's image has torch but not
+# megatron-core, and no network), it installs the wheels in WHEELS (default: .whl at the repository root, filled by
+# benchmarks/gpu_wheels.sh on a machine that reaches PyPI) into a folder of its own and puts that on PYTHONPATH too.
+# Anything still missing ends the script with one line that says what to do. Needs ROOT (the repository).
+
+gpu_env_setup() {
+    local script="$1"
+    shift
+    if [[ -z "${PYTHON:-}" ]]; then
+        if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+    fi
+    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    local wheels="${WHEELS:-$ROOT/.whl}" missing
+    missing="$(_gpu_env_missing "$@")"
+    if [[ -n "$missing" ]] && compgen -G "$wheels/*.whl" >/dev/null; then
+        local site="${TMPDIR:-/tmp}/spindle-gpu-site" log
+        echo "$script: $PYTHON lacks $missing; installing the wheels of $wheels into $site"
+        if ! log="$("$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                --target "$site" "$wheels"/*.whl 2>&1)"; then
+            local version
+            version="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+            echo "$script: the wheels of $wheels do not install for $PYTHON ($(tail -n 1 <<<"$log")); fetch" \
+                 "them for its Python: benchmarks/gpu_wheels.sh --python-version $version" >&2
+            exit 1
+        fi
+        export PYTHONPATH="$PYTHONPATH:$site"
+        missing="$(_gpu_env_missing "$@")"
+    fi
+    if [[ -n "$missing" ]]; then
+        echo "$script: $PYTHON cannot import $missing; run benchmarks/gpu_wheels.sh where PyPI is reachable and" \
+             "bring $wheels along (the device tool: carry=[\".whl\"])" >&2
+        exit 1
+    fi
+}
+
+# The modules of "$@" that $PYTHON cannot import, space-separated (empty when all import).
+_gpu_env_missing() {
+    "$PYTHON" - "$@" <<'PY'
+import importlib
+import sys
+
+missing = []
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        missing.append(name)
+print(" ".join(missing))
+PY
+}
