@@ -1,4 +1,5 @@
-"""benchmarks/gpu_validate.sh: the CPU dry run goes through every step the GPU run takes (no timing asserted)."""
+"""benchmarks/gpu_validate.sh: the CPU dry run goes through every step the GPU run takes (no timing asserted), and
+benchmarks/gpu_env.sh / gpu_wheels.sh, which bring megatron-core to a GPU machine without network."""
 
 import json
 import os
@@ -22,6 +23,9 @@ def test_gpu_validate_dry_run_measures_and_estimates_every_point(tmp_path):
                 for phase in ("forward", "backward")} <= set(names)
     assert all(p["measured"] > 0 and p["model"] > 0 for p in doc["points"])
     assert "model/meas" in proc.stdout
+    # then the runtime trains under torchrun on the same device (fp32 and gloo in the dry run)
+    assert "training smoke passed" in proc.stdout
+    assert "iteration        2/       2" in (tmp_path / "out" / "gpu_train_smoke.log").read_text()
 
 
 def _probe_wheel(folder: Path) -> Path:
