@@ -2,8 +2,9 @@
 # Measure the cost model's calibration points on one GPU and print them against tools/estimate.py (issue 13, GPU):
 # bf16 GEMMs, an HBM copy, FlashAttention-2 fwd + bwd, and the runtime's megatron-core layers (Transformer Engine
 # when it imports): a ViT-H encoder layer at micro-batches 8 / 32 / 64 and a Llama-3-8B-sized LLM layer at 1 / 2 / 4,
-# and the host's launch floor (the same layers at tiny shapes, benchmarks/host_floor.py); then a training smoke run
-# of the runtime (tiny-clip, one process under torchrun: NCCL and bf16, at most 120 s).
+# and the host's launch floor (the same layers at tiny shapes, benchmarks/host_floor.py); then the runtime trains
+# under torchrun, NCCL and bf16: tiny-clip (smoke, at most 120 s) and Multitask-CLIP-4 at global batch 128 (at most
+# 180 s; its measured iteration time against the plan's prediction for this GPU).
 # Well under 9 minutes on an H200 or an A100-class GPU (measurements: budget 420 s, then they skip the rest).
 #
 # NOTE: it has never run on a GPU yet; only the CPU dry run (tests/tools/test_gpu_validate.py) has. When a GPU machine
@@ -15,7 +16,7 @@
 #
 # Options: --dry-run, --gpu-type X, --out-dir DIR (default: $OUT when set, else benchmarks/out/gpu_validate).
 # Env: PYTHON (interpreter), WHEELS (default .whl). Writes DIR/gpu_validate.json, DIR/gpu_validate.txt,
-# DIR/gpu_validate.log and DIR/gpu_train_smoke.log.
+# DIR/gpu_validate.log, DIR/gpu_train_*.log and DIR/gpu_train.json.
 #
 # Where the interpreter lacks megatron-core (this workplace's GPU image, which has no network), it installs the
 # wheels of .whl first (benchmarks/gpu_env.sh): run benchmarks/gpu_wheels.sh here beforehand and carry .whl, i.e.
@@ -30,7 +31,7 @@ while [[ $# -gt 0 ]]; do
         --dry-run) DEVICE=cpu; shift ;;
         --gpu-type) ARGS+=(--gpu-type "$2"); shift 2 ;;
         --out-dir) OUT_DIR="$2"; shift 2 ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
         *) echo "gpu_validate.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
@@ -53,26 +54,41 @@ fi
 "$PYTHON" "$ROOT/benchmarks/gpu_validate.py" --out-dir "$OUT_DIR" "${ARGS[@]}" 2>&1 \
     | grep -v -e "warnings.warn" -e "UserWarning" | tee "$OUT_DIR/gpu_validate.log"
 
-# The runtime's own path on this device: plan, build, train tiny-clip on mock data under torchrun (one process;
-# NCCL and bf16 on a GPU, gloo and fp32 in the dry run). The measurements above are written already; a failure
-# here is reported and ends the script non-zero. The wavefront planner: the GPU image has no ortools.
-SMOKE_LOG="$OUT_DIR/gpu_train_smoke.log"
-SMOKE=(--workload tiny-clip --mock-data --spindle-planner wavefront --gpus-per-node 1 --log-interval 2 --seed 1234)
+# The runtime itself on this device: pretrain_multitask.py under torchrun, one process (NCCL and bf16 on a GPU,
+# gloo and fp32 in the dry run), with the wavefront planner (the GPU image has no ortools). A smoke run of
+# tiny-clip, then Multitask-CLIP-4's real towers at a small batch, whose measured iteration time is held against the
+# plan's prediction for this GPU type (the performance model end to end). The measurements above are written
+# already; a failed run is reported and ends the script non-zero once both have run.
+GPU_TYPE="$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["meta"]["gpu_type"])' \
+    "$OUT_DIR/gpu_validate.json")"
+TRAIN_FAILED=0
+train_run() {  # NAME LIMIT_SECONDS FLAGS...
+    local name="$1" limit="$2" rc
+    shift 2
+    local log="$OUT_DIR/gpu_train_$name.log"
+    echo "[gpu_validate] training run $name: $* ..."
+    set +e
+    timeout "$limit" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 \
+        "$ROOT/pretrain_multitask.py" --mock-data --spindle-planner wavefront --gpus-per-node 1 --gpu-type "$GPU_TYPE" \
+        --seed 1234 "$@" > "$log" 2>&1
+    rc=$?
+    set -e
+    "$PYTHON" "$ROOT/benchmarks/train_log_summary.py" "$log" --name "$name" --json "$OUT_DIR/gpu_train.json" || true
+    if [[ "$rc" -ne 0 ]]; then
+        echo "[gpu_validate] training run $name FAILED (exit $rc); the end of $log:"
+        grep -v -e "warnings.warn" -e "UserWarning" "$log" | tail -n 25
+        TRAIN_FAILED="$rc"
+    fi
+}
 if [[ "$DEVICE" == cuda ]]; then
-    SMOKE+=(--train-iters 10 --bf16); SMOKE_LIMIT=120
+    train_run smoke 120 --workload tiny-clip --train-iters 10 --log-interval 2 --bf16
+    train_run clip4 180 --workload clip-4 --global-batch-size 128 --train-iters 8 --log-interval 2 --bf16 \
+        --log-throughput
 else
-    SMOKE+=(--train-iters 2 --gpu-type CPU); SMOKE_LIMIT=180
+    train_run smoke 180 --workload tiny-clip --train-iters 2 --log-interval 1
+    train_run vlm 180 --workload tiny-vlm --train-iters 4 --log-interval 2
 fi
-echo "[gpu_validate] training smoke: tiny-clip, one process on $DEVICE, ${SMOKE[*]:2} ..."
-set +e
-timeout "$SMOKE_LIMIT" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 \
-    "$ROOT/pretrain_multitask.py" "${SMOKE[@]}" > "$SMOKE_LOG" 2>&1
-SMOKE_RC=$?
-set -e
-grep -e "total loss" "$SMOKE_LOG" | sed -e 's/ | number of.*//' | tail -n 2 || true
-if [[ "$SMOKE_RC" -ne 0 ]]; then
-    echo "[gpu_validate] training smoke FAILED (exit $SMOKE_RC); the end of $SMOKE_LOG:"
-    grep -v -e "warnings.warn" -e "UserWarning" "$SMOKE_LOG" | tail -n 25
-    exit "$SMOKE_RC"
+if [[ "$TRAIN_FAILED" -ne 0 ]]; then
+    exit "$TRAIN_FAILED"
 fi
-echo "[gpu_validate] training smoke passed (log: $SMOKE_LOG)"
+echo "[gpu_validate] training runs passed (logs and $OUT_DIR/gpu_train.json)"

@@ -11,15 +11,13 @@ numbers instead, whose prediction is far from the measured time. Runs in about a
 
 import importlib.util
 import os
-import re
 import shutil
-import statistics
 import subprocess
 import sys
 import time
-from typing import NamedTuple
 
 from megatron_spindle.errors import CliArgumentParser, cli_main
+from megatron_spindle.training.log import LogRecord, parse_log_line, steady_iteration_ms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,32 +28,6 @@ def _entry_point():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-LOG_LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): (\S+) \|"
-                      r".*?predicted iteration time \(ms\): (\S+) \|.*?total loss: (\S+) \|(.*)$")
-TASK_LOSS = re.compile(r"\s*(\S+) loss: (\S+)\s*")
-
-
-class LogRecord(NamedTuple):
-    iteration: int
-    losses: dict[str, float]
-    total: float
-    elapsed_ms: float
-    predicted_ms: float
-
-
-def parse_log_line(line: str) -> LogRecord | None:
-    """A Megatron-format log line's iteration, losses and times, or None."""
-    m = LOG_LINE.search(line)
-    if not m:
-        return None
-    losses = {}
-    for part in m.group(5).split("|"):
-        t = TASK_LOSS.fullmatch(part)
-        if t:
-            losses[t.group(1)] = float(t.group(2))
-    return LogRecord(int(m.group(1)), losses, float(m.group(4)), float(m.group(2)), float(m.group(3)))
 
 
 def run_torchrun(nproc: int, script: str, flags: list[str], port_offset: int = 0):
@@ -97,8 +69,7 @@ def prepare_output(out: str) -> None:
 def iteration_time_line(records: list[LogRecord], profiled: bool) -> str:
     """The plan's predicted iteration time against the measured one (the median of the logged intervals after
     the first, which holds the warm-up)."""
-    steady = records[1:] or records
-    measured = statistics.median(r.elapsed_ms for r in steady)
+    measured = steady_iteration_ms(records)
     predicted = records[-1].predicted_ms
     source = ("from the profile of this machine" if profiled else
               "from the analytic model's placeholder CPU numbers: run without --no-profile to plan from measurements")

@@ -9,8 +9,11 @@ per-task losses.
 from __future__ import annotations
 
 import math
+import re
+import statistics
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from megatron_spindle.training.throughput import Throughput
 
@@ -63,6 +66,42 @@ def format_log_line(r: StepRecord) -> str:
         parts.append(f"grad norm: {r.grad_norm:.3f}")
     parts += [f"number of skipped iterations: {r.skipped_iters:3d}", f"number of nan iterations: {r.nan_iters:3d}"]
     return " | ".join(parts) + " |"
+
+
+# What ``format_log_line`` writes, read back (tools/demo.py, benchmarks/train_log_summary.py).
+LOG_LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): (\S+) \|"
+                      r".*?predicted iteration time \(ms\): (\S+) \|.*?total loss: (\S+) \|(.*)$")
+TASK_LOSS = re.compile(r"\s*(\S+) loss: (\S+)\s*")
+
+
+class LogRecord(NamedTuple):
+    """A training log line as read back."""
+
+    iteration: int
+    losses: dict[str, float]
+    total: float
+    elapsed_ms: float
+    predicted_ms: float
+
+
+def parse_log_line(line: str) -> LogRecord | None:
+    """A log line's iteration, losses and times (``format_log_line``'s), or None for any other line."""
+    m = LOG_LINE.search(line)
+    if not m:
+        return None
+    losses = {}
+    for part in m.group(5).split("|"):
+        t = TASK_LOSS.fullmatch(part)
+        if t:
+            losses[t.group(1)] = float(t.group(2))
+    return LogRecord(int(m.group(1)), losses, float(m.group(4)), float(m.group(2)), float(m.group(3)))
+
+
+def steady_iteration_ms(records: list[LogRecord]) -> float:
+    """The measured iteration time of a run: the median of the logged intervals after the first, which holds
+    the warm-up (the only one if there is one)."""
+    steady = records[1:] or records
+    return statistics.median(r.elapsed_ms for r in steady)
 
 
 def step_scalars(r: StepRecord) -> dict[str, float]:

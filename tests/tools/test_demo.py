@@ -3,7 +3,7 @@
 import pytest
 from script_loader import load_script
 
-from megatron_spindle.training.log import StepRecord, format_log_line
+from megatron_spindle.training.log import LogRecord, StepRecord, format_log_line, parse_log_line
 
 DEMO = load_script("tools/demo.py")
 
@@ -17,13 +17,13 @@ def _record(iteration: int, elapsed_ms: float, predicted_ms: float = 61.7) -> St
 
 def test_log_line_round_trip():
     line = format_log_line(_record(10, 66.54, 61.7))
-    rec = DEMO.parse_log_line(line)
-    assert rec == DEMO.LogRecord(10, {"vision_text": 1.25, "audio_depth": 0.5}, 1.75, 66.5, 61.7)
-    assert DEMO.parse_log_line("saved checkpoint at iteration 20 to /x (0.1 s)") is None
+    rec = parse_log_line(line)
+    assert rec == LogRecord(10, {"vision_text": 1.25, "audio_depth": 0.5}, 1.75, 66.5, 61.7)
+    assert parse_log_line("saved checkpoint at iteration 20 to /x (0.1 s)") is None
 
 
 def test_iteration_time_line_leaves_out_the_first_interval():
-    records = [DEMO.parse_log_line(format_log_line(_record(5 * (i + 1), ms, 10.0)))
+    records = [parse_log_line(format_log_line(_record(5 * (i + 1), ms, 10.0)))
                for i, ms in enumerate([100.0, 10.0, 12.0, 11.0])]
     line = DEMO.iteration_time_line(records, profiled=True)
     assert "predicted 10.0 ms (from the profile of this machine), measured 11.0 ms" in line

@@ -24,8 +24,11 @@ def test_gpu_validate_dry_run_measures_and_estimates_every_point(tmp_path):
     assert all(p["measured"] > 0 and p["model"] > 0 for p in doc["points"])
     assert "model/meas" in proc.stdout
     # then the runtime trains under torchrun on the same device (fp32 and gloo in the dry run)
-    assert "training smoke passed" in proc.stdout
+    assert "training runs passed" in proc.stdout
     assert "iteration        2/       2" in (tmp_path / "out" / "gpu_train_smoke.log").read_text()
+    runs = json.loads((tmp_path / "out" / "gpu_train.json").read_text())
+    assert set(runs) == {"smoke", "vlm"} and runs["vlm"]["iterations"] == 4
+    assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in runs.values())
 
 
 def _probe_wheel(folder: Path) -> Path:

@@ -1,0 +1,73 @@
+"""One line about a pretrain_multitask.py run, read from its training log: the measured iteration time (median of
+the logged intervals after the first, which holds the warm-up) against the plan's predicted one, and the total
+loss from the first logged iteration to the last. benchmarks/gpu_validate.sh runs it on its training runs.
+
+    python benchmarks/train_log_summary.py LOG [--name NAME] [--json FILE]
+
+``--json FILE`` adds the run under NAME to FILE (a JSON object of runs; written atomically).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_spindle.training.log import parse_log_line, steady_iteration_ms  # noqa: E402
+
+
+def summarize(lines) -> dict | None:
+    """The run's times and losses (None when no training log line is among ``lines``)."""
+    records = [r for r in map(parse_log_line, lines) if r is not None]
+    if not records:
+        return None
+    measured, predicted = steady_iteration_ms(records), records[-1].predicted_ms
+    return {"iterations": records[-1].iteration, "logged": len(records), "measured_ms": measured,
+            "predicted_ms": predicted, "measured_over_predicted": measured / predicted if predicted else None,
+            "first_loss": records[0].total, "last_loss": records[-1].total,
+            "first_iteration": records[0].iteration}
+
+
+def summary_line(name: str, s: dict) -> str:
+    ratio = f"{s['measured_over_predicted']:.2f}" if s["measured_over_predicted"] else "n/a"
+    return (f"{name}: measured {s['measured_ms']:.1f} ms per iteration (median of {max(s['logged'] - 1, 1)} logged "
+            f"interval(s) after the first), predicted {s['predicted_ms']:.1f} ms, measured / predicted {ratio}; "
+            f"total loss {s['first_loss']:.4f} (iteration {s['first_iteration']}) -> {s['last_loss']:.4f} "
+            f"(iteration {s['iterations']})")
+
+
+def add_to_json(path: Path, name: str, s: dict) -> None:
+    runs = json.loads(path.read_text()) if path.exists() else {}
+    runs[name] = s
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(runs, f, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("log", type=Path)
+    parser.add_argument("--name", default=None, help="the run's name (default: the log's file name)")
+    parser.add_argument("--json", type=Path, default=None, help="add the run to this JSON file")
+    args = parser.parse_args(argv)
+    if not args.log.is_file():
+        parser.error(f"{args.log}: no such file")
+    name = args.name or args.log.stem
+    s = summarize(args.log.read_text(errors="replace").splitlines())
+    if s is None:
+        print(f"{name}: no training log line in {args.log}", file=sys.stderr)
+        return 1
+    print(summary_line(name, s))
+    if args.json is not None:
+        add_to_json(args.json, name, s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
