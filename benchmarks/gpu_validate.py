@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--layers", type=int, default=2, help="layers timed together per layer point")
-    parser.add_argument("--budget-seconds", type=float, default=420.0, help="skip what is left after this")
+    parser.add_argument("--budget-seconds", type=float, default=210.0, help="skip what is left after this")
     args = parser.parse_args(argv)
 
     import torch
