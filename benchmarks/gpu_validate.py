@@ -9,8 +9,9 @@ One process, one GPU, no NCCL:
 - FlashAttention-2 (torch SDPA's flash backend, the FA2 kernels) in the FA2 paper's setup (batch x seq = 16k
   tokens, hidden 2048, head dim 64 / 128, non-causal, fwd + bwd): TF/s vs KernelModel.flash_rate (C2, C3);
 - the runtime's own megatron-core layers (models.operator.build_operator: Transformer Engine spec if TE imports,
-  else the local spec) in bf16: a ViT-H encoder layer (hidden 1280, 16 heads, FFN 5120, 257 tokens: Multitask-CLIP's
-  vision tower) at micro-batches 8 / 32 / 64, and an LLM layer at micro-batches 1 / 2 / 4. The LLM layer is
+  else the local spec) in bf16: a ViT-B/16 layer (OpenCLIP's tower, C6's small-tower regime) at micro-batches
+  64 / 192, a ViT-H encoder layer (hidden 1280, 16 heads, FFN 5120, 257 tokens: Multitask-CLIP's vision tower) at
+  micro-batches 8 / 32 / 64, and an LLM layer at micro-batches 1 / 2 / 4. The LLM layer is
   Llama-3-8B's (hidden 4096, 32 heads, 8 query groups, SwiGLU FFN 14336, sequence 2048, RoPE, causal): the width of
   C4's GPT layer with the GQA / SwiGLU / RMSNorm choices of current LLMs (QWen-VAL's backbone class), so one run
   checks the regime C4 checks on A100 on the GPU at hand. Forward and backward are timed apart and compared with
@@ -34,6 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU_NAMES = (("H200", "H200"), ("H100", "H100"), ("A800", "A800-80GB"), ("A100", "A100-80GB"))
 
 VIT_H = {"hidden": 1280, "heads": 16, "groups": 16, "ffn": 5120, "seq": 257, "llm": False}
+# ViT-B/16 (OpenCLIP's ViT-B-16 tower: width 768, 12 heads, MLP 3072, 197 tokens): the small-tower regime where C5 / C6
+# find the model about 3x too fast end to end (benchmarks/cost_model_validation.py); measured here per layer
+VIT_B = {"hidden": 768, "heads": 12, "groups": 12, "ffn": 3072, "seq": 197, "llm": False}
 LLAMA3_8B = {"hidden": 4096, "heads": 32, "groups": 8, "ffn": 14336, "seq": 2048, "llm": True}
 TINY_ENCODER = {"hidden": 64, "heads": 4, "groups": 4, "ffn": 256, "seq": 17, "llm": False}
 TINY_LLM = {"hidden": 64, "heads": 4, "groups": 2, "ffn": 224, "seq": 32, "llm": True}
@@ -144,7 +148,7 @@ def layer_points(torch, timer, device, gpu_type, dry, layers: int) -> list[dict]
     from megatron_spindle.models.operator import build_operator, metaop_infos
 
     cases = ([("encoder", TINY_ENCODER, (2,)), ("llm", TINY_LLM, (1,))] if dry else
-             [("vit-h", VIT_H, (8, 32, 64)), ("llama3-8b", LLAMA3_8B, (1, 2, 4))])
+             [("vit-b", VIT_B, (64, 192)), ("vit-h", VIT_H, (8, 32, 64)), ("llama3-8b", LLAMA3_8B, (1, 2, 4))])
     attention = "flash" if te_available() else "unfused"  # TE's fused attention vs megatron-core's local path
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     out = []

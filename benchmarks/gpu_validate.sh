@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Measure the cost model's calibration points on one GPU and print them against tools/estimate.py (issue 13, GPU):
 # bf16 GEMMs, an HBM copy, FlashAttention-2 fwd + bwd, and the runtime's megatron-core layers (Transformer Engine
-# when it imports): a ViT-H encoder layer at micro-batches 8 / 32 / 64 and a Llama-3-8B-sized LLM layer at 1 / 2 / 4,
+# when it imports): a ViT-B/16 layer at micro-batches 64 / 192, a ViT-H encoder layer at 8 / 32 / 64 and a
+# Llama-3-8B-sized LLM layer at 1 / 2 / 4,
 # and the host's launch floor (the same layers at tiny shapes, benchmarks/host_floor.py); then the runtime trains
 # under torchrun, NCCL and bf16: tiny-clip (smoke, at most 90 s) and Multitask-CLIP-4 at global batch 128 (at most
 # 120 s; its measured iteration time against the plan's prediction for this GPU).
