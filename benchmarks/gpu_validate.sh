@@ -2,8 +2,8 @@
 # Measure the cost model's calibration points on one GPU and print them against tools/estimate.py (issue 13, GPU):
 # bf16 GEMMs, an HBM copy, FlashAttention-2 fwd + bwd, and the runtime's megatron-core layers (Transformer Engine
 # when it imports): a ViT-B/16 layer at micro-batches 64 / 192, a ViT-H encoder layer at 8 / 32 / 64 and a
-# Llama-3-8B-sized LLM layer at 1 / 2 / 4,
-# and the host's launch floor (the same layers at tiny shapes, benchmarks/host_floor.py); then the runtime trains
+# Llama-3-8B-sized LLM layer at 1 / 2 / 4, and the host's launch floor (the same layers at tiny shapes,
+# benchmarks/host_floor.py); then the runtime trains
 # under torchrun, NCCL and bf16: tiny-clip (smoke, at most 90 s) and Multitask-CLIP-4 at global batch 128 (at most
 # 120 s; its measured iteration time against the plan's prediction for this GPU).
 # At most 8 minutes (measurements: budget 210 s, then they skip the rest; expected 1-2 min on an H200).
@@ -63,6 +63,7 @@ fi
 GPU_TYPE="$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["meta"]["gpu_type"])' \
     "$OUT_DIR/gpu_validate.json")"
 TRAIN_FAILED=0
+rm -f "$OUT_DIR/gpu_train.json"  # the runs below add to it: nothing of an earlier run in this folder stays
 train_run() {  # NAME LIMIT_SECONDS FLAGS...
     local name="$1" limit="$2" rc
     shift 2
