@@ -3,9 +3,9 @@
 # bf16 GEMMs, an HBM copy, FlashAttention-2 fwd + bwd, and the runtime's megatron-core layers (Transformer Engine
 # when it imports): a ViT-B/16 layer at micro-batches 64 / 192, a ViT-H encoder layer at 8 / 32 / 64 and a
 # Llama-3-8B-sized LLM layer at 1 / 2 / 4, and the host's launch floor (the same layers at tiny shapes,
-# benchmarks/host_floor.py); then the runtime trains
-# under torchrun, NCCL and bf16: tiny-clip (smoke, at most 90 s) and Multitask-CLIP-4 at global batch 128 (at most
-# 120 s; its measured iteration time against the plan's prediction for this GPU).
+# benchmarks/host_floor.py); then the runtime trains under torchrun, NCCL and bf16: tiny-clip (smoke, at most 90 s)
+# and Multitask-CLIP-4 at global batch 128 (at most 120 s; its measured iteration time against the plan's prediction
+# for this GPU).
 # At most 8 minutes (measurements: budget 210 s, then they skip the rest; expected 1-2 min on an H200).
 #
 # NOTE: it has never run on a GPU yet; only the CPU dry run (tests/tools/test_gpu_validate.py) has. When a GPU machine
