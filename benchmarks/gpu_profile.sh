@@ -23,7 +23,7 @@ while [[ $# -gt 0 ]]; do
         --nproc) NPROC="$2"; shift 2 ;;
         --out-dir) OUT_DIR="$2"; shift 2 ;;
         --layers) LAYERS="$2"; shift 2 ;;
-        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+        -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "gpu_profile.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done

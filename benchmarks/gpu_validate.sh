@@ -32,7 +32,7 @@ while [[ $# -gt 0 ]]; do
         --dry-run) DEVICE=cpu; shift ;;
         --gpu-type) ARGS+=(--gpu-type "$2"); shift 2 ;;
         --out-dir) OUT_DIR="$2"; shift 2 ;;
-        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+        -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "gpu_validate.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done

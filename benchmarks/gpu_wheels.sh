@@ -2,7 +2,8 @@
 # Download, on a machine that reaches PyPI, the wheels the GPU scripts need and the GPU machine's image lacks, into
 # .whl/ at the repository root (ignored by git). benchmarks/gpu_validate.sh installs whatever lies there before it
 # runs, without any network. The device machines of our workplace have python3.12 with a CUDA torch, numpy,
-# packaging and pyyaml, but no megatron-core (benchmarks/README: "GPU runs"); nothing can be fetched there.
+# packaging and pyyaml, but no megatron-core (README.md, "Profiling, conversion, benchmarks"); nothing can be
+# fetched there.
 #
 #   benchmarks/gpu_wheels.sh                        # for the GPU image's Python 3.12, Linux x86_64
 #   benchmarks/gpu_wheels.sh --python-version 3.11  # for another interpreter (e.g. to try the install here)
@@ -21,7 +22,7 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --python-version) PYTHON_VERSION="$2"; shift 2 ;;
         --dest) DEST="$2"; shift 2 ;;
-        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+        -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
         *) echo "gpu_wheels.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
