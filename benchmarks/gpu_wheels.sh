@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download, on a machine that reaches PyPI, the wheels the GPU scripts need and the GPU machine's image lacks, into
-# .whl/ at the repository root (ignored by git). benchmarks/gpu_validate.sh installs whatever lies there before it
-# runs, without any network. The device machines of our workplace have python3.12 with a CUDA torch, numpy,
+# .whl/ at the repository root (ignored by git). benchmarks/gpu_validate.sh and gpu_profile.sh install what lies
+# there, without any network, where their interpreter cannot import megatron-core (benchmarks/gpu_env.sh). The device machines of our workplace have python3.12 with a CUDA torch, numpy,
 # packaging and pyyaml, but no megatron-core (README.md, "Profiling, conversion, benchmarks"); nothing can be
 # fetched there.
 #
