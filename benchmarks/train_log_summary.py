@@ -1,6 +1,7 @@
 """One line about a pretrain_multitask.py run, read from its training log: the measured iteration time (median of
 the logged intervals after the first, which holds the warm-up) against the plan's predicted one, and the total
-loss from the first logged iteration to the last. benchmarks/gpu_validate.sh runs it on its training runs.
+loss from the first logged iteration to the last (and, with --log-throughput, the achieved TFLOP/s per GPU).
+benchmarks/gpu_validate.sh runs it on its training runs.
 
     python benchmarks/train_log_summary.py LOG [--name NAME] [--json FILE]
 
@@ -29,6 +30,7 @@ def summarize(lines) -> dict | None:
     measured, predicted = steady_iteration_ms(records), records[-1].predicted_ms
     return {"iterations": records[-1].iteration, "logged": len(records), "measured_ms": measured,
             "predicted_ms": predicted, "measured_over_predicted": measured / predicted if predicted else None,
+            "tflops_per_gpu": records[-1].tflops_per_gpu,
             "first_loss": records[0].total, "last_loss": records[-1].total,
             "first_iteration": records[0].iteration}
 
@@ -36,7 +38,9 @@ def summarize(lines) -> dict | None:
 def summary_line(name: str, s: dict) -> str:
     ratio = f"{s['measured_over_predicted']:.2f}" if s["measured_over_predicted"] else "n/a"
     return (f"{name}: measured {s['measured_ms']:.1f} ms per iteration (median of {max(s['logged'] - 1, 1)} logged "
-            f"interval(s) after the first), predicted {s['predicted_ms']:.1f} ms, measured / predicted {ratio}; "
+            f"interval(s) after the first), predicted {s['predicted_ms']:.1f} ms, measured / predicted {ratio}"
+            + (f", {s['tflops_per_gpu']:.1f} TFLOP/s per GPU (model FLOPs)" if s.get("tflops_per_gpu") else "")
+            + "; "
             f"total loss {s['first_loss']:.4f} (iteration {s['first_iteration']}) -> {s['last_loss']:.4f} "
             f"(iteration {s['iterations']})")
 

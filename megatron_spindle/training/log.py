@@ -72,6 +72,7 @@ def format_log_line(r: StepRecord) -> str:
 LOG_LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): (\S+) \|"
                       r".*?predicted iteration time \(ms\): (\S+) \|.*?total loss: (\S+) \|(.*)$")
 TASK_LOSS = re.compile(r"\s*(\S+) loss: (\S+)\s*")
+THROUGHPUT = re.compile(r"\| throughput per GPU \(TFLOP/s/GPU\): (\S+) \|")
 
 
 class LogRecord(NamedTuple):
@@ -82,6 +83,7 @@ class LogRecord(NamedTuple):
     total: float
     elapsed_ms: float
     predicted_ms: float
+    tflops_per_gpu: float | None = None  # with --log-throughput
 
 
 def parse_log_line(line: str) -> LogRecord | None:
@@ -94,7 +96,9 @@ def parse_log_line(line: str) -> LogRecord | None:
         t = TASK_LOSS.fullmatch(part)
         if t:
             losses[t.group(1)] = float(t.group(2))
-    return LogRecord(int(m.group(1)), losses, float(m.group(4)), float(m.group(2)), float(m.group(3)))
+    tput = THROUGHPUT.search(line)
+    return LogRecord(int(m.group(1)), losses, float(m.group(4)), float(m.group(2)), float(m.group(3)),
+                     float(tput.group(1)) if tput else None)
 
 
 def steady_iteration_ms(records: list[LogRecord]) -> float:

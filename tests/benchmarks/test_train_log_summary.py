@@ -5,6 +5,7 @@ import json
 from script_loader import load_script
 
 from megatron_spindle.training.log import StepRecord, format_log_line
+from megatron_spindle.training.throughput import Throughput
 
 SUMMARY = load_script("benchmarks/train_log_summary.py")
 
@@ -12,7 +13,7 @@ SUMMARY = load_script("benchmarks/train_log_summary.py")
 def _line(iteration: int, elapsed_ms: float, loss: float) -> str:
     r = StepRecord(iteration=iteration, train_iters=8, consumed_samples=128 * iteration, lr=1e-4,
                    losses={"a": loss}, weights={"a": 1.0}, elapsed_ms=elapsed_ms, predicted_ms=200.0, wave_ms=[],
-                   global_batch_size=128)
+                   global_batch_size=128, throughput=Throughput(128e3 / elapsed_ms, 250.0 + iteration))
     return format_log_line(r)
 
 
@@ -25,7 +26,7 @@ def test_the_first_interval_is_left_out_and_the_run_added_to_the_json(tmp_path, 
     assert SUMMARY.main([str(log), "--name", "clip4", "--json", str(out)]) == 0
     line = capsys.readouterr().out
     assert "clip4: measured 230.0 ms per iteration (median of 3 logged interval(s) after the first)" in line
-    assert "predicted 200.0 ms, measured / predicted 1.15" in line
+    assert "predicted 200.0 ms, measured / predicted 1.15, 258.0 TFLOP/s per GPU (model FLOPs)" in line
     assert "total loss 8.0000 (iteration 2) -> 6.0000 (iteration 8)" in line
     runs = json.loads(out.read_text())
     assert set(runs) == {"smoke", "clip4"} and runs["clip4"]["iterations"] == 8
