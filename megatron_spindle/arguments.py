@@ -13,7 +13,7 @@ from typing import Callable
 from megatron_spindle.errors import CliArgumentParser
 from megatron_spindle.flags import add_flags, config_from_args
 from megatron_spindle.graph.cluster import NODE_TYPES, ClusterError, ClusterSpec, load_cluster, make_cluster
-from megatron_spindle.graph.task_sets import select_tasks, task_set_workload
+from megatron_spindle.graph.task_sets import select_tasks
 from megatron_spindle.graph.workload import Workload, load_workload
 
 SPINDLE_PREFIX = "spindle-"  # PlannerConfig's flags: --spindle-planner, --spindle-solver-time-limit, ...
@@ -26,6 +26,16 @@ def add_workload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--tasks", default=None, metavar="TASK,TASK,...",
                    help="The set of the workload's tasks to train/plan (default: all; the order does not matter). "
                         "Resuming a checkpoint with another set keeps what the two share: see --task-schedule.")
+    return parser
+
+
+def add_batch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--global-batch-size (and Megatron's --micro-batch-size, refused with the reason) for the tools that plan or
+    profile a workload, so that they see the batches pretrain_multitask.py trains with the same flag
+    (training/batch_size.py; ``workload_from_args`` applies it)."""
+    from megatron_spindle.training.batch_size import add_batch_size_args
+
+    add_batch_size_args(parser.add_argument_group("batch"))
     return parser
 
 
@@ -54,11 +64,16 @@ def add_spindle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
-    """The workload, restricted to the --tasks set when given (an unknown task name is a WorkloadError)."""
+    """The workload, restricted to the --tasks set when given (an unknown task name is a WorkloadError), at the
+    batches of --global-batch-size where the parser has it (``add_batch_args``): the set's tasks share it, as
+    pretrain_multitask.py shares it among the tasks that train."""
+    from megatron_spindle.training.batch_size import batched_task_set
+
     w = load_workload(args.workload)
+    tasks = None
     if getattr(args, "tasks", None) is not None:
-        w = task_set_workload(w, select_tasks(w, args.tasks.split(","), "--tasks"))
-    return w
+        tasks = select_tasks(w, args.tasks.split(","), "--tasks")
+    return batched_task_set(w, args, tasks)[1]
 
 
 def cluster_from_args(args: argparse.Namespace, default_num_gpus: int | None = None) -> ClusterSpec:

@@ -22,6 +22,7 @@ import sys
 import time
 
 from megatron_spindle.arguments import (
+    add_batch_args,
     add_cluster_args,
     add_spindle_args,
     add_workload_args,
@@ -138,7 +139,7 @@ def table(results: dict) -> str:
 @cli_main()
 def main(argv=None, extra_args_provider=None):
     parser = build_parser(__doc__.strip().splitlines()[0],
-                          [add_workload_args, add_cluster_args, add_spindle_args, add_compare_args],
+                          [add_workload_args, add_batch_args, add_cluster_args, add_spindle_args, add_compare_args],
                           extra_args_provider)
     args = parser.parse_args(argv)
     systems = parse_systems(args.systems)  # every input is checked before anything is planned

@@ -10,6 +10,7 @@ import sys
 import time
 
 from megatron_spindle.arguments import (
+    add_batch_args,
     add_cluster_args,
     add_spindle_args,
     add_workload_args,
@@ -33,7 +34,7 @@ def add_output_args(parser):
 @cli_main()
 def main(argv=None, extra_args_provider=None):
     parser = build_parser(__doc__.strip().splitlines()[0],
-                          [add_workload_args, add_cluster_args, add_spindle_args, add_output_args],
+                          [add_workload_args, add_batch_args, add_cluster_args, add_spindle_args, add_output_args],
                           extra_args_provider)
     args = parser.parse_args(argv)
     # every input is checked before anything is planned or written

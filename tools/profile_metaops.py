@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from megatron_spindle.arguments import (
+    add_batch_args,
     add_cluster_args,
     add_workload_args,
     build_parser,
@@ -103,7 +104,7 @@ def tflops_table(measurements) -> str:
 
 def main(argv=None, extra_args_provider=None):
     parser = build_parser(__doc__.strip().splitlines()[0],
-                          [add_workload_args, add_cluster_args, add_profile_args], extra_args_provider)
+                          [add_workload_args, add_batch_args, add_cluster_args, add_profile_args], extra_args_provider)
     parser.set_defaults(gpu_type=None)  # detected from the devices here (CPU, or the CUDA device's name)
     args = parser.parse_args(argv)
     if args.no_profile_cache and not args.out:

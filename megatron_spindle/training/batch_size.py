@@ -21,6 +21,7 @@ import copy
 import math
 from functools import reduce
 
+from megatron_spindle.graph.task_sets import task_set_workload
 from megatron_spindle.graph.workload import Workload
 
 GLOBAL_BATCH_HELP = ("Samples per iteration over all tasks: scales every task's batch by the same factor "
@@ -40,11 +41,11 @@ def add_batch_size_args(group) -> None:
 def apply_batch_size_args(workload: Workload, args: argparse.Namespace, tasks=None) -> Workload:
     """The workload with the per-task batches the flags ask for (a copy; the same object when none): the tasks
     named in ``tasks`` (default: all) share --global-batch-size; the others keep theirs."""
-    if args.micro_batch_size is not None:
+    if getattr(args, "micro_batch_size", None) is not None:
         raise ValueError(f"--micro-batch-size {args.micro_batch_size}: Spindle has no per-rank micro batch to "
                          f"set (each slice of task t runs b_t / dp samples per rank, dp chosen per slice by the "
                          f"planner); set the samples per iteration with --global-batch-size instead")
-    n = args.global_batch_size
+    n = getattr(args, "global_batch_size", None)  # a parser without the flags: the workload's batches
     if n is None:
         return workload
     names = set(tasks) if tasks is not None else {t.name for t in workload.tasks}
@@ -60,3 +61,11 @@ def apply_batch_size_args(workload: Workload, args: argparse.Namespace, tasks=No
         if t.name in names:
             t.batch_size = t.batch_size * n // total
     return out
+
+
+def batched_task_set(workload: Workload, args: argparse.Namespace, tasks=None) -> tuple[Workload, Workload]:
+    """The workload at the batches the flags ask for, shared by ``tasks`` (default: all), and that workload
+    restricted to ``tasks``: what pretrain_multitask.py trains and what the planning tools plan (``--tasks``,
+    ``--global-batch-size``), by one rule."""
+    base = apply_batch_size_args(workload, args, tasks)
+    return base, task_set_workload(base, tasks) if tasks is not None else base

@@ -27,7 +27,6 @@ from megatron_spindle.arguments import (
     planner_config_from_args,
 )
 from megatron_spindle.errors import USER_ERRORS, exit_on_user_error
-from megatron_spindle.graph.task_sets import task_set_workload
 from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.runtime import progress
 from megatron_spindle.training.arguments import (
@@ -128,7 +127,7 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
     args = parser.parse_args(argv)
     prog = Path(sys.argv[0]).name if argv is None else "pretrain_multitask.py"
     with exit_on_user_error(prog):
-        from megatron_spindle.training.batch_size import apply_batch_size_args
+        from megatron_spindle.training.batch_size import batched_task_set
         from megatron_spindle.training.evaluate import split_datasets
         from megatron_spindle.training.multinode import resolve_node_layout
         from megatron_spindle.training.wandb_writer import check_wandb
@@ -143,8 +142,7 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
         dist_config = distributed_config_from_args(args)
         base = load_workload(args.workload)
         schedule = parse_task_schedule(args.task_schedule, base, args.tasks)
-        base = apply_batch_size_args(base, args, schedule.all_tasks(base))
-        workload = task_set_workload(base, schedule.all_tasks(base))  # every task some iteration trains
+        base, workload = batched_task_set(base, args, schedule.all_tasks(base))  # every task some iteration trains
         loss_weights = parse_task_values(args.task_loss_weights, "--task-loss-weights", workload, positive=False)
         sampling_weights = parse_task_values(args.task_sampling_weights, "--task-sampling-weights", workload,
                                              positive=True)

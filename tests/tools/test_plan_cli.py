@@ -54,3 +54,27 @@ tasks:
     assert out.returncode == 2 and "no built-in workload" in out.stderr
     out = run_plan("--workload", "tiny-clip", "--num-gpus", "12", "--gpus-per-node", "8")
     assert out.returncode == 2 and "not a whole number of 8-GPU nodes" in out.stderr
+
+
+def test_global_batch_size_plans_the_workload_pretrain_trains(tmp_path):
+    """Planned offline with tools/plan.py --tasks T --global-batch-size N, the plan is for exactly the workload
+    pretrain_multitask.py trains with the same flags (its --spindle-plan check compares these digests)."""
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.training.batch_size import batched_task_set
+    from megatron_spindle.training.task_schedule import parse_task_schedule
+    from megatron_spindle.training.trainer import build_pretrain_parser
+
+    flags = ["--workload", "tiny-clip", "--tasks", "vision_text,audio_depth", "--global-batch-size", "24"]
+    out = run_plan(*flags, "--num-gpus", "2", "--gpu-type", "CPU", "--spindle-planner", "wavefront", "--quiet",
+                   "--out", str(tmp_path / "plan.json"))
+    assert out.returncode == 0, out.stderr
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    # what the trainer computes from the same flags (training/trainer.py main)
+    args = build_pretrain_parser("test").parse_args([*flags, "--mock-data", "--train-iters", "1"])
+    base = load_workload(args.workload)
+    schedule = parse_task_schedule(args.task_schedule, base, args.tasks)
+    _, trained = batched_task_set(base, args, schedule.all_tasks(base))
+    assert plan["workload_digest"] == trained.digest()
+    assert {t.name: t.batch_size for t in trained.tasks} == {"vision_text": 8, "audio_depth": 16}  # 4 : 8, doubled
+    bad = run_plan("--workload", "tiny-clip", "--num-gpus", "2", "--global-batch-size", "7")
+    assert bad.returncode == 2 and "--global-batch-size 7:" in bad.stderr and "Traceback" not in bad.stderr
