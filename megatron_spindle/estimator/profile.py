@@ -95,7 +95,8 @@ def _header_problem(d: Any, workload: Workload, cluster: ClusterSpec) -> str | N
     if d.get("workload_digest") != workload.digest():
         return (
             f"profiled workload '{d.get('workload')}' (digest {d.get('workload_digest')}) is not workload "
-            f"'{workload.name}' (digest {workload.digest()}); profile it again"
+            f"'{workload.name}' (digest {workload.digest()}): its modules, tasks or batches differ; profile it again "
+            f"(with the same --tasks and --global-batch-size)"
         )
     if d.get("gpu") != cluster.gpu.name:
         return f"profiled on GPU '{d.get('gpu')}' but the cluster has '{cluster.gpu.name}'"
