@@ -3,7 +3,8 @@
 # gpu_env_setup SCRIPT MODULE... sets PYTHON (unless set: the repository's .venv, else python3) and puts the
 # repository on PYTHONPATH. Where that interpreter cannot import a MODULE (a GPU machine's image has torch but not
 # megatron-core, and no network), it installs the wheels in WHEELS (default: .whl at the repository root, filled by
-# benchmarks/gpu_wheels.sh on a machine that reaches PyPI) into a folder of its own and puts that on PYTHONPATH too.
+# benchmarks/gpu_wheels.sh on a machine that reaches PyPI) into a folder of its own (with pip, or unpacked where the
+# interpreter has none) and puts that on PYTHONPATH too.
 # Anything still missing ends the script with one line that says what to do. Needs ROOT (the repository).
 
 gpu_env_setup() {
@@ -18,7 +19,17 @@ gpu_env_setup() {
     if [[ -n "$missing" ]] && compgen -G "$wheels/*.whl" >/dev/null; then
         local site="${TMPDIR:-/tmp}/spindle-gpu-site" log
         echo "$script: $PYTHON lacks $missing; installing the wheels of $wheels into $site"
-        if ! log="$("$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        if ! "$PYTHON" -m pip --version >/dev/null 2>&1; then
+            # no pip in that interpreter: a wheel is a zip of what goes into site-packages
+            log="$("$PYTHON" - "$site" "$wheels"/*.whl 2>&1 <<'PY'
+import sys
+import zipfile
+
+for wheel in sys.argv[2:]:
+    zipfile.ZipFile(wheel).extractall(sys.argv[1])
+PY
+)" || { echo "$script: the wheels of $wheels do not unpack: $(tail -n 1 <<<"$log")" >&2; exit 1; }
+        elif ! log="$("$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
                 --target "$site" "$wheels"/*.whl 2>&1)"; then
             local version
             version="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"

@@ -81,3 +81,16 @@ def test_gpu_wheels_rejects_a_bad_python_version_before_downloading(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "--python-version must look like 3.12" in proc.stderr
     assert not (tmp_path / "whl").exists()
+
+
+def test_gpu_env_unpacks_the_wheels_where_the_interpreter_has_no_pip(tmp_path):
+    import venv
+
+    venv.EnvBuilder(with_pip=False).create(tmp_path / "nopip")
+    wheels = _probe_wheel(tmp_path / "whl").parent
+    script = (f'ROOT="{ROOT}"; PYTHON="{tmp_path / "nopip" / "bin" / "python"}"; source "{ROOT}/benchmarks/gpu_env.sh"; '
+              f'gpu_env_setup probe.sh spindle_gpu_probe; "$PYTHON" -c "import spindle_gpu_probe as p; print(p.VALUE)"')
+    proc = subprocess.run(["bash", "-c", script], env={**os.environ, "WHEELS": str(wheels), "TMPDIR": str(tmp_path),
+                                                       "PYTHONPATH": ""}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-1] == "42"
