@@ -45,7 +45,9 @@ OUT_DIR="${OUT_DIR:-$ROOT/benchmarks/out/gpu_validate}"
 mkdir -p "$OUT_DIR"
 
 if [[ "$DEVICE" == cuda ]]; then
-    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv
+    # informative only: a query the driver refuses must not end the run (set -e)
+    command -v nvidia-smi >/dev/null && { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version \
+        --format=csv || true; }
     ARGS+=(--device cuda)
 else
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # oversubscribed CPU threads make timings meaningless
