@@ -29,6 +29,8 @@ import os
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,37 +77,34 @@ class Timer:
         return times[len(times) // 2]
 
 
-def gemm_points(torch, timer, km, device, dry) -> list[dict]:
+def gemm_points(torch, timer, km, device, dry) -> Iterator[dict]:
     shapes = [(64, 64, 64), (48, 96, 32)] if dry else [(8192, 8192, 8192), (8 * 257, 3 * 1280, 1280)]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    out = []
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
         ms = timer.ms(lambda a=a, b=b: torch.matmul(a, b))
         flops = 2.0 * m * n * k
-        out.append({"point": f"gemm {m}x{n}x{k}", "unit": "TFLOP/s", "measured": flops / ms / 1e9,
-                    "model": km.gemm_rate(m, n, k) / 1e12})
-    return out
+        yield {"point": f"gemm {m}x{n}x{k}", "unit": "TFLOP/s", "measured": flops / ms / 1e9,
+               "model": km.gemm_rate(m, n, k) / 1e12}
 
 
-def copy_point(torch, timer, km, device, dry) -> list[dict]:
+def copy_point(torch, timer, km, device, dry) -> Iterator[dict]:
     nbytes = 2**20 if dry else 2 * 2**30
     src = torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     ms = timer.ms(lambda: dst.copy_(src))
-    return [{"point": f"copy {nbytes >> 20} MiB", "unit": "GB/s", "measured": 2 * nbytes / ms / 1e6,
-             "model": km.bandwidth / 1e9}]
+    yield {"point": f"copy {nbytes >> 20} MiB", "unit": "GB/s", "measured": 2 * nbytes / ms / 1e6,
+           "model": km.bandwidth / 1e9}
 
 
-def flash_points(torch, timer, km, device, dry) -> list[dict]:
+def flash_points(torch, timer, km, device, dry) -> Iterator[dict]:
     if dry or device != "cuda":
-        return []
+        return
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except Exception:  # an older torch: no backend selection
-        return []
-    out = []
+        return
     for hd, seqs in ((64, (512, 1024, 2048)), (128, (512, 1024))):
         for seq in seqs:
             batch, heads = 16384 // seq, 2048 // hd
@@ -121,11 +120,10 @@ def flash_points(torch, timer, km, device, dry) -> list[dict]:
                 ms = timer.ms(step)
             except RuntimeError as e:  # no flash kernel for this GPU / dtype
                 print(f"[gpu_validate] flash attention skipped: {e}".splitlines()[0], flush=True)
-                return out
+                return
             flops = 3.5 * 4.0 * batch * heads * seq * seq * hd
-            out.append({"point": f"flash fwd+bwd hd{hd} seq{seq}", "unit": "TFLOP/s", "measured": flops / ms / 1e9,
-                        "model": km.flash_rate(batch, heads, seq, hd) / 1e12})
-    return out
+            yield {"point": f"flash fwd+bwd hd{hd} seq{seq}", "unit": "TFLOP/s", "measured": flops / ms / 1e9,
+                   "model": km.flash_rate(batch, heads, seq, hd) / 1e12}
 
 
 def estimate_layer(shape: dict, batch: int, gpu_type: str, attention: str) -> dict:
@@ -137,11 +135,11 @@ def estimate_layer(shape: dict, batch: int, gpu_type: str, attention: str) -> di
         args += ["--swiglu", "--causal", "--disable-bias-linear", "--position-embedding-type", "rope"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
     if proc.returncode:
-        raise SystemExit(f"gpu_validate: tools/estimate.py failed: {proc.stderr.strip()}")
+        raise RuntimeError(f"tools/estimate.py failed: {proc.stderr.strip()}")
     return json.loads(proc.stdout)
 
 
-def layer_points(torch, timer, device, gpu_type, dry, layers: int) -> list[dict]:
+def layer_points(torch, timer, device, gpu_type, dry, layers: int) -> Iterator[dict]:
     from megatron_spindle.compat.cpu import te_available
     from megatron_spindle.graph.workload import workload_from_dict
     from megatron_spindle.models.config import ModelConfig
@@ -151,7 +149,6 @@ def layer_points(torch, timer, device, gpu_type, dry, layers: int) -> list[dict]
              [("vit-b", VIT_B, (64, 192)), ("vit-h", VIT_H, (8, 32, 64)), ("llama3-8b", LLAMA3_8B, (1, 2, 4))])
     attention = "flash" if te_available() else "unfused"  # TE's fused attention vs megatron-core's local path
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    out = []
     for name, shape, batches in cases:
         module = {"kind": "llm" if shape["llm"] else "encoder", "num_layers": layers,
                   "hidden_size": shape["hidden"], "num_heads": shape["heads"], "num_query_groups": shape["groups"],
@@ -169,24 +166,23 @@ def layer_points(torch, timer, device, gpu_type, dry, layers: int) -> list[dict]
             bwd = timer.ms(lambda y, grad=grad: y.backward(grad), setup=lambda op=op, x=x: op([x], None)) / layers
             est = estimate_layer(shape, batch, gpu_type, attention)
             for phase, measured, model in (("forward", fwd, est["forward_ms"]), ("backward", bwd, est["backward_ms"])):
-                out.append({"point": f"{name} layer mb{batch} {phase}", "unit": "ms", "measured": measured,
-                            "model": model})
+                yield {"point": f"{name} layer mb{batch} {phase}", "unit": "ms", "measured": measured,
+                       "model": model}
             del op, x
             if device == "cuda":
                 torch.cuda.empty_cache()
-    return out
 
 
-def host_points(torch, device, dry) -> list[dict]:
+def host_points(torch, device, dry) -> Iterator[dict]:
     """The host's launch floor (benchmarks/host_floor.py): the runtime's layers at tiny shapes, fwd + bwd per layer,
     against the cost model's floor for them (its kernel count x HOST_SECONDS_PER_KERNEL)."""
     from host_floor import measure
 
     from megatron_spindle.estimator.host import HOST_SECONDS_PER_KERNEL
 
-    return [{"point": f"host floor, {r['layer']} layer fwd+bwd", "unit": "ms",
-             "measured": r["forward_ms"] + r["backward_ms"], "model": r["model_kernels"] * HOST_SECONDS_PER_KERNEL * 1e3}
-            for r in measure(torch, device, 3 if dry else 30)]
+    for r in measure(torch, device, 3 if dry else 30):
+        yield {"point": f"host floor, {r['layer']} layer fwd+bwd", "unit": "ms",
+               "measured": r["forward_ms"] + r["backward_ms"], "model": r["model_kernels"] * HOST_SECONDS_PER_KERNEL * 1e3}
 
 
 def table(points: list[dict]) -> str:
@@ -235,22 +231,29 @@ def main(argv: list[str] | None = None) -> int:
              ("flash", lambda: flash_points(torch, timer, km, device, dry)),
              ("layers", lambda: layer_points(torch, timer, device, gpu, dry, 1 if dry else args.layers)),
              ("host", lambda: host_points(torch, device, dry))]
-    skipped = []
+    skipped, failed = [], {}
     for name, step in steps:
         if time.perf_counter() - start > args.budget_seconds:
             skipped.append(name)
             continue
         print(f"[gpu_validate] {name} ...", flush=True)
-        points += step()
+        try:
+            for point in step():  # each point kept as it comes: a failure later in the step loses none
+                points.append(point)
+        except Exception as e:  # a GPU session is rare: the other steps still measure, the failure is reported
+            traceback.print_exc()
+            failed[name] = f"{type(e).__name__}: {e}".splitlines()[0]
     text = table(points) + (f"\nskipped (time budget): {', '.join(skipped)}" if skipped else "")
+    text += "".join(f"\nFAILED {name}: {why}" for name, why in failed.items())
     text += f"\n({time.perf_counter() - start:.0f} s)"
     print(text)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_validate.json").write_text(json.dumps({"meta": meta, "points": points, "skipped": skipped}, indent=1))
+    (out / "gpu_validate.json").write_text(json.dumps({"meta": meta, "points": points, "skipped": skipped,
+                                                       "failed": failed}, indent=1))
     (out / "gpu_validate.txt").write_text(text + "\n")
     print(f"[gpu_validate] wrote {out / 'gpu_validate.json'}", flush=True)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -54,14 +54,23 @@ else
     ARGS+=(--device cpu --dry-run)
 fi
 
+rm -f "$OUT_DIR/gpu_validate.json"
+set +e  # a failed measurement step is reported at the end; the training runs below still run
 "$PYTHON" "$ROOT/benchmarks/gpu_validate.py" --out-dir "$OUT_DIR" "${ARGS[@]}" 2>&1 \
     | grep -v -e "warnings.warn" -e "UserWarning" | tee "$OUT_DIR/gpu_validate.log"
+MEASURE_RC=${PIPESTATUS[0]}
+set -e
+if [[ ! -f "$OUT_DIR/gpu_validate.json" ]]; then
+    echo "[gpu_validate] the measurements stopped before writing anything (exit $MEASURE_RC): see above"
+    exit "$MEASURE_RC"
+fi
 
 # The runtime itself on this device: pretrain_multitask.py under torchrun, one process (NCCL and bf16 on a GPU,
 # gloo and fp32 in the dry run), with the wavefront planner (the GPU image has no ortools). A smoke run of
 # tiny-clip, then Multitask-CLIP-4's real towers at a small batch, whose measured iteration time is held against the
 # plan's prediction for this GPU type (the performance model end to end). The measurements above are written
-# already; a failed run is reported and ends the script non-zero once both have run.
+# already (a step that failed there is listed in them); a failure is reported and ends the script non-zero once
+# both runs have run.
 GPU_TYPE="$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["meta"]["gpu_type"])' \
     "$OUT_DIR/gpu_validate.json")"
 TRAIN_FAILED=0
@@ -97,3 +106,7 @@ if [[ "$TRAIN_FAILED" -ne 0 ]]; then
     exit "$TRAIN_FAILED"
 fi
 echo "[gpu_validate] training runs passed (logs and $OUT_DIR/gpu_train.json)"
+if [[ "$MEASURE_RC" -ne 0 ]]; then
+    echo "[gpu_validate] measurement step(s) FAILED: see FAILED in $OUT_DIR/gpu_validate.txt"
+    exit "$MEASURE_RC"
+fi

@@ -94,3 +94,27 @@ def test_gpu_env_unpacks_the_wheels_where_the_interpreter_has_no_pip(tmp_path):
                                                        "PYTHONPATH": ""}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines()[-1] == "42"
+
+
+def test_a_failing_measurement_step_keeps_the_others_and_is_reported(tmp_path, monkeypatch, capsys):
+    """A GPU session is rare: one step that breaks there (a kernel missing on that GPU, say) must not cost the
+    others' measurements. The run still writes every other point, names the failure, and exits non-zero."""
+    from script_loader import load_script
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    script = load_script("benchmarks/gpu_validate.py")
+
+    def broken_copy(*args):
+        yield from ()
+        raise RuntimeError("no such kernel on this device")
+
+    monkeypatch.setattr(script, "copy_point", broken_copy)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert script.main(["--device", "cpu", "--dry-run", "--out-dir", str(tmp_path)]) == 1
+    doc = json.loads((tmp_path / "gpu_validate.json").read_text())
+    assert doc["failed"] == {"copy": "RuntimeError: no such kernel on this device"}
+    names = [p["point"] for p in doc["points"]]
+    assert any(n.startswith("gemm") for n in names) and any("layer" in n for n in names)
+    assert not any(n.startswith("copy") for n in names)
+    assert "FAILED copy: RuntimeError" in (tmp_path / "gpu_validate.txt").read_text()
+    assert "Traceback" in capsys.readouterr().err  # the step's traceback is shown: what to fix
