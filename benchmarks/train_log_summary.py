@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_spindle.training.log import parse_log_line, steady_iteration_ms  # noqa: E402
+from megatron_spindle.fileio import write_text_atomic
+from megatron_spindle.training.log import parse_log_line, steady_iteration_ms
 
 
 def summarize(lines) -> dict | None:
@@ -48,10 +45,7 @@ def summary_line(name: str, s: dict) -> str:
 def add_to_json(path: Path, name: str, s: dict) -> None:
     runs = json.loads(path.read_text()) if path.exists() else {}
     runs[name] = s
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(runs, f, indent=1)
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(runs, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
