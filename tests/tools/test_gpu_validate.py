@@ -48,11 +48,13 @@ def _probe_wheel(folder: Path) -> Path:
     return path
 
 
-def _gpu_env(tmp_path: Path, wheels: Path, module: str) -> subprocess.CompletedProcess:
-    """benchmarks/gpu_env.sh's setup for ``module`` in a shell, then the module imported with the path it set."""
+def _gpu_env(tmp_path: Path, wheels: Path, module: str, python: Path | None = None) -> subprocess.CompletedProcess:
+    """benchmarks/gpu_env.sh's setup for ``module`` in a shell (with ``python`` as $PYTHON, else its default), then
+    the module imported with the path it set."""
     script = (f'ROOT="{ROOT}"; source "{ROOT}/benchmarks/gpu_env.sh"; gpu_env_setup probe.sh {module}; '
               f'"$PYTHON" -c "import {module}; print({module}.VALUE)"')
-    env = {**os.environ, "WHEELS": str(wheels), "TMPDIR": str(tmp_path), "PYTHONPATH": ""}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env.update(WHEELS=str(wheels), TMPDIR=str(tmp_path), PYTHONPATH="", **({"PYTHON": str(python)} if python else {}))
     return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -88,10 +90,7 @@ def test_gpu_env_unpacks_the_wheels_where_the_interpreter_has_no_pip(tmp_path):
 
     venv.EnvBuilder(with_pip=False).create(tmp_path / "nopip")
     wheels = _probe_wheel(tmp_path / "whl").parent
-    script = (f'ROOT="{ROOT}"; PYTHON="{tmp_path / "nopip" / "bin" / "python"}"; source "{ROOT}/benchmarks/gpu_env.sh"; '
-              f'gpu_env_setup probe.sh spindle_gpu_probe; "$PYTHON" -c "import spindle_gpu_probe as p; print(p.VALUE)"')
-    proc = subprocess.run(["bash", "-c", script], env={**os.environ, "WHEELS": str(wheels), "TMPDIR": str(tmp_path),
-                                                       "PYTHONPATH": ""}, capture_output=True, text=True, timeout=120)
+    proc = _gpu_env(tmp_path, wheels, "spindle_gpu_probe", python=tmp_path / "nopip" / "bin" / "python")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines()[-1] == "42"
 
