@@ -9,12 +9,16 @@ Group ranks follow the plan's layout conventions (``plan/schema.py``): the TP gr
 devices ``devices[k*tp : (k+1)*tp]`` in plan order, so torch's group rank equals the plan's TP rank
 ``r % tp``; the DP group lists ``devices[t::tp]``, so its group rank equals the plan's DP rank ``r // tp``
 (we pass ``sort_ranks=False``; torch would otherwise sort the ranks). Parameter device groups are sorted.
+A torch without ``sort_ranks`` (before 2.13) always sorts: plans whose tuples are sorted (every plan on one device,
+and most others) run there; an unsorted tuple stops with one line that says so.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from megatron_spindle.plan.schema import Plan, Slice
@@ -44,6 +48,17 @@ def all_dp_groups(s: Slice) -> list[tuple[int, ...]]:
     return [tuple(s.devices[t::s.tp]) for t in range(s.tp)]
 
 
+def new_group_in_order(devices: tuple[int, ...]):
+    """``dist.new_group`` whose group ranks follow the order of ``devices``, with the default backend and the
+    world's timeout (new_group's own default is torch's 30 minutes)."""
+    if "sort_ranks" in inspect.signature(dist.new_group).parameters:
+        return dist.new_group(list(devices), sort_ranks=False, timeout=group_timeout())
+    if list(devices) != sorted(devices):
+        raise RuntimeError(f"the plan orders the devices of a process group as {list(devices)}; this torch "
+                           f"({torch.__version__}) sorts group ranks (new_group without sort_ranks): use torch >= 2.13")
+    return dist.new_group(list(devices), timeout=group_timeout())
+
+
 @dataclass
 class GroupCache:
     """Ordered device tuple -> process group (``None`` on ranks outside the group). Creation is collective:
@@ -59,8 +74,7 @@ class GroupCache:
         devices = tuple(devices)
         key = (purpose, *devices) if purpose else devices
         if key not in self.groups:
-            # the default backend, and the world's timeout (new_group's own default is torch's 30 minutes)
-            g = dist.new_group(list(devices), sort_ranks=False, timeout=group_timeout())
+            g = new_group_in_order(devices)
             self.groups[key] = g if self.rank in devices else None
             self.created.append(key)
         return self.groups[key]
