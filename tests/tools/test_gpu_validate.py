@@ -31,6 +31,20 @@ def test_gpu_validate_dry_run_measures_and_estimates_every_point(tmp_path):
     assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in runs.values())
 
 
+def test_gpu_breakdown_dry_run_trains_on_the_analytic_and_the_profiled_plan(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_breakdown.sh"), "--dry-run", "--out-dir",
+                           str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = json.loads((tmp_path / "gpu_breakdown.json").read_text())
+    assert set(runs) == {"analytic", "profiled"} and all(r["iterations"] == 4 for r in runs.values())
+    # the second plan came from the profile just taken, so its prediction differs from the analytic one
+    assert runs["profiled"]["predicted_ms"] != runs["analytic"]["predicted_ms"]
+    assert json.loads((tmp_path / "profile.json").read_text())["gpu"] == "CPU"
+    log = (tmp_path / "breakdown_profiled.log").read_text()
+    assert "measured wave time forward/backward" in log and "optimizer-inner-step" in log  # --timing-log-level 2
+
+
 def _probe_wheel(folder: Path) -> Path:
     """A pure-Python wheel of one module, ``spindle_gpu_probe`` (VALUE = 42), built by hand: no network, no build."""
     import zipfile

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Where Multitask-CLIP-4's iteration time goes on one GPU (issue 13, after gpu_validate.sh measured 3.5x the
+# prediction): the runtime trains it at global batch 128 with per-wave and per-phase timers (--timing-log-level 2)
+# on the analytic plan; then tools/profile_metaops.py measures every MetaOp on this GPU and the runtime trains again
+# on the plan made from that profile (--spindle-profile), so the prediction from measured scaling curves meets the
+# measured iteration too. At most 6 minutes.
+#
+#   benchmarks/gpu_breakdown.sh                     # CUDA, GPU type detected from the device name
+#   benchmarks/gpu_breakdown.sh --gpu-type H100
+#   benchmarks/gpu_breakdown.sh --dry-run           # tiny-clip on the CPU, a few iterations
+#
+# Options: --dry-run, --gpu-type X, --out-dir DIR (default: $OUT when set, else benchmarks/out/gpu_breakdown).
+# Env: PYTHON, WHEELS (benchmarks/gpu_env.sh). Writes DIR/breakdown_{analytic,profiled}.log, DIR/profile.json,
+# DIR/profile.log and DIR/gpu_breakdown.json (both runs' measured and predicted iteration times).
+set -euo pipefail
+
+DEVICE=cuda
+GPU_TYPE=
+OUT_DIR="${OUT:-}"
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --dry-run) DEVICE=cpu; shift ;;
+        --gpu-type) GPU_TYPE="$2"; shift 2 ;;
+        --out-dir) OUT_DIR="$2"; shift 2 ;;
+        -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+        *) echo "gpu_breakdown.sh: unknown option $1" >&2; exit 2 ;;
+    esac
+done
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=benchmarks/gpu_env.sh
+source "$ROOT/benchmarks/gpu_env.sh"
+gpu_env_setup gpu_breakdown.sh torch megatron.core yaml
+OUT_DIR="${OUT_DIR:-$ROOT/benchmarks/out/gpu_breakdown}"
+mkdir -p "$OUT_DIR"
+rm -f "$OUT_DIR/gpu_breakdown.json"
+
+if [[ "$DEVICE" == cuda ]]; then
+    if [[ -z "$GPU_TYPE" ]]; then
+        # gpu_validate.py's detection (a namespace import: benchmarks/ is no package)
+        GPU_TYPE="$(PYTHONPATH="$ROOT/benchmarks:$PYTHONPATH" "$PYTHON" -c \
+            'import torch, gpu_validate; print(gpu_validate.detect_gpu_type(torch))')"
+    fi
+    WORKLOAD=(--workload clip-4 --global-batch-size 128 --bf16)
+    TRAIN=(--train-iters 8 --log-interval 2 --log-throughput --num-workers 4)
+    PROFILE=(--profile-warmup 2 --profile-repeats 5)
+    LIMIT_TRAIN=120 LIMIT_PROFILE=180
+else
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # oversubscribed CPU threads make timings meaningless
+    GPU_TYPE=CPU
+    WORKLOAD=(--workload tiny-clip)
+    TRAIN=(--train-iters 4 --log-interval 2)
+    PROFILE=(--profile-warmup 1 --profile-repeats 2)
+    LIMIT_TRAIN=180 LIMIT_PROFILE=180
+fi
+COMMON=(--gpus-per-node 1 --gpu-type "$GPU_TYPE")
+
+FAILED=0
+train() {  # NAME FLAGS...
+    local name="$1" log="$OUT_DIR/breakdown_$1.log" rc
+    shift
+    echo "[gpu_breakdown] training ($name plan) ..."
+    set +e
+    timeout "$LIMIT_TRAIN" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 \
+        "$ROOT/pretrain_multitask.py" --mock-data --spindle-planner wavefront --seed 1234 --timing-log-level 2 \
+        "${COMMON[@]}" "${WORKLOAD[@]}" "${TRAIN[@]}" "$@" > "$log" 2>&1
+    rc=$?
+    set -e
+    "$PYTHON" "$ROOT/benchmarks/train_log_summary.py" "$log" --name "$name" --json "$OUT_DIR/gpu_breakdown.json" \
+        || true
+    if [[ "$rc" -ne 0 ]]; then
+        echo "[gpu_breakdown] training ($name plan) FAILED (exit $rc); the end of $log:"
+        grep -v -e "warnings.warn" -e "UserWarning" "$log" | tail -n 25
+        FAILED="$rc"
+    fi
+}
+
+train analytic
+echo "[gpu_breakdown] profiling every MetaOp on $DEVICE ..."
+set +e
+timeout "$LIMIT_PROFILE" "$PYTHON" "$ROOT/tools/profile_metaops.py" "${COMMON[@]}" "${WORKLOAD[@]}" \
+    --device "$DEVICE" --num-gpus 1 --profile-max-n 1 --profile-layers 1 --no-profile-cache "${PROFILE[@]}" \
+    --out "$OUT_DIR/profile.json" > "$OUT_DIR/profile.log" 2>&1
+rc=$?
+set -e
+if [[ "$rc" -ne 0 ]]; then
+    echo "[gpu_breakdown] profiling FAILED (exit $rc); the end of $OUT_DIR/profile.log:"
+    grep -v -e "warnings.warn" -e "UserWarning" "$OUT_DIR/profile.log" | tail -n 25
+    exit "$rc"
+fi
+train profiled --spindle-profile "$OUT_DIR/profile.json"
+exit "$FAILED"
