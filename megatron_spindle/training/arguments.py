@@ -13,6 +13,7 @@ from megatron_spindle.graph.workload import Workload
 from megatron_spindle.training.batch_size import add_batch_size_args
 from megatron_spindle.training.engine_state import TIMING_LOG_LEVELS
 from megatron_spindle.training.manual_gc import add_manual_gc_args, check_manual_gc_args
+from megatron_spindle.training.profiling import add_profiling_args, check_profiling_args
 from megatron_spindle.training.schedule import LRSchedule
 from megatron_spindle.training.task_schedule import TaskScheduleConfig
 from megatron_spindle.training.wandb_writer import add_wandb_args
@@ -91,8 +92,10 @@ def add_logging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    "the ranks; CUDA allocator statistics, or the resident set on CPU) to TensorBoard.")
     g.add_argument("--timing-log-level", type=int, default=0, choices=TIMING_LOG_LEVELS, help="0: iteration and "
                    "per-wave times; 1: also the step's phases (min, max over ranks; synchronises CUDA at their "
-                   "boundaries); 2: also the batch generator and the forward/backward part of every wave.")
+                   "boundaries); 2: also the batch generator and the forward/backward part of every wave (synchronises CUDA "
+                   "after each wave).")
     add_wandb_args(g)
+    add_profiling_args(g)  # --profile, --use-pytorch-profiler, --profile-step-start/-end, --profile-ranks
     return parser
 
 
@@ -175,6 +178,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
     if args.log_interval <= 0:
         raise ValueError(f"--log-interval must be positive, got {args.log_interval}")
     check_manual_gc_args(args)
+    check_profiling_args(args)
     if args.save_interval is not None and args.save_interval <= 0:
         raise ValueError(f"--save-interval must be positive, got {args.save_interval}")
     if args.save_interval is not None and not args.save:

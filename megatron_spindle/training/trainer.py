@@ -316,6 +316,7 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
     from megatron_spindle.training.evaluate import ValidationBatches, run_validation, validation_config
     from megatron_spindle.training.manual_gc import ManualGC
     from megatron_spindle.training.monitor import TrainingMonitor
+    from megatron_spindle.training.profiling import StepProfiler
 
     phase = sets.phase
     start = load(args, phase, sets, info, target) if target is not None else 0
@@ -336,6 +337,7 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
     print_rank_0(f"training {phase.workload.name} for {args.train_iters} iterations from iteration {start} on "
                  f"{info.world_size} rank(s)")
     collector = ManualGC.from_args(args)  # --manual-gc
+    profiler = StepProfiler(args, info.rank, lambda m: print(m, flush=True))  # --profile
     try:
         with collector.training():
             for it in range(start, args.train_iters):
@@ -352,9 +354,11 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
                 mb = loader.advance()
                 weights = {t: (base[t] if mb.active[t] else 0.0) for t in phase.tasks}
                 engine.set_loss_weights(weights)
+                profiler.before_iteration(it)
                 t0 = time.perf_counter()
                 losses = engine.train_step(it)
                 seconds = time.perf_counter() - t0
+                profiler.after_iteration(it + 1)
                 sets.consumed_samples += phase.global_batch_size
                 monitor.end_iteration(it + 1, lr, losses, weights, mb.active, seconds, sets.consumed_samples)
                 collector.after_iteration(it + 1)
@@ -376,6 +380,7 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
         if args.save and last_saved != args.train_iters:
             save(args, args.train_iters, phase.engine, phase.loader, phase.plan, phase.workload, info, sets)
     finally:
+        profiler.stop()
         monitor.close()
     if info.rank == 0:
         where = [f"checkpoints: {args.save}"] if args.save else []
