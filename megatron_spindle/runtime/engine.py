@@ -54,7 +54,8 @@ same wave schedule (no gradients, no gradient sync, no optimizer).
 
 Trainer hooks: ``set_lr``, ``set_loss_weights``, ``export_units``/``load_units``/``expected_shapes``, and
 ``on_wave(phase, wave_index, seconds)``, called after the forward ("forward") and backward ("backward") part
-of each wave on this rank (its slice and the transfers into that wave; no synchronisation is added).
+of each wave on this rank (its slice and the transfers into that wave; no synchronisation is added unless
+``sync_waves`` is set: then CUDA is synchronised before each call, and the seconds are the wave's device time).
 ``phase_times`` (a dict, None by default): when set, each training step adds the seconds of its phases
 (Megatron's timer names; CUDA is synchronised at their boundaries, so only set it when asked for).
 """
@@ -250,6 +251,14 @@ class RuntimeEngine:
     @on_wave.setter
     def on_wave(self, fn: Callable[[str, int, float], None] | None) -> None:
         self.schedule.on_wave = fn
+
+    @property
+    def sync_waves(self) -> bool:
+        return self.schedule.sync_waves
+
+    @sync_waves.setter
+    def sync_waves(self, on: bool) -> None:
+        self.schedule.sync_waves = on
 
     @property
     def units(self) -> list[str]:

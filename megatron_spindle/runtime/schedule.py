@@ -69,7 +69,9 @@ class _SliceTensors:
 
 class WaveSchedule:
     """One step's forward and backward on this rank. ``loss_weights`` (task -> w_t), ``loss_scale`` (the fp16
-    loss scale the backward starts from; 1 otherwise) and ``on_wave`` may be changed between steps."""
+    loss scale the backward starts from; 1 otherwise), ``on_wave`` and ``sync_waves`` (CUDA synchronised before
+    each ``on_wave`` call, so that it times the wave's device work rather than its launches) may be changed
+    between steps."""
 
     def __init__(self, plan: Plan, workload: Workload, rank: int, local: dict[str, LocalSlice], spec_fn: SpecFn,
                  loss_weights: dict[str, float], dtype: torch.dtype, device: torch.device,
@@ -77,6 +79,7 @@ class WaveSchedule:
         self.plan, self.workload, self.rank, self.local = plan, workload, rank, local
         self.early_receives = early_receives  # every receive posted when a micro-batch begins (gloo)
         self.loss_weights, self.dtype, self.device, self.on_wave = loss_weights, dtype, device, on_wave
+        self.sync_waves = False
         wave_index = {s.id: wi for wi, w in enumerate(plan.waves) for s in w.slices}
         self.transfers = build_transfers(plan, workload, spec_fn, wave_index)
         self._into_wave: dict[int, list[TransferOp]] = {}  # by consumer wave
@@ -187,6 +190,8 @@ class WaveSchedule:
 
     def _wave_done(self, phase: str, wave: int, t0: float) -> None:
         if self.on_wave is not None:
+            if self.sync_waves and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             self.on_wave(phase, wave, time.perf_counter() - t0)
 
     def _post_forward(self, t: TransferOp, tensors: dict[str, _SliceTensors], micro: int,

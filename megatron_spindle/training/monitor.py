@@ -36,6 +36,7 @@ class TrainingMonitor:
         """Measure this phase's engine (its wave timer, per-phase step times at --timing-log-level >= 1)."""
         self.engine, self.waves = phase.engine, phase.timer
         self.timers = PhaseTimer(phase.engine, self.args.timing_log_level)
+        phase.engine.sync_waves = self.args.timing_log_level >= 2  # the waves' device times, not their launches
         self.predicted_ms, self.gbs = phase.predicted_ms, phase.global_batch_size
         self.waves.reset()
 
