@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Where Multitask-CLIP-4's iteration time goes on one GPU (issue 13, after gpu_validate.sh measured 3.5x the
-# prediction): the runtime trains it at global batch 128 with per-wave and per-phase timers (--timing-log-level 2)
-# on the analytic plan; then tools/profile_metaops.py measures every MetaOp on this GPU and the runtime trains again
-# on the plan made from that profile (--spindle-profile), so the prediction from measured scaling curves meets the
-# measured iteration too. At most 6 minutes.
+# prediction): the runtime trains it at global batch 128 with per-wave and per-phase timers (--timing-log-level 2,
+# CUDA synchronised after each wave) on the analytic plan, its last two iterations under the PyTorch profiler
+# (--profile --use-pytorch-profiler: tables of the costliest operators by host and by device time end that log);
+# then tools/profile_metaops.py measures every MetaOp on this GPU and the runtime trains again on the plan made
+# from that profile (--spindle-profile), so the prediction from measured scaling curves meets the measured
+# iteration too. At most 6 minutes.
 #
 #   benchmarks/gpu_breakdown.sh                     # CUDA, GPU type detected from the device name
 #   benchmarks/gpu_breakdown.sh --gpu-type H100
@@ -43,6 +45,8 @@ if [[ "$DEVICE" == cuda ]]; then
     fi
     WORKLOAD=(--workload clip-4 --global-batch-size 128 --bf16)
     TRAIN=(--train-iters 8 --log-interval 2 --log-throughput --num-workers 4)
+    # two more iterations on the analytic plan, under the PyTorch profiler (the log's last interval)
+    PROFILED_ITERATIONS=(--train-iters 10 --profile-step-start 8 --profile-step-end 10)
     PROFILE=(--profile-warmup 2 --profile-repeats 5)
     LIMIT_TRAIN=120 LIMIT_PROFILE=180
 else
@@ -50,6 +54,7 @@ else
     GPU_TYPE=CPU
     WORKLOAD=(--workload tiny-clip)
     TRAIN=(--train-iters 4 --log-interval 2)
+    PROFILED_ITERATIONS=(--train-iters 5 --profile-step-start 4 --profile-step-end 5)
     PROFILE=(--profile-warmup 1 --profile-repeats 2)
     LIMIT_TRAIN=180 LIMIT_PROFILE=180
 fi
@@ -75,7 +80,7 @@ train() {  # NAME FLAGS...
     fi
 }
 
-train analytic
+train analytic --profile --use-pytorch-profiler "${PROFILED_ITERATIONS[@]}"
 echo "[gpu_breakdown] profiling every MetaOp on $DEVICE ..."
 set +e
 timeout "$LIMIT_PROFILE" "$PYTHON" "$ROOT/tools/profile_metaops.py" "${COMMON[@]}" "${WORKLOAD[@]}" \

@@ -37,12 +37,15 @@ def test_gpu_breakdown_dry_run_trains_on_the_analytic_and_the_profiled_plan(tmp_
                            str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = json.loads((tmp_path / "gpu_breakdown.json").read_text())
-    assert set(runs) == {"analytic", "profiled"} and all(r["iterations"] == 4 for r in runs.values())
+    assert set(runs) == {"analytic", "profiled"}
+    assert runs["analytic"]["iterations"] == 5 and runs["profiled"]["iterations"] == 4
     # the second plan came from the profile just taken, so its prediction differs from the analytic one
     assert runs["profiled"]["predicted_ms"] != runs["analytic"]["predicted_ms"]
     assert json.loads((tmp_path / "profile.json").read_text())["gpu"] == "CPU"
     log = (tmp_path / "breakdown_profiled.log").read_text()
     assert "measured wave time forward/backward" in log and "optimizer-inner-step" in log  # --timing-log-level 2
+    # the analytic plan's last iteration ran under the PyTorch profiler
+    assert "[profile] rank 0, iterations 4 to 4, by host time:" in (tmp_path / "breakdown_analytic.log").read_text()
 
 
 def _probe_wheel(folder: Path) -> Path:
