@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -189,23 +189,13 @@ def _audio_features(prep: Preprocessing, f: FieldSpec, fe, waveform: torch.Tenso
     return extractor(waveform, rate, f.shape[1])
 
 
-@dataclass
-class LoaderBatch(TaskBatch):
-    """A ``TaskBatch`` that can move itself to the training device (the engine calls ``batch.to(device)`` on the
-    shard it runs when the batch has a ``to``); ``shard`` keeps the class."""
-
-    def to(self, device) -> LoaderBatch:
-        return replace(self, inputs={m: t.to(device) for m, t in self.inputs.items()},
-                       labels=None if self.labels is None else self.labels.to(device))
-
-
 def collate(workload: Workload, task: str, samples: list[dict[str, torch.Tensor]],
-            label_ids: dict[str, tuple[int, int]] | None = None) -> LoaderBatch:
+            label_ids: dict[str, tuple[int, int]] | None = None) -> TaskBatch:
     """Stack samples into the task's global batch (LM text split into inputs and shifted labels). Labels that are
     padding are ignored: ``label_ids[module] = (pad id, EOS id)`` (default: the byte tokenizer's); where the
     tokenizer pads with its EOS token, the first EOS of a row is a real label and the rest padding."""
     fields = task_fields(workload, task)
-    batch = LoaderBatch(task=task, global_batch_size=len(samples))
+    batch = TaskBatch(task=task, global_batch_size=len(samples))
     for m, f in fields.items():
         x = torch.stack([s[m] for s in samples])
         if f.lm:
@@ -230,10 +220,12 @@ class MultiTaskDataLoader:
 
     With ``num_workers > 0`` a thread pool decodes the samples of a batch in parallel and, once a task has been
     asked for, prepares its batch of the *next* iteration while the current step runs (the sampler's indices
-    are known in advance). The batches are the same as without workers."""
+    are known in advance). The batches are the same as without workers. ``pin_memory``: batches are collated into
+    page-locked memory (by the workers, for the batches they prepare), so the runtime's copies to the GPU run
+    asynchronously."""
 
     def __init__(self, workload: Workload, datasets: dict[str, TaskDataset], seed: int = 0,
-                 sampling_weights: dict[str, float] | None = None, num_workers: int = 0):
+                 sampling_weights: dict[str, float] | None = None, num_workers: int = 0, pin_memory: bool = False):
         if num_workers < 0:
             raise ValueError(f"number of data workers must be >= 0, got {num_workers}")
         self.workload = workload
@@ -246,6 +238,7 @@ class MultiTaskDataLoader:
         self._ahead: dict[str, Future] = {}
         self._wanted: set[str] = set()
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="data") if num_workers else None
+        self.pin_memory = pin_memory
 
     def _collate(self, task: str, indices: list[int]) -> TaskBatch:
         ds = self.datasets[task]
@@ -253,7 +246,8 @@ class MultiTaskDataLoader:
             samples = list(self._pool.map(ds.__getitem__, indices))
         else:
             samples = [ds[i] for i in indices]
-        return collate(self.workload, task, samples, getattr(ds, "label_ids", None))
+        batch = collate(self.workload, task, samples, getattr(ds, "label_ids", None))
+        return batch.pin_memory() if self.pin_memory else batch
 
     def advance(self) -> MixedBatch:
         self.current = self.sampler.next()

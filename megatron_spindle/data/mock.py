@@ -40,12 +40,21 @@ class TaskBatch:
         """Rows held by this (possibly sharded) batch."""
         return self.global_batch_size // self.dp
 
-    def to(self, device) -> TaskBatch:
-        """The same batch with its tensors on ``device``."""
+    def to(self, device, non_blocking: bool = False) -> TaskBatch:
+        """The same batch with its tensors on ``device`` (``non_blocking``: asynchronous from pinned memory)."""
         return replace(
             self,
-            inputs={m: t.to(device) for m, t in self.inputs.items()},
-            labels=None if self.labels is None else self.labels.to(device),
+            inputs={m: t.to(device, non_blocking=non_blocking) for m, t in self.inputs.items()},
+            labels=None if self.labels is None else self.labels.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> TaskBatch:
+        """The same batch in page-locked host memory: its copies to a GPU (and its shards' and micro-batches',
+        which are views) can then run asynchronously."""
+        return replace(
+            self,
+            inputs={m: t.pin_memory() for m, t in self.inputs.items()},
+            labels=None if self.labels is None else self.labels.pin_memory(),
         )
 
     def micro(self, index: int, micro_batches: int) -> TaskBatch:

@@ -122,6 +122,7 @@ class WaveSchedule:
             if micro_start is not None:
                 micro_start(j)
             micro = {t: micro_batch(b, j, self.micro_batches) for t, b in batches.items()}
+            placed: dict[tuple[str, int, int], Any] = {}  # (task, dp rank, dp) -> that shard on the device
             tensors = {sid: _SliceTensors([None] * ls.num_inputs) for sid, ls in self.local.items()}
             early = self._post_receives(j, backward) if self.early_receives else {}
             posted: dict[tuple[int, int], PendingTransfer | None] = {}  # (transfer, direction) -> its receive
@@ -141,7 +142,7 @@ class WaveSchedule:
                         if before_forward is not None:
                             before_forward(ls)  # the overlapped weight all-gather (its own progress point)
                         progress.point(where, wave, ls)
-                        self._forward_slice(ls, tensors[ls.slice.id], micro)
+                        self._forward_slice(ls, tensors[ls.slice.id], micro, placed)
                         if ls.terminal and ls.tp_leader:
                             v = tensors[ls.slice.id].output.detach().to(torch.float64)
                             losses[names.index(ls.slice.task)] += v / ls.slice.dp if ls.dp_loss_mean else v
@@ -208,13 +209,16 @@ class WaveSchedule:
             if dst is not None:
                 dst.inputs[t.input_index] = x.requires_grad_(torch.is_grad_enabled())
 
-    def _forward_slice(self, ls: LocalSlice, st: _SliceTensors, batches: dict[str, Any]) -> None:
+    def _forward_slice(self, ls: LocalSlice, st: _SliceTensors, batches: dict[str, Any],
+                       placed: dict[tuple[str, int, int], Any]) -> None:
         s = ls.slice
         if any(x is None for x in st.inputs):
             raise RuntimeError(f"slice '{s.id}': inputs {[i for i, x in enumerate(st.inputs) if x is None]} "
                                f"were never received")
-        batch = _to_device(batches[s.task].shard(dp_rank(s, self.rank), s.dp), self.device)
-        st.output = ls.op(list(st.inputs), batch)
+        key = (s.task, dp_rank(s, self.rank), s.dp)
+        if key not in placed:  # once per micro-batch, not once per slice (each copy was the task's whole input)
+            placed[key] = _to_device(batches[s.task].shard(key[1], s.dp), self.device)
+        st.output = ls.op(list(st.inputs), placed[key])
 
     def _backward_slice(self, ls: LocalSlice, st: _SliceTensors) -> None:
         if ls.terminal:
@@ -256,18 +260,20 @@ def micro_batch(batch: Any, index: int, micro_batches: int) -> Any:
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
-    """Move a batch's tensors (fields, or dicts of tensors) to the compute device; a no-op on the CPU."""
+    """Move a batch's tensors (fields, or dicts of tensors) to the compute device; a no-op on the CPU.
+    Non-blocking: asynchronous where the batch is in pinned memory (the data loader's ``pin_memory``)."""
     if device.type == "cpu":
         return batch
     if hasattr(batch, "to"):
-        return batch.to(device)
+        return batch.to(device, non_blocking=True)
     if dataclasses.is_dataclass(batch):
         changes = {}
         for f in dataclasses.fields(batch):
             v = getattr(batch, f.name)
             if isinstance(v, torch.Tensor):
-                changes[f.name] = v.to(device)
+                changes[f.name] = v.to(device, non_blocking=True)
             elif isinstance(v, dict) and any(isinstance(x, torch.Tensor) for x in v.values()):
-                changes[f.name] = {k: x.to(device) if isinstance(x, torch.Tensor) else x for k, x in v.items()}
+                changes[f.name] = {k: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+                                   for k, x in v.items()}
         return dataclasses.replace(batch, **changes)
     return batch

@@ -287,6 +287,7 @@ def train(args, base, schedule, datasets, engine_provider, info: DistContext, lo
 
     def loader_factory(workload, task_datasets):
         return MultiTaskDataLoader(workload, task_datasets, seed=args.seed, num_workers=args.num_workers,
+                                   pin_memory=torch.cuda.is_available(),
                                    sampling_weights={t: w for t, w in sampling_weights.items() if t in task_datasets})
 
     sets = TaskSets(args, base, schedule, datasets, engine_provider, loader_factory,

@@ -261,3 +261,30 @@ def test_build_tool_and_dataset_errors(clip, tmp_path, capsys):
         build_datasets(clip, {"vision_text": str(out)}, mock=False)
     with pytest.raises(DatasetError, match="unknown task"):
         build_datasets(clip, {"nope": str(out)}, mock=False)
+
+
+def test_pinned_batches_are_the_same_batches_in_page_locked_memory(clip, monkeypatch):
+    """``pin_memory`` (the trainer's on a GPU; CPU-only torch cannot pin, so pinning is recorded here): every batch
+    the loader hands out, those its workers prepared ahead too, went through ``Tensor.pin_memory``."""
+    pinned: set[int] = set()
+    alive = []  # the pinned tensors stay referenced, so no other tensor can reuse one of their ids
+
+    def fake_pin(t):
+        out = t.clone()
+        pinned.add(id(out))
+        alive.append(out)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    datasets = build_datasets(clip, None, mock=True, seed=1, mock_size=16)
+    plain = MultiTaskDataLoader(clip, datasets, seed=3)
+    pinning = MultiTaskDataLoader(clip, datasets, seed=3, num_workers=2, pin_memory=True)
+    for _ in range(3):
+        assert plain.advance() == pinning.advance()
+        for task in sorted(datasets):
+            a, b = plain.batch(task), pinning.batch(task)
+            assert a.inputs.keys() == b.inputs.keys() and all(torch.equal(a.inputs[m], b.inputs[m]) for m in a.inputs)
+            assert all(id(x) in pinned for x in b.inputs.values())
+            assert (b.labels is None) == (a.labels is None) and (b.labels is None or id(b.labels) in pinned)
+            assert not any(id(x) in pinned for x in a.inputs.values())
+    pinning.close()

@@ -81,3 +81,52 @@ def test_a_whole_local_shard_is_handed_over_without_a_copy():
     double = post_messages([Message(0, 0, 0, 0, 4, ROUTE_LOCAL)], 0, src, (4, 3), 0, tag=0, dtype=torch.float64,
                            device=torch.device("cpu"), pending_sends=[]).result()
     assert double.dtype == torch.float64 and torch.equal(double, src.double())
+
+
+def test_a_task_batch_goes_to_the_device_once_per_micro_batch_not_once_per_slice():
+    """Every slice of a task used to move the task's whole input to the GPU again (measured on an H200: 56 pageable
+    copies per clip-4 iteration, 156 ms of 800); the slices of a task with the same data-parallel shard now share one
+    copy per micro-batch."""
+    from dataclasses import dataclass, fields
+
+    from megatron_spindle.data.mock import TaskBatch
+
+    shards: list[str] = []
+
+    @dataclass
+    class CountedBatch(TaskBatch):
+        def shard(self, dp_rank: int, dp: int) -> TaskBatch:
+            shards.append(self.task)
+            return super().shard(dp_rank, dp)
+
+    torch.set_num_threads(1)
+    ensure_torch_distributed()
+    w = load_workload("tiny-clip")
+    plan = sequential_plan(w, 1)
+    engine = RuntimeEngine(plan, w, 0, 1)
+    inner, forward, seen = engine.batch_fn, engine.schedule._forward_slice, []
+
+    def counted_batch(*args):
+        b = inner(*args)
+        return CountedBatch(**{f.name: getattr(b, f.name) for f in fields(b)})
+
+    def counted_forward(ls, *args):
+        seen.append(ls.slice.task)
+        return forward(ls, *args)
+
+    engine.batch_fn, engine.schedule._forward_slice = counted_batch, counted_forward
+    engine.forward_backward(0)
+    assert sorted(shards) == sorted(t.name for t in w.tasks)  # one shard (and device copy) per task
+    assert len(seen) == sum(len(wave.slices) for wave in plan.waves) > len(w.tasks)
+
+
+def test_a_batch_moves_to_a_device_without_blocking_and_stays_on_the_cpu_there():
+    from megatron_spindle.data.mock import mock_batch
+    from megatron_spindle.runtime.schedule import _to_device
+
+    w = load_workload("tiny-clip")
+    batch = mock_batch(w, "vision_text", 0)
+    assert _to_device(batch, torch.device("cpu")) is batch
+    moved = _to_device(batch, torch.device("meta"))  # any non-CPU device takes the same path as CUDA
+    assert type(moved) is type(batch) and moved.inputs.keys() == batch.inputs.keys()
+    assert all(t.device.type == "meta" and t.shape == batch.inputs[m].shape for m, t in moved.inputs.items())
