@@ -202,12 +202,18 @@ class SliceOperator(nn.Module):
             missing = next((name for name in params if name not in state), None)
             if missing is not None:
                 raise KeyError(f"{self.metaop.id}: full state lacks '{missing}'")
+        targets, sources = [], []
         for name in (params if strict else [n for n in state if n in params]):
             p = params[name]
             full = state[name]
             if tuple(full.shape) != full_shape(p, size):
                 raise ValueError(f"{name}: full shape {tuple(full.shape)} != expected {full_shape(p, size)}")
-            p.copy_(shard_full_tensor(full.to(p.dtype), p, rank, size))
+            targets.append(p)
+            sources.append(shard_full_tensor(full, p, rank, size))
+        # one call for all (copy_ casts, e.g. fp32 masters into bf16 weights, with the same rounding as .to): a
+        # copy per tensor from Python was most of the optimizer step's 67 ms on an H200 (clip-4, ~1500 tensors)
+        if targets:
+            torch._foreach_copy_(targets, sources)
 
     def initial_full_state(self) -> dict[str, torch.Tensor]:
         cfg = self.config

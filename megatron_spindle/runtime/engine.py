@@ -423,8 +423,7 @@ class RuntimeEngine:
         for ls in in_wave_order(self.local):
             if self.generic_keys[ls.slice.id]:
                 with self._loading(ls):
-                    ls.op.load_full_state(ls.keys.to_canonical({k: full[k].to(self.config.dtype)
-                                                                for k in ls.param_keys}))
+                    ls.op.load_full_state(ls.keys.to_canonical({k: full[k] for k in ls.param_keys}))
 
     def _push_gathered_weights(self) -> None:
         """ZeRO-1/2 without --overlap-param-gather: every bucket's updated weights all-gathered in turn
