@@ -15,6 +15,7 @@ from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.profiler.settings import ProfilerSettings
 from megatron_spindle.profiler.world import ProfileWorld, median_seconds
+from megatron_spindle.runtime.optimizer import adamw_fused
 
 OPTIMIZER_PROBE_ELEMENTS = 1 << 20  # one fp32 tensor: the per-element cost, where no units are given
 OPTIMIZER_PROBE_MAX_ELEMENTS = 1 << 24  # the units' tensors timed for the per-element cost, in all
@@ -145,8 +146,8 @@ def time_sharded_copies(op: torch.nn.Module, dp: int, world: ProfileWorld, warmu
 
 def measure_optimizer(world: ProfileWorld, settings: ProfilerSettings,
                       unit_numels: Sequence[int] = ()) -> OptimizerCost:
-    """Seconds of torch.optim.AdamW (default implementation for the device, as the runtime engine steps its
-    masters) per element and per tensor. Per tensor from ``OPTIMIZER_PROBE_TENSORS`` tensors of 16 elements; per
+    """Seconds of torch.optim.AdamW (the implementation the runtime engine steps its masters with on the device,
+    runtime/optimizer.py ``adamw_fused``) per element and per tensor. Per tensor from ``OPTIMIZER_PROBE_TENSORS`` tensors of 16 elements; per
     element from tensors of ``unit_numels`` elements, the workload's parameter units (the runtime steps one flat
     fp32 master per unit), the largest first up to ``OPTIMIZER_PROBE_MAX_ELEMENTS`` in all, or one tensor of
     ``OPTIMIZER_PROBE_ELEMENTS`` without them. AdamW makes about ten passes over each tensor, so its cost per
@@ -159,7 +160,7 @@ def measure_optimizer(world: ProfileWorld, settings: ProfilerSettings,
         params = [torch.nn.Parameter(t) for t in tensors]
         for p in params:
             p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=adamw_fused(world.device))
         return median_seconds(opt.step, world, max(1, settings.warmup), settings.repeats)
 
     gen = torch.Generator().manual_seed(settings.seed)
