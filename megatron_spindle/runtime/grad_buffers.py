@@ -97,9 +97,11 @@ class GradBuffers:
 
     def add(self, grads: dict[str, torch.Tensor], keys: list[str], micro: int = 0) -> None:
         """Add full gradients of ``keys`` into the buffers (whatever the micro-batch: they accumulate)."""
-        for k in keys:
-            acc = self.key_grads[k]
-            acc += grads[k].to(acc.device, torch.float32)
+        accs = [self.key_grads[k] for k in keys]
+        if accs:
+            # one call for all keys: a bf16 gradient promotes into the fp32 buffer exactly as a cast would, and
+            # a cast and an add per tensor from Python were host time in every backward wave on a GPU
+            torch._foreach_add_(accs, [grads[k].to(acc.device) for k, acc in zip(keys, accs)])
 
     def reduce(self, b: Bucket, group, micro: int = 0):
         """Start the bucket's all-reduce over its group (None for a one-device group)."""
