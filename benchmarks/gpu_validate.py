@@ -1,7 +1,7 @@
 """Measure the cost model's calibration points on the GPU at hand and print them against tools/estimate.py.
 
-NOTE: this script has never run on a GPU (only its --dry-run on CPU, which the test suite runs). Expect to fix
-small things on the first GPU run; benchmarks/gpu_validate.sh is the entry point.
+Ran on one H200 (twenty-ninth session; benchmarks/results/gpu/); its --dry-run on CPU is in the test suite.
+benchmarks/gpu_validate.sh is the entry point.
 
 One process, one GPU, no NCCL:
 - GEMMs (bf16): the C1 regime (8192^3) and a ViT-H QKV projection, TFLOP/s measured vs KernelModel.gemm_rate;

@@ -8,8 +8,9 @@
 # for this GPU).
 # At most 8 minutes (measurements: budget 210 s, then they skip the rest; expected 1-2 min on an H200).
 #
-# NOTE: it has never run on a GPU yet; only the CPU dry run (tests/tools/test_gpu_validate.py) has. When a GPU machine
-# is at hand, run it and commit its output to benchmarks/results/.
+# Ran on one H200 in the twenty-ninth session (output in benchmarks/results/gpu/, discussed in
+# benchmarks/results/README.md); the CPU dry run is tested (tests/tools/test_gpu_validate.py). On a GPU machine, run
+# it and commit its output to benchmarks/results/gpu/.
 #
 #   benchmarks/gpu_validate.sh                      # CUDA, GPU type detected from the device name
 #   benchmarks/gpu_validate.sh --gpu-type H100      # when the name is not recognised
