@@ -92,8 +92,8 @@ def add_logging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    "the ranks; CUDA allocator statistics, or the resident set on CPU) to TensorBoard.")
     g.add_argument("--timing-log-level", type=int, default=0, choices=TIMING_LOG_LEVELS, help="0: iteration and "
                    "per-wave times; 1: also the step's phases (min, max over ranks; synchronises CUDA at their "
-                   "boundaries); 2: also the batch generator and the forward/backward part of every wave (synchronises CUDA "
-                   "after each wave).")
+                   "boundaries); 2: also the batch generator and the forward/backward part of every wave "
+                   "(synchronises CUDA after each wave).")
     add_wandb_args(g)
     add_profiling_args(g)  # --profile, --use-pytorch-profiler, --profile-step-start/-end, --profile-ranks
     return parser
