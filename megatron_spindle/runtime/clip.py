@@ -65,8 +65,11 @@ class GradClipper:
     def norm(self) -> float:
         """The global L2 norm of the synchronised gradients (collective over the world; every rank calls it)."""
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in self.owned:
-            sq += g.double().square().sum()
+        if self.owned:
+            # accumulated in fp64 (the total is then the same, to 1e-14, however the units are split over ranks:
+            # resuming on another plan stays exact), by one multi-tensor call: the fp64 copy of every gradient it
+            # replaces took 14 of clip-4's 109 ms optimizer step on an H200
+            sq += torch.stack(torch._foreach_norm(self.owned, 2, dtype=torch.float64)).square().sum()
         if dist.is_initialized() and dist.get_world_size() > 1:
             progress.point("the gradient-norm all-reduce (--clip-grad / loss scaler)")
             dist.all_reduce(sq)
