@@ -4,7 +4,8 @@ Ran on one H200 (twenty-ninth session; benchmarks/results/gpu/); its --dry-run o
 benchmarks/gpu_validate.sh is the entry point.
 
 One process, one GPU, no NCCL:
-- GEMMs (bf16): the C1 regime (8192^3) and a ViT-H QKV projection, TFLOP/s measured vs KernelModel.gemm_rate;
+- GEMMs (bf16): the C1 regime (8192^3), a ViT-H QKV projection and a sweep for the Hopper tile model
+  (``GEMM_SHAPES``), TFLOP/s measured vs KernelModel.gemm_rate;
 - one large device-to-device copy: achieved HBM bandwidth vs the model's (datasheet x memory efficiency);
 - FlashAttention-2 (torch SDPA's flash backend, the FA2 kernels) in the FA2 paper's setup (batch x seq = 16k
   tokens, hidden 2048, head dim 64 / 128, non-causal, fwd + bwd): TF/s vs KernelModel.flash_rate (C2, C3);
@@ -77,8 +78,24 @@ class Timer:
         return times[len(times) // 2]
 
 
+# bf16 GEMMs (M, N, K): the C1 regime and a ViT-H QKV projection (8 x 257 tokens), then what the Hopper tile
+# model's estimates (tile efficiencies, prologue / epilogue steps) need to be fitted: K from 256 to 4096 at a
+# large output (the fixed cost per tile), M from 256 to 2048 at a large N and K (the tile choice and wave
+# quantisation), and the small towers' own shapes at clip-4's per-task batch of 32: a text layer (32 x 77 tokens,
+# width 1024: QKV, MLP in and out) and a ViT-S depth layer (32 x 197 tokens, width 384: QKV, MLP in), and a weight
+# gradient (the output is the weight, K the tokens).
+GEMM_SHAPES = (
+    (8192, 8192, 8192), (8 * 257, 3 * 1280, 1280),
+    (8192, 8192, 256), (8192, 8192, 512), (8192, 8192, 1024), (8192, 8192, 2048), (8192, 8192, 4096),
+    (256, 8192, 8192), (512, 8192, 8192), (1024, 8192, 8192), (2048, 8192, 8192),
+    (32 * 77, 3 * 1024, 1024), (32 * 77, 4096, 1024), (32 * 77, 1024, 4096),
+    (32 * 197, 3 * 384, 384), (32 * 197, 1536, 384),
+    (1024, 4096, 32 * 77),
+)
+
+
 def gemm_points(torch, timer, km, device, dry) -> Iterator[dict]:
-    shapes = [(64, 64, 64), (48, 96, 32)] if dry else [(8192, 8192, 8192), (8 * 257, 3 * 1280, 1280)]
+    shapes = [(64, 64, 64), (48, 96, 32)] if dry else GEMM_SHAPES
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
