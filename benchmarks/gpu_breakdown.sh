@@ -61,23 +61,11 @@ fi
 COMMON=(--gpus-per-node 1 --gpu-type "$GPU_TYPE")
 
 FAILED=0
-train() {  # NAME FLAGS...
-    local name="$1" log="$OUT_DIR/breakdown_$1.log" rc
+train() {  # NAME (of the plan) FLAGS...
+    local name="$1"
     shift
-    echo "[gpu_breakdown] training ($name plan) ..."
-    set +e
-    timeout "$LIMIT_TRAIN" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 \
-        "$ROOT/pretrain_multitask.py" --mock-data --spindle-planner wavefront --seed 1234 --timing-log-level 2 \
-        "${COMMON[@]}" "${WORKLOAD[@]}" "${TRAIN[@]}" "$@" > "$log" 2>&1
-    rc=$?
-    set -e
-    "$PYTHON" "$ROOT/benchmarks/train_log_summary.py" "$log" --name "$name" --json "$OUT_DIR/gpu_breakdown.json" \
-        || true
-    if [[ "$rc" -ne 0 ]]; then
-        echo "[gpu_breakdown] training ($name plan) FAILED (exit $rc); the end of $log:"
-        grep -v -e "warnings.warn" -e "UserWarning" "$log" | tail -n 25
-        FAILED="$rc"
-    fi
+    gpu_train gpu_breakdown "$name" "$LIMIT_TRAIN" "$OUT_DIR/breakdown_$name.log" "$OUT_DIR/gpu_breakdown.json" \
+        --timing-log-level 2 "${COMMON[@]}" "${WORKLOAD[@]}" "${TRAIN[@]}" "$@" || FAILED=$?
 }
 
 train analytic --profile --use-pytorch-profiler "${PROFILED_ITERATIONS[@]}"
@@ -90,7 +78,7 @@ rc=$?
 set -e
 if [[ "$rc" -ne 0 ]]; then
     echo "[gpu_breakdown] profiling FAILED (exit $rc); the end of $OUT_DIR/profile.log:"
-    grep -v -e "warnings.warn" -e "UserWarning" "$OUT_DIR/profile.log" | tail -n 25
+    gpu_log_tail "$OUT_DIR/profile.log"
     exit "$rc"
 fi
 train profiled --spindle-profile "$OUT_DIR/profile.json"

@@ -1,4 +1,5 @@
-# Sourced by the GPU scripts (gpu_validate.sh, gpu_profile.sh): the interpreter and its import path.
+# Sourced by the GPU scripts (gpu_validate.sh, gpu_profile.sh, gpu_breakdown.sh): the interpreter and its import
+# path; the training run and the failure report that gpu_validate.sh and gpu_breakdown.sh share.
 #
 # gpu_env_setup SCRIPT MODULE... sets PYTHON (unless set: the repository's .venv, else python3) and puts the
 # repository on PYTHONPATH. Where that interpreter cannot import a MODULE (a GPU machine's image has torch but not
@@ -61,4 +62,28 @@ for name in sys.argv[1:]:
         missing.append(name)
 print(" ".join(missing))
 PY
+}
+
+# The end of a log without Python's warnings: what a failed step shows.
+gpu_log_tail() {
+    grep -v -e "warnings.warn" -e "UserWarning" "$1" | tail -n 25
+}
+
+# gpu_train SCRIPT NAME LIMIT LOG SUMMARY FLAGS...: pretrain_multitask.py under torchrun, one process, mock data,
+# the wavefront planner (the GPU image has no ortools), seed 1234 and FLAGS, stopped after LIMIT seconds, its output
+# in LOG; the run is added to the JSON file SUMMARY under NAME (benchmarks/train_log_summary.py). A failure prints
+# the end of LOG. Returns the run's exit status. Needs ROOT and PYTHON (gpu_env_setup).
+gpu_train() {
+    local script="$1" name="$2" limit="$3" log="$4" summary="$5" rc
+    shift 5
+    echo "[$script] training run $name: $* ..."
+    timeout "$limit" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 \
+        "$ROOT/pretrain_multitask.py" --mock-data --spindle-planner wavefront --seed 1234 "$@" > "$log" 2>&1 \
+        && rc=0 || rc=$?
+    "$PYTHON" "$ROOT/benchmarks/train_log_summary.py" "$log" --name "$name" --json "$summary" || true
+    if [[ "$rc" -ne 0 ]]; then
+        echo "[$script] training run $name FAILED (exit $rc); the end of $log:"
+        gpu_log_tail "$log"
+    fi
+    return "$rc"
 }

@@ -77,22 +77,10 @@ GPU_TYPE="$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["
 TRAIN_FAILED=0
 rm -f "$OUT_DIR/gpu_train.json"  # the runs below add to it: nothing of an earlier run in this folder stays
 train_run() {  # NAME LIMIT_SECONDS FLAGS...
-    local name="$1" limit="$2" rc
+    local name="$1" limit="$2"
     shift 2
-    local log="$OUT_DIR/gpu_train_$name.log"
-    echo "[gpu_validate] training run $name: $* ..."
-    set +e
-    timeout "$limit" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 \
-        "$ROOT/pretrain_multitask.py" --mock-data --spindle-planner wavefront --gpus-per-node 1 --gpu-type "$GPU_TYPE" \
-        --seed 1234 "$@" > "$log" 2>&1
-    rc=$?
-    set -e
-    "$PYTHON" "$ROOT/benchmarks/train_log_summary.py" "$log" --name "$name" --json "$OUT_DIR/gpu_train.json" || true
-    if [[ "$rc" -ne 0 ]]; then
-        echo "[gpu_validate] training run $name FAILED (exit $rc); the end of $log:"
-        grep -v -e "warnings.warn" -e "UserWarning" "$log" | tail -n 25
-        TRAIN_FAILED="$rc"
-    fi
+    gpu_train gpu_validate "$name" "$limit" "$OUT_DIR/gpu_train_$name.log" "$OUT_DIR/gpu_train.json" \
+        --gpus-per-node 1 --gpu-type "$GPU_TYPE" "$@" || TRAIN_FAILED=$?
 }
 if [[ "$DEVICE" == cuda ]]; then
     train_run smoke 90 --workload tiny-clip --train-iters 10 --log-interval 2 --bf16
