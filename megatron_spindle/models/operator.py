@@ -176,11 +176,15 @@ class SliceOperator(nn.Module):
         gradient sits at its own positions, zeros elsewhere; a replicated one's is the TP leader's (zeros on the
         others), except those marked ``sequence_parallel``, whose every rank contributes its own part. The
         runtime adds them into gradient buffers that its group reduction sums anyway, so no TP all-gather of
-        gradients is needed."""
+        gradients is needed. At TP 1 a part is the gradient itself, not a copy (a copy per parameter tensor was
+        host time in every backward wave on a GPU): read it before the next backward."""
         out = {}
         rank, size = self.tp_rank, self.tp_size
         for name, p in self.full_named_parameters(units):
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            if size == 1:  # .grad has no history (no create_graph backward here): nothing to detach
+                out[name] = grad
+                continue
             if size > 1 and not getattr(p, "tensor_model_parallel", False) \
                     and not getattr(p, "sequence_parallel", False) and rank != 0:
                 grad = torch.zeros_like(grad)

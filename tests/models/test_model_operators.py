@@ -141,6 +141,26 @@ def test_split_layer_ranges_equal_whole(workload_name, metaop, split):
         assert rel_err(g_split[k], g_whole[k]) < 1e-5, k
 
 
+def test_grad_contributions_at_tp1_are_the_gradients_themselves(vlm):
+    """At TP 1 a rank's part of a gradient is all of it: the runtime adds the parameters' own ``.grad`` to its
+    buffers, with no copy per tensor (host time in every backward wave on a GPU); a parameter without a gradient
+    contributes zeros."""
+    infos = metaop_infos(vlm)
+    info = infos["caption/llm"]
+    upstream = run_chain(vlm, infos, info.task, mock_batch(vlm, info.task, 0))
+    op = build_operator(vlm, info, 0, info.num_layers)
+    op([upstream[p].detach() for p in info.preds], mock_batch(vlm, info.task, 0)).float().sum().backward()
+    params = dict(op.full_named_parameters())
+    unused = next(iter(params))
+    params[unused].grad = None
+    parts = op.export_grad_contributions()
+    assert parts.keys() == params.keys()
+    assert all(parts[k] is p.grad for k, p in params.items() if k != unused)
+    assert parts[unused].shape == params[unused].shape and not parts[unused].any()
+    full = op.export_full_grads()
+    assert all(torch.equal(parts[k], full[k]) for k in parts)
+
+
 @pytest.mark.parametrize("metaop,modules", [("caption/llm", ("layernorm", "mlp")),
                                             ("caption/vision", ("core_attn", "layernorm"))])
 def test_full_recomputation_of_some_layers_and_selective_of_the_others_is_two_blocks_and_exact(vlm, metaop, modules):
