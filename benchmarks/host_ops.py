@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""Host operations per training step: what the runtime dispatches beside its model's own (issue 13).
+
+On a GPU the small towers are host-bound (the twenty-ninth session's H200 breakdown: 3.5-4.7 ms per layer where
+the model has 1.6): every ATen operation costs the host 5-60 us whatever its size, and per-tensor copies in
+the runtime add up. The number of operations does not depend on the device, so this counts them on the CPU:
+a torch dispatch mode sees every operation one ``RuntimeEngine.train_step`` dispatches (the forward, autograd's
+backward, gradient sync and the optimizer) and attributes each to whoever asked for it:
+
+- the model: megatron-core's modules and our operators (``megatron_spindle/models``), forward and backward;
+- the runtime: the innermost frame in ``megatron_spindle/runtime`` (gradient buffers, shards, optimizer, ...).
+
+A plain PyTorch step of the same modules (``models.reference.ReferenceModel``, the loss's backward, torch
+AdamW) is counted the same way. Views (no kernel) are counted apart from the operations that launch work.
+The runtime is counted in fp32 (units alias their masters: the CPU path) and in bf16 (units copy to and from
+fp32 masters: the GPU path). On the CPU, AdamW runs a loop per master tensor; CUDA's fused AdamW is one
+operation per parameter group, so the "optimizer" rows overstate a GPU's.
+
+Printed, not asserted, written (host_ops.txt, .json) to --out-dir. Example:
+    python benchmarks/host_ops.py --workload tiny-clip
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+import traceback
+
+import torch
+from bench_output import Recording, add_output_args
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_spindle.arguments import add_workload_args, workload_from_args
+
+PACKAGE = "megatron_spindle/"
+SCHEDULE_MODEL_CALLS = ("_forward_slice", "_backward_slice")  # runtime/schedule.py: the operators' forward, backward
+THIS_FILE = __file__.replace("\\", "/")  # the plain loop's backward
+
+
+def who(stack: traceback.StackSummary) -> str:
+    """The one who asked for an operation, from the innermost frame that says: "optimizer" (torch's AdamW);
+    "model" (megatron-core, or a forward or backward the runtime's schedule or the plain loop runs); else
+    "runtime <file>:<function>" (our models' and data's helpers count for whoever called them: loading
+    weights and exporting gradients are the runtime's)."""
+    for frame in reversed(stack):
+        path = frame.filename.replace("\\", "/")
+        if "torch/optim/" in path:
+            return "optimizer"
+        if "megatron/core/" in path or path == THIS_FILE:
+            return "model"
+        if PACKAGE + "runtime/" in path:
+            if frame.name in SCHEDULE_MODEL_CALLS:
+                return "model"
+            return f"runtime {path.split(PACKAGE, 1)[1]}:{frame.name}"
+    return "other"
+
+
+class OperationCounter(TorchDispatchMode):
+    """Counts every operation dispatched inside it: (who, view or not) -> count, and per operation name."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_caller: collections.Counter = collections.Counter()
+        self.by_name: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        caller = who(traceback.extract_stack(limit=48)[:-1])
+        view = bool(getattr(func, "is_view", False)) or func.overloadpacket.__name__ in ("detach", "_unsafe_view")
+        self.by_caller[caller, view] += 1
+        self.by_name[func.overloadpacket.__name__, caller.split(" ")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+    def totals(self) -> dict[str, int]:
+        out = collections.Counter()
+        for (caller, view), n in self.by_caller.items():
+            group = caller.split(" ")[0]
+            out[group + (" views" if view else "")] += n
+        return dict(out)
+
+
+def count_engine(workload, dtype: torch.dtype, warmup: int) -> OperationCounter:
+    from megatron_spindle.graph.cluster import make_cluster
+    from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
+    from megatron_spindle.runtime.engine import EngineConfig, RuntimeEngine
+
+    plan = make_plan(workload, make_cluster(1, 1, "CPU"), PlannerConfig(planner="wavefront"))
+    engine = RuntimeEngine(plan, workload, 0, 1, EngineConfig(dtype=dtype, device="cpu"))
+    for step in range(warmup):
+        engine.train_step(step)
+    counter = OperationCounter()
+    with counter:
+        engine.train_step(warmup)
+    return counter
+
+
+def count_plain(workload, warmup: int) -> tuple[OperationCounter, int]:
+    from megatron_spindle.data.mock import mock_batch
+    from megatron_spindle.models.reference import ReferenceModel
+
+    model = ReferenceModel(workload)
+    params = list(dict.fromkeys(model.full_named_parameters().values()))
+    optimizer = torch.optim.AdamW(params)
+    tasks = [t.name for t in workload.tasks]
+
+    def step(i: int) -> None:
+        batches = {t: mock_batch(workload, t, i, 0) for t in tasks}
+        optimizer.zero_grad(set_to_none=True)
+        model.total_loss(model(batches)).backward()
+        optimizer.step()
+
+    for i in range(warmup):
+        step(i)
+    counter = OperationCounter()
+    with counter:
+        step(warmup)
+    return counter, len(params)
+
+
+def table(rows: list[tuple[str, dict[str, int]]], tensors: int) -> str:
+    cols = ("model", "model views", "optimizer", "runtime", "runtime views")
+    lines = [f"{'step':28s}" + "".join(f"{c:>15s}" for c in cols) + f"{'total':>9s}{'runtime/tensor':>16s}"]
+    for name, t in rows:
+        runtime = t.get("runtime", 0) + t.get("runtime views", 0)
+        t = {**t, "optimizer": t.get("optimizer", 0) + t.pop("optimizer views", 0)}
+        lines.append(f"{name:28s}" + "".join(f"{t.get(c, 0):15d}" for c in cols)
+                     + f"{sum(t.values()):9d}{runtime / tensors:16.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_workload_args(parser)
+    parser.set_defaults(workload="tiny-clip")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before the counted one")
+    parser.add_argument("--top", type=int, default=12, help="the runtime's functions listed (most operations first)")
+    add_output_args(parser)
+    args = parser.parse_args(argv)
+    from megatron_spindle.compat.cpu import apply_cpu_shim
+    from megatron_spindle.compat.groups import ensure_torch_distributed
+
+    workload = workload_from_args(args)
+    apply_cpu_shim()
+    ensure_torch_distributed()
+    torch.set_num_threads(1)
+    recording = Recording(args, "host_ops")
+    start = time.perf_counter()
+    plain, tensors = count_plain(workload, args.warmup)
+    counted = {"plain PyTorch (fp32)": plain}
+    for dtype in (torch.float32, torch.bfloat16):
+        counted[f"runtime ({str(dtype).split('.')[-1]})"] = count_engine(workload, dtype, args.warmup)
+    print(f"host_ops: operations dispatched in one training step of {args.workload} on one rank "
+          f"({tensors} parameter tensors), torch {torch.__version__}")
+    rows = [(name, c.totals()) for name, c in counted.items()]
+    print(table(rows, tensors))
+    bf16 = counted["runtime (bfloat16)"]
+    print("\nthe runtime's own operations in bf16, by function (views included):")
+    per_function = collections.Counter()
+    for (caller, _), n in bf16.by_caller.items():
+        if caller.startswith("runtime"):
+            per_function[caller.split(" ", 1)[1]] += n
+    for name, n in per_function.most_common(args.top):
+        print(f"{n:8d}  {name}")
+    print(f"({time.perf_counter() - start:.0f} s)")
+    recording.save({"workload": args.workload, "parameter_tensors": tensors,
+                    "steps": {name: t for name, t in rows},
+                    "runtime_bf16_by_function": dict(per_function)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""benchmarks/host_ops.py: a training step's own operations beside its model's. The runtime dispatches nothing per
+parameter tensor (every one costs a GPU's host 5-60 us in a host-bound wave): fewer operations that launch work
+than the model has parameter tensors, in fp32 (units alias their masters) and in bf16 (units copy from and to
+fp32 masters, where a clone per gradient was found)."""
+
+import pytest
+import torch
+from script_loader import load_script
+
+from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.models.reference import ReferenceModel
+
+bench = load_script("benchmarks/host_ops.py")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_runtime_dispatches_nothing_per_parameter_tensor(dtype):
+    workload = load_workload("tiny-clip")
+    tensors = len(dict.fromkeys(ReferenceModel(workload).full_named_parameters().values()))
+    totals = bench.count_engine(workload, dtype, warmup=1).totals()
+    assert totals["model"] > 5 * tensors  # the forward and backward were counted, and attributed to the model
+    assert totals["optimizer"] > 0
+    assert 0 < totals["runtime"] < tensors, totals
+
+
+def test_operations_are_attributed_to_the_innermost_caller_that_says():
+    import traceback
+
+    def frame(path, name):
+        return traceback.FrameSummary(path, 1, name)
+
+    runtime, models = "/x/megatron_spindle/runtime/", "/x/megatron_spindle/models/"
+    stack = [frame(runtime + "engine.py", "train_step"), frame(runtime + "grad_sync.py", "slice_done"),
+             frame(models + "operator.py", "export_grad_contributions")]
+    assert bench.who(stack) == "runtime runtime/grad_sync.py:slice_done"
+    forward = [frame(runtime + "schedule.py", "_forward_slice"), frame(models + "operator.py", "forward")]
+    assert bench.who(forward) == "model"
+    assert bench.who([*forward, frame("/y/megatron/core/transformer/mlp.py", "forward")]) == "model"
+    assert bench.who([*stack, frame("/y/torch/optim/adamw.py", "step")]) == "optimizer"
