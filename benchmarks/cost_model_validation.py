@@ -203,8 +203,9 @@ def juwels(num_gpus: int):
 
 
 # OpenCLIP trained with torch AMP (fp32 parameters cast per forward), nn.MultiheadAttention (unfused; autocast
-# runs its softmax in fp32), DDP's 25 MB buckets of fp32 gradients.
-OPENCLIP_CONFIG = CostModelConfig(attention="unfused", param_cast=True, grad_bytes=4)
+# runs its softmax in fp32), DDP's 25 MB buckets of fp32 gradients, no gradient clipping (its --grad-clip-norm
+# defaults to none).
+OPENCLIP_CONFIG = CostModelConfig(attention="unfused", param_cast=True, grad_bytes=4, grad_norm=False)
 TORCH_DDP_BUCKET_PARAMS = 25 * MIB // 4
 
 
@@ -222,7 +223,7 @@ def c5_c6() -> list[Row]:
 
 # NeMo: bf16 O1 (fp32 parameters, autocast), unfused attention with fused softmax (264 and 80 tokens are multiples of
 # 4, so Megatron's scaled-masked-softmax kernel runs), 125 MB gradient chunks, full
-# recomputation of 8 of the 40 vision layers, fused Adam plus an EMA of the weights every step (read the EMA and
+# recomputation of 8 of the 40 vision layers, gradient clipping (a norm), fused Adam plus an EMA of the weights every step (read the EMA and
 # the weights, write the EMA: 12 bytes per parameter). Micro batch 80 per GPU (the launcher's config; the
 # performance page does not say).
 NEMO_CONFIG = CostModelConfig(attention="unfused", fused_softmax=True, param_cast=True, grad_bytes=4)

@@ -58,6 +58,12 @@ from megatron_spindle.plan.schema import sequence_parallel_runs, sequence_parall
 KERNELS_PER_OPERATOR = {"frontend": 9, "projector": 15, "head": 12, "lm_head": 15, "loss": 12}
 # AdamW per fp32 master element: reads the master, exp_avg, exp_avg_sq and the gradient, writes the first three.
 ADAMW_BYTES_PER_ELEMENT = 28
+# The global gradient norm before the step reads every fp32 gradient once (gradient clipping: Megatron-LM's and
+# pretrain_multitask.py's --clip-grad 1.0 by default, DeepSpeed's gradient_clipping).
+GRAD_NORM_BYTES_PER_ELEMENT = 4
+# After the step the model's weights are written from the masters: the fp32 master read, plus the weight written
+# in the model's dtype (Megatron-LM's copy of main params into the model's, the runtime's load of the weights).
+MASTER_READ_BYTES_PER_ELEMENT = 4
 @dataclass(frozen=True)
 class CostModelConfig:
     """Choices of the analytic model that are not hardware: the attention implementation, the gradient reduce
@@ -85,6 +91,8 @@ class CostModelConfig:
     # and residual adds on 1/tp of the (padded) sequence, an all-gather and a reduce-scatter per TP all-reduce.
     # The memory model follows it by default.
     sequence_parallel: bool = False
+    # The optimizer step computes the global gradient norm first (gradient clipping, Megatron's default).
+    grad_norm: bool = True
 
     def __post_init__(self):
         if self.attention not in ATTENTION_KINDS:
@@ -436,8 +444,17 @@ class AnalyticCostModel:
     # ------------------------------------------------------------------------------------ communication
 
     def optimizer_cost(self) -> OptimizerCost:
-        """AdamW is a streaming element-wise update: ``ADAMW_BYTES_PER_ELEMENT`` of HBM traffic per element."""
-        return OptimizerCost(ADAMW_BYTES_PER_ELEMENT / self.kernels.bandwidth, 0.0, "analytic")
+        """The optimizer step streams ``optimizer_bytes_per_element`` of HBM traffic per master element."""
+        return OptimizerCost(self.optimizer_bytes_per_element() / self.kernels.bandwidth, 0.0, "analytic")
+
+    def optimizer_bytes_per_element(self) -> int:
+        """HBM bytes per fp32 master element of one step: the gradient norm's read (``grad_norm``), AdamW, and the
+        model's weights written from the masters, unless the model computes in fp32 itself (its parameters are
+        the masters, or fp32 parameters are cast per forward: ``param_cast``, charged in the layers)."""
+        norm = GRAD_NORM_BYTES_PER_ELEMENT if self.config.grad_norm else 0
+        separate = self.dtype_bytes < 4 and not self.config.param_cast
+        weights = MASTER_READ_BYTES_PER_ELEMENT + self.dtype_bytes if separate else 0
+        return norm + ADAMW_BYTES_PER_ELEMENT + weights
 
     def sharded_copy_seconds(self, metaop: MetaOp, tp: int, dp: int) -> tuple[float, float]:
         """(weights loaded, gradients staged) seconds of ONE operator's host copies under ZeRO 1 and 2

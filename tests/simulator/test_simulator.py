@@ -369,12 +369,21 @@ def test_optimizer_step_shards_with_zero_and_is_free_without_parameters():
     assert r.optimizer_time == 0.0 and all(s == e for s, e in r.optimizer_steps)
 
 
-def test_analytic_optimizer_cost_streams_adamw_state_at_memory_bandwidth():
+def test_analytic_optimizer_cost_streams_norm_adamw_and_weights_at_memory_bandwidth():
+    """Per fp32 master element: the gradient norm reads the gradient (4 bytes), AdamW reads 4 and writes 3 fp32
+    tensors (28), the model's bf16 weight is written from the master (4 + 2); fp32 models and fp32 parameters
+    cast per forward have no separate weights, and without clipping there is no norm."""
+    import dataclasses
+
     from megatron_spindle.estimator import AnalyticCostModel
-    from megatron_spindle.estimator.cost_model import ADAMW_BYTES_PER_ELEMENT
 
     w, cluster = _workload(), _cluster()
     model = AnalyticCostModel(w, cluster)
     bandwidth = cluster.gpu.memory_bandwidth * model.config.memory_efficiency
-    assert model.optimizer_seconds(1e9, 100) == pytest.approx(1e9 * ADAMW_BYTES_PER_ELEMENT / bandwidth)
+    assert model.optimizer_seconds(1e9, 100) == pytest.approx(1e9 * (4 + 28 + 6) / bandwidth)
     assert model.optimizer_seconds(0, 100) == 0.0
+    assert AnalyticCostModel(w, cluster, dtype_bytes=4).optimizer_bytes_per_element() == 4 + 28
+    no_clip = dataclasses.replace(model.config, grad_norm=False)
+    assert AnalyticCostModel(w, cluster, config=no_clip).optimizer_bytes_per_element() == 28 + 6
+    amp = dataclasses.replace(model.config, param_cast=True)
+    assert AnalyticCostModel(w, cluster, config=amp).optimizer_bytes_per_element() == 4 + 28
