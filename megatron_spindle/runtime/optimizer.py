@@ -72,6 +72,7 @@ class MasterOptimizer:
         self.shards: dict[str, UnitShard] = {}
         self.masters: dict[str, torch.nn.Parameter] = {}
         self.unit_groups: list[tuple[tuple[int, ...], list[str]]] = []  # (sorted devices, sorted units), plan order
+        self._views: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}  # unit -> (master's address, its views)
         held = set(key_unit.values())
         for pg in param_groups:
             devices = tuple(sorted(pg.devices))
@@ -142,8 +143,21 @@ class MasterOptimizer:
         """"<unit>.<path>" -> full tensor of ``units`` (as issued together), once their gather finished."""
         full: dict[str, torch.Tensor] = {}
         for u, (v,) in zip(units, pending.wait()):
-            full.update(self.shards[u].unflatten(v))
+            full.update(self._master_views(u, v) or self.shards[u].unflatten(v))
         return full
+
+    def _master_views(self, unit: str, vector: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The unit's full tensors as views of its whole master when ``vector`` is that master (an unsharded
+        unit's weights), made once: two view operations per tensor every step were host time on a GPU. None
+        for any other vector (a gathered row, a gradient)."""
+        master = self.masters[unit]
+        if self.shards[unit].members != 1 or vector.data_ptr() != master.data_ptr() or vector.dtype != master.dtype:
+            return None
+        ptr, views = self._views.get(unit, (None, None))
+        if ptr != master.data_ptr():
+            views = self.shards[unit].unflatten(master.detach())
+            self._views[unit] = (master.data_ptr(), views)
+        return views
 
     def load_weights(self, full: dict[str, torch.Tensor]) -> None:
         """Overwrite every master (this rank's shard) from full fp32 tensors on the device."""
