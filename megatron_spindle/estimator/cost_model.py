@@ -64,6 +64,8 @@ GRAD_NORM_BYTES_PER_ELEMENT = 4
 # After the step the model's weights are written from the masters: the fp32 master read, plus the weight written
 # in the model's dtype (Megatron-LM's copy of main params into the model's, the runtime's load of the weights).
 MASTER_READ_BYTES_PER_ELEMENT = 4
+
+
 @dataclass(frozen=True)
 class CostModelConfig:
     """Choices of the analytic model that are not hardware: the attention implementation, the gradient reduce
