@@ -199,7 +199,9 @@ def host_points(torch, device, dry) -> Iterator[dict]:
 
     for r in measure(torch, device, 3 if dry else 30):
         yield {"point": f"host floor, {r['layer']} layer fwd+bwd", "unit": "ms",
-               "measured": r["forward_ms"] + r["backward_ms"], "model": r["model_kernels"] * HOST_SECONDS_PER_KERNEL * 1e3}
+               "measured": r["forward_ms"] + r["backward_ms"], "model": r["model_kernels"] * HOST_SECONDS_PER_KERNEL * 1e3,
+               "aten_ops": r["forward_aten_ops"] + r["backward_aten_ops"],
+               "us_per_aten_op": r["seconds_per_aten_op"] * 1e6}
 
 
 def table(points: list[dict]) -> str:
@@ -260,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # a GPU session is rare: the other steps still measure, the failure is reported
             traceback.print_exc()
             failed[name] = f"{type(e).__name__}: {e}".splitlines()[0]
-    text = table(points) + (f"\nskipped (time budget): {', '.join(skipped)}" if skipped else "")
+    text = table(points) + "".join(f"\n  {p['point']}: {p['aten_ops']:.0f} aten ops, {p['us_per_aten_op']:.1f} us each"
+                                   for p in points if "aten_ops" in p)
+    text += f"\nskipped (time budget): {', '.join(skipped)}" if skipped else ""
     text += "".join(f"\nFAILED {name}: {why}" for name, why in failed.items())
     text += f"\n({time.perf_counter() - start:.0f} s)"
     print(text)

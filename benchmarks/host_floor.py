@@ -106,7 +106,8 @@ def _measure_layer(torch, device: str, name: str, repeats: int) -> dict:
     fk, bk = model_kernels(name)
     return {"layer": name, "forward_ms": f * 1e3, "backward_ms": b * 1e3, "forward_aten_ops": fwd_ops / LAYERS,
             "backward_aten_ops": bwd_ops / LAYERS, "model_kernels": fk + bk, "model_forward_kernels": fk,
-            "model_backward_kernels": bk, "seconds_per_kernel": (f + b) / (fk + bk)}
+            "model_backward_kernels": bk, "seconds_per_kernel": (f + b) / (fk + bk),
+            "seconds_per_aten_op": (f + b) * LAYERS / (fwd_ops + bwd_ops)}
 
 
 def forward_kernel_weight(rows: list[dict]) -> float:
@@ -118,14 +119,17 @@ def forward_kernel_weight(rows: list[dict]) -> float:
 
 def table(rows: list[dict], current: float, weight: float) -> str:
     lines = [f"{'layer':<8} {'fwd ms':>7} {'bwd ms':>7} {'aten ops f/b':>13} {'model kernels f/b':>18} "
-             f"{'host us / kernel':>17}"]
+             f"{'host us / kernel':>17} {'host us / aten op':>18}"]
     for r in rows:
         kernels = f"{r['model_forward_kernels']}/{r['model_backward_kernels']}"
         lines.append(f"{r['layer']:<8} {r['forward_ms']:>7.3f} {r['backward_ms']:>7.3f} "
                      f"{r['forward_aten_ops']:>6.0f}/{r['backward_aten_ops']:<6.0f} {kernels:>18} "
-                     f"{r['seconds_per_kernel'] * 1e6:>17.1f}")
+                     f"{r['seconds_per_kernel'] * 1e6:>17.1f} {r['seconds_per_aten_op'] * 1e6:>18.1f}")
     mean = statistics.fmean(r["seconds_per_kernel"] for r in rows)
     lines.append(f"mean: {mean * 1e6:.1f} us per kernel; the cost model's HOST_SECONDS_PER_KERNEL: {current * 1e6:.1f} us")
+    per_op = [r["seconds_per_aten_op"] * 1e6 for r in rows]
+    lines.append(f"host us per aten op: {min(per_op):.1f}-{max(per_op):.1f} over the layers (per counted kernel "
+                 f"the layers differ more: the local spec runs more aten ops per kernel the model counts in some)")
     lines.append(f"a forward kernel's host time / a backward one's: {forward_kernel_weight(rows):.2f}; the cost "
                  f"model's HOST_FORWARD_KERNEL_WEIGHT: {weight:.2f}")
     return "\n".join(lines)

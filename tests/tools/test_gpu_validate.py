@@ -22,7 +22,9 @@ def test_gpu_validate_dry_run_measures_and_estimates_every_point(tmp_path):
         assert {f"{model} layer mb{b} {phase}" for b in ((2,) if model == "encoder" else (1,))
                 for phase in ("forward", "backward")} <= set(names)
     assert all(p["measured"] > 0 and p["model"] > 0 for p in doc["points"])
-    assert "model/meas" in proc.stdout
+    host = [p for p in doc["points"] if p["point"].startswith("host floor")]
+    assert len(host) == 2 and all(p["aten_ops"] > 100 and p["us_per_aten_op"] > 0 for p in host)
+    assert "model/meas" in proc.stdout and "aten ops," in proc.stdout
     # then the runtime trains under torchrun on the same device (fp32 and gloo in the dry run)
     assert "training runs passed" in proc.stdout
     assert "iteration        2/       2" in (tmp_path / "out" / "gpu_train_smoke.log").read_text()
