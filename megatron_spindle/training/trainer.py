@@ -77,6 +77,14 @@ def print_rank_0(*a, **k) -> None:
         print(*a, **k, flush=True)
 
 
+# The analytic model describes Transformer Engine's fused kernels; without TE the runtime runs megatron-core's local
+# spec, whose layers measured 1.3-2.2x the model on an H200 (benchmarks/results/gpu, twenty-ninth session).
+LOCAL_SPEC_NOTE = ("[plan] note: Transformer Engine is not available, so the runtime runs megatron-core's local spec "
+                   "(unfused attention, norms and activations, more host work per layer) while the analytic cost "
+                   "model describes TE's fused kernels: expect iterations slower than predicted. --spindle-profile "
+                   "(tools/profile_metaops.py) plans on measured MetaOps of what runs here.")
+
+
 def get_plan(args, workload, world_size: int, rank: int):
     """The saved plan (--spindle-plan) or a fresh one made on rank 0 and broadcast (CP-SAT with a wall-clock
     limit is not deterministic, so ranks must not plan separately; with --spindle-solver-deterministic they could,
@@ -95,6 +103,7 @@ def get_plan(args, workload, world_size: int, rank: int):
     if rank == 0:
         try:
             from megatron_spindle.autoplan import autoplan
+            from megatron_spindle.compat.cpu import te_available
 
             cluster = cluster_from_args(args, default_num_gpus=world_size)
             profile = None
@@ -107,6 +116,8 @@ def get_plan(args, workload, world_size: int, rank: int):
             plan = autoplan(workload, cluster, planner_config_from_args(args),
                             profile=profile, progress=lambda m: print(f"[plan] {m}", flush=True)).plan
             print(f"[plan] done in {time.perf_counter() - t0:.3f} s", flush=True)
+            if profile is None and cluster.gpu.arch != "cpu" and not te_available():
+                print(LOCAL_SPEC_NOTE, flush=True)
             box = [("ok", plan.to_dict())]
         except USER_ERRORS as e:
             box = [("error", str(e))]

@@ -138,3 +138,20 @@ def test_saved_plan_runs_at_zero_stage_2(capsys, tmp_path):
     w2 = {k: v for st in ck2.units.values() for k, v in st.model.items()}
     assert sorted(w0) == sorted(w2)
     assert max(float((w0[k] - w2[k]).abs().max()) for k in w0) <= 1e-6
+
+
+def test_an_analytic_gpu_plan_without_transformer_engine_says_what_the_runtime_runs(capsys):
+    """Planned for a GPU type on the analytic model where TE is missing (the runtime then runs megatron-core's
+    local spec, which the model does not describe), the plan log says so and points to --spindle-profile; the
+    CPU type's plans (placeholder numbers, profiled in practice) do not."""
+    from megatron_spindle.compat.cpu import te_available
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.training.trainer import LOCAL_SPEC_NOTE, build_pretrain_parser, get_plan
+
+    assert not te_available()  # CI has no GPU
+    workload = load_workload("tiny-clip")
+    for gpu_type, noted in (("A800-80GB", True), ("CPU", False)):
+        args = build_pretrain_parser("test").parse_args(BASE + ["--mock-data", "--gpu-type", gpu_type,
+                                                                "--spindle-planner", "wavefront"])
+        get_plan(args, workload, 1, 0)
+        assert (LOCAL_SPEC_NOTE in capsys.readouterr().out) == noted, gpu_type
