@@ -5,7 +5,8 @@
 # (--profile --use-pytorch-profiler: tables of the costliest operators by host and by device time end that log);
 # then tools/profile_metaops.py measures every MetaOp on this GPU and the runtime trains again on the plan made
 # from that profile (--spindle-profile), so the prediction from measured scaling curves meets the measured
-# iteration too. At most 6 minutes.
+# iteration too; last, benchmarks/host_ops.py counts the operations one step dispatches and times them. At most
+# 8 minutes.
 #
 #   benchmarks/gpu_breakdown.sh                     # CUDA, GPU type detected from the device name
 #   benchmarks/gpu_breakdown.sh --gpu-type H100
@@ -13,7 +14,8 @@
 #
 # Options: --dry-run, --gpu-type X, --out-dir DIR (default: $OUT when set, else benchmarks/out/gpu_breakdown).
 # Env: PYTHON, WHEELS (benchmarks/gpu_env.sh). Writes DIR/breakdown_{analytic,profiled}.log, DIR/profile.json,
-# DIR/profile.log and DIR/gpu_breakdown.json (both runs' measured and predicted iteration times).
+# DIR/profile.log, DIR/gpu_breakdown.json (both runs' measured and predicted iteration times) and
+# DIR/host_ops.{txt,json,log}.
 set -euo pipefail
 
 DEVICE=cuda
@@ -48,7 +50,9 @@ if [[ "$DEVICE" == cuda ]]; then
     # two more iterations on the analytic plan, under the PyTorch profiler (the log's last interval)
     PROFILED_ITERATIONS=(--train-iters 10 --profile-step-start 8 --profile-step-end 10)
     PROFILE=(--profile-warmup 2 --profile-repeats 5)
-    LIMIT_TRAIN=120 LIMIT_PROFILE=180
+    # one task of two small host-bound towers (12 layers each), at its share of the global batch 128
+    HOST_OPS=(--workload clip-4 --tasks audio_thermal --global-batch-size 32 --device cuda --timed-steps 5)
+    LIMIT_TRAIN=120 LIMIT_PROFILE=180 LIMIT_OPS=150
 else
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # oversubscribed CPU threads make timings meaningless
     GPU_TYPE=CPU
@@ -56,7 +60,8 @@ else
     TRAIN=(--train-iters 4 --log-interval 2)
     PROFILED_ITERATIONS=(--train-iters 5 --profile-step-start 4 --profile-step-end 5)
     PROFILE=(--profile-warmup 1 --profile-repeats 2)
-    LIMIT_TRAIN=180 LIMIT_PROFILE=180
+    HOST_OPS=(--workload tiny-clip --device cpu --warmup 1 --timed-steps 1)
+    LIMIT_TRAIN=180 LIMIT_PROFILE=180 LIMIT_OPS=120
 fi
 COMMON=(--gpus-per-node 1 --gpu-type "$GPU_TYPE")
 
@@ -82,4 +87,14 @@ if [[ "$rc" -ne 0 ]]; then
     exit "$rc"
 fi
 train profiled --spindle-profile "$OUT_DIR/profile.json"
+# the operations one step dispatches (the runtime's own, the model's, the optimizer's) and, timed, the host's
+# time per operation where the step is host-bound
+echo "[gpu_breakdown] counting a step's host operations on $DEVICE ..."
+timeout "$LIMIT_OPS" "$PYTHON" "$ROOT/benchmarks/host_ops.py" "${HOST_OPS[@]}" --out-dir "$OUT_DIR" \
+    > "$OUT_DIR/host_ops.log" 2>&1 && rc=0 || rc=$?
+if [[ "$rc" -ne 0 ]]; then
+    echo "[gpu_breakdown] host_ops FAILED (exit $rc); the end of $OUT_DIR/host_ops.log:"
+    gpu_log_tail "$OUT_DIR/host_ops.log"
+    FAILED=$rc
+fi
 exit "$FAILED"

@@ -16,23 +16,29 @@ The runtime is counted in fp32 (units alias their masters: the CPU path) and in 
 fp32 masters: the GPU path). On the CPU, AdamW runs a loop per master tensor; CUDA's fused AdamW is one
 operation per parameter group, so the "optimizer" rows overstate a GPU's.
 
+With ``--device cuda`` (benchmarks/gpu_breakdown.sh) the steps run on the GPU; the timed steps' milliseconds
+over the operations then give the host's time per operation where the step is host-bound.
+
 Printed, not asserted, written (host_ops.txt, .json) to --out-dir. Example:
     python benchmarks/host_ops.py --workload tiny-clip
+    python benchmarks/host_ops.py --workload clip-4 --global-batch-size 128 --device cuda
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 from bench_output import Recording, add_output_args
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_spindle.arguments import add_workload_args, workload_from_args
+from megatron_spindle.arguments import add_batch_args, add_workload_args, workload_from_args
 
 PACKAGE = "megatron_spindle/"
 SCHEDULE_MODEL_CALLS = ("_forward_slice", "_backward_slice")  # runtime/schedule.py: the operators' forward, backward
@@ -80,81 +86,112 @@ class OperationCounter(TorchDispatchMode):
         return dict(out)
 
 
-def count_engine(workload, dtype: torch.dtype, warmup: int) -> OperationCounter:
-    from megatron_spindle.graph.cluster import make_cluster
-    from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
-    from megatron_spindle.runtime.engine import EngineConfig, RuntimeEngine
+@dataclass
+class Counted:
+    """One training step's operations (``counter``) and the median seconds of ``timed`` uncounted steps."""
 
-    plan = make_plan(workload, make_cluster(1, 1, "CPU"), PlannerConfig(planner="wavefront"))
-    engine = RuntimeEngine(plan, workload, 0, 1, EngineConfig(dtype=dtype, device="cpu"))
-    for step in range(warmup):
-        engine.train_step(step)
-    counter = OperationCounter()
-    with counter:
-        engine.train_step(warmup)
-    return counter
+    counter: OperationCounter
+    seconds: float
 
 
-def count_plain(workload, warmup: int) -> tuple[OperationCounter, int]:
-    from megatron_spindle.data.mock import mock_batch
-    from megatron_spindle.models.reference import ReferenceModel
-
-    model = ReferenceModel(workload)
-    params = list(dict.fromkeys(model.full_named_parameters().values()))
-    optimizer = torch.optim.AdamW(params)
-    tasks = [t.name for t in workload.tasks]
-
-    def step(i: int) -> None:
-        batches = {t: mock_batch(workload, t, i, 0) for t in tasks}
-        optimizer.zero_grad(set_to_none=True)
-        model.total_loss(model(batches)).backward()
-        optimizer.step()
-
+def count_steps(step, warmup: int, timed: int, device: str) -> Counted:
+    """``warmup`` steps, one counted, then ``timed`` timed ones (the device synchronised around each)."""
     for i in range(warmup):
         step(i)
     counter = OperationCounter()
     with counter:
         step(warmup)
-    return counter, len(params)
+    seconds = []
+    for i in range(timed):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(warmup + 1 + i)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+    return Counted(counter, statistics.median(seconds) if seconds else float("nan"))
 
 
-def table(rows: list[tuple[str, dict[str, int]]], tensors: int) -> str:
+def count_engine(workload, dtype: torch.dtype, warmup: int, timed: int = 0, device: str = "cpu") -> Counted:
+    """The runtime's step on a plan for one device (its waves one after another)."""
+    from megatron_spindle.graph.cluster import make_cluster
+    from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
+    from megatron_spindle.runtime.engine import EngineConfig, RuntimeEngine
+
+    plan = make_plan(workload, make_cluster(1, 1, "CPU"), PlannerConfig(planner="wavefront"))
+    engine = RuntimeEngine(plan, workload, 0, 1, EngineConfig(dtype=dtype, device=device))
+    return count_steps(engine.train_step, warmup, timed, device)
+
+
+def count_plain(workload, warmup: int, timed: int = 0, device: str = "cpu") -> tuple[Counted, int]:
+    """A plain fp32 PyTorch step of the same modules: the summed task losses' backward, torch AdamW."""
+    from megatron_spindle.data.mock import mock_batch
+    from megatron_spindle.models.reference import ReferenceModel
+
+    model = ReferenceModel(workload).to(device)
+    params = list(dict.fromkeys(model.full_named_parameters().values()))
+    optimizer = torch.optim.AdamW(params)
+    tasks = [t.name for t in workload.tasks]
+
+    def step(i: int) -> None:
+        batches = {t: mock_batch(workload, t, i, 0).to(device) for t in tasks}
+        optimizer.zero_grad(set_to_none=True)
+        model.total_loss(model(batches)).backward()
+        optimizer.step()
+
+    return count_steps(step, warmup, timed, device), len(params)
+
+
+def table(rows: list[tuple[str, dict[str, int], float]], tensors: int) -> str:
+    """A row per step: operations by who asked, in all, the runtime's per parameter tensor, and (timed steps) ms
+    per step and us per operation (on a host-bound device, the host's time per operation)."""
     cols = ("model", "model views", "optimizer", "runtime", "runtime views")
-    lines = [f"{'step':28s}" + "".join(f"{c:>15s}" for c in cols) + f"{'total':>9s}{'runtime/tensor':>16s}"]
-    for name, t in rows:
+    lines = [f"{'step':28s}" + "".join(f"{c:>15s}" for c in cols)
+             + f"{'total':>9s}{'runtime/tensor':>16s}{'ms/step':>10s}{'us/op':>8s}"]
+    for name, t, seconds in rows:
         runtime = t.get("runtime", 0) + t.get("runtime views", 0)
         t = {**t, "optimizer": t.get("optimizer", 0) + t.pop("optimizer views", 0)}
+        total = sum(t.values())
+        timing = f"{seconds * 1e3:10.1f}{seconds * 1e6 / total:8.1f}" if seconds == seconds else ""
         lines.append(f"{name:28s}" + "".join(f"{t.get(c, 0):15d}" for c in cols)
-                     + f"{sum(t.values()):9d}{runtime / tensors:16.1f}")
+                     + f"{total:9d}{runtime / tensors:16.1f}" + timing)
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_workload_args(parser)
-    parser.set_defaults(workload="tiny-clip")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before the counted one")
+    add_batch_args(parser)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--warmup", type=int, default=2, help="steps before the counted one")
+    parser.add_argument("--timed-steps", type=int, default=3, help="uncounted steps timed after it (the median)")
     parser.add_argument("--top", type=int, default=12, help="the runtime's functions listed (most operations first)")
     add_output_args(parser)
     args = parser.parse_args(argv)
     from megatron_spindle.compat.cpu import apply_cpu_shim
     from megatron_spindle.compat.groups import ensure_torch_distributed
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("host_ops: CUDA is not available (use --device cpu)", file=sys.stderr)
+        return 2
     workload = workload_from_args(args)
-    apply_cpu_shim()
+    if args.device == "cpu":
+        apply_cpu_shim()
+        torch.set_num_threads(1)
     ensure_torch_distributed()
-    torch.set_num_threads(1)
     recording = Recording(args, "host_ops")
     start = time.perf_counter()
-    plain, tensors = count_plain(workload, args.warmup)
+    steps = (args.warmup, args.timed_steps, args.device)
+    plain, tensors = count_plain(workload, *steps)
     counted = {"plain PyTorch (fp32)": plain}
     for dtype in (torch.float32, torch.bfloat16):
-        counted[f"runtime ({str(dtype).split('.')[-1]})"] = count_engine(workload, dtype, args.warmup)
+        counted[f"runtime ({str(dtype).split('.')[-1]})"] = count_engine(workload, dtype, *steps)
     print(f"host_ops: operations dispatched in one training step of {args.workload} on one rank "
-          f"({tensors} parameter tensors), torch {torch.__version__}")
-    rows = [(name, c.totals()) for name, c in counted.items()]
+          f"({tensors} parameter tensors), device {args.device}, torch {torch.__version__}")
+    rows = [(name, c.counter.totals(), c.seconds) for name, c in counted.items()]
     print(table(rows, tensors))
-    bf16 = counted["runtime (bfloat16)"]
+    bf16 = counted["runtime (bfloat16)"].counter
     print("\nthe runtime's own operations in bf16, by function (views included):")
     per_function = collections.Counter()
     for (caller, _), n in bf16.by_caller.items():
@@ -163,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, n in per_function.most_common(args.top):
         print(f"{n:8d}  {name}")
     print(f"({time.perf_counter() - start:.0f} s)")
-    recording.save({"workload": args.workload, "parameter_tensors": tensors,
-                    "steps": {name: t for name, t in rows},
+    recording.save({"workload": args.workload, "device": args.device, "parameter_tensors": tensors,
+                    "steps": {name: t for name, t, _ in rows},
+                    "seconds_per_step": {name: seconds for name, _, seconds in rows},
                     "runtime_bf16_by_function": dict(per_function)})
     return 0
 

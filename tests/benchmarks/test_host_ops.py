@@ -17,7 +17,7 @@ bench = load_script("benchmarks/host_ops.py")
 def test_the_runtime_dispatches_nothing_per_parameter_tensor(dtype):
     workload = load_workload("tiny-clip")
     tensors = len(dict.fromkeys(ReferenceModel(workload).full_named_parameters().values()))
-    totals = bench.count_engine(workload, dtype, warmup=1).totals()
+    totals = bench.count_engine(workload, dtype, warmup=1).counter.totals()
     assert totals["model"] > 5 * tensors  # the forward and backward were counted, and attributed to the model
     assert totals["optimizer"] > 0
     assert 0 < totals["runtime"] < tensors, totals
