@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The cost model's prediction for one transformer layer or one collective, to hold against your measurements.
+"""The cost model's prediction for one transformer layer, one collective or one optimizer step, to hold against
+your measurements.
 
     python tools/estimate.py layer --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 16384 \\
         --seq-length 2048 --micro-batch-size 8 [--num-query-groups 8] [--swiglu] \\
@@ -7,6 +8,8 @@
         [--json]
     python tools/estimate.py collective --op all_reduce --bytes 64M --num-gpus 16 [--gpus-per-node 8] \\
         [--strided [--num-nodes 2]] [--gpu-type A800-80GB] [--json]
+    python tools/estimate.py optimizer --num-parameters 7e9 [--bf16] [--clip-grad 1.0] \\
+        [--use-distributed-optimizer --data-parallel-size 8] [--gpu-type A800-80GB] [--json]
 
 layer: forward and backward of one layer on one GPU (kernels, TP all-reduces inside a node, the host's launch
 floor; no gradient sync) and the achieved model FLOP/s of forward + backward per GPU. --json prints
@@ -19,6 +22,11 @@ local rank) communicate at the same time, as the data-parallel groups of a tenso
 nccl-tests counts it (all-reduce: the buffer; all-gather / reduce-scatter: the gathered buffer; send_recv: the
 message), with K/M/G suffixes (2**10...). --json prints {"seconds", "bus_bandwidth_gb_s", ...}: the nccl-tests
 bus bandwidth, GB = 1e9 bytes.
+
+optimizer: one optimizer step on one GPU, streaming at the HBM bandwidth: the gradient norm's read (unless
+--clip-grad 0), AdamW over the fp32 masters and, with --bf16, the bf16 weights written from them; over the GPU's
+shard of the masters with --use-distributed-optimizer. --json prints {"seconds", "bytes_per_element",
+"elements_per_gpu", ...}.
 """
 
 from __future__ import annotations
@@ -103,7 +111,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --strided: nodes the group spans (default: --num-gpus, one GPU per node)")
     g.add_argument("--gpu-type", default="A800-80GB", choices=sorted(NODE_TYPES))
     g.add_argument("--json", action="store_true", help="print one JSON object")
+
+    opt = sub.add_parser("optimizer", help="one optimizer step on one GPU", allow_abbrev=False,
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = opt.add_argument_group("optimizer")
+    g.add_argument("--num-parameters", type=parameter_count, required=True, help="model parameters, e.g. 7e9")
+    g.add_argument("--bf16", action="store_true", help="bf16 weights beside the fp32 masters (else fp32 weights)")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="gradient clipping (0: none, no norm)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="the masters and AdamW state sharded over the data-parallel group")
+    g.add_argument("--data-parallel-size", type=positive_int, default=1)
+    g.add_argument("--gpu-type", default="A800-80GB", choices=sorted(NODE_TYPES))
+    g.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
+
+
+def parameter_count(text: str) -> int:
+    """A whole positive number of parameters, e.g. 1048576 or 7e9."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of parameters (e.g. 7e9)") from None
+    if not value >= 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"'{text}': the parameter count must be a positive whole number")
+    return int(value)
 
 
 def estimate_layer(args) -> dict:
@@ -177,6 +208,22 @@ def estimate_collective(args) -> dict:
             "gpu_type": args.gpu_type}
 
 
+def estimate_optimizer(args) -> dict:
+    from megatron_spindle.estimator.cost_model import CostModelConfig, optimizer_step_bytes
+    from megatron_spindle.estimator.kernels import KernelModel
+    from megatron_spindle.graph.cluster import gpu_type
+
+    if args.clip_grad < 0:
+        raise ValueError(f"--clip-grad must be >= 0 (0: no clipping), got {args.clip_grad}")
+    config = CostModelConfig(grad_norm=args.clip_grad > 0)
+    shards = args.data_parallel_size if args.use_distributed_optimizer else 1
+    elements = -(-args.num_parameters // shards)
+    per_element = optimizer_step_bytes(config, 2 if args.bf16 else 4)
+    bandwidth = KernelModel(gpu_type(args.gpu_type), config.memory_efficiency).bandwidth
+    return {"seconds": elements * per_element / bandwidth, "bytes_per_element": per_element,
+            "elements_per_gpu": elements, "hbm_bandwidth_gb_s": bandwidth / 1e9, "gpu_type": args.gpu_type}
+
+
 def describe(result: dict, command: str) -> str:
     if command == "layer":
         return (f"layer on one {result['gpu_type']} (tp {result['tensor_model_parallel_size']}"
@@ -185,6 +232,10 @@ def describe(result: dict, command: str) -> str:
                 f"{result['backward_ms']:.3f} ms, {result['tflops']:.3g} TFLOP/s (model FLOPs, fwd + bwd); the host "
                 f"issues it in {result['launch_floor_ms']:.3f} ms"
                 + (" (host-bound: the launch floor sets the time)" if result["host_bound"] else ""))
+    if command == "optimizer":
+        return (f"optimizer step on one {result['gpu_type']}: {result['seconds'] * 1e3:.3f} ms for "
+                f"{result['elements_per_gpu']} master elements at {result['bytes_per_element']} bytes each "
+                f"({result['hbm_bandwidth_gb_s']:.0f} GB/s)")
     return (f"{result['op']} of {result['bytes']} bytes over {result['num_gpus']} {result['gpu_type']} GPUs "
             f"({result['ranks_per_node']} per node, {result['concurrent_groups']} group(s) at once): "
             f"{result['seconds'] * 1e6:.1f} us, bus bandwidth {result['bus_bandwidth_gb_s']:.2f} GB/s")
@@ -193,7 +244,8 @@ def describe(result: dict, command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with exit_on_user_error("estimate.py"):
-        result = estimate_layer(args) if args.command == "layer" else estimate_collective(args)
+        estimate = {"layer": estimate_layer, "collective": estimate_collective, "optimizer": estimate_optimizer}
+        result = estimate[args.command](args)
     print(json.dumps(result) if args.json else describe(result, args.command))
     return 0
 

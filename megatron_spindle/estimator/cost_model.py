@@ -107,6 +107,16 @@ class CostModelConfig:
             raise EstimatorError(f"cost model: grad_bytes must be 2 (bf16) or 4 (fp32), got {self.grad_bytes}")
 
 
+def optimizer_step_bytes(config: CostModelConfig, dtype_bytes: int) -> int:
+    """HBM bytes per fp32 master element of one optimizer step: the gradient norm's read (``grad_norm``), AdamW,
+    and the model's weights written from the masters, unless the model computes in fp32 itself (its parameters
+    are the masters, or fp32 parameters are cast per forward: ``param_cast``, charged in the layers)."""
+    norm = GRAD_NORM_BYTES_PER_ELEMENT if config.grad_norm else 0
+    separate = dtype_bytes < 4 and not config.param_cast
+    weights = MASTER_READ_BYTES_PER_ELEMENT + dtype_bytes if separate else 0
+    return norm + ADAMW_BYTES_PER_ELEMENT + weights
+
+
 @dataclass(frozen=True)
 class OptimizerCost:
     """Seconds of one AdamW step: ``seconds_per_element`` per fp32 master element plus ``seconds_per_tensor``
@@ -450,13 +460,7 @@ class AnalyticCostModel:
         return OptimizerCost(self.optimizer_bytes_per_element() / self.kernels.bandwidth, 0.0, "analytic")
 
     def optimizer_bytes_per_element(self) -> int:
-        """HBM bytes per fp32 master element of one step: the gradient norm's read (``grad_norm``), AdamW, and the
-        model's weights written from the masters, unless the model computes in fp32 itself (its parameters are
-        the masters, or fp32 parameters are cast per forward: ``param_cast``, charged in the layers)."""
-        norm = GRAD_NORM_BYTES_PER_ELEMENT if self.config.grad_norm else 0
-        separate = self.dtype_bytes < 4 and not self.config.param_cast
-        weights = MASTER_READ_BYTES_PER_ELEMENT + self.dtype_bytes if separate else 0
-        return norm + ADAMW_BYTES_PER_ELEMENT + weights
+        return optimizer_step_bytes(self.config, self.dtype_bytes)
 
     def sharded_copy_seconds(self, metaop: MetaOp, tp: int, dp: int) -> tuple[float, float]:
         """(weights loaded, gradients staged) seconds of ONE operator's host copies under ZeRO 1 and 2

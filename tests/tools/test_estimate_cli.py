@@ -1,4 +1,4 @@
-"""tools/estimate.py: both subcommands print what the library computes; bad arguments are one clear line, exit 2.
+"""tools/estimate.py: every subcommand prints what the library computes; bad arguments are one clear line, exit 2.
 benchmarks/cost_model_validation.py covers every calibration point (no targets asserted here)."""
 
 import dataclasses
@@ -140,3 +140,24 @@ def test_the_validation_benchmark_covers_every_calibration_point():
         rows = fn()
         assert {r.point for r in rows} == set(ids)
         assert all(r.measured > 0 and r.model > 0 and r.band[1] > 0 for r in rows)
+
+
+def test_optimizer_json_is_the_library_step():
+    """The optimizer step the simulator charges per GPU: the norm's read, AdamW and (bf16) the weights written,
+    over the GPU's shard with the distributed optimizer, at the model's HBM bandwidth."""
+    from megatron_spindle.estimator import AnalyticCostModel
+    from megatron_spindle.graph.workload import load_workload
+
+    out = estimate("optimizer", "--num-parameters", "7e9", "--bf16", "--use-distributed-optimizer",
+                   "--data-parallel-size", "8", "--gpu-type", "H100", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    model = AnalyticCostModel(load_workload("tiny-clip"), make_cluster(8, 8, "H100"))  # bf16, clipping: the default
+    assert result["elements_per_gpu"] == 7e9 / 8 and result["bytes_per_element"] == 38
+    assert result["seconds"] == pytest.approx(model.optimizer_seconds(7e9 / 8))
+    fp32 = json.loads(estimate("optimizer", "--num-parameters", "1000", "--clip-grad", "0", "--json").stdout)
+    assert fp32["bytes_per_element"] == 28 and fp32["elements_per_gpu"] == 1000
+    for bad, what in ((["--num-parameters", "7.5"], "whole number"), (["--num-parameters", "1", "--clip-grad", "-1"],
+                                                                      "--clip-grad must be >= 0")):
+        out = estimate("optimizer", *bad)
+        assert out.returncode == 2 and what in out.stderr and "Traceback" not in out.stderr
