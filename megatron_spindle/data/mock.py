@@ -42,20 +42,17 @@ class TaskBatch:
 
     def to(self, device, non_blocking: bool = False) -> TaskBatch:
         """The same batch with its tensors on ``device`` (``non_blocking``: asynchronous from pinned memory)."""
-        return replace(
-            self,
-            inputs={m: t.to(device, non_blocking=non_blocking) for m, t in self.inputs.items()},
-            labels=None if self.labels is None else self.labels.to(device, non_blocking=non_blocking),
-        )
+        return self._with_tensors(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> TaskBatch:
         """The same batch in page-locked host memory: its copies to a GPU (and its shards' and micro-batches',
         which are views) can then run asynchronously."""
-        return replace(
-            self,
-            inputs={m: t.pin_memory() for m, t in self.inputs.items()},
-            labels=None if self.labels is None else self.labels.pin_memory(),
-        )
+        return self._with_tensors(torch.Tensor.pin_memory)
+
+    def _with_tensors(self, fn) -> TaskBatch:
+        """The same batch with ``fn`` applied to each of its tensors (inputs and labels)."""
+        return replace(self, inputs={m: fn(t) for m, t in self.inputs.items()},
+                       labels=None if self.labels is None else fn(self.labels))
 
     def micro(self, index: int, micro_batches: int) -> TaskBatch:
         """Micro-batch ``index`` of ``micro_batches``: rows ``[j*B/m, (j+1)*B/m)`` of the global batch, itself a

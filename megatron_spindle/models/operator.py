@@ -185,7 +185,7 @@ class SliceOperator(nn.Module):
             if size == 1:  # .grad has no history (no create_graph backward here): nothing to detach
                 out[name] = grad
                 continue
-            if size > 1 and not getattr(p, "tensor_model_parallel", False) \
+            if not getattr(p, "tensor_model_parallel", False) \
                     and not getattr(p, "sequence_parallel", False) and rank != 0:
                 grad = torch.zeros_like(grad)
             out[name] = placed_full(grad, p, rank, size)

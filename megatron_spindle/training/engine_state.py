@@ -8,7 +8,8 @@ Everything else the trainer needs from the engine is its public API (runtime/eng
 the step); 1 also the step's phases, once per iteration each (forward-backward, all-grads-sync, the optimizer's
 parts), with CUDA synchronised at their boundaries; 2 also the batch generator and the forward / backward part
 of every wave, with CUDA synchronised after each (without it a wave's time on a GPU is the host's: the time to
-launch its kernels, or a wait for earlier waves' work at a synchronising copy). Phases print as Megatron's "(min, max) time across ranks (ms):" block.
+launch its kernels, or a wait for earlier waves' work at a synchronising copy). Phases print as Megatron's
+"(min, max) time across ranks (ms):" block.
 """
 
 from __future__ import annotations
