@@ -18,22 +18,10 @@
 # DIR/host_ops.{txt,json,log}.
 set -euo pipefail
 
-DEVICE=cuda
-GPU_TYPE=
-OUT_DIR="${OUT:-}"
-while [[ $# -gt 0 ]]; do
-    case "$1" in
-        --dry-run) DEVICE=cpu; shift ;;
-        --gpu-type) GPU_TYPE="$2"; shift 2 ;;
-        --out-dir) OUT_DIR="$2"; shift 2 ;;
-        -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
-        *) echo "gpu_breakdown.sh: unknown option $1" >&2; exit 2 ;;
-    esac
-done
-
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=benchmarks/gpu_env.sh
 source "$ROOT/benchmarks/gpu_env.sh"
+gpu_script_options gpu_breakdown.sh "$@"  # DEVICE, GPU_TYPE, OUT_DIR
 gpu_env_setup gpu_breakdown.sh torch megatron.core yaml
 OUT_DIR="${OUT_DIR:-$ROOT/benchmarks/out/gpu_breakdown}"
 mkdir -p "$OUT_DIR"

@@ -7,6 +7,24 @@
 # benchmarks/gpu_wheels.sh on a machine that reaches PyPI) into a folder of its own (with pip, or unpacked where the
 # interpreter has none) and puts that on PYTHONPATH too.
 # Anything still missing ends the script with one line that says what to do. Needs ROOT (the repository).
+#
+# gpu_script_options SCRIPT "$@" parses the options gpu_validate.sh and gpu_breakdown.sh share: --dry-run
+# (DEVICE=cpu, else cuda), --gpu-type X (GPU_TYPE, empty: detected), --out-dir DIR (OUT_DIR, default $OUT), -h.
+
+gpu_script_options() {
+    local script="$1"
+    shift
+    DEVICE=cuda GPU_TYPE= OUT_DIR="${OUT:-}"
+    while [[ $# -gt 0 ]]; do
+        case "$1" in
+            --dry-run) DEVICE=cpu; shift ;;
+            --gpu-type) GPU_TYPE="$2"; shift 2 ;;
+            --out-dir) OUT_DIR="$2"; shift 2 ;;
+            -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+            *) echo "$script: unknown option $1" >&2; exit 2 ;;
+        esac
+    done
+}
 
 gpu_env_setup() {
     local script="$1"

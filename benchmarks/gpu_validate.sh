@@ -25,22 +25,12 @@
 # the device tool's run(command="benchmarks/gpu_validate.sh", carry=[".whl"], timeout_s=540).
 set -euo pipefail
 
-DEVICE=cuda
-ARGS=()
-OUT_DIR="${OUT:-}"
-while [[ $# -gt 0 ]]; do
-    case "$1" in
-        --dry-run) DEVICE=cpu; shift ;;
-        --gpu-type) ARGS+=(--gpu-type "$2"); shift 2 ;;
-        --out-dir) OUT_DIR="$2"; shift 2 ;;
-        -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
-        *) echo "gpu_validate.sh: unknown option $1" >&2; exit 2 ;;
-    esac
-done
-
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=benchmarks/gpu_env.sh
 source "$ROOT/benchmarks/gpu_env.sh"
+gpu_script_options gpu_validate.sh "$@"  # DEVICE, GPU_TYPE, OUT_DIR
+ARGS=()
+if [[ -n "$GPU_TYPE" ]]; then ARGS+=(--gpu-type "$GPU_TYPE"); fi
 gpu_env_setup gpu_validate.sh torch megatron.core yaml
 OUT_DIR="${OUT_DIR:-$ROOT/benchmarks/out/gpu_validate}"
 mkdir -p "$OUT_DIR"
