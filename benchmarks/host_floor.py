@@ -50,19 +50,12 @@ def model_kernels(name: str) -> tuple[int, int]:
 
 
 def _aten_ops(fn) -> int:
-    """The aten ops ``fn()`` runs (a torch dispatch mode counting them)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    """The aten ops ``fn()`` runs (host_ops.py's dispatch-mode counter)."""
+    from host_ops import OperationCounter
 
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count() as counter:
+    with OperationCounter() as counter:
         fn()
-    return counter.ops
+    return sum(counter.by_name.values())
 
 
 def measure(torch, device: str, repeats: int) -> list[dict]:
