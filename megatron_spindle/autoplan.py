@@ -64,7 +64,7 @@ from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.light_levels import pinned_plan
 from megatron_spindle.planner.node_groups import node_group_partitions, plan_node_groups
 from megatron_spindle.planner.objective import estimate_iteration, exposed_sync_share
-from megatron_spindle.planner.pipeline import PlannerConfig, PlanningResult, plan_workload
+from megatron_spindle.planner.pipeline import PlannerConfig, PlanningResult, for_cluster, plan_workload
 from megatron_spindle.simulator import SimResult, simulate
 
 NODE_GROUP_SOLVER_LIMIT = 2.0  # seconds of CP-SAT per node group
@@ -131,7 +131,7 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
     ``profile``: a ``Profile`` (estimator/profile.py: its measurements give the planner's curves and its cost
     model, so the candidates are estimated and simulated on them) or curve points alone (the curves only);
     ``sim_cost_model``: the cost model the simulator times with (default: the planner's)."""
-    config = config or PlannerConfig()
+    config = for_cluster(config or PlannerConfig(), cluster, profile)
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     planned: list[tuple[str, PlanningResult, float]] = []
@@ -379,7 +379,8 @@ def _task_sequential(workload: Workload, cluster: ClusterSpec, config: PlannerCo
 
     started = time.perf_counter()
     ctx = BaselineContext.build(workload, cluster, metagraph=first.metagraph,
-                                sequence_parallel=config.sequence_parallel)
+                                sequence_parallel=config.sequence_parallel,
+                                attention_backend=config.attention_backend)
     build = functools.partial(spindle_seq_plan, zero_stages=config.zero_stages())
     plan = build(workload, cluster, ctx)
     out = []

@@ -80,8 +80,10 @@ def compare(workload, cluster, systems: list[str], config, progress=None) -> dic
     from megatron_spindle.autoplan import autoplan
     from megatron_spindle.baselines import BASELINES, BaselineContext
     from megatron_spindle.plan.schema import PlanError
+    from megatron_spindle.planner.pipeline import for_cluster
     from megatron_spindle.simulator import simulate
 
+    config = for_cluster(config, cluster)  # the baselines run the attention backend Spindle's plans record
     say = progress or (lambda msg: None)
     out: dict[str, dict] = {}
     ctx = None
@@ -95,7 +97,8 @@ def compare(workload, cluster, systems: list[str], config, progress=None) -> dic
                 continue
             out[name] = describe(chosen.plan, chosen.sim, time.perf_counter() - t0)
         else:
-            ctx = ctx or BaselineContext.build(workload, cluster, sequence_parallel=config.sequence_parallel)
+            ctx = ctx or BaselineContext.build(workload, cluster, sequence_parallel=config.sequence_parallel,
+                                                attention_backend=config.attention_backend)
             plan = BASELINES[name](workload, cluster, ctx)
             secs = time.perf_counter() - t0
             sim = simulate(plan, workload, cluster, ctx.cost_model, ctx.memory_model, metagraph=ctx.metagraph)

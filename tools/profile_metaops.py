@@ -11,6 +11,7 @@ Configs this world cannot run (tp above the ranks of a node) are left to the ana
 Profiles are cached by (workload digest, hardware, versions, settings) under --profile-cache-dir and reused.
 """
 
+import dataclasses
 import os
 import sys
 import time
@@ -73,8 +74,15 @@ def _default_gpu_type(device_kind: str) -> str:
 
 
 def settings_from_args(args, device_kind: str) -> ProfilerSettings:
+    """The flags' settings, with the attention backend that runs here (auto: the local spec without TE)."""
+    from megatron_spindle.compat.cpu import te_available
+    from megatron_spindle.plan.schema import resolve_attention_backend
+
     sizes = {"bandwidth_sizes": gpu_bandwidth_sizes()} if device_kind == "cuda" else {}
-    return config_from_args(ProfilerSettings, args, prefix=PROFILE_PREFIX, **sizes)
+    settings = config_from_args(ProfilerSettings, args, prefix=PROFILE_PREFIX, **sizes)
+    backend = resolve_attention_backend(settings.attention_backend, "cpu" if device_kind == "cpu" else "gpu",
+                                        te_available())
+    return dataclasses.replace(settings, attention_backend=backend)
 
 
 def profile_summary(path, workload, cluster) -> str:

@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_spindle.estimator import AnalyticCostModel, CostModelConfig, MemoryModel, valid_configs
+from megatron_spindle.estimator import AnalyticCostModel, MemoryModel, execution_cost_config, valid_configs
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
@@ -65,16 +65,21 @@ class BaselineContext:
     metagraph: MetaGraph
     cost_model: Any
     memory_model: Any
+    # --attention-backend, which the baselines' plans record (the cost model charges its attention kernels)
+    attention_backend: str = "auto"
     _best: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, workload: Workload, cluster: ClusterSpec, cost_model=None, memory_model=None,
-              metagraph: MetaGraph | None = None, sequence_parallel: bool = False) -> BaselineContext:
-        """``sequence_parallel``: the analytic cost model's (--sequence-parallel), when no cost model is given."""
-        cost_model = cost_model or AnalyticCostModel(workload, cluster,
-                                                     config=CostModelConfig(sequence_parallel=sequence_parallel))
+              metagraph: MetaGraph | None = None, sequence_parallel: bool = False,
+              attention_backend: str = "auto") -> BaselineContext:
+        """``sequence_parallel`` and ``attention_backend``: the analytic cost model's (--sequence-parallel,
+        --attention-backend), when no cost model is given."""
+        cost_model = cost_model or AnalyticCostModel(
+            workload, cluster, config=execution_cost_config(sequence_parallel, attention_backend))
         memory_model = memory_model or MemoryModel(workload, cluster, cost_model)
-        return cls(workload, cluster, metagraph or build_metagraph(workload), cost_model, memory_model)
+        return cls(workload, cluster, metagraph or build_metagraph(workload), cost_model, memory_model,
+                   attention_backend)
 
     @property
     def recompute(self) -> bool:
@@ -95,7 +100,7 @@ class BaselineContext:
             cost_model = AnalyticCostModel(self.workload, self.cluster, dtype_bytes=self.cost_model.dtype_bytes,
                                            config=config)
             variant = BaselineContext(self.workload, self.cluster, self.metagraph, cost_model,
-                                      MemoryModel(self.workload, self.cluster, cost_model))
+                                      MemoryModel(self.workload, self.cluster, cost_model), self.attention_backend)
             variant._best[("recompute", self.recompute)] = self
             self._best[key] = variant
         return self._best[key]
@@ -161,7 +166,7 @@ def _assemble(ctx: BaselineContext, waves: list[ScheduledWave], segments: list[l
     Megatron-LM, DeepSpeed and our runtime do."""
     recompute = Recompute("full" if ctx.recompute else "none")
     settings = ExecutionSettings(recompute=recompute, segments=segments, overlap_param_gather=overlap_param_gather,
-                                 sequence_parallel=ctx.sequence_parallel)
+                                 sequence_parallel=ctx.sequence_parallel, attention_backend=ctx.attention_backend)
     base = assemble_plan(ctx.workload, ctx.cluster, ctx.metagraph, waves, ctx.cost_model, ctx.memory_model, info,
                          validate=False, settings=settings)
     plans = []

@@ -22,7 +22,9 @@ optimizer (asserts ``torch.cuda.FloatTensor``), megatron's distributed optimizer
 megatron's grad scalers and its pipeline schedules (both allocate with ``device="cuda"``; wrap such calls in
 ``cuda_factories_on_cpu()``).
 
-``te_available()`` and ``layer_spec(module_spec)`` pick megatron's Transformer Engine spec only where TE can work.
+``te_available()`` and ``layer_spec(module_spec)`` pick megatron's Transformer Engine spec only where TE can work
+and the plan's attention backend (``--attention-backend``) asks for TE; ``select_te_attention`` sets the switches
+TE chooses its attention kernel by.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import os
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -199,6 +202,42 @@ def te_available() -> bool:
     return True
 
 
+# Transformer Engine chooses its attention kernel by these switches (1: allowed). megatron-core's LanguageModule
+# sets them from TransformerConfig.attention_backend; our operators build TransformerBlocks without one.
+TE_ATTENTION_SWITCHES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+TE_ATTENTION_SETTINGS = {"flash": ("1", "0", "0"), "fused": ("0", "1", "0"), "unfused": ("0", "0", "1")}
+
+
+def uses_te_spec(attention_backend: str = "auto") -> bool:
+    """Whether transformer layers with this attention backend (plan/schema.py ``ATTENTION_BACKENDS``) are built on
+    Transformer Engine's spec: local never; auto where TE is available (else the local spec); flash, fused and
+    unfused only with TE (an error without it: the plan charged a kernel this machine cannot run)."""
+    if attention_backend == "local":
+        return False
+    if attention_backend == "auto" or te_available():
+        return te_available()
+    from megatron_spindle.plan.schema import PlanError
+
+    raise PlanError(f"attention backend '{attention_backend}' is Transformer Engine's, which is not available on "
+                    f"this machine: plan with --attention-backend local or auto")
+
+
+def select_te_attention(attention_backend: str, environ=os.environ) -> None:
+    """Set Transformer Engine's attention switches for a TE backend (flash, fused, unfused), as megatron-core's
+    LanguageModule does; auto and local leave them as they are (TE's own choice, or unused). A switch the user
+    set to another value is an error, as in megatron-core."""
+    from megatron_spindle.plan.schema import PlanError
+
+    wanted = TE_ATTENTION_SETTINGS.get(attention_backend)
+    if wanted is None or not uses_te_spec(attention_backend):
+        return
+    for name, value in zip(TE_ATTENTION_SWITCHES, wanted):
+        if environ.get(name, value) != value:
+            raise PlanError(f"{name}={environ[name]} contradicts --attention-backend {attention_backend}, which "
+                             f"sets it to {value}: unset NVTE_FLASH_ATTN, NVTE_FUSED_ATTN and NVTE_UNFUSED_ATTN")
+    environ.update(zip(TE_ATTENTION_SWITCHES, wanted))
+
+
 class SequenceParallelTorchNorm:
     """megatron-core's WrappedTorchNorm for a sequence-parallel layer of the local spec, which megatron-core refuses
     (``assert not config.sequence_parallel``, torch_norm.py) because nothing would sum the norm's gradients over
@@ -217,11 +256,11 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def layer_spec(module_spec, sequence_parallel: bool = False):
-    """megatron-core layer spec for a workload module (graph.workload.ModuleSpec): the Transformer Engine spec when
-    ``te_available()``, else the local spec; RMSNorm for LLMs; the attention mask type from ``is_causal``
-    (bidirectional encoders use ``AttnMaskType.no_mask``). ``sequence_parallel``: the local spec's pre-norms are
-    ``SequenceParallelTorchNorm`` (Transformer Engine's norms handle it themselves)."""
+def layer_spec(module_spec, sequence_parallel: bool = False, attention_backend: str = "auto"):
+    """megatron-core layer spec for a workload module (graph.workload.ModuleSpec): the Transformer Engine spec
+    where ``uses_te_spec(attention_backend)``, else the local spec; RMSNorm for LLMs; the attention mask type from
+    ``is_causal`` (bidirectional encoders use ``AttnMaskType.no_mask``). ``sequence_parallel``: the local spec's
+    pre-norms are ``SequenceParallelTorchNorm`` (Transformer Engine's norms handle it themselves)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -229,12 +268,13 @@ def layer_spec(module_spec, sequence_parallel: bool = False):
     from megatron.core.transformer.enums import AttnMaskType
 
     normalization = "RMSNorm" if module_spec.kind == "llm" else "LayerNorm"
-    if te_available():
+    te = uses_te_spec(attention_backend)
+    if te:
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
         spec = get_gpt_layer_local_spec(normalization=normalization)
     spec = copy.deepcopy(spec)
-    if sequence_parallel and not te_available():
+    if sequence_parallel and not te:
         spec.submodules.input_layernorm = SequenceParallelTorchNorm
         spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
     mask_type = AttnMaskType.causal if module_spec.is_causal else AttnMaskType.no_mask

@@ -17,6 +17,7 @@ from megatron_spindle.estimator.cost_model import (
     CostModelConfig,
     LayerCost,
     OptimizerCost,
+    execution_cost_config,
     layer_seconds,
 )
 from megatron_spindle.estimator.curve import (
@@ -68,6 +69,7 @@ __all__ = [
     "ProfiledCostModel",
     "ScalingCurve",
     "analytic_points",
+    "execution_cost_config",
     "choose_breakpoints",
     "cluster_with_bandwidth",
     "estimate_curve",

@@ -50,7 +50,7 @@ from megatron_spindle.estimator.op_kernels import (
 from megatron_spindle.graph.cluster import HBM_STREAM_EFFICIENCY, ClusterSpec, GPUSpec
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.graph.workload import ModuleSpec, Workload
-from megatron_spindle.plan.schema import sequence_parallel_runs, sequence_parallel_tokens
+from megatron_spindle.plan.schema import attention_kernels, sequence_parallel_runs, sequence_parallel_tokens
 
 # Kernels launched per light operator, forward + backward (GEMMs included): an embedding gather or a patch
 # projection with its bias, position add and layout copies; a 2-layer projector; a norm, pooling and projection;
@@ -105,6 +105,13 @@ class CostModelConfig:
             raise EstimatorError("cost model: launch_seconds must be >= 0")
         if self.grad_bytes not in (2, 4):
             raise EstimatorError(f"cost model: grad_bytes must be 2 (bf16) or 4 (fp32), got {self.grad_bytes}")
+
+
+def execution_cost_config(sequence_parallel: bool = False, attention_backend: str = "auto") -> CostModelConfig:
+    """The cost model's config for what a plan's settings make the runtime run: ``--sequence-parallel`` and the
+    attention of ``--attention-backend`` (plan/schema.py ``attention_kernels``)."""
+    attention, fused_softmax = attention_kernels(attention_backend)
+    return CostModelConfig(sequence_parallel=sequence_parallel, attention=attention, fused_softmax=fused_softmax)
 
 
 def optimizer_step_bytes(config: CostModelConfig, dtype_bytes: int) -> int:

@@ -14,7 +14,8 @@ reads a file once into a ``Profile``: the points (the ``profile`` argument of ``
 measurements with compute and DP communication apart (``ProfiledCostModel``), the measured links
 ("bandwidth", ``cluster_with_bandwidth``) and the measured AdamW step ("optimizer",
 ``{"seconds_per_element": .., "seconds_per_tensor": ..}``; None in profiles written before it existed: the cost
-model's analytic optimizer cost applies). Profiles are keyed by the workload digest: input shapes decide MetaOp
+model's analytic optimizer cost applies) and the attention backend measured ("settings", ``attention_backend``;
+plans on the profile run it: planner/pipeline.py ``for_cluster``). Profiles are keyed by the workload digest: input shapes decide MetaOp
 identity and times, so a profile of another workload is refused. Times also depend on the GPU, so its type must
 match; the cluster may differ in size: points for more devices than the cluster has are dropped, the rest keep
 their meaning.
@@ -247,6 +248,9 @@ class Profile:
     measurements: list[Measurement] = field(default_factory=list)
     bandwidth: dict[str, Any] = field(default_factory=dict)  # "intra_node" / "inter_node" links, None: not measured
     optimizer: OptimizerCost | None = None  # the measured AdamW step (None: not measured)
+    # the attention core measured (plan/schema.py ATTENTION_BACKENDS, resolved: local where TE was missing); None:
+    # profiles written before the profiler recorded it
+    attention_backend: str | None = None
 
 
 def load_profile(path: str | Path, workload: Workload, cluster: ClusterSpec) -> Profile:
@@ -262,7 +266,8 @@ def load_profile(path: str | Path, workload: Workload, cluster: ClusterSpec) -> 
     measurements = [m for m in measurements if m.n <= cluster.num_devices]
     if measurements:  # the curves' points from the measurements: compute apart from the gradient all-reduce
         points = _step_points(points, measurements, weightless_metaops(workload))
-    return Profile(points, measurements, doc.get("bandwidth") or {}, optimizer_cost_from_dict(doc))
+    return Profile(points, measurements, doc.get("bandwidth") or {}, optimizer_cost_from_dict(doc),
+                   (doc.get("settings") or {}).get("attention_backend"))
 
 
 def _step_points(points: dict[str, list[CurvePoint]], measurements: Sequence[Measurement],

@@ -14,7 +14,12 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from megatron_spindle.estimator.cost_model import AnalyticCostModel, CostModelConfig, LayerCost, OptimizerCost
+from megatron_spindle.estimator.cost_model import (
+    AnalyticCostModel,
+    LayerCost,
+    OptimizerCost,
+    execution_cost_config,
+)
 from megatron_spindle.estimator.curve import CurvePoint
 from megatron_spindle.estimator.profile import Measurement, Profile, load_profile
 from megatron_spindle.graph.cluster import ClusterSpec
@@ -97,13 +102,14 @@ def profile_summary(profile: Profile, cluster: ClusterSpec) -> str:
     return "profile: " + "; ".join(parts)
 
 
-def planning_cost_model(workload: Workload, cluster: ClusterSpec, profile=None,
-                        sequence_parallel: bool = False) -> AnalyticCostModel:
+def planning_cost_model(workload: Workload, cluster: ClusterSpec, profile=None, sequence_parallel: bool = False,
+                        attention_backend: str = "auto") -> AnalyticCostModel:
     """The planner's cost model: a ``Profile`` with measurements gives a ``ProfiledCostModel`` (its operators
     and AdamW step as measured), so the planner's estimate and plan selection time what the curves were made
-    of; anything else (no profile, or its curve points alone) the analytic model. ``sequence_parallel``:
-    ``--sequence-parallel`` (CostModelConfig; measured operators keep their measured times)."""
-    config = CostModelConfig(sequence_parallel=sequence_parallel)
+    of; anything else (no profile, or its curve points alone) the analytic model. ``sequence_parallel`` and
+    ``attention_backend``: ``--sequence-parallel`` and ``--attention-backend`` (``execution_cost_config``;
+    measured operators keep their measured times)."""
+    config = execution_cost_config(sequence_parallel, attention_backend)
     if isinstance(profile, Profile) and profile.measurements:
         return ProfiledCostModel(workload, cluster, profile.measurements, optimizer=profile.optimizer, config=config)
     return AnalyticCostModel(workload, cluster, config=config)

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnBackend
 
 from megatron_spindle.graph.workload import ModuleSpec
-from megatron_spindle.plan.schema import Recompute, recompute_fits
+from megatron_spindle.plan.schema import ATTENTION_BACKENDS, Recompute, recompute_fits
 
 
 @dataclass
@@ -34,6 +35,10 @@ class ModelConfig:
     # Megatron's sequence parallelism in the transformer layers of TP > 1 slices (``--sequence-parallel``): the
     # norms, residuals and dropouts run on 1/TP of the sequence, so their activations are divided by TP too.
     sequence_parallel: bool = False
+    # The attention core of the transformer layers (the plan's settings.attention_backend, Megatron's
+    # --attention-backend): local builds megatron-core's local spec, the others Transformer Engine's where it is
+    # available (compat/cpu.py uses_te_spec).
+    attention_backend: str = "auto"
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -48,6 +53,9 @@ class ModelConfig:
     def __post_init__(self):
         if self.bf16 and not torch.cuda.is_available():
             raise ValueError("ModelConfig(bf16=True) needs CUDA; CPU runs keep fp32 parameters")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got '{self.attention_backend}'")
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -137,6 +145,7 @@ def transformer_config(module: ModuleSpec, num_layers: int, tp_size: int, cfg: M
         add_bias_linear=not is_llm,
         add_qkv_bias=is_llm and module.qkv_bias,
         **{**_base_kwargs(cfg, tp_size, module), "sequence_parallel": sequence_parallel(cfg, tp_size)},
+        attention_backend=AttnBackend[cfg.attention_backend],
         **recompute_fields(cfg.recomputation, num_layers),
     )
 

@@ -47,7 +47,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.transformer_block import TransformerBlock
 from torch import nn
 
-from megatron_spindle.compat.cpu import apply_cpu_shim, layer_spec, te_available
+from megatron_spindle.compat.cpu import apply_cpu_shim, layer_spec, uses_te_spec
 from megatron_spindle.compat.groups import (
     ensure_global_memory_buffer,
     ensure_model_parallel_rng,
@@ -283,8 +283,10 @@ class LayerRangeOperator(SliceOperator):
         tcfgs = [transformer_config(spec, n, self.tp_size, dataclasses.replace(self.config, recompute=rc))
                  for n, rc in blocks]
         self.sequence_parallel = sequence_parallel(self.config, self.tp_size)
+        self.te_spec = uses_te_spec(self.config.attention_backend)
         self.blocks = nn.ModuleList(
-            TransformerBlock(tcfg, layer_spec(spec, self.sequence_parallel), post_layer_norm=False,
+            TransformerBlock(tcfg, layer_spec(spec, self.sequence_parallel, self.config.attention_backend),
+                             post_layer_norm=False,
                              pg_collection=self.pg_collection)
             for tcfg in tcfgs)
         tcfg = tcfgs[0]
@@ -330,7 +332,7 @@ class LayerRangeOperator(SliceOperator):
         seq = hidden.shape[0] * (self.tp_size if self.sequence_parallel else 1)  # padded: what attention sees
         rotary = self.rotary(seq) if self.rotary is not None else None
         mask = None
-        if self.module_spec.is_causal and not te_available():
+        if self.module_spec.is_causal and not self.te_spec:
             mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=hidden.device), diagonal=1)[None, None]
         for block in self.blocks:
             hidden = block(hidden, attention_mask=mask, rotary_pos_emb=rotary)

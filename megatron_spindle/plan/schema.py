@@ -42,6 +42,10 @@ PHASES = ("fwd", "bwd")
 ZERO_STAGES = (0, 1, 2, 3)
 RUNTIME_ZERO_STAGES = (0, 1, 2, 3)  # what Spindle's runtime implements (runtime/weight_shards.py: 3)
 REDUCE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+# Megatron-LM's --attention-backend (megatron-core AttnBackend): flash, fused and unfused are Transformer Engine's
+# attention kernels, local megatron-core's own attention core (its local spec), auto Transformer Engine's choice
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+TE_ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
 
 
 class PlanError(ValueError):
@@ -213,6 +217,11 @@ class ExecutionSettings:
       completes within the step (DeepSpeed's ZeRO-1/2). Without the key (plans written before it): False.
     - ``sequence_parallel``: Megatron's sequence parallelism in the layer slices where ``sequence_parallel_runs``
       says it applies (``--sequence-parallel``). Without the key: False.
+    - ``attention_backend``: the attention core every transformer layer runs (``ATTENTION_BACKENDS``), which the
+      planner and the simulator charge (``attention_kernels``) and the runtime builds: ``local`` megatron-core's
+      local spec; the others Transformer Engine's spec with that attention (``auto``: TE's own choice of flash
+      or fused; charged as flash). Without the key (plans written before it): auto, which a runtime without
+      TE runs on the local spec, as those plans were run.
     - ``tp_sharded_grads``: the layout gradients and optimizer state are kept and reduced in. True (the
       default, as in Megatron-LM and DeepSpeed): by TP shard, each shard of a parameter device group's degree
       (plan/buckets.py ``group_tp``) over the ring of devices holding it (plan/tp_shards.py; the runtime's
@@ -234,6 +243,7 @@ class ExecutionSettings:
     overlap_param_gather: bool = False
     sequence_parallel: bool = False
     tp_sharded_grads: bool = True
+    attention_backend: str = "auto"
 
     def __post_init__(self):
         if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
@@ -243,6 +253,8 @@ class ExecutionSettings:
         for name in ("overlap_param_gather", "sequence_parallel", "tp_sharded_grads"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise PlanError(f"attention_backend '{self.attention_backend}' is not one of {', '.join(ATTENTION_BACKENDS)}")
         if self.grad_reduce_dtype not in REDUCE_DTYPE_BYTES:
             raise PlanError(f"grad_reduce_dtype '{self.grad_reduce_dtype}' is not one of "
                             f"{', '.join(REDUCE_DTYPE_BYTES)}")
@@ -285,11 +297,44 @@ class ExecutionSettings:
             "overlap_param_gather": self.overlap_param_gather,
             "sequence_parallel": self.sequence_parallel,
             "tp_sharded_grads": self.tp_sharded_grads,
+            "attention_backend": self.attention_backend,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ExecutionSettings:
         return cls(**{"tp_sharded_grads": False, **d})  # a plan written before the key: whole units
+
+
+def attention_kernels(backend: str) -> tuple[str, bool]:
+    """What an attention backend (``ATTENTION_BACKENDS``) computes, as the cost and memory models name it: the
+    attention kind (``flash``: a fused kernel that never stores the scores, TE's flash or cuDNN fused attention;
+    ``unfused``: the scores written, soft-maxed and read) and, for unfused attention, whether the softmax is one
+    fused kernel (Transformer Engine's) or megatron-core's torch softmax in fp32 (the local spec, which runs with
+    ``masked_softmax_fusion`` off: models/config.py)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise PlanError(f"attention backend '{backend}' is not one of {', '.join(ATTENTION_BACKENDS)}")
+    if backend == "local":
+        return "unfused", False
+    if backend == "unfused":
+        return "unfused", True
+    return "flash", False
+
+
+def resolve_attention_backend(requested: str, arch: str, te_present: bool | None = None) -> str:
+    """The attention backend a plan records for ``--attention-backend requested`` on a device of ``arch``, where
+    Transformer Engine is present or not (``te_present``; None: unknown, planning for another machine, where a
+    GPU cluster is taken to have TE as Megatron-LM's default spec does). auto is the local spec where TE cannot
+    run (a CPU, or no TE here); a TE backend where TE cannot run is an error."""
+    if requested not in ATTENTION_BACKENDS:
+        raise PlanError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got '{requested}'")
+    no_te = arch == "cpu" or te_present is False
+    if requested == "auto":
+        return "local" if no_te else "auto"
+    if requested != "local" and no_te:
+        where = "a CPU" if arch == "cpu" else "this machine, where Transformer Engine is not available"
+        raise PlanError(f"--attention-backend {requested} is a Transformer Engine backend and cannot run on {where}: "
+                        f"use local (megatron-core's attention) or auto")
+    return requested
 
 
 def sequence_parallel_runs(enabled: bool, kind: str, tp: int, tokens: int, module) -> bool:

@@ -190,9 +190,11 @@ def plan_node_groups(workload: Workload, cluster: ClusterSpec, partition: list[N
     zero = max(p.settings.zero_stage for p in plans)
     settings = ExecutionSettings(slice_recompute=recompute, zero_stage=zero,
                                  micro_batches=plans[0].settings.micro_batches,
-                                 sequence_parallel=config.sequence_parallel)
+                                 sequence_parallel=config.sequence_parallel,
+                                 attention_backend=config.attention_backend)
     # the groups' own (profiled where given)
-    cost_model = planning_cost_model(workload, cluster, profile, config.sequence_parallel)
+    cost_model = planning_cost_model(workload, cluster, profile, config.sequence_parallel,
+                                     config.attention_backend)
     memory_model = MemoryModel(workload, cluster, cost_model, zero_stage=zero)
     curves = {k: v for r in results for k, v in r.curves.items()}
     info = {"planner": f"{planner}-node-groups", "requested": dataclasses.asdict(config),

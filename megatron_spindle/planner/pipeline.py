@@ -17,7 +17,14 @@ from megatron_spindle.flags import check_choices, flag
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.schema import RECOMPUTE_MODULES, RUNTIME_ZERO_STAGES, Plan
+from megatron_spindle.plan.schema import (
+    ATTENTION_BACKENDS,
+    RECOMPUTE_MODULES,
+    RUNTIME_ZERO_STAGES,
+    Plan,
+    PlanError,
+    resolve_attention_backend,
+)
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.assemble import assemble_plan
 from megatron_spindle.planner.light_levels import follow_neighbours
@@ -112,6 +119,13 @@ class PlannerConfig:
         "reduce-scatter for each TP all-reduce. Applied where the sequence divides by TP or the module is causal "
         "(padded at its end); recorded in the plan, charged by the planner and the simulator, run by the runtime.",
         name="--sequence-parallel"))
+    attention_backend: str = field(default="auto", metadata=flag(
+        "Megatron-LM's --attention-backend: the attention core every transformer layer runs, which the planner and "
+        "the simulator charge and the runtime builds. flash, fused, unfused: Transformer Engine's (flash and fused "
+        "charged as FlashAttention, unfused with its scores in memory); local: megatron-core's local spec (unfused, "
+        "softmax in fp32); auto: Transformer Engine's own choice where TE runs (charged as flash), else local (a "
+        "CPU, or pretrain_multitask.py on a machine without TE). Recorded in the plan.",
+        name="--attention-backend", choices=ATTENTION_BACKENDS))
 
     select: str = field(default="simulate", metadata=flag(
         "simulate: plan a few candidates (the configured planner, the greedy wavefront plan, node-bounded "
@@ -185,13 +199,29 @@ def make_plan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | 
     return plan_workload(workload, cluster, config, profile, progress).plan
 
 
+def for_cluster(config: PlannerConfig, cluster: ClusterSpec, profile=None) -> PlannerConfig:
+    """``config`` with its attention backend as the plan records it on ``cluster`` (plan/schema.py
+    ``resolve_attention_backend``: auto is the local spec on CPUs; a Transformer Engine backend there is an
+    error). A caller that knows whether TE is present where the plan runs resolves it first (training/trainer).
+    With a profile that recorded the attention it measured, auto is that one, and another is an error: the plan
+    would charge measured times of kernels it does not run."""
+    measured = getattr(profile, "attention_backend", None)
+    if measured is not None and config.attention_backend == "auto" and cluster.gpu.arch != "cpu":
+        return replace(config, attention_backend=measured)
+    backend = resolve_attention_backend(config.attention_backend, cluster.gpu.arch)
+    if measured is not None and backend != measured:
+        raise PlanError(f"the profile measured attention backend '{measured}', the plan is for '{backend}': give "
+                        f"--attention-backend {measured}, or profile with --attention-backend {backend}")
+    return config if backend == config.attention_backend else replace(config, attention_backend=backend)
+
+
 def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | None = None,
                   profile: dict | None = None, progress: Callable[[str], None] | None = None,
                   placements: dict | None = None) -> PlanningResult:
     """``placements``: a dict shared by planning runs of the same workload, cluster and profile (plan selection's
     candidates, megatron_spindle/autoplan.py): the memory search's placements, which depend on neither the
     planner nor the order, are made once."""
-    config = config or PlannerConfig()
+    config = for_cluster(config or PlannerConfig(), cluster, profile)
     say = progress or (lambda msg: None)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -245,7 +275,8 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
     plan = assemble_plan(workload, cluster, metagraph, best.charged_waves(), best.cost_model, best.memory_model,
                          info, level_allocs=best.level_allocs, curves=best.curves,
                          settings=replace(best.settings(), overlap_param_gather=config.overlap_param_gather,
-                                          sequence_parallel=config.sequence_parallel))
+                                          sequence_parallel=config.sequence_parallel,
+                                          attention_backend=config.attention_backend))
     validate_plan(plan, workload, cluster, metagraph)
     plan.predicted.update(estimate_iteration(plan, metagraph, cluster, best.cost_model).as_predicted())
     lap("assemble")

@@ -41,6 +41,7 @@ def plan_summary(plan: Plan) -> str:
         f"  waves {len(plan.waves)}   levels {len(plan.levels)}   inter-island {_fmt_bytes(p.get('inter_island_bytes', 0))}"
         f"   intra-island {_fmt_bytes(p.get('intra_island_bytes', 0))}   local {_fmt_bytes(p.get('local_bytes', 0))}",
         f"  execution: memory options {memory_options(plan)}"
+        f"   attention backend {plan.settings.attention_backend}"
         f"   gradient all-reduce in {plan.settings.grad_reduce_dtype}"
         + ("" if plan.settings.tp_sharded_grads else " in whole units")
         + ("   weight all-gather overlapped with the next forward"

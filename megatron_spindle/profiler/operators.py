@@ -94,10 +94,12 @@ def _build(workload: Workload, info, layers: int, dp: int, world: ProfileWorld, 
            pg_collection=None) -> tuple[torch.nn.Module, list[torch.Tensor], object]:
     """``layers`` layers of ``info``'s MetaOp on the device, its inputs and the task's batch for one DP rank of
     ``dp`` (``pg_collection``: its TP groups, None at TP 1)."""
+    from megatron_spindle.compat.cpu import select_te_attention
     from megatron_spindle.models.config import ModelConfig
     from megatron_spindle.models.operator import build_operator
 
-    cfg = ModelConfig(bf16=settings.bf16, init_seed=settings.seed)
+    select_te_attention(settings.attention_backend)
+    cfg = ModelConfig(bf16=settings.bf16, init_seed=settings.seed, attention_backend=settings.attention_backend)
     op = build_operator(workload, info, 0, layers, pg_collection=pg_collection, config=cfg)
     op = op.to(device=world.device, dtype=cfg.params_dtype)
     return (op, _inputs_for(info, dp, world.device, cfg.params_dtype, settings.seed),

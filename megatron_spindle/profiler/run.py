@@ -94,7 +94,8 @@ class ProfileResult:
 
     def profile(self) -> Profile:
         """The measurements as ``load_profile`` would read them back from the saved file."""
-        return Profile(self.points, list(self.measurements), dict(self.bandwidth), self.optimizer)
+        return Profile(self.points, list(self.measurements), dict(self.bandwidth), self.optimizer,
+                       self.settings.attention_backend)
 
     def extra_sections(self) -> dict[str, Any]:
         return {

@@ -8,6 +8,7 @@ from typing import Any
 
 from megatron_spindle.estimator.errors import EstimatorError
 from megatron_spindle.flags import flag
+from megatron_spindle.plan.schema import ATTENTION_BACKENDS
 
 # 2: the "optimizer" section; 3: the message probe computes with the workload's layer, the forward is timed inside
 # the forward + backward repeats, and AdamW's cost per element on tensors of the workload's unit sizes
@@ -30,6 +31,10 @@ class ProfilerSettings:
         "Comma-separated MetaOp ids or fnmatch patterns to profile (default: all).", type=_patterns,
         metavar="PATTERNS"))
     bf16: bool = field(default=False, metadata=flag("bf16 parameters (CUDA only); default fp32.", name="--bf16"))
+    attention_backend: str = field(default="auto", metadata=flag(
+        "The attention core measured, as pretrain_multitask.py's --attention-backend (auto: Transformer Engine's "
+        "choice where TE runs here, else megatron-core's local spec). The profile records it, and plans made on the "
+        "profile run it.", name="--attention-backend", choices=ATTENTION_BACKENDS))
     bandwidth_sizes: tuple[int, ...] = (4, 1 << 16, 1 << 20, 1 << 22)  # message bytes; the largest gives bw
     seed: int = 0
 

@@ -72,6 +72,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_spindle.checkpointing.checkpoint import UnitState
+from megatron_spindle.compat.cpu import select_te_attention
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.buckets import overlaps_param_gather, regathered_groups, unit_first_use
@@ -122,15 +123,17 @@ class EngineConfig:
 
 
 def default_factory(workload, info, layer_start, layer_end, pg_collection=None, dp_group=None, recompute=None,
-                    sequence_parallel=False):
+                    sequence_parallel=False, attention_backend="auto"):
     """megatron-core operators (models/build_operator), recomputing activations as megatron-core does where the
-    plan says so (``recompute``: the slice's ``Recompute``) and sequence-parallel where it applies."""
+    plan says so (``recompute``: the slice's ``Recompute``), sequence-parallel where it applies, and with the
+    plan's attention backend."""
     from megatron_spindle.models import build_operator
     from megatron_spindle.models.config import ModelConfig
 
     config = None
-    if recompute is not None or sequence_parallel:
-        config = ModelConfig(recompute=recompute or False, sequence_parallel=sequence_parallel)
+    if recompute is not None or sequence_parallel or attention_backend != "auto":
+        config = ModelConfig(recompute=recompute or False, sequence_parallel=sequence_parallel,
+                             attention_backend=attention_backend)
     return build_operator(workload, info, layer_start, layer_end, pg_collection=pg_collection, dp_group=dp_group,
                           config=config)
 
@@ -155,6 +158,7 @@ class RuntimeEngine:
         self.metagraph = metagraph or build_metagraph(workload)
         check_runnable(plan, workload, self.metagraph, world_size)  # before any communication
         settings = plan.settings  # check_runnable refused what the runtime cannot execute
+        select_te_attention(settings.attention_backend)
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(f"torch.distributed has rank {dist.get_rank()} of {dist.get_world_size()}, "
                                f"the engine was given rank {rank} of {world_size}")

@@ -7,6 +7,7 @@ implies) are plan/'s (layout.py, routing.py, derive.py); this module applies the
 
 from __future__ import annotations
 
+from megatron_spindle.compat.cpu import uses_te_spec
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan import layout
@@ -71,6 +72,7 @@ def check_runnable(plan: Plan, workload: Workload, metagraph: MetaGraph, world_s
             raise PlanError(f"plan MetaOp '{info.id}' does not match the workload's MetaOp graph")
     validate_plan(plan, workload=workload, metagraph=metagraph, check_memory=False)
     check_settings_runnable(plan)
+    uses_te_spec(plan.settings.attention_backend)  # a TE backend on a machine without TE
     have = {(t.producer, t.consumer) for t in plan.transfers}
     need = plan_slice_pairs(plan)
     missing = [p for p in need if p not in have]

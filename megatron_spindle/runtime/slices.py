@@ -51,7 +51,8 @@ def build_local_slices(plan: Plan, workload: Workload, metagraph: MetaGraph, ran
     """slice id -> LocalSlice for every slice on ``rank``, built in wave order (operator construction and the
     parameter probe are collective over the slice's TP group). A slice that recomputes activations
     (``settings.recompute_of``) is built with ``factory(..., recompute=Recompute)``, one that runs
-    sequence-parallel (``sequence_parallel_runs``) with ``factory(..., sequence_parallel=True)``. Each slice's
+    sequence-parallel (``sequence_parallel_runs``) with ``factory(..., sequence_parallel=True)``, and a layer slice
+    of a plan with an attention backend other than auto with ``factory(..., attention_backend=...)``. Each slice's
     keys are registered in ``layout``."""
     local = {}
     for wi, w in enumerate(plan.waves):
@@ -65,6 +66,8 @@ def build_local_slices(plan: Plan, workload: Workload, metagraph: MetaGraph, ran
             if sequence_parallel_runs(plan.settings.sequence_parallel, s.kind, s.tp, info.input_shape[1],
                                       workload.modules.get(s.module)):
                 extra["sequence_parallel"] = True
+            if s.kind == "layer" and plan.settings.attention_backend != "auto":
+                extra["attention_backend"] = plan.settings.attention_backend
             op = factory(workload, info, s.layer_start, s.layer_end, pg_collection=pgs, dp_group=pgs.dp, **extra)
             op = op.to(device=device, dtype=dtype)
             units = slice_units(metagraph, s)

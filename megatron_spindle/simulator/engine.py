@@ -238,11 +238,11 @@ def matching_models(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_m
     settings (``recompute_seconds``, plan/memory.py), so the cost model must not add it to every layer
     itself (``config.recompute``): the given ones when they do not (or cannot tell: stand-ins without
     ``config.recompute``), else a copy without it."""
-    from megatron_spindle.estimator import AnalyticCostModel, CostModelConfig, MemoryModel
+    from megatron_spindle.estimator import AnalyticCostModel, MemoryModel, execution_cost_config
 
     if cost_model is None:
-        cost_model = AnalyticCostModel(workload, cluster, config=CostModelConfig(
-            sequence_parallel=plan.settings.sequence_parallel))
+        cost_model = AnalyticCostModel(workload, cluster, config=execution_cost_config(
+            plan.settings.sequence_parallel, plan.settings.attention_backend))
         memory_model = None
     elif getattr(getattr(cost_model, "config", None), "recompute", False):
         cost_model = copy.copy(cost_model)  # keeps a profiled model's measurements

@@ -8,6 +8,7 @@ the model/data hooks an entry point supplies (pretrain_multitask.py has the defa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -77,11 +78,13 @@ def print_rank_0(*a, **k) -> None:
         print(*a, **k, flush=True)
 
 
-# The analytic model describes Transformer Engine's fused kernels; without TE the runtime runs megatron-core's local
-# spec, whose layers measured 1.3-2.2x the model on an H200 (benchmarks/results/gpu, twenty-ninth session).
-LOCAL_SPEC_NOTE = ("[plan] note: Transformer Engine is not available, so the runtime runs megatron-core's local spec "
-                   "(unfused attention, norms and activations, more host work per layer) while the analytic cost "
-                   "model describes TE's fused kernels: expect iterations slower than predicted. --spindle-profile "
+# Apart from the attention core (--attention-backend), the analytic model describes Transformer Engine's fused
+# kernels; without TE the runtime runs megatron-core's local spec, whose layers measured 1.3-2.2x the model on an
+# H200 (benchmarks/results/gpu, twenty-ninth session).
+LOCAL_SPEC_NOTE = ("[plan] note: Transformer Engine is not available, so the runtime runs megatron-core's local spec. "
+                   "The plan charges its unfused attention (--attention-backend local), but the analytic cost model's "
+                   "other kernels are TE's fused ones, where the local spec runs unfused norms and activations with "
+                   "more host work per layer: expect iterations slower than predicted. --spindle-profile "
                    "(tools/profile_metaops.py) plans on measured MetaOps of what runs here.")
 
 
@@ -89,7 +92,7 @@ def get_plan(args, workload, world_size: int, rank: int):
     """The saved plan (--spindle-plan) or a fresh one made on rank 0 and broadcast (CP-SAT with a wall-clock
     limit is not deterministic, so ranks must not plan separately; with --spindle-solver-deterministic they could,
     but one plan sent is cheaper than a plan made on every rank)."""
-    from megatron_spindle.plan.schema import Plan, PlanError
+    from megatron_spindle.plan.schema import Plan, PlanError, resolve_attention_backend
     from megatron_spindle.plan.validate import validate_plan
 
     if args.spindle_plan:
@@ -113,7 +116,11 @@ def get_plan(args, workload, world_size: int, rank: int):
                 profile, cluster = load_planning_profile(args.spindle_profile, workload, cluster)
                 print(f"[plan] {profile_summary(profile, cluster)}", flush=True)
             t0 = time.perf_counter()
-            plan = autoplan(workload, cluster, planner_config_from_args(args),
+            config = planner_config_from_args(args)
+            # the attention this machine will run: auto is the local spec where TE is missing
+            config = dataclasses.replace(config, attention_backend=resolve_attention_backend(
+                config.attention_backend, cluster.gpu.arch, te_available()))
+            plan = autoplan(workload, cluster, config,
                             profile=profile, progress=lambda m: print(f"[plan] {m}", flush=True)).plan
             print(f"[plan] done in {time.perf_counter() - t0:.3f} s", flush=True)
             if profile is None and cluster.gpu.arch != "cpu" and not te_available():

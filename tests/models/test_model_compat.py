@@ -41,6 +41,34 @@ def test_layer_spec_picks_local_spec_and_mask_types():
     assert layer_spec(vlm.modules["llm"]).submodules.self_attention.params["attn_mask_type"] == AttnMaskType.causal
 
 
+def test_attention_backend_picks_the_spec_and_transformer_engine_switches(monkeypatch):
+    """local builds megatron-core's local spec even where Transformer Engine is available; a TE backend where TE is
+    missing is refused; where TE runs, flash, fused and unfused set TE's switches as megatron-core's LanguageModule
+    does (auto leaves them to TE), and a switch the user set the other way is an error naming it."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_spindle.compat import cpu
+    from megatron_spindle.plan.schema import PlanError
+
+    vlm = load_workload("tiny-vlm")
+    assert not cpu.uses_te_spec("auto") and not cpu.uses_te_spec("local")
+    with pytest.raises(PlanError, match="attention backend 'flash' is Transformer Engine's, which is not available"):
+        cpu.uses_te_spec("flash")
+    monkeypatch.setattr(cpu, "te_available", lambda: True)
+    assert cpu.uses_te_spec("auto") and cpu.uses_te_spec("unfused") and not cpu.uses_te_spec("local")
+    local = cpu.layer_spec(vlm.modules["llm"], attention_backend="local")
+    assert local.submodules.self_attention.submodules.core_attention is DotProductAttention
+    env = {}
+    cpu.select_te_attention("fused", env)
+    assert env == {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "1", "NVTE_UNFUSED_ATTN": "0"}
+    for backend in ("auto", "local"):
+        untouched = {"NVTE_FLASH_ATTN": "0"}
+        cpu.select_te_attention(backend, untouched)
+        assert untouched == {"NVTE_FLASH_ATTN": "0"}
+    with pytest.raises(PlanError, match="NVTE_FLASH_ATTN=0 contradicts --attention-backend flash"):
+        cpu.select_te_attention("flash", {"NVTE_FLASH_ATTN": "0"})
+
+
 def test_dropout_is_configurable():
     from megatron_spindle.data.mock import mock_batch
     from megatron_spindle.models import ModelConfig, build_operator, metaop_infos

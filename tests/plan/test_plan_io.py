@@ -18,8 +18,10 @@ from megatron_spindle.plan.schema import (
     Plan,
     PlanError,
     Recompute,
+    attention_kernels,
     fitted_recompute,
     recompute_fits,
+    resolve_attention_backend,
 )
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
@@ -65,15 +67,16 @@ def test_version_1_file_converts_to_the_typed_settings_and_today_s_routing(tmp_p
     path.write_text(json.dumps(as_version_1(plan)))
     loaded = load_plan(path)
     # settings typed, transfers routed again, group bytes the all-reduce volume; version 1 predates the overlapped
-    # weight gather (its plans gathered within the step)
+    # weight gather (its plans gathered within the step) and the attention backend (auto: as those plans ran)
     assert loaded.settings.overlap_param_gather is False
     assert loaded == dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, overlap_param_gather=False))
     assert "segments" not in loaded.planner and "zero_stage" not in loaded.planner
     validate_plan(loaded, w, c)
     spindle = make_plan(w, c, PlannerConfig(planner="wavefront", distributed_optimizer="on"))
     assert spindle.settings.zero_stage == 1
+    assert spindle.settings.attention_backend == "local"  # a CPU cluster runs megatron-core's local spec
     assert plan_from_dict(as_version_1(spindle)) == dataclasses.replace(
-        spindle, settings=dataclasses.replace(spindle.settings, overlap_param_gather=False))
+        spindle, settings=dataclasses.replace(spindle.settings, overlap_param_gather=False, attention_backend="auto"))
 
 
 def test_unknown_versions_and_malformed_files_say_how_to_replan(tmp_path, baseline):
@@ -226,3 +229,33 @@ def test_validate_checks_the_settings_against_the_waves(baseline):
     renumbered.waves[1].index = 7
     with pytest.raises(PlanError, match="wave at position 1 has index 7"):
         validate_plan(renumbered, w, c)
+
+
+def test_attention_backend_round_trips_and_old_plans_run_as_they_did(tmp_path, baseline):
+    """settings.attention_backend is saved and loaded; a plan written before the key loads as auto (TE's choice
+    where TE runs, else the local spec: how those plans ran); a backend outside Megatron's names is refused."""
+    plan = baseline[0]
+    local = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, attention_backend="local"))
+    local.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").settings.attention_backend == "local"
+    d = plan_to_dict(local)
+    del d["settings"]["attention_backend"]
+    assert plan_from_dict(d).settings.attention_backend == "auto"
+    with pytest.raises(PlanError, match="attention_backend 'sdpa' is not one of auto, flash, fused, unfused, local"):
+        ExecutionSettings(attention_backend="sdpa")
+
+
+def test_attention_backends_name_the_kernels_the_models_charge():
+    """flash, fused and auto are fused attention (FlashAttention's cost, no scores kept); TE's unfused backend
+    writes the scores with a fused softmax; the local spec writes them and soft-maxes in fp32 torch ops."""
+    assert [attention_kernels(b) for b in ("auto", "flash", "fused", "unfused", "local")] == [
+        ("flash", False), ("flash", False), ("flash", False), ("unfused", True), ("unfused", False)]
+    # planning for a GPU type elsewhere: TE assumed (Megatron-LM's default spec); here without TE, or on a CPU:
+    # auto is the local spec and a TE backend is refused
+    assert [resolve_attention_backend(b, "hopper") for b in ("auto", "fused", "local")] == ["auto", "fused", "local"]
+    assert resolve_attention_backend("auto", "hopper", te_present=False) == "local"
+    assert resolve_attention_backend("auto", "cpu") == "local"
+    with pytest.raises(PlanError, match="cannot run on this machine, where Transformer Engine is not available"):
+        resolve_attention_backend("unfused", "ampere", te_present=False)
+    with pytest.raises(PlanError, match="--attention-backend must be one of"):
+        resolve_attention_backend("sdpa", "ampere")

@@ -533,13 +533,14 @@ def test_pipeline_plans_are_valid_and_never_worse_than_greedy(workload_name, clu
 
 
 def test_pipeline_cpsat_beats_greedy_on_tiny_vlm():
-    """4 CPU devices: the greedy plan of tiny-vlm leaves devices idle that CP-SAT uses (solved to optimality)."""
+    """4 CPU devices: the greedy plan of tiny-vlm leaves devices idle that CP-SAT uses (solved to optimality):
+    2.6 % shorter (12 % while the CPU's model charged attention as FlashAttention, not the local spec's)."""
     workload, cluster = load_workload("tiny-vlm"), make_cluster(4, gpu_type_name="CPU")
     result = pipeline.plan_workload(workload, cluster, pipeline.PlannerConfig(
         planner="cpsat", solver_time_limit=5.0, solver_workers=1))
     solver = result.plan.planner["solver"]
     assert not solver["used_hint_only"]
-    assert result.plan.iteration_time < makespan(result.greedy_waves) * 0.95
+    assert result.plan.iteration_time < makespan(result.greedy_waves) * 0.98
 
 
 def test_cross_level_greedy_hint_is_tolerated():

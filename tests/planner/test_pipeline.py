@@ -136,3 +136,60 @@ def test_sequence_parallel_plans_record_it_and_hold_less_where_it_applies():
     assert BASELINES["megatron"](w, c, ctx).settings.sequence_parallel
     built = BaselineContext.build(w, c, sequence_parallel=True)  # tools/compare.py's and the fallback's
     assert built.sequence_parallel and BASELINES["deepspeed"](w, c, built).settings.sequence_parallel
+
+
+def test_attention_backend_is_planned_recorded_and_simulated_as_the_runtime_runs_it():
+    """--attention-backend local (megatron-core's local spec: unfused attention, softmax in fp32) on QWen-VAL / 32
+    GPUs: the plan records it and the planner's cost model charges it; the simulator's default models follow the
+    plan's setting (its time and peak are the planner's models'), and the same plan charged as FlashAttention is
+    faster and holds less (no scores kept). The baselines' plans record the backend they were timed with."""
+    from megatron_spindle.baselines import BASELINES, BaselineContext
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.planner.pipeline import plan_workload
+    from megatron_spindle.simulator import simulate
+
+    w, c = load_workload("qwen-val"), make_cluster(32)
+    result = plan_workload(w, c, PlannerConfig(planner="wavefront", select="none", attention_backend="local"))
+    plan = result.plan
+    assert plan.settings.attention_backend == "local"
+    assert (result.cost_model.config.attention, result.cost_model.config.fused_softmax) == ("unfused", False)
+    planned = simulate(plan, w, c, result.cost_model, result.memory_model, metagraph=result.metagraph)
+    default = simulate(plan, w, c, metagraph=result.metagraph)  # models built from the plan's settings
+    assert default.iteration_time == pytest.approx(planned.iteration_time, rel=1e-9)
+    assert default.peak_memory == plan.memory_per_device
+    flash = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, attention_backend="flash"))
+    fast = simulate(flash, w, c, metagraph=result.metagraph)
+    assert fast.iteration_time < default.iteration_time
+    assert max(fast.peak_memory) < max(default.peak_memory)
+    built = BaselineContext.build(w, c, attention_backend="unfused")  # tools/compare.py's and the fallback's
+    assert (built.cost_model.config.attention, built.cost_model.config.fused_softmax) == ("unfused", True)
+    assert BASELINES["deepspeed"](w, c, built).settings.attention_backend == "unfused"
+
+
+def test_attention_backend_on_a_cpu_is_the_local_spec():
+    """A CPU runs megatron-core's local spec: auto plans record local, and a Transformer Engine backend is refused
+    with one line that names the flag."""
+    from megatron_spindle.graph.workload import load_workload
+
+    w, c = load_workload("tiny-clip"), make_cluster(2, 2, "CPU")
+    plan = make_plan(w, c, PlannerConfig(planner="wavefront", select="none"))
+    assert plan.settings.attention_backend == "local"
+    with pytest.raises(PlanError, match="--attention-backend flash is a Transformer Engine backend"):
+        make_plan(w, c, PlannerConfig(planner="wavefront", select="none", attention_backend="flash"))
+
+
+def test_a_profile_s_attention_backend_is_the_plan_s():
+    """A profile records the attention it measured: auto plans on it run that one, and a plan for another backend
+    is refused (its measured times would be of kernels the plan does not run)."""
+    from megatron_spindle.estimator.profile import Profile
+    from megatron_spindle.graph.workload import load_workload
+
+    w, c = load_workload("tiny-clip"), make_cluster(8)
+    measured_local = Profile({}, attention_backend="local")  # taken where TE was missing
+    plan = make_plan(w, c, PlannerConfig(planner="wavefront", select="none"), profile=measured_local)
+    assert plan.settings.attention_backend == "local"
+    with pytest.raises(PlanError, match="the profile measured attention backend 'local', the plan is for 'flash'"):
+        make_plan(w, c, PlannerConfig(planner="wavefront", select="none", attention_backend="flash"),
+                  profile=measured_local)
+    assert make_plan(w, c, PlannerConfig(planner="wavefront", select="none"),
+                     profile=Profile({})).settings.attention_backend == "auto"  # written before the key

@@ -282,8 +282,10 @@ def _pkey(key: str) -> str:
     return key.replace(".", "__")
 
 
-def standin_factory(workload, info, layer_start, layer_end, pg_collection=None, dp_group=None, recompute=None):
-    """Stand-ins keep every activation (``recompute`` is for megatron-core's layers)."""
+def standin_factory(workload, info, layer_start, layer_end, pg_collection=None, dp_group=None, recompute=None,
+                    attention_backend="auto"):
+    """Stand-ins keep every activation and have no attention (``recompute`` and ``attention_backend`` are for
+    megatron-core's layers)."""
     return StandinOp(workload, info, layer_start, layer_end, pg_collection=pg_collection, dp_group=dp_group)
 
 

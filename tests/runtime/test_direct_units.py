@@ -9,7 +9,7 @@ import pytest
 import torch
 from harness import check_engine_against, reference_trajectory
 from plans import random_plan, sequential_plan
-from standin import StandinOp, StandinReference, standin_batch
+from standin import StandinOp, StandinReference, standin_batch, standin_factory
 
 from megatron_spindle.compat.groups import ensure_torch_distributed
 from megatron_spindle.data.mock import mock_batch
@@ -45,7 +45,8 @@ class PermutedStandin(StandinOp):
         super().load_full_state({k: v.flip(0) if k.endswith(".fc1") else v for k, v in state.items()})
 
 
-def permuted_factory(workload, info, layer_start, layer_end, pg_collection=None, dp_group=None):
+def permuted_factory(workload, info, layer_start, layer_end, pg_collection=None, dp_group=None,
+                     attention_backend="auto"):
     return PermutedStandin(workload, info, layer_start, layer_end, pg_collection=pg_collection, dp_group=dp_group)
 
 
@@ -101,8 +102,8 @@ def test_no_fast_path_for_low_precision_or_the_distributed_optimizer(stage):
     plan = sequential_plan(w, 1)
     sharded = sequential_plan(w, 1)
     sharded.settings = dataclasses.replace(sharded.settings, zero_stage=stage)
-    assert RuntimeEngine(plan, w, 0, 1, operator_factory=StandinOp, batch_fn=standin_batch).direct_units
-    assert RuntimeEngine(sharded, w, 0, 1, operator_factory=StandinOp, batch_fn=standin_batch).direct_units == []
-    half = RuntimeEngine(plan, w, 0, 1, EngineConfig(dtype=torch.bfloat16), operator_factory=StandinOp,
+    assert RuntimeEngine(plan, w, 0, 1, operator_factory=standin_factory, batch_fn=standin_batch).direct_units
+    assert RuntimeEngine(sharded, w, 0, 1, operator_factory=standin_factory, batch_fn=standin_batch).direct_units == []
+    half = RuntimeEngine(plan, w, 0, 1, EngineConfig(dtype=torch.bfloat16), operator_factory=standin_factory,
                          batch_fn=standin_batch)
     assert half.direct_units == []

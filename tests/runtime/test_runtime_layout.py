@@ -3,6 +3,7 @@ groups, and the plan checks that run before any communication."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -80,6 +81,10 @@ def test_checks_name_the_problem():
     other = sequential_plan(load_workload("tiny-clip"), 2)
     with pytest.raises(PlanError, match="was made for workload"):
         check_runnable(other, w, g, 2)
+    te = sequential_plan(w, 2)
+    te.settings = dataclasses.replace(te.settings, attention_backend="flash")  # planned for a GPU with TE
+    with pytest.raises(PlanError, match="'flash' is Transformer Engine's, which is not available on this machine"):
+        check_runnable(te, w, g, 2)
 
 
 def test_build_plan_rejects_overlapping_devices_in_a_wave():

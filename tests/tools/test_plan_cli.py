@@ -78,3 +78,20 @@ def test_global_batch_size_plans_the_workload_pretrain_trains(tmp_path):
     assert {t.name: t.batch_size for t in trained.tasks} == {"vision_text": 8, "audio_depth": 16}  # 4 : 8, doubled
     bad = run_plan("--workload", "tiny-clip", "--num-gpus", "2", "--global-batch-size", "7")
     assert bad.returncode == 2 and "--global-batch-size 7:" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_attention_backend_is_planned_and_refused_where_it_cannot_run(tmp_path):
+    """--attention-backend (Megatron-LM's flag) is recorded in the plan and its summary; a Transformer Engine
+    backend for CPUs is one line, exit 2, and the file already there stays."""
+    target = tmp_path / "plan.json"
+    out = run_plan("--workload", "tiny-clip", "--num-gpus", "8", "--gpu-type", "A800-80GB", "--attention-backend",
+                   "local", "--spindle-planner", "wavefront", "--out", str(target))
+    assert out.returncode == 0, out.stderr
+    assert "attention backend local" in out.stdout
+    assert json.loads(target.read_text())["settings"]["attention_backend"] == "local"
+    target.write_text("previous plan")
+    out = run_plan("--workload", "tiny-clip", "--num-gpus", "2", "--gpu-type", "CPU", "--attention-backend", "fused",
+                   "--out", str(target))
+    assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert "--attention-backend fused is a Transformer Engine backend and cannot run on a CPU" in out.stderr
+    assert target.read_text() == "previous plan"

@@ -95,6 +95,7 @@ def test_one_rank_profile_plans_and_is_cached(tmp_path, capsys, monkeypatch, one
     assert doc["format"] == "megatron-spindle-profile" and doc["version"] == 1 and doc["gpu"] == "CPU"
     assert doc["versions"]["torch"] and doc["versions"]["megatron-core"] == "0.16.1"
     assert doc["hardware"]["world_size"] == 1 and doc["hardware"]["device"]["type"] == "cpu"
+    assert doc["settings"]["attention_backend"] == "local"  # auto on a CPU: what was measured
     assert doc["bandwidth"] == {"intra_node": None, "inter_node": None}  # one rank: nothing to measure
     opt = doc["optimizer"]  # the measured AdamW step
     assert opt["source"] == "measured" and opt["seconds_per_element"] > 0 and opt["seconds_per_tensor"] > 0

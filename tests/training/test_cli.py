@@ -153,5 +153,22 @@ def test_an_analytic_gpu_plan_without_transformer_engine_says_what_the_runtime_r
     for gpu_type, noted in (("A800-80GB", True), ("CPU", False)):
         args = build_pretrain_parser("test").parse_args(BASE + ["--mock-data", "--gpu-type", gpu_type,
                                                                 "--spindle-planner", "wavefront"])
-        get_plan(args, workload, 1, 0)
+        plan = get_plan(args, workload, 1, 0)
         assert (LOCAL_SPEC_NOTE in capsys.readouterr().out) == noted, gpu_type
+        assert plan.settings.attention_backend == "local", gpu_type  # what runs here, charged as such
+
+
+def test_a_transformer_engine_attention_backend_without_te_is_refused_before_planning():
+    """pretrain_multitask.py --attention-backend flash where Transformer Engine is missing: the plan would charge
+    kernels this machine cannot run, so it stops with one line naming the flag."""
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.plan.schema import PlanError
+    from megatron_spindle.training.trainer import build_pretrain_parser, get_plan
+
+    for gpu_type, where in (("A800-80GB", "this machine, where Transformer Engine is not available"),
+                            ("CPU", "a CPU")):
+        args = build_pretrain_parser("test").parse_args(BASE + ["--mock-data", "--gpu-type", gpu_type,
+                                                                "--attention-backend", "flash"])
+        with pytest.raises(PlanError, match=f"--attention-backend flash is a Transformer Engine backend and cannot "
+                                            f"run on {where}"):
+            get_plan(args, load_workload("tiny-clip"), 1, 0)
