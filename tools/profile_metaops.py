@@ -11,7 +11,6 @@ Configs this world cannot run (tp above the ranks of a node) are left to the ana
 Profiles are cached by (workload digest, hardware, versions, settings) under --profile-cache-dir and reused.
 """
 
-import dataclasses
 import os
 import sys
 import time
@@ -74,15 +73,8 @@ def _default_gpu_type(device_kind: str) -> str:
 
 
 def settings_from_args(args, device_kind: str) -> ProfilerSettings:
-    """The flags' settings, with the attention backend that runs here (auto: the local spec without TE)."""
-    from megatron_spindle.compat.cpu import te_available
-    from megatron_spindle.plan.schema import resolve_attention_backend
-
     sizes = {"bandwidth_sizes": gpu_bandwidth_sizes()} if device_kind == "cuda" else {}
-    settings = config_from_args(ProfilerSettings, args, prefix=PROFILE_PREFIX, **sizes)
-    backend = resolve_attention_backend(settings.attention_backend, "cpu" if device_kind == "cpu" else "gpu",
-                                        te_available())
-    return dataclasses.replace(settings, attention_backend=backend)
+    return config_from_args(ProfilerSettings, args, prefix=PROFILE_PREFIX, **sizes)
 
 
 def profile_summary(path, workload, cluster) -> str:
@@ -131,6 +123,7 @@ def main(argv=None, extra_args_provider=None):
             run_profile,
             software_versions,
         )
+        from megatron_spindle.profiler.run import measured_attention
         from megatron_spindle.runtime.distributed import destroy_distributed, init_distributed
 
         device_kind = _device_kind(args.device)
@@ -142,7 +135,7 @@ def main(argv=None, extra_args_provider=None):
                 args.gpu_type = _default_gpu_type(device_kind)
             workload = workload_from_args(args)
             cluster = cluster_from_args(args, default_num_gpus=world.world_size)
-            settings = settings_from_args(args, device_kind)
+            settings = measured_attention(settings_from_args(args, device_kind), world)  # the key names it
             say = (lambda msg: print(f"[profile] {msg}", flush=True)) if world.rank == 0 else (lambda msg: None)
             key = profile_key(workload, cluster, describe_hardware(world), software_versions(), settings)
             cached = None

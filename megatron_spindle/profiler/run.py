@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 import time
@@ -26,6 +27,7 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.task_sets import workload_units
 from megatron_spindle.graph.workload import Workload
+from megatron_spindle.plan.schema import resolve_attention_backend
 from megatron_spindle.profiler.comm import ProbeChunk, dp_comm_seconds, measure_bandwidth
 from megatron_spindle.profiler.fingerprint import describe_hardware, profile_key, software_versions
 from megatron_spindle.profiler.operators import layer_chunk, measure_config, measure_optimizer
@@ -134,6 +136,16 @@ def _message_probe_chunk(workload: Workload, g: MetaGraph, infos: dict, world: P
                       layer_chunk(workload, infos[lightest.id], world, settings))
 
 
+def measured_attention(settings: ProfilerSettings, world: ProfileWorld) -> ProfilerSettings:
+    """``settings`` with the attention backend that runs on ``world``'s device (plan/schema.py
+    ``resolve_attention_backend``: auto is the local spec on a CPU or without Transformer Engine), which the
+    profile records and plans on it run."""
+    from megatron_spindle.compat.cpu import te_available
+
+    backend = resolve_attention_backend(settings.attention_backend, world.device.type, te_available())
+    return dataclasses.replace(settings, attention_backend=backend)
+
+
 def run_profile(workload: Workload, cluster: ClusterSpec, settings: ProfilerSettings | None = None,
                 world: ProfileWorld | None = None, progress: Callable[[str], None] | None = None) -> ProfileResult:
     """Measure every MetaOp group at its measurable configs (see ``megatron_spindle.profiler``). Collective."""
@@ -141,8 +153,8 @@ def run_profile(workload: Workload, cluster: ClusterSpec, settings: ProfilerSett
     from megatron_spindle.compat.groups import ensure_global_memory_buffer
     from megatron_spindle.models.operator import metaop_infos
 
-    settings = settings or ProfilerSettings()
     world = world or ProfileWorld.current()
+    settings = measured_attention(settings or ProfilerSettings(), world)
     say = progress if (progress is not None and world.rank == 0) else (lambda msg: None)
     apply_cpu_shim()
     ensure_global_memory_buffer()

@@ -115,7 +115,8 @@ def test_one_rank_profile_plans_and_is_cached(tmp_path, capsys, monkeypatch, one
     cluster = make_cluster(4, 4, "CPU")
     curves = _check_curves_and_plan(out, cluster)
     assert {p.source for p in curves["text_audio/audio"].points.values()} == {"profiled"}  # tp=1 wins per n
-    assert len(list((cache / "profiles").glob("*.json"))) == 1
+    cached = list((cache / "profiles").glob("*.json"))
+    assert len(cached) == 1 and cached[0].name.endswith(f"-{doc['profile_key']}.json")  # keyed by what it measured
     _check_planning_on_the_whole_profile(out, cluster)
 
     # second run with the same key: read from the cache, nothing measured
