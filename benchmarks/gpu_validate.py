@@ -143,11 +143,11 @@ def flash_points(torch, timer, km, device, dry) -> Iterator[dict]:
                    "model": km.flash_rate(batch, heads, seq, hd) / 1e12}
 
 
-def estimate_layer(shape: dict, batch: int, gpu_type: str, attention: str) -> dict:
+def estimate_layer(shape: dict, batch: int, gpu_type: str, attention_backend: str) -> dict:
     args = [sys.executable, str(ROOT / "tools" / "estimate.py"), "layer", "--hidden-size", str(shape["hidden"]),
             "--num-attention-heads", str(shape["heads"]), "--num-query-groups", str(shape["groups"]),
             "--ffn-hidden-size", str(shape["ffn"]), "--seq-length", str(shape["seq"]), "--micro-batch-size",
-            str(batch), "--attention", attention, "--gpu-type", gpu_type, "--json"]
+            str(batch), "--attention-backend", attention_backend, "--gpu-type", gpu_type, "--json"]
     if shape["llm"]:
         args += ["--swiglu", "--causal", "--disable-bias-linear", "--position-embedding-type", "rope"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -161,10 +161,13 @@ def layer_points(torch, timer, device, gpu_type, dry, layers: int) -> Iterator[d
     from megatron_spindle.graph.workload import workload_from_dict
     from megatron_spindle.models.config import ModelConfig
     from megatron_spindle.models.operator import build_operator, metaop_infos
+    from megatron_spindle.plan.schema import resolve_attention_backend
 
     cases = ([("encoder", TINY_ENCODER, (2,)), ("llm", TINY_LLM, (1,))] if dry else
              [("vit-b", VIT_B, (64, 192)), ("vit-h", VIT_H, (8, 32, 64)), ("llama3-8b", LLAMA3_8B, (1, 2, 4))])
-    attention = "flash" if te_available() else "unfused"  # TE's fused attention vs megatron-core's local path
+    # what the operators below build here (auto: TE's choice, else megatron-core's local spec), charged as the
+    # planner charges it
+    backend = resolve_attention_backend("auto", device, te_available())
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     for name, shape, batches in cases:
         module = {"kind": "llm" if shape["llm"] else "encoder", "num_layers": layers,
@@ -181,7 +184,7 @@ def layer_points(torch, timer, device, gpu_type, dry, layers: int) -> Iterator[d
             fwd = timer.ms(lambda op=op, x=x: op([x], None)) / layers
             grad = torch.randn(batch, shape["seq"], shape["hidden"], device=device, dtype=dtype)
             bwd = timer.ms(lambda y, grad=grad: y.backward(grad), setup=lambda op=op, x=x: op([x], None)) / layers
-            est = estimate_layer(shape, batch, gpu_type, attention)
+            est = estimate_layer(shape, batch, gpu_type, backend)
             for phase, measured, model in (("forward", fwd, est["forward_ms"]), ("backward", bwd, est["backward_ms"])):
                 yield {"point": f"{name} layer mb{batch} {phase}", "unit": "ms", "measured": measured,
                        "model": model}

@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_spindle.estimator.comm_model import COLLECTIVES
     from megatron_spindle.estimator.op_kernels import ATTENTION_KINDS
     from megatron_spindle.graph.cluster import NODE_TYPES
+    from megatron_spindle.plan.schema import ATTENTION_BACKENDS
 
     parser = CliArgumentParser(prog="estimate.py", description=__doc__.strip().splitlines()[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CliArgumentParser)
@@ -84,9 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-query-groups", type=positive_int, default=None, help="GQA groups (default: = heads)")
     g.add_argument("--swiglu", action="store_true", help="gated SwiGLU MLP (3 FFN GEMMs) instead of GELU")
     g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
-    g.add_argument("--attention", choices=ATTENTION_KINDS, default="flash")
+    g.add_argument("--attention", choices=ATTENTION_KINDS, default=None, help="the attention kernel (default: flash)")
     g.add_argument("--masked-softmax-fusion", action="store_true",
                    help="unfused attention with a fused softmax kernel (default: torch's fp32 softmax)")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
+                   help="Megatron-LM's --attention-backend instead of --attention and --masked-softmax-fusion, charged "
+                        "as the planner charges it: flash, fused and auto as FlashAttention, unfused with a fused "
+                        "softmax, local (megatron-core's local spec) with torch's fp32 softmax")
     g.add_argument("--causal", action="store_true", help="causal attention mask (decoders)")
     g.add_argument("--disable-bias-linear", action="store_true", help="no linear biases, RMSNorm (llama style)")
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
@@ -144,28 +149,42 @@ def estimate_layer(args) -> dict:
     from megatron_spindle.plan.schema import sequence_parallel_runs, sequence_parallel_tokens
 
     cluster = make_cluster(8, 8, args.gpu_type)
+    attention, fused_softmax = layer_attention(args)
     tp = args.tensor_model_parallel_size
     if tp > cluster.gpus_per_node:
         raise ValueError(f"--tensor-model-parallel-size {tp} is larger than a node ({cluster.gpus_per_node} GPUs)")
     shape = LayerShape(
         batch=args.micro_batch_size, seq=args.seq_length, hidden=args.hidden_size, heads=args.num_attention_heads,
         ffn=args.ffn_hidden_size, kv_groups=args.num_query_groups, swiglu=args.swiglu, causal=args.causal, tp=tp,
-        attention=args.attention, bias=not args.disable_bias_linear,
-        rotary=args.position_embedding_type == "rope", fused_softmax=args.masked_softmax_fusion)
+        attention=attention, bias=not args.disable_bias_linear,
+        rotary=args.position_embedding_type == "rope", fused_softmax=fused_softmax)
     # the planner's rule (plan/schema.py), which reads only the module's causality
     sp = sequence_parallel_runs(args.sequence_parallel, "layer", tp, args.seq_length,
                                 SimpleNamespace(is_causal=args.causal))
     timed = dataclasses.replace(shape, seq=sequence_parallel_tokens(args.seq_length, tp),
                                 sequence_parallel=True) if sp else shape
     recompute = args.recompute_granularity == "full"
-    config = CostModelConfig(attention=args.attention, recompute=recompute)
+    config = CostModelConfig(attention=attention, fused_softmax=fused_softmax, recompute=recompute)
     forward, backward = layer_seconds(timed, cluster, config)
     floor = layer_launch_floor(timed, cluster, config)
     flops = 3 * shape.forward_flops()  # model FLOPs of forward + backward on this GPU (the padding is not model work)
     return {"forward_ms": forward * 1e3, "backward_ms": backward * 1e3, "tflops": flops / (forward + backward) / 1e12,
             "model_flops_per_gpu": flops, "launch_floor_ms": floor * 1e3,
             "host_bound": floor >= forward + backward - 1e-12, "gpu_type": args.gpu_type,
-            "tensor_model_parallel_size": tp, "sequence_parallel": sp, "attention": args.attention}
+            "tensor_model_parallel_size": tp, "sequence_parallel": sp, "attention": attention,
+            "fused_softmax": fused_softmax}
+
+
+def layer_attention(args) -> tuple[str, bool]:
+    """(attention kind, fused softmax) of the layer flags: --attention-backend by the planner's rule (plan/schema.py
+    ``attention_kernels``), else --attention (default flash) and --masked-softmax-fusion."""
+    from megatron_spindle.plan.schema import attention_kernels
+
+    if args.attention_backend is None:
+        return args.attention or "flash", args.masked_softmax_fusion
+    if args.attention is not None or args.masked_softmax_fusion:
+        raise ValueError("give --attention-backend, or --attention and --masked-softmax-fusion, not both")
+    return attention_kernels(args.attention_backend)
 
 
 def collective_group(args, cluster_of):
@@ -228,7 +247,7 @@ def describe(result: dict, command: str) -> str:
     if command == "layer":
         return (f"layer on one {result['gpu_type']} (tp {result['tensor_model_parallel_size']}"
                 f"{' + sequence parallelism' if result['sequence_parallel'] else ''}, "
-                f"{result['attention']} attention): forward {result['forward_ms']:.3f} ms, backward "
+                f"{result['attention']} attention{' with a fused softmax' if result['fused_softmax'] else ''}): forward {result['forward_ms']:.3f} ms, backward "
                 f"{result['backward_ms']:.3f} ms, {result['tflops']:.3g} TFLOP/s (model FLOPs, fwd + bwd); the host "
                 f"issues it in {result['launch_floor_ms']:.3f} ms"
                 + (" (host-bound: the launch floor sets the time)" if result["host_bound"] else ""))

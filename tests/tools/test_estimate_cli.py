@@ -105,6 +105,26 @@ def test_collective_json_is_the_library_estimate_in_nccl_tests_units():
     assert p2p["bus_bandwidth_gb_s"] == pytest.approx(2**30 / p2p["seconds"] / 1e9)
 
 
+def test_attention_backend_is_charged_as_the_planner_charges_it():
+    """--attention-backend (Megatron-LM's names) maps to the kernels by the planner's rule: local is unfused with
+    torch's fp32 softmax, TE's unfused has a fused softmax, fused and flash are FlashAttention."""
+    vit = ["layer", "--hidden-size", "1280", "--num-attention-heads", "16", "--ffn-hidden-size", "5120",
+           "--seq-length", "257", "--micro-batch-size", "32", "--json"]
+
+    def forward_ms(*extra):
+        out = estimate(*vit, *extra)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["forward_ms"]
+
+    assert forward_ms("--attention-backend", "local") == forward_ms("--attention", "unfused")
+    assert forward_ms("--attention-backend", "unfused") == forward_ms("--attention", "unfused",
+                                                                      "--masked-softmax-fusion")
+    assert forward_ms("--attention-backend", "fused") == forward_ms("--attention-backend", "flash") == forward_ms()
+    assert forward_ms("--attention-backend", "unfused") < forward_ms("--attention-backend", "local")
+    text = estimate(*vit[:-1], "--attention-backend", "unfused").stdout
+    assert "unfused attention with a fused softmax" in text
+
+
 @pytest.mark.parametrize("args, message", [
     (["layer", "--hidden-size", "100", "--num-attention-heads", "3", "--ffn-hidden-size", "64", "--seq-length", "8",
       "--micro-batch-size", "1"], "not a multiple of heads"),
@@ -113,6 +133,8 @@ def test_collective_json_is_the_library_estimate_in_nccl_tests_units():
     (["layer", "--hidden-size", "64"], "required"),
     (["layer", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "64", "--seq-length", "8",
       "--micro-batch-size", "1", "--attention", "sparse"], "invalid choice"),
+    (["layer", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "64", "--seq-length", "8",
+      "--micro-batch-size", "1", "--attention-backend", "local", "--attention", "unfused"], "not both"),
     (["collective", "--op", "broadcast", "--bytes", "8", "--num-gpus", "2"], "invalid choice"),
     (["collective", "--op", "all_reduce", "--bytes", "12x", "--num-gpus", "2"], "not a byte count"),
     (["collective", "--op", "send_recv", "--bytes", "8", "--num-gpus", "4"], "between two GPUs"),
