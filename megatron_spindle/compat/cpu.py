@@ -214,8 +214,10 @@ def uses_te_spec(attention_backend: str = "auto") -> bool:
     unfused only with TE (an error without it: the plan charged a kernel this machine cannot run)."""
     if attention_backend == "local":
         return False
-    if attention_backend == "auto" or te_available():
-        return te_available()
+    if te_available():
+        return True
+    if attention_backend == "auto":
+        return False
     from megatron_spindle.plan.schema import PlanError
 
     raise PlanError(f"attention backend '{attention_backend}' is Transformer Engine's, which is not available on "

@@ -15,10 +15,10 @@ measurements with compute and DP communication apart (``ProfiledCostModel``), th
 ("bandwidth", ``cluster_with_bandwidth``) and the measured AdamW step ("optimizer",
 ``{"seconds_per_element": .., "seconds_per_tensor": ..}``; None in profiles written before it existed: the cost
 model's analytic optimizer cost applies) and the attention backend measured ("settings", ``attention_backend``;
-plans on the profile run it: planner/pipeline.py ``for_cluster``). Profiles are keyed by the workload digest: input shapes decide MetaOp
-identity and times, so a profile of another workload is refused. Times also depend on the GPU, so its type must
-match; the cluster may differ in size: points for more devices than the cluster has are dropped, the rest keep
-their meaning.
+plans on the profile run it: planner/pipeline.py ``for_cluster``). Profiles are keyed by the workload digest:
+input shapes decide MetaOp identity and times, so a profile of another workload is refused. Times also depend on
+the GPU, so its type must match; the cluster may differ in size: points for more devices than the cluster has are
+dropped, the rest keep their meaning.
 
 Pure Python: the measuring side (torch) is ``megatron_spindle.profiler``.
 """

@@ -45,7 +45,6 @@ REDUCE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # Megatron-LM's --attention-backend (megatron-core AttnBackend): flash, fused and unfused are Transformer Engine's
 # attention kernels, local megatron-core's own attention core (its local spec), auto Transformer Engine's choice
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
-TE_ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
 
 
 class PlanError(ValueError):
