@@ -47,6 +47,7 @@ import torch
 from megatron_spindle.checkpointing.integrity import file_checksums, recorded_checksum, remove_stale_saves
 from megatron_spindle.checkpointing.rng import get_rng_state
 from megatron_spindle.fileio import fsync_dir, write_text_atomic
+from megatron_spindle.models.state import from_te_names
 
 CHECKPOINT_FORMAT = "megatron-spindle-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -323,7 +324,9 @@ def _load_unit_file(ckpt: Path, unit: str, meta: dict[str, Any]) -> UnitState:
         if name not in state.model or list(state.model[name].shape) != tm["shape"]:
             raise CheckpointError(f"checkpoint {ckpt} is corrupt: tensor '{name}' in {meta['file']} does not match "
                                   f"its metadata")
-    return state
+    # one name per tensor whichever layer spec wrote it (models/state.py): a Transformer Engine run's fused
+    # pre-norm names, had it saved them, read as the local spec's
+    return UnitState(from_te_names(state.model), from_te_names(state.optim))
 
 
 def _shape(x) -> tuple[int, ...]:
@@ -380,8 +383,9 @@ def load_checkpoint(load_dir: str | Path, *, units: list[str] | None = None,
                      f"({meta['workload_digest']}), loading it into workload digest {workload_digest}")
         warnings.warn(notes[-1], stacklevel=2)
     manifest = meta["units"]
-    if expected is not None:
-        check_shapes(ckpt, manifest, expected)
+    if expected is not None:  # names in the local spec's spelling, as the loaded states have them
+        check_shapes(ckpt, {u: {**m, "tensors": from_te_names(m["tensors"])} for u, m in manifest.items()},
+                     expected)
     wanted = sorted(manifest) if units is None else list(units)
     out: dict[str, UnitState] = {}
     for unit in wanted:

@@ -76,6 +76,7 @@ from megatron_spindle.models.state import (
     full_shape,
     gather_full,
     init_full_tensor,
+    local_spelling,
     placed_full,
     shard_full_tensor,
 )
@@ -148,8 +149,9 @@ class SliceOperator(nn.Module):
     def _named_by_unit(self) -> dict[str, list[tuple[str, nn.Parameter]]]:
         """unit -> its (``"<unit>.<path>"``, parameter) pairs, made once: the runtime asks for a unit's gradients
         after every slice's backward, and walking the modules each time cost a step about 1 ms of host time on
-        tiny-clip (the parameters are loaded in place, never replaced)."""
-        return {unit: [(f"{unit}.{path}", p) for path, p in module.named_parameters()]
+        tiny-clip (the parameters are loaded in place, never replaced). Names are in the local spec's spelling
+        whatever spec the layers are built on (models/state.py ``local_spelling``)."""
+        return {unit: [(local_spelling(f"{unit}.{path}"), p) for path, p in module.named_parameters()]
                 for unit, module in self.unit_modules().items()}
 
     # ------------------------------------------------------------------------------------------ full state

@@ -214,3 +214,23 @@ def test_missing_or_duplicate_unit_fails_and_keeps_latest(tmp_path):
     [t.join() for t in threads]
     assert "written by both rank 0 and rank 1" in results[0]
     assert read_latest(tmp_path) == 1
+
+
+def test_transformer_engine_spellings_load_as_the_local_spec_s(tmp_path):
+    """A checkpoint whose pre-norms carry Transformer Engine's fused names (a TE run, or tools/checkpoint's
+    --layer-names te) loads with the local spec's names, optimizer state included, and passes the shape check
+    of a model that names them so (models/state.py: one name per tensor whatever the spec)."""
+    from megatron_spindle.models.state import local_spelling, to_te_names
+
+    unit = "llm.layers.0"
+    local = {f"{unit}.input_layernorm.weight": torch.ones(4), f"{unit}.pre_mlp_layernorm.weight": torch.ones(4) * 2,
+             f"{unit}.self_attention.linear_qkv.weight": torch.randn(12, 4)}
+    optim = {k: {"exp_avg": v * 3, "exp_avg_sq": v * 4, "step": 2.0} for k, v in local.items()}
+    te = UnitState(to_te_names(local), to_te_names(optim))
+    assert f"{unit}.self_attention.linear_qkv.layer_norm_weight" in te.model
+    assert f"{unit}.mlp.linear_fc1.layer_norm_weight" in te.model
+    assert all(local_spelling(k) in local for k in te.model)
+    save_checkpoint(tmp_path, 1, {unit: te}, expected_units=[unit])
+    got = load_checkpoint(tmp_path, expected={unit: {k: tuple(v.shape) for k, v in local.items()}}).units[unit]
+    assert sorted(got.model) == sorted(local) and sorted(got.optim) == sorted(local)
+    assert all(torch.equal(got.model[k], v) and torch.equal(got.optim[k]["exp_avg"], v * 3) for k, v in local.items())

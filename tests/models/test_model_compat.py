@@ -93,3 +93,28 @@ def test_llm_layers_are_llama_style_and_encoders_clip_style():
     assert llm.mlp.linear_fc1.weight.shape == (2 * 176, 64)  # SwiGLU: [gate; up]
     assert llm.self_attention.linear_qkv.weight.shape == (64 + 2 * 2 * 16, 64)  # GQA: 4 q heads, 2 kv groups
     assert llm.self_attention.linear_qkv.bias is None and enc.self_attention.linear_qkv.bias is not None
+
+
+def test_layers_name_their_tensors_in_the_local_spelling_whatever_the_spec():
+    """Transformer Engine's spec holds each pre-norm inside the next linear (``linear_qkv.layer_norm_weight``); an
+    operator names those tensors as the local spec does, so checkpoints and the runtime's keys are one whatever
+    spec built the layers. Emulated on a local-spec layer whose norms are moved where TE keeps them."""
+    from megatron_spindle.models import build_operator, metaop_infos
+
+    w = load_workload("tiny-vlm")
+    op = build_operator(w, metaop_infos(w)["caption/llm"], 0, 1)
+    local = op.export_full_state()
+    layer = op.blocks[0].layers[0]
+    for norm, linear in (("input_layernorm", layer.self_attention.linear_qkv), ("pre_mlp_layernorm",
+                                                                                  layer.mlp.linear_fc1)):
+        weight = getattr(layer, norm).weight
+        delattr(layer, norm)
+        linear.register_parameter("layer_norm_weight", weight)  # TE's place and name for it
+    for cached in ("_named_by_unit", "_params_by_name"):
+        op.__dict__.pop(cached, None)
+    paths = [path for path, _ in op.named_parameters()]
+    assert any(p.endswith("linear_qkv.layer_norm_weight") for p in paths)
+    te_layout = op.export_full_state()
+    assert sorted(te_layout) == sorted(local)
+    assert all(torch.equal(te_layout[k], v) for k, v in local.items())
+    op.load_full_state(local)  # a checkpoint's names load into it

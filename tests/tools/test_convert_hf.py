@@ -446,16 +446,20 @@ def test_command_line_progress_and_inspect(env, tmp_path, capsys):
 
 
 def test_transformer_engine_names_and_mapping_file(env, tmp_path):
-    """--layer-names te writes Transformer Engine spellings (fused pre-norms) that the spindle loader reads back;
-    the mapping may come from a file; the round trip is still exact."""
+    """--layer-names te writes Transformer Engine spellings (fused pre-norms) that the spindle loader and the
+    runtime's checkpoint reader read back (as the local spec's names); the mapping may come from a file; the round
+    trip is still exact."""
     tmp = env["tmp"]
     (tmp_path / "map.txt").write_text(f"# module: HF folder\nllm: {tmp / 'llama'}\n")
     _run(["--loader", "hf", "--saver", "spindle", "--workload", str(tmp / "w.yaml"), "--mapping",
           str(tmp_path / "map.txt"), "--save-dir", str(tmp_path / "te"), "--layer-names", "te"])
-    names = set(load_checkpoint(tmp_path / "te").units["llm.layers.0"].model)
+    ckpt = next(p for p in (tmp_path / "te").iterdir() if (p / "metadata.json").is_file())
+    names = set(json.loads((ckpt / "metadata.json").read_text())["units"]["llm.layers.0"]["tensors"])  # the files'
     assert "llm.layers.0.self_attention.linear_qkv.layer_norm_weight" in names
     assert "llm.layers.0.mlp.linear_fc1.layer_norm_weight" in names
     assert not any("input_layernorm" in n or "pre_mlp_layernorm" in n for n in names)
+    read = set(load_checkpoint(tmp_path / "te").units["llm.layers.0"].model)
+    assert "llm.layers.0.input_layernorm.weight" in read and not any("layer_norm_weight" in n for n in read)
     _run(["--loader", "spindle", "--saver", "hf", "--workload", str(tmp / "w.yaml"), "--load-dir",
           str(tmp_path / "te"), "--mapping", str(tmp_path / "map.txt"), "--save-dir", str(tmp_path / "back")])
     _assert_same_weights(env["models"]["llama"],

@@ -8,7 +8,7 @@ check a 10B-parameter checkpoint against a workload without allocating the model
 the real operators.
 
 Transformer Engine layer specs fuse the two pre-norms into the following linear layer; ``to_te_names`` and
-``from_te_names`` translate between the two spellings.
+``from_te_names`` (megatron_spindle/models/state.py, the one rule) translate between the two spellings.
 """
 
 from __future__ import annotations
@@ -18,15 +18,6 @@ from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import ModuleSpec, Workload
 
 Shape = tuple[int, ...]
-
-# local-spec name (suffix after "<unit>.") -> Transformer Engine spec name
-_TE_NAMES = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
-}
-
 
 def workload_units(workload: Workload) -> list[str]:
     """Every parameter unit of the workload's MetaOp graph, in graph (dependency) order."""
@@ -128,21 +119,3 @@ def unit_shapes(workload: Workload, unit: str) -> dict[str, Shape]:
 def expected_units(workload: Workload) -> dict[str, dict[str, Shape]]:
     """``{unit: {tensor name: full shape}}`` for every parameter unit of the workload."""
     return {unit: unit_shapes(workload, unit) for unit in workload_units(workload)}
-
-
-def to_te_names(tensors: dict) -> dict:
-    """Local-spec tensor names -> Transformer Engine spec names (fused pre-norms)."""
-    return {_rename(k, _TE_NAMES): v for k, v in tensors.items()}
-
-
-def from_te_names(tensors: dict) -> dict:
-    """Transformer Engine spec names -> local-spec names; other names unchanged."""
-    back = {te: local for local, te in _TE_NAMES.items()}
-    return {_rename(k, back): v for k, v in tensors.items()}
-
-
-def _rename(name: str, table: dict[str, str]) -> str:
-    for old, new in table.items():
-        if name.endswith("." + old):
-            return name[: -len(old)] + new
-    return name

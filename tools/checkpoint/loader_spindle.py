@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
+from megatron_spindle.models.state import from_te_names
 from tools.checkpoint.common import ConversionError, Metadata, UnitMessage
-from tools.checkpoint.layout import from_te_names, workload_units
+from tools.checkpoint.layout import workload_units
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

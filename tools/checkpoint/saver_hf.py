@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_spindle.models.state import from_te_names
 from tools.checkpoint.common import (
     ConversionError,
     Note,
@@ -52,7 +53,7 @@ from tools.checkpoint.hf_mapping import (
     missing_part_tensors,
     numerics_notes,
 )
-from tools.checkpoint.layout import from_te_names, split_unit, workload_units
+from tools.checkpoint.layout import split_unit, workload_units
 
 
 def add_arguments(parser) -> None:

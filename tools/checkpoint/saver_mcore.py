@@ -31,9 +31,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatron_spindle.models.state import from_te_names
 from tools.checkpoint.common import ConversionError, Metadata, UnitMessage, parse_dtype, staged_output
 from tools.checkpoint.hf_mapping import EPS_OURS, ROPE_BASE_OURS
-from tools.checkpoint.layout import from_te_names
 
 # our local-spec name (after "<owner>.layers.<i>.") -> megatron-core sharded key (after "decoder.layers.")
 _LAYER_KEYS = {

@@ -17,8 +17,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatron_spindle.models.state import to_te_names
 from tools.checkpoint.common import ConversionError, Metadata, UnitMessage, parse_dtype, staged_output
-from tools.checkpoint.layout import expected_units, to_te_names
+from tools.checkpoint.layout import expected_units
 
 
 def add_arguments(parser) -> None:
@@ -30,8 +31,9 @@ def add_arguments(parser) -> None:
                        help="Fail when the loader does not produce every unit of the workload (default: fill "
                             "missing units with the deterministic initialisation of the training run).")
     group.add_argument("--layer-names", default="auto", choices=["auto", "local", "te"],
-                       help="Tensor names of the layers: megatron-core local spec or Transformer Engine spec "
-                            "(fused pre-norms); auto: te when Transformer Engine can be used here.")
+                       help="Tensor names of the layers' pre-norms in the files: megatron-core local spec (what "
+                            "the runtime writes) or Transformer Engine spec (fused pre-norms); the runtime and the "
+                            "loaders read both. auto: te when Transformer Engine can be used here.")
 
 
 class SpilledTensors(Mapping):
