@@ -45,9 +45,9 @@ from typing import Any, Callable
 import torch
 
 from megatron_spindle.checkpointing.integrity import file_checksums, recorded_checksum, remove_stale_saves
+from megatron_spindle.checkpointing.names import from_te_names
 from megatron_spindle.checkpointing.rng import get_rng_state
 from megatron_spindle.fileio import fsync_dir, write_text_atomic
-from megatron_spindle.models.state import from_te_names
 
 CHECKPOINT_FORMAT = "megatron-spindle-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -324,7 +324,7 @@ def _load_unit_file(ckpt: Path, unit: str, meta: dict[str, Any]) -> UnitState:
         if name not in state.model or list(state.model[name].shape) != tm["shape"]:
             raise CheckpointError(f"checkpoint {ckpt} is corrupt: tensor '{name}' in {meta['file']} does not match "
                                   f"its metadata")
-    # one name per tensor whichever layer spec wrote it (models/state.py): a Transformer Engine run's fused
+    # one name per tensor whichever layer spec wrote it (checkpointing/names.py): a Transformer Engine run's fused
     # pre-norm names, had it saved them, read as the local spec's
     return UnitState(from_te_names(state.model), from_te_names(state.optim))
 

@@ -47,6 +47,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.transformer_block import TransformerBlock
 from torch import nn
 
+from megatron_spindle.checkpointing.names import local_spelling
 from megatron_spindle.compat.cpu import apply_cpu_shim, layer_spec, uses_te_spec
 from megatron_spindle.compat.groups import (
     ensure_global_memory_buffer,
@@ -76,7 +77,6 @@ from megatron_spindle.models.state import (
     full_shape,
     gather_full,
     init_full_tensor,
-    local_spelling,
     placed_full,
     shard_full_tensor,
 )
@@ -150,7 +150,7 @@ class SliceOperator(nn.Module):
         """unit -> its (``"<unit>.<path>"``, parameter) pairs, made once: the runtime asks for a unit's gradients
         after every slice's backward, and walking the modules each time cost a step about 1 ms of host time on
         tiny-clip (the parameters are loaded in place, never replaced). Names are in the local spec's spelling
-        whatever spec the layers are built on (models/state.py ``local_spelling``)."""
+        whatever spec the layers are built on (checkpointing/names.py)."""
         return {unit: [(local_spelling(f"{unit}.{path}"), p) for path, p in module.named_parameters()]
                 for unit, module in self.unit_modules().items()}
 

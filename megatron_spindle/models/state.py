@@ -1,10 +1,7 @@
 """Full (TP-unsharded) parameter tensors: deterministic initialisation, sharding and gathering.
 
 Full tensors are named ``"<unit>.<submodule path>"`` (e.g. ``"vision.layers.3.self_attention.linear_qkv.weight"``)
-in megatron-core's local-spec spelling, whichever spec a layer is built on: Transformer Engine's spec fuses the two
-pre-norms into the next linear (``...linear_qkv.layer_norm_weight``), and ``local_spelling`` names those as the local
-spec's norms (``...input_layernorm.weight``), so that checkpoints, the runtime's keys and the reference model share
-one name per tensor (``to_te_names`` / ``from_te_names`` convert whole dicts).
+in megatron-core's local-spec spelling, whichever spec a layer is built on (checkpointing/names.py).
 megatron-core marks tensor-parallel parameters with ``tensor_model_parallel``, ``partition_dim`` and
 ``partition_stride``:
 
@@ -26,37 +23,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_spindle.compat.groups import group_size
-
-# local-spec name (suffix after "<unit>.") -> Transformer Engine spec name
-TE_SPELLINGS = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
-}
-_LOCAL_SPELLINGS = {te: local for local, te in TE_SPELLINGS.items()}
-
-
-def _respelled(name: str, table: dict[str, str]) -> str:
-    for old, new in table.items():
-        if name.endswith("." + old):
-            return name[: -len(old)] + new
-    return name
-
-
-def local_spelling(name: str) -> str:
-    """A full tensor's name in the local spec's spelling (Transformer Engine's fused pre-norm names renamed)."""
-    return _respelled(name, _LOCAL_SPELLINGS)
-
-
-def to_te_names(tensors: dict) -> dict:
-    """Local-spec tensor names -> Transformer Engine spec names (fused pre-norms)."""
-    return {_respelled(k, TE_SPELLINGS): v for k, v in tensors.items()}
-
-
-def from_te_names(tensors: dict) -> dict:
-    """Transformer Engine spec names -> local-spec names; other names unchanged."""
-    return {local_spelling(k): v for k, v in tensors.items()}
 
 
 def _is_sharded(param: torch.Tensor) -> bool:

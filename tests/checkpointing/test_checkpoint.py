@@ -219,8 +219,8 @@ def test_missing_or_duplicate_unit_fails_and_keeps_latest(tmp_path):
 def test_transformer_engine_spellings_load_as_the_local_spec_s(tmp_path):
     """A checkpoint whose pre-norms carry Transformer Engine's fused names (a TE run, or tools/checkpoint's
     --layer-names te) loads with the local spec's names, optimizer state included, and passes the shape check
-    of a model that names them so (models/state.py: one name per tensor whatever the spec)."""
-    from megatron_spindle.models.state import local_spelling, to_te_names
+    of a model that names them so (checkpointing/names.py: one name per tensor whatever the spec)."""
+    from megatron_spindle.checkpointing.names import local_spelling, to_te_names
 
     unit = "llm.layers.0"
     local = {f"{unit}.input_layernorm.weight": torch.ones(4), f"{unit}.pre_mlp_layernorm.weight": torch.ones(4) * 2,

@@ -8,7 +8,7 @@ check a 10B-parameter checkpoint against a workload without allocating the model
 the real operators.
 
 Transformer Engine layer specs fuse the two pre-norms into the following linear layer; ``to_te_names`` and
-``from_te_names`` (megatron_spindle/models/state.py, the one rule) translate between the two spellings.
+``from_te_names`` (megatron_spindle/checkpointing/names.py, the one rule) translate between the two spellings.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_spindle.models.state import from_te_names
+from megatron_spindle.checkpointing.names import from_te_names
 from tools.checkpoint.common import ConversionError, Metadata, UnitMessage
 from tools.checkpoint.layout import workload_units
 

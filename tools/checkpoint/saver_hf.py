@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_spindle.models.state import from_te_names
+from megatron_spindle.checkpointing.names import from_te_names
 from tools.checkpoint.common import (
     ConversionError,
     Note,

@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_spindle.models.state import from_te_names
+from megatron_spindle.checkpointing.names import from_te_names
 from tools.checkpoint.common import ConversionError, Metadata, UnitMessage, parse_dtype, staged_output
 from tools.checkpoint.hf_mapping import EPS_OURS, ROPE_BASE_OURS
 
