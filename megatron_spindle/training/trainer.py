@@ -86,6 +86,10 @@ LOCAL_SPEC_NOTE = ("[plan] note: Transformer Engine is not available, so the run
                    "other kernels are TE's fused ones, where the local spec runs unfused norms and activations with "
                    "more host work per layer: expect iterations slower than predicted. --spindle-profile "
                    "(tools/profile_metaops.py) plans on measured MetaOps of what runs here.")
+# A saved plan made where TE was assumed (--attention-backend auto on a GPU type) runs the local spec here.
+SAVED_PLAN_LOCAL_SPEC_NOTE = ("[plan] note: the plan was charged for Transformer Engine's attention (attention backend "
+                              "auto), which is not available here: the runtime runs megatron-core's local spec, "
+                              "slower than planned. Plan here, or with --attention-backend local, to charge what runs.")
 
 
 def get_plan(args, workload, world_size: int, rank: int):
@@ -101,6 +105,11 @@ def get_plan(args, workload, world_size: int, rank: int):
         if plan.num_devices != world_size:
             raise PlanError(f"--spindle-plan {args.spindle_plan} is for {plan.num_devices} devices, the world size "
                             f"is {world_size}")
+        if rank == 0 and plan.settings.attention_backend == "auto" and plan.cluster["gpu"].get("arch") != "cpu":
+            from megatron_spindle.compat.cpu import te_available
+
+            if not te_available():
+                print(SAVED_PLAN_LOCAL_SPEC_NOTE, flush=True)
         return plan
     box: list[Any] = [None]
     if rank == 0:

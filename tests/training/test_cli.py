@@ -158,6 +158,27 @@ def test_an_analytic_gpu_plan_without_transformer_engine_says_what_the_runtime_r
         assert plan.settings.attention_backend == "local", gpu_type  # what runs here, charged as such
 
 
+def test_a_saved_plan_charged_for_te_attention_says_what_runs_here(tmp_path, capsys):
+    """--spindle-plan of a plan made for a GPU type with TE assumed (attention backend auto), loaded where TE is
+    missing: one note says that the local spec runs, slower than planned; a plan recording local says nothing."""
+    from megatron_spindle.graph.cluster import make_cluster
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
+    from megatron_spindle.training.trainer import SAVED_PLAN_LOCAL_SPEC_NOTE, build_pretrain_parser, get_plan
+
+    workload = load_workload("tiny-clip")
+    for backend, noted in (("auto", True), ("local", False)):
+        plan = make_plan(workload, make_cluster(1, 1, "A800-80GB"),
+                         PlannerConfig(planner="wavefront", select="none", attention_backend=backend))
+        assert plan.settings.attention_backend == backend
+        plan.save(tmp_path / f"{backend}.json")
+        args = build_pretrain_parser("test").parse_args(BASE + ["--mock-data",
+                                                                "--spindle-plan", str(tmp_path / f"{backend}.json")])
+        capsys.readouterr()
+        get_plan(args, workload, 1, 0)
+        assert (SAVED_PLAN_LOCAL_SPEC_NOTE in capsys.readouterr().out) == noted, backend
+
+
 def test_a_transformer_engine_attention_backend_without_te_is_refused_before_planning():
     """pretrain_multitask.py --attention-backend flash where Transformer Engine is missing: the plan would charge
     kernels this machine cannot run, so it stops with one line naming the flag."""
