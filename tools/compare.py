@@ -71,7 +71,7 @@ def describe(plan, sim, planning_seconds: float) -> dict:
             "fits": max(plan.memory_per_device, default=0.0) <= plan.cluster["gpu"]["memory_bytes"],
             "memory_options": options, "zero_stage": st.zero_stage, "micro_batches": st.micro_batches,
             "breakdown": breakdown, "planning_seconds": planning_seconds,
-            "selected": plan.planner.get("selection", {}).get("selected")}
+            "selected": plan.planner.get("selection", {}).get("selected"), "attention_backend": st.attention_backend}
 
 
 def compare(workload, cluster, systems: list[str], config, progress=None) -> dict:
@@ -157,8 +157,9 @@ def main(argv=None, extra_args_provider=None):
                           "gpus_per_node": cluster.gpus_per_node, "gpu": cluster.gpu.name, "systems": results},
                          indent=1))
     else:
+        backends = sorted({d["attention_backend"] for d in results.values() if "attention_backend" in d})
         print(f"{workload.name} on {cluster.num_devices} x {cluster.gpu.name} ({cluster.num_nodes} node(s)), "
-              "simulated")
+              f"simulated, attention backend {'/'.join(backends) or config.attention_backend}")
         print(table(results))
     return 0
 

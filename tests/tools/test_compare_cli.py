@@ -25,6 +25,7 @@ def test_json_on_tiny_clip_reports_every_system(capsys):
         parts = b["compute"] + b["transfer"] + b["grad_sync"] + b["optimizer"] + b["param_gather"]
         assert parts == pytest.approx(d["iteration_time"]) == pytest.approx(b["iteration_time"]), name
         assert d["memory_options"].startswith(f"zero{d['zero_stage']}"), name
+        assert d["attention_backend"] == "local", name  # a CPU runs the local spec, every system alike
     ds = systems["deepspeed"]["iteration_time"]
     assert systems["deepspeed"]["speedup_vs_deepspeed"] == 1.0
     assert systems["optimus"]["speedup_vs_deepspeed"] == pytest.approx(ds / systems["optimus"]["iteration_time"])
@@ -37,6 +38,8 @@ def test_json_on_tiny_clip_reports_every_system(capsys):
     (["--workload", "tiny-clip", "--num-gpus", "4", "--systems", "spindle,bogus"], "unknown system(s) bogus"),
     (["--workload", "no-such-workload", "--num-gpus", "4"], "no-such-workload"),
     (["--workload", "tiny-clip"], "--num-gpus"),
+    (["--workload", "tiny-clip", "--num-gpus", "4", "--gpu-type", "CPU", "--attention-backend", "flash"],
+     "--attention-backend flash is a Transformer Engine backend and cannot run on a CPU"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -56,3 +59,9 @@ def test_table_columns_stay_aligned_with_long_memory_options():
     header, *rows, _ = compare.table(results).splitlines()
     end = header.index("compute") + len("compute")
     assert all(r[end - len("1000.0"):end] == "1000.0" for r in rows), rows
+
+
+def test_the_table_names_the_attention_backend(capsys):
+    assert compare.main(["--workload", "tiny-clip", "--num-gpus", "8", "--systems", "spindle,deepspeed",
+                         "--spindle-planner", "wavefront", "--attention-backend", "unfused"]) == 0
+    assert "8 x A800-80GB (1 node(s)), simulated, attention backend unfused" in capsys.readouterr().out
