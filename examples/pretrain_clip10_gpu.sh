@@ -48,6 +48,9 @@ DISTRIBUTED_ARGS=(
 
 MODEL_ARGS=(
     --workload clip-10
+    # Megatron's attention backend: auto is Transformer Engine's choice where TE is installed, else megatron-core's
+    # local spec; the plan charges the one that runs (flash | fused | unfused need TE; local never uses it)
+    --attention-backend auto
 )
 
 SPINDLE_ARGS=(
