@@ -124,12 +124,19 @@ def _profiler_settings(args):
 
 
 def _simulate_profiled(plan, workload, cluster, profile):
-    """(cost model, simulation) of the plan from a profile: its measured operators, AdamW step and links."""
+    """(cost model, simulation) of the plan from a profile: its measured operators, optimizer step and links. The
+    engines here do not clip (EngineConfig's default), so their step computes no gradient norm."""
+    import dataclasses
+
+    from megatron_spindle.estimator import execution_cost_config
     from megatron_spindle.estimator.profiled import ProfiledCostModel, cluster_with_bandwidth
     from megatron_spindle.simulator import simulate
 
     measured = cluster_with_bandwidth(cluster, profile.bandwidth)
-    cost_model = ProfiledCostModel(workload, measured, profile.measurements, optimizer=profile.optimizer)
+    config = dataclasses.replace(execution_cost_config(plan.settings.sequence_parallel,
+                                                       plan.settings.attention_backend), grad_norm=False)
+    cost_model = ProfiledCostModel(workload, measured, profile.measurements, optimizer=profile.optimizer,
+                                   config=config)
     return cost_model, simulate(plan, workload, measured, cost_model=cost_model)
 
 

@@ -380,7 +380,7 @@ def _task_sequential(workload: Workload, cluster: ClusterSpec, config: PlannerCo
     started = time.perf_counter()
     ctx = BaselineContext.build(workload, cluster, metagraph=first.metagraph,
                                 sequence_parallel=config.sequence_parallel,
-                                attention_backend=config.attention_backend)
+                                attention_backend=config.attention_backend, grad_norm=config.grad_norm)
     build = functools.partial(spindle_seq_plan, zero_stages=config.zero_stages())
     plan = build(workload, cluster, ctx)
     out = []

@@ -72,11 +72,11 @@ class BaselineContext:
     @classmethod
     def build(cls, workload: Workload, cluster: ClusterSpec, cost_model=None, memory_model=None,
               metagraph: MetaGraph | None = None, sequence_parallel: bool = False,
-              attention_backend: str = "auto") -> BaselineContext:
-        """``sequence_parallel`` and ``attention_backend``: the analytic cost model's (--sequence-parallel,
-        --attention-backend), when no cost model is given."""
+              attention_backend: str = "auto", grad_norm: bool = True) -> BaselineContext:
+        """``sequence_parallel``, ``attention_backend`` and ``grad_norm``: the analytic cost model's
+        (``execution_cost_config``), when no cost model is given."""
         cost_model = cost_model or AnalyticCostModel(
-            workload, cluster, config=execution_cost_config(sequence_parallel, attention_backend))
+            workload, cluster, config=execution_cost_config(sequence_parallel, attention_backend, grad_norm))
         memory_model = memory_model or MemoryModel(workload, cluster, cost_model)
         return cls(workload, cluster, metagraph or build_metagraph(workload), cost_model, memory_model,
                    attention_backend)

@@ -107,11 +107,14 @@ class CostModelConfig:
             raise EstimatorError(f"cost model: grad_bytes must be 2 (bf16) or 4 (fp32), got {self.grad_bytes}")
 
 
-def execution_cost_config(sequence_parallel: bool = False, attention_backend: str = "auto") -> CostModelConfig:
-    """The cost model's config for what a plan's settings make the runtime run: ``--sequence-parallel`` and the
-    attention of ``--attention-backend`` (plan/schema.py ``attention_kernels``)."""
+def execution_cost_config(sequence_parallel: bool = False, attention_backend: str = "auto",
+                          grad_norm: bool = True) -> CostModelConfig:
+    """The cost model's config for what the runtime runs: ``--sequence-parallel`` and the attention of
+    ``--attention-backend`` (plan/schema.py ``attention_kernels``), as a plan's settings record them, and whether
+    the optimizer step computes the gradient norm (``grad_norm``: ``--clip-grad`` > 0 or fp16 loss scaling)."""
     attention, fused_softmax = attention_kernels(attention_backend)
-    return CostModelConfig(sequence_parallel=sequence_parallel, attention=attention, fused_softmax=fused_softmax)
+    return CostModelConfig(sequence_parallel=sequence_parallel, attention=attention, fused_softmax=fused_softmax,
+                           grad_norm=grad_norm)
 
 
 def optimizer_step_bytes(config: CostModelConfig, dtype_bytes: int) -> int:
@@ -126,16 +129,24 @@ def optimizer_step_bytes(config: CostModelConfig, dtype_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class OptimizerCost:
-    """Seconds of one AdamW step: ``seconds_per_element`` per fp32 master element plus ``seconds_per_tensor``
+    """Seconds of one optimizer step: ``seconds_per_element`` per fp32 master element plus ``seconds_per_tensor``
     per stepped tensor (the engine steps one master per parameter unit; fused multi-tensor kernels make the
-    latter ~0 on GPUs). ``source``: "analytic" (memory bandwidth of the cluster spec) or "measured"."""
+    latter ~0 on GPUs). ``source``: "analytic" (memory bandwidth of the cluster spec) or "measured".
+
+    A profile measures AdamW in ``seconds_per_element`` and the step's other passes apart:
+    ``norm_seconds_per_element`` (the gradient norm's read, which the step makes only where it clips or scales the
+    loss) and ``weight_seconds_per_element`` (bf16 weights written from the fp32 masters; 0 in fp32, where they
+    are one tensor); ``step_cost`` adds them up (0: not measured, profiles written before them)."""
 
     seconds_per_element: float
     seconds_per_tensor: float = 0.0
     source: str = "analytic"
+    norm_seconds_per_element: float = 0.0
+    weight_seconds_per_element: float = 0.0
 
     def __post_init__(self):
-        if self.seconds_per_element < 0 or self.seconds_per_tensor < 0:
+        if min(self.seconds_per_element, self.seconds_per_tensor, self.norm_seconds_per_element,
+               self.weight_seconds_per_element) < 0:
             raise EstimatorError("optimizer cost: seconds must be >= 0")
 
     def seconds(self, elements: float, tensors: int = 0) -> float:
@@ -143,9 +154,15 @@ class OptimizerCost:
             return 0.0
         return elements * self.seconds_per_element + tensors * self.seconds_per_tensor
 
+    def step_cost(self, grad_norm: bool) -> OptimizerCost:
+        """The whole step as one cost: AdamW, the weights' write and, where ``grad_norm``, the gradient norm."""
+        extra = self.weight_seconds_per_element + (self.norm_seconds_per_element if grad_norm else 0.0)
+        return OptimizerCost(self.seconds_per_element + extra, self.seconds_per_tensor, self.source)
+
     def to_dict(self) -> dict:
         return {"seconds_per_element": self.seconds_per_element, "seconds_per_tensor": self.seconds_per_tensor,
-                "source": self.source}
+                "source": self.source, "norm_seconds_per_element": self.norm_seconds_per_element,
+                "weight_seconds_per_element": self.weight_seconds_per_element}
 
 
 @dataclass(frozen=True)

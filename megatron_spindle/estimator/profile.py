@@ -13,7 +13,8 @@ measurements keep compute and DP communication apart, and a loaded profile's poi
 reads a file once into a ``Profile``: the points (the ``profile`` argument of ``estimate_curves``), the
 measurements with compute and DP communication apart (``ProfiledCostModel``), the measured links
 ("bandwidth", ``cluster_with_bandwidth``) and the measured AdamW step ("optimizer",
-``{"seconds_per_element": .., "seconds_per_tensor": ..}``; None in profiles written before it existed: the cost
+``{"seconds_per_element": .., "seconds_per_tensor": .., "norm_seconds_per_element": .., "weight_seconds_per_element":
+..}``: AdamW and the step's other passes, ``OptimizerCost``; None in profiles written before it existed: the cost
 model's analytic optimizer cost applies) and the attention backend measured ("settings", ``attention_backend``;
 plans on the profile run it: planner/pipeline.py ``for_cluster``). Profiles are keyed by the workload digest:
 input shapes decide MetaOp identity and times, so a profile of another workload is refused. Times also depend on
@@ -167,7 +168,9 @@ def optimizer_cost_from_dict(d: Any) -> OptimizerCost | None:
         return None
     try:
         return OptimizerCost(float(section["seconds_per_element"]), float(section.get("seconds_per_tensor", 0.0)),
-                             str(section.get("source", "measured")))
+                             str(section.get("source", "measured")),
+                             float(section.get("norm_seconds_per_element", 0.0)),
+                             float(section.get("weight_seconds_per_element", 0.0)))
     except (KeyError, TypeError, ValueError) as e:
         raise EstimatorError(f"profile: malformed 'optimizer' section {section!r}: {e}") from None
 

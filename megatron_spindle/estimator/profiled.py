@@ -103,13 +103,13 @@ def profile_summary(profile: Profile, cluster: ClusterSpec) -> str:
 
 
 def planning_cost_model(workload: Workload, cluster: ClusterSpec, profile=None, sequence_parallel: bool = False,
-                        attention_backend: str = "auto") -> AnalyticCostModel:
+                        attention_backend: str = "auto", grad_norm: bool = True) -> AnalyticCostModel:
     """The planner's cost model: a ``Profile`` with measurements gives a ``ProfiledCostModel`` (its operators
     and AdamW step as measured), so the planner's estimate and plan selection time what the curves were made
-    of; anything else (no profile, or its curve points alone) the analytic model. ``sequence_parallel`` and
-    ``attention_backend``: ``--sequence-parallel`` and ``--attention-backend`` (``execution_cost_config``;
-    measured operators keep their measured times)."""
-    config = execution_cost_config(sequence_parallel, attention_backend)
+    of; anything else (no profile, or its curve points alone) the analytic model. ``sequence_parallel``,
+    ``attention_backend`` and ``grad_norm``: ``execution_cost_config``'s (measured operators keep their measured
+    times)."""
+    config = execution_cost_config(sequence_parallel, attention_backend, grad_norm)
     if isinstance(profile, Profile) and profile.measurements:
         return ProfiledCostModel(workload, cluster, profile.measurements, optimizer=profile.optimizer, config=config)
     return AnalyticCostModel(workload, cluster, config=config)
@@ -167,7 +167,11 @@ class ProfiledCostModel(AnalyticCostModel):
         return self._scale[metaop.id]
 
     def optimizer_cost(self) -> OptimizerCost:
-        return self.measured_optimizer if self.measured_optimizer is not None else super().optimizer_cost()
+        """The measured step (AdamW, the bf16 weights' write, and the gradient norm where the step computes one:
+        ``config.grad_norm``), else the analytic one."""
+        if self.measured_optimizer is None:
+            return super().optimizer_cost()
+        return self.measured_optimizer.step_cost(self.config.grad_norm)
 
     def phase_seconds(self, metaop: MetaOp, tp: int, dp: int) -> tuple[float, float]:
         """(forward, backward) of ONE operator without gradient sync: a measured compute split as measured

@@ -194,7 +194,7 @@ def plan_node_groups(workload: Workload, cluster: ClusterSpec, partition: list[N
                                  attention_backend=config.attention_backend)
     # the groups' own (profiled where given)
     cost_model = planning_cost_model(workload, cluster, profile, config.sequence_parallel,
-                                     config.attention_backend)
+                                     config.attention_backend, config.grad_norm)
     memory_model = MemoryModel(workload, cluster, cost_model, zero_stage=zero)
     curves = {k: v for r in results for k, v in r.curves.items()}
     info = {"planner": f"{planner}-node-groups", "requested": dataclasses.asdict(config),

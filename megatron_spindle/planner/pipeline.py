@@ -141,6 +141,10 @@ class PlannerConfig:
     # How sync-aware curves count a MetaOp's weight sharers (estimator/estimate.py SHARER_COUNTS): plan selection
     # tries each where they differ.
     sync_sharers: str = "metaop"
+    # Whether the runtime's optimizer step computes the gradient norm (pretrain_multitask.py: --clip-grad > 0 or
+    # fp16 loss scaling; the cost model's CostModelConfig.grad_norm). Plans do not record it: the simulator's
+    # default models charge it, as Megatron-LM's default --clip-grad 1.0 makes the step do.
+    grad_norm: bool = True
 
     def __post_init__(self):
         check_choices(self)

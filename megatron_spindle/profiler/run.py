@@ -217,7 +217,9 @@ def run_profile(workload: Workload, cluster: ClusterSpec, settings: ProfilerSett
             f"{meas.tflops_per_device:.3g} TFLOP/s per device; ZeRO-1/2 copies {(load + stage) * 1e3:.3f} ms/op")
     optimizer = measure_optimizer(world, settings, [flops_model.param_count(u) for u in workload_units(workload)])
     say(f"optimizer: AdamW {optimizer.seconds_per_element * 1e9:.3f} ns/element + "
-        f"{optimizer.seconds_per_tensor * 1e6:.1f} us/tensor")
+        f"{optimizer.seconds_per_tensor * 1e6:.1f} us/tensor; gradient norm "
+        f"{optimizer.norm_seconds_per_element * 1e9:.3f} ns/element"
+        + (f", bf16 weights {optimizer.weight_seconds_per_element * 1e9:.3f} ns/element" if settings.bf16 else ""))
     world.barrier()
     for mid in unmeasured:
         unmeasured[mid] = sorted(set(unmeasured[mid]), key=lambda c: (c[0] * c[1], c[0]))

@@ -11,8 +11,9 @@ from megatron_spindle.flags import flag
 from megatron_spindle.plan.schema import ATTENTION_BACKENDS
 
 # 2: the "optimizer" section; 3: the message probe computes with the workload's layer, the forward is timed inside
-# the forward + backward repeats, and AdamW's cost per element on tensors of the workload's unit sizes
-PROFILER_VERSION = 3
+# the forward + backward repeats, and AdamW's cost per element on tensors of the workload's unit sizes; 4: the
+# optimizer section also times the gradient norm and the bf16 weights' write, and the attention backend is recorded
+PROFILER_VERSION = 4
 
 
 def _patterns(text: str) -> tuple[str, ...]:

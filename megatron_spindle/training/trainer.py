@@ -128,7 +128,8 @@ def get_plan(args, workload, world_size: int, rank: int):
             config = planner_config_from_args(args)
             # the attention this machine will run: auto is the local spec where TE is missing
             config = dataclasses.replace(config, attention_backend=resolve_attention_backend(
-                config.attention_backend, cluster.gpu.arch, te_available()))
+                config.attention_backend, cluster.gpu.arch, te_available()),
+                grad_norm=args.clip_grad > 0 or args.fp16)  # what the runtime's optimizer step computes
             plan = autoplan(workload, cluster, config,
                             profile=profile, progress=lambda m: print(f"[plan] {m}", flush=True)).plan
             print(f"[plan] done in {time.perf_counter() - t0:.3f} s", flush=True)

@@ -97,8 +97,9 @@ def test_one_rank_profile_plans_and_is_cached(tmp_path, capsys, monkeypatch, one
     assert doc["hardware"]["world_size"] == 1 and doc["hardware"]["device"]["type"] == "cpu"
     assert doc["settings"]["attention_backend"] == "local"  # auto on a CPU: what was measured
     assert doc["bandwidth"] == {"intra_node": None, "inter_node": None}  # one rank: nothing to measure
-    opt = doc["optimizer"]  # the measured AdamW step
+    opt = doc["optimizer"]  # the measured AdamW step, and apart its gradient norm (fp32 here: no weights' write)
     assert opt["source"] == "measured" and opt["seconds_per_element"] > 0 and opt["seconds_per_tensor"] > 0
+    assert opt["norm_seconds_per_element"] > 0 and opt["weight_seconds_per_element"] == 0.0
     # one progress line per measured MetaOp group and config: 7 MetaOps, none share a shape, dp in {1, 2, 4}
     assert printed.count("[profile] [") == len(doc["measurements"]) == 7 * 3
     assert all(m["tp"] == 1 for m in doc["measurements"])
@@ -304,6 +305,18 @@ def test_grouping_configs_and_cost_model():
     timed = ProfiledCostModel(workload, cluster, [meas], optimizer=measured_opt)
     assert timed.optimizer_seconds(1_000_000, 10) == pytest.approx(2e-3 + 1e-4)
     assert timed.optimizer_seconds(0, 10) == 0.0
+    # the step's other passes, measured apart: the bf16 weights' write always, the gradient norm where the step
+    # computes one (CostModelConfig.grad_norm: clipping or loss scaling)
+    from megatron_spindle.estimator import CostModelConfig
+
+    parts = {"seconds_per_element": 2e-9, "seconds_per_tensor": 1e-5, "norm_seconds_per_element": 5e-10,
+             "weight_seconds_per_element": 3e-10}
+    whole = optimizer_cost_from_dict({"optimizer": parts})
+    assert optimizer_cost_from_dict({"optimizer": whole.to_dict()}) == whole
+    clipping = ProfiledCostModel(workload, cluster, [meas], optimizer=whole)
+    unclipped = ProfiledCostModel(workload, cluster, [meas], optimizer=whole, config=CostModelConfig(grad_norm=False))
+    assert clipping.optimizer_seconds(1_000_000, 10) == pytest.approx(2.8e-3 + 1e-4)
+    assert unclipped.optimizer_seconds(1_000_000, 10) == pytest.approx(2.3e-3 + 1e-4)
     # unmeasured configs: the analytic model scaled to the measured level of the MetaOp
 
     base = AnalyticCostModel(workload, cluster)
