@@ -12,10 +12,9 @@ measurements keep compute and DP communication apart, and a loaded profile's poi
 "hardware", "versions", "bandwidth", "settings", "measurements", "optimizer") are kept as given. ``load_profile``
 reads a file once into a ``Profile``: the points (the ``profile`` argument of ``estimate_curves``), the
 measurements with compute and DP communication apart (``ProfiledCostModel``), the measured links
-("bandwidth", ``cluster_with_bandwidth``) and the measured AdamW step ("optimizer",
-``{"seconds_per_element": .., "seconds_per_tensor": .., "norm_seconds_per_element": .., "weight_seconds_per_element":
-..}``: AdamW and the step's other passes, ``OptimizerCost``; None in profiles written before it existed: the cost
-model's analytic optimizer cost applies) and the attention backend measured ("settings", ``attention_backend``;
+("bandwidth", ``cluster_with_bandwidth``) and the measured optimizer step ("optimizer": AdamW's
+``seconds_per_element`` and ``seconds_per_tensor``, and the step's other passes per element, ``OptimizerCost``;
+None in profiles written before it existed: the cost model's analytic optimizer cost applies) and the attention backend measured ("settings", ``attention_backend``;
 plans on the profile run it: planner/pipeline.py ``for_cluster``). Profiles are keyed by the workload digest:
 input shapes decide MetaOp identity and times, so a profile of another workload is refused. Times also depend on
 the GPU, so its type must match; the cluster may differ in size: points for more devices than the cluster has are
