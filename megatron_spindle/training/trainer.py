@@ -105,10 +105,10 @@ def get_plan(args, workload, world_size: int, rank: int):
         if plan.num_devices != world_size:
             raise PlanError(f"--spindle-plan {args.spindle_plan} is for {plan.num_devices} devices, the world size "
                             f"is {world_size}")
-        if rank == 0 and plan.settings.attention_backend == "auto" and plan.cluster["gpu"].get("arch") != "cpu":
+        if rank == 0 and plan.settings.attention_backend == "auto" and torch.cuda.is_available():
             from megatron_spindle.compat.cpu import te_available
 
-            if not te_available():
+            if not te_available():  # a GPU without TE (on a CPU, whatever the plan says, the local spec runs)
                 print(SAVED_PLAN_LOCAL_SPEC_NOTE, flush=True)
         return plan
     box: list[Any] = [None]

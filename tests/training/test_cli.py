@@ -177,16 +177,20 @@ def test_the_plan_charges_the_gradient_norm_only_where_the_step_computes_it():
     assert optimizer["0"] == pytest.approx(optimizer["1.0"] * unclipped / clipped)
 
 
-def test_a_saved_plan_charged_for_te_attention_says_what_runs_here(tmp_path, capsys):
-    """--spindle-plan of a plan made for a GPU type with TE assumed (attention backend auto), loaded where TE is
-    missing: one note says that the local spec runs, slower than planned; a plan recording local says nothing."""
+def test_a_saved_plan_charged_for_te_attention_says_what_runs_here(tmp_path, capsys, monkeypatch):
+    """--spindle-plan of a plan made for a GPU type with TE assumed (attention backend auto), loaded on a GPU where
+    TE is missing: one note says that the local spec runs, slower than planned; a plan recording local says
+    nothing, and neither does a CPU run (the local spec is all a CPU runs)."""
+    import torch
+
     from megatron_spindle.graph.cluster import make_cluster
     from megatron_spindle.graph.workload import load_workload
     from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
     from megatron_spindle.training.trainer import SAVED_PLAN_LOCAL_SPEC_NOTE, build_pretrain_parser, get_plan
 
     workload = load_workload("tiny-clip")
-    for backend, noted in (("auto", True), ("local", False)):
+    for gpu, backend, noted in ((True, "auto", True), (True, "local", False), (False, "auto", False)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda gpu=gpu: gpu)  # te_available() stays False here
         plan = make_plan(workload, make_cluster(1, 1, "A800-80GB"),
                          PlannerConfig(planner="wavefront", select="none", attention_backend=backend))
         assert plan.settings.attention_backend == backend
@@ -195,7 +199,7 @@ def test_a_saved_plan_charged_for_te_attention_says_what_runs_here(tmp_path, cap
                                                                 "--spindle-plan", str(tmp_path / f"{backend}.json")])
         capsys.readouterr()
         get_plan(args, workload, 1, 0)
-        assert (SAVED_PLAN_LOCAL_SPEC_NOTE in capsys.readouterr().out) == noted, backend
+        assert (SAVED_PLAN_LOCAL_SPEC_NOTE in capsys.readouterr().out) == noted, (gpu, backend)
 
 
 def test_a_transformer_engine_attention_backend_without_te_is_refused_before_planning():
