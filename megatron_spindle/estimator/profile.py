@@ -14,8 +14,9 @@ reads a file once into a ``Profile``: the points (the ``profile`` argument of ``
 measurements with compute and DP communication apart (``ProfiledCostModel``), the measured links
 ("bandwidth", ``cluster_with_bandwidth``) and the measured optimizer step ("optimizer": AdamW's
 ``seconds_per_element`` and ``seconds_per_tensor``, and the step's other passes per element, ``OptimizerCost``;
-None in profiles written before it existed: the cost model's analytic optimizer cost applies) and the attention backend measured ("settings", ``attention_backend``;
-plans on the profile run it: planner/pipeline.py ``for_cluster``). Profiles are keyed by the workload digest:
+None in profiles written before it existed: the cost model's analytic optimizer cost applies) and the attention
+backend measured ("settings", ``attention_backend``; plans on the profile run it: planner/pipeline.py
+``for_cluster``). Profiles are keyed by the workload digest:
 input shapes decide MetaOp identity and times, so a profile of another workload is refused. Times also depend on
 the GPU, so its type must match; the cluster may differ in size: points for more devices than the cluster has are
 dropped, the rest keep their meaning.
@@ -249,7 +250,7 @@ class Profile:
     points: dict[str, list[CurvePoint]]
     measurements: list[Measurement] = field(default_factory=list)
     bandwidth: dict[str, Any] = field(default_factory=dict)  # "intra_node" / "inter_node" links, None: not measured
-    optimizer: OptimizerCost | None = None  # the measured AdamW step (None: not measured)
+    optimizer: OptimizerCost | None = None  # the measured optimizer step and its parts (None: not measured)
     # the attention core measured (plan/schema.py ATTENTION_BACKENDS, resolved: local where TE was missing); None:
     # profiles written before the profiler recorded it
     attention_backend: str | None = None

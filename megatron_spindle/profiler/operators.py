@@ -151,8 +151,8 @@ def measure_optimizer(world: ProfileWorld, settings: ProfilerSettings,
     """Seconds of torch.optim.AdamW (the implementation the runtime engine steps its masters with on the device,
     runtime/optimizer.py ``adamw_fused``) per element and per tensor, and per element the step's other passes as
     the runtime makes them: the gradient norm (runtime/clip.py: one multi-tensor norm accumulating in fp64) and,
-    with ``settings.bf16``, the bf16 weights written from the masters (one multi-tensor copy). Per tensor from ``OPTIMIZER_PROBE_TENSORS``
-    tensors of 16 elements; per element from tensors of ``unit_numels`` elements, the workload's parameter units
+    with ``settings.bf16``, the bf16 weights written from the masters (one multi-tensor copy). Per tensor from
+    ``OPTIMIZER_PROBE_TENSORS`` tensors of 16 elements; per element from tensors of ``unit_numels`` elements, the workload's parameter units
     (the runtime steps one flat fp32 master per unit), the largest first up to ``OPTIMIZER_PROBE_MAX_ELEMENTS`` in
     all, or one tensor of ``OPTIMIZER_PROBE_ELEMENTS`` without them. The CPU's (unfused) AdamW makes about ten
     passes over each tensor, so its cost per element depends on whether a tensor stays in cache between them: on a
@@ -160,28 +160,25 @@ def measure_optimizer(world: ProfileWorld, settings: ProfilerSettings,
     elements) in 0.64 ms, which that rate put at 1.9 ms. Every rank measures at once (as every rank steps at once
     in training); max-reduced over the ranks. Collective."""
 
+    def timed(fn: Callable[[], object]) -> float:
+        return median_seconds(fn, world, max(1, settings.warmup), settings.repeats)
+
     def seconds(tensors: list[torch.Tensor]) -> float:
         params = [torch.nn.Parameter(t) for t in tensors]
         for p in params:
             p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=adamw_fused(world.device))
-        return median_seconds(opt.step, world, max(1, settings.warmup), settings.repeats)
-
-    def norm_seconds(grads: list[torch.Tensor]) -> float:
-        return median_seconds(lambda: torch._foreach_norm(grads, 2, dtype=torch.float64), world,
-                              max(1, settings.warmup), settings.repeats)
+        return timed(torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=adamw_fused(world.device)).step)
 
     def weight_seconds(masters: list[torch.Tensor]) -> float:
         weights = [m.to(torch.bfloat16) for m in masters]
-        return median_seconds(lambda: torch._foreach_copy_(weights, masters), world, max(1, settings.warmup),
-                              settings.repeats)
+        return timed(lambda: torch._foreach_copy_(weights, masters))
 
     gen = torch.Generator().manual_seed(settings.seed)
     sizes = probe_sizes(unit_numels)
     tensors = [torch.randn(n, generator=gen).to(world.device) for n in sizes]
     big = seconds(tensors)
     small = seconds([torch.randn(16, generator=gen).to(world.device) for _ in range(OPTIMIZER_PROBE_TENSORS)])
-    norm = norm_seconds(tensors)
+    norm = timed(lambda: torch._foreach_norm(tensors, 2, dtype=torch.float64))
     weights = weight_seconds(tensors) if settings.bf16 else 0.0
     big, small, norm, weights = world.all_max([big, small, norm, weights])
     per_tensor = small / OPTIMIZER_PROBE_TENSORS

@@ -130,10 +130,8 @@ def default_factory(workload, info, layer_start, layer_end, pg_collection=None, 
     from megatron_spindle.models import build_operator
     from megatron_spindle.models.config import ModelConfig
 
-    config = None
-    if recompute is not None or sequence_parallel or attention_backend != "auto":
-        config = ModelConfig(recompute=recompute or False, sequence_parallel=sequence_parallel,
-                             attention_backend=attention_backend)
+    config = ModelConfig(recompute=recompute or False, sequence_parallel=sequence_parallel,
+                         attention_backend=attention_backend)
     return build_operator(workload, info, layer_start, layer_end, pg_collection=pg_collection, dp_group=dp_group,
                           config=config)
 
