@@ -222,8 +222,8 @@ def c5_c6() -> list[Row]:
 
 
 # NeMo: bf16 O1 (fp32 parameters, autocast), unfused attention with fused softmax (264 and 80 tokens are multiples of
-# 4, so Megatron's scaled-masked-softmax kernel runs), 125 MB gradient chunks, full
-# recomputation of 8 of the 40 vision layers, gradient clipping (a norm), fused Adam plus an EMA of the weights every step (read the EMA and
+# 4, so Megatron's scaled-masked-softmax kernel runs), 125 MB gradient chunks, full recomputation of 8 of the 40
+# vision layers, gradient clipping (a norm), fused Adam plus an EMA of the weights every step (read the EMA and
 # the weights, write the EMA: 12 bytes per parameter). Micro batch 80 per GPU (the launcher's config; the
 # performance page does not say).
 NEMO_CONFIG = CostModelConfig(attention="unfused", fused_softmax=True, param_cast=True, grad_bytes=4)

@@ -248,8 +248,9 @@ def describe(result: dict, command: str) -> str:
         return (f"layer on one {result['gpu_type']} (tp {result['tensor_model_parallel_size']}"
                 f"{' + sequence parallelism' if result['sequence_parallel'] else ''}, "
                 f"{result['attention']} attention{' with a fused softmax' if result['fused_softmax'] else ''}): "
-                f"forward {result['forward_ms']:.3f} ms, backward {result['backward_ms']:.3f} ms, {result['tflops']:.3g} TFLOP/s (model FLOPs, fwd + bwd); the host "
-                f"issues it in {result['launch_floor_ms']:.3f} ms"
+                f"forward {result['forward_ms']:.3f} ms, backward {result['backward_ms']:.3f} ms, "
+                f"{result['tflops']:.3g} TFLOP/s (model FLOPs, fwd + bwd); the host issues it in "
+                f"{result['launch_floor_ms']:.3f} ms"
                 + (" (host-bound: the launch floor sets the time)" if result["host_bound"] else ""))
     if command == "optimizer":
         return (f"optimizer step on one {result['gpu_type']}: {result['seconds'] * 1e3:.3f} ms for "

@@ -149,16 +149,16 @@ def time_sharded_copies(op: torch.nn.Module, dp: int, world: ProfileWorld, warmu
 def measure_optimizer(world: ProfileWorld, settings: ProfilerSettings,
                       unit_numels: Sequence[int] = ()) -> OptimizerCost:
     """Seconds of torch.optim.AdamW (the implementation the runtime engine steps its masters with on the device,
-    runtime/optimizer.py ``adamw_fused``) per element and per tensor, and per element the step's other passes as
-    the runtime makes them: the gradient norm (runtime/clip.py: one multi-tensor norm accumulating in fp64) and,
-    with ``settings.bf16``, the bf16 weights written from the masters (one multi-tensor copy). Per tensor from
-    ``OPTIMIZER_PROBE_TENSORS`` tensors of 16 elements; per element from tensors of ``unit_numels`` elements, the workload's parameter units
-    (the runtime steps one flat fp32 master per unit), the largest first up to ``OPTIMIZER_PROBE_MAX_ELEMENTS`` in
-    all, or one tensor of ``OPTIMIZER_PROBE_ELEMENTS`` without them. The CPU's (unfused) AdamW makes about ten
-    passes over each tensor, so its cost per element depends on whether a tensor stays in cache between them: on a
-    CPU core 5 ns per element over one tensor of 1M elements, against an engine step of tiny-clip's 18 units (328K
-    elements) in 0.64 ms, which that rate put at 1.9 ms. Every rank measures at once (as every rank steps at once
-    in training); max-reduced over the ranks. Collective."""
+    runtime/optimizer.py ``adamw_fused``) per element and per tensor, and per element the step's other passes as the
+    runtime makes them: the gradient norm (runtime/clip.py: one multi-tensor norm accumulating in fp64) and, with
+    ``settings.bf16``, the bf16 weights written from the masters (one multi-tensor copy). Per tensor from
+    ``OPTIMIZER_PROBE_TENSORS`` tensors of 16 elements; per element from tensors of ``unit_numels`` elements, the
+    workload's parameter units (the runtime steps one flat fp32 master per unit), the largest first up to
+    ``OPTIMIZER_PROBE_MAX_ELEMENTS`` in all, or one tensor of ``OPTIMIZER_PROBE_ELEMENTS`` without them. The CPU's
+    (unfused) AdamW makes about ten passes over each tensor, so its cost per element depends on whether a tensor
+    stays in cache between them: on a CPU core 5 ns per element over one tensor of 1M elements, against an engine
+    step of tiny-clip's 18 units (328K elements) in 0.64 ms, which that rate put at 1.9 ms. Every rank measures at
+    once (as every rank steps at once in training); max-reduced over the ranks. Collective."""
 
     def timed(fn: Callable[[], object]) -> float:
         return median_seconds(fn, world, max(1, settings.warmup), settings.repeats)
