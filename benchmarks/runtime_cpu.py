@@ -77,7 +77,7 @@ def one_rank(workload, args) -> dict[str, float]:
 
     apply_cpu_shim()
     ensure_torch_distributed()
-    plan = make_plan(workload, make_cluster(1, 1, "CPU"), PlannerConfig(planner=args.planner))
+    plan = make_plan(workload, make_cluster(1, 1, "CPU"), PlannerConfig(planner=args.planner, grad_norm=False))
     config = EngineConfig()
     engine = RuntimeEngine(plan, workload, 0, 1, config)
     model = ReferenceModel(workload)
@@ -125,18 +125,15 @@ def _profiler_settings(args):
 
 def _simulate_profiled(plan, workload, cluster, profile):
     """(cost model, simulation) of the plan from a profile: its measured operators, optimizer step and links. The
-    engines here do not clip (EngineConfig's default), so their step computes no gradient norm."""
-    import dataclasses
-
+    engines here do not clip (EngineConfig's default), so their step computes no gradient norm, and their plans
+    are made and recorded without it (``PlannerConfig(grad_norm=False)``)."""
     from megatron_spindle.estimator import execution_cost_config
     from megatron_spindle.estimator.profiled import ProfiledCostModel, cluster_with_bandwidth
     from megatron_spindle.simulator import simulate
 
     measured = cluster_with_bandwidth(cluster, profile.bandwidth)
-    config = dataclasses.replace(execution_cost_config(plan.settings.sequence_parallel,
-                                                       plan.settings.attention_backend), grad_norm=False)
     cost_model = ProfiledCostModel(workload, measured, profile.measurements, optimizer=profile.optimizer,
-                                   config=config)
+                                   config=execution_cost_config(plan.settings))
     return cost_model, simulate(plan, workload, measured, cost_model=cost_model)
 
 
@@ -198,7 +195,7 @@ def _two_ranks(rank: int, world_size: int, workload, args) -> dict[str, float]:
     plan = None
     if rank == 0:
         plan = autoplan(workload, cluster_with_bandwidth(cluster, profiles[0].bandwidth),
-                        PlannerConfig(planner=args.planner), profile=profiles[0]).plan.to_dict()
+                        PlannerConfig(planner=args.planner, grad_norm=False), profile=profiles[0]).plan.to_dict()
     plan = Plan.from_dict(world.broadcast(plan))
     engine = RuntimeEngine(plan, workload, rank, world_size)
     wave_seconds: dict[tuple[str, int], list[float]] = {}  # (phase, wave) -> wall seconds, timed train_steps only

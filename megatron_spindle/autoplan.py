@@ -378,9 +378,7 @@ def _task_sequential(workload: Workload, cluster: ClusterSpec, config: PlannerCo
     from megatron_spindle.baselines import BaselineContext, spindle_seq_plan
 
     started = time.perf_counter()
-    ctx = BaselineContext.build(workload, cluster, metagraph=first.metagraph,
-                                sequence_parallel=config.sequence_parallel,
-                                attention_backend=config.attention_backend, grad_norm=config.grad_norm)
+    ctx = BaselineContext.build(workload, cluster, metagraph=first.metagraph, choices=config)
     build = functools.partial(spindle_seq_plan, zero_stages=config.zero_stages())
     plan = build(workload, cluster, ctx)
     out = []

@@ -97,9 +97,7 @@ def compare(workload, cluster, systems: list[str], config, progress=None) -> dic
                 continue
             out[name] = describe(chosen.plan, chosen.sim, time.perf_counter() - t0)
         else:
-            ctx = ctx or BaselineContext.build(workload, cluster, sequence_parallel=config.sequence_parallel,
-                                                attention_backend=config.attention_backend,
-                                                grad_norm=config.grad_norm)
+            ctx = ctx or BaselineContext.build(workload, cluster, choices=config)
             plan = BASELINES[name](workload, cluster, ctx)
             secs = time.perf_counter() - t0
             sim = simulate(plan, workload, cluster, ctx.cost_model, ctx.memory_model, metagraph=ctx.metagraph)

@@ -46,7 +46,13 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.memory import memory_options, plan_memory
-from megatron_spindle.plan.schema import RUNTIME_ZERO_STAGES, ExecutionSettings, Plan, Recompute
+from megatron_spindle.plan.schema import (
+    RUNTIME_ZERO_STAGES,
+    ExecutionSettings,
+    Plan,
+    Recompute,
+    execution_choices,
+)
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.assemble import assemble_plan
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
@@ -71,15 +77,14 @@ class BaselineContext:
 
     @classmethod
     def build(cls, workload: Workload, cluster: ClusterSpec, cost_model=None, memory_model=None,
-              metagraph: MetaGraph | None = None, sequence_parallel: bool = False,
-              attention_backend: str = "auto", grad_norm: bool = True) -> BaselineContext:
-        """``sequence_parallel``, ``attention_backend`` and ``grad_norm``: the analytic cost model's
-        (``execution_cost_config``), when no cost model is given."""
-        cost_model = cost_model or AnalyticCostModel(
-            workload, cluster, config=execution_cost_config(sequence_parallel, attention_backend, grad_norm))
+              metagraph: MetaGraph | None = None, choices=None) -> BaselineContext:
+        """``choices``: what the runtime runs (plan/schema.py ``EXECUTION_CHOICES``, e.g. a ``PlannerConfig``;
+        None: the defaults), which the analytic cost model charges (``execution_cost_config``) when no cost model
+        is given and the baselines' plans record."""
+        cost_model = cost_model or AnalyticCostModel(workload, cluster, config=execution_cost_config(choices))
         memory_model = memory_model or MemoryModel(workload, cluster, cost_model)
-        return cls(workload, cluster, metagraph or build_metagraph(workload), cost_model, memory_model,
-                   attention_backend)
+        backend = execution_choices(choices)["attention_backend"] if choices is not None else "auto"
+        return cls(workload, cluster, metagraph or build_metagraph(workload), cost_model, memory_model, backend)
 
     @property
     def recompute(self) -> bool:
@@ -89,6 +94,11 @@ class BaselineContext:
     def sequence_parallel(self) -> bool:
         """The cost model's --sequence-parallel: the baselines' plans record it, as Megatron-LM runs it."""
         return bool(getattr(getattr(self.cost_model, "config", None), "sequence_parallel", False))
+
+    @property
+    def grad_norm(self) -> bool:
+        """Whether the cost model charges the optimizer's gradient norm: the baselines' plans record it."""
+        return bool(getattr(getattr(self.cost_model, "config", None), "grad_norm", True))
 
     def recomputing(self, flag: bool) -> BaselineContext:
         """The same context with full activation recomputation on or off (cost and memory models rebuilt)."""
@@ -166,7 +176,7 @@ def _assemble(ctx: BaselineContext, waves: list[ScheduledWave], segments: list[l
     Megatron-LM, DeepSpeed and our runtime do."""
     recompute = Recompute("full" if ctx.recompute else "none")
     settings = ExecutionSettings(recompute=recompute, segments=segments, overlap_param_gather=overlap_param_gather,
-                                 sequence_parallel=ctx.sequence_parallel, attention_backend=ctx.attention_backend)
+                                 **execution_choices(ctx))
     base = assemble_plan(ctx.workload, ctx.cluster, ctx.metagraph, waves, ctx.cost_model, ctx.memory_model, info,
                          validate=False, settings=settings)
     plans = []

@@ -50,7 +50,13 @@ from megatron_spindle.estimator.op_kernels import (
 from megatron_spindle.graph.cluster import HBM_STREAM_EFFICIENCY, ClusterSpec, GPUSpec
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.graph.workload import ModuleSpec, Workload
-from megatron_spindle.plan.schema import attention_kernels, sequence_parallel_runs, sequence_parallel_tokens
+from megatron_spindle.plan.schema import (
+    ExecutionSettings,
+    attention_kernels,
+    execution_choices,
+    sequence_parallel_runs,
+    sequence_parallel_tokens,
+)
 
 # Kernels launched per light operator, forward + backward (GEMMs included): an embedding gather or a patch
 # projection with its bias, position add and layout copies; a 2-layer projector; a norm, pooling and projection;
@@ -107,14 +113,15 @@ class CostModelConfig:
             raise EstimatorError(f"cost model: grad_bytes must be 2 (bf16) or 4 (fp32), got {self.grad_bytes}")
 
 
-def execution_cost_config(sequence_parallel: bool = False, attention_backend: str = "auto",
-                          grad_norm: bool = True) -> CostModelConfig:
-    """The cost model's config for what the runtime runs: ``--sequence-parallel`` and the attention of
-    ``--attention-backend`` (plan/schema.py ``attention_kernels``), as a plan's settings record them, and whether
-    the optimizer step computes the gradient norm (``grad_norm``: ``--clip-grad`` > 0 or fp16 loss scaling)."""
-    attention, fused_softmax = attention_kernels(attention_backend)
-    return CostModelConfig(sequence_parallel=sequence_parallel, attention=attention, fused_softmax=fused_softmax,
-                           grad_norm=grad_norm)
+def execution_cost_config(choices=None) -> CostModelConfig:
+    """The cost model's config for what the runtime runs, from ``choices`` (plan/schema.py
+    ``EXECUTION_CHOICES``: a plan's settings or a ``PlannerConfig``; None: the defaults): ``--sequence-parallel``,
+    the attention of ``--attention-backend`` (``attention_kernels``), and whether the optimizer step computes the
+    gradient norm (``--clip-grad`` > 0 or fp16 loss scaling)."""
+    chosen = execution_choices(choices if choices is not None else ExecutionSettings())
+    attention, fused_softmax = attention_kernels(chosen["attention_backend"])
+    return CostModelConfig(sequence_parallel=chosen["sequence_parallel"], attention=attention,
+                           fused_softmax=fused_softmax, grad_norm=chosen["grad_norm"])
 
 
 def optimizer_step_bytes(config: CostModelConfig, dtype_bytes: int) -> int:

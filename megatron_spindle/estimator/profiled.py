@@ -102,14 +102,12 @@ def profile_summary(profile: Profile, cluster: ClusterSpec) -> str:
     return "profile: " + "; ".join(parts)
 
 
-def planning_cost_model(workload: Workload, cluster: ClusterSpec, profile=None, sequence_parallel: bool = False,
-                        attention_backend: str = "auto", grad_norm: bool = True) -> AnalyticCostModel:
+def planning_cost_model(workload: Workload, cluster: ClusterSpec, profile=None, choices=None) -> AnalyticCostModel:
     """The planner's cost model: a ``Profile`` with measurements gives a ``ProfiledCostModel`` (its operators
     and AdamW step as measured), so the planner's estimate and plan selection time what the curves were made
-    of; anything else (no profile, or its curve points alone) the analytic model. ``sequence_parallel``,
-    ``attention_backend`` and ``grad_norm``: ``execution_cost_config``'s (measured operators keep their measured
-    times)."""
-    config = execution_cost_config(sequence_parallel, attention_backend, grad_norm)
+    of; anything else (no profile, or its curve points alone) the analytic model. ``choices``: what the runtime
+    runs (``execution_cost_config``'s; measured operators keep their measured times)."""
+    config = execution_cost_config(choices)
     if isinstance(profile, Profile) and profile.measurements:
         return ProfiledCostModel(workload, cluster, profile.measurements, optimizer=profile.optimizer, config=config)
     return AnalyticCostModel(workload, cluster, config=config)

@@ -45,6 +45,9 @@ REDUCE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # Megatron-LM's --attention-backend (megatron-core AttnBackend): flash, fused and unfused are Transformer Engine's
 # attention kernels, local megatron-core's own attention core (its local spec), auto Transformer Engine's choice
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+# ExecutionSettings' fields the cost model charges (estimator.execution_cost_config); PlannerConfig has them too,
+# by the same names, and every plan records the ones it was planned with
+EXECUTION_CHOICES = ("sequence_parallel", "attention_backend", "grad_norm")
 
 
 class PlanError(ValueError):
@@ -229,6 +232,10 @@ class ExecutionSettings:
       t times the bytes, and at ZeRO 0 and 1 holds t times the gradient (ZeRO 0: and optimizer) state of a
       shard (plan/memory.py ``zero_sharded_bytes``). The two are the same where no group's degree exceeds 1.
       Without the key (plans written before it, which the runtime ran in whole units): False.
+    - ``grad_norm``: the optimizer step computes the global gradient norm (``--clip-grad`` > 0 or fp16 loss
+      scaling), which the planner and the simulator charge (a read of every gradient); the runtime computes it
+      as its arguments say. Without the key (plans written before it): True, as Megatron-LM's default
+      ``--clip-grad 1.0`` and the simulator then charged it.
     """
 
     recompute: Recompute = Recompute()
@@ -243,13 +250,14 @@ class ExecutionSettings:
     sequence_parallel: bool = False
     tp_sharded_grads: bool = True
     attention_backend: str = "auto"
+    grad_norm: bool = True
 
     def __post_init__(self):
         if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
             raise PlanError(f"zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}")
         if not _is_count(self.micro_batches) or self.micro_batches < 1:
             raise PlanError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
-        for name in ("overlap_param_gather", "sequence_parallel", "tp_sharded_grads"):
+        for name in ("overlap_param_gather", "sequence_parallel", "tp_sharded_grads", "grad_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -297,11 +305,18 @@ class ExecutionSettings:
             "sequence_parallel": self.sequence_parallel,
             "tp_sharded_grads": self.tp_sharded_grads,
             "attention_backend": self.attention_backend,
+            "grad_norm": self.grad_norm,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ExecutionSettings:
         return cls(**{"tp_sharded_grads": False, **d})  # a plan written before the key: whole units
+
+
+def execution_choices(source) -> dict[str, Any]:
+    """The choices of what the runtime executes that the cost model charges (``EXECUTION_CHOICES``), read from
+    anything that carries them by those names: a plan's ``ExecutionSettings``, a ``PlannerConfig``."""
+    return {name: getattr(source, name) for name in EXECUTION_CHOICES}
 
 
 def attention_kernels(backend: str) -> tuple[str, bool]:

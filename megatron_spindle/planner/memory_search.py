@@ -303,8 +303,7 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
     best: _Candidate | None = None
     error: Exception | None = None
     first_fit = None  # index of the first count that fits
-    cost_model = planning_cost_model(workload, cluster, profile, config.sequence_parallel,
-                                     config.attention_backend, config.grad_norm)  # shared by the rungs
+    cost_model = planning_cost_model(workload, cluster, profile, config)  # shared by the rungs
     curve_cache: dict = {}
     ladder_cache: dict = {}  # recomputation ladders, shared by the candidates (one cost model and policy)
     points = profile_points(profile)

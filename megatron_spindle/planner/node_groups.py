@@ -27,7 +27,7 @@ from megatron_spindle.estimator.profiled import planning_cost_model, profile_for
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.schema import ExecutionSettings, Plan, PlanError, Recompute
+from megatron_spindle.plan.schema import ExecutionSettings, Plan, PlanError, Recompute, execution_choices
 from megatron_spindle.planner.assemble import assemble_plan, slice_id
 from megatron_spindle.planner.objective import estimate_iteration
 from megatron_spindle.planner.schedule import ScheduledWave, scheduled_slice
@@ -189,12 +189,9 @@ def plan_node_groups(workload: Workload, cluster: ClusterSpec, partition: list[N
     waves, recompute = _merge_waves(metagraph, partition, cluster, plans)
     zero = max(p.settings.zero_stage for p in plans)
     settings = ExecutionSettings(slice_recompute=recompute, zero_stage=zero,
-                                 micro_batches=plans[0].settings.micro_batches,
-                                 sequence_parallel=config.sequence_parallel,
-                                 attention_backend=config.attention_backend)
+                                 micro_batches=plans[0].settings.micro_batches, **execution_choices(config))
     # the groups' own (profiled where given)
-    cost_model = planning_cost_model(workload, cluster, profile, config.sequence_parallel,
-                                     config.attention_backend, config.grad_norm)
+    cost_model = planning_cost_model(workload, cluster, profile, config)
     memory_model = MemoryModel(workload, cluster, cost_model, zero_stage=zero)
     curves = {k: v for r in results for k, v in r.curves.items()}
     info = {"planner": f"{planner}-node-groups", "requested": dataclasses.asdict(config),

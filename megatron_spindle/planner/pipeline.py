@@ -23,6 +23,7 @@ from megatron_spindle.plan.schema import (
     RUNTIME_ZERO_STAGES,
     Plan,
     PlanError,
+    execution_choices,
     resolve_attention_backend,
 )
 from megatron_spindle.plan.validate import validate_plan
@@ -142,8 +143,8 @@ class PlannerConfig:
     # tries each where they differ.
     sync_sharers: str = "metaop"
     # Whether the runtime's optimizer step computes the gradient norm (pretrain_multitask.py: --clip-grad > 0 or
-    # fp16 loss scaling; the cost model's CostModelConfig.grad_norm). Plans do not record it: the simulator's
-    # default models charge it, as Megatron-LM's default --clip-grad 1.0 makes the step do.
+    # fp16 loss scaling; the cost model's CostModelConfig.grad_norm), as Megatron-LM's default --clip-grad 1.0
+    # makes it do. Plans record it (ExecutionSettings.grad_norm), so the simulator charges what was planned.
     grad_norm: bool = True
 
     def __post_init__(self):
@@ -279,8 +280,7 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
     plan = assemble_plan(workload, cluster, metagraph, best.charged_waves(), best.cost_model, best.memory_model,
                          info, level_allocs=best.level_allocs, curves=best.curves,
                          settings=replace(best.settings(), overlap_param_gather=config.overlap_param_gather,
-                                          sequence_parallel=config.sequence_parallel,
-                                          attention_backend=config.attention_backend))
+                                          **execution_choices(config)))
     validate_plan(plan, workload, cluster, metagraph)
     plan.predicted.update(estimate_iteration(plan, metagraph, cluster, best.cost_model).as_predicted())
     lap("assemble")

@@ -241,8 +241,7 @@ def matching_models(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_m
     from megatron_spindle.estimator import AnalyticCostModel, MemoryModel, execution_cost_config
 
     if cost_model is None:
-        cost_model = AnalyticCostModel(workload, cluster, config=execution_cost_config(
-            plan.settings.sequence_parallel, plan.settings.attention_backend))
+        cost_model = AnalyticCostModel(workload, cluster, config=execution_cost_config(plan.settings))
         memory_model = None
     elif getattr(getattr(cost_model, "config", None), "recompute", False):
         cost_model = copy.copy(cost_model)  # keeps a profiled model's measurements

@@ -134,7 +134,7 @@ def test_sequence_parallel_plans_record_it_and_hold_less_where_it_applies():
     assert all(more[d] > plan.memory_per_device[d] for d in split) and split
     ctx = BaselineContext(w, c, result.metagraph, result.cost_model, result.memory_model)
     assert BASELINES["megatron"](w, c, ctx).settings.sequence_parallel
-    built = BaselineContext.build(w, c, sequence_parallel=True)  # tools/compare.py's and the fallback's
+    built = BaselineContext.build(w, c, choices=PlannerConfig(sequence_parallel=True))  # compare.py's, fallback's
     assert built.sequence_parallel and BASELINES["deepspeed"](w, c, built).settings.sequence_parallel
 
 
@@ -161,9 +161,38 @@ def test_attention_backend_is_planned_recorded_and_simulated_as_the_runtime_runs
     fast = simulate(flash, w, c, metagraph=result.metagraph)
     assert fast.iteration_time < default.iteration_time
     assert max(fast.peak_memory) < max(default.peak_memory)
-    built = BaselineContext.build(w, c, attention_backend="unfused")  # tools/compare.py's and the fallback's
+    built = BaselineContext.build(w, c, choices=PlannerConfig(attention_backend="unfused"))  # compare, fallback
     assert (built.cost_model.config.attention, built.cost_model.config.fused_softmax) == ("unfused", True)
     assert BASELINES["deepspeed"](w, c, built).settings.attention_backend == "unfused"
+
+
+def test_gradient_norm_is_planned_recorded_and_simulated_as_the_runtime_runs_it():
+    """--clip-grad 0 (no gradient norm in the optimizer step): every candidate autoplan selects among records it,
+    the planner's model charges it, and the simulator's default models charge what the plan records, so the
+    selected plan's predicted time is theirs; the same plan with the norm costs more (its gradients read once
+    more). A plan written before the key loads with the norm, as it was simulated then."""
+    from megatron_spindle.autoplan import autoplan
+    from megatron_spindle.baselines import BASELINES, BaselineContext
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.plan.schema import ExecutionSettings
+    from megatron_spindle.planner.report import plan_summary
+    from megatron_spindle.simulator import simulate
+
+    w, c = load_workload("clip-4"), make_cluster(16)
+    chosen = autoplan(w, c, PlannerConfig(planner="wavefront", grad_norm=False))
+    plan = chosen.plan
+    assert not plan.settings.grad_norm and not chosen.result.cost_model.config.grad_norm
+    default = simulate(plan, w, c)  # models built from the plan's settings
+    assert default.iteration_time == pytest.approx(plan.predicted["iteration_time"], rel=1e-9)
+    normed = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, grad_norm=True))
+    assert simulate(normed, w, c).optimizer_time > default.optimizer_time
+    assert "no gradient norm" in plan_summary(plan) and "no gradient norm" not in plan_summary(normed)
+    built = BaselineContext.build(w, c, choices=PlannerConfig(grad_norm=False))
+    assert not BASELINES["deepspeed"](w, c, built).settings.grad_norm
+    assert not BASELINES["megatron"](w, c, built.recomputing(True)).settings.grad_norm
+    old = plan.settings.to_dict()
+    del old["grad_norm"]
+    assert ExecutionSettings.from_dict(old).grad_norm
 
 
 def test_attention_backend_on_a_cpu_is_the_local_spec():

@@ -160,7 +160,7 @@ def test_an_analytic_gpu_plan_without_transformer_engine_says_what_the_runtime_r
 
 def test_the_plan_charges_the_gradient_norm_only_where_the_step_computes_it():
     """--clip-grad 0 (no fp16 loss scaling): the runtime's optimizer step computes no gradient norm, and the plan
-    charges none (4 of the analytic step's 38 bytes per master element in bf16)."""
+    charges none (4 of the analytic step's 38 bytes per master element in bf16) and records it."""
     from megatron_spindle.estimator.cost_model import CostModelConfig, optimizer_step_bytes
     from megatron_spindle.graph.workload import load_workload
     from megatron_spindle.training.trainer import build_pretrain_parser, get_plan
@@ -170,7 +170,9 @@ def test_the_plan_charges_the_gradient_norm_only_where_the_step_computes_it():
     for clip in ("1.0", "0"):
         args = build_pretrain_parser("test").parse_args(BASE + ["--mock-data", "--gpu-type", "A800-80GB",
                                                                 "--spindle-planner", "wavefront", "--clip-grad", clip])
-        optimizer[clip] = get_plan(args, workload, 1, 0).predicted["simulated_optimizer"]
+        plan = get_plan(args, workload, 1, 0)
+        assert plan.settings.grad_norm == (clip != "0")  # recorded: the simulator charges what was planned
+        optimizer[clip] = plan.predicted["simulated_optimizer"]
     clipped, unclipped = optimizer_step_bytes(CostModelConfig(), 2), optimizer_step_bytes(
         CostModelConfig(grad_norm=False), 2)
     assert (clipped, unclipped) == (38, 34)
