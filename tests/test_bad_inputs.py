@@ -137,7 +137,7 @@ CASES = [
     Case("plan", ["--workload", "tiny-clip", "--cluster", "{ws}/cluster.yaml"], "unknown field(s) ['bandwidth']"),
     Case("plan", ["--workload", "tiny-clip", "--cluster", "{ws}/dup.yaml", "--num-gpus", "2"], "not both"),
     Case("plan", ["--workload", "tiny-clip"], "give --num-gpus N"),
-    Case("plan", PLANNING + ["--spindle-profile", "{ws}/nope.json"], "{ws}/nope.json"),
+    Case("plan", PLANNING + ["--spindle-profile", "{ws}/nope.json"], "--spindle-profile {ws}/nope.json: no such file"),
     # python -m megatron_spindle.runtime: plan, workload, flags
     Case("runtime", ["--plan", "{ws}/nope.json", "--workload", "tiny-clip"], "--plan {ws}/nope.json: no such file"),
     Case("runtime", ["--plan", "{ws}/bad.json", "--workload", "tiny-clip"], "{ws}/bad.json: not valid JSON"),
@@ -265,6 +265,9 @@ def test_real_processes(ws: Path):
     r = _shell("-m", "megatron_spindle.runtime", "--plan", str(ws / "nope.json"), "--workload", "tiny-clip")
     assert r.returncode == 2 and r.stderr.strip() == (f"python -m megatron_spindle.runtime: error: --plan "
                                                       f"{ws / 'nope.json'}: no such file"), r.stderr
+    r = _shell(str(ROOT / "tools" / "profile_metaops.py"), "--workload", "nope")  # before megatron-core's warnings
+    assert r.returncode == 2 and r.stderr.strip() == ("profile_metaops.py: error: workload 'nope': no such file and "
+                                                      "no built-in workload of that name"), r.stderr
     r = _shell(str(ROOT / "pretrain_multitask.py"), *TRAIN, "--load", str(ws / "empty"))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert f"pretrain_multitask.py: error: --load {ws / 'empty'} holds no checkpoint" in r.stderr

@@ -112,6 +112,7 @@ def main(argv=None, extra_args_provider=None):
     with exit_on_user_error():
         if args.out:
             check_output_file(args.out, "--out")  # before anything is measured
+        workload = workload_from_args(args)  # a bad one is one line, before megatron-core's import warnings
         from megatron_spindle.compat.cpu import apply_cpu_shim
         from megatron_spindle.estimator.profile import load_profile
         from megatron_spindle.profiler import (
@@ -133,7 +134,6 @@ def main(argv=None, extra_args_provider=None):
             world = ProfileWorld.current(device_kind)
             if args.gpu_type is None:
                 args.gpu_type = _default_gpu_type(device_kind)
-            workload = workload_from_args(args)
             cluster = cluster_from_args(args, default_num_gpus=world.world_size)
             settings = measured_attention(settings_from_args(args, device_kind), world)  # the key names it
             say = (lambda msg: print(f"[profile] {msg}", flush=True)) if world.rank == 0 else (lambda msg: None)

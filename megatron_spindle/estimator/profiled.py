@@ -21,6 +21,7 @@ from megatron_spindle.estimator.cost_model import (
     execution_cost_config,
 )
 from megatron_spindle.estimator.curve import CurvePoint
+from megatron_spindle.estimator.errors import EstimatorError
 from megatron_spindle.estimator.profile import Measurement, Profile, load_profile
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaOp
@@ -70,7 +71,10 @@ def cluster_with_bandwidth(cluster: ClusterSpec, bandwidth: Mapping[str, Any] | 
 def load_planning_profile(path, workload: Workload, cluster: ClusterSpec) -> tuple[Profile, ClusterSpec]:
     """A profile file read for planning (``--spindle-profile``): the profile, and the cluster with the links it
     measured (``cluster_with_bandwidth``), so that the plan records and is timed on what was measured."""
-    profile = load_profile(path, workload, cluster)
+    try:
+        profile = load_profile(path, workload, cluster)
+    except OSError as e:  # the flag named, as for every other input file
+        raise EstimatorError(f"--spindle-profile {path}: {(e.strerror or str(e)).lower()}") from None
     return profile, cluster_with_bandwidth(cluster, profile.bandwidth)
 
 
