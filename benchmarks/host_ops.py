@@ -13,7 +13,8 @@ backward, gradient sync and the optimizer) and attributes each to whoever asked 
 A plain PyTorch step of the same modules (``models.reference.ReferenceModel``, the loss's backward, torch
 AdamW) is counted the same way. Views (no kernel) are counted apart from the operations that launch work.
 The runtime is counted in fp32 (units alias their masters: the CPU path) and in bf16 (units copy to and from
-fp32 masters: the GPU path). On the CPU, AdamW runs a loop per master tensor; CUDA's fused AdamW is one
+fp32 masters: the GPU path), and in bf16 at ZeRO-1 and ZeRO-3 (the sharded runtime: gradient staging rows, weight
+gathers and loads). On the CPU, AdamW runs a loop per master tensor; CUDA's fused AdamW is one
 operation per parameter group, so the "optimizer" rows overstate a GPU's.
 
 With ``--device cuda`` (benchmarks/gpu_breakdown.sh) the steps run on the GPU; the timed steps' milliseconds
@@ -113,13 +114,19 @@ def count_steps(step, warmup: int, timed: int, device: str) -> Counted:
     return Counted(counter, statistics.median(seconds) if seconds else float("nan"))
 
 
-def count_engine(workload, dtype: torch.dtype, warmup: int, timed: int = 0, device: str = "cpu") -> Counted:
-    """The runtime's step on a plan for one device (its waves one after another)."""
+def count_engine(workload, dtype: torch.dtype, warmup: int, timed: int = 0, device: str = "cpu",
+                 zero_stage: int = 0) -> Counted:
+    """The runtime's step on a plan for one device (its waves one after another), at ``zero_stage`` (1 and 2 with
+    the weight gather overlapped, as the planner's plans run: one device holds whole shards, but the sharded
+    runtime's staging rows, gathers and weight loads run as on many)."""
+    import dataclasses
+
     from megatron_spindle.graph.cluster import make_cluster
     from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
     from megatron_spindle.runtime.engine import EngineConfig, RuntimeEngine
 
     plan = make_plan(workload, make_cluster(1, 1, "CPU"), PlannerConfig(planner="wavefront"))
+    plan.settings = dataclasses.replace(plan.settings, zero_stage=zero_stage, overlap_param_gather=zero_stage in (1, 2))
     engine = RuntimeEngine(plan, workload, 0, 1, EngineConfig(dtype=dtype, device=device))
     return count_steps(engine.train_step, warmup, timed, device)
 
@@ -187,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     counted = {"plain PyTorch (fp32)": plain}
     for dtype in (torch.float32, torch.bfloat16):
         counted[f"runtime ({str(dtype).split('.')[-1]})"] = count_engine(workload, dtype, *steps)
+    for stage in (1, 3):  # the sharded runtime (ZeRO-2 runs as ZeRO-1 on one micro-batch)
+        counted[f"runtime (bfloat16, ZeRO-{stage})"] = count_engine(workload, torch.bfloat16, *steps, zero_stage=stage)
     print(f"host_ops: operations dispatched in one training step of {args.workload} on one rank "
           f"({tensors} parameter tensors), device {args.device}, torch {torch.__version__}")
     rows = [(name, c.counter.totals(), c.seconds) for name, c in counted.items()]

@@ -127,7 +127,7 @@ def time_sharded_copies(op: torch.nn.Module, dp: int, world: ProfileWorld, warmu
     for unit, module in op.unit_modules().items():
         keys = sorted(f"{unit}.{path}" for path, _ in module.named_parameters())
         shards.append(UnitShard(unit, keys, [state[k].shape for k in keys], dp, 0))
-    flats = [sh.flatten(state) for sh in shards]
+    flats = [sh.flatten(state).to(dtype) for sh in shards]  # gathered in the weights' dtype, as the runtime does
     rows = [torch.zeros(sh.members, sh.size, dtype=torch.float32, device=world.device) for sh in shards]
     for p in op.parameters():
         p.grad = torch.ones_like(p)
@@ -135,11 +135,11 @@ def time_sharded_copies(op: torch.nn.Module, dp: int, world: ProfileWorld, warmu
     def load():
         for sh, flat in zip(shards, flats):
             full = sh.unflatten(flat)
-            op.load_full_state({k: full[k].to(dtype) for k in sh.keys}, strict=False)
+            op.load_full_state({k: full[k] for k in sh.keys}, strict=False)
 
     def stage():  # as runtime/grad_sync.py: each unit's part of this TP rank, added in turn
         for sh, row in zip(shards, rows):
-            add_to_rows(row, 0, sh, sh.flatten(op.export_grad_contributions([sh.unit])))
+            add_to_rows(row, 0, sh, op.export_grad_contributions([sh.unit]))
 
     seconds = (median_seconds(load, world, warmup, repeats), median_seconds(stage, world, warmup, repeats))
     op.zero_grad(set_to_none=True)

@@ -86,7 +86,7 @@ class ShardedGradBuffers:
         for u in dict.fromkeys(self.key_unit[k] for k in keys):
             sh = self.shards[u]
             key, off = self._place[u]
-            add_to_rows(self._staging_of(key, micro), off, sh, sh.flatten(grads).to(self.device))
+            add_to_rows(self._staging_of(key, micro), off, sh, grads)
 
     def reduce(self, b: Bucket, group, micro: int = 0):
         """Start the sum of micro-batch ``micro``'s bucket over its group (None for a one-device group: nothing

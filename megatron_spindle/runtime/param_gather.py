@@ -109,8 +109,8 @@ class ParamGather:
         progress.point("the overlapped weight all-gather (params-all-gather) of", [list(devices)])
         full = self.optimizer.unflatten(units, pending)
         for u in units:
-            for ls, keys in self.holders.get(u, ()):
-                ls.op.load_full_state(ls.keys.to_canonical({k: full[k].to(self.dtype) for k in keys}), strict=False)
+            for ls, keys in self.holders.get(u, ()):  # load_full_state casts (a one-device group's fp32 masters)
+                ls.op.load_full_state(ls.keys.to_canonical({k: full[k] for k in keys}), strict=False)
             self._stale.discard(u)
 
 

@@ -1,7 +1,8 @@
 """benchmarks/host_ops.py: a training step's own operations beside its model's. The runtime dispatches nothing per
 parameter tensor (every one costs a GPU's host 5-60 us in a host-bound wave): fewer operations that launch work
 than the model has parameter tensors, in fp32 (units alias their masters) and in bf16 (units copy from and to
-fp32 masters, where a clone per gradient and two views per weight were found)."""
+fp32 masters, where a clone per gradient and two views per weight were found), and in the sharded runtime of ZeRO 1
+to 3 (where a cast per gradient into the staging rows and per weight before its load were found)."""
 
 import pytest
 import torch
@@ -22,6 +23,17 @@ def test_the_runtime_dispatches_nothing_per_parameter_tensor(dtype):
     assert totals["optimizer"] > 0
     assert 0 < totals["runtime"] < tensors, totals
     assert totals.get("runtime views", 0) < tensors, totals  # not even a view per tensor (the weights' unflatten)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_sharded_runtime_launches_nothing_per_parameter_tensor(stage):
+    """ZeRO 1-3 in bf16: the gradients are flattened per unit into the staging rows (their views are torch's C++
+    flattening's: views, but no launches) and the weights loaded without a cast each."""
+    workload = load_workload("tiny-clip")
+    tensors = len(dict.fromkeys(ReferenceModel(workload).full_named_parameters().values()))
+    totals = bench.count_engine(workload, torch.bfloat16, warmup=1, zero_stage=stage).counter.totals()
+    assert totals["model"] > 5 * tensors and totals["optimizer"] > 0
+    assert 0 < totals["runtime"] < tensors, totals
 
 
 def test_operations_are_attributed_to_the_innermost_caller_that_says():

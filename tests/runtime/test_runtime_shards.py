@@ -33,7 +33,8 @@ def test_unsharded_unit_is_one_shard_and_gathers_without_communication():
 
 def test_member_major_rows_hold_each_members_shards_of_every_unit():
     """ZeRO-2's gradient buckets: row j of a bucket's buffer is member j's shards, units side by side, so a
-    reduce-scatter (or an all-reduce and this member's row) leaves each member exactly ``shard_of``."""
+    reduce-scatter (or an all-reduce and this member's row) leaves each member exactly ``shard_of``; units whose
+    last member's row is partly padding (``u``) and whose members' rows are all full (``v``)."""
     a, ta = _unit(3, 0)
     b = UnitShard("v", ["v.w"], [torch.Size([4])], 3, 0)
     tb = {"v.w": torch.arange(4.0) - 10}
@@ -41,8 +42,8 @@ def test_member_major_rows_hold_each_members_shards_of_every_unit():
     assert offsets == [0, a.size]
     rows = torch.zeros(3, a.size + b.size)
     for sh, t, off in ((a, ta, offsets[0]), (b, tb, offsets[1])):
-        add_to_rows(rows, off, sh, sh.flatten(t))
-        add_to_rows(rows, off, sh, sh.flatten(t))  # accumulates
+        add_to_rows(rows, off, sh, t)
+        add_to_rows(rows, off, sh, t)  # accumulates
     for j in range(3):
         out = torch.zeros(a.size + b.size)
         settle_rows(out, rows, j, scatter=False)
@@ -53,3 +54,14 @@ def test_member_major_rows_hold_each_members_shards_of_every_unit():
         settle_rows(out, rows, j, scatter=True, result=rows[j].clone())
         settle_rows(out, rows, j, scatter=False)
         assert torch.equal(out, 3 * rows[j])
+
+
+def test_bf16_tensors_add_into_the_fp32_rows_as_their_fp32_casts():
+    """The runtime's bf16 gradients go into fp32 staging rows without a cast per tensor: the same values."""
+    sh, tensors = _unit(2, 0)
+    bf16 = {k: (t / 7).to(torch.bfloat16) for k, t in tensors.items()}
+    direct, cast = torch.zeros(2, sh.size), torch.zeros(2, sh.size)
+    add_to_rows(direct, 0, sh, bf16)
+    add_to_rows(cast, 0, sh, {k: t.float() for k, t in bf16.items()})
+    assert direct.dtype == torch.float32 and torch.equal(direct, cast)
+    assert torch.equal(direct.reshape(-1)[:sh.numel], sh.flatten(bf16))
