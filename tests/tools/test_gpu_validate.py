@@ -50,8 +50,9 @@ def test_gpu_breakdown_dry_run_trains_on_the_analytic_and_the_profiled_plan(tmp_
     assert "[profile] rank 0, iterations 4 to 4, by host time:" in (tmp_path / "breakdown_analytic.log").read_text()
     # then the operations one step dispatches, counted and timed
     ops = json.loads((tmp_path / "host_ops.json").read_text())
-    assert ops["device"] == "cpu" and set(ops["steps"]) == {"plain PyTorch (fp32)", "runtime (float32)",
-                                                            "runtime (bfloat16)"}
+    assert ops["device"] == "cpu" and set(ops["steps"]) == {
+        "plain PyTorch (fp32)", "runtime (float32)", "runtime (bfloat16)", "runtime (bfloat16, ZeRO-1)",
+        "runtime (bfloat16, ZeRO-3)"}
     assert all(s > 0 for s in ops["seconds_per_step"].values())
 
 
