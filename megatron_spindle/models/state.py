@@ -47,6 +47,8 @@ def shard_full_tensor(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_
         return full
     dim, stride = _dim_stride(param)
     chunks = torch.chunk(full, stride * tp_size, dim=dim)
+    if stride == 1:
+        return chunks[tp_rank]  # a view: its readers copy it (a concatenation of one chunk was a copy per tensor)
     return torch.cat(chunks[tp_rank::tp_size], dim=dim)
 
 

@@ -425,7 +425,7 @@ class RuntimeEngine:
         for ls in in_wave_order(self.local):
             if self.generic_keys[ls.slice.id]:
                 with self._loading(ls):
-                    ls.op.load_full_state(ls.keys.to_canonical({k: full[k] for k in ls.param_keys}))
+                    ls.keys.load(ls.op, {k: full[k] for k in ls.param_keys})
 
     def _push_gathered_weights(self) -> None:
         """ZeRO-1/2 without --overlap-param-gather: every bucket's updated weights all-gathered in turn
@@ -433,7 +433,7 @@ class RuntimeEngine:
         for units, full in streamed_gathers(self.master_optimizer, self._gathered_buckets, self.config.dtype):
             for u in units:
                 for ls, keys in self._holders.get(u, ()):
-                    ls.op.load_full_state(ls.keys.to_canonical({k: full[k] for k in keys}), strict=False)
+                    ls.keys.load(ls.op, {k: full[k] for k in keys}, strict=False)
 
     def _push_weight_shards(self) -> None:
         """ZeRO-3 after the step: the aligned units' weight shards from their masters (no communication), the
@@ -452,7 +452,7 @@ class RuntimeEngine:
                     tensors.update({k: full[k] for k in keys})
                     if len(tensors) == len(self._gathered_keys[part]):
                         with ws.loading(ls, aligned_too=False, unit=part[1]):
-                            ls.op.load_full_state(ls.keys.to_canonical(waiting.pop(part)), strict=False)
+                            ls.keys.load(ls.op, waiting.pop(part), strict=False)
 
     def _loading(self, ls):
         """Around writing full weights into a slice's operator: at ZeRO-3 it keeps its shards of them."""

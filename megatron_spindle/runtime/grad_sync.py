@@ -181,7 +181,7 @@ class GradSync:
                 self.buffers.add(ls.keys.to_runtime(g), generic, self._micro)
         elif export:
             for unit, keys in self._generic_units.get(sid, ()):  # every TP rank its part: the reduction sums them
-                self.buffers.add(ls.keys.to_runtime(ls.op.export_grad_contributions([unit])), keys, self._micro)
+                self.buffers.add(ls.keys.runtime_grads(ls.op, [unit]), keys, self._micro)
         if export and self.buffers.sharded:  # the operator's full gradients are in the buckets now
             for p in self._op_params[sid]:
                 p.grad = None

@@ -110,7 +110,7 @@ class ParamGather:
         full = self.optimizer.unflatten(units, pending)
         for u in units:
             for ls, keys in self.holders.get(u, ()):  # load_full_state casts (a one-device group's fp32 masters)
-                ls.op.load_full_state(ls.keys.to_canonical({k: full[k] for k in keys}), strict=False)
+                ls.keys.load(ls.op, {k: full[k] for k in keys}, strict=False)
             self._stale.discard(u)
 
 

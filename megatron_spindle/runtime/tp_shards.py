@@ -62,6 +62,11 @@ class SliceKeys:
             self.runtime_of[k] = rk
             self.unit_of[rk] = runtime_unit
         self.canonical_of = {rk: k for k, rk in self.runtime_of.items()}
+        # split keys whose shard is this rank's own part of the operator's tensor (degree = the slice's TP): the
+        # runtime tensor is the operator's local one, so no full tensor is made on the way in or out
+        tp_rank, tp_size = getattr(op, "tp_rank", 0), getattr(op, "tp_size", 1)
+        self.own = frozenset(self.canonical_of[rk] for rk, (_, shard, degree) in self.split.items()
+                             if degree == tp_size and shard == tp_rank)
 
     @property
     def runtime(self) -> list[str]:
@@ -75,6 +80,22 @@ class SliceKeys:
                 rk = self.runtime_of[k]
                 out[rk] = tensors[k] if rk not in self.split else shard_full_tensor(tensors[k], *self.split[rk])
         return out
+
+    def runtime_grads(self, op: torch.nn.Module, units: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The operator's gradient contributions of ``units`` (``export_grad_contributions``) under runtime keys,
+        as ``to_runtime`` gives them; an ``own`` key's is the operator's gradient itself."""
+        grads = op.export_grad_contributions(units, **({"own": self.own} if self.own else {}))
+        own = {k: grads.pop(k) for k in self.own if k in grads}
+        return {**self.to_runtime(grads), **{self.runtime_of[k]: t for k, t in own.items()}}
+
+    def load(self, op: torch.nn.Module, tensors: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Load runtime tensors (the slice's keys among them) into the operator: ``load_full_state`` of their
+        ``to_canonical``, an ``own`` key's tensor given as the operator's shard itself."""
+        own = {k: tensors[self.runtime_of[k]] for k in self.own if self.runtime_of[k] in tensors}
+        state = {**self.to_canonical({rk: t for rk, t in tensors.items() if self.canonical_of.get(rk) not in own}),
+                 **own}
+        options = ({} if strict else {"strict": False}) | ({"own": self.own} if self.own else {})
+        op.load_full_state(state, **options)  # only the options needed: an operator that splits nothing need not
 
     def to_canonical(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Runtime tensors (the slice's keys among them) -> canonical ones; a shard's full tensor is zero

@@ -685,8 +685,9 @@ def check_tp_sharded_grads(rank, world, workloads, refs, cfg, cache) -> None:
     ring alone, a TP rank's gradient storage is its shard's (not the whole unit's), and losses, the global
     gradient norm (--clip-grad at a third of the first step's: every step clips), gradients, weights and exported
     units still equal the single-process reference, at every ZeRO stage. A checkpoint of it loads into a
-    whole-unit engine exactly, and back."""
-    split_somewhere = False
+    whole-unit engine exactly, and back. Shards of a slice's own TP degree (``SliceKeys.own``) pass between the
+    runtime and the operators as their local tensors, with no full tensor made: exercised here."""
+    split_somewhere = own_somewhere = False
     for label, wname, make, stage, overlap in tp_sharded_cases(world):
         w = workloads[wname]
         if ("real", wname, 1) not in refs:
@@ -710,6 +711,7 @@ def check_tp_sharded_grads(rank, world, workloads, refs, cfg, cache) -> None:
             shapes = engine.keys.shapes
             assert engine.shards[u].numel == sum(math.prod(shapes[k]) for k in split) // t, (label, u)
         split_somewhere |= bool(sub)
+        own_somewhere |= any(sk.own for sk in engine.keys.slices.values())
         check_engine_against(engine, ref, label)
         assert set(engine.export_units()) == set(engine.units), label
         if stage == 3:
@@ -729,8 +731,9 @@ def check_tp_sharded_grads(rank, world, workloads, refs, cfg, cache) -> None:
                 assert torch.equal(again[u].model[k], v), (label, k)
                 assert torch.equal(again[u].optim[k]["exp_avg"], st.optim[k]["exp_avg"]), (label, k)
     everywhere = [None] * world
-    dist.all_gather_object(everywhere, split_somewhere)
-    assert any(everywhere), "no rank held a TP shard of its own"
+    dist.all_gather_object(everywhere, (split_somewhere, own_somewhere))
+    assert any(split for split, _ in everywhere), "no rank held a TP shard of its own"
+    assert any(own for _, own in everywhere), "no slice passed its own TP shards as local tensors"
 
 
 def zero3_cases(world: int):
