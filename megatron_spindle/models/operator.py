@@ -173,22 +173,22 @@ class SliceOperator(nn.Module):
         return out
 
     def export_grad_contributions(self, units: Iterable[str] | None = None,
-                                  own: Collection[str] = ()) -> dict[str, torch.Tensor]:
+                                  local: Collection[str] = ()) -> dict[str, torch.Tensor]:
         """This TP rank's part of ``export_full_grads`` (of ``units`` when given), without communication: full
         (TP-unsharded) tensors whose sum over the TP group is ``export_full_grads``. A sharded parameter's
         gradient sits at its own positions, zeros elsewhere; a replicated one's is the TP leader's (zeros on the
         others), except those marked ``sequence_parallel``, whose every rank contributes its own part. The
         runtime adds them into gradient buffers that its group reduction sums anyway, so no TP all-gather of
-        gradients is needed. ``own``: sharded parameters whose gradient is wanted as this rank's shard itself,
-        not placed in a full tensor (the runtime keeps exactly that shard of them: runtime/tp_shards.py). A
-        part is the gradient itself wherever it can be, not a copy (a copy per parameter tensor was host time
-        in every backward wave on a GPU): read it before the next backward."""
+        gradients is needed. ``local``: sharded parameters whose gradient is wanted as this rank's shard itself,
+        not placed in a full tensor (the runtime keeps exactly that shard, or adds it where it sits:
+        runtime/tp_shards.py). A part is the gradient itself wherever it can be, not a copy (a copy per
+        parameter tensor was host time in every backward wave on a GPU): read it before the next backward."""
         out = {}
         rank, size = self.tp_rank, self.tp_size
         for name, p in self.full_named_parameters(units):
             grad = p.grad if p.grad is not None else torch.zeros_like(p)  # no history (no create_graph backward)
             sharded = getattr(p, "tensor_model_parallel", False)
-            if size == 1 or (sharded and name in own):
+            if size == 1 or (sharded and name in local):
                 out[name] = grad
             elif sharded:
                 out[name] = placed_full(grad, p, rank, size)
@@ -205,12 +205,12 @@ class SliceOperator(nn.Module):
 
     @torch.no_grad()
     def load_full_state(self, state: dict[str, torch.Tensor], strict: bool = True,
-                        own: Collection[str] = ()) -> None:
+                        local: Collection[str] = ()) -> None:
         """Load full tensors (any TP layout's export) into this rank's shards. ``strict``: every parameter of the
         operator must be present (extra names, e.g. other units', are ignored); without, only the names given are
-        visited (the overlapped weight gather loads one unit at a time, runtime/param_gather.py). ``own``: names
-        given as this rank's shard already (the runtime's TP shards of the operator's own degree), loaded as they
-        are."""
+        visited (the overlapped weight gather loads one unit at a time, runtime/param_gather.py). ``local``:
+        names given as this rank's shard already (the runtime's TP shards of the operator's own degree), loaded as
+        they are."""
         params, rank, size = self._params_by_name, self.tp_rank, self.tp_size
         if strict:
             missing = next((name for name in params if name not in state), None)
@@ -220,7 +220,7 @@ class SliceOperator(nn.Module):
         for name in (params if strict else [n for n in state if n in params]):
             p = params[name]
             full = state[name]
-            if name in own:
+            if name in local:
                 if full.shape != p.shape:
                     raise ValueError(f"{name}: shard shape {tuple(full.shape)} != expected {tuple(p.shape)}")
                 targets.append(p)

@@ -72,6 +72,16 @@ def placed_full(tensor: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size
     return unshard_local_tensors(parts, param)
 
 
+def placed_pairs(full: torch.Tensor, tensor: torch.Tensor, param: torch.Tensor, tp_rank: int,
+                 tp_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(views of ``full`` where this TP rank's ``tensor`` sits, the pieces of ``tensor`` that go there): adding
+    each piece into its view adds ``placed_full`` of ``tensor`` into ``full`` without making it."""
+    if not _is_sharded(param) or tp_size == 1:
+        return [full], [tensor]
+    dim, stride = _dim_stride(param)
+    return list(torch.chunk(full, stride * tp_size, dim=dim)[tp_rank::tp_size]), list(torch.chunk(tensor, stride, dim))
+
+
 def gather_full(tensor: torch.Tensor, param: torch.Tensor, tp_group) -> torch.Tensor:
     """Full tensor from this rank's ``tensor`` (the parameter or its gradient); collective over ``tp_group``."""
     tensor = tensor.detach()

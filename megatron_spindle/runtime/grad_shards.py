@@ -30,11 +30,28 @@ import torch
 from megatron_spindle.runtime.grad_buffers import Bucket, buffer_layout, launch_order
 from megatron_spindle.runtime.shards import (
     UnitShard,
+    add_flat_to_rows,
     add_to_rows,
     reduce_scatter_rows,
     row_offsets,
     settle_rows,
 )
+from megatron_spindle.runtime.tp_shards import LocalPart
+
+
+def _placed_flat(sh: UnitShard, grads: dict, device: torch.device) -> torch.Tensor:
+    """The unit's flat fp32 gradient vector from full tensors and ``LocalPart``s: one zeroed vector, one copy."""
+    flat = torch.zeros(sh.numel, dtype=torch.float32, device=device)
+    views = sh.unflatten(flat)
+    targets, sources = [], []
+    for k in sh.keys:
+        g = grads[k]
+        spots, pieces = g.pairs(views[k]) if isinstance(g, LocalPart) else ([views[k]], [g])
+        targets += spots
+        sources += pieces
+    torch._foreach_copy_(targets, sources)
+    return flat
+
 
 REDUCE_SCATTER_BACKENDS = ("nccl", "gloo")  # have reduce_scatter_single (gloo: in torch 2.13, measured)
 
@@ -82,11 +99,16 @@ class ShardedGradBuffers:
         return self._staging[key, micro]
 
     def add(self, grads: dict[str, torch.Tensor], keys: list[str], micro: int = 0) -> None:
-        """Add full gradients (every key of each unit named in ``keys``) into micro-batch ``micro``'s staging."""
+        """Add full gradients (every key of each unit named in ``keys``) into micro-batch ``micro``'s staging; a
+        unit with a TP rank's ``LocalPart`` is first written into one zeroed flat vector, each part where it sits
+        (no full tensor per parameter)."""
         for u in dict.fromkeys(self.key_unit[k] for k in keys):
             sh = self.shards[u]
             key, off = self._place[u]
-            add_to_rows(self._staging_of(key, micro), off, sh, grads)
+            if any(isinstance(grads[k], LocalPart) for k in sh.keys):
+                add_flat_to_rows(self._staging_of(key, micro), off, sh, _placed_flat(sh, grads, self.device))
+            else:
+                add_to_rows(self._staging_of(key, micro), off, sh, grads)
 
     def reduce(self, b: Bucket, group, micro: int = 0):
         """Start the sum of micro-batch ``micro``'s bucket over its group (None for a one-device group: nothing

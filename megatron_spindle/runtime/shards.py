@@ -76,7 +76,12 @@ def add_to_rows(rows: torch.Tensor, offset: int, shard: UnitShard, tensors: dict
     one concatenation (torch's own, as DDP flattens: its views are made in C++), one add for the members' whole
     rows and one for the last partial row; the adds promote a bf16 gradient into the fp32 rows exactly as a cast
     would. A cast per tensor and an add per member were host time in every backward wave on a GPU."""
-    flat = _flatten_dense_tensors([tensors[k] for k in shard.keys]).to(rows.device)  # one C++ call
+    add_flat_to_rows(rows, offset, shard, _flatten_dense_tensors([tensors[k] for k in shard.keys]))  # one C++ call
+
+
+def add_flat_to_rows(rows: torch.Tensor, offset: int, shard: UnitShard, flat: torch.Tensor) -> None:
+    """``add_to_rows`` of the unit's flat vector (``numel`` elements, any dtype): one or two adds."""
+    flat = flat.to(rows.device)
     whole, size = shard.numel // shard.size, shard.size  # members whose row the unit fills
     if whole:
         rows[:whole, offset:offset + size].add_(flat[:whole * size].view(whole, size))

@@ -12,7 +12,10 @@ every member of its group. Without ``settings.tp_sharded_grads`` every key is ca
   shard); runtime -> canonical places the shard in a full tensor that is zero elsewhere, which
   ``load_full_state`` reads this TP rank's part from. Only operators that say how their tensors are split
   (``full_named_parameters``, megatron-core's ``tensor_model_parallel`` attributes) and export their own
-  gradient part (``export_grad_contributions``) are split; other operators keep canonical keys.
+  gradient part (``export_grad_contributions``) are split; other operators keep canonical keys. No full tensor
+  is made where none is needed: a shard of the slice's own TP degree is the operator's local tensor
+  (``SliceKeys.own``), and a TP rank's gradient of a whole key is a ``LocalPart`` the buffers add where it sits
+  (``SliceKeys.placed``): a full tensor of zeros per parameter was host time in every backward on a GPU.
 - ``KeyLayout``: this rank's slices' keys together, and ``canonical``: full tensors of every unit from the
   shards, collective over each plan group (for checkpoints, ``full_state`` and ``gather_grads``, never a step).
 """
@@ -20,6 +23,7 @@ every member of its group. Without ``settings.tp_sharded_grads`` every key is ca
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,9 +46,10 @@ class SliceKeys:
         self.unit_of: dict[str, str] = {}
         self.canonical_unit: dict[str, str] = {}
         self.shapes: dict[str, torch.Size] = {}  # canonical key -> full shape (slices.initial_weights)
+        tp_rank, tp_size = getattr(op, "tp_rank", 0), getattr(op, "tp_size", 1)
         params = (dict(op.full_named_parameters())
-                  if rings and hasattr(op, "full_named_parameters") and hasattr(op, "export_grad_contributions")
-                  else {})
+                  if (rings or tp_size > 1) and hasattr(op, "full_named_parameters")
+                  and hasattr(op, "export_grad_contributions") else {})
         for k in self.canonical:
             unit = _unit_of(k, units)
             if unit is None:
@@ -64,9 +69,11 @@ class SliceKeys:
         self.canonical_of = {rk: k for k, rk in self.runtime_of.items()}
         # split keys whose shard is this rank's own part of the operator's tensor (degree = the slice's TP): the
         # runtime tensor is the operator's local one, so no full tensor is made on the way in or out
-        tp_rank, tp_size = getattr(op, "tp_rank", 0), getattr(op, "tp_size", 1)
         self.own = frozenset(self.canonical_of[rk] for rk, (_, shard, degree) in self.split.items()
                              if degree == tp_size and shard == tp_rank)
+        # whole (canonical) keys of TP-split tensors: this rank's gradient is added where it sits (``LocalPart``)
+        self.placed = {k: (p, tp_rank, tp_size) for k, p in params.items()
+                       if tp_size > 1 and self.runtime_of.get(k) == k and getattr(p, "tensor_model_parallel", False)}
 
     @property
     def runtime(self) -> list[str]:
@@ -81,12 +88,15 @@ class SliceKeys:
                 out[rk] = tensors[k] if rk not in self.split else shard_full_tensor(tensors[k], *self.split[rk])
         return out
 
-    def runtime_grads(self, op: torch.nn.Module, units: Sequence[str]) -> dict[str, torch.Tensor]:
+    def runtime_grads(self, op: torch.nn.Module, units: Sequence[str]) -> dict[str, torch.Tensor | LocalPart]:
         """The operator's gradient contributions of ``units`` (``export_grad_contributions``) under runtime keys,
-        as ``to_runtime`` gives them; an ``own`` key's is the operator's gradient itself."""
-        grads = op.export_grad_contributions(units, **({"own": self.own} if self.own else {}))
-        own = {k: grads.pop(k) for k in self.own if k in grads}
-        return {**self.to_runtime(grads), **{self.runtime_of[k]: t for k, t in own.items()}}
+        as ``to_runtime`` gives them, without making full tensors where none is needed: an ``own`` key's is the
+        operator's gradient itself, a ``placed`` key's a ``LocalPart`` of it."""
+        local = self.own | self.placed.keys()
+        grads = op.export_grad_contributions(units, **({"local": local} if local else {}))
+        own = {self.runtime_of[k]: grads.pop(k) for k in self.own if k in grads}
+        placed = {k: LocalPart(grads.pop(k), *self.placed[k]) for k in self.placed if k in grads}
+        return {**self.to_runtime(grads), **own, **placed}
 
     def load(self, op: torch.nn.Module, tensors: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load runtime tensors (the slice's keys among them) into the operator: ``load_full_state`` of their
@@ -94,7 +104,7 @@ class SliceKeys:
         own = {k: tensors[self.runtime_of[k]] for k in self.own if self.runtime_of[k] in tensors}
         state = {**self.to_canonical({rk: t for rk, t in tensors.items() if self.canonical_of.get(rk) not in own}),
                  **own}
-        options = ({} if strict else {"strict": False}) | ({"own": self.own} if self.own else {})
+        options = ({} if strict else {"strict": False}) | ({"local": self.own} if self.own else {})
         op.load_full_state(state, **options)  # only the options needed: an operator that splits nothing need not
 
     def to_canonical(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -105,6 +115,26 @@ class SliceKeys:
             if rk in tensors:
                 out[k] = tensors[rk] if rk not in self.split else placed_full(tensors[rk], *self.split[rk])
         return out
+
+
+@dataclass(frozen=True)
+class LocalPart:
+    """A TP rank's gradient contribution to a whole key, not made into the full tensor ``placed_full`` would
+    make (this rank's ``tensor`` where its shard sits, zeros elsewhere): ``pairs(full)`` gives the views of a
+    full-shape tensor where it sits and its pieces, to add it in place; ``full()`` makes it."""
+
+    tensor: torch.Tensor
+    param: torch.nn.Parameter
+    rank: int
+    size: int
+
+    def full(self) -> torch.Tensor:
+        return placed_full(self.tensor, self.param, self.rank, self.size)
+
+    def pairs(self, full: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        from megatron_spindle.models import state  # not at import: models/ imports megatron-core
+
+        return state.placed_pairs(full, self.tensor, self.param, self.rank, self.size)
 
 
 class KeyLayout:
