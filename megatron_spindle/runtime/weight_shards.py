@@ -40,6 +40,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch._utils import _unflatten_dense_tensors
 
 from megatron_spindle.runtime.groups import PlanGroups
 from megatron_spindle.runtime.opstate import identical_params
@@ -67,6 +68,9 @@ class GatherUnit:
         self.prefetched = 0
         self.module: torch.nn.Module | None = None  # whose forward gathers it (WeightShards._hook)
         self._inflight = None  # (rows, work) of an all-gather issued ahead of its use
+        # the parameters' storage through ``.data`` aliases, made once: autograd's saved references must not see a
+        # new version, and an alias follows its storage through ``resize_``
+        self._data = [p.data for p in params]
 
     @property
     def full_bytes(self) -> int:
@@ -117,12 +121,10 @@ class GatherUnit:
         rows, work = self._inflight
         self._inflight = None
         work.wait()
-        flat = rows.view(-1)
         self.materialize()
-        off = 0
-        for p in self.params:  # through .data: autograd's saved references must not see a new version
-            p.data.copy_(flat[off:off + p.numel()].view_as(p))
-            off += p.numel()
+        # one multi-tensor copy from views made in C++: a copy per parameter was host time in every layer's forward
+        # and backward on a GPU
+        torch._foreach_copy_(self._data, _unflatten_dense_tensors(rows.view(-1)[:self.numel], self._data))
         self.gathers += 1
 
 
