@@ -40,7 +40,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch._utils import _unflatten_dense_tensors
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_spindle.runtime.groups import PlanGroups
 from megatron_spindle.runtime.opstate import identical_params
@@ -78,7 +78,7 @@ class GatherUnit:
 
     def reshard(self) -> None:
         """Keep this member's part of the weights the parameters hold now; release the rest."""
-        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        flat = _flatten_dense_tensors(self._data)  # one C++ call
         lo = min(self.index * self.size, self.numel)
         hi = min(lo + self.size, self.numel)
         self.shard = flat.new_zeros(self.size)
