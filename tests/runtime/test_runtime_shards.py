@@ -65,3 +65,12 @@ def test_bf16_tensors_add_into_the_fp32_rows_as_their_fp32_casts():
     add_to_rows(cast, 0, sh, {k: t.float() for k, t in bf16.items()})
     assert direct.dtype == torch.float32 and torch.equal(direct, cast)
     assert torch.equal(direct.reshape(-1)[:sh.numel], sh.flatten(bf16))
+
+
+def test_unflatten_keeps_every_shape_an_empty_tensor_included():
+    shapes = [torch.Size([2, 3]), torch.Size([0, 4]), torch.Size([5])]
+    sh = UnitShard("u", ["u.a", "u.b", "u.c"], shapes, 1, 0)
+    flat = torch.arange(11.0)
+    out = sh.unflatten(flat)
+    assert [out[k].shape for k in sh.keys] == shapes
+    assert torch.equal(out["u.c"], flat[6:]) and out["u.a"].data_ptr() == flat.data_ptr()  # views of flat
