@@ -36,7 +36,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/memory_options.py
 	$(PY) benchmarks/cost_model_validation.py
 	$(PY) benchmarks/host_floor.py
-	$(PY) benchmarks/host_ops.py --workload tiny-clip
+	$(PY) benchmarks/host_ops.py --workload tiny-clip --two-ranks
 
 # The same runs, refreshing the committed snapshot in benchmarks/results/ (a deliberate step: review the diff).
 bench-snapshot: $(STAMP)
@@ -46,7 +46,7 @@ bench-snapshot: $(STAMP)
 	$(PY) benchmarks/memory_options.py --update-snapshot
 	$(PY) benchmarks/cost_model_validation.py --update-snapshot
 	$(PY) benchmarks/host_floor.py --update-snapshot
-	$(PY) benchmarks/host_ops.py --workload tiny-clip --update-snapshot
+	$(PY) benchmarks/host_ops.py --workload tiny-clip --two-ranks --update-snapshot
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megatron_spindle tools tests benchmarks pretrain_multitask.py

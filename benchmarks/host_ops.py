@@ -14,14 +14,15 @@ A plain PyTorch step of the same modules (``models.reference.ReferenceModel``, t
 AdamW) is counted the same way. Views (no kernel) are counted apart from the operations that launch work.
 The runtime is counted in fp32 (units alias their masters: the CPU path) and in bf16 (units copy to and from
 fp32 masters: the GPU path), and in bf16 at ZeRO-1 and ZeRO-3 (the sharded runtime: gradient staging rows, weight
-gathers and loads). On the CPU, AdamW runs a loop per master tensor; CUDA's fused AdamW is one
+gathers and loads). ``--two-ranks`` also counts, on two gloo processes, the layouts one rank cannot have: TP 2
+(each tower's group reduced by TP shard, or in whole units beside TP-1 slices) and ZeRO-3's per-layer gathers. On the CPU, AdamW runs a loop per master tensor; CUDA's fused AdamW is one
 operation per parameter group, so the "optimizer" rows overstate a GPU's.
 
 With ``--device cuda`` (benchmarks/gpu_breakdown.sh) the steps run on the GPU; the timed steps' milliseconds
 over the operations then give the host's time per operation where the step is host-bound.
 
 Printed, not asserted, written (host_ops.txt, .json) to --out-dir. Example:
-    python benchmarks/host_ops.py --workload tiny-clip
+    python benchmarks/host_ops.py --workload tiny-clip [--two-ranks]
     python benchmarks/host_ops.py --workload clip-4 --global-batch-size 128 --device cuda
 """
 
@@ -33,6 +34,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +133,73 @@ def count_engine(workload, dtype: torch.dtype, warmup: int, timed: int = 0, devi
     return count_steps(engine.train_step, warmup, timed, device)
 
 
+TWO_RANK_ROWS = (  # (layout, ZeRO stage) counted on two gloo ranks
+    ("towers at TP 2, reduced by TP shard", 0), ("towers at TP 2, reduced by TP shard", 1),
+    ("towers at TP 2, in whole-unit groups", 0), ("towers at TP 2, in whole-unit groups", 1),
+    ("every MetaOp on both ranks at TP 1", 3))
+
+
+def two_rank_layouts(workload) -> dict:
+    """layout -> a plan for two CPU devices (planner/explicit.py): the layer MetaOps at TP 2 on both devices, the
+    light ones on one device (so each tower's parameter group holds TP-2 slices only: reduced by TP shard) or on
+    both at TP 1 (so the groups mix TP 2 and TP 1: whole units); every MetaOp on both devices at TP 1."""
+    from megatron_spindle.estimator import valid_configs
+    from megatron_spindle.graph.cluster import make_cluster
+    from megatron_spindle.graph.opgraph import build_metagraph
+    from megatron_spindle.planner.explicit import plan_from_slices
+
+    g, cluster = build_metagraph(workload), make_cluster(2, 2, "CPU")
+
+    def tp2(mid: str) -> bool:
+        return g.metaops[mid].kind == "layer" and (2, 1) in valid_configs(g.metaops[mid], workload, cluster)
+
+    def waves(light: Callable[[int], list[int]], tp: int) -> list:
+        return [[(mid, 0, g.metaops[mid].num_layers, [0, 1], tp) if tp > 1 and tp2(mid) else
+                 (mid, 0, g.metaops[mid].num_layers, light(li), 1)] for li, level in enumerate(g.levels) for mid in level]
+
+    return {TWO_RANK_ROWS[0][0]: plan_from_slices(workload, cluster, waves(lambda li: [0] if li == 0 else [1], 2)),
+            TWO_RANK_ROWS[2][0]: plan_from_slices(workload, cluster, waves(lambda li: [0, 1], 2)),
+            TWO_RANK_ROWS[4][0]: plan_from_slices(workload, cluster, waves(lambda li: [0, 1], 1))}
+
+
+def _two_rank_worker(rank: int, workload, warmup: int, store: str, out: str) -> None:
+    import dataclasses
+    import json
+
+    import torch.distributed as dist
+
+    from megatron_spindle.compat.cpu import apply_cpu_shim
+    from megatron_spindle.runtime.engine import EngineConfig, RuntimeEngine
+
+    apply_cpu_shim()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    plans, rows = two_rank_layouts(workload), {}
+    for layout, stage in TWO_RANK_ROWS:
+        plan = plans[layout]
+        plan.settings = dataclasses.replace(plan.settings, zero_stage=stage, overlap_param_gather=stage in (1, 2))
+        engine = RuntimeEngine(plan, workload, rank, 2, EngineConfig(dtype=torch.bfloat16, device="cpu"))
+        rows[f"{layout}, ZeRO-{stage}"] = count_steps(engine.train_step, warmup, 0, "cpu").counter.totals()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def count_two_ranks(workload, warmup: int) -> dict[str, dict[str, int]]:
+    """Rank 0's operations of one bf16 step under each of ``TWO_RANK_ROWS`` (two gloo processes)."""
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/rows.json"
+        mp.spawn(_two_rank_worker, args=(workload, warmup, f"{tmp}/store", out), nprocs=2)
+        with open(out) as f:
+            return json.load(f)
+
+
 def count_plain(workload, warmup: int, timed: int = 0, device: str = "cpu") -> tuple[Counted, int]:
     """A plain fp32 PyTorch step of the same modules: the summed task losses' backward, torch AdamW."""
     from megatron_spindle.data.mock import mock_batch
@@ -150,18 +219,18 @@ def count_plain(workload, warmup: int, timed: int = 0, device: str = "cpu") -> t
     return count_steps(step, warmup, timed, device), len(params)
 
 
-def table(rows: list[tuple[str, dict[str, int], float]], tensors: int) -> str:
+def table(rows: list[tuple[str, dict[str, int], float]], tensors: int, width: int = 28) -> str:
     """A row per step: operations by who asked, in all, the runtime's per parameter tensor, and (timed steps) ms
     per step and us per operation (on a host-bound device, the host's time per operation)."""
     cols = ("model", "model views", "optimizer", "runtime", "runtime views")
-    lines = [f"{'step':28s}" + "".join(f"{c:>15s}" for c in cols)
+    lines = [f"{'step':{width}s}" + "".join(f"{c:>15s}" for c in cols)
              + f"{'total':>9s}{'runtime/tensor':>16s}{'ms/step':>10s}{'us/op':>8s}"]
     for name, t, seconds in rows:
         runtime = t.get("runtime", 0) + t.get("runtime views", 0)
         t = {**t, "optimizer": t.get("optimizer", 0) + t.pop("optimizer views", 0)}
         total = sum(t.values())
         timing = f"{seconds * 1e3:10.1f}{seconds * 1e6 / total:8.1f}" if seconds == seconds else ""
-        lines.append(f"{name:28s}" + "".join(f"{t.get(c, 0):15d}" for c in cols)
+        lines.append(f"{name:{width}s}" + "".join(f"{t.get(c, 0):15d}" for c in cols)
                      + f"{total:9d}{runtime / tensors:16.1f}" + timing)
     return "\n".join(lines)
 
@@ -174,11 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="steps before the counted one")
     parser.add_argument("--timed-steps", type=int, default=3, help="uncounted steps timed after it (the median)")
     parser.add_argument("--top", type=int, default=12, help="the runtime's functions listed (most operations first)")
+    parser.add_argument("--two-ranks", action="store_true",
+                        help="also count a bf16 step on two gloo processes in the layouts one rank has not: TP 2 "
+                             "(by TP shard and in whole units) and ZeRO-3's gathers (CPU only)")
     add_output_args(parser)
     args = parser.parse_args(argv)
     from megatron_spindle.compat.cpu import apply_cpu_shim
     from megatron_spindle.compat.groups import ensure_torch_distributed
 
+    if args.two_ranks and args.device != "cpu":
+        print("host_ops: --two-ranks counts on CPU processes (gloo); leave out --device cuda", file=sys.stderr)
+        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("host_ops: CUDA is not available (use --device cpu)", file=sys.stderr)
         return 2
@@ -208,11 +283,16 @@ def main(argv: list[str] | None = None) -> int:
             per_function[caller.split(" ", 1)[1]] += n
     for name, n in per_function.most_common(args.top):
         print(f"{n:8d}  {name}")
+    two = {}
+    if args.two_ranks:
+        two = count_two_ranks(workload, args.warmup)
+        print("\ntwo gloo ranks, bf16, rank 0's operations in one step (layouts one rank has not):")
+        print(table([(name, totals, float("nan")) for name, totals in two.items()], tensors, width=46))
     print(f"({time.perf_counter() - start:.0f} s)")
     recording.save({"workload": args.workload, "device": args.device, "parameter_tensors": tensors,
                     "steps": {name: t for name, t, _ in rows},
                     "seconds_per_step": {name: seconds for name, _, seconds in rows},
-                    "runtime_bf16_by_function": dict(per_function)})
+                    "runtime_bf16_by_function": dict(per_function), "two_ranks": two})
     return 0
 
 

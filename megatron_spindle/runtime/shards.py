@@ -14,7 +14,6 @@ each member exactly its shards (``add_to_rows``, ``reduce_scatter_rows``).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,11 @@ class UnitShard:
     shapes: list[torch.Size]
     members: int
     index: int
+
+    def __post_init__(self):
+        # storage-less tensors of the unit's shapes, which torch's unflatten reads them from (made here, not in a
+        # training step)
+        self._templates = [torch.empty(shape, device="meta") for shape in self.shapes]
 
     @property
     def numel(self) -> int:
@@ -50,11 +54,6 @@ class UnitShard:
             return {k: flat[:0].view(shape) if shape.numel() == 0 else v
                     for k, shape, v in zip(self.keys, self.shapes, _unflatten_dense_tensors(flat, self._templates))}
         return dict(zip(self.keys, _unflatten_dense_tensors(flat, self._templates)))
-
-    @functools.cached_property
-    def _templates(self) -> list[torch.Tensor]:
-        """Storage-less tensors of the unit's shapes (what torch's unflatten reads from them)."""
-        return [torch.empty(shape, device="meta") for shape in self.shapes]
 
     def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
         """A full flat vector -> this member's shard (a new tensor of ``size`` elements, zero-padded)."""

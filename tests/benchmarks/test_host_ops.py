@@ -50,3 +50,21 @@ def test_operations_are_attributed_to_the_innermost_caller_that_says():
     assert bench.who(forward) == "model"
     assert bench.who([*forward, frame("/y/megatron/core/transformer/mlp.py", "forward")]) == "model"
     assert bench.who([*stack, frame("/y/torch/optim/adamw.py", "step")]) == "optimizer"
+
+
+def test_the_two_rank_layouts_are_what_their_rows_say():
+    """``--two-ranks``' plans: the towers at TP 2 reduced by TP shard (their groups' degree 2) or in whole units
+    (degree 1: their groups also hold TP-1 slices), and everything at TP 1 on both ranks."""
+    from megatron_spindle.graph.opgraph import build_metagraph
+    from megatron_spindle.plan.buckets import group_tp
+
+    workload = load_workload("tiny-clip")
+    metaops = build_metagraph(workload).metaops
+    degrees = {}
+    for layout, plan in bench.two_rank_layouts(workload).items():
+        groups = [list(g.params) for g in plan.param_groups]
+        degrees[layout] = set(group_tp([w.slices for w in plan.waves], metaops, groups, plan.settings))
+        tps = {s.tp for s in plan.slices()}
+        assert tps == ({1} if "TP 1" in layout else {1, 2}), layout
+    shard, whole, tp1 = (bench.TWO_RANK_ROWS[i][0] for i in (0, 2, 4))
+    assert 2 in degrees[shard] and degrees[whole] == {1} and degrees[tp1] == {1}, degrees

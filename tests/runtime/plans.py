@@ -1,6 +1,6 @@
 """Plans the runtime tests control: built from an explicit list of waves of slices with devices.
 
-``build_plan`` fills the Plan dataclasses directly (transfers, routed, and parameter device groups derived from
+``build_plan`` is planner/explicit.py's plan_from_slices (transfers, routed, and parameter device groups derived from
 the slices by plan/derive.py) for a ``make_cluster(world_size, gpus_per_node, "CPU")`` cluster: islands of
 ``gpus_per_node`` devices (default: all in one) make intra- and inter-island routes on CPU. Generators give the plan families
 the tests need: Megatron-style sequential (every MetaOp on all devices), and seeded random Spindle-like
@@ -12,39 +12,19 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from megatron_spindle.estimator import AnalyticCostModel
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.derive import derive_param_groups, derive_transfers, metaop_infos
 from megatron_spindle.plan.order import early_backward_order
-from megatron_spindle.plan.schema import LevelInfo, Plan, Slice, Wave
+from megatron_spindle.plan.schema import Plan
 from megatron_spindle.plan.validate import validate_plan
-
-# one slice: (metaop id, layer_start, layer_end, devices, tp)
-SliceSpec = tuple[str, int, int, list[int], int]
+from megatron_spindle.planner.explicit import SliceSpec, plan_from_slices
 
 
 def build_plan(workload: Workload, world_size: int, waves: list[list[SliceSpec]], validate: bool = True,
                gpus_per_node: int = 8) -> Plan:
-    g = build_metagraph(workload)
-    cluster = make_cluster(world_size, gpus_per_node, gpu_type_name="CPU")
-    plan_waves = []
-    for wi, specs in enumerate(waves):
-        slices = [Slice(id=f"w{wi}:{mid}@{ls}", metaop=mid, module=g.metaops[mid].module, task=g.metaops[mid].task,
-                        kind=g.metaops[mid].kind, layer_start=ls, layer_end=le, devices=list(devs), tp=tp,
-                        dp=len(devs) // tp, predicted_time=1.0)
-                  for mid, ls, le, devs, tp in specs]
-        plan_waves.append(Wave(index=wi, level=0, start=float(wi), duration=1.0, slices=slices))
-    plan = Plan(workload_name=workload.name, workload_digest=workload.digest(), cluster=cluster.to_dict(),
-                cluster_digest=cluster.digest(), planner={"planner": "test"}, metaops=metaop_infos(g),
-                levels=[LevelInfo(i, lv, 0.0, 0.0, 0.0) for i, lv in enumerate(g.levels)], waves=plan_waves,
-                transfers=[], param_groups=[], memory_per_device=[], predicted={})
-    cost = AnalyticCostModel(workload, cluster)
-    plan.transfers = derive_transfers(plan, lambda mid: cost.activation_bytes(g.metaops[mid]))
-    plan.param_groups = derive_param_groups(plan, g.metaops, cost.param_count)
-    if validate:
-        validate_plan(plan, workload, cluster, g)
+    plan = plan_from_slices(workload, make_cluster(world_size, gpus_per_node, gpu_type_name="CPU"), waves, validate)
+    plan.planner = {"planner": "test"}
     return plan
 
 
