@@ -92,6 +92,19 @@ SAVED_PLAN_LOCAL_SPEC_NOTE = ("[plan] note: the plan was charged for Transformer
                               "slower than planned. Plan here, or with --attention-backend local, to charge what runs.")
 
 
+def computes_grad_norm(args) -> bool:
+    """Whether this run's optimizer step computes the global gradient norm (what a plan's ``grad_norm`` charges)."""
+    return args.clip_grad > 0 or args.fp16
+
+
+def saved_plan_grad_norm_note(planned: bool, args) -> str:
+    """The note for a saved plan charged with (``planned``) or without the gradient norm, against this run."""
+    return (f"[plan] note: the plan was charged {'with' if planned else 'without'} the optimizer step's gradient "
+            f"norm, which this run {'does not compute' if planned else 'computes'} (--clip-grad {args.clip_grad:g}"
+            f"{', --fp16' if args.fp16 else ''}): its predicted optimizer step is off by that pass (a read of every "
+            f"gradient). Plan with the same --clip-grad to charge what runs.")
+
+
 def get_plan(args, workload, world_size: int, rank: int):
     """The saved plan (--spindle-plan) or a fresh one made on rank 0 and broadcast (CP-SAT with a wall-clock
     limit is not deterministic, so ranks must not plan separately; with --spindle-solver-deterministic they could,
@@ -110,6 +123,8 @@ def get_plan(args, workload, world_size: int, rank: int):
 
             if not te_available():  # a GPU without TE (on a CPU, whatever the plan says, the local spec runs)
                 print(SAVED_PLAN_LOCAL_SPEC_NOTE, flush=True)
+        if rank == 0 and plan.settings.grad_norm != computes_grad_norm(args):
+            print(saved_plan_grad_norm_note(plan.settings.grad_norm, args), flush=True)
         return plan
     box: list[Any] = [None]
     if rank == 0:
@@ -129,7 +144,7 @@ def get_plan(args, workload, world_size: int, rank: int):
             # the attention this machine will run: auto is the local spec where TE is missing
             config = dataclasses.replace(config, attention_backend=resolve_attention_backend(
                 config.attention_backend, cluster.gpu.arch, te_available()),
-                grad_norm=args.clip_grad > 0 or args.fp16)  # what the runtime's optimizer step computes
+                grad_norm=computes_grad_norm(args))  # what the runtime's optimizer step computes
             plan = autoplan(workload, cluster, config,
                             profile=profile, progress=lambda m: print(f"[plan] {m}", flush=True)).plan
             print(f"[plan] done in {time.perf_counter() - t0:.3f} s", flush=True)

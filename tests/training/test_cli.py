@@ -204,6 +204,31 @@ def test_a_saved_plan_charged_for_te_attention_says_what_runs_here(tmp_path, cap
         assert (SAVED_PLAN_LOCAL_SPEC_NOTE in capsys.readouterr().out) == noted, (gpu, backend)
 
 
+def test_a_saved_plan_charged_for_another_gradient_norm_says_so(tmp_path, capsys):
+    """--spindle-plan of a plan made with the norm charged (the default --clip-grad 1.0) run with --clip-grad 0, and
+    the reverse: one note each; the same setting on both sides says nothing."""
+    from megatron_spindle.graph.cluster import make_cluster
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
+    from megatron_spindle.training.trainer import build_pretrain_parser, get_plan
+
+    workload = load_workload("tiny-clip")
+    for planned in (True, False):
+        plan = make_plan(workload, make_cluster(1, 1, "A800-80GB"),
+                         PlannerConfig(planner="wavefront", select="none", grad_norm=planned))
+        plan.save(tmp_path / "plan.json")
+        for clip, noted in (("1.0", not planned), ("0", planned)):
+            args = build_pretrain_parser("test").parse_args(BASE + ["--mock-data", "--clip-grad", clip,
+                                                                    "--spindle-plan", str(tmp_path / "plan.json")])
+            capsys.readouterr()
+            get_plan(args, workload, 1, 0)
+            out = capsys.readouterr().out
+            assert ("gradient norm" in out) == noted, (planned, clip, out)
+            if noted:
+                assert f"charged {'with' if planned else 'without'} the optimizer step's gradient norm" in out
+                assert f"--clip-grad {float(clip):g}" in out
+
+
 def test_a_transformer_engine_attention_backend_without_te_is_refused_before_planning():
     """pretrain_multitask.py --attention-backend flash where Transformer Engine is missing: the plan would charge
     kernels this machine cannot run, so it stops with one line naming the flag."""
