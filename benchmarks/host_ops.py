@@ -15,8 +15,9 @@ AdamW) is counted the same way. Views (no kernel) are counted apart from the ope
 The runtime is counted in fp32 (units alias their masters: the CPU path) and in bf16 (units copy to and from
 fp32 masters: the GPU path), and in bf16 at ZeRO-1 and ZeRO-3 (the sharded runtime: gradient staging rows, weight
 gathers and loads). ``--two-ranks`` also counts, on two gloo processes, the layouts one rank cannot have: TP 2
-(each tower's group reduced by TP shard, or in whole units beside TP-1 slices) and ZeRO-3's per-layer gathers. On the CPU, AdamW runs a loop per master tensor; CUDA's fused AdamW is one
-operation per parameter group, so the "optimizer" rows overstate a GPU's.
+(each tower's group reduced by TP shard, or in whole units beside TP-1 slices) and ZeRO-3's per-layer gathers. On
+the CPU, AdamW runs a loop per master tensor; CUDA's fused AdamW is one operation per parameter group, so the
+"optimizer" rows overstate a GPU's.
 
 With ``--device cuda`` (benchmarks/gpu_breakdown.sh) the steps run on the GPU; the timed steps' milliseconds
 over the operations then give the host's time per operation where the step is host-bound.
@@ -118,19 +119,24 @@ def count_steps(step, warmup: int, timed: int, device: str) -> Counted:
 
 def count_engine(workload, dtype: torch.dtype, warmup: int, timed: int = 0, device: str = "cpu",
                  zero_stage: int = 0) -> Counted:
-    """The runtime's step on a plan for one device (its waves one after another), at ``zero_stage`` (1 and 2 with
-    the weight gather overlapped, as the planner's plans run: one device holds whole shards, but the sharded
-    runtime's staging rows, gathers and weight loads run as on many)."""
-    import dataclasses
-
+    """The runtime's step on a plan for one device (its waves one after another), at ``zero_stage`` (one device
+    holds whole shards, but the sharded runtime's staging rows, gathers and weight loads run as on many)."""
     from megatron_spindle.graph.cluster import make_cluster
     from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
     from megatron_spindle.runtime.engine import EngineConfig, RuntimeEngine
 
-    plan = make_plan(workload, make_cluster(1, 1, "CPU"), PlannerConfig(planner="wavefront"))
-    plan.settings = dataclasses.replace(plan.settings, zero_stage=zero_stage, overlap_param_gather=zero_stage in (1, 2))
+    plan = at_zero_stage(make_plan(workload, make_cluster(1, 1, "CPU"), PlannerConfig(planner="wavefront")),
+                         zero_stage)
     engine = RuntimeEngine(plan, workload, 0, 1, EngineConfig(dtype=dtype, device=device))
     return count_steps(engine.train_step, warmup, timed, device)
+
+
+def at_zero_stage(plan, stage: int):
+    """The plan at ZeRO ``stage``, with the weight gather overlapped at 1 and 2 as the planner's plans run."""
+    import dataclasses
+
+    plan.settings = dataclasses.replace(plan.settings, zero_stage=stage, overlap_param_gather=stage in (1, 2))
+    return plan
 
 
 TWO_RANK_ROWS = (  # (layout, ZeRO stage) counted on two gloo ranks
@@ -154,8 +160,11 @@ def two_rank_layouts(workload) -> dict:
         return g.metaops[mid].kind == "layer" and (2, 1) in valid_configs(g.metaops[mid], workload, cluster)
 
     def waves(light: Callable[[int], list[int]], tp: int) -> list:
-        return [[(mid, 0, g.metaops[mid].num_layers, [0, 1], tp) if tp > 1 and tp2(mid) else
-                 (mid, 0, g.metaops[mid].num_layers, light(li), 1)] for li, level in enumerate(g.levels) for mid in level]
+        """One wave per MetaOp: a layer MetaOp at ``tp`` on both devices where it can be, else at TP 1 on
+        ``light(its level)``."""
+        layers = lambda mid: g.metaops[mid].num_layers  # noqa: E731
+        return [[(mid, 0, layers(mid), [0, 1], tp) if tp > 1 and tp2(mid) else (mid, 0, layers(mid), light(li), 1)]
+                for li, level in enumerate(g.levels) for mid in level]
 
     return {TWO_RANK_ROWS[0][0]: plan_from_slices(workload, cluster, waves(lambda li: [0] if li == 0 else [1], 2)),
             TWO_RANK_ROWS[2][0]: plan_from_slices(workload, cluster, waves(lambda li: [0, 1], 2)),
@@ -163,7 +172,6 @@ def two_rank_layouts(workload) -> dict:
 
 
 def _two_rank_worker(rank: int, workload, warmup: int, store: str, out: str) -> None:
-    import dataclasses
     import json
 
     import torch.distributed as dist
@@ -176,9 +184,8 @@ def _two_rank_worker(rank: int, workload, warmup: int, store: str, out: str) -> 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     plans, rows = two_rank_layouts(workload), {}
     for layout, stage in TWO_RANK_ROWS:
-        plan = plans[layout]
-        plan.settings = dataclasses.replace(plan.settings, zero_stage=stage, overlap_param_gather=stage in (1, 2))
-        engine = RuntimeEngine(plan, workload, rank, 2, EngineConfig(dtype=torch.bfloat16, device="cpu"))
+        engine = RuntimeEngine(at_zero_stage(plans[layout], stage), workload, rank, 2,
+                               EngineConfig(dtype=torch.bfloat16, device="cpu"))
         rows[f"{layout}, ZeRO-{stage}"] = count_steps(engine.train_step, warmup, 0, "cpu").counter.totals()
     if rank == 0:
         with open(out, "w") as f:

@@ -31,7 +31,7 @@ from megatron_spindle.plan.buckets import (  # noqa: F401 - the bucket rules are
 )
 from megatron_spindle.plan.schema import Plan
 from megatron_spindle.runtime.shards import UnitShard
-from megatron_spindle.runtime.tp_shards import LocalPart
+from megatron_spindle.runtime.tp_shards import write_pairs
 
 
 def backward_order(plan: Plan, metagraph: MetaGraph) -> dict[str, tuple[int, int]]:
@@ -99,16 +99,7 @@ class GradBuffers:
     def add(self, grads: dict[str, torch.Tensor], keys: list[str], micro: int = 0) -> None:
         """Add full gradients of ``keys`` into the buffers (whatever the micro-batch: they accumulate); a TP rank's
         ``LocalPart`` of one is added where it sits."""
-        accs, parts = [], []
-        for k in keys:
-            acc, g = self.key_grads[k], grads[k]
-            if isinstance(g, LocalPart):  # no full tensor of zeros made for it
-                views, pieces = g.pairs(acc)
-                accs += views
-                parts += pieces
-            else:
-                accs.append(acc)
-                parts.append(g.to(acc.device))
+        accs, parts = write_pairs([self.key_grads[k] for k in keys], [grads[k] for k in keys])
         if accs:
             # one call for all keys: a bf16 gradient promotes into the fp32 buffer exactly as a cast would, and
             # a cast and an add per tensor from Python were host time in every backward wave on a GPU

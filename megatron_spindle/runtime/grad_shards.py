@@ -36,20 +36,14 @@ from megatron_spindle.runtime.shards import (
     row_offsets,
     settle_rows,
 )
-from megatron_spindle.runtime.tp_shards import LocalPart
+from megatron_spindle.runtime.tp_shards import LocalPart, write_pairs
 
 
 def _placed_flat(sh: UnitShard, grads: dict, device: torch.device) -> torch.Tensor:
     """The unit's flat fp32 gradient vector from full tensors and ``LocalPart``s: one zeroed vector, one copy."""
     flat = torch.zeros(sh.numel, dtype=torch.float32, device=device)
     views = sh.unflatten(flat)
-    targets, sources = [], []
-    for k in sh.keys:
-        g = grads[k]
-        spots, pieces = g.pairs(views[k]) if isinstance(g, LocalPart) else ([views[k]], [g])
-        targets += spots
-        sources += pieces
-    torch._foreach_copy_(targets, sources)
+    torch._foreach_copy_(*write_pairs([views[k] for k in sh.keys], [grads[k] for k in sh.keys]))
     return flat
 
 

@@ -43,9 +43,15 @@ class UnitShard:
         """Elements of one shard (padding included)."""
         return -(-self.numel // self.members)
 
+    def flat(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Full tensors of the unit (name -> tensor) -> one flat vector of ``numel`` elements in their own dtype, by
+        one C++ concatenation (torch's, as DDP flattens: no Python view per tensor); a view of the tensor when the
+        unit has one."""
+        return _flatten_dense_tensors([tensors[k] for k in self.keys])
+
     def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Full tensors of the unit (name -> tensor) -> one flat fp32 vector of ``numel`` elements."""
-        return torch.cat([tensors[k].reshape(-1).to(torch.float32) for k in self.keys])
+        """Full tensors of the unit (name -> tensor) -> one new flat fp32 vector of ``numel`` elements."""
+        return self.flat(tensors).to(torch.float32, copy=True)
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """A flat vector of ``numel`` elements -> the unit's full tensors (views of ``flat``, made in C++ from
@@ -77,10 +83,10 @@ def add_to_rows(rows: torch.Tensor, offset: int, shard: UnitShard, tensors: dict
     """Add a unit's full tensors (name -> tensor, e.g. its gradients, in their own dtype) into member-major rows
     (``members`` x row length) at the unit's columns ``[offset, offset + size)``: member ``j``'s row gets the
     unit's flat elements ``[j*size, (j+1)*size)``. At most three operations per unit whatever its tensor count:
-    one concatenation (torch's own, as DDP flattens: its views are made in C++), one add for the members' whole
-    rows and one for the last partial row; the adds promote a bf16 gradient into the fp32 rows exactly as a cast
-    would. A cast per tensor and an add per member were host time in every backward wave on a GPU."""
-    add_flat_to_rows(rows, offset, shard, _flatten_dense_tensors([tensors[k] for k in shard.keys]))  # one C++ call
+    one concatenation (``UnitShard.flat``), one add for the members' whole rows and one for the last partial row;
+    the adds promote a bf16 gradient into the fp32 rows exactly as a cast would. A cast per tensor and an add per
+    member were host time in every backward wave on a GPU."""
+    add_flat_to_rows(rows, offset, shard, shard.flat(tensors))
 
 
 def add_flat_to_rows(rows: torch.Tensor, offset: int, shard: UnitShard, flat: torch.Tensor) -> None:

@@ -137,6 +137,23 @@ class LocalPart:
         return state.placed_pairs(full, self.tensor, self.param, self.rank, self.size)
 
 
+def write_pairs(dests: Sequence[torch.Tensor], contributions: Sequence[torch.Tensor | LocalPart],
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(destination views, sources) that put every contribution (``runtime_grads``') into its full-shape
+    destination, for one multi-tensor add or copy: a full tensor into the whole of it, a ``LocalPart`` into the
+    views where it sits."""
+    targets, sources = [], []
+    for dest, g in zip(dests, contributions):
+        if isinstance(g, LocalPart):  # no full tensor of zeros made for it
+            views, pieces = g.pairs(dest)
+            targets += views
+            sources += pieces
+        else:
+            targets.append(dest)
+            sources.append(g.to(dest.device))
+    return targets, sources
+
+
 class KeyLayout:
     """This rank's runtime keys: ``slices`` (slice id -> SliceKeys), ``rings`` (plan/tp_shards.py) and the plan's
     groups (sorted devices, units)."""

@@ -1,7 +1,7 @@
 """Plans the runtime tests control: built from an explicit list of waves of slices with devices.
 
-``build_plan`` is planner/explicit.py's plan_from_slices (transfers, routed, and parameter device groups derived from
-the slices by plan/derive.py) for a ``make_cluster(world_size, gpus_per_node, "CPU")`` cluster: islands of
+``build_plan`` is planner/explicit.py's ``plan_from_slices`` (transfers, routed, and parameter device groups
+derived from the slices by plan/derive.py) for a ``make_cluster(world_size, gpus_per_node, "CPU")`` cluster: islands of
 ``gpus_per_node`` devices (default: all in one) make intra- and inter-island routes on CPU. Generators give the plan families
 the tests need: Megatron-style sequential (every MetaOp on all devices), and seeded random Spindle-like
 plans (concurrent slices on disjoint device subsets, layer chains split across waves, TP=2 slices).
