@@ -21,9 +21,9 @@ from megatron_spindle.plan.schema import (
     Plan,
     PlanError,
     Slice,
-    Transfer,
     Wave,
 )
+from megatron_spindle.plan.timeline import makespan as waves_makespan
 from megatron_spindle.plan.tp_shards import aligned_device_orders
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.placement import FlowCostModel
@@ -70,8 +70,7 @@ def assemble_plan(workload: Workload, cluster: ClusterSpec, metagraph: MetaGraph
     _align_tp_shards(plan, metagraph)
     plan.transfers = derive_transfers(plan, lambda mid: cost_model.activation_bytes(metagraph.metaops[mid]))
     plan.memory_per_device = plan_memory(plan, metagraph.metaops, memory_model)
-    plan.predicted = _predictions(waves, cluster, plan.transfers, allocs if level_allocs is not None else None,
-                                  settings.micro_batches)
+    plan.predicted = _predictions(plan, cluster, allocs if level_allocs is not None else None)
     if validate:
         validate_plan(plan, workload, cluster, metagraph)
     return plan
@@ -145,21 +144,22 @@ def _level_infos(metagraph: MetaGraph, waves: Sequence[ScheduledWave],
     return out
 
 
-def _predictions(waves: Sequence[ScheduledWave], cluster: ClusterSpec, transfers: list[Transfer],
-                 allocs: dict[int, LevelAllocation] | None, micro_batches: int) -> dict[str, float]:
-    """The waves' makespan (an iteration's), one micro-batch's share of it, utilisation, bytes per route kind and,
-    with the allocations, C~* of the iteration and the gap to it."""
-    makespan = max((w.end for w in waves), default=0.0)
-    busy = sum(s.time * s.n for w in waves for s in w.slices)
+def _predictions(plan: Plan, cluster: ClusterSpec, allocs: dict[int, LevelAllocation] | None) -> dict[str, float]:
+    """The waves' makespan (an iteration's: the longest device component's, plan/timeline.py), one
+    micro-batch's share of it, utilisation, bytes per route kind and, with the allocations, C~* of the
+    iteration and the gap to it."""
+    micro_batches = plan.settings.micro_batches
+    span = waves_makespan(plan)
+    busy = sum(s.predicted_time * len(s.devices) for s in plan.slices())
     predicted = {
-        "iteration_time": float(makespan),
-        "micro_batch_time": float(makespan) / micro_batches,
-        "utilisation": float(busy / (cluster.num_devices * makespan)) if makespan > 0 else 0.0,
+        "iteration_time": float(span),
+        "micro_batch_time": float(span) / micro_batches,
+        "utilisation": float(busy / (cluster.num_devices * span)) if span > 0 else 0.0,
     }
     for kind in TRANSFER_KINDS:
-        predicted[f"{kind}_bytes"] = float(sum(t.bytes_by_kind.get(kind, 0.0) for t in transfers))
+        predicted[f"{kind}_bytes"] = float(sum(t.bytes_by_kind.get(kind, 0.0) for t in plan.transfers))
     if allocs is not None:
         c_star = float(sum(a.c_star for a in allocs.values())) * micro_batches
         predicted["c_star"] = c_star
-        predicted["gap"] = makespan / c_star - 1.0 if c_star > 0 else 0.0
+        predicted["gap"] = span / c_star - 1.0 if c_star > 0 else 0.0
     return predicted

@@ -199,10 +199,21 @@ def plan_node_groups(workload: Workload, cluster: ClusterSpec, partition: list[N
             "memory_options": "; ".join(r.plan.planner.get("memory_options", "") for r in results)}
     plan = assemble_plan(workload, cluster, metagraph, waves, cost_model, memory_model, info, curves=curves,
                          settings=settings)
+    _keep_group_allocations(plan, [r.plan for r in results])
     plan.predicted.update(estimate_iteration(plan, metagraph, cluster, cost_model).as_predicted())
     seconds = time.perf_counter() - started
     plan.planner["planning_seconds"] = seconds
     return PlanningResult(plan, metagraph, curves, [], waves, cost_model, memory_model, {"node_groups": seconds})
+
+
+def _keep_group_allocations(plan: Plan, group_plans: list[Plan]) -> None:
+    """Each MetaOp's allocation tuples and n* as its group's allocator made them (on the group's devices): the
+    merged plan has no allocator of its own."""
+    planned = {m.id: m for p in group_plans for m in p.metaops}
+    for info in plan.metaops:
+        if info.id in planned:
+            info.allocation = [list(t) for t in planned[info.id].allocation]
+            info.n_star = planned[info.id].n_star
 
 
 def _plan_group(workload, cluster, group: NodeGroup, config, profile, plan_workload):

@@ -57,6 +57,7 @@ from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, grad_reduce_byt
 from megatron_spindle.plan.order import BWD, FWD, slice_order
 from megatron_spindle.plan.routing import Router
 from megatron_spindle.plan.schema import Plan
+from megatron_spindle.plan.timeline import device_components
 from megatron_spindle.plan.tp_shards import group_rings
 
 
@@ -154,26 +155,6 @@ def slice_phases(plan: Plan, metaops, cost_model, comm: CommModel | None = None)
     gathers). ``comm``: the links the plan is estimated on (default: the plan's own cluster)."""
     comm = comm or CommModel(ClusterSpec.from_dict(plan.cluster))
     return {s.id: slice_phase_seconds(cost_model, comm, metaops[s.metaop], s, plan.settings) for s in plan.slices()}
-
-
-def device_components(plan: Plan) -> dict[str, int]:
-    """slice id -> its component: slices are joined by sharing a device or by a hand-off of activations. Node-group
-    plans (planner/node_groups.py) have one per group; their groups only meet in the gradient sync."""
-    parent = list(range(plan.num_devices))
-
-    def find(d: int) -> int:
-        while parent[d] != d:
-            parent[d] = parent[parent[d]]
-            d = parent[d]
-        return d
-
-    slices = {s.id: s for s in plan.slices()}
-    links = [s.devices for s in slices.values()]
-    links += [[slices[p].devices[0], slices[c].devices[0]] for p, c in plan_slice_pairs(plan)]
-    for devices in links:
-        for d in devices[1:]:
-            parent[find(d)] = find(devices[0])
-    return {sid: find(s.devices[0]) for sid, s in slices.items()}
 
 
 def _unit_ready(plan: Plan, metaops, cost_model,

@@ -7,6 +7,8 @@ from pathlib import Path
 from megatron_spindle.plan.buckets import overlaps_param_gather
 from megatron_spindle.plan.memory import memory_options
 from megatron_spindle.plan.schema import Plan
+from megatron_spindle.plan.timeline import device_components, slice_starts
+from megatron_spindle.plan.timeline import makespan as waves_makespan
 
 
 def _fmt_time(s: float) -> str:
@@ -70,6 +72,10 @@ def plan_summary(plan: Plan) -> str:
         curve = f"{m.curve_source} ({100 * m.curve_fit_error:.1f}%)"
         lines.append(f"  {m.id:<34}{m.level:>4}{m.num_layers:>4}  {m.n_star:>6.2f}  {alloc:<26}{curve:<18}")
     lines.append("")
+    components = len(set(device_components(plan).values()))
+    if components > 1:
+        lines.append(f"  {components} device groups share no device and no hand-off: each runs its waves on its own "
+                     "clock (start and duration below are a wave's slowest group's)")
     lines.append(f"  {'wave':>4} {'lvl':>4} {'start':>11} {'duration':>11}  slices (MetaOp[layers] tp x dp @ devices)")
     for w in plan.waves:
         parts = [f"{s.metaop}[{s.layer_start}:{s.layer_end}] {s.tp}x{s.dp}@{_fmt_devices(s.devices)}"
@@ -166,10 +172,12 @@ def gantt_figure(plan: Plan, title: str | None = None):
         if (isl // per_node) % 2:
             ax.axhspan(isl - 0.5, isl + per_node - 0.5, color="0.94", zorder=0)
     labels = []  # (text artist, left, right): bars' extents in data coordinates
+    starts = slice_starts(plan)
+    own_clocks = len(set(device_components(plan).values())) > 1
     for w in plan.waves:
         for s in w.slices:
             label = s.task if s.kind == "layer" else f"{s.task}:{s.kind}"
-            left, width = w.start * scale, s.predicted_time * scale
+            left, width = starts[s.id] * scale, s.predicted_time * scale
             for d in s.devices:
                 ax.barh(d, width, left=left, height=0.8, color=color[s.module or s.kind], edgecolor="black",
                         linewidth=0.3, zorder=2)
@@ -177,25 +185,28 @@ def gantt_figure(plan: Plan, title: str | None = None):
                 text = ax.text(left + width / 2, run[(len(run) - 1) // 2], label, ha="center", va="center",
                                fontsize=6, zorder=3, clip_on=True)
                 labels.append((text, left, left + width))
-        ax.axvline(w.start * scale, color="0.6", linewidth=0.4, zorder=1)
-    for lv in plan.levels:
+        if not own_clocks:
+            ax.axvline(w.start * scale, color="0.6", linewidth=0.4, zorder=1)
+    for lv in plan.levels if not own_clocks else []:
         ax.axvline(lv.end * scale, color="black", linewidth=1.2, zorder=1)
     ax.set_ylim(n_dev - 0.5, -0.5)
-    ax.set_xlim(0, max(plan.iteration_time, max((w.start + w.duration for w in plan.waves), default=0)) * scale)
+    ax.set_xlim(0, max(plan.predicted.get("iteration_time", 0.0), waves_makespan(plan)) * scale)
     ax.set_yticks(range(n_dev))
     ax.set_yticklabels([f"{d} (n{d // per_node})" for d in range(n_dev)], fontsize=6 if n_dev > 32 else 8)
     ax.set_xlabel(f"time ({unit})")
     ax.set_ylabel("device (node)")
-    top = ax.secondary_xaxis("top")  # wave numbers, as the log's "measured wave time (ms): w0=..."
-    top.set_xticks([(w.start + w.duration / 2) * scale for w in plan.waves])
-    top.set_xticklabels([f"w{i}" for i in range(len(plan.waves))], fontsize=6,
-                        rotation=90 if len(plan.waves) > 12 else 0)
-    top.tick_params(length=0)
+    if not own_clocks:  # wave numbers, as the log's "measured wave time (ms): w0=..."
+        top = ax.secondary_xaxis("top")
+        top.set_xticks([(w.start + w.duration / 2) * scale for w in plan.waves])
+        top.set_xticklabels([f"w{i}" for i in range(len(plan.waves))], fontsize=6,
+                            rotation=90 if len(plan.waves) > 12 else 0)
+        top.tick_params(length=0)
     p = plan.predicted
     ax.set_title(title or f"{plan.workload_name}: {len(plan.waves)} waves, predicted "
                  f"{p['iteration_time'] * scale:.1f} {unit}"
                  + (f" (C* {p['c_star'] * scale:.1f})" if p.get("c_star") else "")
-                 + f", utilisation {100 * p.get('utilisation', 0.0):.0f}%")
+                 + f", utilisation {100 * p.get('utilisation', 0.0):.0f}%"
+                 + (", device groups on their own wave clocks" if own_clocks else ""))
     ax.legend(handles=[Patch(color=color[m], label=m) for m in modules], loc="upper left",
               bbox_to_anchor=(1.0, 1.0), fontsize=8, title="module")
     fig.tight_layout()

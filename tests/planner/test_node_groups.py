@@ -111,10 +111,11 @@ def test_autoplan_with_cpsat_refines_the_fastest_partition_per_group():
 
 def test_estimate_keeps_each_groups_own_barriers():
     """The merged plan's waves join the groups level by level, but no device or hand-off joins them: the
-    planner's estimate runs each group's steps with its own barriers (objective.py ``device_components``), so its
+    planner's estimate runs each group's steps with its own barriers (plan/timeline.py ``device_components``), so its
     compute span is the longest group's, not the sum of the merged steps' maxima."""
     from megatron_spindle.plan.order import BWD, slice_order
-    from megatron_spindle.planner.objective import device_components, estimate_iteration, slice_phases
+    from megatron_spindle.plan.timeline import device_components
+    from megatron_spindle.planner.objective import estimate_iteration, slice_phases
 
     w, c = _cell("clip-4", 16, 8)
     partition = node_group_partitions(w, c)[0]

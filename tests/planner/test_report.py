@@ -66,3 +66,28 @@ def test_summary_names_the_solver_time_and_its_deterministic_units():
                "improvement": 0.04}
     assert "in 12.3 s; makespan" in _solver_lines(summary)[0]
     assert "in 12.3 s (8.50 deterministic units); makespan" in _solver_lines({**summary, "solve_work": 8.5})[0]
+
+
+def test_gantt_and_summary_of_a_node_group_plan_follow_each_groups_clock():
+    """A node-group plan's groups share no device: the chart draws each slice at its group's time
+    (plan/timeline.py), without the merged waves' lines, over the predicted span; the summary says so."""
+    from megatron_spindle.plan.timeline import makespan, slice_starts
+    from megatron_spindle.planner.node_groups import node_group_partitions, plan_node_groups
+    from megatron_spindle.planner.report import plan_summary
+
+    w, c = load_workload("clip-4"), make_cluster(16, gpus_per_node=8)
+    plan = plan_node_groups(w, c, node_group_partitions(w, c)[0]).plan
+    fig, ax = gantt_figure(plan)
+    try:
+        lefts = {(round(p.get_x(), 6), round(p.get_y() + p.get_height() / 2)) for p in ax.patches
+                 if hasattr(p, "get_width")}
+        starts = slice_starts(plan)
+        for s in plan.slices():
+            assert all((round(starts[s.id] * 1e3, 6), d) in lefts for d in s.devices), s.id
+        assert not ax.lines and not ax.child_axes  # no merged wave boundaries or wave numbers
+        assert ax.get_xlim()[1] == max(plan.predicted["iteration_time"], makespan(plan)) * 1e3
+    finally:
+        plt.close(fig)
+    assert "device groups share no device and no hand-off" in plan_summary(plan)
+    single = make_plan(load_workload("tiny-clip"), make_cluster(4), PlannerConfig(planner="wavefront"))
+    assert "device groups" not in plan_summary(single)
