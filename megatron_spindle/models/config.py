@@ -99,6 +99,8 @@ def _base_kwargs(cfg: ModelConfig, tp_size: int, module: ModuleSpec | None = Non
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         batch_p2p_comm=False,
+        # no CUDA graphs; megatron-core 0.16.1's default scope "full" is deprecated and warns on every rank
+        cuda_graph_scope=[],
     )
 
 

@@ -261,3 +261,29 @@ def test_default_options_keep_the_spec_and_digest(base):
     again = workload_from_dict(other.to_dict())
     assert again.digest() == other.digest() and again.modules["llm"].qkv_bias
     assert again.modules["audio"].frontend.stem == "conv"
+
+
+def test_configs_do_not_trip_megatron_cores_deprecation_warnings():
+    """Every rank builds a TransformerConfig per slice; megatron-core 0.16.1's default CUDA-graph scope ("full")
+    is deprecated and warned on each. Ours name no deprecated value."""
+    import warnings
+
+    from megatron_spindle.models.config import (
+        ModelConfig,
+        lm_head_config,
+        projector_config,
+        transformer_config,
+    )
+
+    w = workload_from_dict({"name": "w", "modules": {
+        "llm": {"kind": "llm", "num_layers": 1, "hidden_size": 16, "num_heads": 2, "ffn_hidden_size": 32,
+                "frontend": {"type": "text", "vocab_size": 32}},
+        "proj": {"kind": "projector", "input_size": 8, "hidden_size": 16}},
+        "tasks": [{"name": "t", "batch_size": 1, "tokens": {"proj": 4, "llm": 4}, "flows": [["proj", "llm"]],
+                   "loss": {"kind": "lm", "module": "llm"}}]})
+    cfg = ModelConfig()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        transformer_config(w.modules["llm"], 1, 1, cfg)
+        projector_config(w.modules["proj"], 1, cfg)
+        lm_head_config(w.modules["llm"], 1, cfg)
