@@ -151,7 +151,7 @@ def nemo_vit_g14(batch: int) -> dict:
     """NVIDIA/NeMo-Framework-Launcher conf/training/clip/vit_g_14.yaml: vision 40 layers, hidden 1408, 22 heads,
     FFN 6144, 256 patches + 8 class-token slots; text 24 layers, hidden 1024, 16 heads, FFN 4096, 80 tokens."""
     vision = tower(40, 1408, 22, 6144, {"type": "patch", "image_size": 224, "patch_size": 14, "in_channels": 3,
-                                        "pre_norm": True})
+                                        "pre_norm": True, "class_token_len": 8})
     text = tower(24, 1024, 16, 4096, {"type": "text", "vocab_size": 49408}, seq=80)
     return _strip(clip_workload("nemo-vit-g-14", vision, text, 264, batch, 1024))
 

@@ -54,7 +54,8 @@ def task_fields(workload: Workload, task: str) -> dict[str, FieldSpec]:
             continue
         fe = spec.frontend
         if fe.type == "patch":
-            shape = (fe.in_channels, fe.image_size, fe.image_size)
+            side = fe.image_side(own)  # the task's resolution: image_size, or smaller for fewer tokens
+            shape = (fe.in_channels, side, side)
         elif fe.type in ("audio", "imu"):
             shape = (fe.in_channels, own * fe.patch_size)
         else:
@@ -152,7 +153,7 @@ def decode_field(workload: Workload, f: FieldSpec, ext: str, data: bytes,
             x = dec.decode_text(data, prep.tokenizer(workload, f.module), f.shape[0])
         elif f.type == "patch" and ext in dec.IMAGE_EXTS:
             image = prep.images.get(f.module)
-            x = dec.decode_image(data, fe.image_size, fe.in_channels) if image is None else _hf_image(image, data)
+            x = dec.decode_image(data, f.shape[-1], fe.in_channels) if image is None else _hf_image(image, data)
         elif f.type == "audio" and ext in dec.AUDIO_EXTS:
             x = _audio_features(prep, f, fe, *dec.read_wav(data))
         else:

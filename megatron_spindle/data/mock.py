@@ -2,7 +2,8 @@
 
 A ``TaskBatch`` holds the raw inputs of a task's front ends, keyed by module name:
 
-- ``patch`` front end: images ``[B, in_channels, image_size, image_size]`` (float)
+- ``patch`` front end: images ``[B, in_channels, S, S]`` (float), S = image_size, or the smaller side of the
+  task's tokens (``FrontendSpec.image_side``)
 - ``audio`` front end: spectrograms ``[B, in_channels (mel bins), tokens * patch_size (frames)]`` (float)
 - ``imu`` front end: sensor windows ``[B, in_channels, tokens * patch_size (samples)]`` (float)
 - ``text`` front end: token ids ``[B, T]`` (int64), T = the module's own text tokens
@@ -110,7 +111,8 @@ def _frontend_input(workload: Workload, task: str, module: str, batch: int, gen:
     fe = workload.modules[module].frontend
     own = own_text_tokens(workload, task, module)
     if fe.type == "patch":
-        return torch.randn(batch, fe.in_channels, fe.image_size, fe.image_size, generator=gen)
+        side = fe.image_side(own)  # the task's resolution (workload.py checks that one exists)
+        return torch.randn(batch, fe.in_channels, side, side, generator=gen)
     if fe.type in ("audio", "imu"):
         return torch.randn(batch, fe.in_channels, own * fe.patch_size, generator=gen)
     return torch.randint(0, fe.vocab_size, (batch, own), generator=gen)

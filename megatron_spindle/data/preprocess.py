@@ -142,6 +142,13 @@ def preprocessing_from_args(args: argparse.Namespace, workload: Workload) -> Pre
         if proc.output_hw != (fe.image_size, fe.image_size) or fe.in_channels != 3:
             raise ValueError(f"--image-processor {path}: makes {proc.output_hw} RGB images, module '{module}' takes "
                              f"{fe.in_channels} x {fe.image_size} x {fe.image_size}")
+        smaller = next((t.name for t in workload.tasks
+                        if t.tokens.get(module) and not t.predecessors(module)
+                        and fe.image_side(t.tokens[module]) != fe.image_size), None)
+        if smaller is not None:
+            side = fe.image_side(workload.task(smaller).tokens[module])
+            raise ValueError(f"--image-processor {path}: makes {proc.output_hw} images, but task '{smaller}' feeds "
+                             f"module '{module}' {side} x {side} images")
         prep.images[module] = proc
     for module, path in _per_module(getattr(args, "audio_processor", []), "--audio-processor", workload,
                                     ("audio",)).items():

@@ -413,11 +413,10 @@ class AnalyticCostModel:
         if fe.type == "text":
             return fe.vocab_size * h  # position information from rotary / fixed embeddings: no weights
         if fe.type == "patch":
-            patches = (fe.image_size // fe.patch_size) ** 2 + (1 if fe.class_token else 0)
-            cls = h if fe.class_token else 0
+            cls = h * fe.class_tokens
             pre_norm = 2 * h if fe.pre_norm else 0
             bias = h if fe.patch_bias else 0
-            return fe.in_channels * fe.patch_size**2 * h + bias + cls + patches * h + pre_norm  # conv, cls, pos
+            return fe.in_channels * fe.patch_size**2 * h + bias + cls + fe.patch_tokens * h + pre_norm  # conv, cls, pos
         if fe.stem == "conv":
             return 3 * fe.in_channels * h + h + 3 * h * h + h  # two k3 convs with biases; sinusoidal positions
         return fe.in_channels * fe.patch_size * h + h  # 1D conv + bias; fixed position encodings

@@ -219,7 +219,7 @@ class MemoryModel:
             if fe.stem == "conv":  # input frames, conv1 output + GELU (frame rate), conv2 output
                 return b * s * (fe.patch_size * (fe.in_channels + 2 * h) + h) * d
             if fe.type == "patch":
-                patches = s - (1 if fe.class_token else 0)
+                patches = s - fe.class_tokens
                 extra = s * (h * d + 2 * FP32) if fe.pre_norm else 0  # the norm's input and statistics
                 return b * (patches * fe.in_channels * fe.patch_size**2 * d + extra)  # patches for the weight grad
             return b * s * fe.in_channels * fe.patch_size * d  # windows for the weight gradient

@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,8 @@ class WorkloadError(ValueError):
 class FrontendSpec:
     """Turns raw samples into the first layer's token sequence.
 
-    patch: images [C, image_size, image_size] -> (image_size/patch_size)^2 patches (+1 class token)
+    patch: images [C, image_size, image_size] -> (image_size/patch_size)^2 patches (+1 class token); a task may
+           declare fewer tokens, g^2 (+1), to feed it smaller images (g * patch_size pixels a side)
     audio: spectrogram [in_channels=mel bins, frames] -> frames/patch_size patches
     imu:   sensor windows [in_channels, samples] -> samples/patch_size windows
     text:  token ids -> embeddings (vocab_size)
@@ -63,6 +65,8 @@ class FrontendSpec:
     pre_norm: patch only: a LayerNorm over the embeddings (after positions), as CLIP's ``pre_layrnorm``.
     patch_bias: patch only: the patch projection has a bias (default). ``false`` builds it without one, as CLIP's
           patch embedding (a module converted from / exported to Hugging Face CLIP then has exactly its tensors).
+    class_token_len: patch only, with class_token: learned class-token slots before the patches (default 1;
+          NeMo's ViT-g/14 has 8), as megatron-core's CLIP ViT ``class_token_len``.
     stem: audio only: ``linear`` (a linear over non-overlapping windows of patch_size frames, learned positions)
           or ``conv`` (Whisper: conv1d k3 pad 1 + GELU, conv1d k3 stride patch_size pad 1 + GELU, positions
           initialised to Whisper's sinusoids). Both make frames // patch_size tokens (frames beyond a multiple of
@@ -79,6 +83,32 @@ class FrontendSpec:
     pre_norm: bool = False
     stem: str = "linear"
     patch_bias: bool = True
+    class_token_len: int = 1  # patch, with class_token: learned class-token slots (megatron-core's class_token_len)
+
+    @property
+    def class_tokens(self) -> int:
+        """Tokens a patch front end puts before the patches: ``class_token_len``, or none without a class token."""
+        return self.class_token_len if self.class_token else 0
+
+    @property
+    def patch_grid(self) -> int:
+        """Patches along each side of a full-size (``image_size``) image."""
+        return self.image_size // self.patch_size
+
+    @property
+    def patch_tokens(self) -> int:
+        """Tokens a patch front end makes per full-size image (its learned positions): the grid plus the class
+        token(s)."""
+        return self.patch_grid**2 + self.class_tokens
+
+    def image_side(self, tokens: int) -> int | None:
+        """Pixels per side of the square images that make ``tokens`` tokens: a task may feed a patch module
+        smaller images than ``image_size`` (a g x g grid, g <= patch_grid, which takes the top-left g x g of the
+        learned positions); None where no whole grid makes that many."""
+        grid = math.isqrt(max(0, tokens - self.class_tokens))
+        if 1 <= grid <= self.patch_grid and grid * grid + self.class_tokens == tokens:
+            return grid * self.patch_size
+        return None
 
 
 @dataclass
@@ -275,7 +305,7 @@ class Workload:
 # their defaults, so existing workloads keep their digests.
 _NEW_MODULE_DEFAULTS = {"activation": None, "qkv_bias": False, "norm_epsilon": None, "rotary_base": None,
                         "rope_scaling_factor": None, "head_pool": None, "eos_token_id": None}
-_NEW_FRONTEND_DEFAULTS = {"pre_norm": False, "stem": "linear", "patch_bias": True}
+_NEW_FRONTEND_DEFAULTS = {"pre_norm": False, "stem": "linear", "patch_bias": True, "class_token_len": 1}
 
 
 def _drop_defaults(d: dict[str, Any], defaults: dict[str, Any]) -> None:
@@ -401,10 +431,19 @@ def validate_workload(w: Workload) -> None:
                 _positive(where, "frontend in_channels", fe.in_channels)
                 if fe.type == "patch":
                     _positive(where, "frontend image_size", fe.image_size)
+                    if fe.image_size % fe.patch_size:
+                        raise WorkloadError(f"{where}: frontend image_size {fe.image_size} is not a multiple of "
+                                            f"patch_size {fe.patch_size} (the images are cut into whole patches)")
             if not isinstance(fe.pre_norm, bool):
                 raise WorkloadError(f"{where}: frontend pre_norm must be true or false, got {fe.pre_norm!r}")
             if fe.pre_norm and fe.type != "patch":
                 raise WorkloadError(f"{where}: frontend pre_norm is for patch front ends, not '{fe.type}'")
+            if isinstance(fe.class_token_len, bool) or not isinstance(fe.class_token_len, int) \
+                    or fe.class_token_len < 1:
+                raise WorkloadError(f"{where}: frontend class_token_len must be a positive integer, got "
+                                    f"{fe.class_token_len!r}")
+            if fe.class_token_len != 1 and (fe.type != "patch" or not fe.class_token):
+                raise WorkloadError(f"{where}: frontend class_token_len is for patch front ends with a class token")
             if not isinstance(fe.patch_bias, bool):
                 raise WorkloadError(f"{where}: frontend patch_bias must be true or false, got {fe.patch_bias!r}")
             if not fe.patch_bias and fe.type != "patch":
@@ -490,8 +529,16 @@ def _validate_tokens(w: Workload, t: SpindleTask) -> None:
     for mod in t.tokens:
         m = w.modules[mod]
         preds = t.predecessors(mod)
-        if not preds:
-            continue  # a source module: its front end (or precomputed features) makes its input
+        if not preds:  # a source module: its front end (or precomputed features) makes its input
+            fe = m.frontend
+            if fe is not None and fe.type == "patch" and fe.image_side(t.tokens[mod]) is None:
+                cls = f" + {fe.class_tokens} (class token{'s' if fe.class_tokens > 1 else ''})" \
+                    if fe.class_tokens else ""
+                raise WorkloadError(
+                    f"task '{t.name}': module '{mod}' is declared with {t.tokens[mod]} tokens, which no image makes: "
+                    f"its patch front end makes g*g{cls} for a g x g grid of patches, g at most {fe.patch_grid} "
+                    f"(image_size {fe.image_size} / patch_size {fe.patch_size}: {fe.patch_tokens} tokens)")
+            continue
         incoming = sum(output_tokens(w, t, p) for p in preds)
         own = t.tokens[mod] - incoming
         if m.kind == "projector" and len(preds) != 1:

@@ -2,7 +2,8 @@
 
 patch: images -> non-overlapping patches, a linear projection (a Conv2d with stride = kernel, as a linear over
        flattened patches; without a bias with ``patch_bias: false``, as CLIP's) + class token + learned positions
-       (+ a LayerNorm with ``pre_norm``, CLIP's pre_layrnorm)
+       (+ a LayerNorm with ``pre_norm``, CLIP's pre_layrnorm); a task's smaller images take the top-left corner of
+       the position grid
 audio / imu: ``[in_channels, frames]`` -> non-overlapping windows of ``patch_size`` frames, a linear projection +
        learned positions
 audio with ``stem: conv`` (Whisper): conv1d(in_channels -> hidden, k3, pad 1) + GELU, conv1d(hidden -> hidden, k3,
@@ -26,12 +27,13 @@ class PatchFrontend(nn.Module):
     def __init__(self, fe: FrontendSpec, hidden_size: int, dtype: torch.dtype, eps: float = 1e-5):
         super().__init__()
         self.patch_size = fe.patch_size
-        self.use_class_token = fe.class_token
-        grid = fe.image_size // fe.patch_size
-        num_positions = grid * grid + (1 if fe.class_token else 0)
+        self.class_tokens = fe.class_tokens
+        self.grid = fe.patch_grid
+        num_positions = fe.patch_tokens
         self.patch_proj = nn.Linear(fe.in_channels * fe.patch_size**2, hidden_size, bias=fe.patch_bias, dtype=dtype)
-        if fe.class_token:
-            self.class_token = nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+        if fe.class_tokens:  # one slot is a [hidden] vector (CLIP's class_embedding), several a [len, hidden] table
+            shape = (hidden_size,) if fe.class_tokens == 1 else (fe.class_tokens, hidden_size)
+            self.class_token = nn.Parameter(torch.zeros(shape, dtype=dtype))
         self.position_embeddings = nn.Parameter(torch.zeros(num_positions, hidden_size, dtype=dtype))
         self.pre_norm = nn.LayerNorm(hidden_size, eps=eps, dtype=dtype) if fe.pre_norm else None
 
@@ -40,10 +42,20 @@ class PatchFrontend(nn.Module):
         p = self.patch_size
         patches = images.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 1, 3, 5)
         x = self.patch_proj(patches.reshape(B, (H // p) * (W // p), C * p * p))
-        if self.use_class_token:
-            x = torch.cat([self.class_token.expand(B, 1, -1), x], dim=1)
-        x = x + self.position_embeddings[: x.shape[1]]
+        if self.class_tokens:
+            x = torch.cat([self.class_token.view(self.class_tokens, -1).expand(B, -1, -1), x], dim=1)
+        x = x + self._positions(H // p)
         return self.pre_norm(x) if self.pre_norm is not None else x
+
+    def _positions(self, grid: int) -> torch.Tensor:
+        """The learned positions of a ``grid`` x ``grid`` image: all of them at full size; for a smaller image
+        (a task at a lower resolution) the top-left ``grid`` x ``grid`` of the full grid's, so that neighbouring
+        patches keep neighbouring positions."""
+        if grid == self.grid:
+            return self.position_embeddings
+        cls = self.class_tokens
+        table = self.position_embeddings[cls:].view(self.grid, self.grid, -1)[:grid, :grid].reshape(grid * grid, -1)
+        return torch.cat([self.position_embeddings[:cls], table]) if cls else table
 
 
 class WindowFrontend(nn.Module):

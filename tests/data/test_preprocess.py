@@ -230,6 +230,12 @@ def test_flag_errors_name_the_problem(tmp_path):
         tmp_path / "big")
     with pytest.raises(ValueError, match=r"makes \(12, 12\) RGB images, module 'vision' takes 3 x 8 x 8"):
         preprocessing_from_args(_args(["--image-processor", str(tmp_path / "big")]), w)
+    _image_processor_class()(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8}).save_pretrained(
+        tmp_path / "eight")
+    low = _workload()
+    low.task("vt").tokens["vision"] = 2  # a 1 x 1 grid + the class token: 4 x 4 images
+    with pytest.raises(ValueError, match=r"makes \(8, 8\) images, but task 'vt' feeds module 'vision' 4 x 4 images"):
+        preprocessing_from_args(_args(["--image-processor", str(tmp_path / "eight")]), low)
 
 
 def test_data_works_without_transformers(tmp_path, monkeypatch):

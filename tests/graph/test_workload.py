@@ -95,6 +95,16 @@ def test_builtin_workloads_are_package_data():
     ({"tasks.0.loss": {"kind": "mse", "module": "llm"}}, "unknown loss kind 'mse'"),
     ({"modules.vision.frontend": {"type": "lidar", "patch_size": 4, "in_channels": 3}}, "unknown frontend type"),
     ({"modules.vision.depth": 3}, "module 'vision': unknown field(s) ['depth']"),
+    ({"modules.vision.frontend.patch_size": 3}, "frontend image_size 8 is not a multiple of patch_size 3"),
+    ({"tasks.0.tokens": {"vision": 9, "proj": 9, "llm": 13}},
+     "module 'vision' is declared with 9 tokens, which no image makes: its patch front end makes g*g + 1 ("
+     "class token) for a g x g grid of patches, g at most 2 (image_size 8 / patch_size 4: 5 tokens)"),
+    ({"tasks.0.tokens": {"vision": 10, "proj": 10, "llm": 14}}, "declared with 10 tokens, which no image makes"),
+    ({"modules.vision.frontend.class_token_len": 0}, "frontend class_token_len must be a positive integer, got 0"),
+    ({"modules.vision.frontend.class_token_len": 2, "modules.vision.frontend.class_token": False},
+     "class_token_len is for patch front ends with a class token"),
+    ({"modules.vision.frontend.class_token_len": 2},
+     "declared with 5 tokens, which no image makes: its patch front end makes g*g + 2 (class tokens)"),
 ])
 def test_validation_errors_name_the_problem(edits, message):
     with pytest.raises(WorkloadError) as e:
@@ -153,3 +163,25 @@ def test_module_options_default_to_the_original_model():
                                     "modules.vision.frontend.pre_norm": True}))
     assert w2.digest() != w.digest()
     assert workload_from_dict(w2.to_dict()).modules["llm"].rotary_base == 1e6
+
+
+def test_a_task_may_feed_a_patch_module_smaller_images():
+    """g x g patches (+ the class token) for any g up to the full grid: the data makes g * patch_size images."""
+    from megatron_spindle.data.datasets import task_fields
+    from megatron_spindle.data.mock import mock_batch
+
+    w = workload_from_dict(spec(**{"modules.vision.frontend.image_size": 12,
+                                   "tasks.0.tokens": {"vision": 5, "proj": 5, "llm": 9}}))
+    fe = w.modules["vision"].frontend
+    assert (fe.patch_grid, fe.patch_tokens) == (3, 10)
+    assert [fe.image_side(n) for n in (2, 5, 10, 4, 11)] == [4, 8, 12, None, None]
+    assert task_fields(w, "cap")["vision"].shape == (3, 8, 8)
+    assert mock_batch(w, "cap", 0).inputs["vision"].shape == (4, 3, 8, 8)
+    no_cls = workload_from_dict(spec(**{"modules.vision.frontend.class_token": False,
+                                        "tasks.0.tokens": {"vision": 4, "proj": 4, "llm": 9}}))
+    assert no_cls.modules["vision"].frontend.image_side(4) == 8
+    eight = workload_from_dict(spec(**{"modules.vision.frontend.class_token_len": 8,
+                                       "tasks.0.tokens": {"vision": 12, "proj": 12, "llm": 16}}))
+    assert eight.modules["vision"].frontend.patch_tokens == 12 and "class_token_len" in eight.to_dict()["modules"][
+        "vision"]["frontend"]
+    assert "class_token_len" not in workload_from_dict(spec()).to_dict()["modules"]["vision"]["frontend"]

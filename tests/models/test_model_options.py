@@ -113,6 +113,49 @@ def test_patch_pre_norm_is_a_layernorm_after_the_positions(base):
     assert _rel(normed.frontend(images), want) < 1e-6
 
 
+@torch.no_grad()
+def test_a_smaller_image_takes_the_top_left_of_the_position_grid():
+    """image_size 12 / patch 4 is a 3 x 3 grid; a task declaring 2 x 2 + 1 tokens feeds 8 x 8 images: patch (r, c)
+    gets the full grid's position (r, c), the class token its own; full-size images use every position."""
+    w = workload_from_dict(_spec(**{"vision.frontend": {"image_size": 12}}))  # the tasks declare 5 vision tokens
+    fe = _op(w, "vt/vision.frontend").frontend
+    fe.position_embeddings.normal_(generator=torch.Generator().manual_seed(3))
+    fe.class_token.normal_(generator=torch.Generator().manual_seed(4))
+    small = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(5))
+    patches = small.reshape(2, 3, 2, 4, 2, 4).permute(0, 2, 4, 1, 3, 5).reshape(2, 4, 48)
+    rows = [0] + [1 + r * 3 + c for r in range(2) for c in range(2)]  # cls, (0,0), (0,1), (1,0), (1,1)
+    want = torch.cat([fe.class_token.expand(2, 1, -1), fe.patch_proj(patches)], 1) + fe.position_embeddings[rows]
+    assert torch.equal(fe(small), want)
+    full = torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(6))
+    patches = full.reshape(2, 3, 3, 4, 3, 4).permute(0, 2, 4, 1, 3, 5).reshape(2, 9, 48)
+    want = torch.cat([fe.class_token.expand(2, 1, -1), fe.patch_proj(patches)], 1) + fe.position_embeddings
+    assert torch.equal(fe(full), want)
+
+
+@torch.no_grad()
+def test_class_token_len_puts_that_many_learned_slots_before_the_patches():
+    """NeMo's ViT-g/14 (class_token_length 8): a [len, hidden] table of class tokens, each with its own position;
+    the parameter counts of the estimator and of the checkpoint layout agree with the operator's."""
+    from tools.checkpoint.layout import unit_shapes
+
+    w = workload_from_dict(_spec(**{"vision.frontend": {"class_token_len": 3}},
+                                 ) | {"tasks": [{"name": "vt", "batch_size": 2, "tokens": {"vision": 7, "text": 6},
+                                                 "loss": {"kind": "contrastive", "modules": ["vision", "text"]}}]})
+    op = _op(w, "vt/vision.frontend")
+    fe = op.frontend
+    assert fe.class_token.shape == (3, H) and fe.position_embeddings.shape == (7, H)
+    fe.class_token.normal_(generator=torch.Generator().manual_seed(7))
+    images = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(8))
+    patches = images.reshape(2, 3, 2, 4, 2, 4).permute(0, 2, 4, 1, 3, 5).reshape(2, 4, 48)
+    want = torch.cat([fe.class_token.expand(2, -1, -1), fe.patch_proj(patches)], 1) + fe.position_embeddings
+    assert torch.equal(fe(images), want)
+    state = op.export_full_state()
+    shapes = unit_shapes(w, "vision.frontend")
+    assert {k: tuple(v.shape) for k, v in state.items()} == shapes
+    model = AnalyticCostModel(w, make_cluster(1, gpu_type_name="CPU"))
+    assert model.param_count("vision.frontend") == sum(v.numel() for v in state.values())
+
+
 # ------------------------------------------------------------------------------------------------ head pooling
 
 

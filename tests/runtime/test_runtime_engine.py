@@ -89,10 +89,11 @@ def weighted_clip():
 
 def fanout():
     """One encoder feeding two projectors that both feed the LLM: a producer with two consumers (gradients
-    from both must be summed) and a first LLM layer with three inputs."""
+    from both must be summed) and a first LLM layer with three inputs. The task feeds the encoder images smaller
+    than its front end's full size (2 x 2 of a 3 x 3 patch grid: 8 of 12 pixels a side)."""
     return workload_from_dict({"name": "fanout", "modules": {
         "enc": {"kind": "encoder", "num_layers": 2, "hidden_size": 32, "num_heads": 2, "ffn_hidden_size": 64,
-                "frontend": {"type": "patch", "image_size": 8, "patch_size": 4, "in_channels": 3}},
+                "frontend": {"type": "patch", "image_size": 12, "patch_size": 4, "in_channels": 3}},
         "pa": {"kind": "projector", "input_size": 32, "hidden_size": 32},
         "pb": {"kind": "projector", "input_size": 32, "hidden_size": 32, "pool": 5},
         "llm": {"kind": "llm", "num_layers": 2, "hidden_size": 32, "num_heads": 2, "ffn_hidden_size": 64,

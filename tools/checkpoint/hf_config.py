@@ -91,9 +91,9 @@ def scratch_config(workload, module: str, hf_class: str) -> dict:
     act = _ACT_TO_HF[spec.act]
     common = {"architectures": [hf_class], "torch_dtype": "float32"}
     if family == "clip_vision":
-        if not fe.class_token:
-            raise ConversionError(f"module '{module}': CLIP's vision tower has a class token; the front end "
-                                  f"declares `class_token: false`")
+        if fe.class_tokens != 1:
+            raise ConversionError(f"module '{module}': CLIP's vision tower has one class token; the front end "
+                                  f"declares {fe.class_tokens}")
         return common | {"model_type": "clip_vision_model", "hidden_size": h, "intermediate_size": spec.ffn_hidden_size,
                          "projection_dim": spec.embed_dim or h, "num_hidden_layers": spec.num_layers,
                          "num_attention_heads": spec.num_heads, "num_channels": fe.in_channels,

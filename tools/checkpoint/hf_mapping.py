@@ -438,15 +438,14 @@ def export_unit(tower: Tower, module, part: str, unit: str, t: dict[str, torch.T
     return {}, notes
 
 
-def fold_patch_bias(positions: torch.Tensor, bias: torch.Tensor, class_token: bool) -> torch.Tensor:
+def fold_patch_bias(positions: torch.Tensor, bias: torch.Tensor, class_tokens: int) -> torch.Tensor:
     """Position embeddings that absorb the patch projection's bias: ``(W x + b) + pos_i = W x + (pos_i + b)`` for
     every patch token; the class token (row 0) is concatenated after the projection in our front end as in CLIP's,
     so it never sees the bias and its row is unchanged. The result is exact up to one rounding of the addition."""
     if _is_zero(bias):
         return positions
-    first = 1 if class_token else 0
     out = positions.clone()
-    out[first:] += bias.to(out.dtype)
+    out[class_tokens:] += bias.to(out.dtype)
     return out
 
 
@@ -457,7 +456,7 @@ def _export_frontend(tower: Tower, module, unit: str, t: dict, notes: list[Note]
         w = t["patch_proj.weight"]
         positions = t["position_embeddings"]
         if "patch_proj.bias" in t and not _is_zero(t["patch_proj.bias"]):
-            positions = fold_patch_bias(positions, t["patch_proj.bias"], fe.class_token)
+            positions = fold_patch_bias(positions, t["patch_proj.bias"], fe.class_tokens)
             notes.append(Note(f"{unit}.patch_proj.bias folded into embeddings.position_embedding rows 1.. (CLIP's "
                               f"patch embedding has no bias; exact for every token)", inexact=False))
         out = {p + "embeddings.patch_embedding.weight": w.reshape(w.shape[0], fe.in_channels, fe.patch_size,

@@ -51,13 +51,12 @@ def frontend_max_tokens(workload: Workload, module: str) -> int:
 def _frontend_shapes(workload: Workload, spec: ModuleSpec) -> dict[str, Shape]:
     fe, h = spec.frontend, spec.hidden_size
     if fe.type == "patch":
-        grid = fe.image_size // fe.patch_size
         out = {"patch_proj.weight": (h, fe.in_channels * fe.patch_size ** 2)}
         if fe.patch_bias:
             out["patch_proj.bias"] = (h,)
-        if fe.class_token:
-            out["class_token"] = (h,)
-        out["position_embeddings"] = (grid * grid + (1 if fe.class_token else 0), h)
+        if fe.class_tokens:
+            out["class_token"] = (h,) if fe.class_tokens == 1 else (fe.class_tokens, h)
+        out["position_embeddings"] = (fe.patch_tokens, h)
         if fe.pre_norm:
             out.update({"pre_norm.weight": (h,), "pre_norm.bias": (h,)})
         return out

@@ -113,11 +113,16 @@ def module_section(mapping: dict[str, str], clip_towers: dict[str, str] | None =
 
 def _check(modules: dict) -> None:
     """The modules are a valid workload section (a throwaway task uses each of them)."""
-    from megatron_spindle.graph.workload import WorkloadError, workload_from_dict
+    from megatron_spindle.graph.workload import FrontendSpec, WorkloadError, workload_from_dict
+
+    def tokens(spec: dict) -> int:  # a patch front end's images make its full grid; others take any count
+        fe = spec.get("frontend") or {}
+        return FrontendSpec(**fe).patch_tokens if fe.get("type") == "patch" else 1
 
     try:
         workload_from_dict({"name": "check", "modules": modules,
-                            "tasks": [{"name": "t", "batch_size": 1, "tokens": {m: 1 for m in modules}}]})
+                            "tasks": [{"name": "t", "batch_size": 1,
+                                       "tokens": {m: tokens(spec) for m, spec in modules.items()}}]})
     except WorkloadError as e:  # pragma: no cover - a module_from_tower bug, not user input
         raise ConversionError(f"the generated modules are not a valid workload section: {e}") from None
 
