@@ -86,6 +86,11 @@ LOCAL_SPEC_NOTE = ("[plan] note: Transformer Engine is not available, so the run
                    "other kernels are TE's fused ones, where the local spec runs unfused norms and activations with "
                    "more host work per layer: expect iterations slower than predicted. --spindle-profile "
                    "(tools/profile_metaops.py) plans on measured MetaOps of what runs here.")
+# The CPU type's constants are placeholders that keep the tiny workloads' plans shaped like GPU plans
+# (graph/cluster.py "CPU"), not this machine's speed.
+CPU_PLACEHOLDER_NOTE = ("[plan] note: --gpu-type CPU plans on placeholder numbers (they keep the plan shaped like a "
+                        "GPU plan), not this machine's speed: expect measured iterations several times the "
+                        "predicted ones. --spindle-profile (tools/profile_metaops.py) plans on measured MetaOps.")
 # A saved plan made where TE was assumed (--attention-backend auto on a GPU type) runs the local spec here.
 SAVED_PLAN_LOCAL_SPEC_NOTE = ("[plan] note: the plan was charged for Transformer Engine's attention (attention backend "
                               "auto), which is not available here: the runtime runs megatron-core's local spec, "
@@ -150,6 +155,8 @@ def get_plan(args, workload, world_size: int, rank: int):
             print(f"[plan] done in {time.perf_counter() - t0:.3f} s", flush=True)
             if profile is None and cluster.gpu.arch != "cpu" and not te_available():
                 print(LOCAL_SPEC_NOTE, flush=True)
+            if profile is None and cluster.gpu.arch == "cpu":
+                print(CPU_PLACEHOLDER_NOTE, flush=True)
             box = [("ok", plan.to_dict())]
         except USER_ERRORS as e:
             box = [("error", str(e))]

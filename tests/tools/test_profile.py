@@ -84,6 +84,20 @@ def _check_planning_on_the_whole_profile(path: Path, cluster) -> None:
     assert plan.predicted["iteration_time"] == pytest.approx(simulate(plan, workload, measured, timed).iteration_time)
 
 
+def _check_no_placeholder_note(path: Path, capsys) -> None:
+    """pretrain_multitask.py planning on the profile for the CPU type: measured numbers, so no note that the CPU
+    type's are placeholders."""
+    from megatron_spindle.training.trainer import CPU_PLACEHOLDER_NOTE, build_pretrain_parser, get_plan
+
+    capsys.readouterr()
+    args = build_pretrain_parser("test").parse_args([
+        "--workload", "tiny-clip", "--tasks", TASKS, "--train-iters", "2", "--mock-data", "--gpu-type", "CPU",
+        "--num-gpus", "4", "--gpus-per-node", "4", "--spindle-planner", "wavefront", "--spindle-profile", str(path)])
+    get_plan(args, _workload(), 1, 0)
+    out = capsys.readouterr().out
+    assert "[plan] done" in out and CPU_PLACEHOLDER_NOTE not in out
+
+
 def test_one_rank_profile_plans_and_is_cached(tmp_path, capsys, monkeypatch, one_thread):
     tool = load_script("tools/profile_metaops.py")
     out, cache = tmp_path / "tiny.profile.json", tmp_path / "cache"
@@ -119,6 +133,7 @@ def test_one_rank_profile_plans_and_is_cached(tmp_path, capsys, monkeypatch, one
     cached = list((cache / "profiles").glob("*.json"))
     assert len(cached) == 1 and cached[0].name.endswith(f"-{doc['profile_key']}.json")  # keyed by what it measured
     _check_planning_on_the_whole_profile(out, cluster)
+    _check_no_placeholder_note(out, capsys)
 
     # second run with the same key: read from the cache, nothing measured
     def no_measuring(*args, **kwargs):

@@ -143,10 +143,15 @@ def test_saved_plan_runs_at_zero_stage_2(capsys, tmp_path):
 def test_an_analytic_gpu_plan_without_transformer_engine_says_what_the_runtime_runs(capsys):
     """Planned for a GPU type on the analytic model where TE is missing (the runtime then runs megatron-core's
     local spec, which the model does not describe), the plan log says so and points to --spindle-profile; the
-    CPU type's plans (placeholder numbers, profiled in practice) do not."""
+    CPU type's plans say instead that their numbers are placeholders, unless planned on a profile."""
     from megatron_spindle.compat.cpu import te_available
     from megatron_spindle.graph.workload import load_workload
-    from megatron_spindle.training.trainer import LOCAL_SPEC_NOTE, build_pretrain_parser, get_plan
+    from megatron_spindle.training.trainer import (
+        CPU_PLACEHOLDER_NOTE,
+        LOCAL_SPEC_NOTE,
+        build_pretrain_parser,
+        get_plan,
+    )
 
     assert not te_available()  # CI has no GPU
     workload = load_workload("tiny-clip")
@@ -154,7 +159,9 @@ def test_an_analytic_gpu_plan_without_transformer_engine_says_what_the_runtime_r
         args = build_pretrain_parser("test").parse_args(BASE + ["--mock-data", "--gpu-type", gpu_type,
                                                                 "--spindle-planner", "wavefront"])
         plan = get_plan(args, workload, 1, 0)
-        assert (LOCAL_SPEC_NOTE in capsys.readouterr().out) == noted, gpu_type
+        out = capsys.readouterr().out
+        assert (LOCAL_SPEC_NOTE in out) == noted, gpu_type
+        assert (CPU_PLACEHOLDER_NOTE in out) == (not noted), gpu_type
         assert plan.settings.attention_backend == "local", gpu_type  # what runs here, charged as such
 
 
