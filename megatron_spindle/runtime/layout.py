@@ -55,6 +55,8 @@ def check_runnable(plan: Plan, workload: Workload, metagraph: MetaGraph, world_s
     if plan.workload_digest != workload.digest():
         raise PlanError(f"plan was made for workload '{plan.workload_name}' ({plan.workload_digest}), "
                         f"not for '{workload.name}' ({workload.digest()})")
+    if plan.num_devices > world_size:  # fewer is fine: the other ranks only join the step's collectives
+        raise PlanError(f"the plan is for {plan.num_devices} devices, the world size is {world_size}")
     for s in plan.slices():
         bad = [d for d in s.devices if not 0 <= d < world_size]
         if bad:

@@ -68,7 +68,7 @@ def test_checks_name_the_problem():
     g = build_metagraph(w)
     plan = sequential_plan(w, 2)
     check_runnable(plan, w, g, 2)
-    with pytest.raises(PlanError, match="beyond the world size 1"):
+    with pytest.raises(PlanError, match="the plan is for 2 devices, the world size is 1"):
         check_runnable(plan, w, g, 1)
     dropped = sequential_plan(w, 2)
     dropped.transfers.pop(0)
@@ -108,4 +108,4 @@ def test_cli_refuses_a_wrong_plan_with_a_clear_message(tmp_path):
     r = subprocess.run([sys.executable, "-m", "megatron_spindle.runtime", "--plan", str(path), "--workload",
                         "tiny-vlm", "--steps", "1"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "beyond the world size 1" in r.stderr
+    assert "the plan is for 2 devices, the world size is 1" in r.stderr
