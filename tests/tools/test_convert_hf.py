@@ -522,3 +522,18 @@ def test_llama3_rope_and_norm_epsilon_options(env, tmp_path):
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(9))
     ours = _our_logits(_state(tmp_path / "spindle"), workload, ids)
     assert _rel(ours, model(input_ids=ids).logits) <= RTOL
+
+
+def test_inspect_names_the_plans_devices_and_schema_version():
+    """The plan line reads the plan JSON's own fields: devices from its cluster, its schema version (they printed
+    '?' for fields plans do not have)."""
+    from megatron_spindle.graph.cluster import make_cluster
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.plan.io import plan_to_dict
+    from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
+    from tools.checkpoint.inspect_checkpoint import _plan_line
+
+    plan = make_plan(load_workload("tiny-clip"), make_cluster(4, 2, "CPU"), PlannerConfig(planner="wavefront"))
+    line = _plan_line(plan_to_dict(plan))
+    assert line == (f"plan: workload 'tiny-clip', 4 devices (CPU), {len(plan.waves)} waves, {len(plan.slices())} "
+                    f"slices, schema version 2")

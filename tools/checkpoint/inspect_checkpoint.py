@@ -51,8 +51,14 @@ def _plan_line(plan: dict | None) -> str:
         return "plan: none (not saved under a plan, e.g. a converted checkpoint)"
     waves = plan.get("waves", [])
     slices = sum(len(w.get("slices", [])) for w in waves) if isinstance(waves, list) else "?"
-    return (f"plan: workload '{plan.get('workload_name', '?')}', {plan.get('num_devices', '?')} devices, "
-            f"{len(waves)} waves, {slices} slices, format version {plan.get('version', '?')}")
+    cluster = plan.get("cluster") or {}
+    try:  # the plan JSON's own fields (plan/io.py): the cluster's nodes x GPUs per node, the schema version
+        devices = int(cluster["num_nodes"]) * int(cluster["gpus_per_node"])
+    except (KeyError, TypeError, ValueError):
+        devices = "?"
+    gpu = (cluster.get("gpu") or {}).get("name", "?") if isinstance(cluster, dict) else "?"
+    return (f"plan: workload '{plan.get('workload_name', '?')}', {devices} devices ({gpu}), {len(waves)} waves, "
+            f"{slices} slices, schema version {plan.get('schema_version', '?')}")
 
 
 def inspect_spindle(path: Path, patterns: list[str], summary: bool, out) -> None:
