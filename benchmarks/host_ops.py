@@ -187,14 +187,14 @@ def _two_rank_worker(rank: int, workload, warmup: int, store: str, out: str) -> 
         engine = RuntimeEngine(at_zero_stage(plans[layout], stage), workload, rank, 2,
                                EngineConfig(dtype=torch.bfloat16, device="cpu"))
         rows[f"{layout}, ZeRO-{stage}"] = count_steps(engine.train_step, warmup, 0, "cpu").counter.totals()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(rows, f)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(rows, f)
     dist.destroy_process_group()
 
 
 def count_two_ranks(workload, warmup: int) -> dict[str, dict[str, int]]:
-    """Rank 0's operations of one bf16 step under each of ``TWO_RANK_ROWS`` (two gloo processes)."""
+    """The busier rank's operations of one bf16 step under each of ``TWO_RANK_ROWS`` (two gloo processes): the one
+    with more runtime operations, which paces the TP group (``rank`` says which)."""
     import json
     import tempfile
 
@@ -203,8 +203,15 @@ def count_two_ranks(workload, warmup: int) -> dict[str, dict[str, int]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/rows.json"
         mp.spawn(_two_rank_worker, args=(workload, warmup, f"{tmp}/store", out), nprocs=2)
-        with open(out) as f:
-            return json.load(f)
+        ranks = []
+        for rank in range(2):
+            with open(f"{out}.{rank}") as f:
+                ranks.append(json.load(f))
+    busier = {}
+    for layout in ranks[0]:
+        rank = max(range(2), key=lambda r: (ranks[r][layout].get("runtime", 0), -r))
+        busier[layout] = {**ranks[rank][layout], "rank": rank}
+    return busier
 
 
 def count_plain(workload, warmup: int, timed: int = 0, device: str = "cpu") -> tuple[Counted, int]:
@@ -293,8 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     two = {}
     if args.two_ranks:
         two = count_two_ranks(workload, args.warmup)
-        print("\ntwo gloo ranks, bf16, rank 0's operations in one step (layouts one rank has not):")
-        print(table([(name, totals, float("nan")) for name, totals in two.items()], tensors, width=46))
+        print("\ntwo gloo ranks, bf16, the busier rank's operations in one step (layouts one rank has not):")
+        print(table([(f"{name} (rank {totals['rank']})", {k: v for k, v in totals.items() if k != "rank"},
+                      float("nan")) for name, totals in two.items()], tensors, width=54))
     print(f"({time.perf_counter() - start:.0f} s)")
     recording.save({"workload": args.workload, "device": args.device, "parameter_tensors": tensors,
                     "steps": {name: t for name, t, _ in rows},

@@ -195,8 +195,21 @@ class SliceOperator(nn.Module):
             elif getattr(p, "sequence_parallel", False) or rank == 0:
                 out[name] = grad  # replicated: the full tensor already
             else:
-                out[name] = torch.zeros_like(grad)
+                out[name] = self._zero_contribution(name, grad)
         return out
+
+    def _zero_contribution(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """A replicated parameter's contribution on a TP rank other than the leader: zeros, made once per
+        parameter and read every step (a new tensor per parameter each backward was the non-leader ranks' host
+        time: twice the leader's runtime operations at TP 2)."""
+        zeros = self._zero_contributions.get(name)
+        if zeros is None or zeros.shape != grad.shape or zeros.dtype != grad.dtype or zeros.device != grad.device:
+            zeros = self._zero_contributions[name] = torch.zeros_like(grad)
+        return zeros
+
+    @functools.cached_property
+    def _zero_contributions(self) -> dict[str, torch.Tensor]:
+        return {}
 
     @functools.cached_property
     def _params_by_name(self) -> dict[str, nn.Parameter]:

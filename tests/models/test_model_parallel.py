@@ -49,8 +49,17 @@ def _assert_same_results(single, split, inputs, batch, what: str) -> None:
     parts = split.export_grad_contributions()
     assert list(parts) == list(g2), what
     for k, part in parts.items():
-        dist.all_reduce(part, group=split.tp_group)
-        assert torch.equal(part, g2[k]), f"{what} grad contributions of {k}"
+        summed = part.clone()  # the parts are read-only: the gradients themselves, or zeros made once
+        dist.all_reduce(summed, group=split.tp_group)
+        assert torch.equal(summed, g2[k]), f"{what} grad contributions of {k}"
+    # a replicated parameter's part on a TP rank other than the leader: the same zeros every step, not a new tensor
+    again = split.export_grad_contributions()
+    params = dict(split.full_named_parameters())
+    replicated = [k for k, p in params.items() if not getattr(p, "tensor_model_parallel", False)
+                  and not getattr(p, "sequence_parallel", False)]
+    if split.tp_rank != 0:
+        for k in replicated:
+            assert again[k] is parts[k] and not again[k].any(), f"{what} zero contribution of {k}"
 
 
 def _check_tensor_parallel(rank):
