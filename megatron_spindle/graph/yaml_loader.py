@@ -1,11 +1,15 @@
-"""YAML for workload and cluster files: safe loading that rejects a key given twice in one mapping.
+"""YAML for workload and cluster files: safe loading that rejects a key given twice in one mapping, and reads
+exponent floats as YAML 1.2 does.
 
 PyYAML's ``safe_load`` keeps the last of two equal keys without a word, so a typo'd copy-paste of a module or a
-task setting silently replaces the first; here it is an error naming the key and both lines.
+task setting silently replaces the first; here it is an error naming the key and both lines. PyYAML follows YAML
+1.1, where ``25e9`` or ``1e-6`` (no dot, or no sign in the exponent) is a string, so a bandwidth or an epsilon
+written the usual way was refused as "not a number"; here they are floats.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,11 @@ class UniqueKeySafeLoader(yaml.SafeLoader):
                         key_node.start_mark)
                 seen[key] = key_node
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.2's float forms that YAML 1.1 (PyYAML) reads as strings: an exponent without a sign, or without a dot
+EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+UniqueKeySafeLoader.add_implicit_resolver("tag:yaml.org,2002:float", EXPONENT_FLOAT, list("-+0123456789."))
 
 
 def load_yaml_file(path: str | Path) -> Any:

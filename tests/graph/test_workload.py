@@ -185,3 +185,21 @@ def test_a_task_may_feed_a_patch_module_smaller_images():
     assert eight.modules["vision"].frontend.patch_tokens == 12 and "class_token_len" in eight.to_dict()["modules"][
         "vision"]["frontend"]
     assert "class_token_len" not in workload_from_dict(spec()).to_dict()["modules"]["vision"]["frontend"]
+
+
+def test_exponent_floats_are_numbers_in_workload_and_cluster_files(tmp_path):
+    """YAML 1.2 floats PyYAML (YAML 1.1) reads as strings: ``1e-6``, ``25e9``, ``25.0e9``. Both files take them as
+    numbers (both were refused as 'not a number')."""
+    from megatron_spindle.graph.cluster import load_cluster
+
+    w = copy.deepcopy(BASE)
+    w["modules"]["llm"]["norm_epsilon"] = 1e-6
+    text = yaml.safe_dump(w).replace("1.0e-06", "1e-6")
+    assert "norm_epsilon: 1e-6" in text
+    (tmp_path / "w.yaml").write_text(text)
+    assert load_workload(str(tmp_path / "w.yaml")).modules["llm"].norm_epsilon == 1e-6
+    (tmp_path / "c.yaml").write_text("num_nodes: 2\ngpus_per_node: 4\ngpu: H100\ninter_node_bw: 25.0e9\n"
+                                     "intra_node_bw: 4e11\n")
+    cluster = load_cluster(tmp_path / "c.yaml")
+    assert (cluster.inter_node_bw, cluster.intra_node_bw) == (25e9, 4e11)
+    assert yaml.safe_load("x: 25e9")["x"] == "25e9"  # PyYAML's own loader is left as it is
