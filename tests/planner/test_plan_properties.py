@@ -23,7 +23,8 @@ def workloads(draw):
         hidden = heads * draw(st.sampled_from([16, 32, 64]))
         modules[f"enc{i}"] = {"kind": "encoder", "num_layers": draw(st.integers(1, 12)), "hidden_size": hidden,
                               "num_heads": heads, "ffn_hidden_size": 4 * hidden, "embed_dim": 64,
-                              "frontend": {"type": "patch", "image_size": 32, "patch_size": 8, "in_channels": 3}}
+                              # 8 x 8 patches + the class token: a task takes 65 tokens, or 17 (4 x 4, smaller images)
+                              "frontend": {"type": "patch", "image_size": 64, "patch_size": 8, "in_channels": 3}}
     tasks = []
     n_tasks = draw(st.integers(1, 4))
     for t in range(n_tasks):
