@@ -473,7 +473,11 @@ class Plan:
 
     @property
     def iteration_time(self) -> float:
-        return max((w.end for w in self.waves), default=0.0)
+        """The waves' span: the longest device component's (plan/timeline.py; for one component, the last wave's
+        end)."""
+        from megatron_spindle.plan.timeline import makespan  # timeline reads plans: imported here, not above
+
+        return makespan(self)
 
     def slices(self) -> list[Slice]:
         return [s for w in self.waves for s in w.slices]

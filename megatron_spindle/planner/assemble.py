@@ -23,7 +23,6 @@ from megatron_spindle.plan.schema import (
     Slice,
     Wave,
 )
-from megatron_spindle.plan.timeline import makespan as waves_makespan
 from megatron_spindle.plan.tp_shards import aligned_device_orders
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.placement import FlowCostModel
@@ -149,7 +148,7 @@ def _predictions(plan: Plan, cluster: ClusterSpec, allocs: dict[int, LevelAlloca
     micro-batch's share of it, utilisation, bytes per route kind and, with the allocations, C~* of the
     iteration and the gap to it."""
     micro_batches = plan.settings.micro_batches
-    span = waves_makespan(plan)
+    span = plan.iteration_time
     busy = sum(s.predicted_time * len(s.devices) for s in plan.slices())
     predicted = {
         "iteration_time": float(span),

@@ -8,7 +8,6 @@ from megatron_spindle.plan.buckets import overlaps_param_gather
 from megatron_spindle.plan.memory import memory_options
 from megatron_spindle.plan.schema import Plan
 from megatron_spindle.plan.timeline import device_components, slice_starts
-from megatron_spindle.plan.timeline import makespan as waves_makespan
 
 
 def _fmt_time(s: float) -> str:
@@ -190,7 +189,7 @@ def gantt_figure(plan: Plan, title: str | None = None):
     for lv in plan.levels if not own_clocks else []:
         ax.axvline(lv.end * scale, color="black", linewidth=1.2, zorder=1)
     ax.set_ylim(n_dev - 0.5, -0.5)
-    ax.set_xlim(0, max(plan.predicted.get("iteration_time", 0.0), waves_makespan(plan)) * scale)
+    ax.set_xlim(0, max(plan.predicted.get("iteration_time", 0.0), plan.iteration_time) * scale)
     ax.set_yticks(range(n_dev))
     ax.set_yticklabels([f"{d} (n{d // per_node})" for d in range(n_dev)], fontsize=6 if n_dev > 32 else 8)
     ax.set_xlabel(f"time ({unit})")
