@@ -54,10 +54,18 @@ def check_invariants(plan: Plan, workload, cluster):
     validate_plan(plan, workload, cluster, build_metagraph(workload))
     for w in plan.waves:
         assert sum(len(s.devices) for s in w.slices) <= cluster.num_devices
-    # C* is the relaxed optimum, solved to the bisection's relative tolerance (allocator.bisect_level rel_eps): a
-    # plan of host-bound (flat) curves meets it exactly
-    assert plan.iteration_time >= plan.predicted["c_star"] * (1 - 1e-6)
+    # C* is the relaxed optimum of the waves with a barrier between MetaLevels, solved to the bisection's relative
+    # tolerance (allocator.bisect_level rel_eps): a plan of host-bound (flat) curves meets it exactly. Device
+    # components that share no device and no hand-off keep their own clocks (plan/timeline.py), so the plan's span
+    # may be shorter than the barrier schedule's, never longer
+    assert barrier_span(plan) >= plan.predicted["c_star"] * (1 - 1e-6)
+    assert plan.iteration_time <= barrier_span(plan) * (1 + 1e-12)
     assert Plan.from_dict(plan.to_dict()).to_dict() == plan.to_dict()
+
+
+def barrier_span(plan: Plan) -> float:
+    """The waves' end with every wave a barrier across the cluster: what C* and CP-SAT's makespan measure."""
+    return max((w.end for w in plan.waves), default=0.0)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -73,4 +81,4 @@ def test_cpsat_plans_hold_the_invariants_and_never_lose_to_greedy(workload, clus
     greedy = make_plan(workload, cluster, PlannerConfig(planner="wavefront"))
     plan = make_plan(workload, cluster, PlannerConfig(planner="cpsat", solver_time_limit=1.0, solver_workers=1))
     check_invariants(plan, workload, cluster)
-    assert plan.iteration_time <= greedy.iteration_time * (1 + 1e-6)
+    assert barrier_span(plan) <= barrier_span(greedy) * (1 + 1e-6)
