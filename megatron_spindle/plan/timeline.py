@@ -10,6 +10,8 @@ plan summary and the Gantt chart take each component's timeline from here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from megatron_spindle.plan.derive import plan_slice_pairs
 from megatron_spindle.plan.schema import Plan
 
@@ -34,26 +36,34 @@ def device_components(plan: Plan) -> dict[str, int]:
     return {sid: find(s.devices[0]) for sid, s in slices.items()}
 
 
-def slice_starts(plan: Plan) -> dict[str, float]:
-    """slice id -> when it starts on its component's clock. Each component takes the waves it has slices in,
-    in order; its part of a wave is the wave's duration less what a longer slice of another component adds
-    (so a plan of one component keeps its waves' starts exactly), and a gap before a wave stays a gap."""
-    return _clocks(plan)[0]
+@dataclass(frozen=True)
+class PlanTimeline:
+    """Each slice's start on its component's clock, and each component's end."""
+
+    starts: dict[str, float]  # slice id -> start
+    ends: dict[int, float]  # component -> its end
+
+    @property
+    def components(self) -> int:
+        return len(self.ends)
+
+    @property
+    def makespan(self) -> float:
+        """The waves' span: the longest component's; the last wave's end for one component."""
+        return max(self.ends.values(), default=0.0)
 
 
-def makespan(plan: Plan) -> float:
-    """The waves' span: the longest component's (``slice_starts``); the last wave's end for one component."""
-    return max(_clocks(plan)[1].values(), default=0.0)
-
-
-def _clocks(plan: Plan) -> tuple[dict[str, float], dict[int, float]]:
-    """(slice id -> start, component -> its end)."""
+def plan_timeline(plan: Plan) -> PlanTimeline:
+    """Each component takes the waves it has slices in, in order; its part of a wave is the wave's duration less
+    what a longer slice of another component adds (so a plan of one component keeps its waves' times to the bit),
+    and a gap before a wave stays a gap."""
     component = device_components(plan)
-    if len(set(component.values())) <= 1:  # the waves' own clock, to the bit
-        return ({s.id: w.start for w in plan.waves for s in w.slices},
-                {c: max((w.end for w in plan.waves), default=0.0) for c in set(component.values())})
-    clock: dict[int, float] = {}
-    out: dict[str, float] = {}
+    if len(set(component.values())) <= 1:
+        end = max((w.end for w in plan.waves), default=0.0)
+        return PlanTimeline({s.id: w.start for w in plan.waves for s in w.slices},
+                            {c: end for c in set(component.values())})
+    ends: dict[int, float] = {}
+    starts: dict[str, float] = {}
     previous_end = 0.0
     for w in plan.waves:
         gap = max(0.0, w.start - previous_end)
@@ -61,12 +71,19 @@ def _clocks(plan: Plan) -> tuple[dict[str, float], dict[int, float]]:
         longest = max((s.predicted_time for s in w.slices), default=0.0)
         own: dict[int, float] = {}
         for s in w.slices:
-            c = component[s.id]
-            own[c] = max(own.get(c, 0.0), s.predicted_time)
+            own[component[s.id]] = max(own.get(component[s.id], 0.0), s.predicted_time)
+        begins = {c: ends.get(c, 0.0) + gap for c in own}
         for c, mine in own.items():
-            start = clock.get(c, 0.0) + gap
-            clock[c] = start + max(mine, w.duration - (longest - mine))
-            for s in w.slices:
-                if component[s.id] == c:
-                    out[s.id] = start
-    return out, clock
+            ends[c] = begins[c] + max(mine, w.duration - (longest - mine))
+        starts.update((s.id, begins[component[s.id]]) for s in w.slices)
+    return PlanTimeline(starts, ends)
+
+
+def slice_starts(plan: Plan) -> dict[str, float]:
+    """slice id -> when it starts on its component's clock (``plan_timeline``)."""
+    return plan_timeline(plan).starts
+
+
+def makespan(plan: Plan) -> float:
+    """The waves' span: the longest component's (``plan_timeline``)."""
+    return plan_timeline(plan).makespan

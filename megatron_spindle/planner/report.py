@@ -7,7 +7,7 @@ from pathlib import Path
 from megatron_spindle.plan.buckets import overlaps_param_gather
 from megatron_spindle.plan.memory import memory_options
 from megatron_spindle.plan.schema import Plan
-from megatron_spindle.plan.timeline import device_components, slice_starts
+from megatron_spindle.plan.timeline import plan_timeline
 
 
 def _fmt_time(s: float) -> str:
@@ -71,7 +71,7 @@ def plan_summary(plan: Plan) -> str:
         curve = f"{m.curve_source} ({100 * m.curve_fit_error:.1f}%)"
         lines.append(f"  {m.id:<34}{m.level:>4}{m.num_layers:>4}  {m.n_star:>6.2f}  {alloc:<26}{curve:<18}")
     lines.append("")
-    components = len(set(device_components(plan).values()))
+    components = plan_timeline(plan).components
     if components > 1:
         lines.append(f"  {components} device groups share no device and no hand-off: each runs its waves on its own "
                      "clock (start and duration below are a wave's slowest group's)")
@@ -162,7 +162,9 @@ def gantt_figure(plan: Plan, title: str | None = None):
     from matplotlib.patches import Patch
 
     n_dev = plan.num_devices
-    scale, unit = (1e3, "ms") if plan.iteration_time < 10 else (1.0, "s")
+    timeline = plan_timeline(plan)  # each slice at its device component's time (node groups keep their own)
+    own_clocks = timeline.components > 1
+    scale, unit = (1e3, "ms") if timeline.makespan < 10 else (1.0, "s")
     modules = sorted({s.module or s.kind for s in plan.slices()})
     color = module_colors(modules)
     fig, ax = plt.subplots(figsize=(14, max(3.0, 0.32 * n_dev + 1.8)))
@@ -171,12 +173,10 @@ def gantt_figure(plan: Plan, title: str | None = None):
         if (isl // per_node) % 2:
             ax.axhspan(isl - 0.5, isl + per_node - 0.5, color="0.94", zorder=0)
     labels = []  # (text artist, left, right): bars' extents in data coordinates
-    starts = slice_starts(plan)
-    own_clocks = len(set(device_components(plan).values())) > 1
     for w in plan.waves:
         for s in w.slices:
             label = s.task if s.kind == "layer" else f"{s.task}:{s.kind}"
-            left, width = starts[s.id] * scale, s.predicted_time * scale
+            left, width = timeline.starts[s.id] * scale, s.predicted_time * scale
             for d in s.devices:
                 ax.barh(d, width, left=left, height=0.8, color=color[s.module or s.kind], edgecolor="black",
                         linewidth=0.3, zorder=2)
@@ -189,7 +189,7 @@ def gantt_figure(plan: Plan, title: str | None = None):
     for lv in plan.levels if not own_clocks else []:
         ax.axvline(lv.end * scale, color="black", linewidth=1.2, zorder=1)
     ax.set_ylim(n_dev - 0.5, -0.5)
-    ax.set_xlim(0, max(plan.predicted.get("iteration_time", 0.0), plan.iteration_time) * scale)
+    ax.set_xlim(0, max(plan.predicted.get("iteration_time", 0.0), timeline.makespan) * scale)
     ax.set_yticks(range(n_dev))
     ax.set_yticklabels([f"{d} (n{d // per_node})" for d in range(n_dev)], fontsize=6 if n_dev > 32 else 8)
     ax.set_xlabel(f"time ({unit})")
