@@ -63,7 +63,11 @@ def plan_summary(plan: Plan) -> str:
     if solver:
         lines += _solver_lines(solver)
     if "planning_seconds" in plan.planner:
-        lines.append(f"  planning took {plan.planner['planning_seconds']:.3f} s")
+        lines.append(f"  planning took {plan.planner['planning_seconds']:.3f} s" + (
+            f" (this plan; choosing it among {len(selection['candidates'])} candidates took "
+            f"{plan.planner['selection_seconds']:.3f} s)"
+            if selection and len(selection.get("candidates", [])) > 1 and "selection_seconds" in plan.planner
+            else ""))
     lines.append("")
     lines.append(f"  {'MetaOp':<34}{'lvl':>4}{'L':>4}  {'n*':>6}  {'allocation (n x layers)':<26}{'curve':<18}")
     for m in plan.metaops:

@@ -91,3 +91,19 @@ def test_gantt_and_summary_of_a_node_group_plan_follow_each_groups_clock():
     assert "device groups share no device and no hand-off" in plan_summary(plan)
     single = make_plan(load_workload("tiny-clip"), make_cluster(4), PlannerConfig(planner="wavefront"))
     assert "device groups" not in plan_summary(single)
+
+
+def test_summary_says_how_long_the_selection_took_beside_the_plans_own_time():
+    """autoplan plans several candidates: the summary gives the selected plan's own planning time and the
+    whole selection's, which is what a user waited for."""
+    from megatron_spindle.autoplan import autoplan
+    from megatron_spindle.planner.report import plan_summary
+
+    plan = autoplan(load_workload("tiny-clip"), make_cluster(4), PlannerConfig(planner="wavefront")).plan
+    n = len(plan.planner["selection"]["candidates"])
+    assert n > 1
+    line = next(x for x in plan_summary(plan).splitlines() if "planning took" in x)
+    assert line == (f"  planning took {plan.planner['planning_seconds']:.3f} s (this plan; choosing it among {n} "
+                    f"candidates took {plan.planner['selection_seconds']:.3f} s)")
+    single = make_plan(load_workload("tiny-clip"), make_cluster(4), PlannerConfig(planner="wavefront"))
+    assert "candidates took" not in plan_summary(single)
