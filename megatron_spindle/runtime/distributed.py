@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -84,6 +85,21 @@ def init_distributed(backend: str | None = None, config: DistributedConfig | Non
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=config.timeout)
     return DistContext(dist.get_rank(), dist.get_world_size(), local, backend, owned=True)
+
+
+def wait_for_rank0(rank: int, key: str, store=None, poll_s: float = 0.2) -> None:
+    """Rank 0 says that its own work (planning) is done; the other ranks wait for that with no timeout. They poll
+    the default group's store (the TCPStore torchrun hosts) outside any collective: a collective's timeout
+    (--distributed-timeout-minutes) would end a wait for a plan that takes longer to make, as a large cluster's
+    may. The training watchdog watches rank 0 meanwhile (a progress point with ``awaits=0``). ``key``: unique in
+    the job (a repeated one does not wait; the collective that follows still does, within its timeout)."""
+    store = store if store is not None else dist.distributed_c10d._get_default_store()
+    key = f"spindle/rank0-done/{key}"
+    if rank == 0:
+        store.set(key, "1")
+        return
+    while not store.check([key]):
+        time.sleep(poll_s)
 
 
 def destroy_distributed(ctx: DistContext) -> None:

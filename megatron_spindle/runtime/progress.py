@@ -21,23 +21,27 @@ class Point(NamedTuple):
     iteration: int | None
     what: tuple[Any, ...]  # (phase, wave, obj) from the runtime, or (text,) from the trainer
     since: float  # time.monotonic() when the point was reached
+    # a rank whose work this point waits for however long it takes (rank 0 planning): no timeout applies while
+    # that rank lives; None: a collective's wait, bounded by --distributed-timeout-minutes
+    awaits: int | None = None
 
 
 _current = Point(0, None, ("starting",), time.monotonic())
 
 
-def point(*what: Any) -> None:
-    """This rank reached ``what``: ``point("forward", wave, transfer_op)``, ``point("loss all-reduce")``."""
+def point(*what: Any, awaits: int | None = None) -> None:
+    """This rank reached ``what``: ``point("forward", wave, transfer_op)``, ``point("loss all-reduce")``;
+    ``point("planning (rank 0)", awaits=0)``: a wait for rank 0's own work, with no timeout."""
     global _current
     c = _current
-    _current = Point(c.seq + 1, c.iteration, what, time.monotonic())
+    _current = Point(c.seq + 1, c.iteration, what, time.monotonic(), awaits)
 
 
 def set_iteration(iteration: int | None) -> None:
     """The iteration being computed (1-based, as in the log lines)."""
     global _current
     c = _current
-    _current = Point(c.seq + 1, iteration, c.what, time.monotonic())
+    _current = Point(c.seq + 1, iteration, c.what, time.monotonic(), c.awaits)
 
 
 def current() -> Point:

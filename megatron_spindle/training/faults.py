@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megatron_spindle.errors import USER_ERRORS
 from megatron_spindle.flags import add_flags, config_from_args
-from megatron_spindle.runtime.distributed import DistributedConfig
+from megatron_spindle.runtime.distributed import DistributedConfig, wait_for_rank0
 from megatron_spindle.training.signals import ExitConfig, ExitMonitor
 
 if TYPE_CHECKING:
@@ -45,15 +45,19 @@ def distributed_config_from_args(args: argparse.Namespace) -> DistributedConfig:
     return config_from_args(DistributedConfig, args)
 
 
-def rank0_outcome(fn, info: DistContext) -> Any:
-    """Run ``fn`` on rank 0 and give every rank its result, or raise its user error on every rank."""
+def rank0_outcome(fn, rank: int, world_size: int, wait_key: str | None = None) -> Any:
+    """Run ``fn`` on rank 0 and give every rank its result, or raise its user error on every rank.
+    ``wait_key``: ``fn`` may take longer than the collectives' timeout (planning); the other ranks wait for it
+    outside the collective (runtime/distributed.py ``wait_for_rank0``, unique key)."""
     box: list[Any] = [None]
-    if info.rank == 0:
+    if rank == 0:
         try:
             box = [("ok", fn())]
         except USER_ERRORS as e:
             box = [("error", e)]
-    if info.world_size > 1:
+    if world_size > 1:
+        if wait_key is not None:
+            wait_for_rank0(rank, wait_key)
         dist.broadcast_object_list(box, src=0)
     status, payload = box[0]
     if status == "error":
@@ -81,7 +85,7 @@ class FaultGuards:
                 if self.watchdog is not None:
                     self.watchdog.start()
             if self.args.save:
-                rank0_outcome(self._take_lock, self.info)
+                rank0_outcome(self._take_lock, self.info.rank, self.info.world_size)
             self.exits.__enter__()
         except BaseException:
             self._close()
@@ -117,7 +121,8 @@ class FaultGuards:
             return None
         from megatron_spindle.checkpointing.load_target import resolve_load
 
-        return rank0_outcome(lambda: resolve_load(self.args.load, self.args.save), self.info)
+        return rank0_outcome(lambda: resolve_load(self.args.load, self.args.save), self.info.rank,
+                             self.info.world_size)
 
     def check_save_target(self, start: int, target: LoadTarget | None) -> None:
         """Refuse (on every rank) a run that would overwrite later checkpoints in --save."""
@@ -126,7 +131,8 @@ class FaultGuards:
         from megatron_spindle.checkpointing.load_target import check_save_target, same_folder
 
         from_save = target is not None and target.root is not None and same_folder(target.root, self.args.save)
-        rank0_outcome(lambda: check_save_target(self.args.save, start, from_save), self.info)
+        rank0_outcome(lambda: check_save_target(self.args.save, start, from_save), self.info.rank,
+                      self.info.world_size)
 
     def exit_reason(self, iteration: int) -> str | None:
         return self.exits.check(iteration)

@@ -48,6 +48,7 @@ from megatron_spindle.training.faults import (
     add_fault_tolerance_args,
     distributed_config_from_args,
     exit_config_from_args,
+    rank0_outcome,
 )
 from megatron_spindle.training.precision import add_precision_args, check_precision_args
 from megatron_spindle.training.task_schedule import parse_task_schedule
@@ -114,7 +115,7 @@ def get_plan(args, workload, world_size: int, rank: int):
     """The saved plan (--spindle-plan) or a fresh one made on rank 0 and broadcast (CP-SAT with a wall-clock
     limit is not deterministic, so ranks must not plan separately; with --spindle-solver-deterministic they could,
     but one plan sent is cheaper than a plan made on every rank)."""
-    from megatron_spindle.plan.schema import Plan, PlanError, resolve_attention_backend
+    from megatron_spindle.plan.schema import Plan, PlanError
     from megatron_spindle.plan.validate import validate_plan
 
     if args.spindle_plan:
@@ -131,41 +132,46 @@ def get_plan(args, workload, world_size: int, rank: int):
         if rank == 0 and plan.settings.grad_norm != computes_grad_norm(args):
             print(saved_plan_grad_norm_note(plan.settings.grad_norm, args), flush=True)
         return plan
-    box: list[Any] = [None]
-    if rank == 0:
-        try:
-            from megatron_spindle.autoplan import autoplan
-            from megatron_spindle.compat.cpu import te_available
-
-            cluster = cluster_from_args(args, default_num_gpus=world_size)
-            profile = None
-            if args.spindle_profile:
-                from megatron_spindle.estimator.profiled import load_planning_profile, profile_summary
-
-                profile, cluster = load_planning_profile(args.spindle_profile, workload, cluster)
-                print(f"[plan] {profile_summary(profile, cluster)}", flush=True)
-            t0 = time.perf_counter()
-            config = planner_config_from_args(args)
-            # the attention this machine will run: auto is the local spec where TE is missing
-            config = dataclasses.replace(config, attention_backend=resolve_attention_backend(
-                config.attention_backend, cluster.gpu.arch, te_available()),
-                grad_norm=computes_grad_norm(args))  # what the runtime's optimizer step computes
-            plan = autoplan(workload, cluster, config,
-                            profile=profile, progress=lambda m: print(f"[plan] {m}", flush=True)).plan
-            print(f"[plan] done in {time.perf_counter() - t0:.3f} s", flush=True)
-            if profile is None and cluster.gpu.arch != "cpu" and not te_available():
-                print(LOCAL_SPEC_NOTE, flush=True)
-            if profile is None and cluster.gpu.arch == "cpu":
-                print(CPU_PLACEHOLDER_NOTE, flush=True)
-            box = [("ok", plan.to_dict())]
-        except USER_ERRORS as e:
-            box = [("error", str(e))]
-    if world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    status, payload = box[0]
-    if status == "error":
-        raise PlanError(payload)
+    # rank 0 plans for as long as it takes (minutes for a large cluster, beyond the collectives' timeout): the
+    # others wait outside any collective, and their watchdogs only watch that rank 0 lives
+    where = progress.current()
+    progress.point("planning (rank 0) and sharing the plan", awaits=0)
+    try:
+        payload = rank0_outcome(lambda: _plan_on_rank0(args, workload, world_size), rank, world_size,
+                                wait_key=f"plan/{workload.digest()}")
+    except USER_ERRORS as e:
+        raise PlanError(str(e)) from None
+    progress.point(*where.what, awaits=where.awaits)
     return Plan.from_dict(payload)
+
+
+def _plan_on_rank0(args, workload, world_size: int) -> dict:
+    """The plan for this run, as a dict to broadcast: autoplan on the cluster (and profile) the flags give."""
+    from megatron_spindle.autoplan import autoplan
+    from megatron_spindle.compat.cpu import te_available
+    from megatron_spindle.plan.schema import resolve_attention_backend
+
+    cluster = cluster_from_args(args, default_num_gpus=world_size)
+    profile = None
+    if args.spindle_profile:
+        from megatron_spindle.estimator.profiled import load_planning_profile, profile_summary
+
+        profile, cluster = load_planning_profile(args.spindle_profile, workload, cluster)
+        print(f"[plan] {profile_summary(profile, cluster)}", flush=True)
+    t0 = time.perf_counter()
+    config = planner_config_from_args(args)
+    # the attention this machine will run: auto is the local spec where TE is missing
+    config = dataclasses.replace(config, attention_backend=resolve_attention_backend(
+        config.attention_backend, cluster.gpu.arch, te_available()),
+        grad_norm=computes_grad_norm(args))  # what the runtime's optimizer step computes
+    plan = autoplan(workload, cluster, config,
+                    profile=profile, progress=lambda m: print(f"[plan] {m}", flush=True)).plan
+    print(f"[plan] done in {time.perf_counter() - t0:.3f} s", flush=True)
+    if profile is None and cluster.gpu.arch != "cpu" and not te_available():
+        print(LOCAL_SPEC_NOTE, flush=True)
+    if profile is None and cluster.gpu.arch == "cpu":
+        print(CPU_PLACEHOLDER_NOTE, flush=True)
+    return plan.to_dict()
 
 
 def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[str] | None = None,

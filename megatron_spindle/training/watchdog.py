@@ -19,6 +19,10 @@ a zombie or stopped (``/proc/<pid>/stat``), or a rank whose heartbeat stopped ch
 line, records it for the others, and ends the process (``os._exit(1)``: with a peer gone, a clean shutdown of
 the process groups can itself hang). An exception no missing rank explains is left to propagate (a bug keeps
 its traceback; a user error, which every rank reports alike, its one line: the trainer does not pass those).
+
+A point that awaits one rank's own work (rank 0 planning, which may take longer than the timeout on a large
+cluster; the others wait outside any collective, runtime/distributed.py ``wait_for_rank0``) has no time limit:
+the waiting ranks exit only when the awaited rank is gone, stopped, or its heartbeat stops.
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ class Watchdog:
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "pidns": _pid_namespace(), "ppid": os.getppid()}
         self.report_sigterm = report_sigterm
         self._wakeup: tuple[int, int] | None = None  # (read end, the wakeup fd it replaced)
+        self._awaited_beat: tuple[int, Any, float] | None = None  # (rank, its heartbeat count, when it changed)
         self._old_sigterm: Any = None
 
     # ------------------------------------------------------------------------------------------ set-up
@@ -220,11 +225,44 @@ class Watchdog:
             if abort and not self._stop.is_set():
                 where = progress.describe(progress.current(), self.rank)
                 self._announce(f"rank {self.rank} stops (it was at {where}): {abort}", publish=False)
-            p = progress.current()
-            stalled = time.monotonic() - p.since
-            if stalled > self.stall_s and not self._stop.is_set():
-                cause = f"waited {stalled:.0f} s (--distributed-timeout-minutes {self.timeout_s / 60:g})"
-                self._announce(self.diagnose(p, cause, window=True)[0])
+            line = self.stall_line(progress.current())
+            if line and not self._stop.is_set():
+                self._announce(line)
+
+    def stall_line(self, p: progress.Point) -> str | None:
+        """The line to exit with when this rank has been at ``p`` too long, else None. A collective's wait
+        (``p.awaits`` None) is too long after ``stall_s``; a wait for one rank's own work (rank 0 planning)
+        lasts as long as that rank lives: too long only once it is dead, stopped or silent for ``stall_s``."""
+        stalled = time.monotonic() - p.since
+        if stalled <= self.stall_s and p.awaits is None:
+            return None
+        if p.awaits is None:
+            cause = f"waited {stalled:.0f} s (--distributed-timeout-minutes {self.timeout_s / 60:g})"
+            return self.diagnose(p, cause, window=True)[0]
+        if p.awaits == self.rank:
+            return None
+        missing = self._awaited_missing(p.awaits)
+        if missing is None:
+            return None
+        return f"rank {self.rank} waited {stalled:.0f} s at {progress.describe(p, self.rank)}: {missing}"
+
+    def _awaited_missing(self, r: int) -> str | None:
+        """What is wrong with rank ``r``, which this rank waits for: an exit record, a dead or stopped process on
+        this host, or a heartbeat that has not changed for ``stall_s`` (a rank on another host); None while it
+        lives. Reads one key per interval (no window: the awaited rank's own watchdog beats meanwhile)."""
+        state = self._quick_state(r) if self._store_ok else None
+        if state:
+            return state + ("" if " exited (" in state else self._last_seen(r))
+        if not self._store_ok:
+            return "the job's c10d store is unreachable (has the launcher died?)"
+        n, now = (self._get_json(f"hb/{r}") or {}).get("n"), time.monotonic()
+        seen = self._awaited_beat
+        if seen is None or seen[:2] != (r, n):
+            self._awaited_beat = (r, n, now)
+            return None
+        if now - seen[2] > self.stall_s:
+            return f"rank {r} is not responding (no heartbeat for {now - seen[2]:.0f} s){self._last_seen(r)}"
+        return None
 
     # ------------------------------------------------------------------------------------------ diagnosis
     def _identity(self, r: int) -> dict[str, Any] | None:

@@ -63,9 +63,9 @@ def _alive(pid: int) -> bool:
 class Job:
     """``torchrun --nproc-per-node N pretrain_multitask.py FLAGS`` in its own session; output collected."""
 
-    def __init__(self, nproc: int, flags: list[str], cwd: Path):
+    def __init__(self, nproc: int, flags: list[str], cwd: Path, script: Path = ROOT / "pretrain_multitask.py"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-               "127.0.0.1", "--master-port", str(_free_port()), str(ROOT / "pretrain_multitask.py"), *flags]
+               "127.0.0.1", "--master-port", str(_free_port()), str(script), *flags]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                      cwd=cwd, start_new_session=True)
@@ -163,11 +163,20 @@ def test_killed_rank_is_named_by_every_survivor(tmp_path, jobs):
 
 
 @pytest.mark.multiproc
-def test_stopped_rank_is_named_within_the_timeout(tmp_path, jobs):
+def test_planning_outlasts_the_timeout_and_a_stopped_rank_is_named_within_it(tmp_path, jobs):
+    """Rank 0 plans for longer than --distributed-timeout-minutes (slow_planning.py holds it back): the others
+    wait for it and training starts. Then a rank stopped mid-training is named within the timeout."""
+    from slow_planning import PLAN_DELAY_S
+
     timeout_min = 0.3
-    job = Job(2, COMMON + ["--train-iters", "500", "--distributed-timeout-minutes", str(timeout_min)], tmp_path)
+    assert PLAN_DELAY_S > timeout_min * 60
+    job = Job(2, COMMON + ["--train-iters", "500", "--distributed-timeout-minutes", str(timeout_min)], tmp_path,
+              script=Path(__file__).with_name("slow_planning.py"))
     jobs.append(job)
-    job.wait_for_iteration(2)
+    job.wait_for_iteration(2, timeout=240 + PLAN_DELAY_S)
+    planned = re.search(r"\[plan\] done in ([0-9.]+) s", job.output)
+    assert planned and float(planned.group(1)) >= PLAN_DELAY_S, job.output[-3000:]
+    assert ": error: " not in job.output, job.output[-3000:]
     pids = job.workers()
     os.kill(pids[1], signal.SIGSTOP)
     t0 = time.monotonic()

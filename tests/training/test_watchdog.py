@@ -138,3 +138,63 @@ def test_exit_interval_saves_that_iteration_and_exits_zero(tmp_path, capsys):
     assert f"exiting at iteration 2: iteration 2 is a multiple of --exit-interval 2 (checkpoint saved in {save})" \
         in capsys.readouterr().out
     assert read_latest(save) == 2
+
+
+def test_a_wait_for_rank0s_own_work_has_no_timeout_while_rank0_lives():
+    """Ranks waiting for rank 0 to plan (a point with ``awaits=0``) exit only once rank 0 is gone or silent,
+    however long the wait; a collective's wait past ``stall_s`` is diagnosed as before; rank 0 itself, at the
+    point, never is."""
+    wd = Watchdog(1, 2, 1.0, dist.HashStore(), prog="t", interval_s=0.05, job="test")  # stall_s 0.75 s
+    _identity(wd, 0, os.getpid())
+    beats = [0]
+
+    def beat():
+        beats[0] += 1
+        wd.store.set(f"{wd.prefix}hb/0", f'{{"n": {beats[0]}, "where": "planning", "stalled_s": 0}}')
+
+    progress.set_iteration(None)
+    progress.point("planning (rank 0) and sharing the plan", awaits=0)
+    assert progress.current().awaits == 0
+    for _ in range(12):  # 1.2 s, past stall_s: rank 0 beats, no line
+        beat()
+        assert wd.stall_line(progress.current()) is None
+        last_seen = time.monotonic()  # the last beat this watchdog saw change
+        time.sleep(0.1)
+    rank0 = Watchdog(0, 2, 1.0, wd.store, prog="t", interval_s=0.05, job="test")
+    assert rank0.stall_line(progress.current()) is None  # its own work
+    while (line := wd.stall_line(progress.current())) is None:  # rank 0 stops beating: named stall_s later
+        assert time.monotonic() - last_seen < 3
+        time.sleep(0.05)
+    assert time.monotonic() - last_seen >= wd.stall_s
+    assert line.startswith("rank 1 waited ") and " at planning (rank 0) and sharing the plan: rank 0 is not " \
+                                                "responding (no heartbeat for " in line, line
+    assert line.endswith("its last heartbeat says it was at planning")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    fresh = Watchdog(1, 2, 1.0, dist.HashStore(), prog="t", interval_s=0.05, job="test")
+    _identity(fresh, 0, dead.pid)
+    assert f"rank 0 is dead (pid {dead.pid} on " in fresh.stall_line(progress.current())  # at once
+    progress.point("the loss all-reduce")  # a collective: bounded, diagnosed after stall_s
+    assert progress.current().awaits is None and wd.stall_line(progress.current()) is None
+    progress.point("the loss all-reduce")
+    time.sleep(0.8)
+    _identity(wd, 0, os.getpid())
+    line = wd.stall_line(progress.current())
+    assert line is not None and line.startswith("rank 1 waited 1 s (--distributed-timeout-minutes ")
+
+
+def test_wait_for_rank0_returns_when_rank0_is_done_and_not_before():
+    """The other ranks poll the store, outside any collective (so no timeout), until rank 0 says it is done."""
+    import threading
+
+    from megatron_spindle.runtime.distributed import wait_for_rank0
+
+    store = dist.HashStore()
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (wait_for_rank0(1, "plan/x", store, poll_s=0.01), done.set()))
+    waiter.start()
+    assert not done.wait(0.5)
+    wait_for_rank0(0, "plan/x", store)
+    assert done.wait(5)
+    waiter.join()
+    wait_for_rank0(1, "plan/x", store)  # a key rank 0 has already set: no wait
