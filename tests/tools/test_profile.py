@@ -360,3 +360,22 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
     kinds = {m["metaop"] for m in doc["measurements"]}
     assert len(kinds) == 2  # one encoder MetaOp and the LLM MetaOp
     assert all(m["flops"] > 0 and m["compute_seconds"] > 0 for m in doc["measurements"])
+
+
+def test_overlap_fit_is_each_trials_fit_and_leaves_out_trials_the_model_cannot_hold():
+    """overlap_constants' numbers: compute beside the collective runs ``slowdown`` times slower, so a trial where
+    the collective ends first (Tx < Tc) progressed Tx + C - Tc seconds of compute in Tx. A trial whose compute
+    lost more than the whole window (a noisy neighbour) is left out instead of making an unbounded factor."""
+    from megatron_spindle.profiler.comm import overlap_fit
+
+    ms = 1e-3
+    # C 20, X 2, Tc 21, Tx 5: progressed 4 in 5 -> x1.25, latency 5 - 1.25 * 2 = 2.5
+    assert overlap_fit([(20 * ms, 2 * ms, 21 * ms, 5 * ms)]) == pytest.approx((1.25, 2.5 * ms))
+    noisy = (20 * ms, 2 * ms, 26 * ms, 5 * ms)  # lost 6 ms in a 5 ms window
+    fits = [(20 * ms, 2 * ms, 21 * ms, 5 * ms), (20 * ms, 2 * ms, 20.5 * ms, 5 * ms), noisy]
+    slowdown, latency = overlap_fit(fits)
+    assert slowdown == pytest.approx((1.25 + 5 / 4.5) / 2) and latency < 5 * ms  # the median of the two that fit
+    assert overlap_fit([noisy]) == (0.0, 0.0)  # nothing fits: not measured (C10's factor applies)
+    # the compute ends first (Tc 22 < Tx 30): slowed x1.1 throughout
+    slowdown, latency = overlap_fit([(20 * ms, 10 * ms, 22 * ms, 30 * ms)])
+    assert slowdown == pytest.approx(1.1) and 0 <= latency <= 30 * ms
