@@ -194,6 +194,7 @@ def gantt_figure(plan: Plan, title: str | None = None):
         ax.axvline(lv.end * scale, color="black", linewidth=1.2, zorder=1)
     ax.set_ylim(n_dev - 0.5, -0.5)
     ax.set_xlim(0, max(plan.predicted.get("iteration_time", 0.0), timeline.makespan) * scale)
+    _draw_step_tail(ax, plan, timeline.makespan, scale)
     ax.set_yticks(range(n_dev))
     ax.set_yticklabels([f"{d} (n{d // per_node})" for d in range(n_dev)], fontsize=6 if n_dev > 32 else 8)
     ax.set_xlabel(f"time ({unit})")
@@ -215,6 +216,20 @@ def gantt_figure(plan: Plan, title: str | None = None):
     fig.tight_layout()
     _drop_labels_that_do_not_fit(fig, ax, labels)
     return fig, ax
+
+
+def _draw_step_tail(ax, plan: Plan, waves_end: float, scale: float) -> None:
+    """The predicted iteration past the waves' end, shaded and named: the gradient sync the backward did not
+    hide and the optimizer step (with its weight all-gather), as simulated; the chart ends there."""
+    p = plan.predicted
+    end = p.get("iteration_time", 0.0)
+    if end <= waves_end * (1 + 1e-9):
+        return
+    ax.axvspan(waves_end * scale, end * scale, color="0.85", hatch="//", fill=False, linewidth=0, zorder=1)
+    if end - waves_end >= 0.02 * end:  # room for two lines of small text
+        ax.text((waves_end + end) / 2 * scale, -0.5, f"after the waves: {_fmt_time(end - waves_end)}\n"
+                "(exposed gradient sync, optimizer step)", ha="center", va="top", fontsize=6, rotation=90, zorder=3,
+                clip_on=True)
 
 
 def _drop_labels_that_do_not_fit(fig, ax, labels) -> None:

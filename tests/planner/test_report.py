@@ -4,6 +4,7 @@ a label on every block of every slice wide enough to hold one (scattered slices 
 from __future__ import annotations
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 
@@ -107,3 +108,33 @@ def test_summary_says_how_long_the_selection_took_beside_the_plans_own_time():
                     f"candidates took {plan.planner['selection_seconds']:.3f} s)")
     single = make_plan(load_workload("tiny-clip"), make_cluster(4), PlannerConfig(planner="wavefront"))
     assert "candidates took" not in plan_summary(single)
+
+
+def test_gantt_shades_and_names_the_predicted_iteration_after_the_waves():
+    """A selected plan's predicted iteration (the simulator's) ends after its waves, by the gradient sync the
+    backward does not hide and the optimizer step: the chart shades that tail and says what it is."""
+    from matplotlib.patches import Polygon, Rectangle
+
+    from megatron_spindle.autoplan import autoplan
+    from megatron_spindle.plan.timeline import makespan
+
+    plan = autoplan(load_workload("clip-4"), make_cluster(16), PlannerConfig(planner="wavefront")).plan
+    end, waves_end = plan.predicted["iteration_time"], makespan(plan)
+    assert end > 1.02 * waves_end
+    fig, ax = gantt_figure(plan)
+    try:
+        spans = [p for p in ax.patches if p.get_hatch() == "//"]
+        assert len(spans) == 1
+        xs = [x for x, _ in (spans[0].get_xy() if isinstance(spans[0], Polygon) else [])] or \
+            ([spans[0].get_x(), spans[0].get_x() + spans[0].get_width()] if isinstance(spans[0], Rectangle) else [])
+        assert min(xs) == pytest.approx(waves_end * 1e3) and max(xs) == pytest.approx(end * 1e3)
+        texts = [t.get_text() for t in ax.texts if t.get_text().startswith("after the waves: ")]
+        assert texts == [f"after the waves: {(end - waves_end) * 1e3:.2f} ms\n(exposed gradient sync, optimizer step)"]
+    finally:
+        plt.close(fig)
+    plain = make_plan(load_workload("tiny-clip"), make_cluster(4), PlannerConfig(planner="wavefront"))
+    fig, ax = gantt_figure(plain)  # unsimulated: the waves are the prediction, no tail
+    try:
+        assert not [p for p in ax.patches if p.get_hatch() == "//"]
+    finally:
+        plt.close(fig)
