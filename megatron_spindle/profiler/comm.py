@@ -29,6 +29,11 @@ HOST_PROBE_SIZE = 128
 HOST_PROBE_TRIALS = 15
 # The overlap probe: a gradient-bucket-sized all-reduce against matrix products long enough (about 20 ms on a
 # CPU core) for the all-reduce to end beside them even when it waits milliseconds for the scheduler.
+# repeats of the smallest message, whose time is the latency: on a shared CPU a small message's one-way time is
+# heavy-tailed (two gloo ranks on this 2-core machine: median 52-76 us, about 1 in 10 near 2 ms, a transport
+# thread waiting for its core), and a median of 5 landed on the tail in about 1 group of 16, which quadrupled
+# a profile's simulated transfers (tiny-clip: 12.9 against 2.9-3.8 ms); 31 keep the median on the typical time
+LATENCY_PROBE_REPEATS = 31
 OVERLAP_PROBE_BYTES = 1 << 20
 OVERLAP_PROBE_MATMULS = 64
 OVERLAP_PROBE_SIZE = 256
@@ -208,10 +213,11 @@ def overlap_fit(trials: Sequence[tuple[float, float, float, float]]) -> tuple[fl
 def _measure_link(world: ProfileWorld, peer: int, ranks: Sequence[int], sizes: Sequence[int],
                   repeats: int, chunk: ProbeChunk | None) -> dict[str, Any]:
     sizes = sorted(sizes)
-    p2p = {s: _p2p_seconds(world, 0, peer, s, repeats) for s in sizes}
-    group = world.group(ranks)
-    ar = {s: _allreduce_seconds(world, ranks, s, repeats, group) for s in sizes}
     k, big, small = len(ranks), sizes[-1], sizes[0]
+    times = {s: max(repeats, LATENCY_PROBE_REPEATS) if s == small else repeats for s in sizes}
+    p2p = {s: _p2p_seconds(world, 0, peer, s, times[s]) for s in sizes}
+    group = world.group(ranks)
+    ar = {s: _allreduce_seconds(world, ranks, s, times[s], group) for s in sizes}
     slowdown, latency = overlap_constants(world, ranks)
     return {
         "p2p_ranks": [0, peer],

@@ -379,3 +379,25 @@ def test_overlap_fit_is_each_trials_fit_and_leaves_out_trials_the_model_cannot_h
     # the compute ends first (Tc 22 < Tx 30): slowed x1.1 throughout
     slowdown, latency = overlap_fit([(20 * ms, 10 * ms, 22 * ms, 30 * ms)])
     assert slowdown == pytest.approx(1.1) and 0 <= latency <= 30 * ms
+
+
+def test_the_latency_probe_times_the_smallest_message_more_often(monkeypatch):
+    """A small message's time is heavy-tailed on a shared CPU: the smallest size (the latency) gets a median of
+    LATENCY_PROBE_REPEATS runs, the others the profile's repeats; the latencies come from the smallest size."""
+    from types import SimpleNamespace
+
+    from megatron_spindle.profiler import comm
+
+    calls = []
+    monkeypatch.setattr(comm, "_p2p_seconds", lambda w, a, b, n, r: calls.append(("p2p", n, r)) or n * 1e-9 + 1e-5)
+    monkeypatch.setattr(comm, "_allreduce_seconds",
+                        lambda w, ranks, n, r, g: calls.append(("ar", n, r)) or n * 2e-9 + 2e-5)
+    monkeypatch.setattr(comm, "overlap_constants", lambda w, ranks: (1.1, 0.0))
+    monkeypatch.setattr(comm, "message_host_seconds", lambda *a, **k: 0.0)
+    world = SimpleNamespace(group=lambda ranks: None)
+    link = comm._measure_link(world, 1, [0, 1], [1 << 20, 4], 5, None)
+    assert sorted(calls) == [("ar", 4, comm.LATENCY_PROBE_REPEATS), ("ar", 1 << 20, 5),
+                             ("p2p", 4, comm.LATENCY_PROBE_REPEATS), ("p2p", 1 << 20, 5)]
+    assert comm.LATENCY_PROBE_REPEATS >= 21
+    assert link["p2p_latency_s"] == pytest.approx(4e-9 + 1e-5)
+    assert link["allreduce_latency_s"] == pytest.approx((8e-9 + 2e-5) / 2)
