@@ -13,8 +13,10 @@ from megatron_spindle.plan.schema import ATTENTION_BACKENDS
 # 2: the "optimizer" section; 3: the message probe computes with the workload's layer, the forward is timed inside
 # the forward + backward repeats, and AdamW's cost per element on tensors of the workload's unit sizes; 4: the
 # optimizer section also times the gradient norm and the bf16 weights' write, and the attention backend is recorded;
-# 5: the sharded runtime's copies are timed as it now makes them (a few operations per unit, not per tensor)
-PROFILER_VERSION = 5
+# 5: the sharded runtime's copies are timed as it now makes them (a few operations per unit, not per tensor);
+# 6: the CPU overlap constants are fitted per trial (a fit of medians could blow up) and the latency of a link is
+# the median of 31 small messages, not 5 (profiler/comm.py): profiles measured before are not reused
+PROFILER_VERSION = 6
 
 
 def _patterns(text: str) -> tuple[str, ...]:
