@@ -241,20 +241,21 @@ class Watchdog:
             return self.diagnose(p, cause, window=True)[0]
         if p.awaits == self.rank:
             return None
-        missing = self._awaited_missing(p.awaits)
+        missing = self._awaited_missing(p.awaits, stalled)
         if missing is None:
             return None
         return f"rank {self.rank} waited {stalled:.0f} s at {progress.describe(p, self.rank)}: {missing}"
 
-    def _awaited_missing(self, r: int) -> str | None:
-        """What is wrong with rank ``r``, which this rank waits for: an exit record, a dead or stopped process on
-        this host, or a heartbeat that has not changed for ``stall_s`` (a rank on another host); None while it
-        lives. Reads one key per interval (no window: the awaited rank's own watchdog beats meanwhile)."""
+    def _awaited_missing(self, r: int, stalled: float) -> str | None:
+        """What is wrong with rank ``r``, which this rank has waited ``stalled`` seconds for: an exit record, a
+        dead or stopped process on this host, or a heartbeat that has not changed for ``stall_s`` (a rank on
+        another host); None while it lives. Reads one key per interval (no window: the awaited rank's own
+        watchdog beats meanwhile). A store that failed once is named only after ``stall_s``, as for any wait."""
         state = self._quick_state(r) if self._store_ok else None
         if state:
             return state + ("" if " exited (" in state else self._last_seen(r))
         if not self._store_ok:
-            return "the job's c10d store is unreachable (has the launcher died?)"
+            return "the job's c10d store is unreachable (has the launcher died?)" if stalled > self.stall_s else None
         n, now = (self._get_json(f"hb/{r}") or {}).get("n"), time.monotonic()
         seen = self._awaited_beat
         if seen is None or seen[:2] != (r, n):

@@ -174,6 +174,12 @@ def test_a_wait_for_rank0s_own_work_has_no_timeout_while_rank0_lives():
     fresh = Watchdog(1, 2, 1.0, dist.HashStore(), prog="t", interval_s=0.05, job="test")
     _identity(fresh, 0, dead.pid)
     assert f"rank 0 is dead (pid {dead.pid} on " in fresh.stall_line(progress.current())  # at once
+    fresh._store_ok = False  # a store that failed once: named only after stall_s, like any wait
+    progress.point("planning (rank 0) and sharing the plan", awaits=0)
+    assert fresh.stall_line(progress.current()) is None
+    time.sleep(0.8)
+    assert fresh.stall_line(progress.current()).endswith(": the job's c10d store is unreachable (has the launcher "
+                                                         "died?)")
     progress.point("the loss all-reduce")  # a collective: bounded, diagnosed after stall_s
     assert progress.current().awaits is None and wd.stall_line(progress.current()) is None
     progress.point("the loss all-reduce")
