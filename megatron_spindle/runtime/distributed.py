@@ -87,12 +87,14 @@ def init_distributed(backend: str | None = None, config: DistributedConfig | Non
     return DistContext(dist.get_rank(), dist.get_world_size(), local, backend, owned=True)
 
 
-def wait_for_rank0(rank: int, key: str, store=None, poll_s: float = 0.2) -> None:
+def wait_for_rank0(rank: int, key: str, store=None, poll_s: float = 0.05, max_poll_s: float = 1.0) -> None:
     """Rank 0 says that its own work (planning) is done; the other ranks wait for that with no timeout. They poll
     the default group's store (the TCPStore torchrun hosts) outside any collective: a collective's timeout
     (--distributed-timeout-minutes) would end a wait for a plan that takes longer to make, as a large cluster's
     may. The training watchdog watches rank 0 meanwhile (a progress point with ``awaits=0``). ``key``: unique in
-    the job (a repeated one does not wait; the collective that follows still does, within its timeout)."""
+    the job (a repeated one does not wait; the collective that follows still does, within its timeout). The
+    poll backs off from ``poll_s`` to ``max_poll_s``: a short plan is seen at once, and a long one costs the store
+    one request per rank and second (a thousand ranks waiting minutes)."""
     store = store if store is not None else dist.distributed_c10d._get_default_store()
     key = f"spindle/rank0-done/{key}"
     if rank == 0:
@@ -100,6 +102,7 @@ def wait_for_rank0(rank: int, key: str, store=None, poll_s: float = 0.2) -> None
         return
     while not store.check([key]):
         time.sleep(poll_s)
+        poll_s = min(2 * poll_s, max_poll_s)
 
 
 def destroy_distributed(ctx: DistContext) -> None:
