@@ -144,7 +144,7 @@ def module_colors(modules) -> dict[str, tuple]:
 
 
 def _device_runs(devices: list[int]) -> list[list[int]]:
-    """Sorted devices split into runs of consecutive ones (the blocks a slice occupies on the chart)."""
+    """Sorted devices (or chart rows) split into runs of consecutive ones (the blocks a slice occupies)."""
     runs: list[list[int]] = []
     for d in sorted(devices):
         if runs and d == runs[-1][-1] + 1:
@@ -154,11 +154,49 @@ def _device_runs(devices: list[int]) -> list[list[int]]:
     return runs
 
 
+# above this many devices the chart draws one row per set of devices that run the same slices (a row per device
+# made a 1024-GPU chart 39537 px tall and a 2048-GPU one 78859 px; QWen-VAL-70B's 256 devices need 32 rows)
+GANTT_DEVICE_ROWS_MAX = 64
+
+
+def gantt_rows(plan: Plan) -> tuple[list[int], list[str]]:
+    """(row of each device, label of each row): one row per device up to GANTT_DEVICE_ROWS_MAX devices, else one
+    per set of devices that take part in exactly the same slices, in the order of their first device, labelled
+    with the devices (shortened) and how many there are."""
+    n_dev, per_node = plan.num_devices, int(plan.cluster["gpus_per_node"])
+    if n_dev <= GANTT_DEVICE_ROWS_MAX:
+        return list(range(n_dev)), [f"{d} (n{d // per_node})" for d in range(n_dev)]
+    slices_of: list[list[str]] = [[] for _ in range(n_dev)]
+    for s in plan.slices():
+        for d in s.devices:
+            slices_of[d].append(s.id)
+    rows: dict[tuple[str, ...], list[int]] = {}
+    for d in range(n_dev):
+        rows.setdefault(tuple(slices_of[d]), []).append(d)
+    row_of = [0] * n_dev
+    for r, devices in enumerate(rows.values()):
+        for d in devices:
+            row_of[d] = r
+    return row_of, [_row_label(devices) for devices in rows.values()]
+
+
+def _row_label(devices: list[int], width: int = 24) -> str:
+    """"64-127 (64)", "0-7, 16-23 (16)", or "64, 69, 192, ... (16)" when the ranges are long."""
+    if len(devices) == 1:
+        return str(devices[0])
+    ranges = [f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in _device_runs(devices)]
+    text = ", ".join(ranges)
+    if len(text) > width:
+        text = text[:width].rsplit(",", 1)[0] + ", ..."
+    return f"{text} ({len(devices)})"
+
+
 def gantt_figure(plan: Plan, title: str | None = None):
     """(figure, axes) of the Gantt chart (``draw_gantt`` saves it): waves per device over time, one row per
-    device, one bar per slice coloured by module (``module_colors``); every block of consecutive devices of a
-    slice wide enough for it carries the slice's label; waves are numbered along the top as in the training log
-    (w0, w1, ...); thin lines at wave boundaries, thick ones at MetaLevel boundaries, shading per island."""
+    device (``gantt_rows``: on a large cluster one per set of devices that run the same slices), one bar per
+    slice coloured by module (``module_colors``); every block of consecutive rows of a slice wide enough for it
+    carries the slice's label; waves are numbered along the top as in the training log (w0, w1, ...); thin lines
+    at wave boundaries, thick ones at MetaLevel boundaries, shading per island (rows of single devices)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -166,25 +204,30 @@ def gantt_figure(plan: Plan, title: str | None = None):
     from matplotlib.patches import Patch
 
     n_dev = plan.num_devices
+    row_of, row_labels = gantt_rows(plan)
+    n_rows = len(row_labels)
     timeline = plan_timeline(plan)  # each slice at its device component's time (node groups keep their own)
     own_clocks = timeline.components > 1
     scale, unit = (1e3, "ms") if timeline.makespan < 10 else (1.0, "s")
     modules = sorted({s.module or s.kind for s in plan.slices()})
     color = module_colors(modules)
-    fig, ax = plt.subplots(figsize=(14, max(3.0, 0.32 * n_dev + 1.8)))
+    fig, ax = plt.subplots(figsize=(14, max(3.0, 0.32 * n_rows + 1.8)))
     per_node = int(plan.cluster["gpus_per_node"])
-    for isl in range(0, n_dev, per_node):
-        if (isl // per_node) % 2:
-            ax.axhspan(isl - 0.5, isl + per_node - 0.5, color="0.94", zorder=0)
+    per_device = n_dev <= GANTT_DEVICE_ROWS_MAX  # else a row holds every device that runs the same slices
+    if per_device:
+        for isl in range(0, n_dev, per_node):
+            if (isl // per_node) % 2:
+                ax.axhspan(isl - 0.5, isl + per_node - 0.5, color="0.94", zorder=0)
     labels = []  # (text artist, left, right): bars' extents in data coordinates
     for w in plan.waves:
         for s in w.slices:
             label = s.task if s.kind == "layer" else f"{s.task}:{s.kind}"
             left, width = timeline.starts[s.id] * scale, s.predicted_time * scale
-            for d in s.devices:
-                ax.barh(d, width, left=left, height=0.8, color=color[s.module or s.kind], edgecolor="black",
+            rows = sorted({row_of[d] for d in s.devices})
+            for r in rows:
+                ax.barh(r, width, left=left, height=0.8, color=color[s.module or s.kind], edgecolor="black",
                         linewidth=0.3, zorder=2)
-            for run in _device_runs(s.devices):  # a label per block: scattered slices are labelled on each
+            for run in _device_runs(rows):  # a label per block: scattered slices are labelled on each
                 text = ax.text(left + width / 2, run[(len(run) - 1) // 2], label, ha="center", va="center",
                                fontsize=6, zorder=3, clip_on=True)
                 labels.append((text, left, left + width))
@@ -192,13 +235,13 @@ def gantt_figure(plan: Plan, title: str | None = None):
             ax.axvline(w.start * scale, color="0.6", linewidth=0.4, zorder=1)
     for lv in plan.levels if not own_clocks else []:
         ax.axvline(lv.end * scale, color="black", linewidth=1.2, zorder=1)
-    ax.set_ylim(n_dev - 0.5, -0.5)
+    ax.set_ylim(n_rows - 0.5, -0.5)
     ax.set_xlim(0, max(plan.predicted.get("iteration_time", 0.0), timeline.makespan) * scale)
     _draw_step_tail(ax, plan, timeline.makespan, scale)
-    ax.set_yticks(range(n_dev))
-    ax.set_yticklabels([f"{d} (n{d // per_node})" for d in range(n_dev)], fontsize=6 if n_dev > 32 else 8)
+    ax.set_yticks(range(n_rows))
+    ax.set_yticklabels(row_labels, fontsize=6 if n_rows > 32 else 8)
     ax.set_xlabel(f"time ({unit})")
-    ax.set_ylabel("device (node)")
+    ax.set_ylabel("device (node)" if per_device else "devices that run the same slices (how many)")
     if not own_clocks:  # wave numbers, as the log's "measured wave time (ms): w0=..."
         top = ax.secondary_xaxis("top")
         top.set_xticks([(w.start + w.duration / 2) * scale for w in plan.waves])

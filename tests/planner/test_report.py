@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from megatron_spindle.graph.cluster import make_cluster  # noqa: E402
 from megatron_spindle.graph.workload import load_workload  # noqa: E402
+from megatron_spindle.plan.timeline import plan_timeline  # noqa: E402
 from megatron_spindle.planner.pipeline import PlannerConfig, make_plan  # noqa: E402
 from megatron_spindle.planner.report import (  # noqa: E402
     _device_runs,
@@ -138,3 +139,35 @@ def test_gantt_shades_and_names_the_predicted_iteration_after_the_waves():
         assert not [p for p in ax.patches if p.get_hatch() == "//"]
     finally:
         plt.close(fig)
+
+
+def test_a_large_clusters_chart_has_a_row_per_set_of_devices_that_run_the_same_slices():
+    """Above GANTT_DEVICE_ROWS_MAX devices a row per device made charts tens of thousands of pixels tall: the
+    devices that run exactly the same slices share a row, every device is in one row, and each slice's bars lie
+    on the rows of its devices."""
+    from megatron_spindle.planner.report import GANTT_DEVICE_ROWS_MAX, _row_label, gantt_rows
+
+    plan = make_plan(load_workload("clip-10"), make_cluster(128), PlannerConfig(planner="wavefront"))
+    assert plan.num_devices > GANTT_DEVICE_ROWS_MAX
+    row_of, labels = gantt_rows(plan)
+    assert len(row_of) == plan.num_devices and sorted(set(row_of)) == list(range(len(labels)))
+    assert len(labels) < plan.num_devices  # 65 rows for 128 devices here
+    slices_of = [tuple(s.id for s in plan.slices() if d in s.devices) for d in range(plan.num_devices)]
+    for d in range(plan.num_devices):
+        for e in range(plan.num_devices):
+            assert (row_of[d] == row_of[e]) == (slices_of[d] == slices_of[e])
+    fig, ax = gantt_figure(plan)
+    try:
+        assert [t.get_text() for t in ax.get_yticklabels()] == labels
+        bars = {(round(p.get_x(), 6), round(p.get_y() + p.get_height() / 2)) for p in ax.patches
+                if hasattr(p, "get_width") and p.get_hatch() is None}
+        starts = plan_timeline(plan).starts
+        for s in plan.slices():
+            assert {r for x, r in bars if x == round(starts[s.id] * 1e3, 6)} >= {row_of[d] for d in s.devices}
+        assert fig.get_size_inches()[1] < 0.32 * len(labels) + 2
+    finally:
+        plt.close(fig)
+    assert _row_label(list(range(64, 128))) == "64-127 (64)"
+    assert _row_label([0, 1, 2, 3, 8, 9]) == "0-3, 8-9 (6)"
+    assert _row_label([64, 69, 192, 197, 200, 205, 208, 213]) == "64, 69, 192, 197, 200, ... (8)"
+    assert _row_label([5]) == "5"
