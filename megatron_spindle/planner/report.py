@@ -114,10 +114,8 @@ def _solver_lines(solver: dict) -> list[str]:
 
 
 def _fmt_devices(devs: list[int]) -> str:
-    devs = sorted(devs)
-    if devs == list(range(devs[0], devs[-1] + 1)) and len(devs) > 1:
-        return f"{devs[0]}-{devs[-1]}"
-    return ",".join(map(str, devs))
+    """"0-71,192-247": runs of consecutive devices as ranges (a slice on 128 devices was 128 numbers)."""
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in _device_runs(devs))
 
 
 GANTT_PALETTES = ("tab20", "tab20b", "tab20c")  # 60 colours, indexed by a hash of the module name
@@ -181,13 +179,12 @@ def gantt_rows(plan: Plan) -> tuple[list[int], list[str]]:
 
 
 def _row_label(devices: list[int], width: int = 24) -> str:
-    """"64-127 (64)", "0-7, 16-23 (16)", or "64, 69, 192, ... (16)" when the ranges are long."""
+    """"64-127 (64)", "0-7,16-23 (16)", or "64,69,192,... (16)" when the ranges are long."""
     if len(devices) == 1:
         return str(devices[0])
-    ranges = [f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in _device_runs(devices)]
-    text = ", ".join(ranges)
+    text = _fmt_devices(devices)
     if len(text) > width:
-        text = text[:width].rsplit(",", 1)[0] + ", ..."
+        text = text[:width].rsplit(",", 1)[0] + ",..."
     return f"{text} ({len(devices)})"
 
 

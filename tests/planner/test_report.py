@@ -145,7 +145,7 @@ def test_a_large_clusters_chart_has_a_row_per_set_of_devices_that_run_the_same_s
     """Above GANTT_DEVICE_ROWS_MAX devices a row per device made charts tens of thousands of pixels tall: the
     devices that run exactly the same slices share a row, every device is in one row, and each slice's bars lie
     on the rows of its devices."""
-    from megatron_spindle.planner.report import GANTT_DEVICE_ROWS_MAX, _row_label, gantt_rows
+    from megatron_spindle.planner.report import GANTT_DEVICE_ROWS_MAX, _fmt_devices, _row_label, gantt_rows
 
     plan = make_plan(load_workload("clip-10"), make_cluster(128), PlannerConfig(planner="wavefront"))
     assert plan.num_devices > GANTT_DEVICE_ROWS_MAX
@@ -168,6 +168,8 @@ def test_a_large_clusters_chart_has_a_row_per_set_of_devices_that_run_the_same_s
     finally:
         plt.close(fig)
     assert _row_label(list(range(64, 128))) == "64-127 (64)"
-    assert _row_label([0, 1, 2, 3, 8, 9]) == "0-3, 8-9 (6)"
-    assert _row_label([64, 69, 192, 197, 200, 205, 208, 213]) == "64, 69, 192, 197, 200, ... (8)"
+    assert _row_label([0, 1, 2, 3, 8, 9]) == "0-3,8-9 (6)"
+    assert _row_label([64, 69, 192, 197, 200, 205, 208, 213, 217]) == "64,69,192,197,200,205,... (9)"
     assert _row_label([5]) == "5"
+    # the summary's wave lines give a slice's devices as ranges too
+    assert _fmt_devices([0, 1, 2, 3, 192, 193, 7]) == "0-3,7,192-193" and _fmt_devices([4]) == "4"
