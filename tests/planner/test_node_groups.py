@@ -188,3 +188,35 @@ def test_node_groups_plan_with_a_profile_of_the_whole_cluster():
     result = plan_node_groups(w, c, partition, profile=points)
     validate_plan(result.plan, w, c, result.metagraph)
     assert {m.curve_source for m in result.plan.metaops} == {"profiled"}
+
+
+def test_group_sizes_are_every_non_increasing_composition_and_coarsen_on_many_nodes():
+    """Up to MAX_SIZE_STEPS nodes every non-increasing set of group sizes is tried, in the order the old
+    enumeration of every cut gave (ties keep their winner); beyond, sizes move in steps, so that 1024 GPUs (128
+    nodes, whose cuts into 8 groups number 1e11: planning never finished) partition in about a second."""
+    import itertools
+
+    from megatron_spindle.planner.node_groups import MAX_SIZE_STEPS, group_sizes
+
+    def every_cut(total, parts):
+        for cut in itertools.combinations(range(1, total), parts - 1):
+            sizes = [b - a for a, b in zip((0,) + cut, cut + (total,))]
+            if sizes == sorted(sizes, reverse=True):
+                yield sizes
+
+    for nodes in range(2, 19):
+        for k in range(2, 9):
+            assert list(group_sizes(nodes, k)) == list(every_cut(nodes, k)), (nodes, k)
+    assert MAX_SIZE_STEPS >= 32  # QWen-VAL's 256 GPUs (32 nodes) keep every size
+    for nodes in (128, 1000):
+        step = -(-nodes // MAX_SIZE_STEPS)
+        tried = [list(group_sizes(nodes, k)) for k in range(2, 9)]
+        # at most as many as for MAX_SIZE_STEPS nodes (3318 sets of sizes into 2-8 groups at 32)
+        assert sum(map(len, tried)) <= sum(len(list(group_sizes(MAX_SIZE_STEPS, k))) for k in range(2, 9))
+        for found in tried:
+            assert found
+            for sizes in found:
+                assert sum(sizes) == nodes and sizes == sorted(sizes, reverse=True)
+                assert all(s % step == 0 for s in sizes[1:])
+    partitions = node_group_partitions(load_workload("clip-20"), make_cluster(1024))
+    assert partitions and all(sum(g.num_nodes for g in p) == 128 for p in partitions)
