@@ -65,6 +65,7 @@ from megatron_spindle.planner.light_levels import pinned_plan
 from megatron_spindle.planner.node_groups import node_group_partitions, plan_node_groups
 from megatron_spindle.planner.objective import estimate_iteration, exposed_sync_share
 from megatron_spindle.planner.pipeline import PlannerConfig, PlanningResult, for_cluster, plan_workload
+from megatron_spindle.planner.report import shown_candidates
 from megatron_spindle.simulator import SimResult, simulate
 
 NODE_GROUP_SOLVER_LIMIT = 2.0  # seconds of CP-SAT per node group
@@ -295,8 +296,10 @@ def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple
     best = next(c for c in sorted(fitting, key=lambda c: c.name.startswith("task-sequential"))
                 if c.sim.iteration_time <= fastest * (1 + TIE))
     if len(candidates) > 1:
+        shown, hidden = shown_candidates([(c.name, c.sim.iteration_time) for c in candidates], best.name)
         say(f"selection: {best.name} (simulated {best.sim.iteration_time * 1e3:.1f} ms) of "
-            + ", ".join(f"{c.name} {c.sim.iteration_time * 1e3:.1f} ms" for c in candidates))
+            + ", ".join(f"{name} {t * 1e3:.1f} ms" for name, t in shown)
+            + (f" (the fastest {len(shown)} of {len(candidates)})" if hidden else ""))
     plan = best.plan
     record_simulation(plan, best.sim)
     plan.planner["selection"] = {"selected": best.name, "candidates": [c.summary() for c in candidates]}

@@ -23,6 +23,21 @@ def _fmt_bytes(b: float) -> str:
     return f"{b:.0f} B"
 
 
+CANDIDATES_SHOWN = 12  # plan selection's candidates named in the log and the summary (1024 GPUs make 96)
+
+
+def shown_candidates(candidates: list[tuple[str, float]], selected: str,
+                     most: int = CANDIDATES_SHOWN) -> tuple[list[tuple[str, float]], int]:
+    """(name, simulated seconds) of the candidates to name and how many are left out: all of them, in their
+    order, up to ``most``; else the ``most`` fastest, fastest first, the selected one always among them."""
+    if len(candidates) <= most:
+        return list(candidates), 0
+    fastest = sorted(candidates, key=lambda c: c[1])[:most]
+    if selected not in {name for name, _ in fastest}:
+        fastest[-1] = next(c for c in candidates if c[0] == selected)
+    return fastest, len(candidates) - most
+
+
 def plan_summary(plan: Plan) -> str:
     """The table tools/plan.py and pretrain_multitask.py print at start."""
     p = plan.predicted
@@ -56,9 +71,11 @@ def plan_summary(plan: Plan) -> str:
                      f"capacity {_fmt_bytes(plan.cluster['gpu']['memory_bytes'])}")
     selection = plan.planner.get("selection")
     if selection and len(selection.get("candidates", [])) > 1:
+        shown, hidden = shown_candidates([(c["name"], c["simulated"]) for c in selection["candidates"]],
+                                         selection["selected"])
         lines.append("  selected by simulation: " + ", ".join(
-            f"{c['name']} {_fmt_time(c['simulated'])}{' *' if c['name'] == selection['selected'] else ''}"
-            for c in selection["candidates"]))
+            f"{name} {_fmt_time(t)}{' *' if name == selection['selected'] else ''}" for name, t in shown)
+            + (f" (the fastest {len(shown)} of {len(shown) + hidden})" if hidden else ""))
     solver = plan.planner.get("solver")
     if solver:
         lines += _solver_lines(solver)

@@ -173,3 +173,17 @@ def test_a_large_clusters_chart_has_a_row_per_set_of_devices_that_run_the_same_s
     assert _row_label([5]) == "5"
     # the summary's wave lines give a slice's devices as ranges too
     assert _fmt_devices([0, 1, 2, 3, 192, 193, 7]) == "0-3,7,192-193" and _fmt_devices([4]) == "4"
+
+
+def test_a_long_candidate_list_names_the_fastest_with_the_selected_one():
+    """1024 GPUs make 96 candidates, a line of several kilobytes: the log and the summary name the
+    CANDIDATES_SHOWN fastest (the selected one always among them) and say how many there were."""
+    from megatron_spindle.planner.report import CANDIDATES_SHOWN, shown_candidates
+
+    few = [("a", 3.0), ("b", 1.0), ("c", 2.0)]
+    assert shown_candidates(few, "b") == (few, 0)  # all, in their order
+    many = [(f"c{i}", float(100 - i)) for i in range(40)]
+    shown, hidden = shown_candidates(many, "c39")
+    assert hidden == 40 - CANDIDATES_SHOWN and [n for n, _ in shown] == [f"c{i}" for i in range(39, 39 - CANDIDATES_SHOWN, -1)]
+    shown, _ = shown_candidates(many, "c0")  # the selected one is slow (the faster ones did not fit memory)
+    assert shown[-1] == ("c0", 100.0) and len(shown) == CANDIDATES_SHOWN
