@@ -27,7 +27,8 @@ DEFAULT_TIMEOUT_MINUTES = 10.0  # as Megatron-LM's --distributed-timeout-minutes
 class DistributedConfig:
     timeout_minutes: float = field(default=DEFAULT_TIMEOUT_MINUTES, metadata=flag(
         "Timeout of every collective and point-to-point transfer, in minutes (fractions allowed); the training "
-        "watchdog stops every rank, naming the missing one, when a rank waits longer.",
+        "watchdog stops every rank, naming the missing one, when a rank waits longer. Planning on rank 0 is not "
+        "bounded by it (the other ranks wait for as long as rank 0 lives).",
         name="--distributed-timeout-minutes"))
 
     def __post_init__(self):
