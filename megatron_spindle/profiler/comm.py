@@ -27,13 +27,13 @@ HOST_PROBE_CHUNKS = 16
 HOST_PROBE_MATMULS = 8
 HOST_PROBE_SIZE = 128
 HOST_PROBE_TRIALS = 15
-# The overlap probe: a gradient-bucket-sized all-reduce against matrix products long enough (about 20 ms on a
-# CPU core) for the all-reduce to end beside them even when it waits milliseconds for the scheduler.
-# repeats of the smallest message, whose time is the latency: on a shared CPU a small message's one-way time is
+# Repeats of the smallest message, whose time is the latency: on a shared CPU a small message's one-way time is
 # heavy-tailed (two gloo ranks on this 2-core machine: median 52-76 us, about 1 in 10 near 2 ms, a transport
 # thread waiting for its core), and a median of 5 landed on the tail in about 1 group of 16, which quadrupled
 # a profile's simulated transfers (tiny-clip: 12.9 against 2.9-3.8 ms); 31 keep the median on the typical time
 LATENCY_PROBE_REPEATS = 31
+# The overlap probe: a gradient-bucket-sized all-reduce against matrix products long enough (about 20 ms on a
+# CPU core) for the all-reduce to end beside them even when it waits milliseconds for the scheduler.
 OVERLAP_PROBE_BYTES = 1 << 20
 OVERLAP_PROBE_MATMULS = 64
 OVERLAP_PROBE_SIZE = 256
