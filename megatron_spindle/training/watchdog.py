@@ -82,7 +82,9 @@ def _short(exc: BaseException) -> str:
     return text.split(". ")[0].rstrip(".")[:160]
 
 
-_SEVERITY = ("is dead", "is stopped", "is not responding", " exited (")
+_EXITED = " exited ("  # in a rank's state: it left an exit record (it left on its own, often after another)
+_SEVERITY = ("is dead", "is stopped", "is not responding", _EXITED)
+STORE_UNREACHABLE = "the job's c10d store is unreachable (has the launcher died?)"
 
 
 def _rank_first(states: list[str]) -> list[str]:
@@ -234,9 +236,9 @@ class Watchdog:
         (``p.awaits`` None) is too long after ``stall_s``; a wait for one rank's own work (rank 0 planning)
         lasts as long as that rank lives: too long only once it is dead, stopped or silent for ``stall_s``."""
         stalled = time.monotonic() - p.since
-        if stalled <= self.stall_s and p.awaits is None:
-            return None
         if p.awaits is None:
+            if stalled <= self.stall_s:
+                return None
             cause = f"waited {stalled:.0f} s (--distributed-timeout-minutes {self.timeout_s / 60:g})"
             return self.diagnose(p, cause, window=True)[0]
         if p.awaits == self.rank:
@@ -253,9 +255,9 @@ class Watchdog:
         watchdog beats meanwhile). A store that failed once is named only after ``stall_s``, as for any wait."""
         state = self._quick_state(r) if self._store_ok else None
         if state:
-            return state + ("" if " exited (" in state else self._last_seen(r))
+            return self._with_last_seen(r, state)
         if not self._store_ok:
-            return "the job's c10d store is unreachable (has the launcher died?)" if stalled > self.stall_s else None
+            return STORE_UNREACHABLE if stalled > self.stall_s else None
         n, now = (self._get_json(f"hb/{r}") or {}).get("n"), time.monotonic()
         seen = self._awaited_beat
         if seen is None or seen[:2] != (r, n):
@@ -292,6 +294,10 @@ class Watchdog:
         hb = self._get_json(f"hb/{r}")
         return f"; its last heartbeat says it was at {hb['where']}" if hb and hb.get("where") else ""
 
+    def _with_last_seen(self, r: int, state: str) -> str:
+        """Rank ``r``'s state and where its last heartbeat was, unless it left an exit record (which says)."""
+        return state if _EXITED in state else state + self._last_seen(r)
+
     def _others_points(self, others: list[int]) -> str:
         """Where the other ranks are, longest-stalled first (a slow rank, a deadlock, or collectives called
         in a different order)."""
@@ -322,15 +328,13 @@ class Watchdog:
                 found = [f"rank {r} is not responding (no heartbeat for {span:.0f} s)"
                          for r in others if after[r] is None or after[r] == before[r]]
         if not self._store_ok and not found:
-            found_text = "the job's c10d store is unreachable (has the launcher died?)"
+            found_text = STORE_UNREACHABLE
         elif found:
             found = _rank_first(found)
             first = found[0]
-            r = int(first.split()[1])
-            left = " exited ("  # a rank that left on its own, often because of the first one
-            rest = [f for f in found[1:] if left not in f or left in first]
+            rest = [f for f in found[1:] if _EXITED not in f or _EXITED in first]
             more = f"; also {'; '.join(rest[:2])}" if rest else ""
-            found_text = f"{first}{self._last_seen(r) if left not in first else ''}{more}"
+            found_text = f"{self._with_last_seen(int(first.split()[1]), first)}{more}"
         else:
             found_text = "no rank is missing, every heartbeat is fresh" + self._others_points(others)
         return found_text, bool(found)
