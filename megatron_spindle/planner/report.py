@@ -69,22 +69,21 @@ def plan_summary(plan: Plan) -> str:
         mem = plan.memory_per_device
         lines.append(f"  memory per device: max {_fmt_bytes(max(mem))}  min {_fmt_bytes(min(mem))}  "
                      f"capacity {_fmt_bytes(plan.cluster['gpu']['memory_bytes'])}")
-    selection = plan.planner.get("selection")
-    if selection and len(selection.get("candidates", [])) > 1:
-        shown, hidden = shown_candidates([(c["name"], c["simulated"]) for c in selection["candidates"]],
-                                         selection["selected"])
+    selection = plan.planner.get("selection") or {}
+    candidates = selection.get("candidates", [])
+    if len(candidates) > 1:
+        shown, hidden = shown_candidates([(c["name"], c["simulated"]) for c in candidates], selection["selected"])
         lines.append("  selected by simulation: " + ", ".join(
             f"{name} {_fmt_time(t)}{' *' if name == selection['selected'] else ''}" for name, t in shown)
-            + (f" (the fastest {len(shown)} of {len(shown) + hidden})" if hidden else ""))
+            + (f" (the fastest {len(shown)} of {len(candidates)})" if hidden else ""))
     solver = plan.planner.get("solver")
     if solver:
         lines += _solver_lines(solver)
     if "planning_seconds" in plan.planner:
         lines.append(f"  planning took {plan.planner['planning_seconds']:.3f} s" + (
-            f" (this plan; choosing it among {len(selection['candidates'])} candidates took "
+            f" (this plan; choosing it among {len(candidates)} candidates took "
             f"{plan.planner['selection_seconds']:.3f} s)"
-            if selection and len(selection.get("candidates", [])) > 1 and "selection_seconds" in plan.planner
-            else ""))
+            if len(candidates) > 1 and "selection_seconds" in plan.planner else ""))
     lines.append("")
     lines.append(f"  {'MetaOp':<34}{'lvl':>4}{'L':>4}  {'n*':>6}  {'allocation (n x layers)':<26}{'curve':<18}")
     for m in plan.metaops:
