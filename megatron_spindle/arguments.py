@@ -99,7 +99,7 @@ def planner_config_from_args(args: argparse.Namespace):
 
 
 def build_parser(description: str, groups: list[Callable], extra_args_provider: Callable | None = None):
-    parser = CliArgumentParser(description=description, allow_abbrev=False,
+    parser = CliArgumentParser(description=description, allow_abbrev=False, megatron_flags=True,
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in groups:
         add(parser)

@@ -94,9 +94,19 @@ def cli_main(prog: str | None = None) -> Callable:
 
 
 class CliArgumentParser(argparse.ArgumentParser):
-    """argparse with one-line errors: ``<prog>: error: <message> (see --help)`` and status 2."""
+    """argparse with one-line errors: ``<prog>: error: <message> (see --help)`` and status 2. With
+    ``megatron_flags`` (the Megatron-style entry points), a Megatron-LM flag they do not take is named with what
+    to give instead (megatron_spindle/megatron_flags.py)."""
+
+    def __init__(self, *args, megatron_flags: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.megatron_flags = megatron_flags
 
     def error(self, message: str):
         if debug_requested():
             self.print_usage(sys.stderr)
+        if self.megatron_flags:
+            from megatron_spindle.megatron_flags import unrecognized_message
+
+            message = unrecognized_message(message)
         fail(self.prog, f"{message} (see --help)")

@@ -129,6 +129,8 @@ CASES = [
     Case("plan", PLANNING + ["--spindle-solver-workers", "0"], "solver workers must be >= 1, got 0"),
     Case("plan", PLANNING + ["--spindle-planner", "magic"], "invalid choice: 'magic'"),
     Case("plan", PLANNING + ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    Case("plan", PLANNING + ["--tensor-model-parallel-size", "2"],
+         "--tensor-model-parallel-size is Megatron-LM's, not Spindle's: the planner chooses each slice's"),
     Case("plan", ["--workload", "{ws}/dup.yaml", "--num-gpus", "2"], "duplicate key 'hidden_size'"),
     Case("plan", ["--workload", "{ws}/notasks.yaml", "--num-gpus", "2"], "'tasks' must be a non-empty list"),
     Case("plan", ["--workload", "{ws}/notyaml.yaml", "--num-gpus", "2"], "workload {ws}/notyaml.yaml:"),

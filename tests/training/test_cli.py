@@ -31,6 +31,8 @@ def _fails(capsys, argv, match):
 
 def test_bad_flags_and_values(capsys, tmp_path):
     _fails(capsys, BASE + ["--mock-data", "--no-such-flag"], "unrecognized arguments: --no-such-flag")
+    _fails(capsys, BASE + ["--mock-data", "--train-samples", "64"], "--train-samples is Megatron-LM's, not "
+           "Spindle's: give --train-iters")
     _fails(capsys, BASE + ["--mock-data", "--lr-decay-style", "exp"], "invalid choice: 'exp'")
     _fails(capsys, ["--workload", "tiny-clip", "--mock-data"], "--train-iters")
     _fails(capsys, BASE + ["--mock-data", "--bf16"], "--bf16 needs a GPU")
