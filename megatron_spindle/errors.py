@@ -8,6 +8,9 @@ The one mechanism for tools/*.py, pretrain_multitask.py and ``python -m megatron
 - ``CliArgumentParser`` (used by ``arguments.build_parser``) prints a flag error the same way: one line, no
   usage block, status 2.
 - ``SPINDLE_DEBUG=1`` in the environment shows the traceback of a user error too.
+- An error every rank of a torchrun job raises alike (a flag's, one agreed over the ranks: ``on_every_rank``) is
+  printed by the first worker of each node only, so each node's log has it once rather than once per GPU; the
+  other workers exit with the same status.
 
 A user error is one whose message is written for the user: a ValueError (WorkloadError, ClusterError,
 PlanError, CheckpointError, the estimator's and placement's errors all derive from it), or an OSError that
@@ -61,9 +64,38 @@ def stderr_line(line: str) -> None:
     sys.stderr.flush()
 
 
-def fail(prog: str | None, message: str, status: int = 2):
-    """Print ``<prog>: error: <message>`` on stderr and exit with ``status``."""
-    stderr_line(f"{program_name(prog)}: error: {one_line(message)}")
+_ON_EVERY_RANK = "spindle_on_every_rank"  # the attribute ``on_every_rank`` sets on an exception
+
+
+def on_every_rank(e: BaseException) -> BaseException:
+    """``e``, marked as an error every rank raises alike (so that ``exit_on_user_error`` prints it once per
+    node)."""
+    setattr(e, _ON_EVERY_RANK, True)
+    return e
+
+
+@contextlib.contextmanager
+def alike_on_every_rank():
+    """User errors raised in the block are ``on_every_rank``: checks that every rank makes alike (of the flags and
+    the inputs they name, before the ranks' work differs)."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        on_every_rank(e)
+        raise
+
+
+def prints_errors_of_every_rank() -> bool:
+    """Whether this process prints the errors every rank raises alike: any process but torchrun's workers after
+    the first of their node (``LOCAL_RANK`` > 0)."""
+    return os.environ.get("LOCAL_RANK", "0").strip() in ("", "0")
+
+
+def fail(prog: str | None, message: str, status: int = 2, alike: bool = False):
+    """Print ``<prog>: error: <message>`` on stderr and exit with ``status``. ``alike``: every rank fails with
+    this message, and only ``prints_errors_of_every_rank`` processes print it."""
+    if not alike or prints_errors_of_every_rank():
+        stderr_line(f"{program_name(prog)}: error: {one_line(message)}")
     raise SystemExit(status)
 
 
@@ -76,7 +108,7 @@ def exit_on_user_error(prog: str | None = None):
         msg = user_message(e)
         if msg is None or debug_requested():
             raise
-        fail(prog, msg)
+        fail(prog, msg, alike=getattr(e, _ON_EVERY_RANK, False))
 
 
 def cli_main(prog: str | None = None) -> Callable:
@@ -109,4 +141,4 @@ class CliArgumentParser(argparse.ArgumentParser):
             from megatron_spindle.megatron_flags import unrecognized_message
 
             message = unrecognized_message(message)
-        fail(self.prog, f"{message} (see --help)")
+        fail(self.prog, f"{message} (see --help)", alike=True)  # every rank parses the same flags

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from megatron_spindle.errors import USER_ERRORS
+from megatron_spindle.errors import USER_ERRORS, on_every_rank
 from megatron_spindle.flags import add_flags, config_from_args
 from megatron_spindle.runtime.distributed import DistributedConfig, wait_for_rank0
 from megatron_spindle.training.signals import ExitConfig, ExitMonitor
@@ -61,7 +61,7 @@ def rank0_outcome(fn, rank: int, world_size: int, wait_key: str | None = None) -
         dist.broadcast_object_list(box, src=0)
     status, payload = box[0]
     if status == "error":
-        raise payload
+        raise on_every_rank(payload)
     return payload
 
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_spindle.errors import on_every_rank
+
 SHARED_WAIT_SECONDS = 3.0
 
 
@@ -103,8 +105,8 @@ def check_shared_folder(path: str | None, flag: str, rank: int, world_size: int)
             pass
     r, e, u = problems[0]
     if e:
-        raise ValueError(f"rank {r} (host {hosts[r]}): {e}")
+        raise on_every_rank(ValueError(f"rank {r} (host {hosts[r]}): {e}"))
     others = ", ".join(f"{x} (host {hosts[x]})" for x in u[:8])
-    raise ValueError(f"{flag} {path} is not shared between the ranks: rank {r} (host {hosts[r]}) does not see the "
+    raise on_every_rank(ValueError(f"{flag} {path} is not shared between the ranks: rank {r} (host {hosts[r]}) does not see the "
                      f"files written there by rank(s) {others}. Checkpoints need a folder every node reads and "
-                     f"writes (a shared filesystem such as NFS or Lustre mounted at the same path on every node)")
+                     f"writes (a shared filesystem such as NFS or Lustre mounted at the same path on every node)"))

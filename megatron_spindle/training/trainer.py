@@ -27,7 +27,7 @@ from megatron_spindle.arguments import (
     cluster_from_args,
     planner_config_from_args,
 )
-from megatron_spindle.errors import USER_ERRORS, exit_on_user_error
+from megatron_spindle.errors import USER_ERRORS, alike_on_every_rank, exit_on_user_error, on_every_rank
 from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.runtime import progress
 from megatron_spindle.training.arguments import (
@@ -189,23 +189,24 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
         from megatron_spindle.training.wandb_writer import check_wandb
 
         cuda = torch.cuda.is_available()
-        validate_args(args, int(os.environ.get("WORLD_SIZE", 1)), cuda)
-        check_precision_args(args, cuda)
-        check_validation_args(args)
-        check_wandb(args)
-        resolve_node_layout(args)
-        exit_config_from_args(args)  # --exit-* checked now, not after the process group formed
-        dist_config = distributed_config_from_args(args)
-        base = load_workload(args.workload)
-        schedule = parse_task_schedule(args.task_schedule, base, args.tasks)
-        base, workload = batched_task_set(base, args, schedule.all_tasks(base))  # every task some iteration trains
-        loss_weights = parse_task_values(args.task_loss_weights, "--task-loss-weights", workload, positive=False)
-        sampling_weights = parse_task_values(args.task_sampling_weights, "--task-sampling-weights", workload,
-                                             positive=True)
-        data_paths = parse_data_paths(args.data_path, workload)
-        valid_paths = parse_data_paths(args.valid_data_path, workload, "--valid-data-path")
-        datasets = datasets_provider(workload, args, data_paths)
-        datasets, valid = split_datasets(workload, datasets, args, valid_paths)
+        with alike_on_every_rank():  # the same flags and files on every rank of a node
+            validate_args(args, int(os.environ.get("WORLD_SIZE", 1)), cuda)
+            check_precision_args(args, cuda)
+            check_validation_args(args)
+            check_wandb(args)
+            resolve_node_layout(args)
+            exit_config_from_args(args)  # --exit-* checked now, not after the process group formed
+            dist_config = distributed_config_from_args(args)
+            base = load_workload(args.workload)
+            schedule = parse_task_schedule(args.task_schedule, base, args.tasks)
+            base, workload = batched_task_set(base, args, schedule.all_tasks(base))  # every task some iteration
+            loss_weights = parse_task_values(args.task_loss_weights, "--task-loss-weights", workload, positive=False)
+            sampling_weights = parse_task_values(args.task_sampling_weights, "--task-sampling-weights", workload,
+                                                 positive=True)
+            data_paths = parse_data_paths(args.data_path, workload)
+            valid_paths = parse_data_paths(args.valid_data_path, workload, "--valid-data-path")
+            datasets = datasets_provider(workload, args, data_paths)
+            datasets, valid = split_datasets(workload, datasets, args, valid_paths)
         # the slow imports (planner, megatron-core operators) now, on every rank at once, rather than while the
         # other ranks wait for this one inside a collective (and its timeout)
         import megatron_spindle.models  # noqa: F401
@@ -278,7 +279,7 @@ def load(args, phase, sets, info: DistContext, target) -> int:
         err = str(e)
     err = agree(err)
     if err:
-        raise ValueError(err)
+        raise on_every_rank(ValueError(err))
     fresh = sets.fresh_units(phase, resume)  # collective when the checkpoint lacks units of this model
     try:
         load_optim = not (args.no_load_optim or args.finetune)
@@ -302,7 +303,7 @@ def load(args, phase, sets, info: DistContext, target) -> int:
     progress.point("agreeing that every rank loaded the checkpoint")
     err = agree(err)
     if err:
-        raise ValueError(err)
+        raise on_every_rank(ValueError(err))
     old = ck.metadata.get("world_size")
     print_rank_0(f"loaded checkpoint {ck.path} at iteration {ck.iteration} (saved by {old} rank(s), "
                  f"now {info.world_size})" + ("; --finetune: weights only, starting at iteration 0"

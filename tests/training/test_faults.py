@@ -1,7 +1,7 @@
 """Faults on 2-3 gloo ranks under torchrun, as a user meets them: a killed rank, a stopped rank, a preemption
 signal, a killed launcher (during a save), and a second job on a folder in use.
 
-Four launches in all (each costs ~10 s of imports); every wait is bounded, and every process group a test
+Five launches in all (each costs ~10 s of imports); every wait is bounded, and every process group a test
 starts is killed when it ends, whatever happened.
 """
 
@@ -260,3 +260,14 @@ def test_killed_launcher_during_a_save_takes_its_workers_and_the_next_save_clean
     assert read_latest(save) == previous + 2
     assert not [p.name for p in save.iterdir() if p.name.endswith(".tmp") or p.name.startswith(".")]
     assert iteration_dir(save, previous).is_dir()
+
+
+@pytest.mark.multiproc
+def test_an_error_of_every_rank_is_printed_once(tmp_path, jobs):
+    """A --load without a checkpoint: rank 0 finds it out and every rank stops with its error (rank0_outcome),
+    but only the node's first worker prints it."""
+    job = Job(2, COMMON + ["--train-iters", "3", "--load", str(tmp_path / "nothing")], tmp_path)
+    jobs.append(job)
+    assert job.wait(120) != 0
+    lines = [line for line in job.lines if "pretrain_multitask.py: error: " in line]
+    assert len(lines) == 1 and f"--load {tmp_path / 'nothing'}" in lines[0], job.output[-3000:]
