@@ -54,14 +54,19 @@ class WaveTimer:
     def reset(self) -> None:
         self.forward = [0.0] * self.num_waves
         self.backward = [0.0] * self.num_waves
+        self.busiest = 0.0
 
     def collect(self) -> list[float]:
         """Per-wave total (forward + backward) seconds, the max over ranks; ``phases`` then holds the forward
-        and backward parts, each the max over ranks. Collective."""
+        and backward parts, each the max over ranks, and ``busiest`` the largest of the ranks' own sums over the
+        waves. (The sum of the per-wave maxima is no time of any rank: with ranks slow in different waves it
+        can exceed the iteration.) Collective."""
         n = self.num_waves
         total = [f + b for f, b in zip(self.forward, self.backward)]
-        v = _over_ranks(torch.tensor(total + self.forward + self.backward, dtype=torch.float64)).tolist()
-        self.phases = (v[n:2 * n], v[2 * n:])
+        v = _over_ranks(torch.tensor(total + self.forward + self.backward + [sum(total)],
+                                     dtype=torch.float64)).tolist()
+        self.phases = (v[n:2 * n], v[2 * n:3 * n])
+        self.busiest = v[3 * n]
         return v[:n]
 
 

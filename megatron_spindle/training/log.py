@@ -28,7 +28,7 @@ class StepRecord:
     weights: dict[str, float]  # per task loss weight of the logged iteration (0 = the task sat out)
     elapsed_ms: float  # measured wall time per iteration (mean over the log interval)
     predicted_ms: float  # the plan's predicted iteration time
-    wave_ms: list[float]  # measured per-wave time (mean over the log interval)
+    wave_ms: list[float]  # measured per-wave time, the slowest rank's (mean over the log interval)
     global_batch_size: int
     grad_norm: float | None = None  # before clipping, of the logged iteration (None: not measured)
     loss_scale: float = 1.0
@@ -36,6 +36,7 @@ class StepRecord:
     nan_iters: int = 0  # iterations of the interval whose loss was not finite
     throughput: Throughput | None = None  # --log-throughput
     memory: dict[str, float] = field(default_factory=dict)  # --log-memory-to-tensorboard: tag -> value
+    busiest_waves_ms: float | None = None  # the largest rank's own time in all waves (None: one rank, the sum)
 
     @property
     def total_loss(self) -> float:
@@ -127,7 +128,8 @@ def step_scalars(r: StepRecord) -> dict[str, float]:
 
 def format_wave_line(r: StepRecord) -> str:
     waves = " ".join(f"w{i}={ms:.1f}" for i, ms in enumerate(r.wave_ms))
-    return f"  measured wave time (ms): {waves} | sum {sum(r.wave_ms):.1f}"
+    busiest = sum(r.wave_ms) if r.busiest_waves_ms is None else r.busiest_waves_ms
+    return f"  measured wave time (ms): {waves} | busiest rank in all waves {busiest:.1f}"
 
 
 class TensorBoardLogger:

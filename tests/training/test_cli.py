@@ -106,7 +106,9 @@ def test_megatron_log_format():
     assert "consumed samples:          240 |" in line and "learning rate: 1.000000E-03 |" in line
     assert "total loss: 2.500000E+00 |" in line and "a loss: 2.000000E+00 | b loss: 1.000000E+00 |" in line
     assert "elapsed time per iteration (ms): 12.5 | predicted iteration time (ms): 2.80" in line
-    assert format_wave_line(r) == "  measured wave time (ms): w0=1.0 w1=2.2 | sum 3.2"
+    assert format_wave_line(r) == "  measured wave time (ms): w0=1.0 w1=2.2 | busiest rank in all waves 3.2"
+    r.busiest_waves_ms = 3.0  # two ranks: each wave's time is the slower rank's, the total is one rank's
+    assert format_wave_line(r) == "  measured wave time (ms): w0=1.0 w1=2.2 | busiest rank in all waves 3.0"
 
 
 def test_saved_plan_runs_at_zero_stage_2(capsys, tmp_path):
@@ -252,3 +254,26 @@ def test_a_transformer_engine_attention_backend_without_te_is_refused_before_pla
         with pytest.raises(PlanError, match=f"--attention-backend flash is a Transformer Engine backend and cannot "
                                             f"run on {where}"):
             get_plan(args, load_workload("tiny-clip"), 1, 0)
+
+
+def test_wave_timer_gives_the_busiest_rank_not_the_sum_of_per_wave_maxima(monkeypatch):
+    """Rank a is slow in wave 0, rank b in wave 1: each wave's time is the slower rank's (3.0, 2.5), but no rank
+    spent their sum 5.5 in the waves; the busiest spent 4.0."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_spindle.training import engine_state
+
+    engine = SimpleNamespace(plan=SimpleNamespace(waves=[0, 1]), on_wave=None)
+    a, b = engine_state.WaveTimer(engine), engine_state.WaveTimer(engine)
+    a.record("forward", 0, 2.0)
+    a.record("backward", 0, 1.0)
+    a.record("backward", 1, 1.0)
+    b.record("forward", 1, 2.5)
+    b.record("backward", 0, 0.5)
+    assert b.collect() == [0.5, 2.5] and b.busiest == 3.0  # one process: its own
+    theirs = torch.tensor([0.5, 2.5, 0.0, 2.5, 0.5, 0.0, 3.0], dtype=torch.float64)  # b's vector
+    monkeypatch.setattr(engine_state, "_over_ranks", lambda v, op="max": torch.maximum(v, theirs))
+    assert a.collect() == [3.0, 2.5] and a.busiest == 4.0
+    assert a.phases == ([2.0, 2.5], [1.0, 1.0])
