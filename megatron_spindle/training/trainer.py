@@ -394,6 +394,9 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
     lr, weights = 0.0, {}
     print_rank_0(f"training {phase.workload.name} for {args.train_iters} iterations from iteration {start} on "
                  f"{info.world_size} rank(s)")
+    if info.world_size > 1:  # the ranks start together: the first iteration's times are not rank 0's file writing
+        progress.point("the start of training (rank 0 writes the plan and its chart)", awaits=0)
+        dist.barrier()
     collector = ManualGC.from_args(args)  # --manual-gc
     profiler = StepProfiler(args, info.rank, lambda m: print(m, flush=True))  # --profile
     try:
