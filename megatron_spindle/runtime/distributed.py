@@ -106,6 +106,17 @@ def wait_for_rank0(rank: int, key: str, store=None, poll_s: float = 0.05, max_po
         poll_s = min(2 * poll_s, max_poll_s)
 
 
+def start_together(world_size: int, where: str) -> None:
+    """A barrier after rank 0 wrote files (the plan and its chart): the ranks then enter the next step together,
+    so that rank 0's writing is no other rank's wait inside a wave (the first wave's time, the watchdog's stall).
+    The watchdog only checks meanwhile that rank 0 lives (``awaits=0``)."""
+    if world_size > 1:
+        from megatron_spindle.runtime import progress
+
+        progress.point(where, awaits=0)
+        dist.barrier()
+
+
 def destroy_distributed(ctx: DistContext) -> None:
     """Tear the default group down if ``init_distributed`` created it."""
     if ctx.owned and dist.is_initialized():

@@ -47,6 +47,7 @@ from megatron_spindle.checkpointing.task_set import (
 )
 from megatron_spindle.graph.task_sets import describe_change, task_set_workload, workload_units
 from megatron_spindle.graph.workload import Workload
+from megatron_spindle.runtime.distributed import start_together
 from megatron_spindle.training.task_schedule import TaskSchedule
 
 
@@ -295,6 +296,8 @@ class TaskSets:
         self.log(change_report(f"at iteration {iteration}", old_tasks, tasks, initialised, set_aside, restored,
                                timing))
         self.publish_plan(plan, iteration)
+        start_together(self.world_size, f"the first iteration of the new task set at {iteration} (rank 0 writes "
+                                        "its plan and chart)")
         return phase
 
     def publish_plan(self, plan, iteration: int) -> None:

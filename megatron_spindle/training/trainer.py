@@ -30,6 +30,7 @@ from megatron_spindle.arguments import (
 from megatron_spindle.errors import USER_ERRORS, alike_on_every_rank, exit_on_user_error, on_every_rank
 from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.runtime import progress
+from megatron_spindle.runtime.distributed import start_together
 from megatron_spindle.training.arguments import (
     add_checkpointing_args,
     add_data_args,
@@ -394,9 +395,7 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
     lr, weights = 0.0, {}
     print_rank_0(f"training {phase.workload.name} for {args.train_iters} iterations from iteration {start} on "
                  f"{info.world_size} rank(s)")
-    if info.world_size > 1:  # the ranks start together: the first iteration's times are not rank 0's file writing
-        progress.point("the start of training (rank 0 writes the plan and its chart)", awaits=0)
-        dist.barrier()
+    start_together(info.world_size, "the start of training (rank 0 writes the plan and its chart)")
     collector = ManualGC.from_args(args)  # --manual-gc
     profiler = StepProfiler(args, info.rank, lambda m: print(m, flush=True))  # --profile
     try:
