@@ -58,6 +58,7 @@ from megatron_spindle.estimator.estimate import SHARER_COUNTS, weight_sharers
 from megatron_spindle.estimator.profiled import ProfiledCostModel
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.workload import Workload
+from megatron_spindle.parallel import parallel_map, pool_size
 from megatron_spindle.plan.memory import memory_options, plan_memory
 from megatron_spindle.plan.schema import Plan, PlanError
 from megatron_spindle.plan.validate import validate_plan
@@ -230,21 +231,20 @@ def _node_group_candidates(workload: Workload, cluster: ClusterSpec, config: Pla
         return []
     out, partitions = [], []
     group_config = dataclasses.replace(config, light_follow=True)
-    for partition in node_group_partitions(workload, cluster, planned[0][1].metagraph):
-        started = time.perf_counter()
-        try:
-            result = plan_node_groups(workload, cluster, partition, group_config, profile)
-        except PlanError:
+    workers = pool_size(config.planning_workers, cluster.num_devices)
+    proposed = node_group_partitions(workload, cluster, planned[0][1].metagraph)
+    plans = parallel_map(_node_group_plan, [(workload, cluster, p, group_config, profile) for p in proposed], workers)
+    for partition, (result, seconds) in zip(proposed, plans):
+        if result is None:  # a PlanError
             continue
         same = sum(len(p) == len(partition) for p in partitions)  # the k-group partitions: k, k-2, k-3, ...
-        out.append((f"node-groups-{len(partition)}" + (f"-{same + 1}" if same else ""), result,
-                    time.perf_counter() - started))
+        out.append((f"node-groups-{len(partition)}" + (f"-{same + 1}" if same else ""), result, seconds))
         partitions.append(partition)
     if config.planner != "cpsat" or not out:
         return out
-    times = [simulate(r.plan, workload, cluster, sim_cost_model or r.cost_model,
-                      None if sim_cost_model else r.memory_model, metagraph=r.metagraph).iteration_time
-             for _, r, _ in out]
+    times = [sim.iteration_time for sim in parallel_map(
+        _simulated, [(r.plan, workload, cluster, sim_cost_model or r.cost_model,
+                      None if sim_cost_model else r.memory_model, r.metagraph) for _, r, _ in out], workers)]
     best = min(range(len(out)), key=times.__getitem__)
     started = time.perf_counter()
     limit = min(config.solver_time_limit, NODE_GROUP_SOLVER_LIMIT)
@@ -254,6 +254,22 @@ def _node_group_candidates(workload: Workload, cluster: ClusterSpec, config: Pla
     except PlanError:
         return out
     return out + [(f"{out[best][0]}+cpsat", refined, time.perf_counter() - started)]
+
+
+def _node_group_plan(args) -> tuple[PlanningResult | None, float]:
+    """(``plan_node_groups`` of (workload, cluster, partition, config, profile), its seconds); None for a
+    partition that does not plan (parallel_map's function: it runs in a worker process)."""
+    started = time.perf_counter()
+    try:
+        return plan_node_groups(*args), time.perf_counter() - started
+    except PlanError:
+        return None, time.perf_counter() - started
+
+
+def _simulated(args) -> SimResult:
+    """``simulate`` of (plan, workload, cluster, cost model, memory model, metagraph) (parallel_map's function)."""
+    plan, workload, cluster, cost_model, memory_model, metagraph = args
+    return simulate(plan, workload, cluster, cost_model, memory_model, metagraph=metagraph)
 
 
 def _pinned_candidates(workload: Workload, cluster: ClusterSpec, config: PlannerConfig,
@@ -284,12 +300,13 @@ def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple
     keep the fastest that fits; its plan records the simulation (``record_simulation``) and the candidates."""
     config = config or PlannerConfig()
     say = progress or (lambda msg: None)
-    candidates: list[Candidate] = []
-    for name, result, secs in planned:
-        for plan, label in _settings_variants(result, config, name):
-            sim = simulate(plan, workload, cluster, sim_cost_model or result.cost_model,
-                           None if sim_cost_model else result.memory_model, metagraph=result.metagraph)
-            candidates.append(Candidate(label, result, plan, sim, secs))
+    variants = [(label, result, plan, secs) for name, result, secs in planned
+                for plan, label in _settings_variants(result, config, name)]
+    sims = parallel_map(_simulated, [(plan, workload, cluster, sim_cost_model or result.cost_model,
+                                      None if sim_cost_model else result.memory_model, result.metagraph)
+                                     for _, result, plan, _ in variants],
+                        pool_size(config.planning_workers, cluster.num_devices))
+    candidates = [Candidate(label, result, plan, sim, secs) for (label, result, plan, secs), sim in zip(variants, sims)]
     fitting = [c for c in candidates if c.fits] or candidates
     fastest = min(c.sim.iteration_time for c in fitting)
     # ties (within TIE): the planner's own plans before the task-sequential fallback, then candidate order

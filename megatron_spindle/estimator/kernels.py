@@ -134,6 +134,13 @@ class KernelModel:
         self.bandwidth = gpu.memory_bandwidth * memory_efficiency
         self._gemm = lru_cache(maxsize=65536)(self._gemm_uncached)
 
+    def __getstate__(self) -> dict:  # pickled without its cache (to other processes: autoplan's parallel work)
+        return {k: v for k, v in self.__dict__.items() if k != "_gemm"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._gemm = lru_cache(maxsize=65536)(self._gemm_uncached)
+
     # --------------------------------------------------------------------------------------------- GEMM
 
     def gemm(self, m: int, n: int, k: int, batch: int = 1) -> float:

@@ -128,6 +128,11 @@ class PlannerConfig:
         "CPU, or pretrain_multitask.py on a machine without TE). Recorded in the plan.",
         name="--attention-backend", choices=ATTENTION_BACKENDS))
 
+    planning_workers: int = field(default=0, metadata=flag(
+        "Processes that simulate the candidate plans and plan the node-group partitions at once, on clusters of "
+        "PARALLEL_MIN_DEVICES (128) devices or more, where a candidate's simulation takes a tenth of a second or "
+        "more. That work is deterministic: the selected plan does not depend on this. 0: the CPUs this process may "
+        "run on, at most 16; 1: all in this process."))
     select: str = field(default="simulate", metadata=flag(
         "simulate: plan a few candidates (the configured planner, the greedy wavefront plan, node-bounded "
         "slices, the tasks partitioned over groups of nodes, with and without the distributed optimizer) and keep the one the simulator times fastest "
@@ -164,6 +169,8 @@ class PlannerConfig:
             raise ValueError(f"solver time limit must be >= 0, got {self.solver_time_limit}")
         if self.solver_workers < 1:
             raise ValueError(f"solver workers must be >= 1, got {self.solver_workers}")
+        if self.planning_workers < 0:
+            raise ValueError(f"--spindle-planning-workers must be >= 0, got {self.planning_workers}")
         if self.sync_sharers not in SHARER_COUNTS:
             raise ValueError(f"sync_sharers must be one of {SHARER_COUNTS}, got {self.sync_sharers!r}")
 
