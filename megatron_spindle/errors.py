@@ -140,5 +140,5 @@ class CliArgumentParser(argparse.ArgumentParser):
         if self.megatron_flags:
             from megatron_spindle.megatron_flags import unrecognized_message
 
-            message = unrecognized_message(message)
+            message = unrecognized_message(message, {s for a in self._actions for s in a.option_strings})
         fail(self.prog, f"{message} (see --help)", alike=True)  # every rank parses the same flags

@@ -6,6 +6,9 @@ rather than argparse's bare "unrecognized arguments" (``CliArgumentParser(megatr
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection
+
 
 def _workload_field(field: str, modules: str = "each transformer module") -> str:
     return f"the model comes from --workload: set `{field}` on {modules} in the workload YAML"
@@ -64,10 +67,21 @@ MEGATRON_SWITCHES = frozenset({"--swiglu", "--group-query-attention", "--add-qkv
                                "--recompute-activations", "--use-torch-fsdp2"})
 
 
-def unrecognized_message(message: str) -> str:
+def _hint(flag: str, taken: Collection[str] | None) -> str:
+    """The flag's hint; one that says to give a flag this tool does not take (``taken``: its flags) names the
+    tool that does."""
+    hint = MEGATRON_FLAG_HINTS[flag]
+    given = re.match(r"give (--[a-z0-9-]+)", hint)
+    if taken is not None and given and given.group(1) not in taken:
+        hint += " (on pretrain_multitask.py: this tool does not train)"
+    return f"{flag} is Megatron-LM's, not Spindle's: {hint}"
+
+
+def unrecognized_message(message: str, taken: Collection[str] | None = None) -> str:
     """argparse's ``unrecognized arguments: ...`` message with a hint for each Megatron-LM flag in it
     (``--flag`` or ``--flag=value``); the other arguments stay listed as unrecognized. Any other message is
-    returned as it is. The parts are joined by "; ", which no hint contains."""
+    returned as it is. The parts are joined by "; ", which no hint contains. ``taken``: the flags of the tool
+    (``_hint``)."""
     prefix = "unrecognized arguments: "
     if not message.startswith(prefix):
         return message
@@ -75,7 +89,7 @@ def unrecognized_message(message: str) -> str:
     for arg in message[len(prefix):].split():
         flag = arg.split("=", 1)[0]
         if flag in MEGATRON_FLAG_HINTS:
-            hinted.append(f"{flag} is Megatron-LM's, not Spindle's: {MEGATRON_FLAG_HINTS[flag]}")
+            hinted.append(_hint(flag, taken))
             value_of_hinted = "=" not in arg and flag not in MEGATRON_SWITCHES
         elif value_of_hinted and not arg.startswith("--"):
             value_of_hinted = False  # the hinted flag's value

@@ -26,6 +26,16 @@ def test_hint_per_megatron_flag_and_their_values_dropped():
     assert rest == "unrecognized arguments: --foo 3 bar"
 
 
+def test_a_replacement_the_tool_lacks_names_the_tool_that_has_it():
+    msg = "unrecognized arguments: --train-samples 10 --use-flash-attn"
+    taken = {"--attention-backend", "--workload"}  # tools/plan.py's kind: no --train-iters
+    samples, flash = unrecognized_message(msg, taken).split("; ")
+    assert samples.endswith("give --train-iters: Spindle counts iterations (each of --global-batch-size samples) "
+                            "(on pretrain_multitask.py: this tool does not train)")
+    assert flash.endswith("give --attention-backend flash (Megatron-LM's replacement for this flag)")
+    assert "this tool does not train" not in unrecognized_message(msg, taken | {"--train-iters"})
+
+
 def test_table():
     assert MEGATRON_SWITCHES <= set(MEGATRON_FLAG_HINTS)
     assert not [f for f, hint in MEGATRON_FLAG_HINTS.items() if ";" in hint or not f.startswith("--")]
