@@ -34,7 +34,7 @@ def validate_plan(plan: Plan, workload: Workload | None = None, cluster: Cluster
         raise PlanError(f"plan was made for a cluster of {plan.num_devices} devices ({plan.cluster_digest}), "
                         f"not for this one of {cluster.num_devices} ({cluster.digest()})")
     metaops = {m.id: m for m in plan.metaops}
-    _check_slices(plan, metaops)
+    validate_slices(plan, metaops)
     if workload is not None:
         _check_recompute_modules(plan, workload)
     for i, w in enumerate(plan.waves):
@@ -101,7 +101,10 @@ def _check_recompute_modules(plan: Plan, workload: Workload) -> None:
                                 f"'{module.name}' is an {module.kind} with linear biases)")
 
 
-def _check_slices(plan: Plan, metaops) -> None:
+def validate_slices(plan: Plan, metaops) -> None:
+    """The slices alone (ids, MetaOps, devices, tp x dp, layer ranges, dp dividing the batch, one slice per
+    device and wave): what deriving a plan's transfers and parameter groups relies on (``plan_from_slices``
+    checks it first)."""
     n = plan.num_devices
     seen_ids = set()
     for w in plan.waves:

@@ -10,7 +10,7 @@ from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.derive import derive_param_groups, derive_transfers, metaop_infos
 from megatron_spindle.plan.schema import LevelInfo, Plan, Slice, Wave
-from megatron_spindle.plan.validate import validate_plan
+from megatron_spindle.plan.validate import validate_plan, validate_slices
 
 # one slice: (metaop id, layer_start, layer_end, devices, tp)
 SliceSpec = tuple[str, int, int, list[int], int]
@@ -32,6 +32,8 @@ def plan_from_slices(workload: Workload, cluster: ClusterSpec, waves: list[list[
                 cluster_digest=cluster.digest(), planner={"planner": "explicit"}, metaops=metaop_infos(g),
                 levels=[LevelInfo(i, lv, 0.0, 0.0, 0.0) for i, lv in enumerate(g.levels)], waves=plan_waves,
                 transfers=[], param_groups=[], memory_per_device=[], predicted={})
+    if validate:  # deriving routes rows by equal DP shares: a slice the rules refuse is named, not routed
+        validate_slices(plan, g.metaops)
     cost = AnalyticCostModel(workload, cluster)
     plan.transfers = derive_transfers(plan, lambda mid: cost.activation_bytes(g.metaops[mid]))
     plan.param_groups = derive_param_groups(plan, g.metaops, cost.param_count)
