@@ -48,8 +48,8 @@ def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -
         with ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=context) as pool:
             return list(pool.map(fn, items))
     except BrokenProcessPool:  # a worker died: most often a calling script without the __main__ guard
-        warnings.warn("the planning workers stopped (a script that plans on PARALLEL_MIN_DEVICES devices or more "
-                      "needs `if __name__ == \"__main__\":` around its work, as for multiprocessing, or "
+        warnings.warn(f"the planning workers stopped (a script that plans on {PARALLEL_MIN_DEVICES} devices or "
+                      "more needs `if __name__ == \"__main__\":` around its work, as for multiprocessing, or "
                       "--spindle-planning-workers 1); doing their work in this process", RuntimeWarning,
                       stacklevel=2)
         return [fn(x) for x in items]

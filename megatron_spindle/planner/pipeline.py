@@ -17,6 +17,7 @@ from megatron_spindle.flags import check_choices, flag
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
+from megatron_spindle.parallel import MAX_AUTO_WORKERS, PARALLEL_MIN_DEVICES
 from megatron_spindle.plan.schema import (
     ATTENTION_BACKENDS,
     RECOMPUTE_MODULES,
@@ -130,9 +131,9 @@ class PlannerConfig:
 
     planning_workers: int = field(default=0, metadata=flag(
         "Processes that simulate the candidate plans and plan the node-group partitions at once, on clusters of "
-        "PARALLEL_MIN_DEVICES (128) devices or more, where a candidate's simulation takes a tenth of a second or "
+        f"{PARALLEL_MIN_DEVICES} devices or more, where a candidate's simulation takes a tenth of a second or "
         "more. That work is deterministic: the selected plan does not depend on this. 0: the CPUs this process may "
-        "run on, at most 16; 1: all in this process."))
+        f"run on, at most {MAX_AUTO_WORKERS}; 1: all in this process."))
     select: str = field(default="simulate", metadata=flag(
         "simulate: plan a few candidates (the configured planner, the greedy wavefront plan, node-bounded "
         "slices, the tasks partitioned over groups of nodes, with and without the distributed optimizer) and keep the one the simulator times fastest "
