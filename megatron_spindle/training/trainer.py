@@ -200,7 +200,7 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
             dist_config = distributed_config_from_args(args)
             base = load_workload(args.workload)
             schedule = parse_task_schedule(args.task_schedule, base, args.tasks)
-            base, workload = batched_task_set(base, args, schedule.all_tasks(base))  # every task some iteration
+            base, workload = batched_task_set(base, args, schedule.all_tasks(base))  # all scheduled tasks
             loss_weights = parse_task_values(args.task_loss_weights, "--task-loss-weights", workload, positive=False)
             sampling_weights = parse_task_values(args.task_sampling_weights, "--task-sampling-weights", workload,
                                                  positive=True)
