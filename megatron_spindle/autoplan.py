@@ -233,7 +233,8 @@ def _node_group_candidates(workload: Workload, cluster: ClusterSpec, config: Pla
     group_config = dataclasses.replace(config, light_follow=True)
     workers = pool_size(config.planning_workers, cluster.num_devices)
     proposed = node_group_partitions(workload, cluster, planned[0][1].metagraph)
-    plans = parallel_map(_node_group_plan, [(workload, cluster, p, group_config, profile) for p in proposed], workers)
+    plans = parallel_map(_timed_or_none, [(plan_node_groups, (workload, cluster, p, group_config, profile))
+                                          for p in proposed], workers)
     for partition, (result, seconds) in zip(proposed, plans):
         if result is None:  # a PlanError
             continue
@@ -243,8 +244,7 @@ def _node_group_candidates(workload: Workload, cluster: ClusterSpec, config: Pla
     if config.planner != "cpsat" or not out:
         return out
     times = [sim.iteration_time for sim in parallel_map(
-        _simulated, [(r.plan, workload, cluster, sim_cost_model or r.cost_model,
-                      None if sim_cost_model else r.memory_model, r.metagraph) for _, r, _ in out], workers)]
+        _simulated, [_simulation(r.plan, r, workload, cluster, sim_cost_model) for _, r, _ in out], workers)]
     best = min(range(len(out)), key=times.__getitem__)
     started = time.perf_counter()
     limit = min(config.solver_time_limit, NODE_GROUP_SOLVER_LIMIT)
@@ -256,18 +256,15 @@ def _node_group_candidates(workload: Workload, cluster: ClusterSpec, config: Pla
     return out + [(f"{out[best][0]}+cpsat", refined, time.perf_counter() - started)]
 
 
-def _node_group_plan(args) -> tuple[PlanningResult | None, float]:
-    """(``plan_node_groups`` of (workload, cluster, partition, config, profile), its seconds); None for a
-    partition that does not plan (parallel_map's function: it runs in a worker process)."""
-    started = time.perf_counter()
-    try:
-        return plan_node_groups(*args), time.perf_counter() - started
-    except PlanError:
-        return None, time.perf_counter() - started
+def _simulation(plan: Plan, result: PlanningResult, workload: Workload, cluster: ClusterSpec, sim_cost_model):
+    """``_simulated``'s arguments for ``plan`` (made from ``result``): the simulator times it on
+    ``sim_cost_model`` where given, else on the planner's cost and memory models."""
+    return (plan, workload, cluster, sim_cost_model or result.cost_model,
+            None if sim_cost_model else result.memory_model, result.metagraph)
 
 
 def _simulated(args) -> SimResult:
-    """``simulate`` of (plan, workload, cluster, cost model, memory model, metagraph) (parallel_map's function)."""
+    """``simulate`` of ``_simulation``'s arguments (parallel_map's function)."""
     plan, workload, cluster, cost_model, memory_model, metagraph = args
     return simulate(plan, workload, cluster, cost_model, memory_model, metagraph=metagraph)
 
@@ -280,17 +277,23 @@ def _pinned_candidates(workload: Workload, cluster: ClusterSpec, config: Planner
     depends on the gradient sync and weight gathers of those groups, so the simulator decides."""
     if config.select == "none":
         return []
-    out = []
-    for name, result, _ in planned:
-        started = time.perf_counter()
-        try:
-            plan = pinned_plan(result.plan, result.metagraph, result.curves, workload, cluster, result.cost_model,
-                               result.memory_model, result.level_allocs)
-        except PlanError:  # the light slices' memory on their partners' devices does not fit
-            continue
-        if plan is not None:
-            out.append((f"{name}+pinned", dataclasses.replace(result, plan=plan), time.perf_counter() - started))
-    return out
+    pinned = parallel_map(_timed_or_none, [(pinned_plan, (r.plan, r.metagraph, r.curves, workload, cluster, r.cost_model,
+                                                          r.memory_model, r.level_allocs)) for _, r, _ in planned],
+                          pool_size(config.planning_workers, cluster.num_devices))
+    return [(f"{name}+pinned", dataclasses.replace(result, plan=plan), seconds)
+            for (name, result, _), (plan, seconds) in zip(planned, pinned) if plan is not None]
+
+
+def _timed_or_none(job: tuple[Callable, tuple]) -> tuple[Any, float]:
+    """(``fn(*args)``, its seconds) of ``job`` = (fn, args), the result None where ``fn`` raises a PlanError (a
+    node-group partition that does not plan, light slices that do not fit their partners' devices): parallel_map's
+    function for the planning steps, which run in worker processes."""
+    fn, args = job
+    started = time.perf_counter()
+    try:
+        return fn(*args), time.perf_counter() - started
+    except PlanError:
+        return None, time.perf_counter() - started
 
 
 def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple[str, PlanningResult, float]],
@@ -302,8 +305,7 @@ def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple
     say = progress or (lambda msg: None)
     variants = [(label, result, plan, secs) for name, result, secs in planned
                 for plan, label in _settings_variants(result, config, name)]
-    sims = parallel_map(_simulated, [(plan, workload, cluster, sim_cost_model or result.cost_model,
-                                      None if sim_cost_model else result.memory_model, result.metagraph)
+    sims = parallel_map(_simulated, [_simulation(plan, result, workload, cluster, sim_cost_model)
                                      for _, result, plan, _ in variants],
                         pool_size(config.planning_workers, cluster.num_devices))
     candidates = [Candidate(label, result, plan, sim, secs) for (label, result, plan, secs), sim in zip(variants, sims)]

@@ -75,7 +75,8 @@ def test_cost_models_pickle_with_their_answers():
 
 def test_autoplan_selects_the_same_plan_on_any_number_of_processes(monkeypatch):
     """Every candidate's simulated time, the selection and the plan are the same planned in one process and on
-    two (node-group partitions planned, candidates simulated in the workers), on a profile's cost model."""
+    two (node-group partitions planned, light levels pinned and candidates simulated in the workers), on a
+    profile's cost model."""
     pools = []
 
     class CountedPool(parallel.ProcessPoolExecutor):
@@ -86,7 +87,7 @@ def test_autoplan_selects_the_same_plan_on_any_number_of_processes(monkeypatch):
     monkeypatch.setattr(parallel, "ProcessPoolExecutor", CountedPool)
     w, c, profile = _cluster_and_profile()
     runs = [autoplan(w, c, PlannerConfig(planner="wavefront", planning_workers=n), profile) for n in (1, 2)]
-    assert pools == [2, 2]  # the node-group partitions, then the candidates' simulations
+    assert pools == [2, 2, 2]  # the node-group partitions, the pinned light levels, the candidates' simulations
     names = [[(x.name, x.sim.iteration_time) for x in r.candidates] for r in runs]
     assert names[0] == names[1]
     assert any(name.startswith("node-groups-") for name, _ in names[0])

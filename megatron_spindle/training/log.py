@@ -116,6 +116,8 @@ def step_scalars(r: StepRecord) -> dict[str, float]:
     out["iteration-time/measured (ms)"] = r.elapsed_ms
     out["iteration-time/predicted (ms)"] = r.predicted_ms
     out.update({f"wave-time (ms)/w{i}": ms for i, ms in enumerate(r.wave_ms)})
+    if r.busiest_waves_ms is not None:
+        out["wave-time (ms)/busiest rank"] = r.busiest_waves_ms
     out["loss-scale"] = r.loss_scale
     if r.grad_norm is not None and math.isfinite(r.grad_norm):
         out["grad-norm"] = r.grad_norm

@@ -109,7 +109,8 @@ def test_validation_logging_and_checkpoint_flags(tmp_path, capsys, monkeypatch, 
     ea.Reload()
     tags = set(ea.Tags()["scalars"])
     assert {"throughput", "samples-per-second", "grad-norm", "loss-scale", "mem-rss-bytes", "total loss validation",
-            "task loss validation/vision_text", "timers (ms)/forward-backward"} <= tags, tags
+            "task loss validation/vision_text", "timers (ms)/forward-backward",
+            "wave-time (ms)/busiest rank"} <= tags, tags
     assert wandb.inits[0]["project"] == "proj" and wandb.inits[0]["name"] == "run-a"
     assert wandb.inits[0]["dir"] == str(a / "wandb") and wandb.finished == 1
     logged = {k for _, d in wandb.logged for k in d}
