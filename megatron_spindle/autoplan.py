@@ -77,6 +77,7 @@ TIE = 1e-6  # relative difference of simulated times under which candidates are 
 # the memory "unlimited" plans are made with (times a device's), as benchmarks/paper_eval.py measures the cost of
 # memory: enough that memory binds nothing in any paper cell
 UNLIMITED_MEMORY_FACTOR = 16.0
+PROGRESS_MIN_SECONDS = 1.0  # a kind of candidate whose planning takes longer is reported as it is added
 
 
 @dataclass
@@ -148,20 +149,40 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
                 raise
             continue
         planned.append((name, result, time.perf_counter() - started))
+    _report(say, "the planners' variants", len(planned) - 1, sum(secs for _, _, secs in planned[1:]))
+    add = functools.partial(_add_candidates, planned, say)
     # (name, config, result, seconds) of the configured planner's runs: planned[0] is its plan (it raises, never skips)
     runs = [(planned[0][0], configs[0][1], planned[0][1], planned[0][2])] if planned else []
+    started = time.perf_counter()
     runs += _sync_aware_run(workload, cluster, configs[0][1], profile, planned, placements)
-    planned += [(name, result, secs) for name, _, result, secs in runs[1:]]
-    planned += _early_backward_candidates(workload, cluster, profile, runs, placements)
-    planned += _node_group_candidates(workload, cluster, config, profile, planned, sim_cost_model)
-    planned += _pinned_candidates(workload, cluster, config, planned)
+    add("sync-aware curves", lambda: [(name, result, secs) for name, _, result, secs in runs[1:]], started)
+    add("early backward", lambda: _early_backward_candidates(workload, cluster, profile, runs, placements))
+    add("node groups", lambda: _node_group_candidates(workload, cluster, config, profile, planned, sim_cost_model))
+    add("light levels pinned", lambda: _pinned_candidates(workload, cluster, config, planned))
     if config.select == "simulate" and not config.fixes_memory_options():
-        planned += _unlimited_candidates(workload, cluster, configs[0][1], profile, planned[0][1])
-        planned += _task_sequential(workload, cluster, config, planned[0][1], sim_cost_model)
+        add("memory unlimited, then fitted",
+            lambda: _unlimited_candidates(workload, cluster, configs[0][1], profile, planned[0][1]))
+        add("task-sequential", lambda: _task_sequential(workload, cluster, config, planned[0][1], sim_cost_model))
     out = select_fastest(workload, cluster, planned, config, say, sim_cost_model)
     out.seconds = time.perf_counter() - t0
     out.plan.planner["selection_seconds"] = out.seconds
     return out
+
+
+def _report(say: Callable[[str], None], what: str, count: int, seconds: float) -> None:
+    """A kind of candidate whose planning took ``PROGRESS_MIN_SECONDS`` or more, through ``say``: a long selection
+    (minutes on a thousand GPUs) shows where it is."""
+    if count and seconds >= PROGRESS_MIN_SECONDS:
+        say(f"candidates: {what}: {count} in {seconds:.1f} s")
+
+
+def _add_candidates(planned: list, say: Callable[[str], None], what: str, make: Callable[[], list],
+                    started: float | None = None) -> None:
+    """``planned += make()``, reported (``_report``) with its time since ``started`` (default: now)."""
+    started = time.perf_counter() if started is None else started
+    new = make()
+    _report(say, what, len(new), time.perf_counter() - started)
+    planned.extend(new)
 
 
 def _sync_aware_run(workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
@@ -303,11 +324,14 @@ def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple
     keep the fastest that fits; its plan records the simulation (``record_simulation``) and the candidates."""
     config = config or PlannerConfig()
     say = progress or (lambda msg: None)
+    workers = pool_size(config.planning_workers, cluster.num_devices)
+    if workers > 1 and len(planned) > 1:
+        say(f"simulating {len(planned)} candidate plans and their distributed-optimizer variants on {workers} "
+            "processes")
     variants = [(label, result, plan, secs) for name, result, secs in planned
                 for plan, label in _settings_variants(result, config, name)]
     sims = parallel_map(_simulated, [_simulation(plan, result, workload, cluster, sim_cost_model)
-                                     for _, result, plan, _ in variants],
-                        pool_size(config.planning_workers, cluster.num_devices))
+                                     for _, result, plan, _ in variants], workers)
     candidates = [Candidate(label, result, plan, sim, secs) for (label, result, plan, secs), sim in zip(variants, sims)]
     fitting = [c for c in candidates if c.fits] or candidates
     fastest = min(c.sim.iteration_time for c in fitting)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 
 import pytest
 
+from megatron_spindle import autoplan as autoplan_module
 from megatron_spindle import parallel
 from megatron_spindle.autoplan import autoplan
 from megatron_spindle.estimator import AnalyticCostModel, Measurement, ProfiledCostModel
@@ -85,9 +87,20 @@ def test_autoplan_selects_the_same_plan_on_any_number_of_processes(monkeypatch):
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(parallel, "ProcessPoolExecutor", CountedPool)
+    monkeypatch.setattr(autoplan_module, "PROGRESS_MIN_SECONDS", 0.0)  # every kind of candidate is reported
     w, c, profile = _cluster_and_profile()
-    runs = [autoplan(w, c, PlannerConfig(planner="wavefront", planning_workers=n), profile) for n in (1, 2)]
+    lines = {1: [], 2: []}
+    runs = [autoplan(w, c, PlannerConfig(planner="wavefront", planning_workers=n), profile, lines[n].append)
+            for n in (1, 2)]
     assert pools == [2, 2, 2]  # the node-group partitions, the pinned light levels, the candidates' simulations
+    # progress: each kind of candidate as it is added, then the simulations (on the workers: announced)
+    kinds = {m.group(1): int(m.group(2)) for m in map(re.compile(r"candidates: (.+): (\d+) in ").match, lines[2])
+             if m}
+    assert {"node groups", "light levels pinned"} <= set(kinds), lines[2]
+    announced = [x for x in lines[2] if x.startswith("simulating ")]
+    assert announced == [f"simulating {1 + sum(kinds.values())} candidate plans and their distributed-optimizer "
+                         f"variants on 2 processes"], lines[2]
+    assert not [x for x in lines[1] if x.startswith("simulating ")]
     names = [[(x.name, x.sim.iteration_time) for x in r.candidates] for r in runs]
     assert names[0] == names[1]
     assert any(name.startswith("node-groups-") for name, _ in names[0])
