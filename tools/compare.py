@@ -91,7 +91,8 @@ def compare(workload, cluster, systems: list[str], config, progress=None) -> dic
         t0 = time.perf_counter()
         if name in SPINDLE_SYSTEMS:
             try:
-                chosen = autoplan(workload, cluster, dataclasses.replace(config, planner=SPINDLE_SYSTEMS[name]))
+                chosen = autoplan(workload, cluster, dataclasses.replace(config, planner=SPINDLE_SYSTEMS[name]),
+                                  progress=lambda msg, system=name: say(f"{system}: {msg}"))
             except PlanError as e:
                 out[name] = {"error": str(e)}
                 continue
