@@ -153,9 +153,10 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
     add = functools.partial(_add_candidates, planned, say)
     # (name, config, result, seconds) of the configured planner's runs: planned[0] is its plan (it raises, never skips)
     runs = [(planned[0][0], configs[0][1], planned[0][1], planned[0][2])] if planned else []
-    started = time.perf_counter()
     runs += _sync_aware_run(workload, cluster, configs[0][1], profile, planned, placements)
-    add("sync-aware curves", lambda: [(name, result, secs) for name, _, result, secs in runs[1:]], started)
+    sync_aware = [(name, result, secs) for name, _, result, secs in runs[1:]]
+    _report(say, "sync-aware curves", len(sync_aware), sum(secs for _, _, secs in sync_aware))
+    planned += sync_aware
     add("early backward", lambda: _early_backward_candidates(workload, cluster, profile, runs, placements))
     add("node groups", lambda: _node_group_candidates(workload, cluster, config, profile, planned, sim_cost_model))
     add("light levels pinned", lambda: _pinned_candidates(workload, cluster, config, planned))
@@ -176,10 +177,9 @@ def _report(say: Callable[[str], None], what: str, count: int, seconds: float) -
         say(f"candidates: {what}: {count} in {seconds:.1f} s")
 
 
-def _add_candidates(planned: list, say: Callable[[str], None], what: str, make: Callable[[], list],
-                    started: float | None = None) -> None:
-    """``planned += make()``, reported (``_report``) with its time since ``started`` (default: now)."""
-    started = time.perf_counter() if started is None else started
+def _add_candidates(planned: list, say: Callable[[str], None], what: str, make: Callable[[], list]) -> None:
+    """``planned += make()``, reported (``_report``) with the time ``make`` took."""
+    started = time.perf_counter()
     new = make()
     _report(say, what, len(new), time.perf_counter() - started)
     planned.extend(new)
