@@ -66,13 +66,15 @@ def build_pretrain_parser(description: str, extra_args_provider: Callable | None
     return build_parser(description, ARG_GROUPS, extra_args_provider)
 
 
-def agree(error: str | None) -> str | None:
-    """Collective: the first rank's error (by rank), so all ranks stop together instead of hanging."""
-    if dist.get_world_size() == 1:
-        return error
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
+def raise_agreed(error: str | None) -> None:
+    """Collective: raise the first rank's error (by rank) on every rank, marked ``on_every_rank``, so all ranks
+    stop together instead of hanging; nothing where no rank has one."""
+    if dist.get_world_size() > 1:
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
+    if error:
+        raise on_every_rank(ValueError(error))
 
 
 def print_rank_0(*a, **k) -> None:
@@ -278,9 +280,7 @@ def load(args, phase, sets, info: DistContext, target) -> int:
         resume = sets.open_checkpoint(str(target.folder), phase)
     except USER_ERRORS as e:
         err = str(e)
-    err = agree(err)
-    if err:
-        raise on_every_rank(ValueError(err))
+    raise_agreed(err)
     fresh = sets.fresh_units(phase, resume)  # collective when the checkpoint lacks units of this model
     try:
         load_optim = not (args.no_load_optim or args.finetune)
@@ -302,9 +302,7 @@ def load(args, phase, sets, info: DistContext, target) -> int:
     except USER_ERRORS as e:
         err = str(e)
     progress.point("agreeing that every rank loaded the checkpoint")
-    err = agree(err)
-    if err:
-        raise on_every_rank(ValueError(err))
+    raise_agreed(err)
     old = ck.metadata.get("world_size")
     print_rank_0(f"loaded checkpoint {ck.path} at iteration {ck.iteration} (saved by {old} rank(s), "
                  f"now {info.world_size})" + ("; --finetune: weights only, starting at iteration 0"
