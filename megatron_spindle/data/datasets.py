@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,14 @@ class TaskDataset(Protocol):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]: ...
 
+    def get(self, i: int, fields: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+        """Sample ``i``: of ``fields`` alone when given (the others are not decoded)."""
+
+
+# What a rank reads of a task's global batch (runtime/layout.py ``batch_needs``): raw field (module) -> the rows
+# [lo, hi) of the batch its slices read, None for every row. A field it does not name is not read.
+BatchNeed = dict[str, list[tuple[int, int]] | None]
+
 
 class MockTaskDataset:
     """``size`` deterministic mock samples of a task: sample i is data/mock.py's ``mock_batch`` of a one-sample
@@ -91,11 +100,16 @@ class MockTaskDataset:
         return self.size
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.get(i)
+
+    def get(self, i: int, fields: Collection[str] | None = None) -> dict[str, torch.Tensor]:
         if not 0 <= i < self.size:
             raise IndexError(i)
-        b = mock_batch(self._one, self.task, i, self.seed)
+        b = mock_batch(self._one, self.task, i, self.seed, modules=fields)
         out = {}
         for m, f in self.fields.items():
+            if fields is not None and m not in fields:
+                continue
             x = b.inputs[m][0]
             if f.lm:
                 x = torch.cat([x, b.labels[0, -1:]])
@@ -132,9 +146,14 @@ class ShardedTaskDataset:
         return len(self.index)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.get(i)
+
+    def get(self, i: int, fields: Collection[str] | None = None) -> dict[str, torch.Tensor]:
         raw = self.reader.read(i)
         out = {}
         for m, f in self.fields.items():
+            if fields is not None and m not in fields:
+                continue
             ext, data = raw[m]
             try:
                 out[m] = decode_field(self.workload, f, ext, data, self.preprocessing)
@@ -196,9 +215,49 @@ def collate(workload: Workload, task: str, samples: list[dict[str, torch.Tensor]
     padding are ignored: ``label_ids[module] = (pad id, EOS id)`` (default: the byte tokenizer's); where the
     tokenizer pads with its EOS token, the first EOS of a row is a real label and the rest padding."""
     fields = task_fields(workload, task)
-    batch = TaskBatch(task=task, global_batch_size=len(samples))
-    for m, f in fields.items():
-        x = torch.stack([s[m] for s in samples])
+    return _stack(workload, task, {m: [s[m] for s in samples] for m in fields}, len(samples), {}, label_ids)
+
+
+def read_batch(workload: Workload, task: str, dataset: TaskDataset, indices: Sequence[int],
+               need: BatchNeed | None = None, pool: ThreadPoolExecutor | None = None) -> TaskBatch:
+    """The task's global batch of samples ``indices`` (row r is sample ``indices[r]``), or the part of it ``need``
+    names: only the rows and fields a rank reads are decoded (each row once, with the fields it is read for; on
+    ``pool``'s threads when given), and the batch holds those rows (``TaskBatch.rows``). The dataset's
+    ``label_ids`` (its tokenizer's padding) mark the LM labels to ignore."""
+    fields = task_fields(workload, task)
+    B = len(indices)
+    if need is None:
+        need = dict.fromkeys(fields)
+    unknown = sorted(set(need) - set(fields))
+    if unknown:
+        raise ValueError(f"task '{task}' has no raw field(s) {unknown} (it has {sorted(fields)})")
+    field_rows = {m: range(B) if ranges is None else sorted({r for lo, hi in ranges for r in range(lo, hi)})
+                  for m, ranges in need.items()}
+    row_fields: dict[int, list[str]] = {}
+    for m, rows in field_rows.items():
+        for r in rows:
+            row_fields.setdefault(r, []).append(m)
+    order = sorted(row_fields)
+
+    def read(r: int) -> dict[str, torch.Tensor]:
+        return dataset.get(indices[r], row_fields[r])
+
+    samples = dict(zip(order, pool.map(read, order) if pool is not None else map(read, order)))
+    columns = {m: [samples[r][m] for r in rows] for m, rows in field_rows.items() if rows}
+    held = {m: tuple(rows) for m, rows in field_rows.items() if 0 < len(rows) < B}
+    return _stack(workload, task, columns, B, held, getattr(dataset, "label_ids", None))
+
+
+def _stack(workload: Workload, task: str, columns: dict[str, list[torch.Tensor]], batch_size: int,
+           held: dict[str, tuple[int, ...]], label_ids: dict[str, tuple[int, int]] | None) -> TaskBatch:
+    """A ``TaskBatch`` of ``batch_size`` rows from each field's samples (``held[m]``: the rows field m's samples
+    are, where not all of them). The LM field's labels count their tokens only when the field is whole."""
+    fields = task_fields(workload, task)
+    batch = TaskBatch(task=task, global_batch_size=batch_size)
+    for m, xs in columns.items():
+        f, x = fields[m], torch.stack(xs)
+        if m in held:
+            batch.rows[m] = held[m]
         if f.lm:
             batch.inputs[m] = x[:, :-1].contiguous()
             labels = x[:, 1:].clone()
@@ -207,8 +266,8 @@ def collate(workload: Workload, task: str, samples: list[dict[str, torch.Tensor]
             if pad == eos:
                 ignore &= ignore.cumsum(dim=1) > 1
             labels[ignore] = IGNORE_INDEX
-            batch.labels = labels
-            batch.num_label_tokens = int((labels != IGNORE_INDEX).sum())
+            batch.labels, batch.label_rows = labels, held.get(m)
+            batch.num_label_tokens = int((labels != IGNORE_INDEX).sum()) if m not in held else -1
         else:
             batch.inputs[m] = x
     return batch
@@ -216,7 +275,8 @@ def collate(workload: Workload, task: str, samples: list[dict[str, torch.Tensor]
 
 class MultiTaskDataLoader:
     """Each iteration's mixed batch: ``advance()`` moves the sampler one iteration (every rank, in step),
-    ``batch(task)`` reads and collates that task's global batch (only for tasks this rank runs).
+    ``batch(task)`` reads and collates that task's global batch (only for tasks this rank runs), or after
+    ``read_only`` the rows and fields of it this rank reads.
     ``batch_fn`` has the runtime engine's ``(workload, task, step, seed)`` signature.
 
     With ``num_workers > 0`` a thread pool decodes the samples of a batch in parallel and, once a task has been
@@ -240,14 +300,17 @@ class MultiTaskDataLoader:
         self._wanted: set[str] = set()
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="data") if num_workers else None
         self.pin_memory = pin_memory
+        self._needs: dict[str, BatchNeed | None] = {}
+
+    def read_only(self, needs: dict[str, BatchNeed | None]) -> None:
+        """From now on a task's batch holds only what ``needs[task]`` names (the runtime engine's
+        ``batch_needs``: the rows and fields this rank's slices read); a task it does not name, or names with
+        None, is read whole. Batches already prepared hold more, which is as good."""
+        self._needs = dict(needs)
 
     def _collate(self, task: str, indices: list[int]) -> TaskBatch:
-        ds = self.datasets[task]
-        if self._pool is not None and threading.current_thread() is threading.main_thread():
-            samples = list(self._pool.map(ds.__getitem__, indices))
-        else:
-            samples = [ds[i] for i in indices]
-        batch = collate(self.workload, task, samples, getattr(ds, "label_ids", None))
+        pool = self._pool if threading.current_thread() is threading.main_thread() else None
+        batch = read_batch(self.workload, task, self.datasets[task], indices, self._needs.get(task), pool)
         return batch.pin_memory() if self.pin_memory else batch
 
     def advance(self) -> MixedBatch:

@@ -16,11 +16,14 @@ whole global batch and is kept by ``shard``, so a shard can normalise its LM los
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_left
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from megatron_spindle.graph.workload import Workload, output_tokens
+from megatron_spindle.plan.layout import dp_rows
 
 IGNORE_INDEX = -100
 
@@ -31,10 +34,14 @@ class TaskBatch:
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> raw front-end input, batch first
     labels: torch.Tensor | None = None  # [B, T] next-token ids of the LM loss module's text, or None
     global_batch_size: int = 0
-    num_label_tokens: int = 0  # labelled tokens in the GLOBAL batch (LM loss normaliser)
+    num_label_tokens: int = 0  # labelled tokens in the GLOBAL batch (LM loss normaliser); -1: not known here
     dp_rank: int = 0
     dp: int = 1
     micro_batches: int = 1  # the iteration's batch was split into this many micro-batches (see micro())
+    # a rank reads only the rows its slices process (data/datasets.py read_batch): the global rows, ascending,
+    # an input (by module) or the labels hold where they hold fewer than the batch's; absent: every row
+    rows: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    label_rows: tuple[int, ...] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -59,7 +66,7 @@ class TaskBatch:
         """Micro-batch ``index`` of ``micro_batches``: rows ``[j*B/m, (j+1)*B/m)`` of the global batch, itself a
         global batch of B/m rows (``shard`` splits it over DP ranks). It keeps the global ``num_label_tokens``
         (an LM loss share stays a share of the whole iteration's token mean) and records ``micro_batches``
-        (a contrastive loss over the micro-batch counts 1/m)."""
+        (a contrastive loss over the micro-batch counts 1/m). Of a field held in part it keeps the rows held."""
         if self.dp != 1 or self.micro_batches != 1:
             raise ValueError(f"task '{self.task}': micro() takes the whole global batch")
         if micro_batches <= 0 or self.global_batch_size % micro_batches:
@@ -67,33 +74,45 @@ class TaskBatch:
                              f"{self.global_batch_size}")
         if not 0 <= index < micro_batches:
             raise ValueError(f"task '{self.task}': micro-batch {index} out of range for {micro_batches}")
-        rows = self.global_batch_size // micro_batches
-        lo, hi = index * rows, (index + 1) * rows
-        return replace(
-            self,
-            inputs={m: t[lo:hi] for m, t in self.inputs.items()},
-            labels=None if self.labels is None else self.labels[lo:hi],
-            global_batch_size=rows,
-            micro_batches=micro_batches,
-        )
+        lo, hi = dp_rows(index, micro_batches, self.global_batch_size)
+        inputs, rows = {}, {}
+        for m, t in self.inputs.items():
+            inputs[m], held = _rows_of(t, self.rows.get(m), lo, hi)
+            if held is not None:
+                rows[m] = held
+        labels, label_rows = (None, None) if self.labels is None else _rows_of(self.labels, self.label_rows, lo, hi)
+        return replace(self, inputs=inputs, labels=labels, global_batch_size=hi - lo, micro_batches=micro_batches,
+                       rows=rows, label_rows=label_rows)
 
     def shard(self, dp_rank: int, dp: int) -> TaskBatch:
-        """Rows ``[k*B/dp, (k+1)*B/dp)`` of the global batch for data-parallel rank k (of a full batch)."""
+        """Rows ``[k*B/dp, (k+1)*B/dp)`` of the global batch for data-parallel rank k (of a full batch). A field
+        held in part is in the shard only where it holds all of the shard's rows."""
         if self.dp != 1:
             raise ValueError(f"task '{self.task}': shard() takes the full global batch, this is shard {self.dp_rank}/{self.dp}")
         if dp <= 0 or self.global_batch_size % dp:
             raise ValueError(f"task '{self.task}': dp={dp} does not divide the batch of {self.global_batch_size}")
         if not 0 <= dp_rank < dp:
             raise ValueError(f"task '{self.task}': dp_rank {dp_rank} out of range for dp={dp}")
-        rows = self.global_batch_size // dp
-        lo, hi = dp_rank * rows, (dp_rank + 1) * rows
-        return replace(
-            self,
-            inputs={m: t[lo:hi] for m, t in self.inputs.items()},
-            labels=None if self.labels is None else self.labels[lo:hi],
-            dp_rank=dp_rank,
-            dp=dp,
-        )
+        lo, hi = dp_rows(dp_rank, dp, self.global_batch_size)
+        inputs = {}
+        for m, t in self.inputs.items():
+            x, held = _rows_of(t, self.rows.get(m), lo, hi)
+            if held is None:
+                inputs[m] = x
+        labels = None
+        if self.labels is not None:
+            x, held = _rows_of(self.labels, self.label_rows, lo, hi)
+            labels = x if held is None else None
+        return replace(self, inputs=inputs, labels=labels, dp_rank=dp_rank, dp=dp, rows={}, label_rows=None)
+
+
+def _rows_of(t: torch.Tensor, held: tuple[int, ...] | None, lo: int, hi: int) -> tuple[torch.Tensor, tuple | None]:
+    """(the part of ``t`` that is rows ``[lo, hi)`` of the batch, the rows it holds relative to ``lo``: None when
+    all of them). ``held``: the batch rows ``t`` holds (ascending), None for every row."""
+    if held is None:
+        return t[lo:hi], None
+    a, b = bisect_left(held, lo), bisect_left(held, hi)
+    return t[a:b], (None if b - a == hi - lo else tuple(r - lo for r in held[a:b]))
 
 
 def own_text_tokens(workload: Workload, task: str, module: str) -> int:
@@ -118,8 +137,11 @@ def _frontend_input(workload: Workload, task: str, module: str, batch: int, gen:
     return torch.randint(0, fe.vocab_size, (batch, own), generator=gen)
 
 
-def mock_batch(workload: Workload, task_name: str, step: int, seed: int = 0) -> TaskBatch:
-    """The full global batch of ``task_name`` at ``step``: a deterministic function of (task, step, seed)."""
+def mock_batch(workload: Workload, task_name: str, step: int, seed: int = 0,
+               modules: Collection[str] | None = None) -> TaskBatch:
+    """The full global batch of ``task_name`` at ``step``: a deterministic function of (task, step, seed); of
+    ``modules`` alone when given (each module's data is its own random stream, so the same as in the full
+    batch)."""
     task = workload.task(task_name)
     B = task.batch_size
     batch = TaskBatch(task=task_name, global_batch_size=B)
@@ -127,6 +149,8 @@ def mock_batch(workload: Workload, task_name: str, step: int, seed: int = 0) -> 
     for module in task.topo_modules():
         spec = workload.modules[module]
         if spec.frontend is None or own_text_tokens(workload, task_name, module) <= 0:
+            continue
+        if modules is not None and module not in modules:
             continue
         gen = _generator(task_name, step, seed, module)
         if module == lm_module and spec.frontend.type == "text":

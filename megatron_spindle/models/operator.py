@@ -132,6 +132,11 @@ class SliceOperator(nn.Module):
         """Parameter unit name -> the module holding that unit's parameters."""
         return {}
 
+    def batch_fields(self) -> dict[str, bool]:
+        """What this operator reads of its task's batch (``batch_fields``): the data loader reads no more than
+        the rank's operators say."""
+        return batch_fields(self.workload, self.metaop)
+
     def units(self) -> list[str]:
         """Names of the parameter units this operator holds, e.g. ``["vision.layers.2", "vision.layers.3"]``."""
         return list(self.unit_modules())
@@ -456,6 +461,9 @@ class LMHeadOperator(SliceOperator):
     def forward(self, inputs, batch):
         if batch.labels is None:
             raise ValueError(f"{self.metaop.id}: the batch of task '{batch.task}' has no LM labels")
+        if batch.num_label_tokens < 0:
+            raise ValueError(f"{self.metaop.id}: the batch of task '{batch.task}' was read without all of its "
+                             f"LM text, so its labelled tokens are not counted")
         text = batch.labels.shape[1]
         hidden = inputs[0][:, -text:].transpose(0, 1).contiguous()  # [T, b, H]
         logits = self.lm_head(hidden)  # [T, b, V/tp]
@@ -479,6 +487,20 @@ class ContrastiveLossOperator(SliceOperator):
         # an iteration of m micro-batches trains on the mean of their losses (each over its own micro-batch)
         micro_batches = getattr(batch, "micro_batches", 1) if batch is not None else 1
         return contrastive_loss(a, b, self.temperature, self.dp_group) / micro_batches
+
+
+def batch_fields(workload: Workload, metaop: MetaOpInfo) -> dict[str, bool]:
+    """The raw fields of its task's batch a MetaOp's operator reads -> whether it reads every row of the global
+    batch, not only its DP rank's. A front end reads its module's input, a head pooling at the EOS token its
+    module's token ids, an LM head the labels of its LM text in every row (its loss is normalised by the
+    labelled tokens of the whole batch); the others read nothing."""
+    if metaop.kind == "frontend":
+        return {metaop.module: False}
+    if metaop.kind == "head" and workload.modules[metaop.module].pooling == "eos":
+        return {metaop.module: False}
+    if metaop.kind == "lm_head":
+        return {workload.task(metaop.task).loss.modules[0]: True}
+    return {}
 
 
 _OPERATOR_CLASSES = {

@@ -1,5 +1,6 @@
-"""Where things live in a plan: a data-parallel rank's sample rows, the parameter units of a slice, the
-producer/consumer slice pairs a plan needs, and the parameter device groups.
+"""Where things live in a plan: a data-parallel rank's sample rows (and a device's rows of a task's batch over
+the micro-batches), the parameter units of a slice, the producer/consumer slice pairs a plan needs, and the
+parameter device groups.
 
 The functions take any slice with the plan's geometry (``metaop``, ``layer_start``, ``layer_end``, ``tp``,
 ``dp``, ``devices``): the plan's ``Slice`` and the planner's ``ScheduledSlice`` alike, so the planner, the
@@ -46,6 +47,19 @@ def micro_batch_metaop(metaop: MetaOp, micro_batches: int) -> MetaOp:
 def position_rows(position: int, tp: int, dp: int, batch: int) -> tuple[int, int]:
     """Samples of device ``devices[position]`` of a (tp, dp) slice: its DP rank is ``position // tp``."""
     return dp_rows(position // tp, dp, batch)
+
+
+def input_rows(position: int, tp: int, dp: int, batch: int, micro_batches: int = 1) -> list[tuple[int, int]]:
+    """Rows ``[lo, hi)`` of the task's global batch of ``batch`` that device ``devices[position]`` of a (tp, dp)
+    slice processes over an iteration of ``micro_batches``: micro-batch j is the rows of "DP rank" j of
+    ``micro_batches``, and the device takes its DP rank's share of each."""
+    micro = batch // micro_batches
+    out = []
+    for j in range(micro_batches):
+        start = dp_rows(j, micro_batches, batch)[0]
+        lo, hi = position_rows(position, tp, dp, micro)
+        out.append((start + lo, start + hi))
+    return out
 
 
 def slice_units(metaop: MetaOp, layer_start: int, layer_end: int) -> list[str]:

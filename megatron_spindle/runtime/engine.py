@@ -86,7 +86,7 @@ from megatron_spindle.runtime.grad_buffers import GradBuffers, backward_order
 from megatron_spindle.runtime.grad_shards import ShardedGradBuffers, backend_reduces_scatter
 from megatron_spindle.runtime.grad_sync import GradSync
 from megatron_spindle.runtime.groups import PlanGroups
-from megatron_spindle.runtime.layout import check_runnable
+from megatron_spindle.runtime.layout import batch_needs, check_runnable
 from megatron_spindle.runtime.optimizer import MasterOptimizer, OptimizerConfig
 from megatron_spindle.runtime.param_gather import ParamGather, gather_buckets, streamed_gathers
 from megatron_spindle.runtime.schedule import WaveSchedule
@@ -176,6 +176,11 @@ class RuntimeEngine:
         self.local = build_local_slices(plan, workload, self.metagraph, rank, self.groups,
                                         operator_factory or default_factory, self.device, self.config.dtype,
                                         self.keys)
+        # what this rank reads of each task's batch: a batch function that can, reads no more (the trainer's
+        # data loader: data/datasets.py read_batch); an operator that does not say what it reads gets it all
+        self.batch_needs = batch_needs(
+            [(ls.slice, ls.op.batch_fields() if hasattr(ls.op, "batch_fields") else None) for ls in self.local.values()],
+            rank, {t.name: t.batch_size for t in workload.tasks}, settings.micro_batches)
         full, self.key_unit = initial_weights(self.local, rank, self.device)
         self.master_optimizer = MasterOptimizer(full, self.key_unit, self.sync_groups, rank, self.zero_stage,
                                                 self.config.optimizer, self.groups, self.device)

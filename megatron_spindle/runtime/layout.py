@@ -33,6 +33,38 @@ def local_rows(s: Slice, device: int, batch: int) -> tuple[int, int]:
     return layout.position_rows(s.devices.index(device), s.tp, s.dp, batch)
 
 
+def batch_needs(reads: list[tuple[Slice, dict[str, bool] | None]], device: int, batch_sizes: dict[str, int],
+                micro_batches: int) -> dict[str, dict[str, list[tuple[int, int]] | None] | None]:
+    """Per task the device runs a slice of: the raw fields of its batch the device reads, each with the rows
+    ``[lo, hi)`` it reads (merged, ascending; None: every row), or None for the whole batch. ``reads``: each
+    local slice with its operator's ``batch_fields()`` (field -> whether it reads every row; None: the
+    operator does not say, so it gets the whole batch). A slice reads its DP rank's rows of every micro-batch."""
+    needs: dict[str, dict[str, list[tuple[int, int]] | None] | None] = {}
+    for s, fields in reads:
+        if fields is None:
+            needs[s.task] = None
+        if needs.setdefault(s.task, {}) is None:
+            continue
+        need = needs[s.task]
+        rows = layout.input_rows(s.devices.index(device), s.tp, s.dp, batch_sizes[s.task], micro_batches)
+        for name, every in fields.items():
+            if every or (name in need and need[name] is None):
+                need[name] = None
+            else:
+                need[name] = _merged(need.get(name, []) + rows)
+    return needs
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
 def slice_units(metagraph: MetaGraph, s: Slice) -> list[str]:
     """Parameter units the slice's operator holds: those of layers [layer_start, layer_end) of its MetaOp."""
     return layout.slice_units(metagraph.metaops[s.metaop], s.layer_start, s.layer_end)

@@ -16,10 +16,11 @@ evaluation sees the same --eval-iters batches and the losses are comparable acro
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from dataclasses import dataclass, field
 
-from megatron_spindle.data.datasets import MockTaskDataset, TaskDataset, collate
+from megatron_spindle.data.datasets import MockTaskDataset, TaskDataset, read_batch
 from megatron_spindle.flags import add_flags, config_from_args, flag
 from megatron_spindle.graph.workload import Workload
 
@@ -84,9 +85,16 @@ class DatasetRange:
         return self.hi - self.lo
 
     def __getitem__(self, i: int):
+        return self.get(i)
+
+    def get(self, i: int, fields=None):
         if not 0 <= i < len(self):
             raise IndexError(i)
-        return self.dataset[self.lo + i]
+        return self.dataset.get(self.lo + i, fields)
+
+    @property
+    def label_ids(self):
+        return getattr(self.dataset, "label_ids", None)
 
 
 def split_datasets(workload: Workload, train: dict[str, TaskDataset], args: argparse.Namespace,
@@ -124,14 +132,15 @@ def split_datasets(workload: Workload, train: dict[str, TaskDataset], args: argp
 
 
 class ValidationBatches:
-    """``batch_fn(workload, task, k, seed)`` -> validation batch k of the task (the engine's batch signature)."""
+    """``batch_fn(workload, task, k, seed)`` -> validation batch k of the task (the engine's batch signature);
+    ``needs``: of each task, what this rank reads (the engine's ``batch_needs``; data/datasets.py read_batch)."""
 
     def __init__(self, datasets: dict[str, TaskDataset]):
         self.datasets = datasets
 
-    def batch_fn(self, workload: Workload, task: str, k: int, seed: int = 0):
+    def batch_fn(self, workload: Workload, task: str, k: int, seed: int = 0, needs: dict | None = None):
         ds, b = self.datasets[task], workload.task(task).batch_size
-        return collate(workload, task, [ds[(k * b + j) % len(ds)] for j in range(b)])
+        return read_batch(workload, task, ds, [(k * b + j) % len(ds) for j in range(b)], (needs or {}).get(task))
 
 
 @dataclass(frozen=True)
@@ -166,7 +175,7 @@ def run_validation(engine, batches: ValidationBatches, eval_iters: int, iteratio
     """--eval-iters forward-only passes; collective (every rank runs them)."""
     sums: dict[str, float] = {}
     for k in range(eval_iters):
-        for t, v in engine.evaluate(k, batches.batch_fn).items():
+        for t, v in engine.evaluate(k, functools.partial(batches.batch_fn, needs=engine.batch_needs)).items():
             sums[t] = sums.get(t, 0.0) + v
     lm = tuple(t.name for t in engine.workload.tasks if t.loss is not None and t.loss.kind == "lm")
     return ValidationResult(iteration, {t: v / eval_iters for t, v in sums.items()}, dict(weights), lm)

@@ -171,6 +171,7 @@ class TaskSets:
         except BaseException:
             loader.close()
             raise
+        loader.read_only(engine.batch_needs)  # this rank's rows and fields of each task, not every rank's
         self.phase = Phase(tasks, workload, plan, engine, loader, WaveTimer(engine))
         return self.phase
 

@@ -16,6 +16,7 @@ from megatron_spindle.data.datasets import (
     ShardedTaskDataset,
     build_datasets,
     collate,
+    read_batch,
     task_fields,
 )
 from megatron_spindle.data.decode import decode_image, log_mel_features, read_wav
@@ -288,3 +289,85 @@ def test_pinned_batches_are_the_same_batches_in_page_locked_memory(clip, monkeyp
             assert (b.labels is None) == (a.labels is None) and (b.labels is None or id(b.labels) in pinned)
             assert not any(id(x) in pinned for x in a.inputs.values())
     pinning.close()
+
+
+class _Counting:
+    """A dataset recording each read: (sample index, the fields asked for)."""
+
+    def __init__(self, dataset):
+        self.dataset, self.task, self.reads = dataset, dataset.task, []
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def get(self, i, fields=None):
+        self.reads.append((i, tuple(sorted(fields))))
+        return self.dataset.get(i, fields)
+
+
+def test_a_partial_batch_reads_and_holds_only_the_rows_and_fields_named():
+    """``read_batch`` with a need (the rows a rank's slices read, per raw field) decodes each needed row once with
+    the fields it is read for; its micro-batches and DP shards equal the whole batch's where they hold the rows,
+    and leave a field out of a shard they hold only in part. An LM field read in part has no token count."""
+    w = load_workload("tiny-vlm")
+    t = next(t for t in w.tasks if t.loss and t.loss.kind == "lm")
+    lm, other = sorted(task_fields(w, t.name), key=lambda m: not task_fields(w, t.name)[m].lm)
+    B = t.batch_size
+    ds = _Counting(MockTaskDataset(w, t.name, size=3 * B, seed=2))
+    indices = list(range(B, 2 * B))
+    whole = read_batch(w, t.name, ds, indices)
+    assert whole.rows == {} and whole.num_label_tokens > 0 and len(ds.reads) == B
+    # rank 1 of DP 2 over 2 micro-batches: rows [B/4, B/2) and [3B/4, B); the LM text of every row
+    q = B // 4
+    need = {other: [(q, 2 * q), (3 * q, 4 * q)], lm: None}
+    ds.reads.clear()
+    part = read_batch(w, t.name, ds, indices, need)
+    assert sorted(ds.reads) == [(B + r, tuple(sorted((lm, other))) if q <= r % (2 * q) else (lm,)) for r in range(B)]
+    assert part.rows == {other: tuple(range(q, 2 * q)) + tuple(range(3 * q, 4 * q))}
+    assert part.num_label_tokens == whole.num_label_tokens
+    for j in range(2):
+        mp, mw = part.micro(j, 2), whole.micro(j, 2)
+        assert mp.rows == {other: tuple(range(q, 2 * q))}
+        mine, theirs = mp.shard(1, 2), mp.shard(0, 2)
+        assert sorted(mine.inputs) == sorted((lm, other)) and list(theirs.inputs) == [lm]  # the other: in part
+        for m, x in mine.inputs.items():
+            assert torch.equal(x, mw.shard(1, 2).inputs[m])
+        assert torch.equal(mine.labels, mw.shard(1, 2).labels) and torch.equal(theirs.labels, mw.shard(0, 2).labels)
+        assert mine.num_label_tokens == whole.num_label_tokens  # the global count
+    # the LM text in part: the shard's labels are there, their count is not known
+    ds.reads.clear()
+    lm_part = read_batch(w, t.name, ds, indices, {lm: [(0, 2 * q)]})
+    assert lm_part.num_label_tokens == -1 and len(ds.reads) == 2 * q and lm_part.label_rows == tuple(range(2 * q))
+    assert torch.equal(lm_part.shard(0, 2).labels, whole.shard(0, 2).labels) and lm_part.shard(1, 2).labels is None
+    assert read_batch(w, t.name, ds, indices, {}).inputs == {}
+    with pytest.raises(ValueError, match="has no raw field"):
+        read_batch(w, t.name, ds, indices, {"nope": None})
+
+
+def test_the_loader_reads_only_what_it_is_told(clip):
+    """``read_only`` (the trainer passes the engine's ``batch_needs``): the loader's batches, those its workers
+    prepare ahead too, hold the needed rows of the needed fields, equal to the whole batches there; a task the
+    needs name with nothing is not read at all, one they do not name is read whole."""
+    datasets = {t: _Counting(ds) for t, ds in build_datasets(clip, None, mock=True, seed=1, mock_size=16).items()}
+    tasks = sorted(datasets)
+    whole = MultiTaskDataLoader(clip, {t: ds.dataset for t, ds in datasets.items()}, seed=3)
+    part = MultiTaskDataLoader(clip, datasets, seed=3, num_workers=2)
+    field = sorted(task_fields(clip, tasks[0]))[0]
+    part.read_only({tasks[0]: {field: [(0, 2)]}, tasks[1]: {}})
+    for _ in range(3):
+        mb = whole.advance()
+        assert part.advance() == mb
+        for t in tasks:
+            a, b = whole.batch(t), part.batch(t)
+            if t == tasks[0]:
+                assert list(b.inputs) == [field] and b.rows == {field: (0, 1)}
+                assert torch.equal(b.inputs[field], a.inputs[field][:2])
+            elif t == tasks[1]:
+                assert b.inputs == {}
+            else:
+                assert all(torch.equal(a.inputs[m], b.inputs[m]) for m in a.inputs) and b.rows == {}
+    reads = {t: ds.reads for t, ds in datasets.items()}
+    # 2 rows in each of 3 iterations, and the 4th's once its batch is prepared ahead
+    assert len(reads[tasks[0]]) in (3 * 2, 4 * 2) and {f for _, f in reads[tasks[0]]} == {(field,)}
+    assert reads[tasks[1]] == []
+    part.close()

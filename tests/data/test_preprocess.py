@@ -35,6 +35,7 @@ from megatron_spindle.data.processors import (
 )
 from megatron_spindle.data.shards import ShardWriter
 from megatron_spindle.graph.workload import workload_from_dict
+from megatron_spindle.training.evaluate import DatasetRange, ValidationBatches
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -196,6 +197,11 @@ def test_flags_reach_the_shard_datasets(tmp_path):
     assert batch.labels[1].tolist() == [4, 7, 12, 2, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
     assert batch.labels[0].tolist() == lm[0]["llm"][1:].tolist()  # truncated: nothing to ignore
     assert batch.num_label_tokens == 7 + 4
+    # validation batches (--valid-data-path shards, or the --split share of the training shards) ignore the same
+    # padding: they counted the 3 padding EOS of row 1 as labels (the byte tokenizer's ids)
+    for valid in (lm, DatasetRange(lm, 0, 2)):
+        v = ValidationBatches({"lm": valid}).batch_fn(w, "lm", 0)
+        assert torch.equal(v.labels, batch.labels) and v.num_label_tokens == 7 + 4
     # without the flags: the byte tokenizer, as before
     plain = ShardedTaskDataset(w, "vt", tmp_path / "vt")
     from megatron_spindle.data.tokenizer import ByteTokenizer

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -59,6 +60,7 @@ from plans import (
 )
 from standin import StandinReference, standin_batch, standin_factory
 
+from megatron_spindle.data.datasets import MultiTaskDataLoader, build_datasets, task_fields
 from megatron_spindle.estimator import AnalyticCostModel
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import build_metagraph
@@ -72,6 +74,7 @@ from megatron_spindle.runtime.__main__ import main
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
 from megatron_spindle.runtime.groups import GroupCache
 from megatron_spindle.runtime.layout import slice_units
+from megatron_spindle.training.evaluate import ValidationBatches
 
 OPT = OptimizerConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
 TINY_BUCKET = 4096  # elements: the stand-ins' units are 192..33k, so groups get several buckets of 1+ units
@@ -310,6 +313,7 @@ def _worker(rank, world):
         check_sequence_parallel_memory(rank, world, workloads, cache)
     check_clipping(rank, world, workloads, refs, tiny, cache, (0, 1, 2) if world == 2 else (2,))  # as above
     check_evaluate(rank, world, workloads, refs, tiny, cache)
+    check_reads_only_its_rows(rank, world, workloads, cfg, cache)
     check_trainer_hooks(rank, world, workloads["tiny-clip"], cfg, cache)
     # 4) the command line entry point (plan JSON, workload by name, mock data) inside this world
     with tempfile.TemporaryDirectory() as tmp:  # per rank: the plan is deterministic, every rank writes it
@@ -615,6 +619,73 @@ def check_evaluate(rank, world, workloads, refs, cfg, cache) -> None:
         assert engine.weight_shards is None or engine.weight_shards.gathered_bytes == 0
         engine.on_wave = None
         check_engine_against(engine, refs["standin", wname, 1], f"rank {rank} {wname} after evaluate")
+
+
+class CountingDataset:
+    """A dataset that records every sample read: (index, the fields asked for)."""
+
+    def __init__(self, dataset):
+        self.dataset, self.task, self.reads = dataset, dataset.task, []
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return self.get(i)
+
+    def get(self, i, fields=None):
+        self.reads.append((i, None if fields is None else tuple(sorted(fields))))
+        return self.dataset.get(i, fields)
+
+
+def check_reads_only_its_rows(rank, world, workloads, cfg, cache) -> None:
+    """The data loader told the engine's ``batch_needs`` reads only the rows and raw fields this rank's slices
+    read (a front end its DP rank's rows of every micro-batch, an LM head all of its LM text, for the token
+    count): a step and a validation pass on those partial batches give exactly the losses and gradients of the
+    same step on whole batches, with the real operators, and every sample decoded is one some local slice reads."""
+    cases = [("tiny-vlm", lambda w: random_plan(w, world, 2, micro_batches=2)),  # LM labels, two micro-batches
+             ("tiny-clip", lambda w: random_plan(w, world, 1))]  # contrastive towers, eos pooling
+    fewer = False
+    for wname, make in cases:
+        w, plan = workloads[wname], make(workloads[wname])
+        datasets = {t: CountingDataset(ds) for t, ds in build_datasets(w, None, mock=True, seed=3,
+                                                                            mock_size=64).items()}
+        runs = []
+        for partial in (False, True):
+            loader = MultiTaskDataLoader(w, datasets, seed=5, num_workers=2 if partial else 0)
+            engine = RuntimeEngine(plan, w, rank, world, cfg, groups=cache, batch_fn=loader.batch_fn)
+            if partial:
+                loader.read_only(engine.batch_needs)
+            for ds in datasets.values():
+                ds.reads.clear()
+            mb = loader.advance()
+            losses = engine.forward_backward(mb.iteration)
+            grads = {k: g.clone() for k, g in engine.grads.items()}
+            step_reads = {t: list(ds.reads) for t, ds in datasets.items()}
+            valid = ValidationBatches(datasets)
+            evaluated = engine.evaluate(0, functools.partial(valid.batch_fn,
+                                                             needs=engine.batch_needs if partial else None))
+            runs.append((losses, grads, evaluated, step_reads, engine.batch_needs, mb))
+            loader.close()
+        (losses, grads, evaluated, whole, _, mb), (p_losses, p_grads, p_evaluated, reads, needs, _) = runs
+        label = f"rank {rank} {wname}"
+        assert p_losses == losses and p_evaluated == evaluated, (label, p_losses, losses)
+        assert grads.keys() == p_grads.keys() and all(torch.equal(grads[k], p_grads[k]) for k in grads), label
+        assert all(len(whole[t]) == w.task(t).batch_size and all(f == tuple(sorted(task_fields(w, t)))
+                                                                 for _, f in whole[t]) for t in whole if whole[t]), label
+        # a task of no local slice, or of local slices that read nothing from the batch, is not read
+        assert {t for t in reads if reads[t]} == {t for t, need in needs.items() if need != {}}, label
+        for t, need in needs.items():
+            B = w.task(t).batch_size
+            want = {(mb.indices[t][r], field) for field, ranges in need.items()
+                    for r in (range(B) if ranges is None else [r for lo, hi in ranges for r in range(lo, hi)])}
+            assert {(i, f) for i, fields in reads[t] for f in fields} == want, (label, t)
+            assert len(reads[t]) == len({i for i, _ in want}), (label, t)  # each sample decoded once
+            fewer |= len(want) < B * len(task_fields(w, t))
+    if world > 1:
+        everywhere = [None] * world
+        dist.all_gather_object(everywhere, fewer)
+        assert any(everywhere), "no rank read less than the whole batches"
 
 
 def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache, stage: int) -> None:

@@ -11,10 +11,10 @@ from plans import build_plan, random_plan, sequential_plan
 
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
-from megatron_spindle.plan.layout import dp_rows, unit_holders
+from megatron_spindle.plan.layout import dp_rows, input_rows, unit_holders
 from megatron_spindle.plan.routing import backward_messages, forward_messages
 from megatron_spindle.plan.schema import PlanError, Slice
-from megatron_spindle.runtime.layout import check_runnable, dp_rank
+from megatron_spindle.runtime.layout import batch_needs, check_runnable, dp_rank
 
 
 def _slice(devices, tp):
@@ -109,3 +109,27 @@ def test_cli_refuses_a_wrong_plan_with_a_clear_message(tmp_path):
                         "tiny-vlm", "--steps", "1"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "the plan is for 2 devices, the world size is 1" in r.stderr
+
+
+def test_a_device_reads_its_dp_rows_of_every_micro_batch():
+    """plan/layout.py ``input_rows``, by hand: batch 16, 2 micro-batches of 8, (tp 2, dp 2) on 4 devices: positions
+    0-1 are DP rank 0 (rows 0-3 of each micro-batch), 2-3 DP rank 1 (rows 4-7)."""
+    assert input_rows(0, 2, 2, 16, 2) == input_rows(1, 2, 2, 16, 2) == [(0, 4), (8, 12)]
+    assert input_rows(3, 2, 2, 16, 2) == [(4, 8), (12, 16)]
+    assert input_rows(2, 1, 4, 16) == [(8, 12)]
+
+
+def test_batch_needs_merge_a_ranks_slices():
+    """runtime/layout.py ``batch_needs``: per task, each field's rows over the rank's slices that read it, merged;
+    every row where a slice reads them all; nothing for slices that read nothing; the whole batch where an
+    operator does not say what it reads."""
+    def sl(task, devices, tp):
+        return dataclasses.replace(_slice(devices, tp), task=task)
+
+    reads = [(sl("a", [0, 1, 2, 3], 1), {"img": False}),  # DP 4: rows [0, 2) and [8, 10) of 16 in 2 micro-batches
+             (sl("a", [2, 0], 1), {"img": False, "txt": False}),  # DP 2, position 1: [4, 8) and [12, 16)
+             (sl("a", [0], 1), {"txt": True}),  # an LM head: every row of the text
+             (sl("b", [1, 0], 2), {}),  # layers: nothing
+             (sl("c", [0, 1], 1), None)]  # a stand-in operator: the whole batch
+    needs = batch_needs(reads, 0, {"a": 16, "b": 8, "c": 8}, micro_batches=2)
+    assert needs == {"a": {"img": [(0, 2), (4, 10), (12, 16)], "txt": None}, "b": {}, "c": None}
