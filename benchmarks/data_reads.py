@@ -7,7 +7,9 @@ machine takes to decode one sample of each field with the data loader's default 
 (data/datasets.py ``decode_field``: a 256 x 256 JPEG resized to the front end's side, a WAV turned into the
 front end's log-mel frames, a .npy window, UTF-8 text through the byte tokenizer), measured here, one thread.
 Real images are often larger than 256 px, so the seconds are a floor. The plan's predicted iteration time is
-beside them: a rank's data workers have that long, per iteration, to prepare the next one's batches.
+beside them: a rank's data workers have that long, per iteration, to prepare the next one's batches. The third
+figure is the own rows and fields read from the arrays ``tools/build_multitask_dataset.py --store-decoded``
+stores.
 
     python benchmarks/data_reads.py                          # clip-10 / 32, ofasys-7 / 32, qwen-val / 32
     python benchmarks/data_reads.py --cells clip-4:8 --planner cpsat
@@ -26,6 +28,7 @@ from bench_output import Recording, add_output_args, cell
 
 from megatron_spindle.autoplan import autoplan
 from megatron_spindle.data.datasets import decode_field, task_fields
+from megatron_spindle.data.decode import encode_npy
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.workload import Workload, load_workload
 from megatron_spindle.models.operator import batch_fields
@@ -65,22 +68,29 @@ def raw_sample(field) -> tuple[str, bytes]:
     return "txt", b"a photo of " * (field.shape[0] // 11 + 1)
 
 
-def decode_seconds(workload: Workload) -> dict[tuple[str, str], float]:
-    """(task, field) -> seconds to decode one sample of it here (median of REPEATS)."""
+def decode_seconds(workload: Workload) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]]:
+    """(task, field) -> seconds to decode one sample of it here (median of REPEATS): from the raw file, and from
+    the .npy array ``tools/build_multitask_dataset.py --store-decoded`` stores instead."""
     import torch
 
     torch.set_num_threads(1)
-    out = {}
+    raw, stored = {}, {}
     for t in workload.tasks:
         for m, f in task_fields(workload, t.name).items():
             ext, data = raw_sample(f)
-            times = []
-            for _ in range(REPEATS):
-                t0 = time.perf_counter()
-                decode_field(workload, f, ext, data)
-                times.append(time.perf_counter() - t0)
-            out[t.name, m] = sorted(times)[len(times) // 2]
-    return out
+            array = encode_npy(decode_field(workload, f, ext, data))
+            raw[t.name, m], stored[t.name, m] = (_median_seconds(workload, f, e, d) for e, d in ((ext, data),
+                                                                                                 ("npy", array)))
+    return raw, stored
+
+
+def _median_seconds(workload: Workload, field, ext: str, data: bytes) -> float:
+    times = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        decode_field(workload, field, ext, data)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def rank_reads(plan: Plan, workload: Workload) -> list[tuple[dict, dict]]:
@@ -106,13 +116,14 @@ def cell_row(name: str, gpus: int, planner: str) -> dict:
     workload = load_workload(name)
     print(f"  planning {name} / {gpus} ({planner}) ...", file=sys.stderr, flush=True)
     plan = autoplan(workload, make_cluster(gpus), PlannerConfig(planner=planner)).plan
-    cost = decode_seconds(workload)
-    ranks = {"whole": [], "own": []}
+    cost, stored = decode_seconds(workload)
+    ranks = {"whole": [], "own": [], "own_stored": []}
     for whole, own in rank_reads(plan, workload):
-        for kind, reads in (("whole", whole), ("own", own)):
-            ranks[kind].append((sum(reads.values()), sum(n * cost[key] for key, n in reads.items())))
+        for kind, reads, per in (("whole", whole, cost), ("own", own, cost), ("own_stored", own, stored)):
+            ranks[kind].append((sum(reads.values()), sum(n * per[key] for key, n in reads.items())))
     return {"workload": name, "gpus": gpus, "iteration_s": plan.predicted["iteration_time"],
             "decode_s_per_sample": {f"{t}/{m}": s for (t, m), s in cost.items()},
+            "stored_s_per_sample": {f"{t}/{m}": s for (t, m), s in stored.items()},
             "busiest": {k: max(v, key=lambda x: x[1]) for k, v in ranks.items()},
             "mean_seconds": {k: sum(s for _, s in v) / gpus for k, v in ranks.items()},
             "all_samples": {k: sum(n for n, _ in v) for k, v in ranks.items()}}
@@ -127,17 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     record = Recording(args, "data_reads")
     print("Samples decoded per iteration per rank (sample-fields) and their CPU seconds on this machine (one "
-          "thread): whole batches | own rows and fields")
-    print(f"{'workload':<10}{'GPUs':>5}{'iteration':>11}  {'busiest rank: samples':>24}{'seconds':>18}"
-          f"{'mean rank: seconds':>22}{'all ranks: samples':>24}")
+          "thread): whole batches | own rows and fields | own, stored decoded (--store-decoded)")
+    print(f"{'workload':<10}{'GPUs':>5}{'iteration':>11}  {'busiest rank: samples':>24}{'seconds':>26}"
+          f"{'mean rank: seconds':>28}{'all ranks: samples':>24}")
     rows = []
     for name, gpus in args.cells or DEFAULT_CELLS:
         row = cell_row(name, gpus, args.planner)
         rows.append(row)
-        (nb, sb), (na, sa) = row["busiest"]["whole"], row["busiest"]["own"]
+        (nb, sb), (na, sa), (_, ss) = (row["busiest"][k] for k in ("whole", "own", "own_stored"))
         mean, total = row["mean_seconds"], row["all_samples"]
-        print(f"{name:<10}{gpus:>5}{row['iteration_s']:>10.3f}s  {nb:>12} | {na:>8}{sb:>9.2f} | {sa:>5.2f}s"
-              f"{mean['whole']:>12.2f} | {mean['own']:>5.2f}s{total['whole']:>13} | {total['own']:>7}")
+        print(f"{name:<10}{gpus:>5}{row['iteration_s']:>10.3f}s  {nb:>12} | {na:>8}{sb:>9.2f} | {sa:>5.2f} | "
+              f"{ss:>5.2f}s{mean['whole']:>12.2f} | {mean['own']:>5.2f} | {mean['own_stored']:>5.2f}s"
+              f"{total['whole']:>13} | {total['own']:>7}")
     record.save(rows)
     return 0
 

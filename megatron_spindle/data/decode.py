@@ -122,6 +122,14 @@ def log_mel_features(waveform: torch.Tensor, sample_rate: int, bins: int, frames
     return torch.cat([feats, pad], dim=1)
 
 
+def encode_npy(x: torch.Tensor) -> bytes:
+    """A decoded field as .npy bytes (tools/build_multitask_dataset.py --store-decoded): token ids as int32,
+    features and pixels as float32, which ``decode_field`` reads back as the same int64 / float32 tensor."""
+    buf = io.BytesIO()
+    np.save(buf, x.numpy().astype(np.float32 if x.is_floating_point() else np.int32))
+    return buf.getvalue()
+
+
 def decode_npy(data: bytes) -> torch.Tensor:
     try:
         arr = np.load(io.BytesIO(data), allow_pickle=False)

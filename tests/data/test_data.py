@@ -199,6 +199,15 @@ def test_shards_round_trip_through_the_build_tool(clip, tmp_path, capsys):
     wav, rate = read_wav((raw / "s002.audio.wav").read_bytes())
     assert torch.equal(s["audio"], log_mel_features(wav, rate, 16, 64))
     assert torch.equal(s["depth"], torch.from_numpy(np.load(raw / "s002.depth.npy")))
+    # --store-decoded: the same samples, loaded as arrays (every field of audio_depth, the text of vision_text)
+    for task, src, built, names in (("audio_depth", ad_raw, ad, []), ("vision_text", vt_raw, vt, ["text"])):
+        decoded = tmp_path / f"{task}_decoded"
+        build_multitask_dataset.main(["--input", str(src), "--output", str(decoded), "--workload", "tiny-clip",
+                                      "--task", task, "--quiet", "--store-decoded", *names])
+        want, got = ShardedTaskDataset(clip, task, built), ShardedTaskDataset(clip, task, decoded)
+        assert {m: e for m, e in got.index.fields.items() if e == "npy"}.keys() == set(names or want.fields)
+        for i in range(len(want)):
+            assert all(torch.equal(got[i][m], want[i][m]) and got[i][m].dtype == want[i][m].dtype for m in want.fields)
     # the loader over shards + mock gives batches of each task's batch size
     datasets = {"vision_text": ShardedTaskDataset(clip, "vision_text", vt),
                 "audio_depth": ShardedTaskDataset(clip, "audio_depth", ad)}
@@ -241,6 +250,14 @@ def test_build_tool_and_dataset_errors(clip, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "a.vision.png: not a readable image" in err and not out.exists()
     assert not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+    # --store-decoded: only with the workload's decoding, only the task's fields
+    with pytest.raises(SystemExit):
+        build_multitask_dataset.main(["--input", str(raw), "--output", str(out), "--store-decoded"])
+    assert "--store-decoded needs --workload and --task" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_multitask_dataset.main(["--input", str(only), "--output", str(out), "--workload", "tiny-clip",
+                                      "--task", "vision_text", "--store-decoded", "audio"])
+    assert "task 'vision_text' has no field(s) ['audio']" in capsys.readouterr().err and not out.exists()
     # existing output is kept without --overwrite
     (only / "a.vision.png").write_bytes(_png_bytes(np.zeros((4, 4, 3), np.uint8)))
     build_multitask_dataset.main(["--input", str(only), "--output", str(out), "--quiet"])
