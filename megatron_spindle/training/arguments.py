@@ -101,8 +101,9 @@ def add_logging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("data")
-    g.add_argument("--data-path", action="append", default=[], metavar="TASK=PATH",
-                   help="Tar-shard dataset of a task (tools/build_multitask_dataset.py); repeat per task.")
+    g.add_argument("--data-path", action="extend", nargs="+", default=[], metavar="TASK=PATH",
+                   help="Tar-shard dataset of a task (tools/build_multitask_dataset.py), one TASK=PATH per task: "
+                        "several after one flag, as Megatron-LM takes them, or the flag repeated.")
     g.add_argument("--mock-data", action="store_true", help="Deterministic mock samples for every task.")
     g.add_argument("--mock-data-samples", type=int, default=256, help="Mock samples per task (they repeat).")
     g.add_argument("--num-workers", type=int, default=2, help="Data threads: decode a batch's samples in parallel "
@@ -147,7 +148,8 @@ def parse_data_paths(items: list[str], workload: Workload, flag: str = "--data-p
     for item in items:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            raise ValueError(f"{flag}: '{item}' is not TASK=PATH")
+            hint = " (Megatron-LM's blend weights: give --task-sampling-weights)" if _is_number(item) else ""
+            raise ValueError(f"{flag}: '{item}' is not TASK=PATH{hint}")
         if name not in tasks:
             raise ValueError(f"{flag}: unknown task '{name}' (tasks: {', '.join(tasks)})")
         if name in out:
@@ -156,6 +158,14 @@ def parse_data_paths(items: list[str], workload: Workload, flag: str = "--data-p
             raise FileNotFoundError(f"{flag}: {path} (task '{name}') does not exist")
         out[name] = path
     return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None:

@@ -65,6 +65,11 @@ def test_bad_data_paths(capsys, tmp_path):
     _fails(capsys, BASE + sum((["--data-path", p] for p in paths[:2]), []),
            "no --data-path for task(s) ['vision_text', 'audio_depth']")
     _fails(capsys, BASE + sum((["--data-path", p] for p in paths), []), "has no index.json")
+    # several after one flag, as Megatron-LM takes them (the same check of every path), and its blend weights
+    _fails(capsys, BASE + ["--data-path", *paths[:3], "--data-path", paths[3]], "has no index.json")
+    _fails(capsys, BASE + ["--data-path", *paths[:2]], "no --data-path for task(s) ['vision_text', 'audio_depth']")
+    _fails(capsys, BASE + ["--data-path", "0.5", paths[0]], "'0.5' is not TASK=PATH (Megatron-LM's blend weights: "
+                                                           "give --task-sampling-weights)")
 
 
 def test_saved_plan_for_another_workload_or_world_size(capsys, tmp_path):
