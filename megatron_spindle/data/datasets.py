@@ -149,7 +149,7 @@ class ShardedTaskDataset:
         return self.get(i)
 
     def get(self, i: int, fields: Collection[str] | None = None) -> dict[str, torch.Tensor]:
-        raw = self.reader.read(i)
+        raw = self.reader.read(i, fields)
         out = {}
         for m, f in self.fields.items():
             if fields is not None and m not in fields:

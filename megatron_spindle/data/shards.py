@@ -22,6 +22,7 @@ import json
 import os
 import tarfile
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,11 +182,14 @@ class ShardReader:
                 fd = self._fds[shard] = os.open(self.index.root / self.index.shards[shard]["file"], os.O_RDONLY)
             return fd
 
-    def read(self, i: int) -> dict[str, tuple[str, bytes]]:
+    def read(self, i: int, fields: Collection[str] | None = None) -> dict[str, tuple[str, bytes]]:
+        """Sample i's fields (``fields`` alone when given: the others' bytes are not read)."""
         key, shard, where = self.index.samples[i]
         fd = self._fd(shard)
         out = {}
         for field, (offset, size) in where.items():
+            if fields is not None and field not in fields:
+                continue
             data = os.pread(fd, size, offset)
             if len(data) != size:
                 raise DatasetError(f"{self.index.root}: sample '{key}' field '{field}' is cut short")

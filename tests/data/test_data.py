@@ -185,6 +185,9 @@ def test_shards_round_trip_through_the_build_tool(clip, tmp_path, capsys):
         key = f"s{i:03d}"
         assert torch.equal(s["vision"], decode_image((raw / f"{key}.vision.png").read_bytes(), 16, 3))
         assert torch.equal(s["text"], ByteTokenizer(128).encode(f"caption number {i}", 12))
+    # one field: only its bytes are read
+    assert list(ds.reader.read(4, ["text"])) == ["text"] and list(ds.get(4, ["text"])) == ["text"]
+    assert torch.equal(ds.get(4, ["text"])["text"], ds[4]["text"])
     # audio + npy: audio_depth
     ad = tmp_path / "ad"
     ad_raw = tmp_path / "ad_raw"
