@@ -32,9 +32,12 @@ def _task_seed(seed: int, task: str, epoch: int) -> int:
     return (seed * 1_000_003 + zlib.crc32(task.encode()) * 7919 + epoch * 104_729) % (2**63 - 1)
 
 
-def epoch_permutation(size: int, seed: int, task: str, epoch: int) -> list[int]:
+def epoch_permutation(size: int, seed: int, task: str, epoch: int) -> torch.Tensor:
+    """The order of epoch ``epoch`` of a dataset of ``size`` samples, as a tensor (int32 where the indices fit):
+    4 bytes per sample, where a Python list of them took about 36 (4 GB per rank and task at 100M samples)."""
     g = torch.Generator().manual_seed(_task_seed(seed, task, epoch))
-    return torch.randperm(size, generator=g).tolist()
+    perm = torch.randperm(size, generator=g)
+    return perm.to(torch.int32) if size <= torch.iinfo(torch.int32).max else perm
 
 
 @dataclass
@@ -76,9 +79,9 @@ class MultiTaskSampler:
         self.epoch = {t: 0 for t in self.tasks}
         self.offset = {t: 0 for t in self.tasks}
         self.dropped: dict[str, dict] = {}  # saved positions of tasks this sampler does not train
-        self._perm: dict[tuple[str, int], list[int]] = {}
+        self._perm: dict[tuple[str, int], torch.Tensor] = {}
 
-    def _permutation(self, task: str, epoch: int) -> list[int]:
+    def _permutation(self, task: str, epoch: int) -> torch.Tensor:
         key = (task, epoch)
         if key not in self._perm:
             if len(self._perm) > 4 * len(self.tasks):
@@ -92,7 +95,7 @@ class MultiTaskSampler:
         while len(out) < need:
             perm = self._permutation(task, epoch)
             k = min(need - len(out), len(perm) - offset)
-            out += perm[offset:offset + k]
+            out += perm[offset:offset + k].tolist()
             offset += k
             if offset == len(perm):
                 epoch, offset = epoch + 1, 0

@@ -21,7 +21,7 @@ from megatron_spindle.data.datasets import (
 )
 from megatron_spindle.data.decode import decode_image, log_mel_features, read_wav
 from megatron_spindle.data.mock import IGNORE_INDEX, mock_batch
-from megatron_spindle.data.sampler import MultiTaskSampler
+from megatron_spindle.data.sampler import MultiTaskSampler, epoch_permutation
 from megatron_spindle.data.shards import DatasetError
 from megatron_spindle.data.tokenizer import BOS, EOS, PAD, ByteTokenizer
 from megatron_spindle.graph.workload import load_workload
@@ -65,6 +65,9 @@ def test_sampler_is_deterministic_covers_epochs_and_restores_position():
         MultiTaskSampler({"a": 11, "b": 7}, bs, seed=3).load_state_dict(state)
     with pytest.raises(ValueError, match="--seed 3"):
         MultiTaskSampler(sizes, bs, seed=5).load_state_dict(state)
+    # the order is kept as 4-byte indices, the same order as before (saved positions resume onto the same samples)
+    assert first[0].indices["a"] == [3, 5, 2, 7] and first[0].indices["b"] == [1, 3, 2]
+    assert epoch_permutation(10, 3, "a", 0).dtype == torch.int32
 
 
 def test_sampling_weights_set_participation():
