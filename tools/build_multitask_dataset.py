@@ -45,7 +45,7 @@ def add_input_args(parser):
 
 def add_output_args(parser):
     g = parser.add_argument_group("output")
-    g.add_argument("--output", required=True, help="Dataset folder to write (index.json + shard-*.tar).")
+    g.add_argument("--output", required=True, help="Dataset folder to write (index.json, samples.npy, shard-*.tar).")
     g.add_argument("--samples-per-shard", type=int, default=1000, help="Samples per tar shard.")
     g.add_argument("--overwrite", action="store_true", help="Replace an existing dataset at --output.")
     g.add_argument("--store-decoded", nargs="*", metavar="FIELD", default=None,

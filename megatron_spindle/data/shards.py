@@ -1,18 +1,22 @@
-"""On-disk format for paired multimodal samples: WebDataset-style tar shards plus a JSON index.
+"""On-disk format for paired multimodal samples: WebDataset-style tar shards plus an index.
 
 A dataset is a folder::
 
-    index.json              {"format": "megatron-spindle-shards", "version": 1, "fields": {"vision": "jpg", ...},
-                             "shards": [{"file": "shard-000000.tar", "bytes": N, "samples": K}, ...],
-                             "samples": [[key, shard number, {field: [offset, size]}], ...]}
+    index.json              {"format": "megatron-spindle-shards", "version": 2, "fields": {"vision": "jpg", ...},
+                             "num_samples": N, "shards": [{"file": "shard-000000.tar", "bytes": B, "samples": K}, ...]}
+    samples.npy             int64 [N, 1 + 2 x fields]: per sample its shard, then per field (in "fields" order)
+                            the offset of its bytes in that tar and their size
     shard-000000.tar        members "<key>.<field>.<ext>", e.g. "000123.vision.jpg", "000123.text.txt"
     shard-000001.tar        ...
 
 One sample is the set of members sharing a key (the WebDataset convention, so the shards can also be read by
 any tar/WebDataset tool); ``field`` is the name of the workload module the file feeds. The index records
 where each member's bytes start inside its tar, so a sample is read with one seek per field (random access
-for a deterministic sampler) without scanning the tar. Files are stored as they came (encoded JPEG, WAV...)
-and decoded when read (data/decode.py). Shards are written to a temporary name and renamed, the index last.
+for a deterministic sampler) without scanning the tar. The table is memory-mapped, as Megatron-LM's indexed
+datasets are: a rank opens a dataset of any size at once and holds only the pages it reads (version 1 kept every
+sample's entry in index.json: 2.6 s to parse and 720 MB per rank and task at 1M samples; still read). A key is read
+from its member's tar header when an error names it. Files are stored as they came (encoded JPEG, WAV...) and
+decoded when read (data/decode.py). Shards are written to a temporary name and renamed, the index last.
 """
 
 from __future__ import annotations
@@ -22,15 +26,19 @@ import json
 import os
 import tarfile
 import threading
+from array import array
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_spindle.fileio import write_text_atomic
+import numpy as np
+
+from megatron_spindle.fileio import write_bytes_atomic, write_text_atomic
 
 SHARDS_FORMAT = "megatron-spindle-shards"
-SHARDS_VERSION = 1
+SHARDS_VERSION = 2
 INDEX_FILE = "index.json"
+TABLE_FILE = "samples.npy"
 
 
 class DatasetError(ValueError):
@@ -55,7 +63,8 @@ class ShardWriter:
         self.out_dir = Path(out_dir)
         self.samples_per_shard = samples_per_shard
         self.fields: dict[str, str] = {}
-        self.samples: list[list] = []
+        self.rows = array("q")  # samples.npy's rows, flat
+        self.num_samples = 0
         self.shards: list[dict] = []
         self._tar: tarfile.TarFile | None = None
         self._tmp: Path | None = None
@@ -97,23 +106,27 @@ class ShardWriter:
         if self._tar is None or self._in_shard >= self.samples_per_shard:
             self._close()
             self._open()
-        where = {}
+        self.rows.append(len(self.shards) - 1)
         for f, (ext, data) in sorted(files.items()):
             info = tarfile.TarInfo(f"{key}.{f}.{ext}")
             info.size = len(data)
             info.mode = 0o644
             self._tar.addfile(info, io.BytesIO(data))
             padded = -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-            where[f] = [self._tar.offset - padded, len(data)]  # data starts after the header blocks
-        self.samples.append([key, len(self.shards) - 1, where])
+            self.rows.extend((self._tar.offset - padded, len(data)))  # data starts after the header blocks
         self._keys.add(key)
+        self.num_samples += 1
         self._in_shard += 1
 
     def close(self) -> Path:
-        """Finish the last shard and write the index (atomically). Returns the index path."""
+        """Finish the last shard and write the table, then the index (each atomically). Returns the index path."""
         self._close()
+        table = np.frombuffer(self.rows, dtype=np.int64).reshape(self.num_samples, 1 + 2 * len(self.fields))
+        buf = io.BytesIO()
+        np.save(buf, table)
+        write_bytes_atomic(self.out_dir / TABLE_FILE, buf.getvalue())
         index = {"format": SHARDS_FORMAT, "version": SHARDS_VERSION, "fields": self.fields,
-                 "num_samples": len(self.samples), "shards": self.shards, "samples": self.samples}
+                 "num_samples": self.num_samples, "shards": self.shards}
         path = self.out_dir / INDEX_FILE
         write_text_atomic(path, json.dumps(index))
         return path
@@ -121,13 +134,22 @@ class ShardWriter:
 
 @dataclass
 class ShardIndex:
+    """Where each sample's fields are: ``table`` row i is sample i's shard, then (offset, size) per field in
+    ``fields`` order (memory-mapped from samples.npy; in memory for a version-1 index, whose ``keys`` it keeps)."""
+
     root: Path
     fields: dict[str, str]
     shards: list[dict]
-    samples: list[list]
+    table: np.ndarray
+    keys: list[str] | None = None
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.table)
+
+    def location(self, i: int) -> tuple[int, dict[str, tuple[int, int]]]:
+        """(shard number, {field: (offset, size)}) of sample i."""
+        row = self.table[i].tolist()
+        return row[0], {f: (row[1 + 2 * j], row[2 + 2 * j]) for j, f in enumerate(self.fields)}
 
 
 def read_index(root: str | Path) -> ShardIndex:
@@ -146,7 +168,7 @@ def read_index(root: str | Path) -> ShardIndex:
         raise DatasetError(f"{p} is corrupt: not valid JSON ({e})") from None
     if not isinstance(d, dict) or d.get("format") != SHARDS_FORMAT:
         raise DatasetError(f"{p}: not a megatron-spindle shard index")
-    if d.get("version") != SHARDS_VERSION:
+    if d.get("version") not in (1, SHARDS_VERSION):
         raise DatasetError(f"{p}: index version {d.get('version')} is not supported (expected {SHARDS_VERSION})")
     for s in d["shards"]:
         f = root / s["file"]
@@ -155,9 +177,31 @@ def read_index(root: str | Path) -> ShardIndex:
         if f.stat().st_size != s["bytes"]:
             raise DatasetError(f"data path {root}: shard {s['file']} has {f.stat().st_size} bytes, the index says "
                                f"{s['bytes']} (truncated or rewritten)")
-    if not d["samples"]:
+    fields = d["fields"]
+    keys = None
+    if d["version"] == 1:  # every sample in the JSON: [key, shard, {field: [offset, size]}]
+        keys = [k for k, _, _ in d["samples"]]
+        table = np.array([[shard, *(v for f in fields for v in where[f])] for _, shard, where in d["samples"]],
+                         dtype=np.int64).reshape(len(keys), 1 + 2 * len(fields))
+    else:
+        table = _read_table(root, d, len(fields))
+    if not len(table):
         raise DatasetError(f"data path {root} holds no samples")
-    return ShardIndex(root, d["fields"], d["shards"], d["samples"])
+    return ShardIndex(root, fields, d["shards"], table, keys)
+
+
+def _read_table(root: Path, index: dict, num_fields: int) -> np.ndarray:
+    path = root / TABLE_FILE
+    try:
+        table = np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        raise DatasetError(f"data path {root} has no {TABLE_FILE} (its index.json names none of its samples)") from None
+    except (ValueError, OSError) as e:
+        raise DatasetError(f"{path} is corrupt: {e}") from None
+    want = (index["num_samples"], 1 + 2 * num_fields)
+    if table.dtype != np.int64 or table.shape != want:
+        raise DatasetError(f"{path}: {table.dtype} {list(table.shape)}, index.json says int64 {list(want)}")
+    return table
 
 
 class ShardReader:
@@ -173,7 +217,16 @@ class ShardReader:
         return len(self.index)
 
     def key(self, i: int) -> str:
-        return self.index.samples[i][0]
+        """Sample i's key: from a version-1 index, or from the tar header before its first field's bytes."""
+        if self.index.keys is not None:
+            return self.index.keys[i]
+        shard, where = self.index.location(i)
+        offset = min(o for o, _ in where.values())
+        header = os.pread(self._fd(shard), tarfile.BLOCKSIZE, offset - tarfile.BLOCKSIZE)
+        try:
+            return split_member(tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape").name)[0]
+        except (tarfile.TarError, DatasetError):
+            return f"#{i}"
 
     def _fd(self, shard: int) -> int:
         with self._lock:
@@ -184,7 +237,7 @@ class ShardReader:
 
     def read(self, i: int, fields: Collection[str] | None = None) -> dict[str, tuple[str, bytes]]:
         """Sample i's fields (``fields`` alone when given: the others' bytes are not read)."""
-        key, shard, where = self.index.samples[i]
+        shard, where = self.index.location(i)
         fd = self._fd(shard)
         out = {}
         for field, (offset, size) in where.items():
@@ -192,7 +245,7 @@ class ShardReader:
                 continue
             data = os.pread(fd, size, offset)
             if len(data) != size:
-                raise DatasetError(f"{self.index.root}: sample '{key}' field '{field}' is cut short")
+                raise DatasetError(f"{self.index.root}: sample '{self.key(i)}' field '{field}' is cut short")
             out[field] = (self.index.fields[field], data)
         return out
 

@@ -1,6 +1,7 @@
 import copy
 import io
 import json
+import shutil
 import tarfile
 import wave
 
@@ -394,3 +395,43 @@ def test_the_loader_reads_only_what_it_is_told(clip):
     assert len(reads[tasks[0]]) in (3 * 2, 4 * 2) and {f for _, f in reads[tasks[0]]} == {(field,)}
     assert reads[tasks[1]] == []
     part.close()
+
+
+def test_the_index_is_a_memory_mapped_table_and_version_1_still_reads(clip, tmp_path, capsys):
+    """Version 2: index.json names the shards, samples.npy (memory-mapped) where each sample's fields are; a key
+    comes from its tar header (an error names the sample). A version-1 index (every sample in the JSON) reads to
+    the same samples. A table that does not match its index is refused by name."""
+    raw = tmp_path / "raw"
+    _write_raw(raw, n=5)
+    (raw / "s003.vision.png").write_bytes(b"not a png")  # built without --workload: not decoded until training
+    for p in raw.glob("*.audio.*"):
+        p.unlink()
+    for p in raw.glob("*.depth.*"):
+        p.unlink()
+    out = tmp_path / "vt"
+    build_multitask_dataset.main(["--input", str(raw), "--output", str(out), "--quiet", "--samples-per-shard", "2"])
+    index = json.loads((out / "index.json").read_text())
+    assert index["version"] == 2 and "samples" not in index and index["num_samples"] == 5
+    ds = ShardedTaskDataset(clip, "vision_text", out)
+    assert isinstance(ds.index.table, np.memmap) and ds.index.table.shape == (5, 5)
+    assert [ds.reader.key(i) for i in range(5)] == [f"s{i:03d}" for i in range(5)]
+    with pytest.raises(DatasetError, match="sample 's003' field 'vision': not a readable image"):
+        ds[3]
+    # the same dataset with a version-1 index
+    v1 = tmp_path / "v1"
+    shutil.copytree(out, v1)
+    shard, where = zip(*(ds.index.location(i) for i in range(5)))
+    samples = [[f"s{i:03d}", shard[i], {f: list(where[i][f]) for f in ds.index.fields}] for i in range(5)]
+    (v1 / "samples.npy").unlink()
+    (v1 / "index.json").write_text(json.dumps({**index, "version": 1, "samples": samples}))
+    old = ShardedTaskDataset(clip, "vision_text", v1)
+    assert old.index.keys == [f"s{i:03d}" for i in range(5)]
+    for i in (0, 4):
+        assert all(torch.equal(old[i][m], ds[i][m]) for m in ("vision", "text"))
+    # a table that is not the index's
+    np.save(out / "samples.npy", np.zeros((4, 5), dtype=np.int64))
+    with pytest.raises(DatasetError, match=r"samples.npy: int64 \[4, 5\], index.json says int64 \[5, 5\]"):
+        ShardedTaskDataset(clip, "vision_text", out)
+    (out / "samples.npy").unlink()
+    with pytest.raises(DatasetError, match="has no samples.npy"):
+        ShardedTaskDataset(clip, "vision_text", out)
