@@ -12,7 +12,6 @@ image / audio defaults, or an imported Hugging Face model's tokenizer, image pro
 from __future__ import annotations
 
 import copy
-import threading
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -224,28 +223,58 @@ def read_batch(workload: Workload, task: str, dataset: TaskDataset, indices: Seq
     names: only the rows and fields a rank reads are decoded (each row once, with the fields it is read for; on
     ``pool``'s threads when given), and the batch holds those rows (``TaskBatch.rows``). The dataset's
     ``label_ids`` (its tokenizer's padding) mark the LM labels to ignore."""
-    fields = task_fields(workload, task)
-    B = len(indices)
-    if need is None:
-        need = dict.fromkeys(fields)
-    unknown = sorted(set(need) - set(fields))
-    if unknown:
-        raise ValueError(f"task '{task}' has no raw field(s) {unknown} (it has {sorted(fields)})")
-    field_rows = {m: range(B) if ranges is None else sorted({r for lo, hi in ranges for r in range(lo, hi)})
-                  for m, ranges in need.items()}
-    row_fields: dict[int, list[str]] = {}
-    for m, rows in field_rows.items():
-        for r in rows:
-            row_fields.setdefault(r, []).append(m)
-    order = sorted(row_fields)
+    read = BatchRead(workload, task, dataset, indices, need)
+    if pool is None:
+        return read.stack(read.decode(read.rows))
+    samples: dict[int, dict[str, torch.Tensor]] = {}
+    for part in pool.map(read.decode, [[r] for r in read.rows]):
+        samples.update(part)
+    return read.stack(samples)
 
-    def read(r: int) -> dict[str, torch.Tensor]:
-        return dataset.get(indices[r], row_fields[r])
 
-    samples = dict(zip(order, pool.map(read, order) if pool is not None else map(read, order)))
-    columns = {m: [samples[r][m] for r in rows] for m, rows in field_rows.items() if rows}
-    held = {m: tuple(rows) for m, rows in field_rows.items() if 0 < len(rows) < B}
-    return _stack(workload, task, columns, B, held, getattr(dataset, "label_ids", None))
+class BatchRead:
+    """One read of a task's batch (``read_batch``): the rows to decode, each with its fields; ``decode`` a chunk of
+    them (on any thread), ``stack`` the decoded rows into the ``TaskBatch``."""
+
+    def __init__(self, workload: Workload, task: str, dataset: TaskDataset, indices: Sequence[int],
+                 need: BatchNeed | None = None):
+        fields = task_fields(workload, task)
+        if need is None:
+            need = dict.fromkeys(fields)
+        unknown = sorted(set(need) - set(fields))
+        if unknown:
+            raise ValueError(f"task '{task}' has no raw field(s) {unknown} (it has {sorted(fields)})")
+        self.workload, self.task, self.dataset, self.indices = workload, task, dataset, indices
+        B = len(indices)
+        self.field_rows = {m: range(B) if ranges is None else sorted({r for lo, hi in ranges for r in range(lo, hi)})
+                           for m, ranges in need.items()}
+        self.row_fields: dict[int, list[str]] = {}
+        for m, rows in self.field_rows.items():
+            for r in rows:
+                self.row_fields.setdefault(r, []).append(m)
+        self.rows = sorted(self.row_fields)
+
+    def chunks(self, n: int) -> list[list[int]]:
+        """The rows in at most ``n`` contiguous chunks of nearly equal size."""
+        n = max(1, min(n, len(self.rows)))
+        return [self.rows[len(self.rows) * k // n: len(self.rows) * (k + 1) // n] for k in range(n)]
+
+    def decode(self, rows: Sequence[int]) -> dict[int, dict[str, torch.Tensor]]:
+        return {r: self.dataset.get(self.indices[r], self.row_fields[r]) for r in rows}
+
+    def stack(self, samples: dict[int, dict[str, torch.Tensor]], pin: bool = False) -> TaskBatch:
+        B = len(self.indices)
+        columns = {m: [samples[r][m] for r in rows] for m, rows in self.field_rows.items() if rows}
+        held = {m: tuple(rows) for m, rows in self.field_rows.items() if 0 < len(rows) < B}
+        batch = _stack(self.workload, self.task, columns, B, held, getattr(self.dataset, "label_ids", None))
+        return batch.pin_memory() if pin else batch
+
+    def assemble(self, parts: list[Future], pin: bool = False) -> TaskBatch:
+        """``stack`` of the chunks ``parts`` decode (futures submitted before this one: it only waits for them)."""
+        samples: dict[int, dict[str, torch.Tensor]] = {}
+        for part in parts:
+            samples.update(part.result())
+        return self.stack(samples, pin)
 
 
 def _stack(workload: Workload, task: str, columns: dict[str, list[torch.Tensor]], batch_size: int,
@@ -281,7 +310,8 @@ class MultiTaskDataLoader:
 
     With ``num_workers > 0`` a thread pool decodes the samples of a batch in parallel and, once a task has been
     asked for, prepares its batch of the *next* iteration while the current step runs (the sampler's indices
-    are known in advance). The batches are the same as without workers. ``pin_memory``: batches are collated into
+    are known in advance), each batch split over all the workers (a rank whose one front end reads hundreds of
+    audio clips gets them all). The batches are the same as without workers. ``pin_memory``: batches are collated into
     page-locked memory (by the workers, for the batches they prepare), so the runtime's copies to the GPU run
     asynchronously."""
 
@@ -299,6 +329,7 @@ class MultiTaskDataLoader:
         self._ahead: dict[str, Future] = {}
         self._wanted: set[str] = set()
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="data") if num_workers else None
+        self._workers = num_workers
         self.pin_memory = pin_memory
         self._needs: dict[str, BatchNeed | None] = {}
 
@@ -309,8 +340,7 @@ class MultiTaskDataLoader:
         self._needs = dict(needs)
 
     def _collate(self, task: str, indices: list[int]) -> TaskBatch:
-        pool = self._pool if threading.current_thread() is threading.main_thread() else None
-        batch = read_batch(self.workload, task, self.datasets[task], indices, self._needs.get(task), pool)
+        batch = read_batch(self.workload, task, self.datasets[task], indices, self._needs.get(task), self._pool)
         return batch.pin_memory() if self.pin_memory else batch
 
     def advance(self) -> MixedBatch:
@@ -318,8 +348,11 @@ class MultiTaskDataLoader:
         self._batches, self._ahead = dict(self._ahead), {}
         if self._pool is not None and self._wanted:
             upcoming = self.sampler.peek()
-            for task in sorted(self._wanted):
-                self._ahead[task] = self._pool.submit(self._collate, task, upcoming.indices[task])
+            for task in sorted(self._wanted):  # each batch in chunks over the workers, then stacked by one of them
+                read = BatchRead(self.workload, task, self.datasets[task], upcoming.indices[task],
+                                 self._needs.get(task))
+                parts = [self._pool.submit(read.decode, rows) for rows in read.chunks(self._workers)]
+                self._ahead[task] = self._pool.submit(read.assemble, parts, self.pin_memory)
         return self.current
 
     def batch(self, task: str) -> TaskBatch:

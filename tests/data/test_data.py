@@ -3,6 +3,8 @@ import io
 import json
 import shutil
 import tarfile
+import threading
+import time
 import wave
 
 import numpy as np
@@ -435,3 +437,38 @@ def test_the_index_is_a_memory_mapped_table_and_version_1_still_reads(clip, tmp_
     (out / "samples.npy").unlink()
     with pytest.raises(DatasetError, match="has no samples.npy"):
         ShardedTaskDataset(clip, "vision_text", out)
+
+
+def test_a_prefetched_batch_is_split_over_all_the_workers(clip):
+    """A task's next batch is decoded in chunks on every worker (one heavy front end is not left to one thread),
+    then stacked: the same batch as read without workers."""
+    threads: list[str] = []
+
+    class Slow:
+        def __init__(self, dataset):
+            self.dataset, self.task = dataset, dataset.task
+
+        def __len__(self):
+            return len(self.dataset)
+
+        def get(self, i, fields=None):
+            threads.append(threading.current_thread().name)
+            time.sleep(0.02)  # long enough that every worker takes a chunk
+            return self.dataset.get(i, fields)
+
+    datasets = build_datasets(clip, None, mock=True, seed=1, mock_size=16)
+    plain = MultiTaskDataLoader(clip, datasets, seed=3)
+    threaded = MultiTaskDataLoader(clip, {t: Slow(ds) for t, ds in datasets.items()}, seed=3, num_workers=3)
+    ahead = []
+    for it in range(3):
+        plain.advance()
+        threads.clear()
+        threaded.advance()  # from iteration 1 on, it starts preparing the next iteration's batch
+        if it:
+            threaded._ahead["text_audio"].result()
+            ahead.append(list(threads))  # the reads of that preparation alone
+        a, b = plain.batch("text_audio"), threaded.batch("text_audio")
+        assert all(torch.equal(a.inputs[m], b.inputs[m]) for m in a.inputs)
+    assert [len(reads) for reads in ahead] == [8, 8]  # text_audio's batch of 8
+    assert all(len(set(reads)) == 3 for reads in ahead), ahead
+    threaded.close()
