@@ -6,6 +6,11 @@ module the file feeds (WebDataset naming), e.g.::
 
     raw/0001.vision.jpg  raw/0001.text.txt  raw/0002.vision.jpg  raw/0002.text.txt ...
 
+or --input is WebDataset tar shards (a .tar, or a folder of them, as img2dataset writes): members
+``<key>.<suffix>``, a sample's files adjacent, read as streams. --field-map SUFFIX=FIELD names the field of each
+suffix (``--field-map jpg=vision txt=text``; members of other suffixes, such as ``json``, are left out); without
+it the suffixes must be ``<field>.<ext>``.
+
 Extensions: .jpg/.jpeg/.png/.bmp/.webp (Pillow), .wav (PCM), .txt (UTF-8), .npy. With --workload and --task every
 sample is decoded once as training will decode it (resized image, log-mel features, tokens; with the same
 --tokenizer-type / --tokenizer-model / --image-processor / --audio-processor as training), so bad files are
@@ -37,9 +42,13 @@ from megatron_spindle.errors import exit_on_user_error
 
 def add_input_args(parser):
     g = parser.add_argument_group("input")
-    g.add_argument("--input", required=True, help="Folder of raw files named <key>.<field>.<ext>.")
+    g.add_argument("--input", required=True, help="Folder of raw files named <key>.<field>.<ext>, or WebDataset "
+                                                  ".tar shards (a .tar or a folder of them).")
     g.add_argument("--workload", default=None, help="Workload YAML or built-in name: check fields and decoding.")
     g.add_argument("--task", default=None, help="The task of --workload the data is for.")
+    g.add_argument("--field-map", action="extend", nargs="+", default=[], metavar="SUFFIX=FIELD",
+                   help="WebDataset input: the field each member suffix feeds, e.g. jpg=vision txt=text (members of "
+                        "other suffixes are left out).")
     return parser
 
 
@@ -55,26 +64,19 @@ def add_output_args(parser):
     return parser
 
 
-def collect_samples(root: Path) -> dict[str, dict[str, Path]]:
-    from megatron_spindle.data.decode import KNOWN_EXTS
-    from megatron_spindle.data.shards import DatasetError, split_member
+def raw_samples(args):
+    """(number of samples or None when not known ahead, iterator of (key, {field: RawFile})) of --input."""
+    from megatron_spindle.data.shards import DatasetError
+    from megatron_spindle.data.sources import folder_samples, parse_field_map, tar_samples, tar_shards
 
-    if not root.is_dir():
-        raise DatasetError(f"input {root} is not a folder")
-    samples: dict[str, dict[str, Path]] = {}
-    for p in sorted(root.iterdir()):
-        if p.name.startswith(".") or not p.is_file():
-            continue
-        key, field, ext = split_member(p.name)
-        if ext not in KNOWN_EXTS:
-            raise DatasetError(f"{p}: unsupported extension .{ext} (supported: {', '.join(KNOWN_EXTS)})")
-        if field in samples.setdefault(key, {}):
-            raise DatasetError(f"sample '{key}' has two files for field '{field}': "
-                               f"{samples[key][field].name} and {p.name}")
-        samples[key][field] = p
-    if not samples:
-        raise DatasetError(f"input {root} holds no files named <key>.<field>.<ext>")
-    return samples
+    root = Path(args.input)
+    field_map = parse_field_map(args.field_map)
+    shards = tar_shards(root)
+    if shards is None:
+        if field_map:
+            raise DatasetError(f"--field-map is for WebDataset .tar input; {root} is a folder of raw files")
+        return folder_samples(root)
+    return None, tar_samples(shards, field_map)
 
 
 def stored_fields(names, fields, task) -> set[str]:
@@ -87,6 +89,30 @@ def stored_fields(names, fields, task) -> set[str]:
     if unknown:
         raise DatasetError(f"--store-decoded: task '{task}' has no field(s) {unknown} (its fields: {sorted(fields)})")
     return set(names or fields)
+
+
+class BuildProgress:
+    """A line every tenth of the samples when their number is known, else every PROGRESS_SECONDS."""
+
+    PROGRESS_SECONDS = 10.0
+
+    def __init__(self, total: int | None, quiet: bool):
+        self.total, self.quiet, self.done = total, quiet, 0
+        self.t0 = self.last = time.perf_counter()
+
+    def sample(self, shards: int) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if self.quiet:
+            return
+        if self.total is not None:
+            due = self.done % max(1, self.total // 10) == 0 or self.done == self.total
+            count = f"{self.done}/{self.total}"
+        else:
+            due, count = now - self.last >= self.PROGRESS_SECONDS, str(self.done)
+        if due:
+            self.last = now
+            print(f"[build] {count} samples, {shards} shard(s), {now - self.t0:.1f} s", flush=True)
 
 
 def main(argv=None, extra_args_provider=None):
@@ -110,7 +136,7 @@ def main(argv=None, extra_args_provider=None):
         out = Path(args.output)
         if out.exists() and not args.overwrite:
             raise DatasetError(f"output {out} already exists (give --overwrite to replace it)")
-        samples = collect_samples(Path(args.input))
+        n, samples = raw_samples(args)
         fields = None
         workload = preprocessing = None
         if args.workload:
@@ -125,33 +151,31 @@ def main(argv=None, extra_args_provider=None):
 
             preprocessing = preprocessing_from_args(args, workload)
         stored = stored_fields(args.store_decoded, fields, args.task)
-        first = sorted(samples)[0]
-        want = sorted(fields) if fields is not None else sorted(samples[first])
+        want = first = None
         tmp = out.with_name(f".{out.name}.building")
         if tmp.exists():
             shutil.rmtree(tmp)
         writer = ShardWriter(tmp, args.samples_per_shard)
-        t0, n, step = time.perf_counter(), len(samples), max(1, len(samples) // 10)
+        progress = BuildProgress(n, args.quiet)
         try:
-            for i, key in enumerate(sorted(samples)):
-                files = samples[key]
+            for key, files in samples:
+                if want is None:
+                    first, want = key, sorted(fields) if fields is not None else sorted(files)
                 if sorted(files) != want:
                     raise DatasetError(f"sample '{key}' has fields {sorted(files)}, expected {want}"
                                        + (f" (the front ends of task '{args.task}')" if fields else
                                           f" (as sample '{first}')"))
-                raw = {f: (p.name.rsplit(".", 1)[1].lower(), p.read_bytes()) for f, p in files.items()}
+                raw = {f: (r.ext, r.data) for f, r in files.items()}
                 if fields is not None:
                     for f, (ext, data) in raw.items():
                         try:
                             x = decode_field(workload, fields[f], ext, data, preprocessing)
                         except DecodeError as e:
-                            raise DatasetError(f"{files[f]}: {e}") from None
+                            raise DatasetError(f"{files[f].name}: {e}") from None
                         if f in stored:
                             raw[f] = ("npy", encode_npy(x))
                 writer.write(key, raw)
-                if not args.quiet and ((i + 1) % step == 0 or i + 1 == n):
-                    print(f"[build] {i + 1}/{n} samples, {len(writer.shards)} shard(s), "
-                          f"{time.perf_counter() - t0:.1f} s", flush=True)
+                progress.sample(len(writer.shards))
             writer.close()
             if out.exists():
                 old = out.with_name(f".{out.name}.old")
@@ -163,7 +187,7 @@ def main(argv=None, extra_args_provider=None):
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        print(f"wrote {n} samples in {len(writer.shards)} shard(s) to {out} (fields: "
+        print(f"wrote {writer.num_samples} samples in {len(writer.shards)} shard(s) to {out} (fields: "
               f"{', '.join(f'{f}.{e}' for f, e in writer.fields.items())}; index {out / INDEX_FILE})")
     return 0
 

@@ -472,3 +472,67 @@ def test_a_prefetched_batch_is_split_over_all_the_workers(clip):
     assert [len(reads) for reads in ahead] == [8, 8]  # text_audio's batch of 8
     assert all(len(set(reads)) == 3 for reads in ahead), ahead
     threaded.close()
+
+
+def _tar(path, members):
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_webdataset_shards_build_the_same_dataset_as_a_folder(clip, tmp_path, capsys):
+    """WebDataset input (img2dataset's ``<key>.jpg`` / ``<key>.txt`` / ``<key>.json`` members in several .tar
+    shards), with --field-map naming each suffix's field and the rest left out: the same samples as the folder
+    of ``<key>.<field>.<ext>`` files; mistakes are named."""
+    raw = tmp_path / "raw"
+    _write_raw(raw, n=6)
+
+    def members(keys, skip=()):
+        out = []
+        for k in keys:
+            out += [(f"{k}.png", (raw / f"{k}.vision.png").read_bytes()),
+                    (f"{k}.json", b'{"url": "x"}'), (f"{k}.txt", (raw / f"{k}.text.txt").read_bytes())]
+        return [m for m in out if m[0] not in skip]
+
+    wds = tmp_path / "wds"
+    wds.mkdir()
+    _tar(wds / "00000.tar", members(["s000", "s001", "s002"]))
+    _tar(wds / "00001.tar", members(["s003", "s004"]))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for p in raw.glob("*"):
+        if (".vision." in p.name or ".text." in p.name) and not p.name.startswith("s005"):
+            shutil.copy(p, folder / p.name)
+    common = ["--workload", "tiny-clip", "--task", "vision_text", "--quiet"]
+    build_multitask_dataset.main(["--input", str(wds), "--output", str(tmp_path / "a"), "--field-map", "png=vision",
+                                  "txt=text", *common])
+    assert "wrote 5 samples in 1 shard(s)" in capsys.readouterr().out
+    build_multitask_dataset.main(["--input", str(folder), "--output", str(tmp_path / "b"), *common])
+    a, b = (ShardedTaskDataset(clip, "vision_text", tmp_path / x) for x in "ab")
+    assert [a.reader.key(i) for i in range(5)] == [b.reader.key(i) for i in range(5)] == [f"s{i:03d}" for i in range(5)]
+    for i in range(5):
+        assert all(torch.equal(a[i][m], b[i][m]) for m in ("vision", "text"))
+    # one shard as --input; the mistakes, by name
+    one = ["--input", str(wds / "00001.tar"), "--output", str(tmp_path / "c")]
+    build_multitask_dataset.main([*one, "--field-map", "png=vision,txt=text", *common])
+    assert len(ShardedTaskDataset(clip, "vision_text", tmp_path / "c")) == 2
+    d = ["--output", str(tmp_path / "d")]
+
+    def fails(argv, words):
+        with pytest.raises(SystemExit):
+            build_multitask_dataset.main(argv + d)
+        assert words in capsys.readouterr().err, words
+        assert not (tmp_path / "d").exists()
+
+    fails([*one[:2], *common], "is not <key>.<field>.<ext> (give --field-map")
+    fails([*one[:2], "--field-map", "png"], "'png' is not SUFFIX=FIELD")
+    fails(["--input", str(folder), "--field-map", "png=vision"], "--field-map is for WebDataset .tar input")
+    mapped = ["--input", str(wds), "--field-map", "png=vision", "txt=text"]
+    _tar(wds / "00002.tar", members(["s005"], skip=("s005.txt",)))
+    fails([*mapped, *common], "sample 's005' has fields ['vision'], expected ['text', 'vision']")
+    _tar(wds / "00002.tar", members(["s001"]))
+    fails(mapped, "00002.tar:s001.png: sample 's001' appears twice")
+    (wds / "notes.md").write_text("x")
+    fails(mapped, "holds both .tar shards and other files (notes.md)")
