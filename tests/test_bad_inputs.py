@@ -187,7 +187,7 @@ CASES = [
     Case("pretrain", TRAIN + ["--gpus-per-node", "2"], "--gpus-per-node 2 does not match torchrun",
          prepare=["torchrun 2 nodes x 1"]),
     # tools/build_multitask_dataset.py, tools/checkpoint/*, tools/demo.py, tools/profile_metaops.py
-    Case("dataset", ["--input", "{ws}/nope", "--output", "{ws}/out"], "input {ws}/nope is not a folder"),
+    Case("dataset", ["--input", "{ws}/nope", "--output", "{ws}/out"], "input {ws}/nope does not exist"),
     Case("dataset", ["--input", "{ws}/raw", "--output", "{ws}/dataset"], "output {ws}/dataset already exists"),
     Case("dataset", ["--input", "{ws}/raw", "--output", "{ws}/out", "--workload", "tiny-clip", "--task", "nope"],
          "has no task 'nope'"),

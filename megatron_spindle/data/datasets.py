@@ -12,6 +12,8 @@ image / audio defaults, or an imported Hugging Face model's tokenizer, image pro
 from __future__ import annotations
 
 import copy
+import itertools
+from bisect import bisect_right
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -386,10 +388,41 @@ class MultiTaskDataLoader:
             self._pool = None
 
 
-def build_datasets(workload: Workload, data_paths: dict[str, str] | None, mock: bool, seed: int = 0,
+class ConcatTaskDataset:
+    """Datasets of one task read as one, in order: parts built separately (tools/build_multitask_dataset.py run
+    on parts of a corpus at once), each checked against the task's fields as it opens."""
+
+    def __init__(self, parts: list[ShardedTaskDataset]):
+        self.parts, self.task = parts, parts[0].task
+        self.preprocessing, self.label_ids = parts[0].preprocessing, parts[0].label_ids
+        self.ends = list(itertools.accumulate(len(p) for p in parts))
+
+    def __len__(self) -> int:
+        return self.ends[-1]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.get(i)
+
+    def get(self, i: int, fields: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        k = bisect_right(self.ends, i)
+        return self.parts[k].get(i - (self.ends[k - 1] if k else 0), fields)
+
+
+def open_task_dataset(workload: Workload, task: str, paths: str | Path | Sequence[str | Path],
+                      preprocessing: Preprocessing | None = None) -> ShardedTaskDataset | ConcatTaskDataset:
+    """The task's dataset of one shard folder, or of several read in order as one."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    parts = [ShardedTaskDataset(workload, task, p, preprocessing) for p in paths]
+    return parts[0] if len(parts) == 1 else ConcatTaskDataset(parts)
+
+
+def build_datasets(workload: Workload, data_paths: dict[str, str | list[str]] | None, mock: bool, seed: int = 0,
                    mock_size: int = 256, preprocessing: Preprocessing | None = None) -> dict[str, TaskDataset]:
-    """One dataset per task: shards from ``data_paths[task]`` decoded with ``preprocessing``, or mock data
-    (``mock``) for every task."""
+    """One dataset per task: shards from ``data_paths[task]`` (a folder, or several read in order) decoded with
+    ``preprocessing``, or mock data (``mock``) for every task."""
     tasks = [t.name for t in workload.tasks]
     data_paths = data_paths or {}
     unknown = sorted(set(data_paths) - set(tasks))
@@ -403,4 +436,4 @@ def build_datasets(workload: Workload, data_paths: dict[str, str] | None, mock: 
     if missing:
         raise DatasetError(f"no --data-path for task(s) {missing} (give --data-path TASK=PATH for each task, "
                            f"or --mock-data)")
-    return {t: ShardedTaskDataset(workload, t, data_paths[t], preprocessing) for t in tasks}
+    return {t: open_task_dataset(workload, t, data_paths[t], preprocessing) for t in tasks}

@@ -102,8 +102,9 @@ def add_logging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", action="extend", nargs="+", default=[], metavar="TASK=PATH",
-                   help="Tar-shard dataset of a task (tools/build_multitask_dataset.py), one TASK=PATH per task: "
-                        "several after one flag, as Megatron-LM takes them, or the flag repeated.")
+                   help="Tar-shard dataset of a task (tools/build_multitask_dataset.py): TASK=PATH, several after "
+                        "one flag, as Megatron-LM takes them, or the flag repeated; a task given several folders "
+                        "(parts built separately) reads them in order as one dataset.")
     g.add_argument("--mock-data", action="store_true", help="Deterministic mock samples for every task.")
     g.add_argument("--mock-data-samples", type=int, default=256, help="Mock samples per task (they repeat).")
     g.add_argument("--num-workers", type=int, default=2, help="Data threads: decode a batch's samples in parallel "
@@ -142,9 +143,10 @@ def parse_task_values(text: str | None, flag: str, workload: Workload, positive:
     return out
 
 
-def parse_data_paths(items: list[str], workload: Workload, flag: str = "--data-path") -> dict[str, str]:
+def parse_data_paths(items: list[str], workload: Workload, flag: str = "--data-path") -> dict[str, list[str]]:
+    """TASK=PATH items -> each task's folders, in order (a task given several times reads them as one dataset)."""
     tasks = [t.name for t in workload.tasks]
-    out = {}
+    out: dict[str, list[str]] = {}
     for item in items:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
@@ -152,11 +154,11 @@ def parse_data_paths(items: list[str], workload: Workload, flag: str = "--data-p
             raise ValueError(f"{flag}: '{item}' is not TASK=PATH{hint}")
         if name not in tasks:
             raise ValueError(f"{flag}: unknown task '{name}' (tasks: {', '.join(tasks)})")
-        if name in out:
-            raise ValueError(f"{flag}: task '{name}' given twice")
+        if path in out.get(name, ()):
+            raise ValueError(f"{flag}: {path} given twice for task '{name}'")
         if not Path(path).exists():
             raise FileNotFoundError(f"{flag}: {path} (task '{name}') does not exist")
-        out[name] = path
+        out.setdefault(name, []).append(path)
     return out
 
 

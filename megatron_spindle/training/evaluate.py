@@ -98,14 +98,14 @@ class DatasetRange:
 
 
 def split_datasets(workload: Workload, train: dict[str, TaskDataset], args: argparse.Namespace,
-                   valid_paths: dict[str, str]) -> tuple[dict[str, TaskDataset], dict[str, TaskDataset]]:
+                   valid_paths: dict[str, list[str]]) -> tuple[dict[str, TaskDataset], dict[str, TaskDataset]]:
     """(training datasets after --split, validation datasets; empty without validation)."""
-    from megatron_spindle.data.datasets import ShardedTaskDataset
+    from megatron_spindle.data.datasets import open_task_dataset
 
     split = parse_split(args.split)
     enabled = validation_config(args).enabled
     # validation shards decode like the training shards (the entry point's tokenizers and processors)
-    prep = next((d.preprocessing for d in train.values() if isinstance(d, ShardedTaskDataset)), None)
+    prep = next((d.preprocessing for d in train.values() if getattr(d, "preprocessing", None) is not None), None)
     out_train, valid = dict(train), {}
     for t, ds in train.items():
         n = len(ds)
@@ -118,7 +118,7 @@ def split_datasets(workload: Workload, train: dict[str, TaskDataset], args: argp
             if i2 > i1:
                 valid[t] = DatasetRange(ds, i1, i2)
         if t in valid_paths:
-            valid[t] = ShardedTaskDataset(workload, t, valid_paths[t], prep)
+            valid[t] = open_task_dataset(workload, t, valid_paths[t], prep)
         elif enabled and t not in valid and isinstance(ds, MockTaskDataset):
             unseen = MockTaskDataset(workload, t, 2 * ds.size, ds.seed)  # samples size .. 2*size: never trained on
             valid[t] = DatasetRange(unseen, ds.size, 2 * ds.size)

@@ -14,11 +14,13 @@ from PIL import Image
 from script_loader import load_script
 
 from megatron_spindle.data.datasets import (
+    ConcatTaskDataset,
     MockTaskDataset,
     MultiTaskDataLoader,
     ShardedTaskDataset,
     build_datasets,
     collate,
+    open_task_dataset,
     read_batch,
     task_fields,
 )
@@ -536,3 +538,29 @@ def test_webdataset_shards_build_the_same_dataset_as_a_folder(clip, tmp_path, ca
     fails(mapped, "00002.tar:s001.png: sample 's001' appears twice")
     (wds / "notes.md").write_text("x")
     fails(mapped, "holds both .tar shards and other files (notes.md)")
+
+
+def test_parts_built_separately_read_as_one_dataset(clip, tmp_path):
+    """A task given several shard folders (parts of a corpus built at once, one build per part) reads them in
+    order as one dataset: the samples of one build of the whole, the loader's batches too."""
+    raw = tmp_path / "raw"
+    _write_raw(raw, n=7)
+    parts = [tmp_path / "p0", tmp_path / "p1"]
+    for part in parts + [tmp_path / "whole"]:
+        part.with_name(part.name + "_raw").mkdir()
+    for p in raw.iterdir():
+        if ".vision." in p.name or ".text." in p.name:  # samples 0-3 in part 0, 4-6 in part 1
+            for folder in ("whole_raw", "p1_raw" if int(p.name[1:4]) >= 4 else "p0_raw"):
+                shutil.copy(p, tmp_path / folder / p.name)
+    for out in parts + [tmp_path / "whole"]:
+        build_multitask_dataset.main(["--input", str(out.with_name(out.name + "_raw")), "--output", str(out),
+                                      "--quiet"])
+    joined = open_task_dataset(clip, "vision_text", [str(p) for p in parts])
+    whole = open_task_dataset(clip, "vision_text", tmp_path / "whole")
+    assert isinstance(joined, ConcatTaskDataset) and isinstance(whole, ShardedTaskDataset)
+    assert len(joined) == len(whole) == 7 and [len(p) for p in joined.parts] == [4, 3]
+    for i in range(7):
+        assert all(torch.equal(joined[i][m], whole[i][m]) for m in ("vision", "text"))
+    assert list(joined.get(5, ["text"])) == ["text"]
+    with pytest.raises(IndexError):
+        joined.get(7)

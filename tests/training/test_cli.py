@@ -68,6 +68,7 @@ def test_bad_data_paths(capsys, tmp_path):
     # several after one flag, as Megatron-LM takes them (the same check of every path), and its blend weights
     _fails(capsys, BASE + ["--data-path", *paths[:3], "--data-path", paths[3]], "has no index.json")
     _fails(capsys, BASE + ["--data-path", *paths[:2]], "no --data-path for task(s) ['vision_text', 'audio_depth']")
+    _fails(capsys, BASE + ["--data-path", *paths, paths[0]], f"{tmp_path} given twice for task 'text_audio'")
     _fails(capsys, BASE + ["--data-path", "0.5", paths[0]], "'0.5' is not TASK=PATH (Megatron-LM's blend weights: "
                                                            "give --task-sampling-weights)")
 
