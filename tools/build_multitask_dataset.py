@@ -6,10 +6,14 @@ module the file feeds (WebDataset naming), e.g.::
 
     raw/0001.vision.jpg  raw/0001.text.txt  raw/0002.vision.jpg  raw/0002.text.txt ...
 
-or --input is WebDataset tar shards (a .tar, or a folder of them, as img2dataset writes): members
+or --input is WebDataset tar shards (.tar files, or folders of them, as img2dataset writes): members
 ``<key>.<suffix>``, a sample's files adjacent, read as streams. --field-map SUFFIX=FIELD names the field of each
 suffix (``--field-map jpg=vision txt=text``; members of other suffixes, such as ``json``, are left out); without
 it the suffixes must be ``<field>.<ext>``.
+
+A large corpus builds faster in parts at once (each build checks every sample on one core: 1.2 ms per image), one
+build per range of shards, e.g. ``--input shards/000{0..4}*.tar --output vt/part0``; training reads a task's
+parts in order as one dataset: ``--data-path vision_text=vt/part0 vision_text=vt/part1 ...``.
 
 Extensions: .jpg/.jpeg/.png/.bmp/.webp (Pillow), .wav (PCM), .txt (UTF-8), .npy. With --workload and --task every
 sample is decoded once as training will decode it (resized image, log-mel features, tokens; with the same
@@ -42,8 +46,8 @@ from megatron_spindle.errors import exit_on_user_error
 
 def add_input_args(parser):
     g = parser.add_argument_group("input")
-    g.add_argument("--input", required=True, help="Folder of raw files named <key>.<field>.<ext>, or WebDataset "
-                                                  ".tar shards (a .tar or a folder of them).")
+    g.add_argument("--input", required=True, nargs="+", help="Folder of raw files named <key>.<field>.<ext>, or "
+                   "WebDataset .tar shards (.tar files and folders of them, read in the order given).")
     g.add_argument("--workload", default=None, help="Workload YAML or built-in name: check fields and decoding.")
     g.add_argument("--task", default=None, help="The task of --workload the data is for.")
     g.add_argument("--field-map", action="extend", nargs="+", default=[], metavar="SUFFIX=FIELD",
@@ -69,14 +73,17 @@ def raw_samples(args):
     from megatron_spindle.data.shards import DatasetError
     from megatron_spindle.data.sources import folder_samples, parse_field_map, tar_samples, tar_shards
 
-    root = Path(args.input)
     field_map = parse_field_map(args.field_map)
-    shards = tar_shards(root)
-    if shards is None:
+    found = [(Path(p), tar_shards(Path(p))) for p in args.input]
+    folders = [p for p, shards in found if shards is None]
+    if folders:
+        if len(args.input) > 1:
+            raise DatasetError(f"--input {folders[0]} is a folder of raw files: give one such folder, or only "
+                               ".tar shards and folders of them")
         if field_map:
-            raise DatasetError(f"--field-map is for WebDataset .tar input; {root} is a folder of raw files")
-        return folder_samples(root)
-    return None, tar_samples(shards, field_map)
+            raise DatasetError(f"--field-map is for WebDataset .tar input; {folders[0]} is a folder of raw files")
+        return folder_samples(folders[0])
+    return None, tar_samples([s for _, shards in found for s in shards], field_map)
 
 
 def stored_fields(names, fields, task) -> set[str]:

@@ -516,10 +516,14 @@ def test_webdataset_shards_build_the_same_dataset_as_a_folder(clip, tmp_path, ca
     assert [a.reader.key(i) for i in range(5)] == [b.reader.key(i) for i in range(5)] == [f"s{i:03d}" for i in range(5)]
     for i in range(5):
         assert all(torch.equal(a[i][m], b[i][m]) for m in ("vision", "text"))
-    # one shard as --input; the mistakes, by name
+    # shards named one by one (a part of the corpus: here its second shard alone), then the mistakes, by name
     one = ["--input", str(wds / "00001.tar"), "--output", str(tmp_path / "c")]
     build_multitask_dataset.main([*one, "--field-map", "png=vision,txt=text", *common])
     assert len(ShardedTaskDataset(clip, "vision_text", tmp_path / "c")) == 2
+    build_multitask_dataset.main(["--input", str(wds / "00000.tar"), str(wds / "00001.tar"), "--output",
+                                  str(tmp_path / "e"), "--field-map", "png=vision", "txt=text", *common])
+    e = ShardedTaskDataset(clip, "vision_text", tmp_path / "e")
+    assert len(e) == 5 and all(torch.equal(e[4][m], b[4][m]) for m in ("vision", "text"))
     d = ["--output", str(tmp_path / "d")]
 
     def fails(argv, words):
@@ -531,6 +535,7 @@ def test_webdataset_shards_build_the_same_dataset_as_a_folder(clip, tmp_path, ca
     fails([*one[:2], *common], "is not <key>.<field>.<ext> (give --field-map")
     fails([*one[:2], "--field-map", "png"], "'png' is not SUFFIX=FIELD")
     fails(["--input", str(folder), "--field-map", "png=vision"], "--field-map is for WebDataset .tar input")
+    fails(["--input", str(folder), str(wds / "00000.tar")], "is a folder of raw files: give one such folder")
     mapped = ["--input", str(wds), "--field-map", "png=vision", "txt=text"]
     _tar(wds / "00002.tar", members(["s005"], skip=("s005.txt",)))
     fails([*mapped, *common], "sample 's005' has fields ['vision'], expected ['text', 'vision']")
