@@ -27,7 +27,9 @@ import os
 import tarfile
 import threading
 from array import array
-from collections.abc import Collection
+from collections import OrderedDict
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,11 +208,15 @@ def _read_table(root: Path, index: dict, num_fields: int) -> np.ndarray:
 
 class ShardReader:
     """Random access to the raw bytes of sample i: ``{field: (ext, bytes)}``. Opens shard files lazily and reads
-    with ``os.pread`` (no shared file position), so several threads may read at once."""
+    with ``os.pread`` (no shared file position), so several threads may read at once. At most ``max_open`` shard
+    files stay open (the least recently used idle one is closed): a sampler visits every shard of a large dataset,
+    and one descriptor per shard ran into the process's limit (1024 by default) past about a thousand shards."""
 
-    def __init__(self, index: ShardIndex):
-        self.index = index
-        self._fds: dict[int, int] = {}
+    MAX_OPEN = 64
+
+    def __init__(self, index: ShardIndex, max_open: int = MAX_OPEN):
+        self.index, self.max_open = index, max_open
+        self._open: OrderedDict[int, list[int]] = OrderedDict()  # shard -> [descriptor, reads in flight]
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -222,41 +228,61 @@ class ShardReader:
             return self.index.keys[i]
         shard, where = self.index.location(i)
         offset = min(o for o, _ in where.values())
-        header = os.pread(self._fd(shard), tarfile.BLOCKSIZE, offset - tarfile.BLOCKSIZE)
+        with self._file(shard) as fd:
+            header = os.pread(fd, tarfile.BLOCKSIZE, offset - tarfile.BLOCKSIZE)
         try:
             return split_member(tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape").name)[0]
         except (tarfile.TarError, DatasetError):
             return f"#{i}"
 
-    def _fd(self, shard: int) -> int:
+    @contextmanager
+    def _file(self, shard: int) -> Iterator[int]:
+        """The shard's descriptor, open (and not closed by another thread) while in use."""
         with self._lock:
-            fd = self._fds.get(shard)
-            if fd is None:
-                fd = self._fds[shard] = os.open(self.index.root / self.index.shards[shard]["file"], os.O_RDONLY)
-            return fd
+            entry = self._open.get(shard)
+            if entry is None:
+                entry = self._open[shard] = [os.open(self.index.root / self.index.shards[shard]["file"],
+                                                     os.O_RDONLY), 0]
+            self._open.move_to_end(shard)
+            entry[1] += 1
+        try:
+            yield entry[0]
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                self._close_idle()
+
+    def _close_idle(self) -> None:
+        for shard in list(self._open):  # least recently used first
+            if len(self._open) <= self.max_open:
+                return
+            fd, users = self._open[shard]
+            if not users:
+                os.close(fd)
+                del self._open[shard]
 
     def read(self, i: int, fields: Collection[str] | None = None) -> dict[str, tuple[str, bytes]]:
         """Sample i's fields (``fields`` alone when given: the others' bytes are not read)."""
         shard, where = self.index.location(i)
-        fd = self._fd(shard)
         out = {}
-        for field, (offset, size) in where.items():
-            if fields is not None and field not in fields:
-                continue
-            data = os.pread(fd, size, offset)
-            if len(data) != size:
-                raise DatasetError(f"{self.index.root}: sample '{self.key(i)}' field '{field}' is cut short")
-            out[field] = (self.index.fields[field], data)
+        with self._file(shard) as fd:
+            for field, (offset, size) in where.items():
+                if fields is not None and field not in fields:
+                    continue
+                data = os.pread(fd, size, offset)
+                if len(data) != size:
+                    raise DatasetError(f"{self.index.root}: sample '{self.key(i)}' field '{field}' is cut short")
+                out[field] = (self.index.fields[field], data)
         return out
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
+            for fd, _ in self._open.values():
                 os.close(fd)
-            self._fds.clear()
+            self._open.clear()
 
     def __getstate__(self):  # picklable for worker processes: reopen lazily
-        return {"index": self.index}
+        return {"index": self.index, "max_open": self.max_open}
 
     def __setstate__(self, state):
-        self.__init__(state["index"])
+        self.__init__(state["index"], state["max_open"])

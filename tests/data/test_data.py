@@ -1,6 +1,7 @@
 import copy
 import io
 import json
+import os
 import shutil
 import tarfile
 import threading
@@ -569,3 +570,30 @@ def test_parts_built_separately_read_as_one_dataset(clip, tmp_path):
     assert list(joined.get(5, ["text"])) == ["text"]
     with pytest.raises(IndexError):
         joined.get(7)
+
+
+def test_a_dataset_of_many_shards_stays_within_the_open_file_limit(tmp_path):
+    """A sampler visits every shard of a large dataset; the reader keeps at most ``MAX_OPEN`` of them open (it
+    held one descriptor per shard and failed with 'Too many open files' past the process's limit), also with
+    several threads reading at once."""
+    import resource
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_spindle.data.shards import ShardReader, ShardWriter, read_index
+
+    writer = ShardWriter(tmp_path / "many", samples_per_shard=1)
+    for i in range(200):
+        writer.write(f"k{i:04d}", {"text": ("txt", f"caption {i}".encode())})
+    writer.close()
+    reader = ShardReader(read_index(tmp_path / "many"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + ShardReader.MAX_OPEN + 20, hard))  # < 200 more
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda i: reader.read(i)["text"][1], range(200)))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert got == [f"caption {i}".encode() for i in range(200)]
+    assert len(reader._open) <= ShardReader.MAX_OPEN and reader.key(3) == "k0003"
+    reader.close()
