@@ -11,9 +11,11 @@ or --input is WebDataset tar shards (.tar files, or folders of them, as img2data
 suffix (``--field-map jpg=vision txt=text``; members of other suffixes, such as ``json``, are left out); without
 it the suffixes must be ``<field>.<ext>``.
 
-A large corpus builds faster in parts at once (each build checks every sample on one core: 1.2 ms per image), one
-build per range of shards, e.g. ``--input shards/000{0..4}*.tar --output vt/part0``; training reads a task's
-parts in order as one dataset: ``--data-path vision_text=vt/part0 vision_text=vt/part1 ...``.
+--workers N checks the samples on N processes (as Megatron-LM's preprocess_data.py --workers), one core each, the
+shards the same as with one; it pays where decoding is single-threaded (Pillow's JPEG decoding) and cores are
+many. A large corpus also builds in parts at once, one build per range of shards, e.g. ``--input
+shards/000{0..4}*.tar --output vt/part0``; training reads a task's parts in order as one dataset:
+``--data-path vision_text=vt/part0 vision_text=vt/part1 ...``.
 
 Extensions: .jpg/.jpeg/.png/.bmp/.webp (Pillow), .wav (PCM), .txt (UTF-8), .npy. With --workload and --task every
 sample is decoded once as training will decode it (resized image, log-mel features, tokens; with the same
@@ -61,6 +63,9 @@ def add_output_args(parser):
     g.add_argument("--output", required=True, help="Dataset folder to write (index.json, samples.npy, shard-*.tar).")
     g.add_argument("--samples-per-shard", type=int, default=1000, help="Samples per tar shard.")
     g.add_argument("--overwrite", action="store_true", help="Replace an existing dataset at --output.")
+    g.add_argument("--workers", type=int, default=1,
+                   help="Processes that check (decode) the samples in parallel, as Megatron-LM's "
+                        "preprocess_data.py --workers; the shards are the same as with one.")
     g.add_argument("--store-decoded", nargs="*", metavar="FIELD", default=None,
                    help="Store these fields (every field without names) decoded, as the front end's input in .npy, "
                         "so training loads arrays instead of decoding them every time (needs --workload, --task).")
@@ -96,6 +101,21 @@ def stored_fields(names, fields, task) -> set[str]:
     if unknown:
         raise DatasetError(f"--store-decoded: task '{task}' has no field(s) {unknown} (its fields: {sorted(fields)})")
     return set(names or fields)
+
+
+def with_fields(samples, want: list[str] | None, task: str | None):
+    """The samples, each checked to have the task's fields (without a task: the first sample's)."""
+    from megatron_spindle.data.shards import DatasetError
+
+    first = None
+    for key, files in samples:
+        if want is None:
+            first, want = key, sorted(files)
+        if sorted(files) != want:
+            raise DatasetError(f"sample '{key}' has fields {sorted(files)}, expected {want}"
+                               + (f" (the front ends of task '{task}')" if first is None else
+                                  f" (as sample '{first}')"))
+        yield key, files
 
 
 class BuildProgress:
@@ -134,9 +154,14 @@ def main(argv=None, extra_args_provider=None):
         parser.error("--store-decoded needs --workload and --task (the front ends' decoding)")
     if args.samples_per_shard <= 0:
         parser.error(f"--samples-per-shard must be positive, got {args.samples_per_shard}")
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
+    if args.workers > 1 and args.workload is None:
+        parser.error("--workers checks samples in parallel: it needs --workload and --task (nothing is decoded "
+                     "without them)")
     with exit_on_user_error():
-        from megatron_spindle.data.datasets import decode_field, task_fields
-        from megatron_spindle.data.decode import DecodeError, encode_npy
+        from megatron_spindle.data.build import checked_samples
+        from megatron_spindle.data.datasets import task_fields
         from megatron_spindle.data.shards import INDEX_FILE, DatasetError, ShardWriter
         from megatron_spindle.graph.workload import load_workload
 
@@ -145,7 +170,6 @@ def main(argv=None, extra_args_provider=None):
             raise DatasetError(f"output {out} already exists (give --overwrite to replace it)")
         n, samples = raw_samples(args)
         fields = None
-        workload = preprocessing = None
         if args.workload:
             workload = load_workload(args.workload)
             try:
@@ -156,31 +180,20 @@ def main(argv=None, extra_args_provider=None):
             fields = task_fields(workload, args.task)
             from megatron_spindle.data.preprocess import preprocessing_from_args
 
-            preprocessing = preprocessing_from_args(args, workload)
+            preprocessing_from_args(args, workload)  # its flags' mistakes now, before any sample
         stored = stored_fields(args.store_decoded, fields, args.task)
-        want = first = None
+        samples = with_fields(samples, sorted(fields) if fields is not None else None, args.task)
+        if fields is not None:
+            samples = checked_samples(samples, args, stored, args.workers)
+        else:
+            samples = ((key, {f: (r.ext, r.data) for f, r in files.items()}) for key, files in samples)
         tmp = out.with_name(f".{out.name}.building")
         if tmp.exists():
             shutil.rmtree(tmp)
         writer = ShardWriter(tmp, args.samples_per_shard)
         progress = BuildProgress(n, args.quiet)
         try:
-            for key, files in samples:
-                if want is None:
-                    first, want = key, sorted(fields) if fields is not None else sorted(files)
-                if sorted(files) != want:
-                    raise DatasetError(f"sample '{key}' has fields {sorted(files)}, expected {want}"
-                                       + (f" (the front ends of task '{args.task}')" if fields else
-                                          f" (as sample '{first}')"))
-                raw = {f: (r.ext, r.data) for f, r in files.items()}
-                if fields is not None:
-                    for f, (ext, data) in raw.items():
-                        try:
-                            x = decode_field(workload, fields[f], ext, data, preprocessing)
-                        except DecodeError as e:
-                            raise DatasetError(f"{files[f].name}: {e}") from None
-                        if f in stored:
-                            raw[f] = ("npy", encode_npy(x))
+            for key, raw in samples:
                 writer.write(key, raw)
                 progress.sample(len(writer.shards))
             writer.close()

@@ -597,3 +597,29 @@ def test_a_dataset_of_many_shards_stays_within_the_open_file_limit(tmp_path):
     assert got == [f"caption {i}".encode() for i in range(200)]
     assert len(reader._open) <= ShardReader.MAX_OPEN and reader.key(3) == "k0003"
     reader.close()
+
+
+@pytest.mark.multiproc
+def test_build_workers_write_the_same_shards(tmp_path, capsys):
+    """--workers 2 (spawned processes, as Megatron-LM's preprocess_data.py --workers) checks and encodes the
+    samples in parallel: the same shards and index, byte for byte, as one process; a bad file found by a worker is
+    named and nothing is written."""
+    raw = tmp_path / "raw"
+    _write_raw(raw, n=9)
+    for p in raw.glob("*"):
+        if ".depth." in p.name or ".audio." in p.name:
+            p.unlink()
+    common = ["--workload", "tiny-clip", "--task", "vision_text", "--quiet", "--store-decoded", "text",
+              "--samples-per-shard", "4"]
+    for workers in (1, 2):
+        build_multitask_dataset.main(["--input", str(raw), "--output", str(tmp_path / f"w{workers}"),
+                                      "--workers", str(workers), *common])
+    one, two = tmp_path / "w1", tmp_path / "w2"
+    assert sorted(p.name for p in one.iterdir()) == sorted(p.name for p in two.iterdir())
+    assert all((one / p.name).read_bytes() == (two / p.name).read_bytes() for p in one.iterdir())
+    (raw / "s006.vision.png").write_bytes(b"not a png")
+    with pytest.raises(SystemExit):
+        build_multitask_dataset.main(["--input", str(raw), "--output", str(tmp_path / "bad"), "--workers", "2",
+                                      *common])
+    assert "s006.vision.png: not a readable image" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists() and not any(p.name.startswith(".bad") for p in tmp_path.iterdir())
