@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from megatron_spindle.data.datasets import MockTaskDataset, TaskDataset, read_batch
@@ -133,14 +134,22 @@ def split_datasets(workload: Workload, train: dict[str, TaskDataset], args: argp
 
 class ValidationBatches:
     """``batch_fn(workload, task, k, seed)`` -> validation batch k of the task (the engine's batch signature);
-    ``needs``: of each task, what this rank reads (the engine's ``batch_needs``; data/datasets.py read_batch)."""
+    ``needs``: of each task, what this rank reads (the engine's ``batch_needs``; data/datasets.py read_batch).
+    With ``num_workers`` (--num-workers) threads decode a batch's samples in parallel, as in training."""
 
-    def __init__(self, datasets: dict[str, TaskDataset]):
+    def __init__(self, datasets: dict[str, TaskDataset], num_workers: int = 0):
         self.datasets = datasets
+        self.pool = ThreadPoolExecutor(num_workers, thread_name_prefix="valid-data") if num_workers else None
 
     def batch_fn(self, workload: Workload, task: str, k: int, seed: int = 0, needs: dict | None = None):
         ds, b = self.datasets[task], workload.task(task).batch_size
-        return read_batch(workload, task, ds, [(k * b + j) % len(ds) for j in range(b)], (needs or {}).get(task))
+        return read_batch(workload, task, ds, [(k * b + j) % len(ds) for j in range(b)], (needs or {}).get(task),
+                          self.pool)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
 
 
 @dataclass(frozen=True)

@@ -387,7 +387,7 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
     monitor = TrainingMonitor(args, sets.base, info.rank, info.world_size, print_rank_0)
     monitor.attach(phase)
     valid = validation_config(args)
-    batches = ValidationBatches(valid_datasets) if valid.enabled else None
+    batches = ValidationBatches(valid_datasets, args.num_workers) if valid.enabled else None
     last_saved = None
     changes = set(sets.schedule.boundaries(start, args.train_iters))
     lr, weights = 0.0, {}
@@ -440,6 +440,8 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
     finally:
         profiler.stop()
         monitor.close()
+        if batches is not None:
+            batches.close()
     if info.rank == 0:
         where = [f"checkpoints: {args.save}"] if args.save else []
         where += [f"plan picture: {gantt}"] if gantt else []

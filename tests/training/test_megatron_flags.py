@@ -88,7 +88,8 @@ def test_validation_logging_and_checkpoint_flags(tmp_path, capsys, monkeypatch, 
     assert samples_per_s == pytest.approx(24 / (ms / 1e3), rel=0.02)  # 24 samples per iteration
     assert "(min, max) time across ranks (ms):" in out and "    forward-backward ....." in out
     assert "measured wave time forward/backward (ms): w0=" in out
-    # validation after every iteration, equal to the reference with the saved weights on the unseen batches
+    # validation after every iteration, equal to the reference with the saved weights on the unseen batches (the
+    # trainer decodes them on its --num-workers threads, 2 by default; the reference's batches on none)
     w = load_workload("tiny-clip")
     ref = ReferenceModel(w)
     _, weights = _weights(a)
