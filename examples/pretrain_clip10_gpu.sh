@@ -6,6 +6,10 @@
 #       [--data-path TASK=PATH ...] [extra pretrain_multitask.py flags]
 #
 # Without --data-path flags it trains on mock data. Flags given on the command line come last and override.
+# Real data: a rank decodes the rows of the front ends it runs, and the planner puts each light front end on one
+# or two GPUs, so those ranks decode a task's whole batch of audio (15 ms of log-mel per CLIP clip on one core):
+# build the audio tasks' shards with `tools/build_multitask_dataset.py --store-decoded audio`, or give those
+# ranks threads with --num-workers N (benchmarks/data_reads.py prints the decoding per rank).
 #
 # Environment: GPUS_PER_NODE (8), NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (6000), GPU_TYPE (A800-80GB),
 # CHECKPOINT_PATH, TENSORBOARD_LOGS_PATH, PRECISION (bf16 | fp16 | fp32; default bf16 when a GPU is visible,
