@@ -30,6 +30,18 @@ def cell(text: str) -> tuple[str, int]:
     return name, int(gpus)
 
 
+def plan_cell(name: str, gpus: int, planner: str):
+    """The plan of a cell as tools/plan.py makes it (autoplan with ``planner`` configured, on ``gpus`` A800s in
+    nodes of 8), announced on stderr."""
+    from megatron_spindle.autoplan import autoplan
+    from megatron_spindle.graph.cluster import make_cluster
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.planner.pipeline import PlannerConfig
+
+    print(f"  planning {name} / {gpus} ({planner}) ...", file=sys.stderr, flush=True)
+    return autoplan(load_workload(name), make_cluster(gpus), PlannerConfig(planner=planner)).plan
+
+
 def add_output_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("output")
     where = g.add_mutually_exclusive_group()

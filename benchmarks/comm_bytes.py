@@ -34,17 +34,16 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from bench_output import Recording, add_output_args, cell
+from bench_output import Recording, add_output_args, cell, plan_cell
 
-from megatron_spindle.autoplan import autoplan
 from megatron_spindle.estimator import AnalyticCostModel
-from megatron_spindle.graph.cluster import ClusterSpec, make_cluster
+from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.plan.buckets import regathered_groups
 from megatron_spindle.plan.schema import Plan
 from megatron_spindle.plan.tp_shards import base_unit, runtime_groups, unit_rings
-from megatron_spindle.planner.pipeline import PLANNERS, PlannerConfig
+from megatron_spindle.planner.pipeline import PLANNERS
 from megatron_spindle.simulator.grad_sync import group_infos, param_gathers, plan_buckets
 
 DEFAULT_CELLS = (("qwen-val", 32), ("qwen-val-70b", 256))
@@ -124,11 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, KeyError) as e:
             parser.error(f"--plan {args.plan}: {e}")
     else:
-        plans = []
-        for name, gpus in args.cells or DEFAULT_CELLS:
-            print(f"  planning {name} / {gpus} ({args.planner}) ...", file=sys.stderr, flush=True)
-            plans.append((name, autoplan(load_workload(name), make_cluster(gpus), PlannerConfig(
-                planner=args.planner)).plan))
+        plans = [(name, plan_cell(name, gpus, args.planner)) for name, gpus in args.cells or DEFAULT_CELLS]
     record = Recording(args, "comm_bytes")
     print("GB per gradient round (nccl-tests bus bytes), the runtime's busiest device and all devices together: "
           "simulator charges | runtime's layout moves")

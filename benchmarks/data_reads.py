@@ -24,16 +24,14 @@ import time
 import wave
 
 import numpy as np
-from bench_output import Recording, add_output_args, cell
+from bench_output import Recording, add_output_args, cell, plan_cell
 
-from megatron_spindle.autoplan import autoplan
 from megatron_spindle.data.datasets import decode_field, task_fields
 from megatron_spindle.data.decode import encode_npy
-from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.workload import Workload, load_workload
 from megatron_spindle.models.operator import batch_fields
 from megatron_spindle.plan.schema import Plan
-from megatron_spindle.planner.pipeline import PLANNERS, PlannerConfig
+from megatron_spindle.planner.pipeline import PLANNERS
 from megatron_spindle.runtime.layout import batch_needs
 
 DEFAULT_CELLS = (("clip-10", 32), ("ofasys-7", 32), ("qwen-val", 32))
@@ -114,8 +112,7 @@ def rank_reads(plan: Plan, workload: Workload) -> list[tuple[dict, dict]]:
 def cell_row(name: str, gpus: int, planner: str) -> dict:
     """The numbers of one cell (the samples of a rank are sample-fields; seconds as the module says)."""
     workload = load_workload(name)
-    print(f"  planning {name} / {gpus} ({planner}) ...", file=sys.stderr, flush=True)
-    plan = autoplan(workload, make_cluster(gpus), PlannerConfig(planner=planner)).plan
+    plan = plan_cell(name, gpus, planner)
     cost, stored = decode_seconds(workload)
     ranks = {"whole": [], "own": [], "own_stored": []}
     for whole, own in rank_reads(plan, workload):
