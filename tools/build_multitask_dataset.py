@@ -160,7 +160,7 @@ def main(argv=None, extra_args_provider=None):
         parser.error("--workers checks samples in parallel: it needs --workload and --task (nothing is decoded "
                      "without them)")
     with exit_on_user_error():
-        from megatron_spindle.data.build import checked_samples
+        from megatron_spindle.data.build import SampleCheck, checked_samples
         from megatron_spindle.data.datasets import task_fields
         from megatron_spindle.data.shards import INDEX_FILE, DatasetError, ShardWriter
         from megatron_spindle.graph.workload import load_workload
@@ -169,7 +169,7 @@ def main(argv=None, extra_args_provider=None):
         if out.exists() and not args.overwrite:
             raise DatasetError(f"output {out} already exists (give --overwrite to replace it)")
         n, samples = raw_samples(args)
-        fields = None
+        check = None
         if args.workload:
             workload = load_workload(args.workload)
             try:
@@ -177,14 +177,14 @@ def main(argv=None, extra_args_provider=None):
             except KeyError:
                 raise DatasetError(f"workload '{workload.name}' has no task '{args.task}' "
                                    f"(tasks: {[t.name for t in workload.tasks]})") from None
-            fields = task_fields(workload, args.task)
             from megatron_spindle.data.preprocess import preprocessing_from_args
 
-            preprocessing_from_args(args, workload)  # its flags' mistakes now, before any sample
-        stored = stored_fields(args.store_decoded, fields, args.task)
-        samples = with_fields(samples, sorted(fields) if fields is not None else None, args.task)
-        if fields is not None:
-            samples = checked_samples(samples, args, stored, args.workers)
+            fields = task_fields(workload, args.task)
+            check = SampleCheck(workload, args.task, preprocessing_from_args(args, workload),
+                                stored_fields(args.store_decoded, fields, args.task))
+        samples = with_fields(samples, sorted(check.fields) if check else None, args.task)
+        if check is not None:
+            samples = checked_samples(samples, check, args, args.workers)
         else:
             samples = ((key, {f: (r.ext, r.data) for f, r in files.items()}) for key, files in samples)
         tmp = out.with_name(f".{out.name}.building")

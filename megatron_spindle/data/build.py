@@ -12,25 +12,32 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 
+from megatron_spindle.data.preprocess import Preprocessing
 from megatron_spindle.data.sources import RawFile
+from megatron_spindle.graph.workload import Workload
 
 SampleIn = tuple[str, dict[str, RawFile]]
 WINDOW_PER_WORKER = 8  # samples in flight per worker: enough to keep it busy, few enough to bound the memory
 
 
 class SampleCheck:
-    """Decodes a sample's fields for ``task`` of ``workload`` with ``args``' preprocessing flags; returns the
-    fields ``stored`` names as .npy (the others are stored as they came)."""
+    """Decodes a sample's fields for ``task`` of ``workload`` with ``preprocessing``; returns the fields ``stored``
+    names as .npy (the others are stored as they came)."""
 
-    def __init__(self, args: argparse.Namespace, stored: set[str]):
+    def __init__(self, workload: Workload, task: str, preprocessing: Preprocessing, stored: set[str]):
         from megatron_spindle.data.datasets import task_fields
+
+        self.workload, self.preprocessing, self.stored = workload, preprocessing, stored
+        self.fields = task_fields(workload, task)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, stored: set[str]) -> SampleCheck:
+        """The check of the build tool's --workload, --task and preprocessing flags (each worker makes its own)."""
         from megatron_spindle.data.preprocess import preprocessing_from_args
         from megatron_spindle.graph.workload import load_workload
 
-        self.workload = load_workload(args.workload)
-        self.fields = task_fields(self.workload, args.task)
-        self.preprocessing = preprocessing_from_args(args, self.workload)
-        self.stored = stored
+        workload = load_workload(args.workload)
+        return cls(workload, args.task, preprocessing_from_args(args, workload), stored)
 
     def __call__(self, files: dict[str, RawFile]) -> dict[str, tuple[str, bytes]]:
         from megatron_spindle.data.datasets import decode_field
@@ -56,24 +63,24 @@ def _start_worker(args: argparse.Namespace, stored: set[str]) -> None:
     import torch
 
     torch.set_num_threads(1)  # the workers are the parallelism: each of its own core, not all of them each
-    _worker_check = SampleCheck(args, stored)
+    _worker_check = SampleCheck.from_args(args, stored)
 
 
 def _check_in_worker(files: dict[str, RawFile]) -> dict[str, tuple[str, bytes]]:
     return _worker_check(files)
 
 
-def checked_samples(samples: Iterator[SampleIn], args: argparse.Namespace, stored: set[str],
+def checked_samples(samples: Iterator[SampleIn], check: SampleCheck, args: argparse.Namespace,
                     workers: int) -> Iterator[tuple[str, dict[str, tuple[str, bytes]]]]:
-    """Each sample as it is stored, ``{field: (ext, bytes)}``, in order, checked in this process
-    (``workers`` <= 1) or on ``workers`` processes. A check's error is raised here."""
+    """Each sample as it is stored, ``{field: (ext, bytes)}``, in order, checked by ``check`` in this process
+    (``workers`` <= 1) or on ``workers`` processes, each making its own from ``args``. A check's error is raised
+    here."""
     if workers <= 1:
-        check = SampleCheck(args, stored)
         for key, files in samples:
             yield key, _as_stored(files, check(files))
         return
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_start_worker, initargs=(args, stored))
+                               initializer=_start_worker, initargs=(args, check.stored))
     window: deque = deque()
     try:
         for key, files in samples:

@@ -220,18 +220,19 @@ def collate(workload: Workload, task: str, samples: list[dict[str, torch.Tensor]
 
 
 def read_batch(workload: Workload, task: str, dataset: TaskDataset, indices: Sequence[int],
-               need: BatchNeed | None = None, pool: ThreadPoolExecutor | None = None) -> TaskBatch:
+               need: BatchNeed | None = None, pool: ThreadPoolExecutor | None = None,
+               pin: bool = False) -> TaskBatch:
     """The task's global batch of samples ``indices`` (row r is sample ``indices[r]``), or the part of it ``need``
     names: only the rows and fields a rank reads are decoded (each row once, with the fields it is read for; on
     ``pool``'s threads when given), and the batch holds those rows (``TaskBatch.rows``). The dataset's
-    ``label_ids`` (its tokenizer's padding) mark the LM labels to ignore."""
+    ``label_ids`` (its tokenizer's padding) mark the LM labels to ignore. ``pin``: in page-locked memory."""
     read = BatchRead(workload, task, dataset, indices, need)
     if pool is None:
-        return read.stack(read.decode(read.rows))
+        return read.stack(read.decode(read.rows), pin)
     samples: dict[int, dict[str, torch.Tensor]] = {}
     for part in pool.map(read.decode, [[r] for r in read.rows]):
         samples.update(part)
-    return read.stack(samples)
+    return read.stack(samples, pin)
 
 
 class BatchRead:
@@ -342,8 +343,8 @@ class MultiTaskDataLoader:
         self._needs = dict(needs)
 
     def _collate(self, task: str, indices: list[int]) -> TaskBatch:
-        batch = read_batch(self.workload, task, self.datasets[task], indices, self._needs.get(task), self._pool)
-        return batch.pin_memory() if self.pin_memory else batch
+        return read_batch(self.workload, task, self.datasets[task], indices, self._needs.get(task), self._pool,
+                          self.pin_memory)
 
     def advance(self) -> MixedBatch:
         self.current = self.sampler.next()
