@@ -41,7 +41,8 @@ class ValidationConfig:
 def add_validation_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = add_flags(parser.add_argument_group("validation"), ValidationConfig)
     g.add_argument("--valid-data-path", action="extend", nargs="+", default=[], metavar="TASK=PATH",
-                   help="Validation tar shards of a task (as --data-path), one TASK=PATH per task. Tasks without one "
+                   help="Validation tar shards of a task, TASK=PATH as --data-path takes them (several folders of a "
+                        "task read as one). Tasks without one "
                         "validate on the --split share of their training data (mock data: unseen mock samples).")
     g.add_argument("--split", default=None, metavar="TRAIN,VALID[,TEST]",
                    help="Proportions of each task's training data used for training, validation and test, e.g. "

@@ -107,6 +107,7 @@ def check_shared_folder(path: str | None, flag: str, rank: int, world_size: int)
     if e:
         raise on_every_rank(ValueError(f"rank {r} (host {hosts[r]}): {e}"))
     others = ", ".join(f"{x} (host {hosts[x]})" for x in u[:8])
-    raise on_every_rank(ValueError(f"{flag} {path} is not shared between the ranks: rank {r} (host {hosts[r]}) does not see the "
-                     f"files written there by rank(s) {others}. Checkpoints need a folder every node reads and "
-                     f"writes (a shared filesystem such as NFS or Lustre mounted at the same path on every node)"))
+    raise on_every_rank(ValueError(
+        f"{flag} {path} is not shared between the ranks: rank {r} (host {hosts[r]}) does not see the files written "
+        f"there by rank(s) {others}. Checkpoints need a folder every node reads and writes (a shared filesystem "
+        f"such as NFS or Lustre mounted at the same path on every node)"))
