@@ -95,10 +95,10 @@ def tar_samples(shards: list[Path], field_map: dict[str, str]) -> Iterator[tuple
                 for member in tar:
                     if not member.isfile():
                         continue
-                    k, field, ext = _member_field(member.name, field_map)
+                    k, suffix, field, ext = _member_field(member.name, field_map)
                     if field is None:
                         if len(skipped) < 8:
-                            skipped.add(member.name.rpartition("/")[2].partition(".")[2].lower())
+                            skipped.add(suffix)
                         continue
                     label = f"{shard.name}:{member.name}"
                     if k != key:
@@ -121,8 +121,8 @@ def tar_samples(shards: list[Path], field_map: dict[str, str]) -> Iterator[tuple
     yield key, files
 
 
-def _member_field(name: str, field_map: dict[str, str]) -> tuple[str, str | None, str]:
-    """(key, field or None to leave the member out, decoding extension) of a WebDataset member name."""
+def _member_field(name: str, field_map: dict[str, str]) -> tuple[str, str, str | None, str]:
+    """(key, suffix, field or None to leave the member out, decoding extension) of a WebDataset member name."""
     folder, _, base = name.rpartition("/")
     stem, dot, suffix = base.partition(".")
     key = (folder.replace("/", "_") + "_" if folder else "") + stem
@@ -141,7 +141,7 @@ def _member_field(name: str, field_map: dict[str, str]) -> tuple[str, str | None
             raise DatasetError(f"member '{name}': field '{field}' has a dot")
     if field is not None:
         _check_ext(ext, name)
-    return key, field, ext
+    return key, suffix, field, ext
 
 
 def _check_ext(ext: str, where: str) -> None:
