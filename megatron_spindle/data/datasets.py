@@ -27,8 +27,9 @@ from megatron_spindle.data.mock import IGNORE_INDEX, TaskBatch, mock_batch, own_
 from megatron_spindle.data.preprocess import Preprocessing
 from megatron_spindle.data.processors import ProcessorError
 from megatron_spindle.data.sampler import MixedBatch, MultiTaskSampler
-from megatron_spindle.data.shards import DatasetError, ShardReader, read_index
+from megatron_spindle.data.shards import DatasetError, ShardReader, check_shard_files, read_index
 from megatron_spindle.data.tokenizer import EOS, PAD
+from megatron_spindle.errors import prints_errors_of_every_rank
 from megatron_spindle.graph.workload import Workload
 
 
@@ -120,9 +121,15 @@ class MockTaskDataset:
 
 class ShardedTaskDataset:
     """A task's samples from a tar-shard folder (data/shards.py), decoded for the task's front ends with each
-    module's preprocessing (default: byte tokenizer, decode.py's image and audio decoding)."""
+    module's preprocessing (default: byte tokenizer, decode.py's image and audio decoding).
 
-    def __init__(self, workload: Workload, task: str, path: str | Path, preprocessing: Preprocessing | None = None):
+    ``check_files``: check every shard's size at open (``check_shard_files``); None: in the process that prints the
+    errors every rank makes alike, one per node (``errors.prints_errors_of_every_rank``). The others check a shard
+    when they first read it: at 100k shards a stat per shard and rank loads a network file system's metadata
+    server for nothing."""
+
+    def __init__(self, workload: Workload, task: str, path: str | Path, preprocessing: Preprocessing | None = None,
+                 check_files: bool | None = None):
         self.workload, self.task, self.path = workload, task, Path(path)
         self.preprocessing = preprocessing or Preprocessing()
         self.fields = task_fields(workload, task)
@@ -141,6 +148,8 @@ class ShardedTaskDataset:
             if ext not in ok:
                 raise DatasetError(f"data path {self.path}: field '{m}' is .{ext}, but module '{m}' has a {f.type} "
                                    f"front end that reads {', '.join('.' + e for e in ok)}")
+        if prints_errors_of_every_rank() if check_files is None else check_files:
+            check_shard_files(self.index)
         self.reader = ShardReader(self.index)
 
     def __len__(self) -> int:

@@ -172,13 +172,6 @@ def read_index(root: str | Path) -> ShardIndex:
         raise DatasetError(f"{p}: not a megatron-spindle shard index")
     if d.get("version") not in (1, SHARDS_VERSION):
         raise DatasetError(f"{p}: index version {d.get('version')} is not supported (expected {SHARDS_VERSION})")
-    for s in d["shards"]:
-        f = root / s["file"]
-        if not f.exists():
-            raise DatasetError(f"data path {root}: shard {s['file']} is missing")
-        if f.stat().st_size != s["bytes"]:
-            raise DatasetError(f"data path {root}: shard {s['file']} has {f.stat().st_size} bytes, the index says "
-                               f"{s['bytes']} (truncated or rewritten)")
     fields = d["fields"]
     keys = None
     if d["version"] == 1:  # every sample in the JSON: [key, shard, {field: [offset, size]}]
@@ -190,6 +183,25 @@ def read_index(root: str | Path) -> ShardIndex:
     if not len(table):
         raise DatasetError(f"data path {root} holds no samples")
     return ShardIndex(root, fields, d["shards"], table, keys)
+
+
+def check_shard_files(index: ShardIndex) -> None:
+    """Every shard of the index is there, with the size the index records. A file-system request per shard: the
+    trainer makes it once per node at start (data/datasets.py ``check_files``), and the reader checks a shard's
+    size again whenever it opens one (``ShardReader``), so a dataset of 100k shards is not stat'ed by every rank."""
+    for number in range(len(index.shards)):
+        try:
+            size = (index.root / index.shards[number]["file"]).stat().st_size
+        except FileNotFoundError:
+            raise DatasetError(f"data path {index.root}: shard {index.shards[number]['file']} is missing") from None
+        _check_shard_size(index, number, size)
+
+
+def _check_shard_size(index: ShardIndex, number: int, size: int) -> None:
+    shard = index.shards[number]
+    if size != shard["bytes"]:
+        raise DatasetError(f"data path {index.root}: shard {shard['file']} has {size} bytes, the index says "
+                           f"{shard['bytes']} (truncated or rewritten)")
 
 
 def _read_table(root: Path, index: dict, num_fields: int) -> np.ndarray:
@@ -241,8 +253,7 @@ class ShardReader:
         with self._lock:
             entry = self._open.get(shard)
             if entry is None:
-                entry = self._open[shard] = [os.open(self.index.root / self.index.shards[shard]["file"],
-                                                     os.O_RDONLY), 0]
+                entry = self._open[shard] = [self._open_shard(shard), 0]
             self._open.move_to_end(shard)
             entry[1] += 1
         try:
@@ -251,6 +262,21 @@ class ShardReader:
             with self._lock:
                 entry[1] -= 1
                 self._close_idle()
+
+    def _open_shard(self, shard: int) -> int:
+        """A descriptor of the shard, whose size is the index's (the stat of an open file costs no request to a
+        network file system's metadata server)."""
+        try:
+            fd = os.open(self.index.root / self.index.shards[shard]["file"], os.O_RDONLY)
+        except FileNotFoundError:
+            raise DatasetError(f"data path {self.index.root}: shard {self.index.shards[shard]['file']} is "
+                               f"missing") from None
+        try:
+            _check_shard_size(self.index, shard, os.fstat(fd).st_size)
+        except DatasetError:
+            os.close(fd)
+            raise
+        return fd
 
     def _close_idle(self) -> None:
         for shard in list(self._open):  # least recently used first

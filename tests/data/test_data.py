@@ -241,7 +241,7 @@ def test_shards_round_trip_through_the_build_tool(clip, tmp_path, capsys):
         loader.batch_fn(clip, "vision_text", 5)
 
 
-def test_build_tool_and_dataset_errors(clip, tmp_path, capsys):
+def test_build_tool_and_dataset_errors(clip, tmp_path, capsys, monkeypatch):
     raw = tmp_path / "raw"
     _write_raw(raw, n=2)
     out = tmp_path / "out"
@@ -284,9 +284,27 @@ def test_build_tool_and_dataset_errors(clip, tmp_path, capsys):
     with pytest.raises(DatasetError, match=r"has no field\(s\) \['depth'\]"):
         ShardedTaskDataset(clip, "vision_depth", out)
     shard = next(out.glob("shard-*.tar"))
-    shard.write_bytes(shard.read_bytes()[:-10])
+    intact = shard.read_bytes()
+    shard.write_bytes(intact[:-10])
     with pytest.raises(DatasetError, match="truncated or rewritten"):
         ShardedTaskDataset(clip, "vision_text", out)
+    # the shards are checked once per node (the process printing the errors every rank makes alike); another
+    # process finds the damage when it opens the shard
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(DatasetError, match="truncated or rewritten"):
+        ShardedTaskDataset(clip, "vision_text", out, check_files=True)
+    damaged = ShardedTaskDataset(clip, "vision_text", out)
+    with pytest.raises(DatasetError, match=f"shard {shard.name} has {len(intact) - 10} bytes.*truncated"):
+        damaged.get(0)
+    shard.unlink()
+    with pytest.raises(DatasetError, match=f"shard {shard.name} is missing"):
+        damaged.get(0)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(DatasetError, match=f"shard {shard.name} is missing"):
+        ShardedTaskDataset(clip, "vision_text", out)
+    shard.write_bytes(intact)
+    shape = task_fields(clip, "vision_text")["vision"].shape
+    assert tuple(ShardedTaskDataset(clip, "vision_text", out).get(0)["vision"].shape) == shape
     with pytest.raises(DatasetError, match=r"no --data-path for task\(s\)"):
         build_datasets(clip, {"vision_text": str(out)}, mock=False)
     with pytest.raises(DatasetError, match="unknown task"):
