@@ -173,7 +173,17 @@ class TaskSets:
             raise
         loader.read_only(engine.batch_needs)  # this rank's rows and fields of each task, not every rank's
         self.phase = Phase(tasks, workload, plan, engine, loader, WaveTimer(engine))
+        if not self.args.mock_data:
+            self._report_decoding(self.phase)
         return self.phase
+
+    def _report_decoding(self, phase: Phase) -> None:
+        """Log whether the busiest rank's data threads keep up with the plan (training/data_rate.py). Collective."""
+        from megatron_spindle.training.data_rate import busiest_rank, decode_report, rank_decode_load
+
+        loads = rank_decode_load(phase.workload, self.datasets, phase.engine.batch_needs)
+        rank, busiest = busiest_rank(loads)
+        self.log(decode_report(rank, busiest, self.args.num_workers, phase.predicted_ms / 1e3))
 
     def close(self) -> None:
         if self.phase is not None:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from recording_dataset import RecordingDataset
 from script_loader import load_script
 
 from megatron_spindle.data.datasets import (
@@ -338,20 +339,6 @@ def test_pinned_batches_are_the_same_batches_in_page_locked_memory(clip, monkeyp
     pinning.close()
 
 
-class _Counting:
-    """A dataset recording each read: (sample index, the fields asked for)."""
-
-    def __init__(self, dataset):
-        self.dataset, self.task, self.reads = dataset, dataset.task, []
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def get(self, i, fields=None):
-        self.reads.append((i, tuple(sorted(fields))))
-        return self.dataset.get(i, fields)
-
-
 def test_a_partial_batch_reads_and_holds_only_the_rows_and_fields_named():
     """``read_batch`` with a need (the rows a rank's slices read, per raw field) decodes each needed row once with
     the fields it is read for; its micro-batches and DP shards equal the whole batch's where they hold the rows,
@@ -360,7 +347,7 @@ def test_a_partial_batch_reads_and_holds_only_the_rows_and_fields_named():
     t = next(t for t in w.tasks if t.loss and t.loss.kind == "lm")
     lm, other = sorted(task_fields(w, t.name), key=lambda m: not task_fields(w, t.name)[m].lm)
     B = t.batch_size
-    ds = _Counting(MockTaskDataset(w, t.name, size=3 * B, seed=2))
+    ds = RecordingDataset(MockTaskDataset(w, t.name, size=3 * B, seed=2))
     indices = list(range(B, 2 * B))
     whole = read_batch(w, t.name, ds, indices)
     assert whole.rows == {} and whole.num_label_tokens > 0 and len(ds.reads) == B
@@ -395,7 +382,7 @@ def test_the_loader_reads_only_what_it_is_told(clip):
     """``read_only`` (the trainer passes the engine's ``batch_needs``): the loader's batches, those its workers
     prepare ahead too, hold the needed rows of the needed fields, equal to the whole batches there; a task the
     needs name with nothing is not read at all, one they do not name is read whole."""
-    datasets = {t: _Counting(ds) for t, ds in build_datasets(clip, None, mock=True, seed=1, mock_size=16).items()}
+    datasets = {t: RecordingDataset(ds) for t, ds in build_datasets(clip, None, mock=True, seed=1, mock_size=16).items()}
     tasks = sorted(datasets)
     whole = MultiTaskDataLoader(clip, {t: ds.dataset for t, ds in datasets.items()}, seed=3)
     part = MultiTaskDataLoader(clip, datasets, seed=3, num_workers=2)

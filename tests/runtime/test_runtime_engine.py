@@ -21,6 +21,7 @@ must be exactly what the ranks receive, counted inside runtime/transfer.py, forw
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -58,6 +59,7 @@ from plans import (
     unit_tp_degrees,
     with_settings,
 )
+from recording_dataset import RecordingDataset
 from standin import StandinReference, standin_batch, standin_factory
 
 from megatron_spindle.data.datasets import MultiTaskDataLoader, build_datasets, task_fields
@@ -74,6 +76,7 @@ from megatron_spindle.runtime.__main__ import main
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
 from megatron_spindle.runtime.groups import GroupCache
 from megatron_spindle.runtime.layout import slice_units
+from megatron_spindle.training.data_rate import FieldLoad, busiest_rank, rank_decode_load
 from megatron_spindle.training.evaluate import ValidationBatches
 
 OPT = OptimizerConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
@@ -621,23 +624,6 @@ def check_evaluate(rank, world, workloads, refs, cfg, cache) -> None:
         check_engine_against(engine, refs["standin", wname, 1], f"rank {rank} {wname} after evaluate")
 
 
-class CountingDataset:
-    """A dataset that records every sample read: (index, the fields asked for)."""
-
-    def __init__(self, dataset):
-        self.dataset, self.task, self.reads = dataset, dataset.task, []
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, i):
-        return self.get(i)
-
-    def get(self, i, fields=None):
-        self.reads.append((i, None if fields is None else tuple(sorted(fields))))
-        return self.dataset.get(i, fields)
-
-
 def check_reads_only_its_rows(rank, world, workloads, cfg, cache) -> None:
     """The data loader told the engine's ``batch_needs`` reads only the rows and raw fields this rank's slices
     read (a front end its DP rank's rows of every micro-batch, an LM head all of its LM text, for the token
@@ -647,8 +633,9 @@ def check_reads_only_its_rows(rank, world, workloads, cfg, cache) -> None:
              ("tiny-clip", lambda w: random_plan(w, world, 1))]  # contrastive towers, eos pooling
     fewer = False
     for wname, make in cases:
+        expected = []
         w, plan = workloads[wname], make(workloads[wname])
-        datasets = {t: CountingDataset(ds) for t, ds in build_datasets(w, None, mock=True, seed=3,
+        datasets = {t: RecordingDataset(ds) for t, ds in build_datasets(w, None, mock=True, seed=3,
                                                                             mock_size=64).items()}
         runs = []
         for partial in (False, True):
@@ -682,10 +669,15 @@ def check_reads_only_its_rows(rank, world, workloads, cfg, cache) -> None:
             assert {(i, f) for i, fields in reads[t] for f in fields} == want, (label, t)
             assert len(reads[t]) == len({i for i, _ in want}), (label, t)  # each sample decoded once
             fewer |= len(want) < B * len(task_fields(w, t))
+            expected += [(t, f, n) for f, n in collections.Counter(f for _, f in want).items()]
+        # the trainer's start-of-training line charges the rank the same rows and fields (training/data_rate.py)
+        assert sorted((x.task, x.field, x.rows) for x in rank_decode_load(w, datasets, needs)) == sorted(expected)
     if world > 1:
         everywhere = [None] * world
         dist.all_gather_object(everywhere, fewer)
         assert any(everywhere), "no rank read less than the whole batches"
+    mine = [FieldLoad("t", "audio", rank * 7 % world + 1, 0.5)]  # ranks 0-3 of 4: 1, 4, 3, 2 rows
+    assert busiest_rank(mine) == ((1, [FieldLoad("t", "audio", world, 0.5)]) if world > 1 else (0, mine))
 
 
 def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache, stage: int) -> None:

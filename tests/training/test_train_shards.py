@@ -57,6 +57,9 @@ def test_train_on_built_shards(tmp_path, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "vision_text loss:" in out and "text_audio loss:" in out
+    # the busiest rank's decoding per iteration, each field of its batches timed (one rank: all of both batches)
+    data_line = next(line for line in out.splitlines() if line.startswith("data: decoding takes the busiest rank"))
+    assert "text_audio/audio 8 x" in data_line and "the plan's predicted" in data_line, data_line
     assert all(np.isfinite(v) for r in hist for v in r.losses.values())
     # text_audio sits out some iterations (weight 0.5); vision_text always counts, with the task loss weight
     assert all(r.weights["vision_text"] == 1.0 for r in hist)
