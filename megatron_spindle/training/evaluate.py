@@ -1,4 +1,5 @@
-"""The validation loop: --eval-interval, --eval-iters, --valid-data-path TASK=PATH, --split (Megatron's flags).
+"""The validation loop: --eval-interval, --eval-iters, --valid-data-path TASK=PATH, --test-data-path TASK=PATH,
+--split, --skip-train (Megatron's flags).
 
 Every --eval-interval iterations and after the last one, the engine runs --eval-iters forward-only passes through
 the plan's wave schedule (``RuntimeEngine.evaluate``: no gradients, no gradient sync, no optimizer), each on one
@@ -8,9 +9,15 @@ time it takes is not part of the logged iteration time or throughput.
 
 Validation data per task: --valid-data-path TASK=PATH (tar shards, as --data-path), else the validation share of
 the task's training data given by --split TRAIN,VALID[,TEST] (Megatron's proportions; the first samples train,
-the next ones validate, the test share is held out unused), else, with --mock-data, mock samples the training
-set never sees. Validation batch k of a task holds samples [k*B, (k+1)*B) (mod the set's size), so every
-evaluation sees the same --eval-iters batches and the losses are comparable across evaluations.
+the next ones validate, the last ones test), else, with --mock-data, mock samples the training set never sees.
+Validation batch k of a task holds samples [k*B, (k+1)*B) (mod the set's size), so every evaluation sees the same
+--eval-iters batches and the losses are comparable across evaluations.
+
+Test data (--test-data-path TASK=PATH, else --split's test share) is evaluated the same way once, after the last
+iteration, as Megatron-LM evaluates its test set at the end of training (not after an early exit: a signal,
+--exit-interval, --exit-duration-in-mins). --skip-train loads --load (or starts from fresh weights without it),
+evaluates the validation and the test data, and exits: nothing is trained or saved, nothing is written to
+TensorBoard or W&B.
 """
 
 from __future__ import annotations
@@ -31,7 +38,10 @@ class ValidationConfig:
     eval_interval: int | None = field(default=None, metadata=flag(
         "Evaluate on the validation data every N iterations and after the last one (None: no validation)."))
     eval_iters: int = field(default=100, metadata=flag(
-        "Forward-only passes (one global batch of every task each) per evaluation; 0: no validation."))
+        "Forward-only passes (one global batch of every task each) per evaluation; 0: no validation or test."))
+    skip_train: bool = field(default=False, metadata=flag(
+        "Bypass the training loop: load --load, evaluate the validation and test data, and exit (nothing is "
+        "saved: --save is ignored)."))
 
     @property
     def enabled(self) -> bool:
@@ -44,9 +54,12 @@ def add_validation_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="Validation tar shards of a task, TASK=PATH as --data-path takes them (several folders of a "
                         "task read as one). Tasks without one "
                         "validate on the --split share of their training data (mock data: unseen mock samples).")
+    g.add_argument("--test-data-path", action="extend", nargs="+", default=[], metavar="TASK=PATH",
+                   help="Test tar shards of a task, as --valid-data-path; evaluated once after the last iteration "
+                        "(--eval-iters passes). Tasks without one test on the --split test share.")
     g.add_argument("--split", default=None, metavar="TRAIN,VALID[,TEST]",
                    help="Proportions of each task's training data used for training, validation and test, e.g. "
-                        "98,2,0 (the test share is held out unused). None: all of it trains.")
+                        "98,2,0. None: all of it trains.")
     return parser
 
 
@@ -72,9 +85,23 @@ def check_validation_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--eval-interval must be positive, got {cfg.eval_interval}")
     if cfg.eval_iters < 0:
         raise ValueError(f"--eval-iters must be >= 0, got {cfg.eval_iters}")
-    if args.valid_data_path and not cfg.enabled:
-        raise ValueError("--valid-data-path needs --eval-interval N (and --eval-iters > 0) to be used")
+    if args.valid_data_path and not validates(args):
+        raise ValueError("--valid-data-path needs --eval-interval N (or --skip-train) and --eval-iters > 0 to be "
+                         "used")
+    if args.test_data_path and cfg.eval_iters == 0:
+        raise ValueError("--test-data-path needs --eval-iters > 0 to be used")
     parse_split(args.split)
+
+
+def validates(args: argparse.Namespace) -> bool:
+    """Whether the run evaluates validation data: every --eval-interval iterations, or once under --skip-train
+    when some is named (--valid-data-path, --split's validation share)."""
+    cfg = validation_config(args)
+    if cfg.enabled:
+        return True
+    split = parse_split(args.split)
+    named = bool(args.valid_data_path) or (split is not None and split[1] > 0)
+    return cfg.skip_train and cfg.eval_iters > 0 and named
 
 
 class DatasetRange:
@@ -100,15 +127,18 @@ class DatasetRange:
 
 
 def split_datasets(workload: Workload, train: dict[str, TaskDataset], args: argparse.Namespace,
-                   valid_paths: dict[str, list[str]]) -> tuple[dict[str, TaskDataset], dict[str, TaskDataset]]:
-    """(training datasets after --split, validation datasets; empty without validation)."""
+                   valid_paths: dict[str, list[str]], test_paths: dict[str, list[str]] | None = None
+                   ) -> tuple[dict[str, TaskDataset], dict[str, TaskDataset], dict[str, TaskDataset]]:
+    """(training datasets after --split, validation datasets, test datasets; the last two empty where the run
+    evaluates none)."""
     from megatron_spindle.data.datasets import open_task_dataset
 
     split = parse_split(args.split)
-    enabled = validation_config(args).enabled
+    enabled = validates(args)
+    test_paths = test_paths or {}
     # validation shards decode like the training shards (the entry point's tokenizers and processors)
     prep = next((d.preprocessing for d in train.values() if getattr(d, "preprocessing", None) is not None), None)
-    out_train, valid = dict(train), {}
+    out_train, valid, test = dict(train), {}, {}
     for t, ds in train.items():
         n = len(ds)
         if split is not None:
@@ -119,18 +149,29 @@ def split_datasets(workload: Workload, train: dict[str, TaskDataset], args: argp
             out_train[t] = DatasetRange(ds, 0, i1)
             if i2 > i1:
                 valid[t] = DatasetRange(ds, i1, i2)
+            if n > i2:
+                test[t] = DatasetRange(ds, i2, n)
+        if t in test_paths:
+            test[t] = open_task_dataset(workload, t, test_paths[t], prep)
         if t in valid_paths:
             valid[t] = open_task_dataset(workload, t, valid_paths[t], prep)
         elif enabled and t not in valid and isinstance(ds, MockTaskDataset):
             unseen = MockTaskDataset(workload, t, 2 * ds.size, ds.seed)  # samples size .. 2*size: never trained on
             valid[t] = DatasetRange(unseen, ds.size, 2 * ds.size)
+    if test and validation_config(args).eval_iters > 0:
+        missing = [t.name for t in workload.tasks if t.name not in test]
+        if missing:
+            raise ValueError(f"the test evaluation has no data for task(s) {missing}: give --test-data-path "
+                             f"TASK=PATH or a test share with --split TRAIN,VALID,TEST")
+    else:
+        test = {}
     if not enabled:
-        return out_train, {}
+        return out_train, {}, test
     missing = [t.name for t in workload.tasks if t.name not in valid]
     if missing:
         raise ValueError(f"validation (--eval-interval) has no data for task(s) {missing}: give --valid-data-path "
                          f"TASK=PATH or a validation share with --split TRAIN,VALID")
-    return out_train, valid
+    return out_train, valid, test
 
 
 class ValidationBatches:
@@ -159,19 +200,21 @@ class ValidationResult:
     losses: dict[str, float]  # task -> mean over the passes
     weights: dict[str, float]
     lm_tasks: tuple[str, ...] = ()
+    split: str = "validation"  # or "test"
 
     @property
     def total_loss(self) -> float:
         return sum(self.weights[t] * v for t, v in self.losses.items())
 
     def scalars(self) -> dict[str, float]:
-        out = {"total loss validation": self.total_loss}
-        out.update({f"task loss validation/{t}": v for t, v in self.losses.items()})
+        out = {f"total loss {self.split}": self.total_loss}
+        out.update({f"task loss {self.split}/{t}": v for t, v in self.losses.items()})
         return out
 
     def format(self) -> str:
         """Megatron's validation block: a dashed line, the losses, a dashed line."""
-        parts = [f" validation loss at iteration {self.iteration}", f"total loss value: {self.total_loss:.6E}"]
+        where = "" if self.split == "validation" else f" on {self.split} set"
+        parts = [f" validation loss at iteration {self.iteration}{where}", f"total loss value: {self.total_loss:.6E}"]
         for t, v in self.losses.items():
             parts.append(f"{t} loss value: {v:.6E}")
             if t in self.lm_tasks:
@@ -181,11 +224,11 @@ class ValidationResult:
 
 
 def run_validation(engine, batches: ValidationBatches, eval_iters: int, iteration: int,
-                   weights: dict[str, float]) -> ValidationResult:
-    """--eval-iters forward-only passes; collective (every rank runs them)."""
+                   weights: dict[str, float], split: str = "validation") -> ValidationResult:
+    """--eval-iters forward-only passes over ``split``'s batches; collective (every rank runs them)."""
     sums: dict[str, float] = {}
     for k in range(eval_iters):
         for t, v in engine.evaluate(k, functools.partial(batches.batch_fn, needs=engine.batch_needs)).items():
             sums[t] = sums.get(t, 0.0) + v
     lm = tuple(t.name for t in engine.workload.tasks if t.loss is not None and t.loss.kind == "lm")
-    return ValidationResult(iteration, {t: v / eval_iters for t, v in sums.items()}, dict(weights), lm)
+    return ValidationResult(iteration, {t: v / eval_iters for t, v in sums.items()}, dict(weights), lm, split)

@@ -208,8 +208,11 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
                                                  positive=True)
             data_paths = parse_data_paths(args.data_path, workload)
             valid_paths = parse_data_paths(args.valid_data_path, workload, "--valid-data-path")
+            test_paths = parse_data_paths(args.test_data_path, workload, "--test-data-path")
             datasets = datasets_provider(workload, args, data_paths)
-            datasets, valid = split_datasets(workload, datasets, args, valid_paths)
+            datasets, valid, test = split_datasets(workload, datasets, args, valid_paths, test_paths)
+            if args.skip_train:
+                args.save = None  # nothing is saved, and nothing is written to --save (lock, probes, plan files)
         # the slow imports (planner, megatron-core operators) now, on every rank at once, rather than while the
         # other ranks wait for this one inside a collective (and its timeout)
         import megatron_spindle.models  # noqa: F401
@@ -220,7 +223,7 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
         try:
             with FaultGuards(args, info, prog) as guards:
                 records = train(args, base, schedule, datasets, engine_provider, info, loss_weights,
-                                sampling_weights, guards, valid_datasets=valid)
+                                sampling_weights, guards, valid_datasets=valid, test_datasets=test)
             if history is not None:
                 history.extend(records)
         finally:
@@ -327,7 +330,8 @@ def write_plan_files(args, plan, gantt: str | None) -> None:
 
 
 def train(args, base, schedule, datasets, engine_provider, info: DistContext, loss_weights: dict[str, float],
-          sampling_weights: dict[str, float], guards: FaultGuards, valid_datasets: dict | None = None) -> list:
+          sampling_weights: dict[str, float], guards: FaultGuards, valid_datasets: dict | None = None,
+          test_datasets: dict | None = None) -> list:
     from megatron_spindle.data.datasets import MultiTaskDataLoader
     from megatron_spindle.planner.report import plan_summary
     from megatron_spindle.training.multinode import check_shared_folder
@@ -363,13 +367,28 @@ def train(args, base, schedule, datasets, engine_provider, info: DistContext, lo
     try:
         progress.point("building the runtime engine (process groups, operators)")
         sets.build(tasks, plan)
-        return _train_loop(args, sets, info, loss_weights, gantt, guards, target, valid_datasets or {})
+        return _train_loop(args, sets, info, loss_weights, gantt, guards, target, valid_datasets or {},
+                           test_datasets or {})
     finally:
         sets.close()
 
 
+def evaluate_once(args, engine, datasets: dict, iteration: int, weights: dict[str, float], split: str):
+    """--eval-iters passes over ``datasets`` (None when there are none): the test set after the last iteration
+    (Megatron-LM's), the validation and test sets under --skip-train. Collective."""
+    from megatron_spindle.training.evaluate import ValidationBatches, run_validation
+
+    if not datasets:
+        return None
+    batches = ValidationBatches(datasets, args.num_workers)
+    try:
+        return run_validation(engine, batches, args.eval_iters, iteration, weights, split)
+    finally:
+        batches.close()
+
+
 def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], gantt: str | None,
-                guards: FaultGuards, target, valid_datasets: dict) -> list:
+                guards: FaultGuards, target, valid_datasets: dict, test_datasets: dict) -> list:
     from megatron_spindle.training.evaluate import ValidationBatches, run_validation, validation_config
     from megatron_spindle.training.manual_gc import ManualGC
     from megatron_spindle.training.monitor import TrainingMonitor
@@ -377,13 +396,21 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
 
     phase = sets.phase
     start = load(args, phase, sets, info, target) if target is not None else 0
+    base = {t.name: loss_weights.get(t.name, t.loss.weight if t.loss else 1.0) for t in sets.base.tasks}
+    if args.skip_train:
+        what = f"the checkpoint of iteration {start}" if target is not None and target.folder else "fresh weights"
+        print_rank_0(f"skipping training (--skip-train): evaluating {what}; nothing is saved")
+        for split, datasets in (("validation", valid_datasets), ("test", test_datasets)):
+            result = evaluate_once(args, phase.engine, datasets, start, base, split)
+            if result is not None:
+                print_rank_0(result.format())  # not to TensorBoard or W&B: no run is logged
+        return []
     if info.rank == 0:  # the load succeeded: only now is anything written into --save
         write_plan_files(args, phase.plan, gantt)
     if start >= args.train_iters:
         print_rank_0(f"the checkpoint is at iteration {start}, --train-iters is {args.train_iters}: nothing to do")
         return []
     sched = lr_schedule_from_args(args)
-    base = {t.name: loss_weights.get(t.name, t.loss.weight if t.loss else 1.0) for t in sets.base.tasks}
     monitor = TrainingMonitor(args, sets.base, info.rank, info.world_size, print_rank_0)
     monitor.attach(phase)
     valid = validation_config(args)
@@ -437,6 +464,9 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
                     return monitor.records
         if args.save and last_saved != args.train_iters:
             save(args, args.train_iters, phase.engine, phase.loader, phase.plan, phase.workload, info, sets)
+        tested = evaluate_once(args, phase.engine, test_datasets, args.train_iters, base, "test")
+        if tested is not None:
+            monitor.validation(tested)
     finally:
         profiler.stop()
         monitor.close()

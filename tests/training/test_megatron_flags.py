@@ -139,6 +139,48 @@ def test_validation_logging_and_checkpoint_flags(tmp_path, capsys, monkeypatch, 
         "text_audio": 16, "vision_depth": 8, "vision_text": 8, "audio_depth": 16}
 
 
+def _test_losses(out: str, iteration: int) -> dict[str, float]:
+    line = next(s for s in out.splitlines() if s.startswith(f" validation loss at iteration {iteration} on test set |"))
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"(\w+) loss value: (\S+) \|", line)}
+
+
+def test_test_share_after_the_last_iteration_and_skip_train(tmp_path, capsys, one_thread):
+    """--split's test share is evaluated once after the last iteration (Megatron-LM's test set), equal to the
+    reference with the saved weights; --skip-train --load evaluates the validation and test shares of the saved
+    model, with the same losses, and writes nothing (--save ignored, no TensorBoard)."""
+    from megatron_spindle.data.datasets import MockTaskDataset
+    from megatron_spindle.models.reference import ReferenceModel
+    from megatron_spindle.training.evaluate import DatasetRange, ValidationBatches
+
+    a, b, tb = tmp_path / "a", tmp_path / "b", tmp_path / "tb"
+    split = ["--split", "2,1,1", "--eval-iters", "2"]  # 16 mock samples: train 0-7, validate 8-11, test 12-15
+    assert pretrain_multitask.main(COMMON + split + ["--eval-interval", "2", "--save", str(a)]) == 0
+    out = capsys.readouterr().out
+    assert out.index(" validation loss at iteration 2 |") < out.index(" validation loss at iteration 2 on test set |")
+    tested, validated = _test_losses(out, 2), _validation_losses(out, 2)
+    w = load_workload("tiny-clip")
+    ref = ReferenceModel(w)
+    ref.load_full_state(_weights(a)[1])
+    batches = ValidationBatches({t.name: DatasetRange(MockTaskDataset(w, t.name, 16, 3), 12, 16) for t in w.tasks})
+    with torch.no_grad():
+        passes = [ref({t.name: batches.batch_fn(w, t.name, k) for t in w.tasks}) for k in range(2)]
+    for t in w.tasks:
+        want = sum(float(p[t.name]) for p in passes) / 2
+        assert tested[t.name] == pytest.approx(want, rel=1e-5), (t.name, tested[t.name], want)
+    assert all(tested[t.name] != pytest.approx(validated[t.name], rel=1e-5) for t in w.tasks)  # other samples
+    # --skip-train: no --eval-interval needed, the shares of the same split; nothing written
+    assert pretrain_multitask.main(COMMON + split + ["--skip-train", "--load", str(a), "--save", str(b),
+                                                     "--tensorboard-dir", str(tb)]) == 0
+    out = capsys.readouterr().out
+    assert "skipping training (--skip-train): evaluating the checkpoint of iteration 2; nothing is saved" in out
+    assert not re.search(r" iteration\s+\d+/", out)  # no training step logged
+    for t, v in _validation_losses(out, 2).items():
+        assert v == pytest.approx(validated[t], rel=1e-6), t
+    for t, v in _test_losses(out, 2).items():
+        assert v == pytest.approx(tested[t], rel=1e-6), t
+    assert not b.exists() and not tb.exists()
+
+
 def _fails(capsys, argv, match):
     with pytest.raises(SystemExit) as e:
         pretrain_multitask.main(argv)
@@ -160,6 +202,10 @@ def test_flags_refused_at_start(capsys, monkeypatch):
     _fails(capsys, base + ["--eval-interval", "0"], "--eval-interval must be positive")
     _fails(capsys, base + ["--valid-data-path", "vision_text=/nope"], "needs --eval-interval")
     _fails(capsys, base + ["--split", "0,1"], "--split '0,1'")
+    _fails(capsys, base + ["--test-data-path", "vision_text=/nope", "--eval-iters", "0"],
+           "--test-data-path needs --eval-iters > 0")
+    _fails(capsys, base + ["--valid-data-path", "vision_text=/nope", "--skip-train", "--eval-iters", "0"],
+           "--valid-data-path needs --eval-interval N (or --skip-train) and --eval-iters > 0")
     _fails(capsys, base + ["--finetune"], "--finetune needs --load")
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     _fails(capsys, base + ["--wandb-project", "p"], "--wandb-project needs the wandb package")

@@ -3,10 +3,12 @@ pretrain_multitask.py (one process), with sampling weights, and the data positio
 
 import io
 import os
+import re
 import sys
 import wave
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -51,12 +53,15 @@ def test_train_on_built_shards(tmp_path, capsys):
             "--data-path", f"vision_text={tmp_path / 'vision_text'}",
             "--data-path", f"text_audio={tmp_path / 'text_audio'}",
             "--task-sampling-weights", "vision_text=1,text_audio=0.5", "--task-loss-weights", "text_audio=2",
-            "--train-iters", "4", "--log-interval", "1", "--save", str(save)], history=hist)
+            "--test-data-path", f"vision_text={tmp_path / 'vision_text'}", f"text_audio={tmp_path / 'text_audio'}",
+            "--eval-iters", "1", "--train-iters", "4", "--log-interval", "1", "--save", str(save)], history=hist)
     finally:
         torch.set_num_threads(torch_threads)
     assert rc == 0
     out = capsys.readouterr().out
     assert "vision_text loss:" in out and "text_audio loss:" in out
+    assert re.search(r" validation loss at iteration 4 on test set \| total loss value: \S+ \| "
+                     r"text_audio loss value: \S+ \| vision_text loss value: \S+ \|", out)
     # the busiest rank's decoding per iteration, each field of its batches timed (one rank: all of both batches)
     data_line = next(line for line in out.splitlines() if line.startswith("data: decoding takes the busiest rank"))
     assert "text_audio/audio 8 x" in data_line and "the plan's predicted" in data_line, data_line
@@ -69,3 +74,10 @@ def test_train_on_built_shards(tmp_path, capsys):
     assert pos["iteration"] == 4
     assert pos["tasks"]["vision_text"] == {"epoch": 1, "offset": 6, "size": 10, "batch_size": 4}
     assert pos["tasks"]["text_audio"]["epoch"] * 10 + pos["tasks"]["text_audio"]["offset"] == 8 * taken
+    # a test set for one task of two is refused before anything runs
+    with pytest.raises(SystemExit):
+        pretrain_multitask.main(["--workload", "tiny-clip", "--tasks", "vision_text,text_audio",
+                                 "--data-path", f"vision_text={tmp_path / 'vision_text'}",
+                                 f"text_audio={tmp_path / 'text_audio'}", "--train-iters", "1",
+                                 "--test-data-path", f"vision_text={tmp_path / 'vision_text'}"])
+    assert "the test evaluation has no data for task(s) ['text_audio']" in capsys.readouterr().err
