@@ -14,6 +14,27 @@ def _workload_field(field: str, modules: str = "each transformer module") -> str
     return f"the model comes from --workload: set `{field}` on {modules} in the workload YAML"
 
 
+_POSITIONS = ("front ends add learned positions (Whisper's audio stem: sinusoids) and llm modules rotary ones "
+              "(`rotary_base`, `rope_scaling_factor` in the workload YAML)")
+_IMAGE_SHAPE = "image front ends take `image_size` and `patch_size` from the module's `frontend:` in the workload YAML"
+_FUSIONS = ("kernel fusions follow the layer spec: Transformer Engine's where it is installed, megatron-core's local "
+            "spec otherwise (--attention-backend picks the attention)")
+_ADAMW = "the optimizer is AdamW (--adam-beta1, --adam-beta2, --adam-eps, --weight-decay)"
+_FP32_STATE = "the optimizer keeps fp32 master weights, gradients and moments"
+_WD_SCHEDULE = "a weight-decay schedule is not supported: --weight-decay holds for the whole run"
+_LR_FROM_FLAGS = ("the LR schedule always comes from this run's flags (a function of the iteration, not stored in "
+                  "checkpoints)")
+_BPE_FILES = ("vocabulary files are not read: give --tokenizer-type HuggingFaceTokenizer --tokenizer-model FOLDER (a "
+              "Hugging Face tokenizer, GPT-2's among them)")
+_UNPACKED = ("a sample is one padded row of its task's batch (documents are not packed): no EOD masks or position "
+             "resets to make")
+_LOGGERS = "one-logger is not supported: --tensorboard-dir or --wandb-project"
+_CKPT_FORMAT = ("checkpoints are Spindle's own layout-independent format (tools/checkpoint/convert.py --saver mcore "
+                "writes a torch_dist checkpoint from one)")
+
+_NO_FP8 = "FP8 training is not supported: --bf16 or --fp16"
+_ONE_LR = "one learning rate schedule drives every parameter: --lr and --min-lr"
+
 _NO_PIPELINE = ("Spindle has no pipeline stages: the planner splits a MetaOp's layers into slices that run in "
                 "successive waves, each on devices of its own")
 
@@ -50,21 +71,123 @@ MEGATRON_FLAG_HINTS: dict[str, str] = {
                           "spec otherwise or with --attention-backend local",
     "--recompute-activations": "give --recompute-granularity selective (what Megatron-LM's flag sets), or leave "
                                "--spindle-recompute auto to the planner",
-    "--fp8-format": "FP8 training is not supported: --bf16 or --fp16",
+    "--fp8-format": _NO_FP8,
+    "--fp8-amax-history-len": _NO_FP8,
+    "--fp8-amax-compute-algo": _NO_FP8,
+    "--fp8-param-gather": _NO_FP8,
+    "--cross-entropy-loss-fusion": "the LM loss is megatron-core's vocab-parallel cross entropy, unfused",
     # schedule: in iterations
     "--train-samples": "give --train-iters: Spindle counts iterations (each of --global-batch-size samples)",
     "--lr-warmup-samples": "give --lr-warmup-iters: Spindle counts iterations",
     "--lr-warmup-fraction": "give --lr-warmup-iters: Spindle counts iterations",
     "--lr-decay-samples": "give --lr-decay-iters: Spindle counts iterations",
     "--rampup-batch-size": "batch size ramp-up is not supported: --global-batch-size holds for the whole run",
+    "--max-position-embeddings": "position tables follow each task's `tokens` in the workload YAML (front ends "
+                                 "learn theirs, llm modules use rotary embeddings)",
+    "--position-embedding-type": _POSITIONS,
+    "--use-rotary-position-embeddings": _POSITIONS,
+    "--rotary-percent": "llm modules rotate the whole head dimension (rotary percent 1.0)",
+    "--kv-channels": "a head's width is the module's hidden_size / num_heads in the workload YAML",
+    "--normalization": "encoders use LayerNorm and llm modules RMSNorm (the module's kind decides, "
+                       "`norm_epsilon` sets the epsilon)",
+    "--norm-epsilon": _workload_field("norm_epsilon", "a module"),
+    "--apply-layernorm-1p": "zero-centred (1p) layer norms are not supported",
+    "--qk-layernorm": "query-key layer norms are not supported",
+    "--disable-bias-linear": "encoders' linear layers have biases and llm modules' have none (the module's kind "
+                             "decides, `qkv_bias: true` adds q/k/v biases to an llm module)",
+    "--untie-embeddings-and-output-weights": "an LM head's output layer always has weights of its own, untied from "
+                                             "the text embeddings",
+    "--make-vocab-size-divisible-by": "the vocabulary is the workload's `vocab_size` (on the text front end or the "
+                                      "llm module), used as it is",
+    "--patch-dim": _IMAGE_SHAPE,
+    "--img-h": _IMAGE_SHAPE,
+    "--img-w": _IMAGE_SHAPE,
+    # kernels: the layer spec's
+    "--no-masked-softmax-fusion": _FUSIONS,
+    "--no-bias-gelu-fusion": _FUSIONS,
+    "--no-bias-dropout-fusion": _FUSIONS,
+    "--no-gradient-accumulation-fusion": _FUSIONS,
+    "--attention-softmax-in-fp32": _FUSIONS,
+    "--deterministic-mode": "a deterministic mode is not supported",
+    # optimizer and schedule
+    "--optimizer": _ADAMW,
+    "--sgd-momentum": _ADAMW,
+    "--use-precision-aware-optimizer": _FP32_STATE,
+    "--main-grads-dtype": _FP32_STATE,
+    "--main-params-dtype": _FP32_STATE,
+    "--exp-avg-dtype": _FP32_STATE,
+    "--exp-avg-sq-dtype": _FP32_STATE,
+    "--accumulate-allreduce-grads-in-fp32": "gradients are accumulated and all-reduced in fp32 already",
+    "--grad-reduce-in-bf16": "gradients are all-reduced in fp32",
+    "--decoupled-lr": _ONE_LR,
+    "--decoupled-min-lr": _ONE_LR,
+    "--ddp-average-in-collective": "a unit's gradients are summed over the slices and replicas holding it (each "
+                                   "task's loss is already a mean over its global batch): nothing to average",
+    "--start-weight-decay": _WD_SCHEDULE,
+    "--end-weight-decay": _WD_SCHEDULE,
+    "--weight-decay-incr-style": _WD_SCHEDULE,
+    "--lr-wsd-decay-style": "the WSD schedule is not supported: --lr-decay-style constant, linear or cosine",
+    "--lr-wsd-decay-iters": "the WSD schedule is not supported: --lr-decay-style constant, linear or cosine",
+    "--override-opt_param-scheduler": _LR_FROM_FLAGS,
+    "--use-checkpoint-opt_param-scheduler": _LR_FROM_FLAGS,
+    # data: tar shards per task
+    "--vocab-file": _BPE_FILES,
+    "--merge-file": _BPE_FILES,
+    "--train-data-path": "give --data-path TASK=PATH (tar shards of each task, tools/build_multitask_dataset.py)",
+    "--data-cache-path": "the shard index is memory-mapped where it lies: no index cache is built",
+    "--num-dataset-builder-threads": "shard folders are opened, not built, at start (tools/build_multitask_dataset.py "
+                                     "--workers builds them beforehand)",
+    "--dataloader-type": "each task's samples come in a seeded order per epoch (data/sampler.py), resumed exactly "
+                         "from checkpoints",
+    "--no-create-attention-mask-in-dataloader": _UNPACKED,
+    "--eod-mask-loss": _UNPACKED,
+    "--reset-position-ids": _UNPACKED,
+    "--reset-attention-mask": _UNPACKED,
+    "--tokenizer-prompt-format": "prompt formats are not applied: text is tokenized as it is stored",
+    "--tiktoken-pattern": _BPE_FILES,
+    "--no-mmap-bin-files": "the shard index is always memory-mapped",
+    # logging
+    "--log-params-norm": "the parameter norm is not logged (the log line has the gradient norm)",
+    "--log-num-zeros-in-grad": "the zeros in the gradients are not counted (the log line has the gradient norm)",
+    "--tensorboard-log-interval": "TensorBoard gets the means of each --log-interval at its log line",
+    "--timing-log-option": "timers print as (min, max) over the ranks (--timing-log-level)",
+    "--no-barrier-with-level-1-timing": "the level-1 timers synchronise CUDA at their boundaries and add no barrier",
+    "--log-straggler": "straggler detection is not supported (the log's per-wave times are each wave's slowest "
+                       "rank)",
+    "--enable-one-logger": _LOGGERS,
+    "--one-logger-project": _LOGGERS,
+    "--empty-unused-memory-level": "emptying the CUDA cache between steps is not supported",
     # checkpoints
-    "--ckpt-format": "checkpoints are Spindle's own layout-independent format (tools/checkpoint/convert.py "
-                     "--saver mcore writes a torch_dist checkpoint from one)",
+    "--ckpt-format": _CKPT_FORMAT,
+    "--use-dist-ckpt": _CKPT_FORMAT,
+    "--auto-detect-ckpt-format": "--load reads Spindle checkpoints: convert others with tools/checkpoint/convert.py "
+                                 "(--loader mcore or hf)",
+    "--dist-ckpt-strictness": "a checkpoint's units are checked against the model's on load (units of tasks "
+                              "added or dropped are reported, not errors)",
+    "--async-save": "checkpoints are saved synchronously",
+    "--non-persistent-save-interval": "non-persistent checkpoints are not supported: --save-interval",
+    "--save-retain-interval": "no checkpoint is deleted: each --save-interval one is kept",
+    "--use-checkpoint-args": "the model comes from --workload (a checkpoint records the workload's digest, checked "
+                             "at --load), not from the checkpoint's flags",
+    "--ckpt-step": "give --load an iteration folder (e.g. --load CKPT/iter_0000100)",
 }
 
+# the flags above that take several values
+MEGATRON_NARGS = {"--rampup-batch-size": 3}
+
 # the flags above that take no value
-MEGATRON_SWITCHES = frozenset({"--swiglu", "--group-query-attention", "--add-qkv-bias", "--use-flash-attn",
-                               "--recompute-activations", "--use-torch-fsdp2"})
+MEGATRON_SWITCHES = frozenset({
+    "--swiglu", "--group-query-attention", "--add-qkv-bias", "--use-flash-attn", "--recompute-activations",
+    "--use-torch-fsdp2", "--use-rotary-position-embeddings", "--apply-layernorm-1p", "--qk-layernorm",
+    "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
+    "--attention-softmax-in-fp32", "--deterministic-mode", "--use-precision-aware-optimizer",
+    "--accumulate-allreduce-grads-in-fp32", "--ddp-average-in-collective", "--override-opt_param-scheduler",
+    "--use-checkpoint-opt_param-scheduler", "--no-create-attention-mask-in-dataloader", "--eod-mask-loss",
+    "--reset-position-ids", "--reset-attention-mask", "--log-params-norm", "--log-num-zeros-in-grad",
+    "--no-barrier-with-level-1-timing", "--log-straggler", "--enable-one-logger", "--use-dist-ckpt",
+    "--auto-detect-ckpt-format", "--async-save", "--use-checkpoint-args", "--fp8-param-gather",
+    "--cross-entropy-loss-fusion", "--grad-reduce-in-bf16", "--no-mmap-bin-files"})
 
 
 def _hint(flag: str, taken: Collection[str] | None) -> str:
@@ -85,16 +208,16 @@ def unrecognized_message(message: str, taken: Collection[str] | None = None) -> 
     prefix = "unrecognized arguments: "
     if not message.startswith(prefix):
         return message
-    hinted, rest, value_of_hinted = [], [], False
+    hinted, rest, values_left = [], [], 0
     for arg in message[len(prefix):].split():
         flag = arg.split("=", 1)[0]
         if flag in MEGATRON_FLAG_HINTS:
             hinted.append(_hint(flag, taken))
-            value_of_hinted = "=" not in arg and flag not in MEGATRON_SWITCHES
-        elif value_of_hinted and not arg.startswith("--"):
-            value_of_hinted = False  # the hinted flag's value
+            values_left = 0 if "=" in arg or flag in MEGATRON_SWITCHES else MEGATRON_NARGS.get(flag, 1)
+        elif values_left and not arg.startswith("--"):
+            values_left -= 1  # a value of the hinted flag
         else:
-            value_of_hinted = False
+            values_left = 0
             rest.append(arg)
     if not hinted:
         return message

@@ -73,3 +73,48 @@ def test_parser_option(capsys, megatron_flags):
     assert (hint in err) == megatron_flags
     assert ("unrecognized arguments: --use-flash-attn" in err) != megatron_flags
     assert err.count("\n") == 1
+
+
+# The flags of two of Megatron-LM's own launch scripts (its GPT-3 175B and Llama-3 8B FP8 examples, as
+# DISTRIBUTED_ARGS aside they pass them to pretrain_gpt.py), with values our parser accepts where it takes the flag
+MEGATRON_LAUNCH_SCRIPTS = {
+    "gpt3-175b": """--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048
+        --max-position-embeddings 2048 --attention-backend auto --micro-batch-size 1 --global-batch-size 1536
+        --rampup-batch-size 16 16 5859375 --train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
+        --init-method-std 0.006 --clip-grad 1.0 --fp16 --lr 6.0e-5 --lr-decay-style cosine --min-lr 6.0e-6
+        --lr-warmup-fraction .001 --lr-decay-iters 430000 --tensor-model-parallel-size 8
+        --pipeline-model-parallel-size 16 --data-path /data/x_text_document --vocab-file v.json --merge-file m.txt
+        --split 949,50,1 --log-interval 100 --save-interval 10000 --eval-interval 1000 --save ck --load ck
+        --eval-iters 10 --tensorboard-dir tb""",
+    "llama3-8b-fp8": """--use-mcore-models --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336
+        --num-attention-heads 32 --group-query-attention --num-query-groups 8 --kv-channels 128 --seq-length 8192
+        --max-position-embeddings 8192 --position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0
+        --attention-dropout 0.0 --hidden-dropout 0.0 --swiglu --init-method-std 0.0134 --attention-backend fused
+        --apply-layernorm-1p --untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1
+        --global-batch-size 128 --train-samples 1953125000 --lr-decay-samples 1949218748
+        --lr-warmup-samples 3906252 --lr 0.00015 --min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5
+        --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16
+        --grad-reduce-in-bf16 --cross-entropy-loss-fusion --calculate-per-token-loss --manual-gc
+        --empty-unused-memory-level 1 --exit-duration-in-mins 235 --fp8-format hybrid --fp8-amax-history-len 1024
+        --fp8-amax-compute-algo max --fp8-param-gather --tensor-model-parallel-size 1 --context-parallel-size 1
+        --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --mock-data
+        --vocab-size 128256 --data-cache-path cache --tiktoken-pattern v2 --split 99,1,0
+        --no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1 --log-interval 1
+        --eval-iters 32 --eval-interval 100 --save-interval 1000 --log-throughput --profile --profile-step-start 4
+        --profile-step-end 6 --ckpt-format torch_dist --distributed-timeout-minutes 60 --save ck --load ck
+        --tensorboard-dir tb""",
+}
+
+
+@pytest.mark.parametrize("script", sorted(MEGATRON_LAUNCH_SCRIPTS))
+def test_megatron_lm_launch_script_flags_are_taken_or_hinted(script, capsys):
+    """A Megatron-LM launch script's flags given to pretrain_multitask.py: each is either taken or named with
+    what to give instead; none is left as a bare unrecognized argument."""
+    argv = ["--workload", "tiny-clip", "--train-iters", "10"] + MEGATRON_LAUNCH_SCRIPTS[script].split()
+    with pytest.raises(SystemExit) as e:
+        load_script("pretrain_multitask.py").main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert "unrecognized arguments" not in err, err
+    hinted = [part.split(" ", 1)[0] for part in err.split(": error: ", 1)[1].split("; ")]
+    assert hinted and set(hinted) <= set(MEGATRON_FLAG_HINTS) and all(f in argv for f in hinted), hinted

@@ -6,7 +6,8 @@
 - an iteration folder (it holds ``metadata.json``) -> exactly that iteration;
 - anything else is an error naming what was looked for, except ``--load`` equal to ``--save`` with no checkpoint
   in it yet (missing, empty, or only an interrupted first save): the auto-resume pattern ``--save X --load X``,
-  which starts from scratch with a one-line notice;
+  which starts from scratch with a one-line notice (an error too with ``exit_on_missing``:
+  --exit-on-missing-checkpoint);
 - a root with iteration folders but no pointer is an error that names the folders (never "no checkpoint").
 
 ``check_save_target(save, start, loaded_from_save)``: a run that starts at iteration ``start`` must not
@@ -78,9 +79,10 @@ def _other_format(folder: Path) -> str | None:
     return None
 
 
-def resolve_load(load: str | Path, save: str | Path | None = None, flag: str = "--load") -> LoadTarget:
+def resolve_load(load: str | Path, save: str | Path | None = None, flag: str = "--load",
+                 exit_on_missing: bool = False) -> LoadTarget:
     p = Path(load)
-    auto_resume = same_folder(load, save)
+    auto_resume = same_folder(load, save) and not exit_on_missing
     fresh = LoadTarget(None, None, p, f"no checkpoint in {load} yet: training from scratch")
     if not p.exists():
         if auto_resume:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_spindle.errors import on_every_rank
 from megatron_spindle.plan.schema import ParamGroup
 from megatron_spindle.runtime import progress
 
@@ -82,10 +83,33 @@ class GradClipper:
                 buf.mul_(factor)
 
 
-def prepare_step(clipper: GradClipper, clip_grad: float, loss_scale: float, grad_scaler) -> StepStats:
+class NonFiniteStepError(ValueError):
+    """A step whose loss or gradients are not finite (``check_finite``), raised alike on every rank before the
+    optimizer step, so the weights stay as the last step left them."""
+
+
+def check_finite(losses: dict[str, float], stats: StepStats, step: int, scaled: bool) -> None:
+    """Megatron-LM's check for NaN in the loss and the gradients: every rank has the same losses and gradient
+    norm, so every rank raises alike. ``scaled`` (fp16 loss scaling): a non-finite gradient is an overflow the
+    scaler skips, not an error."""
+    bad = sorted(t for t, v in losses.items() if not math.isfinite(v))
+    norm_bad = not scaled and stats.grad_norm is not None and not math.isfinite(stats.grad_norm)
+    if bad or norm_bad:
+        what = [f"the loss of task(s) {', '.join(bad)}"] if bad else []
+        what += [f"the gradient norm ({stats.grad_norm})"] if norm_bad else []
+        verb = "is" if len(bad) + norm_bad == 1 else "are"
+        raise on_every_rank(NonFiniteStepError(
+            f"iteration {step + 1}: {' and '.join(what)} {verb} not finite; stopped before the optimizer step, the "
+            f"weights are those of iteration {step} (lower the learning rate, or --no-check-for-nan-in-loss-and-grad "
+            f"to train on)"))
+
+
+def prepare_step(clipper: GradClipper, clip_grad: float, loss_scale: float, grad_scaler,
+                 measure: bool = False) -> StepStats:
     """Unscale, measure and clip the synchronised gradients (see the module docstring); updates the scaler.
-    Returns whether to skip the step. A no-op without clipping and loss scaling (no collective either)."""
-    if clip_grad <= 0 and grad_scaler is None:
+    Returns whether to skip the step. A no-op without clipping, loss scaling and ``measure`` (no collective
+    either)."""
+    if clip_grad <= 0 and grad_scaler is None and not measure:
         return StepStats(None, loss_scale, False)
     norm = clipper.norm() / loss_scale
     found_inf = not math.isfinite(norm)

@@ -63,6 +63,7 @@ of each wave on this rank (its slice and the transfers into that wave; no synchr
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,7 +81,7 @@ from megatron_spindle.plan.schema import ParamGroup, Plan
 from megatron_spindle.plan.tp_shards import base_unit, runtime_groups, unit_rings
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.activation_meter import SavedTensorMeter
-from megatron_spindle.runtime.clip import GradClipper, StepStats, norm_tensors, prepare_step
+from megatron_spindle.runtime.clip import GradClipper, StepStats, check_finite, norm_tensors, prepare_step
 from megatron_spindle.runtime.direct import bind_direct_units
 from megatron_spindle.runtime.grad_buffers import GradBuffers, backward_order
 from megatron_spindle.runtime.grad_shards import ShardedGradBuffers, backend_reduces_scatter
@@ -116,6 +117,13 @@ class EngineConfig:
     # fp16 loss scaling: a megatron-core MegatronGradScaler (megatron.core.optimizer.grad_scaler; its tensors
     # live on CUDA). The backward runs on loss * scale; runtime/clip.py unscales and skips overflowing steps.
     grad_scaler: Any = None
+    # The operators' initial weights (default operator factory): normal(0, init_std) from a generator seeded by
+    # each parameter's name and init_seed (models/state.py ``init_full_tensor``), whatever the plan's layout.
+    init_std: float = 0.02
+    init_seed: int = 0
+    # Stop before the optimizer step when a loss or the gradient norm is not finite (clip.py ``check_finite``;
+    # Megatron-LM's --check-for-nan-in-loss-and-grad): the gradient norm is then measured every step.
+    check_for_nan: bool = False
 
     def __post_init__(self):
         if self.ddp_bucket_size is not None and self.ddp_bucket_size <= 0:
@@ -123,15 +131,15 @@ class EngineConfig:
 
 
 def default_factory(workload, info, layer_start, layer_end, pg_collection=None, dp_group=None, recompute=None,
-                    sequence_parallel=False, attention_backend="auto"):
+                    sequence_parallel=False, attention_backend="auto", init_std=0.02, init_seed=0):
     """megatron-core operators (models/build_operator), recomputing activations as megatron-core does where the
     plan says so (``recompute``: the slice's ``Recompute``), sequence-parallel where it applies, and with the
-    plan's attention backend."""
+    plan's attention backend; initialised with ``EngineConfig.init_std`` and ``init_seed``."""
     from megatron_spindle.models import build_operator
     from megatron_spindle.models.config import ModelConfig
 
     config = ModelConfig(recompute=recompute or False, sequence_parallel=sequence_parallel,
-                         attention_backend=attention_backend)
+                         attention_backend=attention_backend, init_std=init_std, init_seed=init_seed)
     return build_operator(workload, info, layer_start, layer_end, pg_collection=pg_collection, dp_group=dp_group,
                           config=config)
 
@@ -173,9 +181,10 @@ class RuntimeEngine:
         self.keys = KeyLayout(rings, plan_groups, rank)
         self.groups = PlanGroups(plan, rank, cache=groups, extra=[tuple(g.devices) for g in self.sync_groups])
         self._owns_groups = groups is None
-        self.local = build_local_slices(plan, workload, self.metagraph, rank, self.groups,
-                                        operator_factory or default_factory, self.device, self.config.dtype,
-                                        self.keys)
+        factory = operator_factory or functools.partial(default_factory, init_std=self.config.init_std,
+                                                        init_seed=self.config.init_seed)
+        self.local = build_local_slices(plan, workload, self.metagraph, rank, self.groups, factory, self.device,
+                                        self.config.dtype, self.keys)
         # what this rank reads of each task's batch: a batch function that can, reads no more (the trainer's
         # data loader: data/datasets.py read_batch); an operator that does not say what it reads gets it all
         self.batch_needs = batch_needs(
@@ -305,9 +314,11 @@ class RuntimeEngine:
         losses = self.forward_backward(step)
         t0 = self._clock()
         self.last_step = prepare_step(self.clipper, self.master_optimizer.clip_grad, self.schedule.loss_scale,
-                                      scaler)  # collective when it measures the norm
+                                      scaler, measure=self.config.check_for_nan)  # collective when it measures
         t1 = self._clock()
         self._add_time("optimizer-clip-main-grad", t1 - t0)
+        if self.config.check_for_nan:
+            check_finite(losses, self.last_step, step, scaled=scaler is not None)
         if self.optimizer is None or self.last_step.skipped:
             return losses  # a skipped step issues no all-gather
         overlap = self.param_gather is not None

@@ -27,7 +27,21 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--adam-beta1", type=finite_float, default=0.9)
     g.add_argument("--adam-beta2", type=finite_float, default=0.999)
     g.add_argument("--adam-eps", type=finite_float, default=1e-8)
-    g.add_argument("--seed", type=int, default=1234, help="Seed of the data order and the RNGs.")
+    g.add_argument("--seed", type=int, default=1234, help="Seed of the initial weights, the data order and the "
+                   "RNGs.")
+    g.add_argument("--init-method-std", type=finite_float, default=0.02, help="Standard deviation of the initial "
+                   "weights (normal, zero mean; norms start at 1 and 0).")
+    for flag in ("--attention-dropout", "--hidden-dropout"):  # Megatron-LM's launch scripts often give 0
+        g.add_argument(flag, type=finite_float, default=0.0, help="Dropout probability: only 0 (the layers run "
+                       "without dropout; Megatron-LM's default is 0.1).")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", help="Train on when a loss or the gradient norm is not finite (by default "
+                   "the run stops before that step's optimizer step, as Megatron-LM's does; fp16 overflows are "
+                   "skipped either way).")
+    g.add_argument("--calculate-per-token-loss", action="store_true", help="Accepted for Megatron-LM launch "
+                   "scripts: an LM task's loss is always the mean over the labelled tokens of its global batch.")
+    g.add_argument("--use-mcore-models", action="store_true", help="Accepted for Megatron-LM launch scripts: the "
+                   "models are always megatron-core's (as in Megatron-LM, where the flag is ignored).")
     g.add_argument("--bf16", action="store_true", help="Run the operators in bfloat16 (GPU only; masters and "
                    "optimizer state stay fp32).")
     g.add_argument("--clip-grad", type=finite_float, default=1.0, help="Clip the global L2 norm of the gradients "
@@ -70,6 +84,8 @@ def add_checkpointing_args(parser: argparse.ArgumentParser) -> argparse.Argument
                    "run that saved it. A folder with no checkpoint is an error, except --load equal to --save "
                    "before the first save (training starts from scratch).")
     g.add_argument("--save-interval", type=int, default=None, help="Save every N iterations (and at the end).")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true", help="Stop when --load holds no checkpoint, "
+                   "also where --load is --save (which otherwise starts from scratch: the auto-resume pattern).")
     g.add_argument("--no-load-optim", action="store_true", help="Do not restore the optimizer state (without it, "
                    "a checkpoint that lacks it is an error).")
     g.add_argument("--no-load-rng", action="store_true", help="Do not restore the RNG states (without it, a "
@@ -90,6 +106,16 @@ def add_logging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    "(the cost model's FLOP count of the tasks that ran) in the log line and to TensorBoard.")
     g.add_argument("--log-memory-to-tensorboard", action="store_true", help="Write memory use (the largest over "
                    "the ranks; CUDA allocator statistics, or the resident set on CPU) to TensorBoard.")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true", help="Write the --timing-log-level timers "
+                   "to TensorBoard and W&B too.")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
+                   action="store_false", help="Do not write the loss scale to TensorBoard and W&B.")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true", help="Write the validation and "
+                   "test perplexity of each LM task to TensorBoard and W&B too.")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true", help="Write the number of ranks to "
+                   "TensorBoard and W&B.")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000, help="Scalars TensorBoard's writer holds "
+                   "before it writes them to disk.")
     g.add_argument("--timing-log-level", type=int, default=0, choices=TIMING_LOG_LEVELS, help="0: iteration and "
                    "per-wave times; 1: also the step's phases (min, max over ranks; synchronises CUDA at their "
                    "boundaries); 2: also the batch generator and the forward/backward part of every wave "
@@ -187,8 +213,17 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
         raise ValueError(f"--lr-decay-iters must be positive, got {args.lr_decay_iters}")
     if args.weight_decay < 0:
         raise ValueError(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if args.init_method_std <= 0:
+        raise ValueError(f"--init-method-std must be positive, got {args.init_method_std}")
+    for flag in ("attention_dropout", "hidden_dropout"):
+        if getattr(args, flag) != 0:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: dropout is not supported (the layers "
+                             f"run without it, which keeps every plan's losses equal to the single-process "
+                             f"model's); give 0 or leave the flag out")
     if args.log_interval <= 0:
         raise ValueError(f"--log-interval must be positive, got {args.log_interval}")
+    if args.tensorboard_queue_size <= 0:
+        raise ValueError(f"--tensorboard-queue-size must be positive, got {args.tensorboard_queue_size}")
     check_manual_gc_args(args)
     check_profiling_args(args)
     if args.save_interval is not None and args.save_interval <= 0:

@@ -206,9 +206,12 @@ class ValidationResult:
     def total_loss(self) -> float:
         return sum(self.weights[t] * v for t, v in self.losses.items())
 
-    def scalars(self) -> dict[str, float]:
+    def scalars(self, ppl: bool = False) -> dict[str, float]:
+        """TensorBoard and W&B scalars; ``ppl`` (--log-validation-ppl-to-tensorboard): the LM tasks' perplexity."""
         out = {f"total loss {self.split}": self.total_loss}
         out.update({f"task loss {self.split}/{t}": v for t, v in self.losses.items()})
+        if ppl:
+            out.update({f"task ppl {self.split}/{t}": _ppl(v) for t, v in self.losses.items() if t in self.lm_tasks})
         return out
 
     def format(self) -> str:
@@ -218,7 +221,7 @@ class ValidationResult:
         for t, v in self.losses.items():
             parts.append(f"{t} loss value: {v:.6E}")
             if t in self.lm_tasks:
-                parts.append(f"{t} loss PPL: {math.exp(min(20.0, v)):.6E}")
+                parts.append(f"{t} loss PPL: {_ppl(v):.6E}")
         line = " | ".join(parts) + " |"
         return "\n".join(["-" * (len(line) + 1), line, "-" * (len(line) + 1)])
 
@@ -232,3 +235,7 @@ def run_validation(engine, batches: ValidationBatches, eval_iters: int, iteratio
             sums[t] = sums.get(t, 0.0) + v
     lm = tuple(t.name for t in engine.workload.tasks if t.loss is not None and t.loss.kind == "lm")
     return ValidationResult(iteration, {t: v / eval_iters for t, v in sums.items()}, dict(weights), lm, split)
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(min(20.0, loss))  # Megatron's cap

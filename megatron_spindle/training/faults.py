@@ -121,8 +121,9 @@ class FaultGuards:
             return None
         from megatron_spindle.checkpointing.load_target import resolve_load
 
-        return rank0_outcome(lambda: resolve_load(self.args.load, self.args.save), self.info.rank,
-                             self.info.world_size)
+        return rank0_outcome(lambda: resolve_load(self.args.load, self.args.save,
+                                                  exit_on_missing=self.args.exit_on_missing_checkpoint),
+                             self.info.rank, self.info.world_size)
 
     def check_save_target(self, start: int, target: LoadTarget | None) -> None:
         """Refuse (on every rank) a run that would overwrite later checkpoints in --save."""

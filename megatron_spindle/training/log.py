@@ -137,12 +137,12 @@ def format_wave_line(r: StepRecord) -> str:
 class TensorBoardLogger:
     """Scalars under Megatron-like tags; a no-op when no folder is given."""
 
-    def __init__(self, log_dir: str | None):
+    def __init__(self, log_dir: str | None, queue_size: int = 1000):
         self.writer = None
         if log_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=log_dir, max_queue=100)
+            self.writer = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
 
     def log(self, r: StepRecord) -> None:
         self.log_scalars(step_scalars(r), r.iteration)

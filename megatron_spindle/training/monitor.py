@@ -25,7 +25,8 @@ class TrainingMonitor:
     def __init__(self, args: argparse.Namespace, workload, rank: int, world_size: int, printer=print):
         self.args, self.rank, self.print = args, rank, printer
         self.meter = ThroughputMeter(workload, world_size) if args.log_throughput else None
-        self.tb = TensorBoardLogger(args.tensorboard_dir if rank == 0 else None)
+        self.tb = TensorBoardLogger(args.tensorboard_dir if rank == 0 else None, args.tensorboard_queue_size)
+        self.world_size = world_size
         self.wandb = WandbWriter(args, rank)
         self.records: list[StepRecord] = []
         self.engine = self.waves = self.timers = None
@@ -88,7 +89,7 @@ class TrainingMonitor:
             self.print(format_wave_phases(*self.waves.phases, self.n))
         if timers:
             self.print(format_timers(timers))
-        scalars = _step_scalars(rec, timers)
+        scalars = self._scalars(rec, timers)
         self.tb.log_scalars(scalars, iteration)
         self.wandb.log(scalars, iteration)
         self.records.append(rec)
@@ -97,17 +98,24 @@ class TrainingMonitor:
 
     def validation(self, result) -> None:
         self.print(result.format())
-        self.tb.log_scalars(result.scalars(), result.iteration)
-        self.wandb.log(result.scalars(), result.iteration)
+        scalars = result.scalars(ppl=self.args.log_validation_ppl_to_tensorboard)
+        self.tb.log_scalars(scalars, result.iteration)
+        self.wandb.log(scalars, result.iteration)
 
     def close(self) -> None:
         self.tb.close()
         self.wandb.close()
 
 
-def _step_scalars(rec: StepRecord, timers: dict[str, tuple[float, float]]) -> dict[str, float]:
-    from megatron_spindle.training.log import step_scalars
+    def _scalars(self, rec: StepRecord, timers: dict[str, tuple[float, float]]) -> dict[str, float]:
+        """The logged iteration's TensorBoard and W&B scalars, as Megatron's --log-*-to-tensorboard flags say."""
+        from megatron_spindle.training.log import step_scalars
 
-    out = step_scalars(rec)
-    out.update({f"timers (ms)/{name}": hi for name, (_, hi) in timers.items()})
-    return out
+        out = step_scalars(rec)
+        if not self.args.log_loss_scale_to_tensorboard:
+            del out["loss-scale"]
+        if self.args.log_world_size_to_tensorboard:
+            out["world-size"] = float(self.world_size)
+        if self.args.log_timers_to_tensorboard:
+            out.update({f"timers (ms)/{name}": hi for name, (_, hi) in timers.items()})
+        return out

@@ -5,6 +5,7 @@ its pointer are errors: tests/test_bad_inputs.py, which also checks nothing on d
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from megatron_spindle.checkpointing import iteration_dir, load_checkpoint, read_latest
@@ -46,8 +47,14 @@ def test_load_root_iteration_folder_and_save_itself(tmp_path, capsys):
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
     assert _files(ckpt) == users
 
-    # --load equal to --save before its first checkpoint: from scratch, with a notice
+    # --load equal to --save before its first checkpoint: from scratch, with a notice; an error with
+    # --exit-on-missing-checkpoint, before anything is written
     fresh = tmp_path / "fresh"
+    with pytest.raises(SystemExit):
+        pretrain_multitask.main(COMMON + ["--train-iters", "1", "--load", str(fresh), "--save", str(fresh),
+                                          "--exit-on-missing-checkpoint"])
+    assert f"--load {fresh} holds no checkpoint" in capsys.readouterr().err
+    assert not fresh.exists() or not list(fresh.iterdir())
     assert pretrain_multitask.main(COMMON + ["--train-iters", "1", "--load", str(fresh), "--save", str(fresh)]) == 0
     assert f"no checkpoint in {fresh} yet: training from scratch" in capsys.readouterr().out
     assert read_latest(fresh) == 1

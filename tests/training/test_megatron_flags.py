@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import math
 import os
 import re
 import sys
@@ -76,7 +77,8 @@ def test_validation_logging_and_checkpoint_flags(tmp_path, capsys, monkeypatch, 
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     assert pretrain_multitask.main(COMMON + EVAL + [
         "--save", str(a), "--tensorboard-dir", str(tmp_path / "tb"), "--log-throughput", "--timing-log-level", "2",
-        "--log-memory-to-tensorboard", "--wandb-project", "proj", "--wandb-exp-name", "run-a"]) == 0
+        "--log-memory-to-tensorboard", "--wandb-project", "proj", "--wandb-exp-name", "run-a",
+        "--log-timers-to-tensorboard", "--log-world-size-to-tensorboard", "--tensorboard-queue-size", "5"]) == 0
     out = capsys.readouterr().out
     # the Megatron log line, with throughput, loss scale and grad norm
     line = next(s for s in out.splitlines() if re.search(r" iteration\s+2/\s+2 \|", s))
@@ -111,7 +113,8 @@ def test_validation_logging_and_checkpoint_flags(tmp_path, capsys, monkeypatch, 
     tags = set(ea.Tags()["scalars"])
     assert {"throughput", "samples-per-second", "grad-norm", "loss-scale", "mem-rss-bytes", "total loss validation",
             "task loss validation/vision_text", "timers (ms)/forward-backward",
-            "wave-time (ms)/busiest rank"} <= tags, tags
+            "wave-time (ms)/busiest rank", "world-size"} <= tags, tags
+    assert [e.value for e in ea.Scalars("world-size")] == [1.0, 1.0]
     assert wandb.inits[0]["project"] == "proj" and wandb.inits[0]["name"] == "run-a"
     assert wandb.inits[0]["dir"] == str(a / "wandb") and wandb.finished == 1
     logged = {k for _, d in wandb.logged for k in d}
@@ -127,8 +130,15 @@ def test_validation_logging_and_checkpoint_flags(tmp_path, capsys, monkeypatch, 
 
     # --finetune: the weights of b, AdamW from scratch, iteration 0; with a doubled global batch, sharded AdamW
     assert pretrain_multitask.main(COMMON + ["--train-iters", "1", "--load", str(b), "--save", str(c), "--finetune",
-                                             "--global-batch-size", "48", "--use-distributed-optimizer"]) == 0
+                                             "--global-batch-size", "48", "--use-distributed-optimizer",
+                                             "--tensorboard-dir", str(tmp_path / "tb_c"), "--timing-log-level", "1",
+                                             "--no-log-loss-scale-to-tensorboard"]) == 0
     out = capsys.readouterr().out
+    ea = EventAccumulator(glob.glob(str(tmp_path / "tb_c" / "*"))[0])
+    ea.Reload()
+    tags = set(ea.Tags()["scalars"])  # timers printed, but written only with --log-timers-to-tensorboard
+    assert "grad-norm" in tags and not {"loss-scale", "world-size"} & tags and not any("timers" in t for t in tags)
+    assert "(min, max) time across ranks (ms):" in out
     assert "--finetune: weights only, starting at iteration 0" in out
     assert re.search(r" iteration\s+1/\s+1 \| consumed samples:\s+48 \|.*\| global batch size:\s+48 \|", out)
     ck_c = load_checkpoint(c)
@@ -181,6 +191,51 @@ def test_test_share_after_the_last_iteration_and_skip_train(tmp_path, capsys, on
     assert not b.exists() and not tb.exists()
 
 
+def test_seed_and_init_method_std_set_the_initial_weights(tmp_path, capsys, one_thread):
+    """--seed and --init-method-std give the initial weights (a step at a negligible LR keeps them); a Megatron-LM
+    script's --use-mcore-models and zero dropouts are taken."""
+    from megatron_spindle.models.config import ModelConfig
+    from megatron_spindle.models.reference import ReferenceModel
+
+    w = load_workload("tiny-clip")
+    assert pretrain_multitask.main(COMMON + ["--train-iters", "1", "--lr", "1e-12", "--init-method-std", "0.05",
+                                             "--use-mcore-models", "--attention-dropout", "0",
+                                             "--hidden-dropout", "0.0", "--save", str(tmp_path / "a")]) == 0
+    _, saved = _weights(tmp_path / "a")
+    want = ReferenceModel(w, ModelConfig(init_std=0.05, init_seed=3)).export_full_state()
+    assert sorted(saved) == sorted(want)
+    assert max(float((saved[k] - want[k]).abs().max()) for k in want) <= 1e-9
+    other = ReferenceModel(w, ModelConfig(init_std=0.05, init_seed=0)).export_full_state()
+    assert max(float((saved[k] - other[k]).abs().max()) for k in want) > 0.01  # the seed made them
+
+
+def test_a_nan_loss_stops_the_run_before_its_optimizer_step(tmp_path, capsys, one_thread):
+    """An LR that blows the weights up makes iteration 2's losses NaN: the run stops there with one line, and the
+    checkpoint of iteration 1 stays the latest; --no-check-for-nan-in-loss-and-grad trains on and counts them."""
+    from megatron_spindle.checkpointing import read_latest
+
+    save = tmp_path / "ckpt"
+    blowup = COMMON + ["--train-iters", "3", "--lr", "1e30"]
+    err = _fails(capsys, blowup + ["--save", str(save), "--save-interval", "1"],
+                 "iteration 2: the loss of task(s) audio_depth, text_audio, vision_depth, vision_text and the gradient "
+                 "norm (nan) are not finite; stopped before the optimizer step, the weights are those of iteration 1")
+    assert err.count("\n") == 1 and read_latest(save) == 1
+    assert pretrain_multitask.main(blowup + ["--no-check-for-nan-in-loss-and-grad"]) == 0
+    assert re.search(r" iteration\s+3/\s+3 \|.*total loss: NAN \|.*number of nan iterations:\s+1 \|",
+                     capsys.readouterr().out)
+
+
+def test_validation_perplexity_scalars_of_lm_tasks():
+    from megatron_spindle.training.evaluate import ValidationResult
+
+    result = ValidationResult(7, {"caption": 1.5, "clip": 2.0}, {"caption": 1.0, "clip": 0.5}, ("caption",), "test")
+    assert result.scalars() == {"total loss test": 2.5, "task loss test/caption": 1.5, "task loss test/clip": 2.0}
+    assert result.scalars(ppl=True)["task ppl test/caption"] == pytest.approx(math.exp(1.5))
+    assert "task ppl test/clip" not in result.scalars(ppl=True)
+    assert " validation loss at iteration 7 on test set | total loss value: 2.500000E+00 |" in result.format()
+    assert f"caption loss PPL: {math.exp(1.5):.6E} |" in result.format()
+
+
 def _fails(capsys, argv, match):
     with pytest.raises(SystemExit) as e:
         pretrain_multitask.main(argv)
@@ -202,6 +257,9 @@ def test_flags_refused_at_start(capsys, monkeypatch):
     _fails(capsys, base + ["--eval-interval", "0"], "--eval-interval must be positive")
     _fails(capsys, base + ["--valid-data-path", "vision_text=/nope"], "needs --eval-interval")
     _fails(capsys, base + ["--split", "0,1"], "--split '0,1'")
+    _fails(capsys, base + ["--hidden-dropout", "0.1"], "--hidden-dropout 0.1: dropout is not supported")
+    _fails(capsys, base + ["--init-method-std", "0"], "--init-method-std must be positive")
+    _fails(capsys, base + ["--tensorboard-queue-size", "0"], "--tensorboard-queue-size must be positive")
     _fails(capsys, base + ["--test-data-path", "vision_text=/nope", "--eval-iters", "0"],
            "--test-data-path needs --eval-iters > 0")
     _fails(capsys, base + ["--valid-data-path", "vision_text=/nope", "--skip-train", "--eval-iters", "0"],

@@ -180,13 +180,14 @@ def _reference() -> dict[str, torch.Tensor]:
     AdamW over every parameter (a parameter no task of the set uses gets no gradient, so AdamW leaves it and
     its state alone), each task reading its own sample stream (epoch permutations in a row), which advances
     only while the task trains."""
+    from megatron_spindle.models.config import ModelConfig
     from megatron_spindle.models.reference import ReferenceModel
 
     base = load_workload("tiny-clip")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = ReferenceModel(base)
+        model = ReferenceModel(base, ModelConfig(init_seed=SEED))  # --seed seeds the initial weights too
         params = model.full_named_parameters()
         opt = torch.optim.AdamW(list(params.values()), lr=LR["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
         lr = LRSchedule(**LR)
