@@ -81,7 +81,14 @@ from megatron_spindle.plan.schema import ParamGroup, Plan
 from megatron_spindle.plan.tp_shards import base_unit, runtime_groups, unit_rings
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.activation_meter import SavedTensorMeter
-from megatron_spindle.runtime.clip import GradClipper, StepStats, check_finite, norm_tensors, prepare_step
+from megatron_spindle.runtime.clip import (
+    GradClipper,
+    StepStats,
+    check_finite,
+    global_norm,
+    norm_tensors,
+    prepare_step,
+)
 from megatron_spindle.runtime.direct import bind_direct_units
 from megatron_spindle.runtime.grad_buffers import GradBuffers, backward_order
 from megatron_spindle.runtime.grad_shards import ShardedGradBuffers, backend_reduces_scatter
@@ -304,6 +311,15 @@ class RuntimeEngine:
     def generic_keys(self) -> dict[str, list[str]]:
         """slice id -> keys of its units that are not direct (exported and loaded back every step)."""
         return self.binding.generic_keys
+
+    def params_norm(self) -> float:
+        """The global L2 norm of the fp32 master weights, each element of the model counted once whatever its
+        replication, TP split or ZeRO sharding (the rule of the gradient norm: clip.py). Collective over the
+        world (--log-params-norm)."""
+        with torch.no_grad():
+            counted = norm_tensors({u: p.detach() for u, p in self.masters.items()}, self.sync_groups, self.rank,
+                                   self.zero_stage >= 1)
+            return global_norm(counted, self.device, "the parameter-norm all-reduce (--log-params-norm)")
 
     # ------------------------------------------------------------------------------------------- step
     def train_step(self, step: int) -> dict[str, float]:

@@ -106,6 +106,8 @@ def add_logging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    "(the cost model's FLOP count of the tasks that ran) in the log line and to TensorBoard.")
     g.add_argument("--log-memory-to-tensorboard", action="store_true", help="Write memory use (the largest over "
                    "the ranks; CUDA allocator statistics, or the resident set on CPU) to TensorBoard.")
+    g.add_argument("--log-params-norm", action="store_true", help="Log the global L2 norm of the weights (fp32 "
+                   "masters, each element once) in the log line and to TensorBoard; an all-reduce per log line.")
     g.add_argument("--log-timers-to-tensorboard", action="store_true", help="Write the --timing-log-level timers "
                    "to TensorBoard and W&B too.")
     g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",

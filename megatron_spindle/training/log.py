@@ -2,7 +2,7 @@
 
 The line keeps Megatron-LM's fields and order (``training.py:training_log``): iteration, consumed samples,
 elapsed time per iteration, [throughput], learning rate, global batch size, the losses, loss scale, grad norm,
-number of skipped / nan iterations; Spindle adds the predicted iteration time, samples per second and the
+[params norm], number of skipped / nan iterations; Spindle adds the predicted iteration time, samples per second and the
 per-task losses.
 """
 
@@ -37,6 +37,7 @@ class StepRecord:
     throughput: Throughput | None = None  # --log-throughput
     memory: dict[str, float] = field(default_factory=dict)  # --log-memory-to-tensorboard: tag -> value
     busiest_waves_ms: float | None = None  # the largest rank's own time in all waves (None: one rank, the sum)
+    params_norm: float | None = None  # --log-params-norm: the weights' global L2 norm after the logged step
 
     @property
     def total_loss(self) -> float:
@@ -65,6 +66,8 @@ def format_log_line(r: StepRecord) -> str:
     parts.append(f"loss scale: {r.loss_scale:.1f}")
     if r.grad_norm is not None:
         parts.append(f"grad norm: {r.grad_norm:.3f}")
+    if r.params_norm is not None:
+        parts.append(f"params norm: {r.params_norm:.3f}")
     parts += [f"number of skipped iterations: {r.skipped_iters:3d}", f"number of nan iterations: {r.nan_iters:3d}"]
     return " | ".join(parts) + " |"
 
@@ -121,6 +124,8 @@ def step_scalars(r: StepRecord) -> dict[str, float]:
     out["loss-scale"] = r.loss_scale
     if r.grad_norm is not None and math.isfinite(r.grad_norm):
         out["grad-norm"] = r.grad_norm
+    if r.params_norm is not None:
+        out["params-norm"] = r.params_norm
     if r.throughput is not None:
         out["throughput"] = r.throughput.tflops_per_gpu  # TFLOP/s/GPU, Megatron's tag
         out["samples-per-second"] = r.throughput.samples_per_second

@@ -3,6 +3,7 @@ the comparison of an engine run against it."""
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -130,6 +131,10 @@ def check_engine_against(engine, ref: Trajectory, label: str, steps: int = STEPS
         e = global_rel_err(state, ref.final)
         worst["weights_global"] = e
         assert e <= RTOL, f"{label}: weights after {steps} steps rel err {e:.2e}"
+    # the masters' global norm (--log-params-norm) counts every element of the model once, on every rank
+    want = math.sqrt(sum(float(w.double().square().sum()) for w in ref.final.values()))
+    got = engine.params_norm()
+    assert abs(got - want) <= RTOL * want, f"{label}: params norm {got} != {want}"
     return worst
 
 

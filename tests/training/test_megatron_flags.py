@@ -200,11 +200,14 @@ def test_seed_and_init_method_std_set_the_initial_weights(tmp_path, capsys, one_
     w = load_workload("tiny-clip")
     assert pretrain_multitask.main(COMMON + ["--train-iters", "1", "--lr", "1e-12", "--init-method-std", "0.05",
                                              "--use-mcore-models", "--attention-dropout", "0",
-                                             "--hidden-dropout", "0.0", "--save", str(tmp_path / "a")]) == 0
+                                             "--hidden-dropout", "0.0", "--save", str(tmp_path / "a"),
+                                             "--log-params-norm"]) == 0
     _, saved = _weights(tmp_path / "a")
     want = ReferenceModel(w, ModelConfig(init_std=0.05, init_seed=3)).export_full_state()
     assert sorted(saved) == sorted(want)
     assert max(float((saved[k] - want[k]).abs().max()) for k in want) <= 1e-9
+    norm = float(re.search(r"\| grad norm: \S+ \| params norm: (\S+) \|", capsys.readouterr().out).group(1))
+    assert norm == pytest.approx(math.sqrt(sum(float(v.double().square().sum()) for v in want.values())), abs=1e-3)
     other = ReferenceModel(w, ModelConfig(init_std=0.05, init_seed=0)).export_full_state()
     assert max(float((saved[k] - other[k]).abs().max()) for k in want) > 0.01  # the seed made them
 
