@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import threading
 from bisect import bisect_right
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,7 +27,7 @@ from megatron_spindle.data import decode as dec
 from megatron_spindle.data.mock import IGNORE_INDEX, TaskBatch, mock_batch, own_text_tokens
 from megatron_spindle.data.preprocess import Preprocessing
 from megatron_spindle.data.processors import ProcessorError
-from megatron_spindle.data.sampler import MixedBatch, MultiTaskSampler
+from megatron_spindle.data.sampler import Blend, MixedBatch, MultiTaskSampler, weighted_path
 from megatron_spindle.data.shards import DatasetError, ShardReader, check_shard_files, read_index
 from megatron_spindle.data.tokenizer import EOS, PAD
 from megatron_spindle.errors import prints_errors_of_every_rank
@@ -334,8 +335,9 @@ class MultiTaskDataLoader:
         self.workload = workload
         self.datasets = datasets
         batch_sizes = {t: workload.task(t).batch_size for t in datasets}
+        blends = {t: d.blend for t, d in datasets.items() if getattr(d, "blend", None) is not None}
         self.sampler = MultiTaskSampler({t: len(d) for t, d in datasets.items()}, batch_sizes, seed,
-                                        sampling_weights)
+                                        sampling_weights, blends)
         self.current: MixedBatch | None = None
         self._batches: dict[str, TaskBatch | Future] = {}
         self._ahead: dict[str, Future] = {}
@@ -400,12 +402,16 @@ class MultiTaskDataLoader:
 
 class ConcatTaskDataset:
     """Datasets of one task read as one, in order: parts built separately (tools/build_multitask_dataset.py run
-    on parts of a corpus at once), each checked against the task's fields as it opens."""
+    on parts of a corpus at once), each checked against the task's fields as it opens. With ``weights`` the
+    parts are a blend (``blend``): the sampler draws each batch from them in those proportions
+    (data/sampler.py); indices stay those of the concatenation."""
 
-    def __init__(self, parts: list[ShardedTaskDataset]):
+    def __init__(self, parts: list[TaskDataset], weights: Sequence[float] | None = None):
         self.parts, self.task = parts, parts[0].task
-        self.preprocessing, self.label_ids = parts[0].preprocessing, parts[0].label_ids
+        self.preprocessing = getattr(parts[0], "preprocessing", None)
+        self.label_ids = getattr(parts[0], "label_ids", None)
         self.ends = list(itertools.accumulate(len(p) for p in parts))
+        self.blend = None if weights is None else Blend.of([len(p) for p in parts], weights)
 
     def __len__(self) -> int:
         return self.ends[-1]
@@ -420,13 +426,62 @@ class ConcatTaskDataset:
         return self.parts[k].get(i - (self.ends[k - 1] if k else 0), fields)
 
 
+class InterleavedTaskDataset:
+    """A blend read in one fixed order, its parts interleaved in their proportions (``Blend.next_part``), each
+    part's samples in their own order: the validation and test batches of a blended task (batch k holds samples
+    [k*B, (k+1)*B)) hold its mix, not the first part alone."""
+
+    def __init__(self, blended: ConcatTaskDataset):
+        self.dataset, self.task, self.blend = blended, blended.task, blended.blend
+        self.preprocessing, self.label_ids = blended.preprocessing, blended.label_ids
+        self._order: list[int] = []
+        self._taken = [0] * len(self.blend.sizes)
+        self._lock = threading.Lock()  # data threads ask for indices at once
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.get(i)
+
+    def _index(self, i: int) -> int:
+        with self._lock:
+            starts = self.blend.starts
+            while len(self._order) <= i:
+                k = self.blend.next_part(self._taken)
+                self._order.append(starts[k] + self._taken[k] % self.blend.sizes[k])
+                self._taken[k] += 1
+            return self._order[i]
+
+    def get(self, i: int, fields: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.dataset.get(self._index(i), fields)
+
+
+def evaluation_dataset(dataset: TaskDataset) -> TaskDataset:
+    """The dataset validation and test batches read: a blend interleaved (``InterleavedTaskDataset``)."""
+    return InterleavedTaskDataset(dataset) if getattr(dataset, "blend", None) is not None else dataset
+
+
 def open_task_dataset(workload: Workload, task: str, paths: str | Path | Sequence[str | Path],
-                      preprocessing: Preprocessing | None = None) -> ShardedTaskDataset | ConcatTaskDataset:
-    """The task's dataset of one shard folder, or of several read in order as one."""
+                      preprocessing: Preprocessing | None = None,
+                      check_files: bool | None = None) -> ShardedTaskDataset | ConcatTaskDataset:
+    """The task's dataset of one shard folder, or of several read in order as one, or blended: ``WEIGHT:PATH``
+    for each (``--data-path TASK=WEIGHT:PATH``)."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
-    parts = [ShardedTaskDataset(workload, task, p, preprocessing) for p in paths]
-    return parts[0] if len(parts) == 1 else ConcatTaskDataset(parts)
+    items = [weighted_path(p) for p in paths]
+    weights = [w for w, _ in items]
+    parts = [ShardedTaskDataset(workload, task, p, preprocessing, check_files) for _, p in items]
+    if len(parts) == 1 and weights[0] is None:
+        return parts[0]
+    if None in weights and any(w is not None for w in weights):
+        raise DatasetError(f"task '{task}': a blend gives every part a weight (WEIGHT:PATH), got {list(paths)}")
+    try:
+        return ConcatTaskDataset(parts, None if weights[0] is None else weights)
+    except ValueError as e:
+        raise DatasetError(f"task '{task}': {e}") from None
 
 
 def build_datasets(workload: Workload, data_paths: dict[str, str | list[str]] | None, mock: bool, seed: int = 0,

@@ -12,6 +12,14 @@ weight ``w_t`` sets how often it *takes part*: in each iteration it counts with 
 iteration keeps its data position (its batch is the one it will use next time) and the trainer gives its loss
 weight 0 for that iteration. With equal weights (the default) every task takes part every time.
 
+Blends inside a task (``--data-path TASK=WEIGHT:PATH`` for each part). A task whose dataset is several parts
+with weights (``blends``; the dataset is their concatenation, part k's sample j at index ``start_k + j``) walks
+each part in its own epochs (permutations seeded by the task, the part and the epoch), and fills each batch
+slot from the part furthest behind its share: slot s (the task's s-th sample overall) goes to the part k
+maximising ``w_k * (s + 1) - taken_k`` (Megatron-LM's blended-dataset rule), so every prefix of the stream
+holds each part within one sample of its weight. The position is the parts' epochs and offsets; no index over
+the blend is built, whatever its size.
+
 Task-set changes (``--task-schedule``, or resuming with another ``--tasks``): the position is kept per task.
 ``load_state_dict(state, tasks_may_change=True)`` gives a task of the saved position its saved place, a task new
 to the run its beginning (or, if it trained before and was dropped, the place it had when it was dropped), and
@@ -50,9 +58,54 @@ class MixedBatch:
     active: dict[str, bool]
 
 
+def weighted_path(item: str) -> tuple[float | None, str]:
+    """A blend part ``WEIGHT:PATH`` -> (weight, path); anything else -> (None, item)."""
+    head, sep, rest = str(item).partition(":")
+    if sep:
+        try:
+            return float(head), rest
+        except ValueError:
+            pass
+    return None, str(item)
+
+
+@dataclass(frozen=True)
+class Blend:
+    """A task's dataset as weighted parts: their sizes (in dataset order) and weights (summing to 1)."""
+
+    sizes: tuple[int, ...]
+    weights: tuple[float, ...]
+
+    @classmethod
+    def of(cls, sizes, weights) -> Blend:
+        if len(sizes) != len(weights) or len(sizes) < 2:
+            raise ValueError(f"a blend needs a weight for each of at least two parts, got {len(weights)} "
+                             f"weight(s) for {len(sizes)} part(s)")
+        if any(not w > 0 for w in weights):
+            raise ValueError(f"blend weights must be > 0, got {list(weights)}")
+        if any(n <= 0 for n in sizes):
+            raise ValueError(f"every part of a blend needs samples, got sizes {list(sizes)}")
+        total = float(sum(weights))
+        return cls(tuple(int(n) for n in sizes), tuple(w / total for w in weights))
+
+    def next_part(self, taken: list[int]) -> int:
+        """The part of the next sample, given how many each part gave so far: the one furthest behind its share
+        (Megatron-LM's blended-dataset rule; ties to the first)."""
+        s = sum(taken)
+        return max(range(len(taken)), key=lambda k: (self.weights[k] * (s + 1) - taken[k], -k))
+
+    @property
+    def starts(self) -> list[int]:
+        out, at = [], 0
+        for n in self.sizes:
+            out.append(at)
+            at += n
+        return out
+
+
 class MultiTaskSampler:
     def __init__(self, dataset_sizes: dict[str, int], batch_sizes: dict[str, int], seed: int = 0,
-                 sampling_weights: dict[str, float] | None = None):
+                 sampling_weights: dict[str, float] | None = None, blends: dict[str, Blend] | None = None):
         if set(dataset_sizes) != set(batch_sizes):
             raise ValueError(f"datasets for tasks {sorted(dataset_sizes)} but batch sizes for {sorted(batch_sizes)}")
         for t, n in dataset_sizes.items():
@@ -75,31 +128,56 @@ class MultiTaskSampler:
         w = {t: float(weights.get(t, 1.0)) for t in self.tasks}
         top = max(w.values())
         self.participation = {t: w[t] / top for t in self.tasks}
+        self.blends = dict(blends or {})
+        for t, b in self.blends.items():
+            if t not in self.sizes:
+                raise ValueError(f"a blend for unknown task '{t}' (tasks: {self.tasks})")
+            if sum(b.sizes) != self.sizes[t]:
+                raise ValueError(f"task '{t}': its blend's parts hold {sum(b.sizes)} samples, its dataset "
+                                 f"{self.sizes[t]}")
         self.iteration = 0
-        self.epoch = {t: 0 for t in self.tasks}
-        self.offset = {t: 0 for t in self.tasks}
+        # a task's position: its epoch and offset, or for a blend each part's, as lists
+        self.epoch = {t: [0] * len(self.blends[t].sizes) if t in self.blends else 0 for t in self.tasks}
+        self.offset = {t: [0] * len(self.blends[t].sizes) if t in self.blends else 0 for t in self.tasks}
         self.dropped: dict[str, dict] = {}  # saved positions of tasks this sampler does not train
         self._perm: dict[tuple[str, int], torch.Tensor] = {}
 
-    def _permutation(self, task: str, epoch: int) -> torch.Tensor:
-        key = (task, epoch)
+    def _permutation(self, stream: str, size: int, epoch: int) -> torch.Tensor:
+        key = (stream, epoch)
         if key not in self._perm:
-            if len(self._perm) > 4 * len(self.tasks):
+            if len(self._perm) > 4 * (len(self.tasks) + sum(len(b.sizes) for b in self.blends.values())):
                 self._perm.clear()
-            self._perm[key] = epoch_permutation(self.sizes[task], self.seed, task, epoch)
+            self._perm[key] = epoch_permutation(size, self.seed, stream, epoch)
         return self._perm[key]
 
-    def _take(self, task: str) -> tuple[list[int], int, int]:
+    def _take(self, task: str) -> tuple[list[int], int | list[int], int | list[int]]:
+        if task in self.blends:
+            return self._take_blend(task)
         epoch, offset, out = self.epoch[task], self.offset[task], []
         need = self.batch_sizes[task]
         while len(out) < need:
-            perm = self._permutation(task, epoch)
+            perm = self._permutation(task, self.sizes[task], epoch)
             k = min(need - len(out), len(perm) - offset)
             out += perm[offset:offset + k].tolist()
             offset += k
             if offset == len(perm):
                 epoch, offset = epoch + 1, 0
         return out, epoch, offset
+
+    def _take_blend(self, task: str) -> tuple[list[int], list[int], list[int]]:
+        blend = self.blends[task]
+        epochs, offsets = list(self.epoch[task]), list(self.offset[task])
+        taken = [e * n + o for e, n, o in zip(epochs, blend.sizes, offsets)]
+        starts, out = blend.starts, []
+        for _ in range(self.batch_sizes[task]):
+            k = blend.next_part(taken)
+            perm = self._permutation(f"{task}#{k}", blend.sizes[k], epochs[k])
+            out.append(starts[k] + int(perm[offsets[k]]))
+            taken[k] += 1
+            offsets[k] += 1
+            if offsets[k] == blend.sizes[k]:
+                epochs[k], offsets[k] = epochs[k] + 1, 0
+        return out, epochs, offsets
 
     def _active(self, iteration: int) -> dict[str, bool]:
         if all(p == 1.0 for p in self.participation.values()):
@@ -125,10 +203,17 @@ class MultiTaskSampler:
         return out
 
     # ------------------------------------------------------------------------------ position
+    def _task_state(self, t: str) -> dict:
+        st = {"size": self.sizes[t], "batch_size": self.batch_sizes[t]}
+        if t not in self.blends:
+            return {"epoch": self.epoch[t], "offset": self.offset[t], **st}
+        b = self.blends[t]
+        return {"parts": [{"epoch": e, "offset": o, "size": n, "weight": w}
+                          for e, o, n, w in zip(self.epoch[t], self.offset[t], b.sizes, b.weights)], **st}
+
     def state_dict(self) -> dict:
         state = {"iteration": self.iteration, "seed": self.seed,
-                 "tasks": {t: {"epoch": self.epoch[t], "offset": self.offset[t], "size": self.sizes[t],
-                               "batch_size": self.batch_sizes[t]} for t in self.tasks}}
+                 "tasks": {t: self._task_state(t) for t in self.tasks}}
         if self.dropped:
             state["dropped_tasks"] = {t: dict(st) for t, st in sorted(self.dropped.items())}
         return state
@@ -145,11 +230,36 @@ class MultiTaskSampler:
         known = {**state.get("dropped_tasks", {}), **tasks}
         for t in self.tasks:
             st = known.get(t)
-            if st is not None and st.get("size", self.sizes[t]) != self.sizes[t]:
-                raise ValueError(f"task '{t}': saved data position is for a dataset of {st['size']} samples, "
-                                 f"this one has {self.sizes[t]}")
+            if st is not None:
+                self._check_task_state(t, st)
         self.iteration = int(state["iteration"])
         for t in self.tasks:
-            st = known.get(t, {"epoch": 0, "offset": 0})
-            self.epoch[t], self.offset[t] = int(st["epoch"]), int(st["offset"])
+            st = known.get(t)
+            if st is None or _at_start(st):  # new to the run, or a converted checkpoint's: its beginning
+                parts = len(self.blends[t].sizes) if t in self.blends else None
+                self.epoch[t], self.offset[t] = ([0] * parts, [0] * parts) if parts else (0, 0)
+            elif t in self.blends:  # the parts' places; their weights may have changed
+                self.epoch[t] = [int(p["epoch"]) for p in st["parts"]]
+                self.offset[t] = [int(p["offset"]) for p in st["parts"]]
+            else:
+                self.epoch[t], self.offset[t] = int(st["epoch"]), int(st["offset"])
         self.dropped = {t: dict(st) for t, st in known.items() if t not in self.tasks}
+
+    def _check_task_state(self, t: str, st: dict) -> None:
+        if _at_start(st):
+            return
+        if st.get("size", self.sizes[t]) != self.sizes[t]:
+            raise ValueError(f"task '{t}': saved data position is for a dataset of {st['size']} samples, "
+                             f"this one has {self.sizes[t]}")
+        saved = [p["size"] for p in st["parts"]] if "parts" in st else None
+        mine = list(self.blends[t].sizes) if t in self.blends else None
+        if saved != mine:
+            def what(sizes):
+                return "one dataset" if sizes is None else f"a blend of parts of {sizes} samples"
+
+            raise ValueError(f"task '{t}': saved data position is for {what(saved)}, this run reads {what(mine)}")
+
+
+def _at_start(st: dict) -> bool:
+    """A position of no particular dataset at its beginning (tools/checkpoint's converted checkpoints)."""
+    return "size" not in st and "parts" not in st and not st.get("epoch") and not st.get("offset")

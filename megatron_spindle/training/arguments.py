@@ -132,7 +132,9 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--data-path", action="extend", nargs="+", default=[], metavar="TASK=PATH",
                    help="Tar-shard dataset of a task (tools/build_multitask_dataset.py): TASK=PATH, several after "
                         "one flag, as Megatron-LM takes them, or the flag repeated; a task given several folders "
-                        "(parts built separately) reads them in order as one dataset.")
+                        "(parts built separately) reads them in order as one dataset, or blends them with "
+                        "TASK=WEIGHT:PATH for each (every batch drawn from the parts in those proportions, each "
+                        "part in its own epochs; --split splits each part).")
     g.add_argument("--mock-data", action="store_true", help="Deterministic mock samples for every task.")
     g.add_argument("--mock-data-samples", type=int, default=256, help="Mock samples per task (they repeat).")
     g.add_argument("--num-workers", type=int, default=2, help="Data threads: decode a batch's samples in parallel "
@@ -172,21 +174,34 @@ def parse_task_values(text: str | None, flag: str, workload: Workload, positive:
 
 
 def parse_data_paths(items: list[str], workload: Workload, flag: str = "--data-path") -> dict[str, list[str]]:
-    """TASK=PATH items -> each task's folders, in order (a task given several times reads them as one dataset)."""
+    """TASK=PATH items -> each task's folders, in order: a task given several reads them as one dataset, one
+    after the other, or as a blend of them with TASK=WEIGHT:PATH for each (data/sampler.py ``Blend``). The items
+    keep their WEIGHT: prefix."""
+    from megatron_spindle.data.sampler import weighted_path
+
     tasks = [t.name for t in workload.tasks]
     out: dict[str, list[str]] = {}
     for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            hint = " (Megatron-LM's blend weights: give --task-sampling-weights)" if _is_number(item) else ""
+        name, sep, part = item.partition("=")
+        if not sep or not name or not part:
+            hint = (" (a blend of a task's datasets: TASK=WEIGHT:PATH for each; between tasks: "
+                    "--task-sampling-weights)") if _is_number(item) else ""
             raise ValueError(f"{flag}: '{item}' is not TASK=PATH{hint}")
         if name not in tasks:
             raise ValueError(f"{flag}: unknown task '{name}' (tasks: {', '.join(tasks)})")
-        if path in out.get(name, ()):
+        weight, path = weighted_path(part)
+        if weight is not None and not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"{flag}: '{item}': a blend weight must be a positive number")
+        if path in [weighted_path(p)[1] for p in out.get(name, ())]:
             raise ValueError(f"{flag}: {path} given twice for task '{name}'")
         if not Path(path).exists():
             raise FileNotFoundError(f"{flag}: {path} (task '{name}') does not exist")
-        out.setdefault(name, []).append(path)
+        out.setdefault(name, []).append(part)
+    for name, parts in out.items():
+        weighted = [weighted_path(p)[0] is not None for p in parts]
+        if any(weighted) and (not all(weighted) or len(parts) < 2):
+            raise ValueError(f"{flag}: task '{name}' has {sum(weighted)} weighted part(s) of {len(parts)}: a blend "
+                             f"gives every part a weight (TASK=WEIGHT:PATH), at least two of them")
     return out
 
 

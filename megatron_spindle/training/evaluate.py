@@ -131,7 +131,7 @@ def split_datasets(workload: Workload, train: dict[str, TaskDataset], args: argp
                    ) -> tuple[dict[str, TaskDataset], dict[str, TaskDataset], dict[str, TaskDataset]]:
     """(training datasets after --split, validation datasets, test datasets; the last two empty where the run
     evaluates none)."""
-    from megatron_spindle.data.datasets import open_task_dataset
+    from megatron_spindle.data.datasets import evaluation_dataset, open_task_dataset
 
     split = parse_split(args.split)
     enabled = validates(args)
@@ -140,21 +140,16 @@ def split_datasets(workload: Workload, train: dict[str, TaskDataset], args: argp
     prep = next((d.preprocessing for d in train.values() if getattr(d, "preprocessing", None) is not None), None)
     out_train, valid, test = dict(train), {}, {}
     for t, ds in train.items():
-        n = len(ds)
         if split is not None:
-            total = sum(split)
-            i1, i2 = round(n * split[0] / total), round(n * (split[0] + split[1]) / total)
-            if i1 < 1:
-                raise ValueError(f"--split {args.split}: task '{t}' has {n} training samples, none left to train on")
-            out_train[t] = DatasetRange(ds, 0, i1)
-            if i2 > i1:
-                valid[t] = DatasetRange(ds, i1, i2)
-            if n > i2:
-                test[t] = DatasetRange(ds, i2, n)
+            out_train[t], v, te = split_dataset(ds, split, args.split, t)
+            if v is not None:
+                valid[t] = evaluation_dataset(v)
+            if te is not None:
+                test[t] = evaluation_dataset(te)
         if t in test_paths:
-            test[t] = open_task_dataset(workload, t, test_paths[t], prep)
+            test[t] = evaluation_dataset(open_task_dataset(workload, t, test_paths[t], prep))
         if t in valid_paths:
-            valid[t] = open_task_dataset(workload, t, valid_paths[t], prep)
+            valid[t] = evaluation_dataset(open_task_dataset(workload, t, valid_paths[t], prep))
         elif enabled and t not in valid and isinstance(ds, MockTaskDataset):
             unseen = MockTaskDataset(workload, t, 2 * ds.size, ds.seed)  # samples size .. 2*size: never trained on
             valid[t] = DatasetRange(unseen, ds.size, 2 * ds.size)
@@ -172,6 +167,33 @@ def split_datasets(workload: Workload, train: dict[str, TaskDataset], args: argp
         raise ValueError(f"validation (--eval-interval) has no data for task(s) {missing}: give --valid-data-path "
                          f"TASK=PATH or a validation share with --split TRAIN,VALID")
     return out_train, valid, test
+
+
+def split_range(ds: TaskDataset, split: tuple[float, float, float], text: str, task: str):
+    """(training, validation or None, test or None) ranges of one dataset by --split's proportions."""
+    n, total = len(ds), sum(split)
+    i1, i2 = round(n * split[0] / total), round(n * (split[0] + split[1]) / total)
+    if i1 < 1:
+        raise ValueError(f"--split {text}: task '{task}' has {n} training samples, none left to train on")
+    return (DatasetRange(ds, 0, i1), DatasetRange(ds, i1, i2) if i2 > i1 else None,
+            DatasetRange(ds, i2, n) if n > i2 else None)
+
+
+def split_dataset(ds: TaskDataset, split: tuple[float, float, float], text: str, task: str):
+    """(training, validation or None, test or None) of a task's dataset by --split: a blend splits part by part,
+    and its shares stay blends of the same weights (a share some part has no samples for is left out)."""
+    blend = getattr(ds, "blend", None)
+    if blend is None:
+        return split_range(ds, split, text, task)
+    from megatron_spindle.data.datasets import ConcatTaskDataset
+
+    shares = [split_range(part, split, text, task) for part in ds.parts]
+
+    def blended(column: int):
+        ranges = [share[column] for share in shares]
+        return None if None in ranges else ConcatTaskDataset(ranges, blend.weights)
+
+    return blended(0), blended(1), blended(2)
 
 
 class ValidationBatches:

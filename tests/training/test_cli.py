@@ -69,8 +69,19 @@ def test_bad_data_paths(capsys, tmp_path):
     _fails(capsys, BASE + ["--data-path", *paths[:3], "--data-path", paths[3]], "has no index.json")
     _fails(capsys, BASE + ["--data-path", *paths[:2]], "no --data-path for task(s) ['vision_text', 'audio_depth']")
     _fails(capsys, BASE + ["--data-path", *paths, paths[0]], f"{tmp_path} given twice for task 'text_audio'")
-    _fails(capsys, BASE + ["--data-path", "0.5", paths[0]], "'0.5' is not TASK=PATH (Megatron-LM's blend weights: "
-                                                           "give --task-sampling-weights)")
+    _fails(capsys, BASE + ["--data-path", "0.5", paths[0]], "'0.5' is not TASK=PATH (a blend of a task's datasets: "
+                                                           "TASK=WEIGHT:PATH for each; between tasks: "
+                                                           "--task-sampling-weights)")
+    # blends: every part weighted, at least two, positive weights
+    other = tmp_path / "other"
+    other.mkdir()
+    _fails(capsys, BASE + ["--data-path", f"text_audio=0.7:{tmp_path}", f"text_audio={other}"],
+           "task 'text_audio' has 1 weighted part(s) of 2: a blend gives every part a weight")
+    _fails(capsys, BASE + ["--data-path", f"text_audio=0.7:{tmp_path}"], "1 weighted part(s) of 1")
+    _fails(capsys, BASE + ["--data-path", f"text_audio=0:{tmp_path}", f"text_audio=1:{other}"],
+           f"'text_audio=0:{tmp_path}': a blend weight must be a positive number")
+    _fails(capsys, BASE + ["--data-path", f"text_audio=0.5:{tmp_path}", f"text_audio=0.5:{tmp_path}"],
+           f"{tmp_path} given twice for task 'text_audio'")
 
 
 def test_saved_plan_for_another_workload_or_world_size(capsys, tmp_path):

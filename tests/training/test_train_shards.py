@@ -4,6 +4,7 @@ pretrain_multitask.py (one process), with sampling weights, and the data positio
 import io
 import os
 import re
+import shutil
 import sys
 import wave
 
@@ -74,6 +75,18 @@ def test_train_on_built_shards(tmp_path, capsys):
     assert pos["iteration"] == 4
     assert pos["tasks"]["vision_text"] == {"epoch": 1, "offset": 6, "size": 10, "batch_size": 4}
     assert pos["tasks"]["text_audio"]["epoch"] * 10 + pos["tasks"]["text_audio"]["offset"] == 8 * taken
+    # vision_text as a blend of two datasets, 3:1: its batches of 4 take 3 samples from the first, 1 from the
+    # second; the checkpoint keeps each part's place
+    shutil.copytree(tmp_path / "vision_text", tmp_path / "vision_text_b")
+    blended = tmp_path / "blended"
+    assert pretrain_multitask.main([
+        "--workload", "tiny-clip", "--tasks", "vision_text,text_audio", "--spindle-planner", "wavefront",
+        "--data-path", f"vision_text=3:{tmp_path / 'vision_text'}", f"vision_text=1:{tmp_path / 'vision_text_b'}",
+        f"text_audio={tmp_path / 'text_audio'}", "--train-iters", "4", "--save", str(blended)]) == 0
+    parts = load_checkpoint(blended).data_position["tasks"]["vision_text"]["parts"]
+    assert [(p["epoch"], p["offset"], p["size"]) for p in parts] == [(1, 2, 10), (0, 4, 10)]
+    assert [p["weight"] for p in parts] == [0.75, 0.25]
+    capsys.readouterr()
     # a test set for one task of two is refused before anything runs
     with pytest.raises(SystemExit):
         pretrain_multitask.main(["--workload", "tiny-clip", "--tasks", "vision_text,text_audio",
