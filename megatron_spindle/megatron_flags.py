@@ -169,7 +169,56 @@ MEGATRON_FLAG_HINTS: dict[str, str] = {
     "--use-checkpoint-args": "the model comes from --workload (a checkpoint records the workload's digest, checked "
                              "at --load), not from the checkpoint's flags",
     "--ckpt-step": "give --load an iteration folder (e.g. --load CKPT/iter_0000100)",
+    "--use-legacy-models": "the models are megatron-core's only",
+    "--spec": _FUSIONS,
+    "--no-persist-layer-norm": _FUSIONS,
+    "--no-rope-fusion": _FUSIONS,
+    "--apply-rope-fusion": _FUSIONS,
+    "--masked-softmax-fusion": _FUSIONS,
+    "--bias-swiglu-fusion": _FUSIONS,
+    "--no-bias-swiglu-fusion": _FUSIONS,
+    "--gradient-accumulation-fusion": _FUSIONS,
+    "--overlap-p2p-communication": _NO_PIPELINE,
+    "--use-ring-exchange-p2p": _NO_PIPELINE,
+    "--pipeline-model-parallel-layout": _NO_PIPELINE,
+    "--decoder-first-pipeline-num-layers": _NO_PIPELINE,
+    "--decoder-last-pipeline-num-layers": _NO_PIPELINE,
+    "--account-for-embedding-in-pipeline-split": _NO_PIPELINE,
+    "--account-for-loss-in-pipeline-split": _NO_PIPELINE,
+    "--encoder-seq-length": "tokens per sample are set per task and module: each task's `tokens` in the workload YAML",
+    "--decoder-seq-length": "tokens per sample are set per task and module: each task's `tokens` in the workload YAML",
+    "--encoder-num-layers": _workload_field("num_layers"),
+    "--decoder-num-layers": _workload_field("num_layers"),
+    "--mmap-bin-files": "the shard index is always memory-mapped",
+    "--optimizer-cpu-offload": "optimizer CPU offload is not supported (the planner shards the optimizer state "
+                               "where memory needs it: --spindle-distributed-optimizer)",
+    "--multi-latent-attention": "multi-latent attention is not supported",
 }
+
+# families of Megatron-LM flags, by prefix, where no single flag above names them
+MEGATRON_FLAG_PREFIX_HINTS: dict[str, str] = {
+    "--moe-": "mixture-of-experts layers are not supported",
+    "--mamba-": "Mamba layers are not supported",
+    "--retro-": "Retro is not supported",
+    "--fp8-": _NO_FP8,
+    "--fp4-": _NO_FP8,
+    "--tp-comm-": "overlapping TP communication with GEMMs (Transformer Engine's userbuffers) is not supported",
+    "--cuda-graph": "CUDA graphs are not supported",
+    "--inference-": "pretrain_multitask.py trains; inference is not supported",
+    "--mtp-": "multi-token prediction is not supported",
+    "--ckpt-": _CKPT_FORMAT,
+    "--dist-ckpt-": _CKPT_FORMAT,
+    "--rerun-": "the rerun state machine is not supported (a non-finite loss stops the run: "
+                "--no-check-for-nan-in-loss-and-grad)",
+    "--pin-cpu-": "optimizer CPU offload is not supported",
+}
+
+
+def megatron_hint(flag: str) -> str | None:
+    """The hint of a Megatron-LM flag (by name, else by family), or None for any other flag."""
+    if flag in MEGATRON_FLAG_HINTS:
+        return MEGATRON_FLAG_HINTS[flag]
+    return next((h for prefix, h in MEGATRON_FLAG_PREFIX_HINTS.items() if flag.startswith(prefix)), None)
 
 # the flags above that take several values
 MEGATRON_NARGS = {"--rampup-batch-size": 3}
@@ -186,13 +235,17 @@ MEGATRON_SWITCHES = frozenset({
     "--reset-position-ids", "--reset-attention-mask", "--log-num-zeros-in-grad",
     "--no-barrier-with-level-1-timing", "--log-straggler", "--enable-one-logger", "--use-dist-ckpt",
     "--auto-detect-ckpt-format", "--async-save", "--use-checkpoint-args", "--fp8-param-gather",
-    "--cross-entropy-loss-fusion", "--grad-reduce-in-bf16", "--no-mmap-bin-files"})
+    "--cross-entropy-loss-fusion", "--grad-reduce-in-bf16", "--no-mmap-bin-files", "--use-legacy-models",
+    "--no-persist-layer-norm", "--no-rope-fusion", "--apply-rope-fusion", "--masked-softmax-fusion",
+    "--bias-swiglu-fusion", "--no-bias-swiglu-fusion", "--gradient-accumulation-fusion", "--overlap-p2p-communication",
+    "--use-ring-exchange-p2p", "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+    "--mmap-bin-files", "--optimizer-cpu-offload", "--multi-latent-attention"})
 
 
 def _hint(flag: str, taken: Collection[str] | None) -> str:
     """The flag's hint; one that says to give a flag this tool does not take (``taken``: its flags) names the
     tool that does."""
-    hint = MEGATRON_FLAG_HINTS[flag]
+    hint = megatron_hint(flag)
     given = re.match(r"give (--[a-z0-9-]+)", hint)
     if taken is not None and given and given.group(1) not in taken:
         hint += " (on pretrain_multitask.py: this tool does not train)"
@@ -210,7 +263,7 @@ def unrecognized_message(message: str, taken: Collection[str] | None = None) -> 
     hinted, rest, values_left = [], [], 0
     for arg in message[len(prefix):].split():
         flag = arg.split("=", 1)[0]
-        if flag in MEGATRON_FLAG_HINTS:
+        if megatron_hint(flag) is not None:
             hinted.append(_hint(flag, taken))
             values_left = 0 if "=" in arg or flag in MEGATRON_SWITCHES else MEGATRON_NARGS.get(flag, 1)
         elif values_left and not arg.startswith("--"):

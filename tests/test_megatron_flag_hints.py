@@ -6,7 +6,12 @@ import pytest
 from script_loader import load_script
 
 from megatron_spindle.errors import CliArgumentParser
-from megatron_spindle.megatron_flags import MEGATRON_FLAG_HINTS, MEGATRON_SWITCHES, unrecognized_message
+from megatron_spindle.megatron_flags import (
+    MEGATRON_FLAG_HINTS,
+    MEGATRON_FLAG_PREFIX_HINTS,
+    MEGATRON_SWITCHES,
+    unrecognized_message,
+)
 
 
 def test_other_messages_and_unknown_flags_pass_through():
@@ -24,6 +29,14 @@ def test_hint_per_megatron_flag_and_their_values_dropped():
     assert swiglu.startswith("--swiglu is Megatron-LM's")
     # 2 is the TP flag's value, 3 belongs to --foo, --num-layers=4 carries its own, a switch takes none
     assert rest == "unrecognized arguments: --foo 3 bar"
+
+
+def test_families_of_flags_are_hinted_by_prefix():
+    msg = unrecognized_message("unrecognized arguments: --moe-router-topk 2 --tp-comm-overlap --ckpt-fully-parallel-save")
+    moe, tp_comm, ckpt = msg.split("; ")
+    assert moe == "--moe-router-topk is Megatron-LM's, not Spindle's: mixture-of-experts layers are not supported"
+    assert tp_comm.startswith("--tp-comm-overlap is Megatron-LM's") and "userbuffers" in tp_comm
+    assert "layout-independent format" in ckpt
 
 
 def test_a_replacement_the_tool_lacks_names_the_tool_that_has_it():
@@ -59,6 +72,7 @@ def test_entry_point_hints_no_flag_it_takes(script, capsys):
     assert parser.megatron_flags
     taken = {s for a in parser._actions for s in a.option_strings}
     assert "--workload" in taken and not taken & set(MEGATRON_FLAG_HINTS)
+    assert not [f for f in taken if any(f.startswith(prefix) for prefix in MEGATRON_FLAG_PREFIX_HINTS)]
 
 
 @pytest.mark.parametrize("megatron_flags", [True, False])

@@ -155,13 +155,15 @@ def save_checkpoint(save_dir: str | Path, iteration: int, units: dict[str, UnitS
                     workload_name: str = "", workload_digest: str = "",
                     data_position: dict[str, Any] | None = None, plan: dict[str, Any] | None = None,
                     extra: dict[str, Any] | None = None, expected_units: list[str] | None = None,
-                    rng: dict[str, Any] | None = None, barrier: Callable[[], None] | None = None) -> Path:
+                    rng: dict[str, Any] | None = None, barrier: Callable[[], None] | None = None,
+                    save_rng: bool = True) -> Path:
     """Write this rank's ``units`` (those it owns) into the checkpoint of ``iteration``; collective.
 
     Every rank of ``group`` (default: the world) calls it. Rank 0 also writes the metadata, the plan and moves
     the ``latest`` pointer, after checking that every unit in ``expected_units`` was written by exactly one
     rank. Returns the final folder. Raises CheckpointError on every rank if rank 0's checks fail.
     ``barrier`` overrides ``torch.distributed.barrier(group)`` (tests drive several ranks as threads).
+    ``save_rng=False`` (--no-save-rng) leaves the RNG states out: loading it then needs --no-load-rng.
     """
     save_dir = Path(save_dir)
     final = iteration_dir(save_dir, iteration)
@@ -189,8 +191,9 @@ def save_checkpoint(save_dir: str | Path, iteration: int, units: dict[str, UnitS
             part[unit] = {"file": rel, "sha256": digest, "bytes": len(data), "rank": rank,
                           "tensors": {k: _tensor_meta(v) for k, v in state.model.items()},
                           "optim": sorted(state.optim)}
-        data, _ = _serialise(rng if rng is not None else get_rng_state())
-        _write_bytes(tmp / "rng" / f"rank_{rank:05d}.pt", data)
+        if save_rng:
+            data, _ = _serialise(rng if rng is not None else get_rng_state())
+            _write_bytes(tmp / "rng" / f"rank_{rank:05d}.pt", data)
         _write_bytes(tmp / "parts" / f"rank_{rank:05d}.json", json.dumps(part).encode())
     except Exception as e:  # reported through rank 0 so that every rank fails together
         error = f"rank {rank}: writing the checkpoint failed: {e}"

@@ -40,6 +40,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    "skipped either way).")
     g.add_argument("--calculate-per-token-loss", action="store_true", help="Accepted for Megatron-LM launch "
                    "scripts: an LM task's loss is always the mean over the labelled tokens of its global batch.")
+    g.add_argument("--use-cpu-initialization", action="store_true", help="Accepted for Megatron-LM launch "
+                   "scripts: the initial weights are always made on the CPU, from each parameter's name, the same "
+                   "under any plan.")
     g.add_argument("--use-mcore-models", action="store_true", help="Accepted for Megatron-LM launch scripts: the "
                    "models are always megatron-core's (as in Megatron-LM, where the flag is ignored).")
     g.add_argument("--bf16", action="store_true", help="Run the operators in bfloat16 (GPU only; masters and "
@@ -90,6 +93,8 @@ def add_checkpointing_args(parser: argparse.ArgumentParser) -> argparse.Argument
                    "a checkpoint that lacks it is an error).")
     g.add_argument("--no-load-rng", action="store_true", help="Do not restore the RNG states (without it, a "
                    "checkpoint that lacks them is an error).")
+    g.add_argument("--no-save-rng", action="store_true", help="Save no RNG states (a resume then needs "
+                   "--no-load-rng).")
     g.add_argument("--no-save-optim", action="store_true", help="Save the weights without the optimizer state "
                    "(a resume then starts AdamW afresh and needs --no-load-optim).")
     g.add_argument("--finetune", action="store_true", help="Load only the weights from --load: no optimizer, RNG or "

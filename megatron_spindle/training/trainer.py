@@ -261,7 +261,7 @@ def save(args, iteration: int, engine, loader, plan, workload, info: DistContext
     path = save_checkpoint(args.save, iteration, mine, rank=info.rank, world_size=info.world_size,
                            workload_name=workload.name, workload_digest=workload.digest(),
                            data_position=loader.state_dict(), plan=plan.to_dict(), extra=extra,
-                           expected_units=expected)
+                           expected_units=expected, save_rng=not args.no_save_rng)
     print_rank_0(f"saved checkpoint at iteration {iteration:8d} to {path} ({time.perf_counter() - t0:.2f} s)")
     return path
 

@@ -17,6 +17,8 @@ def add_wandb_args(group) -> None:
     group.add_argument("--wandb-project", default=None, help="Log the TensorBoard scalars to this Weights & Biases "
                        "project too (needs the wandb package; it is not a dependency).")
     group.add_argument("--wandb-exp-name", default=None, help="Name of the wandb run (default: wandb's).")
+    group.add_argument("--wandb-entity", default=None, help="The wandb team or user the run belongs to (default: "
+                       "wandb's).")
     group.add_argument("--wandb-save-dir", default=None, help="Folder of the wandb run files (default: <save>/wandb).")
 
 
@@ -32,8 +34,8 @@ def check_wandb(args: argparse.Namespace) -> None:
     """ValueError naming the flag when --wandb-project is given and wandb is not importable."""
     if args.wandb_project:
         _import_wandb()
-    elif args.wandb_exp_name or args.wandb_save_dir:
-        raise ValueError("--wandb-exp-name / --wandb-save-dir need --wandb-project")
+    elif args.wandb_exp_name or args.wandb_save_dir or args.wandb_entity:
+        raise ValueError("--wandb-exp-name / --wandb-save-dir / --wandb-entity need --wandb-project")
 
 
 class WandbWriter:
@@ -45,7 +47,7 @@ class WandbWriter:
             return
         wandb = _import_wandb()
         save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
-        kwargs = {"project": args.wandb_project, "name": args.wandb_exp_name,
+        kwargs = {"project": args.wandb_project, "name": args.wandb_exp_name, "entity": args.wandb_entity,
                   "config": {k: v for k, v in vars(args).items()
                              if isinstance(v, (int, float, str, bool, list, type(None)))}}
         if save_dir:

@@ -77,7 +77,7 @@ def test_validation_logging_and_checkpoint_flags(tmp_path, capsys, monkeypatch, 
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     assert pretrain_multitask.main(COMMON + EVAL + [
         "--save", str(a), "--tensorboard-dir", str(tmp_path / "tb"), "--log-throughput", "--timing-log-level", "2",
-        "--log-memory-to-tensorboard", "--wandb-project", "proj", "--wandb-exp-name", "run-a",
+        "--log-memory-to-tensorboard", "--wandb-project", "proj", "--wandb-exp-name", "run-a", "--wandb-entity", "team",
         "--log-timers-to-tensorboard", "--log-world-size-to-tensorboard", "--tensorboard-queue-size", "5"]) == 0
     out = capsys.readouterr().out
     # the Megatron log line, with throughput, loss scale and grad norm
@@ -116,16 +116,20 @@ def test_validation_logging_and_checkpoint_flags(tmp_path, capsys, monkeypatch, 
             "wave-time (ms)/busiest rank", "world-size"} <= tags, tags
     assert [e.value for e in ea.Scalars("world-size")] == [1.0, 1.0]
     assert wandb.inits[0]["project"] == "proj" and wandb.inits[0]["name"] == "run-a"
+    assert wandb.inits[0]["entity"] == "team"
     assert wandb.inits[0]["dir"] == str(a / "wandb") and wandb.finished == 1
     logged = {k for _, d in wandb.logged for k in d}
     assert {"throughput", "grad-norm", "total loss validation", "task loss/vision_text"} <= logged
 
     # validating changed nothing in training; --no-save-optim keeps the weights and drops AdamW's state
-    assert pretrain_multitask.main(COMMON + ["--save", str(b), "--no-save-optim"]) == 0
+    assert pretrain_multitask.main(COMMON + ["--save", str(b), "--no-save-optim", "--no-save-rng"]) == 0
     ck_a, wa = _weights(a)
     ck_b, wb = _weights(b)
     assert sorted(wa) == sorted(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert all(st.optim for st in ck_a.units.values()) and not any(st.optim for st in ck_b.units.values())
+    assert ck_a.rng is not None and ck_b.rng is None  # --no-save-rng: resuming needs --no-load-rng
+    _fails(capsys, COMMON + ["--train-iters", "3", "--load", str(b), "--no-load-optim"],
+           "has no RNG state (rng/rank_*.pt): give --no-load-rng")
     assert "validation loss" not in capsys.readouterr().out
 
     # --finetune: the weights of b, AdamW from scratch, iteration 0; with a doubled global batch, sharded AdamW
