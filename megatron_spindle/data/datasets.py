@@ -427,7 +427,7 @@ class ConcatTaskDataset:
 
 
 class InterleavedTaskDataset:
-    """A blend read in one fixed order, its parts interleaved in their proportions (``Blend.next_part``), each
+    """A blend read in one fixed order, its parts interleaved in their proportions (``Blend.parts_of``), each
     part's samples in their own order: the validation and test batches of a blended task (batch k holds samples
     [k*B, (k+1)*B)) hold its mix, not the first part alone."""
 
@@ -448,7 +448,7 @@ class InterleavedTaskDataset:
         with self._lock:
             starts = self.blend.starts
             while len(self._order) <= i:
-                k = self.blend.next_part(self._taken)
+                k = self.blend.parts_of(self._taken, 1)[0]
                 self._order.append(starts[k] + self._taken[k] % self.blend.sizes[k])
                 self._taken[k] += 1
             return self._order[i]

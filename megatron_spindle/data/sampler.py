@@ -88,11 +88,21 @@ class Blend:
         total = float(sum(weights))
         return cls(tuple(int(n) for n in sizes), tuple(w / total for w in weights))
 
-    def next_part(self, taken: list[int]) -> int:
-        """The part of the next sample, given how many each part gave so far: the one furthest behind its share
-        (Megatron-LM's blended-dataset rule; ties to the first)."""
-        s = sum(taken)
-        return max(range(len(taken)), key=lambda k: (self.weights[k] * (s + 1) - taken[k], -k))
+    def parts_of(self, taken: list[int], count: int) -> list[int]:
+        """The parts of the next ``count`` samples, given how many each part gave so far: each the one furthest
+        behind its share (Megatron-LM's blended-dataset rule; ties to the first). A plain loop: a batch of 4096
+        from 3 parts in about 3 ms."""
+        taken, w, s, out = list(taken), self.weights, sum(taken), []
+        for _ in range(count):
+            s += 1
+            best_k, best = 0, w[0] * s - taken[0]
+            for k in range(1, len(w)):
+                d = w[k] * s - taken[k]
+                if d > best:
+                    best_k, best = k, d
+            taken[best_k] += 1
+            out.append(best_k)
+        return out
 
     @property
     def starts(self) -> list[int]:
@@ -141,6 +151,7 @@ class MultiTaskSampler:
         self.offset = {t: [0] * len(self.blends[t].sizes) if t in self.blends else 0 for t in self.tasks}
         self.dropped: dict[str, dict] = {}  # saved positions of tasks this sampler does not train
         self._perm: dict[tuple[str, int], torch.Tensor] = {}
+        self._last_take: dict[str, tuple] = {}  # task -> (position, its next batch)
 
     def _permutation(self, stream: str, size: int, epoch: int) -> torch.Tensor:
         key = (stream, epoch)
@@ -151,13 +162,24 @@ class MultiTaskSampler:
         return self._perm[key]
 
     def _take(self, task: str) -> tuple[list[int], int | list[int], int | list[int]]:
-        if task in self.blends:
-            return self._take_blend(task)
-        epoch, offset, out = self.epoch[task], self.offset[task], []
-        need = self.batch_sizes[task]
-        while len(out) < need:
-            perm = self._permutation(task, self.sizes[task], epoch)
-            k = min(need - len(out), len(perm) - offset)
+        """The task's next batch from its position (kept once: the loader peeks at a batch, then takes it)."""
+        key = (str(self.epoch[task]), str(self.offset[task]))
+        last = self._last_take.get(task)
+        if last is None or last[0] != key:
+            last = self._last_take[task] = (key, self._take_blend(task) if task in self.blends
+                                            else self._take_one(task))
+        out, epoch, offset = last[1]
+        return list(out), epoch, offset
+
+    def _take_one(self, task: str) -> tuple[list[int], int, int]:
+        return self._walk(task, self.sizes[task], self.epoch[task], self.offset[task], self.batch_sizes[task])
+
+    def _walk(self, stream: str, size: int, epoch: int, offset: int, count: int) -> tuple[list[int], int, int]:
+        """The next ``count`` samples of a stream of ``size`` walked in epochs, and the position after them."""
+        out: list[int] = []
+        while len(out) < count:
+            perm = self._permutation(stream, size, epoch)
+            k = min(count - len(out), len(perm) - offset)
             out += perm[offset:offset + k].tolist()
             offset += k
             if offset == len(perm):
@@ -168,15 +190,14 @@ class MultiTaskSampler:
         blend = self.blends[task]
         epochs, offsets = list(self.epoch[task]), list(self.offset[task])
         taken = [e * n + o for e, n, o in zip(epochs, blend.sizes, offsets)]
-        starts, out = blend.starts, []
-        for _ in range(self.batch_sizes[task]):
-            k = blend.next_part(taken)
-            perm = self._permutation(f"{task}#{k}", blend.sizes[k], epochs[k])
-            out.append(starts[k] + int(perm[offsets[k]]))
-            taken[k] += 1
-            offsets[k] += 1
-            if offsets[k] == blend.sizes[k]:
-                epochs[k], offsets[k] = epochs[k] + 1, 0
+        parts = blend.parts_of(taken, self.batch_sizes[task])
+        out = [0] * len(parts)
+        for k, (start, size) in enumerate(zip(blend.starts, blend.sizes)):
+            slots = [i for i, part in enumerate(parts) if part == k]
+            if slots:
+                idx, epochs[k], offsets[k] = self._walk(f"{task}#{k}", size, epochs[k], offsets[k], len(slots))
+                for i, j in zip(slots, idx):
+                    out[i] = start + j
         return out, epochs, offsets
 
     def _active(self, iteration: int) -> dict[str, bool]:
