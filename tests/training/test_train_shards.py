@@ -87,6 +87,11 @@ def test_train_on_built_shards(tmp_path, capsys):
     assert [(p["epoch"], p["offset"], p["size"]) for p in parts] == [(1, 2, 10), (0, 4, 10)]
     assert [p["weight"] for p in parts] == [0.75, 0.25]
     capsys.readouterr()
+    from tools.checkpoint import inspect_checkpoint
+
+    assert inspect_checkpoint.main([str(blended), "--summary"]) == 0
+    assert ("data position:\n  text_audio: epoch 3, sample 2 of 10\n  vision_text: blend, part 0 (0.75): epoch 1, "
+            "sample 2 of 10; part 1 (0.25): epoch 0, sample 4 of 10\n") in capsys.readouterr().out
     # a test set for one task of two is refused before anything runs
     with pytest.raises(SystemExit):
         pretrain_multitask.main(["--workload", "tiny-clip", "--tasks", "vision_text,text_audio",

@@ -61,6 +61,22 @@ def _plan_line(plan: dict | None) -> str:
             f"{slices} slices, schema version {plan.get('schema_version', '?')}")
 
 
+def _data_lines(position: dict) -> list[str]:
+    """Where each task's data stands (data/sampler.py's position): its epoch and offset, a blend's per part."""
+    def place(st: dict) -> str:
+        size = f" of {st['size']}" if "size" in st else ""
+        return f"epoch {st.get('epoch', 0)}, sample {st.get('offset', 0)}{size}"
+
+    lines = []
+    for task, st in sorted((position.get("tasks") or {}).items()):
+        if "parts" in st:
+            parts = "; ".join(f"part {k} ({p['weight']:.3g}): {place(p)}" for k, p in enumerate(st["parts"]))
+            lines.append(f"  {task}: blend, {parts}")
+        else:
+            lines.append(f"  {task}: {place(st)}")
+    return ["data position:"] + lines if lines else []
+
+
 def inspect_spindle(path: Path, patterns: list[str], summary: bool, out) -> None:
     from tools.checkpoint.loader_spindle import resolve
 
@@ -74,6 +90,8 @@ def inspect_spindle(path: Path, patterns: list[str], summary: bool, out) -> None
     extra = {k: v for k, v in (md.get("extra") or {}).items() if k != "args"}
     for k, v in extra.items():
         print(f"{k}: {v}", file=out)
+    for line in _data_lines(md.get("data_position") or {}):
+        print(line, file=out)
     units = {u: m for u, m in md["units"].items() if _wanted(u, patterns)}
     modules = sorted({u.split(".")[0] for u in units})
     print(f"modules: {', '.join(modules)}; {len(units)} parameter units", file=out)
