@@ -27,6 +27,7 @@ import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 from megatron_spindle.data.datasets import MockTaskDataset, TaskDataset, read_batch
 from megatron_spindle.flags import add_flags, config_from_args, flag
@@ -249,12 +250,18 @@ class ValidationResult:
 
 
 def run_validation(engine, batches: ValidationBatches, eval_iters: int, iteration: int,
-                   weights: dict[str, float], split: str = "validation") -> ValidationResult:
-    """--eval-iters forward-only passes over ``split``'s batches; collective (every rank runs them)."""
+                   weights: dict[str, float], split: str = "validation",
+                   report: Callable[[str], None] | None = None) -> ValidationResult:
+    """--eval-iters forward-only passes over ``split``'s batches; collective (every rank runs them). ``report``:
+    a progress line about every tenth of the passes (Megatron-LM's "Evaluating iter k/N" of a verbose
+    evaluation)."""
     sums: dict[str, float] = {}
+    every = max(1, eval_iters // 10)
     for k in range(eval_iters):
         for t, v in engine.evaluate(k, functools.partial(batches.batch_fn, needs=engine.batch_needs)).items():
             sums[t] = sums.get(t, 0.0) + v
+        if report is not None and ((k + 1) % every == 0 or k + 1 == eval_iters):
+            report(f"evaluating the {split} set: pass {k + 1}/{eval_iters}")
     lm = tuple(t.name for t in engine.workload.tasks if t.loss is not None and t.loss.kind == "lm")
     return ValidationResult(iteration, {t: v / eval_iters for t, v in sums.items()}, dict(weights), lm, split)
 

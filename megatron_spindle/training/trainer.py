@@ -382,7 +382,7 @@ def evaluate_once(args, engine, datasets: dict, iteration: int, weights: dict[st
         return None
     batches = ValidationBatches(datasets, args.num_workers)
     try:
-        return run_validation(engine, batches, args.eval_iters, iteration, weights, split)
+        return run_validation(engine, batches, args.eval_iters, iteration, weights, split, print_rank_0)
     finally:
         batches.close()
 

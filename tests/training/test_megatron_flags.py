@@ -188,6 +188,7 @@ def test_test_share_after_the_last_iteration_and_skip_train(tmp_path, capsys, on
     out = capsys.readouterr().out
     assert "skipping training (--skip-train): evaluating the checkpoint of iteration 2; nothing is saved" in out
     assert not re.search(r" iteration\s+\d+/", out)  # no training step logged
+    assert all(f"evaluating the {s} set: pass {k}/2" in out for s in ("validation", "test") for k in (1, 2))
     for t, v in _validation_losses(out, 2).items():
         assert v == pytest.approx(validated[t], rel=1e-6), t
     for t, v in _test_losses(out, 2).items():
