@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from megatron_spindle.data import decode as dec
+from megatron_spindle.data.indexed import IndexedTextDataset, is_indexed_prefix
 from megatron_spindle.data.mock import IGNORE_INDEX, TaskBatch, mock_batch, own_text_tokens
 from megatron_spindle.data.preprocess import Preprocessing
 from megatron_spindle.data.processors import ProcessorError
@@ -467,13 +468,15 @@ def evaluation_dataset(dataset: TaskDataset) -> TaskDataset:
 def open_task_dataset(workload: Workload, task: str, paths: str | Path | Sequence[str | Path],
                       preprocessing: Preprocessing | None = None,
                       check_files: bool | None = None) -> ShardedTaskDataset | ConcatTaskDataset:
-    """The task's dataset of one shard folder, or of several read in order as one, or blended: ``WEIGHT:PATH``
-    for each (``--data-path TASK=WEIGHT:PATH``)."""
+    """The task's dataset of one shard folder (or a Megatron-LM indexed corpus's PREFIX for a text-only LM task:
+    data/indexed.py), or of several read in order as one, or blended: ``WEIGHT:PATH`` for each
+    (``--data-path TASK=WEIGHT:PATH``)."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     items = [weighted_path(p) for p in paths]
     weights = [w for w, _ in items]
-    parts = [ShardedTaskDataset(workload, task, p, preprocessing, check_files) for _, p in items]
+    parts = [IndexedTextDataset(workload, task, p) if is_indexed_prefix(p) else
+             ShardedTaskDataset(workload, task, p, preprocessing, check_files) for _, p in items]
     if len(parts) == 1 and weights[0] is None:
         return parts[0]
     if None in weights and any(w is not None for w in weights):

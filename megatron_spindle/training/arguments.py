@@ -139,7 +139,9 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "one flag, as Megatron-LM takes them, or the flag repeated; a task given several folders "
                         "(parts built separately) reads them in order as one dataset, or blends them with "
                         "TASK=WEIGHT:PATH for each (every batch drawn from the parts in those proportions, each "
-                        "part in its own epochs; --split splits each part).")
+                        "part in its own epochs; --split splits each part). A text-only LM task also reads a "
+                        "Megatron-LM indexed corpus: TASK=PREFIX of PREFIX.bin / PREFIX.idx (tools/preprocess_data.py's), "
+                        "as windows of its token stream.")
     g.add_argument("--mock-data", action="store_true", help="Deterministic mock samples for every task.")
     g.add_argument("--mock-data-samples", type=int, default=256, help="Mock samples per task (they repeat).")
     g.add_argument("--num-workers", type=int, default=2, help="Data threads: decode a batch's samples in parallel "
@@ -182,6 +184,7 @@ def parse_data_paths(items: list[str], workload: Workload, flag: str = "--data-p
     """TASK=PATH items -> each task's folders, in order: a task given several reads them as one dataset, one
     after the other, or as a blend of them with TASK=WEIGHT:PATH for each (data/sampler.py ``Blend``). The items
     keep their WEIGHT: prefix."""
+    from megatron_spindle.data.indexed import is_indexed_prefix
     from megatron_spindle.data.sampler import weighted_path
 
     tasks = [t.name for t in workload.tasks]
@@ -199,8 +202,9 @@ def parse_data_paths(items: list[str], workload: Workload, flag: str = "--data-p
             raise ValueError(f"{flag}: '{item}': a blend weight must be a positive number")
         if path in [weighted_path(p)[1] for p in out.get(name, ())]:
             raise ValueError(f"{flag}: {path} given twice for task '{name}'")
-        if not Path(path).exists():
-            raise FileNotFoundError(f"{flag}: {path} (task '{name}') does not exist")
+        if not Path(path).exists() and not is_indexed_prefix(path):
+            raise FileNotFoundError(f"{flag}: {path} (task '{name}') does not exist (a folder of tar shards, or a "
+                                    f"Megatron-LM indexed corpus's PREFIX of PREFIX.bin and PREFIX.idx)")
         out.setdefault(name, []).append(part)
     for name, parts in out.items():
         weighted = [weighted_path(p)[0] is not None for p in parts]
