@@ -6,6 +6,9 @@
 #       [--data-path TASK=PATH ...] [extra pretrain_multitask.py flags]
 #
 # Without --data-path flags it trains on mock data. Flags given on the command line come last and override.
+# A task's corpora blend with weights, e.g. --data-path vision_text=0.7:/data/laion vision_text=0.3:/data/cc12m
+# (every batch drawn from them in those proportions); --split 98,1,1 validates (--eval-interval N) and tests
+# (after the last iteration) on each corpus's own share.
 # Real data: a rank decodes the rows of the front ends it runs, and the planner puts each light front end on one
 # or two GPUs, so those ranks decode a task's whole batch of audio (15 ms of log-mel per CLIP clip on one core):
 # build the audio tasks' shards with `tools/build_multitask_dataset.py --store-decoded audio`, or give those
