@@ -26,7 +26,7 @@ import argparse
 import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from megatron_spindle.data.datasets import MockTaskDataset, TaskDataset, read_batch
@@ -37,11 +37,13 @@ from megatron_spindle.graph.workload import Workload
 @dataclass(frozen=True)
 class ValidationConfig:
     eval_interval: int | None = field(default=None, metadata=flag(
-        "Evaluate on the validation data every N iterations and after the last one (None: no validation)."))
+        "Evaluate on the validation data every N iterations and after the last one (default: Megatron-LM's 1000 "
+        "where validation data is given, by --valid-data-path or --split's validation share; mock data validates "
+        "only with this flag)."))
     eval_iters: int = field(default=100, metadata=flag(
         "Forward-only passes (one global batch of every task each) per evaluation; 0: no validation or test."))
     skip_train: bool = field(default=False, metadata=flag(
-        "Bypass the training loop: load --load, evaluate the validation and test data, and exit (nothing is "
+        "Bypass the training loop: load --load, evaluate the validation and test data given, and exit (nothing is "
         "saved: --save is ignored)."))
 
     @property
@@ -64,8 +66,15 @@ def add_validation_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
+DEFAULT_EVAL_INTERVAL = 1000  # Megatron-LM's --eval-interval
+
+
 def validation_config(args: argparse.Namespace) -> ValidationConfig:
-    return config_from_args(ValidationConfig, args)
+    """The flags' config, --eval-interval resolved: Megatron-LM's default where validation data is given."""
+    cfg = config_from_args(ValidationConfig, args)
+    split = parse_split(args.split)
+    given = bool(args.valid_data_path) or (split is not None and split[1] > 0)
+    return replace(cfg, eval_interval=DEFAULT_EVAL_INTERVAL) if cfg.eval_interval is None and given else cfg
 
 
 def parse_split(text: str | None) -> tuple[float, float, float] | None:
@@ -86,23 +95,9 @@ def check_validation_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--eval-interval must be positive, got {cfg.eval_interval}")
     if cfg.eval_iters < 0:
         raise ValueError(f"--eval-iters must be >= 0, got {cfg.eval_iters}")
-    if args.valid_data_path and not validates(args):
-        raise ValueError("--valid-data-path needs --eval-interval N (or --skip-train) and --eval-iters > 0 to be "
-                         "used")
-    if args.test_data_path and cfg.eval_iters == 0:
-        raise ValueError("--test-data-path needs --eval-iters > 0 to be used")
-    parse_split(args.split)
-
-
-def validates(args: argparse.Namespace) -> bool:
-    """Whether the run evaluates validation data: every --eval-interval iterations, or once under --skip-train
-    when some is named (--valid-data-path, --split's validation share)."""
-    cfg = validation_config(args)
-    if cfg.enabled:
-        return True
-    split = parse_split(args.split)
-    named = bool(args.valid_data_path) or (split is not None and split[1] > 0)
-    return cfg.skip_train and cfg.eval_iters > 0 and named
+    for name, given in (("--valid-data-path", args.valid_data_path), ("--test-data-path", args.test_data_path)):
+        if given and cfg.eval_iters == 0:
+            raise ValueError(f"{name} needs --eval-iters > 0 to be used")
 
 
 class DatasetRange:
@@ -135,7 +130,7 @@ def split_datasets(workload: Workload, train: dict[str, TaskDataset], args: argp
     from megatron_spindle.data.datasets import evaluation_dataset, open_task_dataset
 
     split = parse_split(args.split)
-    enabled = validates(args)
+    enabled = validation_config(args).enabled
     test_paths = test_paths or {}
     # validation shards decode like the training shards (the entry point's tokenizers and processors)
     prep = next((d.preprocessing for d in train.values() if getattr(d, "preprocessing", None) is not None), None)

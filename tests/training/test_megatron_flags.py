@@ -194,6 +194,12 @@ def test_test_share_after_the_last_iteration_and_skip_train(tmp_path, capsys, on
     for t, v in _test_losses(out, 2).items():
         assert v == pytest.approx(tested[t], rel=1e-6), t
     assert not b.exists() and not tb.exists()
+    # a validation share without --eval-interval validates every 1000 iterations (Megatron-LM's default) and after
+    # the last one
+    assert pretrain_multitask.main(COMMON + ["--split", "2,1", "--eval-iters", "1"]) == 0
+    out = capsys.readouterr().out
+    assert " validation loss at iteration 2 |" in out and " validation loss at iteration 1 |" not in out
+    assert "on test set" not in out  # no test share
 
 
 def test_seed_and_init_method_std_set_the_initial_weights(tmp_path, capsys, one_thread):
@@ -263,7 +269,8 @@ def test_flags_refused_at_start(capsys, monkeypatch):
         _fails(capsys, base + ["--fp16"], "--fp16 needs a GPU")
     _fails(capsys, base + ["--clip-grad", "-1"], "--clip-grad must be >= 0")
     _fails(capsys, base + ["--eval-interval", "0"], "--eval-interval must be positive")
-    _fails(capsys, base + ["--valid-data-path", "vision_text=/nope"], "needs --eval-interval")
+    _fails(capsys, base + ["--valid-data-path", "vision_text=/nope"], "--valid-data-path: /nope (task 'vision_text') "
+                                                                      "does not exist")
     _fails(capsys, base + ["--split", "0,1"], "--split '0,1'")
     _fails(capsys, base + ["--hidden-dropout", "0.1"], "--hidden-dropout 0.1: dropout is not supported")
     _fails(capsys, base + ["--init-method-std", "0"], "--init-method-std must be positive")
@@ -271,7 +278,7 @@ def test_flags_refused_at_start(capsys, monkeypatch):
     _fails(capsys, base + ["--test-data-path", "vision_text=/nope", "--eval-iters", "0"],
            "--test-data-path needs --eval-iters > 0")
     _fails(capsys, base + ["--valid-data-path", "vision_text=/nope", "--skip-train", "--eval-iters", "0"],
-           "--valid-data-path needs --eval-interval N (or --skip-train) and --eval-iters > 0")
+           "--valid-data-path needs --eval-iters > 0")
     _fails(capsys, base + ["--finetune"], "--finetune needs --load")
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     _fails(capsys, base + ["--wandb-project", "p"], "--wandb-project needs the wandb package")
