@@ -160,8 +160,11 @@ def split_datasets(workload: Workload, train: dict[str, TaskDataset], args: argp
         return out_train, {}, test
     missing = [t.name for t in workload.tasks if t.name not in valid]
     if missing:
-        raise ValueError(f"validation (--eval-interval) has no data for task(s) {missing}: give --valid-data-path "
-                         f"TASK=PATH or a validation share with --split TRAIN,VALID")
+        why = (f"--split {args.split} leaves {', '.join(f'{t} ({len(train[t])} samples)' for t in missing)} no "
+               f"validation sample" if split is not None and split[1] > 0 else
+               "it is given for other tasks only" if valid else "none is given")
+        raise ValueError(f"validation has no data for task(s) {missing} ({why}): give --valid-data-path TASK=PATH, "
+                         f"a validation share with --split TRAIN,VALID, or --eval-iters 0")
     return out_train, valid, test
 
 

@@ -99,3 +99,10 @@ def test_train_on_built_shards(tmp_path, capsys):
                                  f"text_audio={tmp_path / 'text_audio'}", "--train-iters", "1",
                                  "--test-data-path", f"vision_text={tmp_path / 'vision_text'}"])
     assert "the test evaluation has no data for task(s) ['text_audio']" in capsys.readouterr().err
+    # a validation share that rounds to no sample of a small dataset is named
+    with pytest.raises(SystemExit):
+        pretrain_multitask.main(["--workload", "tiny-clip", "--tasks", "vision_text,text_audio",
+                                 "--data-path", f"vision_text={tmp_path / 'vision_text'}",
+                                 f"text_audio={tmp_path / 'text_audio'}", "--train-iters", "1", "--split", "19,1"])
+    assert ("validation has no data for task(s) ['text_audio', 'vision_text'] (--split 19,1 leaves text_audio (10 "
+            "samples), vision_text (10 samples) no validation sample)") in capsys.readouterr().err
