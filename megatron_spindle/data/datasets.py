@@ -411,6 +411,9 @@ class ConcatTaskDataset:
         self.parts, self.task = parts, parts[0].task
         self.preprocessing = getattr(parts[0], "preprocessing", None)
         self.label_ids = getattr(parts[0], "label_ids", None)
+        if any(getattr(p, "label_ids", None) != self.label_ids for p in parts):  # one batch, one padding rule
+            raise ValueError(f"its datasets mark padding differently ({[getattr(p, 'label_ids', None) for p in parts]}"
+                             f": a Megatron-LM corpus has none, tar shards their tokenizer's); give one kind")
         self.ends = list(itertools.accumulate(len(p) for p in parts))
         self.blend = None if weights is None else Blend.of([len(p) for p in parts], weights)
 

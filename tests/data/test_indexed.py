@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import yaml
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from PIL import Image
 from script_loader import load_script
@@ -78,14 +79,22 @@ def test_corpus_errors(tmp_path):
     with pytest.raises(DatasetError, match=r"sample \d+ holds token ids in \[\d+, 2\d\d\], module 'llm' has a "
                                            r"vocabulary of 256"):
         [ds.get(i) for i in range(len(ds))]
+    # a blend of a corpus (no padding) and tar shards (their tokenizer's) is refused
+    build = load_script("tools/build_multitask_dataset.py")
+    (tmp_path / "raw").mkdir()
+    for i in range(3):
+        (tmp_path / "raw" / f"{i}.llm.txt").write_text(f"some text {i}")
+    (tmp_path / "w.yaml").write_text(yaml.safe_dump(WORKLOAD))
+    assert build.main(["--input", str(tmp_path / "raw"), "--output", str(tmp_path / "shards" / "t"), "--workload",
+                       str(tmp_path / "w.yaml"), "--task", "text", "--quiet"]) == 0
+    with pytest.raises(DatasetError, match="task 'text': its datasets mark padding differently"):
+        open_task_dataset(w, "text", [f"0.5:{tmp_path / 'corpus'}", f"0.5:{tmp_path / 'shards' / 't'}"])
     small = dict(WORKLOAD, tasks=[dict(WORKLOAD["tasks"][1], tokens={"llm": 100})])
     with pytest.raises(DatasetError, match="76 tokens, fewer than one sample of task 'text' \\(101 tokens\\)"):
         open_task_dataset(workload_from_dict(small), "text", str(tmp_path / "corpus"))
 
 
 def test_a_run_trains_a_text_task_on_a_corpus_beside_tar_shards(tmp_path, capsys, one_thread):
-    import yaml
-
     (tmp_path / "w.yaml").write_text(yaml.safe_dump(WORKLOAD))
     raw = tmp_path / "raw"
     raw.mkdir()
