@@ -126,8 +126,6 @@ MEGATRON_FLAG_HINTS: dict[str, str] = {
     "--start-weight-decay": _WD_SCHEDULE,
     "--end-weight-decay": _WD_SCHEDULE,
     "--weight-decay-incr-style": _WD_SCHEDULE,
-    "--lr-wsd-decay-style": "the WSD schedule is not supported: --lr-decay-style constant, linear or cosine",
-    "--lr-wsd-decay-iters": "the WSD schedule is not supported: --lr-decay-style constant, linear or cosine",
     "--override-opt_param-scheduler": _LR_FROM_FLAGS,
     "--use-checkpoint-opt_param-scheduler": _LR_FROM_FLAGS,
     # data: tar shards per task

@@ -237,6 +237,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
         raise ValueError(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
     if args.lr_decay_iters is not None and args.lr_decay_iters <= 0:
         raise ValueError(f"--lr-decay-iters must be positive, got {args.lr_decay_iters}")
+    lr_schedule_from_args(args)  # WSD's --lr-wsd-decay-iters, checked before planning
     if args.weight_decay < 0:
         raise ValueError(f"--weight-decay must be >= 0, got {args.weight_decay}")
     if args.init_method_std <= 0:

@@ -34,6 +34,7 @@ def test_bad_flags_and_values(capsys, tmp_path):
     _fails(capsys, BASE + ["--mock-data", "--train-samples", "64"], "--train-samples is Megatron-LM's, not "
            "Spindle's: give --train-iters")
     _fails(capsys, BASE + ["--mock-data", "--lr-decay-style", "exp"], "invalid choice: 'exp'")
+    _fails(capsys, BASE + ["--mock-data", "--lr-decay-style", "WSD"], "WSD needs --lr-wsd-decay-iters in [1, 2]")
     _fails(capsys, ["--workload", "tiny-clip", "--mock-data"], "--train-iters")
     _fails(capsys, BASE + ["--mock-data", "--bf16"], "--bf16 needs a GPU")
     _fails(capsys, BASE, "no training data: give --data-path TASK=PATH")
@@ -114,6 +115,16 @@ def test_lr_schedules():
     assert lin(5) == pytest.approx(0.5) and lin(10) == 0.0
     assert LRSchedule(0.3, style="constant")(99) == 0.3
     assert all(math.isfinite(LRSchedule(1.0, 0.0, 3, 3, "cosine")(i)) for i in range(6))
+    # Megatron-LM's other styles: inverse square root after warmup; WSD holds the peak, then anneals
+    inv = LRSchedule(1.0, 0.2, warmup_iters=4, style="inverse-square-root")
+    assert [inv(3), inv(15), inv(99), inv(10 ** 6)] == pytest.approx([1.0, 0.5, 0.2, 0.2])
+    for shape, half in (("linear", 0.5), ("cosine", 0.5), ("exponential", math.sqrt(2) - 1),
+                        ("minus_sqrt", 1 - math.sqrt(0.5))):
+        wsd = LRSchedule(1.0, 0.0, warmup_iters=2, decay_iters=20, style="WSD", wsd_decay_iters=8, wsd_style=shape)
+        assert [wsd(1), wsd(2), wsd(12)] == [1.0, 1.0, 1.0], shape  # warmup done, stable to iteration 12
+        assert wsd(16) == pytest.approx(half) and wsd(20) == pytest.approx(0.0) and wsd(50) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match=r"WSD needs --lr-wsd-decay-iters in \[1, 18\]"):
+        LRSchedule(1.0, 0.0, warmup_iters=2, decay_iters=20, style="WSD")
 
 
 def test_megatron_log_format():
