@@ -42,7 +42,7 @@ def engine_provider(plan, workload, rank, world_size, args, batch_fn):
 
     config = EngineConfig(optimizer=OptimizerConfig(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
                                                     eps=args.adam_eps, weight_decay=args.weight_decay,
-                                                    clip_grad=args.clip_grad),
+                                                    clip_grad=args.clip_grad, no_weight_decay_1d=True),
                           data_seed=args.seed, dtype=params_dtype(args), grad_scaler=make_grad_scaler(args),
                           ddp_bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                           init_std=args.init_method_std, init_seed=args.seed,

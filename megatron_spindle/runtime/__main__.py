@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     ctx = init_distributed(args.backend)
     history = []
     try:
-        cfg = EngineConfig(optimizer=OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay),
+        cfg = EngineConfig(optimizer=OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay, no_weight_decay_1d=True),
                            data_seed=args.data_seed)
         engine = RuntimeEngine(plan, workload, ctx.rank, ctx.world_size, cfg, metagraph=metagraph)
         for step in range(args.steps):

@@ -55,10 +55,35 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     clip_grad: float = 0.0
+    # Megatron-LM's rule: biases and 1-D parameters (norms, class tokens) get no weight decay; False decays every
+    # parameter (torch AdamW over all of them)
+    no_weight_decay_1d: bool = False
 
     def __post_init__(self):
         if not self.clip_grad >= 0:
             raise ValueError(f"clip_grad must be >= 0 (0: no clipping), got {self.clip_grad}")
+
+
+def decays(name: str, shape: torch.Size) -> bool:
+    """Megatron-LM's rule (``no_weight_decay_1d``): no weight decay on biases and 1-D parameters."""
+    return not name.endswith(".bias") and len(shape) > 1
+
+
+def param_ranges(shard: UnitShard, decayed: bool) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of a member's shard of a unit (its flat elements, tensors in ``keys`` order) that hold
+    decayed parameters (or, ``decayed=False``, undecayed ones), adjacent ones merged."""
+    out: list[tuple[int, int]] = []
+    start, at = shard.index * shard.size, 0
+    for key, shape in zip(shard.keys, shard.shapes):
+        n = shape.numel()
+        lo, hi = max(at, start) - start, min(at + n, start + shard.size) - start
+        if decays(key, shape) == decayed and lo < hi:
+            if out and out[-1][1] == lo:
+                out[-1] = (out[-1][0], hi)
+            else:
+                out.append((lo, hi))
+        at += n
+    return out
 
 
 class MasterOptimizer:
@@ -86,6 +111,14 @@ class MasterOptimizer:
                 self.shards[u] = sh
                 self.masters[u] = torch.nn.Parameter(sh.shard_of(sh.flatten(full)))
             self.unit_groups.append((devices, units))
+        # Megatron-LM's rule: AdamW decays every element in its own pass (p *= 1 - lr * wd before the update, free
+        # inside the fused kernel), and the few undecayed ones (biases, norms: well under 1 % of a model) are
+        # scaled up by as much just before, in one multi-tensor call, so the step moves no more bytes than the
+        # cost model's AdamW charges
+        self.weight_decay = config.weight_decay
+        self._undecayed = [self.masters[u].data[lo:hi] for u, sh in self.shards.items()
+                           for lo, hi in param_ranges(sh, decayed=False)] \
+            if config.no_weight_decay_1d and config.weight_decay > 0 else []
         self.adamw = torch.optim.AdamW(list(self.masters.values()), lr=config.lr, betas=config.betas,
                                        eps=config.eps, weight_decay=config.weight_decay,
                                        fused=adamw_fused(device)) if self.masters else None
@@ -99,6 +132,11 @@ class MasterOptimizer:
         for u, p in self.masters.items():
             if p.grad is None:  # someone called zero_grad(set_to_none=True): reattach the buffer
                 p.grad = unit_grads[u]
+        if self._undecayed:
+            keep = 1.0 - self.adamw.param_groups[0]["lr"] * self.weight_decay
+            if keep <= 0:
+                raise ValueError(f"lr x weight decay = {1 - keep:g} >= 1: AdamW's decay would zero the weights")
+            torch._foreach_div_(self._undecayed, keep)
         self.adamw.step()
 
     def attach_grads(self, unit_grads: dict[str, torch.Tensor]) -> None:

@@ -23,7 +23,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = parser.add_argument_group("training")
     g.add_argument("--train-iters", type=int, required=True, help="Total iterations to train for.")
     add_flags(g, LRSchedule)  # --lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, --lr-decay-style
-    g.add_argument("--weight-decay", type=finite_float, default=0.01, help="AdamW decoupled weight decay.")
+    g.add_argument("--weight-decay", type=finite_float, default=0.01, help="AdamW decoupled weight decay, as "
+                   "Megatron-LM applies it: not to biases and 1-D parameters (norms, class tokens).")
     g.add_argument("--adam-beta1", type=finite_float, default=0.9)
     g.add_argument("--adam-beta2", type=finite_float, default=0.999)
     g.add_argument("--adam-eps", type=finite_float, default=1e-8)

@@ -60,12 +60,22 @@ class Trajectory:
     norms: list[float]
 
 
+def adamw_groups(params: dict[str, torch.nn.Parameter], optim_cfg) -> list[dict]:
+    """AdamW's parameter groups: every parameter decayed, or with ``no_weight_decay_1d`` Megatron-LM's rule (no
+    decay on biases and 1-D parameters), as torch users write it."""
+    if not getattr(optim_cfg, "no_weight_decay_1d", False):
+        return [{"params": list(params.values()), "weight_decay": optim_cfg.weight_decay}]
+    plain = [p for k, p in params.items() if k.endswith(".bias") or p.dim() == 1]
+    decayed = [p for k, p in params.items() if not (k.endswith(".bias") or p.dim() == 1)]
+    return [{"params": decayed, "weight_decay": optim_cfg.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+
+
 def reference_trajectory(model, params: dict[str, torch.nn.Parameter], loss_weights: dict[str, float],
                          optim_cfg, steps: int = STEPS) -> Trajectory:
     """``model(step) -> {task: loss}``; ``params`` full-name -> the shared Parameter the model uses. With
     ``optim_cfg.clip_grad > 0`` the gradients go through ``torch.nn.utils.clip_grad_norm_`` before the step."""
-    opt = torch.optim.AdamW(list(params.values()), lr=optim_cfg.lr, betas=optim_cfg.betas, eps=optim_cfg.eps,
-                            weight_decay=optim_cfg.weight_decay)
+    opt = torch.optim.AdamW(adamw_groups(params, optim_cfg), lr=optim_cfg.lr, betas=optim_cfg.betas,
+                            eps=optim_cfg.eps)
     initial = {k: p.detach().clone() for k, p in params.items()}
     losses, grads, norms = [], [], []
     for step in range(steps):

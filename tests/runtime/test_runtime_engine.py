@@ -79,7 +79,9 @@ from megatron_spindle.runtime.layout import slice_units
 from megatron_spindle.training.data_rate import FieldLoad, busiest_rank, rank_decode_load
 from megatron_spindle.training.evaluate import ValidationBatches
 
-OPT = OptimizerConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
+# Megatron-LM's weight decay (none on biases and 1-D parameters, as pretrain_multitask.py runs it), strong enough
+# that decaying a norm or a bias, or leaving a weight undecayed, shows in the weights after the steps
+OPT = OptimizerConfig(lr=1e-3, eps=1e-6, weight_decay=1.0, no_weight_decay_1d=True)
 TINY_BUCKET = 4096  # elements: the stand-ins' units are 192..33k, so groups get several buckets of 1+ units
 WORKLOADS = ("tiny-clip", "tiny-vlm")
 

@@ -172,7 +172,10 @@ def test_schedule_equals_stop_and_resume_and_a_reference(scheduled, tmp_path):
     for k in (2, 4, 6):
         assert (save / f"plan_iter_{k:07d}.json").stat().st_size and (save / f"plan_iter_{k:07d}.png").stat().st_size
     ref = _reference()
-    assert _worst(a, ref) <= 1e-6, _worst(a, ref)
+    # 1e-5, not the 1e-6 between runs: the runtime spares biases and norms AdamW's decay by scaling them up just
+    # before its step (runtime/optimizer.py), which rounds them by an ulp per step where torch's parameter groups
+    # do not touch them; Adam's division by each element's magnitude carries that to ~3e-6 over the 8 steps
+    assert _worst(a, ref) <= 1e-5, _worst(a, ref)
 
 
 def _reference() -> dict[str, torch.Tensor]:
@@ -189,7 +192,10 @@ def _reference() -> dict[str, torch.Tensor]:
     try:
         model = ReferenceModel(base, ModelConfig(init_seed=SEED))  # --seed seeds the initial weights too
         params = model.full_named_parameters()
-        opt = torch.optim.AdamW(list(params.values()), lr=LR["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+        plain = [p for k, p in params.items() if k.endswith(".bias") or p.dim() == 1]  # no decay: Megatron-LM's rule
+        decayed = [p for k, p in params.items() if not (k.endswith(".bias") or p.dim() == 1)]
+        opt = torch.optim.AdamW([{"params": decayed, "weight_decay": 0.01}, {"params": plain, "weight_decay": 0.0}],
+                                lr=LR["lr"], betas=(0.9, 0.999), eps=1e-8)
         lr = LRSchedule(**LR)
         data = {t.name: MockTaskDataset(base, t.name, SAMPLES, SEED) for t in base.tasks}
         taken = {t.name: 0 for t in base.tasks}
