@@ -24,8 +24,8 @@ _FP32_STATE = "the optimizer keeps fp32 master weights, gradients and moments"
 _WD_SCHEDULE = "a weight-decay schedule is not supported: --weight-decay holds for the whole run"
 _LR_FROM_FLAGS = ("the LR schedule always comes from this run's flags (a function of the iteration, not stored in "
                   "checkpoints)")
-_BPE_FILES = ("vocabulary files are not read: give --tokenizer-type HuggingFaceTokenizer --tokenizer-model FOLDER (a "
-              "Hugging Face tokenizer, GPT-2's among them)")
+_BPE_FILES = ("tiktoken vocabularies are not read: give --tokenizer-type HuggingFaceTokenizer --tokenizer-model "
+              "FOLDER (a Hugging Face tokenizer) or GPT2BPETokenizer with --vocab-file and --merge-file")
 _UNPACKED = ("a sample is one padded row of its task's batch (documents are not packed): no EOD masks or position "
              "resets to make")
 _LOGGERS = "one-logger is not supported: --tensorboard-dir or --wandb-project"
@@ -129,8 +129,6 @@ MEGATRON_FLAG_HINTS: dict[str, str] = {
     "--override-opt_param-scheduler": _LR_FROM_FLAGS,
     "--use-checkpoint-opt_param-scheduler": _LR_FROM_FLAGS,
     # data: tar shards per task
-    "--vocab-file": _BPE_FILES,
-    "--merge-file": _BPE_FILES,
     "--train-data-path": "give --data-path TASK=PATH (tar shards of each task, tools/build_multitask_dataset.py)",
     "--data-cache-path": "the shard index is memory-mapped where it lies: no index cache is built",
     "--num-dataset-builder-threads": "shard folders are opened, not built, at start (tools/build_multitask_dataset.py "

@@ -28,7 +28,16 @@ from megatron_spindle.data.processors import ImageProcessor, LogMelExtractor, Pr
 from megatron_spindle.data.tokenizer import EOS, PAD, ByteTokenizer
 from megatron_spindle.graph.workload import Workload
 
-TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer")
+TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
+
+
+def _transformers(kind: str):
+    try:
+        import transformers
+    except ImportError:
+        raise ProcessorError(f"--tokenizer-type {kind} needs the transformers package (pip install "
+                             f"'megatron-spindle[convert]'); without it use the byte tokenizer") from None
+    return transformers
 
 
 class HuggingFaceTokenizer:
@@ -37,23 +46,22 @@ class HuggingFaceTokenizer:
     added, content cut so they survive - padded with ``pad_id`` (the pad token, else EOS)."""
 
     def __init__(self, path: str | Path):
-        try:
-            from transformers import AutoTokenizer
-        except ImportError:
-            raise ProcessorError("--tokenizer-type HuggingFaceTokenizer needs the transformers package (pip install "
-                                 "'megatron-spindle[convert]'); without it use the byte tokenizer") from None
+        auto = _transformers("HuggingFaceTokenizer").AutoTokenizer
         if not Path(path).is_dir():
             raise FileNotFoundError(f"--tokenizer-model {path}: no such folder")
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            tokenizer = auto.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as e:
             raise ProcessorError(f"--tokenizer-model {path}: no Hugging Face tokenizer there ({e})") from None
+        self._adopt(tokenizer, f"--tokenizer-model {path}")
         self.path = str(path)
-        tok = self.tokenizer
+
+    def _adopt(self, tokenizer, source: str) -> None:
+        self.tokenizer = tok = tokenizer
         self.eos_id = tok.eos_token_id if tok.eos_token_id is not None else tok.pad_token_id
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
         if self.pad_id is None:
-            raise ProcessorError(f"--tokenizer-model {path}: the tokenizer has neither a pad nor an EOS token")
+            raise ProcessorError(f"{source}: the tokenizer has neither a pad nor an EOS token")
 
     @property
     def vocab_size(self) -> int:
@@ -62,6 +70,34 @@ class HuggingFaceTokenizer:
     def encode(self, text: str, length: int) -> torch.Tensor:
         ids = self.tokenizer(text, truncation=True, max_length=length)["input_ids"]
         return torch.tensor(list(ids) + [self.pad_id] * (length - len(ids)), dtype=torch.long)
+
+
+class GPT2BPETokenizer(HuggingFaceTokenizer):
+    """Megatron-LM's GPT2BPETokenizer: GPT-2's byte-level BPE from its vocab.json and merges.txt (--vocab-file,
+    --merge-file), through Hugging Face's fast GPT-2 tokenizer; no BOS, padded with <|endoftext|> (the first one
+    after the text is its end-of-document label)."""
+
+    EOD = "<|endoftext|>"
+
+    def __init__(self, vocab_file: str | Path, merge_file: str | Path):
+        fast = _transformers("GPT2BPETokenizer").PreTrainedTokenizerFast
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"{flag} {path}: no such file")
+        try:  # the tokenizers library's byte-level BPE: the same in every transformers version
+            bpe = Tokenizer(models.BPE.from_file(str(vocab_file), str(merge_file)))
+        except Exception as e:  # the library raises its own exception type for unreadable files
+            raise ProcessorError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: not GPT-2 BPE files "
+                                 f"({e})") from None
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        if bpe.token_to_id(self.EOD) is None:
+            raise ProcessorError(f"--vocab-file {vocab_file}: no {self.EOD} token")
+        self._adopt(fast(tokenizer_object=bpe, eos_token=self.EOD, bos_token=self.EOD, unk_token=self.EOD),
+                    f"--vocab-file {vocab_file}")
+        self.path = str(vocab_file)
 
 
 @dataclass
@@ -85,7 +121,10 @@ def add_preprocessing_args(parser: argparse.ArgumentParser) -> argparse.Argument
     g = parser.add_argument_group("preprocessing (raw data of --data-path datasets)")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="ByteTokenizer",
                    help="ByteTokenizer: UTF-8 bytes (no files). HuggingFaceTokenizer: the tokenizer of a local HF "
-                        "model folder (--tokenizer-model), per text module.")
+                        "model folder (--tokenizer-model), per text module. GPT2BPETokenizer: GPT-2's BPE from "
+                        "--vocab-file and --merge-file, for every text module (Megatron-LM's).")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json.")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt.")
     g.add_argument("--tokenizer-model", action="append", default=[], metavar="PATH | MODULE=PATH[,...]",
                    help="HF folder(s) of --tokenizer-type HuggingFaceTokenizer: one PATH for every text module, or "
                         "MODULE=PATH for some (the others keep the byte tokenizer); repeatable.")
@@ -127,10 +166,20 @@ def preprocessing_from_args(args: argparse.Namespace, workload: Workload) -> Pre
         raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH (or MODULE=PATH)")
     if kind != "HuggingFaceTokenizer" and models:
         raise ValueError(f"--tokenizer-model is for --tokenizer-type HuggingFaceTokenizer (got {kind})")
+    files = [getattr(args, "vocab_file", None), getattr(args, "merge_file", None)]
+    if (kind == "GPT2BPETokenizer") != all(files) or (kind != "GPT2BPETokenizer" and any(files)):
+        raise ValueError("--tokenizer-type GPT2BPETokenizer goes with --vocab-file and --merge-file (got "
+                         f"--tokenizer-type {kind}, --vocab-file {files[0]}, --merge-file {files[1]})")
+    if kind == "GPT2BPETokenizer":
+        bpe = GPT2BPETokenizer(*files)
+        models = {m: files[0] for m, s in workload.modules.items() if s.frontend is not None
+                  and s.frontend.type == "text"}
     prep = Preprocessing()
-    loaded: dict[str, HuggingFaceTokenizer] = {}
+    loaded: dict[str, HuggingFaceTokenizer] = {files[0]: bpe} if kind == "GPT2BPETokenizer" else {}
     for module, path in models.items():
-        tok = loaded.setdefault(path, HuggingFaceTokenizer(path))
+        if path not in loaded:
+            loaded[path] = HuggingFaceTokenizer(path)
+        tok = loaded[path]
         vocab = workload.modules[module].frontend.vocab_size
         if tok.vocab_size > vocab:
             raise ValueError(f"--tokenizer-model {path}: {tok.vocab_size} tokens, but module '{module}' has "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import subprocess
 import sys
 import wave
@@ -268,3 +269,50 @@ def test_pretrain_multitask_takes_the_flags(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model" in err and "Traceback" not in err
+
+
+def _gpt2_files(folder: Path, eod: bool = True) -> tuple[Path, Path]:
+    """A tiny GPT-2 byte-level BPE: the 256 byte symbols (GPT-2's printable-or-shifted mapping), one merge "t h",
+    and <|endoftext|>."""
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    shifted = iter(range(256, 512))
+    symbols = {b: chr(b) if b in keep else chr(next(shifted)) for b in range(256)}
+    vocab = {symbols[b]: b for b in range(256)} | {"th": 256} | ({"<|endoftext|>": 257} if eod else {})
+    folder.mkdir()
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\nt h\n")
+    return folder / "vocab.json", folder / "merges.txt"
+
+
+def test_gpt2_bpe_tokenizer_from_megatron_files(tmp_path):
+    """--tokenizer-type GPT2BPETokenizer --vocab-file --merge-file (Megatron-LM's): every text module gets GPT-2's
+    BPE, no BOS, padded with <|endoftext|>, of which the first after the text is the LM's end-of-document label."""
+    w = _workload()
+    for m in ("text", "llm"):
+        w.modules[m].frontend.vocab_size = 300
+    vocab, merges = _gpt2_files(tmp_path / "gpt2")
+    prep = preprocessing_from_args(_args(["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab),
+                                          "--merge-file", str(merges)]), w)
+    assert set(prep.tokenizers) == {"text", "llm"} and prep.tokenizers["text"] is prep.tokenizers["llm"]
+    ids = prep.tokenizer(w, "llm").encode("the cat", 8).tolist()
+    assert ids == [256, ord("e"), 32, ord("c"), ord("a"), ord("t"), 257, 257]  # "th" merged, the space as Ġ (32)
+    field = task_fields(w, "lm")["llm"]
+    sample = {"llm": decode_field(w, field, "txt", b"the cat", prep)}
+    batch = collate(w, "lm", [sample], {"llm": prep.label_ids(w, "llm")})
+    assert batch.labels[0].tolist() == [ord("e"), 32, ord("c"), ord("a"), ord("t"), 257, IGNORE_INDEX]
+    for argv, message in [
+        (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab)], "goes with --vocab-file and "
+                                                                                "--merge-file"),
+        (["--vocab-file", str(vocab), "--merge-file", str(merges)], "goes with --vocab-file and --merge-file"),
+        (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tmp_path / "no.json"), "--merge-file",
+          str(merges)], "no.json: no such file"),
+    ]:
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            preprocessing_from_args(_args(argv), w)
+    with pytest.raises(ValueError, match="258 tokens, but module 'text' has vocab_size 32"):
+        preprocessing_from_args(_args(["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab),
+                                       "--merge-file", str(merges)]), _workload())
+    no_eod = _gpt2_files(tmp_path / "no_eod", eod=False)
+    with pytest.raises(ValueError, match="no <\\|endoftext\\|> token"):
+        preprocessing_from_args(_args(["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(no_eod[0]),
+                                       "--merge-file", str(no_eod[1])]), w)
