@@ -135,7 +135,8 @@ class MasterOptimizer:
         if self._undecayed:
             keep = 1.0 - self.adamw.param_groups[0]["lr"] * self.weight_decay
             if keep <= 0:
-                raise ValueError(f"lr x weight decay = {1 - keep:g} >= 1: AdamW's decay would zero the weights")
+                raise ValueError(f"learning rate x weight decay = {1 - keep:g} >= 1: AdamW's decoupled decay "
+                                 f"would zero the weights or flip their sign (lower --lr or --weight-decay)")
             torch._foreach_div_(self._undecayed, keep)
         self.adamw.step()
 

@@ -241,6 +241,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
     lr_schedule_from_args(args)  # WSD's --lr-wsd-decay-iters, checked before planning
     if args.weight_decay < 0:
         raise ValueError(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if args.lr * args.weight_decay >= 1:
+        raise ValueError(f"--lr x --weight-decay = {args.lr * args.weight_decay:g} >= 1: AdamW's decoupled decay would "
+                         f"zero the weights or flip their sign")
     if args.init_method_std <= 0:
         raise ValueError(f"--init-method-std must be positive, got {args.init_method_std}")
     for flag in ("attention_dropout", "hidden_dropout"):

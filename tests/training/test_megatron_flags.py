@@ -229,7 +229,7 @@ def test_a_nan_loss_stops_the_run_before_its_optimizer_step(tmp_path, capsys, on
     from megatron_spindle.checkpointing import read_latest
 
     save = tmp_path / "ckpt"
-    blowup = COMMON + ["--train-iters", "3", "--lr", "1e30"]
+    blowup = COMMON + ["--train-iters", "3", "--lr", "1e30", "--weight-decay", "0"]  # lr x decay >= 1 is refused
     err = _fails(capsys, blowup + ["--save", str(save), "--save-interval", "1"],
                  "iteration 2: the loss of task(s) audio_depth, text_audio, vision_depth, vision_text and the gradient "
                  "norm (nan) are not finite; stopped before the optimizer step, the weights are those of iteration 1")
@@ -274,6 +274,7 @@ def test_flags_refused_at_start(capsys, monkeypatch):
     _fails(capsys, base + ["--split", "0,1"], "--split '0,1'")
     _fails(capsys, base + ["--hidden-dropout", "0.1"], "--hidden-dropout 0.1: dropout is not supported")
     _fails(capsys, base + ["--init-method-std", "0"], "--init-method-std must be positive")
+    _fails(capsys, base + ["--lr", "200", "--weight-decay", "0.01"], "--lr x --weight-decay = 2 >= 1")
     _fails(capsys, base + ["--tensorboard-queue-size", "0"], "--tensorboard-queue-size must be positive")
     _fails(capsys, base + ["--test-data-path", "vision_text=/nope", "--eval-iters", "0"],
            "--test-data-path needs --eval-iters > 0")
