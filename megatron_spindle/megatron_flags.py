@@ -21,7 +21,6 @@ _FUSIONS = ("kernel fusions follow the layer spec: Transformer Engine's where it
             "spec otherwise (--attention-backend picks the attention)")
 _ADAMW = "the optimizer is AdamW (--adam-beta1, --adam-beta2, --adam-eps, --weight-decay)"
 _FP32_STATE = "the optimizer keeps fp32 master weights, gradients and moments"
-_WD_SCHEDULE = "a weight-decay schedule is not supported: --weight-decay holds for the whole run"
 _LR_FROM_FLAGS = ("the LR schedule always comes from this run's flags (a function of the iteration, not stored in "
                   "checkpoints)")
 _BPE_FILES = ("tiktoken vocabularies are not read: give --tokenizer-type HuggingFaceTokenizer --tokenizer-model "
@@ -123,9 +122,6 @@ MEGATRON_FLAG_HINTS: dict[str, str] = {
     "--decoupled-min-lr": _ONE_LR,
     "--ddp-average-in-collective": "a unit's gradients are summed over the slices and replicas holding it (each "
                                    "task's loss is already a mean over its global batch): nothing to average",
-    "--start-weight-decay": _WD_SCHEDULE,
-    "--end-weight-decay": _WD_SCHEDULE,
-    "--weight-decay-incr-style": _WD_SCHEDULE,
     "--override-opt_param-scheduler": _LR_FROM_FLAGS,
     "--use-checkpoint-opt_param-scheduler": _LR_FROM_FLAGS,
     # data: tar shards per task

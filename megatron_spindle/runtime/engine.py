@@ -514,6 +514,11 @@ class RuntimeEngine:
         """Learning rate of the next optimizer steps."""
         self.master_optimizer.set_lr(lr)
 
+    def set_weight_decay(self, weight_decay: float) -> None:
+        """AdamW's weight decay of the next optimizer steps (biases and 1-D parameters stay spared where the
+        optimizer spares them)."""
+        self.master_optimizer.set_weight_decay(weight_decay)
+
     def set_loss_weights(self, weights: dict[str, float]) -> None:
         """Loss weight w_t of each named task for the next steps (0: the task sits out); others keep theirs."""
         unknown = sorted(set(weights) - {t.name for t in self.workload.tasks})

@@ -117,8 +117,7 @@ class MasterOptimizer:
         # cost model's AdamW charges
         self.weight_decay = config.weight_decay
         self._undecayed = [self.masters[u].data[lo:hi] for u, sh in self.shards.items()
-                           for lo, hi in param_ranges(sh, decayed=False)] \
-            if config.no_weight_decay_1d and config.weight_decay > 0 else []
+                           for lo, hi in param_ranges(sh, decayed=False)] if config.no_weight_decay_1d else []
         self.adamw = torch.optim.AdamW(list(self.masters.values()), lr=config.lr, betas=config.betas,
                                        eps=config.eps, weight_decay=config.weight_decay,
                                        fused=adamw_fused(device)) if self.masters else None
@@ -132,7 +131,7 @@ class MasterOptimizer:
         for u, p in self.masters.items():
             if p.grad is None:  # someone called zero_grad(set_to_none=True): reattach the buffer
                 p.grad = unit_grads[u]
-        if self._undecayed:
+        if self._undecayed and self.weight_decay > 0:
             keep = 1.0 - self.adamw.param_groups[0]["lr"] * self.weight_decay
             if keep <= 0:
                 raise ValueError(f"learning rate x weight decay = {1 - keep:g} >= 1: AdamW's decoupled decay "
@@ -150,6 +149,14 @@ class MasterOptimizer:
         if self.adamw is not None:
             for g in self.adamw.param_groups:
                 g["lr"] = lr
+
+    def set_weight_decay(self, weight_decay: float) -> None:
+        """The decay of the next steps (Megatron-LM's --start/--end-weight-decay schedule); the spared parameters
+        stay spared."""
+        self.weight_decay = weight_decay
+        if self.adamw is not None:
+            for g in self.adamw.param_groups:
+                g["weight_decay"] = weight_decay
 
     # --------------------------------------------------------------------------------------------- state
     def full_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ from megatron_spindle.training.batch_size import add_batch_size_args
 from megatron_spindle.training.engine_state import TIMING_LOG_LEVELS
 from megatron_spindle.training.manual_gc import add_manual_gc_args, check_manual_gc_args
 from megatron_spindle.training.profiling import add_profiling_args, check_profiling_args
-from megatron_spindle.training.schedule import LRSchedule
+from megatron_spindle.training.schedule import WD_INCR_STYLES, LRSchedule, WeightDecaySchedule
 from megatron_spindle.training.task_schedule import TaskScheduleConfig
 from megatron_spindle.training.wandb_writer import add_wandb_args
 
@@ -25,6 +25,12 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     add_flags(g, LRSchedule)  # --lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, --lr-decay-style
     g.add_argument("--weight-decay", type=finite_float, default=0.01, help="AdamW decoupled weight decay, as "
                    "Megatron-LM applies it: not to biases and 1-D parameters (norms, class tokens).")
+    g.add_argument("--start-weight-decay", type=finite_float, default=None, help="Weight decay at the first "
+                   "iteration, rising to --end-weight-decay at the last (--weight-decay-incr-style linear or cosine; "
+                   "Megatron-LM's).")
+    g.add_argument("--end-weight-decay", type=finite_float, default=None, help="Weight decay at the last iteration.")
+    g.add_argument("--weight-decay-incr-style", choices=WD_INCR_STYLES, default="constant", help="constant: "
+                   "--weight-decay throughout; linear or cosine: from --start-weight-decay to --end-weight-decay.")
     g.add_argument("--adam-beta1", type=finite_float, default=0.9)
     g.add_argument("--adam-beta2", type=finite_float, default=0.999)
     g.add_argument("--adam-eps", type=finite_float, default=1e-8)
@@ -150,6 +156,20 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def weight_decay_schedule_from_args(args: argparse.Namespace) -> WeightDecaySchedule | None:
+    """The --start/--end-weight-decay schedule over --train-iters; None for a constant --weight-decay."""
+    ends = (args.start_weight_decay, args.end_weight_decay)
+    if args.weight_decay_incr_style == "constant":
+        if any(v is not None for v in ends):
+            raise ValueError("--start-weight-decay / --end-weight-decay need --weight-decay-incr-style linear or "
+                             "cosine (constant: --weight-decay)")
+        return None
+    if any(v is None for v in ends):
+        raise ValueError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay and "
+                         f"--end-weight-decay")
+    return WeightDecaySchedule(*ends, args.weight_decay_incr_style, args.train_iters)
+
+
 def lr_schedule_from_args(args: argparse.Namespace) -> LRSchedule:
     """The schedule of the LR flags; the decay spans --train-iters unless --lr-decay-iters says otherwise."""
     return config_from_args(LRSchedule, args, decay_iters=args.lr_decay_iters or args.train_iters)
@@ -241,9 +261,11 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
     lr_schedule_from_args(args)  # WSD's --lr-wsd-decay-iters, checked before planning
     if args.weight_decay < 0:
         raise ValueError(f"--weight-decay must be >= 0, got {args.weight_decay}")
-    if args.lr * args.weight_decay >= 1:
-        raise ValueError(f"--lr x --weight-decay = {args.lr * args.weight_decay:g} >= 1: AdamW's decoupled decay would "
-                         f"zero the weights or flip their sign")
+    wd_schedule = weight_decay_schedule_from_args(args)
+    most = args.weight_decay if wd_schedule is None else max(wd_schedule.start, wd_schedule.end)
+    if args.lr * most >= 1:
+        raise ValueError(f"--lr x the weight decay = {args.lr * most:g} >= 1: AdamW's decoupled decay would zero the "
+                         f"weights or flip their sign")
     if args.init_method_std <= 0:
         raise ValueError(f"--init-method-std must be positive, got {args.init_method_std}")
     for flag in ("attention_dropout", "hidden_dropout"):

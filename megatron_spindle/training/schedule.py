@@ -70,3 +70,32 @@ def _anneal(shape: str, frac: float) -> float:
     if shape == "exponential":  # 2 * 0.5^frac - 1: steepest at the start
         return 2.0 * 0.5 ** frac - 1.0
     return 1.0 - math.sqrt(frac)  # minus_sqrt
+
+
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclass(frozen=True)
+class WeightDecaySchedule:
+    """Megatron-LM's weight-decay schedule: from --start-weight-decay to --end-weight-decay over the run
+    (--weight-decay-incr-style linear or cosine); constant: --weight-decay throughout."""
+
+    start: float
+    end: float
+    style: str
+    iters: int
+
+    def __post_init__(self):
+        if self.style not in WD_INCR_STYLES:
+            raise ValueError(f"unknown weight-decay increment style '{self.style}'")
+        if self.start < 0 or self.end < 0:
+            raise ValueError(f"--start-weight-decay and --end-weight-decay must be >= 0, got {self.start}, "
+                             f"{self.end}")
+
+    def __call__(self, iteration: int) -> float:
+        """The decay of the optimizer step of ``iteration`` (0-based)."""
+        if self.style == "constant":
+            return self.end
+        frac = min(iteration / max(self.iters, 1), 1.0)
+        rise = frac if self.style == "linear" else 0.5 * (math.cos(math.pi * (1.0 - frac)) + 1.0)
+        return self.start + rise * (self.end - self.start)

@@ -42,6 +42,7 @@ from megatron_spindle.training.arguments import (
     parse_data_paths,
     parse_task_values,
     validate_args,
+    weight_decay_schedule_from_args,
 )
 from megatron_spindle.training.evaluate import add_validation_args, check_validation_args
 from megatron_spindle.training.faults import (
@@ -411,6 +412,7 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
         print_rank_0(f"the checkpoint is at iteration {start}, --train-iters is {args.train_iters}: nothing to do")
         return []
     sched = lr_schedule_from_args(args)
+    wd_sched = weight_decay_schedule_from_args(args)
     monitor = TrainingMonitor(args, sets.base, info.rank, info.world_size, print_rank_0)
     monitor.attach(phase)
     valid = validation_config(args)
@@ -436,6 +438,8 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
                 engine, loader = phase.engine, phase.loader
                 lr = sched(it)
                 engine.set_lr(lr)
+                if wd_sched is not None:
+                    engine.set_weight_decay(wd_sched(it))
                 mb = loader.advance()
                 weights = {t: (base[t] if mb.active[t] else 0.0) for t in phase.tasks}
                 engine.set_loss_weights(weights)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megatron_spindle.training.log import StepRecord, format_log_line, format_wave_line
-from megatron_spindle.training.schedule import LRSchedule
+from megatron_spindle.training.schedule import LRSchedule, WeightDecaySchedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -35,6 +35,12 @@ def test_bad_flags_and_values(capsys, tmp_path):
            "Spindle's: give --train-iters")
     _fails(capsys, BASE + ["--mock-data", "--lr-decay-style", "exp"], "invalid choice: 'exp'")
     _fails(capsys, BASE + ["--mock-data", "--lr-decay-style", "WSD"], "WSD needs --lr-wsd-decay-iters in [1, 2]")
+    _fails(capsys, BASE + ["--mock-data", "--start-weight-decay", "0"], "need --weight-decay-incr-style linear or "
+                                                                       "cosine")
+    _fails(capsys, BASE + ["--mock-data", "--weight-decay-incr-style", "linear", "--end-weight-decay", "0.1"],
+           "needs --start-weight-decay and --end-weight-decay")
+    _fails(capsys, BASE + ["--mock-data", "--weight-decay-incr-style", "cosine", "--start-weight-decay", "0",
+                           "--end-weight-decay", "2000"], "--lr x the weight decay = 2 >= 1")
     _fails(capsys, ["--workload", "tiny-clip", "--mock-data"], "--train-iters")
     _fails(capsys, BASE + ["--mock-data", "--bf16"], "--bf16 needs a GPU")
     _fails(capsys, BASE, "no training data: give --data-path TASK=PATH")
@@ -125,6 +131,11 @@ def test_lr_schedules():
         assert wsd(16) == pytest.approx(half) and wsd(20) == pytest.approx(0.0) and wsd(50) == pytest.approx(0.0)
     with pytest.raises(ValueError, match=r"WSD needs --lr-wsd-decay-iters in \[1, 18\]"):
         LRSchedule(1.0, 0.0, warmup_iters=2, decay_iters=20, style="WSD")
+    # Megatron-LM's weight-decay increment over the run
+    lin = WeightDecaySchedule(0.0, 0.1, "linear", 10)
+    assert [lin(0), lin(5), lin(10), lin(40)] == pytest.approx([0.0, 0.05, 0.1, 0.1])
+    cos = WeightDecaySchedule(0.02, 0.1, "cosine", 8)
+    assert [cos(0), cos(4), cos(8)] == pytest.approx([0.02, 0.06, 0.1]) and cos(2) < 0.04  # slow start
 
 
 def test_megatron_log_format():

@@ -239,6 +239,20 @@ def test_a_nan_loss_stops_the_run_before_its_optimizer_step(tmp_path, capsys, on
                      capsys.readouterr().out)
 
 
+def test_weight_decay_schedule_drives_the_optimizer(tmp_path, one_thread):
+    """--start/--end-weight-decay with an increment style set AdamW's decay each iteration: a schedule from 0.5 to
+    0.5 gives --weight-decay 0.5's weights exactly, one from 0 to 1 other weights."""
+    runs = {"flat": ["--weight-decay", "0.5"],
+            "same": ["--weight-decay-incr-style", "linear", "--start-weight-decay", "0.5", "--end-weight-decay", "0.5"],
+            "rise": ["--weight-decay-incr-style", "cosine", "--start-weight-decay", "0", "--end-weight-decay", "1"]}
+    weights = {}
+    for name, flags in runs.items():
+        assert pretrain_multitask.main(COMMON + flags + ["--save", str(tmp_path / name)]) == 0
+        weights[name] = _weights(tmp_path / name)[1]
+    assert all(torch.equal(weights["flat"][k], weights["same"][k]) for k in weights["flat"])
+    assert max(float((weights["flat"][k] - weights["rise"][k]).abs().max()) for k in weights["flat"]) > 1e-5
+
+
 def test_validation_perplexity_scalars_of_lm_tasks():
     from megatron_spindle.training.evaluate import ValidationResult
 
@@ -274,7 +288,7 @@ def test_flags_refused_at_start(capsys, monkeypatch):
     _fails(capsys, base + ["--split", "0,1"], "--split '0,1'")
     _fails(capsys, base + ["--hidden-dropout", "0.1"], "--hidden-dropout 0.1: dropout is not supported")
     _fails(capsys, base + ["--init-method-std", "0"], "--init-method-std must be positive")
-    _fails(capsys, base + ["--lr", "200", "--weight-decay", "0.01"], "--lr x --weight-decay = 2 >= 1")
+    _fails(capsys, base + ["--lr", "200", "--weight-decay", "0.01"], "--lr x the weight decay = 2 >= 1")
     _fails(capsys, base + ["--tensorboard-queue-size", "0"], "--tensorboard-queue-size must be positive")
     _fails(capsys, base + ["--test-data-path", "vision_text=/nope", "--eval-iters", "0"],
            "--test-data-path needs --eval-iters > 0")
