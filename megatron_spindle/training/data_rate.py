@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_spindle.data.datasets import BatchNeed, BatchRead, TaskDataset
 from megatron_spindle.graph.workload import Workload
+from megatron_spindle.parallel import available_cpus
 
 # samples timed per field: the first warms up (a tokenizer's first call, the file's first pages), the median of
 # the others is kept
@@ -70,9 +71,8 @@ def _seconds_per_sample(dataset: TaskDataset, field: str) -> float:
 def data_threads(num_workers: int) -> int:
     """The threads that decode in parallel on a rank: ``--num-workers``, at most the rank's share of its node's
     cores (0: decoding runs inside the step)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return min(num_workers, max(1, cores // ranks))
+    return min(num_workers, max(1, available_cpus() // ranks))
 
 
 def decode_report(rank: int, loads: list[FieldLoad], num_workers: int, predicted_seconds: float) -> str:
