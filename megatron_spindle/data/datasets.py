@@ -28,7 +28,7 @@ from megatron_spindle.data.indexed import IndexedTextDataset, is_indexed_prefix
 from megatron_spindle.data.mock import IGNORE_INDEX, TaskBatch, mock_batch, own_text_tokens
 from megatron_spindle.data.preprocess import Preprocessing
 from megatron_spindle.data.processors import ProcessorError
-from megatron_spindle.data.sampler import Blend, MixedBatch, MultiTaskSampler, weighted_path
+from megatron_spindle.data.sampler import Blend, MixedBatch, MultiTaskSampler, blend_weights, weighted_path
 from megatron_spindle.data.shards import DatasetError, ShardReader, check_shard_files, read_index
 from megatron_spindle.data.tokenizer import EOS, PAD
 from megatron_spindle.errors import prints_errors_of_every_rank
@@ -477,15 +477,16 @@ def open_task_dataset(workload: Workload, task: str, paths: str | Path | Sequenc
     if isinstance(paths, (str, Path)):
         paths = [paths]
     items = [weighted_path(p) for p in paths]
-    weights = [w for w, _ in items]
+    try:
+        weights = blend_weights([w for w, _ in items])
+    except ValueError as e:
+        raise DatasetError(f"task '{task}' has {e}") from None
     parts = [IndexedTextDataset(workload, task, p) if is_indexed_prefix(p) else
              ShardedTaskDataset(workload, task, p, preprocessing, check_files) for _, p in items]
-    if len(parts) == 1 and weights[0] is None:
+    if len(parts) == 1:
         return parts[0]
-    if None in weights and any(w is not None for w in weights):
-        raise DatasetError(f"task '{task}': a blend gives every part a weight (WEIGHT:PATH), got {list(paths)}")
     try:
-        return ConcatTaskDataset(parts, None if weights[0] is None else weights)
+        return ConcatTaskDataset(parts, weights)
     except ValueError as e:
         raise DatasetError(f"task '{task}': {e}") from None
 

@@ -69,6 +69,18 @@ def weighted_path(item: str) -> tuple[float | None, str]:
     return None, str(item)
 
 
+def blend_weights(weights: list[float | None]) -> list[float] | None:
+    """The weights of a task's datasets (None for an unweighted one): None where none is weighted (they are read
+    in order as one), ValueError unless every one is weighted and there are at least two (a blend)."""
+    given = [w for w in weights if w is not None]
+    if not given:
+        return None
+    if len(given) != len(weights) or len(weights) < 2:
+        raise ValueError(f"{len(given)} weighted part(s) of {len(weights)}: a blend gives every part a weight "
+                         f"(TASK=WEIGHT:PATH), at least two of them")
+    return given
+
+
 @dataclass(frozen=True)
 class Blend:
     """A task's dataset as weighted parts: their sizes (in dataset order) and weights (summing to 1)."""

@@ -206,7 +206,7 @@ def parse_data_paths(items: list[str], workload: Workload, flag: str = "--data-p
     after the other, or as a blend of them with TASK=WEIGHT:PATH for each (data/sampler.py ``Blend``). The items
     keep their WEIGHT: prefix."""
     from megatron_spindle.data.indexed import is_indexed_prefix
-    from megatron_spindle.data.sampler import weighted_path
+    from megatron_spindle.data.sampler import blend_weights, weighted_path
 
     tasks = [t.name for t in workload.tasks]
     out: dict[str, list[str]] = {}
@@ -228,10 +228,10 @@ def parse_data_paths(items: list[str], workload: Workload, flag: str = "--data-p
                                     f"Megatron-LM indexed corpus's PREFIX of PREFIX.bin and PREFIX.idx)")
         out.setdefault(name, []).append(part)
     for name, parts in out.items():
-        weighted = [weighted_path(p)[0] is not None for p in parts]
-        if any(weighted) and (not all(weighted) or len(parts) < 2):
-            raise ValueError(f"{flag}: task '{name}' has {sum(weighted)} weighted part(s) of {len(parts)}: a blend "
-                             f"gives every part a weight (TASK=WEIGHT:PATH), at least two of them")
+        try:
+            blend_weights([weighted_path(p)[0] for p in parts])
+        except ValueError as e:
+            raise ValueError(f"{flag}: task '{name}' has {e}") from None
     return out
 
 
