@@ -26,7 +26,20 @@ def add_workload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--tasks", default=None, metavar="TASK,TASK,...",
                    help="The set of the workload's tasks to train/plan (default: all; the order does not matter). "
                         "Resuming a checkpoint with another set keeps what the two share: see --task-schedule.")
+    g.add_argument("--freeze", nargs="+", default=None, metavar="MODULE",
+                   help="Modules whose weights are frozen (Megatron-LM's --freeze-ViT / --freeze-LM, by the "
+                        "workload's module names; or `frozen: true` in the YAML): no gradients, optimizer state or "
+                        "gradient sync; their backward computes only the input gradients a trainable module "
+                        "upstream needs. The planner plans for it. Weights come from --load (a checkpoint of the "
+                        "whole model) or their initialisation.")
     return parser
+
+
+def load_workload_arg(args: argparse.Namespace) -> Workload:
+    """--workload, with the modules of --freeze frozen (an unknown module is a WorkloadError)."""
+    w = load_workload(args.workload)
+    freeze = getattr(args, "freeze", None)
+    return w.frozen(freeze) if freeze else w
 
 
 def add_batch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -69,7 +82,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     pretrain_multitask.py shares it among the tasks that train."""
     from megatron_spindle.training.batch_size import batched_task_set
 
-    w = load_workload(args.workload)
+    w = load_workload_arg(args)
     tasks = None
     if getattr(args, "tasks", None) is not None:
         tasks = select_tasks(w, args.tasks.split(","), "--tasks")

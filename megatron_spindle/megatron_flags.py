@@ -138,6 +138,9 @@ MEGATRON_FLAG_HINTS: dict[str, str] = {
     "--tokenizer-prompt-format": "prompt formats are not applied: text is tokenized as it is stored",
     "--tiktoken-pattern": _BPE_FILES,
     "--no-mmap-bin-files": "the shard index is always memory-mapped",
+    # multimodal (Megatron-LM's examples/multimodal)
+    "--freeze-LM": "give --freeze MODULE ... with the workload's module names (e.g. --freeze llm)",
+    "--freeze-ViT": "give --freeze MODULE ... with the workload's module names (e.g. --freeze vision)",
     # logging
     "--log-num-zeros-in-grad": "the zeros in the gradients are not counted (the log line has the gradient norm)",
     "--tensorboard-log-interval": "TensorBoard gets the means of each --log-interval at its log line",
@@ -231,7 +234,7 @@ MEGATRON_SWITCHES = frozenset({
     "--no-persist-layer-norm", "--no-rope-fusion", "--apply-rope-fusion", "--masked-softmax-fusion",
     "--bias-swiglu-fusion", "--no-bias-swiglu-fusion", "--gradient-accumulation-fusion", "--overlap-p2p-communication",
     "--use-ring-exchange-p2p", "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
-    "--mmap-bin-files", "--optimizer-cpu-offload", "--multi-latent-attention"})
+    "--mmap-bin-files", "--optimizer-cpu-offload", "--multi-latent-attention", "--freeze-LM", "--freeze-ViT"})
 
 
 def _hint(flag: str, taken: Collection[str] | None) -> str:

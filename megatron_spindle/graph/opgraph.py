@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_spindle.graph.workload import Workload, WorkloadError, output_tokens
+from megatron_spindle.graph.workload import (
+    Workload,
+    WorkloadError,
+    grad_outputs,
+    module_backward,
+    output_tokens,
+)
 
 # Operator kinds. "layer" ops are the only ones that form multi-operator MetaOps in practice.
 OP_KINDS = ("frontend", "layer", "projector", "head", "lm_head", "loss")
@@ -27,6 +33,8 @@ class Operator:
     module: str = ""
     kind: str = "layer"
     layer: int = 0  # index within the module (layers) else 0
+    backward: str = "full"  # full | input (a frozen module's input gradients only) | none (graph/workload.py)
+    frozen: bool = False  # its weights are frozen: no gradient, no optimizer state
 
 
 @dataclass
@@ -83,6 +91,13 @@ class MetaOp:
     kind: str
     layer_offset: int
     level: int = 0
+    backward: str = "full"  # full | input | none: what its backward computes (Operator.backward)
+    frozen: bool = False  # frozen weights: no gradient, optimizer state or gradient sync
+
+    @property
+    def trained_params(self) -> list[tuple[str, ...]]:
+        """``params`` that get gradients: none of a frozen MetaOp's."""
+        return [() for _ in self.params] if self.frozen else self.params
 
     @property
     def num_layers(self) -> int:
@@ -102,6 +117,10 @@ class MetaOp:
 
     def param_names(self) -> set[str]:
         return {p for ps in self.params for p in ps}
+
+    def trained_param_names(self) -> set[str]:
+        """``param_names`` that get gradients (synchronised wherever they are held): none of a frozen MetaOp's."""
+        return set() if self.frozen else self.param_names()
 
 
 @dataclass
@@ -152,8 +171,10 @@ def build_operator_graph(w: Workload) -> OperatorGraph:
         first: dict[str, str] = {}  # module -> op that receives flows into the module
         last: dict[str, str] = {}  # module -> op whose output flows out of the module
         loss_mods = set(t.loss.modules) if t.loss else set()
+        needs = grad_outputs(w, t)
         for mod in t.topo_modules():
             m = w.modules[mod]
+            grad = {"backward": module_backward(w, t, mod, needs), "frozen": m.frozen}
             owner = w.param_owner(mod, t.name)
             B, S = t.batch_size, t.tokens[mod]
             prefix = f"{t.name}/{mod}"
@@ -163,13 +184,14 @@ def build_operator_graph(w: Workload) -> OperatorGraph:
                 own = S - sum(output_tokens(w, t, p) for p in preds)
                 if own > 0:
                     fe = g.add(Operator(f"{prefix}.frontend", f"{owner}.frontend", (B, own, m.hidden_size),
-                                        (f"{owner}.frontend",), t.name, mod, "frontend"))
+                                        (f"{owner}.frontend",), t.name, mod, "frontend",
+                                        backward="none" if m.frozen else "full", frozen=m.frozen))
                     chain.append(fe.id)
             if m.has_layers:
                 layer_ids = []
                 for i in range(m.num_layers):
                     op = g.add(Operator(f"{prefix}.layer{i}", f"{owner}.layer", (B, S, m.hidden_size),
-                                        (f"{owner}.layers.{i}",), t.name, mod, "layer", i))
+                                        (f"{owner}.layers.{i}",), t.name, mod, "layer", i, **grad))
                     layer_ids.append(op.id)
                 entry = layer_ids[0]
                 if chain:
@@ -180,7 +202,7 @@ def build_operator_graph(w: Workload) -> OperatorGraph:
             else:
                 kind = "projector" if m.kind == "projector" else "head"
                 op = g.add(Operator(f"{prefix}", f"{owner}.{kind}", (B, S, m.in_size), (f"{owner}.{kind}",),
-                                    t.name, mod, kind))
+                                    t.name, mod, kind, **grad))
                 entry = op.id
                 if chain:
                     g.connect(chain[-1], entry)
@@ -189,7 +211,7 @@ def build_operator_graph(w: Workload) -> OperatorGraph:
             if mod in loss_mods and m.has_layers:
                 kind = "lm_head" if t.loss.kind == "lm" else "head"
                 head = g.add(Operator(f"{prefix}.{kind}", f"{owner}.{kind}", (B, S, m.hidden_size),
-                                      (f"{owner}.{kind}",), t.name, mod, kind))
+                                      (f"{owner}.{kind}",), t.name, mod, kind, **grad))
                 g.connect(exit_op, head.id)
                 exit_op = head.id
             first[mod], last[mod] = entry, exit_op
@@ -237,7 +259,7 @@ def contract(g: OperatorGraph) -> MetaGraph:
         h = g.ops[head]
         mid = _metaop_id(h, len(chain))
         metaops[mid] = MetaOp(mid, h.type, h.input_shape, chain, [g.ops[c].params for c in chain],
-                              h.task, h.module, h.kind, h.layer)
+                              h.task, h.module, h.kind, h.layer, backward=h.backward, frozen=h.frozen)
         for c in chain:
             op_to_meta[c] = mid
     edges = []

@@ -30,6 +30,7 @@ Python form, in the spirit of the paper's ``SpindleTask``/``add_flow``::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import math
@@ -130,6 +131,9 @@ class ModuleSpec:
     causal: bool | None = None  # default: True for llm, False otherwise
     cross_attention: bool = False  # encoder-decoder decoders (OFASys); planner/simulator only
     shared: bool = True  # one set of weights for all tasks that use it
+    # Frozen weights (Megatron-LM's --freeze-ViT / --freeze-LM): no gradient, no optimizer state, no gradient sync;
+    # the module's backward computes only the input gradients an upstream trainable module needs, or nothing
+    frozen: bool = False
     # Numerics options (defaults: the original model; see validate_workload for where each applies)
     activation: str | None = None  # gelu | quick_gelu | silu; None: gelu for encoders, silu (SwiGLU) for llm
     qkv_bias: bool = False  # llm: biases on the q/k/v projections (Qwen2); encoders always have them
@@ -265,6 +269,20 @@ class Workload:
         """Name of the weights a task uses for a module: shared modules have one owner for all tasks."""
         return module if self.modules[module].shared else f"{module}@{task}"
 
+    def is_frozen_unit(self, unit: str) -> bool:
+        """Whether a parameter unit ('<module>[@<task>].<part>') belongs to a frozen module."""
+        module = unit.partition(".")[0].partition("@")[0]
+        return module in self.modules and self.modules[module].frozen
+
+    def frozen(self, modules: list[str]) -> Workload:
+        """The same workload with ``modules`` frozen too (``--freeze``)."""
+        for name in modules:
+            if name not in self.modules:
+                raise WorkloadError(f"--freeze: workload '{self.name}' has no module '{name}' "
+                                    f"(modules: {', '.join(self.modules)})")
+        mods = {k: dataclasses.replace(v, frozen=True) if k in modules else v for k, v in self.modules.items()}
+        return Workload(self.name, mods, copy.deepcopy(self.tasks))
+
     def to_dict(self) -> dict[str, Any]:
         mods = {}
         for name, m in self.modules.items():
@@ -284,8 +302,16 @@ class Workload:
 
     def digest(self) -> str:
         """Content hash of the spec (canonical JSON): plans and profiles are keyed by it."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return _digest(self.to_dict())
+
+    def model_digest(self) -> str:
+        """``digest`` of the model alone, whichever modules are frozen: checkpoints are keyed by it (freezing a
+        module, or thawing it, changes what trains and the plan, not the model). Equal to ``digest`` while
+        nothing is frozen."""
+        d = self.to_dict()
+        for m in d["modules"].values():
+            m.pop("frozen", None)
+        return _digest(d)
 
     def subset(self, task_names: list[str]) -> Workload:
         """The same modules with only some tasks (e.g. CLIP-4 out of CLIP-10)."""
@@ -303,9 +329,14 @@ class Workload:
 
 # Options added after plans and checkpoints were first keyed by ``digest()``: left out of ``to_dict`` while at
 # their defaults, so existing workloads keep their digests.
-_NEW_MODULE_DEFAULTS = {"activation": None, "qkv_bias": False, "norm_epsilon": None, "rotary_base": None,
+_NEW_MODULE_DEFAULTS = {"frozen": False, "activation": None, "qkv_bias": False, "norm_epsilon": None, "rotary_base": None,
                         "rope_scaling_factor": None, "head_pool": None, "eos_token_id": None}
 _NEW_FRONTEND_DEFAULTS = {"pre_norm": False, "stem": "linear", "patch_bias": True, "class_token_len": 1}
+
+
+def _digest(d: dict[str, Any]) -> str:
+    blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _drop_defaults(d: dict[str, Any], defaults: dict[str, Any]) -> None:
@@ -452,6 +483,8 @@ def validate_workload(w: Workload) -> None:
                 raise WorkloadError(f"{where}: unknown frontend stem {fe.stem!r} (expected one of {FRONTEND_STEMS})")
             if fe.stem == "conv" and fe.type != "audio":
                 raise WorkloadError(f"{where}: frontend stem 'conv' is for audio front ends, not '{fe.type}'")
+        if not isinstance(m.frozen, bool):
+            raise WorkloadError(f"{where}: frozen must be true or false, got {m.frozen!r}")
         _validate_options(where, m)
     names = set()
     for t in w.tasks:
@@ -484,6 +517,9 @@ def validate_workload(w: Workload) -> None:
                 )
         _validate_tokens(w, t)
         _validate_loss(w, t)
+        if not any(grad_outputs(w, t).values()):
+            raise WorkloadError(f"{where} trains nothing: every module it runs is frozen "
+                                f"({', '.join(t.topo_modules())})")
 
 
 def _validate_options(where: str, m: ModuleSpec) -> None:
@@ -554,6 +590,27 @@ def _validate_tokens(w: Workload, t: SpindleTask) -> None:
                     f"task '{t.name}': module '{mod}' input is {t.tokens[mod]} tokens but its inputs {preds} give "
                     f"{incoming} and it has no text front end for the other {own}"
                 )
+
+
+BACKWARDS = ("full", "input", "none")  # a module's backward in a task: everything, input gradients only, nothing
+
+
+def grad_outputs(w: Workload, t: SpindleTask) -> dict[str, bool]:
+    """module -> whether its output needs a gradient in task ``t``: it has trainable weights, or something
+    upstream of it has."""
+    needs: dict[str, bool] = {}
+    for mod in t.topo_modules():
+        needs[mod] = not w.modules[mod].frozen or any(needs[p] for p in t.predecessors(mod))
+    return needs
+
+
+def module_backward(w: Workload, t: SpindleTask, mod: str, needs: dict[str, bool] | None = None) -> str:
+    """The backward of ``mod``'s layers (and head) in task ``t`` (``BACKWARDS``): full for trainable weights; a
+    frozen module computes only the input gradients a trainable module upstream needs ("input"), or nothing."""
+    if not w.modules[mod].frozen:
+        return "full"
+    needs = grad_outputs(w, t) if needs is None else needs
+    return "input" if any(needs[p] for p in t.predecessors(mod)) else "none"
 
 
 def output_tokens(w: Workload, t: SpindleTask, mod: str) -> int:
