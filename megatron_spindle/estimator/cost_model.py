@@ -43,6 +43,7 @@ from megatron_spindle.estimator.op_kernels import (
     ATTENTION_KINDS,
     LayerShape,
     LayerTime,
+    frozen_time,
     layer_time,
     light_time,
     rerun_kernels,
@@ -350,8 +351,12 @@ class AnalyticCostModel:
         raise EstimatorError(f"MetaOp '{metaop.id}': unknown kind '{metaop.kind}'")
 
     def flops(self, metaop: MetaOp) -> float:
-        """Forward + backward FLOPs of ONE operator of ``metaop`` for its whole batch (backward = 2x forward)."""
-        factor = FWD_BWD_FACTOR + (1 if self.config.recompute and metaop.kind == "layer" else 0)
+        """Forward + backward FLOPs of ONE operator of ``metaop`` for its whole batch (backward = 2x forward: half
+        of it the weight gradients, which frozen weights skip; no backward at all: ``MetaOp.backward`` "none")."""
+        if metaop.backward == "none":
+            return self.forward_flops(metaop)
+        factor = FWD_BWD_FACTOR - (1 if metaop.frozen else 0)
+        factor += 1 if self.config.recompute and metaop.kind == "layer" else 0
         return factor * self.forward_flops(metaop)
 
     # ------------------------------------------------------------------------------ memory-bound bytes
@@ -476,9 +481,9 @@ class AnalyticCostModel:
         return sum(self.param_count(p) for p in metaop.params[0])
 
     def communication_bytes(self, metaop: MetaOp) -> float:
-        """Bytes one operator exchanges across DP ranks whatever n is (the paper's c_m): its fp32 gradients,
-        and for a contrastive loss both embeddings."""
-        grads = self.operator_param_count(metaop) * self.config.grad_bytes
+        """Bytes one operator exchanges across DP ranks whatever n is (the paper's c_m): its fp32 gradients (none
+        for frozen weights), and for a contrastive loss both embeddings."""
+        grads = 0 if metaop.frozen else self.operator_param_count(metaop) * self.config.grad_bytes
         if metaop.kind == "loss":
             return grads + 2.0 * metaop.batch * metaop.hidden * self.dtype_bytes
         return float(grads)
@@ -565,7 +570,7 @@ class AnalyticCostModel:
         return self._kernel_time(metaop, tp, dp, self.config.recompute)
 
     def _kernel_time(self, metaop: MetaOp, tp: int, dp: int, recompute: bool) -> LayerTime:
-        key = (metaop.id, metaop.kind, metaop.module, tuple(metaop.input_shape), tp, dp, recompute)
+        key = (metaop.id, metaop.kind, metaop.module, tuple(metaop.input_shape), tp, dp, recompute, metaop.backward)
         cached = self._times.get(key)
         if cached is not None:
             return cached
@@ -577,6 +582,7 @@ class AnalyticCostModel:
             nbytes = self.memory_bytes(metaop) / dp
             memory_kernels = max(1, KERNELS_PER_OPERATOR[metaop.kind] - 3 * len(gemms))
             result = light_time(self.kernels, gemms, nbytes, memory_kernels)
+        result = frozen_time(result, metaop.backward)
         self._times[key] = result
         return result
 
@@ -587,8 +593,10 @@ class AnalyticCostModel:
 
     def _analytic_phases(self, metaop: MetaOp, tp: int, dp: int) -> tuple[float, float]:
         self._check_config(metaop, tp, dp)
-        return phase_times(self.kernel_time(metaop, tp, dp), self._tp_collectives(metaop, tp),
-                           self._tp_collective_seconds(metaop, tp, dp), self.launch_seconds, self.host_forward_weight)
+        fwd, bwd = phase_times(self.kernel_time(metaop, tp, dp), self._tp_collectives(metaop, tp),
+                               self._tp_collective_seconds(metaop, tp, dp), self.launch_seconds,
+                               self.host_forward_weight)
+        return (fwd, 0.0) if metaop.backward == "none" else (fwd, bwd)  # no backward: nor its TP all-reduces
 
     # ---------------------------------------------------------------------------------------------- time
 
@@ -620,7 +628,7 @@ class AnalyticCostModel:
     def dp_sync_seconds(self, metaop: MetaOp, tp: int, dp: int) -> float:
         """This operator's share of the bucketed gradient all-reduce over its dp ranks: its bytes at the DP
         group's bus bandwidth, and the bucket latency in proportion to its parameters."""
-        params = self.operator_param_count(metaop) / tp
+        params = 0 if metaop.frozen else self.operator_param_count(metaop) / tp
         if dp <= 1 or params <= 0:
             return 0.0
         group, concurrent = self.comm.dp_group(tp, dp)
@@ -649,7 +657,7 @@ class AnalyticCostModel:
         forward of each recomputed layer, its TP all-reduces included (the others, with modules, as selective).
         Charged on top of ``phase_seconds`` of a model without ``config.recompute`` (the simulator does): a
         rerun launches its kernels again, so a host-bound layer pays them at the launch floor."""
-        if metaop.kind != "layer" or num_layers <= 0:
+        if metaop.kind != "layer" or num_layers <= 0 or metaop.backward == "none":
             return 0.0
         # full for some layers and selective for the others: two blocks
         return sum(self._block_recompute_seconds(metaop, tp, dp, rc, n)

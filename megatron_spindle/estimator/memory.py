@@ -47,7 +47,7 @@ from megatron_spindle.estimator.errors import EstimatorError
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.graph.workload import ModuleSpec, Workload, output_tokens
-from megatron_spindle.plan.memory import STATE_BYTES_PER_PARAM, zero_sharded_bytes
+from megatron_spindle.plan.memory import unit_state_bytes, zero_sharded_bytes
 from megatron_spindle.plan.schema import Recompute, sequence_parallel_runs, sequence_parallel_tokens
 
 FP32, INT64 = 4, 8
@@ -68,6 +68,7 @@ class LayerActivations:
     norm: float = 0.0
     mlp: float = 0.0
     core_saved: float = 0.0
+    mlp_checkpoint: float = 0.0  # what MLP recomputation keeps that the layer did not: frozen, the MLP's input
 
     def selective_memory(self, modules: tuple[str, ...]) -> tuple[float, float]:
         """(held, transient) of one layer whose selective recomputation reruns ``modules`` (plan/schema.py
@@ -78,7 +79,8 @@ class LayerActivations:
         held = self.full
         held -= (self.full - self.selective) if core_attn else 0.0
         held -= 2 * self.norm if layernorm else 0.0
-        held -= self.mlp if mlp else 0.0
+        # the MLP's input is its checkpoint's, unless layernorm recomputation releases that norm's output
+        held -= self.mlp - (0.0 if layernorm else self.mlp_checkpoint) if mlp else 0.0
         freed = (0.0 if mlp else self.mlp) + self.input + (0.0 if layernorm else self.norm)  # the second norm's
         transient = max(self.mlp + (self.norm if layernorm else 0.0) if mlp else 0.0,
                         self.norm if layernorm else 0.0,
@@ -126,13 +128,18 @@ class MemoryModel:
         unsharded state of a TP rank (plan/memory.py ``MemoryNumbers``, which ``ZeroSharded`` shards); with it,
         one device's share under this model's ZeRO stage and gradient layout (plan/memory.py
         ``zero_sharded_bytes``). Norms and some biases are replicated rather than split by TP; they are tiny, so
-        we divide everything by tp."""
+        we divide everything by tp. A frozen module's unit holds its weights alone (plan/memory.py
+        ``unit_state_bytes``)."""
         _check_positive("tp", tp)
-        state = self.cost_model.param_count(param_name) / tp * STATE_BYTES_PER_PARAM
+        frozen = self.is_frozen_unit(param_name)
+        state = unit_state_bytes(self.cost_model.param_count(param_name) / tp, frozen)
         if dp is None:
             return state
         _check_positive("dp", dp)
-        return zero_sharded_bytes(state, self.zero_stage, dp, tp, self.tp_sharded_grads)
+        return zero_sharded_bytes(state, self.zero_stage, dp, tp, self.tp_sharded_grads, frozen)
+
+    def is_frozen_unit(self, param_name: str) -> bool:
+        return self.workload.is_frozen_unit(param_name)
 
     def slice_param_state_bytes(self, metaop: MetaOp, tp: int, layer_start: int, layer_end: int,
                                 dp: int = 1) -> float:
@@ -143,12 +150,13 @@ class MemoryModel:
 
     # --------------------------------------------------------------------------------------- activations
 
-    def _norm(self, module: ModuleSpec, tokens: float) -> float:
+    def _norm(self, module: ModuleSpec, tokens: float, frozen: bool = False) -> float:
         """What a pre-norm saves besides its output: its input and per-token statistics (RMSNorm, composed of
-        torch ops: rstd and the normalised input; LayerNorm: mean and rstd)."""
+        torch ops: rstd and the normalised input, which only the weight's gradient reads; LayerNorm: mean and
+        rstd)."""
         h, d = module.hidden_size, self.dtype_bytes
         if module.kind == "llm":
-            return tokens * (2 * h * d + FP32)
+            return tokens * ((1 if frozen else 2) * h * d + FP32)
         return tokens * (h * d + 2 * FP32)
 
     def _attention(self, module: ModuleSpec, b: float, s: int, tp: int,
@@ -178,29 +186,36 @@ class MemoryModel:
         return kept, entering, probs + expanded
 
     def layer_activations(self, module: ModuleSpec, micro_batch: float, tokens: int, tp: int,
-                          sequence_parallel: bool = False) -> LayerActivations:
+                          sequence_parallel: bool = False, frozen: bool = False) -> LayerActivations:
         """Bytes one transformer layer of ``module`` saves on one device for ``micro_batch`` samples of
-        ``tokens`` tokens at TP degree ``tp``, sequence-parallel or not (see the module docstring)."""
+        ``tokens`` tokens at TP degree ``tp``, sequence-parallel or not (see the module docstring). ``frozen``:
+        its weights need no gradient (a frozen module whose input needs one): megatron-core's linears then keep
+        only their weights (``LinearWithFrozenWeight``), so the tensors only a projection's weight gradient
+        reads are not saved: the norms' outputs, the attention output, the second MLP linear's input (and under
+        cross-attention the memory)."""
         b, h, d = micro_batch, module.hidden_size, self.dtype_bytes
         s = sequence_parallel_tokens(tokens, tp) if sequence_parallel else tokens  # padded (causal modules)
         t = b * s
         local = t // tp if sequence_parallel else t  # positions of the norms and the layer input here
         f = module.ffn_hidden_size
-        mlp = (5 if module.kind == "llm" else 2) * t * f / tp * d
-        norm = self._norm(module, local) + local * h * d  # input and statistics, output (the next projection's input)
-        block = 2 * norm + t * h / tp * d  # both norms and the attention output (the output projection's input)
+        mlp = ((5 if module.kind == "llm" else 2) - frozen) * t * f / tp * d  # frozen: not the FC2 input
+        kept = 0 if frozen else 1  # tensors only a projection's weight gradient reads
+        norm = self._norm(module, local, frozen) + kept * local * h * d  # input, statistics, output (a projection's input)
+        block = 2 * norm + kept * t * h / tp * d  # both norms and the attention output (the output projection's input)
         if module.kind == "llm":  # RoPE's cos and sin of q and k, per position
             block += 4 * s * (h // module.num_heads) * d
         plain, entering, core = self._attention(module, b, s, tp)
         full, selective = block + plain + mlp, block + entering + mlp
         if module.cross_attention:  # a second attention block over a memory as long and wide as the layer's
             cross_plain, cross_entering, cross_core = self._attention(module, b, s, tp, kv_len=s)
-            extra = norm + t * h / tp * d + t * h * d  # its norm, output, and the memory (the k/v input)
+            extra = norm + kept * (t * h / tp * d + t * h * d)  # its norm, output, and the memory (the k/v input)
             full += extra + cross_plain
             selective += extra + cross_entering
             core += cross_core
+        # what recomputing a norm frees: frozen, only its statistics (its input is the checkpoint's, its output
+        # was not kept); the MLP's checkpoint keeps the MLP's input, which a frozen FC1 did not
         return LayerActivations(full, selective, input=local * h * d, norm=norm - local * h * d, mlp=mlp,
-                                core_saved=core)
+                                core_saved=core, mlp_checkpoint=(1 - kept) * local * h * d)
 
     def _light_op(self, metaop: MetaOp, micro_batch: float, tp: int = 1) -> float:
         d = self.dtype_bytes
@@ -233,9 +248,11 @@ class MemoryModel:
             text = self._own_text_tokens(metaop)
             t = b * text
             vocab = module.lm_vocab / tp
-            # the text positions' copy, the RMSNorm's rstd, normalised input and output; two fp32 [T, V]
-            # tensors of the cross entropy (logits, their exp), the targets, per-token sums and masks
-            return t * (3 * h * d + FP32) + 2 * t * vocab * FP32 + t * (INT64 + FP32 + 2)
+            # the text positions' copy, the RMSNorm's rstd, normalised input and output (frozen: neither, only
+            # the weight gradients read them); two fp32 [T, V] tensors of the cross entropy (logits, their exp),
+            # the targets, per-token sums and masks
+            copies = 1 if metaop.frozen else 3
+            return t * (copies * h * d + FP32) + 2 * t * vocab * FP32 + t * (INT64 + FP32 + 2)
         raise EstimatorError(f"MetaOp '{metaop.id}': unknown kind '{metaop.kind}'")
 
     def _own_text_tokens(self, metaop: MetaOp) -> int:
@@ -266,6 +283,8 @@ class MemoryModel:
         parallelism enabled or not (``sequence_parallel``; None: the model's own)."""
         self._check(metaop, tp, dp, num_layers)
         micro_batch = metaop.batch / dp
+        if metaop.backward == "none":  # a frozen module with nothing trainable upstream: no autograd graph
+            return 0.0, 0.0
         if metaop.kind != "layer":
             return num_layers * self._light_op(metaop, micro_batch, tp), 0.0
         if num_layers == 0:
@@ -278,7 +297,7 @@ class MemoryModel:
         module = self.workload.modules[metaop.module]
         enabled = self.sequence_parallel if sequence_parallel is None else sequence_parallel
         sp = sequence_parallel_runs(enabled, metaop.kind, tp, metaop.tokens, module)
-        layer = self.layer_activations(module, micro_batch, metaop.tokens, tp, sp)
+        layer = self.layer_activations(module, micro_batch, metaop.tokens, tp, sp, frozen=metaop.frozen)
         if rc.mode == "none":
             return num_layers * layer.full, 0.0
         if rc.mode == "selective":

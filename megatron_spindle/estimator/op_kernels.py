@@ -296,6 +296,22 @@ def layer_time(km: KernelModel, shape: LayerShape, recompute: bool = False) -> L
     return _time(forward, backward)
 
 
+# backward kernels that only a weight's gradient needs (``_linear_backward``, the main-grad accumulation)
+WEIGHT_GRAD_KERNELS = ("wgrad", "dbias", "main_grad")
+
+
+def frozen_time(lt: LayerTime, backward: str) -> LayerTime:
+    """``lt`` for an operator of frozen weights (graph/workload.py ``BACKWARDS``): "input" runs the backward
+    without the weight-gradient kernels (megatron-core's ``LinearWithFrozenWeight``: dgrad only, nothing
+    accumulated), "none" no backward at all; "full" is ``lt`` itself."""
+    if backward == "full":
+        return lt
+    forward = [k for k in lt.kernels if k.phase == "forward"]
+    kept = [] if backward == "none" else [k for k in lt.kernels if k.phase == "backward"
+                                          and k.name.rpartition(".")[2] not in WEIGHT_GRAD_KERNELS]
+    return _time(forward, kept)
+
+
 def rerun_kernels(kernels: list[Kernel], modules: tuple[str, ...]) -> tuple[float, int]:
     """Forward seconds and launches of the kernels among a layer's that selective recomputation of ``modules``
     reruns (``RERUN_KERNELS``): the attention cores (QK^T, softmax, PV and the context copy, or the

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
 from megatron_spindle.plan.layout import param_device_groups, transfer_pairs
 from megatron_spindle.plan.memory import grad_reduce_bytes
-from megatron_spindle.plan.routing import Router
+from megatron_spindle.plan.routing import Router, gradient_returns
 from megatron_spindle.plan.schema import MetaOpInfo, ParamGroup, Plan, Transfer
 
 
@@ -17,7 +17,8 @@ def metaop_infos(metagraph: MetaGraph) -> list[MetaOpInfo]:
     """The plan's record of every MetaOp of the graph (without planner diagnostics), in graph order."""
     return [MetaOpInfo(id=mid, task=m.task, module=m.module, kind=m.kind, num_layers=m.num_layers,
                        layer_offset=m.layer_offset, input_shape=list(m.input_shape), level=m.level,
-                       preds=metagraph.predecessors(mid), params=[p for names in m.params for p in names])
+                       preds=metagraph.predecessors(mid), params=[p for names in m.params for p in names],
+                       backward=m.backward)
             for mid, m in metagraph.metaops.items()]
 
 
@@ -32,11 +33,13 @@ def derive_transfers(plan: Plan, activation_bytes: Callable[[str], float]) -> li
     """Every transfer of the plan, routed; ``activation_bytes(metaop id)`` is a MetaOp's output for its batch."""
     slices = {s.id: s for s in plan.slices()}
     batch = {m.id: int(m.input_shape[0]) for m in plan.metaops}
+    grad = {m.id: gradient_returns(m.backward) for m in plan.metaops}
     router = Router(plan.gpus_per_node)
     out = []
     for p, c in plan_slice_pairs(plan):
         src, dst = slices[p], slices[c]
-        out.append(router.transfer(p, c, src, dst, batch[src.metaop], float(activation_bytes(src.metaop))))
+        out.append(router.transfer(p, c, src, dst, batch[src.metaop], float(activation_bytes(src.metaop)),
+                                   grad[src.metaop]))
     return out
 
 

@@ -63,7 +63,15 @@ def input_rows(position: int, tp: int, dp: int, batch: int, micro_batches: int =
 
 
 def slice_units(metaop: MetaOp, layer_start: int, layer_end: int) -> list[str]:
-    """Parameter units a slice of the MetaOp runs (layers ``[layer_start, layer_end)``), in chain order, once."""
+    """Parameter units a slice of the MetaOp trains (layers ``[layer_start, layer_end)``), in chain order, once:
+    the units whose gradients are synchronised and stepped. A frozen MetaOp's weights (``held_units``) get no
+    gradient, so a frozen slice trains none."""
+    return [] if metaop.frozen else held_units(metaop, layer_start, layer_end)
+
+
+def held_units(metaop: MetaOp, layer_start: int, layer_end: int) -> list[str]:
+    """Parameter units whose weights a slice of the MetaOp holds (layers ``[layer_start, layer_end)``), in chain
+    order, once."""
     units: dict[str, None] = {}
     for names in metaop.params[layer_start:layer_end]:
         for name in names:
@@ -126,14 +134,24 @@ def device_programs(waves: Sequence[Sequence[SliceGeometry]], num_devices: int) 
     return groups
 
 
-def unit_holders(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp]) -> dict[str, list[int]]:
-    """unit -> sorted devices holding it (every device of every slice that runs it), units in first-use order."""
+def unit_holders(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
+                 units_of: Callable[[MetaOp, int, int], list[str]] | None = None) -> dict[str, list[int]]:
+    """unit -> sorted devices holding it (every device of every slice that trains it, or with ``units_of``
+    ``held_units``, that holds its weights), units in first-use order."""
+    units_of = units_of or slice_units
     holders: dict[str, set[int]] = {}
     for slices in waves:
         for s in slices:
-            for u in slice_units(metaops[s.metaop], s.layer_start, s.layer_end):
+            for u in units_of(metaops[s.metaop], s.layer_start, s.layer_end):
                 holders.setdefault(u, set()).update(s.devices)
     return {u: sorted(devs) for u, devs in holders.items()}
+
+
+def weight_holders(plan, metaops: Mapping[str, MetaOp]) -> dict[str, list[int]]:
+    """unit -> the sorted devices holding its weights in ``plan``, frozen units included (the parameter device
+    groups list only the units that train): whose checkpoint a rank writes (the lowest holder), what a task-set
+    change hands over."""
+    return unit_holders([w.slices for w in plan.waves], metaops, held_units)
 
 
 def param_device_groups(waves: Sequence[Sequence[SliceGeometry]],

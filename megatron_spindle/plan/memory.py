@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from megatron_spindle.graph.opgraph import MetaOp
-from megatron_spindle.plan.layout import SliceGeometry, device_programs, micro_batch_metaop, slice_units
+from megatron_spindle.plan.layout import SliceGeometry, device_programs, held_units, micro_batch_metaop
 from megatron_spindle.plan.order import FWD, SliceStep, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings, Plan, Recompute
 
@@ -73,13 +73,23 @@ def zero_state_bytes_per_param(stage: int, dp: int, tp: int = 1, tp_sharded: boo
     return (w + g + o) / dp
 
 
-def zero_sharded_bytes(state: float, stage: int, dp: int, tp: int = 1, tp_sharded: bool = True) -> float:
+def zero_sharded_bytes(state: float, stage: int, dp: int, tp: int = 1, tp_sharded: bool = True,
+                       frozen: bool = False) -> float:
     """One device's share of ``state`` (a unit's unsharded training state on a TP rank of ``tp``) under ZeRO and
-    the gradients' layout (``zero_state_bytes_per_param``)."""
+    the gradients' layout (``zero_state_bytes_per_param``). A ``frozen`` unit's state is its weights alone
+    (``frozen_state_bytes``), which every slice holding it keeps whole (runtime/frozen.py): nothing to shard."""
+    if frozen:
+        return state
     per_param = zero_state_bytes_per_param(stage, dp, tp, tp_sharded)
     if per_param == STATE_BYTES_PER_PARAM:  # nothing sharded, nothing whole: the state as it is, to the bit
         return state
     return state * per_param / STATE_BYTES_PER_PARAM
+
+
+def unit_state_bytes(params: float, frozen: bool = False) -> float:
+    """A unit's training state for ``params`` parameters: bf16 weights, fp32 gradient, master and Adam moments;
+    a frozen unit's (no gradient, no optimizer state) its bf16 weights."""
+    return params * (WEIGHT_BYTES_PER_PARAM if frozen else STATE_BYTES_PER_PARAM)
 
 
 def grad_reduce_bytes(params: float, settings: ExecutionSettings) -> float:
@@ -103,8 +113,9 @@ class ZeroSharded:
         return cls(numbers, settings.zero_stage, settings.sequence_parallel, settings.tp_sharded_grads)
 
     def param_state_bytes(self, unit: str, tp: int, dp: int = 1) -> float:
+        frozen = getattr(self.numbers, "is_frozen_unit", None)
         return zero_sharded_bytes(float(self.numbers.param_state_bytes(unit, tp)), self.zero_stage, dp, tp,
-                                  self.tp_sharded)
+                                  self.tp_sharded, frozen is not None and frozen(unit))
 
     def activation_bytes(self, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> float:
         return self.numbers.activation_bytes(metaop, tp, dp, num_layers)
@@ -155,7 +166,7 @@ def activation_memory(numbers: ShardedNumbers, metaop: MetaOp, tp: int, dp: int,
 
 def slice_memory(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers, recompute: Recompute | None = None,
                  micro_batches: int = 1) -> SliceMemory:
-    units = {u: float(numbers.param_state_bytes(u, s.tp, s.dp)) for u in slice_units(metaop, s.layer_start, s.layer_end)}
+    units = {u: float(numbers.param_state_bytes(u, s.tp, s.dp)) for u in held_units(metaop, s.layer_start, s.layer_end)}
     held, transient = activation_memory(numbers, micro_batch_metaop(metaop, micro_batches), s.tp, s.dp,
                                         s.layer_end - s.layer_start, recompute)
     return SliceMemory(units, held, transient)

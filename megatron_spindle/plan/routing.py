@@ -137,15 +137,22 @@ class Router:
         return self._rows[key]
 
     def transfer(self, producer_id: str, consumer_id: str, producer: DeviceLayout, consumer: DeviceLayout,
-                 batch: int, total_bytes: float) -> Transfer:
+                 batch: int, total_bytes: float, grad: bool = True) -> Transfer:
         """The plan's record of one transfer: ``total_bytes`` of the producer's output for the whole batch,
-        routed forward and backward."""
+        routed forward and, where its gradient goes back (``grad``: not out of a module with no backward),
+        backward."""
         per_row = total_bytes / batch
         forward = {k: n * per_row for k, n in self.rows(producer, consumer, batch).items()}
-        backward = {k: n * per_row for k, n in self.rows(consumer, producer, batch).items()}
+        backward = {k: n * per_row * grad for k, n in self.rows(consumer, producer, batch).items()}
         return Transfer(producer=producer_id, consumer=consumer_id, bytes=float(total_bytes),
                         kind=transfer_kind(forward), src_devices=list(producer.devices),
                         dst_devices=list(consumer.devices), bytes_by_kind=forward, backward_bytes_by_kind=backward)
+
+
+def gradient_returns(backward: str) -> bool:
+    """Whether a transfer out of a MetaOp whose backward is ``backward`` (graph/opgraph.py ``MetaOp.backward``)
+    carries a gradient back: not out of one with no backward (a frozen module with nothing trainable upstream)."""
+    return backward != "none"
 
 
 def make_transfer(producer_id: str, consumer_id: str, producer: DeviceLayout, consumer: DeviceLayout, batch: int,

@@ -434,6 +434,7 @@ class MetaOpInfo:
     curve_fit_error: float = 0.0
     allocation: list[list[float]] = field(default_factory=list)  # bi-point tuples [[n, l], ...] after rounding
     n_star: float = 0.0  # continuous optimum allocation
+    backward: str = "full"  # graph/opgraph.py MetaOp.backward: "none" sends no gradient back to its producers
 
 
 @dataclass

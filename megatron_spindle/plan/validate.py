@@ -7,7 +7,7 @@ from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.layout import transfer_pairs
 from megatron_spindle.plan.order import check_dataflow, slice_order
-from megatron_spindle.plan.routing import Router
+from megatron_spindle.plan.routing import Router, gradient_returns
 from megatron_spindle.plan.schema import MLP_RECOMPUTE_KINDS, TRANSFER_KINDS, Plan, PlanError, recompute_fits
 
 TIME_EPS = 1e-9
@@ -145,7 +145,8 @@ def _check_transfers(plan: Plan, metaops) -> None:
         p, c = slices.get(t.producer), slices.get(t.consumer)
         if p is None or c is None:
             raise PlanError(f"{where}: no such slice")
-        routed = router.transfer(t.producer, t.consumer, p, c, metaops[p.metaop].input_shape[0], t.bytes)
+        routed = router.transfer(t.producer, t.consumer, p, c, metaops[p.metaop].input_shape[0], t.bytes,
+                                 gradient_returns(metaops[p.metaop].backward))
         if (t.bytes_by_kind, t.backward_bytes_by_kind, t.kind) != (
                 routed.bytes_by_kind, routed.backward_bytes_by_kind, routed.kind):
             raise PlanError(f"{where}: bytes by route {t.bytes_by_kind} / backward {t.backward_bytes_by_kind} "

@@ -94,10 +94,10 @@ def _assign(work: dict[str, float], sizes: list[int]) -> tuple[float, list[list[
 
 
 def task_params(metagraph: MetaGraph, cost_model: AnalyticCostModel) -> dict[str, dict[str, int]]:
-    """Per task, the parameters of every weight unit it uses (shared towers appear under several tasks)."""
+    """Per task, the parameters of every weight unit it trains (shared towers appear under several tasks)."""
     out: dict[str, dict[str, int]] = {}
     for m in metagraph.metaops.values():
-        for name in m.param_names():
+        for name in m.trained_param_names():  # frozen weights are never synchronised
             out.setdefault(m.task, {})[name] = cost_model.param_count(name)
     return out
 

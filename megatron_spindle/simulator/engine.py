@@ -94,7 +94,7 @@ from megatron_spindle.plan.derive import plan_slice_pairs
 from megatron_spindle.plan.layout import slice_units, stepped_elements
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, plan_memory
 from megatron_spindle.plan.order import FWD, slice_order
-from megatron_spindle.plan.routing import Router
+from megatron_spindle.plan.routing import Router, gradient_returns
 from megatron_spindle.plan.schema import TRANSFER_KINDS, Plan, Slice
 from megatron_spindle.simulator.grad_sync import (
     BucketSync,
@@ -303,10 +303,14 @@ def _edges(plan: Plan, slices: dict[str, Slice], metaops: dict[str, MetaOp], cos
         m = metaops[src.metaop]
         per_row = float(cost_model.activation_bytes(m)) / m.batch
         rows = m.batch // micro  # each micro-batch moves its own rows
-        edge = _Edge(p, c, flow(src, dst, rows, per_row), flow(dst, src, rows, per_row))
+        back = flow(dst, src, rows, per_row) if gradient_returns(m.backward) else _NO_FLOW
+        edge = _Edge(p, c, flow(src, dst, rows, per_row), back)
         in_edges[c].append(edge)
         out_edges[p].append(edge)
     return in_edges, out_edges
+
+
+_NO_FLOW = _Flow((), 0.0, dict.fromkeys(TRANSFER_KINDS, 0.0), dict.fromkeys(TRANSFER_KINDS, 0.0), 0.0)
 
 
 def _flow(load: TransferLoad, comm: CommModel) -> _Flow:

@@ -77,6 +77,6 @@ def handoff_bytes(metaop: MetaOp, cost_model: FlowCostModel) -> float:
 def shared_weight_bytes(a: MetaOp, b: MetaOp, cost_model: FlowCostModel) -> float:
     """Gradient bytes of the weights two MetaOps share: what their parameter group's all-reduce moves when
     they run in different islands (0 when they share none)."""
-    shared = a.param_names() & b.param_names()
+    shared = a.trained_param_names() & b.trained_param_names()
     return float(GRAD_REDUCE_BYTES * sum(cost_model.param_count(p) for p in shared))
 

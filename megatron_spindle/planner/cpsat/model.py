@@ -310,7 +310,7 @@ class SlotModel:
         ids = list(ops)
         for i, a in enumerate(ids):
             for b in ids[i + 1:]:
-                if ops[a].param_names() & ops[b].param_names():
+                if ops[a].trained_param_names() & ops[b].trained_param_names():
                     terms.append(_mib(shared_weight_bytes(ops[a], ops[b], cost)) * self._differ(a, b))
         return sum(terms)
 
