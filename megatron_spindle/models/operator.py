@@ -538,4 +538,7 @@ def build_operator(workload: Workload, metaop: MetaOpInfo, layer_start: int, lay
     cls = _OPERATOR_CLASSES[metaop.kind]
     op = cls(workload, metaop, layer_start, layer_end, pg_collection, dp_group, config or ModelConfig())
     op.init_weights()
+    module = workload.modules.get(metaop.module)
+    if module is not None and module.frozen:  # megatron-core's linears then keep no inputs for a weight gradient
+        op.requires_grad_(False)
     return op

@@ -53,37 +53,43 @@ class _Repeat:
     seconds, device-synchronised). A scalar output (loss) is back-propagated directly, a tensor output with a fixed
     random output gradient; the gradients are dropped after each repeat."""
 
-    def __init__(self, op: torch.nn.Module, inputs: list[torch.Tensor], batch, world: ProfileWorld):
+    def __init__(self, op: torch.nn.Module, inputs: list[torch.Tensor], batch, world: ProfileWorld,
+                 grad: bool = True):
         self.op, self.inputs, self.batch, self.world = op, inputs, batch, world
+        self.grad = grad  # the inputs need a gradient (False: a frozen module with nothing trainable upstream)
         self.out_grad: torch.Tensor | None = None
 
     def run(self) -> tuple[float, float]:
         self.world.sync()
         t0 = time.perf_counter()
-        out = self.op([x.detach().requires_grad_(True) for x in self.inputs], self.batch)
+        out = self.op([x.detach().requires_grad_(self.grad) for x in self.inputs], self.batch)
         self.world.sync()
         forward = time.perf_counter() - t0
-        if out.dim() == 0:
-            out.backward()
-        else:
-            if self.out_grad is None or self.out_grad.shape != out.shape:
-                gen = torch.Generator().manual_seed(1)
-                self.out_grad = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
-            out.backward(self.out_grad)
+        if out.requires_grad:  # else frozen weights and no input gradient: no backward, as in training
+            self._backward(out)
         self.op.zero_grad(set_to_none=True)
         self.world.sync()
         return forward, time.perf_counter() - t0
 
+    def _backward(self, out: torch.Tensor) -> None:
+        if out.dim() == 0:
+            out.backward()
+            return
+        if self.out_grad is None or self.out_grad.shape != out.shape:
+            gen = torch.Generator().manual_seed(1)
+            self.out_grad = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
+        out.backward(self.out_grad)
+
 
 def time_operator(op: torch.nn.Module, inputs: list[torch.Tensor], batch, world: ProfileWorld,
-                  warmup: int, repeats: int) -> tuple[float, float]:
+                  warmup: int, repeats: int, grad: bool = True) -> tuple[float, float]:
     """(median seconds of forward + backward, median seconds of the forward) of ``op`` over ``_Repeat``s. Both
     are timed in the same repeats, as a training step runs the phases: each forward records its autograd graph and
     follows the previous repeat's backward. How a step splits between the phases differs by device (on a CPU the
     forward's Python takes about half). A forward timed alone, repeated back to back, runs warmer than that: on
     tiny-clip's towers on a CPU it took 39-44 % of their time, where the runtime's steps and these repeats
     measure 50-56 %."""
-    repeat = _Repeat(op, inputs, batch, world)
+    repeat = _Repeat(op, inputs, batch, world, grad)
     for _ in range(warmup):
         repeat.run()
     runs = [repeat.run() for _ in range(repeats)]
@@ -222,8 +228,8 @@ def measure_config(workload: Workload, info, metaop: MetaOp, tp: int, dp: int, w
             pgs = make_pg_collection(tp_group) if tp > 1 else None
             op, inputs, batch = _build(workload, info, layers, dp, world, settings, pgs)
             seconds, forward = (t / layers for t in time_operator(op, inputs, batch, world, settings.warmup,
-                                                                   settings.repeats))
-            numel = sum(p.numel() for p in op.parameters()) // layers
+                                                                   settings.repeats, metaop.backward != "none"))
+            numel = sum(p.numel() for p in op.parameters() if p.requires_grad) // layers
             if numel:  # an operator with weights
                 load, stage = (t / layers for t in time_sharded_copies(op, dp, world, settings.warmup,
                                                                        settings.repeats))

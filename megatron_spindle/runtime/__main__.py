@@ -25,6 +25,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = CliArgumentParser(prog=PROG, description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--plan", required=True, help="plan JSON written by the planner")
     p.add_argument("--workload", required=True, help="built-in workload name or workload YAML path")
+    p.add_argument("--freeze", nargs="+", default=None, metavar="MODULE",
+                   help="modules frozen, as the plan was made (tools/plan.py --freeze)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=finite_float, default=1e-3)
     p.add_argument("--weight-decay", type=finite_float, default=0.0)
@@ -37,8 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @cli_main(PROG)
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     """Returns the per-step losses (on every rank)."""
+    from megatron_spindle.arguments import load_workload_arg
     from megatron_spindle.graph.opgraph import build_metagraph
-    from megatron_spindle.graph.workload import load_workload
     from megatron_spindle.plan.schema import Plan
     from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
     from megatron_spindle.runtime.layout import check_runnable
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     if not Path(args.plan).is_file():
         raise FileNotFoundError(f"--plan {args.plan}: no such file")
     plan = Plan.load(args.plan)
-    workload = load_workload(args.workload)
+    workload = load_workload_arg(args)
     metagraph = build_metagraph(workload)
     world = dist.get_world_size() if dist.is_initialized() else env_world()[1]
     check_runnable(plan, workload, metagraph, world)  # a wrong plan fails before the process group forms

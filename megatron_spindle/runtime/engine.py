@@ -77,6 +77,7 @@ from megatron_spindle.compat.cpu import select_te_attention
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.buckets import overlaps_param_gather, regathered_groups, unit_first_use
+from megatron_spindle.plan.routing import gradient_returns
 from megatron_spindle.plan.schema import ParamGroup, Plan
 from megatron_spindle.plan.tp_shards import base_unit, runtime_groups, unit_rings
 from megatron_spindle.runtime import progress
@@ -90,6 +91,7 @@ from megatron_spindle.runtime.clip import (
     prepare_step,
 )
 from megatron_spindle.runtime.direct import bind_direct_units
+from megatron_spindle.runtime.frozen import FrozenWeights
 from megatron_spindle.runtime.grad_buffers import GradBuffers, backward_order
 from megatron_spindle.runtime.grad_shards import ShardedGradBuffers, backend_reduces_scatter
 from megatron_spindle.runtime.grad_sync import GradSync
@@ -198,6 +200,7 @@ class RuntimeEngine:
             [(ls.slice, ls.op.batch_fields() if hasattr(ls.op, "batch_fields") else None) for ls in self.local.values()],
             rank, {t.name: t.batch_size for t in workload.tasks}, settings.micro_batches)
         full, self.key_unit = initial_weights(self.local, rank, self.device)
+        self.frozen = FrozenWeights(self.local, self.metagraph, plan, rank)  # outside everything below (runtime/frozen.py)
         self.master_optimizer = MasterOptimizer(full, self.key_unit, self.sync_groups, rank, self.zero_stage,
                                                 self.config.optimizer, self.groups, self.device)
         opt = self.master_optimizer
@@ -253,7 +256,9 @@ class RuntimeEngine:
         weights = {t.name: t.loss.weight if t.loss else 1.0 for t in workload.tasks}
         self.schedule = WaveSchedule(plan, workload, rank, self.local, activation_spec or default_activation_spec,
                                      weights, self.config.dtype, self.device, on_wave,
-                                     early_receives=receives_early(dist.get_backend()))
+                                     early_receives=receives_early(dist.get_backend()),
+                                     no_grad=frozenset(m.id for m in self.metagraph.metaops.values()
+                                                       if not gradient_returns(m.backward)))
         self.clipper = GradClipper(self.grad_buffers.storage(), norm_tensors(
             self.grad_buffers.unit_grads, self.sync_groups, rank, self.grad_buffers.sharded), self.device)
         self.grads: dict[str, torch.Tensor] = {}
@@ -286,8 +291,8 @@ class RuntimeEngine:
     @property
     def units(self) -> list[str]:
         """The parameter units this rank holds (checkpoint names; ``shards`` has the runtime's, TP shards
-        included: runtime/tp_shards.py)."""
-        return sorted(set(self.keys.canonical_units().values()))
+        included: runtime/tp_shards.py), frozen ones included."""
+        return sorted(set(self.keys.canonical_units().values()) | set(self.frozen.units))
 
     @property
     def shards(self):
@@ -319,6 +324,7 @@ class RuntimeEngine:
         with torch.no_grad():
             counted = norm_tensors({u: p.detach() for u, p in self.masters.items()}, self.sync_groups, self.rank,
                                    self.zero_stage >= 1)
+            counted += self.frozen.norm_tensors()
             return global_norm(counted, self.device, "the parameter-norm all-reduce (--log-params-norm)")
 
     # ------------------------------------------------------------------------------------------- step
@@ -533,21 +539,22 @@ class RuntimeEngine:
 
     def expected_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
         """unit -> {"<unit>.<path>": full shape} for every unit this rank holds."""
-        return self.keys.expected_shapes()
+        return {**self.keys.expected_shapes(), **self.frozen.expected_shapes()}
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Full master weights this rank holds ("<unit>.<path>" -> tensor). Collective at zero_stage 1 to 3 and
         with TP-sharded gradients."""
         self.flush_param_gather()
         full = self.keys.canonical([self.master_optimizer.full_weights()], self.groups)[0]
-        return {k: v.clone() for k, v in full.items()}
+        return {**{k: v.clone() for k, v in full.items()}, **self.frozen.export()}
 
     def load_full_state(self, state: dict[str, torch.Tensor]) -> None:
         """Overwrite the weights this rank holds (keys it does not hold are ignored; missing keys raise)."""
         keys = self.keys.canonical_keys()
-        missing = sorted(set(keys) - set(state))
+        missing = sorted((set(keys) | set(self.frozen.unit_of)) - set(state))
         if missing:
             raise KeyError(f"load_full_state: missing {missing[:5]}")
+        self.frozen.load(state)
         self.flush_param_gather()  # a gather finishing later would overwrite what is loaded here
         full = self.keys.to_runtime({k: state[k].detach().to(self.device, torch.float32) for k in keys})
         self.master_optimizer.load_weights(full)
@@ -558,7 +565,11 @@ class RuntimeEngine:
         first step), whatever the zero stage and gradient layout. Collective over the parameter device groups at
         zero_stage 1-3 and with TP-sharded gradients."""
         self.flush_param_gather()
-        return self.keys.canonical_unit_states(self.master_optimizer.export_units(), self.groups)
+        units = self.keys.canonical_unit_states(self.master_optimizer.export_units(), self.groups)
+        frozen = self.frozen.export()
+        for k, unit in self.frozen.unit_of.items():  # weights alone: a frozen unit has no optimizer state
+            units.setdefault(unit, UnitState({})).model[k] = frozen[k]
+        return units
 
     def load_units(self, units: dict[str, UnitState], load_optim: bool = True) -> None:
         """Load the weights (and AdamW state) of every unit this rank holds from their full forms; each rank

@@ -41,8 +41,11 @@ from megatron_spindle.runtime.slices import LocalSlice
 from megatron_spindle.runtime.transfer import PendingTransfer, SpecFn, TransferOp
 
 
-def build_transfers(plan: Plan, workload: Workload, spec_fn: SpecFn, wave_index: dict[str, int]) -> list[TransferOp]:
-    """Plan transfers by consumer wave, then plan order (the same on every rank), each moving one micro-batch."""
+def build_transfers(plan: Plan, workload: Workload, spec_fn: SpecFn, wave_index: dict[str, int],
+                    no_grad: frozenset[str] = frozenset()) -> list[TransferOp]:
+    """Plan transfers by consumer wave, then plan order (the same on every rank), each moving one micro-batch.
+    A transfer out of a MetaOp in ``no_grad`` (a frozen module with nothing trainable upstream: graph/opgraph.py
+    ``MetaOp.backward`` "none") carries no gradient back."""
     order = sorted(range(len(plan.transfers)), key=lambda i: (wave_index[plan.transfers[i].consumer], i))
     micro = plan.settings.micro_batches
     ops = []
@@ -54,6 +57,7 @@ def build_transfers(plan: Plan, workload: Workload, spec_fn: SpecFn, wave_index:
         op = TransferOp(i, p, c, spec_fn(workload, info, batch), batch, plan.gpus_per_node,
                         tag_stride=len(plan.transfers))
         op.input_index = transfer_input_index(plan, t)
+        op.grad = p.metaop not in no_grad
         ops.append(op)
     return ops
 
@@ -75,13 +79,14 @@ class WaveSchedule:
 
     def __init__(self, plan: Plan, workload: Workload, rank: int, local: dict[str, LocalSlice], spec_fn: SpecFn,
                  loss_weights: dict[str, float], dtype: torch.dtype, device: torch.device,
-                 on_wave: Callable[[str, int, float], None] | None = None, early_receives: bool = False):
+                 on_wave: Callable[[str, int, float], None] | None = None, early_receives: bool = False,
+                 no_grad: frozenset[str] = frozenset()):
         self.plan, self.workload, self.rank, self.local = plan, workload, rank, local
         self.early_receives = early_receives  # every receive posted when a micro-batch begins (gloo)
         self.loss_weights, self.dtype, self.device, self.on_wave = loss_weights, dtype, device, on_wave
         self.sync_waves = False
         wave_index = {s.id: wi for wi, w in enumerate(plan.waves) for s in w.slices}
-        self.transfers = build_transfers(plan, workload, spec_fn, wave_index)
+        self.transfers = build_transfers(plan, workload, spec_fn, wave_index, no_grad)
         self._into_wave: dict[int, list[TransferOp]] = {}  # by consumer wave
         self._out_of_wave: dict[int, list[TransferOp]] = {}  # by producer wave
         for t in self.transfers:
@@ -91,7 +96,7 @@ class WaveSchedule:
         self._slice_of_wave = {ls.wave: ls for ls in local.values()}
         # (transfer, direction) where this rank receives from another rank: what early_receives posts
         self._remote_receives = [(t, d) for t in self.transfers if t.involves(rank) for d in (0, 1)
-                                 if t.remote_incoming(d, rank)]
+                                 if (d == 0 or t.grad) and t.remote_incoming(d, rank)]
         self._receive_peers = sorted({m.src for t, d in self._remote_receives for m in t.remote_incoming(d, rank)})
         self._pending_sends: list = []
         self.steps = execution_steps(len(plan.waves), plan.settings)
@@ -207,7 +212,7 @@ class WaveSchedule:
         if pending is not None:
             x = pending.result()
             if dst is not None:
-                dst.inputs[t.input_index] = x.requires_grad_(torch.is_grad_enabled())
+                dst.inputs[t.input_index] = x.requires_grad_(torch.is_grad_enabled() and t.grad)
 
     def _forward_slice(self, ls: LocalSlice, st: _SliceTensors, batches: dict[str, Any],
                        placed: dict[tuple[str, int, int], Any]) -> None:
@@ -231,6 +236,8 @@ class WaveSchedule:
 
     def _post_backward(self, t: TransferOp, tensors: dict[str, _SliceTensors], micro: int,
                        early: PendingTransfer | None) -> PendingTransfer | None:
+        if not t.grad:
+            return None
         dst = tensors.get(t.consumer.id)
         g = None
         if dst is not None:

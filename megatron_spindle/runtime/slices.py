@@ -25,7 +25,8 @@ class LocalSlice:
     """A slice this rank runs. ``param_keys``: the runtime keys of its parameters ("<unit>.<path>", full form,
     or a TP shard's "<sub-unit>.<path>": runtime/tp_shards.py), ``keys`` their translation to and from the
     operator's canonical keys; ``dp_loss_mean``: a terminal operator whose DP ranks each return the task loss
-    (not a share of it)."""
+    (not a share of it). A slice of a frozen module trains nothing: its weights are ``frozen_keys``, outside every
+    gradient and optimizer structure."""
 
     slice: Slice
     wave: int
@@ -38,6 +39,7 @@ class LocalSlice:
     param_keys: list[str]
     dp_loss_mean: bool
     keys: SliceKeys
+    frozen_keys: tuple[str, ...] = ()  # canonical keys of its frozen weights (runtime/frozen.py): none of the above
 
 
 def is_terminal(metagraph: MetaGraph, s: Slice) -> bool:
@@ -70,12 +72,15 @@ def build_local_slices(plan: Plan, workload: Workload, metagraph: MetaGraph, ran
                 extra["attention_backend"] = plan.settings.attention_backend
             op = factory(workload, info, s.layer_start, s.layer_end, pg_collection=pgs, dp_group=pgs.dp, **extra)
             op = op.to(device=device, dtype=dtype)
-            units = slice_units(metagraph, s)
-            keys = layout.slices[s.id] = SliceKeys(s, rank, op, param_keys(op), units, layout.rings)
+            units = slice_units(metagraph, s)  # none of a frozen slice's (its operator's weights need no gradient)
+            canonical = param_keys(op)
+            frozen = tuple(canonical) if metagraph.metaops[s.metaop].frozen else ()
+            keys = layout.slices[s.id] = SliceKeys(s, rank, op, [] if frozen else canonical, units, layout.rings)
             local[s.id] = LocalSlice(
                 slice=s, wave=wi, op=op, pgs=pgs, units=units, terminal=is_terminal(metagraph, s),
                 tp_leader=is_tp_leader(s, rank), num_inputs=1 if s.layer_start > 0 else len(info.preds),
-                param_keys=keys.runtime, dp_loss_mean=getattr(op, "dp_loss_reduction", "sum") == "mean", keys=keys)
+                param_keys=keys.runtime, dp_loss_mean=getattr(op, "dp_loss_reduction", "sum") == "mean", keys=keys,
+                frozen_keys=frozen)
     return local
 
 

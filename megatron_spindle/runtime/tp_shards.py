@@ -51,7 +51,7 @@ class SliceKeys:
                   if (rings or tp_size > 1) and hasattr(op, "full_named_parameters")
                   and hasattr(op, "export_grad_contributions") else {})
         for k in self.canonical:
-            unit = _unit_of(k, units)
+            unit = unit_of_key(k, units)
             if unit is None:
                 raise RuntimeError(f"slice '{s.id}': exported parameter '{k}' belongs to none of its units {units}")
             p = params.get(k)
@@ -288,5 +288,5 @@ def placed_full(tensor: torch.Tensor, param: torch.nn.Parameter, shard: int, deg
     return state.placed_full(tensor, param, shard, degree)
 
 
-def _unit_of(key: str, units: Iterable[str]) -> str | None:
+def unit_of_key(key: str, units: Iterable[str]) -> str | None:
     return next((u for u in units if key.startswith(u + ".")), None)

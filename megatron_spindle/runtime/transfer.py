@@ -191,6 +191,7 @@ class TransferOp:
                  gpus_per_node: int, tag_stride: int = 0):
         self.index = index
         self.tag_stride = tag_stride  # tags per micro-batch: micro-batch j's messages are tagged apart
+        self.grad = True  # a gradient goes back (False: the producer's output needs none; runtime/schedule.py)
         self.producer = producer
         self.consumer = consumer
         self.batch = batch

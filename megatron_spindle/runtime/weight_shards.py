@@ -171,7 +171,7 @@ class WeightShards:
         self._next: dict[int, GatherUnit] = {}
         self._previous: dict[int, GatherUnit] = {}
         for sid, ls in local.items():
-            if ls.slice.dp == 1:
+            if ls.slice.dp == 1 or ls.frozen_keys:  # frozen weights stay whole in the operator (runtime/frozen.py)
                 continue
             group = groups.weight_group(sid)  # the slice's DP ranks, a group for these gathers alone
             index = dist.get_rank(group)

@@ -68,6 +68,7 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload, workload_from_dict
 from megatron_spindle.plan.buckets import regathered_groups
+from megatron_spindle.plan.layout import held_units
 from megatron_spindle.plan.memory import plan_breakdown
 from megatron_spindle.plan.schema import TRANSFER_KINDS, PlanError, Recompute, sequence_parallel_runs
 from megatron_spindle.plan.tp_shards import base_unit
@@ -318,6 +319,7 @@ def _worker(rank, world):
         check_sequence_parallel_memory(rank, world, workloads, cache)
     check_clipping(rank, world, workloads, refs, tiny, cache, (0, 1, 2) if world == 2 else (2,))  # as above
     check_evaluate(rank, world, workloads, refs, tiny, cache)
+    check_frozen(rank, world, cfg, cache)
     check_reads_only_its_rows(rank, world, workloads, cfg, cache)
     check_trainer_hooks(rank, world, workloads["tiny-clip"], cfg, cache)
     # 4) the command line entry point (plan JSON, workload by name, mock data) inside this world
@@ -330,6 +332,49 @@ def _worker(rank, world):
         workloads["tiny-vlm"]).losses[0]
     for t, v in ref0.items():
         assert abs(history[0][t] - v) <= 1e-5 * max(1.0, abs(v)), (t, history[0][t], v)
+
+
+def frozen_cases(world: int):
+    """(workload, modules frozen, plan factory): LLaVA's first stage on tiny-vlm (the vision tower frozen with
+    nothing trainable before it: no backward; the LLM frozen between trainable projectors and the loss: input
+    gradients only), and a locked text tower of tiny-clip (no backward), planned by the planner."""
+    return [("tiny-vlm", ["vision", "llm"], lambda w: random_plan(w, world, 2)),
+            ("tiny-clip", ["text"], lambda w: planner_plan(w, world))]
+
+
+def check_frozen(rank, world, cfg, cache) -> None:
+    """Frozen modules train nothing and cost nothing beyond their weights: losses, gradients and weights equal the
+    reference's (its frozen parameters without ``requires_grad``); the frozen units have no master, gradient or
+    optimizer state, keep their initial weights, and checkpoint in full form without optimizer state; no
+    gradient goes back out of a module with no backward."""
+    for wname, modules, make in frozen_cases(world):
+        w = load_workload(wname).frozen(modules)
+        plan = make(w)
+        label = f"rank {rank} frozen {modules} {wname}"
+        engine = RuntimeEngine(plan, w, rank, world, cfg, groups=cache)
+        assert not [u for u in engine.shards if w.is_frozen_unit(base_unit(u))], label
+        assert not [g for g in plan.param_groups for u in g.params if w.is_frozen_unit(u)], label
+        held = {u for s in plan.slices() if rank in s.devices
+                for u in held_units(engine.metagraph.metaops[s.metaop], s.layer_start, s.layer_end)}
+        assert set(engine.units) == held, label
+        before = engine.frozen.export()
+        assert {engine.frozen.unit_of[k] for k in before} == {u for u in held if w.is_frozen_unit(u)}, label
+        no_grad = {t.producer.metaop for t in engine.schedule.transfers if not t.grad}
+        assert no_grad == {t.producer.metaop for t in engine.schedule.transfers
+                           if engine.metagraph.metaops[t.producer.metaop].backward == "none"}, label
+        check_engine_against(engine, real_trajectory(w), label)
+        check_bytes_by_route(engine, plan, w, cfg, label)  # no gradient bytes planned or sent out of a no-backward
+        assert no_grad and not [t for t in plan.transfers if plan.slice(t.producer).metaop in no_grad
+                                and sum(t.backward_bytes_by_kind.values())], label
+        after = engine.full_state()
+        assert all(torch.equal(after[k], v) for k, v in before.items()), f"{label}: frozen weights changed"
+        units = engine.export_units()
+        for k, v in before.items():
+            st = units[engine.frozen.unit_of[k]]
+            assert torch.equal(st.model[k], v) and not st.optim, label
+        engine.close()
+    assert any(m.backward == "input" for m in build_metagraph(load_workload("tiny-vlm").frozen(["vision", "llm"]))
+               .metaops.values())
 
 
 def check_recompute_flags(engine, plan, label: str) -> None:
