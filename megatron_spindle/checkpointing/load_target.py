@@ -131,15 +131,20 @@ def check_save_target(save: str | Path | None, start: int, loaded_from_save: boo
                           f"them: resume with --load {save}, or give another --save")
 
 
+FROZEN_UNITS_KEY = "frozen_units"  # metadata["extra"]: the units of modules frozen in the run that saved it
+
+
 def check_complete(ck: LoadedCheckpoint, load_rng: bool, load_optim: bool) -> None:
-    """CheckpointError when the RNG or (after iteration 0) the optimizer state of a loaded unit is missing."""
+    """CheckpointError when the RNG or (after iteration 0) the optimizer state of a loaded unit is missing. A
+    unit frozen in the run that saved it has none to miss: thawed, it starts AdamW afresh."""
     if load_rng and ck.rng is None:
         raise CheckpointError(f"checkpoint {ck.path} has no RNG state (rng/rank_*.pt): give --no-load-rng to "
                               f"start the random number generators afresh")
     if not load_optim or ck.iteration == 0:
         return
     manifest = ck.metadata.get("units", {})
-    lacking = [u for u in sorted(ck.units) if set(manifest.get(u, {}).get("optim", [])) !=
+    frozen = set(ck.metadata.get("extra", {}).get(FROZEN_UNITS_KEY, []))
+    lacking = [u for u in sorted(ck.units) if u not in frozen and set(manifest.get(u, {}).get("optim", [])) !=
                set(manifest.get(u, {}).get("tensors", {}))]
     if lacking:
         raise CheckpointError(f"checkpoint {ck.path} (iteration {ck.iteration}) has no optimizer state for "

@@ -45,8 +45,10 @@ from megatron_spindle.checkpointing.task_set import (
     spread,
     task_set_record,
 )
+from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.task_sets import describe_change, task_set_workload, workload_units
 from megatron_spindle.graph.workload import Workload
+from megatron_spindle.plan.layout import weight_holders
 from megatron_spindle.runtime.distributed import start_together
 from megatron_spindle.training.task_schedule import TaskSchedule
 
@@ -89,9 +91,9 @@ class Resume:
         return set(self.old_tasks) != set(self.new_tasks)
 
 
-def _plan_units(plan) -> dict[str, tuple[int, ...]]:
-    """unit -> the sorted devices of the parameter device group holding it."""
-    return {u: tuple(sorted(g.devices)) for g in plan.param_groups for u in g.params}
+def _plan_units(phase: Phase) -> dict[str, tuple[int, ...]]:
+    """unit -> the sorted devices holding its weights under the phase's plan (frozen units too)."""
+    return {u: tuple(devices) for u, devices in weight_holders(phase.plan, build_metagraph(phase.workload).metaops).items()}
 
 
 def change_report(where: str, old: tuple[str, ...], new: tuple[str, ...], initialised: list[str],
@@ -191,7 +193,7 @@ class TaskSets:
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def checkpoint_extra(self, tasks: tuple[str, ...]) -> dict[str, Any]:
-        return {TASK_SET_KEY: task_set_record(self.base.name, self.base.digest(), tasks),
+        return {TASK_SET_KEY: task_set_record(self.base.name, self.base.model_digest(), tasks),
                 CONSUMED_KEY: self.consumed_samples}
 
     def units_to_save(self) -> tuple[dict, list[str]]:
@@ -215,9 +217,9 @@ class TaskSets:
         old = saved_tasks(meta)
         known = [t.name for t in self.base.tasks]
         in_ckpt = set(meta["units"])
-        units = _plan_units(phase.plan)
+        units = _plan_units(phase)
         if set(old) == set(phase.tasks) or not old:  # every unit of the model must be there (checked on loading)
-            return Resume(load_dir, iteration, phase.tasks, phase.tasks, phase.workload.digest(), [],
+            return Resume(load_dir, iteration, phase.tasks, phase.tasks, phase.workload.model_digest(), [],
                           sorted(in_ckpt - set(units)), [])
         unknown = [t for t in old if t not in known]
         if unknown:
@@ -230,7 +232,7 @@ class TaskSets:
         if lost:
             raise CheckpointError(f"checkpoint {ckpt} has no parameter unit '{lost[0]}' although its tasks "
                                   f"[{', '.join(old)}] use it; was it made for another workload?")
-        return Resume(load_dir, iteration, old, phase.tasks, self.workload(old).digest(), initialised,
+        return Resume(load_dir, iteration, old, phase.tasks, self.workload(old).model_digest(), initialised,
                       sorted(in_ckpt - set(units)), sorted((set(units) & in_ckpt) - old_units))
 
     def fresh_units(self, phase: Phase, resume: Resume) -> dict:
@@ -273,7 +275,7 @@ class TaskSets:
         rng = get_rng_state()  # building operators must not shift the run's random streams
         exported = old.engine.export_units()  # collective at zero stage 1
         position = old.loader.state_dict()
-        old_units, old_tasks = _plan_units(old.plan), old.tasks
+        old_units, old_tasks = _plan_units(old), old.tasks
         old.loader.close()
         old.engine.close()
         self.phase = old = None
@@ -282,7 +284,7 @@ class TaskSets:
         plan, plan_seconds, cached = self.plan(tasks)
         t1 = time.perf_counter()
         phase = self.build(tasks, plan)
-        new_units = _plan_units(plan)
+        new_units = _plan_units(phase)
         holders = {**old_units, **{u: (r,) for u, r in self.retained.holder.items()}}
         available = {**exported, **self.retained.mine()}
         moves = plan_moves(holders, new_units)

@@ -25,10 +25,10 @@ from megatron_spindle.arguments import (
     add_workload_args,
     build_parser,
     cluster_from_args,
+    load_workload_arg,
     planner_config_from_args,
 )
 from megatron_spindle.errors import USER_ERRORS, alike_on_every_rank, exit_on_user_error, on_every_rank
-from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.distributed import start_together
 from megatron_spindle.training.arguments import (
@@ -201,7 +201,7 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
             resolve_node_layout(args)
             exit_config_from_args(args)  # --exit-* checked now, not after the process group formed
             dist_config = distributed_config_from_args(args)
-            base = load_workload(args.workload)
+            base = load_workload_arg(args)
             schedule = parse_task_schedule(args.task_schedule, base, args.tasks)
             base, workload = batched_task_set(base, args, schedule.all_tasks(base))  # all scheduled tasks
             loss_weights = parse_task_values(args.task_loss_weights, "--task-loss-weights", workload, positive=False)
@@ -232,23 +232,30 @@ def pretrain(datasets_provider: Callable, engine_provider: Callable, argv: list[
     return 0
 
 
-def _unit_owners(plan) -> dict[str, int]:
+def _unit_owners(plan, workload) -> dict[str, int]:
+    """Which rank writes each unit: the lowest device holding its weights (frozen units too, which no parameter
+    device group lists)."""
     from megatron_spindle.checkpointing import unit_owners
+    from megatron_spindle.graph.opgraph import build_metagraph
+    from megatron_spindle.plan.layout import weight_holders
 
-    return unit_owners([(g.devices, g.params) for g in plan.param_groups])
+    return unit_owners([(devices, [u]) for u, devices in weight_holders(plan, build_metagraph(workload).metaops).items()])
 
 
 def save(args, iteration: int, engine, loader, plan, workload, info: DistContext, sets=None) -> Path:
     from megatron_spindle.checkpointing import save_checkpoint
     from megatron_spindle.checkpointing.checkpoint import UnitState
+    from megatron_spindle.checkpointing.load_target import FROZEN_UNITS_KEY
     from megatron_spindle.training.precision import scaler_state
 
     progress.point(f"saving the checkpoint of iteration {iteration}")
-    owners = _unit_owners(plan)
+    owners = _unit_owners(plan, workload)
     # collective with the distributed optimizer: every rank exports, the owner of each unit writes it
     mine = {u: s for u, s in engine.export_units().items() if owners.get(u, 0) == info.rank}
     extra = {"args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}}
     expected = sorted(owners)
+    # units that had no optimizer state to save: thawed later, they start AdamW afresh (load_target.check_complete)
+    extra[FROZEN_UNITS_KEY] = [u for u in expected if workload.is_frozen_unit(u)]
     if sets is not None:  # units of tasks that left the set, and the task-set record
         retained, all_retained = sets.units_to_save()
         mine.update(retained)
@@ -260,7 +267,7 @@ def save(args, iteration: int, engine, loader, plan, workload, info: DistContext
         extra["grad_scaler"] = scaler_state(engine.config.grad_scaler)
     t0 = time.perf_counter()
     path = save_checkpoint(args.save, iteration, mine, rank=info.rank, world_size=info.world_size,
-                           workload_name=workload.name, workload_digest=workload.digest(),
+                           workload_name=workload.name, workload_digest=workload.model_digest(),
                            data_position=loader.state_dict(), plan=plan.to_dict(), extra=extra,
                            expected_units=expected, save_rng=not args.no_save_rng)
     print_rank_0(f"saved checkpoint at iteration {iteration:8d} to {path} ({time.perf_counter() - t0:.2f} s)")
@@ -422,6 +429,10 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
     lr, weights = 0.0, {}
     print_rank_0(f"training {phase.workload.name} for {args.train_iters} iterations from iteration {start} on "
                  f"{info.world_size} rank(s)")
+    frozen = [name for name, m in phase.workload.modules.items() if m.frozen]
+    if frozen:
+        print_rank_0(f"frozen modules: {', '.join(frozen)} (no gradients, optimizer state or gradient sync; their "
+                     f"weights as loaded or initialised)")
     start_together(info.world_size, "the start of training (rank 0 writes the plan and its chart)")
     collector = ManualGC.from_args(args)  # --manual-gc
     profiler = StepProfiler(args, info.rank, lambda m: print(m, flush=True))  # --profile

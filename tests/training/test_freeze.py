@@ -1,0 +1,46 @@
+"""--freeze in a run (Megatron-LM's --freeze-ViT / --freeze-LM): LLaVA's first stage from a checkpoint of the
+whole model, then the whole model trained again. One process, in this process."""
+
+import os
+import sys
+import warnings
+
+import torch
+
+from megatron_spindle.checkpointing import load_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+import pretrain_multitask  # noqa: E402
+
+COMMON = ["--workload", "tiny-vlm", "--mock-data", "--mock-data-samples", "16", "--seed", "3", "--lr", "1e-3",
+          "--weight-decay", "0.1", "--spindle-planner", "wavefront", "--log-interval", "1"]
+FROZEN = ("vision.", "llm.")
+
+
+def test_freeze_from_a_checkpoint_then_thaw(tmp_path, capsys, one_thread):
+    run = str(tmp_path / "run")
+    assert pretrain_multitask.main(COMMON + ["--train-iters", "2", "--save", run]) == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert pretrain_multitask.main(COMMON + ["--train-iters", "4", "--load", run, "--save", run,
+                                                 "--freeze", "vision", "llm"]) == 0
+    assert not [w for w in caught if "was made for workload" in str(w.message)]  # the same model
+    assert "frozen modules: vision, llm (no gradients" in capsys.readouterr().out
+    two, four = load_checkpoint(run, iteration=2), load_checkpoint(run, iteration=4)
+    assert sorted(two.units) == sorted(four.units)
+    for unit, state in four.units.items():
+        same = all(torch.equal(v, two.units[unit].model[k]) for k, v in state.model.items())
+        if unit.startswith(FROZEN):
+            assert same and not state.optim, unit  # as loaded, and nothing for AdamW
+        else:
+            assert not same and all(o["step"] == 4 for o in state.optim.values()), unit
+    synced = {u for g in four.plan["param_groups"] for u in g["params"]}
+    assert synced and not [u for u in synced if u.startswith(FROZEN)]
+
+    # thawed: the frozen units train again from their weights, AdamW starting afresh for them
+    assert pretrain_multitask.main(COMMON + ["--train-iters", "5", "--load", run, "--save", run]) == 0
+    five = load_checkpoint(run, iteration=5)
+    for unit, state in five.units.items():
+        assert not all(torch.equal(v, four.units[unit].model[k]) for k, v in state.model.items()), unit
+        assert {o["step"] for o in state.optim.values()} == ({1} if unit.startswith(FROZEN) else {5}), unit
