@@ -193,6 +193,7 @@ class _Run:
     def _finish_task(self, k: int) -> None:
         task = self.tasks[k]
         self.running.discard(k)
+        self.at_head[k] = 0  # it left every device's head: a copy still among the candidates must not rerun it
         self.task_end[k] = self.t
         self.remaining[k] = 0.0
         self._fire_milestones(k, everything=True)
