@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disable-bias-linear", action="store_true", help="no linear biases, RMSNorm (llama style)")
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
     g.add_argument("--recompute-granularity", choices=("none", "full"), default="none")
+    g.add_argument("--frozen", action="store_true",
+                   help="frozen weights (--freeze) with a trainable module before the layer: the backward computes "
+                        "the input gradients only (megatron-core's LinearWithFrozenWeight)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism at TP > 1: norms and residual adds on 1/TP of the sequence, "
                         "an all-gather and a reduce-scatter for each TP all-reduce; as the planner applies it "
@@ -165,9 +168,10 @@ def estimate_layer(args) -> dict:
                                 sequence_parallel=True) if sp else shape
     recompute = args.recompute_granularity == "full"
     config = CostModelConfig(attention=attention, fused_softmax=fused_softmax, recompute=recompute)
-    forward, backward = layer_seconds(timed, cluster, config)
-    floor = layer_launch_floor(timed, cluster, config)
-    flops = 3 * shape.forward_flops()  # model FLOPs of forward + backward on this GPU (the padding is not model work)
+    forward, backward = layer_seconds(timed, cluster, config, args.frozen)
+    floor = layer_launch_floor(timed, cluster, config, args.frozen)
+    # model FLOPs of forward + backward on this GPU (the padding is not model work; frozen: no weight gradients)
+    flops = (2 if args.frozen else 3) * shape.forward_flops()
     return {"forward_ms": forward * 1e3, "backward_ms": backward * 1e3, "tflops": flops / (forward + backward) / 1e12,
             "model_flops_per_gpu": flops, "launch_floor_ms": floor * 1e3,
             "host_bound": floor >= forward + backward - 1e-12, "gpu_type": args.gpu_type,

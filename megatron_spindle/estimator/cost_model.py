@@ -235,22 +235,30 @@ def launch_seconds(config: CostModelConfig, gpu: GPUSpec) -> float:
     return host.host_seconds_per_kernel(gpu) if config.launch_seconds is None else config.launch_seconds
 
 
-def layer_seconds(shape: LayerShape, cluster: ClusterSpec, config: CostModelConfig | None = None) -> tuple[float, float]:
+def layer_seconds(shape: LayerShape, cluster: ClusterSpec, config: CostModelConfig | None = None,
+                  frozen: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one transformer layer ``shape`` on one GPU of ``cluster``, TP all-reduces
-    (over ``shape.tp`` GPUs of one node) and the launch floor included: what tools/estimate.py prints."""
+    (over ``shape.tp`` GPUs of one node) and the launch floor included: what tools/estimate.py prints. ``frozen``:
+    its weights are frozen and its backward computes the input gradients only (``frozen_time``)."""
     config = config or CostModelConfig()
-    kernels = layer_time(KernelModel(cluster.gpu, config.memory_efficiency), shape, config.recompute)
+    kernels = _layer_kernels(shape, cluster, config, frozen)
     comm = CommModel(cluster)
     seconds = comm.tp_collective_seconds(shape.tp_allreduce_bytes, shape.tp, shape.sequence_parallel)
     return phase_times(kernels, shape.tp_collectives, seconds, launch_seconds(config, cluster.gpu),
                        host.host_forward_kernel_weight(cluster.gpu))
 
 
-def layer_launch_floor(shape: LayerShape, cluster: ClusterSpec, config: CostModelConfig | None = None) -> float:
+def layer_launch_floor(shape: LayerShape, cluster: ClusterSpec, config: CostModelConfig | None = None,
+                       frozen: bool = False) -> float:
     """The host's seconds to issue that layer's forward + backward: ``layer_seconds`` is at least this."""
     config = config or CostModelConfig()
-    kernels = layer_time(KernelModel(cluster.gpu, config.memory_efficiency), shape, config.recompute)
+    kernels = _layer_kernels(shape, cluster, config, frozen)
     return host_seconds(kernels, shape.tp_collectives, launch_seconds(config, cluster.gpu))
+
+
+def _layer_kernels(shape: LayerShape, cluster: ClusterSpec, config: CostModelConfig, frozen: bool) -> LayerTime:
+    kernels = layer_time(KernelModel(cluster.gpu, config.memory_efficiency), shape, config.recompute)
+    return frozen_time(kernels, "input" if frozen else "full")
 
 
 def _parse_unit(param_name: str) -> tuple[str, str]:

@@ -41,6 +41,18 @@ def test_layer_json_is_the_library_estimate():
     assert text.returncode == 0 and "forward" in text.stdout and "TFLOP/s" in text.stdout and "A800" in text.stdout
 
 
+def test_frozen_layer_is_the_library_estimate_without_weight_gradients():
+    args = ("layer", "--hidden-size", "4096", "--num-attention-heads", "32", "--ffn-hidden-size", "11008",
+            "--seq-length", "1024", "--micro-batch-size", "2", "--swiglu", "--json")
+    full, frozen = (json.loads(estimate(*args, *extra).stdout) for extra in ((), ("--frozen",)))
+    shape = LayerShape(2, 1024, 4096, 32, 11008, swiglu=True)
+    fwd, bwd = layer_seconds(shape, make_cluster(8, 8, "A800-80GB"), CostModelConfig(), frozen=True)
+    assert frozen["forward_ms"] == pytest.approx(full["forward_ms"]) == pytest.approx(fwd * 1e3)
+    assert frozen["backward_ms"] == pytest.approx(bwd * 1e3)
+    assert frozen["backward_ms"] < 0.6 * full["backward_ms"]
+    assert frozen["tflops"] == pytest.approx(2 * shape.forward_flops() / (fwd + bwd) / 1e12)
+
+
 def test_layer_reports_the_launch_floor_and_whether_it_sets_the_time():
     """A CLIP text layer at 8 samples waits for the host (its time is the floor); a GPT-4096 layer does not."""
     from megatron_spindle.estimator.cost_model import layer_launch_floor
