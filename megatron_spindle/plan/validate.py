@@ -13,6 +13,14 @@ from megatron_spindle.plan.schema import MLP_RECOMPUTE_KINDS, TRANSFER_KINDS, Pl
 TIME_EPS = 1e-9
 
 
+def check_plan_workload(plan: Plan, workload) -> None:
+    """PlanError unless ``plan`` was made for ``workload`` (its digest: modules, tasks, batches, frozen modules)."""
+    if plan.workload_digest != workload.digest():
+        raise PlanError(f"plan was made for workload '{plan.workload_name}' ({plan.workload_digest}), "
+                        f"not for '{workload.name}' ({workload.digest()}): give the --tasks, --global-batch-size "
+                        f"and --freeze it was made with, or plan again")
+
+
 def validate_plan(plan: Plan, workload: Workload | None = None, cluster: ClusterSpec | None = None,
                   metagraph: MetaGraph | None = None, check_memory: bool = True) -> None:
     """Raise PlanError naming the first violated invariant.
@@ -27,9 +35,8 @@ def validate_plan(plan: Plan, workload: Workload | None = None, cluster: Cluster
     - every transfer's bytes by route are the routing of its bytes (plan/routing.py), forward and backward;
     - predicted memory fits every device.
     """
-    if workload is not None and plan.workload_digest != workload.digest():
-        raise PlanError(f"plan was made for workload '{plan.workload_name}' ({plan.workload_digest}), "
-                        f"not for '{workload.name}' ({workload.digest()})")
+    if workload is not None:
+        check_plan_workload(plan, workload)
     if cluster is not None and plan.cluster_digest != cluster.digest():
         raise PlanError(f"plan was made for a cluster of {plan.num_devices} devices ({plan.cluster_digest}), "
                         f"not for this one of {cluster.num_devices} ({cluster.digest()})")

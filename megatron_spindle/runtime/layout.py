@@ -13,7 +13,7 @@ from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan import layout
 from megatron_spindle.plan.derive import plan_slice_pairs
 from megatron_spindle.plan.schema import RUNTIME_ZERO_STAGES, Plan, PlanError, Slice, Transfer
-from megatron_spindle.plan.validate import validate_plan
+from megatron_spindle.plan.validate import check_plan_workload, validate_plan
 
 
 def dp_rank(s: Slice, device: int) -> int:
@@ -84,9 +84,7 @@ def check_settings_runnable(plan: Plan) -> None:
 
 def check_runnable(plan: Plan, workload: Workload, metagraph: MetaGraph, world_size: int) -> None:
     """Everything the runtime relies on, checked before any communication. Raises PlanError."""
-    if plan.workload_digest != workload.digest():
-        raise PlanError(f"plan was made for workload '{plan.workload_name}' ({plan.workload_digest}), "
-                        f"not for '{workload.name}' ({workload.digest()})")
+    check_plan_workload(plan, workload)
     if plan.num_devices > world_size:  # fewer is fine: the other ranks only join the step's collectives
         raise PlanError(f"the plan is for {plan.num_devices} devices, the world size is {world_size}")
     for s in plan.slices():

@@ -339,7 +339,11 @@ def frozen_cases(world: int):
     nothing trainable before it: no backward; the LLM frozen between trainable projectors and the loss: input
     gradients only), and a locked text tower of tiny-clip (no backward), planned by the planner."""
     return [("tiny-vlm", ["vision", "llm"], lambda w: random_plan(w, world, 2)),
-            ("tiny-clip", ["text"], lambda w: planner_plan(w, world))]
+            ("tiny-clip", ["text"], lambda w: planner_plan(w, world)),
+            # sharded: the distributed optimizer with the weights' gather overlapped, and ZeRO-3 (the trained
+            # weights sharded over each slice's DP ranks; the frozen ones stay whole in the operators)
+            ("tiny-vlm", ["vision", "llm"], lambda w: zeroed(random_plan(w, world, 3), 1, overlap_param_gather=True)),
+            ("tiny-vlm", ["llm"], lambda w: zeroed(sequential_plan(w, world), 3))]
 
 
 def check_frozen(rank, world, cfg, cache) -> None:
