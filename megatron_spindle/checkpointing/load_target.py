@@ -80,9 +80,12 @@ def _other_format(folder: Path) -> str | None:
 
 
 def resolve_load(load: str | Path, save: str | Path | None = None, flag: str = "--load",
-                 exit_on_missing: bool = False) -> LoadTarget:
+                 exit_on_missing: bool = False, missing_ok: bool = False) -> LoadTarget:
+    """The checkpoint ``load`` names. A folder without one is an error, except ``save`` itself (a run resuming
+    into its own folder starts from scratch the first time; not with ``exit_on_missing``) or with ``missing_ok``
+    (--pretrained-checkpoint is the fallback)."""
     p = Path(load)
-    auto_resume = same_folder(load, save) and not exit_on_missing
+    auto_resume = missing_ok or (same_folder(load, save) and not exit_on_missing)
     fresh = LoadTarget(None, None, p, f"no checkpoint in {load} yet: training from scratch")
     if not p.exists():
         if auto_resume:

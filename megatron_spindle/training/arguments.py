@@ -106,6 +106,10 @@ def add_checkpointing_args(parser: argparse.ArgumentParser) -> argparse.Argument
                    "(a resume then starts AdamW afresh and needs --no-load-optim).")
     g.add_argument("--finetune", action="store_true", help="Load only the weights from --load: no optimizer, RNG or "
                    "data position, and start at iteration 0.")
+    g.add_argument("--pretrained-checkpoint", default=None, metavar="FOLDER",
+                   help="As in Megatron-LM: while --load holds no checkpoint (or is not given), start from this "
+                        "checkpoint's weights as --finetune does (iteration 0, no optimizer, RNG or data position); "
+                        "once the run has saved into --load, it resumes from there.")
     return parser
 
 

@@ -16,6 +16,7 @@ missing rank explains ends the process there with the watchdog's line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -116,14 +117,25 @@ class FaultGuards:
 
     # ------------------------------------------------------------------------------------------ queries
     def resolve_load(self) -> LoadTarget | None:
-        """What --load points at (None without --load); the same on every rank, or the same error."""
-        if not self.args.load:
-            return None
+        """What --load points at (None without --load); the same on every rank, or the same error. While it
+        holds no checkpoint, --pretrained-checkpoint's, fine-tuned from (``args.finetune`` set, as Megatron-LM
+        sets it)."""
         from megatron_spindle.checkpointing.load_target import resolve_load
 
-        return rank0_outcome(lambda: resolve_load(self.args.load, self.args.save,
-                                                  exit_on_missing=self.args.exit_on_missing_checkpoint),
-                             self.info.rank, self.info.world_size)
+        pretrained = self.args.pretrained_checkpoint
+        target = None
+        if self.args.load:
+            target = rank0_outcome(lambda: resolve_load(self.args.load, self.args.save,
+                                                        exit_on_missing=self.args.exit_on_missing_checkpoint,
+                                                        missing_ok=pretrained is not None),
+                                   self.info.rank, self.info.world_size)
+        if pretrained is None or (target is not None and target.folder is not None):
+            return target
+        found = rank0_outcome(lambda: resolve_load(pretrained, flag="--pretrained-checkpoint"), self.info.rank,
+                              self.info.world_size)
+        self.args.finetune = True
+        where = f"--load {self.args.load} holds no checkpoint yet" if self.args.load else "no --load"
+        return dataclasses.replace(found, notice=f"{where}: fine-tuning from --pretrained-checkpoint {pretrained}")
 
     def check_save_target(self, start: int, target: LoadTarget | None) -> None:
         """Refuse (on every rank) a run that would overwrite later checkpoints in --save."""

@@ -282,8 +282,9 @@ def load(args, phase, sets, info: DistContext, target) -> int:
     from megatron_spindle.checkpointing.load_target import check_complete
     from megatron_spindle.training.precision import load_scaler_state
 
-    if target.folder is None:
+    if target.notice:  # starting from scratch, or fine-tuning from --pretrained-checkpoint
         print_rank_0(target.notice)
+    if target.folder is None:
         return 0
     progress.point(f"loading the checkpoint {target.folder}")
     err, ck, resume = None, None, None

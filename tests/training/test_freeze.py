@@ -5,6 +5,7 @@ import os
 import sys
 import warnings
 
+import pytest
 import torch
 
 from megatron_spindle.checkpointing import load_checkpoint
@@ -44,3 +45,26 @@ def test_freeze_from_a_checkpoint_then_thaw(tmp_path, capsys, one_thread):
     for unit, state in five.units.items():
         assert not all(torch.equal(v, four.units[unit].model[k]) for k, v in state.model.items()), unit
         assert {o["step"] for o in state.optim.values()} == ({1} if unit.startswith(FROZEN) else {5}), unit
+
+
+def test_pretrained_checkpoint_starts_a_fine_tuning_run_until_it_has_its_own(tmp_path, capsys, one_thread):
+    """Megatron-LM's --pretrained-checkpoint: while --load holds no checkpoint, the run starts from the pretrained
+    weights as --finetune does (iteration 0, no optimizer state); once it saved, it resumes its own."""
+    pre, ft = str(tmp_path / "pre"), str(tmp_path / "ft")
+    assert pretrain_multitask.main(COMMON + ["--train-iters", "2", "--save", pre]) == 0
+    stage = COMMON + ["--load", ft, "--save", ft, "--pretrained-checkpoint", pre, "--freeze", "vision", "llm"]
+    assert pretrain_multitask.main(stage + ["--train-iters", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"--load {ft} holds no checkpoint yet: fine-tuning from --pretrained-checkpoint {pre}" in out
+    assert "--finetune: weights only, starting at iteration 0" in out
+    two, three = load_checkpoint(pre, iteration=2), load_checkpoint(ft, iteration=3)
+    for unit, state in three.units.items():
+        same = all(torch.equal(v, two.units[unit].model[k]) for k, v in state.model.items())
+        assert same == unit.startswith(FROZEN), unit  # the pretrained weights, frozen ones unchanged
+        assert {o["step"] for o in state.optim.values()} == (set() if unit.startswith(FROZEN) else {3}), unit
+    assert pretrain_multitask.main(stage + ["--train-iters", "4"]) == 0
+    assert f"loaded checkpoint {ft}/iter_0000003 at iteration 3" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        pretrain_multitask.main(COMMON + ["--train-iters", "1", "--pretrained-checkpoint", str(tmp_path / "none")])
+    assert e.value.code == 2
+    assert f"--pretrained-checkpoint {tmp_path / 'none'}: no such folder" in capsys.readouterr().err
