@@ -238,12 +238,16 @@ class MemoryModel:
                 extra = s * (h * d + 2 * FP32) if fe.pre_norm else 0  # the norm's input and statistics
                 return b * (patches * fe.in_channels * fe.patch_size**2 * d + extra)  # patches for the weight grad
             return b * s * fe.in_channels * fe.patch_size * d  # windows for the weight gradient
+        # frozen (a module between trainable ones): the linears keep no input, only their weights
         if metaop.kind == "projector":
             tokens = s // module.pool
+            if metaop.frozen:
+                return b * tokens * h * d  # the activation's input (the FC1 output)
             return b * tokens * (module.in_size + 2 * h) * d  # (pooled) input, FC1 output, activation output
         if metaop.kind == "head":
             pooled = b * s * h * d if module.pooling == "cls" else b * h * d  # a view of the norm output, or a copy
-            return b * s * (h * d + 2 * FP32) + pooled  # norm input and statistics, what the projection reads
+            # norm input and statistics, what the projection reads
+            return b * s * (h * d + 2 * FP32) + (0 if metaop.frozen else pooled)
         if metaop.kind == "lm_head":
             text = self._own_text_tokens(metaop)
             t = b * text

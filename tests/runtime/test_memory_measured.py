@@ -46,11 +46,13 @@ def options(plan, workload):
 # between trainable projectors and its loss saves what its input gradients need, not its linears' inputs)
 CASES = [("tiny-vlm", [], lambda w: sequential_plan(w, 1)), ("tiny-clip", [], lambda w: random_plan(w, 1, 3)),
          ("tiny-vlm", [], lambda w: random_plan(w, 1, 1, micro_batches=2)),
-         ("tiny-vlm", ["vision", "llm"], lambda w: random_plan(w, 1, 2))]
+         ("tiny-vlm", ["vision", "llm"], lambda w: random_plan(w, 1, 2)),
+         ("tiny-vlm", ["vis_proj", "aud_proj", "llm"], lambda w: sequential_plan(w, 1))]  # frozen projectors too
 
 
 @pytest.mark.parametrize("wname,frozen,make", CASES,
-                         ids=["tiny-vlm-sequential", "tiny-clip-spindle", "tiny-vlm-micro2", "tiny-vlm-frozen"])
+                         ids=["tiny-vlm-sequential", "tiny-clip-spindle", "tiny-vlm-micro2", "tiny-vlm-frozen",
+                              "tiny-vlm-frozen-projectors"])
 def test_predicted_activation_peak_is_what_the_runtime_saves(wname, frozen, make):
     torch.set_num_threads(1)
     ensure_torch_distributed()
