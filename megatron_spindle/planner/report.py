@@ -38,6 +38,10 @@ def shown_candidates(candidates: list[tuple[str, float]], selected: str,
     return fastest, len(candidates) - most
 
 
+# what a MetaOp's backward computes (graph/workload.py BACKWARDS), in the plan summary's column
+BACKWARD_LABELS = {"full": "full", "input": "dgrad", "none": "none"}
+
+
 def plan_summary(plan: Plan) -> str:
     """The table tools/plan.py and pretrain_multitask.py print at start."""
     p = plan.predicted
@@ -85,11 +89,14 @@ def plan_summary(plan: Plan) -> str:
             f"{plan.planner['selection_seconds']:.3f} s)"
             if len(candidates) > 1 and "selection_seconds" in plan.planner else ""))
     lines.append("")
-    lines.append(f"  {'MetaOp':<34}{'lvl':>4}{'L':>4}  {'n*':>6}  {'allocation (n x layers)':<26}{'curve':<18}")
+    frozen = any(m.backward != "full" for m in plan.metaops)  # a column only where some module is frozen
+    lines.append(f"  {'MetaOp':<34}{'lvl':>4}{'L':>4}  {'n*':>6}  {'allocation (n x layers)':<26}{'curve':<18}"
+                 + (f"{'backward':<10}" if frozen else ""))
     for m in plan.metaops:
         alloc = " + ".join(f"{int(n)}x{int(layers)}" for n, layers in m.allocation) or "-"
         curve = f"{m.curve_source} ({100 * m.curve_fit_error:.1f}%)"
-        lines.append(f"  {m.id:<34}{m.level:>4}{m.num_layers:>4}  {m.n_star:>6.2f}  {alloc:<26}{curve:<18}")
+        lines.append(f"  {m.id:<34}{m.level:>4}{m.num_layers:>4}  {m.n_star:>6.2f}  {alloc:<26}{curve:<18}"
+                     + (f"{BACKWARD_LABELS[m.backward]:<10}" if frozen else ""))
     lines.append("")
     components = plan_timeline(plan).components
     if components > 1:
@@ -204,12 +211,16 @@ def _row_label(devices: list[int], width: int = 24) -> str:
     return f"{text} ({len(devices)})"
 
 
+FROZEN_HATCH = "///"  # the Gantt chart's bars of slices of frozen modules
+
+
 def gantt_figure(plan: Plan, title: str | None = None):
     """(figure, axes) of the Gantt chart (``draw_gantt`` saves it): waves per device over time, one row per
     device (``gantt_rows``: on a large cluster one per set of devices that run the same slices), one bar per
     slice coloured by module (``module_colors``); every block of consecutive rows of a slice wide enough for it
     carries the slice's label; waves are numbered along the top as in the training log (w0, w1, ...); thin lines
-    at wave boundaries, thick ones at MetaLevel boundaries, shading per island (rows of single devices)."""
+    at wave boundaries, thick ones at MetaLevel boundaries, shading per island (rows of single devices); slices of
+    frozen modules hatched."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -232,6 +243,7 @@ def gantt_figure(plan: Plan, title: str | None = None):
             if (isl // per_node) % 2:
                 ax.axhspan(isl - 0.5, isl + per_node - 0.5, color="0.94", zorder=0)
     labels = []  # (text artist, left, right): bars' extents in data coordinates
+    frozen = {m.id for m in plan.metaops if m.backward != "full"}  # frozen weights (graph/workload.py BACKWARDS)
     for w in plan.waves:
         for s in w.slices:
             label = s.task if s.kind == "layer" else f"{s.task}:{s.kind}"
@@ -239,7 +251,7 @@ def gantt_figure(plan: Plan, title: str | None = None):
             rows = sorted({row_of[d] for d in s.devices})
             for r in rows:
                 ax.barh(r, width, left=left, height=0.8, color=color[s.module or s.kind], edgecolor="black",
-                        linewidth=0.3, zorder=2)
+                        linewidth=0.3, zorder=2, hatch=FROZEN_HATCH if s.metaop in frozen else None)
             for run in _device_runs(rows):  # a label per block: scattered slices are labelled on each
                 text = ax.text(left + width / 2, run[(len(run) - 1) // 2], label, ha="center", va="center",
                                fontsize=6, zorder=3, clip_on=True)
@@ -267,8 +279,10 @@ def gantt_figure(plan: Plan, title: str | None = None):
                  + (f" (C* {p['c_star'] * scale:.1f})" if p.get("c_star") else "")
                  + f", utilisation {100 * p.get('utilisation', 0.0):.0f}%"
                  + (", device groups on their own wave clocks" if own_clocks else ""))
-    ax.legend(handles=[Patch(color=color[m], label=m) for m in modules], loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), fontsize=8, title="module")
+    handles = [Patch(color=color[m], label=m) for m in modules]
+    if frozen:
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch=FROZEN_HATCH, label="frozen"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="module")
     fig.tight_layout()
     _drop_labels_that_do_not_fit(fig, ax, labels)
     return fig, ax

@@ -20,6 +20,7 @@ from megatron_spindle.planner.report import (  # noqa: E402
     draw_gantt,
     gantt_figure,
     module_colors,
+    plan_summary,
 )
 
 
@@ -75,7 +76,6 @@ def test_gantt_and_summary_of_a_node_group_plan_follow_each_groups_clock():
     (plan/timeline.py), without the merged waves' lines, over the predicted span; the summary says so."""
     from megatron_spindle.plan.timeline import makespan, slice_starts
     from megatron_spindle.planner.node_groups import node_group_partitions, plan_node_groups
-    from megatron_spindle.planner.report import plan_summary
 
     w, c = load_workload("clip-4"), make_cluster(16, gpus_per_node=8)
     plan = plan_node_groups(w, c, node_group_partitions(w, c)[0]).plan
@@ -187,3 +187,18 @@ def test_a_long_candidate_list_names_the_fastest_with_the_selected_one():
     assert hidden == 40 - CANDIDATES_SHOWN and [n for n, _ in shown] == [f"c{i}" for i in range(39, 39 - CANDIDATES_SHOWN, -1)]
     shown, _ = shown_candidates(many, "c0")  # the selected one is slow (the faster ones did not fit memory)
     assert shown[-1] == ("c0", 100.0) and len(shown) == CANDIDATES_SHOWN
+
+
+def test_frozen_modules_show_in_the_summary_and_the_chart():
+    """The summary's backward column (only when something is frozen) and the chart's hatched bars."""
+    cluster, config = make_cluster(4, gpu_type_name="CPU"), PlannerConfig(planner="wavefront")
+    plain = plan_summary(make_plan(load_workload("tiny-vlm"), cluster, config))
+    assert "backward" not in plain
+    plan = make_plan(load_workload("tiny-vlm").frozen(["vision", "llm"]), cluster, config)
+    rows = {line.split()[0]: line.split()[-1] for line in plan_summary(plan).splitlines()
+            if line.strip().startswith(("caption/", "asr/"))}
+    assert (rows["caption/vision"], rows["caption/llm"], rows["caption/vis_proj"]) == ("none", "dgrad", "full")
+    fig, ax = gantt_figure(plan)
+    hatched = {p.get_hatch() for p in ax.patches if p.get_hatch()}
+    assert hatched == {"///"} and "frozen" in [t.get_text() for t in ax.get_legend().get_texts()]
+    plt.close(fig)
