@@ -97,8 +97,8 @@ def _header_problem(d: Any, workload: Workload, cluster: ClusterSpec) -> str | N
     if d.get("workload_digest") != workload.digest():
         return (
             f"profiled workload '{d.get('workload')}' (digest {d.get('workload_digest')}) is not workload "
-            f"'{workload.name}' (digest {workload.digest()}): its modules, tasks or batches differ; profile it again "
-            f"(with the same --tasks and --global-batch-size)"
+            f"'{workload.name}' (digest {workload.digest()}): its modules, tasks, batches or frozen modules differ; "
+            f"profile it again (with the same --tasks, --global-batch-size and --freeze)"
         )
     if d.get("gpu") != cluster.gpu.name:
         return f"profiled on GPU '{d.get('gpu')}' but the cluster has '{cluster.gpu.name}'"
