@@ -19,8 +19,9 @@ from megatron_spindle.runtime.tp_shards import unit_of_key
 
 
 class FrozenWeights:
-    """The frozen weights of this rank's slices. ``export`` is collective over each frozen slice's TP group (the
-    operators gather their TP shards), in wave order like every export of the engine."""
+    """The frozen weights of this rank's slices. ``export`` and ``norm_tensors`` are collective over each frozen
+    slice's TP group (the operators gather their TP shards), in wave order like every export of the engine; they
+    hold one slice's full tensors on the device at a time (a frozen LLM is most of a model)."""
 
     def __init__(self, local: dict[str, LocalSlice], metagraph: MetaGraph, plan: Plan, rank: int):
         self.slices = [ls for ls in in_wave_order(local) if ls.frozen_keys]
@@ -33,10 +34,11 @@ class FrozenWeights:
                     raise RuntimeError(f"slice '{ls.slice.id}': frozen parameter '{k}' belongs to none of its "
                                        f"units {units}")
                 self.unit_of[k] = unit
-        self.shapes = {k: tuple(v.shape) for k, v in self.export().items()}
+        # full shapes, recorded by slices.initial_weights from the operators' own export
+        self.shapes = {k: tuple(ls.keys.shapes[k]) for ls in self.slices for k in ls.frozen_keys}
         # the rank that counts a unit in norms over the model: the first device holding it
         holders = weight_holders(plan, metagraph.metaops)
-        self.counted = sorted(k for k, u in self.unit_of.items() if holders[u][0] == rank)
+        self.counted = {k for k, u in self.unit_of.items() if holders[u][0] == rank}
 
     @property
     def units(self) -> list[str]:
@@ -49,28 +51,41 @@ class FrozenWeights:
             out.setdefault(unit, {})[k] = self.shapes[k]
         return out
 
-    def export(self) -> dict[str, torch.Tensor]:
-        """key -> full fp32 tensor of every frozen weight this rank holds (a unit held by several slices: the
-        first's; they hold the same values, loaded alike)."""
-        out: dict[str, torch.Tensor] = {}
+    def _exports(self):
+        """(slice, its full state) per frozen slice, one at a time."""
         for ls in self.slices:
             with torch.no_grad():
-                state = ls.op.export_full_state()
+                yield ls, ls.op.export_full_state()
+
+    def export(self) -> dict[str, torch.Tensor]:
+        """key -> full fp32 tensor on the CPU of every frozen weight this rank holds (a unit held by several
+        slices: the first's; they hold the same values, loaded alike)."""
+        out: dict[str, torch.Tensor] = {}
+        for ls, state in self._exports():
             for k in ls.frozen_keys:
-                out.setdefault(k, state[k].detach().to(torch.float32).clone())
+                if k not in out:
+                    out[k] = state[k].detach().to("cpu", torch.float32, copy=True)
         return out
 
     def norm_tensors(self) -> list[torch.Tensor]:
-        """The frozen weights this rank counts in a norm over the model (``counted``: each element once over the
-        world; runtime/clip.py ``global_norm``), as full tensors. Collective like ``export``."""
-        state = self.export()
-        return [state[k] for k in self.counted]
+        """What this rank adds to a norm over the model (runtime/clip.py ``global_norm``): the L2 norm of each
+        frozen weight it counts (``counted``: each element once over the world), as one-element tensors."""
+        out, seen = [], set()
+        for ls, state in self._exports():
+            for k in ls.frozen_keys:
+                if k in self.counted and k not in seen:
+                    seen.add(k)
+                    out.append(torch.linalg.vector_norm(state[k].detach(), dtype=torch.float32).reshape(1))
+        return out
 
     def load(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Write full tensors into every frozen slice's operator (each keeps its TP shard). Never communicates."""
+        """Write full tensors into every frozen slice's operator (each keeps its TP shard), one tensor on the device
+        at a time. Never communicates."""
         missing = sorted(k for k in self.unit_of if k not in state)
         if missing:
             raise KeyError(f"frozen weights missing: {missing[:5]}")
         for ls in self.slices:
+            device = next(ls.op.parameters()).device
             with torch.no_grad():
-                ls.op.load_full_state({k: state[k] for k in ls.frozen_keys})
+                for k in ls.frozen_keys:
+                    ls.op.load_full_state({k: state[k].to(device)}, strict=False)

@@ -110,7 +110,7 @@ def initial_weights(local: dict[str, LocalSlice], rank: int,
     key_unit: dict[str, str] = {}
     for ls in in_wave_order(local):
         state = ls.op.export_full_state()
-        ls.keys.shapes.update({k: state[k].shape for k in ls.keys.canonical})
+        ls.keys.shapes.update({k: state[k].shape for k in (*ls.keys.canonical, *ls.frozen_keys)})
         for k, v in ls.keys.to_runtime({k: state[k] for k in ls.keys.canonical}).items():
             v = v.detach().to(device, torch.float32)
             if k in full:
