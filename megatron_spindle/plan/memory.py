@@ -77,7 +77,7 @@ def zero_sharded_bytes(state: float, stage: int, dp: int, tp: int = 1, tp_sharde
                        frozen: bool = False) -> float:
     """One device's share of ``state`` (a unit's unsharded training state on a TP rank of ``tp``) under ZeRO and
     the gradients' layout (``zero_state_bytes_per_param``). A ``frozen`` unit's state is its weights alone
-    (``frozen_state_bytes``), which every slice holding it keeps whole (runtime/frozen.py): nothing to shard."""
+    (``unit_state_bytes``), which every slice holding it keeps whole (runtime/frozen.py): nothing to shard."""
     if frozen:
         return state
     per_param = zero_state_bytes_per_param(stage, dp, tp, tp_sharded)
