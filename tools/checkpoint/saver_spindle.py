@@ -111,7 +111,7 @@ def save_checkpoint(messages: Iterator, args, workload) -> Path:
         units = {unit: UnitState(SpilledTensors(path), {}) for unit, path in files.items()}
         out = tmp / "checkpoint"
         write_checkpoint(out, args.iteration, units, workload_name=workload.name,
-                         workload_digest=workload.digest(), plan=meta.plan,
+                         workload_digest=workload.model_digest(), plan=meta.plan,
                          data_position=start_of_data(workload, args.iteration),
                          extra={"converted_from": meta.source, "converter": "tools/checkpoint/convert.py",
                                 "source_iteration": meta.iteration})
