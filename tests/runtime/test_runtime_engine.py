@@ -343,7 +343,10 @@ def frozen_cases(world: int):
             # sharded: the distributed optimizer with the weights' gather overlapped, and ZeRO-3 (the trained
             # weights sharded over each slice's DP ranks; the frozen ones stay whole in the operators)
             ("tiny-vlm", ["vision", "llm"], lambda w: zeroed(random_plan(w, world, 3), 1, overlap_param_gather=True)),
-            ("tiny-vlm", ["llm"], lambda w: zeroed(sequential_plan(w, world), 3))]
+            ("tiny-vlm", ["llm"], lambda w: zeroed(sequential_plan(w, world), 3)),
+            # two micro-batches, every layer slice recomputed in full, the early backward
+            ("tiny-vlm", ["vision", "llm"], lambda w: early_backward(recomputing(
+                random_plan(w, world, 4, micro_batches=2), lambda i, s: Recompute("full"))))]
 
 
 def check_frozen(rank, world, cfg, cache) -> None:
