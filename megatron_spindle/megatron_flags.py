@@ -142,7 +142,6 @@ MEGATRON_FLAG_HINTS: dict[str, str] = {
     "--freeze-LM": "give --freeze MODULE ... with the workload's module names (e.g. --freeze llm)",
     "--freeze-ViT": "give --freeze MODULE ... with the workload's module names (e.g. --freeze vision)",
     # logging
-    "--log-num-zeros-in-grad": "the zeros in the gradients are not counted (the log line has the gradient norm)",
     "--tensorboard-log-interval": "TensorBoard gets the means of each --log-interval at its log line",
     "--timing-log-option": "timers print as (min, max) over the ranks (--timing-log-level)",
     "--no-barrier-with-level-1-timing": "the level-1 timers synchronise CUDA at their boundaries and add no barrier",
@@ -227,7 +226,7 @@ MEGATRON_SWITCHES = frozenset({
     "--attention-softmax-in-fp32", "--deterministic-mode", "--use-precision-aware-optimizer",
     "--accumulate-allreduce-grads-in-fp32", "--ddp-average-in-collective", "--override-opt_param-scheduler",
     "--use-checkpoint-opt_param-scheduler", "--no-create-attention-mask-in-dataloader", "--eod-mask-loss",
-    "--reset-position-ids", "--reset-attention-mask", "--log-num-zeros-in-grad",
+    "--reset-position-ids", "--reset-attention-mask",
     "--no-barrier-with-level-1-timing", "--log-straggler", "--enable-one-logger", "--use-dist-ckpt",
     "--auto-detect-ckpt-format", "--async-save", "--use-checkpoint-args", "--fp8-param-gather",
     "--cross-entropy-loss-fusion", "--grad-reduce-in-bf16", "--no-mmap-bin-files", "--use-legacy-models",

@@ -20,6 +20,7 @@ skipped and the scaler backs off; without a scaler a non-finite norm is reported
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ class StepStats:
     grad_norm: float | None = None
     loss_scale: float = 1.0
     skipped: bool = False
+    num_zeros: int | None = None  # zeros in the gradients (EngineConfig.count_zeros), else None
 
 
 def norm_owners(param_groups: list[ParamGroup]) -> dict[str, int]:
@@ -49,11 +51,13 @@ def norm_owners(param_groups: list[ParamGroup]) -> dict[str, int]:
 
 
 def norm_tensors(unit_grads: dict[str, torch.Tensor], param_groups: list[ParamGroup], rank: int,
-                 sharded: bool) -> list[torch.Tensor]:
+                 sharded: bool, valid: Mapping[str, int] | None = None) -> list[torch.Tensor]:
     """The gradients this rank counts in the global norm: its shard of every unit it holds (ZeRO-1, 2), or the
-    full gradients of the units it is the norm owner of (replicated gradients)."""
+    full gradients of the units it is the norm owner of (replicated gradients); with ``valid`` (unit -> elements
+    that are the unit's: runtime/shards.py ``UnitShard.valid``) views without the shards' padding."""
     owners = norm_owners(param_groups)
-    return [unit_grads[u] for u in sorted(unit_grads) if sharded or owners.get(u) == rank]
+    return [unit_grads[u][:valid[u]] if valid is not None else unit_grads[u]
+            for u in sorted(unit_grads) if sharded or owners.get(u) == rank]
 
 
 def global_norm(counted: list[torch.Tensor], device: torch.device, what: str) -> float:
@@ -81,6 +85,17 @@ class GradClipper:
     def norm(self) -> float:
         """The global L2 norm of the synchronised gradients (collective over the world; every rank calls it)."""
         return global_norm(self.owned, self.device, "the gradient-norm all-reduce (--clip-grad / loss scaler)")
+
+    def zeros(self) -> int:
+        """Elements of the synchronised gradients that are zero, each element of the model once (Megatron-LM's
+        --log-num-zeros-in-grad; ``counted`` must leave the shards' padding out). Collective over the world."""
+        n = torch.zeros((), dtype=torch.float64, device=self.device)
+        for t in self.owned:
+            n += t.numel() - torch.count_nonzero(t)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            progress.point("the all-reduce of the gradients' zeros (--log-num-zeros-in-grad)")
+            dist.all_reduce(n)
+        return int(n)
 
     def scale_(self, factor: float) -> None:
         """Multiply every gradient this rank holds by ``factor``."""

@@ -63,6 +63,7 @@ of each wave on this rank (its slice and the transfers into that wave; no synchr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -133,6 +134,9 @@ class EngineConfig:
     # Stop before the optimizer step when a loss or the gradient norm is not finite (clip.py ``check_finite``;
     # Megatron-LM's --check-for-nan-in-loss-and-grad): the gradient norm is then measured every step.
     check_for_nan: bool = False
+    # Count the zeros in the synchronised gradients every step (Megatron-LM's --log-num-zeros-in-grad):
+    # ``last_step.num_zeros``, one more all-reduce per step.
+    count_zeros: bool = False
 
     def __post_init__(self):
         if self.ddp_bucket_size is not None and self.ddp_bucket_size <= 0:
@@ -260,7 +264,8 @@ class RuntimeEngine:
                                      no_grad=frozenset(m.id for m in self.metagraph.metaops.values()
                                                        if not gradient_returns(m.backward)))
         self.clipper = GradClipper(self.grad_buffers.storage(), norm_tensors(
-            self.grad_buffers.unit_grads, self.sync_groups, rank, self.grad_buffers.sharded), self.device)
+            self.grad_buffers.unit_grads, self.sync_groups, rank, self.grad_buffers.sharded,
+            {u: sh.valid for u, sh in opt.shards.items()}), self.device)
         self.grads: dict[str, torch.Tensor] = {}
         self.activation_peak: int | None = None  # bytes, with EngineConfig(measure_activations=True)
         self.last_step = StepStats()
@@ -341,6 +346,8 @@ class RuntimeEngine:
         self._add_time("optimizer-clip-main-grad", t1 - t0)
         if self.config.check_for_nan:
             check_finite(losses, self.last_step, step, scaled=scaler is not None)
+        if self.config.count_zeros and not self.last_step.skipped:  # every rank alike: the norm is global
+            self.last_step = dataclasses.replace(self.last_step, num_zeros=self.clipper.zeros())
         if self.optimizer is None or self.last_step.skipped:
             return losses  # a skipped step issues no all-gather
         overlap = self.param_gather is not None

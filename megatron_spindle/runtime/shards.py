@@ -43,6 +43,11 @@ class UnitShard:
         """Elements of one shard (padding included)."""
         return -(-self.numel // self.members)
 
+    @property
+    def valid(self) -> int:
+        """Elements of this member's shard that are the unit's (the rest of the last members' is padding)."""
+        return max(0, min(self.size, self.numel - self.index * self.size))
+
     def flat(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """Full tensors of the unit (name -> tensor) -> one flat vector of ``numel`` elements in their own dtype, by
         one C++ concatenation (torch's, as DDP flattens: no Python view per tensor); a view of the tensor when the

@@ -124,6 +124,9 @@ def add_logging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    "the ranks; CUDA allocator statistics, or the resident set on CPU) to TensorBoard.")
     g.add_argument("--log-params-norm", action="store_true", help="Log the global L2 norm of the weights (fp32 "
                    "masters, each element once) in the log line and to TensorBoard; an all-reduce per log line.")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true", help="Log the number of zeros in the "
+                   "gradients (each element of the model once) in the log line and to TensorBoard; an all-reduce "
+                   "per step.")
     g.add_argument("--log-timers-to-tensorboard", action="store_true", help="Write the --timing-log-level timers "
                    "to TensorBoard and W&B too.")
     g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",

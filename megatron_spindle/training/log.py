@@ -38,6 +38,7 @@ class StepRecord:
     memory: dict[str, float] = field(default_factory=dict)  # --log-memory-to-tensorboard: tag -> value
     busiest_waves_ms: float | None = None  # the largest rank's own time in all waves (None: one rank, the sum)
     params_norm: float | None = None  # --log-params-norm: the weights' global L2 norm after the logged step
+    num_zeros: int | None = None  # --log-num-zeros-in-grad: zeros in the logged iteration's gradients
 
     @property
     def total_loss(self) -> float:
@@ -66,6 +67,8 @@ def format_log_line(r: StepRecord) -> str:
     parts.append(f"loss scale: {r.loss_scale:.1f}")
     if r.grad_norm is not None:
         parts.append(f"grad norm: {r.grad_norm:.3f}")
+    if r.num_zeros is not None:
+        parts.append(f"num zeros: {float(r.num_zeros):.1f}")
     if r.params_norm is not None:
         parts.append(f"params norm: {r.params_norm:.3f}")
     parts += [f"number of skipped iterations: {r.skipped_iters:3d}", f"number of nan iterations: {r.nan_iters:3d}"]
@@ -126,6 +129,8 @@ def step_scalars(r: StepRecord) -> dict[str, float]:
         out["grad-norm"] = r.grad_norm
     if r.params_norm is not None:
         out["params-norm"] = r.params_norm
+    if r.num_zeros is not None:
+        out["num-zeros"] = float(r.num_zeros)
     if r.throughput is not None:
         out["throughput"] = r.throughput.tflops_per_gpu  # TFLOP/s/GPU, Megatron's tag
         out["samples-per-second"] = r.throughput.samples_per_second

@@ -83,7 +83,8 @@ class TrainingMonitor:
                          nan_iters=self.nans,
                          throughput=self.meter.rate(self.elapsed) if self.meter is not None else None,
                          memory=memory, busiest_waves_ms=self.waves.busiest / self.n * 1e3,
-                         params_norm=self.engine.params_norm() if self.args.log_params_norm else None)
+                         params_norm=self.engine.params_norm() if self.args.log_params_norm else None,
+                         num_zeros=stats.num_zeros)
         self.print(format_log_line(rec))
         self.print(format_wave_line(rec))
         if self.args.timing_log_level >= 2:

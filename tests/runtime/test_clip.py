@@ -45,3 +45,20 @@ def test_a_non_finite_loss_or_gradient_norm_stops_the_step():
     with pytest.raises(NonFiniteStepError) as e:
         check_finite({"a": math.nan}, StepStats(math.inf, 65536.0, True), 0, scaled=True)
     assert isinstance(e.value, USER_ERRORS) and e.value.spindle_on_every_rank  # one line, once per node
+
+
+def test_zeros_are_counted_without_the_shards_padding():
+    """--log-num-zeros-in-grad: a unit of 5 elements sharded over 2 members is 3 + 3 elements, the last one
+    padding; the count leaves it out (``UnitShard.valid``), as it leaves out the units another rank counts."""
+    from megatron_spindle.plan.schema import ParamGroup
+    from megatron_spindle.runtime.clip import norm_tensors
+    from megatron_spindle.runtime.shards import UnitShard
+
+    shards = [UnitShard("u", ["u.w"], [torch.Size([5])], 2, i) for i in (0, 1)]
+    assert [sh.size for sh in shards] == [3, 3] and [sh.valid for sh in shards] == [3, 2]
+    second = torch.tensor([0.0, 7.0, 0.0])  # member 1's shard: elements 3 and 4, then the padding
+    counted = norm_tensors({"u": second}, [ParamGroup([0, 1], ["u"])], 1, True, {"u": shards[1].valid})
+    assert GradClipper([second], counted, torch.device("cpu")).zeros() == 1
+    replicated = norm_tensors({"u": torch.zeros(5), "v": torch.zeros(2)}, [ParamGroup([0, 1], ["u"]),
+                              ParamGroup([1], ["v"])], 1, False, {"u": 5, "v": 2})
+    assert GradClipper([], replicated, torch.device("cpu")).zeros() == 2  # rank 1 owns v alone

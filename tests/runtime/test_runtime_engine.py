@@ -320,6 +320,7 @@ def _worker(rank, world):
     check_clipping(rank, world, workloads, refs, tiny, cache, (0, 1, 2) if world == 2 else (2,))  # as above
     check_evaluate(rank, world, workloads, refs, tiny, cache)
     check_frozen(rank, world, cfg, cache)
+    check_num_zeros(rank, world, refs, cfg, cache)
     check_reads_only_its_rows(rank, world, workloads, cfg, cache)
     check_trainer_hooks(rank, world, workloads["tiny-clip"], cfg, cache)
     # 4) the command line entry point (plan JSON, workload by name, mock data) inside this world
@@ -382,6 +383,24 @@ def check_frozen(rank, world, cfg, cache) -> None:
         engine.close()
     assert any(m.backward == "input" for m in build_metagraph(load_workload("tiny-vlm").frozen(["vision", "llm"]))
                .metaops.values())
+
+
+def check_num_zeros(rank, world, refs, cfg, cache) -> None:
+    """--log-num-zeros-in-grad: the zeros of the synchronised gradients, each element once (the ZeRO-2 shards'
+    padding left out), are the reference's: exactly on one rank, where the sums run in the same order; within a few
+    elsewhere, where an element whose true gradient is 0 (the attention key bias) comes out as +-1 ulp of noise or
+    as 0 depending on the order. Most are structural (embedding rows of tokens the batch lacks)."""
+    w = load_workload("tiny-vlm")
+    ref = refs.get(("real", "tiny-vlm", 1)) or real_trajectory(w)
+    want = sum(int((g == 0).sum()) for g in ref.grads[0].values())
+    assert want > 1000
+    for stage in (0, 2):
+        plan = zeroed(random_plan(w, world, 2), stage)
+        engine = RuntimeEngine(plan, w, rank, world, dataclasses.replace(cfg, count_zeros=True), groups=cache)
+        engine.train_step(0)
+        got = engine.last_step.num_zeros
+        assert got == want if world == 1 else abs(got - want) <= 20, (rank, world, stage, got, want)
+        engine.close()
 
 
 def check_recompute_flags(engine, plan, label: str) -> None:

@@ -2,6 +2,7 @@
 whole model, then the whole model trained again. One process, in this process."""
 
 import os
+import re
 import sys
 import warnings
 
@@ -25,9 +26,12 @@ def test_freeze_from_a_checkpoint_then_thaw(tmp_path, capsys, one_thread):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert pretrain_multitask.main(COMMON + ["--train-iters", "4", "--load", run, "--save", run,
-                                                 "--freeze", "vision", "llm"]) == 0
+                                                 "--freeze", "vision", "llm", "--log-num-zeros-in-grad"]) == 0
     assert not [w for w in caught if "was made for workload" in str(w.message)]  # the same model
-    assert "frozen modules: vision, llm (no gradients" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "frozen modules: vision, llm (no gradients" in out
+    zeros = [float(z) for z in re.findall(r"\| num zeros: ([0-9.]+) \|", out)]
+    assert len(zeros) == 2 and all(z > 0 for z in zeros)  # Megatron-LM's field, after the grad norm
     two, four = load_checkpoint(run, iteration=2), load_checkpoint(run, iteration=4)
     assert sorted(two.units) == sorted(four.units)
     for unit, state in four.units.items():
