@@ -31,6 +31,8 @@ _LOGGERS = "one-logger is not supported: --tensorboard-dir or --wandb-project"
 _CKPT_FORMAT = ("checkpoints are Spindle's own layout-independent format (tools/checkpoint/convert.py --saver mcore "
                 "writes a torch_dist checkpoint from one)")
 
+_MODULES_FROM_WORKLOAD = ("the model comes from --workload: its modules of kind llm and encoder "
+                          "(tools/checkpoint/workload_from_hf.py writes them from Hugging Face configs)")
 _NO_FP8 = "FP8 training is not supported: --bf16 or --fp16"
 _ONE_LR = "one learning rate schedule drives every parameter: --lr and --min-lr"
 
@@ -141,6 +143,20 @@ MEGATRON_FLAG_HINTS: dict[str, str] = {
     # multimodal (Megatron-LM's examples/multimodal)
     "--freeze-LM": "give --freeze MODULE ... with the workload's module names (e.g. --freeze llm)",
     "--freeze-ViT": "give --freeze MODULE ... with the workload's module names (e.g. --freeze vision)",
+    "--language-model-type": _MODULES_FROM_WORKLOAD,
+    "--vision-model-type": _MODULES_FROM_WORKLOAD,
+    "--img-embedding-idx": ("a module's inputs are the outputs of the modules that flow into it, in the order of "
+                            "the task's flows, then its own text (the workload's `flows` and `tokens`)"),
+    "--disable-vision-class-token": "set `class_token: false` on the vision module's `frontend:` in the workload YAML",
+    "--use-te": ("the layers use Transformer Engine's spec where TE is installed and megatron-core's local spec "
+                 "otherwise or with --attention-backend local"),
+    "--valid-path": "give --valid-data-path TASK=PATH (or --split)",
+    "--prompt-path": ("prompts are not added while training: a sample's text is trained as "
+                      "tools/build_multitask_dataset.py stored it"),
+    "--dataloader-save": "every task's data position is saved in each checkpoint and resumed exactly",
+    "--allow-missing-vision-projection-checkpoint": (
+        "tools/checkpoint/convert.py writes every unit of the workload, those its sources lack (the projectors of "
+        "an LLM and a ViT from separate checkpoints) initialised as a fresh run initialises them"),
     # logging
     "--tensorboard-log-interval": "TensorBoard gets the means of each --log-interval at its log line",
     "--timing-log-option": "timers print as (min, max) over the ranks (--timing-log-level)",
@@ -233,7 +249,8 @@ MEGATRON_SWITCHES = frozenset({
     "--no-persist-layer-norm", "--no-rope-fusion", "--apply-rope-fusion", "--masked-softmax-fusion",
     "--bias-swiglu-fusion", "--no-bias-swiglu-fusion", "--gradient-accumulation-fusion", "--overlap-p2p-communication",
     "--use-ring-exchange-p2p", "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
-    "--mmap-bin-files", "--optimizer-cpu-offload", "--multi-latent-attention", "--freeze-LM", "--freeze-ViT"})
+    "--mmap-bin-files", "--optimizer-cpu-offload", "--multi-latent-attention", "--freeze-LM", "--freeze-ViT",
+    "--disable-vision-class-token", "--use-te", "--allow-missing-vision-projection-checkpoint"})
 
 
 def _hint(flag: str, taken: Collection[str] | None) -> str:

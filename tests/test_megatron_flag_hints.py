@@ -117,6 +117,25 @@ MEGATRON_LAUNCH_SCRIPTS = {
         --eval-iters 32 --eval-interval 100 --save-interval 1000 --log-throughput --profile --profile-step-start 4
         --profile-step-end 6 --ckpt-format torch_dist --distributed-timeout-minutes 60 --save ck --load ck
         --tensorboard-dir tb""",
+    # examples/multimodal/pretrain_mistral_clip.sh: LLaVA's first stage (ViT and LLM frozen, from a combined
+    # pretrained checkpoint)
+    "llava-mistral-clip": """--img-embedding-idx 1 --apply-layernorm-1p --attention-softmax-in-fp32
+        --use-checkpoint-args --use-distributed-optimizer --transformer-impl transformer_engine --use-te
+        --normalization RMSNorm --group-query-attention --num-query-groups 8 --no-masked-softmax-fusion --num-workers 2
+        --exit-duration-in-mins 230 --use-flash-attn --untie-embeddings-and-output-weights --disable-bias-linear
+        --position-embedding-type rope --rotary-percent 1.0 --rotary-base 1000000 --swiglu --attention-dropout 0.0
+        --hidden-dropout 0.0 --tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 --num-layers 32
+        --hidden-size 4096 --num-attention-heads 32 --seq-length 2048 --max-position-embeddings 4096
+        --ffn-hidden-size 14336 --micro-batch-size 1 --global-batch-size 256 --lr-decay-iters 20000
+        --lr-warmup-fraction .01 --lr 0.00015 --min-lr 1.0e-5 --lr-decay-style cosine --log-interval 10
+        --eval-iters 10 --eval-interval 1000 --tokenizer-type HuggingFaceTokenizer --tokenizer-model tok
+        --data-path vision_text=data --valid-path data.yaml --prompt-path prompts.json --save-interval 1000 --save ck
+        --load ck --dataloader-save ck/dataloader --pretrained-checkpoint pre --split 100,0,0 --clip-grad 1.0
+        --weight-decay 1e-2 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.014 --log-params-norm
+        --log-num-zeros-in-grad --bf16 --eod-mask-loss --freeze-LM --freeze-ViT --patch-dim 14 --img-h 336
+        --img-w 336 --dataloader-type external --tensorboard-dir tb --language-model-type=mistral_7b
+        --disable-vision-class-token --distributed-timeout-minutes 60
+        --allow-missing-vision-projection-checkpoint""",
 }
 
 
@@ -131,4 +150,15 @@ def test_megatron_lm_launch_script_flags_are_taken_or_hinted(script, capsys):
     assert e.value.code == 2 and err.count("\n") == 1, err
     assert "unrecognized arguments" not in err, err
     hinted = [part.split(" ", 1)[0] for part in err.split(": error: ", 1)[1].split("; ")]
-    assert hinted and set(hinted) <= set(MEGATRON_FLAG_HINTS) and all(f in argv for f in hinted), hinted
+    given = {a.split("=", 1)[0] for a in argv}  # --flag=value as one argument
+    assert hinted and set(hinted) <= set(MEGATRON_FLAG_HINTS) and set(hinted) <= given, hinted
+
+
+def test_megatron_lm_tokenizer_types_are_answered(capsys):
+    """Megatron-LM's other tokenizer types (a Mistral, Llama, SentencePiece or TikToken one) name what reads them."""
+    with pytest.raises(SystemExit) as e:
+        load_script("pretrain_multitask.py").main(["--workload", "tiny-clip", "--tokenizer-type", "MistralTokenizer"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert "'MistralTokenizer' is not one of ByteTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer" in err
+    assert "give HuggingFaceTokenizer with --tokenizer-model FOLDER" in err

@@ -117,9 +117,20 @@ class Preprocessing:
         return (tok.pad_id, tok.eos_id) if tok is not None else (PAD, EOS)
 
 
+def tokenizer_type(value: str) -> str:
+    """--tokenizer-type: one of ``TOKENIZER_TYPES``; Megatron-LM's others are answered with what reads them."""
+    if value not in TOKENIZER_TYPES:
+        raise argparse.ArgumentTypeError(
+            f"'{value}' is not one of {', '.join(TOKENIZER_TYPES)}: for Megatron-LM's SentencePiece, Llama, Mistral "
+            f"or TikToken tokenizers give HuggingFaceTokenizer with --tokenizer-model FOLDER (the model's Hugging "
+            f"Face tokenizer)")
+    return value
+
+
 def add_preprocessing_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("preprocessing (raw data of --data-path datasets)")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="ByteTokenizer",
+    g.add_argument("--tokenizer-type", type=tokenizer_type, default="ByteTokenizer",
+                   metavar="{" + ",".join(TOKENIZER_TYPES) + "}",
                    help="ByteTokenizer: UTF-8 bytes (no files). HuggingFaceTokenizer: the tokenizer of a local HF "
                         "model folder (--tokenizer-model), per text module. GPT2BPETokenizer: GPT-2's BPE from "
                         "--vocab-file and --merge-file, for every text module (Megatron-LM's).")
