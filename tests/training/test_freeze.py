@@ -42,6 +42,11 @@ def test_freeze_from_a_checkpoint_then_thaw(tmp_path, capsys, one_thread):
             assert not same and all(o["step"] == 4 for o in state.optim.values()), unit
     synced = {u for g in four.plan["param_groups"] for u in g["params"]}
     assert synced and not [u for u in synced if u.startswith(FROZEN)]
+    from tools.checkpoint import inspect_checkpoint
+
+    assert inspect_checkpoint.main([run, "--summary"]) == 0
+    listed = capsys.readouterr().out
+    assert "  vision.layers.0  [frozen]  (" in listed and "  vis_proj.projector  [+optimizer state]  (" in listed
 
     # thawed: the frozen units train again from their weights, AdamW starting afresh for them
     assert pretrain_multitask.main(COMMON + ["--train-iters", "5", "--load", run, "--save", run]) == 0

@@ -87,7 +87,8 @@ def inspect_spindle(path: Path, patterns: list[str], summary: bool, out) -> None
     print(f"workload: {md.get('workload_name') or '?'} (digest {md.get('workload_digest') or '?'}), saved by "
           f"{md.get('world_size', '?')} rank(s)", file=out)
     print(_plan_line(plan), file=out)
-    extra = {k: v for k, v in (md.get("extra") or {}).items() if k != "args"}
+    frozen = set((md.get("extra") or {}).get("frozen_units", []))  # marked on the units below
+    extra = {k: v for k, v in (md.get("extra") or {}).items() if k not in ("args", "frozen_units")}
     for k, v in extra.items():
         print(f"{k}: {v}", file=out)
     for line in _data_lines(md.get("data_position") or {}):
@@ -98,7 +99,8 @@ def inspect_spindle(path: Path, patterns: list[str], summary: bool, out) -> None
     for unit in units:
         meta = units[unit]
         tensors = {k[len(unit) + 1:]: (tuple(t["shape"]), t["dtype"]) for k, t in meta["tensors"].items()}
-        _print_tensors(f"{unit}{'  [+optimizer state]' if meta.get('optim') else ''}", tensors, summary, out)
+        marks = ("  [+optimizer state]" if meta.get("optim") else "") + ("  [frozen]" if unit in frozen else "")
+        _print_tensors(f"{unit}{marks}", tensors, summary, out)
 
 
 def inspect_hf(path: Path, patterns: list[str], summary: bool, out) -> None:
