@@ -77,3 +77,30 @@ def test_pretrained_checkpoint_starts_a_fine_tuning_run_until_it_has_its_own(tmp
         pretrain_multitask.main(COMMON + ["--train-iters", "1", "--pretrained-checkpoint", str(tmp_path / "none")])
     assert e.value.code == 2
     assert f"--pretrained-checkpoint {tmp_path / 'none'}: no such folder" in capsys.readouterr().err
+
+
+@pytest.mark.multiproc
+def test_two_ranks_save_each_frozen_unit_once(tmp_path, one_thread):
+    """On 2 gloo processes (the CPU launch script), a frozen unit held by both ranks is written by one of them (the
+    lowest holder), and a frozen tower placed on one rank by that rank."""
+    import subprocess
+
+    run = tmp_path / "run"
+    env = dict(os.environ, CHECKPOINT_PATH=str(run), PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    r = subprocess.run(["bash", os.path.join(ROOT, "examples", "train_tiny_clip_cpu.sh"), *COMMON, "--train-iters",
+                        "2", "--freeze", "vision", "llm"], capture_output=True, text=True, timeout=400, env=env,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ck = load_checkpoint(str(run))
+    frozen = sorted(u for u in ck.units if u.startswith(FROZEN))
+    assert frozen and ck.metadata["extra"]["frozen_units"] == frozen
+    assert ck.metadata["world_size"] == 2 and all(not ck.units[u].optim for u in frozen)
+    from megatron_spindle.graph.opgraph import build_metagraph
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.plan.layout import weight_holders
+    from megatron_spindle.plan.schema import Plan
+
+    metaops = build_metagraph(load_workload("tiny-vlm").frozen(["vision", "llm"])).metaops
+    holders = weight_holders(Plan.from_dict(ck.plan), metaops)
+    assert {u: ck.metadata["units"][u]["rank"] for u in frozen} == {u: holders[u][0] for u in frozen}
+    assert len({ck.metadata["units"][u]["rank"] for u in ck.units}) == 2  # both ranks wrote units
