@@ -152,14 +152,16 @@ def main(argv=None, extra_args_provider=None):
     log = (lambda msg: print(f"[compare] {msg}", file=sys.stderr, flush=True)) if args.json else \
         (lambda msg: print(f"[compare] {msg}", flush=True))
     results = compare(workload, cluster, systems, config, log)
+    frozen = [name for name, m in workload.modules.items() if m.frozen]
     if args.json:
         print(json.dumps({"workload": workload.name, "num_devices": cluster.num_devices,
-                          "gpus_per_node": cluster.gpus_per_node, "gpu": cluster.gpu.name, "systems": results},
-                         indent=1))
+                          "gpus_per_node": cluster.gpus_per_node, "gpu": cluster.gpu.name, "frozen": frozen,
+                          "systems": results}, indent=1))
     else:
         backends = sorted({d["attention_backend"] for d in results.values() if "attention_backend" in d})
         print(f"{workload.name} on {cluster.num_devices} x {cluster.gpu.name} ({cluster.num_nodes} node(s)), "
-              f"simulated, attention backend {'/'.join(backends) or config.attention_backend}")
+              f"simulated, attention backend {'/'.join(backends) or config.attention_backend}"
+              + (f", frozen: {', '.join(frozen)}" if frozen else ""))
         print(table(results))
     return 0
 

@@ -65,3 +65,19 @@ def test_the_table_names_the_attention_backend(capsys):
     assert compare.main(["--workload", "tiny-clip", "--num-gpus", "8", "--systems", "spindle,deepspeed",
                          "--spindle-planner", "wavefront", "--attention-backend", "unfused"]) == 0
     assert "8 x A800-80GB (1 node(s)), simulated, attention backend unfused" in capsys.readouterr().out
+
+
+def test_frozen_modules_are_compared_as_frozen(capsys):
+    """--freeze: every system is planned and simulated with those modules frozen, and the header says so."""
+    argv = ["--workload", "tiny-vlm", "--num-gpus", "4", "--systems", "spindle,deepspeed", "--spindle-planner",
+            "wavefront", "--gpu-type", "CPU", "--json"]
+    assert compare.main(argv) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert compare.main(argv + ["--freeze", "vision", "llm"]) == 0
+    frozen = json.loads(capsys.readouterr().out)
+    assert (full["frozen"], frozen["frozen"]) == ([], ["vision", "llm"])
+    for name in ("spindle", "deepspeed"):
+        assert frozen["systems"][name]["iteration_time"] < full["systems"][name]["iteration_time"], name
+        assert frozen["systems"][name]["peak_memory_bytes"] < full["systems"][name]["peak_memory_bytes"], name
+    assert compare.main(argv[:-1] + ["--freeze", "llm"]) == 0
+    assert "simulated, attention backend local, frozen: llm" in capsys.readouterr().out
