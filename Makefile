@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/host_floor.py
 	$(PY) benchmarks/host_ops.py --workload tiny-clip --two-ranks
 	$(PY) benchmarks/data_reads.py
+	$(PY) benchmarks/frozen_modules.py
 
 # The same runs, refreshing the committed snapshot in benchmarks/results/ (a deliberate step: review the diff).
 bench-snapshot: $(STAMP)
@@ -49,6 +50,7 @@ bench-snapshot: $(STAMP)
 	$(PY) benchmarks/host_floor.py --update-snapshot
 	$(PY) benchmarks/host_ops.py --workload tiny-clip --two-ranks --update-snapshot
 	$(PY) benchmarks/data_reads.py --update-snapshot
+	$(PY) benchmarks/frozen_modules.py --update-snapshot
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megatron_spindle tools tests benchmarks pretrain_multitask.py
