@@ -7,6 +7,8 @@
 #       [--data-path TASK=PATH ...] [extra pretrain_multitask.py flags]
 #
 # Without --data-path flags it trains on mock data. Flags given on the command line come last and override.
+# Staged recipes freeze modules from a converted checkpoint (tools/checkpoint/convert.py), e.g. Qwen-VL's first
+# stage: --freeze llm --pretrained-checkpoint /ckpt/qwen-val-init (the planner plans for what is frozen).
 #
 # Environment: GPUS_PER_NODE (8), NUM_NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (6000), GPU_TYPE (A800-80GB),
 # CHECKPOINT_PATH, TENSORBOARD_LOGS_PATH, PRECISION (bf16 | fp16 | fp32; default bf16 when a GPU is visible,

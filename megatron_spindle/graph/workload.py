@@ -12,7 +12,7 @@ YAML form (see megatron_spindle/graph/workloads/)::
                frontend: {type: patch, image_size: 32, patch_size: 8, in_channels: 3}}
       vis_proj: {kind: projector, input_size: 64, hidden_size: 128}
       llm: {kind: llm, num_layers: 4, hidden_size: 128, num_heads: 8, ffn_hidden_size: 512,
-            frontend: {type: text, vocab_size: 1000}}
+            frontend: {type: text, vocab_size: 1000}, frozen: true}   # frozen: no gradients (--freeze llm)
     tasks:
       - name: caption
         batch_size: 8
