@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from megatron_spindle.graph.workload import Workload, WorkloadError
+from megatron_spindle.graph.workload import Workload, WorkloadError, check_trains
 
 
 def select_tasks(workload: Workload, names: Iterable[str], flag: str = "--tasks") -> tuple[str, ...]:
@@ -29,11 +29,12 @@ def select_tasks(workload: Workload, names: Iterable[str], flag: str = "--tasks"
 
 
 def task_set_workload(workload: Workload, tasks: Iterable[str]) -> Workload:
-    """``workload`` restricted to ``tasks`` (the workload itself when that is all of them)."""
+    """``workload`` restricted to ``tasks`` (the workload itself when that is all of them); WorkloadError when one
+    of them trains nothing (``check_trains``)."""
     tasks = select_tasks(workload, tasks)
-    if list(tasks) == [t.name for t in workload.tasks]:
-        return workload
-    return workload.subset(list(tasks))
+    out = workload if list(tasks) == [t.name for t in workload.tasks] else workload.subset(list(tasks))
+    check_trains(out)
+    return out
 
 
 def workload_units(workload: Workload) -> set[str]:

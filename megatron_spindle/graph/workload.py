@@ -517,9 +517,6 @@ def validate_workload(w: Workload) -> None:
                 )
         _validate_tokens(w, t)
         _validate_loss(w, t)
-        if not any(grad_outputs(w, t).values()):
-            raise WorkloadError(f"{where} trains nothing: every module it runs is frozen "
-                                f"({', '.join(t.topo_modules())})")
 
 
 def _validate_options(where: str, m: ModuleSpec) -> None:
@@ -611,6 +608,15 @@ def module_backward(w: Workload, t: SpindleTask, mod: str, needs: dict[str, bool
         return "full"
     needs = grad_outputs(w, t) if needs is None else needs
     return "input" if any(needs[p] for p in t.predecessors(mod)) else "none"
+
+
+def check_trains(w: Workload) -> None:
+    """WorkloadError naming a task of ``w`` that trains nothing (every module it runs is frozen). The task set a
+    run trains or plans must not have one; a workload may, for task sets that leave such a task out."""
+    for t in w.tasks:
+        if not any(grad_outputs(w, t).values()):
+            raise WorkloadError(f"task '{t.name}' trains nothing: every module it runs is frozen "
+                                f"({', '.join(t.topo_modules())}); leave it out (--tasks) or freeze less")
 
 
 def output_tokens(w: Workload, t: SpindleTask, mod: str) -> int:

@@ -68,4 +68,4 @@ def batched_task_set(workload: Workload, args: argparse.Namespace, tasks=None) -
     restricted to ``tasks``: what pretrain_multitask.py trains and what the planning tools plan (``--tasks``,
     ``--global-batch-size``), by one rule."""
     base = apply_batch_size_args(workload, args, tasks)
-    return base, task_set_workload(base, tasks) if tasks is not None else base
+    return base, task_set_workload(base, tasks if tasks is not None else [t.name for t in base.tasks])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_spindle.graph.opgraph import build_metagraph
+from megatron_spindle.graph.task_sets import task_set_workload
 from megatron_spindle.graph.workload import WorkloadError, load_workload, workload_from_dict
 
 
@@ -49,8 +50,12 @@ def test_bad_freezes_are_named():
     w = load_workload("tiny-clip")
     with pytest.raises(WorkloadError, match="--freeze: workload 'tiny-clip' has no module 'llm'"):
         w.frozen(["llm"])
-    with pytest.raises(WorkloadError, match=r"task 'text_audio' trains nothing: every module it runs is frozen"):
-        w.frozen(["text", "audio"])
+    locked = w.frozen(["text", "audio"])  # a workload may hold a task that trains nothing...
+    with pytest.raises(WorkloadError, match=r"task 'text_audio' trains nothing: every module it runs is frozen "
+                                            r"\(text, audio\); leave it out \(--tasks\) or freeze less"):
+        task_set_workload(locked, [t.name for t in w.tasks])  # ...but not the task set a run trains
+    assert [t.name for t in task_set_workload(locked, ["vision_depth", "audio_depth"]).tasks] == [
+        "vision_depth", "audio_depth"]
     d = w.to_dict()
     d["modules"]["text"]["frozen"] = "yes"
     with pytest.raises(WorkloadError, match="module 'text': frozen must be true or false"):
