@@ -3,6 +3,8 @@
 Model FLOPs, as Megatron counts them: forward + backward (3x the forward's matmul FLOPs, ``FWD_BWD_FACTOR``) of
 every operator of every task that takes part in the iteration, with no recomputation counted (the FLOPs the
 model needs, not the ones the plan spends), divided by the measured time per iteration and the number of ranks.
+A frozen module needs less (``AnalyticCostModel.flops``): 2x its forward where it passes input gradients on, 1x
+where it runs no backward.
 The per-operator forward FLOPs are the analytic cost model's (``AnalyticCostModel.forward_flops``: dense
 GEMMs and attention of the layers, front ends, projectors, heads, contrastive similarities); validation
 passes are not counted.
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_spindle.estimator.cost_model import FWD_BWD_FACTOR, AnalyticCostModel
+from megatron_spindle.estimator.cost_model import AnalyticCostModel
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import Workload
@@ -23,7 +25,7 @@ def task_model_flops(workload: Workload) -> dict[str, float]:
     model = AnalyticCostModel(workload, make_cluster(1, gpu_type_name="CPU"))  # FLOPs do not depend on the GPU
     out = {t.name: 0.0 for t in workload.tasks}
     for m in build_metagraph(workload).metaops.values():
-        out[m.task] += FWD_BWD_FACTOR * model.forward_flops(m) * m.num_layers
+        out[m.task] += model.flops(m) * m.num_layers  # the model's config: no recomputation
     return out
 
 

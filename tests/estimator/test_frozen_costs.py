@@ -69,3 +69,17 @@ def test_plans_leave_frozen_units_out_of_gradient_sync_and_are_faster(qwen):
              for (name, p), w in zip(plans.items(), (base, frozen))}
     assert times["frozen"] < times["base"]
     assert max(plans["frozen"].memory_per_device) < max(plans["base"].memory_per_device)
+
+
+def test_model_flops_count_what_frozen_modules_compute(qwen):
+    """--log-throughput's model FLOPs: 3x a MetaOp's forward, 2x for a frozen module passing input gradients on,
+    1x for one with no backward."""
+    from megatron_spindle.training.throughput import task_model_flops
+
+    _, frozen, cluster = qwen
+    model = AnalyticCostModel(frozen, cluster)
+    factor = {"full": 3, "input": 2, "none": 1}
+    want = {t.name: 0.0 for t in frozen.tasks}
+    for m in build_metagraph(frozen).metaops.values():
+        want[m.task] += factor[m.backward] * model.forward_flops(m) * m.num_layers
+    assert task_model_flops(frozen) == pytest.approx(want)
