@@ -31,6 +31,8 @@ _LOGGERS = "one-logger is not supported: --tensorboard-dir or --wandb-project"
 _CKPT_FORMAT = ("checkpoints are Spindle's own layout-independent format (tools/checkpoint/convert.py --saver mcore "
                 "writes a torch_dist checkpoint from one)")
 
+_NO_TILING = ("images are not tiled: an image is its patch front end's input, resized when decoded to the size the "
+              "task's `tokens` give it (--image-processor)")
 _MODULES_FROM_WORKLOAD = ("the model comes from --workload: its modules of kind llm and encoder "
                           "(tools/checkpoint/workload_from_hf.py writes them from Hugging Face configs)")
 _NO_FP8 = "FP8 training is not supported: --bf16 or --fp16"
@@ -154,6 +156,13 @@ MEGATRON_FLAG_HINTS: dict[str, str] = {
     "--prompt-path": ("prompts are not added while training: a sample's text is trained as "
                       "tools/build_multitask_dataset.py stored it"),
     "--dataloader-save": "every task's data position is saved in each checkpoint and resumed exactly",
+    "--pixel-shuffle": ("fewer image tokens into the LLM come from a projector's `pool` in the workload YAML (QWen-VAL "
+                        "pools 1024 vision tokens to 256)"),
+    "--use-tiling": _NO_TILING,
+    "--max-num-tiles": _NO_TILING,
+    "--use-thumbnail": _NO_TILING,
+    "--use-tile-tags": _NO_TILING,
+    "--use-image-tag": _NO_TILING,
     "--allow-missing-vision-projection-checkpoint": (
         "tools/checkpoint/convert.py writes every unit of the workload, those its sources lack (the projectors of "
         "an LLM and a ViT from separate checkpoints) initialised as a fresh run initialises them"),
@@ -250,7 +259,8 @@ MEGATRON_SWITCHES = frozenset({
     "--bias-swiglu-fusion", "--no-bias-swiglu-fusion", "--gradient-accumulation-fusion", "--overlap-p2p-communication",
     "--use-ring-exchange-p2p", "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
     "--mmap-bin-files", "--optimizer-cpu-offload", "--multi-latent-attention", "--freeze-LM", "--freeze-ViT",
-    "--disable-vision-class-token", "--use-te", "--allow-missing-vision-projection-checkpoint"})
+    "--disable-vision-class-token", "--use-te", "--allow-missing-vision-projection-checkpoint", "--pixel-shuffle",
+    "--use-tiling", "--use-thumbnail", "--use-tile-tags", "--use-image-tag"})
 
 
 def _hint(flag: str, taken: Collection[str] | None) -> str:

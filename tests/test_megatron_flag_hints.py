@@ -136,6 +136,12 @@ MEGATRON_LAUNCH_SCRIPTS = {
         --img-w 336 --dataloader-type external --tensorboard-dir tb --language-model-type=mistral_7b
         --disable-vision-class-token --distributed-timeout-minutes 60
         --allow-missing-vision-projection-checkpoint""",
+    # examples/multimodal/nvlm/sft_34b_internvit.sh: NVLM's SFT (tiled images, a frozen ViT), its flags beyond the above
+    "nvlm-sft-34b": """--seq-length 261 --decoder-seq-length 3200 --tokenizer-prompt-format chatml --vocab-size 64000
+        --make-vocab-size-divisible-by 1 --language-model-type yi-34b --vision-model-type internvit
+        --train-samples 30000000 --lr-decay-samples 25600000 --lr-warmup-samples 83200 --freeze-ViT --ckpt-format torch
+        --pixel-shuffle --use-tiling --max-num-tiles 6 --use-thumbnail --use-tile-tags --use-image-tag
+        --pretrained-checkpoint pre --log-num-zeros-in-grad""",
 }
 
 
