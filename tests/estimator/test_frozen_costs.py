@@ -65,6 +65,12 @@ def test_plans_leave_frozen_units_out_of_gradient_sync_and_are_faster(qwen):
     synced = {u for g in plans["frozen"].param_groups for u in g.params}
     assert synced and not [u for u in synced if frozen.is_frozen_unit(u)]
     assert any(frozen.is_frozen_unit(u) for g in plans["base"].param_groups for u in g.params)
+    from megatron_spindle.plan.schema import Plan
+
+    assert not any("backward" in m for m in plans["base"].to_dict()["metaops"])  # plans as they were written
+    again = Plan.from_dict(plans["frozen"].to_dict())
+    assert {m.id: m.backward for m in again.metaops} == {m.id: m.backward for m in plans["frozen"].metaops}
+    assert {m.backward for m in again.metaops} == {"full", "input", "none"}
     times = {name: simulate(p, w, cluster).iteration_time
              for (name, p), w in zip(plans.items(), (base, frozen))}
     assert times["frozen"] < times["base"]
