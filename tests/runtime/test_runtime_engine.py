@@ -380,6 +380,10 @@ def check_frozen(rank, world, cfg, cache) -> None:
         for k, v in before.items():
             st = units[engine.frozen.unit_of[k]]
             assert torch.equal(st.model[k], v) and not st.optim, label
+            st.model[k] = 2 * v  # loaded back into the operators (each TP rank its shard), one tensor at a time
+        engine.load_units(units)
+        loaded = engine.frozen.export()  # collective per TP group: once on every rank
+        assert all(torch.equal(loaded[k], 2 * v) for k, v in before.items()), label
         engine.close()
     assert any(m.backward == "input" for m in build_metagraph(load_workload("tiny-vlm").frozen(["vision", "llm"]))
                .metaops.values())
