@@ -152,7 +152,7 @@ def main(argv=None, extra_args_provider=None):
     log = (lambda msg: print(f"[compare] {msg}", file=sys.stderr, flush=True)) if args.json else \
         (lambda msg: print(f"[compare] {msg}", flush=True))
     results = compare(workload, cluster, systems, config, log)
-    frozen = [name for name, m in workload.modules.items() if m.frozen]
+    frozen = workload.frozen_modules
     if args.json:
         print(json.dumps({"workload": workload.name, "num_devices": cluster.num_devices,
                           "gpus_per_node": cluster.gpus_per_node, "gpu": cluster.gpu.name, "frozen": frozen,

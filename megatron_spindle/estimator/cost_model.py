@@ -50,7 +50,7 @@ from megatron_spindle.estimator.op_kernels import (
 )
 from megatron_spindle.graph.cluster import HBM_STREAM_EFFICIENCY, ClusterSpec, GPUSpec
 from megatron_spindle.graph.opgraph import MetaOp
-from megatron_spindle.graph.workload import ModuleSpec, Workload
+from megatron_spindle.graph.workload import ModuleSpec, Workload, unit_module
 from megatron_spindle.plan.schema import (
     ExecutionSettings,
     attention_kernels,
@@ -393,7 +393,7 @@ class AnalyticCostModel:
     # ---------------------------------------------------------------------------------------- parameters
 
     def _module_of_owner(self, param_name: str, owner: str) -> ModuleSpec:
-        module_name = owner.partition("@")[0]
+        module_name = unit_module(owner)
         module = self.workload.modules.get(module_name)
         if module is None:
             raise EstimatorError(

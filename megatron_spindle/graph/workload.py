@@ -270,9 +270,14 @@ class Workload:
         return module if self.modules[module].shared else f"{module}@{task}"
 
     def is_frozen_unit(self, unit: str) -> bool:
-        """Whether a parameter unit ('<module>[@<task>].<part>') belongs to a frozen module."""
-        module = unit.partition(".")[0].partition("@")[0]
+        """Whether a parameter unit belongs to a frozen module."""
+        module = unit_module(unit)
         return module in self.modules and self.modules[module].frozen
+
+    @property
+    def frozen_modules(self) -> list[str]:
+        """The names of the frozen modules, in declaration order."""
+        return [name for name, m in self.modules.items() if m.frozen]
 
     def frozen(self, modules: list[str]) -> Workload:
         """The same workload with ``modules`` frozen too (``--freeze``)."""
@@ -325,6 +330,12 @@ class Workload:
         used = {m for t in tasks for m in t.tokens}
         mods = {k: v for k, v in self.modules.items() if k in used}
         return Workload(f"{self.name}[{len(tasks)}]", mods, tasks)
+
+
+def unit_module(unit: str) -> str:
+    """The module of a parameter unit or its owner, as ``Workload.param_owner`` names them:
+    ``"vision@t1.layers.3"`` and ``"vision@t1"`` -> ``"vision"``."""
+    return unit.partition(".")[0].partition("@")[0]
 
 
 # Options added after plans and checkpoints were first keyed by ``digest()``: left out of ``to_dict`` while at

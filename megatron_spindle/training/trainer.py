@@ -430,9 +430,8 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
     lr, weights = 0.0, {}
     print_rank_0(f"training {phase.workload.name} for {args.train_iters} iterations from iteration {start} on "
                  f"{info.world_size} rank(s)")
-    frozen = [name for name, m in phase.workload.modules.items() if m.frozen]
-    if frozen:
-        print_rank_0(f"frozen modules: {', '.join(frozen)} (no gradients, optimizer state or gradient sync; their "
+    if phase.workload.frozen_modules:
+        print_rank_0(f"frozen modules: {', '.join(phase.workload.frozen_modules)} (no gradients, optimizer state or gradient sync; their "
                      f"weights as loaded or initialised)")
     start_together(info.world_size, "the start of training (rank 0 writes the plan and its chart)")
     collector = ManualGC.from_args(args)  # --manual-gc

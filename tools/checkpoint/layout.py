@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from megatron_spindle.data.mock import own_text_tokens
 from megatron_spindle.graph.opgraph import build_metagraph
-from megatron_spindle.graph.workload import ModuleSpec, Workload
+from megatron_spindle.graph.workload import ModuleSpec, Workload, unit_module
 
 Shape = tuple[int, ...]
 
@@ -35,7 +35,7 @@ def workload_units(workload: Workload) -> list[str]:
 def split_unit(unit: str) -> tuple[str, str, str]:
     """``"vision@t1.layers.3"`` -> (owner ``"vision@t1"``, module ``"vision"``, part ``"layers.3"``)."""
     owner, _, part = unit.partition(".")
-    return owner, owner.split("@")[0], part
+    return owner, unit_module(owner), part
 
 
 def layer_index(part: str) -> int | None:
