@@ -65,6 +65,15 @@ def positive_int(text: str) -> int:
     return value
 
 
+def dropout_arg(text: str) -> float:
+    from megatron_spindle.plan.schema import dropout_probability
+
+    try:
+        return dropout_probability(float(text), "dropout")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a probability in [0, 1)") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from megatron_spindle.estimator.comm_model import COLLECTIVES
     from megatron_spindle.estimator.op_kernels import ATTENTION_KINDS
@@ -103,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron's sequence parallelism at TP > 1: norms and residual adds on 1/TP of the sequence, "
                         "an all-gather and a reduce-scatter for each TP all-reduce; as the planner applies it "
                         "(a sequence that TP does not divide is padded in a --causal layer, else runs without)")
+    for name in ("--hidden-dropout", "--attention-dropout"):
+        g.add_argument(name, type=dropout_arg, default=0.0, help="dropout probability (its kernels are charged "
+                       "where it is not 0; attention dropout inside FlashAttention is not)")
     g.add_argument("--gpu-type", default="A800-80GB", choices=sorted(NODE_TYPES))
     g.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -160,7 +172,8 @@ def estimate_layer(args) -> dict:
         batch=args.micro_batch_size, seq=args.seq_length, hidden=args.hidden_size, heads=args.num_attention_heads,
         ffn=args.ffn_hidden_size, kv_groups=args.num_query_groups, swiglu=args.swiglu, causal=args.causal, tp=tp,
         attention=attention, bias=not args.disable_bias_linear,
-        rotary=args.position_embedding_type == "rope", fused_softmax=fused_softmax)
+        rotary=args.position_embedding_type == "rope", fused_softmax=fused_softmax,
+        hidden_dropout=args.hidden_dropout > 0, attention_dropout=args.attention_dropout > 0)
     # the planner's rule (plan/schema.py), which reads only the module's causality
     sp = sequence_parallel_runs(args.sequence_parallel, "layer", tp, args.seq_length,
                                 SimpleNamespace(is_causal=args.causal))

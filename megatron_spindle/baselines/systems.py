@@ -100,6 +100,15 @@ class BaselineContext:
         """Whether the cost model charges the optimizer's gradient norm: the baselines' plans record it."""
         return bool(getattr(getattr(self.cost_model, "config", None), "grad_norm", True))
 
+    @property
+    def hidden_dropout(self) -> float:
+        """The cost model's dropout: the baselines' plans record it (their runtime runs it)."""
+        return float(getattr(getattr(self.cost_model, "config", None), "hidden_dropout", 0.0))
+
+    @property
+    def attention_dropout(self) -> float:
+        return float(getattr(getattr(self.cost_model, "config", None), "attention_dropout", 0.0))
+
     def recomputing(self, flag: bool) -> BaselineContext:
         """The same context with full activation recomputation on or off (cost and memory models rebuilt)."""
         if flag == self.recompute:

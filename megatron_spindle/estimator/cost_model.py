@@ -102,6 +102,10 @@ class CostModelConfig:
     sequence_parallel: bool = False
     # The optimizer step computes the global gradient norm first (gradient clipping, Megatron's default).
     grad_norm: bool = True
+    # Dropout probabilities of the transformer layers (--hidden-dropout, --attention-dropout): the masks' kernels
+    # (op_kernels) and bytes (memory.py) are charged where they are not 0.
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
 
     def __post_init__(self):
         if self.attention not in ATTENTION_KINDS:
@@ -117,12 +121,13 @@ class CostModelConfig:
 def execution_cost_config(choices=None) -> CostModelConfig:
     """The cost model's config for what the runtime runs, from ``choices`` (plan/schema.py
     ``EXECUTION_CHOICES``: a plan's settings or a ``PlannerConfig``; None: the defaults): ``--sequence-parallel``,
-    the attention of ``--attention-backend`` (``attention_kernels``), and whether the optimizer step computes the
-    gradient norm (``--clip-grad`` > 0 or fp16 loss scaling)."""
+    the attention of ``--attention-backend`` (``attention_kernels``), whether the optimizer step computes the
+    gradient norm (``--clip-grad`` > 0 or fp16 loss scaling), and the layers' dropout."""
     chosen = execution_choices(choices if choices is not None else ExecutionSettings())
     attention, fused_softmax = attention_kernels(chosen["attention_backend"])
     return CostModelConfig(sequence_parallel=chosen["sequence_parallel"], attention=attention,
-                           fused_softmax=fused_softmax, grad_norm=chosen["grad_norm"])
+                           fused_softmax=fused_softmax, grad_norm=chosen["grad_norm"],
+                           hidden_dropout=chosen["hidden_dropout"], attention_dropout=chosen["attention_dropout"])
 
 
 def optimizer_step_bytes(config: CostModelConfig, dtype_bytes: int) -> int:
@@ -565,6 +570,7 @@ class AnalyticCostModel:
             causal=module.is_causal, tp=tp, attention=self.config.attention, bias=not llm, rotary=llm,
             cross_attention=module.cross_attention, dtype_bytes=self.dtype_bytes, param_cast=self.config.param_cast,
             fused_softmax=self.config.fused_softmax, sequence_parallel=sp,
+            hidden_dropout=self.config.hidden_dropout > 0, attention_dropout=self.config.attention_dropout > 0,
         )
 
     def sequence_parallel(self, metaop: MetaOp, tp: int) -> bool:

@@ -27,8 +27,15 @@ once used: megatron-core's ``CheckpointWithoutOutput``); ``mlp`` keeps the MLP's
 output, counted with that norm). While one layer's backward reruns them it needs that layer's rerun tensors
 again (``core``, the MLP's, a norm's output). ``full`` keeps a recomputed layer's input only, and needs one
 layer's (a chunk's) full activations while its backward runs; with modules, the layers it does not recompute
-fully are selective's (two blocks, one after another). Dropout masks are not counted: our operators run without
-dropout.
+fully are selective's (two blocks, one after another).
+
+Dropout (``--hidden-dropout``, ``--attention-dropout`` > 0) keeps its mask for the backward: torch's
+``native_dropout`` on a GPU a one-byte mask, on a CPU the scaled noise in the activations' dtype (what it
+multiplies by). Hidden dropout runs on each block's output (the positions of the layer input here, under sequence
+parallelism 1/tp of them); unfused attention's on the probabilities, whose dropped copy the PV product then keeps
+(in fp32 that is a new tensor beside the softmax output; in 16 bits it replaces the 16-bit copy of the fp32
+softmax output); FlashAttention's inside its kernel (nothing kept). Selective recomputation of the core reruns
+its dropout, which replays the same mask (megatron-core restores the RNG states).
 
 Sequence parallelism (Megatron's ``--sequence-parallel``, where plan/schema.py ``sequence_parallel_runs`` applies
 it): the sequence is padded to a multiple of tp (causal modules), the pre-norms run on this rank's 1/tp of it,
@@ -111,6 +118,10 @@ class MemoryModel:
         if recompute is None:
             recompute = Recompute("full" if self.cost_model.config.recompute else "none")
         self.recompute = recompute
+        self.hidden_dropout = self.cost_model.config.hidden_dropout > 0
+        self.attention_dropout = self.cost_model.config.attention_dropout > 0
+        # bytes per element a dropout keeps: native_dropout's bool mask on GPUs, the dtype's noise on CPUs
+        self.mask_bytes = self.dtype_bytes if cluster.gpu.arch == "cpu" else 1
         # the plan setting (None: the cost model's); where it applies: plan/schema.py sequence_parallel_runs
         self.sequence_parallel = self.cost_model.config.sequence_parallel if sequence_parallel is None \
             else sequence_parallel
@@ -180,6 +191,8 @@ class MemoryModel:
         # repeated to every query head (new tensors), so the projection's output stays only through views
         expanded = 2 * tk * h / tp * d if gqa else 0.0
         probs = a / tp * s * sk * b * (d + (FP32 if d < FP32 else 0))
+        if self.attention_dropout:  # its mask, and the dropped copy where the fp32 softmax output is kept as is
+            probs += a / tp * s * sk * b * (self.mask_bytes + (d if d >= FP32 else 0))
         k_kept = 0.0 if gqa else k_rope
         views = (not rotary) or (not gqa)
         kept = q_rope + k_kept + expanded + (qkv if views else 0.0) + probs
@@ -204,6 +217,8 @@ class MemoryModel:
         block = 2 * norm + kept * t * h / tp * d  # both norms and the attention output (the output projection's input)
         if module.kind == "llm":  # RoPE's cos and sin of q and k, per position
             block += 4 * s * (h // module.num_heads) * d
+        if self.hidden_dropout:  # the masks of the attention's and the MLP's bias-dropout-add
+            block += (3 if module.cross_attention else 2) * local * h * self.mask_bytes
         plain, entering, core = self._attention(module, b, s, tp)
         full, selective = block + plain + mlp, block + entering + mlp
         if module.cross_attention:  # a second attention block over a memory as long and wide as the layer's

@@ -53,6 +53,12 @@ class LayerShape:
     # Megatron's sequence parallelism: the norms and the residual adds run on 1/tp of the tokens (``seq`` is then
     # the sequence padded to a multiple of tp), and each TP all-reduce is an all-gather and a reduce-scatter.
     sequence_parallel: bool = False
+    # Dropout (probability > 0) after the attention and MLP blocks (hidden) and on the attention probabilities:
+    # a kernel that reads the activation and writes it and a one-byte mask (torch's native_dropout on a GPU), and
+    # in the backward one that reads the gradient and the mask and writes the gradient. FlashAttention draws its
+    # dropout inside the kernel (not charged: no measurement of its cost).
+    hidden_dropout: bool = False
+    attention_dropout: bool = False
 
     def __post_init__(self):
         for what in ("batch", "seq", "hidden", "heads", "ffn", "tp", "dtype_bytes"):
@@ -169,6 +175,8 @@ def _attention_forward(b: _Builder, s: LayerShape, name: str) -> None:
         b.memory(f"{name}.softmax", 2 * d * scores)
     else:  # cast to fp32, (masked_fill,) softmax, cast back
         b.memory(f"{name}.softmax", (2 * d + 16 + (8 if s.causal else 0)) * scores, 4 if s.causal else 3)
+    if s.attention_dropout:
+        _dropout(b, f"{name}.dropout", d * scores, d)
     b.gemm(f"{name}.pv", s.seq, hd, s.seq, bs * heads)
     b.memory(f"{name}.context_copy", 2 * s.tokens * s.hidden / s.tp * d)  # [b*np, s, hn] -> [s, b, h] contiguous
 
@@ -182,6 +190,8 @@ def _attention_backward(b: _Builder, s: LayerShape, name: str) -> None:
     b.memory(f"{name}.context_copy", 2 * s.tokens * s.hidden / s.tp * d)
     b.gemm(f"{name}.dp", s.seq, s.seq, hd, bs * heads)  # dP = dO V^T
     b.gemm(f"{name}.dv", s.seq, hd, s.seq, bs * heads)  # dV = P^T dO
+    if s.attention_dropout:
+        _dropout(b, f"{name}.dropout", d * scores, d)
     if s.fused_softmax:  # read P and dP, write dS
         b.memory(f"{name}.softmax", 3 * d * scores)
     else:  # the casts' and the fp32 softmax's (and masked_fill's) backward
@@ -233,9 +243,24 @@ def _norm_pass(s: LayerShape) -> float:
 
 
 def _residual(b: _Builder, s: LayerShape, name: str, act: float) -> None:
-    """Megatron's bias-dropout-add unfused (our runtime: bias_dropout_fusion off, dropout 0): the bias add and
-    the residual add each read two and write one activation."""
+    """Megatron's bias-dropout-add unfused (our runtime: bias_dropout_fusion off): the bias add and the residual
+    add each read two and write one activation; dropout between them (``_dropout``)."""
     b.memory(name, 6 * act if s.bias else 3 * act, 2 if s.bias else 1)
+    if s.hidden_dropout:
+        _dropout(b, f"{name}.dropout", act, s.dtype_bytes)
+
+
+def _residual_backward(b: _Builder, s: LayerShape, name: str, act: float) -> None:
+    """The branch gradient and the residual gradient, and the dropout's backward between them."""
+    b.memory(name, 3 * act)
+    if s.hidden_dropout:
+        _dropout(b, f"{name}.dropout", act, s.dtype_bytes)
+
+
+def _dropout(b: _Builder, name: str, nbytes: float, dtype_bytes: int) -> None:
+    """One dropout over ``nbytes`` of activations, forward or backward alike: read them (the gradient) and a
+    one-byte-per-element mask's worth, write them (the mask, forward; the gradient, backward)."""
+    b.memory(name, 2 * nbytes + nbytes / dtype_bytes)
 
 
 def _linear_backward(b: _Builder, s: LayerShape, name: str, tokens: float, out: float, inp: float) -> None:
@@ -256,14 +281,14 @@ def _backward(km: KernelModel, s: LayerShape) -> list[Kernel]:
     b.memory("activation", (fc1_out + ffn + fc1_out) * t * d)  # read input and dy, write dx
     _linear_backward(b, s, "fc1", t, fc1_out, h)
     b.memory("norm2", 4 * act, 2)  # dx (read x, dy; write dx) and the weight grads (read x, dy)
-    b.memory("residual2", 3 * act)  # branch gradient + residual gradient
+    _residual_backward(b, s, "residual2", act)
     if s.cross_attention:
         _linear_backward(b, s, "proj_x", t, h, h / tp)
         _attention_backward(b, s, "attention_x")
         _linear_backward(b, s, "kv_x", t, 2 * s.kv_width / tp, h)
         _linear_backward(b, s, "q_x", t, h / tp, h)
         b.memory("norm_x", 4 * act, 2)
-        b.memory("residual_x", 3 * act)
+        _residual_backward(b, s, "residual_x", act)
     _linear_backward(b, s, "proj", t, h, h / tp)
     _attention_backward(b, s, "attention")
     if s.rotary:
@@ -275,7 +300,7 @@ def _backward(km: KernelModel, s: LayerShape) -> list[Kernel]:
         _linear_backward(b, s, "k", t, s.kv_width / tp, h)
         _linear_backward(b, s, "v", t, s.kv_width / tp, h)
     b.memory("norm1", 4 * act, 2)
-    b.memory("residual1", 3 * act)
+    _residual_backward(b, s, "residual1", act)
     if s.main_grad_bytes:  # main_grad += grad per parameter tensor: read the bf16 grad, read + write fp32
         b.memory("main_grad", s.params() * (d + 2 * s.main_grad_bytes), _param_tensors(s))
     return b.kernels

@@ -41,6 +41,7 @@ from megatron_spindle.fileio import write_text_atomic
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import Workload
+from megatron_spindle.plan.schema import DROPOUTS
 
 PROFILE_FORMAT = "megatron-spindle-profile"
 PROFILE_VERSION = 1
@@ -254,6 +255,8 @@ class Profile:
     # the attention core measured (plan/schema.py ATTENTION_BACKENDS, resolved: local where TE was missing); None:
     # profiles written before the profiler recorded it
     attention_backend: str | None = None
+    # the layers' dropout measured (plan/schema.py DROPOUTS); profiles written before the profiler took it: none
+    dropout: dict[str, float] = field(default_factory=lambda: dict.fromkeys(DROPOUTS, 0.0))
 
 
 def load_profile(path: str | Path, workload: Workload, cluster: ClusterSpec) -> Profile:
@@ -269,8 +272,9 @@ def load_profile(path: str | Path, workload: Workload, cluster: ClusterSpec) -> 
     measurements = [m for m in measurements if m.n <= cluster.num_devices]
     if measurements:  # the curves' points from the measurements: compute apart from the gradient all-reduce
         points = _step_points(points, measurements, weightless_metaops(workload))
+    settings = doc.get("settings") or {}
     return Profile(points, measurements, doc.get("bandwidth") or {}, optimizer_cost_from_dict(doc),
-                   (doc.get("settings") or {}).get("attention_backend"))
+                   settings.get("attention_backend"), {name: settings.get(name, 0.0) for name in DROPOUTS})
 
 
 def _step_points(points: dict[str, list[CurvePoint]], measurements: Sequence[Measurement],

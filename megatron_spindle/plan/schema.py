@@ -47,7 +47,8 @@ REDUCE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 # ExecutionSettings' fields the cost model charges (estimator.execution_cost_config); PlannerConfig has them too,
 # by the same names, and every plan records the ones it was planned with
-EXECUTION_CHOICES = ("sequence_parallel", "attention_backend", "grad_norm")
+EXECUTION_CHOICES = ("sequence_parallel", "attention_backend", "grad_norm", "hidden_dropout", "attention_dropout")
+DROPOUTS = ("hidden_dropout", "attention_dropout")
 
 
 class PlanError(ValueError):
@@ -236,6 +237,10 @@ class ExecutionSettings:
       scaling), which the planner and the simulator charge (a read of every gradient); the runtime computes it
       as its arguments say. Without the key (plans written before it): True, as Megatron-LM's default
       ``--clip-grad 1.0`` and the simulator then charged it.
+    - ``hidden_dropout``, ``attention_dropout``: the transformer layers' dropout probabilities (Megatron-LM's
+      ``--hidden-dropout`` after the attention and MLP blocks, ``--attention-dropout`` on the attention
+      probabilities), which the planner and the simulator charge (the masks' kernels and bytes) and the runtime
+      runs (models/dropout.py). Without the keys (plans written before them): 0, as those plans were run.
     """
 
     recompute: Recompute = Recompute()
@@ -251,6 +256,8 @@ class ExecutionSettings:
     tp_sharded_grads: bool = True
     attention_backend: str = "auto"
     grad_norm: bool = True
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
 
     def __post_init__(self):
         if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
@@ -262,6 +269,8 @@ class ExecutionSettings:
                 raise PlanError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise PlanError(f"attention_backend '{self.attention_backend}' is not one of {', '.join(ATTENTION_BACKENDS)}")
+        for name in DROPOUTS:
+            object.__setattr__(self, name, dropout_probability(getattr(self, name), name, PlanError))
         if self.grad_reduce_dtype not in REDUCE_DTYPE_BYTES:
             raise PlanError(f"grad_reduce_dtype '{self.grad_reduce_dtype}' is not one of "
                             f"{', '.join(REDUCE_DTYPE_BYTES)}")
@@ -306,6 +315,8 @@ class ExecutionSettings:
             "tp_sharded_grads": self.tp_sharded_grads,
             "attention_backend": self.attention_backend,
             "grad_norm": self.grad_norm,
+            "hidden_dropout": self.hidden_dropout,
+            "attention_dropout": self.attention_dropout,
         }
 
     @classmethod
@@ -317,6 +328,13 @@ def execution_choices(source) -> dict[str, Any]:
     """The choices of what the runtime executes that the cost model charges (``EXECUTION_CHOICES``), read from
     anything that carries them by those names: a plan's ``ExecutionSettings``, a ``PlannerConfig``."""
     return {name: getattr(source, name) for name in EXECUTION_CHOICES}
+
+
+def dropout_probability(p: Any, name: str, error: type[Exception] = ValueError) -> float:
+    """A dropout probability, checked: a number in [0, 1) (1 would zero every activation)."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+        raise error(f"{name.replace('_', '-')} must be a probability in [0, 1), got {p!r}")
+    return float(p)
 
 
 def attention_kernels(backend: str) -> tuple[str, bool]:

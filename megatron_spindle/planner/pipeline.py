@@ -13,17 +13,19 @@ from typing import Any, Callable
 
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
 from megatron_spindle.estimator.estimate import SHARER_COUNTS
-from megatron_spindle.flags import check_choices, flag
+from megatron_spindle.flags import check_choices, finite_float, flag
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.parallel import MAX_AUTO_WORKERS, PARALLEL_MIN_DEVICES
 from megatron_spindle.plan.schema import (
     ATTENTION_BACKENDS,
+    DROPOUTS,
     RECOMPUTE_MODULES,
     RUNTIME_ZERO_STAGES,
     Plan,
     PlanError,
+    dropout_probability,
     execution_choices,
     resolve_attention_backend,
 )
@@ -128,6 +130,16 @@ class PlannerConfig:
         "softmax in fp32); auto: Transformer Engine's own choice where TE runs (charged as flash), else local (a "
         "CPU, or pretrain_multitask.py on a machine without TE). Recorded in the plan.",
         name="--attention-backend", choices=ATTENTION_BACKENDS))
+    hidden_dropout: float = field(default=0.0, metadata=flag(
+        "Megatron-LM's --hidden-dropout: dropout probability after each transformer layer's attention and MLP "
+        "blocks. Recorded in the plan, charged by the planner and the simulator (the masks' kernels and memory), "
+        "run by the runtime with masks drawn per layer, iteration, micro-batch and data-parallel shard, whatever "
+        "the order the plan runs them in (models/dropout.py). Default 0, where Megatron-LM's is 0.1: give 0.1 to "
+        "train as a Megatron-LM script that leaves the flag out.", name="--hidden-dropout", type=finite_float))
+    attention_dropout: float = field(default=0.0, metadata=flag(
+        "Megatron-LM's --attention-dropout: dropout probability on the attention probabilities (inside the "
+        "kernel with FlashAttention). Recorded, charged and run as --hidden-dropout. Default 0, where "
+        "Megatron-LM's is 0.1.", name="--attention-dropout", type=finite_float))
 
     planning_workers: int = field(default=0, metadata=flag(
         "Processes that simulate the candidate plans and plan the node-group partitions at once, on clusters of "
@@ -155,6 +167,8 @@ class PlannerConfig:
 
     def __post_init__(self):
         check_choices(self)
+        for name in DROPOUTS:
+            setattr(self, name, dropout_probability(getattr(self, name), f"--{name}"))
         if self.micro_batches != "auto" and not (str(self.micro_batches).isdigit() and int(self.micro_batches) > 0):
             raise ValueError(f"--spindle-micro-batches must be auto or a positive integer, got {self.micro_batches!r}")
         self.micro_batches = str(self.micro_batches)
@@ -217,7 +231,13 @@ def for_cluster(config: PlannerConfig, cluster: ClusterSpec, profile=None) -> Pl
     ``resolve_attention_backend``: auto is the local spec on CPUs; a Transformer Engine backend there is an
     error). A caller that knows whether TE is present where the plan runs resolves it first (training/trainer).
     With a profile that recorded the attention it measured, auto is that one, and another is an error: the plan
-    would charge measured times of kernels it does not run."""
+    would charge measured times of kernels it does not run; so is dropout other than the profile's."""
+    dropout = getattr(profile, "dropout", None) or {}
+    for name, p in dropout.items():  # measured times of other masks (or none) would be charged
+        if p != getattr(config, name):
+            flag = f"--{name.replace('_', '-')}"
+            raise PlanError(f"the profile measured {flag} {p:g}, the plan is for {getattr(config, name):g}: give "
+                            f"{flag} {p:g}, or profile with {flag} {getattr(config, name):g}")
     measured = getattr(profile, "attention_backend", None)
     if measured is not None and config.attention_backend == "auto" and cluster.gpu.arch != "cpu":
         return replace(config, attention_backend=measured)

@@ -105,7 +105,8 @@ def _build(workload: Workload, info, layers: int, dp: int, world: ProfileWorld, 
     from megatron_spindle.models.operator import build_operator
 
     select_te_attention(settings.attention_backend)
-    cfg = ModelConfig(bf16=settings.bf16, init_seed=settings.seed, attention_backend=settings.attention_backend)
+    cfg = ModelConfig(bf16=settings.bf16, init_seed=settings.seed, attention_backend=settings.attention_backend,
+                      hidden_dropout=settings.hidden_dropout, attention_dropout=settings.attention_dropout)
     op = build_operator(workload, info, 0, layers, pg_collection=pg_collection, config=cfg)
     op = op.to(device=world.device, dtype=cfg.params_dtype)
     return (op, _inputs_for(info, dp, world.device, cfg.params_dtype, settings.seed),

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_spindle.estimator.errors import EstimatorError
-from megatron_spindle.flags import flag
-from megatron_spindle.plan.schema import ATTENTION_BACKENDS
+from megatron_spindle.flags import finite_float, flag
+from megatron_spindle.plan.schema import ATTENTION_BACKENDS, DROPOUTS, dropout_probability
 
 # 2: the "optimizer" section; 3: the message probe computes with the workload's layer, the forward is timed inside
 # the forward + backward repeats, and AdamW's cost per element on tensors of the workload's unit sizes; 4: the
@@ -39,6 +39,12 @@ class ProfilerSettings:
         "The attention core measured, as pretrain_multitask.py's --attention-backend (auto: Transformer Engine's "
         "choice where TE runs here, else megatron-core's local spec). The profile records it, and plans made on the "
         "profile run it.", name="--attention-backend", choices=ATTENTION_BACKENDS))
+    hidden_dropout: float = field(default=0.0, metadata=flag(
+        "The layers' dropout measured, as pretrain_multitask.py's --hidden-dropout: the profile records it, and "
+        "a plan with other dropout refuses the profile.", name="--hidden-dropout", type=finite_float))
+    attention_dropout: float = field(default=0.0, metadata=flag(
+        "As --hidden-dropout, for pretrain_multitask.py's --attention-dropout.", name="--attention-dropout",
+        type=finite_float))
     bandwidth_sizes: tuple[int, ...] = (4, 1 << 16, 1 << 20, 1 << 22)  # message bytes; the largest gives bw
     seed: int = 0
 
@@ -47,6 +53,8 @@ class ProfilerSettings:
             raise EstimatorError("profiler: layers and repeats must be >= 1, warmup >= 0")
         if self.max_n is not None and self.max_n < 1:
             raise EstimatorError("profiler: max_n must be >= 1")
+        for name in DROPOUTS:
+            object.__setattr__(self, name, dropout_probability(getattr(self, name), name, EstimatorError))
         if not self.bandwidth_sizes or min(self.bandwidth_sizes) <= 0:
             raise EstimatorError("profiler: bandwidth_sizes must be positive byte counts")
 

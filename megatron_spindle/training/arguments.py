@@ -7,6 +7,7 @@ import argparse
 import math
 from pathlib import Path
 
+from megatron_spindle.arguments import planner_config_from_args
 from megatron_spindle.fileio import PICTURE_SUFFIXES, check_output_file, check_output_folder
 from megatron_spindle.flags import add_flags, config_from_args, finite_float
 from megatron_spindle.graph.workload import Workload
@@ -38,9 +39,6 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    "RNGs.")
     g.add_argument("--init-method-std", type=finite_float, default=0.02, help="Standard deviation of the initial "
                    "weights (normal, zero mean; norms start at 1 and 0).")
-    for flag in ("--attention-dropout", "--hidden-dropout"):  # Megatron-LM's launch scripts often give 0
-        g.add_argument(flag, type=finite_float, default=0.0, help="Dropout probability: only 0 (the layers run "
-                       "without dropout; Megatron-LM's default is 0.1).")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false", help="Train on when a loss or the gradient norm is not finite (by default "
                    "the run stops before that step's optimizer step, as Megatron-LM's does; fp16 overflows are "
@@ -266,6 +264,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
     if args.lr_decay_iters is not None and args.lr_decay_iters <= 0:
         raise ValueError(f"--lr-decay-iters must be positive, got {args.lr_decay_iters}")
     lr_schedule_from_args(args)  # WSD's --lr-wsd-decay-iters, checked before planning
+    planner_config_from_args(args)  # the planner's flags (dropout, recomputation, ...) before anything is written
     if args.weight_decay < 0:
         raise ValueError(f"--weight-decay must be >= 0, got {args.weight_decay}")
     wd_schedule = weight_decay_schedule_from_args(args)
@@ -275,11 +274,6 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
                          f"weights or flip their sign")
     if args.init_method_std <= 0:
         raise ValueError(f"--init-method-std must be positive, got {args.init_method_std}")
-    for flag in ("attention_dropout", "hidden_dropout"):
-        if getattr(args, flag) != 0:
-            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: dropout is not supported (the layers "
-                             f"run without it, which keeps every plan's losses equal to the single-process "
-                             f"model's); give 0 or leave the flag out")
     if args.log_interval <= 0:
         raise ValueError(f"--log-interval must be positive, got {args.log_interval}")
     if args.tensorboard_queue_size <= 0:

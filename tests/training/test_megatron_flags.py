@@ -286,7 +286,8 @@ def test_flags_refused_at_start(capsys, monkeypatch):
     _fails(capsys, base + ["--valid-data-path", "vision_text=/nope"], "--valid-data-path: /nope (task 'vision_text') "
                                                                       "does not exist")
     _fails(capsys, base + ["--split", "0,1"], "--split '0,1'")
-    _fails(capsys, base + ["--hidden-dropout", "0.1"], "--hidden-dropout 0.1: dropout is not supported")
+    _fails(capsys, base + ["--hidden-dropout", "1"], "--hidden-dropout must be a probability in [0, 1), got 1.0")
+    _fails(capsys, base + ["--spindle-micro-batches", "0"], "--spindle-micro-batches must be auto or a positive")
     _fails(capsys, base + ["--init-method-std", "0"], "--init-method-std must be positive")
     _fails(capsys, base + ["--lr", "200", "--weight-decay", "0.01"], "--lr x the weight decay = 2 >= 1")
     _fails(capsys, base + ["--tensorboard-queue-size", "0"], "--tensorboard-queue-size must be positive")
