@@ -10,7 +10,13 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 
 from megatron_spindle.graph.workload import ModuleSpec
-from megatron_spindle.plan.schema import ATTENTION_BACKENDS, Recompute, recompute_fits
+from megatron_spindle.plan.schema import (
+    ATTENTION_BACKENDS,
+    DROPOUTS,
+    Recompute,
+    dropout_probability,
+    recompute_fits,
+)
 
 
 @dataclass
@@ -53,6 +59,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.bf16 and not torch.cuda.is_available():
             raise ValueError("ModelConfig(bf16=True) needs CUDA; CPU runs keep fp32 parameters")
+        for name in DROPOUTS:
+            setattr(self, name, dropout_probability(getattr(self, name), name))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got '{self.attention_backend}'")

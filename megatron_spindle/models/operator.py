@@ -70,6 +70,7 @@ from megatron_spindle.models.config import (
     sequence_parallel,
     transformer_config,
 )
+from megatron_spindle.models.dropout import seed_layer_dropout
 from megatron_spindle.models.frontends import ConvStemFrontend, PatchFrontend, TextFrontend, WindowFrontend
 from megatron_spindle.models.heads import LMHead, PooledHead, eos_positions
 from megatron_spindle.models.losses import contrastive_loss, lm_loss
@@ -332,6 +333,10 @@ class LayerRangeOperator(SliceOperator):
                                           rope_scaling_factor=spec.rope_scaling_factor if scaling else 8.0,
                                           use_cpu_initialization=True)
         self.input_order = self._flow_order() if self.layer_start == 0 else None
+        if self.config.hidden_dropout > 0 or self.config.attention_dropout > 0:
+            for unit, layer in self.unit_modules().items():  # the masks' key: models/dropout.py
+                seed_layer_dropout(layer, (self.metaop.task, unit, group_rank(self.dp_group)), self.tp_rank,
+                                   self.sequence_parallel)
 
     def _flow_order(self) -> list[int]:
         """Order of ``inputs`` (given in ``metaop.preds`` order): flows into the module in ``task.flows`` order,

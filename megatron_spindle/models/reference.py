@@ -14,6 +14,7 @@ from megatron_spindle.data.mock import TaskBatch
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.models.config import ModelConfig
+from megatron_spindle.models.dropout import set_micro_batch
 from megatron_spindle.models.operator import SliceOperator, build_operator, metaop_infos
 
 LOSS_KINDS = ("loss", "lm_head")
@@ -97,9 +98,14 @@ class ReferenceModel(nn.Module):
         ``micro_batches`` m, the sum of the m micro-batches' shares (``TaskBatch.micro``), as a plan with m
         micro-batches trains."""
         if micro_batches == 1:
+            set_micro_batch(0)
             return {task: self.forward_task(batch) for task, batch in batches.items()}
-        return {task: sum(self.forward_task(batch.micro(j, micro_batches)) for j in range(micro_batches))
+        return {task: sum(self._micro_forward(batch, j, micro_batches) for j in range(micro_batches))
                 for task, batch in batches.items()}
+
+    def _micro_forward(self, batch: TaskBatch, index: int, micro_batches: int) -> torch.Tensor:
+        set_micro_batch(index)  # its dropout masks (models/dropout.py), as the runtime draws them
+        return self.forward_task(batch.micro(index, micro_batches))
 
     def total_loss(self, losses: dict[str, torch.Tensor]) -> torch.Tensor:
         """sum over tasks of ``loss.weight * task loss``: what one training iteration backpropagates."""

@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=finite_float, default=1e-3)
     p.add_argument("--weight-decay", type=finite_float, default=0.0)
-    p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--data-seed", type=int, default=0, help="Seed of the mock batches and the dropout masks.")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with CUDA, else gloo")
     p.add_argument("--json", action="store_true", help="print one JSON object per step")
     return p.parse_args(argv)
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     history = []
     try:
         cfg = EngineConfig(optimizer=OptimizerConfig(lr=args.lr, weight_decay=args.weight_decay, no_weight_decay_1d=True),
-                           data_seed=args.data_seed)
+                           data_seed=args.data_seed, dropout_seed=args.data_seed)
         engine = RuntimeEngine(plan, workload, ctx.rank, ctx.world_size, cfg, metagraph=metagraph)
         for step in range(args.steps):
             losses = engine.train_step(step)

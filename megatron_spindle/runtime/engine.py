@@ -131,6 +131,9 @@ class EngineConfig:
     # each parameter's name and init_seed (models/state.py ``init_full_tensor``), whatever the plan's layout.
     init_std: float = 0.02
     init_seed: int = 0
+    # The seed of the dropout masks (models/dropout.py: drawn per layer, iteration, micro-batch and data-parallel
+    # rank), where the plan has dropout.
+    dropout_seed: int = 0
     # Stop before the optimizer step when a loss or the gradient norm is not finite (clip.py ``check_finite``;
     # Megatron-LM's --check-for-nan-in-loss-and-grad): the gradient norm is then measured every step.
     check_for_nan: bool = False
@@ -144,15 +147,17 @@ class EngineConfig:
 
 
 def default_factory(workload, info, layer_start, layer_end, pg_collection=None, dp_group=None, recompute=None,
-                    sequence_parallel=False, attention_backend="auto", init_std=0.02, init_seed=0):
+                    sequence_parallel=False, attention_backend="auto", init_std=0.02, init_seed=0,
+                    hidden_dropout=0.0, attention_dropout=0.0):
     """megatron-core operators (models/build_operator), recomputing activations as megatron-core does where the
     plan says so (``recompute``: the slice's ``Recompute``), sequence-parallel where it applies, and with the
-    plan's attention backend; initialised with ``EngineConfig.init_std`` and ``init_seed``."""
+    plan's attention backend and dropout; initialised with ``EngineConfig.init_std`` and ``init_seed``."""
     from megatron_spindle.models import build_operator
     from megatron_spindle.models.config import ModelConfig
 
     config = ModelConfig(recompute=recompute or False, sequence_parallel=sequence_parallel,
-                         attention_backend=attention_backend, init_std=init_std, init_seed=init_seed)
+                         attention_backend=attention_backend, init_std=init_std, init_seed=init_seed,
+                         hidden_dropout=hidden_dropout, attention_dropout=attention_dropout)
     return build_operator(workload, info, layer_start, layer_end, pg_collection=pg_collection, dp_group=dp_group,
                           config=config)
 
@@ -379,14 +384,17 @@ class RuntimeEngine:
         t0 = self._clock()
         batches = {t: self.batch_fn(self.workload, t, step, self.config.data_seed) for t in tasks}
         self._add_time("batch-generator", self._clock() - t0)
+        from megatron_spindle.models.dropout import draw_position  # models/ imports megatron-core (slow)
+
         self.grad_sync.start_step()
-        cues = (self._slice_done, self.grad_sync.micro_start, self._before_forward)
-        if self.config.measure_activations:
-            with SavedTensorMeter(p for ls in self.local.values() for p in ls.op.parameters()) as meter:
+        cues = (self._slice_done, self._micro_start, self._before_forward)
+        with draw_position(self.config.dropout_seed, step):  # recomputation in the backward draws alike
+            if self.config.measure_activations:
+                with SavedTensorMeter(p for ls in self.local.values() for p in ls.op.parameters()) as meter:
+                    losses = self.schedule.run(batches, *cues)
+                self.activation_peak = meter.peak
+            else:
                 losses = self.schedule.run(batches, *cues)
-            self.activation_peak = meter.peak
-        else:
-            losses = self.schedule.run(batches, *cues)
         t1 = self._clock()
         self.grad_sync.finish()
         t2 = self._clock()
@@ -402,8 +410,15 @@ class RuntimeEngine:
         fn = batch_fn or self.batch_fn
         tasks = sorted({ls.slice.task for ls in self.local.values()})
         batches = {t: fn(self.workload, t, step, self.config.data_seed) for t in tasks}
-        with torch.no_grad():
-            return self.schedule.evaluate(batches, self._before_forward)()
+        ops = [ls.op for ls in self.local.values()]
+        for op in ops:  # megatron-core's dropout (and nothing else of ours) reads the mode
+            op.eval()
+        try:
+            with torch.no_grad():
+                return self.schedule.evaluate(batches, self._before_forward)()
+        finally:
+            for op in ops:
+                op.train()
 
     def gather_grads(self) -> dict[str, torch.Tensor]:
         """The synchronised full gradients of every key this rank holds ("<unit>.<path>" -> tensor), as after
@@ -439,6 +454,13 @@ class RuntimeEngine:
     def _add_time(self, name: str, seconds: float) -> None:
         if self.phase_times is not None:
             self.phase_times[name] = self.phase_times.get(name, 0.0) + seconds
+
+    def _micro_start(self, index: int) -> None:
+        """The schedule's cue before each micro-batch: its dropout masks, and the gradient sync's count."""
+        from megatron_spindle.models.dropout import set_micro_batch
+
+        set_micro_batch(index)
+        self.grad_sync.micro_start(index)
 
     def _before_forward(self, ls) -> None:
         """The schedule's cue before a local slice's forward: with --overlap-param-gather, load what of it no

@@ -11,7 +11,7 @@ import torch
 
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.schema import Plan, Slice, sequence_parallel_runs
+from megatron_spindle.plan.schema import DROPOUTS, Plan, Slice, sequence_parallel_runs
 from megatron_spindle.runtime.groups import PlanGroups
 from megatron_spindle.runtime.layout import is_tp_leader, slice_units
 from megatron_spindle.runtime.opstate import param_keys
@@ -54,7 +54,8 @@ def build_local_slices(plan: Plan, workload: Workload, metagraph: MetaGraph, ran
     parameter probe are collective over the slice's TP group). A slice that recomputes activations
     (``settings.recompute_of``) is built with ``factory(..., recompute=Recompute)``, one that runs
     sequence-parallel (``sequence_parallel_runs``) with ``factory(..., sequence_parallel=True)``, and a layer slice
-    of a plan with an attention backend other than auto with ``factory(..., attention_backend=...)``. Each slice's
+    of a plan with an attention backend other than auto with ``factory(..., attention_backend=...)``, of a plan
+    with dropout with ``factory(..., hidden_dropout=p, attention_dropout=q)`` (those not 0). Each slice's
     keys are registered in ``layout``."""
     local = {}
     for wi, w in enumerate(plan.waves):
@@ -70,6 +71,8 @@ def build_local_slices(plan: Plan, workload: Workload, metagraph: MetaGraph, ran
                 extra["sequence_parallel"] = True
             if s.kind == "layer" and plan.settings.attention_backend != "auto":
                 extra["attention_backend"] = plan.settings.attention_backend
+            if s.kind == "layer":
+                extra.update({name: getattr(plan.settings, name) for name in DROPOUTS if getattr(plan.settings, name)})
             op = factory(workload, info, s.layer_start, s.layer_end, pg_collection=pgs, dp_group=pgs.dp, **extra)
             op = op.to(device=device, dtype=dtype)
             units = slice_units(metagraph, s)  # none of a frozen slice's (its operator's weights need no gradient)

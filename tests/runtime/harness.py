@@ -253,11 +253,14 @@ def slice_units_of(engine, s) -> list[str]:
 
 
 def runtime_memory_model(plan, workload):
-    """The memory model of the CPU runtime: fp32 activations and megatron-core's unfused attention."""
+    """The memory model of the CPU runtime: fp32 activations, megatron-core's unfused attention, the plan's
+    dropout."""
     from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
     from megatron_spindle.estimator.cost_model import CostModelConfig
     from megatron_spindle.graph.cluster import ClusterSpec
 
     cluster = ClusterSpec.from_dict(plan.cluster)
-    cost = AnalyticCostModel(workload, cluster, dtype_bytes=4, config=CostModelConfig(attention="unfused"))
+    config = CostModelConfig(attention="unfused", hidden_dropout=plan.settings.hidden_dropout,
+                             attention_dropout=plan.settings.attention_dropout)
+    cost = AnalyticCostModel(workload, cluster, dtype_bytes=4, config=config)
     return MemoryModel(workload, cluster, cost)

@@ -51,6 +51,22 @@ def sequential_plan(workload: Workload, world_size: int, tp: int = 1, gpus_per_n
     return build_plan(workload, world_size, waves, gpus_per_node=gpus_per_node)
 
 
+def single_device_plan(workload: Workload, world_size: int, micro_batches: int = 1) -> Plan:
+    """Every slice on one device (TP 1, DP 1), a wave each, the devices taken by turns; each layer chain of two
+    layers or more cut in two slices on different devices: what is drawn per data-parallel shard (dropout) is
+    the single-process model's."""
+    g = build_metagraph(workload)
+    waves: list[list[SliceSpec]] = []
+    for level in g.levels:
+        for mid in level:
+            m = g.metaops[mid]
+            cuts = [0, m.num_layers // 2, m.num_layers] if m.num_layers >= 2 else [0, m.num_layers]
+            for a, b in zip(cuts, cuts[1:]):
+                waves.append([(mid, a, b, [len(waves) % world_size], 1)])
+    plan = build_plan(workload, world_size, waves)
+    return with_settings(plan, micro_batches=micro_batches) if micro_batches > 1 else plan
+
+
 def random_plan(workload: Workload, world_size: int, seed: int, max_tp: int = 2, split_layers: bool = True,
                 gpus_per_node: int = 8, micro_batches: int = 1) -> Plan:
     """Spindle-like: per MetaLevel, MetaOps packed into waves on disjoint random device subsets (1, 2 or 4

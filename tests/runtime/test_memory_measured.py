@@ -47,12 +47,17 @@ def options(plan, workload):
 CASES = [("tiny-vlm", [], lambda w: sequential_plan(w, 1)), ("tiny-clip", [], lambda w: random_plan(w, 1, 3)),
          ("tiny-vlm", [], lambda w: random_plan(w, 1, 1, micro_batches=2)),
          ("tiny-vlm", ["vision", "llm"], lambda w: random_plan(w, 1, 2)),
-         ("tiny-vlm", ["vis_proj", "aud_proj", "llm"], lambda w: sequential_plan(w, 1))]  # frozen projectors too
+         ("tiny-vlm", ["vis_proj", "aud_proj", "llm"], lambda w: sequential_plan(w, 1)),  # frozen projectors too
+         # dropout keeps its masks (and unfused attention the dropped probabilities)
+         ("tiny-vlm", [], lambda w: with_settings(sequential_plan(w, 1), hidden_dropout=0.1, attention_dropout=0.1)),
+         ("tiny-clip", [], lambda w: with_settings(random_plan(w, 1, 3), attention_dropout=0.1)),
+         ("tiny-vlm", ["vision", "llm"], lambda w: with_settings(random_plan(w, 1, 2), hidden_dropout=0.1))]
 
 
 @pytest.mark.parametrize("wname,frozen,make", CASES,
                          ids=["tiny-vlm-sequential", "tiny-clip-spindle", "tiny-vlm-micro2", "tiny-vlm-frozen",
-                              "tiny-vlm-frozen-projectors"])
+                              "tiny-vlm-frozen-projectors", "tiny-vlm-dropout", "tiny-clip-attention-dropout",
+                              "tiny-vlm-frozen-hidden-dropout"])
 def test_predicted_activation_peak_is_what_the_runtime_saves(wname, frozen, make):
     torch.set_num_threads(1)
     ensure_torch_distributed()

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import tempfile
+import unittest.mock
 
 import pytest
 import torch
@@ -77,6 +78,7 @@ from megatron_spindle.runtime.__main__ import main
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
 from megatron_spindle.runtime.groups import GroupCache
 from megatron_spindle.runtime.layout import slice_units
+from megatron_spindle.runtime.slices import in_wave_order
 from megatron_spindle.training.data_rate import FieldLoad, busiest_rank, rank_decode_load
 from megatron_spindle.training.evaluate import ValidationBatches
 
@@ -128,13 +130,20 @@ def standin_trajectory(workload, micro_batches: int = 1):
     return reference_trajectory(run, params, {t.name: t.loss.weight for t in workload.tasks}, OPT)
 
 
-def real_trajectory(workload, micro_batches: int = 1, opt=OPT):
+def real_trajectory(workload, micro_batches: int = 1, opt=OPT, config=None, dropout_seed: int = 0):
+    """The single-process model's trajectory; ``config``: its ModelConfig (dropout), its masks drawn as an engine
+    with ``EngineConfig.dropout_seed`` draws them."""
     from megatron_spindle.data.mock import mock_batch
+    from megatron_spindle.models.dropout import draw_position
     from megatron_spindle.models.reference import ReferenceModel
 
-    ref = ReferenceModel(workload)
-    run = lambda step: ref({t.name: mock_batch(workload, t.name, step, 0) for t in workload.tasks},  # noqa: E731
-                           micro_batches=micro_batches)
+    ref = ReferenceModel(workload, config)
+
+    def run(step):
+        with draw_position(dropout_seed, step):
+            return ref({t.name: mock_batch(workload, t.name, step, 0) for t in workload.tasks},
+                       micro_batches=micro_batches)
+
     return reference_trajectory(run, ref.full_named_parameters(), {t.name: t.loss.weight for t in workload.tasks}, opt)
 
 
@@ -320,6 +329,7 @@ def _worker(rank, world):
     check_clipping(rank, world, workloads, refs, tiny, cache, (0, 1, 2) if world == 2 else (2,))  # as above
     check_evaluate(rank, world, workloads, refs, tiny, cache)
     check_frozen(rank, world, cfg, cache)
+    check_dropout(rank, world, cfg, cache)
     check_num_zeros(rank, world, refs, cfg, cache)
     check_reads_only_its_rows(rank, world, workloads, cfg, cache)
     check_trainer_hooks(rank, world, workloads["tiny-clip"], cfg, cache)
@@ -387,6 +397,66 @@ def check_frozen(rank, world, cfg, cache) -> None:
         engine.close()
     assert any(m.backward == "input" for m in build_metagraph(load_workload("tiny-vlm").frozen(["vision", "llm"]))
                .metaops.values())
+
+
+def check_dropout(rank, world, cfg, cache) -> None:
+    """Dropout over ranks (models/dropout.py): slices on single devices, their layers cut over ranks, draw the
+    single-process model's masks (two micro-batches, recomputation by turns, early backward); TP peers draw one
+    hidden-dropout mask (equal to the reference's without data parallelism) and each their own attention-dropout
+    masks over their heads, as data-parallel ranks do."""
+    from test_dropout_runtime import DROPOUT, dropout_plan
+
+    from megatron_spindle.models.config import ModelConfig
+
+    w = load_workload("tiny-vlm")
+    cfg = dataclasses.replace(cfg, dropout_seed=5)
+    engine = RuntimeEngine(dropout_plan(w, world), w, rank, world, cfg, groups=cache)
+    check_engine_against(engine, real_trajectory(w, 2, config=ModelConfig(**DROPOUT), dropout_seed=5),
+                         f"rank {rank} dropout over ranks")
+    engine.close()
+    plan = with_settings(sequential_plan(w, world, tp=2), hidden_dropout=0.1)
+    if world == 2:  # TP 2, DP 1
+        engine = RuntimeEngine(plan, w, rank, world, cfg, groups=cache)
+        check_engine_against(engine, real_trajectory(w, config=ModelConfig(hidden_dropout=0.1), dropout_seed=5),
+                             f"rank {rank} hidden dropout over TP ranks")
+        engine.close()
+    engine = RuntimeEngine(with_settings(plan, attention_dropout=0.5), w, rank, world, cfg, groups=cache)
+    masks = []
+    for ls in in_wave_order(engine.local):
+        for m in ls.op.modules():
+            if isinstance(m, torch.nn.Dropout):  # the attention probabilities' dropout of this rank's heads
+                m.register_forward_hook(lambda mod, inp, out: masks.append((out == 0).flatten()))
+    engine.train_step(0)
+    engine.close()
+    check_masks_differ(masks, f"rank {rank}: attention dropout")
+    if world == 2:  # under sequence parallelism each TP rank drops its own part of the sequence
+        engine = RuntimeEngine(with_settings(plan, sequence_parallel=True), w, rank, world, cfg, groups=cache)
+        masks.clear()
+        with unittest.mock.patch.object(torch.nn.functional, "dropout", recording_dropout(masks)):
+            engine.train_step(0)
+        engine.close()
+        check_masks_differ(masks, f"rank {rank}: sequence-parallel hidden dropout")
+
+
+def recording_dropout(masks: list):
+    """torch.nn.functional.dropout, recording which elements each call drops while training."""
+    dropout = torch.nn.functional.dropout
+
+    def recorded(x, p=0.5, training=True, inplace=False):
+        out = dropout(x, p, training, inplace)
+        if training and p > 0:
+            masks.append((out == 0).flatten())
+        return out
+
+    return recorded
+
+
+def check_masks_differ(masks: list, label: str) -> None:
+    mine = torch.cat(masks)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    assert mine.numel() and all(not torch.equal(everyone[a], everyone[b])
+                                for a in range(len(everyone)) for b in range(a)), f"{label}: ranks drew one mask"
 
 
 def check_num_zeros(rank, world, refs, cfg, cache) -> None:
