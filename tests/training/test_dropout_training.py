@@ -1,0 +1,50 @@
+"""--hidden-dropout / --attention-dropout in a run: the masks are drawn per iteration, so a resumed run draws what
+the straight run drew and ends with its weights; a saved plan made with other dropout is refused. One process,
+in this process."""
+
+import os
+import sys
+
+import torch
+from checkpoint_params import checkpoint_params
+from script_loader import load_script
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+import pretrain_multitask  # noqa: E402
+
+COMMON = ["--workload", "tiny-vlm", "--mock-data", "--mock-data-samples", "16", "--seed", "5", "--lr", "1e-3",
+          "--lr-decay-iters", "4", "--spindle-planner", "wavefront", "--log-interval", "1"]
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+
+
+def test_resumed_run_draws_the_straight_runs_masks(tmp_path, one_thread):
+    straight, plain, resumed = [], [], []
+    assert pretrain_multitask.main(COMMON + DROPOUT + ["--train-iters", "4", "--save", str(tmp_path / "a")],
+                                   history=straight) == 0
+    assert pretrain_multitask.main(COMMON + ["--train-iters", "4"], history=plain) == 0
+    assert all(s.losses != p.losses for s, p in zip(straight, plain))
+    run = str(tmp_path / "b")
+    assert pretrain_multitask.main(COMMON + DROPOUT + ["--train-iters", "2", "--save", run]) == 0
+    assert pretrain_multitask.main(COMMON + DROPOUT + ["--train-iters", "4", "--load", run, "--save", run],
+                                   history=resumed) == 0
+    assert [r.losses for r in resumed] == [s.losses for s in straight[2:]]
+    _, a = checkpoint_params(tmp_path / "a")
+    _, b = checkpoint_params(run)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_saved_plan_with_other_dropout_is_refused(tmp_path, capsys):
+    plan_tool = load_script("tools/plan.py")
+    out = tmp_path / "plan.json"
+    assert plan_tool.main(["--workload", "tiny-vlm", "--num-gpus", "1", "--spindle-planner", "wavefront",
+                           "--hidden-dropout", "0.1", "--out", str(out), "--quiet"]) == 0
+    try:
+        pretrain_multitask.main(COMMON + ["--train-iters", "1", "--spindle-plan", str(out)])
+    except SystemExit as e:
+        assert e.code == 2
+    err = capsys.readouterr().err
+    assert f"--spindle-plan {out} was made with --hidden-dropout 0.1, this run gives 0: give --hidden-dropout 0.1" \
+           in err and "Traceback" not in err, err
+    assert pretrain_multitask.main(COMMON + ["--train-iters", "1", "--spindle-plan", str(out),
+                                             "--hidden-dropout", "0.1"]) == 0
