@@ -65,6 +65,8 @@ def plan_summary(plan: Plan) -> str:
         f"   gradient all-reduce in {plan.settings.grad_reduce_dtype}"
         + ("" if plan.settings.tp_sharded_grads else " in whole units")
         + ("" if plan.settings.grad_norm else "   no gradient norm (--clip-grad 0)")
+        + (f"   dropout hidden {plan.settings.hidden_dropout:g} attention {plan.settings.attention_dropout:g}"
+           if plan.settings.hidden_dropout or plan.settings.attention_dropout else "")
         + ("   weight all-gather overlapped with the next forward"
            if overlaps_param_gather(plan.settings) else "")
         + (f"   {len(plan.settings.segments)} segments" if plan.settings.segments else ""),

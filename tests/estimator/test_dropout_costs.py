@@ -15,6 +15,7 @@ from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
+from megatron_spindle.planner.report import plan_summary
 from megatron_spindle.simulator import simulate
 
 SHAPE = LayerShape(batch=4, seq=256, hidden=1024, heads=16, ffn=4096, attention="unfused")
@@ -74,6 +75,7 @@ def test_plans_charge_dropout():
     local = make_plan(w, cluster, dataclasses.replace(config, hidden_dropout=0.0, attention_dropout=0.0))
     assert simulate(plan, w, cluster).iteration_time > simulate(local, w, cluster).iteration_time
     assert plain.settings.hidden_dropout == 0.0
+    assert "dropout hidden 0.1 attention 0.1" in plan_summary(plan) and "dropout" not in plan_summary(plain)
     with pytest.raises(ValueError, match="--hidden-dropout must be a probability"):
         PlannerConfig(hidden_dropout=1.0)
 
