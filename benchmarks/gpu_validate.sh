@@ -5,8 +5,8 @@
 # Llama-3-8B-sized LLM layer at 1 / 2 / 4, and the host's launch floor (the same layers at tiny shapes,
 # benchmarks/host_floor.py); then the runtime trains under torchrun, NCCL and bf16: tiny-clip (smoke, at most 90 s)
 # and Multitask-CLIP-4 at global batch 128 (at most 120 s; its measured iteration time against the plan's prediction
-# for this GPU).
-# At most 8 minutes (measurements: budget 210 s, then they skip the rest; expected 1-2 min on an H200).
+# for this GPU), and tiny-vlm with dropout (at most 60 s).
+# At most 9 minutes (measurements: budget 210 s, then they skip the rest; expected 1-2 min on an H200).
 #
 # Ran on one H200 in the twenty-ninth session (output in benchmarks/results/gpu/, discussed in
 # benchmarks/results/README.md); the CPU dry run is tested (tests/tools/test_gpu_validate.py). On a GPU machine, run
@@ -77,6 +77,10 @@ if [[ "$DEVICE" == cuda ]]; then
     # 4 data workers prepare the next iteration's mock batches during the step (the model has no data loading)
     train_run clip4 120 --workload clip-4 --global-batch-size 128 --train-iters 8 --log-interval 2 --bf16 \
         --log-throughput --num-workers 4
+    # dropout on CUDA: the masks' generator states (models/dropout.py) on the device, Transformer Engine's
+    # attention dropout where TE runs
+    train_run dropout 60 --workload tiny-vlm --train-iters 4 --log-interval 2 --bf16 --hidden-dropout 0.1 \
+        --attention-dropout 0.1
 else
     train_run smoke 180 --workload tiny-clip --train-iters 2 --log-interval 1
     train_run vlm 180 --workload tiny-vlm --train-iters 4 --log-interval 2 --num-workers 2
