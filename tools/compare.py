@@ -156,11 +156,14 @@ def main(argv=None, extra_args_provider=None):
     if args.json:
         print(json.dumps({"workload": workload.name, "num_devices": cluster.num_devices,
                           "gpus_per_node": cluster.gpus_per_node, "gpu": cluster.gpu.name, "frozen": frozen,
+                          "hidden_dropout": config.hidden_dropout, "attention_dropout": config.attention_dropout,
                           "systems": results}, indent=1))
     else:
         backends = sorted({d["attention_backend"] for d in results.values() if "attention_backend" in d})
         print(f"{workload.name} on {cluster.num_devices} x {cluster.gpu.name} ({cluster.num_nodes} node(s)), "
               f"simulated, attention backend {'/'.join(backends) or config.attention_backend}"
+              + (f", dropout hidden {config.hidden_dropout:g} attention {config.attention_dropout:g}"
+                 if config.hidden_dropout or config.attention_dropout else "")
               + (f", frozen: {', '.join(frozen)}" if frozen else ""))
         print(table(results))
     return 0

@@ -81,3 +81,20 @@ def test_frozen_modules_are_compared_as_frozen(capsys):
         assert frozen["systems"][name]["peak_memory_bytes"] < full["systems"][name]["peak_memory_bytes"], name
     assert compare.main(argv[:-1] + ["--freeze", "llm"]) == 0
     assert "simulated, attention backend local, frozen: llm" in capsys.readouterr().out
+
+
+def test_dropout_is_charged_to_every_system(capsys):
+    """--hidden-dropout / --attention-dropout: every system is planned and simulated with the masks' kernels and
+    memory, and the header and the JSON say so."""
+    argv = ["--workload", "tiny-vlm", "--num-gpus", "4", "--systems", "spindle,deepspeed", "--spindle-planner",
+            "wavefront", "--gpu-type", "CPU", "--json"]
+    assert compare.main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert compare.main(argv + ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]) == 0
+    dropping = json.loads(capsys.readouterr().out)
+    assert (plain["hidden_dropout"], dropping["hidden_dropout"], dropping["attention_dropout"]) == (0, 0.1, 0.1)
+    for name in ("spindle", "deepspeed"):
+        assert dropping["systems"][name]["iteration_time"] > plain["systems"][name]["iteration_time"], name
+        assert dropping["systems"][name]["peak_memory_bytes"] > plain["systems"][name]["peak_memory_bytes"], name
+    assert compare.main(argv[:-1] + ["--hidden-dropout", "0.1"]) == 0
+    assert "simulated, attention backend local, dropout hidden 0.1 attention 0" in capsys.readouterr().out
