@@ -379,7 +379,8 @@ class AnalyticCostModel:
         (a layer's memory-bound kernels are listed in op_kernels.py)."""
         if metaop.kind == "layer":
             raise EstimatorError(f"MetaOp '{metaop.id}': a layer's memory traffic is per kernel (op_kernels.py)")
-        return light_traffic(metaop, None if metaop.kind == "loss" else self._module(metaop), self.dtype_bytes)
+        return light_traffic(metaop, None if metaop.kind == "loss" else self._module(metaop), self.dtype_bytes,
+                             self.config.hidden_dropout > 0)
 
     # ------------------------------------------------------------------------------------------ output
 

@@ -46,8 +46,9 @@ def light_gemms(metaop: MetaOp, module: ModuleSpec | None, rows: int) -> list[tu
     raise EstimatorError(f"MetaOp '{metaop.id}': unknown light kind '{metaop.kind}'")
 
 
-def light_traffic(metaop: MetaOp, module: ModuleSpec | None, dtype_bytes: int) -> float:
-    """HBM bytes of a light operator's memory-bound work for its whole batch, forward + backward."""
+def light_traffic(metaop: MetaOp, module: ModuleSpec | None, dtype_bytes: int, hidden_dropout: bool = False) -> float:
+    """HBM bytes of a light operator's memory-bound work for its whole batch, forward + backward; with
+    ``hidden_dropout`` a text front end's embedding dropout too (op_kernels.py ``_dropout``, each phase)."""
     d = dtype_bytes
     b, s, _ = metaop.input_shape
     if metaop.kind == "loss":
@@ -58,7 +59,7 @@ def light_traffic(metaop: MetaOp, module: ModuleSpec | None, dtype_bytes: int) -
         if fe is not None and fe.type == "text":
             # Gather rows (read + write) forward; backward reads the gradient and scatter-adds into the fp32
             # embedding gradient (read + write 4 bytes).
-            return b * s * h * (3 * d + 8.0)
+            return b * s * h * (3 * d + 8.0 + (2 * (2 * d + 1) if hidden_dropout else 0))
         passes = 3 + (2 if fe is not None and fe.pre_norm else 0)  # bias, position add, layout copy, norm
         if fe is not None and fe.stem == "conv":  # two GELUs (read + write), conv1's at the frame rate
             passes += 2 * fe.patch_size + 2

@@ -244,8 +244,8 @@ class MemoryModel:
         h = module.hidden_size
         if metaop.kind == "frontend":
             fe = module.frontend
-            if fe is None or fe.type == "text":
-                return b * s * INT64  # token ids for the embedding gradient
+            if fe is None or fe.type == "text":  # token ids for the embedding gradient, the dropout's mask
+                return b * s * (INT64 + (h * self.mask_bytes if self.hidden_dropout else 0))
             if fe.stem == "conv":  # input frames, conv1 output + GELU (frame rate), conv2 output
                 return b * s * (fe.patch_size * (fe.in_channels + 2 * h) + h) * d
             if fe.type == "patch":

@@ -94,10 +94,12 @@ class ConvStemFrontend(nn.Module):
 
 
 class TextFrontend(nn.Module):
-    """Word embedding (vocab-parallel under TP), plus learned positions when ``max_tokens`` is given."""
+    """Word embedding (vocab-parallel under TP), plus learned positions when ``max_tokens`` is given, then dropout
+    of ``config.hidden_dropout`` (megatron-core's LanguageModelEmbedding's)."""
 
     def __init__(self, fe: FrontendSpec, hidden_size: int, max_tokens: int | None, config, tp_group):
         super().__init__()
+        self.embedding_dropout = nn.Dropout(config.hidden_dropout)
         self.word_embeddings = VocabParallelEmbedding(
             fe.vocab_size, hidden_size, init_method=nn.init.zeros_, config=config, tp_group=tp_group
         )
@@ -110,4 +112,4 @@ class TextFrontend(nn.Module):
         x = self.word_embeddings(token_ids)
         if self.position_embeddings is not None:
             x = x + self.position_embeddings[: x.shape[1]]
-        return x
+        return self.embedding_dropout(x)

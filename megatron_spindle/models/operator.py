@@ -292,6 +292,9 @@ class FrontendOperator(SliceOperator):
             tcfg = lm_head_config(spec, self.tp_size, self.config)
             positions = None if spec.kind == "llm" else max_tokens  # LLMs: RoPE in the layers
             self.frontend = TextFrontend(fe, spec.hidden_size, positions, tcfg, self.tp_group)
+            if self.config.hidden_dropout > 0:  # every TP rank holds the whole embedding: one mask (models/dropout.py)
+                seed_layer_dropout(self.frontend, (self.metaop.task, f"{self.owner}.frontend",
+                                                   group_rank(self.dp_group)), self.tp_rank, False)
 
     def unit_modules(self):
         return {f"{self.owner}.frontend": self.frontend}

@@ -54,9 +54,9 @@ def build_local_slices(plan: Plan, workload: Workload, metagraph: MetaGraph, ran
     parameter probe are collective over the slice's TP group). A slice that recomputes activations
     (``settings.recompute_of``) is built with ``factory(..., recompute=Recompute)``, one that runs
     sequence-parallel (``sequence_parallel_runs``) with ``factory(..., sequence_parallel=True)``, and a layer slice
-    of a plan with an attention backend other than auto with ``factory(..., attention_backend=...)``, of a plan
-    with dropout with ``factory(..., hidden_dropout=p, attention_dropout=q)`` (those not 0). Each slice's
-    keys are registered in ``layout``."""
+    of a plan with an attention backend other than auto with ``factory(..., attention_backend=...)``, and a layer
+    or front-end slice of a plan with dropout with ``factory(..., hidden_dropout=p, attention_dropout=q)`` (those
+    not 0). Each slice's keys are registered in ``layout``."""
     local = {}
     for wi, w in enumerate(plan.waves):
         for s in w.slices:
@@ -71,7 +71,7 @@ def build_local_slices(plan: Plan, workload: Workload, metagraph: MetaGraph, ran
                 extra["sequence_parallel"] = True
             if s.kind == "layer" and plan.settings.attention_backend != "auto":
                 extra["attention_backend"] = plan.settings.attention_backend
-            if s.kind == "layer":
+            if s.kind in ("layer", "frontend"):  # a text front end drops its embeddings (models/frontends.py)
                 extra.update({name: getattr(plan.settings, name) for name in DROPOUTS if getattr(plan.settings, name)})
             op = factory(workload, info, s.layer_start, s.layer_end, pg_collection=pgs, dp_group=pgs.dp, **extra)
             op = op.to(device=device, dtype=dtype)

@@ -103,3 +103,21 @@ def test_a_profile_measured_with_other_dropout_is_refused():
     measured = Profile(points={}, dropout={"hidden_dropout": 0.1, "attention_dropout": 0.0})
     assert for_cluster(PlannerConfig(hidden_dropout=0.1), make_cluster(8), measured).hidden_dropout == 0.1
     assert ProfilerSettings(attention_dropout=0.2).to_dict()["attention_dropout"] == 0.2  # recorded, a cache key
+
+
+def test_text_front_ends_drop_their_embeddings():
+    w = load_workload("tiny-vlm")
+    cluster = make_cluster(8)
+    m = build_metagraph(w).metaops["caption/llm.frontend"]
+    b, s, h = m.input_shape[0], m.tokens, w.modules["llm"].hidden_size
+
+    def models(**dropout):
+        cost = AnalyticCostModel(w, cluster, config=CostModelConfig(**dropout))
+        return cost, MemoryModel(w, cluster, cost)
+
+    (c0, m0), (c1, m1) = models(), models(hidden_dropout=0.1)
+    assert m1.activation_bytes(m, 1, 1, 1) - m0.activation_bytes(m, 1, 1, 1) == b * s * h  # a byte per element
+    d = c0.dtype_bytes
+    assert c1.memory_bytes(m) - c0.memory_bytes(m) == 2 * (2 * d + 1) * b * s * h  # each phase's kernel
+    patches = build_metagraph(w).metaops["caption/vision.frontend"]
+    assert c1.memory_bytes(patches) == c0.memory_bytes(patches)

@@ -93,3 +93,22 @@ def test_dropout_probability_is_checked():
     for bad in (1.0, -0.5, float("nan")):
         with pytest.raises(ValueError, match="hidden-dropout must be a probability in"):
             ModelConfig(hidden_dropout=bad)
+
+
+def test_text_embeddings_drop_as_megatron_cores_do():
+    """A text front end drops its embeddings' output with --hidden-dropout (LanguageModelEmbedding's dropout), its
+    masks keyed as a layer's; image patches are not dropped."""
+    w = load_workload("tiny-vlm")
+    infos = metaop_infos(w)
+    batch = mock_batch(w, "caption", 0)
+    text = build_operator(w, infos["caption/llm.frontend"], 0, 1, config=ModelConfig(hidden_dropout=0.5))
+    plain = build_operator(w, infos["caption/llm.frontend"], 0, 1)
+    kept = run(plain, [], batch)
+    dropped = run(text, [], batch)
+    assert torch.equal(dropped, run(text, [], batch)) and not torch.equal(dropped, run(text, [], batch, iteration=1))
+    zero = dropped == 0
+    assert 0.4 < float(zero.float().mean()) < 0.6 and torch.allclose(dropped[~zero], 2 * kept[~zero])
+    assert torch.equal(text.eval()(([]), batch), kept)
+    patches = build_operator(w, infos["caption/vision.frontend"], 0, 1, config=ModelConfig(hidden_dropout=0.5))
+    assert torch.equal(run(patches, [], batch), run(build_operator(w, infos["caption/vision.frontend"], 0, 1), [],
+                                                     batch))

@@ -415,8 +415,12 @@ def check_dropout(rank, world, cfg, cache) -> None:
                          f"rank {rank} dropout over ranks")
     engine.close()
     plan = with_settings(sequential_plan(w, world, tp=2), hidden_dropout=0.1)
-    if world == 2:  # TP 2, DP 1
-        engine = RuntimeEngine(plan, w, rank, world, cfg, groups=cache)
+    if world == 2:  # the layers at TP 2, the rest on one device: no data parallelism anywhere
+        g = build_metagraph(w)
+        layered = [[(mid, 0, g.metaops[mid].num_layers, [0, 1] if g.metaops[mid].kind == "layer" else [0],
+                     2 if g.metaops[mid].kind == "layer" else 1)] for level in g.levels for mid in level]
+        engine = RuntimeEngine(with_settings(build_plan(w, world, layered), hidden_dropout=0.1), w, rank, world, cfg,
+                               groups=cache)
         check_engine_against(engine, real_trajectory(w, config=ModelConfig(hidden_dropout=0.1), dropout_seed=5),
                              f"rank {rank} hidden dropout over TP ranks")
         engine.close()
