@@ -894,6 +894,12 @@ def tp_sharded_cases(world: int):
             ("mixed", "tiny-clip", mixed, 3, False)]
 
 
+# Step 0's per-tensor tolerance here: on an AVX512 CPU (the thirty-ninth session's; earlier ones passed at RTOL),
+# tiny-clip's mixed-TP plan measures 1.007e-5 on one LayerNorm bias gradient on every rank, at ZeRO 0 and 3 alike
+# and at the commit before that session's changes too; every other tensor, and the global gradient, within RTOL.
+TP_SHARDED_TENSOR_RTOL = 2e-5
+
+
 def check_tp_sharded_grads(rank, world, workloads, refs, cfg, cache) -> None:
     """Plans timed with TP-sharded gradients (``settings.tp_sharded_grads``) run in that layout
     (runtime/tp_shards.py): each TP shard of a unit held at TP > 1 is a sub-unit kept, reduced and stepped by its
@@ -927,7 +933,7 @@ def check_tp_sharded_grads(rank, world, workloads, refs, cfg, cache) -> None:
             assert engine.shards[u].numel == sum(math.prod(shapes[k]) for k in split) // t, (label, u)
         split_somewhere |= bool(sub)
         own_somewhere |= any(sk.own for sk in engine.keys.slices.values())
-        check_engine_against(engine, ref, label)
+        check_engine_against(engine, ref, label, tensor_rtol=TP_SHARDED_TENSOR_RTOL)
         assert set(engine.export_units()) == set(engine.units), label
         if stage == 3:
             check_weight_shards(engine, label, one_at_a_time=True)
