@@ -189,7 +189,8 @@ def estimate_layer(args) -> dict:
             "model_flops_per_gpu": flops, "launch_floor_ms": floor * 1e3,
             "host_bound": floor >= forward + backward - 1e-12, "gpu_type": args.gpu_type,
             "tensor_model_parallel_size": tp, "sequence_parallel": sp, "attention": attention,
-            "fused_softmax": fused_softmax}
+            "fused_softmax": fused_softmax, "hidden_dropout": args.hidden_dropout,
+            "attention_dropout": args.attention_dropout}
 
 
 def layer_attention(args) -> tuple[str, bool]:

@@ -53,6 +53,19 @@ def test_frozen_layer_is_the_library_estimate_without_weight_gradients():
     assert frozen["tflops"] == pytest.approx(2 * shape.forward_flops() / (fwd + bwd) / 1e12)
 
 
+def test_dropout_layer_is_the_library_estimate_with_its_masks():
+    args = ("layer", "--hidden-size", "1024", "--num-attention-heads", "16", "--ffn-hidden-size", "4096",
+            "--seq-length", "512", "--micro-batch-size", "4", "--attention", "unfused", "--json")
+    out = json.loads(estimate(*args, "--hidden-dropout", "0.1", "--attention-dropout", "0.1").stdout)
+    shape = LayerShape(4, 512, 1024, 16, 4096, attention="unfused", hidden_dropout=True, attention_dropout=True)
+    fwd, bwd = layer_seconds(shape, make_cluster(8, 8, "A800-80GB"), CostModelConfig(attention="unfused"))
+    assert (out["forward_ms"], out["backward_ms"]) == (pytest.approx(fwd * 1e3), pytest.approx(bwd * 1e3))
+    assert (out["hidden_dropout"], out["attention_dropout"]) == (0.1, 0.1)
+    assert out["forward_ms"] > json.loads(estimate(*args).stdout)["forward_ms"]
+    bad = estimate(*args, "--attention-dropout", "1")
+    assert bad.returncode == 2 and "'1' is not a probability in [0, 1)" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_layer_reports_the_launch_floor_and_whether_it_sets_the_time():
     """A CLIP text layer at 8 samples waits for the host (its time is the floor); a GPT-4096 layer does not."""
     from megatron_spindle.estimator.cost_model import layer_launch_floor
