@@ -337,6 +337,21 @@ def dropout_probability(p: Any, name: str, error: type[Exception] = ValueError) 
     return float(p)
 
 
+def dropouts(source) -> dict[str, float]:
+    """The dropout probabilities (``DROPOUTS``) of anything that carries them by those names: a plan's settings,
+    a ``PlannerConfig``, ``ProfilerSettings``, parsed arguments."""
+    return {name: getattr(source, name) for name in DROPOUTS}
+
+
+def dropout_mismatch(recorded: dict[str, float], wanted: dict[str, float]) -> tuple[str, float, float] | None:
+    """The first dropout where what a plan or profile recorded differs from what is wanted: (its flag, recorded,
+    wanted); None where they agree."""
+    for name in DROPOUTS:
+        if recorded[name] != wanted[name]:
+            return f"--{name.replace('_', '-')}", recorded[name], wanted[name]
+    return None
+
+
 def attention_kernels(backend: str) -> tuple[str, bool]:
     """What an attention backend (``ATTENTION_BACKENDS``) computes, as the cost and memory models name it: the
     attention kind (``flash``: a fused kernel that never stores the scores, TE's flash or cuDNN fused attention;

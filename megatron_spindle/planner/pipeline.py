@@ -25,7 +25,9 @@ from megatron_spindle.plan.schema import (
     RUNTIME_ZERO_STAGES,
     Plan,
     PlanError,
+    dropout_mismatch,
     dropout_probability,
+    dropouts,
     execution_choices,
     resolve_attention_backend,
 )
@@ -232,12 +234,12 @@ def for_cluster(config: PlannerConfig, cluster: ClusterSpec, profile=None) -> Pl
     error). A caller that knows whether TE is present where the plan runs resolves it first (training/trainer).
     With a profile that recorded the attention it measured, auto is that one, and another is an error: the plan
     would charge measured times of kernels it does not run; so is dropout other than the profile's."""
-    dropout = getattr(profile, "dropout", None) or {}
-    for name, p in dropout.items():  # measured times of other masks (or none) would be charged
-        if p != getattr(config, name):
-            flag = f"--{name.replace('_', '-')}"
-            raise PlanError(f"the profile measured {flag} {p:g}, the plan is for {getattr(config, name):g}: give "
-                            f"{flag} {p:g}, or profile with {flag} {getattr(config, name):g}")
+    measured_dropout = getattr(profile, "dropout", None)  # measured times of other masks (or none) would be charged
+    differs = measured_dropout and dropout_mismatch(measured_dropout, dropouts(config))
+    if differs:
+        flag, p, wanted = differs
+        raise PlanError(f"the profile measured {flag} {p:g}, the plan is for {wanted:g}: give {flag} {p:g}, or "
+                        f"profile with {flag} {wanted:g}")
     measured = getattr(profile, "attention_backend", None)
     if measured is not None and config.attention_backend == "auto" and cluster.gpu.arch != "cpu":
         return replace(config, attention_backend=measured)

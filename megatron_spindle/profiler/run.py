@@ -27,7 +27,7 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.task_sets import workload_units
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.schema import DROPOUTS, resolve_attention_backend
+from megatron_spindle.plan.schema import dropouts, resolve_attention_backend
 from megatron_spindle.profiler.comm import ProbeChunk, dp_comm_seconds, measure_bandwidth
 from megatron_spindle.profiler.fingerprint import describe_hardware, profile_key, software_versions
 from megatron_spindle.profiler.operators import layer_chunk, measure_config, measure_optimizer
@@ -98,7 +98,7 @@ class ProfileResult:
         """The measurements as ``load_profile`` would read them back from the saved file."""
         return Profile(self.points, list(self.measurements), dict(self.bandwidth), self.optimizer,
                        self.settings.attention_backend,
-                       {name: getattr(self.settings, name) for name in DROPOUTS})
+                       dropouts(self.settings))
 
     def extra_sections(self) -> dict[str, Any]:
         return {

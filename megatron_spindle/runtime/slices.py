@@ -11,7 +11,7 @@ import torch
 
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.schema import DROPOUTS, Plan, Slice, sequence_parallel_runs
+from megatron_spindle.plan.schema import Plan, Slice, dropouts, sequence_parallel_runs
 from megatron_spindle.runtime.groups import PlanGroups
 from megatron_spindle.runtime.layout import is_tp_leader, slice_units
 from megatron_spindle.runtime.opstate import param_keys
@@ -72,7 +72,7 @@ def build_local_slices(plan: Plan, workload: Workload, metagraph: MetaGraph, ran
             if s.kind == "layer" and plan.settings.attention_backend != "auto":
                 extra["attention_backend"] = plan.settings.attention_backend
             if s.kind in ("layer", "frontend"):  # a text front end drops its embeddings (models/frontends.py)
-                extra.update({name: getattr(plan.settings, name) for name in DROPOUTS if getattr(plan.settings, name)})
+                extra.update({name: p for name, p in dropouts(plan.settings).items() if p})
             op = factory(workload, info, s.layer_start, s.layer_end, pg_collection=pgs, dp_group=pgs.dp, **extra)
             op = op.to(device=device, dtype=dtype)
             units = slice_units(metagraph, s)  # none of a frozen slice's (its operator's weights need no gradient)

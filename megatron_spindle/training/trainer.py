@@ -119,7 +119,7 @@ def get_plan(args, workload, world_size: int, rank: int):
     """The saved plan (--spindle-plan) or a fresh one made on rank 0 and broadcast (CP-SAT with a wall-clock
     limit is not deterministic, so ranks must not plan separately; with --spindle-solver-deterministic they could,
     but one plan sent is cheaper than a plan made on every rank)."""
-    from megatron_spindle.plan.schema import DROPOUTS, Plan, PlanError
+    from megatron_spindle.plan.schema import Plan, PlanError, dropout_mismatch, dropouts
     from megatron_spindle.plan.validate import validate_plan
 
     if args.spindle_plan:
@@ -128,12 +128,11 @@ def get_plan(args, workload, world_size: int, rank: int):
         if plan.num_devices != world_size:
             raise PlanError(f"--spindle-plan {args.spindle_plan} is for {plan.num_devices} devices, the world size "
                             f"is {world_size}")
-        for name in DROPOUTS:  # the plan charged its dropout, and the runtime runs it: the run's flags must agree
-            if getattr(plan.settings, name) != getattr(args, name):
-                flag = f"--{name.replace('_', '-')}"
-                raise PlanError(f"--spindle-plan {args.spindle_plan} was made with {flag} "
-                                f"{getattr(plan.settings, name):g}, this run gives {getattr(args, name):g}: give "
-                                f"{flag} {getattr(plan.settings, name):g}, or plan again with this run's")
+        differs = dropout_mismatch(dropouts(plan.settings), dropouts(args))  # the plan charged it, the runtime runs it
+        if differs:
+            flag, planned, given = differs
+            raise PlanError(f"--spindle-plan {args.spindle_plan} was made with {flag} {planned:g}, this run gives "
+                            f"{given:g}: give {flag} {planned:g}, or plan again with this run's")
         if rank == 0 and plan.settings.attention_backend == "auto" and torch.cuda.is_available():
             from megatron_spindle.compat.cpu import te_available
 
