@@ -12,6 +12,8 @@ import argparse
 import io
 import json
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,15 @@ def cell(text: str) -> tuple[str, int]:
     if not name or not gpus.isdigit() or int(gpus) < 1:
         raise argparse.ArgumentTypeError(f"takes WORKLOAD:GPUS, got '{text}'")
     return name, int(gpus)
+
+
+@contextmanager
+def announced(what: str):
+    """A long step of a benchmark, on stderr: ``what`` before it, its seconds after (the table stays on stdout)."""
+    t0 = time.perf_counter()
+    print(f"  {what} ...", file=sys.stderr, flush=True)
+    yield
+    print(f"    ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
 
 
 def plan_cell(name: str, gpus: int, planner: str):

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
-from bench_output import Recording, add_output_args, cell
+from bench_output import Recording, add_output_args, announced, cell
 from paper_eval import SOLVER
 
 from megatron_spindle.graph.cluster import make_cluster
@@ -62,17 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     for (name, gpus), sets in runs.items():
         for spec in sets:
             frozen = spec.split()
-            t0 = time.perf_counter()
-            print(f"  {name} / {gpus}, frozen: {', '.join(frozen) or 'nothing'} ...", file=sys.stderr, flush=True)
-            row = run_row(name, gpus, frozen)
-            rows.append(row)
-            sp, ds, mg = (row[s] for s in SYSTEMS)
-            ratio = f"{row['spindle_vs_deepspeed']:>7.2f}" if row["spindle_vs_deepspeed"] else f"{'-':>7}"
-            sp_ms = f"{sp['iteration_time'] * 1e3:>11.1f}" if sp["iteration_time"] else f"{'(no fit)':>11}"
-            sp_gib = f"{sp['peak_memory_bytes'] / 2**30:>8.1f}" if sp["peak_memory_bytes"] else f"{'-':>8}"
-            print(f"{name:<10}{gpus:>5}  {', '.join(frozen) or '-':<18}{sp_ms}{ds['iteration_time'] * 1e3:>11.1f}"
-                  f"{mg['iteration_time'] * 1e3:>10.1f}{ratio}{sp_gib}{ds['peak_memory_bytes'] / 2**30:>8.1f}")
-            print(f"    ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            with announced(f"{name} / {gpus}, frozen: {', '.join(frozen) or 'nothing'}"):
+                row = run_row(name, gpus, frozen)
+                rows.append(row)
+                sp, ds, mg = (row[s] for s in SYSTEMS)
+                ratio = f"{row['spindle_vs_deepspeed']:>7.2f}" if row["spindle_vs_deepspeed"] else f"{'-':>7}"
+                sp_ms = f"{sp['iteration_time'] * 1e3:>11.1f}" if sp["iteration_time"] else f"{'(no fit)':>11}"
+                sp_gib = f"{sp['peak_memory_bytes'] / 2**30:>8.1f}" if sp["peak_memory_bytes"] else f"{'-':>8}"
+                print(f"{name:<10}{gpus:>5}  {', '.join(frozen) or '-':<18}{sp_ms}"
+                      f"{ds['iteration_time'] * 1e3:>11.1f}{mg['iteration_time'] * 1e3:>10.1f}{ratio}{sp_gib}"
+                      f"{ds['peak_memory_bytes'] / 2**30:>8.1f}")
     record.save(rows)
     return 0
 

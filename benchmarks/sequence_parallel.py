@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
-from bench_output import Recording, add_output_args, cell
+from bench_output import Recording, add_output_args, announced, cell
 from paper_eval import SOLVER, UNLIMITED, relaxed, unlimited_reference
 
 from megatron_spindle.autoplan import autoplan
@@ -50,13 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'workload':<14}{'GPUs':>5}{'SP':>5}{'capped ms':>11}{'unlimited':>11}{'ratio':>7}  options (capped)")
     for name, gpus in cells:
         for sp in (False, True):
-            t0 = time.perf_counter()
-            print(f"  {name} / {gpus}, sequence parallelism {'on' if sp else 'off'} ...", file=sys.stderr, flush=True)
-            row = cell_row(name, gpus, args.planner, sp)
-            rows.append(row)
-            print(f"{name:<14}{gpus:>5}{'on' if sp else 'off':>5}{row['capped_ms']:>11.0f}{row['unlimited_ms']:>11.0f}"
-                  f"{row['memory_cost']:>7.3f}  {row['capped_options']}")
-            print(f"    ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            with announced(f"{name} / {gpus}, sequence parallelism {'on' if sp else 'off'}"):
+                row = cell_row(name, gpus, args.planner, sp)
+                rows.append(row)
+                print(f"{name:<14}{gpus:>5}{'on' if sp else 'off':>5}{row['capped_ms']:>11.0f}"
+                      f"{row['unlimited_ms']:>11.0f}{row['memory_cost']:>7.3f}  {row['capped_options']}")
     record.save(rows)
     return 0
 
