@@ -388,13 +388,12 @@ class RuntimeEngine:
 
         self.grad_sync.start_step()
         cues = (self._slice_done, self._micro_start, self._before_forward)
-        with draw_position(self.config.dropout_seed, step):  # recomputation in the backward draws alike
-            if self.config.measure_activations:
-                with SavedTensorMeter(p for ls in self.local.values() for p in ls.op.parameters()) as meter:
-                    losses = self.schedule.run(batches, *cues)
-                self.activation_peak = meter.peak
-            else:
-                losses = self.schedule.run(batches, *cues)
+        meter = SavedTensorMeter(p for ls in self.local.values() for p in ls.op.parameters()) \
+            if self.config.measure_activations else contextlib.nullcontext()
+        with draw_position(self.config.dropout_seed, step), meter:  # recomputation in the backward draws alike
+            losses = self.schedule.run(batches, *cues)
+        if self.config.measure_activations:
+            self.activation_peak = meter.peak
         t1 = self._clock()
         self.grad_sync.finish()
         t2 = self._clock()
