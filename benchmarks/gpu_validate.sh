@@ -8,9 +8,10 @@
 # for this GPU), and tiny-vlm with dropout (at most 60 s).
 # At most 9 minutes (measurements: budget 210 s, then they skip the rest; expected 1-2 min on an H200).
 #
-# Ran on one H200 in the twenty-ninth session (output in benchmarks/results/gpu/, discussed in
-# benchmarks/results/README.md); the CPU dry run is tested (tests/tools/test_gpu_validate.py). On a GPU machine, run
-# it and commit its output to benchmarks/results/gpu/.
+# Ran on one H200 in the twenty-ninth session and on one H100 in the fortieth (output in benchmarks/results/gpu/ and
+# gpu/h100/, discussed in benchmarks/results/README.md); the CPU dry run is tested (tests/tools/test_gpu_validate.py).
+# On a GPU machine, run it and commit its output to benchmarks/results/gpu/; benchmarks/gpu_session.sh runs it and
+# gpu_breakdown.sh in one call and packs their ~17 files into one archive.
 #
 #   benchmarks/gpu_validate.sh                      # CUDA, GPU type detected from the device name
 #   benchmarks/gpu_validate.sh --gpu-type H100      # when the name is not recognised

@@ -25,6 +25,11 @@ def test_gpu_validate_dry_run_measures_and_estimates_every_point(tmp_path):
     host = [p for p in doc["points"] if p["point"].startswith("host floor")]
     assert len(host) == 2 and all(p["aten_ops"] > 100 and p["us_per_aten_op"] > 0 for p in host)
     assert "model/meas" in proc.stdout and "aten ops," in proc.stdout
+    # GEMMs timed as runs of calls (the CPU's loop; a CUDA graph on a GPU), one call alone kept beside
+    gemms = [p for p in doc["points"] if p["point"].startswith("gemm")]
+    assert all(p["timing"].endswith("calls in a loop") and p["single_call_ms"] > 0 for p in gemms)
+    assert all(abs(2.0 * 64**3 / p["call_ms"] / 1e9 - p["measured"]) < 1e-9 for p in gemms[:1])
+    assert "gemm timing: " in proc.stdout
     # then the runtime trains under torchrun on the same device (fp32 and gloo in the dry run)
     assert "training runs passed" in proc.stdout
     assert "iteration        2/       2" in (tmp_path / "out" / "gpu_train_smoke.log").read_text()
@@ -54,6 +59,47 @@ def test_gpu_breakdown_dry_run_trains_on_the_analytic_and_the_profiled_plan(tmp_
         "plain PyTorch (fp32)", "runtime (float32)", "runtime (bfloat16)", "runtime (bfloat16, ZeRO-1)",
         "runtime (bfloat16, ZeRO-3)"}
     assert all(s > 0 for s in ops["seconds_per_step"].values())
+
+
+def _session_stand_ins(folder: Path, validate_rc: int) -> Path:
+    """Stand-ins for gpu_validate.sh and gpu_breakdown.sh: each writes its arguments and whether OUT was set into
+    its own file in --out-dir, and exits (validate with ``validate_rc``)."""
+    folder.mkdir()
+    body = ('out=; args="$*"; while [[ $# -gt 0 ]]; do [[ "$1" == --out-dir ]] && out="$2"; shift; done\n'
+            'echo "$args OUT=${OUT:-unset}" > "$out/{name}.txt"\nexit {rc}\n')
+    for name, rc in (("gpu_validate", validate_rc), ("gpu_breakdown", 0)):
+        (folder / f"{name}.sh").write_text(body.replace("{name}", name).replace("{rc}", str(rc)))
+    return folder
+
+
+def _session(tmp_path: Path, scripts: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict[str, str]]:
+    import tarfile
+
+    env = {**os.environ, "SCRIPTS": str(scripts), "OUT": str(tmp_path / "out")}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), *args], env=env,
+                          capture_output=True, text=True, timeout=60)
+    with tarfile.open(tmp_path / "out" / "gpu_session.tgz") as tar:
+        files = {Path(m.name).name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    return proc, files
+
+
+def test_gpu_session_runs_both_scripts_into_one_archive(tmp_path):
+    proc, files = _session(tmp_path, _session_stand_ins(tmp_path / "ok", 0), "--gpu-type", "H100")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert set(files) == {"gpu_validate.txt", "gpu_breakdown.txt"}
+    # options passed to both, each writing into the working folder, not into $OUT
+    assert all(f.startswith("--gpu-type H100 --out-dir ") and f.rstrip().endswith("OUT=unset")
+               for f in files.values())
+    assert sorted(os.listdir(tmp_path / "out")) == ["gpu_session.tgz"]
+    # a failed validation is the exit status, and the breakdown still runs and is packed
+    proc, files = _session(tmp_path, _session_stand_ins(tmp_path / "failing", 3), "--dry-run")
+    assert proc.returncode == 3 and set(files) == {"gpu_validate.txt", "gpu_breakdown.txt"}
+    # too little of the budget left: the breakdown is not started, the validation's files are packed
+    proc, files = _session(tmp_path, _session_stand_ins(tmp_path / "short", 0), "--budget", "0")
+    assert proc.returncode == 0 and set(files) == {"gpu_validate.txt"} and "not run" in proc.stdout
+    bad = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "--budget", "soon"],
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--budget" in bad.stderr
 
 
 def _probe_wheel(folder: Path) -> Path:
