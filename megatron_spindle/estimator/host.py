@@ -10,7 +10,10 @@ from megatron_spindle.graph.cluster import GPUSpec
 # megatron-core layers at tiny shapes (benchmarks/host_floor.py) on shared Xeon VMs: 31-69 us per counted kernel
 # over the seventh session's runs, 29.5-30.5 us over four quiet runs of the eighth; we keep 36 us (an encoder layer
 # 1.0 ms forward + 0.7 ms backward), inside that range, as the VM is no GPU server's host. On CUDA
-# benchmarks/gpu_validate.sh measures it again.
+# benchmarks/gpu_validate.sh measures it again: on GPU hosts 39 / 60 us (two H200 runs) and 45 us (an H100) on the
+# encoder layer, 64-65 us on the LLM layer, about 17-20 us per ATen operation on both. Kept at 36 us for now: one
+# constant per counted kernel cannot fit both layer kinds, and real steps' layers take more than either
+# (benchmarks/results/README.md, "Fortieth session").
 HOST_SECONDS_PER_KERNEL = 36e-6
 # The CPU device type (tests, planning for the gloo runtime) keeps the floor its placeholder numbers were set with,
 # so that the tiny workloads' plans keep the shape of GPU plans (graph/cluster.py "CPU").
