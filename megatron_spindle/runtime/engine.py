@@ -299,6 +299,15 @@ class RuntimeEngine:
         self.schedule.sync_waves = on
 
     @property
+    def slice_ranges(self) -> bool:
+        """Each slice's forward and backward inside a named profiler / NVTX range (runtime/schedule.py)."""
+        return self.schedule.slice_ranges
+
+    @slice_ranges.setter
+    def slice_ranges(self, on: bool) -> None:
+        self.schedule.slice_ranges = on
+
+    @property
     def units(self) -> list[str]:
         """The parameter units this rank holds (checkpoint names; ``shards`` has the runtime's, TP shards
         included: runtime/tp_shards.py), frozen ones included."""

@@ -19,6 +19,10 @@ slice's backward ``slice_done(slice)`` (the gradient sync's cues), and after eac
 ``on_wave(phase, wave_index, seconds)``. ``evaluate`` runs the forward steps alone (validation: no autograd
 graph, no backward, no ``on_wave``). Before each step that may wait for another rank, and before posting a
 micro-batch's receives on gloo, it records ``progress.point`` (what the watchdog names when a peer is missing).
+With ``slice_ranges`` set (the profiled iterations of ``--profile``) each local slice's forward and backward run
+inside a named range, "spindle forward <slice>" / "spindle backward <slice>": a ``record_function`` for the PyTorch
+profiler and, on CUDA, an NVTX range for Nsight Systems, so a profile says which slice the host's and the
+device's time went to.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +44,20 @@ from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.layout import dp_rank, transfer_input_index
 from megatron_spindle.runtime.slices import LocalSlice
 from megatron_spindle.runtime.transfer import PendingTransfer, SpecFn, TransferOp
+
+# The first word of the slices' profiler ranges (training/profiling.py tabulates the ranges that begin with it)
+SLICE_RANGE = "spindle"
+
+
+def slice_range(phase: str, slice_id: str, device: torch.device) -> ExitStack:
+    """The named range of one slice's ``phase`` (forward / backward): a PyTorch profiler ``record_function`` and,
+    on CUDA, an NVTX range (``nsys profile`` shows it on the timeline)."""
+    name = f"{SLICE_RANGE} {phase} {slice_id}"
+    stack = ExitStack()
+    stack.enter_context(torch.profiler.record_function(name))
+    if device.type == "cuda":
+        stack.enter_context(torch.cuda.nvtx.range(name))
+    return stack
 
 
 def build_transfers(plan: Plan, workload: Workload, spec_fn: SpecFn, wave_index: dict[str, int],
@@ -85,6 +104,7 @@ class WaveSchedule:
         self.early_receives = early_receives  # every receive posted when a micro-batch begins (gloo)
         self.loss_weights, self.dtype, self.device, self.on_wave = loss_weights, dtype, device, on_wave
         self.sync_waves = False
+        self.slice_ranges = False
         wave_index = {s.id: wi for wi, w in enumerate(plan.waves) for s in w.slices}
         self.transfers = build_transfers(plan, workload, spec_fn, wave_index, no_grad)
         self._into_wave: dict[int, list[TransferOp]] = {}  # by consumer wave
@@ -147,7 +167,8 @@ class WaveSchedule:
                         if before_forward is not None:
                             before_forward(ls)  # the overlapped weight all-gather (its own progress point)
                         progress.point(where, wave, ls)
-                        self._forward_slice(ls, tensors[ls.slice.id], micro, placed)
+                        with self._range("forward", ls):
+                            self._forward_slice(ls, tensors[ls.slice.id], micro, placed)
                         if ls.terminal and ls.tp_leader:
                             v = tensors[ls.slice.id].output.detach().to(torch.float64)
                             losses[names.index(ls.slice.task)] += v / ls.slice.dp if ls.dp_loss_mean else v
@@ -163,7 +184,8 @@ class WaveSchedule:
                         self._receive_backward(t, tensors, posted.pop((t.index, 1)))
                     if ls is not None:
                         progress.point("backward", wave, ls)
-                        self._backward_slice(ls, tensors[ls.slice.id])
+                        with self._range("backward", ls):
+                            self._backward_slice(ls, tensors[ls.slice.id])
                         slice_done(ls)
                     for t in into:
                         posted[(t.index, 1)] = self._post_backward(t, tensors, j, early.pop((t.index, 1), None))
@@ -193,6 +215,9 @@ class WaveSchedule:
         for w in self._pending_sends:  # sends this rank did not wait for (runtime/transfer.py)
             w.wait()
         self._pending_sends.clear()
+
+    def _range(self, phase: str, ls: LocalSlice) -> AbstractContextManager:
+        return slice_range(phase, ls.slice.id, self.device) if self.slice_ranges else nullcontext()
 
     def _wave_done(self, phase: str, wave: int, t0: float) -> None:
         if self.on_wave is not None:

@@ -6,7 +6,8 @@ Systems (``nsys profile --capture-range=cudaProfilerApi ...``). With ``--use-pyt
 profiler records them (CPU, and CUDA when present) instead: a trace for TensorBoard's profiler plugin in
 ``--tensorboard-dir`` when given, and on every profiled rank a table of the operators that took the most time, in
 the log (host time first: a step made of many small waves is often bound by the host, which a GPU-time table
-would hide).
+would hide), then the runtime's slices (each slice's forward and backward runs in a named range while profiling:
+runtime/schedule.py ``slice_range``, NVTX ranges for nsys too) by their host time.
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ class StepProfiler:
             torch.cuda.cudart().cudaProfilerStart()
         self._running = True
 
+    @property
+    def active(self) -> bool:
+        """Inside the profiled window (the engine then runs its slices in named ranges)."""
+        return self._running
+
     def after_iteration(self, done: int) -> None:
         """``done``: how many iterations have run."""
         if self._running and done >= self.end:
@@ -97,4 +103,27 @@ class StepProfiler:
         if torch.cuda.is_available():
             parts += [f"{head}, by device time:",
                       averages.table(sort_by="self_device_time_total", row_limit=TABLE_ROWS)]
+        slices = slice_table(averages)
+        if slices:
+            parts += [f"{head}, by slice (host: the range's time on the thread that ran it, whose backward waits for "
+                      f"autograd's; device: the kernels the profiler puts under it):", slices]
         return "\n".join(parts)
+
+
+def slice_table(averages) -> str:
+    """The slices' ranges (runtime/schedule.py ``slice_range``) of ``averages`` (``key_averages()``), the most host
+    time first; empty when there are none."""
+    from megatron_spindle.runtime.schedule import SLICE_RANGE
+
+    prefix = f"{SLICE_RANGE} "
+    rows = sorted((e for e in averages if e.key.startswith(prefix)), key=lambda e: -e.cpu_time_total)
+    if not rows:
+        return ""
+    width = max(len(e.key) for e in rows) - len(prefix) + 2
+    lines = [f"{'range':<{width}}{'calls':>6}{'host ms':>10}{'device ms':>11}"]
+    for e in rows[:TABLE_ROWS]:
+        device = getattr(e, "device_time_total", 0.0)
+        lines.append(f"{e.key[len(prefix):]:<{width}}{e.count:>6}{e.cpu_time_total / 1e3:>10.2f}{device / 1e3:>11.2f}")
+    if len(rows) > TABLE_ROWS:
+        lines.append(f"({len(rows) - TABLE_ROWS} more)")
+    return "\n".join(lines)

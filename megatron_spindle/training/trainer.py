@@ -460,6 +460,7 @@ def _train_loop(args, sets, info: DistContext, loss_weights: dict[str, float], g
                 weights = {t: (base[t] if mb.active[t] else 0.0) for t in phase.tasks}
                 engine.set_loss_weights(weights)
                 profiler.before_iteration(it)
+                engine.slice_ranges = profiler.active
                 t0 = time.perf_counter()
                 losses = engine.train_step(it)
                 seconds = time.perf_counter() - t0

@@ -3,6 +3,7 @@ benchmarks/gpu_env.sh / gpu_wheels.sh, which bring megatron-core to a GPU machin
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -51,8 +52,12 @@ def test_gpu_breakdown_dry_run_trains_on_the_analytic_and_the_profiled_plan(tmp_
     assert json.loads((tmp_path / "profile.json").read_text())["gpu"] == "CPU"
     log = (tmp_path / "breakdown_profiled.log").read_text()
     assert "measured wave time forward/backward" in log and "optimizer-inner-step" in log  # --timing-log-level 2
-    # the analytic plan's last iteration ran under the PyTorch profiler
-    assert "[profile] rank 0, iterations 4 to 4, by host time:" in (tmp_path / "breakdown_analytic.log").read_text()
+    # the analytic plan's last iteration ran under the PyTorch profiler, each slice's phases in named ranges
+    analytic = (tmp_path / "breakdown_analytic.log").read_text()
+    assert "[profile] rank 0, iterations 4 to 4, by host time:" in analytic
+    assert "iterations 4 to 4, by slice" in analytic
+    slices = {m.group(1) for m in re.finditer(r"^(forward|backward) w\d+:\S+ +1 +\d+\.\d+ +\d+\.\d+$", analytic, re.M)}
+    assert slices == {"forward", "backward"}
     # then the operations one step dispatches, counted and timed
     ops = json.loads((tmp_path / "host_ops.json").read_text())
     assert ops["device"] == "cpu" and set(ops["steps"]) == {

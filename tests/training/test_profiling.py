@@ -6,6 +6,7 @@ import argparse
 import pytest
 import torch
 
+from megatron_spindle.runtime.schedule import slice_range
 from megatron_spindle.training.profiling import StepProfiler, add_profiling_args, check_profiling_args
 
 
@@ -39,6 +40,26 @@ def test_the_pytorch_profiler_records_exactly_the_window_and_writes_its_trace(tm
     assert "iteration_0" not in table and "iteration_3" not in table
     assert [p.name for p in tmp_path.iterdir()][0].startswith("rank0.") and \
         all(p.name.endswith(".pt.trace.json") for p in tmp_path.iterdir())
+
+
+def test_inside_the_window_the_slices_ranges_are_tabulated_by_host_time():
+    printed, active = [], []
+    profiler = StepProfiler(_args("--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
+                                  "--profile-step-end", "2"), rank=0, print_fn=printed.append)
+    a = torch.ones(64, 64)
+    for it in range(3):
+        profiler.before_iteration(it)
+        active.append(profiler.active)  # what the trainer gives the engine's slice_ranges
+        for phase, work in (("forward", 1), ("backward", 40)):
+            with slice_range(phase, f"w{it}:t/m", torch.device("cpu")):
+                for _ in range(work):
+                    a = a @ a / 64
+        profiler.after_iteration(it + 1)
+    profiler.stop()
+    assert active == [False, True, False]
+    table = printed[0].split("by slice")[1].splitlines()
+    assert table[1].split() == ["range", "calls", "host", "ms", "device", "ms"]
+    assert [row.split()[:3] for row in table[2:]] == [["backward", "w1:t/m", "1"], ["forward", "w1:t/m", "1"]]
 
 
 def test_a_rank_not_named_and_a_run_without_profile_record_nothing(tmp_path):
