@@ -20,7 +20,9 @@ the CPU, AdamW runs a loop per master tensor; CUDA's fused AdamW is one operatio
 "optimizer" rows overstate a GPU's.
 
 With ``--device cuda`` (benchmarks/gpu_breakdown.sh) the steps run on the GPU; the timed steps' milliseconds
-over the operations then give the host's time per operation where the step is host-bound.
+over the operations then give the host's time per operation where the step is host-bound. Every step's batches
+are made before the steps run (``made_before``): making CLIP-4's mock batches on the host took most of a timed step
+on the fortieth session's H100 (341-382 ms per step of one task whose waves take about 80 ms in training).
 
 Printed, not asserted, written (host_ops.txt, .json) to --out-dir. Example:
     python benchmarks/host_ops.py --workload tiny-clip [--two-ranks]
@@ -117,6 +119,13 @@ def count_steps(step, warmup: int, timed: int, device: str) -> Counted:
     return Counted(counter, statistics.median(seconds) if seconds else float("nan"))
 
 
+def made_before(batch_fn, workload, steps: int, seed: int) -> Callable:
+    """``batch_fn``'s batches of steps 0 .. ``steps`` - 1 (every task), made now; returns a ``batch_fn`` that hands
+    them out, so that the counted and timed steps are the training step alone."""
+    made = {(t.name, step): batch_fn(workload, t.name, step, seed) for step in range(steps) for t in workload.tasks}
+    return lambda _workload, task, step, _seed: made[task, step]
+
+
 def count_engine(workload, dtype: torch.dtype, warmup: int, timed: int = 0, device: str = "cpu",
                  zero_stage: int = 0) -> Counted:
     """The runtime's step on a plan for one device (its waves one after another), at ``zero_stage`` (one device
@@ -128,6 +137,7 @@ def count_engine(workload, dtype: torch.dtype, warmup: int, timed: int = 0, devi
     plan = at_zero_stage(make_plan(workload, make_cluster(1, 1, "CPU"), PlannerConfig(planner="wavefront")),
                          zero_stage)
     engine = RuntimeEngine(plan, workload, 0, 1, EngineConfig(dtype=dtype, device=device))
+    engine.batch_fn = made_before(engine.batch_fn, workload, warmup + 1 + timed, engine.config.data_seed)
     return count_steps(engine.train_step, warmup, timed, device)
 
 
@@ -222,10 +232,11 @@ def count_plain(workload, warmup: int, timed: int = 0, device: str = "cpu") -> t
     model = ReferenceModel(workload).to(device)
     params = list(dict.fromkeys(model.full_named_parameters().values()))
     optimizer = torch.optim.AdamW(params)
-    tasks = [t.name for t in workload.tasks]
+    batch_fn = made_before(lambda w, t, step, seed: mock_batch(w, t, step, seed).to(device), workload,
+                           warmup + 1 + timed, 0)
 
     def step(i: int) -> None:
-        batches = {t: mock_batch(workload, t, i, 0).to(device) for t in tasks}
+        batches = {t.name: batch_fn(workload, t.name, i, 0) for t in workload.tasks}
         optimizer.zero_grad(set_to_none=True)
         model.total_loss(model(batches)).backward()
         optimizer.step()
