@@ -28,6 +28,7 @@ device's time went to.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
@@ -55,9 +56,21 @@ def slice_range(phase: str, slice_id: str, device: torch.device) -> ExitStack:
     name = f"{SLICE_RANGE} {phase} {slice_id}"
     stack = ExitStack()
     stack.enter_context(torch.profiler.record_function(name))
-    if device.type == "cuda":
+    if device.type == "cuda" and nvtx_available():
         stack.enter_context(torch.cuda.nvtx.range(name))
     return stack
+
+
+@functools.cache
+def nvtx_available() -> bool:
+    """Whether this torch can mark NVTX ranges (a build without them raises on the first call: profiling must
+    not end a training run over a missing marker)."""
+    try:
+        torch.cuda.nvtx.range_push("spindle probe")
+        torch.cuda.nvtx.range_pop()
+        return True
+    except Exception:
+        return False
 
 
 def build_transfers(plan: Plan, workload: Workload, spec_fn: SpecFn, wave_index: dict[str, int],

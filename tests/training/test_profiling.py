@@ -92,3 +92,14 @@ def test_the_nsys_bracket_without_cuda_says_to_use_the_pytorch_profiler():
     with pytest.raises(ValueError, match="add --use-pytorch-profiler"):
         check_profiling_args(_args("--profile"))
     check_profiling_args(_args())  # no --profile: nothing to check
+
+
+def test_a_torch_without_nvtx_markers_still_profiles_its_slices():
+    """This CPU build has no NVTX: a CUDA slice's range is the profiler's alone, and nothing raises."""
+    from megatron_spindle.runtime.schedule import nvtx_available
+
+    assert not nvtx_available()
+    with torch.profiler.profile() as prof:
+        with slice_range("forward", "w0:t/m", torch.device("cuda")):
+            torch.ones(2).sum()
+    assert "spindle forward w0:t/m" in {e.key for e in prof.key_averages()}
