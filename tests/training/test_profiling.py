@@ -94,12 +94,21 @@ def test_the_nsys_bracket_without_cuda_says_to_use_the_pytorch_profiler():
     check_profiling_args(_args())  # no --profile: nothing to check
 
 
-def test_a_torch_without_nvtx_markers_still_profiles_its_slices():
-    """This CPU build has no NVTX: a CUDA slice's range is the profiler's alone, and nothing raises."""
-    from megatron_spindle.runtime.schedule import nvtx_available
+def test_a_torch_without_nvtx_markers_still_profiles_its_slices(monkeypatch):
+    """A build whose NVTX calls raise (CPU builds do): a CUDA slice's range is the profiler's alone, nothing
+    raises."""
+    from megatron_spindle.runtime import schedule
 
-    assert not nvtx_available()
-    with torch.profiler.profile() as prof:
-        with slice_range("forward", "w0:t/m", torch.device("cuda")):
-            torch.ones(2).sum()
+    def missing(*_):
+        raise RuntimeError("NVTX functions not installed")
+
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", missing)
+    schedule.nvtx_available.cache_clear()
+    try:
+        assert not schedule.nvtx_available()
+        with torch.profiler.profile() as prof:
+            with slice_range("forward", "w0:t/m", torch.device("cuda")):
+                torch.ones(2).sum()
+    finally:
+        schedule.nvtx_available.cache_clear()
     assert "spindle forward w0:t/m" in {e.key for e in prof.key_averages()}
