@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from megatron_spindle.plan.buckets import overlaps_param_gather
@@ -16,11 +17,26 @@ def _fmt_time(s: float) -> str:
     return f"{s * 1e3:.2f} ms" if s < 10 else f"{s:.2f} s"
 
 
+BYTE_UNITS = (("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
+
+
 def _fmt_bytes(b: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    for unit, scale in BYTE_UNITS:
         if b >= scale:
             return f"{b / scale:.2f} {unit}"
     return f"{b:.0f} B"
+
+
+MEMORY_LINE = re.compile(r"memory per device: max ([0-9.]+) (GB|MB|KB|B)\b")
+
+
+def parse_memory_per_device(line: str) -> float | None:
+    """The largest predicted memory per device, in bytes, from the summary's "memory per device" line (None for any
+    other line): what a training log holds of the plan's memory."""
+    m = MEMORY_LINE.search(line)
+    if not m:
+        return None
+    return float(m.group(1)) * dict(BYTE_UNITS).get(m.group(2), 1.0)
 
 
 CANDIDATES_SHOWN = 12  # plan selection's candidates named in the log and the summary (1024 GPUs make 96)

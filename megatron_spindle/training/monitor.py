@@ -86,6 +86,11 @@ class TrainingMonitor:
                          params_norm=self.engine.params_norm() if self.args.log_params_norm else None,
                          num_zeros=stats.num_zeros)
         self.print(format_log_line(rec))
+        if not self.records and self.engine.device.type == "cuda":  # Megatron-LM's report, once
+            from megatron_spindle.training.memory import memory_report
+
+            for line in memory_report(iteration):
+                self.print(line)
         self.print(format_wave_line(rec))
         if self.args.timing_log_level >= 2:
             self.print(format_wave_phases(*self.waves.phases, self.n))

@@ -39,3 +39,18 @@ def test_a_log_without_training_lines_is_one_line_and_a_failure(tmp_path, capsys
     assert SUMMARY.main([str(log), "--json", str(out)]) == 1
     assert capsys.readouterr().err == f"crash: no training log line in {log}\n"
     assert not out.exists()
+
+
+def test_the_peak_memory_is_the_largest_rank_against_the_plans_largest_device(tmp_path, capsys):
+    from megatron_spindle.training.memory import report_lines
+
+    ranks = report_lines(2, [[1.0e9, 30e9, 31e9, 32e9], [1.0e9, 36e9, 37e9, 38e9]])
+    log = tmp_path / "run.log"
+    log.write_text("\n".join(["  memory per device: max 40.61 GB  min 12.00 GB  capacity 85.90 GB",
+                              _line(2, 900.0, 8.0), *ranks, _line(4, 230.0, 7.0)]) + "\n")
+    assert SUMMARY.main([str(log), "--name", "clip4"]) == 0
+    s = SUMMARY.summarize(log.read_text().splitlines())
+    assert abs(s["max_allocated_gb"] - 36.0) < 0.01 and s["predicted_memory_gb"] == 40.61
+    assert capsys.readouterr().out.rstrip().endswith("; peak memory 36.00 GB allocated against 40.61 GB predicted (0.89)")
+    # a CPU run has no report: nothing is said of memory
+    assert SUMMARY.summarize([_line(2, 900.0, 8.0)])["max_allocated_gb"] is None

@@ -1,0 +1,20 @@
+"""Megatron-LM's memory report on CUDA (training/memory.py): a line per rank after the first logged interval, which
+benchmarks/train_log_summary.py reads back. Tested on the CPU with torch.cuda's statistics stood in for."""
+
+import torch
+
+from megatron_spindle.training import memory
+
+
+def test_one_process_reports_its_cuda_statistics_in_megatrons_format(monkeypatch):
+    stats = {"allocated_bytes.all.current": 3 * memory.MB, "allocated_bytes.all.peak": 10.5 * memory.MB,
+             "reserved_bytes.all.current": 12 * memory.MB, "reserved_bytes.all.peak": 16 * memory.MB}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a, **k: stats)
+    assert memory.memory_report(10) == ["[Rank 0] (after 10 iterations) memory (MB) | allocated: 3.0 | "
+                                        "max allocated: 10.5 | reserved: 12.0 | max reserved: 16.0"]
+
+
+def test_report_lines_read_back_as_each_ranks_peak():
+    lines = memory.report_lines(4, [[0, 2 * memory.MB, 0, 0], [0, 7.5 * memory.MB, 0, 0]])
+    assert [memory.parse_report_line(line) for line in lines] == [(0, 2 * memory.MB), (1, 7.5 * memory.MB)]
+    assert memory.parse_report_line(" [2026-12-05] iteration 2/ 8 | memory (MB)") is None
