@@ -5,7 +5,7 @@
 # Llama-3-8B-sized LLM layer at 1 / 2 / 4, and the host's launch floor (the same layers at tiny shapes,
 # benchmarks/host_floor.py); then the runtime trains under torchrun, NCCL and bf16: tiny-clip (smoke, at most 90 s)
 # and Multitask-CLIP-4 at global batch 128 (at most 120 s; its measured iteration time against the plan's prediction
-# for this GPU), and tiny-vlm with dropout (at most 60 s).
+# for this GPU), and tiny-vlm with dropout (at most 60 s); their peak memory against the plan's is in gpu_train.json.
 # At most 9 minutes (measurements: budget 210 s, then they skip the rest; expected 1-2 min on an H200).
 #
 # Ran on one H200 in the twenty-ninth session and on one H100 in the fortieth (output in benchmarks/results/gpu/ and
