@@ -6,8 +6,8 @@ benchmarks/gpu_validate.sh is the entry point.
 
 One process, one GPU, no NCCL:
 - GEMMs (bf16), each timed as a run of back-to-back calls (a CUDA graph replayed: ``kernel_ms``): the C1 regime
-  (8192^3), a ViT-H QKV projection and a sweep for the Hopper tile model
-  (``GEMM_SHAPES``), TFLOP/s measured vs KernelModel.gemm_rate;
+  (8192^3), a ViT-H QKV projection and a sweep for the Hopper tile model (``GEMM_SHAPES``), and the unfused
+  attention's batched GEMMs at CLIP-4's tower shapes (``BMM_SHAPES``), TFLOP/s measured vs KernelModel.gemm_rate;
 - one large device-to-device copy: achieved HBM bandwidth vs the model's (datasheet x memory efficiency);
 - FlashAttention-2 (torch SDPA's flash backend, the FA2 kernels) in the FA2 paper's setup (batch x seq = 16k
   tokens, hidden 2048, head dim 64 / 128, non-causal, fwd + bwd): TF/s vs KernelModel.flash_rate (C2, C3);
@@ -94,6 +94,16 @@ GEMM_SHAPES = (
     (32 * 197, 3 * 384, 384), (32 * 197, 1536, 384),
     (1024, 4096, 32 * 77),
 )
+# Batched GEMMs (batch, M, N, K) of the unfused attention the local spec runs (baddbmm QK^T, bmm PV and the four
+# backward products), at clip-4's per-task batch of 32: the ViT-H tower (16 heads, 257 tokens, head dim 80), the
+# text tower (16 heads, 77 tokens, 64) and the audio tower (12 heads, 229 tokens, 64). On the fortieth session's
+# H100 the step's bmm and baddbmm took 41 and 12 ms per iteration where the model puts 13 and 4 (the profiler's
+# totals, benchmarks/results/README.md): these time them shape by shape.
+BMM_SHAPES = (
+    (32 * 16, 257, 257, 80), (32 * 16, 257, 80, 257),
+    (32 * 16, 77, 77, 64), (32 * 16, 77, 64, 77),
+    (32 * 12, 229, 229, 64), (32 * 12, 229, 64, 229),
+)
 
 
 # Milliseconds of back-to-back calls per timed replay of a short kernel (``kernel_ms``): the replay's own launch and
@@ -137,6 +147,12 @@ def gemm_points(torch, timer, km, device, dry) -> Iterator[dict]:
         flops = 2.0 * m * n * k
         yield {"point": f"gemm {m}x{n}x{k}", "unit": "TFLOP/s", "measured": flops / ms / 1e9,
                "model": km.gemm_rate(m, n, k) / 1e12, "call_ms": ms, "single_call_ms": single, "timing": how}
+    for batch, m, n, k in [(4, 17, 17, 16)] if dry else BMM_SHAPES:
+        a = torch.randn(batch, m, k, device=device, dtype=dtype)
+        b = torch.randn(batch, k, n, device=device, dtype=dtype)
+        ms, single, how = kernel_ms(torch, timer, lambda a=a, b=b: torch.bmm(a, b), device)
+        yield {"point": f"bmm {batch}x{m}x{n}x{k}", "unit": "TFLOP/s", "measured": 2.0 * batch * m * n * k / ms / 1e9,
+               "model": km.gemm_rate(m, n, k, batch) / 1e12, "call_ms": ms, "single_call_ms": single, "timing": how}
 
 
 def copy_point(torch, timer, km, device, dry) -> Iterator[dict]:

@@ -31,6 +31,9 @@ def test_gpu_validate_dry_run_measures_and_estimates_every_point(tmp_path):
     assert all(p["timing"].endswith("calls in a loop") and p["single_call_ms"] > 0 for p in gemms)
     assert all(abs(2.0 * 64**3 / p["call_ms"] / 1e9 - p["measured"]) < 1e-9 for p in gemms[:1])
     assert "gemm timing: " in proc.stdout
+    # the unfused attention's batched GEMMs, timed the same way
+    bmm = [p for p in doc["points"] if p["point"].startswith("bmm")]
+    assert [p["point"] for p in bmm] == ["bmm 4x17x17x16"] and bmm[0]["timing"].endswith("calls in a loop")
     # then the runtime trains under torchrun on the same device (fp32 and gloo in the dry run)
     assert "training runs passed" in proc.stdout
     assert "iteration        2/       2" in (tmp_path / "out" / "gpu_train_smoke.log").read_text()
