@@ -14,7 +14,7 @@ from megatron_spindle.estimator.cost_model import OptimizerCost
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.profiler.settings import ProfilerSettings
-from megatron_spindle.profiler.world import ProfileWorld, median_seconds
+from megatron_spindle.profiler.world import ProfileWorld, median_seconds, warm_device
 from megatron_spindle.runtime.optimizer import adamw_fused
 
 OPTIMIZER_PROBE_ELEMENTS = 1 << 20  # one fp32 tensor: the per-element cost, where no units are given
@@ -228,6 +228,7 @@ def measure_config(workload: Workload, info, metaop: MetaOp, tp: int, dp: int, w
         try:
             pgs = make_pg_collection(tp_group) if tp > 1 else None
             op, inputs, batch = _build(workload, info, layers, dp, world, settings, pgs)
+            warm_device(world)
             seconds, forward = (t / layers for t in time_operator(op, inputs, batch, world, settings.warmup,
                                                                    settings.repeats, metaop.backward != "none"))
             numel = sum(p.numel() for p in op.parameters() if p.requires_grad) // layers

@@ -101,6 +101,26 @@ class ProfileWorld:
         return mine, member
 
 
+# A fixed burst of bf16 matmuls (about 0.1 s on an H100, 0.25 s on an A100) that a GPU runs before each measured
+# config: host-bound measurements leave it mostly idle, and a few runs of a large operator after them may be timed
+# before its clocks are up (the fortieth session's H100: the ViT-H layer measured 15.5 ms per layer in one profile,
+# 5.5 in another taken after training runs, 4.3-5.9 in training). The same count on every rank: no rank waits.
+DEVICE_WARMUP_MATMULS = 64
+DEVICE_WARMUP_SIZE = 8192
+
+
+def warm_device(world: ProfileWorld) -> None:
+    """Busy the GPU with ``DEVICE_WARMUP_MATMULS`` matmuls of ``DEVICE_WARMUP_SIZE``^2 in bf16 and wait for them
+    (nothing on a CPU)."""
+    if world.device.type != "cuda":
+        return
+    a = torch.randn(DEVICE_WARMUP_SIZE, DEVICE_WARMUP_SIZE, device=world.device, dtype=torch.bfloat16)
+    for _ in range(DEVICE_WARMUP_MATMULS):
+        torch.mm(a, a)
+    world.sync()
+    del a
+
+
 def median_seconds(fn: Callable[[], None], world: ProfileWorld, warmup: int, repeats: int) -> float:
     """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` untimed ones (device-synchronised)."""
     for _ in range(warmup):

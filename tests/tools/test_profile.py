@@ -210,6 +210,34 @@ def test_operator_phases_are_timed_in_the_same_repeats():
     assert 0 < forward <= total
 
 
+def test_a_gpu_is_busied_before_each_config_is_timed(monkeypatch):
+    """On a GPU, a fixed burst of matmuls runs (and is waited for) after the config is built and before its
+    warm-up and timed repeats; on a CPU none."""
+    import torch
+
+    from megatron_spindle.graph.opgraph import build_metagraph
+    from megatron_spindle.models.operator import metaop_infos
+    from megatron_spindle.profiler import ProfileWorld, operators, world
+    from megatron_spindle.profiler.settings import ProfilerSettings
+
+    events = []
+    monkeypatch.setattr(world.torch, "mm", lambda a, b: events.append("mm"))
+    monkeypatch.setattr(world.torch, "randn", lambda *a, **k: torch.zeros(1))
+    monkeypatch.setattr(ProfileWorld, "sync", lambda self: events.append("sync"))
+    monkeypatch.setattr(operators, "time_operator", lambda *a, **k: events.append("timed") or (1.0, 0.5))
+    w = load_workload("tiny-clip")
+    info = next(i for i in metaop_infos(w).values() if i.kind == "layer")
+    metaop = build_metagraph(w).metaops[info.id]
+    gpu = ProfileWorld(device=torch.device("cuda", 0))
+    monkeypatch.setattr(operators, "_build", lambda *a, **k: (torch.nn.Linear(2, 2), [], None))
+    monkeypatch.setattr(operators, "time_sharded_copies", lambda *a, **k: (0.0, 0.0))
+    operators.measure_config(w, info, metaop, 1, 1, gpu, ProfilerSettings())
+    assert events == ["mm"] * world.DEVICE_WARMUP_MATMULS + ["sync", "timed"]
+    events.clear()
+    operators.measure_config(w, info, metaop, 1, 1, ProfileWorld(), ProfilerSettings())
+    assert events == ["timed"]
+
+
 def test_optimizer_probe_steps_tensors_of_the_workloads_units():
     """AdamW's cost per element is timed on tensors of the workload's unit sizes (the runtime's flat masters), the
     largest first within the probe's budget; a unit above the budget is timed at the budget."""
