@@ -86,13 +86,14 @@ def print_rank_0(*a, **k) -> None:
 # Apart from the attention core (--attention-backend), the analytic model describes Transformer Engine's fused
 # kernels; without TE the runtime runs megatron-core's local spec, whose layers measured 1.3-2.2x the model on an
 # H200 (benchmarks/results/gpu, twenty-ninth session), and CLIP-4's step 1.7x the prediction on an H100, 1.05x
-# planned from a profile (gpu/h100, fortieth session).
+# planned from a profile taken after training runs (gpu/h100, fortieth session; a second profile on an idle GPU was
+# 2.8x slow on the largest layer, which the profiler's device warm-up now addresses).
 LOCAL_SPEC_NOTE = ("[plan] note: Transformer Engine is not available, so the runtime runs megatron-core's local spec. "
                    "The plan charges its unfused attention (--attention-backend local), but the analytic cost model's "
                    "other kernels are TE's fused ones, where the local spec runs unfused norms and activations with "
                    "more host work per layer: expect iterations slower than predicted (Multitask-CLIP-4 on one H100: "
                    "1.7x). --spindle-profile (tools/profile_metaops.py) plans on measured MetaOps of what runs here "
-                   "(the same run: within 5 %).")
+                   "(the same run: 1.05x).")
 # The CPU type's constants are placeholders that keep the tiny workloads' plans shaped like GPU plans
 # (graph/cluster.py "CPU"), not this machine's speed.
 CPU_PLACEHOLDER_NOTE = ("[plan] note: --gpu-type CPU plans on placeholder numbers (they keep the plan shaped like a "
