@@ -5,8 +5,9 @@
 # (--profile --use-pytorch-profiler: tables of the costliest operators by host and by device time end that log);
 # then tools/profile_metaops.py measures every MetaOp on this GPU and the runtime trains again on the plan made
 # from that profile (--spindle-profile), so the prediction from measured scaling curves meets the measured
-# iteration too; last, benchmarks/host_ops.py counts the operations one step dispatches and times them. At most
-# 8 minutes.
+# iteration too; last, benchmarks/host_ops.py counts the operations one step dispatches and times them. A first
+# profile, taken before anything else runs, is held against the later one (benchmarks/profile_compare.py). At
+# most 8 minutes.
 #
 #   benchmarks/gpu_breakdown.sh                     # CUDA, GPU type detected from the device name
 #   benchmarks/gpu_breakdown.sh --gpu-type H100
@@ -14,8 +15,8 @@
 #
 # Options: --dry-run, --gpu-type X, --out-dir DIR (default: $OUT when set, else benchmarks/out/gpu_breakdown).
 # Env: PYTHON, WHEELS (benchmarks/gpu_env.sh). Writes DIR/breakdown_{analytic,profiled}.log, DIR/profile.json,
-# DIR/profile.log, DIR/gpu_breakdown.json (both runs' measured and predicted iteration times) and
-# DIR/host_ops.{txt,json,log}.
+# DIR/profile.log, DIR/profile_first.{json,log}, DIR/profile_compare.txt, DIR/gpu_breakdown.json (both runs'
+# measured and predicted iteration times) and DIR/host_ops.{txt,json,log}.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -61,19 +62,29 @@ train() {  # NAME (of the plan) FLAGS...
         --timing-log-level 2 "${COMMON[@]}" "${WORKLOAD[@]}" "${TRAIN[@]}" "$@" || FAILED=$?
 }
 
+profile() {  # NAME: every MetaOp measured into OUT_DIR/NAME.json (log NAME.log); a failure ends the script
+    set +e
+    timeout "$LIMIT_PROFILE" "$PYTHON" "$ROOT/tools/profile_metaops.py" "${COMMON[@]}" "${WORKLOAD[@]}" \
+        --device "$DEVICE" --num-gpus 1 --profile-max-n 1 --profile-layers 1 --no-profile-cache "${PROFILE[@]}" \
+        --out "$OUT_DIR/$1.json" > "$OUT_DIR/$1.log" 2>&1
+    local rc=$?
+    set -e
+    if [[ "$rc" -ne 0 ]]; then
+        echo "[gpu_breakdown] profiling FAILED (exit $rc); the end of $OUT_DIR/$1.log:"
+        gpu_log_tail "$OUT_DIR/$1.log"
+        exit "$rc"
+    fi
+}
+
+# a profile on the GPU as the script finds it, to hold against the one taken after the training run: two H100
+# profiles disagreed 2.8x on the largest layer before the profiler warmed the GPU itself (fortieth session)
+echo "[gpu_breakdown] profiling every MetaOp on $DEVICE, first thing ..."
+profile profile_first
 train analytic --profile --use-pytorch-profiler "${PROFILED_ITERATIONS[@]}"
 echo "[gpu_breakdown] profiling every MetaOp on $DEVICE ..."
-set +e
-timeout "$LIMIT_PROFILE" "$PYTHON" "$ROOT/tools/profile_metaops.py" "${COMMON[@]}" "${WORKLOAD[@]}" \
-    --device "$DEVICE" --num-gpus 1 --profile-max-n 1 --profile-layers 1 --no-profile-cache "${PROFILE[@]}" \
-    --out "$OUT_DIR/profile.json" > "$OUT_DIR/profile.log" 2>&1
-rc=$?
-set -e
-if [[ "$rc" -ne 0 ]]; then
-    echo "[gpu_breakdown] profiling FAILED (exit $rc); the end of $OUT_DIR/profile.log:"
-    gpu_log_tail "$OUT_DIR/profile.log"
-    exit "$rc"
-fi
+profile profile
+"$PYTHON" "$ROOT/benchmarks/profile_compare.py" "$OUT_DIR/profile_first.json" "$OUT_DIR/profile.json" \
+    --out "$OUT_DIR/profile_compare.txt" | tail -n 1 || FAILED=$?
 train profiled --spindle-profile "$OUT_DIR/profile.json"
 # the operations one step dispatches (the runtime's own, the model's, the optimizer's) and, timed, the host's
 # time per operation where the step is host-bound

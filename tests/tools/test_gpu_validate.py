@@ -53,6 +53,9 @@ def test_gpu_breakdown_dry_run_trains_on_the_analytic_and_the_profiled_plan(tmp_
     # the second plan came from the profile just taken, so its prediction differs from the analytic one
     assert runs["profiled"]["predicted_ms"] != runs["analytic"]["predicted_ms"]
     assert json.loads((tmp_path / "profile.json").read_text())["gpu"] == "CPU"
+    # a first profile, before the training, held against the later one MetaOp by MetaOp
+    assert json.loads((tmp_path / "profile_first.json").read_text())["gpu"] == "CPU"
+    assert (tmp_path / "profile_compare.txt").read_text().splitlines()[-1].startswith("largest disagreement: ")
     log = (tmp_path / "breakdown_profiled.log").read_text()
     assert "measured wave time forward/backward" in log and "optimizer-inner-step" in log  # --timing-log-level 2
     # the analytic plan's last iteration ran under the PyTorch profiler, each slice's phases in named ranges
