@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A GPU session in one device call: benchmarks/gpu_validate.sh, then benchmarks/gpu_breakdown.sh, both writing into
 # one working folder that is packed into one archive, DIR/gpu_session.tgz, after each script. The device tool
-# returns at most 8 files of a call, and the two scripts write about 17 (the fortieth session lost the
+# returns at most 8 files of a call, and the two scripts write about 20 (the fortieth session lost the
 # breakdown's profile and host_ops files to that limit and spent a second call on them); the archive after the
 # first script keeps its results should the second run past the call's limit.
 #

@@ -11,7 +11,7 @@
 # Ran on one H200 in the twenty-ninth session and on one H100 in the fortieth (output in benchmarks/results/gpu/ and
 # gpu/h100/, discussed in benchmarks/results/README.md); the CPU dry run is tested (tests/tools/test_gpu_validate.py).
 # On a GPU machine, run it and commit its output to benchmarks/results/gpu/; benchmarks/gpu_session.sh runs it and
-# gpu_breakdown.sh in one call and packs their ~17 files into one archive.
+# gpu_breakdown.sh in one call and packs their ~20 files into one archive.
 #
 #   benchmarks/gpu_validate.sh                      # CUDA, GPU type detected from the device name
 #   benchmarks/gpu_validate.sh --gpu-type H100      # when the name is not recognised
