@@ -31,6 +31,11 @@ def _measurements(path: Path) -> tuple[dict, dict[tuple[str, int, int], float]]:
         raise CompareError(f"{path}: not a readable profile ({type(e).__name__}: {e})") from None
 
 
+def _disagreement(x: float, y: float) -> float:
+    """The larger of y / x and x / y (inf where one is 0)."""
+    return max(x / y, y / x) if min(x, y) > 0 else float("inf")
+
+
 def compare(first: Path, second: Path) -> tuple[list[tuple[str, int, int, float, float]], str]:
     """(MetaOp, tp, dp, first seconds, second seconds) of the configs both measured, and the table as text."""
     a_doc, a = _measurements(first)
@@ -46,8 +51,8 @@ def compare(first: Path, second: Path) -> tuple[list[tuple[str, int, int, float,
     for m, tp, dp, x, y in rows:
         ratio = y / x if x > 0 else float("inf")
         lines.append(f"{m:<{width}}{tp:>3}{dp:>4}{x * 1e3:>11.3f}{y * 1e3:>11.3f}{ratio:>14.2f}")
-    worst = max(rows, key=lambda r: max(r[4] / r[3], r[3] / r[4]) if min(r[3], r[4]) > 0 else float("inf"))
-    spread = max(worst[4] / worst[3], worst[3] / worst[4]) if min(worst[3], worst[4]) > 0 else float("inf")
+    worst = max(rows, key=lambda r: _disagreement(r[3], r[4]))
+    spread = _disagreement(worst[3], worst[4])
     lines.append(f"largest disagreement: {spread:.2f}x ({worst[0]}, tp {worst[1]} dp {worst[2]}) over {len(rows)} "
                  f"configs")
     return rows, "\n".join(lines)

@@ -58,14 +58,13 @@ def report_lines(iteration: int, per_rank: list[list[float]]) -> list[str]:
 def memory_report(iteration: int) -> list[str]:
     """Every rank's CUDA memory (the peaks since the start: the planner's per-device prediction is a peak), as
     ``report_lines``; gathered to every rank. Collective."""
+    from megatron_spindle.training.multinode import all_gather_objects
+
     stats = torch.cuda.memory_stats()
     local = [float(stats.get(key, 0)) for _, key in REPORT_KEYS]
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return report_lines(iteration, [local])
-    v = torch.tensor(local, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    rows = [torch.empty_like(v) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, v)
-    return report_lines(iteration, [r.tolist() for r in rows])
+    return report_lines(iteration, all_gather_objects(local))
 
 
 REPORT_LINE = re.compile(r"^\[Rank (\d+)\] \(after \d+ iterations\) memory \(MB\) \|.*\| max allocated: ([0-9.]+) \|")

@@ -55,7 +55,8 @@ def resolve_node_layout(args: argparse.Namespace, environ=os.environ) -> None:
                          f"shared a node's links. Give --gpus-per-node {local}, or leave it out (taken from torchrun)")
 
 
-def _all_gather(obj: Any) -> list[Any]:
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (pickled: small objects). Collective."""
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -79,7 +80,7 @@ def check_shared_folder(path: str | None, flag: str, rank: int, world_size: int)
         os.replace(tmp, mine)
     except OSError as e:
         err = f"cannot write into {flag} {path}: {e}"
-    hosts = _all_gather(host)
+    hosts = all_gather_objects(host)
     dist.barrier()  # every probe is written (or failed) before anyone looks
     unseen: list[int] = []
     if err is None:
@@ -89,7 +90,7 @@ def check_shared_folder(path: str | None, flag: str, rank: int, world_size: int)
             if not unseen or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-    reports = _all_gather((err, unseen))
+    reports = all_gather_objects((err, unseen))
     dist.barrier()  # everyone has looked before probes go away
     try:
         (folder / f".spindle-shared-probe-{token[0]}-{rank}").unlink(missing_ok=True)

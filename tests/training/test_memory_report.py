@@ -18,3 +18,14 @@ def test_report_lines_read_back_as_each_ranks_peak():
     lines = memory.report_lines(4, [[0, 2 * memory.MB, 0, 0], [0, 7.5 * memory.MB, 0, 0]])
     assert [memory.parse_report_line(line) for line in lines] == [(0, 2 * memory.MB), (1, 7.5 * memory.MB)]
     assert memory.parse_report_line(" [2026-12-05] iteration 2/ 8 | memory (MB)") is None
+
+
+def test_ranks_report_each_their_own_line_in_rank_order(monkeypatch):
+    from megatron_spindle.training import multinode
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a, **k: {"allocated_bytes.all.peak": 4 * memory.MB})
+    monkeypatch.setattr(memory.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(memory.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(multinode, "all_gather_objects", lambda local: [local, [0.0, 9 * memory.MB, 0.0, 0.0]])
+    lines = memory.memory_report(2)
+    assert [memory.parse_report_line(line) for line in lines] == [(0, 4 * memory.MB), (1, 9 * memory.MB)]
