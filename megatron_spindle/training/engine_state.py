@@ -26,7 +26,7 @@ LEVEL_2_TIMERS = ("batch-generator",)
 OVERLAP_PARAM_GATHER_TIMERS = ("params-all-gather",)
 
 
-def _over_ranks(v: torch.Tensor, op: str = "max") -> torch.Tensor:
+def over_ranks(v: torch.Tensor, op: str = "max") -> torch.Tensor:
     """The elementwise max (or min) of ``v`` over the ranks (a copy on NCCL, which reduces on the GPU)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN
@@ -63,7 +63,7 @@ class WaveTimer:
         can exceed the iteration.) Collective."""
         n = self.num_waves
         total = [f + b for f, b in zip(self.forward, self.backward)]
-        v = _over_ranks(torch.tensor(total + self.forward + self.backward + [sum(total)],
+        v = over_ranks(torch.tensor(total + self.forward + self.backward + [sum(total)],
                                      dtype=torch.float64)).tolist()
         self.phases = (v[n:2 * n], v[2 * n:3 * n])
         self.busiest = v[3 * n]
@@ -86,8 +86,8 @@ class PhaseTimer:
         if times is None:
             return {}
         v = torch.tensor([times.get(k, 0.0) * 1e3 / max(iterations, 1) for k in self.names], dtype=torch.float64)
-        hi = _over_ranks(v.clone(), "max").tolist()
-        lo = _over_ranks(v.clone(), "min").tolist()
+        hi = over_ranks(v.clone(), "max").tolist()
+        lo = over_ranks(v.clone(), "min").tolist()
         times.clear()
         return {k: (a, b) for k, a, b in zip(self.names, lo, hi)}
 

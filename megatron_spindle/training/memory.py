@@ -16,6 +16,8 @@ import resource
 import torch
 import torch.distributed as dist
 
+from megatron_spindle.training.engine_state import over_ranks
+
 CUDA_KEYS = {"mem-reserved-bytes": "reserved_bytes.all.current", "mem-allocated-bytes": "allocated_bytes.all.current",
              "mem-max-allocated-bytes": "allocated_bytes.all.peak", "mem-allocated-count": "allocation.all.current"}
 
@@ -33,12 +35,7 @@ def _local() -> dict[str, float]:
 def memory_scalars() -> dict[str, float]:
     """Tag -> bytes (or count), the maximum over the ranks."""
     local = _local()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        v = torch.tensor(list(local.values()), dtype=torch.float64,
-                         device="cuda" if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(v, op=dist.ReduceOp.MAX)
-        local = dict(zip(local, v.tolist()))
-    return local
+    return dict(zip(local, over_ranks(torch.tensor(list(local.values()), dtype=torch.float64)).tolist()))
 
 
 MB = 2**20  # Megatron-LM's report is in MiB, written "MB"

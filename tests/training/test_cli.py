@@ -313,6 +313,6 @@ def test_wave_timer_gives_the_busiest_rank_not_the_sum_of_per_wave_maxima(monkey
     b.record("backward", 0, 0.5)
     assert b.collect() == [0.5, 2.5] and b.busiest == 3.0  # one process: its own
     theirs = torch.tensor([0.5, 2.5, 0.0, 2.5, 0.5, 0.0, 3.0], dtype=torch.float64)  # b's vector
-    monkeypatch.setattr(engine_state, "_over_ranks", lambda v, op="max": torch.maximum(v, theirs))
+    monkeypatch.setattr(engine_state, "over_ranks", lambda v, op="max": torch.maximum(v, theirs))
     assert a.collect() == [3.0, 2.5] and a.busiest == 4.0
     assert a.phases == ([2.0, 2.5], [1.0, 1.0])

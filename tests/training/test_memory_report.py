@@ -29,3 +29,12 @@ def test_ranks_report_each_their_own_line_in_rank_order(monkeypatch):
     monkeypatch.setattr(multinode, "all_gather_objects", lambda local: [local, [0.0, 9 * memory.MB, 0.0, 0.0]])
     lines = memory.memory_report(2)
     assert [memory.parse_report_line(line) for line in lines] == [(0, 4 * memory.MB), (1, 9 * memory.MB)]
+
+
+def test_scalars_are_the_largest_over_the_ranks(monkeypatch):
+    # the other rank's numbers stood in for by the shared reducer (training/engine_state.py over_ranks)
+    local = {"mem-rss-bytes": 5.0, "mem-max-rss-bytes": 9.0}
+    monkeypatch.setattr(memory, "_local", lambda: dict(local))
+    monkeypatch.setattr(memory, "over_ranks", lambda v, op="max": torch.maximum(v, torch.tensor([7.0, 8.0],
+                                                                                                 dtype=v.dtype)))
+    assert memory.memory_scalars() == {"mem-rss-bytes": 7.0, "mem-max-rss-bytes": 9.0}
