@@ -6,8 +6,11 @@ benchmarks/gpu_validate.sh is the entry point.
 
 One process, one GPU, no NCCL:
 - GEMMs (bf16), each timed as a run of back-to-back calls (a CUDA graph replayed: ``kernel_ms``): the C1 regime
-  (8192^3), a ViT-H QKV projection and a sweep for the Hopper tile model (``GEMM_SHAPES``), and the unfused
-  attention's batched GEMMs at CLIP-4's tower shapes (``BMM_SHAPES``), TFLOP/s measured vs KernelModel.gemm_rate;
+  (8192^3), a ViT-H QKV projection and a sweep for the Hopper tile model (``GEMM_SHAPES``),
+  TFLOP/s measured vs KernelModel.gemm_rate;
+- the unfused attention's kernels at CLIP-4's tower shapes (``ATTENTION_TOWERS``): its six batched GEMMs in
+  megatron-core's strided layout and contiguous (and at tokens rounded up to a multiple of 8), its fp32 softmax, and
+  the towers' LayerNorm forward and backward (GB/s against the bytes the model charges);
 - one large device-to-device copy: achieved HBM bandwidth vs the model's (datasheet x memory efficiency);
 - FlashAttention-2 (torch SDPA's flash backend, the FA2 kernels) in the FA2 paper's setup (batch x seq = 16k
   tokens, hidden 2048, head dim 64 / 128, non-causal, fwd + bwd): TF/s vs KernelModel.flash_rate (C2, C3);
@@ -27,6 +30,7 @@ One process, one GPU, no NCCL:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -94,16 +98,17 @@ GEMM_SHAPES = (
     (32 * 197, 3 * 384, 384), (32 * 197, 1536, 384),
     (1024, 4096, 32 * 77),
 )
-# Batched GEMMs (batch, M, N, K) of the unfused attention the local spec runs (baddbmm QK^T, bmm PV and the four
-# backward products), at clip-4's per-task batch of 32: the ViT-H tower (16 heads, 257 tokens, head dim 80), the
-# text tower (16 heads, 77 tokens, 64) and the audio tower (12 heads, 229 tokens, 64). On the fortieth session's
-# H100 the step's bmm and baddbmm took 41 and 12 ms per iteration where the model puts 13 and 4 (the profiler's
-# totals, benchmarks/results/README.md): these time them shape by shape.
-BMM_SHAPES = (
-    (32 * 16, 257, 257, 80), (32 * 16, 257, 80, 257),
-    (32 * 16, 77, 77, 64), (32 * 16, 77, 64, 77),
-    (32 * 12, 229, 229, 64), (32 * 12, 229, 64, 229),
-)
+# The unfused attention the local spec runs, at clip-4's per-task batch of 32, per tower (name, batch x heads,
+# tokens, head dim): ViT-H (16 heads, 257 tokens, head dim 80), text (16 heads, 77 tokens, 64), audio (12 heads,
+# 229 tokens, 64). On the fortieth session's H100 the step's bmm and baddbmm took 41 and 12 ms per iteration where
+# the model puts 13 and 4, and LayerNorm 15 against 7 ms (the profiler's totals, benchmarks/results/README.md). The
+# ``attention`` step times them kernel by kernel: the six batched GEMMs (QK^T and PV, and the backward's dQ, dK,
+# dP, dV) in megatron-core's layout (strided views of [tokens, batch x heads, head dim], as DotProductAttention
+# passes them to baddbmm / bmm) and contiguous; the contiguous two again with the tokens rounded up to a multiple
+# of 8 (bf16 operands whose rows are not 16-byte aligned may take slower kernels: what separates an alignment
+# cost from a short-K one); the fp32 softmax with its casts; the tower's LayerNorm forward and backward.
+ATTENTION_TOWERS = (("vision", 32 * 16, 257, 80), ("text", 32 * 16, 77, 64), ("audio", 32 * 12, 229, 64))
+NORM_SHAPES = (("vision", 32 * 257, 1280), ("text", 32 * 77, 1024), ("audio", 32 * 229, 768))
 
 
 # Milliseconds of back-to-back calls per timed replay of a short kernel (``kernel_ms``): the replay's own launch and
@@ -147,12 +152,84 @@ def gemm_points(torch, timer, km, device, dry) -> Iterator[dict]:
         flops = 2.0 * m * n * k
         yield {"point": f"gemm {m}x{n}x{k}", "unit": "TFLOP/s", "measured": flops / ms / 1e9,
                "model": km.gemm_rate(m, n, k) / 1e12, "call_ms": ms, "single_call_ms": single, "timing": how}
-    for batch, m, n, k in [(4, 17, 17, 16)] if dry else BMM_SHAPES:
-        a = torch.randn(batch, m, k, device=device, dtype=dtype)
-        b = torch.randn(batch, k, n, device=device, dtype=dtype)
-        ms, single, how = kernel_ms(torch, timer, lambda a=a, b=b: torch.bmm(a, b), device)
-        yield {"point": f"bmm {batch}x{m}x{n}x{k}", "unit": "TFLOP/s", "measured": 2.0 * batch * m * n * k / ms / 1e9,
-               "model": km.gemm_rate(m, n, k, batch) / 1e12, "call_ms": ms, "single_call_ms": single, "timing": how}
+
+
+def _gemm_point(torch, timer, km, device, name: str, fn, batch: int, m: int, n: int, k: int) -> dict:
+    ms, single, how = kernel_ms(torch, timer, fn, device)
+    return {"point": name, "unit": "TFLOP/s", "measured": 2.0 * batch * m * n * k / ms / 1e9,
+            "model": km.gemm_rate(m, n, k, batch) / 1e12, "call_ms": ms, "single_call_ms": single, "timing": how}
+
+
+def attention_bmm_points(torch, timer, km, device, dry) -> Iterator[dict]:
+    """The unfused attention's six batched GEMMs of each tower, in megatron-core's layout and contiguous."""
+    for tower in [("tiny", 4, 17, 16)] if dry else ATTENTION_TOWERS:
+        yield from _tower_bmm_points(torch, timer, km, device, *tower)
+
+
+def _tower_bmm_points(torch, timer, km, device, tower: str, heads: int, seq: int, hd: int) -> Iterator[dict]:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+
+    def rows(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype)
+
+    # [tokens, batch x heads, head dim] -> [batch x heads, tokens, head dim]: megatron-core's strided views
+    q, k, v, dctx = (rows(seq, heads, hd).transpose(0, 1) for _ in range(4))
+    probs, dscores = rows(heads, seq, seq), rows(heads, seq, seq)
+    out = torch.empty(heads, seq, seq, device=device, dtype=dtype)
+    layout = (  # (product, fn, M, N, K)
+        ("qk", lambda: torch.baddbmm(out, q, k.transpose(1, 2), beta=0.0, alpha=hd ** -0.5), seq, seq, hd),
+        ("pv", lambda: torch.bmm(probs, v), seq, hd, seq),
+        ("dq", lambda: torch.bmm(dscores, k), seq, hd, seq),
+        ("dk", lambda: torch.bmm(dscores.transpose(1, 2), q), seq, hd, seq),
+        ("dp", lambda: torch.bmm(dctx, v.transpose(1, 2)), seq, seq, hd),
+        ("dv", lambda: torch.bmm(probs.transpose(1, 2), dctx), seq, hd, seq),
+    )
+    for product, fn, m, n, kk in layout:
+        yield _gemm_point(torch, timer, km, device, f"bmm {tower} {product} megatron {heads}x{m}x{n}x{kk}", fn,
+                          heads, m, n, kk)
+    for tokens in sorted({seq, -(-seq // 8) * 8}):
+        for product, (m, n, kk) in (("qk", (tokens, tokens, hd)), ("pv", (tokens, hd, tokens))):
+            a, b = rows(heads, m, kk), rows(heads, kk, n)
+            yield _gemm_point(torch, timer, km, device, f"bmm {tower} {product} contiguous {heads}x{m}x{n}x{kk}",
+                              lambda a=a, b=b: torch.bmm(a, b), heads, m, n, kk)
+
+
+def attention_memory_points(torch, timer, km, device, dry) -> Iterator[dict]:
+    """The local spec's fp32 softmax of the scores (cast up, softmax, cast down) and the towers' LayerNorm forward
+    and backward, achieved GB/s against the model's (op_kernels: the bytes it charges over its time)."""
+    for tower, heads, seq, _ in [("tiny", 4, 17, 16)] if dry else ATTENTION_TOWERS:
+        yield _softmax_point(torch, timer, km, device, tower, heads, seq)
+    for tower in [("tiny", 68, 64)] if dry else NORM_SHAPES:
+        yield from _norm_points(torch, timer, km, device, *tower)
+
+
+def _memory_point(torch, timer, km, device, name: str, fn, nbytes: float, kernels: int) -> dict:
+    ms, _, how = kernel_ms(torch, timer, fn, device)
+    return {"point": name, "unit": "GB/s", "measured": nbytes / ms / 1e6,
+            "model": nbytes / km.memory(nbytes, kernels) / 1e9, "call_ms": ms, "timing": how}
+
+
+def _softmax_point(torch, timer, km, device, tower: str, heads: int, seq: int) -> dict:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    scores = torch.randn(heads, seq, seq, device=device, dtype=dtype)
+    nbytes = (2 * scores.element_size() + 16) * scores.numel()  # op_kernels' unfused softmax (its three kernels)
+    return _memory_point(torch, timer, km, device, f"softmax fp32 {tower} {heads}x{seq}x{seq}",
+                         lambda: torch.softmax(scores.float(), dim=-1).to(dtype), nbytes, 3)
+
+
+def _norm_points(torch, timer, km, device, tower: str, tokens: int, hidden: int) -> Iterator[dict]:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x, dy = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
+    w, b = torch.ones(hidden, device=device, dtype=dtype), torch.zeros(hidden, device=device, dtype=dtype)
+    act = x.numel() * x.element_size()
+    _, mean, rstd = torch.native_layer_norm(x, [hidden], w, b, 1e-5)
+    # op_kernels: the forward reads and writes the activation, the backward's two kernels read x and dy
+    # (and write dx)
+    yield _memory_point(torch, timer, km, device, f"layernorm forward {tower} {tokens}x{hidden}",
+                        lambda: torch.native_layer_norm(x, [hidden], w, b, 1e-5), 2 * act, 1)
+    yield _memory_point(torch, timer, km, device, f"layernorm backward {tower} {tokens}x{hidden}",
+                        lambda: torch.ops.aten.native_layer_norm_backward(dy, x, [hidden], mean, rstd, w, b,
+                                                                          [True, True, True]), 4 * act, 2)
 
 
 def copy_point(torch, timer, km, device, dry) -> Iterator[dict]:
@@ -267,10 +344,10 @@ def single_call_summary(points: list[dict]) -> str:
 
 
 def table(points: list[dict]) -> str:
-    lines = [f"{'point':<34}{'unit':>9}{'measured':>11}{'model':>11}{'model/meas':>12}"]
+    lines = [f"{'point':<46}{'unit':>9}{'measured':>11}{'model':>11}{'model/meas':>12}"]
     for p in points:
         ratio = p["model"] / p["measured"] if p["measured"] else float("nan")
-        lines.append(f"{p['point']:<34}{p['unit']:>9}{p['measured']:>11.4g}{p['model']:>11.4g}{ratio:>12.2f}")
+        lines.append(f"{p['point']:<46}{p['unit']:>9}{p['measured']:>11.4g}{p['model']:>11.4g}{ratio:>12.2f}")
     return "\n".join(lines)
 
 
@@ -308,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[gpu_validate] {meta}", flush=True)
     points: list[dict] = []
     steps = [("gemm", lambda: gemm_points(torch, timer, km, device, dry)),
+             ("attention", lambda: itertools.chain(attention_bmm_points(torch, timer, km, device, dry),
+                                                   attention_memory_points(torch, timer, km, device, dry))),
              ("copy", lambda: copy_point(torch, timer, km, device, dry)),
              ("flash", lambda: flash_points(torch, timer, km, device, dry)),
              ("layers", lambda: layer_points(torch, timer, device, gpu, dry, 1 if dry else args.layers)),

@@ -31,9 +31,18 @@ def test_gpu_validate_dry_run_measures_and_estimates_every_point(tmp_path):
     assert all(p["timing"].endswith("calls in a loop") and p["single_call_ms"] > 0 for p in gemms)
     assert all(abs(2.0 * 64**3 / p["call_ms"] / 1e9 - p["measured"]) < 1e-9 for p in gemms[:1])
     assert "gemm timing: " in proc.stdout
-    # the unfused attention's batched GEMMs, timed the same way
-    bmm = [p for p in doc["points"] if p["point"].startswith("bmm")]
-    assert [p["point"] for p in bmm] == ["bmm 4x17x17x16"] and bmm[0]["timing"].endswith("calls in a loop")
+    # the unfused attention's batched GEMMs, timed the same way: the six in megatron-core's layout, QK^T and PV
+    # contiguous, and again at the tokens rounded up to a multiple of 8; its softmax and the LayerNorm beside
+    bmm = [p["point"] for p in doc["points"] if p["point"].startswith("bmm")]
+    assert bmm == [f"bmm tiny {p} megatron 4x{s}" for p, s in (("qk", "17x17x16"), ("pv", "17x16x17"),
+                                                               ("dq", "17x16x17"), ("dk", "17x16x17"),
+                                                               ("dp", "17x17x16"), ("dv", "17x16x17"))] + [
+        "bmm tiny qk contiguous 4x17x17x16", "bmm tiny pv contiguous 4x17x16x17",
+        "bmm tiny qk contiguous 4x24x24x16", "bmm tiny pv contiguous 4x24x16x24"]
+    memory = [p for p in doc["points"] if p["unit"] == "GB/s" and not p["point"].startswith("copy")]
+    assert [p["point"] for p in memory] == ["softmax fp32 tiny 4x17x17", "layernorm forward tiny 68x64",
+                                            "layernorm backward tiny 68x64"]
+    assert all(p["timing"].endswith("calls in a loop") for p in memory)
     # then the runtime trains under torchrun on the same device (fp32 and gloo in the dry run)
     assert "training runs passed" in proc.stdout
     assert "iteration        2/       2" in (tmp_path / "out" / "gpu_train_smoke.log").read_text()
