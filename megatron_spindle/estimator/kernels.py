@@ -6,7 +6,7 @@ memory-bound kernels at measured bandwidth.
   tile's time, with the best tile and split-K for the shape (cuBLAS's heuristics pick among them). A tile's main
   loop has ``ceil(K / tk)`` steps plus a fixed prologue/epilogue. The per-SM rate is the GPU's *measured* maximum
   achievable matmul rate (MAMF, C1) divided by its SM count: a GEMM of whole waves and long K reaches MAMF, never
-  more.
+  more. Nor faster than HBM moves its operands (the roofline's memory side).
 - FlashAttention (FA2): fwd + bwd rate ``R(d) * s / (s + s0(d))`` in the FlashAttention-2 paper's convention
   (FLOPs = 3.5 x 4 b h s^2 d: the backward recomputes the scores), fitted to its Fig. 4 (C2, C3), times the wave
   and query-block padding of its grid (b * heads * ceil(s / 128) blocks).
@@ -54,6 +54,11 @@ TILE_OVERHEAD_STEPS = 4
 # Split-K factors cuBLAS considers for short-and-wide outputs with long K (weight gradients); partial sums are
 # written and reduced in fp32.
 SPLIT_K = (1, 2, 4, 8)
+# Bytes per GEMM operand element on a GPU (bf16 inputs and output; fp32 accumulation stays on chip). A GEMM takes
+# at least its operands' HBM traffic (each read once, the output written once) at the achieved bandwidth: short
+# K with a long other side (the unfused attention's products by P: K = tokens, N = head dim) is memory-bound, at
+# about 49 FLOP per byte on ViT-H's 257 x 80 x 257, below the ~280 at which an H100's matmul rate and HBM meet.
+GEMM_OPERAND_BYTES = 2
 # Gap between two dependent kernels on one stream when the host is ahead: launch latency, ramp-up and drain
 # (estimate: 1-4 us on A100 / H100).
 GPU_KERNEL_GAP_SECONDS = 2e-6
@@ -160,6 +165,8 @@ class KernelModel:
         if self.gpu.arch == "cpu":  # no tiles or waves: FLOPs at the matmul rate
             return 2.0 * m * n * k * batch / self.matmul_rate
         family, sms = self.family, max(1, self.gpu.sm_count)
+        # the roofline's memory side: no kernel reads A and B and writes C faster than HBM streams them
+        operands = GEMM_OPERAND_BYTES * (m * k + k * n + m * n) * batch / self.bandwidth
         best = math.inf
         for tile in family.tiles:
             for split in family.split_k:
@@ -169,6 +176,7 @@ class KernelModel:
                 tiles = math.ceil(m / tile.m) * math.ceil(n / tile.n) * split * batch
                 rounds = math.ceil(tiles / sms)
                 seconds = rounds * 2.0 * tile.m * tile.n * tile.k * steps / (self.sm_rate * tile.efficiency)
+                seconds = max(seconds, operands)
                 if split > 1:  # fp32 partial sums written, read back and reduced into the bf16 output
                     seconds += (2 * split * 4 + 2) * m * n * batch / self.bandwidth
                 best = min(best, seconds)

@@ -36,8 +36,10 @@ TILE_128 = Tile(128, 128, 32, 1.0)
 
 
 def one_tile_model(tile=TILE_128, overhead=0) -> KernelModel:
-    """A800 with a single tile shape, no split-K and no kernel gap: GEMM times are computable by hand."""
-    return KernelModel(A800, family=KernelFamily((tile,), overhead, (1,), AMPERE_FLASH, 0.0))
+    """A800 with a single tile shape, no split-K, no kernel gap and HBM too fast to bind: GEMM times are the tile
+    model's, computable by hand."""
+    return KernelModel(dataclasses.replace(A800, memory_bandwidth=1e18),
+                       family=KernelFamily((tile,), overhead, (1,), AMPERE_FLASH, 0.0))
 
 
 # ------------------------------------------------------------------------------------------------ GEMMs
@@ -67,6 +69,23 @@ def test_full_waves_with_long_k_reach_the_measured_matmul_rate_never_more():
         assert km.gemm_rate(*shape) <= 267.9e12
     # the best tile and split-K are picked: a short-and-wide weight gradient beats the one-tile model
     assert km.gemm(1024, 1024, 65536) < one_tile_model(Tile(256, 128, 32, 1.0), 4).gemm(1024, 1024, 65536)
+
+
+def test_a_gemm_takes_at_least_its_operands_hbm_traffic():
+    km = KernelModel(A800)
+    bandwidth = A800.memory_bandwidth * HBM_STREAM_EFFICIENCY
+    # the unfused attention's product by P on the audio tower (384 heads of 229 x 64 x 229): the tiles alone
+    # would take 24 us, reading P and V and writing the context in bf16 takes 36 us
+    traffic = 2 * 384 * (229 * 229 + 229 * 64 + 229 * 64) / bandwidth
+    assert one_tile_model(Tile(128, 64, 32, 0.82), 4).gemm(229, 64, 229, 384) < traffic
+    assert km.gemm(229, 64, 229, 384) == pytest.approx(traffic + GPU_KERNEL_GAP_SECONDS)
+    # an output 128 wide does about 127 FLOP per byte moved, under the A800's ~155 (its matmul rate over its
+    # bandwidth), whatever K: the traffic binds; 256 wide does about 251 and the tiles bind
+    tiles = KernelModel(A800, family=KernelFamily((TILE_128,), 0, (1,), AMPERE_FLASH, 0.0))
+    m, k = 128 * 108, 4096
+    assert tiles.gemm(m, 128, k) == pytest.approx(2 * (m * k + k * 128 + m * 128) / bandwidth)
+    assert tiles.gemm(m, 128, k) > one_tile_model().gemm(m, 128, k)
+    assert tiles.gemm(m, 256, k) == pytest.approx(one_tile_model().gemm(m, 256, k))
 
 
 def test_cpu_gemms_are_flops_at_the_matmul_rate():
