@@ -154,10 +154,12 @@ def gemm_points(torch, timer, km, device, dry) -> Iterator[dict]:
                "model": km.gemm_rate(m, n, k) / 1e12, "call_ms": ms, "single_call_ms": single, "timing": how}
 
 
-def _gemm_point(torch, timer, km, device, name: str, fn, batch: int, m: int, n: int, k: int) -> dict:
+def _gemm_point(torch, timer, km, device, name: str, fn, batch: int, m: int, n: int, k: int,
+                aligned: bool = True) -> dict:
     ms, single, how = kernel_ms(torch, timer, fn, device)
     return {"point": name, "unit": "TFLOP/s", "measured": 2.0 * batch * m * n * k / ms / 1e9,
-            "model": km.gemm_rate(m, n, k, batch) / 1e12, "call_ms": ms, "single_call_ms": single, "timing": how}
+            "model": km.gemm_rate(m, n, k, batch, aligned) / 1e12, "call_ms": ms, "single_call_ms": single,
+            "timing": how}
 
 
 def attention_bmm_points(torch, timer, km, device, dry) -> Iterator[dict]:
@@ -184,14 +186,14 @@ def _tower_bmm_points(torch, timer, km, device, tower: str, heads: int, seq: int
         ("dp", lambda: torch.bmm(dctx, v.transpose(1, 2)), seq, seq, hd),
         ("dv", lambda: torch.bmm(probs.transpose(1, 2), dctx), seq, hd, seq),
     )
-    for product, fn, m, n, kk in layout:
+    for product, fn, m, n, kk in layout:  # the model's alignment rule: op_kernels.LayerShape.scores_aligned
         yield _gemm_point(torch, timer, km, device, f"bmm {tower} {product} megatron {heads}x{m}x{n}x{kk}", fn,
-                          heads, m, n, kk)
+                          heads, m, n, kk, seq % 8 == 0 and hd % 8 == 0)
     for tokens in sorted({seq, -(-seq // 8) * 8}):
         for product, (m, n, kk) in (("qk", (tokens, tokens, hd)), ("pv", (tokens, hd, tokens))):
             a, b = rows(heads, m, kk), rows(heads, kk, n)
             yield _gemm_point(torch, timer, km, device, f"bmm {tower} {product} contiguous {heads}x{m}x{n}x{kk}",
-                              lambda a=a, b=b: torch.bmm(a, b), heads, m, n, kk)
+                              lambda a=a, b=b: torch.bmm(a, b), heads, m, n, kk, tokens % 8 == 0 and hd % 8 == 0)
 
 
 def attention_memory_points(torch, timer, km, device, dry) -> Iterator[dict]:

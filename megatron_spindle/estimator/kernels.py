@@ -6,7 +6,8 @@ memory-bound kernels at measured bandwidth.
   tile's time, with the best tile and split-K for the shape (cuBLAS's heuristics pick among them). A tile's main
   loop has ``ceil(K / tk)`` steps plus a fixed prologue/epilogue. The per-SM rate is the GPU's *measured* maximum
   achievable matmul rate (MAMF, C1) divided by its SM count: a GEMM of whole waves and long K reaches MAMF, never
-  more. Nor faster than HBM moves its operands (the roofline's memory side).
+  more. Nor faster than HBM moves its operands (the roofline's memory side). On Hopper a GEMM whose operand
+  rows are not 16-byte aligned runs older kernels at a measured fraction of that rate.
 - FlashAttention (FA2): fwd + bwd rate ``R(d) * s / (s + s0(d))`` in the FlashAttention-2 paper's convention
   (FLOPs = 3.5 x 4 b h s^2 d: the backward recomputes the scores), fitted to its Fig. 4 (C2, C3), times the wave
   and query-block padding of its grid (b * heads * ceil(s / 128) blocks).
@@ -101,6 +102,18 @@ HOPPER_FLASH = FlashCurve(rate_hd64=300e12, seq_half_hd64=428.0, rate_hd128=340e
 FLASH_FORWARD_SPEEDUP = 1.15
 FLASH_BACKWARD_FLOP_FACTOR = 2.5  # FA2 convention: the backward does 2.5x the forward's matmul FLOPs
 
+# A GEMM whose operand rows are not 16-byte aligned (bf16: a row length not a multiple of 8, as the unfused
+# attention's [tokens x tokens] scores at an odd token count) cannot use Hopper's sm90 kernels: their TMA loads need
+# every stride a multiple of 16 bytes (CUDA driver API, cuTensorMapEncodeTiled). cuBLAS then runs Turing-generation
+# tensor-op kernels: the profiles of CLIP-4's step show `cutlass_75_tensorop_bf16_s1688gemm` kernels for the
+# towers' batched products, all at odd token counts (77, 197, 229, 251, 257), where the linears run `nvjet_sm90`.
+# Those products took 52.6 ms per iteration on an H100 (fortieth session) and 52.2 on an H200 (twenty-ninth): the
+# same SMs, whatever the HBM. This model's aligned kernels for the same 732 products take 15.3 ms plus their gaps:
+# the rate of the fallback kernels is 0.30 of the aligned rate, fitted on those two profiles
+# (benchmarks/results/README.md, "Forty-first session"; gpu_validate's attention step measures it kernel by kernel).
+# Ampere's aligned kernels are the same generation of mma kernels; its cost of misalignment is unmeasured (1.0).
+HOPPER_UNALIGNED_RATE = 0.30
+
 KERNEL_FAMILIES = ("ampere", "hopper", "cpu")
 
 
@@ -111,11 +124,13 @@ class KernelFamily:
     split_k: tuple[int, ...]
     flash: FlashCurve | None  # None: attention at the matmul rate, no curve (cpu)
     kernel_gap: float
+    unaligned_rate: float = 1.0  # a GEMM's rate with operand rows not 16-byte aligned, relative to aligned
 
 
 FAMILIES = {
     "ampere": KernelFamily(AMPERE_TILES, TILE_OVERHEAD_STEPS, SPLIT_K, AMPERE_FLASH, GPU_KERNEL_GAP_SECONDS),
-    "hopper": KernelFamily(HOPPER_TILES, TILE_OVERHEAD_STEPS, SPLIT_K, HOPPER_FLASH, GPU_KERNEL_GAP_SECONDS),
+    "hopper": KernelFamily(HOPPER_TILES, TILE_OVERHEAD_STEPS, SPLIT_K, HOPPER_FLASH, GPU_KERNEL_GAP_SECONDS,
+                           HOPPER_UNALIGNED_RATE),
     "cpu": KernelFamily((Tile(1, 1, 1, 1.0),), 0, (1,), None, 0.0),
 }
 
@@ -150,21 +165,23 @@ class KernelModel:
 
     # --------------------------------------------------------------------------------------------- GEMM
 
-    def gemm(self, m: int, n: int, k: int, batch: int = 1) -> float:
-        """Seconds of ``batch`` independent (m x k) @ (k x n) products in one kernel, plus the kernel gap."""
+    def gemm(self, m: int, n: int, k: int, batch: int = 1, aligned: bool = True) -> float:
+        """Seconds of ``batch`` independent (m x k) @ (k x n) products in one kernel, plus the kernel gap;
+        ``aligned``: every operand's rows are 16-byte aligned (the caller knows the layout)."""
         if min(m, n, k, batch) <= 0:
             return 0.0
-        return self._gemm(int(m), int(n), int(k), int(batch)) + self.family.kernel_gap
+        return self._gemm(int(m), int(n), int(k), int(batch), bool(aligned)) + self.family.kernel_gap
 
-    def gemm_rate(self, m: int, n: int, k: int, batch: int = 1) -> float:
+    def gemm_rate(self, m: int, n: int, k: int, batch: int = 1, aligned: bool = True) -> float:
         """Achieved FLOP/s of that GEMM (kernel gap included)."""
-        seconds = self.gemm(m, n, k, batch)
+        seconds = self.gemm(m, n, k, batch, aligned)
         return 2.0 * m * n * k * batch / seconds if seconds > 0 else 0.0
 
-    def _gemm_uncached(self, m: int, n: int, k: int, batch: int) -> float:
+    def _gemm_uncached(self, m: int, n: int, k: int, batch: int, aligned: bool = True) -> float:
         if self.gpu.arch == "cpu":  # no tiles or waves: FLOPs at the matmul rate
             return 2.0 * m * n * k * batch / self.matmul_rate
         family, sms = self.family, max(1, self.gpu.sm_count)
+        sm_rate = self.sm_rate * (1.0 if aligned else family.unaligned_rate)
         # the roofline's memory side: no kernel reads A and B and writes C faster than HBM streams them
         operands = GEMM_OPERAND_BYTES * (m * k + k * n + m * n) * batch / self.bandwidth
         best = math.inf
@@ -175,7 +192,7 @@ class KernelModel:
                 steps = math.ceil(math.ceil(k / split) / tile.k) + family.tile_overhead_steps
                 tiles = math.ceil(m / tile.m) * math.ceil(n / tile.n) * split * batch
                 rounds = math.ceil(tiles / sms)
-                seconds = rounds * 2.0 * tile.m * tile.n * tile.k * steps / (self.sm_rate * tile.efficiency)
+                seconds = rounds * 2.0 * tile.m * tile.n * tile.k * steps / (sm_rate * tile.efficiency)
                 seconds = max(seconds, operands)
                 if split > 1:  # fp32 partial sums written, read back and reduced into the bf16 output
                     seconds += (2 * split * 4 + 2) * m * n * batch / self.bandwidth

@@ -84,6 +84,12 @@ class LayerShape:
         return self.hidden // self.heads
 
     @property
+    def scores_aligned(self) -> bool:
+        """The unfused attention's [seq x seq] scores and [seq x head dim] operands have 16-byte aligned rows (the
+        batched GEMMs' condition for Hopper's fast kernels: kernels.HOPPER_UNALIGNED_RATE)."""
+        return (self.seq * self.dtype_bytes) % 16 == 0 and (self.head_dim * self.dtype_bytes) % 16 == 0
+
+    @property
     def kv_width(self) -> int:
         return self.head_dim * self.groups
 
@@ -154,8 +160,8 @@ class _Builder:
     def __init__(self, km: KernelModel, phase: str):
         self.km, self.phase, self.kernels = km, phase, []
 
-    def gemm(self, name: str, m: float, n: float, k: float, batch: int = 1) -> None:
-        self.kernels.append(Kernel(name, self.phase, self.km.gemm(int(m), int(n), int(k), batch)))
+    def gemm(self, name: str, m: float, n: float, k: float, batch: int = 1, aligned: bool = True) -> None:
+        self.kernels.append(Kernel(name, self.phase, self.km.gemm(int(m), int(n), int(k), batch, aligned)))
 
     def memory(self, name: str, nbytes: float, kernels: int = 1) -> None:
         self.kernels.append(Kernel(name, self.phase, self.km.memory(nbytes, kernels), kernels))
@@ -170,14 +176,14 @@ def _attention_forward(b: _Builder, s: LayerShape, name: str) -> None:
         b.add(name, b.km.flash_attention(bs, heads, s.seq, s.seq, hd, s.causal)[0])
         return
     scores = bs * heads * s.seq * s.seq  # elements of the score matrix
-    b.gemm(f"{name}.qk", s.seq, s.seq, hd, bs * heads)  # baddbmm with the 1/sqrt(d) scale folded in
+    b.gemm(f"{name}.qk", s.seq, s.seq, hd, bs * heads, s.scores_aligned)  # baddbmm with the 1/sqrt(d) scale folded in
     if s.fused_softmax:  # read and write the bf16 scores once (mask applied inside)
         b.memory(f"{name}.softmax", 2 * d * scores)
     else:  # cast to fp32, (masked_fill,) softmax, cast back
         b.memory(f"{name}.softmax", (2 * d + 16 + (8 if s.causal else 0)) * scores, 4 if s.causal else 3)
     if s.attention_dropout:
         _dropout(b, f"{name}.dropout", d * scores, d)
-    b.gemm(f"{name}.pv", s.seq, hd, s.seq, bs * heads)
+    b.gemm(f"{name}.pv", s.seq, hd, s.seq, bs * heads, s.scores_aligned)
     b.memory(f"{name}.context_copy", 2 * s.tokens * s.hidden / s.tp * d)  # [b*np, s, hn] -> [s, b, h] contiguous
 
 
@@ -188,16 +194,16 @@ def _attention_backward(b: _Builder, s: LayerShape, name: str) -> None:
         return
     scores = bs * heads * s.seq * s.seq
     b.memory(f"{name}.context_copy", 2 * s.tokens * s.hidden / s.tp * d)
-    b.gemm(f"{name}.dp", s.seq, s.seq, hd, bs * heads)  # dP = dO V^T
-    b.gemm(f"{name}.dv", s.seq, hd, s.seq, bs * heads)  # dV = P^T dO
+    b.gemm(f"{name}.dp", s.seq, s.seq, hd, bs * heads, s.scores_aligned)  # dP = dO V^T
+    b.gemm(f"{name}.dv", s.seq, hd, s.seq, bs * heads, s.scores_aligned)  # dV = P^T dO
     if s.attention_dropout:
         _dropout(b, f"{name}.dropout", d * scores, d)
     if s.fused_softmax:  # read P and dP, write dS
         b.memory(f"{name}.softmax", 3 * d * scores)
     else:  # the casts' and the fp32 softmax's (and masked_fill's) backward
         b.memory(f"{name}.softmax", (2 * d + 20 + (8 if s.causal else 0)) * scores, 4 if s.causal else 3)
-    b.gemm(f"{name}.dq", s.seq, hd, s.seq, bs * heads)  # dQ = dS K
-    b.gemm(f"{name}.dk", s.seq, hd, s.seq, bs * heads)  # dK = dS^T Q
+    b.gemm(f"{name}.dq", s.seq, hd, s.seq, bs * heads, s.scores_aligned)  # dQ = dS K
+    b.gemm(f"{name}.dk", s.seq, hd, s.seq, bs * heads, s.scores_aligned)  # dK = dS^T Q
 
 
 def _forward(km: KernelModel, s: LayerShape) -> list[Kernel]:

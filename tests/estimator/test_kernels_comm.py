@@ -19,6 +19,7 @@ from megatron_spindle.estimator.kernels import (
     FAMILIES,
     FLASH_FORWARD_SPEEDUP,
     GPU_KERNEL_GAP_SECONDS,
+    HOPPER_UNALIGNED_RATE,
     KernelFamily,
     KernelModel,
     Tile,
@@ -86,6 +87,35 @@ def test_a_gemm_takes_at_least_its_operands_hbm_traffic():
     assert tiles.gemm(m, 128, k) == pytest.approx(2 * (m * k + k * 128 + m * 128) / bandwidth)
     assert tiles.gemm(m, 128, k) > one_tile_model().gemm(m, 128, k)
     assert tiles.gemm(m, 256, k) == pytest.approx(one_tile_model().gemm(m, 256, k))
+
+
+def test_unaligned_gemms_run_at_the_fallback_rate_on_hopper_only():
+    h100 = GPU_TYPES["H100"]
+    tiles = KernelFamily((Tile(128, 128, 64, 1.0),), 0, (1,), None, 0.0, HOPPER_UNALIGNED_RATE)
+    km = KernelModel(dataclasses.replace(h100, memory_bandwidth=1e18), family=tiles)
+    # one wave of 128 x 128 tiles, K of 4 steps: the tile time at the SM's rate, then at 0.30 of it
+    aligned = 2 * 128 * 128 * 256 / (h100.achievable_matmul_flops / h100.sm_count)
+    assert km.gemm(128 * h100.sm_count, 128, 256) == pytest.approx(aligned)
+    assert km.gemm(128 * h100.sm_count, 128, 256, aligned=False) == pytest.approx(aligned / HOPPER_UNALIGNED_RATE)
+    # Ampere's cost of misalignment is unmeasured: none charged
+    a800 = KernelModel(A800)
+    assert a800.gemm(257, 257, 80, 512, aligned=False) == a800.gemm(257, 257, 80, 512)
+
+
+def test_unfused_attention_at_an_odd_token_count_charges_the_unaligned_products():
+    km = KernelModel(GPU_TYPES["H100"])
+    kernels = {}
+    for seq in (256, 257, 264):
+        shape = LayerShape(32, seq, 1280, 16, 5120, attention="unfused")
+        lt = layer_time(km, shape)
+        kernels[seq] = {k.name: k.seconds for k in lt.kernels}
+        assert shape.scores_aligned == (seq != 257)
+    products = ("attention.qk", "attention.pv")
+    for name in products:  # the aligned neighbours bracket the same work; 257 pays the fallback rate
+        assert kernels[257][name] > 2 * kernels[264][name] > 2 * kernels[256][name]
+        assert kernels[257][name] == km.gemm(*((257, 257, 80) if name.endswith("qk") else (257, 80, 257)), 512,
+                                            aligned=False)
+    assert kernels[257]["fc1"] == pytest.approx(kernels[256]["fc1"] * 257 / 256, rel=0.05)  # linears unchanged
 
 
 def test_cpu_gemms_are_flops_at_the_matmul_rate():
