@@ -11,7 +11,8 @@ One process, one GPU, no NCCL:
 - the unfused attention's kernels at CLIP-4's tower shapes (``ATTENTION_TOWERS``): its six batched GEMMs in
   megatron-core's strided layout and contiguous (and at tokens rounded up to a multiple of 8), its fp32 softmax, and
   the towers' LayerNorm forward and backward (GB/s against the bytes the model charges);
-- one large device-to-device copy: achieved HBM bandwidth vs the model's (datasheet x memory efficiency);
+- device-to-device copies: 2 GiB (achieved HBM bandwidth vs the model's, datasheet x memory efficiency), and 4-64
+  MiB back to back (the activations' sizes, where the model's memory-bound kernels were slow);
 - FlashAttention-2 (torch SDPA's flash backend, the FA2 kernels) in the FA2 paper's setup (batch x seq = 16k
   tokens, hidden 2048, head dim 64 / 128, non-causal, fwd + bwd): TF/s vs KernelModel.flash_rate (C2, C3);
 - the runtime's own megatron-core layers (models.operator.build_operator: Transformer Engine spec if TE imports,
@@ -235,12 +236,19 @@ def _norm_points(torch, timer, km, device, tower: str, tokens: int, hidden: int)
 
 
 def copy_point(torch, timer, km, device, dry) -> Iterator[dict]:
-    nbytes = 2**20 if dry else 2 * 2**30
-    src = torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = timer.ms(lambda: dst.copy_(src))
-    yield {"point": f"copy {nbytes >> 20} MiB", "unit": "GB/s", "measured": 2 * nbytes / ms / 1e6,
-           "model": km.bandwidth / 1e9}
+    """Device-to-device copies: 2 GiB (the achieved bandwidth the model takes), then the sizes of CLIP-4's
+    activations (4-64 MiB: a text tower's [tokens, hidden] at batch 32 is 5 MiB, a ViT-H one 20 MiB, its QKV
+    gradients 60 MiB), back to back, where the fortieth session's profile had the local spec's memory-bound kernels
+    (LayerNorm, the QKV gradients' join) at a third to a half of the model's bandwidth."""
+    for nbytes in (2**20, 2**22) if dry else (2 * 2**30, 2**22, 2**24, 2**26):
+        src = torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+        if nbytes >= 2**30:  # long enough to time alone
+            ms, how = timer.ms(lambda dst=dst, src=src: dst.copy_(src)), "timed alone"
+        else:
+            ms, _, how = kernel_ms(torch, timer, lambda dst=dst, src=src: dst.copy_(src), device)
+        yield {"point": f"copy {nbytes >> 20} MiB", "unit": "GB/s", "measured": 2 * nbytes / ms / 1e6,
+               "model": 2 * nbytes / km.memory(2 * nbytes) / 1e9, "call_ms": ms, "timing": how}
 
 
 def flash_points(torch, timer, km, device, dry) -> Iterator[dict]:

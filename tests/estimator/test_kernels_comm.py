@@ -118,6 +118,18 @@ def test_unfused_attention_at_an_odd_token_count_charges_the_unaligned_products(
     assert kernels[257]["fc1"] == pytest.approx(kernels[256]["fc1"] * 257 / 256, rel=0.05)  # linears unchanged
 
 
+def test_the_local_specs_backward_joins_the_qkv_gradients_in_a_copy():
+    km = KernelModel(A800)
+    local = LayerShape(8, 256, 1024, 16, 4096, attention="unfused")  # plan/schema attention_kernels("local")
+    copies = [k for k in layer_time(km, local).kernels if k.name == "qkv_split_copy"]
+    assert [k.phase for k in copies] == ["backward"]
+    assert copies[0].seconds == pytest.approx(km.memory(2 * 8 * 256 * 3 * 1024 * 2))  # read dq, dk, dv; write
+    for te in (dataclasses.replace(local, fused_softmax=True), dataclasses.replace(local, attention="flash"),
+               dataclasses.replace(local, fused_qkv=False)):  # TE's SplitAlongDim; separate q, k, v linears
+        assert not te.qkv_split_copy
+        assert "qkv_split_copy" not in {k.name for k in layer_time(km, te).kernels}
+
+
 def test_cpu_gemms_are_flops_at_the_matmul_rate():
     km = KernelModel(GPU_TYPES["CPU"])
     assert km.gemm(100, 30, 7) == pytest.approx(2 * 100 * 30 * 7 / 50e9)

@@ -18,7 +18,8 @@ def test_gpu_validate_dry_run_measures_and_estimates_every_point(tmp_path):
     doc = json.loads((tmp_path / "out" / "gpu_validate.json").read_text())  # $OUT wins over the default
     assert doc["meta"]["dry_run"] and doc["meta"]["gpu_type"] == "CPU" and not doc["skipped"]
     names = [p["point"] for p in doc["points"]]
-    assert any(n.startswith("gemm") for n in names) and any(n.startswith("copy") for n in names)
+    assert any(n.startswith("gemm") for n in names)
+    assert [n for n in names if n.startswith("copy")] == ["copy 1 MiB", "copy 4 MiB"]  # a large one, then back to back
     for model in ("encoder", "llm"):
         assert {f"{model} layer mb{b} {phase}" for b in ((2,) if model == "encoder" else (1,))
                 for phase in ("forward", "backward")} <= set(names)
