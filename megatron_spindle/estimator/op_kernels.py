@@ -59,6 +59,15 @@ class LayerShape:
     # dropout inside the kernel (not charged: no measurement of its cost).
     hidden_dropout: bool = False
     attention_dropout: bool = False
+    # The linears and the QKV split are Transformer Engine's (bias added in the GEMM's epilogue; the QKV output
+    # split by TE's SplitAlongDim, whose backward copies nothing), or megatron-core's own (the local spec,
+    # Megatron-LM's legacy layers): bias added by a separate kernel, torch.split's backward joins the q, k, v
+    # gradients in a copy (aten::cat: 127 calls, 9.6 ms per iteration in the H100 profile of CLIP-4's step).
+    # None: as our runtime builds it, TE's unless the local spec runs (``local_spec``).
+    te_linears: bool | None = None
+    # fc1's bias added inside the activation's kernel (Megatron-LM's default --bias-gelu-fusion), or False, as our
+    # runtime runs (models/config.py: bias_activation_fusion off), by a separate add before it.
+    bias_gelu_fusion: bool = False
 
     def __post_init__(self):
         for what in ("batch", "seq", "hidden", "heads", "ffn", "tp", "dtype_bytes"):
@@ -84,12 +93,15 @@ class LayerShape:
         return self.hidden // self.heads
 
     @property
-    def qkv_split_copy(self) -> bool:
-        """The backward joins the q, k, v gradients in a copy: megatron-core's local spec (unfused attention with
-        torch's softmax: plan/schema.py ``attention_kernels("local")``) splits the fused QKV output with
-        torch.split, whose backward is a cat (127 calls, 9.6 ms per iteration in the H100 profile of CLIP-4's
-        step); Transformer Engine's spec splits with its SplitAlongDim, whose backward copies nothing."""
-        return self.fused_qkv and self.attention == "unfused" and not self.fused_softmax
+    def local_spec(self) -> bool:
+        """megatron-core's local spec: unfused attention with torch's softmax (plan/schema.py
+        ``attention_kernels("local")``); Transformer Engine's spec otherwise."""
+        return self.attention == "unfused" and not self.fused_softmax
+
+    @property
+    def megatron_linears(self) -> bool:
+        """The linears are megatron-core's own, not Transformer Engine's (``te_linears``)."""
+        return self.local_spec if self.te_linears is None else not self.te_linears
 
     @property
     def scores_aligned(self) -> bool:
@@ -224,6 +236,8 @@ def _forward(km: KernelModel, s: LayerShape) -> list[Kernel]:
     b.memory("norm1", 2 * act)
     if s.fused_qkv:
         b.gemm("qkv", t, qkv_out, h)
+        if s.bias and s.megatron_linears:  # added after the GEMM (TE fuses it in)
+            b.memory("qkv.bias", 2 * t * qkv_out * d)
     else:
         b.gemm("q", t, h / tp, h)
         b.gemm("k", t, s.kv_width / tp, h)
@@ -244,6 +258,8 @@ def _forward(km: KernelModel, s: LayerShape) -> list[Kernel]:
     fc1_out = (2 if s.swiglu else 1) * ffn
     b.memory("norm2", 2 * act)
     b.gemm("fc1", t, fc1_out, h)
+    if s.bias and not s.bias_gelu_fusion:  # returned by fc1 and added apart
+        b.memory("fc1.bias", 2 * t * fc1_out * d)
     b.memory("activation", (fc1_out + ffn) * t * d)  # GELU: read F, write F; SwiGLU: read 2F, write F
     b.gemm("fc2", t, h, ffn)
     _residual(b, s, "residual2", act)
@@ -307,7 +323,7 @@ def _backward(km: KernelModel, s: LayerShape) -> list[Kernel]:
     _attention_backward(b, s, "attention")
     if s.rotary:
         b.memory("rotary", 6 * t * (h + s.kv_width) / tp * d, 8)
-    if s.qkv_split_copy:  # read dq, dk, dv; write their join
+    if s.fused_qkv and s.megatron_linears:  # torch.split's backward: read dq, dk, dv; write their join
         b.memory("qkv_split_copy", 2 * t * (h + 2 * s.kv_width) / tp * d)
     if s.fused_qkv:
         _linear_backward(b, s, "qkv", t, (h + 2 * s.kv_width) / tp, h)

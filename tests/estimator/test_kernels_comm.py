@@ -118,16 +118,27 @@ def test_unfused_attention_at_an_odd_token_count_charges_the_unaligned_products(
     assert kernels[257]["fc1"] == pytest.approx(kernels[256]["fc1"] * 257 / 256, rel=0.05)  # linears unchanged
 
 
-def test_the_local_specs_backward_joins_the_qkv_gradients_in_a_copy():
+def test_megatron_core_linears_add_their_bias_apart_and_join_the_qkv_gradients_in_a_copy():
     km = KernelModel(A800)
-    local = LayerShape(8, 256, 1024, 16, 4096, attention="unfused")  # plan/schema attention_kernels("local")
-    copies = [k for k in layer_time(km, local).kernels if k.name == "qkv_split_copy"]
-    assert [k.phase for k in copies] == ["backward"]
-    assert copies[0].seconds == pytest.approx(km.memory(2 * 8 * 256 * 3 * 1024 * 2))  # read dq, dk, dv; write
-    for te in (dataclasses.replace(local, fused_softmax=True), dataclasses.replace(local, attention="flash"),
-               dataclasses.replace(local, fused_qkv=False)):  # TE's SplitAlongDim; separate q, k, v linears
-        assert not te.qkv_split_copy
-        assert "qkv_split_copy" not in {k.name for k in layer_time(km, te).kernels}
+    t, h, f = 8 * 256, 1024, 4096
+    local = LayerShape(8, 256, h, 16, f, attention="unfused")  # plan/schema attention_kernels("local")
+
+    def kernels(shape):
+        return {(k.phase, k.name): k.seconds for k in layer_time(km, shape).kernels}
+
+    mine = kernels(local)
+    assert mine["backward", "qkv_split_copy"] == pytest.approx(km.memory(2 * t * 3 * h * 2))  # read 3, write 1
+    assert mine["forward", "qkv.bias"] == pytest.approx(km.memory(2 * t * 3 * h * 2))
+    assert mine["forward", "fc1.bias"] == pytest.approx(km.memory(2 * t * f * 2))  # bias_activation_fusion off
+    te = kernels(dataclasses.replace(local, attention="flash"))  # TE's spec: bias in the GEMM, SplitAlongDim
+    assert {n for _, n in te} & {"qkv_split_copy", "qkv.bias"} == set() and ("forward", "fc1.bias") in te
+    legacy = kernels(dataclasses.replace(local, attention="flash", te_linears=False, bias_gelu_fusion=True))
+    assert ("forward", "qkv.bias") in legacy and ("backward", "qkv_split_copy") in legacy
+    assert ("forward", "fc1.bias") not in legacy  # Megatron-LM's fused bias-GELU
+    llama = kernels(dataclasses.replace(local, bias=False))
+    assert {n for _, n in llama} & {"qkv.bias", "fc1.bias"} == set() and ("backward", "qkv_split_copy") in llama
+    separate = kernels(dataclasses.replace(local, fused_qkv=False))  # HF's q, k, v linears: nothing to join
+    assert ("backward", "qkv_split_copy") not in separate
 
 
 def test_cpu_gemms_are_flops_at_the_matmul_rate():
