@@ -92,7 +92,7 @@ LOCAL_SPEC_NOTE = ("[plan] note: Transformer Engine is not available, so the run
                    "The plan charges its unfused attention (--attention-backend local), but the analytic cost model's "
                    "other kernels are TE's fused ones, where the local spec runs unfused norms and activations with "
                    "more host work per layer: expect iterations slower than predicted (Multitask-CLIP-4 on one H100: "
-                   "1.6x). --spindle-profile (tools/profile_metaops.py) plans on measured MetaOps of what runs here "
+                   "1.5x). --spindle-profile (tools/profile_metaops.py) plans on measured MetaOps of what runs here "
                    "(the same run: 1.05x).")
 # The CPU type's constants are placeholders that keep the tiny workloads' plans shaped like GPU plans
 # (graph/cluster.py "CPU"), not this machine's speed.
