@@ -64,7 +64,7 @@ class WaveTimer:
         n = self.num_waves
         total = [f + b for f, b in zip(self.forward, self.backward)]
         v = over_ranks(torch.tensor(total + self.forward + self.backward + [sum(total)],
-                                     dtype=torch.float64)).tolist()
+                                    dtype=torch.float64)).tolist()
         self.phases = (v[n:2 * n], v[2 * n:3 * n])
         self.busiest = v[3 * n]
         return v[:n]
