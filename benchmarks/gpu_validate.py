@@ -170,6 +170,8 @@ def attention_bmm_points(torch, timer, km, device, dry) -> Iterator[dict]:
 
 
 def _tower_bmm_points(torch, timer, km, device, tower: str, heads: int, seq: int, hd: int) -> Iterator[dict]:
+    from megatron_spindle.estimator.op_kernels import rows_aligned
+
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
 
     def rows(*shape):
@@ -187,14 +189,17 @@ def _tower_bmm_points(torch, timer, km, device, tower: str, heads: int, seq: int
         ("dp", lambda: torch.bmm(dctx, v.transpose(1, 2)), seq, seq, hd),
         ("dv", lambda: torch.bmm(probs.transpose(1, 2), dctx), seq, hd, seq),
     )
-    for product, fn, m, n, kk in layout:  # the model's alignment rule: op_kernels.LayerShape.scores_aligned
+    def aligned(tokens: int) -> bool:  # the model's rule (op_kernels.LayerShape.scores_aligned), in bf16
+        return rows_aligned(tokens, 2) and rows_aligned(hd, 2)
+
+    for product, fn, m, n, kk in layout:
         yield _gemm_point(torch, timer, km, device, f"bmm {tower} {product} megatron {heads}x{m}x{n}x{kk}", fn,
-                          heads, m, n, kk, seq % 8 == 0 and hd % 8 == 0)
+                          heads, m, n, kk, aligned(seq))
     for tokens in sorted({seq, -(-seq // 8) * 8}):
         for product, (m, n, kk) in (("qk", (tokens, tokens, hd)), ("pv", (tokens, hd, tokens))):
             a, b = rows(heads, m, kk), rows(heads, kk, n)
             yield _gemm_point(torch, timer, km, device, f"bmm {tower} {product} contiguous {heads}x{m}x{n}x{kk}",
-                              lambda a=a, b=b: torch.bmm(a, b), heads, m, n, kk, tokens % 8 == 0 and hd % 8 == 0)
+                              lambda a=a, b=b: torch.bmm(a, b), heads, m, n, kk, aligned(tokens))
 
 
 def attention_memory_points(torch, timer, km, device, dry) -> Iterator[dict]:

@@ -23,6 +23,11 @@ ATTENTION_KINDS = ("flash", "unfused")
 TP_ALLREDUCES_FORWARD = 2
 
 
+def rows_aligned(elements: int, dtype_bytes: int) -> bool:
+    """Rows of ``elements`` values start 16 bytes apart or a multiple of it (what Hopper's TMA loads need)."""
+    return (elements * dtype_bytes) % 16 == 0
+
+
 @dataclass(frozen=True)
 class LayerShape:
     """One transformer layer as run on one device: ``batch`` samples of its DP rank, TP degree ``tp``."""
@@ -107,7 +112,7 @@ class LayerShape:
     def scores_aligned(self) -> bool:
         """The unfused attention's [seq x seq] scores and [seq x head dim] operands have 16-byte aligned rows (the
         batched GEMMs' condition for Hopper's fast kernels: kernels.HOPPER_UNALIGNED_RATE)."""
-        return (self.seq * self.dtype_bytes) % 16 == 0 and (self.head_dim * self.dtype_bytes) % 16 == 0
+        return rows_aligned(self.seq, self.dtype_bytes) and rows_aligned(self.head_dim, self.dtype_bytes)
 
     @property
     def kv_width(self) -> int:
