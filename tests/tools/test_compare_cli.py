@@ -86,15 +86,19 @@ def test_frozen_modules_are_compared_as_frozen(capsys):
 def test_dropout_is_charged_to_every_system(capsys):
     """--hidden-dropout / --attention-dropout: every system is planned and simulated with the masks' kernels and
     memory, and the header and the JSON say so."""
-    argv = ["--workload", "tiny-vlm", "--num-gpus", "4", "--systems", "spindle,deepspeed", "--spindle-planner",
-            "wavefront", "--gpu-type", "CPU", "--json"]
+    argv = ["--workload", "tiny-vlm", "--num-gpus", "4", "--systems", "spindle,deepspeed,megatron",
+            "--spindle-planner", "wavefront", "--gpu-type", "CPU", "--json"]
     assert compare.main(argv) == 0
     plain = json.loads(capsys.readouterr().out)
     assert compare.main(argv + ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]) == 0
     dropping = json.loads(capsys.readouterr().out)
     assert (plain["hidden_dropout"], dropping["hidden_dropout"], dropping["attention_dropout"]) == (0, 0.1, 0.1)
-    for name in ("spindle", "deepspeed"):
+    for name in ("spindle", "deepspeed", "megatron"):
         assert dropping["systems"][name]["iteration_time"] > plain["systems"][name]["iteration_time"], name
+    # the baselines keep their layout, so the masks show in their peak; Spindle may plan another layout once
+    # dropout costs time and memory (here one with less memory), so its peaks are not comparable: the masks' bytes
+    # in Spindle's plans are held against what the runtime saves in tests/runtime/test_memory_measured.py
+    for name in ("deepspeed", "megatron"):
         assert dropping["systems"][name]["peak_memory_bytes"] > plain["systems"][name]["peak_memory_bytes"], name
     assert compare.main(argv[:-1] + ["--hidden-dropout", "0.1"]) == 0
     assert "simulated, attention backend local, dropout hidden 0.1 attention 0" in capsys.readouterr().out
