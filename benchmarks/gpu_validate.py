@@ -143,16 +143,19 @@ def kernel_ms(torch, timer, fn, device) -> tuple[float, float, str]:
     return timer.ms(lambda: [fn() for _ in range(calls)]) / calls, single, f"{calls} calls in a loop"
 
 
+def compute_dtype(torch, device: str):
+    """bf16 on a GPU, fp32 on the CPU's dry run."""
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
 def gemm_points(torch, timer, km, device, dry) -> Iterator[dict]:
     shapes = [(64, 64, 64), (48, 96, 32)] if dry else GEMM_SHAPES
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = compute_dtype(torch, device)
     for m, n, k in shapes:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-        ms, single, how = kernel_ms(torch, timer, lambda a=a, b=b: torch.matmul(a, b), device)
-        flops = 2.0 * m * n * k
-        yield {"point": f"gemm {m}x{n}x{k}", "unit": "TFLOP/s", "measured": flops / ms / 1e9,
-               "model": km.gemm_rate(m, n, k) / 1e12, "call_ms": ms, "single_call_ms": single, "timing": how}
+        yield _gemm_point(torch, timer, km, device, f"gemm {m}x{n}x{k}", lambda a=a, b=b: torch.matmul(a, b),
+                          1, m, n, k)
 
 
 def _gemm_point(torch, timer, km, device, name: str, fn, batch: int, m: int, n: int, k: int,
@@ -172,7 +175,7 @@ def attention_bmm_points(torch, timer, km, device, dry) -> Iterator[dict]:
 def _tower_bmm_points(torch, timer, km, device, tower: str, heads: int, seq: int, hd: int) -> Iterator[dict]:
     from megatron_spindle.estimator.op_kernels import rows_aligned
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = compute_dtype(torch, device)
 
     def rows(*shape):
         return torch.randn(*shape, device=device, dtype=dtype)
@@ -189,6 +192,7 @@ def _tower_bmm_points(torch, timer, km, device, tower: str, heads: int, seq: int
         ("dp", lambda: torch.bmm(dctx, v.transpose(1, 2)), seq, seq, hd),
         ("dv", lambda: torch.bmm(probs.transpose(1, 2), dctx), seq, hd, seq),
     )
+
     def aligned(tokens: int) -> bool:  # the model's rule (op_kernels.LayerShape.scores_aligned), in bf16
         return rows_aligned(tokens, 2) and rows_aligned(hd, 2)
 
@@ -218,7 +222,7 @@ def _memory_point(torch, timer, km, device, name: str, fn, nbytes: float, kernel
 
 
 def _softmax_point(torch, timer, km, device, tower: str, heads: int, seq: int) -> dict:
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = compute_dtype(torch, device)
     scores = torch.randn(heads, seq, seq, device=device, dtype=dtype)
     nbytes = (2 * scores.element_size() + 16) * scores.numel()  # op_kernels' unfused softmax (its three kernels)
     return _memory_point(torch, timer, km, device, f"softmax fp32 {tower} {heads}x{seq}x{seq}",
@@ -226,7 +230,7 @@ def _softmax_point(torch, timer, km, device, tower: str, heads: int, seq: int) -
 
 
 def _norm_points(torch, timer, km, device, tower: str, tokens: int, hidden: int) -> Iterator[dict]:
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = compute_dtype(torch, device)
     x, dy = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
     w, b = torch.ones(hidden, device=device, dtype=dtype), torch.zeros(hidden, device=device, dtype=dtype)
     act = x.numel() * x.element_size()
@@ -309,7 +313,7 @@ def layer_points(torch, timer, device, gpu_type, dry, layers: int) -> Iterator[d
     # what the operators below build here (auto: TE's choice, else megatron-core's local spec), charged as the
     # planner charges it
     backend = resolve_attention_backend("auto", device, te_available())
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = compute_dtype(torch, device)
     for name, shape, batches in cases:
         module = {"kind": "llm" if shape["llm"] else "encoder", "num_layers": layers,
                   "hidden_size": shape["hidden"], "num_heads": shape["heads"], "num_query_groups": shape["groups"],
