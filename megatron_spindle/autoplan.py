@@ -30,9 +30,10 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
   the light waves multiply and the light units' parameter device groups follow the towers';
 - each of them with the distributed optimizer (ZeRO-1) as well when it plans without: reduce-scatter in the
   backward and a weight all-gather after the step instead of the all-reduce, and less memory;
-- where memory bound the configured plan, the configured and the greedy planner's plans made with memory
-  unlimited (16x each device's, no memory option; each also on sync-aware curves where it leaves a sizeable
-  share in gradient sync; each also with its light levels pinned) and then given ZeRO-3, ZeRO-2 or ZeRO-1 and
+- where memory bound some plan above (a memory option, or memory shaped its planner's search), the configured
+  and the greedy planner's plans made with memory unlimited (16x each device's, no memory option; each also on
+  sync-aware curves where it leaves a sizeable share in gradient sync), the node groups planned so too, each
+  also with its light levels pinned, and then given ZeRO-3, ZeRO-2 or ZeRO-1 and
   each layer slice's cheapest recomputation that fits the real devices: the memory search limits every
   MetaOp's configurations before it schedules, and a plan that keeps the fastest configurations can pay less in
   recomputation than the limited ones cost;
@@ -162,7 +163,7 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
     add("light levels pinned", lambda: _pinned_candidates(workload, cluster, config, planned))
     if config.select == "simulate" and not config.fixes_memory_options():
         add("memory unlimited, then fitted",
-            lambda: _unlimited_candidates(workload, cluster, configs[0][1], profile, planned[0][1]))
+            lambda: _unlimited_candidates(workload, cluster, configs[0][1], profile, planned, sim_cost_model))
         add("task-sequential", lambda: _task_sequential(workload, cluster, config, planned[0][1], sim_cost_model))
     out = select_fastest(workload, cluster, planned, config, say, sim_cost_model)
     out.seconds = time.perf_counter() - t0
@@ -351,27 +352,31 @@ def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple
 
 
 def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
-                          first: PlanningResult):
-    """Where memory bound the configured plan (``first``: it has the distributed optimizer, micro-batches or
-    recomputation), the configured planner and the greedy one again as if devices had UNLIMITED_MEMORY_FACTOR
-    times their memory and no memory option at all (each also on sync-aware curves where its plan leaves a
-    sizeable share in gradient sync: ``_sync_aware_run``), and each with its light levels pinned to their
-    partners' devices (``_pinned_candidates``: the heads' memory, which the capped plans often cannot spare for
-    it, is there), every such plan then given ZeRO-3, ZeRO-2 or ZeRO-1 and each layer slice's cheapest
-    recomputation that fits the real devices (baselines/memory_options.py ``with_cheapest_recompute``, in the
-    plan's own order): QWen-VAL-30B / 256's pinned one costs recomputation and saves 0.4 s of transfers. The
-    memory search limits every MetaOp's configurations to what its whole chain fits before it schedules; a plan
-    made without that limit keeps its fastest configurations and may pay less in recomputation than the limited
-    ones cost (QWen-VAL-70B / 256: about 9.6 s where the capped search's plans simulate 11.9 s and more)."""
-    settings = first.plan.settings
-    if settings.zero_stage == 0 and settings.micro_batches == 1 and not settings.slice_recompute \
-            and settings.recompute.mode == "none":
-        return []  # memory did not bind: the plans made without the limit are these
+                          planned: list[tuple[str, PlanningResult, float]], sim_cost_model=None):
+    """Where memory bound some plan of ``planned`` (``memory_bound``: it has the distributed optimizer,
+    micro-batches or recomputation, or memory shaped its search: planner/memory_search.py), the configured
+    planner and the greedy one again as if devices had UNLIMITED_MEMORY_FACTOR times their memory and no memory
+    option at all (each also on sync-aware curves where its plan leaves a sizeable share in gradient sync:
+    ``_sync_aware_run``), the node groups on such devices (``_node_group_candidates``: each group's search is
+    limited by its few nodes' memory), and each with its light levels pinned to their partners' devices
+    (``_pinned_candidates``: the heads' memory, which the capped plans often cannot spare for it, is there),
+    every such plan then given ZeRO-3, ZeRO-2 or ZeRO-1 and each layer slice's cheapest recomputation that fits
+    the real devices (baselines/memory_options.py ``with_cheapest_recompute``, in the plan's own order):
+    QWen-VAL-30B / 256's pinned one costs recomputation and saves 0.4 s of transfers. The memory search limits
+    every MetaOp's configurations to what its whole chain fits before it schedules; a plan made without that
+    limit keeps its fastest configurations and may pay less in recomputation than the limited ones cost
+    (QWen-VAL-70B / 256: about 9.6 s where the capped search's plans simulate 11.9 s and more), or none (CLIP-10
+    / 32: pinned on a node-group plan made without the limit, 549 ms at 45 GiB per device, where the capped
+    candidates simulate 585 ms and more)."""
+    if not any(memory_bound(result.plan) for _, result, _ in planned):
+        return []  # memory bound nothing: the plans made without the limit are these
+    first = planned[0][1]
     roomy = cluster.with_memory_factor(UNLIMITED_MEMORY_FACTOR)
+    configured = dataclasses.replace(config, distributed_optimizer="off", recompute="none", micro_batches="1",
+                                     early_backward="off")
     unlimited = []
     for planner in dict.fromkeys((config.planner, "wavefront")):
-        plain = dataclasses.replace(config, planner=planner, distributed_optimizer="off", recompute="none",
-                                    micro_batches="1", early_backward="off")
+        plain = dataclasses.replace(configured, planner=planner)
         started = time.perf_counter()
         try:
             result = plan_workload(workload, roomy, plain, profile)
@@ -380,10 +385,19 @@ def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: Plan
         unlimited.append((planner, result, time.perf_counter() - started))
         unlimited += [(name, aware, secs) for name, _, aware, secs
                       in _sync_aware_run(workload, roomy, plain, profile, unlimited[-1:])]
+    unlimited += _node_group_candidates(workload, roomy, configured, profile, unlimited, sim_cost_model)
     unlimited = [(f"{name}-unlimited", result, secs) for name, result, secs in unlimited]
     unlimited += _pinned_candidates(workload, roomy, config, unlimited)  # pinned where the memory is there
     return [candidate for name, result, secs in unlimited
             for candidate in _fitted(name, result.plan, workload, cluster, config, first, secs)]
+
+
+def memory_bound(plan: Plan) -> bool:
+    """Whether memory shaped ``plan``: it runs with a memory option (the distributed optimizer, micro-batches,
+    recomputation), or its planner's memory search was bound (``plan.planner["memory_bound"]``)."""
+    st = plan.settings
+    return bool(plan.planner.get("memory_bound")) or st.zero_stage > 0 or st.micro_batches > 1 \
+        or bool(st.slice_recompute) or st.recompute.mode != "none"
 
 
 def _fitted(name: str, unlimited: Plan, workload: Workload, cluster: ClusterSpec, config: PlannerConfig,

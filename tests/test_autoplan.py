@@ -75,8 +75,8 @@ def test_sync_aware_flag_forces_or_forbids_the_curves():
 def test_unlimited_plan_with_memory_options_is_a_candidate_where_memory_binds():
     """clip-4 on 8 GPUs needs the distributed optimizer: the plan made with memory unlimited, and that plan with
     its light levels pinned, come back with ZeRO-3, ZeRO-2 and ZeRO-1, each slice at the cheapest recomputation
-    that fits; clip-4 on 32 GPUs needs nothing: no candidate."""
-    from megatron_spindle.autoplan import UNLIMITED_MEMORY_FACTOR, _unlimited_candidates
+    that fits; tiny-clip on 4 GPUs needs nothing: no candidate."""
+    from megatron_spindle.autoplan import UNLIMITED_MEMORY_FACTOR, _unlimited_candidates, memory_bound
     from megatron_spindle.plan.validate import validate_plan
     from megatron_spindle.planner.light_levels import pinned_plan
 
@@ -84,7 +84,7 @@ def test_unlimited_plan_with_memory_options_is_a_candidate_where_memory_binds():
     config = PlannerConfig(planner="wavefront")
     first = plan_workload(w, c, config)
     assert first.plan.settings.zero_stage >= 1  # memory binds here
-    out = _unlimited_candidates(w, c, config, None, first)
+    out = _unlimited_candidates(w, c, config, None, [("wavefront", first, 0.0)])
     assert [name for name, _, _ in out] == [f"wavefront-unlimited{pin}+zero{z}" for pin in ("", "+pinned")
                                             for z in (3, 2, 1)]
     roomy = c.with_memory_factor(UNLIMITED_MEMORY_FACTOR)
@@ -103,24 +103,55 @@ def test_unlimited_plan_with_memory_options_is_a_candidate_where_memory_binds():
         assert plan.cluster == c.to_dict()
     # --spindle-distributed-optimizer on is Megatron's ZeRO-1: the fitted plans keep to it
     on = dataclasses.replace(config, distributed_optimizer="on")
-    assert [name for name, _, _ in _unlimited_candidates(w, c, on, None, first)] == \
+    assert [name for name, _, _ in _unlimited_candidates(w, c, on, None, [("wavefront", first, 0.0)])] == \
         ["wavefront-unlimited+zero1", "wavefront-unlimited+pinned+zero1"]
-    light = plan_workload(w, make_cluster(32), config)
-    assert _unlimited_candidates(w, make_cluster(32), config, None, light) == []
+    tiny = load_workload("tiny-clip")
+    light = plan_workload(tiny, make_cluster(4), config)
+    assert not memory_bound(light.plan)
+    assert _unlimited_candidates(tiny, make_cluster(4), config, None, [("wavefront", light, 0.0)]) == []
 
 
-def test_unlimited_plan_with_memory_options_wins_on_qwen_val_70b(wavefront_plan):
+def test_node_groups_planned_with_memory_unlimited_are_candidates_where_memory_narrowed_the_plan():
+    """clip-4 on 16 GPUs plans without any memory option, yet memory narrowed its allocation (a slice on the
+    fewest devices its limited curve allows): the plans made with memory unlimited are candidates, the node
+    groups among them (each group's search is limited by its nodes' memory), planned on devices with room and
+    laid out as there."""
+    from megatron_spindle.autoplan import UNLIMITED_MEMORY_FACTOR, _unlimited_candidates, memory_bound
+    from megatron_spindle.planner.node_groups import node_group_partitions, plan_node_groups
+
+    w, c = load_workload("clip-4"), make_cluster(16)
+    config = PlannerConfig(planner="wavefront")
+    first = plan_workload(w, c, config)
+    st = first.plan.settings
+    assert (st.zero_stage, st.micro_batches, st.slice_recompute) == (0, 1, {}) and memory_bound(first.plan)
+    out = {name: result for name, result, _ in _unlimited_candidates(w, c, config, None, [("wavefront", first, 0.0)])}
+    assert {"node-groups-2-unlimited+zero1", "node-groups-2-unlimited+pinned+zero1"} <= set(out)
+    roomy = c.with_memory_factor(UNLIMITED_MEMORY_FACTOR)
+    plain = dataclasses.replace(config, light_follow=True, distributed_optimizer="off", recompute="none",
+                                micro_batches="1", early_backward="off")
+    made = plan_node_groups(w, roomy, node_group_partitions(w, roomy)[0], plain)
+    fitted = out["node-groups-2-unlimited+zero1"].plan
+    assert [[(s.id, s.devices) for s in wv.slices] for wv in fitted.waves] == \
+        [[(s.id, s.devices) for s in wv.slices] for wv in made.plan.waves]
+    assert max(fitted.memory_per_device) <= c.gpu.memory_bytes and fitted.cluster == c.to_dict()
+
+
+def test_unlimited_plan_with_memory_options_wins_on_qwen_val_70b(wavefront_plan, monkeypatch):
     """QWen-VAL-70B on 256 GPUs: the capped search limits the LLM's configurations to what its whole chain fits
     (tensor parallelism 8) and settles for 4 micro-batches and recomputation; the plan made with memory unlimited
     fits with ZeRO-2 and recomputation of some slices (or with ZeRO-3, whose gathered layers take about what its
-    sharded weights free), and the faster simulates at least 20 % faster."""
+    sharded weights free), and the faster simulates at least 20 % faster. (Without the node groups, tested
+    above: on 32 nodes they take 25 s more.)"""
+    from megatron_spindle import autoplan as selection
     from megatron_spindle.autoplan import _unlimited_candidates
+
+    monkeypatch.setattr(selection, "_node_group_candidates", lambda *args: [])
 
     w, c, capped = wavefront_plan("qwen-val-70b", 256)  # shared with tests/baselines/test_memory_agreement.py
     config = PlannerConfig(planner="wavefront")
     capped_time = simulate(capped.plan, w, c, capped.cost_model, capped.memory_model,
                            metagraph=capped.metagraph).iteration_time
-    out = {name: result for name, result, _ in _unlimited_candidates(w, c, config, None, capped)}
+    out = {name: result for name, result, _ in _unlimited_candidates(w, c, config, None, [("wavefront", capped, 0.0)])}
     assert list(out)[:2] == ["wavefront-unlimited+zero3", "wavefront-unlimited+zero2"]
     zero2 = out["wavefront-unlimited+zero2"].plan.settings.slice_recompute
     assert any(rc.mode != "none" for rc in zero2.values())  # memory still binds: some slices recompute

@@ -52,7 +52,9 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
     MetaOp on too few devices cannot hold its activations. Each MetaOp's configurations are first limited to
     those whose whole chain fits ``shares[0]`` of a device (half by default); when placement still runs out of
     memory the next share is tried and everything is replanned. Also returns whether memory bound the plan (a
-    configuration was left out or a share replanned): where it did not, more memory would plan the same."""
+    configuration left out would have run a slice faster, or a share replanned), and whether it may have
+    shaped the allocation (bound, or a slice sits on the fewest devices its limited curve allows where more
+    memory allows fewer): where it did neither, more memory would plan the same."""
     N = cluster.num_devices
     needs = memory_needs(metagraph, workload, cluster, memory_model)
     memory_allowed_configs(metagraph, needs, cluster, 1.0)  # a MetaOp that fits nowhere is named first
@@ -74,9 +76,9 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
         try:
             placed = place(waves, metagraph, workload, cluster, cost_model, memory_model,
                            strategy=config.placement)
-            bound = attempt > 0 or _restriction_binds(placed, curves, needs, share, metagraph, workload, cluster,
-                                                      config, profile, cost_model, curve_cache)  # else more memory plans the same
-            return curves, level_allocs, placed, bound
+            binds, narrows = _restriction_effect(placed, curves, needs, share, metagraph, workload, cluster, config,
+                                                 profile, cost_model, curve_cache)
+            return curves, level_allocs, placed, attempt > 0 or binds, attempt > 0 or binds or narrows
         except PlacementError as e:
             if attempt == len(shares) - 1:
                 raise PlanError(f"the plan does not fit device memory: {e}") from e
@@ -85,19 +87,23 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
     raise AssertionError("unreachable")
 
 
-def _restriction_binds(placed, curves, needs, share, metagraph, workload, cluster, config, profile, cost_model,
-                       curve_cache: dict | None = None) -> bool:
-    """Whether a configuration left out for memory would have run some slice faster on its device count (one
-    left out only where the plan never goes, e.g. a large MetaOp on 1 of 1024 devices, binds nothing)."""
+def _restriction_effect(placed, curves, needs, share, metagraph, workload, cluster, config, profile, cost_model,
+                        curve_cache: dict | None = None) -> tuple[bool, bool]:
+    """(binds, narrows): whether a configuration left out for memory would have run some slice faster on its
+    device count, and whether some slice sits on the fewest devices its limited curve allows where the curve
+    without the limit goes lower (the allocator may have wanted fewer). One left out only where the plan never
+    goes (a large MetaOp on 1 of 1024 devices) does neither. The search goes on past a rung that binds; one that
+    only narrows it records (plan selection then also plans with memory unlimited: megatron_spindle/autoplan.py)."""
     limit = share * cluster.gpu.memory_bytes
     if not any(b > limit for n in needs.values() for b in n.values()):
-        return False
+        return False, False
     every = cap_slice_devices({m: set(n) for m, n in needs.items()}, config.max_slice_devices)
     free = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
                            allowed=lambda m, tp, dp: (tp, dp) in every[m.id], cache=curve_cache,
                            sync_sharers=config.curve_sync_sharers())
-    return any(free[s.metaop].time(s.n) < curves[s.metaop].time(s.n) * (1 - 1e-9)
-               for w in placed for s in w.slices)
+    slices = [s for w in placed for s in w.slices]
+    return (any(free[s.metaop].time(s.n) < curves[s.metaop].time(s.n) * (1 - 1e-9) for s in slices),
+            any(s.n == curves[s.metaop].valid_ns[0] > free[s.metaop].valid_ns[0] for s in slices))
 
 
 def cap_slice_devices(allowed: dict[str, set[tuple[int, int]]], cap: int) -> dict[str, set[tuple[int, int]]]:
@@ -192,6 +198,9 @@ class _Candidate:
     error: Exception | None = None  # why ``choose`` found nothing
     estimated: float | None = None
     ladder_cache: dict = field(default_factory=dict)  # the search's: its candidates share the cost model and policy
+    # whether memory shaped the search that chose this candidate (``search_memory_options``): where it did not,
+    # more memory would plan the same
+    memory_bound: bool = False
 
     @property
     def waves(self) -> list[ScheduledWave]:
@@ -296,8 +305,11 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
     can beat recomputation. A rung that fits with memory binding nothing (no recomputation, no configuration
     left out) ends its count, and such a count ends the search, as do a count that fits without recomputation
     and is no faster than the best before it (more micro-batches only cost efficiency from there) and
-    MICRO_BATCH_TRIES more counts after the first that fits."""
+    MICRO_BATCH_TRIES more counts after the first that fits. The winner's ``memory_bound`` says whether memory
+    shaped the search: a rung failed, or memory bound or narrowed a rung's placement (``_restriction_effect``),
+    or the winner recomputes or splits the batch."""
     policy = recompute_policy(config)
+    limited = False  # some rung failed for memory, or memory bound or narrowed its placement
     counts = micro_batch_candidates(config, metagraph)
     rungs = memory_rungs(config, policy)
     best: _Candidate | None = None
@@ -337,16 +349,17 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
                     placements[key] = placed
             placed = placements[key] if placements is not None else placed
             if isinstance(placed, PlanError):
-                error = placed
+                error, limited = placed, True
                 continue
-            rung_cost_model, placed_mm, roomy, curves, allocs, placed, bound = placed
+            rung_cost_model, placed_mm, roomy, curves, allocs, placed, bound, narrowed = placed
             cand = _Candidate(m, micro, rung_cost_model,
                               MemoryModel(workload, cluster, rung_cost_model, zero_stage=stage),
                               placed_mm, roomy, policy, curves, allocs, placed, ladder_cache=ladder_cache)
+            limited = limited or narrowed
             if not bound and assumed.mode == "none":
                 unbound = over if unbound is None else min(unbound, over)
             if not cand.choose(cluster, config):
-                error = cand.error
+                error, limited = cand.error, True
                 continue
             if stage in (1, 2) and not bound and not cand.recomputes:
                 roomy_sharded.add((assumed, over))
@@ -374,13 +387,14 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
         raise PlanError(f"the plan does not fit device memory even with {m} micro-batch(es) (batches "
                         f"{sorted({op.batch // m for op in metagraph.metaops.values()})} per micro-batch), "
                         f"{policy.lean().describe()} recomputation and ZeRO-{max(r[0] for r in rungs)}: {error}")
+    best.memory_bound = limited or best.recomputes or best.micro_batches > 1
     return best
 
 
 def _place_rung(micro, workload, cluster, config, profile, stage, assumed, over, say, cost_model, curve_cache):
     """One rung's placement: (cost model, memory model placed with, cluster placed on, curves, allocations,
-    placed waves, whether memory bound it). ``cost_model`` and ``curve_cache``: the search's, shared by its rungs
-    (the cost model memoises per MetaOp shape, so micro-batch counts do not mix)."""
+    placed waves, whether memory bound it, whether it narrowed it). ``cost_model`` and ``curve_cache``: the
+    search's, shared by its rungs (the cost model memoises per MetaOp shape, so micro-batch counts do not mix)."""
     placed_mm = MemoryModel(workload, cluster, cost_model, recompute=assumed, zero_stage=stage)
     # planning with every layer at its leanest, a chain may take the whole device: what it does not need is given
     # back to it slice by slice afterwards

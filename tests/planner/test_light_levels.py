@@ -83,10 +83,12 @@ def test_plan_selection_times_the_pinned_variant_and_it_wins_on_clip4_16():
     chosen = autoplan(w, c, PlannerConfig(planner="wavefront"))
     times = {cand.name: cand.sim.iteration_time for cand in chosen.candidates}
     assert "wavefront+pinned" in times
-    # the front ends' and heads' hand-offs across nodes cost the unpinned greedy plan about 100 ms
-    assert times["wavefront+pinned"] < 0.9 * times["wavefront"]
+    # the front ends' and heads' hand-offs across nodes cost the unpinned greedy plan 11 ms, the plan made with
+    # memory unlimited (fitted with the distributed optimizer) about 130 ms
+    assert times["wavefront+pinned"] < times["wavefront"]
+    assert times["wavefront-unlimited+pinned+zero1"] < 0.9 * times["wavefront-unlimited+zero1"]
     assert chosen.sim.iteration_time == min(times.values())
-    assert chosen.plan.planner["selection"]["selected"].endswith(("+pinned", "+pinned+zero1"))
+    assert chosen.plan.planner["selection"]["selected"].endswith(("+pinned", "+pinned+zero1", "+pinned+zero2"))
     sim = simulate(chosen.plan, w, c, chosen.result.cost_model, chosen.result.memory_model,
                    metagraph=chosen.result.metagraph)
     assert sim.iteration_time == pytest.approx(chosen.sim.iteration_time, rel=1e-9)

@@ -119,7 +119,7 @@ def test_gantt_shades_and_names_the_predicted_iteration_after_the_waves():
     from megatron_spindle.autoplan import autoplan
     from megatron_spindle.plan.timeline import makespan
 
-    plan = autoplan(load_workload("clip-4"), make_cluster(16), PlannerConfig(planner="wavefront")).plan
+    plan = autoplan(load_workload("clip-4"), make_cluster(32), PlannerConfig(planner="wavefront")).plan
     end, waves_end = plan.predicted["iteration_time"], makespan(plan)
     assert end > 1.02 * waves_end
     fig, ax = gantt_figure(plan)
