@@ -5,6 +5,7 @@ gradient layout (the two differ where a device holds a unit at different TP rank
 import copy
 import dataclasses
 
+import pytest
 from script_loader import load_script
 
 bench = load_script("benchmarks/comm_bytes.py")
@@ -35,7 +36,9 @@ def test_tp2_plans_move_the_charged_bytes_in_both_layouts(wavefront_plan):
         plan.settings = dataclasses.replace(plan.settings, tp_sharded_grads=sharded)
         row = bench.plan_bytes(plan, workload)
         assert row["tp_degrees"] == [1, 2]
-        assert row["total"]["runtime_grad"] == row["total"]["model_grad"] > 0
+        # summed in another order (clip-4's batches since the forty-second session: 2 in 1e16 apart)
+        assert row["total"]["runtime_grad"] == pytest.approx(row["total"]["model_grad"], rel=1e-12)
+        assert row["total"]["model_grad"] > 0
         assert abs(row["max"]["runtime_grad"] - row["max"]["model_grad"]) <= 1e-6 * row["max"]["model_grad"]
         totals[sharded] = row["total"]["runtime_grad"]
     assert totals[True] < totals[False]  # each TP shard over its ring, not the whole unit over every member
