@@ -209,39 +209,52 @@ def _tower_bmm_points(torch, timer, km, device, tower: str, heads: int, seq: int
 def attention_memory_points(torch, timer, km, device, dry) -> Iterator[dict]:
     """The local spec's fp32 softmax of the scores (cast up, softmax, cast down) and the towers' LayerNorm forward
     and backward, achieved GB/s against the model's (op_kernels: the bytes it charges over its time)."""
-    for tower, heads, seq, _ in [("tiny", 4, 17, 16)] if dry else ATTENTION_TOWERS:
-        yield _softmax_point(torch, timer, km, device, tower, heads, seq)
+    for tower in [("tiny", 4, 17, 16)] if dry else ATTENTION_TOWERS:
+        yield _softmax_point(torch, timer, km, device, *tower)
     for tower in [("tiny", 68, 64)] if dry else NORM_SHAPES:
         yield from _norm_points(torch, timer, km, device, *tower)
 
 
-def _memory_point(torch, timer, km, device, name: str, fn, nbytes: float, kernels: int) -> dict:
+def _memory_point(torch, timer, device, name: str, fn, kernel) -> dict:
+    """``fn`` timed against ``kernel`` (op_kernels.Kernel: the bytes the model charges it and their time)."""
     ms, _, how = kernel_ms(torch, timer, fn, device)
-    return {"point": name, "unit": "GB/s", "measured": nbytes / ms / 1e6,
-            "model": nbytes / km.memory(nbytes, kernels) / 1e9, "call_ms": ms, "timing": how}
+    return {"point": name, "unit": "GB/s", "measured": kernel.nbytes / ms / 1e6,
+            "model": kernel.nbytes / kernel.seconds / 1e9, "call_ms": ms, "timing": how}
 
 
-def _softmax_point(torch, timer, km, device, tower: str, heads: int, seq: int) -> dict:
+def _modelled(km, phase: str, name: str, dtype_bytes: int, batch_heads: int, seq: int, hidden: int,
+              heads: int = 1):
+    """The model's ``phase`` kernel ``name`` for one local-spec layer whose ``batch_heads`` heads (batch x heads
+    of a tower, as one) see ``seq`` tokens of width ``hidden``: the bytes it charges come from op_kernels, not
+    written again here."""
+    from megatron_spindle.estimator.op_kernels import LayerShape, layer_kernel
+
+    shape = LayerShape(batch=batch_heads // heads, seq=seq, hidden=hidden, heads=heads, ffn=4 * hidden,
+                       attention="unfused", dtype_bytes=dtype_bytes)
+    return layer_kernel(km, shape, phase, name)
+
+
+def _softmax_point(torch, timer, km, device, tower: str, heads: int, seq: int, head_dim: int) -> dict:
     dtype = compute_dtype(torch, device)
     scores = torch.randn(heads, seq, seq, device=device, dtype=dtype)
-    nbytes = (2 * scores.element_size() + 16) * scores.numel()  # op_kernels' unfused softmax (its three kernels)
-    return _memory_point(torch, timer, km, device, f"softmax fp32 {tower} {heads}x{seq}x{seq}",
-                         lambda: torch.softmax(scores.float(), dim=-1).to(dtype), nbytes, 3)
+    kernel = _modelled(km, "forward", "attention.softmax", scores.element_size(), heads, seq, heads * head_dim,
+                       heads)
+    return _memory_point(torch, timer, device, f"softmax fp32 {tower} {heads}x{seq}x{seq}",
+                         lambda: torch.softmax(scores.float(), dim=-1).to(dtype), kernel)
 
 
 def _norm_points(torch, timer, km, device, tower: str, tokens: int, hidden: int) -> Iterator[dict]:
     dtype = compute_dtype(torch, device)
     x, dy = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
     w, b = torch.ones(hidden, device=device, dtype=dtype), torch.zeros(hidden, device=device, dtype=dtype)
-    act = x.numel() * x.element_size()
     _, mean, rstd = torch.native_layer_norm(x, [hidden], w, b, 1e-5)
-    # op_kernels: the forward reads and writes the activation, the backward's two kernels read x and dy
-    # (and write dx)
-    yield _memory_point(torch, timer, km, device, f"layernorm forward {tower} {tokens}x{hidden}",
-                        lambda: torch.native_layer_norm(x, [hidden], w, b, 1e-5), 2 * act, 1)
-    yield _memory_point(torch, timer, km, device, f"layernorm backward {tower} {tokens}x{hidden}",
+    forward, backward = (_modelled(km, phase, "norm1", x.element_size(), 1, tokens, hidden)
+                         for phase in ("forward", "backward"))
+    yield _memory_point(torch, timer, device, f"layernorm forward {tower} {tokens}x{hidden}",
+                        lambda: torch.native_layer_norm(x, [hidden], w, b, 1e-5), forward)
+    yield _memory_point(torch, timer, device, f"layernorm backward {tower} {tokens}x{hidden}",
                         lambda: torch.ops.aten.native_layer_norm_backward(dy, x, [hidden], mean, rstd, w, b,
-                                                                          [True, True, True]), 4 * act, 2)
+                                                                          [True, True, True]), backward)
 
 
 def copy_point(torch, timer, km, device, dry) -> Iterator[dict]:

@@ -13,6 +13,7 @@ gradient-accumulation fusion). Full recomputation reruns the forward inside the 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_spindle.estimator.errors import EstimatorError
@@ -164,6 +165,7 @@ class Kernel:
     phase: str  # forward | backward
     seconds: float
     launches: int = 1
+    nbytes: float = 0.0  # what a memory-bound kernel reads and writes (0: a GEMM, or a time modelled otherwise)
 
 
 @dataclass
@@ -189,7 +191,7 @@ class _Builder:
         self.kernels.append(Kernel(name, self.phase, self.km.gemm(int(m), int(n), int(k), batch, aligned)))
 
     def memory(self, name: str, nbytes: float, kernels: int = 1) -> None:
-        self.kernels.append(Kernel(name, self.phase, self.km.memory(nbytes, kernels), kernels))
+        self.kernels.append(Kernel(name, self.phase, self.km.memory(nbytes, kernels), kernels, nbytes))
 
     def add(self, name: str, seconds: float) -> None:
         self.kernels.append(Kernel(name, self.phase, seconds))
@@ -349,12 +351,22 @@ def _param_tensors(s: LayerShape) -> int:
     return (linears + 2 + (1 if s.cross_attention else 0)) * (2 if s.bias else 1)
 
 
+def layer_kernel(km: KernelModel, shape: LayerShape, phase: str, name: str) -> Kernel:
+    """The kernel ``name`` of ``phase`` as the model charges it for one layer of ``shape`` (e.g. ``norm1``,
+    ``attention.softmax``): what a measurement of that one kernel is held against (benchmarks/gpu_validate.py)."""
+    kernels = _forward(km, shape) if phase == "forward" else _backward(km, shape)
+    found = [k for k in kernels if k.name == name]
+    if len(found) != 1:
+        raise EstimatorError(f"layer shape: no single {phase} kernel '{name}' (has {[k.name for k in kernels]})")
+    return found[0]
+
+
 def layer_time(km: KernelModel, shape: LayerShape, recompute: bool = False) -> LayerTime:
     """Forward and backward seconds of one layer on one device (no TP communication: see comm_model)."""
     forward = _forward(km, shape)
     backward = _backward(km, shape)
     if recompute:  # full recomputation: the forward runs again before the layer's backward
-        backward = [Kernel(k.name, "backward", k.seconds, k.launches) for k in forward] + backward
+        backward = [dataclasses.replace(k, phase="backward") for k in forward] + backward
     return _time(forward, backward)
 
 

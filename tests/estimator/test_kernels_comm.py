@@ -24,7 +24,7 @@ from megatron_spindle.estimator.kernels import (
     KernelModel,
     Tile,
 )
-from megatron_spindle.estimator.op_kernels import LayerShape, layer_time
+from megatron_spindle.estimator.op_kernels import LayerShape, layer_kernel, layer_time
 from megatron_spindle.graph.cluster import GPU_TYPES, HBM_STREAM_EFFICIENCY, make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
@@ -195,6 +195,13 @@ def test_memory_bound_kernels_run_at_the_achieved_bandwidth():
     shape = LayerShape(4, 128, 1024, 16, 4096)
     norm = next(k for k in layer_time(km, shape).kernels if k.name == "norm1" and k.phase == "forward")
     assert norm.seconds == pytest.approx(2 * 4 * 128 * 1024 * 2 / (2.039e12 * 0.85) + GPU_KERNEL_GAP_SECONDS)
+    # each kernel carries the bytes it is charged, which gpu_validate holds a measurement against (layer_kernel)
+    assert norm.nbytes == 2 * 4 * 128 * 1024 * 2 and norm == layer_kernel(km, shape, "forward", "norm1")
+    back = layer_kernel(km, shape, "backward", "norm1")
+    assert (back.nbytes, back.launches) == (2 * norm.nbytes, 2)
+    assert layer_kernel(km, shape, "forward", "qkv").nbytes == 0  # a GEMM
+    with pytest.raises(EstimatorError, match="no single backward kernel 'attention.softmax'"):
+        layer_kernel(km, shape, "backward", "attention.softmax")  # FlashAttention: one kernel, "attention"
 
 
 def test_layer_shape_rejects_what_megatron_core_rejects():
