@@ -394,9 +394,10 @@ def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: Plan
 
 def memory_bound(plan: Plan) -> bool:
     """Whether memory shaped ``plan``: it runs with a memory option (the distributed optimizer, micro-batches,
-    recomputation), or its planner's memory search was bound (``plan.planner["memory_bound"]``)."""
+    recomputation), or memory limited its planner's search (``plan.planner["memory_limited"]``: a rung failed,
+    or memory bound or narrowed a placement, planner/memory_search.py)."""
     st = plan.settings
-    return bool(plan.planner.get("memory_bound")) or st.zero_stage > 0 or st.micro_batches > 1 \
+    return bool(plan.planner.get("memory_limited")) or st.zero_stage > 0 or st.micro_batches > 1 \
         or bool(st.slice_recompute) or st.recompute.mode != "none"
 
 

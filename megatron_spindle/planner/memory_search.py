@@ -198,9 +198,9 @@ class _Candidate:
     error: Exception | None = None  # why ``choose`` found nothing
     estimated: float | None = None
     ladder_cache: dict = field(default_factory=dict)  # the search's: its candidates share the cost model and policy
-    # whether memory shaped the search that chose this candidate (``search_memory_options``): where it did not,
-    # more memory would plan the same
-    memory_bound: bool = False
+    # whether memory limited the search that chose this candidate (``search_memory_options``): where it did not,
+    # and the plan has no memory option, more memory would plan the same
+    memory_limited: bool = False
 
     @property
     def waves(self) -> list[ScheduledWave]:
@@ -305,9 +305,9 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
     can beat recomputation. A rung that fits with memory binding nothing (no recomputation, no configuration
     left out) ends its count, and such a count ends the search, as do a count that fits without recomputation
     and is no faster than the best before it (more micro-batches only cost efficiency from there) and
-    MICRO_BATCH_TRIES more counts after the first that fits. The winner's ``memory_bound`` says whether memory
-    shaped the search: a rung failed, or memory bound or narrowed a rung's placement (``_restriction_effect``),
-    or the winner recomputes or splits the batch."""
+    MICRO_BATCH_TRIES more counts after the first that fits. The winner's ``memory_limited`` says whether memory
+    limited the search: a rung failed, or memory bound or narrowed a rung's placement (``_restriction_effect``);
+    what the winner's settings show (recomputation, micro-batches, ZeRO) it leaves to them."""
     policy = recompute_policy(config)
     limited = False  # some rung failed for memory, or memory bound or narrowed its placement
     counts = micro_batch_candidates(config, metagraph)
@@ -387,7 +387,7 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
         raise PlanError(f"the plan does not fit device memory even with {m} micro-batch(es) (batches "
                         f"{sorted({op.batch // m for op in metagraph.metaops.values()})} per micro-batch), "
                         f"{policy.lean().describe()} recomputation and ZeRO-{max(r[0] for r in rungs)}: {error}")
-    best.memory_bound = limited or best.recomputes or best.micro_batches > 1
+    best.memory_limited = limited
     return best
 
 

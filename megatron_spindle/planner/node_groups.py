@@ -216,7 +216,7 @@ def plan_node_groups(workload: Workload, cluster: ClusterSpec, partition: list[N
     info = {"planner": f"{planner}-node-groups", "requested": dataclasses.asdict(config),
             "node_groups": [dataclasses.asdict(g) for g in partition],
             "memory_options": "; ".join(r.plan.planner.get("memory_options", "") for r in results),
-            "memory_bound": any(r.plan.planner.get("memory_bound", False) for r in results)}
+            "memory_limited": any(r.plan.planner.get("memory_limited", False) for r in results)}
     plan = assemble_plan(workload, cluster, metagraph, waves, cost_model, memory_model, info, curves=curves,
                          settings=settings)
     _keep_group_allocations(plan, [r.plan for r in results])

@@ -307,8 +307,9 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
                                       best.cost_model, best.memory_model_placed, config)
         refined = best.with_waves(relaid, cluster, config) if relaid is not best.placed else None
         best = refined or best
-    # plan selection (megatron_spindle/autoplan.py) plans again with memory unlimited where memory shaped this
-    info["memory_bound"] = best.memory_bound or best.recomputes
+    # plan selection (megatron_spindle/autoplan.py ``memory_bound``) plans again with memory unlimited where this
+    # or the plan's memory options say memory shaped it
+    info["memory_limited"] = best.memory_limited
     plan = assemble_plan(workload, cluster, metagraph, best.charged_waves(), best.cost_model, best.memory_model,
                          info, level_allocs=best.level_allocs, curves=best.curves,
                          settings=replace(best.settings(), overlap_param_gather=config.overlap_param_gather,

@@ -331,10 +331,10 @@ def test_a_configuration_left_out_where_the_plan_never_goes_ends_the_search():
     assert all(len(s.devices) > 1 for s in res.plan.slices() if s.module == "vision" and s.kind == "layer")
     assert [m for m in said if "estimated" in m] == [m for m in said if "estimated" in m][:1], said
     assert res.plan.settings.recompute_choices() in ([], ["none"])
-    assert res.plan.planner["memory_bound"] is False  # more memory would plan the same
+    assert res.plan.planner["memory_limited"] is False  # more memory would plan the same
 
 
-def test_a_slice_on_the_fewest_devices_memory_allows_records_the_plan_as_memory_bound():
+def test_a_slice_on_the_fewest_devices_memory_allows_records_the_search_as_memory_limited():
     """On 2 devices with 1.5x what the vision chain needs on one, vision on one device is left out and the
     allocator runs it on both, the fewest its limited curve allows: no slice would run faster, so the search
     ends at its first rung, but the plan records that memory may have shaped its allocation (plan selection then
@@ -351,7 +351,7 @@ def test_a_slice_on_the_fewest_devices_memory_allows_records_the_plan_as_memory_
         vision = sorted(len(s.devices) for s in res.plan.slices() if s.module == "vision" and s.kind == "layer")
         assert (vision == [2]) == bound, vision
         assert len([m for m in said if "estimated" in m]) == 1, said
-        assert res.plan.planner["memory_bound"] is bound and res.plan.settings.zero_stage == 0
+        assert res.plan.planner["memory_limited"] is bound and res.plan.settings.zero_stage == 0
 
 
 def test_program_peaks_after_equal_peak_after():
