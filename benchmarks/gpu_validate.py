@@ -193,8 +193,8 @@ def _tower_bmm_points(torch, timer, km, device, tower: str, heads: int, seq: int
         ("dv", lambda: torch.bmm(probs.transpose(1, 2), dctx), seq, hd, seq),
     )
 
-    def aligned(tokens: int) -> bool:  # the model's rule (op_kernels.LayerShape.scores_aligned), in bf16
-        return rows_aligned(tokens, 2) and rows_aligned(hd, 2)
+    def aligned(tokens: int) -> bool:  # the model's rule (op_kernels.LayerShape.scores_aligned) at the points' dtype
+        return rows_aligned(tokens, dtype.itemsize) and rows_aligned(hd, dtype.itemsize)
 
     for product, fn, m, n, kk in layout:
         yield _gemm_point(torch, timer, km, device, f"bmm {tower} {product} megatron {heads}x{m}x{n}x{kk}", fn,

@@ -228,8 +228,7 @@ def _early_backward_candidates(workload: Workload, cluster: ClusterSpec, profile
         if config.select == "none" or config.early_backward != "auto":
             continue
         st = result.plan.settings
-        recomputes = any(st.recompute_of(s.id).mode != "none" for s in result.plan.slices() if s.kind == "layer")
-        if st.order is not None or not (recomputes or st.micro_batches > 1):
+        if st.order is not None or not (result.plan.recomputes() or st.micro_batches > 1):
             continue
         started = time.perf_counter()
         try:
@@ -398,7 +397,7 @@ def memory_bound(plan: Plan) -> bool:
     or memory bound or narrowed a placement, planner/memory_search.py)."""
     st = plan.settings
     return bool(plan.planner.get("memory_limited")) or st.zero_stage > 0 or st.micro_batches > 1 \
-        or bool(st.slice_recompute) or st.recompute.mode != "none"
+        or plan.recomputes()
 
 
 def _fitted(name: str, unlimited: Plan, workload: Workload, cluster: ClusterSpec, config: PlannerConfig,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from megatron_spindle.estimator.errors import EstimatorError
 from megatron_spindle.estimator.kernels import KernelModel
+from megatron_spindle.plan.schema import attention_kernels
 
 ATTENTION_KINDS = ("flash", "unfused")
 # Megatron TP all-reduces per layer: after attention and after the MLP, forward and backward (+2 for cross-attention).
@@ -102,7 +103,7 @@ class LayerShape:
     def local_spec(self) -> bool:
         """megatron-core's local spec: unfused attention with torch's softmax (plan/schema.py
         ``attention_kernels("local")``); Transformer Engine's spec otherwise."""
-        return self.attention == "unfused" and not self.fused_softmax
+        return (self.attention, self.fused_softmax) == attention_kernels("local")
 
     @property
     def megatron_linears(self) -> bool:

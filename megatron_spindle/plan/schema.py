@@ -516,6 +516,10 @@ class Plan:
     def slices(self) -> list[Slice]:
         return [s for w in self.waves for s in w.slices]
 
+    def recomputes(self) -> bool:
+        """Whether some layer slice recomputes (the settings' choice for it is not "none")."""
+        return any(self.settings.recompute_of(s.id).mode != "none" for s in self.slices() if s.kind == "layer")
+
     def slice(self, slice_id: str) -> Slice:
         for s in self.slices():
             if s.id == slice_id:
