@@ -259,3 +259,21 @@ def test_attention_backends_name_the_kernels_the_models_charge():
         resolve_attention_backend("unfused", "ampere", te_present=False)
     with pytest.raises(PlanError, match="--attention-backend must be one of"):
         resolve_attention_backend("sdpa", "ampere")
+
+
+def test_recomputes_asks_the_layer_slices_only(baseline):
+    """``Plan.recomputes``: some layer slice's own or global choice is not "none"; a choice recorded for a
+    front end or head, or a per-slice "none", does not count."""
+    plan, _, _ = baseline
+    layer = next(s for s in plan.slices() if s.kind == "layer")
+    other = next(s for s in plan.slices() if s.kind != "layer")
+
+    def with_settings(**kw):
+        return dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, **kw))
+
+    assert not plan.recomputes()
+    assert with_settings(slice_recompute={layer.id: Recompute("selective")}).recomputes()
+    assert with_settings(recompute=Recompute("full")).recomputes()
+    assert not with_settings(slice_recompute={other.id: Recompute("full")}).recomputes()
+    assert not with_settings(recompute=Recompute("full"), slice_recompute={
+        s.id: Recompute() for s in plan.slices() if s.kind == "layer"}).recomputes()
