@@ -448,7 +448,7 @@ def _task_sequential(workload: Workload, cluster: ClusterSpec, config: PlannerCo
         result = dataclasses.replace(first, plan=plan, cost_model=cost_model.cost_model,
                                      memory_model=cost_model.memory_model, solver=None, timings={})
         out.append(("task-sequential", result, time.perf_counter() - started))
-    if not plan.planner.get("memory_ok", True) or plan.settings.recompute.mode != "none":
+    if not plan.planner.get("memory_ok", True) or plan.recomputes():
         # memory binds: the same with micro-batches and per-slice recomputation (baselines/memory_options.py)
         from megatron_spindle.baselines.memory_options import with_memory_options
 
