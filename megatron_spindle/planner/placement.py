@@ -2,7 +2,10 @@
 
 The "spindle" strategy places greedily, wave by wave. Inside a wave the slices with the most communication
 go first (activation bytes flowing in from their producer slices plus their own TP/DP traffic), so the
-biggest flows get the best spots. For each slice:
+biggest flows get the best spots; with ``critical_first`` the slices that set the wave's length go before
+them (they have no slack: a transfer into them lengthens the wave, where the others' transfers overlap the
+rest of it; which order moves less onto the critical path depends on the waves, so the pipeline's estimate
+decides, planner/pipeline.py ``_settle_tails``). For each slice:
 
 - its devices sit in one island (node) when ``n <= gpus_per_node``; a larger slice takes whole nodes (plus
   one partial node for the remainder), so TP groups never straddle nodes;
@@ -50,6 +53,7 @@ from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
 
 PLACEMENT_STRATEGIES = ("spindle", "sequential")
 DEFAULT_MAX_BACKTRACK = 4
+SLACK_RTOL = 1e-9  # a slice shorter than its wave by more than this (relative) has slack
 TP_COLLECTIVES_PER_LAYER = 4  # Megatron TP: two all-reduces forward, two backward per transformer layer
 # gradient all-reduce bytes per parameter in the flow-size ordering key (the default settings' reduce dtype)
 GRAD_REDUCE_BYTES = ExecutionSettings().grad_reduce_bytes
@@ -99,8 +103,9 @@ def predicted_memory(waves: Sequence[ScheduledWave], metagraph: MetaGraph, memor
 
 def place(waves: Sequence[ScheduledWave], metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec,
           cost_model: FlowCostModel, memory_model: ShardedNumbers, strategy: str = "spindle",
-          max_backtrack: int = DEFAULT_MAX_BACKTRACK) -> list[ScheduledWave]:
+          max_backtrack: int = DEFAULT_MAX_BACKTRACK, critical_first: bool = False) -> list[ScheduledWave]:
     """Copies of ``waves`` with every slice's ``devices`` filled (any devices already set are replaced).
+    ``critical_first``: inside a wave, the slices that set its length are placed first (module docstring).
 
     Deterministic: the same inputs give the same placement.
     """
@@ -109,7 +114,7 @@ def place(waves: Sequence[ScheduledWave], metagraph: MetaGraph, workload: Worklo
     if not isinstance(max_backtrack, int) or max_backtrack < 0:
         raise PlacementError(f"max_backtrack must be a non-negative integer, got {max_backtrack!r}")
     _check_schedule(waves, metagraph, workload, cluster)
-    problem = _Problem.build(waves, metagraph, cluster, cost_model, memory_model)
+    problem = _Problem.build(waves, metagraph, cluster, cost_model, memory_model, critical_first)
     if strategy == "sequential":
         devices = _place_sequential(problem)
     else:
@@ -166,9 +171,10 @@ class _Problem:
     waves: Sequence[ScheduledWave]
     cluster: ClusterSpec
     info: dict[SliceKey, _SliceInfo]
+    critical_first: bool = False
 
     @classmethod
-    def build(cls, waves, metagraph, cluster, cost_model, memory_model) -> _Problem:
+    def build(cls, waves, metagraph, cluster, cost_model, memory_model, critical_first: bool = False) -> _Problem:
         producers = producer_slices(waves, metagraph)
         info = {}
         for wi, w in enumerate(waves):
@@ -179,12 +185,18 @@ class _Problem:
                          for p in producers[(wi, si)]}
                 volume = sum(flows.values()) + _own_traffic_bytes(m, s, cost_model)
                 info[(wi, si)] = _SliceInfo((wi, si), m, s, mem, producers[(wi, si)], flows, volume)
-        return cls(waves, cluster, info)
+        return cls(waves, cluster, info, critical_first)
 
     def slice_order(self, wi: int) -> list[SliceKey]:
-        """Biggest communication first; larger slices before smaller ones on ties (they are harder to fit)."""
+        """Biggest communication first (with ``critical_first``, after the slices as long as the wave); larger
+        slices before smaller ones on ties (they are harder to fit)."""
         keys = [(wi, si) for si in range(len(self.waves[wi].slices))]
-        return sorted(keys, key=lambda k: (-self.info[k].volume, -self.info[k].n, k[1]))
+        longest = max((self.info[k].sched.time for k in keys), default=0.0)
+
+        def slack(k: SliceKey) -> bool:
+            return self.critical_first and self.info[k].sched.time < longest * (1.0 - SLACK_RTOL)
+
+        return sorted(keys, key=lambda k: (slack(k), -self.info[k].volume, -self.info[k].n, k[1]))
 
 
 def _own_traffic_bytes(m: MetaOp, s: ScheduledSlice, cost_model: FlowCostModel) -> float:

@@ -254,6 +254,22 @@ def test_the_bigger_flow_gets_the_local_device_first():
     assert devices_of(out, "a/top", 2) == devices_of(out, "a/enc", 0)
 
 
+def test_critical_first_gives_the_local_device_to_the_slice_that_sets_the_wave_s_length():
+    """As above, but B's consumer runs two layers and A's one: a transfer into B's consumer would lengthen the
+    wave, one into A's overlaps its slack. Critical first, B's consumer takes the device holding its rows;
+    by flows alone, A's still does."""
+    cluster = make_cluster(4, 4, "CPU")
+    a, b = op("a/enc", "a", "enc", tokens=2048), op("b/enc", "b", "enc", tokens=8, level=1)
+    qa, qb = op("a/top", "a", "ha", tokens=2048, level=2), op("b/top", "b", "hb", (0, 1), tokens=8, level=2)
+    g = graph([a, b, qa, qb], [("a/enc", "a/top"), ("b/enc", "b/top")])
+    waves = waves_of([sl(a, 1)], [sl(b, 1)], [sl(qa, 1), sl(qb, 1)])
+    out = placed(waves, g, cluster, critical_first=True)
+    assert devices_of(out, "b/enc", 1) == devices_of(out, "a/enc", 0)
+    assert devices_of(out, "b/top", 2) == devices_of(out, "a/enc", 0)
+    assert devices_of(out, "a/top", 2) != devices_of(out, "a/enc", 0)
+    assert devices_of(placed(waves, g, cluster), "a/top", 2) == devices_of(out, "a/enc", 0)
+
+
 def test_consumer_with_other_dp_lands_on_the_devices_holding_its_rows():
     cluster = make_cluster(8, 8, "CPU")
     a, b = op("a/enc", "a", "a", (0, 1), tokens=1024), op("b/enc", "b", "b", (0, 1))
