@@ -10,7 +10,10 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
 
 - the configured planner (CP-SAT by default) and, when that is CP-SAT, the greedy wavefront plan, each with
   its light MetaLevels (front ends, heads, losses) laid out like the slices they exchange activations with
-  (planner/light_levels.py) where that costs at most 1 % of the waves;
+  (planner/light_levels.py) where that costs at most 1 % of the waves; and each of these planning runs (here,
+  on sync-aware curves, with the early backward, with memory unlimited) also with each heavy level's last waves
+  settled into one (``+tails``, planner/tails.py) where the planner's estimate of the placed plan is faster:
+  its light levels pinned can still lose to the unsettled plan's, so the simulator decides;
 - on several nodes, the greedy plan with every slice inside one node (``max_slice_devices``): its collectives
   and hand-offs stay on NVLink, at some cost in balance;
 - on several nodes, where the configured plan's configurations leave a sizeable share of its device time in
@@ -21,7 +24,8 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
 - the configured planner's plans (with and without sync-aware curves) with the early backward, where they need
   memory options;
 - on several nodes, the tasks partitioned over groups of whole nodes, each group's tasks planned by the
-  wavefront planner on its nodes (planner/node_groups.py), one candidate per number of groups: activations
+  wavefront planner on its nodes (planner/node_groups.py; its level tails settled where the group's estimate
+  prefers it), one candidate per number of groups: activations
   never cross a node, only the shared towers' gradient sync does; with the CP-SAT planner, the fastest of
   them again with each group refined by CP-SAT;
 - each of them with its light levels pinned to their partners' devices (planner/light_levels.py
@@ -118,7 +122,7 @@ def candidate_configs(config: PlannerConfig, cluster: ClusterSpec) -> list[tuple
     """(name, planner config) of every candidate planning run (module docstring)."""
     if config.select == "none":
         return [(config.planner, config)]
-    config = dataclasses.replace(config, light_follow=True)
+    config = dataclasses.replace(config, light_follow=True, settle_tails=True)
     out = [(config.planner, config)]
     greedy = dataclasses.replace(config, planner="wavefront")
     if config.planner != "wavefront":
@@ -150,6 +154,7 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
                 raise
             continue
         planned.append((name, result, time.perf_counter() - started))
+    planned = with_settled(planned)
     _report(say, "the planners' variants", len(planned) - 1, sum(secs for _, _, secs in planned[1:]))
     add = functools.partial(_add_candidates, planned, say)
     # (name, config, result, seconds) of the configured planner's runs: planned[0] is its plan (it raises, never skips)
@@ -157,7 +162,7 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
     runs += _sync_aware_run(workload, cluster, configs[0][1], profile, planned, placements)
     sync_aware = [(name, result, secs) for name, _, result, secs in runs[1:]]
     _report(say, "sync-aware curves", len(sync_aware), sum(secs for _, _, secs in sync_aware))
-    planned += sync_aware
+    planned += with_settled(sync_aware)
     add("early backward", lambda: _early_backward_candidates(workload, cluster, profile, runs, placements))
     add("node groups", lambda: _node_group_candidates(workload, cluster, config, profile, planned, sim_cost_model))
     add("light levels pinned", lambda: _pinned_candidates(workload, cluster, config, planned))
@@ -169,6 +174,13 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
     out.seconds = time.perf_counter() - t0
     out.plan.planner["selection_seconds"] = out.seconds
     return out
+
+
+def with_settled(planned: list[tuple[str, PlanningResult, float]]) -> list[tuple[str, PlanningResult, float]]:
+    """Each planned ``(name, result, seconds)`` followed by ``(name+tails, ...)``, its plan with level tails settled
+    into one wave (planner/tails.py), where its planner made one (``PlanningResult.settled``)."""
+    return [entry for name, result, secs in planned
+            for entry in [(name, result, secs)] + ([(f"{name}+tails", result.settled, secs)] if result.settled else [])]
 
 
 def _report(say: Callable[[str], None], what: str, count: int, seconds: float) -> None:
@@ -238,7 +250,7 @@ def _early_backward_candidates(workload: Workload, cluster: ClusterSpec, profile
         except PlanError:
             continue
         out.append((f"{name}+early-backward", early, time.perf_counter() - started))
-    return out
+    return with_settled(out)
 
 
 def _node_group_candidates(workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
@@ -251,7 +263,7 @@ def _node_group_candidates(workload: Workload, cluster: ClusterSpec, config: Pla
     if config.select == "none" or cluster.num_nodes < 2 or len(workload.tasks) < 2 or not planned:
         return []
     out, partitions = [], []
-    group_config = dataclasses.replace(config, light_follow=True)
+    group_config = dataclasses.replace(config, light_follow=True, settle_tails=True)
     workers = pool_size(config.planning_workers, cluster.num_devices)
     proposed = node_group_partitions(workload, cluster, planned[0][1].metagraph)
     plans = parallel_map(_timed_or_none, [(plan_node_groups, (workload, cluster, p, group_config, profile))
@@ -385,7 +397,7 @@ def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: Plan
         unlimited += [(name, aware, secs) for name, _, aware, secs
                       in _sync_aware_run(workload, roomy, plain, profile, unlimited[-1:])]
     unlimited += _node_group_candidates(workload, roomy, configured, profile, unlimited, sim_cost_model)
-    unlimited = [(f"{name}-unlimited", result, secs) for name, result, secs in unlimited]
+    unlimited = with_settled([(f"{name}-unlimited", result, secs) for name, result, secs in unlimited])
     unlimited += _pinned_candidates(workload, roomy, config, unlimited)  # pinned where the memory is there
     return [candidate for name, result, secs in unlimited
             for candidate in _fitted(name, result.plan, workload, cluster, config, first, secs)]

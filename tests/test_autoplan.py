@@ -127,8 +127,8 @@ def test_node_groups_planned_with_memory_unlimited_are_candidates_where_memory_n
     out = {name: result for name, result, _ in _unlimited_candidates(w, c, config, None, [("wavefront", first, 0.0)])}
     assert {"node-groups-2-unlimited+zero1", "node-groups-2-unlimited+pinned+zero1"} <= set(out)
     roomy = c.with_memory_factor(UNLIMITED_MEMORY_FACTOR)
-    plain = dataclasses.replace(config, light_follow=True, distributed_optimizer="off", recompute="none",
-                                micro_batches="1", early_backward="off")
+    plain = dataclasses.replace(config, light_follow=True, settle_tails=True, distributed_optimizer="off",
+                                recompute="none", micro_batches="1", early_backward="off")
     made = plan_node_groups(w, roomy, node_group_partitions(w, roomy)[0], plain)
     fitted = out["node-groups-2-unlimited+zero1"].plan
     assert [[(s.id, s.devices) for s in wv.slices] for wv in fitted.waves] == \

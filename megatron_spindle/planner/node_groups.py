@@ -201,6 +201,8 @@ def plan_node_groups(workload: Workload, cluster: ClusterSpec, partition: list[N
     if len(counts) > 1:  # one micro-batch count for the whole plan: the groups again with the largest
         config = dataclasses.replace(config, micro_batches=str(max(counts)))
         results = [_plan_group(workload, cluster, g, config, profile, plan_workload) for g in partition]
+    # with config.settle_tails, a group's settled plan where its planner's estimate prefers it (planner/tails.py)
+    results = [r.settled or r for r in results]
     plans = [r.plan for r in results]
     if any(p.settings.order is not None or p.settings.segments is not None
            or p.settings.backward_order is not None for p in plans):

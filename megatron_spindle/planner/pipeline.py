@@ -1,8 +1,10 @@
 """The one planning entry point: workload + cluster -> Plan.
 
 contract (graph) -> scaling curves (estimator) -> per-level allocation (bisection + bi-point) -> wavefront
-waves -> placement -> [CP-SAT refinement] -> assembled, validated Plan. The memory options (micro-batches, ZeRO
-stage, recomputation) are chosen around allocation and placement by planner/memory_search.py.
+waves -> placement -> [CP-SAT refinement] -> [light levels laid out like their neighbours] -> assembled, validated
+Plan [and beside it the same with level tails settled into one wave (planner/tails.py), where the planner's
+estimate gains]. The memory options (micro-batches, ZeRO stage, recomputation) are chosen around allocation and
+placement by planner/memory_search.py.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from megatron_spindle.planner.memory_search import search_memory_options
 from megatron_spindle.planner.objective import estimate_iteration
 from megatron_spindle.planner.placement import PlacementError, place
 from megatron_spindle.planner.schedule import LevelAllocation, ScheduledWave
+from megatron_spindle.planner.tails import settle_tail, settled_levels, tail_starts
 
 PLANNERS = ("wavefront", "cpsat")
 INVERSES = ("rate", "time")
@@ -159,6 +162,10 @@ class PlannerConfig:
     # Light MetaLevels laid out like their neighbours (planner/light_levels.py) when that lengthens the waves
     # by at most LIGHT_FOLLOW_SLACK.
     light_follow: bool = False
+    # Also the plan with each heavy MetaLevel's last waves settled into one (planner/tails.py) where the planner's
+    # estimate of the placed plan says the transfers it saves outweigh the balance it costs
+    # (``PlanningResult.settled``).
+    settle_tails: bool = False
     # How sync-aware curves count a MetaOp's weight sharers (estimator/estimate.py SHARER_COUNTS): plan selection
     # tries each where they differ.
     sync_sharers: str = "metaop"
@@ -221,6 +228,9 @@ class PlanningResult:
     memory_model: MemoryModel
     timings: dict[str, float] = field(default_factory=dict)
     solver: Any = None  # CpSatResult when the CP-SAT planner ran
+    # with ``settle_tails``: the same plan with level tails settled into one wave (planner/tails.py), where the
+    # planner's estimate prefers it; plan selection times both (the estimate cannot see the variants it makes)
+    settled: PlanningResult | None = None
 
 
 def make_plan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | None = None,
@@ -307,19 +317,55 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
                                       best.cost_model, best.memory_model_placed, config)
         refined = best.with_waves(relaid, cluster, config) if relaid is not best.placed else None
         best = refined or best
-    # plan selection (megatron_spindle/autoplan.py ``memory_bound``) plans again with memory unlimited where this
-    # or the plan's memory options say memory shaped it
-    info["memory_limited"] = best.memory_limited
-    plan = assemble_plan(workload, cluster, metagraph, best.charged_waves(), best.cost_model, best.memory_model,
-                         info, level_allocs=best.level_allocs, curves=best.curves,
-                         settings=replace(best.settings(), overlap_param_gather=config.overlap_param_gather,
-                                          **execution_choices(config)))
-    validate_plan(plan, workload, cluster, metagraph)
-    plan.predicted.update(estimate_iteration(plan, metagraph, cluster, best.cost_model).as_predicted())
+    settled = _settle_tails(best, workload, cluster, metagraph, config) if config.settle_tails else best
+    lap("tails")
+
+    def finish(chosen, notes: dict) -> PlanningResult:
+        # plan selection (megatron_spindle/autoplan.py ``memory_bound``) plans again with memory unlimited where
+        # this or the plan's memory options say memory shaped it
+        planner_info = {**info, **notes, "memory_limited": chosen.memory_limited}
+        plan = assemble_plan(workload, cluster, metagraph, chosen.charged_waves(), chosen.cost_model,
+                             chosen.memory_model, planner_info, level_allocs=chosen.level_allocs, curves=chosen.curves,
+                             settings=replace(chosen.settings(), overlap_param_gather=config.overlap_param_gather,
+                                              **execution_choices(config)))
+        validate_plan(plan, workload, cluster, metagraph)
+        plan.predicted.update(estimate_iteration(plan, metagraph, cluster, chosen.cost_model).as_predicted())
+        return PlanningResult(plan, metagraph, chosen.curves, chosen.level_allocs, greedy, chosen.cost_model,
+                              chosen.memory_model, timings, solver)
+
+    result = finish(best, {})
+    if settled is not best:
+        result.settled = finish(settled, {"memory_options": settled.describe(), "settled_tails": True})
     lap("assemble")
-    plan.planner["planning_seconds"] = sum(timings.values())
-    return PlanningResult(plan, metagraph, best.curves, best.level_allocs, greedy, best.cost_model,
-                          best.memory_model, timings, solver)
+    for r in (result, result.settled):
+        if r is not None:
+            r.plan.planner["planning_seconds"] = sum(timings.values())
+    return result
+
+
+def _settle_tails(best, workload: Workload, cluster: ClusterSpec, metagraph: MetaGraph, config: PlannerConfig):
+    """``best`` with, level by level, the settled tail (planner/tails.py) whose placed plan the planner's estimate
+    times fastest, where that is faster than the level as it is."""
+    for level in settled_levels(best.placed, best.metagraph):
+        options = []
+        for k in tail_starts(best.placed, level):
+            settled = settle_tail(best.placed, level, k, best.curves, best.placed_on.num_devices)
+            if settled is None:
+                continue
+            for critical_first in (False, True):  # a settled wave's slices differ in length: which goes first
+                try:
+                    placed = place(settled, best.metagraph, workload, best.placed_on, best.cost_model,
+                                   best.memory_model_placed, strategy=config.placement, critical_first=critical_first)
+                except PlacementError:
+                    continue
+                option = best.with_waves(placed, cluster, config)
+                if option is not None:
+                    options.append(option)
+        fastest = min(options, key=lambda o: o.estimate(workload, cluster, metagraph), default=None)
+        if fastest is not None and fastest.estimate(workload, cluster, metagraph) < \
+                best.estimate(workload, cluster, metagraph):
+            best = fastest
+    return best
 
 
 def _light_levels_follow(waves, metagraph, workload, cluster, curves, cost_model, memory_model, config):
