@@ -28,13 +28,16 @@ from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
 # costs a placement and an estimate.
 MAX_TAIL_STARTS = 6
 _TIME_RTOL = 1e-12
+_OVERLAP_TOL = 1e-9  # waves overlapping by more than this (relative to a wave) come from a cross-level plan
 
 
 def settled_levels(waves: Sequence[ScheduledWave], metagraph: MetaGraph) -> list[int]:
     """The levels whose tail may be settled: heavy ones (light levels follow their neighbours instead,
-    planner/light_levels.py) of two waves or more, in a plan whose waves each hold one level."""
-    if any(len({metagraph.metaops[s.metaop].level for s in w.slices}) > 1 for w in waves):
-        return []  # a cross-level plan: its waves are not a level's
+    planner/light_levels.py) of two waves or more, in a plan whose waves each hold one level, back to back."""
+    ordered = sorted(waves, key=lambda w: w.start)
+    if any(len({metagraph.metaops[s.metaop].level for s in w.slices}) > 1 for w in waves) or \
+            any(b.start < a.end - _OVERLAP_TOL * max(a.duration, 1e-12) for a, b in zip(ordered, ordered[1:])):
+        return []  # a cross-level plan (--spindle-cross-level-overlap): its waves are not a level's one by one
     light = light_levels(metagraph)
     counts: dict[int, int] = {}
     for w in waves:

@@ -89,6 +89,8 @@ def test_settled_levels_are_heavy_levels_of_two_waves_or_more():
     assert tail_starts(waves, 1) == [0, 1]
     mixed = waves[:3] + [ScheduledWave(1, 5.0, 1.0, waves[3].slices + waves[0].slices)]
     assert settled_levels(mixed, graph) == []  # a wave holding two levels: not a level-by-level plan
+    overlapping = waves[:3] + [ScheduledWave(1, waves[2].start, waves[3].duration, waves[3].slices)]
+    assert settled_levels(overlapping, graph) == []  # waves side by side in time: a cross-level plan
 
 
 @pytest.mark.parametrize("workload, gpus, gpus_per_node, gpu", [("tiny-clip", 8, 4, "CPU"), ("clip-4", 16, 8, None)])
@@ -119,3 +121,15 @@ def test_plan_selection_times_the_settled_plan_beside_the_plan_as_it_was():
     assert "wavefront+tails" in times and "wavefront+tails+pinned" in times
     assert all(name.replace("+tails", "") in times for name in times)
     assert chosen.sim.iteration_time == min(t for name, t in times.items())
+
+
+def test_node_groups_take_a_group_s_settled_plan_where_its_estimate_prefers_it():
+    from megatron_spindle.planner.node_groups import node_group_partitions, plan_node_groups
+
+    w, c = load_workload("ofasys-4"), make_cluster(16)
+    partition = node_group_partitions(w, c)[0]
+    plans = {settle: plan_node_groups(w, c, partition, PlannerConfig(planner="wavefront", light_follow=True,
+                                                                     settle_tails=settle)).plan
+             for settle in (False, True)}
+    assert len(plans[True].waves) < len(plans[False].waves)
+    assert plans[True].predicted["planner_estimate"] < plans[False].predicted["planner_estimate"]
