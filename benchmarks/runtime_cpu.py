@@ -165,9 +165,9 @@ def _two_rank_worker(rank: int, world_size: int, port: int, workload, args, queu
             queue.put({"error": repr(e)})
         raise
     finally:
-        # the engine (its hooks make reference cycles) is freed here, while the process groups and the interpreter
-        # live: left to the interpreter's finalization, its gloo objects aborted the worker ("terminate called
-        # without an active exception") in 3 of 4 runs on a 2-core machine, none of 5 with this
+        # what the run left in reference cycles (the engine, through its hooks, most likely) is freed here, while the
+        # process groups and the interpreter live: left to the interpreter's finalization, gloo objects aborted a
+        # worker ("terminate called without an active exception") in 3 of 4 runs on a 2-core machine, 0 of 9 so
         gc.collect()
         dist.destroy_process_group()
 
