@@ -28,7 +28,7 @@ from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.schema import Plan
 from megatron_spindle.planner.assemble import assemble_plan, slice_id
 from megatron_spindle.planner.objective import estimate_iteration
-from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave, scheduled_slice
+from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave, back_to_back, scheduled_slice
 
 
 def light_levels(metagraph: MetaGraph) -> set[int]:
@@ -45,7 +45,7 @@ def follow_neighbours(waves: Sequence[ScheduledWave], metagraph: MetaGraph, curv
         return list(waves)
     out, _ = _relay_light_levels(waves, metagraph, lambda s, partner: _followed(s, curves, partner),
                                  lambda level, slices: _pack(level, slices, num_devices))
-    return _retime(out)
+    return back_to_back(out)
 
 
 def _followed(s: ScheduledSlice, curves: Mapping, partner: ScheduledSlice | None) -> ScheduledSlice:
@@ -124,14 +124,6 @@ def _pack(level: int, slices: list[ScheduledSlice], num_devices: int) -> list[Sc
     return [ScheduledWave(level, 0.0, max(s.time for s in b), b) for b in bins]
 
 
-def _retime(waves: list[ScheduledWave]) -> list[ScheduledWave]:
-    out, t = [], 0.0
-    for w in waves:
-        out.append(ScheduledWave(w.level, t, w.duration, list(w.slices)))
-        t += w.duration
-    return out
-
-
 def pin_to_partners(waves: Sequence[ScheduledWave], metagraph: MetaGraph, curves: Mapping,
                     time_scale: float = 1.0) -> list[ScheduledWave]:
     """Placed waves with every light level's slices on the devices of the slice they exchange activations with.
@@ -149,7 +141,7 @@ def pin_to_partners(waves: Sequence[ScheduledWave], metagraph: MetaGraph, curves
         return waves
     out, moved = _relay_light_levels(
         waves, metagraph, lambda s, partner: _pinned(s, metagraph, curves, partner, time_scale), _pack_disjoint)
-    return _retime(out) if moved else waves
+    return back_to_back(out) if moved else waves
 
 
 def _pinned(s: ScheduledSlice, metagraph: MetaGraph, curves: Mapping, partner: ScheduledSlice | None,

@@ -55,3 +55,12 @@ class LevelAllocation:
     c_star: float
     n_star: dict[str, float]
     tuples: dict[str, list[tuple[int, int]]]  # metaop -> [(n, l), ...], larger n first, l summing to L
+
+
+def back_to_back(waves: list[ScheduledWave]) -> list[ScheduledWave]:
+    """``waves`` in their order, re-timed from 0, each starting when the previous one ends (level barriers)."""
+    out, t = [], 0.0
+    for w in waves:
+        out.append(ScheduledWave(w.level, t, w.duration, list(w.slices)))
+        t += w.duration
+    return out

@@ -16,13 +16,14 @@ plan its own estimate (planner/objective.py) times fastest, or the level as it w
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.planner.allocator import Curve, efficient_points
 from megatron_spindle.planner.light_levels import light_levels
-from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
+from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave, back_to_back
 
 # Tail starts tried per level: its last waves' (the tails of one to this many waves beyond the last one); each
 # costs a placement and an estimate.
@@ -39,9 +40,7 @@ def settled_levels(waves: Sequence[ScheduledWave], metagraph: MetaGraph) -> list
             any(b.start < a.end - _OVERLAP_TOL * max(a.duration, 1e-12) for a, b in zip(ordered, ordered[1:])):
         return []  # a cross-level plan (--spindle-cross-level-overlap): its waves are not a level's one by one
     light = light_levels(metagraph)
-    counts: dict[int, int] = {}
-    for w in waves:
-        counts[w.level] = counts.get(w.level, 0) + 1
+    counts = Counter(w.level for w in waves)
     return sorted(level for level, count in counts.items() if count >= 2 and level not in light)
 
 
@@ -100,8 +99,4 @@ def settle_tail(waves: Sequence[ScheduledWave], level: int, k: int, curves: Mapp
     dropped = set(tail)
     kept = [w for i, w in enumerate(ordered) if i not in dropped]
     kept.insert(tail[0], settled)
-    out, t = [], 0.0
-    for w in kept:
-        out.append(ScheduledWave(w.level, t, w.duration, [replace(s, devices=None) for s in w.slices]))
-        t += w.duration
-    return out
+    return back_to_back([replace(w, slices=[replace(s, devices=None) for s in w.slices]) for w in kept])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megatron_spindle.graph.opgraph import MetaGraph
-from megatron_spindle.planner.schedule import ScheduledWave
+from megatron_spindle.planner.schedule import ScheduledWave, back_to_back
 
 REL_EPS = 1e-9  # makespans closer than this (relative) are equal
 
@@ -20,12 +20,7 @@ def better(waves: list[ScheduledWave] | None, than: list[ScheduledWave]) -> bool
 
 def concatenate(parts: list[list[ScheduledWave]]) -> list[ScheduledWave]:
     """Waves of consecutive levels, re-timed back to back (each part may start at any time)."""
-    out, t = [], 0.0
-    for waves in parts:
-        for w in sorted(waves, key=lambda w: w.start):
-            out.append(ScheduledWave(w.level, t, w.duration, w.slices))
-            t += w.duration
-    return out
+    return back_to_back([w for waves in parts for w in sorted(waves, key=lambda w: w.start)])
 
 
 def renumber(waves: list[ScheduledWave]) -> list[ScheduledWave]:
