@@ -69,6 +69,16 @@ def slice_units(metaop: MetaOp, layer_start: int, layer_end: int) -> list[str]:
     return [] if metaop.frozen else held_units(metaop, layer_start, layer_end)
 
 
+def first_operators(metaop: MetaOp, s: SliceGeometry) -> dict[str, int]:
+    """unit -> the slice's first operator (0-based, of its layers) using it: where its forward first needs the
+    weights, and where its backward accumulates the unit's gradient last."""
+    out: dict[str, int] = {}
+    for i, names in enumerate(metaop.params[s.layer_start:s.layer_end]):
+        for u in names:
+            out.setdefault(u, i)
+    return out
+
+
 def held_units(metaop: MetaOp, layer_start: int, layer_end: int) -> list[str]:
     """Parameter units whose weights a slice of the MetaOp holds (layers ``[layer_start, layer_end)``), in chain
     order, once."""

@@ -1,7 +1,8 @@
 """The planner's own estimate of a plan's iteration time: what its waves of T(n) leave out.
 
 T(n) is forward + backward compute without gradient sync (``LayerCost.step``). The estimate runs the plan's
-steps (plan/order.py) with a barrier after each, every slice's phase timed like the simulator times it
+steps (plan/order.py) as dataflow, a slice's phase starting when its devices are done with their previous ones
+and its inputs have arrived, every slice's phase timed like the simulator times it
 (estimator/slice_time.py: ``step_phases``, ``recompute_seconds``, the ZeRO copies and ZeRO-3's prefetched
 weight gathers), and adds, from the estimator's models and plan/'s rules:
 
@@ -16,18 +17,20 @@ weight gathers), and adds, from the estimator's models and plan/'s rules:
   backward at the cluster's overlap slowdown (C10 unless measured; ``overlapped_backward_seconds``), and what
   they add beyond the backward counts;
 - **optimizer**: the slowest device's AdamW step (plan/layout.py ``stepped_elements``), and with ZeRO 1 or 2
-  the all-gather of the updated weights (with ``settings.overlap_param_gather`` only what the forward waits:
-  bucket by bucket, each needed by the start of the first wave using it).
+  the all-gather of the updated weights (with ``settings.overlap_param_gather`` what it adds to the forward
+  beside which it runs: bucket by bucket in the order they are needed, a layer waiting for its own bucket, the
+  compute beside a gather slowed as the backward beside a bucket's reduction is).
 
-It is an estimate with wave barriers (per component: slices joined by a device or a hand-off, so the node groups
-of a node-group plan keep their own), links taken first come, first served, and no sharing of a node's network;
-the simulator (megatron_spindle/simulator) times the same plan with dataflow, contention and fluid network
-sharing, and plan selection (megatron_spindle/autoplan.py) keeps the plan it times fastest.
+It is an estimate: transfers leave in the order of the steps, links are taken first come, first served, a node's
+network is not shared, and a device's gathers do not wait for the other devices of their group; the simulator
+(megatron_spindle/simulator) times the same plan with contention and fluid network sharing, and plan selection
+(megatron_spindle/autoplan.py) keeps the plan it times fastest.
 ``plan.predicted["planner_estimate"]`` records this estimate.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
@@ -52,7 +55,7 @@ from megatron_spindle.plan.buckets import (
     unit_completion,
 )
 from megatron_spindle.plan.derive import plan_slice_pairs
-from megatron_spindle.plan.layout import device_programs, slice_units, stepped_elements
+from megatron_spindle.plan.layout import device_programs, first_operators, stepped_elements
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, grad_reduce_bytes
 from megatron_spindle.plan.order import BWD, FWD, slice_order
 from megatron_spindle.plan.routing import Router
@@ -65,7 +68,7 @@ from megatron_spindle.plan.tp_shards import group_rings
 class PlanEstimate:
     """Seconds of one iteration as the planner estimates it; ``total`` is their sum."""
 
-    waves: float  # the plan's steps end to end, each as long as its slowest slice (barriers)
+    waves: float  # the plan's steps as dataflow, as if every transfer were free
     transfers: float
     grad_sync: float  # beyond the backward: exposed buckets and the overlap slowdown
     optimizer: float
@@ -108,13 +111,24 @@ def estimate_iteration(plan: Plan, metagraph: MetaGraph, cluster: ClusterSpec, c
     comm = CommModel(cluster)
     metaops = metagraph.metaops
     waves = [w.slices for w in plan.waves]
-    compute, makespan, ready = _unit_ready(plan, metaops, cost_model, _hand_offs(plan, metaops, cost_model, comm),
-                                              comm)
-    sync, gather = _sync_seconds(plan, metaops, cluster, cost_model, comm, makespan, ready)
+    times = _unit_ready(plan, metaops, cost_model, _hand_offs(plan, metaops, cost_model, comm), comm)
+    sync, gather = _sync_seconds(plan, metaops, cluster, cost_model, comm, times)
     held = stepped_elements(waves, metaops, cost_model.param_count, plan.settings.zero_stage, plan.num_devices)
     step = getattr(cost_model, "optimizer_seconds", None)
     optimizer = max((step(sum(u.values()), len(u)) for u in held if u), default=0.0) if step else 0.0
-    return PlanEstimate(compute, makespan - compute, sync, optimizer, gather)
+    return PlanEstimate(times.compute, times.span - times.compute, sync, optimizer, gather)
+
+
+class UnitTimes(NamedTuple):
+    """What ``_unit_ready`` times: the compute span without transfers, the span with them, per unit the time of
+    its last accumulation in the last micro-batch's backward, and per unit the time the first micro-batch's
+    forward first uses it (the operator of its first use starting at its share of the slice's phase, as the
+    simulator gates a slice's layers on their weight gathers)."""
+
+    compute: float
+    span: float
+    ready: dict[str, float]
+    first_use: dict[str, float]
 
 
 class Flow(NamedTuple):
@@ -159,11 +173,11 @@ def slice_phases(plan: Plan, metaops, cost_model, comm: CommModel | None = None)
 
 def _unit_ready(plan: Plan, metaops, cost_model,
                 hand_offs: dict[tuple[str, str], tuple[Flow, Flow]] | None = None, comm: CommModel | None = None,
-                ) -> tuple[float, float, dict[str, float]]:
-    """(the iteration's compute span without transfers, the span with them, per unit the time of its last
-    accumulation in the last micro-batch's backward), with barriers between the steps of the plan's order (a
-    step ends when its slowest slice's phase does). Components that share no device and no hand-off
-    (``device_components``) keep their own barriers: the span is the longest of theirs. With ``hand_offs``
+                ) -> UnitTimes:
+    """``UnitTimes`` of the plan's steps as dataflow: in the plan's order, a slice's phase starts when each of
+    its devices has ended its previous phase (the transfer-free span the same without waiting for inputs); a
+    later micro-batch starts where its component (``device_components``: slices joined by a device or a
+    hand-off, one per node group of a node-group plan) ended the previous one. With ``hand_offs``
     (``_hand_offs``) a slice's phase also waits for its inputs, as the simulator times transfers: a forward for
     its activations, a backward for their gradients, each transfer leaving when its sender's phase ends and its
     devices' links are free (first come, first served); a transfer only costs where it is on that path. A flow's
@@ -186,31 +200,28 @@ def _unit_ready(plan: Plan, metaops, cost_model,
             steps[-1].append((wi, si, phase))
         else:
             steps.append([(wi, si, phase)])
-    clock: dict[int, float] = {}
-    alone: dict[int, float] = {}  # the components' clocks as if every transfer were free
+    clock: dict[int, float] = {}  # device -> when its last phase ends
+    alone: dict[int, float] = {}  # the devices' clocks as if every transfer were free
     arrival: dict[tuple[str, str], float] = {}  # (slice, phase) -> when its last input has arrived
     link_free: dict[int, float] = {}
     ready: dict[str, tuple[float, int]] = {}  # unit -> (time in its component, component)
+    first_use: dict[str, float] = {}  # unit -> its first forward use (the first micro-batch's)
     for step in steps:
-        ends: dict[int, float] = {}
-        longest: dict[int, float] = {}
         done: list[tuple[tuple[str, str], float]] = []
         for wi, si, phase in step:
             s = waves[wi].slices[si]
             c, own = component[s.id], phases[s.id][1 if phase == BWD else 0]
             key = (s.id, phase)
-            t = max(clock.get(c, 0.0), arrival.get(key, 0.0))
+            t = max([arrival.get(key, 0.0)] + [clock.get(d, 0.0) for d in s.devices])
             done.append((key, t + own + host.get(key, 0.0)))
-            ends[c] = max(ends.get(c, clock.get(c, 0.0)), done[-1][1])
-            longest[c] = max(longest.get(c, 0.0), own)
-            if phase != BWD:
-                continue
+            free = max(alone.get(d, 0.0) for d in s.devices) + own
+            for d in s.devices:
+                clock[d], alone[d] = done[-1][1], free
             ops = s.layer_end - s.layer_start
-            first: dict[str, int] = {}
-            for i, names in enumerate(metaops[s.metaop].params[s.layer_start:s.layer_end]):
-                for u in names:
-                    first.setdefault(u, i)
-            for u, i in first.items():
+            for u, i in first_operators(metaops[s.metaop], s).items():
+                if phase != BWD:
+                    first_use[u] = min(first_use.get(u, math.inf), t + own * i / ops)
+                    continue
                 at = t + own * (ops - i) / ops
                 if u not in ready or at > ready[u][0]:
                     ready[u] = (at, c)
@@ -220,50 +231,44 @@ def _unit_ready(plan: Plan, metaops, cost_model,
                 for d in links:
                     link_free[d] = start + seconds
                 arrival[receiver] = max(arrival.get(receiver, 0.0), start + seconds)
-        clock.update(ends)
-        for c, length in longest.items():
-            alone[c] = alone.get(c, 0.0) + length
-    span = max(clock.values(), default=0.0)
-    return (max(alone.values(), default=0.0) * micro, span * micro,
-            {u: r + clock[c] * (micro - 1) for u, (r, c) in ready.items()})
-
-
-def _gather_seconds(buckets: list[list[str]], first_use: dict[str, float], cost_model, comm: CommModel,
-                    share: float, ring, sharing: int) -> float:
-    """A group's weight all-gather after the step, bucket by bucket (plan/buckets.py), or (``first_use``: unit ->
-    start of its first wave, with --overlap-param-gather) what the forward waits for it: the buckets issued at
-    the iteration's start one after another in the order of their first use, each needed by the start of its
-    first wave."""
-    seconds = [comm.all_gather(sum(cost_model.param_count(u) for u in units) * WEIGHT_BYTES_PER_PARAM * share,
-                               ring, sharing) for units in buckets]
-    if not first_use:
-        return sum(seconds)
-    needed = [min(first_use.get(u, 0.0) for u in units) for units in buckets]
-    waited, done = 0.0, 0.0
-    for at, s in sorted(zip(needed, seconds)):
-        done += s + comm.overlap_latency  # beside the forward's compute (0 unless a CPU profile measured it)
-        waited = max(waited, done - at)
-    return waited
-
-
-def _first_use(plan: Plan, metaops) -> dict[str, float]:
-    """unit -> the start of the first wave whose slices use it (the planner's wave times)."""
-    out: dict[str, float] = {}
-    for w in plan.waves:
+    ends: dict[int, float] = {}  # component -> its end
+    for w in waves:
         for s in w.slices:
-            for u in slice_units(metaops[s.metaop], s.layer_start, s.layer_end):
-                out[u] = min(out.get(u, w.start), w.start)
-    return out
+            c = component[s.id]
+            ends[c] = max([ends.get(c, 0.0)] + [clock[d] for d in s.devices])
+    span = max(clock.values(), default=0.0)
+    return UnitTimes(max(alone.values(), default=0.0) * micro, span * micro,
+                     {u: r + ends[c] * (micro - 1) for u, (r, c) in ready.items()}, first_use)
 
 
-def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: CommModel, bwd_span: float,
-                  ready: dict[str, float]) -> tuple[float, float]:
+def _gathers_added(gathers: list[tuple[float, float]], span: float, slowdown: float, latency: float) -> float:
+    """What one device's weight all-gathers add to its ``span`` (its timeline as if every device were busy from
+    0): ``gathers`` holds (needed by, seconds) per bucket in issue order, all issued at 0 and run one after
+    another. While a gather runs beside compute both progress ``slowdown`` times slower and the gather takes
+    ``latency`` more (as ``overlapped_backward_seconds``, the simulator's timeline); where the compute reaches a
+    bucket's need before it is gathered, it waits (and the gather runs alone)."""
+    t, pos = 0.0, 0.0  # wall time, position on the span
+    for needed, seconds in gathers:
+        left, rate = seconds, 1.0 / (slowdown + (latency / seconds if seconds > 0 else 0.0))
+        while left > 1e-18:
+            limit = min(needed, span)
+            if pos >= limit:  # the compute waits for it, or has none left
+                t, left = t + left, 0.0
+                break
+            dt = min((limit - pos) * slowdown, left / rate)
+            t, pos, left = t + dt, pos + dt / slowdown, left - dt * rate
+    return max(0.0, t + (span - pos) - span)
+
+
+def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: CommModel,
+                  unit_times: UnitTimes) -> tuple[float, float]:
     """(what the gradient buckets add beyond the compute on the worst device, the weight gather after the step
-    of the groups plan/buckets.py ``regathered_groups`` names), given ``_unit_ready``'s span (transfers included)
-    and unit accumulation times. Each bucket can overlap any compute after its last unit's accumulation (a later
-    segment's forward too)."""
+    of the groups plan/buckets.py ``regathered_groups`` names), given ``_unit_ready``'s times: the span
+    (transfers included), unit accumulations and first uses. Each bucket can overlap any compute after its last
+    unit's accumulation (a later segment's forward too)."""
     settings = plan.settings
     waves = [w.slices for w in plan.waves]
+    bwd_span, ready = unit_times.span, unit_times.ready
     if bwd_span <= 0:
         return 0.0, 0.0
     completion = unit_completion(waves, metaops, settings)
@@ -276,8 +281,8 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
     rings = [(g, r.degree, r.share, GroupPlacement.of_devices(r.devices, cluster), again)
              for g, r, again in zip(plan.param_groups, shards, regathered)]
     per_device: dict[int, list[tuple[float, float]]] = {}
-    gather = 0.0
-    first_use = _first_use(plan, metaops) if overlaps_param_gather(settings) else {}
+    gathers: dict[int, list[tuple[float, float]]] = {}  # device -> (needed by, seconds) of its buckets
+    overlapped = overlaps_param_gather(settings)
     for g, tp, share, ring, again in rings:
         if ring.size <= 1 or not g.params:
             continue
@@ -291,8 +296,12 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
             for mb in synced:  # the last micro-batch's accumulations, or (ZeRO-2) every micro-batch's
                 for d in g.devices:
                     per_device.setdefault(d, []).append((at - per_micro_batch * (micro - 1 - mb), seconds))
-        if again:
-            gather = max(gather, _gather_seconds(buckets, first_use, cost_model, comm, share, ring, sharing))
+        for units in buckets if again else []:
+            needed = min(unit_times.first_use.get(u, 0.0) for u in units) if overlapped else 0.0
+            seconds = comm.all_gather(sum(cost_model.param_count(u) for u in units) * WEIGHT_BYTES_PER_PARAM * share,
+                                      ring, sharing)
+            for d in g.devices:
+                gathers.setdefault(d, []).append((needed, seconds))
     extra = 0.0
     done: dict[tuple, float] = {}
     for devices in device_programs(waves, plan.num_devices).values():
@@ -308,4 +317,12 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
                                                 comm.overlap_slowdown, comm.overlap_latency)
             done[buckets] = max(0.0, times.end - bwd_span)
         extra = max(extra, done[buckets])
-    return extra, gather
+    # with --overlap-param-gather the gathers run beside the forward, in the order they are needed (plan/buckets.py
+    # ``gather_order``); else after the step, on their own
+    added: dict[tuple, float] = {}
+    for mine in gathers.values():
+        key = tuple(sorted(mine))
+        if key not in added:
+            added[key] = _gathers_added(list(key), bwd_span, comm.overlap_slowdown, comm.overlap_latency) \
+                if overlapped else sum(s for _, s in key)
+    return extra, max(added.values(), default=0.0)

@@ -91,7 +91,7 @@ from megatron_spindle.plan.buckets import (
     unit_first_use,
 )
 from megatron_spindle.plan.derive import plan_slice_pairs
-from megatron_spindle.plan.layout import slice_units, stepped_elements
+from megatron_spindle.plan.layout import first_operators, slice_units, stepped_elements
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, plan_memory
 from megatron_spindle.plan.order import FWD, slice_order
 from megatron_spindle.plan.routing import Router, gradient_returns
@@ -401,7 +401,7 @@ def _gather_collectives(ctx: _Context, timer: CollectiveTimer, tasks: list[Task]
     for sid, s in ctx.slices.items():
         k = index[((sid, FWD), 0)]
         ops = s.num_layers
-        for u, i in _first_operator(ctx.metaops[s.metaop], s).items():
+        for u, i in first_operators(ctx.metaops[s.metaop], s).items():
             if u in bucket_of_unit:
                 if i == 0:
                     tasks[k].after.append(bucket_of_unit[u])
@@ -449,7 +449,7 @@ def _milestones(ctx: _Context, index: dict[tuple[str, str], int], tasks: list[Ta
             continue
         units = ctx.units[sid]
         k = index[(sid, phase)]
-        first = _first_operator(ctx.metaops[ctx.slices[sid].metaop], ctx.slices[sid])
+        first = first_operators(ctx.metaops[ctx.slices[sid].metaop], ctx.slices[sid])
         ops = ctx.slices[sid].num_layers
         for u in units:
             holding.setdefault(u, []).append((k, (ops - first[u]) / ops))
@@ -464,15 +464,6 @@ def _milestones(ctx: _Context, index: dict[tuple[str, str], int], tasks: list[Ta
         for d in b.devices:
             k, fraction = best[d]
             yield c, (k, fraction, d)
-
-
-def _first_operator(m: MetaOp, s: Slice) -> dict[str, int]:
-    """unit -> the first operator of the slice (0-based) using it: its last accumulation in the backward."""
-    out: dict[str, int] = {}
-    for i, names in enumerate(m.params[s.layer_start:s.layer_end]):
-        for u in names:
-            out.setdefault(u, i)
-    return out
 
 
 def _busy(ctx: _Context, run: TimelineResult) -> tuple[list[list[Interval]], float]:

@@ -109,10 +109,10 @@ def test_autoplan_with_cpsat_refines_the_fastest_partition_per_group():
                                             if x.name.startswith("task-sequential")) * (1 + 1e-9)
 
 
-def test_estimate_keeps_each_groups_own_barriers():
+def test_estimate_runs_each_group_on_its_own_devices():
     """The merged plan's waves join the groups level by level, but no device or hand-off joins them: the
-    planner's estimate runs each group's steps with its own barriers (plan/timeline.py ``device_components``), so its
-    compute span is the longest group's, not the sum of the merged steps' maxima."""
+    planner's estimate runs the steps as dataflow, each phase starting when its own devices are free, so its
+    compute span is the longest group's own, below the sum of the merged steps' maxima (barriers)."""
     from megatron_spindle.plan.order import BWD, slice_order
     from megatron_spindle.plan.timeline import device_components
     from megatron_spindle.planner.objective import estimate_iteration, slice_phases
@@ -130,20 +130,21 @@ def test_estimate_keeps_each_groups_own_barriers():
     for s in plan.slices():
         by_group.setdefault(groups[s.task], set()).add(component[s.id])
     assert all(len(v) == 1 for v in by_group.values()) and len(set().union(*by_group.values())) == len(partition)
-    # the span by hand: per group, its steps' longest slice phase, summed; the estimate takes the longest group
+    # the span by hand: each phase starts when its devices are free; per group, its devices' last end
     phases = slice_phases(plan, mg.metaops, result.cost_model)
     waves = plan.waves
+    clock: dict[int, float] = {}
     spans: dict[int, float] = {}
     tasks = [[s.task for s in wv.slices] for wv in waves]
-    steps: dict[tuple[int, str], dict[int, float]] = {}
+    steps: dict[tuple[int, str], float] = {}
     for wi, si, phase in slice_order(tasks, plan.settings):
         s = waves[wi].slices[si]
-        longest = steps.setdefault((wi, phase), {})
-        longest[groups[s.task]] = max(longest.get(groups[s.task], 0.0), phases[s.id][1 if phase == BWD else 0])
-    for longest in steps.values():
-        for g, t in longest.items():
-            spans[g] = spans.get(g, 0.0) + t
-    merged = sum(max(longest.values()) for longest in steps.values())
+        own = phases[s.id][1 if phase == BWD else 0]
+        end = max(clock.get(d, 0.0) for d in s.devices) + own
+        clock.update({d: end for d in s.devices})
+        spans[groups[s.task]] = max(spans.get(groups[s.task], 0.0), end)
+        steps[(wi, phase)] = max(steps.get((wi, phase), 0.0), own)
+    merged = sum(steps.values())
     estimate = estimate_iteration(plan, mg, c, result.cost_model)
     assert estimate.waves == pytest.approx(max(spans.values()) * plan.settings.micro_batches)
     assert estimate.waves < merged * plan.settings.micro_batches
