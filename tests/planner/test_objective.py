@@ -135,3 +135,6 @@ def test_weight_gathers_beside_compute_cost_what_the_comm_model_charges():
     assert _gathers_added([(0.0, 2.0)], 10.0, 1.2, 0.0) == pytest.approx(2.0)  # the compute waits, then runs alone
     # needed halfway: beside compute until the compute reaches it, then the rest alone
     assert _gathers_added([(1.0, 2.0)], 10.0, 1.2, 0.0) == pytest.approx(1.2 + (2.0 - 1.0) - 1.0)
+    # a measured latency (a CPU profile's) makes a gather beside compute take longer, as in the comm model:
+    # 2 s of compute move 2 / (1 + 0.5 / 2) = 1.6 s of it, the rest (0.4 s) is waited for alone
+    assert _gathers_added([(2.0, 2.0)], 10.0, 1.0, 0.5) == pytest.approx(0.4)
