@@ -206,6 +206,7 @@ def _unit_ready(plan: Plan, metaops, cost_model,
     link_free: dict[int, float] = {}
     ready: dict[str, tuple[float, int]] = {}  # unit -> (time in its component, component)
     first_use: dict[str, float] = {}  # unit -> its first forward use (the first micro-batch's)
+    ends: dict[int, float] = {}  # component -> when its last phase ends
     for step in steps:
         done: list[tuple[tuple[str, str], float]] = []
         for wi, si, phase in step:
@@ -214,6 +215,7 @@ def _unit_ready(plan: Plan, metaops, cost_model,
             key = (s.id, phase)
             t = max([arrival.get(key, 0.0)] + [clock.get(d, 0.0) for d in s.devices])
             done.append((key, t + own + host.get(key, 0.0)))
+            ends[c] = max(ends.get(c, 0.0), done[-1][1])
             free = max(alone.get(d, 0.0) for d in s.devices) + own
             for d in s.devices:
                 clock[d], alone[d] = done[-1][1], free
@@ -231,11 +233,6 @@ def _unit_ready(plan: Plan, metaops, cost_model,
                 for d in links:
                     link_free[d] = start + seconds
                 arrival[receiver] = max(arrival.get(receiver, 0.0), start + seconds)
-    ends: dict[int, float] = {}  # component -> its end
-    for w in waves:
-        for s in w.slices:
-            c = component[s.id]
-            ends[c] = max([ends.get(c, 0.0)] + [clock[d] for d in s.devices])
     span = max(clock.values(), default=0.0)
     return UnitTimes(max(alone.values(), default=0.0) * micro, span * micro,
                      {u: r + ends[c] * (micro - 1) for u, (r, c) in ready.items()}, first_use)
@@ -290,18 +287,17 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
         limit = default_bucket_numel(len(g.devices))
         buckets = split_buckets(completion_sorted(g.params, completion), cost_model.param_count, limit)
         for units in buckets:
-            nbytes = grad_reduce_bytes(sum(cost_model.param_count(u) for u in units), settings) * share
-            seconds = comm.collective_seconds(op, nbytes, ring, sharing)
+            params = sum(cost_model.param_count(u) for u in units)
+            seconds = comm.collective_seconds(op, grad_reduce_bytes(params, settings) * share, ring, sharing)
             at = max(ready[u] for u in units)
             for mb in synced:  # the last micro-batch's accumulations, or (ZeRO-2) every micro-batch's
                 for d in g.devices:
                     per_device.setdefault(d, []).append((at - per_micro_batch * (micro - 1 - mb), seconds))
-        for units in buckets if again else []:
-            needed = min(unit_times.first_use.get(u, 0.0) for u in units) if overlapped else 0.0
-            seconds = comm.all_gather(sum(cost_model.param_count(u) for u in units) * WEIGHT_BYTES_PER_PARAM * share,
-                                      ring, sharing)
-            for d in g.devices:
-                gathers.setdefault(d, []).append((needed, seconds))
+            if again:  # its updated weights gathered after the step
+                needed = min(unit_times.first_use.get(u, 0.0) for u in units) if overlapped else 0.0
+                gathered = comm.all_gather(params * WEIGHT_BYTES_PER_PARAM * share, ring, sharing)
+                for d in g.devices:
+                    gathers.setdefault(d, []).append((needed, gathered))
     extra = 0.0
     done: dict[tuple, float] = {}
     for devices in device_programs(waves, plan.num_devices).values():
