@@ -44,7 +44,6 @@ def engine_provider(plan, workload, rank, world_size, args, batch_fn):
                                                     eps=args.adam_eps, weight_decay=args.weight_decay,
                                                     clip_grad=args.clip_grad, no_weight_decay_1d=True),
                           data_seed=args.seed, dtype=params_dtype(args), grad_scaler=make_grad_scaler(args),
-                          ddp_bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                           init_std=args.init_method_std, init_seed=args.seed, dropout_seed=args.seed,
                           check_for_nan=args.check_for_nan_in_loss_and_grad, count_zeros=args.log_num_zeros_in_grad)
     return RuntimeEngine(plan, workload, rank, world_size, config, batch_fn=batch_fn)

@@ -73,6 +73,10 @@ class BaselineContext:
     memory_model: Any
     # --attention-backend, which the baselines' plans record (the cost model charges its attention kernels)
     attention_backend: str = "auto"
+    # the gradient sync's runtime flags (--overlap-grad-reduce, --ddp-bucket-size): the baselines run on our
+    # runtime, so their plans record the user's, as Spindle's do
+    overlap_grad_reduce: bool = True
+    ddp_bucket_size: int | None = None
     _best: dict = field(default_factory=dict)
 
     @classmethod
@@ -83,8 +87,9 @@ class BaselineContext:
         is given and the baselines' plans record."""
         cost_model = cost_model or AnalyticCostModel(workload, cluster, config=execution_cost_config(choices))
         memory_model = memory_model or MemoryModel(workload, cluster, cost_model)
-        backend = execution_choices(choices)["attention_backend"] if choices is not None else "auto"
-        return cls(workload, cluster, metagraph or build_metagraph(workload), cost_model, memory_model, backend)
+        chosen = execution_choices(choices if choices is not None else ExecutionSettings())
+        return cls(workload, cluster, metagraph or build_metagraph(workload), cost_model, memory_model,
+                   chosen["attention_backend"], chosen["overlap_grad_reduce"], chosen["ddp_bucket_size"])
 
     @property
     def recompute(self) -> bool:
@@ -119,7 +124,8 @@ class BaselineContext:
             cost_model = AnalyticCostModel(self.workload, self.cluster, dtype_bytes=self.cost_model.dtype_bytes,
                                            config=config)
             variant = BaselineContext(self.workload, self.cluster, self.metagraph, cost_model,
-                                      MemoryModel(self.workload, self.cluster, cost_model), self.attention_backend)
+                                      MemoryModel(self.workload, self.cluster, cost_model), self.attention_backend,
+                                      self.overlap_grad_reduce, self.ddp_bucket_size)
             variant._best[("recompute", self.recompute)] = self
             self._best[key] = variant
         return self._best[key]

@@ -10,8 +10,9 @@ and the simulator times the same buckets, so both agree on what is reduced when:
   its layers' backward from last to first, so a lower position completes later). ``unit_completion`` gives
   per unit that slice's wave, the unit's position and the slice's backward step (``Completion``).
 - **Buckets.** A group's units in completion order, whole units, closed once a bucket holds at least
-  ``limit`` elements: megatron-core DDP's ``bucket_size``, by default ``max(40M, 1M * group size)``
-  (distributed_data_parallel_config.py).
+  ``bucket_limit`` elements: the plan's ``ddp_bucket_size`` (Megatron-LM's ``--ddp-bucket-size``), else
+  megatron-core DDP's default ``max(40M, 1M * group size)`` (distributed_data_parallel_config.py). Without
+  ``overlap_grad_reduce`` every bucket is issued after the device's whole backward.
 - **Launch order.** Buckets by the completion of their last unit (backward step, then position), then by
   group and index: buckets of one group come in index order, and any two ranks issue the buckets they share
   in the same relative order.
@@ -63,7 +64,11 @@ def completion_key(done) -> tuple:
     return (-done[0], -done[1])
 
 
-def default_bucket_numel(members: int) -> int:
+def bucket_limit(ddp_bucket_size: int | None, members: int) -> int:
+    """Elements per bucket of a parameter device group of ``members`` devices: ``ddp_bucket_size`` (a plan's
+    setting), else megatron-core's default for the group's size."""
+    if ddp_bucket_size is not None:
+        return ddp_bucket_size
     return max(DEFAULT_BUCKET_NUMEL, BUCKET_NUMEL_PER_MEMBER * members)
 
 

@@ -47,7 +47,8 @@ REDUCE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 # ExecutionSettings' fields the cost model charges (estimator.execution_cost_config); PlannerConfig has them too,
 # by the same names, and every plan records the ones it was planned with
-EXECUTION_CHOICES = ("sequence_parallel", "attention_backend", "grad_norm", "hidden_dropout", "attention_dropout")
+EXECUTION_CHOICES = ("sequence_parallel", "attention_backend", "grad_norm", "hidden_dropout", "attention_dropout",
+                     "overlap_grad_reduce", "ddp_bucket_size")
 DROPOUTS = ("hidden_dropout", "attention_dropout")
 
 
@@ -241,6 +242,12 @@ class ExecutionSettings:
       ``--hidden-dropout`` after the attention and MLP blocks, ``--attention-dropout`` on the attention
       probabilities), which the planner and the simulator charge (the masks' kernels and bytes) and the runtime
       runs (models/dropout.py). Without the keys (plans written before them): 0, as those plans were run.
+    - ``overlap_grad_reduce``: each gradient bucket is reduced as soon as the backward completes it, beside the
+      rest of the backward (megatron-core DDP's ``overlap_grad_reduce``, Megatron-LM's ``--overlap-grad-reduce``);
+      False: every bucket after the device's whole backward. Without the key: True, as those plans were run.
+    - ``ddp_bucket_size``: elements per gradient bucket (Megatron-LM's ``--ddp-bucket-size``); None:
+      megatron-core's default for the parameter device group's size (plan/buckets.py ``bucket_limit``).
+      Without the key: None, as those plans were run.
     """
 
     recompute: Recompute = Recompute()
@@ -258,15 +265,20 @@ class ExecutionSettings:
     grad_norm: bool = True
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    overlap_grad_reduce: bool = True
+    ddp_bucket_size: int | None = None
 
     def __post_init__(self):
         if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
             raise PlanError(f"zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}")
         if not _is_count(self.micro_batches) or self.micro_batches < 1:
             raise PlanError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
-        for name in ("overlap_param_gather", "sequence_parallel", "tp_sharded_grads", "grad_norm"):
+        for name in ("overlap_param_gather", "sequence_parallel", "tp_sharded_grads", "grad_norm",
+                     "overlap_grad_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.ddp_bucket_size is not None and (not _is_count(self.ddp_bucket_size) or self.ddp_bucket_size < 1):
+            raise PlanError(f"ddp_bucket_size must be a positive integer or null, got {self.ddp_bucket_size!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise PlanError(f"attention_backend '{self.attention_backend}' is not one of {', '.join(ATTENTION_BACKENDS)}")
         for name in DROPOUTS:
@@ -317,6 +329,8 @@ class ExecutionSettings:
             "grad_norm": self.grad_norm,
             "hidden_dropout": self.hidden_dropout,
             "attention_dropout": self.attention_dropout,
+            "overlap_grad_reduce": self.overlap_grad_reduce,
+            "ddp_bucket_size": self.ddp_bucket_size,
         }
 
     @classmethod
@@ -325,8 +339,9 @@ class ExecutionSettings:
 
 
 def execution_choices(source) -> dict[str, Any]:
-    """The choices of what the runtime executes that the cost model charges (``EXECUTION_CHOICES``), read from
-    anything that carries them by those names: a plan's ``ExecutionSettings``, a ``PlannerConfig``."""
+    """The choices of what the runtime executes that the planner, the cost model and the simulator charge
+    (``EXECUTION_CHOICES``), read from anything that carries them by those names: a plan's ``ExecutionSettings``,
+    a ``PlannerConfig``, the baselines' context."""
     return {name: getattr(source, name) for name in EXECUTION_CHOICES}
 
 

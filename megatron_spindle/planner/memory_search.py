@@ -21,7 +21,7 @@ from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.layout import micro_batch_metaop
 from megatron_spindle.plan.memory import ZeroSharded, slice_memory
 from megatron_spindle.plan.order import default_order, early_backward_order, slice_order
-from megatron_spindle.plan.schema import ExecutionSettings, PlanError, Recompute
+from megatron_spindle.plan.schema import ExecutionSettings, PlanError, Recompute, execution_choices
 from megatron_spindle.planner.allocator import allocate_level
 from megatron_spindle.planner.assemble import assemble_plan, slice_id
 from megatron_spindle.planner.memory_options import (
@@ -118,6 +118,12 @@ def cap_slice_devices(allowed: dict[str, set[tuple[int, int]]], cap: int) -> dic
     return out
 
 
+def run_settings(config: PlannerConfig) -> dict:
+    """The plan settings the user's flags fix, whatever the memory options: ``--overlap-param-gather`` and the
+    execution choices (plan/schema.py ``EXECUTION_CHOICES``)."""
+    return {"overlap_param_gather": config.overlap_param_gather, **execution_choices(config)}
+
+
 def recompute_policy(config: PlannerConfig) -> RecomputePolicy:
     """The recomputation the planner may choose: the Megatron-style flags as given, else --spindle-recompute."""
     if config.recompute_granularity == "selective":
@@ -198,6 +204,9 @@ class _Candidate:
     error: Exception | None = None  # why ``choose`` found nothing
     estimated: float | None = None
     ladder_cache: dict = field(default_factory=dict)  # the search's: its candidates share the cost model and policy
+    # what the runtime runs besides the memory options (``run_settings``): the plan records it, so the estimate
+    # the search decides on charges it too
+    run: dict = field(default_factory=dict)
     # whether memory limited the search that chose this candidate (``search_memory_options``): where it did not,
     # and the plan has no memory option, more memory would plan the same
     memory_limited: bool = False
@@ -283,7 +292,7 @@ class _Candidate:
                          for (wi, si), rc in layer.items() if rc.mode != "none"}
         return ExecutionSettings(recompute=plan_wide, slice_recompute=per_slice,
                                  zero_stage=self.memory_model.zero_stage, micro_batches=self.micro_batches,
-                                 order=self.order)
+                                 order=self.order, **self.run)
 
     def describe(self) -> str:
         counts: dict[str, int] = {}
@@ -354,7 +363,8 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
             rung_cost_model, placed_mm, roomy, curves, allocs, placed, bound, narrowed = placed
             cand = _Candidate(m, micro, rung_cost_model,
                               MemoryModel(workload, cluster, rung_cost_model, zero_stage=stage),
-                              placed_mm, roomy, policy, curves, allocs, placed, ladder_cache=ladder_cache)
+                              placed_mm, roomy, policy, curves, allocs, placed, ladder_cache=ladder_cache,
+                              run=run_settings(config))
             limited = limited or narrowed
             if not bound and assumed.mode == "none":
                 unbound = over if unbound is None else min(unbound, over)

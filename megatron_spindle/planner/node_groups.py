@@ -27,8 +27,9 @@ from megatron_spindle.estimator.profiled import planning_cost_model, profile_for
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.schema import ExecutionSettings, Plan, PlanError, Recompute, execution_choices
+from megatron_spindle.plan.schema import ExecutionSettings, Plan, PlanError, Recompute
 from megatron_spindle.planner.assemble import assemble_plan, slice_id
+from megatron_spindle.planner.memory_search import run_settings
 from megatron_spindle.planner.objective import estimate_iteration
 from megatron_spindle.planner.schedule import ScheduledWave, scheduled_slice
 
@@ -210,7 +211,7 @@ def plan_node_groups(workload: Workload, cluster: ClusterSpec, partition: list[N
     waves, recompute = _merge_waves(metagraph, partition, cluster, plans)
     zero = max(p.settings.zero_stage for p in plans)
     settings = ExecutionSettings(slice_recompute=recompute, zero_stage=zero,
-                                 micro_batches=plans[0].settings.micro_batches, **execution_choices(config))
+                                 micro_batches=plans[0].settings.micro_batches, **run_settings(config))
     # the groups' own (profiled where given)
     cost_model = planning_cost_model(workload, cluster, profile, config)
     memory_model = MemoryModel(workload, cluster, cost_model, zero_stage=zero)

@@ -13,8 +13,8 @@ weight gathers), and adds, from the estimator's models and plan/'s rules:
   profiled CPU device), the sending and the receiving phase take that much longer;
 - **gradient sync**: the buckets of every parameter device group (plan/buckets.py), each ready when its last
   unit's accumulation is done in the backward (waves run backward in reverse, a slice's layers from last to
-  first), reduced by the comm model on its group's ring; per device, its buckets overlap the rest of the
-  backward at the cluster's overlap slowdown (C10 unless measured; ``overlapped_backward_seconds``), and what
+  first), cut at the plan's bucket size, reduced by the comm model on its group's ring; per device, its buckets
+  overlap the rest of the backward (after it, without ``overlap_grad_reduce``) at the cluster's overlap slowdown (C10 unless measured; ``overlapped_backward_seconds``), and what
   they add beyond the backward counts;
 - **optimizer**: the slowest device's AdamW step (plan/layout.py ``stepped_elements``), and with ZeRO 1 or 2
   the all-gather of the updated weights (with ``settings.overlap_param_gather`` what it adds to the forward
@@ -46,8 +46,8 @@ from megatron_spindle.estimator.transfer import (
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.plan.buckets import (
+    bucket_limit,
     completion_sorted,
-    default_bucket_numel,
     overlaps_param_gather,
     regathered_groups,
     split_buckets,
@@ -284,7 +284,7 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
         if ring.size <= 1 or not g.params:
             continue
         sharing = tp if ring.crosses_nodes else 1  # its own TP rings; other groups' overlap is not estimated
-        limit = default_bucket_numel(len(g.devices))
+        limit = bucket_limit(settings.ddp_bucket_size, len(g.devices))
         buckets = split_buckets(completion_sorted(g.params, completion), cost_model.param_count, limit)
         for units in buckets:
             params = sum(cost_model.param_count(u) for u in units)
@@ -306,8 +306,8 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
             continue
         if buckets not in done:
             fractions, running = [], 0.0
-            for at, _ in buckets:
-                running = max(running, min(1.0, at / bwd_span))
+            for at, _ in buckets:  # without --overlap-grad-reduce every bucket waits for the whole backward
+                running = max(running, min(1.0, at / bwd_span)) if settings.overlap_grad_reduce else 1.0
                 fractions.append(running)
             times = overlapped_backward_seconds(bwd_span, [s for _, s in buckets], fractions,
                                                 comm.overlap_slowdown, comm.overlap_latency)

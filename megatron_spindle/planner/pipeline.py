@@ -30,7 +30,6 @@ from megatron_spindle.plan.schema import (
     dropout_mismatch,
     dropout_probability,
     dropouts,
-    execution_choices,
     resolve_attention_backend,
 )
 from megatron_spindle.plan.validate import validate_plan
@@ -145,6 +144,17 @@ class PlannerConfig:
         "Megatron-LM's --attention-dropout: dropout probability on the attention probabilities (inside the "
         "kernel with FlashAttention). Recorded, charged and run as --hidden-dropout. Default 0, where "
         "Megatron-LM's is 0.1.", name="--attention-dropout", type=finite_float))
+    overlap_grad_reduce: bool = field(default=True, metadata=flag(
+        "Megatron-LM's --overlap-grad-reduce: reduce each gradient bucket as soon as the backward completes it, "
+        "beside the rest of the backward; --no-overlap-grad-reduce: every bucket after the device's whole "
+        "backward. Recorded in the plan, charged by the planner and the simulator, done by the runtime.",
+        name="--overlap-grad-reduce"))
+    ddp_bucket_size: int | None = field(default=None, metadata=flag(
+        "Megatron-LM's --ddp-bucket-size: parameters per gradient bucket. Recorded in the plan, charged by the "
+        "planner and the simulator (each bucket a collective: its latency, and what the backward has left to hide "
+        "it), done by the runtime. Default: plan selection (--spindle-select simulate) times megatron-core's "
+        "default, max(40M, 1M x the parameter device group's size), and 20M and 10M, and keeps the fastest; "
+        "megatron-core's default with --spindle-select none.", name="--ddp-bucket-size"))
 
     planning_workers: int = field(default=0, metadata=flag(
         "Processes that simulate the candidate plans and plan the node-group partitions at once, on clusters of "
@@ -189,6 +199,8 @@ class PlannerConfig:
             raise ValueError("--recompute-method and --recompute-num-layers need --recompute-granularity full")
         if self.recompute_num_layers is not None and self.recompute_num_layers < 1:
             raise ValueError(f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")
+        if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
+            raise ValueError(f"--ddp-bucket-size must be positive, got {self.ddp_bucket_size}")
         if self.solver_time_limit < 0:
             raise ValueError(f"solver time limit must be >= 0, got {self.solver_time_limit}")
         if self.solver_workers < 1:
@@ -326,8 +338,7 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
         planner_info = {**info, **notes, "memory_limited": chosen.memory_limited}
         plan = assemble_plan(workload, cluster, metagraph, chosen.charged_waves(), chosen.cost_model,
                              chosen.memory_model, planner_info, level_allocs=chosen.level_allocs, curves=chosen.curves,
-                             settings=replace(chosen.settings(), overlap_param_gather=config.overlap_param_gather,
-                                              **execution_choices(config)))
+                             settings=chosen.settings())  # the user's run settings included (run_settings)
         validate_plan(plan, workload, cluster, metagraph)
         plan.predicted.update(estimate_iteration(plan, metagraph, cluster, chosen.cost_model).as_predicted())
         return PlanningResult(plan, metagraph, chosen.curves, chosen.level_allocs, greedy, chosen.cost_model,

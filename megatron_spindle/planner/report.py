@@ -80,6 +80,8 @@ def plan_summary(plan: Plan) -> str:
         f"   attention backend {plan.settings.attention_backend}"
         f"   gradient all-reduce in {plan.settings.grad_reduce_dtype}"
         + ("" if plan.settings.tp_sharded_grads else " in whole units")
+        + (f" in buckets of {plan.settings.ddp_bucket_size:,} parameters" if plan.settings.ddp_bucket_size else "")
+        + ("" if plan.settings.overlap_grad_reduce else " after the backward (--no-overlap-grad-reduce)")
         + ("" if plan.settings.grad_norm else "   no gradient norm (--clip-grad 0)")
         + (f"   dropout hidden {plan.settings.hidden_dropout:g} attention {plan.settings.attention_dropout:g}"
            if plan.settings.hidden_dropout or plan.settings.attention_dropout else "")

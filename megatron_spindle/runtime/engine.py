@@ -115,12 +115,6 @@ class EngineConfig:
     data_seed: int = 0
     dtype: torch.dtype = torch.float32
     device: str | None = None  # default: cuda:<local rank> when CUDA is available, else cpu
-    # Gradient buckets, as megatron-core DDP's bucket_size (--ddp-bucket-size): elements per bucket; None:
-    # max(40M, 1M * group size) (runtime/grad_buffers.py).
-    ddp_bucket_size: int | None = None
-    # All-reduce each bucket as soon as its gradients are complete, during the backward (grad_sync.py);
-    # False: every bucket after the whole backward.
-    overlap_grad_reduce: bool = True
     # Count the bytes autograd saves for the backward during each step (runtime/activation_meter.py): the
     # engine's ``activation_peak`` is then this rank's peak of activation memory in the last step.
     measure_activations: bool = False
@@ -140,10 +134,6 @@ class EngineConfig:
     # Count the zeros in the synchronised gradients every step (Megatron-LM's --log-num-zeros-in-grad):
     # ``last_step.num_zeros``, one more all-reduce per step.
     count_zeros: bool = False
-
-    def __post_init__(self):
-        if self.ddp_bucket_size is not None and self.ddp_bucket_size <= 0:
-            raise ValueError(f"ddp_bucket_size must be positive, got {self.ddp_bucket_size}")
 
 
 def default_factory(workload, info, layer_start, layer_end, pg_collection=None, dp_group=None, recompute=None,
@@ -216,10 +206,10 @@ class RuntimeEngine:
         completion = backward_order(plan, self.metagraph)  # a TP shard completes with its unit
         order = {u: completion[base_unit(u)] for u in opt.shards}
         if self.zero_stage >= 1:  # reduce-scattered into the optimizer's shards (stage 2: kept as shards only)
-            self.grad_buffers = ShardedGradBuffers(opt.unit_groups, opt.shards, order, self.config.ddp_bucket_size,
+            self.grad_buffers = ShardedGradBuffers(opt.unit_groups, opt.shards, order, settings.ddp_bucket_size,
                                                    self.device, backend_reduces_scatter(dist.get_backend()))
         else:
-            self.grad_buffers = GradBuffers(opt.unit_groups, opt.shards, order, self.config.ddp_bucket_size,
+            self.grad_buffers = GradBuffers(opt.unit_groups, opt.shards, order, settings.ddp_bucket_size,
                                             self.device)
         opt.attach_grads(self.grad_buffers.unit_grads)
         self.binding = bind_direct_units(self.local, self.key_unit, opt.shards, opt.masters,
@@ -260,7 +250,7 @@ class RuntimeEngine:
                         part = None if sid in whole else base_unit(self.key_unit[k])
                         self._gathered_keys.setdefault((sid, part), []).append(k)
         self.grad_sync = GradSync(self.grad_buffers, self.local, self.binding, self.key_unit, self.groups,
-                                  overlap=self.config.overlap_grad_reduce, micro_batches=settings.micro_batches,
+                                  overlap=settings.overlap_grad_reduce, micro_batches=settings.micro_batches,
                                   zero_stage=self.zero_stage)
         weights = {t.name: t.loss.weight if t.loss else 1.0 for t in workload.tasks}
         self.schedule = WaveSchedule(plan, workload, rank, self.local, activation_spec or default_activation_spec,

@@ -23,8 +23,8 @@ from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.plan.buckets import (  # noqa: F401 - the bucket rules are plan/'s, shared with the simulator
     BUCKET_NUMEL_PER_MEMBER,
     DEFAULT_BUCKET_NUMEL,
+    bucket_limit,
     completion_sorted,
-    default_bucket_numel,
     launch_key,
     split_buckets,
     unit_completion,
@@ -129,7 +129,7 @@ def buffer_layout(devices: tuple[int, ...], units: list[str], shards: dict[str, 
     """A group's units in buffer order (completion in the backward) and its buckets (``bucket_numel``, None:
     megatron's default for the group's size)."""
     units = completion_sorted(units, order)
-    limit = bucket_numel if bucket_numel is not None else default_bucket_numel(len(devices))
+    limit = bucket_limit(bucket_numel, len(devices))
     return units, _split(devices, units, shards, order, limit)
 
 

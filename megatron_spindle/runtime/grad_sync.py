@@ -107,7 +107,7 @@ class GradSync:
             if (sid, key, self._micro) in self._counted:
                 raise RuntimeError(f"slice '{sid}': the gradient of '{key}' was accumulated twice in one backward; "
                                    f"the bucketed gradient sync expects one accumulation per slice "
-                                   f"(EngineConfig(overlap_grad_reduce=False) waits for the whole backward)")
+                                   f"(a plan without overlap_grad_reduce waits for the whole backward)")
             self._count(sid, key)
             self._advance()
         return accumulated

@@ -37,8 +37,8 @@ engine is timeline.py):
   model's collectives during the rest of the backward, with cross-node collectives sharing the node's network
   and compute and communication slowed by C10's factor while they overlap (a collective beside compute also
   takes the measured ``overlap_latency`` more: 0 on GPUs, milliseconds on a profiled CPU device, whose gloo
-  thread waits for the scheduler) (``SimSettings``:
-  ``overlap_grad_reduce=False`` issues every bucket after the device's backward, as the runtime's flag does).
+  thread waits for the scheduler). The buckets are cut at the plan's ``ddp_bucket_size``; with the plan's
+  ``overlap_grad_reduce`` off every bucket is issued after the device's backward, as the runtime then does.
   ZeRO stage 0 all-reduces, stages 1-3 reduce-scatter; stages 1 and 2 all-gather the updated weights after the
   optimizer step (``param_gather`` in the breakdown), and so does stage 3 for the groups whose weight shards
   are not their master shards (plan/buckets.py ``regathered_groups``: a TP shard, or a unit on several device
@@ -117,8 +117,6 @@ class SimSettings:
     transfers: bool = True  # False: transfers are free (used for the breakdown)
     grad_sync: bool = True  # False: no gradient synchronisation
     optimizer: bool = True  # False: no optimizer step
-    overlap_grad_reduce: bool = True  # False: buckets are issued after the device's whole backward
-    bucket_numel: int | None = None  # elements per gradient bucket (--ddp-bucket-size); None: megatron-core's
     overlap_slowdown: float | None = None  # None: the cluster's (CommModel.overlap_slowdown; C10 unless measured)
 
 
@@ -270,7 +268,7 @@ def _build_context(plan: Plan, cluster: ClusterSpec, metagraph: MetaGraph, cost_
         units[sid] = slice_units(m, s.layer_start, s.layer_end)
     in_edges, out_edges = _edges(plan, slices, metaops, cost_model, comm)
     groups = group_infos(plan, metagraph.metaops, cost_model.param_count, cluster)
-    buckets = plan_buckets(plan, metagraph.metaops, cost_model.param_count, groups, settings.bucket_numel)
+    buckets = plan_buckets(plan, metagraph.metaops, cost_model.param_count, groups)
     return _Context(plan, cluster, slices, metaops, _order(plan), fwd_time, bwd_time, in_edges, out_edges, zero,
                     units, comm, groups, buckets, settings)
 
@@ -366,7 +364,7 @@ def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool
         milestones = list(_milestones(ctx, at, tasks))
         for mb in synced_micro_batches(ctx.zero_stage, micro):
             first = len(collectives)
-            shift = mb * len(ctx.order) if ctx.settings.overlap_grad_reduce else 0
+            shift = mb * len(ctx.order) if ctx.plan.settings.overlap_grad_reduce else 0
             collectives += [Collective(b.devices, _collective_seconds(timer, b.op, b.nbytes, b.ring),
                                       nodes_of(b.devices, gpn), b.rings)
                             for b in ctx.buckets]
@@ -433,7 +431,7 @@ def _collective_seconds(timer: CollectiveTimer, op: str, nbytes: float, ring):
 def _milestones(ctx: _Context, index: dict[tuple[str, str], int], tasks: list[Task]):
     """(collective, (task, fraction of its work, device)): where each member's last accumulation of each
     bucket happens (grad_sync.py); without overlap, the end of the device's last task."""
-    if not ctx.settings.overlap_grad_reduce:
+    if not ctx.plan.settings.overlap_grad_reduce:
         last = [-1] * ctx.plan.num_devices
         for k, t in enumerate(tasks):
             for d in t.devices:

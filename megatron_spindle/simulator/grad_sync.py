@@ -2,12 +2,12 @@
 collective of its parameter device group timed by the comm model.
 
 - **Buckets.** Per parameter device group (the plan's ``param_groups``), its units in the order the backward
-  completes them, cut at ``bucket_numel`` elements (megatron-core's default for the group's size), issued in
+  completes them, cut at the plan's bucket size (plan/buckets.py ``bucket_limit``), issued in
   the plan-wide launch order: what runtime/grad_buffers.py builds.
 - **Readiness.** A member device issues a bucket once the last accumulation of its gradients on that device
   is done: in the device's last backward holding a unit of the bucket, at the unit's layer (a slice runs its
   layers' backward from last to first; a light operator's one unit is complete at the end of its backward).
-  Without overlap (``overlap=False``) every bucket waits for the device's whole backward.
+  Without overlap (the plan's ``overlap_grad_reduce`` off) every bucket waits for the device's whole backward.
 - **Volume.** The TP ranks of a group reduce their own shards, each over the ring of devices holding it
   (``tp`` rings at once, each ``1/tp`` of the bucket, sharing the network of the nodes they cross), timed on
   the widest ring plan/tp_shards.py ``group_rings`` names, the runtime's; where a device sits in several rings
@@ -31,8 +31,8 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.plan.buckets import (
     Completion,
+    bucket_limit,
     completion_sorted,
-    default_bucket_numel,
     launch_key,
     regathered_groups,
     split_buckets,
@@ -87,16 +87,16 @@ def group_infos(plan: Plan, metaops: Mapping[str, MetaOp], param_count, cluster:
     return out
 
 
-def plan_buckets(plan: Plan, metaops: Mapping[str, MetaOp], param_count, groups: list[GroupInfo],
-                 bucket_numel: int | None = None) -> list[BucketSync]:
-    """Every bucket that needs a collective (a group with more than one data-parallel rank), in launch order."""
+def plan_buckets(plan: Plan, metaops: Mapping[str, MetaOp], param_count, groups: list[GroupInfo]) -> list[BucketSync]:
+    """Every bucket that needs a collective (a group with more than one data-parallel rank), in launch order
+    (cut at the plan's ``bucket_limit``)."""
     completion = unit_completion([w.slices for w in plan.waves], metaops, plan.settings)
     op = "all_reduce" if plan.settings.zero_stage == 0 else "reduce_scatter"
     out = []
     for gi, g in enumerate(groups):
         if g.ranks <= 1 or not g.units:
             continue
-        limit = bucket_numel if bucket_numel is not None else default_bucket_numel(len(g.devices))
+        limit = bucket_limit(plan.settings.ddp_bucket_size, len(g.devices))
         ordered = completion_sorted(g.units, completion)
         for index, units in enumerate(split_buckets(ordered, param_count, limit)):
             params = sum(param_count(u) for u in units)

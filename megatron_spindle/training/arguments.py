@@ -56,11 +56,6 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    "(every parameter unit counted once, over all ranks) to this value before each step; 0: no "
                    "clipping.")
     add_batch_size_args(g)  # --global-batch-size, --micro-batch-size
-    g.add_argument("--ddp-bucket-size", type=int, default=None, help="Elements per gradient all-reduce bucket "
-                   "(default: max(40M, 1M * parameter device group size), as megatron-core).")
-    g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
-                   help="All-reduce each gradient bucket during the backward, as soon as it is complete "
-                        "(--no-overlap-grad-reduce: after the whole backward).")
     add_manual_gc_args(g)  # --manual-gc, --manual-gc-interval, --no-manual-gc-eval
     return parser
 
@@ -288,8 +283,6 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> None
         raise ValueError("--finetune needs --load FOLDER (the checkpoint whose weights to start from)")
     if args.num_workers < 0:
         raise ValueError(f"--num-workers must be >= 0, got {args.num_workers}")
-    if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
-        raise ValueError(f"--ddp-bucket-size must be positive, got {args.ddp_bucket_size}")
     if args.mock_data_samples <= 0:
         raise ValueError(f"--mock-data-samples must be positive, got {args.mock_data_samples}")
     if args.mock_data and args.data_path:

@@ -245,6 +245,27 @@ def test_attention_backend_round_trips_and_old_plans_run_as_they_did(tmp_path, b
         ExecutionSettings(attention_backend="sdpa")
 
 
+def test_gradient_sync_flags_round_trip_and_old_plans_run_as_they_did(tmp_path, baseline):
+    """settings.overlap_grad_reduce and ddp_bucket_size (--overlap-grad-reduce, --ddp-bucket-size) are saved and
+    loaded; a plan written before the keys loads overlapped, with megatron-core's bucket size (how those plans ran);
+    a bucket size that is not a positive count is refused."""
+    plan = baseline[0]
+    own = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, overlap_grad_reduce=False,
+                                                                  ddp_bucket_size=10_000_000))
+    own.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json").settings
+    assert (loaded.overlap_grad_reduce, loaded.ddp_bucket_size) == (False, 10_000_000)
+    d = plan_to_dict(own)
+    del d["settings"]["overlap_grad_reduce"], d["settings"]["ddp_bucket_size"]
+    old = plan_from_dict(d).settings
+    assert (old.overlap_grad_reduce, old.ddp_bucket_size) == (True, None)
+    for bad in (0, -5, 2.5, True, "40M"):
+        with pytest.raises(PlanError, match="ddp_bucket_size must be a positive integer or null"):
+            ExecutionSettings(ddp_bucket_size=bad)
+    with pytest.raises(PlanError, match="overlap_grad_reduce must be true or false"):
+        ExecutionSettings(overlap_grad_reduce="yes")
+
+
 def test_attention_backends_name_the_kernels_the_models_charge():
     """flash, fused and auto are fused attention (FlashAttention's cost, no scores kept); TE's unfused backend
     writes the scores with a fused softmax; the local spec writes them and soft-maxes in fp32 torch ops."""

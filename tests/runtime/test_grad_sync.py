@@ -13,8 +13,9 @@ from standin import StandinReference, standin_batch, standin_factory
 
 from megatron_spindle.compat.groups import ensure_torch_distributed
 from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.plan.buckets import bucket_limit
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
-from megatron_spindle.runtime.grad_buffers import Bucket, _split, default_bucket_numel, launch_order
+from megatron_spindle.runtime.grad_buffers import Bucket, _split, launch_order
 from megatron_spindle.runtime.shards import UnitShard
 
 OPT = OptimizerConfig(lr=1e-3, eps=1e-6, weight_decay=0.01)
@@ -27,8 +28,9 @@ def one_rank_world():
 
 
 def test_default_bucket_size_is_megatrons():
-    assert default_bucket_numel(1) == default_bucket_numel(40) == 40_000_000
-    assert default_bucket_numel(64) == 64_000_000
+    assert bucket_limit(None, 1) == bucket_limit(None, 40) == 40_000_000
+    assert bucket_limit(None, 64) == 64_000_000
+    assert bucket_limit(5, 64) == 5  # the plan's --ddp-bucket-size
 
 
 def test_buckets_are_whole_units_closed_at_the_size():
@@ -58,8 +60,8 @@ def test_buckets_are_issued_during_the_backward_after_their_last_accumulation(wn
                                 {k.replace("__", "."): p for k, p in ref.full.items()},
                                 {t.name: t.loss.weight for t in w.tasks}, OPT)
     plan = random_plan(w, 1, 1, micro_batches=micro)  # shared towers: one unit in two slices of different waves
-    plan.settings = dataclasses.replace(plan.settings, zero_stage=stage)
-    engine = RuntimeEngine(plan, w, 0, 1, EngineConfig(optimizer=OPT, ddp_bucket_size=1),
+    plan.settings = dataclasses.replace(plan.settings, zero_stage=stage, ddp_bucket_size=1)
+    engine = RuntimeEngine(plan, w, 0, 1, EngineConfig(optimizer=OPT),
                            operator_factory=standin_factory, batch_fn=standin_batch)
     buffers = engine.grad_buffers
     shared = [b for b in buffers.buckets if sum(set(b.units) <= set(ls.units) for ls in engine.local.values()) > 1]
@@ -85,8 +87,8 @@ def test_buckets_are_issued_during_the_backward_after_their_last_accumulation(wn
 def test_without_overlap_every_bucket_waits_for_the_whole_backward(stage):
     w = load_workload("tiny-clip")
     plan = sequential_plan(w, 1)
-    plan.settings = dataclasses.replace(plan.settings, zero_stage=stage)
-    engine = RuntimeEngine(plan, w, 0, 1, EngineConfig(ddp_bucket_size=1, overlap_grad_reduce=False),
+    plan.settings = dataclasses.replace(plan.settings, zero_stage=stage, ddp_bucket_size=1, overlap_grad_reduce=False)
+    engine = RuntimeEngine(plan, w, 0, 1, EngineConfig(),
                            operator_factory=standin_factory, batch_fn=standin_batch)
     log = LaunchLog(engine)
     engine.train_step(0)

@@ -30,8 +30,8 @@ def world():
 
 def _engine(w, stage: int, overlap: bool, seed: int = 2) -> RuntimeEngine:
     """One bucket per unit (--ddp-bucket-size 1): a bucket's gather loads one unit."""
-    plan = with_settings(random_plan(w, 1, seed), zero_stage=stage, overlap_param_gather=overlap)
-    return RuntimeEngine(plan, w, 0, 1, EngineConfig(optimizer=OPT, ddp_bucket_size=1),
+    plan = with_settings(random_plan(w, 1, seed), zero_stage=stage, overlap_param_gather=overlap, ddp_bucket_size=1)
+    return RuntimeEngine(plan, w, 0, 1, EngineConfig(optimizer=OPT),
                          operator_factory=standin_factory, batch_fn=standin_batch)
 
 
@@ -128,10 +128,9 @@ def test_a_layer_waits_for_its_own_bucket_only(world):
     from plans import sequential_plan
 
     w = load_workload("tiny-clip")
-    plan = with_settings(sequential_plan(w, 1), zero_stage=1, overlap_param_gather=True)
-    engine = RuntimeEngine(plan, w, 0, 1, EngineConfig(optimizer=OPT, ddp_bucket_size=1))
-    plain = RuntimeEngine(with_settings(plan, overlap_param_gather=False), w, 0, 1,
-                          EngineConfig(optimizer=OPT, ddp_bucket_size=1))
+    plan = with_settings(sequential_plan(w, 1), zero_stage=1, overlap_param_gather=True, ddp_bucket_size=1)
+    engine = RuntimeEngine(plan, w, 0, 1, EngineConfig(optimizer=OPT))
+    plain = RuntimeEngine(with_settings(plan, overlap_param_gather=False), w, 0, 1, EngineConfig(optimizer=OPT))
     pg = engine.param_gather
     layered = [ls for ls in in_wave_order(engine.local) if len(ls.op.unit_modules()) > 1]
     assert layered and len(pg.buckets) == len(pg.bucket_of)  # one unit per bucket

@@ -86,6 +86,11 @@ from megatron_spindle.training.evaluate import ValidationBatches
 # that decaying a norm or a bias, or leaving a weight undecayed, shows in the weights after the steps
 OPT = OptimizerConfig(lr=1e-3, eps=1e-6, weight_decay=1.0, no_weight_decay_1d=True)
 TINY_BUCKET = 4096  # elements: the stand-ins' units are 192..33k, so groups get several buckets of 1+ units
+
+
+def tiny_buckets(plan):
+    """The plan with buckets of TINY_BUCKET elements (--ddp-bucket-size): several per parameter device group."""
+    return with_settings(plan, ddp_bucket_size=TINY_BUCKET)
 WORKLOADS = ("tiny-clip", "tiny-vlm")
 
 
@@ -248,7 +253,6 @@ def bad_plans(workload, world: int):
 
 def _worker(rank, world):
     cfg = EngineConfig(optimizer=OPT)  # megatron's default bucket size: one bucket per group here
-    tiny = EngineConfig(optimizer=OPT, ddp_bucket_size=TINY_BUCKET)  # the stand-in plans: several per group
     workloads = {n: load_workload(n) for n in WORKLOADS}
     workloads["tiny-clip-weighted"] = weighted_clip()
     workloads["fanout"] = fanout()
@@ -283,7 +287,9 @@ def _worker(rank, world):
         seen["tower_on_several_device_sets"] |= len(unit_device_sets(plan, tower)) > 1
         seen["tower_mixed_tp"] |= len(unit_tp_degrees(plan, tower)) > 1
         kw = dict(operator_factory=standin_factory, batch_fn=standin_batch) if ops == "standin" else {}
-        engine = RuntimeEngine(plan, w, rank, world, tiny if ops == "standin" else cfg, groups=cache, **kw)
+        if ops == "standin":  # several buckets per group
+            plan = tiny_buckets(plan)
+        engine = RuntimeEngine(plan, w, rank, world, cfg, groups=cache, **kw)
         log = LaunchLog(engine)
         early = EarlyReceiveLog(engine)
         early_receives |= early.remote > 0
@@ -320,14 +326,14 @@ def _worker(rank, world):
     # since stage 3 shards the gradients as stage 2 does and also where 4 ranks put TP 2 x DP 2; one rank: nothing
     # to shard, but stage 2's own buffers
     for stage in {1: (2,), 2: (1, 2, 3)}.get(world, (1, 3)):
-        check_distributed_optimizer(rank, world, workloads, refs, tiny, cache, stage)
+        check_distributed_optimizer(rank, world, workloads, refs, cfg, cache, stage)
     if world > 1:
-        check_weight_shards_with_options(rank, world, workloads, refs, tiny, cache)
+        check_weight_shards_with_options(rank, world, workloads, refs, cfg, cache)
         check_tp_sharded_grads(rank, world, workloads, refs, cfg, cache)
     if world == 2:
         check_sequence_parallel_memory(rank, world, workloads, cache)
-    check_clipping(rank, world, workloads, refs, tiny, cache, (0, 1, 2) if world == 2 else (2,))  # as above
-    check_evaluate(rank, world, workloads, refs, tiny, cache)
+    check_clipping(rank, world, workloads, refs, cfg, cache, (0, 1, 2) if world == 2 else (2,))  # as above
+    check_evaluate(rank, world, workloads, refs, cfg, cache)
     check_frozen(rank, world, cfg, cache)
     check_dropout(rank, world, cfg, cache)
     check_num_zeros(rank, world, refs, cfg, cache)
@@ -736,7 +742,8 @@ def check_clipping(rank, world, workloads, refs, cfg, cache, stages) -> None:
         ref = clipped_standin_trajectory(w, opt)
         assert all(n > clip for n in ref.norms), (ref.norms, clip)
         for stage in stages:
-            engine = RuntimeEngine(zeroed(make(w), stage), w, rank, world, dataclasses.replace(cfg, optimizer=opt),
+            engine = RuntimeEngine(tiny_buckets(zeroed(make(w), stage)), w, rank, world,
+                                   dataclasses.replace(cfg, optimizer=opt),
                                    groups=cache, operator_factory=standin_factory, batch_fn=standin_batch)
             check_engine_against(engine, ref, f"rank {rank} {wname} clip zero{stage}")
 
@@ -756,7 +763,7 @@ def check_evaluate(rank, world, workloads, refs, cfg, cache) -> None:
              ("tiny-vlm", lambda w: zeroed(sequential_plan(w, world), 3))]  # ZeRO-3: each layer gathered, released
     for wname, make in cases:
         w = workloads[wname]
-        engine = RuntimeEngine(make(w), w, rank, world, cfg, groups=cache, operator_factory=standin_factory,
+        engine = RuntimeEngine(tiny_buckets(make(w)), w, rank, world, cfg, groups=cache, operator_factory=standin_factory,
                                batch_fn=standin_batch)
         events = []
         engine.grad_sync.on_launch = events.append
@@ -840,7 +847,7 @@ def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache, stage:
     for i, (ops, case, wname, make) in enumerate(zero_cases(world) + (zero3_cases(world) if stage == 3 else [])):
         w = workloads[wname]
         overlap = (i // 2) % 2 == 0  # the overlapped weight all-gather on about half the cases, either sync
-        plan = zeroed(make(w), stage, overlap)
+        plan = tiny_buckets(zeroed(make(w), stage, overlap))
         tower = "vision.layers.0" if wname.startswith("tiny-clip") else "llm.layers.0"
         several |= len(unit_device_sets(plan, tower)) > 1
         mixed |= len(unit_tp_degrees(plan, tower)) > 1
@@ -1019,7 +1026,7 @@ def check_weight_shards_with_options(rank, world, workloads, refs, cfg, cache) -
         if case not in ("block", "mix"):
             continue
         w = workloads[wname]
-        plan = zeroed(make(w), 3)
+        plan = tiny_buckets(zeroed(make(w), 3))
         engine = RuntimeEngine(plan, w, rank, world, cfg, groups=cache)
         m = plan.settings.micro_batches
         if (ops, wname, m) not in refs:
@@ -1034,7 +1041,8 @@ def check_weight_shards_with_options(rank, world, workloads, refs, cfg, cache) -
     w, half = workloads["tiny-vlm"], dataclasses.replace(cfg, dtype=torch.bfloat16)
     losses, gathered = {}, []
     for stage, overlap in ((2, False), (3, False), (1, True))[:3 if world == 2 else 2]:
-        engine = RuntimeEngine(zeroed(sequential_plan(w, world), stage, overlap), w, rank, world, half, groups=cache)
+        engine = RuntimeEngine(tiny_buckets(zeroed(sequential_plan(w, world), stage, overlap)), w, rank, world, half,
+                               groups=cache)
         with recorded_all_gathers(gathered):
             losses[stage] = [engine.train_step(step) for step in range(STEPS)]
         if stage == 3:

@@ -17,6 +17,11 @@ from megatron_spindle.plan.schema import ParamGroup, Slice, Wave
 from megatron_spindle.simulator import SimSettings, simulate
 
 
+def with_run(plan, **changes):
+    """A copy of the plan under other gradient-sync settings (--overlap-grad-reduce, --ddp-bucket-size)."""
+    return dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, **changes))
+
+
 def _one_wave(w, cluster, devices, groups):
     return _plan(w, cluster, [Wave(0, 0, 0.0, 1.0, [_slice(0, "t/a", devices)])], groups)
 
@@ -40,11 +45,25 @@ def test_one_group_two_buckets_overlap_the_rest_of_the_backward(slowdown):
     assert r.grad_sync_time == pytest.approx(s)
     assert r.grad_sync[0].buckets == 2 and r.grad_sync[0].start == pytest.approx(4.0)
     assert r.grad_sync[0].comm_seconds == pytest.approx(s + 1.0)
-    after = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0), SimSettings(overlap_grad_reduce=False))
+    after = simulate(with_run(plan, overlap_grad_reduce=False), w, cluster, cost, StubMemoryModel(cost, 0.0))
     assert after.iteration_time == pytest.approx(6.0 + 2.0)  # both buckets after the backward
-    one = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0),
-                   SimSettings(overlap_slowdown=slowdown, bucket_numel=10**12))
+    one = simulate(with_run(plan, ddp_bucket_size=10**12), w, cluster, cost, StubMemoryModel(cost, 0.0),
+                   SimSettings(overlap_slowdown=slowdown))
     assert one.grad_sync[0].buckets == 1 and one.iteration_time == pytest.approx(6.0 + 2.0)  # one 2 s bucket
+
+
+def test_the_planners_estimate_follows_the_plans_bucket_size_and_overlap():
+    """The case above at C10's slowdown: the planner's estimate (planner/objective.py) charges the buckets the
+    plan records as the simulator does: overlapped (6 + s), after the backward (8), one bucket of both (8)."""
+    from megatron_spindle.planner.objective import estimate_iteration
+
+    w, cluster = _workload(), _cluster()
+    cost = StubCostModel({"a": 6.0, "b": 1.0}, activation=0.0, params_per_unit=250_000_000)
+    plan = _one_wave(w, cluster, [0, 1], [ParamGroup([0, 1], ["a.layers.0", "a.layers.1"])])
+    for variant, want in ((plan, 6.0 + OVERLAP_SLOWDOWN), (with_run(plan, overlap_grad_reduce=False), 8.0),
+                          (with_run(plan, ddp_bucket_size=10**12), 8.0)):
+        assert simulate(variant, w, cluster, cost, StubMemoryModel(cost, 0.0)).iteration_time == pytest.approx(want)
+        assert estimate_iteration(variant, build_metagraph(w), cluster, cost).total == pytest.approx(want)
 
 
 def test_a_bucket_beside_compute_takes_the_measured_overlap_latency_more():
@@ -114,11 +133,12 @@ def test_concurrent_cross_node_groups_share_the_node_network():
     a = Slice("w0:t1/a", "t1/a", "a", "t1", "layer", 0, 2, [0, 2], 1, 2, 0.0)
     b = Slice("w0:t2/b", "t2/b", "b", "t2", "layer", 0, 2, [1, 3], 1, 2, 0.0)
     groups = [ParamGroup([0, 2], ["a.layers.0", "a.layers.1"]), ParamGroup([1, 3], ["b.layers.0", "b.layers.1"])]
-    settings = SimSettings(overlap_grad_reduce=False, bucket_numel=10**12)
-    both = simulate(_plan(w, cluster, [Wave(0, 0, 0.0, 1.0, [a, b])], groups), w, cluster, cost, mem, settings)
+    after = dict(overlap_grad_reduce=False, ddp_bucket_size=10**12)
+    both = simulate(with_run(_plan(w, cluster, [Wave(0, 0, 0.0, 1.0, [a, b])], groups), **after), w, cluster, cost, mem)
     assert [g.cross_island for g in both.grad_sync] == [True, True]
     assert [g.seconds for g in both.grad_sync] == pytest.approx([2.0, 2.0])
-    alone = simulate(_plan(w, cluster, [Wave(0, 0, 0.0, 1.0, [a])], groups[:1]), w, cluster, cost, mem, settings)
+    alone = simulate(with_run(_plan(w, cluster, [Wave(0, 0, 0.0, 1.0, [a])], groups[:1]), **after), w, cluster, cost,
+                     mem)
     assert alone.grad_sync[0].seconds == pytest.approx(1.0)
     assert both.iteration_time - alone.iteration_time == pytest.approx(1.0)
 
@@ -163,7 +183,7 @@ def test_simulator_buckets_are_the_runtimes():
     assert multi, "tiny-clip on 4 devices should have a group with several devices"
     limit = 2 * max(cost.param_count(u) for pg in multi for u in pg.params)
     groups = group_infos(plan, g.metaops, cost.param_count, cluster)
-    sim = plan_buckets(plan, g.metaops, cost.param_count, groups, bucket_numel=limit)
+    sim = plan_buckets(with_run(plan, ddp_bucket_size=limit), g.metaops, cost.param_count, groups)
     shards = {u: UnitShard(u, [f"{u}.w"], [torch.Size([cost.param_count(u)])], 1, 0)
               for pg in plan.param_groups for u in pg.params}
     unit_groups = [(tuple(sorted(pg.devices)), sorted(pg.params)) for pg in multi]

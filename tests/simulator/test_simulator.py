@@ -70,8 +70,13 @@ class StubMemoryModel:
 
 # a device-to-device copy reads and writes HBM at the streaming efficiency (estimator CommModel)
 COPY_BW = 200 * GB * HBM_STREAM_EFFICIENCY / 2
-# gradient sync after the whole backward, as before overlap existed (tests of volumes and serialisation)
-AFTER_BACKWARD = SimSettings(overlap_grad_reduce=False)
+
+
+def after_backward(plan):
+    """The plan with its gradient sync after the whole backward (--no-overlap-grad-reduce), as before overlap
+    existed (tests of volumes and serialisation)."""
+    plan.settings = dataclasses.replace(plan.settings, overlap_grad_reduce=False)
+    return plan
 
 
 def _cluster(nodes: int = 1, per_node: int = 4) -> ClusterSpec:
@@ -123,7 +128,7 @@ def test_two_waves_local_transfer_and_one_allreduce():
     mem = StubMemoryModel(cost, act_per_layer=1 * GB)
     groups = [ParamGroup([0, 1], ["a.layers.0", "a.layers.1", "b.layers.0", "b.layers.1"])]
     plan = _two_wave_plan(w, cluster, [0, 1], [0, 1], groups)
-    r = simulate(plan, w, cluster, cost, mem, AFTER_BACKWARD)
+    r = simulate(after_backward(plan), w, cluster, cost, mem)
     # compute: a = 2 layers x 6/2, b = 2 layers x 3/2 -> 6 + 3 = 9 s (fwd 3 s, bwd 6 s)
     assert r.compute_time == pytest.approx(9.0)
     copy = 2.0e9 / COPY_BW
@@ -191,14 +196,14 @@ def test_grad_sync_groups_overlap_when_disjoint_and_serialise_when_sharing():
     # disjoint: a's units on {0,1}, b's on {2,3}: two 1 GB all-reduces over 2 ranks in parallel, 1 s each
     disjoint = [ParamGroup([0, 1], ["a.layers.0", "a.layers.1"]), ParamGroup([2, 3], ["b.layers.0", "b.layers.1"])]
     waves = [Wave(0, 0, 0.0, 1.0, [_slice(0, "t/a", [0, 1])]), Wave(1, 1, 1.0, 1.0, [_slice(1, "t/b", [2, 3])])]
-    after = SimSettings(transfers=False, overlap_grad_reduce=False)
-    r = simulate(_plan(w, cluster, waves, disjoint), w, cluster, cost, mem, settings=after)
+    after = SimSettings(transfers=False)
+    r = simulate(after_backward(_plan(w, cluster, waves, disjoint)), w, cluster, cost, mem, settings=after)
     assert r.grad_sync_time == pytest.approx(1.0)
     assert r.grad_sync[0].start == pytest.approx(r.grad_sync[1].start) or r.grad_sync[0].end <= r.iteration_time
     # sharing device 1: {0,1} and {1,2} must run one after another on device 1
     sharing = [ParamGroup([0, 1], ["a.layers.0", "a.layers.1"]), ParamGroup([1, 2], ["b.layers.0", "b.layers.1"])]
     waves = [Wave(0, 0, 0.0, 1.0, [_slice(0, "t/a", [0, 1])]), Wave(1, 1, 1.0, 1.0, [_slice(1, "t/b", [1, 2])])]
-    r = simulate(_plan(w, cluster, waves, sharing), w, cluster, cost, mem, settings=after)
+    r = simulate(after_backward(_plan(w, cluster, waves, sharing)), w, cluster, cost, mem, settings=after)
     spans = sorted((g.start, g.end) for g in r.grad_sync)
     assert spans[1][0] >= spans[0][1] - 1e-12
     # {1,2} crosses nodes: 2*(1/2)*1 GB / 0.5 GB/s = 2 s; {0,1} inside node 0: 1 s
@@ -213,12 +218,12 @@ def test_tp_shards_reduce_in_parallel_rings():
     groups = [ParamGroup([0, 1, 2, 3], ["a.layers.0", "a.layers.1", "b.layers.0", "b.layers.1"])]
     waves = [Wave(0, 0, 0.0, 1.0, [_slice(0, "t/a", [0, 1, 2, 3], tp=2)]),
              Wave(1, 1, 1.0, 1.0, [_slice(1, "t/b", [0, 1, 2, 3], tp=2)])]
-    r = simulate(_plan(w, cluster, waves, groups), w, cluster, cost, StubMemoryModel(cost, 0.0), AFTER_BACKWARD)
+    r = simulate(after_backward(_plan(w, cluster, waves, groups)), w, cluster, cost, StubMemoryModel(cost, 0.0))
     # 4 GB / tp 2 = 2 GB per rank over 2 ranks: 2 x (1/2) x 2 GB at 1 GB/s, 2 s
     assert r.grad_sync[0].ranks == 2
     assert r.grad_sync_time == pytest.approx(2.0)
     plan = _plan(w, cluster, waves, groups, planner={"tp_sharded_grads": False})
-    r = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0), AFTER_BACKWARD)
+    r = simulate(after_backward(plan), w, cluster, cost, StubMemoryModel(cost, 0.0))
     # 4 GB over 4 ranks: 2 x (3/4) x 4 GB, 6 s
     assert r.grad_sync[0].ranks == 4
     assert r.grad_sync_time == pytest.approx(6.0)
@@ -268,7 +273,7 @@ def test_zero_stages_shard_state_and_stage3_costs_gathers():
     results = {}
     for stage in (0, 2, 3):
         plan = _two_wave_plan(w, cluster, [0, 1, 2, 3], [0, 1, 2, 3], groups, planner={"zero_stage": stage})
-        results[stage] = simulate(plan, w, cluster, cost, mem, AFTER_BACKWARD)
+        results[stage] = simulate(after_backward(plan), w, cluster, cost, mem)
     # stage 0 all-reduces 4 GB over 4 ranks (2 x 3/4 x 4 s = 6 s); stage 2 reduce-scatters it (3 s) and
     # all-gathers the 2 GB of updated bf16 weights after the step (3/4 x 2 s = 1.5 s)
     assert results[0].grad_sync_time == pytest.approx(6.0)
@@ -337,7 +342,7 @@ def test_optimizer_step_follows_the_grad_sync_and_scales_with_held_elements():
     cost = TimedOptimizerCost({"a": 6.0, "b": 3.0}, activation=0.0, params_per_unit=100_000_000)
     groups = [ParamGroup([0, 1], ["a.layers.0", "a.layers.1"]), ParamGroup([1], ["b.layers.0", "b.layers.1"])]
     plan = _two_wave_plan(w, cluster, [0, 1], [1], groups)
-    r = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0), AFTER_BACKWARD)
+    r = simulate(after_backward(plan), w, cluster, cost, StubMemoryModel(cost, 0.0))
     (s0, e0), (s1, e1) = r.optimizer_steps[:2]
     assert e0 - s0 == pytest.approx(2 * 0.1 + 2 * 0.01)  # 2 units of 100 M elements
     assert e1 - s1 == pytest.approx(4 * 0.1 + 4 * 0.01)
@@ -349,7 +354,7 @@ def test_optimizer_step_follows_the_grad_sync_and_scales_with_held_elements():
     assert r.breakdown()["optimizer"] == r.optimizer_time
     assert r.compute_time + r.transfer_time + r.grad_sync_time + r.optimizer_time == pytest.approx(r.iteration_time)
     assert simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0),
-                    SimSettings(optimizer=False, overlap_grad_reduce=False)).iteration_time == pytest.approx(sync.end)
+                    SimSettings(optimizer=False)).iteration_time == pytest.approx(sync.end)
 
 
 def test_optimizer_step_shards_with_zero_and_is_free_without_parameters():
@@ -359,7 +364,7 @@ def test_optimizer_step_shards_with_zero_and_is_free_without_parameters():
     steps = {}
     for zero in (0, 1):
         plan = _two_wave_plan(w, cluster, [0, 1], [0, 1], groups, planner={"zero_stage": zero})
-        r = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0), AFTER_BACKWARD)
+        r = simulate(after_backward(plan), w, cluster, cost, StubMemoryModel(cost, 0.0))
         steps[zero] = r.optimizer_steps[0][1] - r.optimizer_steps[0][0]
         assert r.optimizer_time == pytest.approx(steps[zero])
     assert steps[0] == pytest.approx(4 * 0.1 + 4 * 0.01)
