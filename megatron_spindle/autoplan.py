@@ -41,6 +41,10 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
   each layer slice's cheapest recomputation that fits the real devices: the memory search limits every
   MetaOp's configurations before it schedules, and a plan that keeps the fastest configurations can pay less in
   recomputation than the limited ones cost;
+- where the user left ``--ddp-bucket-size`` to the planner, the candidates within ``BUCKET_SLACK`` of the
+  fastest also with gradient buckets of 20M and 10M parameters (``+buckets20M``, ``+buckets10M``) instead of
+  megatron-core's default (40M, or 1M per member of larger groups): smaller buckets start reducing earlier in the
+  backward and leave less of it exposed after, at one collective's latency each, so the simulator decides;
 - the fallback ``task-sequential``: Spindle's runtime with each task on the whole cluster in turn (the
   Spindle-Seq plan of paper appendix H), so that the plan a user gets is never slower than that; reports name
   the cells where it wins (the wavefront planner then had nothing to gain).
@@ -79,6 +83,10 @@ NODE_GROUP_SOLVER_LIMIT = 2.0  # seconds of CP-SAT per node group
 # gradient sync they cannot hide behind their backward
 SYNC_AWARE_MIN_SHARE = 0.1
 TIE = 1e-6  # relative difference of simulated times under which candidates are equally fast
+# gradient bucket sizes (parameters) plan selection tries besides megatron-core's default, where the user gave no
+# --ddp-bucket-size: half and a quarter of its 40M; on the candidates at most BUCKET_SLACK slower than the fastest
+BUCKET_SIZES = (20_000_000, 10_000_000)
+BUCKET_SLACK = 0.05
 # the memory "unlimited" plans are made with (times a device's), as benchmarks/paper_eval.py measures the cost of
 # memory: enough that memory binds nothing in any paper cell
 UNLIMITED_MEMORY_FACTOR = 16.0
@@ -342,11 +350,14 @@ def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple
             "processes")
     variants = [(label, result, plan, secs) for name, result, secs in planned
                 for plan, label in _settings_variants(result, config, name)]
-    sims = parallel_map(_simulated, [_simulation(plan, result, workload, cluster, sim_cost_model)
-                                     for _, result, plan, _ in variants], workers)
-    candidates = [Candidate(label, result, plan, sim, secs) for (label, result, plan, secs), sim in zip(variants, sims)]
+    candidates = _simulated_candidates(variants, workload, cluster, sim_cost_model, workers)
     fitting = [c for c in candidates if c.fits] or candidates
     fastest = min(c.sim.iteration_time for c in fitting)
+    sized = _bucket_size_variants([c for c in fitting if c.sim.iteration_time <= fastest * (1 + BUCKET_SLACK)], config)
+    if sized:
+        candidates += _simulated_candidates(sized, workload, cluster, sim_cost_model, workers)
+        fitting = [c for c in candidates if c.fits] or candidates
+        fastest = min(c.sim.iteration_time for c in fitting)
     # ties (within TIE): the planner's own plans before the task-sequential fallback, then candidate order
     best = next(c for c in sorted(fitting, key=lambda c: c.name.startswith("task-sequential"))
                 if c.sim.iteration_time <= fastest * (1 + TIE))
@@ -360,6 +371,36 @@ def select_fastest(workload: Workload, cluster: ClusterSpec, planned: list[tuple
     plan.planner["selection"] = {"selected": best.name, "candidates": [c.summary() for c in candidates]}
     return AutoplanResult(dataclasses.replace(best.result, plan=plan), best.sim, candidates,
                           sum(secs for _, _, secs in planned))
+
+
+def _simulated_candidates(variants: list, workload: Workload, cluster: ClusterSpec, sim_cost_model,
+                          workers: int) -> list[Candidate]:
+    """``(name, result, plan, planning seconds)`` each timed by the simulator (on ``workers`` processes)."""
+    sims = parallel_map(_simulated, [_simulation(plan, result, workload, cluster, sim_cost_model)
+                                     for _, result, plan, _ in variants], workers)
+    return [Candidate(label, result, plan, sim, secs) for (label, result, plan, secs), sim in zip(variants, sims)]
+
+
+def _bucket_size_variants(near: list[Candidate], config: PlannerConfig) -> list:
+    """Where the user left ``--ddp-bucket-size`` to the planner: the candidates ``near`` the fastest with each
+    of ``BUCKET_SIZES`` instead of megatron-core's default (the buckets' count and the backward left to hide
+    each, against a latency per collective; the same waves, memory and estimate otherwise)."""
+    if config.select != "simulate" or config.ddp_bucket_size is not None:
+        return []
+    out = []
+    for c in near:
+        param_count = c.result.cost_model.param_count
+        largest = max((sum(param_count(u) for u in g.params) for g in c.plan.param_groups if len(g.devices) > 1),
+                      default=0)
+        if c.plan.settings.ddp_bucket_size is not None:
+            continue
+        for size in (s for s in BUCKET_SIZES if s < largest):  # else every group is one bucket either way
+            plan = dataclasses.replace(c.plan, planner=dict(c.plan.planner), predicted=dict(c.plan.predicted),
+                                       settings=dataclasses.replace(c.plan.settings, ddp_bucket_size=size))
+            plan.predicted.update(estimate_iteration(plan, c.result.metagraph, c.result.memory_model.cluster,
+                                                     c.result.cost_model).as_predicted())
+            out.append((f"{c.name}+buckets{size // 10**6}M", c.result, plan, c.planning_seconds))
+    return out
 
 
 def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,

@@ -1,4 +1,5 @@
-"""Plan selection's sync-aware candidate and its plan made with memory unlimited (megatron_spindle/autoplan.py)."""
+"""Plan selection's candidates: sync-aware curves, plans made with memory unlimited, gradient bucket sizes
+(megatron_spindle/autoplan.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import dataclasses
 
 import pytest
 
-from megatron_spindle.autoplan import SYNC_AWARE_MIN_SHARE, _sync_aware_run, autoplan
+from megatron_spindle.autoplan import (
+    BUCKET_SIZES,
+    SYNC_AWARE_MIN_SHARE,
+    _sync_aware_run,
+    autoplan,
+    select_fastest,
+)
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.workload import load_workload
 from megatron_spindle.planner.objective import exposed_sync_share
@@ -178,3 +185,32 @@ def test_task_sequential_candidate_keeps_to_the_zero_stages_allowed():
     for setting, stages in (("auto", {2}), ("on", {1}), ("off", set())):  # ZeRO-0 fits no way here
         out = _task_sequential(w, tight, PlannerConfig(planner="wavefront", distributed_optimizer=setting), first)
         assert {result.plan.settings.zero_stage for _, result, _ in out} == stages, setting
+
+
+def test_selection_tries_smaller_gradient_buckets_unless_the_user_gave_a_size():
+    """Left to the planner, the gradient bucket size is chosen by simulation: on clip-10 / 32 the wavefront plans
+    are timed with megatron-core's default and with BUCKET_SIZES (the plan records the winner, its estimate the
+    same buckets); tiny-clip's groups are one bucket at any size, so nothing more is timed. A user's
+    --ddp-bucket-size and --no-overlap-grad-reduce are recorded and charged, and nothing else is tried."""
+    from megatron_spindle.planner.objective import estimate_iteration
+
+    w, c = load_workload("clip-10"), make_cluster(32)
+    config = PlannerConfig(planner="wavefront", planning_workers=1)
+    result = plan_workload(w, c, config)
+    chosen = select_fastest(w, c, [("wavefront", result, 0.0)], config)
+    times = {cand.name: cand.sim.iteration_time for cand in chosen.candidates}
+    sized = [f"wavefront{z}+buckets{s // 10**6}M" for z in ("", "+zero1") for s in BUCKET_SIZES]
+    assert set(times) == {"wavefront", "wavefront+zero1", *sized}
+    best = chosen.plan.planner["selection"]["selected"]
+    assert times[best] == min(times.values()) and times[best] < min(times["wavefront"], times["wavefront+zero1"])
+    assert chosen.plan.settings.ddp_bucket_size == int(best.rsplit("buckets", 1)[1][:-1]) * 10**6
+    again = estimate_iteration(chosen.plan, result.metagraph, c, result.cost_model).total
+    assert chosen.plan.predicted["planner_estimate"] == pytest.approx(again)
+    given = dataclasses.replace(config, ddp_bucket_size=5_000_000, overlap_grad_reduce=False)
+    fixed = select_fastest(w, c, [("wavefront", plan_workload(w, c, given), 0.0)], given)
+    assert {cand.name for cand in fixed.candidates} == {"wavefront", "wavefront+zero1"}
+    assert (fixed.plan.settings.ddp_bucket_size, fixed.plan.settings.overlap_grad_reduce) == (5_000_000, False)
+    assert fixed.sim.iteration_time > chosen.sim.iteration_time  # every bucket after the backward
+    tiny, c8 = load_workload("tiny-clip"), make_cluster(8)
+    small = select_fastest(tiny, c8, [("wavefront", plan_workload(tiny, c8, config), 0.0)], config)
+    assert not any("buckets" in cand.name for cand in small.candidates)

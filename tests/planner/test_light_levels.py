@@ -88,7 +88,8 @@ def test_plan_selection_times_the_pinned_variant_and_it_wins_on_clip4_16():
     assert times["wavefront+pinned"] < times["wavefront"]
     assert times["wavefront-unlimited+pinned+zero1"] < 0.9 * times["wavefront-unlimited+zero1"]
     assert chosen.sim.iteration_time == min(times.values())
-    assert chosen.plan.planner["selection"]["selected"].endswith(("+pinned", "+pinned+zero1", "+pinned+zero2"))
+    selected = chosen.plan.planner["selection"]["selected"].split("+buckets")[0]  # whatever its bucket size
+    assert selected.endswith(("+pinned", "+pinned+zero1", "+pinned+zero2"))
     sim = simulate(chosen.plan, w, c, chosen.result.cost_model, chosen.result.memory_model,
                    metagraph=chosen.result.metagraph)
     assert sim.iteration_time == pytest.approx(chosen.sim.iteration_time, rel=1e-9)
