@@ -118,6 +118,21 @@ def saved_plan_grad_norm_note(planned: bool, args) -> str:
             f"gradient). Plan with the same --clip-grad to charge what runs.")
 
 
+def grad_sync_mismatch(settings, args) -> tuple[str, str] | None:
+    """(what a saved plan was made with, what this run gives) where the run's gradient-sync flags differ from the
+    plan's settings, which the runtime follows: --overlap-grad-reduce either way; --ddp-bucket-size only where
+    given (unset, the plan's, which plan selection may have chosen); None where they agree."""
+    if settings.overlap_grad_reduce != args.overlap_grad_reduce:
+        def name(on: bool) -> str:
+            return "--overlap-grad-reduce" if on else "--no-overlap-grad-reduce"
+        return name(settings.overlap_grad_reduce), name(args.overlap_grad_reduce)
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size != settings.ddp_bucket_size:
+        planned = settings.ddp_bucket_size
+        return (f"--ddp-bucket-size {planned}" if planned else "megatron-core's default bucket size",
+                f"--ddp-bucket-size {args.ddp_bucket_size}")
+    return None
+
+
 def get_plan(args, workload, world_size: int, rank: int):
     """The saved plan (--spindle-plan) or a fresh one made on rank 0 and broadcast (CP-SAT with a wall-clock
     limit is not deterministic, so ranks must not plan separately; with --spindle-solver-deterministic they could,
@@ -136,6 +151,10 @@ def get_plan(args, workload, world_size: int, rank: int):
             flag, planned, given = differs
             raise PlanError(f"--spindle-plan {args.spindle_plan} was made with {flag} {planned:g}, this run gives "
                             f"{given:g}: give {flag} {planned:g}, or plan again with this run's")
+        differs = grad_sync_mismatch(plan.settings, args)  # the plan charged its buckets, the runtime cuts them so
+        if differs:
+            raise PlanError(f"--spindle-plan {args.spindle_plan} was made with {differs[0]}, this run gives "
+                            f"{differs[1]}: give the plan's, or plan again with this run's")
         if rank == 0 and plan.settings.attention_backend == "auto" and torch.cuda.is_available():
             from megatron_spindle.compat.cpu import te_available
 

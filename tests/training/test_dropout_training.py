@@ -1,6 +1,6 @@
 """--hidden-dropout / --attention-dropout in a run: the masks are drawn per iteration, so a resumed run draws what
-the straight run drew and ends with its weights; a saved plan made with other dropout is refused. One process,
-in this process."""
+the straight run drew and ends with its weights; a saved plan made with other dropout, or other gradient-sync
+flags, is refused. One process, in this process."""
 
 import os
 import sys
@@ -48,3 +48,23 @@ def test_saved_plan_with_other_dropout_is_refused(tmp_path, capsys):
            in err and "Traceback" not in err, err
     assert pretrain_multitask.main(COMMON + ["--train-iters", "1", "--spindle-plan", str(out),
                                              "--hidden-dropout", "0.1"]) == 0
+
+
+def test_saved_plan_with_other_gradient_sync_flags_is_refused(tmp_path, capsys):
+    """The runtime cuts and issues its gradient buckets as the plan says (--ddp-bucket-size, --overlap-grad-reduce
+    are the planner's flags): a run that gives others is one line, exit 2; unset, the bucket size is the plan's."""
+    plan_tool = load_script("tools/plan.py")
+    out = tmp_path / "plan.json"
+    assert plan_tool.main(["--workload", "tiny-vlm", "--num-gpus", "1", "--spindle-planner", "wavefront",
+                           "--ddp-bucket-size", "4096", "--no-overlap-grad-reduce", "--out", str(out), "--quiet"]) == 0
+    for given, words in ((["--no-overlap-grad-reduce", "--ddp-bucket-size", "8192"],
+                          "was made with --ddp-bucket-size 4096, this run gives --ddp-bucket-size 8192"),
+                         ([], "was made with --no-overlap-grad-reduce, this run gives --overlap-grad-reduce")):
+        try:
+            pretrain_multitask.main(COMMON + ["--train-iters", "1", "--spindle-plan", str(out), *given])
+        except SystemExit as e:
+            assert e.code == 2
+        err = capsys.readouterr().err
+        assert f"--spindle-plan {out} {words}: give the plan's" in err and "Traceback" not in err, err
+    assert pretrain_multitask.main(COMMON + ["--train-iters", "1", "--spindle-plan", str(out),
+                                             "--no-overlap-grad-reduce"]) == 0
