@@ -389,11 +389,11 @@ def _bucket_size_variants(near: list[Candidate], config: PlannerConfig) -> list:
         return []
     out = []
     for c in near:
+        if c.plan.settings.ddp_bucket_size is not None:
+            continue
         param_count = c.result.cost_model.param_count
         largest = max((sum(param_count(u) for u in g.params) for g in c.plan.param_groups if len(g.devices) > 1),
                       default=0)
-        if c.plan.settings.ddp_bucket_size is not None:
-            continue
         for size in (s for s in BUCKET_SIZES if s < largest):  # else every group is one bucket either way
             plan = dataclasses.replace(c.plan, planner=dict(c.plan.planner), predicted=dict(c.plan.predicted),
                                        settings=dataclasses.replace(c.plan.settings, ddp_bucket_size=size))

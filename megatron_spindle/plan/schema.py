@@ -45,8 +45,9 @@ REDUCE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # Megatron-LM's --attention-backend (megatron-core AttnBackend): flash, fused and unfused are Transformer Engine's
 # attention kernels, local megatron-core's own attention core (its local spec), auto Transformer Engine's choice
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
-# ExecutionSettings' fields the cost model charges (estimator.execution_cost_config); PlannerConfig has them too,
-# by the same names, and every plan records the ones it was planned with
+# ExecutionSettings' fields the user's flags choose and the models charge: the cost model (estimator.
+# execution_cost_config) the first five, the planner's estimate and the simulator the gradient sync's two;
+# PlannerConfig has them too, by the same names, and every plan records the ones it was planned with
 EXECUTION_CHOICES = ("sequence_parallel", "attention_backend", "grad_norm", "hidden_dropout", "attention_dropout",
                      "overlap_grad_reduce", "ddp_bucket_size")
 DROPOUTS = ("hidden_dropout", "attention_dropout")

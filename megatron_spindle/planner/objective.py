@@ -14,8 +14,8 @@ weight gathers), and adds, from the estimator's models and plan/'s rules:
 - **gradient sync**: the buckets of every parameter device group (plan/buckets.py), each ready when its last
   unit's accumulation is done in the backward (waves run backward in reverse, a slice's layers from last to
   first), cut at the plan's bucket size, reduced by the comm model on its group's ring; per device, its buckets
-  overlap the rest of the backward (after it, without ``overlap_grad_reduce``) at the cluster's overlap slowdown (C10 unless measured; ``overlapped_backward_seconds``), and what
-  they add beyond the backward counts;
+  overlap the rest of the backward (follow it, without ``overlap_grad_reduce``) at the cluster's overlap
+  slowdown (C10 unless measured; ``overlapped_backward_seconds``), and what they add beyond the backward counts;
 - **optimizer**: the slowest device's AdamW step (plan/layout.py ``stepped_elements``), and with ZeRO 1 or 2
   the all-gather of the updated weights (with ``settings.overlap_param_gather`` what it adds to the forward
   beside which it runs: bucket by bucket in the order they are needed, a layer waiting for its own bucket, the
