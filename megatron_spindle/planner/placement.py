@@ -187,16 +187,21 @@ class _Problem:
                 info[(wi, si)] = _SliceInfo((wi, si), m, s, mem, producers[(wi, si)], flows, volume)
         return cls(waves, cluster, info, critical_first)
 
-    def slice_order(self, wi: int) -> list[SliceKey]:
+    def slice_order(self, wi: int, sync_stake: dict[SliceKey, float] | None = None) -> list[SliceKey]:
         """Biggest communication first (with ``critical_first``, after the slices as long as the wave); larger
-        slices before smaller ones on ties (they are harder to fit)."""
+        slices before smaller ones on ties (they are harder to fit). ``sync_stake``: per slice the gradient bytes
+        it would spread onto the network on its worst island rather than its best (units earlier waves placed),
+        counted with its communication, so a slice whose tower already sits on a node gets there before others
+        fill it."""
         keys = [(wi, si) for si in range(len(self.waves[wi].slices))]
         longest = max((self.info[k].sched.time for k in keys), default=0.0)
+        stake = sync_stake or {}
 
         def slack(k: SliceKey) -> bool:
             return self.critical_first and self.info[k].sched.time < longest * (1.0 - SLACK_RTOL)
 
-        return sorted(keys, key=lambda k: (slack(k), -self.info[k].volume, -self.info[k].n, k[1]))
+        return sorted(keys, key=lambda k: (slack(k), -(self.info[k].volume + stake.get(k, 0.0)), -self.info[k].n,
+                                           k[1]))
 
 
 def _own_traffic_bytes(m: MetaOp, s: ScheduledSlice, cost_model: FlowCostModel) -> float:
@@ -310,6 +315,7 @@ def _place_wave(problem: _Problem, wi: int, state: _State, mode: str) -> None:
     # slice's scores can be computed once, up front
     unit_islands = _unit_islands(state.memory, cluster, {u for key in order for u in problem.info[key].memory.units})
     scorers = {key: _Scorer(problem, problem.info[key], state, unit_islands) for key in order}
+    order = problem.slice_order(wi, {key: sc.sync_stake() for key, sc in scorers.items()})
     for pos, key in enumerate(order):
         sl = problem.info[key]
         pending = _Pending.of([scorers[k] for k in order[pos + 1:]], cluster)
@@ -443,6 +449,12 @@ class _Scorer:
                 b for u, b in self.sl.memory.units.items()
                 if self._unit_islands[u] and island not in self._unit_islands[u])
         return self._sync_penalty[island]
+
+    def sync_stake(self) -> float:
+        """The gradient sync (activation-byte equivalent, ``sync_penalty``) the slice spreads onto the network on
+        its worst island beyond its best."""
+        penalties = [self.sync_penalty(i) for i in range(self.cluster.num_nodes)]
+        return max(penalties) - min(penalties)
 
     def island_bytes(self, positions: range, island: int) -> float:
         """Bytes these positions need that some producer device on the island already holds."""
