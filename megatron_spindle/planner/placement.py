@@ -1,8 +1,9 @@
 """Device placement (paper section 3.5): which concrete devices run each slice of a wavefront schedule.
 
 The "spindle" strategy places greedily, wave by wave. Inside a wave the slices with the most communication
-go first (activation bytes flowing in from their producer slices plus their own TP/DP traffic), so the
-biggest flows get the best spots; with ``critical_first`` the slices that set the wave's length go before
+go first (activation bytes flowing in from their producer slices plus their own TP/DP traffic, plus the
+gradient sync they would spread onto the network away from the island earlier waves put their units on), so
+the biggest flows, and the slices of a tower already placed, get the best spots; with ``critical_first`` the slices that set the wave's length go before
 them (they have no slack: a transfer into them lengthens the wave, where the others' transfers overlap the
 rest of it; which order moves less onto the critical path depends on the waves, so the pipeline's estimate
 decides, planner/pipeline.py ``_settle_tails``). For each slice:

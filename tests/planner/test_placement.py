@@ -406,3 +406,33 @@ def test_shared_tower_stays_on_its_node_when_its_gradients_outweigh_the_rows(mon
     monkeypatch.setattr(placement._Scorer, "sync_penalty", lambda self, island: 0.0)
     rows_only = place(schedule, g, w, cluster, cost, memory)
     assert islands(rows_only, "y/enc", 1) == islands(rows_only, "y/pre", 0)
+
+
+def test_a_slice_whose_tower_sits_on_a_node_is_placed_before_heavier_slices_fill_it(monkeypatch):
+    """2 nodes x 2. Wave 0: x (3 layers of tower enc) and q (big activations, so x's node keeps more free memory);
+    wave 1: h (4 layers of its own tower: more gradient traffic than y's 3) and y (tower enc again). Ordered by
+    traffic alone h goes first and takes x's node, the one with more free memory, and enc's parameter device
+    group crosses nodes; counting the gradient sync y would spread, y goes first, beside x."""
+    import megatron_spindle.planner.placement as placement
+
+    cluster = make_cluster(4, 2, "CPU")
+    x = op("x/enc", "x", "enc", (0, 1, 2), tokens=2)
+    q = op("q/pre", "q", "pre", (0,), tokens=4096)
+    h = op("h/big", "h", "big", (0, 1, 2, 3), tokens=2, level=1)
+    y = op("y/enc", "y", "enc", (0, 1, 2), tokens=2, level=1)
+    g = graph([x, q, h, y])
+    w = hand_workload([x, q, h, y])
+    cost, memory = models(w, cluster)
+    schedule = waves_of([sl(x, 2), sl(q, 2)], [sl(h, 2), sl(y, 2)])
+
+    def islands(out, mid, wave):
+        return {cluster.island(d) for d in devices_of(out, mid, wave)}
+
+    out = place(schedule, g, w, cluster, cost, memory)
+    assert islands(out, "x/enc", 0) != islands(out, "q/pre", 0)
+    assert islands(out, "y/enc", 1) == islands(out, "x/enc", 0)
+    # ordered by traffic alone, h takes x's node first
+    monkeypatch.setattr(placement._Scorer, "sync_stake", lambda self: 0.0)
+    by_traffic = place(schedule, g, w, cluster, cost, memory)
+    assert islands(by_traffic, "h/big", 1) == islands(by_traffic, "x/enc", 0)
+    assert islands(by_traffic, "y/enc", 1) != islands(by_traffic, "x/enc", 0)
