@@ -395,11 +395,18 @@ def _bucket_size_variants(near: list[Candidate], config: PlannerConfig) -> list:
         largest = max((sum(param_count(u) for u in g.params) for g in c.plan.param_groups if len(g.devices) > 1),
                       default=0)
         for size in (s for s in BUCKET_SIZES if s < largest):  # else every group is one bucket either way
-            plan = dataclasses.replace(c.plan, planner=dict(c.plan.planner), predicted=dict(c.plan.predicted),
-                                       settings=dataclasses.replace(c.plan.settings, ddp_bucket_size=size))
-            plan.predicted.update(estimate_iteration(plan, c.result.metagraph, c.result.memory_model.cluster,
-                                                     c.result.cost_model).as_predicted())
-            out.append((f"{c.name}+buckets{size // 10**6}M", c.result, plan, c.planning_seconds))
+            out.append((f"{c.name}+buckets{size // 10**6}M", c.result,
+                        _estimated_copy(c.plan, c.result, ddp_bucket_size=size), c.planning_seconds))
+    return out
+
+
+def _estimated_copy(plan: Plan, result: PlanningResult, **changes) -> Plan:
+    """A copy of ``plan`` (its own planner and predicted dicts) under settings with ``changes``, the planner's
+    estimate taken again for them."""
+    out = dataclasses.replace(plan, planner=dict(plan.planner), predicted=dict(plan.predicted),
+                              settings=dataclasses.replace(plan.settings, **changes))
+    out.predicted.update(estimate_iteration(out, result.metagraph, result.memory_model.cluster,
+                                            result.cost_model).as_predicted())
     return out
 
 
@@ -544,9 +551,6 @@ def _settings_variants(result: PlanningResult, config: PlannerConfig, name: str)
     if (config.select == "none" or config.distributed_optimizer != "auto" or plan.settings.zero_stage != 0
             or plan.settings.segments is not None):  # the task-sequential plan's options are tuned already
         return
-    sharded = dataclasses.replace(plan, planner=dict(plan.planner), predicted=dict(plan.predicted),
-                                  settings=dataclasses.replace(plan.settings, zero_stage=1))
+    sharded = _estimated_copy(plan, result, zero_stage=1)
     sharded.memory_per_device = plan_memory(sharded, result.metagraph.metaops, result.memory_model)
-    sharded.predicted.update(estimate_iteration(sharded, result.metagraph, result.memory_model.cluster,
-                                                result.cost_model).as_predicted())
     yield sharded, f"{name}+zero1"

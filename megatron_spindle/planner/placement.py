@@ -3,10 +3,11 @@
 The "spindle" strategy places greedily, wave by wave. Inside a wave the slices with the most communication
 go first (activation bytes flowing in from their producer slices plus their own TP/DP traffic, plus the
 gradient sync they would spread onto the network away from the island earlier waves put their units on), so
-the biggest flows, and the slices of a tower already placed, get the best spots; with ``critical_first`` the slices that set the wave's length go before
-them (they have no slack: a transfer into them lengthens the wave, where the others' transfers overlap the
-rest of it; which order moves less onto the critical path depends on the waves, so the pipeline's estimate
-decides, planner/pipeline.py ``_settle_tails``). For each slice:
+the biggest flows, and the slices of a tower already placed, get the best spots; with ``critical_first`` the
+slices that set the wave's length go before them (they have no slack: a transfer into them lengthens the
+wave, where the others' transfers overlap the rest of it; which order moves less onto the critical path
+depends on the waves, so the pipeline's estimate decides, planner/pipeline.py ``_settle_tails``). For each
+slice:
 
 - its devices sit in one island (node) when ``n <= gpus_per_node``; a larger slice takes whole nodes (plus
   one partial node for the remainder), so TP groups never straddle nodes;
@@ -188,7 +189,7 @@ class _Problem:
                 info[(wi, si)] = _SliceInfo((wi, si), m, s, mem, producers[(wi, si)], flows, volume)
         return cls(waves, cluster, info, critical_first)
 
-    def slice_order(self, wi: int, sync_stake: dict[SliceKey, float] | None = None) -> list[SliceKey]:
+    def slice_order(self, wi: int, sync_stake: dict[SliceKey, float]) -> list[SliceKey]:
         """Biggest communication first (with ``critical_first``, after the slices as long as the wave); larger
         slices before smaller ones on ties (they are harder to fit). ``sync_stake``: per slice the gradient bytes
         it would spread onto the network on its worst island rather than its best (units earlier waves placed),
@@ -196,12 +197,11 @@ class _Problem:
         fill it."""
         keys = [(wi, si) for si in range(len(self.waves[wi].slices))]
         longest = max((self.info[k].sched.time for k in keys), default=0.0)
-        stake = sync_stake or {}
 
         def slack(k: SliceKey) -> bool:
             return self.critical_first and self.info[k].sched.time < longest * (1.0 - SLACK_RTOL)
 
-        return sorted(keys, key=lambda k: (slack(k), -(self.info[k].volume + stake.get(k, 0.0)), -self.info[k].n,
+        return sorted(keys, key=lambda k: (slack(k), -(self.info[k].volume + sync_stake[k]), -self.info[k].n,
                                            k[1]))
 
 
@@ -311,11 +311,11 @@ def _overflow_error(sl: _SliceInfo, memory: DeviceMemory, candidates: list[int],
 def _place_wave(problem: _Problem, wi: int, state: _State, mode: str) -> None:
     cluster = problem.cluster
     free_devices = set(range(cluster.num_devices))
-    order = problem.slice_order(wi)
+    keys = [(wi, si) for si in range(len(problem.waves[wi].slices))]
     # producers sit in earlier waves and a device taken in this wave is no candidate any more, so each
-    # slice's scores can be computed once, up front
-    unit_islands = _unit_islands(state.memory, cluster, {u for key in order for u in problem.info[key].memory.units})
-    scorers = {key: _Scorer(problem, problem.info[key], state, unit_islands) for key in order}
+    # slice's scores can be computed once, up front (the order counts their sync stakes)
+    unit_islands = _unit_islands(state.memory, cluster, {u for key in keys for u in problem.info[key].memory.units})
+    scorers = {key: _Scorer(problem, problem.info[key], state, unit_islands) for key in keys}
     order = problem.slice_order(wi, {key: sc.sync_stake() for key, sc in scorers.items()})
     for pos, key in enumerate(order):
         sl = problem.info[key]
