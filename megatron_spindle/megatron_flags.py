@@ -120,8 +120,8 @@ MEGATRON_FLAG_HINTS: dict[str, str] = {
     "--main-params-dtype": _FP32_STATE,
     "--exp-avg-dtype": _FP32_STATE,
     "--exp-avg-sq-dtype": _FP32_STATE,
-    "--accumulate-allreduce-grads-in-fp32": "gradients are accumulated and all-reduced in fp32 already",
-    "--grad-reduce-in-bf16": "gradients are all-reduced in fp32",
+    "--accumulate-allreduce-grads-in-fp32": "gradients are accumulated and all-reduced in fp32 by default "
+                                            "(--grad-reduce-in-bf16: in bf16)",
     "--decoupled-lr": _ONE_LR,
     "--decoupled-min-lr": _ONE_LR,
     "--ddp-average-in-collective": "a unit's gradients are summed over the slices and replicas holding it (each "
@@ -254,7 +254,7 @@ MEGATRON_SWITCHES = frozenset({
     "--reset-position-ids", "--reset-attention-mask",
     "--no-barrier-with-level-1-timing", "--log-straggler", "--enable-one-logger", "--use-dist-ckpt",
     "--auto-detect-ckpt-format", "--async-save", "--use-checkpoint-args", "--fp8-param-gather",
-    "--cross-entropy-loss-fusion", "--grad-reduce-in-bf16", "--no-mmap-bin-files", "--use-legacy-models",
+    "--cross-entropy-loss-fusion", "--no-mmap-bin-files", "--use-legacy-models",
     "--no-persist-layer-norm", "--no-rope-fusion", "--apply-rope-fusion", "--masked-softmax-fusion",
     "--bias-swiglu-fusion", "--no-bias-swiglu-fusion", "--gradient-accumulation-fusion", "--overlap-p2p-communication",
     "--use-ring-exchange-p2p", "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",

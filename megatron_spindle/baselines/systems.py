@@ -101,6 +101,11 @@ class BaselineContext:
         return bool(getattr(getattr(self.cost_model, "config", None), "sequence_parallel", False))
 
     @property
+    def grad_reduce_dtype(self) -> str:
+        """The dtype the cost model reduces gradients in (--grad-reduce-in-bf16): the baselines' plans record it."""
+        return "bf16" if getattr(getattr(self.cost_model, "config", None), "grad_bytes", 4) == 2 else "fp32"
+
+    @property
     def grad_norm(self) -> bool:
         """Whether the cost model charges the optimizer's gradient norm: the baselines' plans record it."""
         return bool(getattr(getattr(self.cost_model, "config", None), "grad_norm", True))

@@ -28,7 +28,6 @@ from megatron_spindle.estimator.errors import EstimatorError
 from megatron_spindle.graph.cluster import HBM_STREAM_EFFICIENCY, NVLS_MIN_BYTES, ClusterSpec
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
-GRAD_REDUCE_DTYPES = {"bf16": 2, "fp32": 4}
 # C10: compute (and communication) slow down by this factor while a gradient all-reduce overlaps the backward
 # (AFDWang/Hetu-Galvatron profile_hardware/hardware_configs/overlap_coefficient.json, measured by
 # profile_overlap.py on the Spindle authors' A800 cluster).
@@ -36,15 +35,6 @@ OVERLAP_SLOWDOWN = 1.145979403115153
 # megatron-core DDP: buckets of max(40M, 1M x dp) parameters (distributed_data_parallel.py, bucket_size=None).
 MEGATRON_BUCKET_PARAMS = 40_000_000
 MEGATRON_BUCKET_PARAMS_PER_DP_RANK = 1_000_000
-
-
-def grad_reduce_bytes(dtype: str) -> int:
-    """Bytes per gradient element reduced in ``dtype`` (bf16 or fp32)."""
-    try:
-        return GRAD_REDUCE_DTYPES[dtype]
-    except KeyError:
-        raise EstimatorError(f"gradient reduce dtype must be one of {sorted(GRAD_REDUCE_DTYPES)}, got '{dtype}'") \
-            from None
 
 
 @dataclass(frozen=True)

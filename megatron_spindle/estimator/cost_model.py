@@ -52,6 +52,7 @@ from megatron_spindle.graph.cluster import HBM_STREAM_EFFICIENCY, ClusterSpec, G
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.graph.workload import ModuleSpec, Workload, unit_module
 from megatron_spindle.plan.schema import (
+    REDUCE_DTYPE_BYTES,
     ExecutionSettings,
     attention_kernels,
     execution_choices,
@@ -68,6 +69,9 @@ ADAMW_BYTES_PER_ELEMENT = 28
 # The global gradient norm before the step reads every fp32 gradient once (gradient clipping: Megatron-LM's and
 # pretrain_multitask.py's --clip-grad 1.0 by default, DeepSpeed's gradient_clipping).
 GRAD_NORM_BYTES_PER_ELEMENT = 4
+# Main gradients reduced in bf16 (--grad-reduce-in-bf16) are copied into fp32 gradients of the masters before
+# the step (Megatron-LM's copy of model grads to main grads; runtime/optimizer.py): a 2-byte read, a 4-byte write.
+GRAD_CAST_BYTES_PER_ELEMENT = 2 + 4
 # After the step the model's weights are written from the masters: the fp32 master read, plus the weight written
 # in the model's dtype (Megatron-LM's copy of main params into the model's, the runtime's load of the weights).
 MASTER_READ_BYTES_PER_ELEMENT = 4
@@ -122,12 +126,14 @@ def execution_cost_config(choices=None) -> CostModelConfig:
     """The cost model's config for what the runtime runs, from ``choices`` (plan/schema.py
     ``EXECUTION_CHOICES``: a plan's settings or a ``PlannerConfig``; None: the defaults): ``--sequence-parallel``,
     the attention of ``--attention-backend`` (``attention_kernels``), whether the optimizer step computes the
-    gradient norm (``--clip-grad`` > 0 or fp16 loss scaling), and the layers' dropout."""
+    gradient norm (``--clip-grad`` > 0 or fp16 loss scaling), the layers' dropout and the dtype gradients are
+    reduced in (``--grad-reduce-in-bf16``)."""
     chosen = execution_choices(choices if choices is not None else ExecutionSettings())
     attention, fused_softmax = attention_kernels(chosen["attention_backend"])
     return CostModelConfig(sequence_parallel=chosen["sequence_parallel"], attention=attention,
                            fused_softmax=fused_softmax, grad_norm=chosen["grad_norm"],
-                           hidden_dropout=chosen["hidden_dropout"], attention_dropout=chosen["attention_dropout"])
+                           hidden_dropout=chosen["hidden_dropout"], attention_dropout=chosen["attention_dropout"],
+                           grad_bytes=REDUCE_DTYPE_BYTES[chosen["grad_reduce_dtype"]])
 
 
 def optimizer_step_bytes(config: CostModelConfig, dtype_bytes: int) -> int:
@@ -135,9 +141,10 @@ def optimizer_step_bytes(config: CostModelConfig, dtype_bytes: int) -> int:
     and the model's weights written from the masters, unless the model computes in fp32 itself (its parameters
     are the masters, or fp32 parameters are cast per forward: ``param_cast``, charged in the layers)."""
     norm = GRAD_NORM_BYTES_PER_ELEMENT if config.grad_norm else 0
+    cast = GRAD_CAST_BYTES_PER_ELEMENT if config.grad_bytes < 4 else 0
     separate = dtype_bytes < 4 and not config.param_cast
     weights = MASTER_READ_BYTES_PER_ELEMENT + dtype_bytes if separate else 0
-    return norm + ADAMW_BYTES_PER_ELEMENT + weights
+    return cast + norm + ADAMW_BYTES_PER_ELEMENT + weights
 
 
 @dataclass(frozen=True)
@@ -572,6 +579,7 @@ class AnalyticCostModel:
             cross_attention=module.cross_attention, dtype_bytes=self.dtype_bytes, param_cast=self.config.param_cast,
             fused_softmax=self.config.fused_softmax, sequence_parallel=sp,
             hidden_dropout=self.config.hidden_dropout > 0, attention_dropout=self.config.attention_dropout > 0,
+            main_grad_bytes=self.config.grad_bytes,
         )
 
     def sequence_parallel(self, metaop: MetaOp, tp: int) -> bool:

@@ -114,6 +114,7 @@ class MemoryModel:
         self.cluster = cluster
         self.cost_model = cost_model or AnalyticCostModel(workload, cluster)
         self.dtype_bytes = self.cost_model.dtype_bytes
+        self.grad_bytes = self.cost_model.config.grad_bytes  # main gradients (plan/memory.py)
         self.attention = self.cost_model.config.attention
         if recompute is None:
             recompute = Recompute("full" if self.cost_model.config.recompute else "none")
@@ -143,11 +144,11 @@ class MemoryModel:
         ``unit_state_bytes``)."""
         _check_positive("tp", tp)
         frozen = self.is_frozen_unit(param_name)
-        state = unit_state_bytes(self.cost_model.param_count(param_name) / tp, frozen)
+        state = unit_state_bytes(self.cost_model.param_count(param_name) / tp, frozen, self.grad_bytes)
         if dp is None:
             return state
         _check_positive("dp", dp)
-        return zero_sharded_bytes(state, self.zero_stage, dp, tp, self.tp_sharded_grads, frozen)
+        return zero_sharded_bytes(state, self.zero_stage, dp, tp, self.tp_sharded_grads, frozen, self.grad_bytes)
 
     def is_frozen_unit(self, param_name: str) -> bool:
         return self.workload.is_frozen_unit(param_name)

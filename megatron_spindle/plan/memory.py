@@ -1,8 +1,8 @@
 """Per-device memory of a plan: the one set of rules the planners, the assembler and the simulator apply.
 
-Mixed-precision training with Adam holds, per parameter: a bf16 weight (``WEIGHT_BYTES_PER_PARAM``), an fp32
-main gradient (``GRAD_BYTES_PER_PARAM``), and an fp32 master weight with the two Adam moments
-(``OPTIMIZER_BYTES_PER_PARAM``). The byte numbers of a unit (its training state on one TP rank) and of a
+Mixed-precision training with Adam holds, per parameter: a bf16 weight (``WEIGHT_BYTES_PER_PARAM``), a main
+gradient (``GRAD_BYTES_PER_PARAM`` in fp32; 2 bytes where gradients are reduced in bf16, the plan's
+``grad_reduce_dtype``), and an fp32 master weight with the two Adam moments (``OPTIMIZER_BYTES_PER_PARAM``). The byte numbers of a unit (its training state on one TP rank) and of a
 slice's activations come from the estimator's ``MemoryModel`` (``MemoryNumbers``); the rules are here:
 
 - **Parameter state, once per unit.** A device holds the state of every unit it runs once. A unit run by
@@ -39,7 +39,7 @@ from megatron_spindle.plan.order import FWD, SliceStep, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings, Plan, Recompute
 
 WEIGHT_BYTES_PER_PARAM = 2  # bf16 weight
-GRAD_BYTES_PER_PARAM = 4  # fp32 main gradient
+GRAD_BYTES_PER_PARAM = 4  # fp32 main gradient (--grad-reduce-in-bf16: the plan's grad_reduce_bytes, 2)
 OPTIMIZER_BYTES_PER_PARAM = 4 + 4 + 4  # fp32 master weight, Adam m and v
 STATE_BYTES_PER_PARAM = WEIGHT_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM
 GATHERED_LAYERS = 2  # ZeRO-3: the layer running and the next one's weights, prefetched (runtime/weight_shards.py)
@@ -56,13 +56,19 @@ class MemoryNumbers(Protocol):
     def activation_bytes(self, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> float: ...
 
 
-def zero_state_bytes_per_param(stage: int, dp: int, tp: int = 1, tp_sharded: bool = True) -> float:
+def state_bytes_per_param(grad_bytes: int = GRAD_BYTES_PER_PARAM) -> int:
+    """A unit's unsharded training-state bytes per parameter with main gradients of ``grad_bytes``."""
+    return WEIGHT_BYTES_PER_PARAM + grad_bytes + OPTIMIZER_BYTES_PER_PARAM
+
+
+def zero_state_bytes_per_param(stage: int, dp: int, tp: int = 1, tp_sharded: bool = True,
+                               grad_bytes: int = GRAD_BYTES_PER_PARAM) -> float:
     """Training-state bytes per parameter of a TP shard on one device under ZeRO ``stage`` with ``dp``
-    data-parallel ranks. ``tp_sharded`` False (plan/schema.py ``ExecutionSettings.tp_sharded_grads``: our
+    data-parallel ranks, main gradients of ``grad_bytes``. ``tp_sharded`` False (plan/schema.py ``ExecutionSettings.tp_sharded_grads``: our
     runtime's canonical layout): a device holds the whole unit's gradient at stages 0 and 1, and its whole
     optimizer state at stage 0, t times a shard's at TP t; the ZeRO shards of the whole unit span the group's
     members, at least tp x dp, so they weigh no more than a shard's over dp."""
-    w, g, o = WEIGHT_BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
+    w, g, o = WEIGHT_BYTES_PER_PARAM, grad_bytes, OPTIMIZER_BYTES_PER_PARAM
     whole = 1 if tp_sharded else tp
     if stage == 0:
         return w + (g + o) * whole
@@ -74,22 +80,23 @@ def zero_state_bytes_per_param(stage: int, dp: int, tp: int = 1, tp_sharded: boo
 
 
 def zero_sharded_bytes(state: float, stage: int, dp: int, tp: int = 1, tp_sharded: bool = True,
-                       frozen: bool = False) -> float:
-    """One device's share of ``state`` (a unit's unsharded training state on a TP rank of ``tp``) under ZeRO and
-    the gradients' layout (``zero_state_bytes_per_param``). A ``frozen`` unit's state is its weights alone
+                       frozen: bool = False, grad_bytes: int = GRAD_BYTES_PER_PARAM) -> float:
+    """One device's share of ``state`` (a unit's unsharded training state on a TP rank of ``tp``, main gradients
+    of ``grad_bytes``) under ZeRO and the gradients' layout (``zero_state_bytes_per_param``). A ``frozen`` unit's state is its weights alone
     (``unit_state_bytes``), which every slice holding it keeps whole (runtime/frozen.py): nothing to shard."""
     if frozen:
         return state
-    per_param = zero_state_bytes_per_param(stage, dp, tp, tp_sharded)
-    if per_param == STATE_BYTES_PER_PARAM:  # nothing sharded, nothing whole: the state as it is, to the bit
+    per_param = zero_state_bytes_per_param(stage, dp, tp, tp_sharded, grad_bytes)
+    whole = state_bytes_per_param(grad_bytes)
+    if per_param == whole:  # nothing sharded, nothing whole: the state as it is, to the bit
         return state
-    return state * per_param / STATE_BYTES_PER_PARAM
+    return state * per_param / whole
 
 
-def unit_state_bytes(params: float, frozen: bool = False) -> float:
-    """A unit's training state for ``params`` parameters: bf16 weights, fp32 gradient, master and Adam moments;
-    a frozen unit's (no gradient, no optimizer state) its bf16 weights."""
-    return params * (WEIGHT_BYTES_PER_PARAM if frozen else STATE_BYTES_PER_PARAM)
+def unit_state_bytes(params: float, frozen: bool = False, grad_bytes: int = GRAD_BYTES_PER_PARAM) -> float:
+    """A unit's training state for ``params`` parameters: bf16 weights, main gradient (``grad_bytes``), fp32
+    master and Adam moments; a frozen unit's (no gradient, no optimizer state) its bf16 weights."""
+    return params * (WEIGHT_BYTES_PER_PARAM if frozen else state_bytes_per_param(grad_bytes))
 
 
 def grad_reduce_bytes(params: float, settings: ExecutionSettings) -> float:
@@ -112,10 +119,15 @@ class ZeroSharded:
     def of(cls, numbers: MemoryNumbers, settings: ExecutionSettings) -> ZeroSharded:
         return cls(numbers, settings.zero_stage, settings.sequence_parallel, settings.tp_sharded_grads)
 
+    @property
+    def grad_bytes(self) -> int:
+        """Main-gradient bytes per parameter: the numbers' (their unsharded state counts them)."""
+        return getattr(self.numbers, "grad_bytes", GRAD_BYTES_PER_PARAM)
+
     def param_state_bytes(self, unit: str, tp: int, dp: int = 1) -> float:
         frozen = getattr(self.numbers, "is_frozen_unit", None)
         return zero_sharded_bytes(float(self.numbers.param_state_bytes(unit, tp)), self.zero_stage, dp, tp,
-                                  self.tp_sharded, frozen is not None and frozen(unit))
+                                  self.tp_sharded, frozen is not None and frozen(unit), self.grad_bytes)
 
     def activation_bytes(self, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> float:
         return self.numbers.activation_bytes(metaop, tp, dp, num_layers)
@@ -149,7 +161,8 @@ def gathered_weight_bytes(numbers: ShardedNumbers, metaop: MetaOp, tp: int, dp: 
     if getattr(numbers, "zero_stage", 0) != 3 or dp == 1 or not metaop.params:
         return 0.0
     layer = sum(float(numbers.param_state_bytes(u, tp, 1)) for u in metaop.params[0])  # dp 1: unsharded
-    return min(GATHERED_LAYERS, num_layers) * layer * WEIGHT_BYTES_PER_PARAM / STATE_BYTES_PER_PARAM
+    whole = state_bytes_per_param(getattr(numbers, "grad_bytes", GRAD_BYTES_PER_PARAM))
+    return min(GATHERED_LAYERS, num_layers) * layer * WEIGHT_BYTES_PER_PARAM / whole
 
 
 def activation_memory(numbers: ShardedNumbers, metaop: MetaOp, tp: int, dp: int, num_layers: int,

@@ -46,10 +46,11 @@ REDUCE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 # attention kernels, local megatron-core's own attention core (its local spec), auto Transformer Engine's choice
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 # ExecutionSettings' fields the user's flags choose and the models charge: the cost model (estimator.
-# execution_cost_config) the first five, the planner's estimate and the simulator the gradient sync's two;
+# execution_cost_config) the first five and the last, the planner's estimate and the simulator the gradient
+# sync's two and the last (its bytes);
 # PlannerConfig has them too, by the same names, and every plan records the ones it was planned with
 EXECUTION_CHOICES = ("sequence_parallel", "attention_backend", "grad_norm", "hidden_dropout", "attention_dropout",
-                     "overlap_grad_reduce", "ddp_bucket_size")
+                     "overlap_grad_reduce", "ddp_bucket_size", "grad_reduce_dtype")
 DROPOUTS = ("hidden_dropout", "attention_dropout")
 
 
@@ -215,7 +216,9 @@ class ExecutionSettings:
       task)``, each the forward or backward of the wave's slices of ``task`` (None: all of them), every slice's
       forward and backward exactly once (plan/order.py); e.g. early backward, a task's backward right after
       its loss.
-    - ``grad_reduce_dtype``: the dtype gradients are all-reduced in (``grad_reduce_bytes`` per element).
+    - ``grad_reduce_dtype``: the dtype gradients are accumulated and reduced in (``grad_reduce_bytes`` per
+      element): fp32 main gradients (Megatron-LM's default for bf16 training) or, with ``--grad-reduce-in-bf16``,
+      bf16 ones, cast to fp32 for the optimizer step; the memory model counts their bytes.
     - ``overlap_param_gather``: at ZeRO stages 1 and 2, the all-gather of the updated weights after the optimizer
       step is asynchronous, and the next iteration's forward waits for a parameter device group's gather only
       before the first slice that uses its weights (Megatron's ``--overlap-param-gather``); False: every gather

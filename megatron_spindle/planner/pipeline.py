@@ -155,6 +155,12 @@ class PlannerConfig:
         "it), done by the runtime. Default: plan selection (--spindle-select simulate) times megatron-core's "
         "default, max(40M, 1M x the parameter device group's size), and 20M and 10M, and keeps the fastest; "
         "megatron-core's default with --spindle-select none.", name="--ddp-bucket-size"))
+    grad_reduce_in_bf16: bool = field(default=False, metadata=flag(
+        "Megatron-LM's --grad-reduce-in-bf16: accumulate and reduce the gradients in bf16 main-gradient buffers "
+        "(2 bytes per parameter, where the default fp32 ones take 4), cast to fp32 for the optimizer step. Halves "
+        "every gradient collective's bytes and the gradients' memory, at bf16's precision in the sums. Recorded "
+        "in the plan (grad_reduce_dtype), charged by the planner and the simulator, done by the runtime.",
+        name="--grad-reduce-in-bf16"))
 
     planning_workers: int = field(default=0, metadata=flag(
         "Processes that simulate the candidate plans and plan the node-group partitions at once, on clusters of "
@@ -215,6 +221,11 @@ class PlannerConfig:
         (estimator/estimate.py ``weight_sharers``); None: the curves are compute alone (auto leaves sync-aware
         curves to plan selection as candidates)."""
         return self.sync_sharers if self.sync_aware == "on" else None
+
+    @property
+    def grad_reduce_dtype(self) -> str:
+        """The plan setting --grad-reduce-in-bf16 chooses (plan/schema.py ``EXECUTION_CHOICES``)."""
+        return "bf16" if self.grad_reduce_in_bf16 else "fp32"
 
     def zero_stages(self) -> tuple[int, ...]:
         """The ZeRO stages a plan may use: --spindle-distributed-optimizer on is Megatron's ZeRO-1, off none,

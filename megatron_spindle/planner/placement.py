@@ -43,24 +43,20 @@ from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.layout import SlicePos, graph_transfer_pairs, position_rows, slice_units
 from megatron_spindle.plan.memory import (
-    STATE_BYTES_PER_PARAM,
+    GRAD_BYTES_PER_PARAM,
     DeviceMemory,
     ShardedNumbers,
     SliceMemory,
     peak_memory,
     slice_memory,
+    state_bytes_per_param,
 )
-from megatron_spindle.plan.schema import ExecutionSettings
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
 
 PLACEMENT_STRATEGIES = ("spindle", "sequential")
 DEFAULT_MAX_BACKTRACK = 4
 SLACK_RTOL = 1e-9  # a slice shorter than its wave by more than this (relative) has slack
 TP_COLLECTIVES_PER_LAYER = 4  # Megatron TP: two all-reduces forward, two backward per transformer layer
-# gradient all-reduce bytes per parameter in the flow-size ordering key (the default settings' reduce dtype)
-GRAD_REDUCE_BYTES = ExecutionSettings().grad_reduce_bytes
-# a unit's gradient bytes per byte of its parameter state (plan/memory.py's per-parameter numbers)
-GRAD_PER_STATE_BYTE = GRAD_REDUCE_BYTES / STATE_BYTES_PER_PARAM
 
 SliceKey = SlicePos  # (wave index, slice index in the wave)
 
@@ -174,10 +170,14 @@ class _Problem:
     cluster: ClusterSpec
     info: dict[SliceKey, _SliceInfo]
     critical_first: bool = False
+    # main-gradient bytes per parameter (the memory numbers'; plan settings' grad_reduce_bytes): what the
+    # gradient sync moves per parameter
+    grad_bytes: int = GRAD_BYTES_PER_PARAM
 
     @classmethod
     def build(cls, waves, metagraph, cluster, cost_model, memory_model, critical_first: bool = False) -> _Problem:
         producers = producer_slices(waves, metagraph)
+        grad_bytes = getattr(memory_model, "grad_bytes", GRAD_BYTES_PER_PARAM)
         info = {}
         for wi, w in enumerate(waves):
             for si, s in enumerate(w.slices):
@@ -185,9 +185,9 @@ class _Problem:
                 mem = slice_memory(m, s, memory_model)
                 flows = {p: float(cost_model.activation_bytes(metagraph.metaops[waves[p[0]].slices[p[1]].metaop]))
                          for p in producers[(wi, si)]}
-                volume = sum(flows.values()) + _own_traffic_bytes(m, s, cost_model)
+                volume = sum(flows.values()) + _own_traffic_bytes(m, s, cost_model, grad_bytes)
                 info[(wi, si)] = _SliceInfo((wi, si), m, s, mem, producers[(wi, si)], flows, volume)
-        return cls(waves, cluster, info, critical_first)
+        return cls(waves, cluster, info, critical_first, grad_bytes)
 
     def slice_order(self, wi: int, sync_stake: dict[SliceKey, float]) -> list[SliceKey]:
         """Biggest communication first (with ``critical_first``, after the slices as long as the wave); larger
@@ -205,9 +205,10 @@ class _Problem:
                                            k[1]))
 
 
-def _own_traffic_bytes(m: MetaOp, s: ScheduledSlice, cost_model: FlowCostModel) -> float:
+def _own_traffic_bytes(m: MetaOp, s: ScheduledSlice, cost_model: FlowCostModel,
+                       grad_bytes: int = GRAD_BYTES_PER_PARAM) -> float:
     """Bytes a slice moves inside its own device group: TP all-reduces of activations (ring: 2(tp-1)/tp of the
-    tensor per device) and the DP all-reduce of its bf16 gradients."""
+    tensor per device) and the DP all-reduce of its gradients (``grad_bytes`` per parameter)."""
     layers = s.layer_end - s.layer_start
     tp_bytes = 0.0
     if s.tp > 1 and m.kind == "layer":
@@ -215,7 +216,7 @@ def _own_traffic_bytes(m: MetaOp, s: ScheduledSlice, cost_model: FlowCostModel) 
     dp_bytes = 0.0
     if s.dp > 1:
         params = sum(cost_model.param_count(u) for u in slice_units(m, s.layer_start, s.layer_end))
-        dp_bytes = 2 * (s.dp - 1) * GRAD_REDUCE_BYTES * params
+        dp_bytes = 2 * (s.dp - 1) * grad_bytes * params
     return tp_bytes + dp_bytes
 
 
@@ -413,7 +414,8 @@ class _Scorer:
         # islands already holding each of the slice's units, and the weight of their gradients: a unit held on
         # another island makes its parameter device group's gradient sync cross the network
         self._unit_islands = {u: unit_islands[u] for u in sl.memory.units}
-        self._sync_weight = GRAD_PER_STATE_BYTE * s.tp  # state bytes are per TP shard
+        # a unit's gradient bytes per byte of its parameter state; state bytes are per TP shard
+        self._sync_weight = problem.grad_bytes / state_bytes_per_param(problem.grad_bytes) * s.tp
         self._sync_penalty: dict[int, float] = {}
         self._block_wants: list[tuple[int, int, float]] | None = None
         self._device_demand: dict[int, float] | None = None

@@ -7,8 +7,8 @@
    wave and the backward in reverse, per segment, or explicit steps such as an early backward), once per
    micro-batch, ``TransferOp`` moving activations between waves and gradients back. Nothing in it is a
    barrier. Slices recompute activations with megatron-core's own recomputation where the plan says so.
-3. Gradient buffers (grad_buffers.py) and their synchronisation (grad_sync.py): one flat fp32 buffer per
-   parameter device group, split into buckets whose all-reduces run inside the group's process group
+3. Gradient buffers (grad_buffers.py) and their synchronisation (grad_sync.py): one flat buffer per
+   parameter device group (fp32; bf16 with the plan's grad_reduce_dtype, cast to fp32 for each step), split into buckets whose all-reduces run inside the group's process group
    (groups.py) asynchronously during the backward, as soon as each bucket is complete; a unit's gradient is
    summed over every slice that uses it, whatever its device set, wave or TP degree, so every holder gets the
    exact total d(sum_t w_t loss_t)/dW (``grads``: views of the buffers, valid until the next step). At
@@ -93,7 +93,7 @@ from megatron_spindle.runtime.clip import (
 )
 from megatron_spindle.runtime.direct import bind_direct_units
 from megatron_spindle.runtime.frozen import FrozenWeights
-from megatron_spindle.runtime.grad_buffers import GradBuffers, backward_order
+from megatron_spindle.runtime.grad_buffers import GRAD_DTYPES, GradBuffers, backward_order
 from megatron_spindle.runtime.grad_shards import ShardedGradBuffers, backend_reduces_scatter
 from megatron_spindle.runtime.grad_sync import GradSync
 from megatron_spindle.runtime.groups import PlanGroups
@@ -205,16 +205,23 @@ class RuntimeEngine:
         opt = self.master_optimizer
         completion = backward_order(plan, self.metagraph)  # a TP shard completes with its unit
         order = {u: completion[base_unit(u)] for u in opt.shards}
+        grad_dtype = GRAD_DTYPES[settings.grad_reduce_dtype]
         if self.zero_stage >= 1:  # reduce-scattered into the optimizer's shards (stage 2: kept as shards only)
             self.grad_buffers = ShardedGradBuffers(opt.unit_groups, opt.shards, order, settings.ddp_bucket_size,
-                                                   self.device, backend_reduces_scatter(dist.get_backend()))
+                                                   self.device, backend_reduces_scatter(dist.get_backend()),
+                                                   dtype=grad_dtype)
         else:
             self.grad_buffers = GradBuffers(opt.unit_groups, opt.shards, order, settings.ddp_bucket_size,
-                                            self.device)
-        opt.attach_grads(self.grad_buffers.unit_grads)
+                                            self.device, dtype=grad_dtype)
+        # fp32 buffers are the masters' gradients; bf16 ones (--grad-reduce-in-bf16) are cast for each step
+        # (``_main_grads``)
+        self._cast_grads = grad_dtype != torch.float32
+        if not self._cast_grads:
+            opt.attach_grads(self.grad_buffers.unit_grads)
         self.binding = bind_direct_units(self.local, self.key_unit, opt.shards, opt.masters,
                                          self.grad_buffers.key_grads,
-                                         self.zero_stage == 0 and self.config.dtype == torch.float32, self.device)
+                                         self.zero_stage == 0 and self.config.dtype == grad_dtype == torch.float32,
+                                         self.device)
         # --overlap-param-gather (ZeRO-1/2): the weights' all-gather after the step waits for the next forward
         self.param_gather = None
         if overlaps_param_gather(settings):
@@ -258,13 +265,27 @@ class RuntimeEngine:
                                      early_receives=receives_early(dist.get_backend()),
                                      no_grad=frozenset(m.id for m in self.metagraph.metaops.values()
                                                        if not gradient_returns(m.backward)))
-        self.clipper = GradClipper(self.grad_buffers.storage(), norm_tensors(
-            self.grad_buffers.unit_grads, self.sync_groups, rank, self.grad_buffers.sharded,
-            {u: sh.valid for u, sh in opt.shards.items()}), self.device)
+        self.clipper = self._clipper(self.grad_buffers.unit_grads, self.grad_buffers.storage())
         self.grads: dict[str, torch.Tensor] = {}
         self.activation_peak: int | None = None  # bytes, with EngineConfig(measure_activations=True)
         self.last_step = StepStats()
         self.phase_times: dict[str, float] | None = None
+
+    def _clipper(self, unit_grads: dict[str, torch.Tensor], storage: list[torch.Tensor]) -> GradClipper:
+        """The norm and clipping of the gradients the optimizer steps from (``storage``: all of them, in place)."""
+        return GradClipper(storage, norm_tensors(unit_grads, self.sync_groups, self.rank, self.grad_buffers.sharded,
+                                                 {u: sh.valid for u, sh in self.master_optimizer.shards.items()}),
+                           self.device)
+
+    def _main_grads(self) -> tuple[dict[str, torch.Tensor], GradClipper]:
+        """The synchronised gradients the step unscales, clips and applies, and their clipper: the fp32 buffers
+        themselves, or fp32 copies of the bf16 ones (--grad-reduce-in-bf16), the masters' gradients until the step
+        ends (Megatron-LM's copy of the model's gradients into main gradients before its optimizer step)."""
+        if not self._cast_grads:
+            return self.grad_buffers.unit_grads, self.clipper
+        grads = {u: g.float() for u, g in self.grad_buffers.unit_grads.items()}
+        self.master_optimizer.attach_grads(grads)
+        return grads, self._clipper(grads, list(grads.values()))
 
     def _first_use(self):
         """unit (a TP shard: its unit's) -> where the forward first uses it (plan/buckets.py)."""
@@ -344,14 +365,25 @@ class RuntimeEngine:
         self.schedule.loss_scale = float(scaler.scale) if scaler is not None else 1.0
         losses = self.forward_backward(step)
         t0 = self._clock()
-        self.last_step = prepare_step(self.clipper, self.master_optimizer.clip_grad, self.schedule.loss_scale,
+        grads, clipper = self._main_grads()
+        try:
+            return self._step(step, losses, grads, clipper, t0)
+        finally:
+            if self._cast_grads:  # the fp32 copies live for the step only
+                self.master_optimizer.detach_grads()
+
+    def _step(self, step: int, losses: dict[str, float], grads: dict[str, torch.Tensor], clipper: GradClipper,
+              t0: float) -> dict[str, float]:
+        """``train_step`` after the forward-backward: unscale, measure and clip ``grads``, AdamW, weights out."""
+        scaler = self.config.grad_scaler
+        self.last_step = prepare_step(clipper, self.master_optimizer.clip_grad, self.schedule.loss_scale,
                                       scaler, measure=self.config.check_for_nan)  # collective when it measures
         t1 = self._clock()
         self._add_time("optimizer-clip-main-grad", t1 - t0)
         if self.config.check_for_nan:
             check_finite(losses, self.last_step, step, scaled=scaler is not None)
         if self.config.count_zeros and not self.last_step.skipped:  # every rank alike: the norm is global
-            self.last_step = dataclasses.replace(self.last_step, num_zeros=self.clipper.zeros())
+            self.last_step = dataclasses.replace(self.last_step, num_zeros=clipper.zeros())
         if self.optimizer is None or self.last_step.skipped:
             return losses  # a skipped step issues no all-gather
         overlap = self.param_gather is not None
@@ -359,7 +391,7 @@ class RuntimeEngine:
                        "the optimizer step (distributed-optimizer all-gathers)" if self.zero_stage >= 1 else
                        "the optimizer step")
         self.flush_param_gather()  # nothing is pending after a forward; kept for direct callers
-        self.master_optimizer.step(self.grad_buffers.unit_grads)
+        self.master_optimizer.step(grads)
         t2 = self._clock()
         if overlap:  # issued now, waited for before each slice's next forward (runtime/param_gather.py)
             self.param_gather.start()

@@ -1,4 +1,7 @@
-"""Flat fp32 gradient buffers, one per parameter device group on each member, split into buckets.
+"""Flat gradient buffers, one per parameter device group on each member, split into buckets.
+
+Their dtype is the plan's ``grad_reduce_dtype`` (``GRAD_DTYPES``): fp32 main gradients, Megatron-LM's default for
+bf16 training, or bf16 ones (``--grad-reduce-in-bf16``), which the engine casts to fp32 for the optimizer step.
 
 A group's buffer holds its units one after the other, each flattened like its master (runtime/shards.py), in
 the order the backward completes them (``backward_order``), so that consecutive units finish close in time
@@ -33,6 +36,9 @@ from megatron_spindle.plan.schema import Plan
 from megatron_spindle.runtime.shards import UnitShard
 from megatron_spindle.runtime.tp_shards import write_pairs
 
+# the main gradients' dtype per plan setting grad_reduce_dtype (plan/schema.py REDUCE_DTYPE_BYTES)
+GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 def backward_order(plan: Plan, metagraph: MetaGraph) -> dict[str, tuple[int, int]]:
     """unit -> (wave, position in its slice, backward step) of the slice whose backward completes its gradient:
@@ -66,13 +72,15 @@ def launch_order(buckets: list[Bucket]) -> list[Bucket]:
 
 
 class GradBuffers:
-    """``buffers``: (sorted devices, flat fp32 buffer) per group this rank holds units of; ``buckets`` in
+    """``buffers``: (sorted devices, flat buffer of ``dtype``) per group this rank holds units of; ``buckets`` in
     ``launch_order``; ``unit_grads`` unit -> flat view; ``key_grads`` "<unit>.<path>" -> full-shape view."""
 
     sharded = False
 
     def __init__(self, unit_groups: list[tuple[tuple[int, ...], list[str]]], shards: dict[str, UnitShard],
-                 order: dict[str, tuple[int, int]], bucket_numel: int | None, device: torch.device):
+                 order: dict[str, tuple[int, int]], bucket_numel: int | None, device: torch.device,
+                 dtype: torch.dtype = torch.float32):
+        self.dtype = dtype
         self.buffers: list[tuple[tuple[int, ...], torch.Tensor]] = []
         self.unit_grads: dict[str, torch.Tensor] = {}
         self.key_grads: dict[str, torch.Tensor] = {}
@@ -80,7 +88,7 @@ class GradBuffers:
         self._views: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
         for devices, units in unit_groups:
             units, group_buckets = buffer_layout(devices, units, shards, order, bucket_numel)
-            buf = torch.zeros(sum(shards[u].numel for u in units), dtype=torch.float32, device=device)
+            buf = torch.zeros(sum(shards[u].numel for u in units), dtype=dtype, device=device)
             off = 0
             for u in units:
                 self.unit_grads[u] = buf[off:off + shards[u].numel]
@@ -101,7 +109,7 @@ class GradBuffers:
         ``LocalPart`` of one is added where it sits."""
         accs, parts = write_pairs([self.key_grads[k] for k in keys], [grads[k] for k in keys])
         if accs:
-            # one call for all keys: a bf16 gradient promotes into the fp32 buffer exactly as a cast would, and
+            # one call for all keys: a bf16 gradient promotes into an fp32 buffer exactly as a cast would, and
             # a cast and an add per tensor from Python were host time in every backward wave on a GPU
             torch._foreach_add_(accs, parts)
 

@@ -3,7 +3,8 @@
 The buckets are grad_buffers.py's (same units, same launch order, so the gradient sync and the simulator see
 one set of rules); only their storage differs. Each bucket of a group of ``members`` ranks has
 
-- a *staging* buffer of ``members`` x ``row`` fp32 elements, member-major (runtime/shards.py): row ``j``
+- a *staging* buffer of ``members`` x ``row`` elements (of the main gradients' dtype: fp32, or bf16 with
+  ``--grad-reduce-in-bf16``), member-major (runtime/shards.py): row ``j``
   holds member ``j``'s shards of the bucket's units. It is allocated when the bucket's first gradient is
   added (the exported gradients of a slice's micro-batch, runtime/grad_sync.py) and released as soon as
   the bucket's collective has completed;
@@ -63,8 +64,8 @@ class ShardedGradBuffers:
 
     def __init__(self, unit_groups: list[tuple[tuple[int, ...], list[str]]], shards: dict[str, UnitShard],
                  order: dict[str, tuple[int, int]], bucket_numel: int | None, device: torch.device,
-                 reduce_scatter: bool = True):
-        self.shards, self.device, self.reduce_scatter = shards, device, reduce_scatter
+                 reduce_scatter: bool = True, dtype: torch.dtype = torch.float32):
+        self.shards, self.device, self.reduce_scatter, self.dtype = shards, device, reduce_scatter, dtype
         self.unit_grads: dict[str, torch.Tensor] = {}
         self.key_grads: dict[str, torch.Tensor] = {}
         self.key_unit = {k: u for u, sh in shards.items() for k in sh.keys}
@@ -77,7 +78,7 @@ class ShardedGradBuffers:
         for devices, units in unit_groups:
             for b in buffer_layout(devices, units, shards, order, bucket_numel)[1]:
                 members = [shards[u] for u in b.units]
-                row = torch.zeros(sum(s.size for s in members), dtype=torch.float32, device=device)
+                row = torch.zeros(sum(s.size for s in members), dtype=dtype, device=device)
                 for u, off in zip(b.units, row_offsets(members)):
                     self.unit_grads[u] = row[off:off + shards[u].size]
                     self._place[u] = ((b.devices, b.index), off)
@@ -89,7 +90,7 @@ class ShardedGradBuffers:
     def _staging_of(self, key: tuple[tuple[int, ...], int], micro: int) -> torch.Tensor:
         if (key, micro) not in self._staging:
             self._staging[key, micro] = torch.zeros(self._members[key], self._rows[key].numel(),
-                                                    dtype=torch.float32, device=self.device)
+                                                    dtype=self.dtype, device=self.device)
         return self._staging[key, micro]
 
     def add(self, grads: dict[str, torch.Tensor], keys: list[str], micro: int = 0) -> None:

@@ -71,15 +71,12 @@ def slice_units(metagraph: MetaGraph, s: Slice) -> list[str]:
 
 
 def check_settings_runnable(plan: Plan) -> None:
-    """The execution settings this runtime implements: every ZeRO stage in ``RUNTIME_ZERO_STAGES``, gradients
-    reduced in fp32; every execution order, micro-batch count and recomputation choice validate_plan accepts
-    (checked there)."""
+    """The execution settings this runtime implements: every ZeRO stage in ``RUNTIME_ZERO_STAGES`` (gradients in
+    either reduce dtype: grad_buffers.py ``GRAD_DTYPES``); every execution order, micro-batch count and
+    recomputation choice validate_plan accepts (checked there)."""
     st = plan.settings
     if st.zero_stage not in RUNTIME_ZERO_STAGES:
         raise PlanError(f"zero_stage {st.zero_stage}: the runtime supports {list(RUNTIME_ZERO_STAGES)}")
-    if st.grad_reduce_dtype != "fp32":  # charged at its bytes by the simulator: running it in fp32 would differ
-        raise PlanError(f"grad_reduce_dtype {st.grad_reduce_dtype}: the runtime reduces gradients in fp32 (its "
-                        f"gradient buffers, as Megatron-LM does for bf16 training)")
 
 
 def check_runnable(plan: Plan, workload: Workload, metagraph: MetaGraph, world_size: int) -> None:

@@ -145,6 +145,11 @@ class MasterOptimizer:
         for u, p in self.masters.items():
             p.grad = unit_grads[u]
 
+    def detach_grads(self) -> None:
+        """The masters hold no gradient (the step's fp32 copies of bf16 gradients are released)."""
+        for p in self.masters.values():
+            p.grad = None
+
     def set_lr(self, lr: float) -> None:
         if self.adamw is not None:
             for g in self.adamw.param_groups:

@@ -120,8 +120,14 @@ def saved_plan_grad_norm_note(planned: bool, args) -> str:
 
 def grad_sync_mismatch(settings, args) -> tuple[str, str] | None:
     """(what a saved plan was made with, what this run gives) where the run's gradient-sync flags differ from the
-    plan's settings, which the runtime follows: --overlap-grad-reduce either way; --ddp-bucket-size only where
-    given (unset, the plan's, which plan selection may have chosen); None where they agree."""
+    plan's settings, which the runtime follows: --overlap-grad-reduce and --grad-reduce-in-bf16 either way;
+    --ddp-bucket-size only where given (unset, the plan's, which plan selection may have chosen); None where they
+    agree."""
+    wanted = "bf16" if args.grad_reduce_in_bf16 else "fp32"
+    if settings.grad_reduce_dtype != wanted:
+        def reduce_flag(dtype: str) -> str:
+            return "--grad-reduce-in-bf16" if dtype == "bf16" else "gradients reduced in fp32"
+        return reduce_flag(settings.grad_reduce_dtype), reduce_flag(wanted)
     if settings.overlap_grad_reduce != args.overlap_grad_reduce:
         def name(on: bool) -> str:
             return "--overlap-grad-reduce" if on else "--no-overlap-grad-reduce"

@@ -11,7 +11,6 @@ from megatron_spindle.estimator.comm_model import (
     CommModel,
     GroupPlacement,
     grad_buckets,
-    grad_reduce_bytes,
     overlapped_backward_seconds,
 )
 from megatron_spindle.estimator.kernels import (
@@ -28,6 +27,7 @@ from megatron_spindle.estimator.op_kernels import LayerShape, layer_kernel, laye
 from megatron_spindle.graph.cluster import GPU_TYPES, HBM_STREAM_EFFICIENCY, make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.plan.schema import REDUCE_DTYPE_BYTES
 
 A800 = GPU_TYPES["A800-80GB"]
 SM_RATE = 267.9e12 / 108  # the measured matmul rate (C1) shared by A800's 108 SMs
@@ -295,13 +295,11 @@ def test_concurrent_cross_node_groups_share_the_node_network():
 
 
 def test_gradients_reduced_in_bf16_move_half_the_bytes_of_fp32():
-    assert grad_reduce_bytes("bf16") == 2 and grad_reduce_bytes("fp32") == 4
-    with pytest.raises(EstimatorError, match="reduce dtype"):
-        grad_reduce_bytes("fp8")
+    assert REDUCE_DTYPE_BYTES == {"fp32": 4, "bf16": 2}
     comm = CommModel(make_cluster(8))
     params, group = 100_000_000, GroupPlacement((8,))
-    fp32 = comm.all_reduce(params * grad_reduce_bytes("fp32"), group) - 43.83e-6
-    bf16 = comm.all_reduce(params * grad_reduce_bytes("bf16"), group) - 43.83e-6
+    fp32 = comm.all_reduce(params * REDUCE_DTYPE_BYTES["fp32"], group) - 43.83e-6
+    bf16 = comm.all_reduce(params * REDUCE_DTYPE_BYTES["bf16"], group) - 43.83e-6
     assert fp32 == pytest.approx(2 * bf16)
 
 

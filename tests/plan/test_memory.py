@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
+from megatron_spindle.estimator import AnalyticCostModel, CostModelConfig, MemoryModel
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import MetaOp, build_metagraph
 from megatron_spindle.graph.workload import load_workload
@@ -18,6 +18,7 @@ from megatron_spindle.plan.memory import (
     DeviceMemory,
     SliceMemory,
     ZeroSharded,
+    gathered_weight_bytes,
     peak_memory,
     zero_state_bytes_per_param,
 )
@@ -104,6 +105,27 @@ def test_the_estimator_s_distributed_optimizer_is_the_same_rule_exactly():
         for tp, dp in ((1, 1), (1, 8), (2, 4)):
             assert sharded.param_state_bytes(unit, tp, dp) == ZeroSharded(plain, 1).param_state_bytes(unit, tp, dp)
             assert plain.param_state_bytes(unit, tp, dp) == ZeroSharded(sharded, 0).param_state_bytes(unit, tp, dp)
+
+
+def test_bf16_main_gradients_hold_two_bytes_per_parameter_under_every_zero_stage():
+    """--grad-reduce-in-bf16 (the cost model's grad_bytes 2): a unit's state is 2 + 2 + 12 bytes per parameter,
+    sharded by ZeRO as fp32's 18 are; the estimator's numbers and ``ZeroSharded`` of them apply the same rule."""
+    assert [zero_state_bytes_per_param(z, 4, grad_bytes=2) for z in (0, 1, 2, 3)] == \
+        pytest.approx([16, 2 + 2 + 12 / 4, 2 + 14 / 4, 16 / 4])
+    w, c = load_workload("tiny-clip"), make_cluster(8)
+    half = MemoryModel(w, c, AnalyticCostModel(w, c, config=CostModelConfig(grad_bytes=2)))
+    full = MemoryModel(w, c, AnalyticCostModel(w, c))
+    params = full.cost_model.param_count("vision.layers.0")
+    assert half.param_state_bytes("vision.layers.0", 1) == pytest.approx(16 * params)
+    for stage in (0, 1, 2, 3):
+        sharded = ZeroSharded(half, stage)
+        assert sharded.param_state_bytes("vision.layers.0", 2, 4) == pytest.approx(
+            params / 2 * zero_state_bytes_per_param(stage, 4, 2, grad_bytes=2))
+        assert ZeroSharded(full, stage).param_state_bytes("vision.layers.0", 2, 4) == pytest.approx(
+            params / 2 * zero_state_bytes_per_param(stage, 4, 2))
+    layer = build_metagraph(w).metaops["vision_text/vision"]  # ZeRO-3's gathered weights are bf16 either way
+    assert gathered_weight_bytes(ZeroSharded(half, 3), layer, 1, 4, 2) == pytest.approx(
+        gathered_weight_bytes(ZeroSharded(full, 3), layer, 1, 4, 2))
 
 
 def test_activations_live_from_forward_to_backward_and_segments_free_them():

@@ -195,6 +195,35 @@ def test_gradient_norm_is_planned_recorded_and_simulated_as_the_runtime_runs_it(
     assert ExecutionSettings.from_dict(old).grad_norm
 
 
+def test_gradients_reduced_in_bf16_are_planned_recorded_and_simulated_as_the_runtime_runs_them():
+    """--grad-reduce-in-bf16: every candidate autoplan selects among records it and the planner's model charges
+    it; the simulator's default models charge what the plan records (the selected plan's predicted time is
+    theirs): each parameter device group moves half the bytes of fp32's, every device holding trained weights
+    holds less, and the optimizer step also casts the gradients to fp32. The baselines' plans record it too."""
+    from megatron_spindle.autoplan import autoplan
+    from megatron_spindle.baselines import BASELINES, BaselineContext
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.planner.report import plan_summary
+    from megatron_spindle.simulator import simulate
+
+    w, c = load_workload("clip-4"), make_cluster(16)
+    chosen = autoplan(w, c, PlannerConfig(planner="wavefront", grad_reduce_in_bf16=True))
+    plan = chosen.plan
+    assert plan.settings.grad_reduce_dtype == "bf16" and chosen.result.cost_model.config.grad_bytes == 2
+    half = simulate(plan, w, c)  # models built from the plan's settings
+    assert half.iteration_time == pytest.approx(plan.predicted["iteration_time"], rel=1e-9)
+    fp32_plan = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, grad_reduce_dtype="fp32"))
+    fp32 = simulate(fp32_plan, w, c)
+    assert [2 * g.grad_bytes for g in half.grad_sync] == pytest.approx([g.grad_bytes for g in fp32.grad_sync])
+    assert all(h < f for h, f in zip(half.peak_memory, fp32.peak_memory))  # every device trains something here
+    steps = [(e - s, e32 - s32) for (s, e), (s32, e32) in zip(half.optimizer_steps, fp32.optimizer_steps)]
+    assert all(h > f for h, f in steps if f > 0)  # the cast before each device's AdamW
+    assert "gradient all-reduce in bf16" in plan_summary(plan)
+    built = BaselineContext.build(w, c, choices=PlannerConfig(grad_reduce_in_bf16=True))
+    assert BASELINES["deepspeed"](w, c, built).settings.grad_reduce_dtype == "bf16"
+    assert BASELINES["megatron"](w, c, built.recomputing(True)).settings.grad_reduce_dtype == "bf16"
+
+
 def test_attention_backend_on_a_cpu_is_the_local_spec():
     """A CPU runs megatron-core's local spec: auto plans record local, and a Transformer Engine backend is refused
     with one line that names the flag."""

@@ -389,7 +389,7 @@ def test_shared_tower_stays_on_its_node_when_its_gradients_outweigh_the_rows(mon
     g = graph([x, p, y], [("y/pre", "y/enc")])
     w = hand_workload([x, p, y])
     cost, memory = models(w, cluster)
-    grads = sum(cost.param_count(u) for u in ("enc.layers.0", "enc.layers.1")) * placement.GRAD_REDUCE_BYTES
+    grads = sum(cost.param_count(u) for u in ("enc.layers.0", "enc.layers.1")) * memory.grad_bytes
     assert grads > 10 * cost.activation_bytes(p)  # the gradient sync outweighs the hand-off
     schedule = waves_of([sl(x, 2), sl(p, 2)], [sl(y, 2)])
 

@@ -75,6 +75,7 @@ from megatron_spindle.plan.schema import TRANSFER_KINDS, PlanError, Recompute, s
 from megatron_spindle.plan.tp_shards import base_unit
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.__main__ import main
+from megatron_spindle.runtime.clip import CLIP_EPS
 from megatron_spindle.runtime.engine import EngineConfig, OptimizerConfig, RuntimeEngine
 from megatron_spindle.runtime.groups import GroupCache
 from megatron_spindle.runtime.layout import slice_units
@@ -245,10 +246,8 @@ def bad_plans(workload, world: int):
     next(s for s in layers.slices() if s.kind == "layer").layer_end += 3
     digest = sequential_plan(workload, world)
     digest.workload_digest = "0" * 16
-    half = sequential_plan(workload, world)  # timed at bf16's bytes, which the runtime's fp32 buffers would not be
-    half.settings = dataclasses.replace(half.settings, grad_reduce_dtype="bf16")
     return [(beyond, "beyond the world size"), (layers, r"layer range \[0, \d+\) does not exist"),
-            (digest, "was made for workload"), (half, "reduces gradients in fp32")]
+            (digest, "was made for workload")]
 
 
 def _worker(rank, world):
@@ -333,6 +332,7 @@ def _worker(rank, world):
     if world == 2:
         check_sequence_parallel_memory(rank, world, workloads, cache)
     check_clipping(rank, world, workloads, refs, cfg, cache, (0, 1, 2) if world == 2 else (2,))  # as above
+    check_bf16_grads(rank, world, workloads, refs, cache)
     check_evaluate(rank, world, workloads, refs, cfg, cache)
     check_frozen(rank, world, cfg, cache)
     check_dropout(rank, world, cfg, cache)
@@ -349,6 +349,55 @@ def _worker(rank, world):
         workloads["tiny-vlm"]).losses[0]
     for t, v in ref0.items():
         assert abs(history[0][t] - v) <= 1e-5 * max(1.0, abs(v)), (t, history[0][t], v)
+
+
+BF16_RTOL = 2e-2  # bf16 keeps 8 bits of mantissa: a sum of a few roundings, relative to the tensors' norm
+
+
+def bf16_grads(plan):
+    """The same plan with its gradients accumulated and reduced in bf16 (--grad-reduce-in-bf16)."""
+    plan = copy.deepcopy(plan)
+    plan.settings = dataclasses.replace(plan.settings, grad_reduce_dtype="bf16")
+    return plan
+
+
+def check_bf16_grads(rank, world, workloads, refs, cache) -> None:
+    """--grad-reduce-in-bf16: the gradient buffers are bf16 (half the bytes of fp32's), every synchronised gradient
+    is a bf16 value, and the trajectory (losses, gradients, weights after 3 AdamW steps on fp32 copies of the
+    gradients, clipped by their global norm) follows the fp32 reference to bf16's precision; the masters hold no
+    gradient between steps. ZeRO 0 (a tower on several device sets) and 2 (reduce-scattered shards)."""
+    w = workloads["tiny-clip"]
+    if ("real", "tiny-clip", 1) not in refs:
+        refs["real", "tiny-clip", 1] = real_trajectory(w, 1)
+    plain = refs["real", "tiny-clip", 1]
+    opt = dataclasses.replace(OPT, clip_grad=0.5 * float(torch.cat([g.reshape(-1) for g in plain.grads[0].values()])
+                                                          .norm()))  # clips step 0 at least: the fp32 copies
+    ref = real_trajectory(w, 1, opt=opt)
+    for stage in (0, 2):
+        base = random_plan(w, world, 2) if stage == 0 else zeroed(random_plan(w, world, 2), 2)
+        label = f"rank {rank} tiny-clip bf16 gradients zero{stage}"
+        cfg = EngineConfig(optimizer=opt)
+        fp32 = RuntimeEngine(base, w, rank, world, cfg, groups=cache)
+        engine = RuntimeEngine(bf16_grads(base), w, rank, world, cfg, groups=cache)
+        assert {b.dtype for b in engine.grad_buffers.storage()} <= {torch.bfloat16}, label
+        assert 2 * engine.grad_buffers.held_bytes() == fp32.grad_buffers.held_bytes(), label
+        assert engine.direct_units == [], label  # fp32 operators cannot alias bf16 gradients
+        fp32.close()
+        for step in range(STEPS):
+            losses = engine.train_step(step)
+            for t, v in ref.losses[step].items():
+                assert abs(losses[t] - v) <= BF16_RTOL * max(1.0, abs(v)), (label, step, t, losses[t], v)
+            assert abs(engine.last_step.grad_norm - ref.norms[step]) <= BF16_RTOL * ref.norms[step], label
+            assert all(p.grad is None for p in engine.master_optimizer.masters.values()), label
+            grads = engine.gather_grads()  # the buffers, as synchronised: before the clipping of their copies
+            assert grads and all(g.dtype == torch.bfloat16 for g in grads.values()), label
+            clipped = min(1.0, opt.clip_grad / (ref.norms[step] + CLIP_EPS))
+            assert global_rel_err({k: g.float() * clipped for k, g in grads.items()}, ref.grads[step]) <= BF16_RTOL, \
+                label
+        state = engine.full_state()
+        assert global_rel_err(state, ref.final) <= BF16_RTOL, label
+        assert global_rel_err(state, refs["real", "tiny-clip", 1].final) > 0, label  # another run than fp32's
+        engine.close()
 
 
 def frozen_cases(world: int):

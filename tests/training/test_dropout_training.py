@@ -51,15 +51,20 @@ def test_saved_plan_with_other_dropout_is_refused(tmp_path, capsys):
 
 
 def test_saved_plan_with_other_gradient_sync_flags_is_refused(tmp_path, capsys):
-    """The runtime cuts and issues its gradient buckets as the plan says (--ddp-bucket-size, --overlap-grad-reduce
-    are the planner's flags): a run that gives others is one line, exit 2; unset, the bucket size is the plan's."""
+    """The runtime cuts, issues and types its gradient buckets as the plan says (--ddp-bucket-size,
+    --overlap-grad-reduce, --grad-reduce-in-bf16 are the planner's flags): a run that gives others is one line,
+    exit 2; unset, the bucket size is the plan's. The plan's bf16 gradients train."""
     plan_tool = load_script("tools/plan.py")
     out = tmp_path / "plan.json"
     assert plan_tool.main(["--workload", "tiny-vlm", "--num-gpus", "1", "--spindle-planner", "wavefront",
-                           "--ddp-bucket-size", "4096", "--no-overlap-grad-reduce", "--out", str(out), "--quiet"]) == 0
-    for given, words in ((["--no-overlap-grad-reduce", "--ddp-bucket-size", "8192"],
+                           "--ddp-bucket-size", "4096", "--no-overlap-grad-reduce", "--grad-reduce-in-bf16",
+                           "--out", str(out), "--quiet"]) == 0
+    for given, words in ((["--no-overlap-grad-reduce", "--ddp-bucket-size", "8192", "--grad-reduce-in-bf16"],
                           "was made with --ddp-bucket-size 4096, this run gives --ddp-bucket-size 8192"),
-                         ([], "was made with --no-overlap-grad-reduce, this run gives --overlap-grad-reduce")):
+                         (["--grad-reduce-in-bf16"],
+                          "was made with --no-overlap-grad-reduce, this run gives --overlap-grad-reduce"),
+                         (["--no-overlap-grad-reduce"],
+                          "was made with --grad-reduce-in-bf16, this run gives gradients reduced in fp32")):
         try:
             pretrain_multitask.main(COMMON + ["--train-iters", "1", "--spindle-plan", str(out), *given])
         except SystemExit as e:
@@ -67,4 +72,4 @@ def test_saved_plan_with_other_gradient_sync_flags_is_refused(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"--spindle-plan {out} {words}: give the plan's" in err and "Traceback" not in err, err
     assert pretrain_multitask.main(COMMON + ["--train-iters", "1", "--spindle-plan", str(out),
-                                             "--no-overlap-grad-reduce"]) == 0
+                                             "--no-overlap-grad-reduce", "--grad-reduce-in-bf16"]) == 0

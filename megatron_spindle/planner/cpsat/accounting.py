@@ -12,7 +12,7 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
 from megatron_spindle.plan.layout import graph_transfer_pairs
 from megatron_spindle.plan.routing import ROUTE_INTER, bytes_by_route, forward_messages
-from megatron_spindle.planner.placement import GRAD_REDUCE_BYTES, FlowCostModel, predicted_memory
+from megatron_spindle.planner.placement import FlowCostModel, predicted_memory
 from megatron_spindle.planner.schedule import ScheduledWave
 
 
@@ -74,9 +74,10 @@ def handoff_bytes(metaop: MetaOp, cost_model: FlowCostModel) -> float:
     return float(cost_model.activation_bytes(metaop))
 
 
-def shared_weight_bytes(a: MetaOp, b: MetaOp, cost_model: FlowCostModel) -> float:
-    """Gradient bytes of the weights two MetaOps share: what their parameter group's all-reduce moves when
-    they run in different islands (0 when they share none)."""
+def shared_weight_bytes(a: MetaOp, b: MetaOp, cost_model: FlowCostModel, grad_bytes: int) -> float:
+    """Gradient bytes of the weights two MetaOps share (``grad_bytes`` per parameter, the plan's reduce
+    dtype): what their parameter group's all-reduce moves when they run in different islands (0 when they share
+    none)."""
     shared = a.trained_param_names() & b.trained_param_names()
-    return float(GRAD_REDUCE_BYTES * sum(cost_model.param_count(p) for p in shared))
+    return float(grad_bytes * sum(cost_model.param_count(p) for p in shared))
 

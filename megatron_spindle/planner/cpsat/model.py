@@ -48,6 +48,7 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from megatron_spindle.graph.opgraph import MetaGraph
+from megatron_spindle.plan.memory import GRAD_BYTES_PER_PARAM
 from megatron_spindle.planner.cpsat.accounting import handoff_bytes, layer_bytes, shared_weight_bytes
 from megatron_spindle.planner.cpsat.budget import TimeBudget
 from megatron_spindle.planner.cpsat.problem import Problem
@@ -308,10 +309,11 @@ class SlotModel:
         for src, dst in self.g.edges:
             terms.append(_mib(handoff_bytes(ops[src], cost)) * self._differ(src, dst))
         ids = list(ops)
+        grad_bytes = getattr(self.problem.memory_model, "grad_bytes", GRAD_BYTES_PER_PARAM)  # stand-ins: fp32
         for i, a in enumerate(ids):
             for b in ids[i + 1:]:
                 if ops[a].trained_param_names() & ops[b].trained_param_names():
-                    terms.append(_mib(shared_weight_bytes(ops[a], ops[b], cost)) * self._differ(a, b))
+                    terms.append(_mib(shared_weight_bytes(ops[a], ops[b], cost, grad_bytes)) * self._differ(a, b))
         return sum(terms)
 
     def _differ(self, a: str, b: str):
