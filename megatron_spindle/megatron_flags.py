@@ -116,7 +116,8 @@ MEGATRON_FLAG_HINTS: dict[str, str] = {
     "--optimizer": _ADAMW,
     "--sgd-momentum": _ADAMW,
     "--use-precision-aware-optimizer": _FP32_STATE,
-    "--main-grads-dtype": _FP32_STATE,
+    "--main-grads-dtype": "the main gradients are fp32, or bf16 with --grad-reduce-in-bf16 (cast to fp32 for the "
+                          "step), and the optimizer keeps fp32 master weights and moments",
     "--main-params-dtype": _FP32_STATE,
     "--exp-avg-dtype": _FP32_STATE,
     "--exp-avg-sq-dtype": _FP32_STATE,
