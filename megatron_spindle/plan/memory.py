@@ -40,6 +40,7 @@ from megatron_spindle.plan.schema import ExecutionSettings, Plan, Recompute
 
 WEIGHT_BYTES_PER_PARAM = 2  # bf16 weight
 GRAD_BYTES_PER_PARAM = 4  # fp32 main gradient (--grad-reduce-in-bf16: the plan's grad_reduce_bytes, 2)
+FP32_BYTES = 4
 OPTIMIZER_BYTES_PER_PARAM = 4 + 4 + 4  # fp32 master weight, Adam m and v
 STATE_BYTES_PER_PARAM = WEIGHT_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM + OPTIMIZER_BYTES_PER_PARAM
 GATHERED_LAYERS = 2  # ZeRO-3: the layer running and the next one's weights, prefetched (runtime/weight_shards.py)
@@ -124,6 +125,10 @@ class ZeroSharded:
         """Main-gradient bytes per parameter: the numbers' (their unsharded state counts them)."""
         return getattr(self.numbers, "grad_bytes", GRAD_BYTES_PER_PARAM)
 
+    def is_frozen_unit(self, unit: str) -> bool:
+        frozen = getattr(self.numbers, "is_frozen_unit", None)
+        return frozen is not None and frozen(unit)
+
     def param_state_bytes(self, unit: str, tp: int, dp: int = 1) -> float:
         frozen = getattr(self.numbers, "is_frozen_unit", None)
         return zero_sharded_bytes(float(self.numbers.param_state_bytes(unit, tp)), self.zero_stage, dp, tp,
@@ -183,6 +188,20 @@ def slice_memory(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers, reco
     held, transient = activation_memory(numbers, micro_batch_metaop(metaop, micro_batches), s.tp, s.dp,
                                         s.layer_end - s.layer_start, recompute)
     return SliceMemory(units, held, transient)
+
+
+def step_cast_bytes(numbers: ShardedNumbers, unit: str, tp: int, dp: int) -> float:
+    """Bytes of the fp32 copy of a unit's bf16 main gradients (``--grad-reduce-in-bf16``) that the optimizer step
+    makes on a device of a slice at (tp, dp) (runtime/engine.py ``_main_grads``; Megatron-LM copies its bf16
+    main grads into fp32 ones too): the TP rank's whole gradient at ZeRO 0, the rank's shard at higher stages;
+    none for fp32 gradients or a frozen unit. Made after the backward, freed by the step: never beside the
+    activations."""
+    grad_bytes = getattr(numbers, "grad_bytes", GRAD_BYTES_PER_PARAM)
+    frozen = getattr(numbers, "is_frozen_unit", None)
+    if grad_bytes >= FP32_BYTES or (frozen is not None and frozen(unit)):
+        return 0.0
+    params = float(numbers.param_state_bytes(unit, tp, 1)) / state_bytes_per_param(grad_bytes)
+    return params * FP32_BYTES / (1 if getattr(numbers, "zero_stage", 0) == 0 else dp)
 
 
 class DeviceMemory:
@@ -255,6 +274,8 @@ def memory_breakdown(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
                      recompute: RecomputeOf | None = None, micro_batches: int = 1) -> list[tuple[float, float]]:
     """(parameter state, activation peak) bytes per device of placed waves run in ``order`` ((wave, slice,
     phase); default: one segment), each slice under ``recompute(wave, slice)`` (default: the numbers' own).
+    With bf16 main gradients the optimizer step's fp32 copies of them (``step_cast_bytes``) count in the peak
+    where they exceed the activations' (they are made after every backward).
 
     A device's memory depends only on the slices it runs (the order is global), so devices that run the same
     slices are accounted once (whole-cluster plans: once in all)."""
@@ -274,8 +295,13 @@ def memory_breakdown(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
                 sm = cache[(wi, si)] = slice_memory(metaops[s.metaop], s, numbers,
                                                     recompute(wi, si) if recompute else None, micro_batches)
             (memory.forward if phase == FWD else memory.backward)(0, sm)
+        cast: dict[str, float] = {}  # unit -> its largest copy over the program's slices
+        for wi, si in mine:
+            s = waves[wi][si]
+            for u in held_units(metaops[s.metaop], s.layer_start, s.layer_end):
+                cast[u] = max(cast.get(u, 0.0), step_cast_bytes(numbers, u, s.tp, s.dp))
         for d in devices:
-            out[d] = (memory.params[0], memory.peak[0])
+            out[d] = (memory.params[0], max(memory.peak[0], sum(cast.values())))
     return out
 
 

@@ -19,7 +19,9 @@ from megatron_spindle.plan.memory import (
     SliceMemory,
     ZeroSharded,
     gathered_weight_bytes,
+    memory_breakdown,
     peak_memory,
+    step_cast_bytes,
     zero_state_bytes_per_param,
 )
 from megatron_spindle.plan.order import FWD, slice_order
@@ -126,6 +128,34 @@ def test_bf16_main_gradients_hold_two_bytes_per_parameter_under_every_zero_stage
     layer = build_metagraph(w).metaops["vision_text/vision"]  # ZeRO-3's gathered weights are bf16 either way
     assert gathered_weight_bytes(ZeroSharded(half, 3), layer, 1, 4, 2) == pytest.approx(
         gathered_weight_bytes(ZeroSharded(full, 3), layer, 1, 4, 2))
+
+
+class HalfGradNumbers(Numbers):
+    """``Numbers`` of 100 parameters per unit with bf16 main gradients (16 bytes each); no activations."""
+
+    grad_bytes = 2
+
+    def param_state_bytes(self, unit, tp):
+        return 1600.0 / tp
+
+    def activation_bytes(self, metaop, tp, dp, num_layers):
+        return 0.0
+
+
+def test_the_step_s_fp32_copies_of_bf16_gradients_count_where_they_exceed_the_activations():
+    """The optimizer step casts bf16 main gradients to fp32: 4 bytes per parameter of the TP rank at ZeRO 0, of
+    its shard above (``step_cast_bytes``), a unit counted once per device at its largest copy; the peak is the
+    larger of the activations' and the copies' (made after the backward)."""
+    waves = [[S("a", [0, 1])], [S("b", [0, 1], tp=2)], [S("c", [1])]]  # a and b share w.0, w.1
+    for stage, a_dp in ((0, 1), (1, 2), (2, 2), (3, 2)):
+        numbers = ZeroSharded(HalfGradNumbers(), stage)
+        assert step_cast_bytes(numbers, "w.0", 1, 2) == pytest.approx(400 / a_dp)
+        params, peak = zip(*memory_breakdown(waves, METAOPS, numbers, 3))
+        assert peak == pytest.approx((2 * 400 / a_dp, 2 * 400 / a_dp + 2 * 400, 0.0))
+        assert params[0] == pytest.approx(2 * 1600 * zero_state_bytes_per_param(stage, 2, grad_bytes=2) / 16)
+    fp32 = HalfGradNumbers()
+    fp32.grad_bytes = 4  # the fp32 gradients are the masters': no copies
+    assert [p for _, p in memory_breakdown(waves, METAOPS, ZeroSharded(fp32, 0), 3)] == [0.0, 0.0, 0.0]
 
 
 def test_activations_live_from_forward_to_backward_and_segments_free_them():
