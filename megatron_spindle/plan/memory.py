@@ -29,7 +29,7 @@ A device's predicted memory is its parameter state plus its activation peak.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -295,14 +295,22 @@ def memory_breakdown(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
                 sm = cache[(wi, si)] = slice_memory(metaops[s.metaop], s, numbers,
                                                     recompute(wi, si) if recompute else None, micro_batches)
             (memory.forward if phase == FWD else memory.backward)(0, sm)
-        cast: dict[str, float] = {}  # unit -> its largest copy over the program's slices
-        for wi, si in mine:
-            s = waves[wi][si]
-            for u in held_units(metaops[s.metaop], s.layer_start, s.layer_end):
-                cast[u] = max(cast.get(u, 0.0), step_cast_bytes(numbers, u, s.tp, s.dp))
+        cast = device_step_cast_bytes(waves, metaops, numbers, mine)
         for d in devices:
-            out[d] = (memory.params[0], max(memory.peak[0], sum(cast.values())))
+            out[d] = (memory.params[0], max(memory.peak[0], cast))
     return out
+
+
+def device_step_cast_bytes(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
+                           numbers: ShardedNumbers, slices: Iterable[tuple[int, int]]) -> float:
+    """The optimizer step's fp32 gradient copies on a device running ``slices`` ((wave, slice) keys): each unit
+    once, at its largest copy over them (``step_cast_bytes``)."""
+    cast: dict[str, float] = {}
+    for wi, si in slices:
+        s = waves[wi][si]
+        for u in held_units(metaops[s.metaop], s.layer_start, s.layer_end):
+            cast[u] = max(cast.get(u, 0.0), step_cast_bytes(numbers, u, s.tp, s.dp))
+    return sum(cast.values())
 
 
 def peak_memory(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp], numbers: ShardedNumbers,

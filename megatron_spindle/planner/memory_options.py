@@ -29,7 +29,12 @@ import numpy as np
 
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.plan.layout import SliceGeometry, device_programs
-from megatron_spindle.plan.memory import ShardedNumbers, activation_memory, memory_breakdown
+from megatron_spindle.plan.memory import (
+    ShardedNumbers,
+    activation_memory,
+    device_step_cast_bytes,
+    memory_breakdown,
+)
 from megatron_spindle.plan.order import FWD, SliceStep
 from megatron_spindle.plan.schema import RECOMPUTE_MODULES, Recompute, fitted_recompute, recompute_fits
 
@@ -202,6 +207,13 @@ def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
         mine = set(program)
         events = [((wi, si), phase) for wi, si, phase in order if (wi, si) in mine]
         p = _Program(devices, events, params[devices[0]][0])
+        cast = device_step_cast_bytes(waves, metaops, numbers, mine)  # after the backward: no recomputation helps
+        if p.params + cast > capacity:
+            gib = 2**30
+            raise RecomputeError(
+                f"device {devices[0]} ({device_name}, {capacity / gib:.1f} GiB) does not fit the optimizer step: "
+                f"parameter state {p.params / gib:.2f} GiB and the fp32 copies of its bf16 gradients "
+                f"{cast / gib:.2f} GiB (--grad-reduce-in-bf16; a ZeRO stage >= 1 copies only the rank's shard)")
         for key in mine:
             p.add(key, ladders[key][0].held, ladders[key][0].transient)
             of_slice[key].append(p)

@@ -12,13 +12,14 @@ from planner_workloads import HEAVY
 
 from megatron_spindle.arguments import add_spindle_args, build_parser, planner_config_from_args
 from megatron_spindle.baselines.memory_options import with_cheapest_recompute
-from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
+from megatron_spindle.estimator import AnalyticCostModel, CostModelConfig, MemoryModel
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import workload_from_dict
 from megatron_spindle.plan.memory import (
     ZeroSharded,
     activation_memory,
+    device_step_cast_bytes,
     memory_breakdown,
     memory_options,
     plan_memory,
@@ -205,6 +206,29 @@ def test_each_slice_gets_the_cheapest_option_that_fits():
         assert got == {(0, 0): want.recompute}
     with pytest.raises(RecomputeError, match=r"device 0 \(device, .* GiB\) does not fit .*'vt/vision'"):
         choose_recompute(waves, g.metaops, numbers, cost, params + ladder[-1].held / 2, order, RecomputePolicy(), 1)
+
+
+def test_the_step_s_fp32_gradient_copies_bound_what_recomputation_can_fit():
+    """With bf16 main gradients the optimizer step's fp32 copies (4 bytes per parameter at ZeRO 0) come after the
+    backward: a capacity under parameter state + copies cannot be met by recomputation (one line that says so,
+    before any option is tried); above it, the activations' options are chosen as before."""
+    w = workload_from_dict(HEAVY)
+    cluster = make_cluster(1, 1)
+    g = build_metagraph(w)
+    cost = AnalyticCostModel(w, cluster, config=CostModelConfig(grad_bytes=2))
+    numbers = ZeroSharded(MemoryModel(w, cluster, cost), 0)
+    s = ScheduledSlice("vt/vision", 1, 1, 1, 0, 8, 1.0, devices=[0])
+    waves, order = [[s]], slice_order([["vt"]], ExecutionSettings())
+    params = memory_breakdown(waves, g.metaops, numbers, 1, order)[0][0]
+    cast = device_step_cast_bytes(waves, g.metaops, numbers, [(0, 0)])
+    ladder = slice_options(g.metaops["vt/vision"], s, numbers, cost, RecomputePolicy())
+    assert cast == pytest.approx(params / 16 * 4)
+    with pytest.raises(RecomputeError, match=r"does not fit the optimizer step: .* fp32 copies of its bf16 gradients"):
+        choose_recompute(waves, g.metaops, numbers, cost, params + cast * 0.99, order, RecomputePolicy(), 1)
+    leanest = params + max(cast, ladder[-1].held + ladder[-1].transient)
+    got = choose_recompute(waves, g.metaops, numbers, cost, leanest, order, RecomputePolicy(), 1)[(0, 0)]
+    chosen = next(o for o in ladder if o.recompute == got)
+    assert got != Recompute() and params + chosen.held + chosen.transient <= leanest
 
 
 MIXED = {
