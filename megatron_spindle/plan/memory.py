@@ -2,8 +2,9 @@
 
 Mixed-precision training with Adam holds, per parameter: a bf16 weight (``WEIGHT_BYTES_PER_PARAM``), a main
 gradient (``GRAD_BYTES_PER_PARAM`` in fp32; 2 bytes where gradients are reduced in bf16, the plan's
-``grad_reduce_dtype``), and an fp32 master weight with the two Adam moments (``OPTIMIZER_BYTES_PER_PARAM``). The byte numbers of a unit (its training state on one TP rank) and of a
-slice's activations come from the estimator's ``MemoryModel`` (``MemoryNumbers``); the rules are here:
+``grad_reduce_dtype``), and an fp32 master weight with the two Adam moments (``OPTIMIZER_BYTES_PER_PARAM``).
+The byte numbers of a unit (its training state on one TP rank) and of a slice's activations come from the
+estimator's ``MemoryModel`` (``MemoryNumbers``); the rules are here:
 
 - **Parameter state, once per unit.** A device holds the state of every unit it runs once. A unit run by
   several slices on one device (MetaOps sharing weights, a tower in several waves) counts at its largest
@@ -23,7 +24,10 @@ slice's activations come from the estimator's ``MemoryModel`` (``MemoryNumbers``
   (runtime/weight_shards.py). They count as transient (``gathered_weight_bytes``); a slice's backward sees the
   same activations live as the end of its forward, so its transient covers both.
 
-A device's predicted memory is its parameter state plus its activation peak.
+- **bf16 main gradients** are copied into fp32 ones for the optimizer step (``step_cast_bytes``), after the
+  backward: they count where they exceed the activation peak.
+
+A device's predicted memory is its parameter state plus its activation peak (or its step's copies).
 """
 
 from __future__ import annotations
@@ -65,10 +69,11 @@ def state_bytes_per_param(grad_bytes: int = GRAD_BYTES_PER_PARAM) -> int:
 def zero_state_bytes_per_param(stage: int, dp: int, tp: int = 1, tp_sharded: bool = True,
                                grad_bytes: int = GRAD_BYTES_PER_PARAM) -> float:
     """Training-state bytes per parameter of a TP shard on one device under ZeRO ``stage`` with ``dp``
-    data-parallel ranks, main gradients of ``grad_bytes``. ``tp_sharded`` False (plan/schema.py ``ExecutionSettings.tp_sharded_grads``: our
-    runtime's canonical layout): a device holds the whole unit's gradient at stages 0 and 1, and its whole
-    optimizer state at stage 0, t times a shard's at TP t; the ZeRO shards of the whole unit span the group's
-    members, at least tp x dp, so they weigh no more than a shard's over dp."""
+    data-parallel ranks, main gradients of ``grad_bytes``. ``tp_sharded`` False (plan/schema.py
+    ``ExecutionSettings.tp_sharded_grads``: our runtime's canonical layout): a device holds the whole unit's
+    gradient at stages 0 and 1, and its whole optimizer state at stage 0, t times a shard's at TP t; the ZeRO
+    shards of the whole unit span the group's members, at least tp x dp, so they weigh no more than a shard's
+    over dp."""
     w, g, o = WEIGHT_BYTES_PER_PARAM, grad_bytes, OPTIMIZER_BYTES_PER_PARAM
     whole = 1 if tp_sharded else tp
     if stage == 0:
@@ -83,8 +88,9 @@ def zero_state_bytes_per_param(stage: int, dp: int, tp: int = 1, tp_sharded: boo
 def zero_sharded_bytes(state: float, stage: int, dp: int, tp: int = 1, tp_sharded: bool = True,
                        frozen: bool = False, grad_bytes: int = GRAD_BYTES_PER_PARAM) -> float:
     """One device's share of ``state`` (a unit's unsharded training state on a TP rank of ``tp``, main gradients
-    of ``grad_bytes``) under ZeRO and the gradients' layout (``zero_state_bytes_per_param``). A ``frozen`` unit's state is its weights alone
-    (``unit_state_bytes``), which every slice holding it keeps whole (runtime/frozen.py): nothing to shard."""
+    of ``grad_bytes``) under ZeRO and the gradients' layout (``zero_state_bytes_per_param``). A ``frozen`` unit's
+    state is its weights alone (``unit_state_bytes``), which every slice holding it keeps whole
+    (runtime/frozen.py): nothing to shard."""
     if frozen:
         return state
     per_param = zero_state_bytes_per_param(stage, dp, tp, tp_sharded, grad_bytes)
@@ -130,9 +136,8 @@ class ZeroSharded:
         return frozen is not None and frozen(unit)
 
     def param_state_bytes(self, unit: str, tp: int, dp: int = 1) -> float:
-        frozen = getattr(self.numbers, "is_frozen_unit", None)
         return zero_sharded_bytes(float(self.numbers.param_state_bytes(unit, tp)), self.zero_stage, dp, tp,
-                                  self.tp_sharded, frozen is not None and frozen(unit), self.grad_bytes)
+                                  self.tp_sharded, self.is_frozen_unit(unit), self.grad_bytes)
 
     def activation_bytes(self, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> float:
         return self.numbers.activation_bytes(metaop, tp, dp, num_layers)

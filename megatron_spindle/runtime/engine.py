@@ -8,10 +8,11 @@
    micro-batch, ``TransferOp`` moving activations between waves and gradients back. Nothing in it is a
    barrier. Slices recompute activations with megatron-core's own recomputation where the plan says so.
 3. Gradient buffers (grad_buffers.py) and their synchronisation (grad_sync.py): one flat buffer per
-   parameter device group (fp32; bf16 with the plan's grad_reduce_dtype, cast to fp32 for each step), split into buckets whose all-reduces run inside the group's process group
-   (groups.py) asynchronously during the backward, as soon as each bucket is complete; a unit's gradient is
-   summed over every slice that uses it, whatever its device set, wave or TP degree, so every holder gets the
-   exact total d(sum_t w_t loss_t)/dW (``grads``: views of the buffers, valid until the next step). At
+   parameter device group (fp32; bf16 with the plan's grad_reduce_dtype, cast to fp32 for each step), split
+   into buckets whose all-reduces run inside the group's process group (groups.py) asynchronously during the
+   backward, as soon as each bucket is complete; a unit's gradient is summed over every slice that uses it,
+   whatever its device set, wave or TP degree, so every holder gets the exact total d(sum_t w_t loss_t)/dW
+   (``grads``: views of the buffers, valid until the next step). At
    zero_stage 1 to 3 (grad_shards.py) the same buckets are reduce-scattered and each rank keeps only its shards.
 4. The optimizer (optimizer.py, shards.py): AdamW on fp32 masters, replicated (zero_stage 0) or sharded over
    each parameter device group (zero_stage 1, the distributed optimizer; numerically equal), its gradient
