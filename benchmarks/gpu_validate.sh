@@ -79,12 +79,12 @@ if [[ "$DEVICE" == cuda ]]; then
     train_run clip4 120 --workload clip-4 --global-batch-size 128 --train-iters 8 --log-interval 2 --bf16 \
         --log-throughput --num-workers 4
     # dropout on CUDA: the masks' generator states (models/dropout.py) on the device, Transformer Engine's
-    # attention dropout where TE runs
+    # attention dropout where TE runs; gradients accumulated and reduced in bf16 over NCCL (--grad-reduce-in-bf16)
     train_run dropout 60 --workload tiny-vlm --train-iters 4 --log-interval 2 --bf16 --hidden-dropout 0.1 \
-        --attention-dropout 0.1
+        --attention-dropout 0.1 --grad-reduce-in-bf16
 else
     train_run smoke 180 --workload tiny-clip --train-iters 2 --log-interval 1
-    train_run vlm 180 --workload tiny-vlm --train-iters 4 --log-interval 2 --num-workers 2
+    train_run vlm 180 --workload tiny-vlm --train-iters 4 --log-interval 2 --num-workers 2 --grad-reduce-in-bf16
 fi
 if [[ "$TRAIN_FAILED" -ne 0 ]]; then
     exit "$TRAIN_FAILED"
