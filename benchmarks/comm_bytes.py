@@ -3,7 +3,8 @@ moves, for a plan (made here, as tools/plan.py makes it, or given). Prints a tab
 
 Derived, not measured (no GPU): the simulator's side is its own buckets (simulator/grad_sync.py); the runtime's
 side follows the sets of units the runtime reduces together (plan/tp_shards.py ``runtime_groups``, which
-runtime/engine.py builds its buffers on), in fp32 (the runtime's buffers):
+runtime/engine.py builds its buffers on), in the runtime's buffers' dtype (fp32, or bf16 with the plan's
+grad_reduce_dtype: runtime/grad_buffers.py ``GRAD_DTYPES``):
 
 - whole units (``settings.tp_sharded_grads`` False, or a group of degree 1): every unit reduced whole over all
   of its group's devices;
@@ -44,10 +45,10 @@ from megatron_spindle.plan.buckets import regathered_groups
 from megatron_spindle.plan.schema import Plan
 from megatron_spindle.plan.tp_shards import base_unit, runtime_groups, unit_rings
 from megatron_spindle.planner.pipeline import PLANNERS
+from megatron_spindle.runtime.grad_buffers import GRAD_DTYPES
 from megatron_spindle.simulator.grad_sync import group_infos, param_gathers, plan_buckets
 
 DEFAULT_CELLS = (("qwen-val", 32), ("qwen-val-70b", 256))
-RUNTIME_GRAD_BYTES = 4  # runtime/grad_buffers.py: flat fp32 buffers
 RUNTIME_WEIGHT_BYTES = 2  # the weights' all-gather in the model's dtype (bf16 on GPUs)
 GB = 1e9
 
@@ -88,9 +89,10 @@ def plan_bytes(plan: Plan, workload) -> dict:
         for d in groups[gi].devices:
             sums["model_weights"][d] += bus_factor("all_gather", groups[gi].ring.size) * nbytes
     op = "all_reduce" if plan.settings.zero_stage == 0 else "reduce_scatter"
+    grad_bytes = GRAD_DTYPES[plan.settings.grad_reduce_dtype].itemsize  # the runtime's buffers
     for devices, params, regathered in runtime_sets(plan, metagraph.metaops, cost.param_count):
         for d in devices:
-            sums["runtime_grad"][d] += bus_factor(op, len(devices)) * params * RUNTIME_GRAD_BYTES
+            sums["runtime_grad"][d] += bus_factor(op, len(devices)) * params * grad_bytes
             if regathered:
                 sums["runtime_weights"][d] += bus_factor("all_gather", len(devices)) * params * RUNTIME_WEIGHT_BYTES
     runtime_total = Counter()

@@ -12,16 +12,22 @@ bench = load_script("benchmarks/comm_bytes.py")
 
 
 def test_tp1_plans_move_the_charged_bytes(wavefront_plan):
+    """... in fp32 and, with --grad-reduce-in-bf16, bf16 gradients: half the bytes on both sides."""
     workload, _, result = wavefront_plan("clip-4", 16)
-    plan = dataclasses.replace(result.plan, settings=dataclasses.replace(result.plan.settings, zero_stage=1))
-    row = bench.plan_bytes(plan, workload)
-    assert row["tp_degrees"] == [1]
-    top, most = row["busiest"], row["max"]
-    assert top["model_grad"] > 0 and top["model_weights"] > 0
-    same = lambda a, b: abs(a - b) <= 1e-9 * b  # noqa: E731 - summed in another order
-    assert same(top["runtime_grad"], top["model_grad"]) and same(top["runtime_weights"], top["model_weights"])
-    assert same(most["runtime_grad"], most["model_grad"])
-    assert same(row["total"]["runtime_grad"], row["total"]["model_grad"])
+    totals = {}
+    for dtype in ("fp32", "bf16"):
+        plan = dataclasses.replace(result.plan, settings=dataclasses.replace(result.plan.settings, zero_stage=1,
+                                                                            grad_reduce_dtype=dtype))
+        row = bench.plan_bytes(plan, workload)
+        assert row["tp_degrees"] == [1]
+        top, most = row["busiest"], row["max"]
+        assert top["model_grad"] > 0 and top["model_weights"] > 0
+        same = lambda a, b: abs(a - b) <= 1e-9 * b  # noqa: E731 - summed in another order
+        assert same(top["runtime_grad"], top["model_grad"]) and same(top["runtime_weights"], top["model_weights"])
+        assert same(most["runtime_grad"], most["model_grad"])
+        assert same(row["total"]["runtime_grad"], row["total"]["model_grad"])
+        totals[dtype] = row["total"]["runtime_grad"]
+    assert totals["fp32"] == pytest.approx(2 * totals["bf16"])
 
 
 
