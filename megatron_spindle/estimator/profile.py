@@ -45,6 +45,8 @@ from megatron_spindle.plan.schema import DROPOUTS
 
 PROFILE_FORMAT = "megatron-spindle-profile"
 PROFILE_VERSION = 1
+# bytes per element of the gradient all-reduces a profile times (``dp_comm_seconds``): fp32 main gradients
+PROFILED_GRAD_BYTES = 4
 
 
 RESERVED_KEYS = ("format", "version", "workload", "workload_digest", "gpu", "points")
@@ -186,7 +188,7 @@ class Measurement:
     dp: int
     layers: int  # operators timed together
     compute_seconds: float  # per operator, forward + backward, TP communication included
-    dp_comm_seconds: float  # per operator: DP gradient all-reduce (+ contrastive all-gather)
+    dp_comm_seconds: float  # per operator: DP gradient all-reduce in fp32 (+ contrastive all-gather)
     dp_comm_source: str
     flops: float  # analytic forward + backward FLOPs of one operator, whole batch
     wall_seconds: float = 0.0  # time this measurement took (build + runs)

@@ -22,7 +22,7 @@ from megatron_spindle.estimator.cost_model import (
 )
 from megatron_spindle.estimator.curve import CurvePoint
 from megatron_spindle.estimator.errors import EstimatorError
-from megatron_spindle.estimator.profile import Measurement, Profile, load_profile
+from megatron_spindle.estimator.profile import PROFILED_GRAD_BYTES, Measurement, Profile, load_profile
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.graph.workload import Workload
@@ -210,7 +210,10 @@ class ProfiledCostModel(AnalyticCostModel):
         if meas is not None:
             if metaop.kind == "loss":  # no weights: its DP communication is the embeddings' all-gather
                 return LayerCost(meas.compute_seconds, 0.0, 0.0, 0.0, data_comm=meas.dp_comm_seconds)
-            return LayerCost(compute=meas.compute_seconds, tp_comm=0.0, dp_sync=meas.dp_comm_seconds, launch=0.0)
+            sync = meas.dp_comm_seconds
+            if self.config.grad_bytes != PROFILED_GRAD_BYTES:  # timed in fp32: the plan reduces in bf16
+                sync = super().layer_cost(metaop, tp, dp).dp_sync  # the comm model, on the profile's links
+            return LayerCost(compute=meas.compute_seconds, tp_comm=0.0, dp_sync=sync, launch=0.0)
         base = super().layer_cost(metaop, tp, dp)
         s = self.scale(metaop)
         return LayerCost(base.compute * s, base.tp_comm * s, base.dp_sync * s, base.launch * s,

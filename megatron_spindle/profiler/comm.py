@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_spindle.estimator.cost_model import AnalyticCostModel
+from megatron_spindle.estimator.profile import PROFILED_GRAD_BYTES as GRAD_BYTES  # fp32 main gradients
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.profiler.settings import ProfilerSettings
 from megatron_spindle.profiler.world import ProfileWorld, median_seconds
 from megatron_spindle.runtime.transfer import receives_early
 
-GRAD_BYTES = 4  # fp32 main gradients, as the cost model and the runtime engine reduce them
 # The message-cost probe: chunks of compute, a message posted after each, all waited on at the end. The chunk is
 # the workload's own lightest layer, forward and backward (``run_profile``); without one, matrix products about
 # as long as a small slice's phase on a CPU (a few tenths of a millisecond).

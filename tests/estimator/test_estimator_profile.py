@@ -183,3 +183,21 @@ def test_measured_forward_splits_the_phases(tiny_clip, tmp_path):
     assert model.phase_seconds(vision, 1, 1) == pytest.approx((0.006, 0.004))
     fwd, bwd = base.phase_seconds(vision, 2, 1)
     assert model.phase_seconds(vision, 2, 1) == pytest.approx((0.008 * fwd / (fwd + bwd), 0.008 * bwd / (fwd + bwd)))
+
+
+def test_measured_gradient_sync_is_fp32_s_and_bf16_plans_charge_the_comm_model(tiny_clip):
+    """A profile times its DP gradient all-reduces in fp32 (PROFILED_GRAD_BYTES): a plan that reduces in fp32
+    is charged the measurement, one that reduces in bf16 (--grad-reduce-in-bf16) the comm model at its bytes."""
+    from megatron_spindle.estimator import CostModelConfig
+    from megatron_spindle.estimator.profile import PROFILED_GRAD_BYTES
+
+    workload, graph = tiny_clip
+    cluster = make_cluster(8)
+    vision = graph.metaops["vision_depth/vision"]
+    measured = [Measurement(vision.id, [vision.id], 1, 2, 1, 0.010, 0.004, "none", 1.0)]
+    assert PROFILED_GRAD_BYTES == 4
+    assert ProfiledCostModel(workload, cluster, measured).layer_cost(vision, 1, 2).dp_sync == 0.004
+    half = CostModelConfig(grad_bytes=2)
+    bf16 = ProfiledCostModel(workload, cluster, measured, config=half).layer_cost(vision, 1, 2)
+    assert bf16.compute == 0.010
+    assert bf16.dp_sync == AnalyticCostModel(workload, cluster, config=half).layer_cost(vision, 1, 2).dp_sync > 0
