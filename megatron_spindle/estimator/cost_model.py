@@ -88,8 +88,8 @@ class CostModelConfig:
     memory_efficiency: float = HBM_STREAM_EFFICIENCY
     # Host seconds per counted kernel; None: the GPU type's (host_seconds_per_kernel).
     launch_seconds: float | None = None
-    # Gradients are reduced in fp32 (4: main grads of mixed precision; the memory model counts 4 bytes for them)
-    # or bf16 (2).
+    # Main gradients are accumulated and reduced in fp32 (4: mixed precision's default) or bf16 (2,
+    # --grad-reduce-in-bf16); the memory model counts the same bytes for them.
     grad_bytes: int = 4
     # Full activation recomputation of transformer layers (Megatron's --recompute-granularity full): the
     # backward pass reruns each layer's forward, and only each layer's input is kept from forward to backward
@@ -502,7 +502,7 @@ class AnalyticCostModel:
         return sum(self.param_count(p) for p in metaop.params[0])
 
     def communication_bytes(self, metaop: MetaOp) -> float:
-        """Bytes one operator exchanges across DP ranks whatever n is (the paper's c_m): its fp32 gradients (none
+        """Bytes one operator exchanges across DP ranks whatever n is (the paper's c_m): its gradients (none
         for frozen weights), and for a contrastive loss both embeddings."""
         grads = 0 if metaop.frozen else self.operator_param_count(metaop) * self.config.grad_bytes
         if metaop.kind == "loss":
