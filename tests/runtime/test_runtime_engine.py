@@ -351,7 +351,10 @@ def _worker(rank, world):
         assert abs(history[0][t] - v) <= 1e-5 * max(1.0, abs(v)), (t, history[0][t], v)
 
 
-BF16_RTOL = 2e-2  # bf16 keeps 8 bits of mantissa: a sum of a few roundings, relative to the tensors' norm
+# bf16 keeps 8 bits of mantissa: gradients within a few roundings (2e-3 measured on one rank), relative to the
+# tensors' norm; the weights after 3 AdamW steps within 2e-4 on one rank
+BF16_RTOL = 1e-2
+BF16_WEIGHTS_RTOL = 2e-3
 
 
 def bf16_grads(plan):
@@ -395,7 +398,7 @@ def check_bf16_grads(rank, world, workloads, refs, cache) -> None:
             assert global_rel_err({k: g.float() * clipped for k, g in grads.items()}, ref.grads[step]) <= BF16_RTOL, \
                 label
         state = engine.full_state()
-        assert global_rel_err(state, ref.final) <= BF16_RTOL, label
+        assert global_rel_err(state, ref.final) <= BF16_WEIGHTS_RTOL, label
         assert global_rel_err(state, refs["real", "tiny-clip", 1].final) > 0, label  # another run than fp32's
         engine.close()
 
