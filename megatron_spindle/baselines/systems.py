@@ -45,13 +45,14 @@ from megatron_spindle.estimator import AnalyticCostModel, MemoryModel, execution
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.memory import memory_options, plan_memory
+from megatron_spindle.plan.memory import GRAD_BYTES_PER_PARAM, memory_options, plan_memory
 from megatron_spindle.plan.schema import (
     RUNTIME_ZERO_STAGES,
     ExecutionSettings,
     Plan,
     Recompute,
     execution_choices,
+    reduce_dtype_of_bytes,
 )
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.assemble import assemble_plan
@@ -103,7 +104,8 @@ class BaselineContext:
     @property
     def grad_reduce_dtype(self) -> str:
         """The dtype the cost model reduces gradients in (--grad-reduce-in-bf16): the baselines' plans record it."""
-        return "bf16" if getattr(getattr(self.cost_model, "config", None), "grad_bytes", 4) == 2 else "fp32"
+        return reduce_dtype_of_bytes(getattr(getattr(self.cost_model, "config", None), "grad_bytes",
+                                             GRAD_BYTES_PER_PARAM))
 
     @property
     def grad_norm(self) -> bool:

@@ -50,6 +50,18 @@ STATE_BYTES_PER_PARAM = WEIGHT_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM + OPTIMIZE
 GATHERED_LAYERS = 2  # ZeRO-3: the layer running and the next one's weights, prefetched (runtime/weight_shards.py)
 
 
+def grad_bytes_of(numbers) -> int:
+    """Main-gradient bytes per parameter that memory numbers count (their ``grad_bytes``; stand-ins without
+    one: fp32's)."""
+    return getattr(numbers, "grad_bytes", GRAD_BYTES_PER_PARAM)
+
+
+def is_frozen_unit(numbers, unit: str) -> bool:
+    """Whether memory numbers hold ``unit`` frozen (their ``is_frozen_unit``; stand-ins without one: trained)."""
+    frozen = getattr(numbers, "is_frozen_unit", None)
+    return frozen is not None and frozen(unit)
+
+
 class MemoryNumbers(Protocol):
     """Byte numbers of the estimator's ``MemoryModel``: a unit's whole training state on one of ``tp`` ranks
     (no ZeRO sharding), and what ``num_layers`` operators of a MetaOp run at (tp, dp) keep for the backward.
@@ -129,11 +141,10 @@ class ZeroSharded:
     @property
     def grad_bytes(self) -> int:
         """Main-gradient bytes per parameter: the numbers' (their unsharded state counts them)."""
-        return getattr(self.numbers, "grad_bytes", GRAD_BYTES_PER_PARAM)
+        return grad_bytes_of(self.numbers)
 
     def is_frozen_unit(self, unit: str) -> bool:
-        frozen = getattr(self.numbers, "is_frozen_unit", None)
-        return frozen is not None and frozen(unit)
+        return is_frozen_unit(self.numbers, unit)
 
     def param_state_bytes(self, unit: str, tp: int, dp: int = 1) -> float:
         return zero_sharded_bytes(float(self.numbers.param_state_bytes(unit, tp)), self.zero_stage, dp, tp,
@@ -171,7 +182,7 @@ def gathered_weight_bytes(numbers: ShardedNumbers, metaop: MetaOp, tp: int, dp: 
     if getattr(numbers, "zero_stage", 0) != 3 or dp == 1 or not metaop.params:
         return 0.0
     layer = sum(float(numbers.param_state_bytes(u, tp, 1)) for u in metaop.params[0])  # dp 1: unsharded
-    whole = state_bytes_per_param(getattr(numbers, "grad_bytes", GRAD_BYTES_PER_PARAM))
+    whole = state_bytes_per_param(grad_bytes_of(numbers))
     return min(GATHERED_LAYERS, num_layers) * layer * WEIGHT_BYTES_PER_PARAM / whole
 
 
@@ -201,9 +212,8 @@ def step_cast_bytes(numbers: ShardedNumbers, unit: str, tp: int, dp: int) -> flo
     main grads into fp32 ones too): the TP rank's whole gradient at ZeRO 0, the rank's shard at higher stages;
     none for fp32 gradients or a frozen unit. Made after the backward, freed by the step: never beside the
     activations."""
-    grad_bytes = getattr(numbers, "grad_bytes", GRAD_BYTES_PER_PARAM)
-    frozen = getattr(numbers, "is_frozen_unit", None)
-    if grad_bytes >= FP32_BYTES or (frozen is not None and frozen(unit)):
+    grad_bytes = grad_bytes_of(numbers)
+    if grad_bytes >= FP32_BYTES or is_frozen_unit(numbers, unit):
         return 0.0
     params = float(numbers.param_state_bytes(unit, tp, 1)) / state_bytes_per_param(grad_bytes)
     return params * FP32_BYTES / (1 if getattr(numbers, "zero_stage", 0) == 0 else dp)
@@ -310,6 +320,8 @@ def device_step_cast_bytes(waves: Sequence[Sequence[SliceGeometry]], metaops: Ma
                            numbers: ShardedNumbers, slices: Iterable[tuple[int, int]]) -> float:
     """The optimizer step's fp32 gradient copies on a device running ``slices`` ((wave, slice) keys): each unit
     once, at its largest copy over them (``step_cast_bytes``)."""
+    if grad_bytes_of(numbers) >= FP32_BYTES:  # fp32 gradients are the masters': no copies, nothing to walk
+        return 0.0
     cast: dict[str, float] = {}
     for wi, si in slices:
         s = waves[wi][si]

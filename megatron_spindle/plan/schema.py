@@ -342,6 +342,16 @@ class ExecutionSettings:
         return cls(**{"tp_sharded_grads": False, **d})  # a plan written before the key: whole units
 
 
+def reduce_dtype(grad_reduce_in_bf16: bool) -> str:
+    """The ``grad_reduce_dtype`` Megatron-LM's ``--grad-reduce-in-bf16`` chooses."""
+    return "bf16" if grad_reduce_in_bf16 else "fp32"
+
+
+def reduce_dtype_of_bytes(grad_bytes: int) -> str:
+    """The ``grad_reduce_dtype`` of ``grad_bytes`` per element (``REDUCE_DTYPE_BYTES`` read backwards)."""
+    return next(dtype for dtype, n in REDUCE_DTYPE_BYTES.items() if n == grad_bytes)
+
+
 def execution_choices(source) -> dict[str, Any]:
     """The choices of what the runtime executes that the planner, the cost model and the simulator charge
     (``EXECUTION_CHOICES``), read from anything that carries them by those names: a plan's ``ExecutionSettings``,

@@ -30,6 +30,7 @@ from megatron_spindle.plan.schema import (
     dropout_mismatch,
     dropout_probability,
     dropouts,
+    reduce_dtype,
     resolve_attention_backend,
 )
 from megatron_spindle.plan.validate import validate_plan
@@ -225,7 +226,7 @@ class PlannerConfig:
     @property
     def grad_reduce_dtype(self) -> str:
         """The plan setting --grad-reduce-in-bf16 chooses (plan/schema.py ``EXECUTION_CHOICES``)."""
-        return "bf16" if self.grad_reduce_in_bf16 else "fp32"
+        return reduce_dtype(self.grad_reduce_in_bf16)
 
     def zero_stages(self) -> tuple[int, ...]:
         """The ZeRO stages a plan may use: --spindle-distributed-optimizer on is Megatron's ZeRO-1, off none,

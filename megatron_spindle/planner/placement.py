@@ -47,6 +47,7 @@ from megatron_spindle.plan.memory import (
     DeviceMemory,
     ShardedNumbers,
     SliceMemory,
+    grad_bytes_of,
     peak_memory,
     slice_memory,
     state_bytes_per_param,
@@ -177,7 +178,7 @@ class _Problem:
     @classmethod
     def build(cls, waves, metagraph, cluster, cost_model, memory_model, critical_first: bool = False) -> _Problem:
         producers = producer_slices(waves, metagraph)
-        grad_bytes = getattr(memory_model, "grad_bytes", GRAD_BYTES_PER_PARAM)
+        grad_bytes = grad_bytes_of(memory_model)
         info = {}
         for wi, w in enumerate(waves):
             for si, s in enumerate(w.slices):
@@ -205,8 +206,7 @@ class _Problem:
                                            k[1]))
 
 
-def _own_traffic_bytes(m: MetaOp, s: ScheduledSlice, cost_model: FlowCostModel,
-                       grad_bytes: int = GRAD_BYTES_PER_PARAM) -> float:
+def _own_traffic_bytes(m: MetaOp, s: ScheduledSlice, cost_model: FlowCostModel, grad_bytes: int) -> float:
     """Bytes a slice moves inside its own device group: TP all-reduces of activations (ring: 2(tp-1)/tp of the
     tensor per device) and the DP all-reduce of its gradients (``grad_bytes`` per parameter)."""
     layers = s.layer_end - s.layer_start

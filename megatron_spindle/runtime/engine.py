@@ -214,9 +214,6 @@ class RuntimeEngine:
         else:
             self.grad_buffers = GradBuffers(opt.unit_groups, opt.shards, order, settings.ddp_bucket_size,
                                             self.device, dtype=grad_dtype)
-        # fp32 buffers are the masters' gradients; bf16 ones (--grad-reduce-in-bf16) are cast for each step
-        # (``_main_grads``)
-        self._cast_grads = grad_dtype != torch.float32
         if not self._cast_grads:
             opt.attach_grads(self.grad_buffers.unit_grads)
         self.binding = bind_direct_units(self.local, self.key_unit, opt.shards, opt.masters,
@@ -277,6 +274,12 @@ class RuntimeEngine:
         return GradClipper(storage, norm_tensors(unit_grads, self.sync_groups, self.rank, self.grad_buffers.sharded,
                                                  {u: sh.valid for u, sh in self.master_optimizer.shards.items()}),
                            self.device)
+
+    @property
+    def _cast_grads(self) -> bool:
+        """fp32 buffers are the masters' gradients; bf16 ones (--grad-reduce-in-bf16) are cast for each step
+        (``_main_grads``)."""
+        return self.grad_buffers.dtype != torch.float32
 
     def _main_grads(self) -> tuple[dict[str, torch.Tensor], GradClipper]:
         """The synchronised gradients the step unscales, clips and applies, and their clipper: the fp32 buffers

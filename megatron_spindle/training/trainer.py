@@ -123,7 +123,9 @@ def grad_sync_mismatch(settings, args) -> tuple[str, str] | None:
     plan's settings, which the runtime follows: --overlap-grad-reduce and --grad-reduce-in-bf16 either way;
     --ddp-bucket-size only where given (unset, the plan's, which plan selection may have chosen); None where they
     agree."""
-    wanted = "bf16" if args.grad_reduce_in_bf16 else "fp32"
+    from megatron_spindle.plan.schema import reduce_dtype
+
+    wanted = reduce_dtype(args.grad_reduce_in_bf16)
     if settings.grad_reduce_dtype != wanted:
         def reduce_flag(dtype: str) -> str:
             return "--grad-reduce-in-bf16" if dtype == "bf16" else "gradients reduced in fp32"

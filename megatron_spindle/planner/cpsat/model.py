@@ -48,7 +48,7 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from megatron_spindle.graph.opgraph import MetaGraph
-from megatron_spindle.plan.memory import GRAD_BYTES_PER_PARAM
+from megatron_spindle.plan.memory import grad_bytes_of
 from megatron_spindle.planner.cpsat.accounting import handoff_bytes, layer_bytes, shared_weight_bytes
 from megatron_spindle.planner.cpsat.budget import TimeBudget
 from megatron_spindle.planner.cpsat.problem import Problem
@@ -309,7 +309,7 @@ class SlotModel:
         for src, dst in self.g.edges:
             terms.append(_mib(handoff_bytes(ops[src], cost)) * self._differ(src, dst))
         ids = list(ops)
-        grad_bytes = getattr(self.problem.memory_model, "grad_bytes", GRAD_BYTES_PER_PARAM)  # stand-ins: fp32
+        grad_bytes = grad_bytes_of(self.problem.memory_model)
         for i, a in enumerate(ids):
             for b in ids[i + 1:]:
                 if ops[a].trained_param_names() & ops[b].trained_param_names():
