@@ -44,14 +44,21 @@ MICRO_BATCH_TRIES = 2  # micro-batch counts tried beyond the first that fits (au
 # device memory placement may plan with (times the device's) before recomputation takes the excess off: the more,
 # the less memory limits the configurations and their balance, the more may have to be recomputed
 OVERCOMMITS = (2.0, 3.0)
+# the share of a real device a chain's parameter state may take where placement overcommits memory: the rest
+# holds what recomputation cannot free (each layer's input, the recomputed layer's working set)
+PARAM_SHARE = MEMORY_SHARES[0]
 
 
 def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost_model, memory_model, say,
-                             shares: tuple[float, ...] = MEMORY_SHARES, curve_cache: dict | None = None):
+                             shares: tuple[float, ...] = MEMORY_SHARES, curve_cache: dict | None = None,
+                             real: ClusterSpec | None = None):
     """Curves, allocation, waves and placement, memory-aware: the paper's allocator ignores memory, and a heavy
     MetaOp on too few devices cannot hold its activations. Each MetaOp's configurations are first limited to
     those whose whole chain fits ``shares[0]`` of a device (half by default); when placement still runs out of
-    memory the next share is tried and everything is replanned. Also returns whether memory bound the plan (a
+    memory the next share is tried and everything is replanned. ``real``: the devices the plan will run on,
+    where ``cluster`` overcommits their memory (recomputation takes the excess activations off afterwards); no
+    recomputation frees parameter state, so a chain's must also fit PARAM_SHARE of a real device
+    (``param_allowed_configs``), whatever share the attempt gives the whole chain on ``cluster``. Also returns whether memory bound the plan (a
     configuration left out would have run a slice faster, or a share replanned), and whether it may have
     shaped the allocation (bound, or a slice sits on the fewest devices its limited curve allows where more
     memory allows fewer): where it did neither, more memory would plan the same."""
@@ -63,8 +70,13 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
         # Even spread perfectly (and with weights stored per MetaOp), the chains need more than the cluster has.
         raise PlanError(f"the plan does not fit device memory: the MetaOps need at least {total / 2**30:.0f} GiB "
                         f"in all, the {N} devices have {N * cluster.gpu.memory_bytes / 2**30:.0f} GiB")
+    param_needs = memory_needs(metagraph, workload, cluster, memory_model, param_footprint) \
+        if real is not None and real.gpu.memory_bytes < cluster.gpu.memory_bytes else None
     for attempt, share in enumerate(shares):
-        allowed = cap_slice_devices(memory_allowed_configs(metagraph, needs, cluster, share), config.max_slice_devices)
+        allowed = memory_allowed_configs(metagraph, needs, cluster, share)
+        if param_needs is not None:
+            allowed = param_allowed_configs(allowed, param_needs, PARAM_SHARE * real.gpu.memory_bytes)
+        allowed = cap_slice_devices(allowed, config.max_slice_devices)
         curves = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
                                  allowed=lambda m, tp, dp, fits=allowed: (tp, dp) in fits[m.id], cache=curve_cache,
                                  sync_sharers=config.curve_sync_sharers())
@@ -336,11 +348,14 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
         if first_fit is not None and i - first_fit > MICRO_BATCH_TRIES:
             break
         micro = micro_metagraph(metagraph, m)
-        found, free, unbound = None, False, None  # unbound: the least overcommit that placed with memory binding nothing
+        found, free = None, False
+        # per ZeRO stage, the least overcommit that placed with memory binding nothing: more memory would place the
+        # same at that stage and at those that shard more, not at one that shards less (it holds more)
+        unbound: dict[int, float] = {}
         # (assumed, over) where ZeRO-1 or 2 placed with memory binding nothing, recomputing nothing
         roomy_sharded = set()
         for stage, assumed, over in rungs:
-            if assumed.mode == "none" and unbound is not None and over > unbound:
+            if assumed.mode == "none" and over > min((o for z, o in unbound.items() if z <= stage), default=math.inf):
                 continue  # more memory would place the same
             if stage == 0 and i > 0 and config.distributed_optimizer == "auto":
                 continue  # memory bound the first count: sharding the optimizer state costs no time
@@ -367,7 +382,7 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
                               run=run_settings(config))
             limited = limited or narrowed
             if not bound and assumed.mode == "none":
-                unbound = over if unbound is None else min(unbound, over)
+                unbound[stage] = min(unbound.get(stage, math.inf), over)
             if not cand.choose(cluster, config):
                 error, limited = cand.error, True
                 continue
@@ -411,22 +426,44 @@ def _place_rung(micro, workload, cluster, config, profile, stage, assumed, over,
     shares = (1.0,) + MEMORY_SHARES if assumed.mode != "none" else MEMORY_SHARES
     roomy = cluster if over == 1 else cluster.with_memory_factor(over)
     placed = _allocate_schedule_place(micro, workload, roomy, config, profile, cost_model, placed_mm, say, shares,
-                                      curve_cache)
+                                      curve_cache, cluster)
     return (cost_model, placed_mm, roomy) + placed
+
+
+def _chain_memory(metaop, tp: int, dp: int, memory_model: MemoryModel):
+    """The memory of a MetaOp's whole chain (every layer) on one set of tp x dp devices."""
+    return slice_memory(metaop, ScheduledSlice(metaop.id, tp * dp, tp, dp, 0, metaop.num_layers, 0.0), memory_model)
 
 
 def memory_footprint(metaop, tp: int, dp: int, memory_model: MemoryModel) -> float:
     """Bytes per device of a MetaOp's whole chain at (tp, dp): parameter state plus activations held for backward."""
-    chain = ScheduledSlice(metaop.id, tp * dp, tp, dp, 0, metaop.num_layers, 0.0)
-    mem = slice_memory(metaop, chain, memory_model)
+    mem = _chain_memory(metaop, tp, dp, memory_model)
     return sum(mem.units.values()) + mem.activations
 
 
-def memory_needs(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec,
-                 memory_model: MemoryModel) -> dict[str, dict[tuple[int, int], float]]:
-    """Per MetaOp, the footprint of each valid (tp, dp)."""
-    return {mid: {c: memory_footprint(m, *c, memory_model) for c in valid_configs(m, workload, cluster)}
+def param_footprint(metaop, tp: int, dp: int, memory_model: MemoryModel) -> float:
+    """Bytes per device of a MetaOp's whole chain's parameter state at (tp, dp), under the model's ZeRO stage."""
+    return sum(_chain_memory(metaop, tp, dp, memory_model).units.values())
+
+
+def memory_needs(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec, memory_model: MemoryModel,
+                 footprint=memory_footprint) -> dict[str, dict[tuple[int, int], float]]:
+    """Per MetaOp, the ``footprint`` (default: parameter state plus activations) of each valid (tp, dp)."""
+    return {mid: {c: footprint(m, *c, memory_model) for c in valid_configs(m, workload, cluster)}
             for mid, m in metagraph.metaops.items()}
+
+
+def param_allowed_configs(allowed: dict[str, set[tuple[int, int]]], param_needs: dict[str, dict[tuple[int, int], float]],
+                          limit: float) -> dict[str, set[tuple[int, int]]]:
+    """The ``allowed`` configurations whose parameter state (``param_needs``) is at most ``limit`` bytes, per
+    MetaOp; where none is, those of its least parameter state (a MetaOp's configurations are never all left
+    out: recomputation and placement then decide whether the plan fits)."""
+    out = {}
+    for mid, configs in allowed.items():
+        need = param_needs[mid]
+        least = min(need[c] for c in configs)
+        out[mid] = {c for c in configs if need[c] <= max(limit, least)}
+    return out
 
 
 def memory_allowed_configs(metagraph: MetaGraph, needs: dict[str, dict[tuple[int, int], float]],

@@ -462,3 +462,53 @@ def test_full_recomputation_of_some_layers_reruns_the_others_modules_where_that_
     got = choose_recompute(waves, g.metaops, numbers, cost, params + both.held + both.transient, order,
                            RecomputePolicy(), 2)
     assert got == {(0, 0): both.recompute}
+
+
+def test_overcommitted_placement_keeps_parameter_state_within_the_real_devices():
+    """Placement on overcommitted devices plans activations that recomputation takes off afterwards; no
+    recomputation frees parameter state, so a configuration whose chain holds more than half a real device in it
+    is left out, though its whole chain fits half an overcommitted one (before, such plans could fit only at a
+    higher ZeRO stage: QWen-VAL-70B / 256's LLM at TP 2)."""
+    from megatron_spindle.planner.memory_search import _allocate_schedule_place, param_footprint
+
+    spec = copy.deepcopy(HEAVY)
+    spec["tasks"][0]["batch_size"] = 8
+    w = workload_from_dict(spec)
+    g = build_metagraph(w)
+    probe = make_cluster(2, 2, "A800-80GB")
+    cost = AnalyticCostModel(w, probe)
+    vision = g.metaops["vt/vision"]
+    params = param_footprint(vision, 1, 1, MemoryModel(w, probe, cost))
+    whole = memory_needs(g, w, probe, MemoryModel(w, probe, cost))["vt/vision"][(1, 1)]
+    cluster = with_memory(2, 1.6 * params)  # half of 2x holds the chain, half of 1x not its parameter state
+    assert whole <= 1.6 * params and params > 0.5 * cluster.gpu.memory_bytes
+    roomy = cluster.with_memory_factor(2.0)
+    configs = {}
+    for real in (None, cluster):
+        curves = _allocate_schedule_place(g, w, roomy, PlannerConfig(planner="wavefront"), None, cost,
+                                          MemoryModel(w, roomy, cost), lambda msg: None, real=real)[0]
+        configs[real is None] = {n: (p.tp, p.dp) for n, p in curves["vt/vision"].points.items()}
+    assert 1 in configs[True]  # the whole chain on one device: half of 2x holds it
+    assert configs[False] == {2: (2, 1)}  # TP halves the parameter state per device; DP (ZeRO-0) does not
+
+
+def test_a_stage_placed_unbound_skips_more_memory_only_for_stages_that_shard_as_much(monkeypatch):
+    """A rung that placed with memory binding nothing means more memory would place the same at its ZeRO stage
+    and above. A stage that shards less holds more, so its rungs on more memory are still tried (before, ZeRO-3
+    placing freely on 2x devices skipped ZeRO-2 on 3x, QWen-VAL-70B / 256's best capped placement)."""
+    import megatron_spindle.planner.memory_search as memory_search
+
+    place_rung = memory_search._place_rung
+    calls = []
+
+    def only_zero3_on_2x(micro, workload, cluster, config, profile, stage, assumed, over, *rest):
+        calls.append((stage, assumed.mode, over))
+        if (stage, assumed.mode, over) != (3, "none", 2.0):
+            raise PlanError("placement out of memory (test)")
+        return place_rung(micro, workload, cluster, config, profile, stage, assumed, over, *rest)
+
+    monkeypatch.setattr(memory_search, "_place_rung", only_zero3_on_2x)
+    res = plan_workload(workload_from_dict(HEAVY), make_cluster(4, 4, "A800-80GB"), PlannerConfig(planner="wavefront"))
+    assert res.plan.settings.zero_stage == 3
+    assert (1, "none", 3.0) in calls and (2, "none", 3.0) in calls
+    assert (3, "none", 3.0) not in calls

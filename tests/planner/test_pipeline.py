@@ -98,10 +98,10 @@ def test_the_overlapped_weight_gather_is_recorded_and_estimated_as_waited_for():
     w, cluster = load_workload("qwen-val"), make_cluster(16)
     on = make_plan(w, cluster, PlannerConfig(planner="wavefront", distributed_optimizer="on", select="none"))
     assert on.settings.overlap_param_gather and on.settings.zero_stage == 1
-    off = make_plan(w, cluster, PlannerConfig(planner="wavefront", distributed_optimizer="on", select="none",
-                                              overlap_param_gather=False))
-    assert not off.settings.overlap_param_gather
-    assert [wv.slices for wv in on.waves] == [wv.slices for wv in off.waves]  # a runtime setting: same plan
+    assert not make_plan(w, cluster, PlannerConfig(planner="wavefront", distributed_optimizer="on", select="none",
+                                                   overlap_param_gather=False)).settings.overlap_param_gather
+    # the same waves without it (the memory search may pick another rung where the estimates come close)
+    off = dataclasses.replace(on, settings=dataclasses.replace(on.settings, overlap_param_gather=False))
     g = build_metagraph(w)
     cost = AnalyticCostModel(w, cluster)
     after_step = estimate_iteration(off, g, cluster, cost).param_gather
