@@ -58,10 +58,11 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
     memory the next share is tried and everything is replanned. ``real``: the devices the plan will run on,
     where ``cluster`` overcommits their memory (recomputation takes the excess activations off afterwards); no
     recomputation frees parameter state, so a chain's must also fit PARAM_SHARE of a real device
-    (``param_allowed_configs``), whatever share the attempt gives the whole chain on ``cluster``. Also returns whether memory bound the plan (a
-    configuration left out would have run a slice faster, or a share replanned), and whether it may have
-    shaped the allocation (bound, or a slice sits on the fewest devices its limited curve allows where more
-    memory allows fewer): where it did neither, more memory would plan the same."""
+    (``param_allowed_configs``), whatever share the attempt gives the whole chain on ``cluster``.
+    Also returns whether memory bound the plan (a configuration left out would have run a slice faster, or a
+    share replanned), and whether it may have shaped the allocation (bound, or a slice sits on the fewest
+    devices its limited curve allows where more memory allows fewer): where it did neither, more memory would
+    plan the same."""
     N = cluster.num_devices
     needs = memory_needs(metagraph, workload, cluster, memory_model)
     memory_allowed_configs(metagraph, needs, cluster, 1.0)  # a MetaOp that fits nowhere is named first
@@ -453,7 +454,8 @@ def memory_needs(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec,
             for mid, m in metagraph.metaops.items()}
 
 
-def param_allowed_configs(allowed: dict[str, set[tuple[int, int]]], param_needs: dict[str, dict[tuple[int, int], float]],
+def param_allowed_configs(allowed: dict[str, set[tuple[int, int]]],
+                          param_needs: dict[str, dict[tuple[int, int], float]],
                           limit: float) -> dict[str, set[tuple[int, int]]]:
     """The ``allowed`` configurations whose parameter state (``param_needs``) is at most ``limit`` bytes, per
     MetaOp; where none is, those of its least parameter state (a MetaOp's configurations are never all left
