@@ -89,7 +89,7 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
         try:
             placed = place(waves, metagraph, workload, cluster, cost_model, memory_model,
                            strategy=config.placement)
-            binds, narrows = _restriction_effect(placed, curves, needs, share, metagraph, workload, cluster, config,
+            binds, narrows = _restriction_effect(placed, curves, needs, allowed, metagraph, workload, cluster, config,
                                                  profile, cost_model, curve_cache)
             return curves, level_allocs, placed, attempt > 0 or binds, attempt > 0 or binds or narrows
         except PlacementError as e:
@@ -100,17 +100,16 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
     raise AssertionError("unreachable")
 
 
-def _restriction_effect(placed, curves, needs, share, metagraph, workload, cluster, config, profile, cost_model,
+def _restriction_effect(placed, curves, needs, allowed, metagraph, workload, cluster, config, profile, cost_model,
                         curve_cache: dict | None = None) -> tuple[bool, bool]:
     """(binds, narrows): whether a configuration left out for memory would have run some slice faster on its
     device count, and whether some slice sits on the fewest devices its limited curve allows where the curve
     without the limit goes lower (the allocator may have wanted fewer). One left out only where the plan never
     goes (a large MetaOp on 1 of 1024 devices) does neither. The search goes on past a rung that binds; one that
     only narrows it records (plan selection then also plans with memory unlimited: megatron_spindle/autoplan.py)."""
-    limit = share * cluster.gpu.memory_bytes
-    if not any(b > limit for n in needs.values() for b in n.values()):
-        return False, False
     every = cap_slice_devices({m: set(n) for m, n in needs.items()}, config.max_slice_devices)
+    if allowed == every:  # memory left no configuration out (``allowed``: what the curves were limited to)
+        return False, False
     free = estimate_curves(metagraph, workload, cluster, cost_model=cost_model, profile=profile,
                            allowed=lambda m, tp, dp: (tp, dp) in every[m.id], cache=curve_cache,
                            sync_sharers=config.curve_sync_sharers())

@@ -483,13 +483,17 @@ def test_overcommitted_placement_keeps_parameter_state_within_the_real_devices()
     cluster = with_memory(2, 1.6 * params)  # half of 2x holds the chain, half of 1x not its parameter state
     assert whole <= 1.6 * params and params > 0.5 * cluster.gpu.memory_bytes
     roomy = cluster.with_memory_factor(2.0)
-    configs = {}
+    configs, shaped = {}, {}
     for real in (None, cluster):
-        curves = _allocate_schedule_place(g, w, roomy, PlannerConfig(planner="wavefront"), None, cost,
-                                          MemoryModel(w, roomy, cost), lambda msg: None, real=real)[0]
+        curves, _, _, bound, narrowed = _allocate_schedule_place(
+            g, w, roomy, PlannerConfig(planner="wavefront"), None, cost, MemoryModel(w, roomy, cost),
+            lambda msg: None, real=real)
         configs[real is None] = {n: (p.tp, p.dp) for n, p in curves["vt/vision"].points.items()}
+        shaped[real is None] = bound or narrowed
     assert 1 in configs[True]  # the whole chain on one device: half of 2x holds it
     assert configs[False] == {2: (2, 1)}  # TP halves the parameter state per device; DP (ZeRO-0) does not
+    # the limit is recorded as memory shaping the placement (plan selection then also plans without it)
+    assert shaped == {True: False, False: True}
 
 
 def test_a_stage_placed_unbound_skips_more_memory_only_for_stages_that_shard_as_much(monkeypatch):
