@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.layout import micro_batch_metaop
-from megatron_spindle.plan.memory import ZeroSharded, slice_memory
+from megatron_spindle.plan.memory import SliceMemory, ZeroSharded, slice_memory
 from megatron_spindle.plan.order import default_order, early_backward_order, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings, PlanError, Recompute, execution_choices
 from megatron_spindle.planner.allocator import allocate_level
@@ -64,14 +65,15 @@ def _allocate_schedule_place(metagraph, workload, cluster, config, profile, cost
     devices its limited curve allows where more memory allows fewer): where it did neither, more memory would
     plan the same."""
     N = cluster.num_devices
-    needs = memory_needs(metagraph, workload, cluster, memory_model)
+    chains = chain_memories(metagraph, workload, cluster, memory_model)
+    needs = per_config(chains, held_bytes)
     memory_allowed_configs(metagraph, needs, cluster, 1.0)  # a MetaOp that fits nowhere is named first
     total = sum(min(b * c[0] * c[1] for c, b in need.items()) for need in needs.values())
     if total > N * cluster.gpu.memory_bytes:
         # Even spread perfectly (and with weights stored per MetaOp), the chains need more than the cluster has.
         raise PlanError(f"the plan does not fit device memory: the MetaOps need at least {total / 2**30:.0f} GiB "
                         f"in all, the {N} devices have {N * cluster.gpu.memory_bytes / 2**30:.0f} GiB")
-    param_needs = memory_needs(metagraph, workload, cluster, memory_model, param_footprint) \
+    param_needs = per_config(chains, param_state_bytes) \
         if real is not None and real.gpu.memory_bytes < cluster.gpu.memory_bytes else None
     for attempt, share in enumerate(shares):
         allowed = memory_allowed_configs(metagraph, needs, cluster, share)
@@ -430,27 +432,48 @@ def _place_rung(micro, workload, cluster, config, profile, stage, assumed, over,
     return (cost_model, placed_mm, roomy) + placed
 
 
-def _chain_memory(metaop, tp: int, dp: int, memory_model: MemoryModel):
+def _chain_memory(metaop, tp: int, dp: int, memory_model: MemoryModel) -> SliceMemory:
     """The memory of a MetaOp's whole chain (every layer) on one set of tp x dp devices."""
     return slice_memory(metaop, ScheduledSlice(metaop.id, tp * dp, tp, dp, 0, metaop.num_layers, 0.0), memory_model)
 
 
+def held_bytes(mem: SliceMemory) -> float:
+    """Bytes per device of a chain's memory: parameter state plus activations held for backward."""
+    return sum(mem.units.values()) + mem.activations
+
+
+def param_state_bytes(mem: SliceMemory) -> float:
+    """Bytes per device of a chain's parameter state (under its memory model's ZeRO stage)."""
+    return sum(mem.units.values())
+
+
 def memory_footprint(metaop, tp: int, dp: int, memory_model: MemoryModel) -> float:
     """Bytes per device of a MetaOp's whole chain at (tp, dp): parameter state plus activations held for backward."""
-    mem = _chain_memory(metaop, tp, dp, memory_model)
-    return sum(mem.units.values()) + mem.activations
+    return held_bytes(_chain_memory(metaop, tp, dp, memory_model))
 
 
 def param_footprint(metaop, tp: int, dp: int, memory_model: MemoryModel) -> float:
     """Bytes per device of a MetaOp's whole chain's parameter state at (tp, dp), under the model's ZeRO stage."""
-    return sum(_chain_memory(metaop, tp, dp, memory_model).units.values())
+    return param_state_bytes(_chain_memory(metaop, tp, dp, memory_model))
 
 
-def memory_needs(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec, memory_model: MemoryModel,
-                 footprint=memory_footprint) -> dict[str, dict[tuple[int, int], float]]:
-    """Per MetaOp, the ``footprint`` (default: parameter state plus activations) of each valid (tp, dp)."""
-    return {mid: {c: footprint(m, *c, memory_model) for c in valid_configs(m, workload, cluster)}
+def chain_memories(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec,
+                   memory_model: MemoryModel) -> dict[str, dict[tuple[int, int], SliceMemory]]:
+    """Per MetaOp, its whole chain's memory at each valid (tp, dp)."""
+    return {mid: {c: _chain_memory(m, *c, memory_model) for c in valid_configs(m, workload, cluster)}
             for mid, m in metagraph.metaops.items()}
+
+
+def per_config(chains: dict[str, dict[tuple[int, int], SliceMemory]],
+               measure: Callable[[SliceMemory], float]) -> dict[str, dict[tuple[int, int], float]]:
+    """``measure`` (``held_bytes``, ``param_state_bytes``) of every chain of ``chain_memories``."""
+    return {mid: {c: measure(mem) for c, mem in by_config.items()} for mid, by_config in chains.items()}
+
+
+def memory_needs(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec,
+                 memory_model: MemoryModel) -> dict[str, dict[tuple[int, int], float]]:
+    """Per MetaOp, the footprint of each valid (tp, dp)."""
+    return per_config(chain_memories(metagraph, workload, cluster, memory_model), held_bytes)
 
 
 def param_allowed_configs(allowed: dict[str, set[tuple[int, int]]],
