@@ -16,11 +16,11 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
   its light levels pinned can still lose to the unsettled plan's, so the simulator decides;
 - on several nodes, the greedy plan with every slice inside one node (``max_slice_devices``): its collectives
   and hand-offs stay on NVLink, at some cost in balance;
-- on several nodes, where the configured plan's configurations leave a sizeable share of its device time in
-  gradient sync they cannot hide, the configured planner with sync-aware curves (``--spindle-sync-aware``): each
-  configuration's time carries that sync (estimator/estimate.py ``exposed_sync_seconds``), so a MetaOp whose
-  weights are large for its compute takes more tensor parallelism or fewer devices; once with a shared
-  MetaOp's sync split among the MetaOps that hold its weights, and once among the MetaLevels that do;
+- on several nodes, the configured planner with sync-aware curves (``--spindle-sync-aware``): each
+  configuration's time carries the gradient sync it cannot hide (estimator/estimate.py ``exposed_sync_seconds``),
+  so a MetaOp whose weights are large for its compute takes more tensor parallelism or fewer devices; with a
+  shared MetaOp's sync split among the MetaOps that hold its weights, and, where the configured plan leaves a
+  sizeable share of its device time in that sync, once more split among the MetaLevels that do;
 - the configured planner's plans (with and without sync-aware curves) with the early backward, where they need
   memory options;
 - on several nodes, the tasks partitioned over groups of whole nodes, each group's tasks planned by the
@@ -36,7 +36,7 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
   backward and a weight all-gather after the step instead of the all-reduce, and less memory;
 - where memory bound some plan above (a memory option, or memory shaped its planner's search), the configured
   and the greedy planner's plans made with memory unlimited (16x each device's, no memory option; each also on
-  sync-aware curves where it leaves a sizeable share in gradient sync), the node groups planned so too, each
+  sync-aware curves), the node groups planned so too, each
   also with its light levels pinned, and then given ZeRO-3, ZeRO-2 or ZeRO-1 and
   each layer slice's cheapest recomputation that fits the real devices: the memory search limits every
   MetaOp's configurations before it schedules, and a plan that keeps the fastest configurations can pay less in
@@ -79,8 +79,8 @@ from megatron_spindle.planner.report import shown_candidates
 from megatron_spindle.simulator import SimResult, simulate
 
 NODE_GROUP_SOLVER_LIMIT = 2.0  # seconds of CP-SAT per node group
-# sync-aware curves are tried where the configured plan's configurations leave this share of its device time in
-# gradient sync they cannot hide behind their backward
+# sync-aware curves are tried with each way of counting weight sharers where the configured plan's configurations
+# leave this share of its device time in gradient sync they cannot hide behind their backward (once below it)
 SYNC_AWARE_MIN_SHARE = 0.1
 TIE = 1e-6  # relative difference of simulated times under which candidates are equally fast
 # gradient bucket sizes (parameters) plan selection tries besides megatron-core's default, where the user gave no
@@ -162,15 +162,16 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
                 raise
             continue
         planned.append((name, result, time.perf_counter() - started))
+    variant_seconds = sum(secs for _, _, secs in planned[1:])  # a settled plan is made in its planner's run
     planned = with_settled(planned)
-    _report(say, "the planners' variants", len(planned) - 1, sum(secs for _, _, secs in planned[1:]))
+    _report(say, "the planners' variants", len(planned) - 1, variant_seconds)
     add = functools.partial(_add_candidates, planned, say)
     # (name, config, result, seconds) of the configured planner's runs: planned[0] is its plan (it raises, never skips)
     runs = [(planned[0][0], configs[0][1], planned[0][1], planned[0][2])] if planned else []
     runs += _sync_aware_run(workload, cluster, configs[0][1], profile, planned, placements)
-    sync_aware = [(name, result, secs) for name, _, result, secs in runs[1:]]
-    _report(say, "sync-aware curves", len(sync_aware), sum(secs for _, _, secs in sync_aware))
-    planned += with_settled(sync_aware)
+    sync_aware = with_settled([(name, result, secs) for name, _, result, secs in runs[1:]])
+    _report(say, "sync-aware curves", len(sync_aware), sum(secs for _, _, _, secs in runs[1:]))
+    planned += sync_aware
     add("early backward", lambda: _early_backward_candidates(workload, cluster, profile, runs, placements))
     add("node groups", lambda: _node_group_candidates(workload, cluster, config, profile, planned, sim_cost_model))
     add("light levels pinned", lambda: _pinned_candidates(workload, cluster, config, planned))
@@ -208,19 +209,20 @@ def _add_candidates(planned: list, say: Callable[[str], None], what: str, make: 
 
 def _sync_aware_run(workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
                     planned: list[tuple[str, PlanningResult, float]], placements: dict | None = None):
-    """The configured planner again on sync-aware curves, as ``[(name, config, result, planning seconds)]``: on
-    several nodes, where the configured plan's own configurations leave at least SYNC_AWARE_MIN_SHARE of its
-    device time in gradient sync they cannot hide (planner/objective.py ``exposed_sync_share``); below that the
-    curves barely change, and a run would cost a solve for nothing. One run per way of counting a MetaOp's
-    weight sharers (estimator/estimate.py ``weight_sharers``) that gives other counts: whether sharers sync one
-    copy depends on the placement, which the curves do not know, so the simulator decides."""
+    """The configured planner again on sync-aware curves, as ``[(name, config, result, planning seconds)]``, on
+    several nodes. Where the configured plan's own configurations leave at least SYNC_AWARE_MIN_SHARE of its
+    device time in gradient sync they cannot hide (planner/objective.py ``exposed_sync_share``): one run per way
+    of counting a MetaOp's weight sharers (estimator/estimate.py ``weight_sharers``) that gives other counts,
+    since whether sharers sync one copy depends on the placement, which the curves do not know. Below that
+    share, one run (sharers by MetaOp): how the little exposed sync is split barely moves the curves, but the
+    curves still steer configurations, and with them the waves and the placement, away from sync that the
+    simulator charges (clip-7 / 32: 405 -> 371 ms, at an exposed share of 0.9 %). The simulator decides."""
     if config.select == "none" or config.sync_aware != "auto" or cluster.num_nodes < 2 or not planned:
         return []
     name, result, _ = planned[0]
-    if exposed_sync_share(result.plan, result.metagraph, result.cost_model) < SYNC_AWARE_MIN_SHARE:
-        return []
+    exposed = exposed_sync_share(result.plan, result.metagraph, result.cost_model) >= SYNC_AWARE_MIN_SHARE
     runs, counted = [], []
-    for by in SHARER_COUNTS:
+    for by in SHARER_COUNTS if exposed else SHARER_COUNTS[:1]:
         counts = weight_sharers(result.metagraph, by)
         if counts in counted:
             continue
@@ -415,9 +417,9 @@ def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: Plan
     """Where memory bound some plan of ``planned`` (``memory_bound``: it has the distributed optimizer,
     micro-batches or recomputation, or memory shaped its search: planner/memory_search.py), the configured
     planner and the greedy one again as if devices had UNLIMITED_MEMORY_FACTOR times their memory and no memory
-    option at all (each also on sync-aware curves where its plan leaves a sizeable share in gradient sync:
-    ``_sync_aware_run``), the node groups on such devices (``_node_group_candidates``: each group's search is
-    limited by its few nodes' memory), and each with its light levels pinned to their partners' devices
+    option at all (each also on sync-aware curves: ``_sync_aware_run``), the node groups on such devices
+    (``_node_group_candidates``: each group's search is limited by its few nodes' memory), and each with its
+    light levels pinned to their partners' devices
     (``_pinned_candidates``: the heads' memory, which the capped plans often cannot spare for it, is there),
     every such plan then given ZeRO-3, ZeRO-2 or ZeRO-1 and each layer slice's cheapest recomputation that fits
     the real devices (baselines/memory_options.py ``with_cheapest_recompute``, in the plan's own order):

@@ -114,8 +114,9 @@ class PlannerConfig:
         "Scaling curves whose configurations carry the gradient sync they cannot hide behind their backward "
         "(estimator/estimate.py exposed_sync_seconds), so a MetaOp with large weights for its compute takes more "
         "tensor parallelism or fewer devices: on; off: T(n) is compute alone; auto: compute alone, and plan "
-        "selection (--spindle-select simulate) also times the planner on sync-aware curves where gradient sync "
-        "across nodes would add at least 10 %% to the plan's device time.", choices=SYNC_AWARE))
+        "selection (--spindle-select simulate) also times the planner on sync-aware curves on several nodes "
+        "(a second way of splitting shared weights' sync among their holders where it would add at least 10 %% "
+        "to the plan's device time).", choices=SYNC_AWARE))
     overlap_param_gather: bool = field(default=True, metadata=flag(
         "Megatron's --overlap-param-gather, for plans with the distributed optimizer (ZeRO-1/2): the updated "
         "weights' all-gather after the optimizer step overlaps the next forward, which waits for a parameter "
