@@ -437,24 +437,14 @@ def _chain_memory(metaop, tp: int, dp: int, memory_model: MemoryModel) -> SliceM
     return slice_memory(metaop, ScheduledSlice(metaop.id, tp * dp, tp, dp, 0, metaop.num_layers, 0.0), memory_model)
 
 
-def held_bytes(mem: SliceMemory) -> float:
-    """Bytes per device of a chain's memory: parameter state plus activations held for backward."""
-    return sum(mem.units.values()) + mem.activations
-
-
 def param_state_bytes(mem: SliceMemory) -> float:
     """Bytes per device of a chain's parameter state (under its memory model's ZeRO stage)."""
     return sum(mem.units.values())
 
 
-def memory_footprint(metaop, tp: int, dp: int, memory_model: MemoryModel) -> float:
-    """Bytes per device of a MetaOp's whole chain at (tp, dp): parameter state plus activations held for backward."""
-    return held_bytes(_chain_memory(metaop, tp, dp, memory_model))
-
-
-def param_footprint(metaop, tp: int, dp: int, memory_model: MemoryModel) -> float:
-    """Bytes per device of a MetaOp's whole chain's parameter state at (tp, dp), under the model's ZeRO stage."""
-    return param_state_bytes(_chain_memory(metaop, tp, dp, memory_model))
+def held_bytes(mem: SliceMemory) -> float:
+    """Bytes per device of a chain's memory: parameter state plus activations held for backward."""
+    return param_state_bytes(mem) + mem.activations
 
 
 def chain_memories(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec,

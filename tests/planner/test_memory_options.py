@@ -469,7 +469,12 @@ def test_overcommitted_placement_keeps_parameter_state_within_the_real_devices()
     recomputation frees parameter state, so a configuration whose chain holds more than half a real device in it
     is left out, though its whole chain fits half an overcommitted one (before, such plans could fit only at a
     higher ZeRO stage: QWen-VAL-70B / 256's LLM at TP 2)."""
-    from megatron_spindle.planner.memory_search import _allocate_schedule_place, param_footprint
+    from megatron_spindle.planner.memory_search import (
+        _allocate_schedule_place,
+        chain_memories,
+        param_state_bytes,
+        per_config,
+    )
 
     spec = copy.deepcopy(HEAVY)
     spec["tasks"][0]["batch_size"] = 8
@@ -477,8 +482,8 @@ def test_overcommitted_placement_keeps_parameter_state_within_the_real_devices()
     g = build_metagraph(w)
     probe = make_cluster(2, 2, "A800-80GB")
     cost = AnalyticCostModel(w, probe)
-    vision = g.metaops["vt/vision"]
-    params = param_footprint(vision, 1, 1, MemoryModel(w, probe, cost))
+    chains = chain_memories(g, w, probe, MemoryModel(w, probe, cost))
+    params = per_config(chains, param_state_bytes)["vt/vision"][(1, 1)]
     whole = memory_needs(g, w, probe, MemoryModel(w, probe, cost))["vt/vision"][(1, 1)]
     cluster = with_memory(2, 1.6 * params)  # half of 2x holds the chain, half of 1x not its parameter state
     assert whole <= 1.6 * params and params > 0.5 * cluster.gpu.memory_bytes

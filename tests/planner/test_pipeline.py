@@ -12,7 +12,7 @@ from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import workload_from_dict
 from megatron_spindle.plan.schema import PlanError, Recompute
 from megatron_spindle.plan.validate import validate_plan
-from megatron_spindle.planner.memory_search import memory_footprint, memory_needs
+from megatron_spindle.planner.memory_search import memory_needs
 from megatron_spindle.planner.pipeline import PlannerConfig, make_plan
 
 
@@ -71,7 +71,7 @@ def test_heavy_metaops_get_enough_devices_to_hold_their_activations():
     base = make_cluster(8, 8)
     mg = build_metagraph(w)
     memory = MemoryModel(w, base, AnalyticCostModel(w, base))
-    on_one = memory_footprint(mg.metaops["vt/vision"], 1, 1, memory)
+    on_one = memory_needs(mg, w, base, memory)["vt/vision"][(1, 1)]
     least = least_footprint(w, base, False)
     mem = max(4 * least, on_one / 2)
     assert mem < on_one  # the vision chain cannot run on a single device
