@@ -453,6 +453,17 @@ def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: Plan
             for candidate in _fitted(name, result.plan, workload, cluster, config, first, secs)]
 
 
+def relaxed_optimum(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | None = None,
+                    profile=None) -> float:
+    """C* with memory unlimited: the sum of the MetaLevels' relaxed optima (Theorem 1) on the planner's curves, every
+    device count open to every MetaOp. No waves of T(n) with level barriers finish sooner, so it bounds what a
+    wavefront plan's compute can reach on this cost model (cross-level overlap aside); transfers, gradient sync
+    and the optimizer come on top of it."""
+    config = dataclasses.replace(config or PlannerConfig(), planner="wavefront", select="none")
+    roomy = cluster.with_memory_factor(UNLIMITED_MEMORY_FACTOR)
+    return float(plan_workload(workload, roomy, config, profile).plan.predicted["c_star"])
+
+
 def memory_bound(plan: Plan) -> bool:
     """Whether memory shaped ``plan``: it runs with a memory option (the distributed optimizer, micro-batches,
     recomputation), or memory limited its planner's search (``plan.planner["memory_limited"]``: a rung failed,

@@ -139,6 +139,14 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def bound_line(c_star: float, results: dict) -> str:
+    """What the cost model allows Spindle at all: C*, and the speedup over DeepSpeed a plan at C* would have."""
+    ds = results.get("deepspeed", {}).get("iteration_time")
+    speedup = f", {ds / c_star:.2f}x DeepSpeed" if ds else ""
+    return (f"C* {c_star * 1e3:.1f} ms{speedup}: the waves' relaxed optimum with memory unlimited; no wavefront plan "
+            f"computes faster on this cost model, and transfers, gradient sync and the optimizer come on top")
+
+
 @cli_main()
 def main(argv=None, extra_args_provider=None):
     parser = build_parser(__doc__.strip().splitlines()[0],
@@ -151,10 +159,13 @@ def main(argv=None, extra_args_provider=None):
     config = planner_config_from_args(args)
     log = (lambda msg: print(f"[compare] {msg}", file=sys.stderr, flush=True)) if args.json else \
         (lambda msg: print(f"[compare] {msg}", flush=True))
+    from megatron_spindle.autoplan import relaxed_optimum
+
     results = compare(workload, cluster, systems, config, log)
+    c_star = relaxed_optimum(workload, cluster, config)
     frozen = workload.frozen_modules
     if args.json:
-        print(json.dumps({"workload": workload.name, "num_devices": cluster.num_devices,
+        print(json.dumps({"workload": workload.name, "num_devices": cluster.num_devices, "c_star": c_star,
                           "gpus_per_node": cluster.gpus_per_node, "gpu": cluster.gpu.name, "frozen": frozen,
                           "hidden_dropout": config.hidden_dropout, "attention_dropout": config.attention_dropout,
                           "systems": results}, indent=1))
@@ -166,6 +177,7 @@ def main(argv=None, extra_args_provider=None):
                  if config.hidden_dropout or config.attention_dropout else "")
               + (f", frozen: {', '.join(frozen)}" if frozen else ""))
         print(table(results))
+        print(bound_line(c_star, results))
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -32,6 +33,8 @@ def test_json_on_tiny_clip_reports_every_system(capsys):
     # Spindle as tools/plan.py gives it: the fastest of its candidates, never slower than its sequential fallback
     assert systems["spindle"]["selected"] is not None
     assert systems["spindle"]["iteration_time"] <= systems["spindle-seq"]["iteration_time"] * (1 + 1e-9)
+    # C*, the waves' relaxed optimum with memory unlimited: no Spindle plan computes faster
+    assert 0 < doc["c_star"] <= min(systems[s]["breakdown"]["compute"] for s in compare.SPINDLE_SYSTEMS)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -64,7 +67,9 @@ def test_table_columns_stay_aligned_with_long_memory_options():
 def test_the_table_names_the_attention_backend(capsys):
     assert compare.main(["--workload", "tiny-clip", "--num-gpus", "8", "--systems", "spindle,deepspeed",
                          "--spindle-planner", "wavefront", "--attention-backend", "unfused"]) == 0
-    assert "8 x A800-80GB (1 node(s)), simulated, attention backend unfused" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "8 x A800-80GB (1 node(s)), simulated, attention backend unfused" in out
+    assert re.search(r"^C\* [0-9.]+ ms, [0-9.]+x DeepSpeed: the waves' relaxed optimum", out, re.M)
 
 
 def test_frozen_modules_are_compared_as_frozen(capsys):
