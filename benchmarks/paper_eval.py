@@ -3,8 +3,9 @@
 Prints, in one run: Fig. 8 (iteration time of every system on every workload x 8/16/32/64 GPUs and the
 speedup over DeepSpeed, the paper's speedup beside ours), Fig. 10 (share of the iteration spent on inter-wave
 transfers with Spindle's placement vs sequential placement), Fig. 11 (makespan / C*), Fig. 12 (planning wall
-time), Table 2 (QWen-VAL 30B / 70B on 256 GPUs), a scale row (1024 GPUs, 20 tasks) and the issue's targets
-marked met / missed. Writes the printed tables, the tables as JSON and a speedup figure to --out-dir (default
+time), the Fig. 8 cells against the cost model (the time the paper's speedup needs, against C* with memory
+unlimited and the selected plan's breakdown: why a cell misses, cell by cell), Table 2 (QWen-VAL 30B / 70B on 256
+GPUs), a scale row (1024 GPUs, 20 tasks) and the issue's targets marked met / missed. Writes the printed tables, the tables as JSON and a speedup figure to --out-dir (default
 benchmarks/out/, not committed; --update-snapshot refreshes the committed benchmarks/results/).
 
     python benchmarks/paper_eval.py [--quick] [--with-cpsat] [--out-dir DIR | --update-snapshot]

@@ -457,8 +457,8 @@ def relaxed_optimum(workload: Workload, cluster: ClusterSpec, config: PlannerCon
                     profile=None) -> float:
     """C* with memory unlimited: the sum of the MetaLevels' relaxed optima (Theorem 1) on the planner's curves, every
     device count open to every MetaOp. No waves of T(n) with level barriers finish sooner, so it bounds what a
-    wavefront plan's compute can reach on this cost model (cross-level overlap aside); transfers, gradient sync
-    and the optimizer come on top of it."""
+    wavefront plan's compute can reach on this cost model (a dataflow run or cross-level overlap could in principle
+    go below it; no plan of the paper's cells does); transfers, gradient sync and the optimizer come on top."""
     config = dataclasses.replace(config or PlannerConfig(), planner="wavefront", select="none")
     roomy = cluster.with_memory_factor(UNLIMITED_MEMORY_FACTOR)
     return float(plan_workload(workload, roomy, config, profile).plan.predicted["c_star"])

@@ -143,8 +143,9 @@ def bound_line(c_star: float, results: dict) -> str:
     """What the cost model allows Spindle at all: C*, and the speedup over DeepSpeed a plan at C* would have."""
     ds = results.get("deepspeed", {}).get("iteration_time")
     speedup = f", {ds / c_star:.2f}x DeepSpeed" if ds else ""
-    return (f"C* {c_star * 1e3:.1f} ms{speedup}: the waves' relaxed optimum with memory unlimited; no wavefront plan "
-            f"computes faster on this cost model, and transfers, gradient sync and the optimizer come on top")
+    return (f"C* {c_star * 1e3:.1f} ms{speedup}: the waves' relaxed optimum with memory unlimited, below which no "
+            f"level-barrier wavefront plan computes on this cost model; transfers, gradient sync and the optimizer "
+            f"come on top")
 
 
 @cli_main()
