@@ -161,9 +161,13 @@ def main(argv=None, extra_args_provider=None):
     log = (lambda msg: print(f"[compare] {msg}", file=sys.stderr, flush=True)) if args.json else \
         (lambda msg: print(f"[compare] {msg}", flush=True))
     from megatron_spindle.autoplan import relaxed_optimum
+    from megatron_spindle.plan.schema import PlanError
 
     results = compare(workload, cluster, systems, config, log)
-    c_star = relaxed_optimum(workload, cluster, config)
+    try:
+        c_star = relaxed_optimum(workload, cluster, config)
+    except PlanError:  # what keeps Spindle from planning is in its row already
+        c_star = None
     frozen = workload.frozen_modules
     if args.json:
         print(json.dumps({"workload": workload.name, "num_devices": cluster.num_devices, "c_star": c_star,
@@ -178,7 +182,8 @@ def main(argv=None, extra_args_provider=None):
                  if config.hidden_dropout or config.attention_dropout else "")
               + (f", frozen: {', '.join(frozen)}" if frozen else ""))
         print(table(results))
-        print(bound_line(c_star, results))
+        if c_star is not None:
+            print(bound_line(c_star, results))
     return 0
 
 

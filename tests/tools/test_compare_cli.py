@@ -107,3 +107,17 @@ def test_dropout_is_charged_to_every_system(capsys):
         assert dropping["systems"][name]["peak_memory_bytes"] > plain["systems"][name]["peak_memory_bytes"], name
     assert compare.main(argv[:-1] + ["--hidden-dropout", "0.1"]) == 0
     assert "simulated, attention backend local, dropout hidden 0.1 attention 0" in capsys.readouterr().out
+
+
+def test_a_spindle_that_cannot_plan_is_a_row_and_no_bound(capsys):
+    """Spindle refused (a micro-batch count that divides no task's batch): its row says why, the baselines are
+    still compared, and C* (which the same planner would make) is left out."""
+    argv = ["--workload", "tiny-clip", "--num-gpus", "4", "--gpus-per-node", "4", "--gpu-type", "CPU",
+            "--systems", "spindle,deepspeed", "--spindle-micro-batches", "5"]
+    assert compare.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "spindle         does not fit: --spindle-micro-batches 5 does not divide" in out and "C* " not in out
+    assert compare.main(argv + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["c_star"] is None and "error" in doc["systems"]["spindle"]
+    assert doc["systems"]["deepspeed"]["iteration_time"] > 0
