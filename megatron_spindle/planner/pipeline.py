@@ -1,8 +1,9 @@
 """The one planning entry point: workload + cluster -> Plan.
 
 contract (graph) -> scaling curves (estimator) -> per-level allocation (bisection + bi-point) -> wavefront
-waves -> placement -> [CP-SAT refinement] -> [light levels laid out like their neighbours] -> assembled, validated
-Plan [and beside it the same with level tails settled into one wave (planner/tails.py), where the planner's
+waves -> placement -> [CP-SAT refinement] -> [light levels laid out like their neighbours] -> [on several nodes,
+the islands chosen for the whole schedule (planner/islands.py), where the planner's estimate gains] -> assembled,
+validated Plan [and beside it the same with level tails settled into one wave (planner/tails.py), where the planner's
 estimate gains]. The memory options (micro-batches, ZeRO stage, recomputation) are chosen around allocation and
 placement by planner/memory_search.py.
 """
@@ -184,6 +185,9 @@ class PlannerConfig:
     # estimate of the placed plan says the transfers it saves outweigh the balance it costs
     # (``PlanningResult.settled``).
     settle_tails: bool = False
+    # On several nodes, the plan's islands chosen again for the whole schedule at once (planner/islands.py) where
+    # the planner's estimate of the placed plan is faster than the greedy placement's.
+    whole_schedule_islands: bool = True
     # How sync-aware curves count a MetaOp's weight sharers (estimator/estimate.py SHARER_COUNTS): plan selection
     # tries each where they differ.
     sync_sharers: str = "metaop"
@@ -342,7 +346,16 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
                                       best.cost_model, best.memory_model_placed, config)
         refined = best.with_waves(relaid, cluster, config) if relaid is not best.placed else None
         best = refined or best
+    placed = _on_whole_schedule_islands(best, workload, cluster, metagraph, config)
+    best_notes = {"islands": WHOLE_SCHEDULE_ISLANDS} if placed is not best else {}
+    best = placed
+    lap("islands")
     settled = _settle_tails(best, workload, cluster, metagraph, config) if config.settle_tails else best
+    settled_notes = {}
+    if settled is not best:  # placed again by the tail search: its islands are the greedy placement's
+        placed = _on_whole_schedule_islands(settled, workload, cluster, metagraph, config)
+        settled_notes = {"islands": WHOLE_SCHEDULE_ISLANDS} if placed is not settled else {}
+        settled = placed
     lap("tails")
 
     def finish(chosen, notes: dict) -> PlanningResult:
@@ -357,14 +370,36 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
         return PlanningResult(plan, metagraph, chosen.curves, chosen.level_allocs, greedy, chosen.cost_model,
                               chosen.memory_model, timings, solver)
 
-    result = finish(best, {})
+    result = finish(best, best_notes)
     if settled is not best:
-        result.settled = finish(settled, {"memory_options": settled.describe(), "settled_tails": True})
+        result.settled = finish(settled, {"memory_options": settled.describe(), "settled_tails": True, **settled_notes})
     lap("assemble")
     for r in (result, result.settled):
         if r is not None:
             r.plan.planner["planning_seconds"] = sum(timings.values())
     return result
+
+
+WHOLE_SCHEDULE_ISLANDS = "chosen for the whole schedule (planner/islands.py)"  # plan.planner["islands"]
+
+
+def _on_whole_schedule_islands(best, workload: Workload, cluster: ClusterSpec, metagraph: MetaGraph,
+                               config: PlannerConfig):
+    """``best`` placed again on the islands chosen for the whole schedule (planner/placement.py
+    ``whole_schedule_islands``) where the planner's estimate of that placed plan is faster."""
+    if not config.whole_schedule_islands or config.placement != "spindle" or best.placed_on.num_nodes < 2:
+        return best
+    try:
+        placed = place(best.placed, best.metagraph, workload, best.placed_on, best.cost_model,
+                       best.memory_model_placed, strategy=config.placement, whole_schedule_islands=True)
+    except PlacementError:
+        return best
+    if all(a.devices == b.devices for w, v in zip(placed, best.placed) for a, b in zip(w.slices, v.slices)):
+        return best
+    option = best.with_waves(placed, cluster, config)
+    if option is None or option.estimate(workload, cluster, metagraph) >= best.estimate(workload, cluster, metagraph):
+        return best
+    return option
 
 
 def _settle_tails(best, workload: Workload, cluster: ClusterSpec, metagraph: MetaGraph, config: PlannerConfig):

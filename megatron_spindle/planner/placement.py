@@ -28,6 +28,11 @@ candidates, so an overflow falls back to worse-communication choices; when a wav
 is placed again memory-first ("balance"), then up to ``max_backtrack`` earlier waves are placed again
 memory-first. If that fails too, ``PlacementError`` names the wave, the MetaOp and the bytes.
 
+With ``whole_schedule_islands`` the islands of that greedy placement are chosen again for the whole schedule at
+once (planner/islands.py: a wave-by-wave choice cannot see that a slice's island now decides where the next
+waves' slices of its MetaOp can go), and the slices are placed again inside them, each block on its island
+where the island has room for it.
+
 The "sequential" strategy is the paper's ablation baseline (Sp*): in each wave, slice after slice takes the
 next run of consecutive device ids.
 """
@@ -102,9 +107,13 @@ def predicted_memory(waves: Sequence[ScheduledWave], metagraph: MetaGraph, memor
 
 def place(waves: Sequence[ScheduledWave], metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec,
           cost_model: FlowCostModel, memory_model: ShardedNumbers, strategy: str = "spindle",
-          max_backtrack: int = DEFAULT_MAX_BACKTRACK, critical_first: bool = False) -> list[ScheduledWave]:
+          max_backtrack: int = DEFAULT_MAX_BACKTRACK, critical_first: bool = False,
+          whole_schedule_islands: bool = False) -> list[ScheduledWave]:
     """Copies of ``waves`` with every slice's ``devices`` filled (any devices already set are replaced).
     ``critical_first``: inside a wave, the slices that set its length are placed first (module docstring).
+    ``whole_schedule_islands``: the islands of the greedy placement are then chosen again for the whole schedule
+    at once (planner/islands.py) and the slices placed inside them; the greedy placement where that changes
+    nothing or does not place.
 
     Deterministic: the same inputs give the same placement.
     """
@@ -118,6 +127,8 @@ def place(waves: Sequence[ScheduledWave], metagraph: MetaGraph, workload: Worklo
         devices = _place_sequential(problem)
     else:
         devices = _place_spindle(problem, max_backtrack)
+        if whole_schedule_islands:
+            devices = _place_on_islands(problem, devices, max_backtrack)
     return [
         replace(w, slices=[replace(s, devices=list(devices[(wi, si)])) for si, s in enumerate(w.slices)])
         for wi, w in enumerate(waves)
@@ -174,6 +185,7 @@ class _Problem:
     # main-gradient bytes per parameter (the memory numbers'; plan settings' grad_reduce_bytes): what the
     # gradient sync moves per parameter
     grad_bytes: int = GRAD_BYTES_PER_PARAM
+    forced_islands: dict[tuple[SliceKey, int], int] = field(default_factory=dict)  # (slice, block) -> island
 
     @classmethod
     def build(cls, waves, metagraph, cluster, cost_model, memory_model, critical_first: bool = False) -> _Problem:
@@ -291,6 +303,37 @@ def _place_spindle(problem: _Problem, max_backtrack: int) -> dict[SliceKey, list
     return snapshots[num_waves].devices
 
 
+def _place_on_islands(problem: _Problem, greedy: dict[SliceKey, list[int]],
+                      max_backtrack: int) -> dict[SliceKey, list[int]]:
+    """The slices placed again inside the islands ``assign_islands`` chooses for the whole schedule, hinted by
+    the ``greedy`` placement's; ``greedy`` where the choice is the same or does not place."""
+    from megatron_spindle.planner.islands import assign_islands, slice_blocks
+
+    cluster = problem.cluster
+    gpn = cluster.gpus_per_node
+    hint = {}
+    for key, devs in greedy.items():
+        s = problem.info[key].sched
+        for b, (start, size, _, _) in enumerate(slice_blocks(s.n, s.tp, s.dp, gpn)):
+            islands = [cluster.island(d) for d in devs[start:start + size]]
+            hint[(key, b)] = max(set(islands), key=lambda i: (islands.count(i), -i))
+    scorer_weight = problem.grad_bytes / state_bytes_per_param(problem.grad_bytes)
+    chosen = assign_islands(
+        {key: (sl.n, sl.sched.tp, sl.sched.dp) for key, sl in problem.info.items()},
+        {key: sl.producers for key, sl in problem.info.items()},
+        {key: sl.flow_bytes for key, sl in problem.info.items()},
+        {key: {u: scorer_weight * sl.sched.tp * b for u, b in sl.memory.units.items()}
+         for key, sl in problem.info.items()},
+        [[(wi, si) for si in range(len(w.slices))] for wi, w in enumerate(problem.waves)],
+        cluster.num_nodes, gpn, hint)
+    if chosen is None or chosen == hint:
+        return greedy
+    try:
+        return _place_spindle(replace(problem, forced_islands=chosen), max_backtrack)
+    except PlacementError:
+        return greedy
+
+
 def _overflow_error(sl: _SliceInfo, memory: DeviceMemory, candidates: list[int], what: str) -> PlacementError:
     """Name the slice, what one of its devices needs, and how many of the candidate devices have that room."""
     s = sl.sched
@@ -321,7 +364,8 @@ def _place_wave(problem: _Problem, wi: int, state: _State, mode: str) -> None:
     for pos, key in enumerate(order):
         sl = problem.info[key]
         pending = _Pending.of([scorers[k] for k in order[pos + 1:]], cluster)
-        chosen = _place_slice(scorers[key], free_devices, pending, mode)
+        forced = [problem.forced_islands.get((key, b)) for b in range(len(_blocks(sl.n, cluster.gpus_per_node)))]
+        chosen = _place_slice(scorers[key], free_devices, pending, mode, forced)
         for d in chosen:
             state.memory.forward(d, sl.memory)
             free_devices.discard(d)
@@ -541,7 +585,8 @@ def _greedy(pairs: list, wanted: int, out: dict[int, int], used: set[int]) -> di
     return out
 
 
-def _place_slice(scorer: _Scorer, free_devices: set[int], pending: _Pending, mode: str) -> list[int]:
+def _place_slice(scorer: _Scorer, free_devices: set[int], pending: _Pending, mode: str,
+                 forced: list[int | None] | None = None) -> list[int]:
     cluster = scorer.cluster
     sl = scorer.sl
     fitting = sorted(d for d in free_devices if scorer.free_after(d) >= 0)
@@ -560,7 +605,10 @@ def _place_slice(scorer: _Scorer, free_devices: set[int], pending: _Pending, mod
     for bi, size in enumerate(blocks):
         positions = range(start, start + size)
         start += size
-        picked = _pick_island(scorer, positions, available, free_count, blocks[bi + 1:], pending, mode)
+        island = forced[bi] if forced else None
+        allowed = available if island is None or len(available.get(island, ())) < size else \
+            {island: available[island]}
+        picked = _pick_island(scorer, positions, allowed, free_count, blocks[bi + 1:], pending, mode)
         if picked is None:
             return _place_split(scorer, fitting, mode)
         island, matched = picked
