@@ -14,6 +14,9 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
   on sync-aware curves, with the early backward, with memory unlimited) also with each heavy level's last waves
   settled into one (``+tails``, planner/tails.py) where the planner's estimate of the placed plan is faster:
   its light levels pinned can still lose to the unsettled plan's, so the simulator decides;
+- every planning run here on several nodes also with the islands of its placement chosen for the whole
+  schedule at once (planner/islands.py), where the planner's estimate of the placed plan is faster: a choice
+  wave by wave cannot see that a slice's island decides where its MetaOp's next slices can go;
 - on several nodes, the greedy plan with every slice inside one node (``max_slice_devices``): its collectives
   and hand-offs stay on NVLink, at some cost in balance;
 - on several nodes, the configured planner with sync-aware curves (``--spindle-sync-aware``): each
@@ -130,7 +133,8 @@ def candidate_configs(config: PlannerConfig, cluster: ClusterSpec) -> list[tuple
     """(name, planner config) of every candidate planning run (module docstring)."""
     if config.select == "none":
         return [(config.planner, config)]
-    config = dataclasses.replace(config, light_follow=True, settle_tails=True)
+    islands = config.whole_schedule_islands is not False
+    config = dataclasses.replace(config, light_follow=True, settle_tails=True, whole_schedule_islands=islands)
     out = [(config.planner, config)]
     greedy = dataclasses.replace(config, planner="wavefront")
     if config.planner != "wavefront":
@@ -273,7 +277,8 @@ def _node_group_candidates(workload: Workload, cluster: ClusterSpec, config: Pla
     if config.select == "none" or cluster.num_nodes < 2 or len(workload.tasks) < 2 or not planned:
         return []
     out, partitions = [], []
-    group_config = dataclasses.replace(config, light_follow=True, settle_tails=True)
+    group_config = dataclasses.replace(config, light_follow=True, settle_tails=True,
+                                       whole_schedule_islands=config.whole_schedule_islands is not False)
     workers = pool_size(config.planning_workers, cluster.num_devices)
     proposed = node_group_partitions(workload, cluster, planned[0][1].metagraph)
     plans = parallel_map(_timed_or_none, [(plan_node_groups, (workload, cluster, p, group_config, profile))

@@ -268,6 +268,6 @@ def test_whole_schedule_islands_are_kept_where_the_estimate_is_faster():
     assert [[len(s.devices) for s in wave.slices] for wave in plans[True].waves] == \
         [[len(s.devices) for s in wave.slices] for wave in plans[False].waves]
     one_node = make_cluster(8)
-    assert plan_workload(w, one_node, PlannerConfig(planner="wavefront", select="none")).plan.waves == \
-        plan_workload(w, one_node, PlannerConfig(planner="wavefront", select="none",
-                                                 whole_schedule_islands=False)).plan.waves
+    assert plan_workload(w, one_node, PlannerConfig(planner="wavefront", select="none",
+                                                    whole_schedule_islands=True)).plan.waves == \
+        plan_workload(w, one_node, PlannerConfig(planner="wavefront", select="none")).plan.waves
