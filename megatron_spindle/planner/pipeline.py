@@ -187,8 +187,8 @@ class PlannerConfig:
     settle_tails: bool = False
     # On several nodes, the plan's islands chosen again for the whole schedule at once (planner/islands.py) where
     # the planner's estimate of the placed plan is faster than the greedy placement's. None: on in plan selection
-    # (megatron_spindle/autoplan.py), off in a planner run alone, where its CP-SAT model's second or so would be
-    # ten times the greedy planner's own time.
+    # (megatron_spindle/autoplan.py), off in a planner run alone, where its CP-SAT model's half second or so would be
+    # several times the greedy planner's own time.
     whole_schedule_islands: bool | None = None
     # How sync-aware curves count a MetaOp's weight sharers (estimator/estimate.py SHARER_COUNTS): plan selection
     # tries each where they differ.
