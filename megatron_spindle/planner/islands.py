@@ -6,17 +6,17 @@ stay put. When a later wave's packing then forces a MetaOp across the node bound
 the network, forward and back, at a GPU's own network path (C9's p2p profile, about 17x slower than NVLink):
 on clip-7 / 16 the CP-SAT plans pack their waves to 694 ms but move 0.9 GB across nodes.
 
-Here a small CP-SAT model chooses the island of every island-sized block of every slice (``placement._blocks``:
-a slice of at most a node is one block; a larger one is whole nodes plus the remainder) so that every wave's
-blocks fit the islands, minimising
+Here a small CP-SAT model chooses the island of every island-sized block of every slice (``block_sizes``: a
+slice of at most a node is one block; a larger one is whole nodes plus the remainder, as placement cuts it) so
+that every wave's blocks fit the islands, minimising
 
 - the activation bytes whose producer and consumer blocks sit on different islands (each pair of blocks
   weighted by the samples their rows share, the rows model of plan/layout.py), plus
 - the gradient bytes of every unit whose holders span several islands, once per extra island (its parameter
   device group's sync crosses the network; weighted like placement's ``sync_penalty``).
 
-The greedy placement's islands are the hint, so the assignment is never worse than the greedy one on this
-count; placement then picks the devices inside each island as usual (local copies, shared weights, memory).
+The greedy placement's islands are the hint, and an assignment that costs no less than them on this count is
+not returned; placement then picks the devices inside each island as usual (local copies, shared weights, memory).
 Memory is not modelled here: a block whose island has no room falls back to placement's own choice.
 """
 
@@ -32,13 +32,19 @@ BYTES_UNIT = 1e5  # the model's integer weights count this many bytes
 SEED = 0
 
 
+def block_sizes(n: int, gpus_per_node: int) -> list[int]:
+    """A slice's island-sized pieces: itself when it fits a node, else whole nodes plus the remainder (so TP
+    groups never straddle nodes)."""
+    if n <= gpus_per_node:
+        return [n]
+    return [gpus_per_node] * (n // gpus_per_node) + ([n % gpus_per_node] if n % gpus_per_node else [])
+
+
 def slice_blocks(n: int, tp: int, dp: int, gpus_per_node: int) -> list[tuple[int, int, float, float]]:
-    """(first position, size, lo, hi) of each island-sized block of a (tp, dp) slice of n devices, with the
+    """(first position, size, lo, hi) of each block (``block_sizes``) of a (tp, dp) slice of n devices, with the
     fraction [lo, hi) of the batch its positions hold (the rows model; TP replicas hold the same rows)."""
-    sizes = [n] if n <= gpus_per_node else \
-        [gpus_per_node] * (n // gpus_per_node) + ([n % gpus_per_node] if n % gpus_per_node else [])
     out, start = [], 0
-    for size in sizes:
+    for size in block_sizes(n, gpus_per_node):
         lo = position_rows(start, tp, dp, dp)[0] / dp
         hi = position_rows(start + size - 1, tp, dp, dp)[1] / dp
         out.append((start, size, lo, hi))

@@ -57,6 +57,7 @@ from megatron_spindle.plan.memory import (
     slice_memory,
     state_bytes_per_param,
 )
+from megatron_spindle.planner.islands import assign_islands, block_sizes, slice_blocks
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
 
 PLACEMENT_STRATEGIES = ("spindle", "sequential")
@@ -202,6 +203,10 @@ class _Problem:
                 info[(wi, si)] = _SliceInfo((wi, si), m, s, mem, producers[(wi, si)], flows, volume)
         return cls(waves, cluster, info, critical_first, grad_bytes)
 
+    def grad_per_state_byte(self, sl: _SliceInfo) -> float:
+        """A unit's gradient bytes (all TP shards) per byte of its parameter state on one of the slice's devices."""
+        return self.grad_bytes / state_bytes_per_param(self.grad_bytes) * sl.sched.tp
+
     def slice_order(self, wi: int, sync_stake: dict[SliceKey, float]) -> list[SliceKey]:
         """Biggest communication first (with ``critical_first``, after the slices as long as the wave); larger
         slices before smaller ones on ties (they are harder to fit). ``sync_stake``: per slice the gradient bytes
@@ -307,8 +312,6 @@ def _place_on_islands(problem: _Problem, greedy: dict[SliceKey, list[int]],
                       max_backtrack: int) -> dict[SliceKey, list[int]]:
     """The slices placed again inside the islands ``assign_islands`` chooses for the whole schedule, hinted by
     the ``greedy`` placement's; ``greedy`` where the choice is the same or does not place."""
-    from megatron_spindle.planner.islands import assign_islands, slice_blocks
-
     cluster = problem.cluster
     gpn = cluster.gpus_per_node
     hint = {}
@@ -317,12 +320,11 @@ def _place_on_islands(problem: _Problem, greedy: dict[SliceKey, list[int]],
         for b, (start, size, _, _) in enumerate(slice_blocks(s.n, s.tp, s.dp, gpn)):
             islands = [cluster.island(d) for d in devs[start:start + size]]
             hint[(key, b)] = max(set(islands), key=lambda i: (islands.count(i), -i))
-    scorer_weight = problem.grad_bytes / state_bytes_per_param(problem.grad_bytes)
     chosen = assign_islands(
         {key: (sl.n, sl.sched.tp, sl.sched.dp) for key, sl in problem.info.items()},
         {key: sl.producers for key, sl in problem.info.items()},
         {key: sl.flow_bytes for key, sl in problem.info.items()},
-        {key: {u: scorer_weight * sl.sched.tp * b for u, b in sl.memory.units.items()}
+        {key: {u: problem.grad_per_state_byte(sl) * b for u, b in sl.memory.units.items()}
          for key, sl in problem.info.items()},
         [[(wi, si) for si in range(len(w.slices))] for wi, w in enumerate(problem.waves)],
         cluster.num_nodes, gpn, hint)
@@ -364,7 +366,7 @@ def _place_wave(problem: _Problem, wi: int, state: _State, mode: str) -> None:
     for pos, key in enumerate(order):
         sl = problem.info[key]
         pending = _Pending.of([scorers[k] for k in order[pos + 1:]], cluster)
-        forced = [problem.forced_islands.get((key, b)) for b in range(len(_blocks(sl.n, cluster.gpus_per_node)))]
+        forced = [problem.forced_islands.get((key, b)) for b in range(len(block_sizes(sl.n, cluster.gpus_per_node)))]
         chosen = _place_slice(scorers[key], free_devices, pending, mode, forced)
         for d in chosen:
             state.memory.forward(d, sl.memory)
@@ -388,7 +390,7 @@ class _Pending:
         wants: list[tuple[int, int, float]] = []
         demand: dict[int, float] = {}
         for sc in scorers:
-            blocks += _blocks(sc.sl.n, cluster.gpus_per_node)
+            blocks += block_sizes(sc.sl.n, cluster.gpus_per_node)
             wants += sc.block_wants()
             for d, b in sc.device_demand().items():
                 demand[d] = demand.get(d, 0.0) + b
@@ -397,13 +399,6 @@ class _Pending:
     def displaced_bytes(self, island: int, free_before: int, taken: int) -> float:
         """Rows of later slices that could have stayed on ``island`` but no longer find room there."""
         return sum(b for i, n, b in self.island_wants if i == island and free_before >= n > free_before - taken)
-
-
-def _blocks(n: int, gpus_per_node: int) -> list[int]:
-    """A slice's island-sized pieces: itself when it fits a node, else whole nodes plus the remainder."""
-    if n <= gpus_per_node:
-        return [n]
-    return [gpus_per_node] * (n // gpus_per_node) + ([n % gpus_per_node] if n % gpus_per_node else [])
 
 
 def _packable(capacities: tuple[int, ...], sizes: list[int]) -> bool:
@@ -459,7 +454,7 @@ class _Scorer:
         # another island makes its parameter device group's gradient sync cross the network
         self._unit_islands = {u: unit_islands[u] for u in sl.memory.units}
         # a unit's gradient bytes per byte of its parameter state; state bytes are per TP shard
-        self._sync_weight = problem.grad_bytes / state_bytes_per_param(problem.grad_bytes) * s.tp
+        self._sync_weight = problem.grad_per_state_byte(sl)
         self._sync_penalty: dict[int, float] = {}
         self._block_wants: list[tuple[int, int, float]] | None = None
         self._device_demand: dict[int, float] | None = None
@@ -527,7 +522,7 @@ class _Scorer:
         islands = sorted({self.cluster.island(d) for d in self.local})
         wants = []
         start = 0
-        for size in _blocks(self.sl.n, self.cluster.gpus_per_node):
+        for size in block_sizes(self.sl.n, self.cluster.gpus_per_node):
             positions = range(start, start + size)
             start += size
             scored = [(self.island_bytes(positions, i), -i) for i in islands]
@@ -599,7 +594,7 @@ def _place_slice(scorer: _Scorer, free_devices: set[int], pending: _Pending, mod
     for d in fitting:
         by_island.setdefault(cluster.island(d), []).append(d)
     available = {i: _IslandDevices(scorer, devs) for i, devs in by_island.items()}
-    blocks = _blocks(sl.n, cluster.gpus_per_node)
+    blocks = block_sizes(sl.n, cluster.gpus_per_node)
     assignment: dict[int, int] = {}
     start = 0
     for bi, size in enumerate(blocks):
