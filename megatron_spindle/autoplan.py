@@ -129,12 +129,18 @@ class AutoplanResult:
         return self.result.plan
 
 
+def selection_config(config: PlannerConfig) -> PlannerConfig:
+    """What every planning run of plan selection adds to the configured planner: light levels laid out like their
+    neighbours, settled tails beside, and whole-schedule islands unless the config turns them off."""
+    return dataclasses.replace(config, light_follow=True, settle_tails=True,
+                               whole_schedule_islands=config.whole_schedule_islands is not False)
+
+
 def candidate_configs(config: PlannerConfig, cluster: ClusterSpec) -> list[tuple[str, PlannerConfig]]:
     """(name, planner config) of every candidate planning run (module docstring)."""
     if config.select == "none":
         return [(config.planner, config)]
-    islands = config.whole_schedule_islands is not False
-    config = dataclasses.replace(config, light_follow=True, settle_tails=True, whole_schedule_islands=islands)
+    config = selection_config(config)
     out = [(config.planner, config)]
     greedy = dataclasses.replace(config, planner="wavefront")
     if config.planner != "wavefront":
@@ -277,8 +283,7 @@ def _node_group_candidates(workload: Workload, cluster: ClusterSpec, config: Pla
     if config.select == "none" or cluster.num_nodes < 2 or len(workload.tasks) < 2 or not planned:
         return []
     out, partitions = [], []
-    group_config = dataclasses.replace(config, light_follow=True, settle_tails=True,
-                                       whole_schedule_islands=config.whole_schedule_islands is not False)
+    group_config = selection_config(config)
     workers = pool_size(config.planning_workers, cluster.num_devices)
     proposed = node_group_partitions(workload, cluster, planned[0][1].metagraph)
     plans = parallel_map(_timed_or_none, [(plan_node_groups, (workload, cluster, p, group_config, profile))

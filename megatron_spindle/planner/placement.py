@@ -328,7 +328,7 @@ def _place_on_islands(problem: _Problem, greedy: dict[SliceKey, list[int]],
          for key, sl in problem.info.items()},
         [[(wi, si) for si in range(len(w.slices))] for wi, w in enumerate(problem.waves)],
         cluster.num_nodes, gpn, hint)
-    if chosen is None or chosen == hint:
+    if chosen is None:  # nothing cheaper than the greedy islands
         return greedy
     try:
         return _place_spindle(replace(problem, forced_islands=chosen), max_backtrack)
@@ -366,8 +366,7 @@ def _place_wave(problem: _Problem, wi: int, state: _State, mode: str) -> None:
     for pos, key in enumerate(order):
         sl = problem.info[key]
         pending = _Pending.of([scorers[k] for k in order[pos + 1:]], cluster)
-        forced = [problem.forced_islands.get((key, b)) for b in range(len(block_sizes(sl.n, cluster.gpus_per_node)))]
-        chosen = _place_slice(scorers[key], free_devices, pending, mode, forced)
+        chosen = _place_slice(scorers[key], free_devices, pending, mode, problem.forced_islands)
         for d in chosen:
             state.memory.forward(d, sl.memory)
             free_devices.discard(d)
@@ -581,7 +580,7 @@ def _greedy(pairs: list, wanted: int, out: dict[int, int], used: set[int]) -> di
 
 
 def _place_slice(scorer: _Scorer, free_devices: set[int], pending: _Pending, mode: str,
-                 forced: list[int | None] | None = None) -> list[int]:
+                 forced: dict[tuple[SliceKey, int], int] | None = None) -> list[int]:
     cluster = scorer.cluster
     sl = scorer.sl
     fitting = sorted(d for d in free_devices if scorer.free_after(d) >= 0)
@@ -600,7 +599,7 @@ def _place_slice(scorer: _Scorer, free_devices: set[int], pending: _Pending, mod
     for bi, size in enumerate(blocks):
         positions = range(start, start + size)
         start += size
-        island = forced[bi] if forced else None
+        island = forced.get((sl.key, bi)) if forced else None
         allowed = available if island is None or len(available.get(island, ())) < size else \
             {island: available[island]}
         picked = _pick_island(scorer, positions, allowed, free_count, blocks[bi + 1:], pending, mode)
