@@ -5,11 +5,13 @@ keep training and writing checkpoints, so a relaunch onto the same ``--save`` wo
 
 Two guards, both only under torchrun (``TORCHELASTIC_RUN_ID`` is set for its workers):
 
-- Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGTERM)``): the kernel sends SIGTERM when the
-  launcher exits, which ends a worker at once unless it handles SIGTERM (``--exit-signal-handler``);
+- Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``): the kernel ends the worker the moment
+  the launcher exits, whatever it is doing. Not SIGTERM: the watchdog and ``--exit-signal-handler`` handle
+  SIGTERM, and in the moment before a handled SIGTERM ends the process its main thread ran on, long enough to
+  commit a checkpoint save the launcher's death had interrupted (seen once in CI);
 - a daemon thread that polls the parent pid twice a second and, when the launcher is gone, prints one line and
   ends the process (``os._exit``: no clean-up can be trusted to finish without the launcher's store), which
-  also covers other systems and the handled-SIGTERM case.
+  covers other systems and a refused ``prctl``.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def exit_with_launcher(force: bool = False) -> None:
     if _started or not (force or under_torchrun()):
         return
     parent = os.getppid()
-    _set_parent_death_signal(signal.SIGTERM)
+    _set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent:  # it died while the signal was being armed
         _launcher_gone(parent)
     threading.Thread(target=_watch, args=(parent,), name="spindle-launcher-watch", daemon=True).start()
