@@ -39,7 +39,7 @@ from megatron_spindle.planner.assemble import assemble_plan
 from megatron_spindle.planner.light_levels import follow_neighbours
 from megatron_spindle.planner.memory_search import search_memory_options
 from megatron_spindle.planner.objective import estimate_iteration
-from megatron_spindle.planner.placement import PlacementError, place
+from megatron_spindle.planner.placement import PlacementError, place, place_on_islands
 from megatron_spindle.planner.schedule import LevelAllocation, ScheduledWave
 from megatron_spindle.planner.tails import settle_tail, settled_levels, tail_starts
 
@@ -388,15 +388,12 @@ WHOLE_SCHEDULE_ISLANDS = "chosen for the whole schedule (planner/islands.py)"  #
 def _on_whole_schedule_islands(best, workload: Workload, cluster: ClusterSpec, metagraph: MetaGraph,
                                config: PlannerConfig):
     """``best`` placed again on the islands chosen for the whole schedule (planner/placement.py
-    ``whole_schedule_islands``) where the planner's estimate of that placed plan is faster."""
+    ``place_on_islands``) where the planner's estimate of that placed plan is faster."""
     if not config.whole_schedule_islands or config.placement != "spindle" or best.placed_on.num_nodes < 2:
         return best
-    try:
-        placed = place(best.placed, best.metagraph, workload, best.placed_on, best.cost_model,
-                       best.memory_model_placed, strategy=config.placement, whole_schedule_islands=True)
-    except PlacementError:
-        return best
-    if all(a.devices == b.devices for w, v in zip(placed, best.placed) for a, b in zip(w.slices, v.slices)):
+    placed = place_on_islands(best.placed, best.metagraph, workload, best.placed_on, best.cost_model,
+                              best.memory_model_placed)
+    if placed is None:
         return best
     option = best.with_waves(placed, cluster, config)
     if option is None or option.estimate(workload, cluster, metagraph) >= best.estimate(workload, cluster, metagraph):

@@ -28,10 +28,10 @@ candidates, so an overflow falls back to worse-communication choices; when a wav
 is placed again memory-first ("balance"), then up to ``max_backtrack`` earlier waves are placed again
 memory-first. If that fails too, ``PlacementError`` names the wave, the MetaOp and the bytes.
 
-With ``whole_schedule_islands`` the islands of that greedy placement are chosen again for the whole schedule at
+``place_on_islands`` takes a placed schedule, chooses the islands of its slices again for the whole schedule at
 once (planner/islands.py: a wave-by-wave choice cannot see that a slice's island now decides where the next
-waves' slices of its MetaOp can go), and the slices are placed again inside them, each block on its island
-where the island has room for it.
+waves' slices of its MetaOp can go), and places the slices again inside them, each block on its island where
+the island has room for it.
 
 The "sequential" strategy is the paper's ablation baseline (Sp*): in each wave, slice after slice takes the
 next run of consecutive device ids.
@@ -108,13 +108,9 @@ def predicted_memory(waves: Sequence[ScheduledWave], metagraph: MetaGraph, memor
 
 def place(waves: Sequence[ScheduledWave], metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec,
           cost_model: FlowCostModel, memory_model: ShardedNumbers, strategy: str = "spindle",
-          max_backtrack: int = DEFAULT_MAX_BACKTRACK, critical_first: bool = False,
-          whole_schedule_islands: bool = False) -> list[ScheduledWave]:
+          max_backtrack: int = DEFAULT_MAX_BACKTRACK, critical_first: bool = False) -> list[ScheduledWave]:
     """Copies of ``waves`` with every slice's ``devices`` filled (any devices already set are replaced).
     ``critical_first``: inside a wave, the slices that set its length are placed first (module docstring).
-    ``whole_schedule_islands``: the islands of the greedy placement are then chosen again for the whole schedule
-    at once (planner/islands.py) and the slices placed inside them; the greedy placement where that changes
-    nothing or does not place.
 
     Deterministic: the same inputs give the same placement.
     """
@@ -124,12 +120,26 @@ def place(waves: Sequence[ScheduledWave], metagraph: MetaGraph, workload: Worklo
         raise PlacementError(f"max_backtrack must be a non-negative integer, got {max_backtrack!r}")
     _check_schedule(waves, metagraph, workload, cluster)
     problem = _Problem.build(waves, metagraph, cluster, cost_model, memory_model, critical_first)
-    if strategy == "sequential":
-        devices = _place_sequential(problem)
-    else:
-        devices = _place_spindle(problem, max_backtrack)
-        if whole_schedule_islands:
-            devices = _place_on_islands(problem, devices, max_backtrack)
+    devices = _place_sequential(problem) if strategy == "sequential" else _place_spindle(problem, max_backtrack)
+    return _with_devices(waves, devices)
+
+
+def place_on_islands(waves: Sequence[ScheduledWave], metagraph: MetaGraph, workload: Workload,
+                     cluster: ClusterSpec, cost_model: FlowCostModel, memory_model: ShardedNumbers,
+                     max_backtrack: int = DEFAULT_MAX_BACKTRACK) -> list[ScheduledWave] | None:
+    """The placed ``waves`` placed again (the "spindle" strategy) inside the islands ``assign_islands`` chooses
+    for the whole schedule, hinted by their own; None where that choice is no cheaper than theirs, or does not
+    place, or places every slice where it was."""
+    if any(len(s.devices or ()) != s.n for w in waves for s in w.slices):
+        raise PlacementError("place_on_islands needs a placed schedule: every slice's devices set")
+    _check_schedule(waves, metagraph, workload, cluster)
+    problem = _Problem.build(waves, metagraph, cluster, cost_model, memory_model)
+    placed = {(wi, si): list(s.devices) for wi, w in enumerate(waves) for si, s in enumerate(w.slices)}
+    devices = _place_on_islands(problem, placed, max_backtrack)
+    return None if devices is None or devices == placed else _with_devices(waves, devices)
+
+
+def _with_devices(waves: Sequence[ScheduledWave], devices: dict[SliceKey, list[int]]) -> list[ScheduledWave]:
     return [
         replace(w, slices=[replace(s, devices=list(devices[(wi, si)])) for si, s in enumerate(w.slices)])
         for wi, w in enumerate(waves)
@@ -308,14 +318,14 @@ def _place_spindle(problem: _Problem, max_backtrack: int) -> dict[SliceKey, list
     return snapshots[num_waves].devices
 
 
-def _place_on_islands(problem: _Problem, greedy: dict[SliceKey, list[int]],
-                      max_backtrack: int) -> dict[SliceKey, list[int]]:
+def _place_on_islands(problem: _Problem, placed: dict[SliceKey, list[int]],
+                      max_backtrack: int) -> dict[SliceKey, list[int]] | None:
     """The slices placed again inside the islands ``assign_islands`` chooses for the whole schedule, hinted by
-    the ``greedy`` placement's; ``greedy`` where the choice is the same or does not place."""
+    those of the ``placed`` devices; None where the choice is no cheaper or does not place."""
     cluster = problem.cluster
     gpn = cluster.gpus_per_node
     hint = {}
-    for key, devs in greedy.items():
+    for key, devs in placed.items():
         s = problem.info[key].sched
         for b, (start, size, _, _) in enumerate(slice_blocks(s.n, s.tp, s.dp, gpn)):
             islands = [cluster.island(d) for d in devs[start:start + size]]
@@ -328,12 +338,12 @@ def _place_on_islands(problem: _Problem, greedy: dict[SliceKey, list[int]],
          for key, sl in problem.info.items()},
         [[(wi, si) for si in range(len(w.slices))] for wi, w in enumerate(problem.waves)],
         cluster.num_nodes, gpn, hint)
-    if chosen is None:  # nothing cheaper than the greedy islands
-        return greedy
+    if chosen is None:  # nothing cheaper than the islands as placed
+        return None
     try:
         return _place_spindle(replace(problem, forced_islands=chosen), max_backtrack)
     except PlacementError:
-        return greedy
+        return None
 
 
 def _overflow_error(sl: _SliceInfo, memory: DeviceMemory, candidates: list[int], what: str) -> PlacementError:

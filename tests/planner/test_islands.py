@@ -11,7 +11,7 @@ from test_placement import devices_of, graph, hand_workload, models, op, sl, wav
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.planner.assemble import assemble_plan
 from megatron_spindle.planner.islands import assign_islands, slice_blocks
-from megatron_spindle.planner.placement import place
+from megatron_spindle.planner.placement import PlacementError, place, place_on_islands
 
 
 def test_blocks_are_whole_nodes_and_carry_their_rows():
@@ -97,8 +97,9 @@ def test_whole_schedule_islands_keep_the_flows_a_greedy_wave_cuts():
     w = hand_workload(list(g.metaops.values()))
     cost, memory = models(w, cluster)
     plans = {}
+    greedy = place(schedule, g, w, cluster, cost, memory)
     for whole in (False, True):
-        out = place(schedule, g, w, cluster, cost, memory, whole_schedule_islands=whole)
+        out = place_on_islands(greedy, g, w, cluster, cost, memory) if whole else greedy
         for wave in out:
             used = [d for s in wave.slices for d in s.devices]
             assert len(used) == len(set(used))
@@ -112,15 +113,19 @@ def test_whole_schedule_islands_keep_the_flows_a_greedy_wave_cuts():
     assert cluster.island(devices_of(out, "q/top", 2)[0]) == cluster.island(devices_of(out, "q/enc", 1)[0])
 
 
-def test_one_node_or_islands_the_greedy_chose_well_place_as_the_greedy():
+def test_one_node_or_islands_already_the_best_are_not_placed_again():
     g, schedule, _ = shared_tower_case()
     w = hand_workload(list(g.metaops.values()))
     one_node = make_cluster(4, 4, "CPU")
     cost, memory = models(w, one_node)
-    assert place(schedule, g, w, one_node, cost, memory, whole_schedule_islands=True) == \
-        place(schedule, g, w, one_node, cost, memory)
+    assert place_on_islands(place(schedule, g, w, one_node, cost, memory), g, w, one_node, cost, memory) is None
     # without the third wave nothing forces a flow across nodes: the greedy islands are already the best
     two_nodes = make_cluster(4, 2, "CPU")
     cost, memory = models(w, two_nodes)
-    assert place(schedule[:2], g, w, two_nodes, cost, memory, whole_schedule_islands=True) == \
-        place(schedule[:2], g, w, two_nodes, cost, memory)
+    assert place_on_islands(place(schedule[:2], g, w, two_nodes, cost, memory), g, w, two_nodes, cost,
+                            memory) is None
+    # the hint is the placement given, not a fresh greedy one: islands already chosen whole are not chosen again
+    whole = place_on_islands(place(schedule, g, w, two_nodes, cost, memory), g, w, two_nodes, cost, memory)
+    assert whole is not None and place_on_islands(whole, g, w, two_nodes, cost, memory) is None
+    with pytest.raises(PlacementError, match="placed schedule"):
+        place_on_islands(schedule, g, w, two_nodes, cost, memory)
