@@ -252,7 +252,7 @@ def test_killed_launcher_during_a_save_takes_its_workers_and_the_next_save_clean
     os.kill(job.proc.pid, signal.SIGKILL)
     job.proc.wait(timeout=30)
     for p in pids:
-        os.kill(p, signal.SIGCONT)  # the parent-death signal waits for them to run again
+        os.kill(p, signal.SIGCONT)  # SIGKILL (parent death) ends stopped workers too; the watch thread needs them running
     assert _gone_within(pids, 10) < 10
     assert read_latest(save) == previous and (save / stale[0]).is_dir()
     assert load_checkpoint(save).iteration == previous  # the previous checkpoint loads
