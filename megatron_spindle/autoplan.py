@@ -14,9 +14,11 @@ Candidates (``candidate_configs``; with ``--spindle-select none`` only the confi
   on sync-aware curves, with the early backward, with memory unlimited) also with each heavy level's last waves
   settled into one (``+tails``, planner/tails.py) where the planner's estimate of the placed plan is faster:
   its light levels pinned can still lose to the unsettled plan's, so the simulator decides;
-- every planning run here on several nodes also with the islands of its placement chosen for the whole
-  schedule at once (planner/islands.py), where the planner's estimate of the placed plan is faster: a choice
-  wave by wave cannot see that a slice's island decides where its MetaOp's next slices can go;
+- every planning run here on several nodes with the islands of its placement chosen for the whole schedule at
+  once (planner/islands.py), where the planner's estimate of the placed plan is faster: a choice wave by wave
+  cannot see that a slice's island decides where its MetaOp's next slices can go; and then also on its greedy
+  placement's islands (``+greedy-islands``): the variants below (light levels pinned, ZeRO, buckets) can turn
+  the estimate's preference around, so the simulator decides;
 - on several nodes, the greedy plan with every slice inside one node (``max_slice_devices``): its collectives
   and hand-offs stay on NVLink, at some cost in balance;
 - on several nodes, the configured planner with sync-aware curves (``--spindle-sync-aware``): each
@@ -173,13 +175,13 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
             continue
         planned.append((name, result, time.perf_counter() - started))
     variant_seconds = sum(secs for _, _, secs in planned[1:])  # a settled plan is made in its planner's run
-    planned = with_settled(planned)
+    planned = with_variants(planned)
     _report(say, "the planners' variants", len(planned) - 1, variant_seconds)
     add = functools.partial(_add_candidates, planned, say)
     # (name, config, result, seconds) of the configured planner's runs: planned[0] is its plan (it raises, never skips)
     runs = [(planned[0][0], configs[0][1], planned[0][1], planned[0][2])] if planned else []
     runs += _sync_aware_run(workload, cluster, configs[0][1], profile, planned, placements)
-    sync_aware = with_settled([(name, result, secs) for name, _, result, secs in runs[1:]])
+    sync_aware = with_variants([(name, result, secs) for name, _, result, secs in runs[1:]])
     _report(say, "sync-aware curves", len(sync_aware), sum(secs for _, _, _, secs in runs[1:]))
     planned += sync_aware
     add("early backward", lambda: _early_backward_candidates(workload, cluster, profile, runs, placements))
@@ -195,11 +197,18 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
     return out
 
 
-def with_settled(planned: list[tuple[str, PlanningResult, float]]) -> list[tuple[str, PlanningResult, float]]:
-    """Each planned ``(name, result, seconds)`` followed by ``(name+tails, ...)``, its plan with level tails settled
-    into one wave (planner/tails.py), where its planner made one (``PlanningResult.settled``)."""
-    return [entry for name, result, secs in planned
-            for entry in [(name, result, secs)] + ([(f"{name}+tails", result.settled, secs)] if result.settled else [])]
+def with_variants(planned: list[tuple[str, PlanningResult, float]]) -> list[tuple[str, PlanningResult, float]]:
+    """Each planned ``(name, result, seconds)`` followed by the variants its planner made beside it: ``name+tails``,
+    its plan with level tails settled into one wave (planner/tails.py, ``PlanningResult.settled``), and, of each,
+    ``+greedy-islands``, the plan on its placement's own islands where whole-schedule islands replaced them
+    (planner/islands.py, ``PlanningResult.greedy_islands``)."""
+    out = []
+    for name, result, secs in planned:
+        for tag, r in [("", result)] + ([("+tails", result.settled)] if result.settled else []):
+            out.append((name + tag, r, secs))
+            if r.greedy_islands is not None:
+                out.append((f"{name}{tag}+greedy-islands", r.greedy_islands, secs))
+    return out
 
 
 def _report(say: Callable[[str], None], what: str, count: int, seconds: float) -> None:
@@ -270,7 +279,7 @@ def _early_backward_candidates(workload: Workload, cluster: ClusterSpec, profile
         except PlanError:
             continue
         out.append((f"{name}+early-backward", early, time.perf_counter() - started))
-    return with_settled(out)
+    return with_variants(out)
 
 
 def _node_group_candidates(workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
@@ -457,7 +466,7 @@ def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: Plan
         unlimited += [(name, aware, secs) for name, _, aware, secs
                       in _sync_aware_run(workload, roomy, plain, profile, unlimited[-1:])]
     unlimited += _node_group_candidates(workload, roomy, configured, profile, unlimited, sim_cost_model)
-    unlimited = with_settled([(f"{name}-unlimited", result, secs) for name, result, secs in unlimited])
+    unlimited = with_variants([(f"{name}-unlimited", result, secs) for name, result, secs in unlimited])
     unlimited += _pinned_candidates(workload, roomy, config, unlimited)  # pinned where the memory is there
     return [candidate for name, result, secs in unlimited
             for candidate in _fitted(name, result.plan, workload, cluster, config, first, secs)]

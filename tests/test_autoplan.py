@@ -14,6 +14,7 @@ from megatron_spindle.autoplan import (
     autoplan,
     relaxed_optimum,
     select_fastest,
+    with_variants,
 )
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.workload import load_workload
@@ -231,3 +232,20 @@ def test_relaxed_optimum_bounds_the_waves_of_every_planner(name, gpus):
         assert bound <= plan.predicted["c_star"] * (1 + 1e-9) and bound < plan.predicted["iteration_time"], planner
         if name == "ofasys-7":
             assert plan.predicted["c_star"] > 1.03 * bound, planner
+
+
+def test_the_variants_a_planner_made_beside_its_plan_are_candidates_by_name():
+    """``with_variants``: a plan, its settled tails, and of each the plan on its greedy placement's islands where
+    whole-schedule islands replaced them; the variants keep their run's planning seconds."""
+    from types import SimpleNamespace
+
+    def result(settled=None, greedy_islands=None):
+        return SimpleNamespace(settled=settled, greedy_islands=greedy_islands)
+
+    plain, tails_greedy = result(), result()
+    tails = result(greedy_islands=tails_greedy)
+    whole = result(settled=tails, greedy_islands=plain)
+    out = with_variants([("cpsat", whole, 3.0), ("wavefront", result(), 1.0)])
+    assert [(name, r, secs) for name, r, secs in out] == [
+        ("cpsat", whole, 3.0), ("cpsat+greedy-islands", plain, 3.0), ("cpsat+tails", tails, 3.0),
+        ("cpsat+tails+greedy-islands", tails_greedy, 3.0), ("wavefront", out[4][1], 1.0)]

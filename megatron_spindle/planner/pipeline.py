@@ -262,6 +262,10 @@ class PlanningResult:
     # with ``settle_tails``: the same plan with level tails settled into one wave (planner/tails.py), where the
     # planner's estimate prefers it; plan selection times both (the estimate cannot see the variants it makes)
     settled: PlanningResult | None = None
+    # where whole-schedule islands (planner/islands.py) replaced the placement's own, the plan placed without them:
+    # the planner's estimate is of the plan as planned, and the variants plan selection makes of it (light levels
+    # pinned, ZeRO, buckets) can lose by them, so plan selection times both
+    greedy_islands: PlanningResult | None = None
 
 
 def make_plan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | None = None,
@@ -348,16 +352,12 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
                                       best.cost_model, best.memory_model_placed, config)
         refined = best.with_waves(relaid, cluster, config) if relaid is not best.placed else None
         best = refined or best
-    placed = _on_whole_schedule_islands(best, workload, cluster, metagraph, config)
-    best_notes = {"islands": WHOLE_SCHEDULE_ISLANDS} if placed is not best else {}
-    best = placed
+    best_greedy_islands, best = best, _on_whole_schedule_islands(best, workload, cluster, metagraph, config)
     lap("islands")
     settled = _settle_tails(best, workload, cluster, metagraph, config) if config.settle_tails else best
-    settled_notes = {}
+    settled_greedy_islands = settled
     if settled is not best:  # placed again by the tail search: its islands are the greedy placement's
-        placed = _on_whole_schedule_islands(settled, workload, cluster, metagraph, config)
-        settled_notes = {"islands": WHOLE_SCHEDULE_ISLANDS} if placed is not settled else {}
-        settled = placed
+        settled = _on_whole_schedule_islands(settled, workload, cluster, metagraph, config)
     lap("tails")
 
     def finish(chosen, notes: dict) -> PlanningResult:
@@ -372,11 +372,19 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
         return PlanningResult(plan, metagraph, chosen.curves, chosen.level_allocs, greedy, chosen.cost_model,
                               chosen.memory_model, timings, solver)
 
-    result = finish(best, best_notes)
+    def finish_both(chosen, greedy_islands, notes: dict) -> PlanningResult:
+        if chosen is greedy_islands:
+            return finish(chosen, notes)
+        out = finish(chosen, {**notes, "islands": WHOLE_SCHEDULE_ISLANDS})
+        out.greedy_islands = finish(greedy_islands, notes)
+        return out
+
+    result = finish_both(best, best_greedy_islands, {})
     if settled is not best:
-        result.settled = finish(settled, {"memory_options": settled.describe(), "settled_tails": True, **settled_notes})
+        result.settled = finish_both(settled, settled_greedy_islands,
+                                     {"memory_options": settled.describe(), "settled_tails": True})
     lap("assemble")
-    for r in (result, result.settled):
+    for r in (result, result.greedy_islands, result.settled, result.settled and result.settled.greedy_islands):
         if r is not None:
             r.plan.planner["planning_seconds"] = sum(timings.values())
     return result
@@ -388,17 +396,27 @@ WHOLE_SCHEDULE_ISLANDS = "chosen for the whole schedule (planner/islands.py)"  #
 def _on_whole_schedule_islands(best, workload: Workload, cluster: ClusterSpec, metagraph: MetaGraph,
                                config: PlannerConfig):
     """``best`` placed again on the islands chosen for the whole schedule (planner/placement.py
-    ``place_on_islands``) where the planner's estimate of that placed plan is faster."""
+    ``place_on_islands``) where the planner's estimate of that placed plan is faster. The islands model is a
+    short search from a hint: it starts from ``best``'s own placement and, where that differs (a settled tail is
+    placed with its critical slices first), from the plain greedy placement of the same waves too."""
     if not config.whole_schedule_islands or config.placement != "spindle" or best.placed_on.num_nodes < 2:
         return best
-    placed = place_on_islands(best.placed, best.metagraph, workload, best.placed_on, best.cost_model,
-                              best.memory_model_placed)
-    if placed is None:
+    args = (best.metagraph, workload, best.placed_on, best.cost_model, best.memory_model_placed)
+    hints = [best.placed]
+    try:
+        greedy = place(best.placed, *args, strategy=config.placement)
+    except PlacementError:
+        greedy = None
+    if greedy is not None and any(a.devices != b.devices for w, v in zip(greedy, best.placed)
+                                  for a, b in zip(w.slices, v.slices)):
+        hints.append(greedy)
+    options = [best.with_waves(placed, cluster, config) for placed in (place_on_islands(h, *args) for h in hints)
+               if placed is not None]
+    fastest = min((o for o in options if o is not None), key=lambda o: o.estimate(workload, cluster, metagraph),
+                  default=None)
+    if fastest is None or fastest.estimate(workload, cluster, metagraph) >= best.estimate(workload, cluster, metagraph):
         return best
-    option = best.with_waves(placed, cluster, config)
-    if option is None or option.estimate(workload, cluster, metagraph) >= best.estimate(workload, cluster, metagraph):
-        return best
-    return option
+    return fastest
 
 
 def _settle_tails(best, workload: Workload, cluster: ClusterSpec, metagraph: MetaGraph, config: PlannerConfig):

@@ -259,9 +259,14 @@ def test_whole_schedule_islands_are_kept_where_the_estimate_is_faster():
     from megatron_spindle.graph.workload import load_workload
 
     w, c = load_workload("clip-4"), make_cluster(16)
-    plans = {on: plan_workload(w, c, PlannerConfig(planner="wavefront", select="none", whole_schedule_islands=on)).plan
-             for on in (False, True)}
+    results = {on: plan_workload(w, c, PlannerConfig(planner="wavefront", select="none", whole_schedule_islands=on))
+               for on in (False, True)}
+    plans = {on: r.plan for on, r in results.items()}
     off, on = plans[False].predicted, plans[True].predicted
+    # the plan on the greedy placement's islands comes beside, for plan selection to time (autoplan.with_variants)
+    assert results[False].greedy_islands is None
+    assert results[True].greedy_islands.plan.waves == plans[False].waves
+    assert "islands" not in results[True].greedy_islands.plan.planner
     assert on["inter_island_bytes"] < 0.8 * off["inter_island_bytes"]
     assert on["planner_estimate"] < off["planner_estimate"]
     assert "whole schedule" in plans[True].planner["islands"] and "islands" not in plans[False].planner
