@@ -396,24 +396,13 @@ WHOLE_SCHEDULE_ISLANDS = "chosen for the whole schedule (planner/islands.py)"  #
 def _on_whole_schedule_islands(best, workload: Workload, cluster: ClusterSpec, metagraph: MetaGraph,
                                config: PlannerConfig):
     """``best`` placed again on the islands chosen for the whole schedule (planner/placement.py
-    ``place_on_islands``) where the planner's estimate of that placed plan is faster. The islands model is a
-    short search from a hint: it starts from ``best``'s own placement and, where that differs (a settled tail is
-    placed with its critical slices first), from the plain greedy placement of the same waves too."""
+    ``place_on_islands``, one placement per hint) where the planner's estimate of that placed plan is faster."""
     if not config.whole_schedule_islands or config.placement != "spindle" or best.placed_on.num_nodes < 2:
         return best
-    args = (best.metagraph, workload, best.placed_on, best.cost_model, best.memory_model_placed)
-    hints = [best.placed]
-    try:
-        greedy = place(best.placed, *args, strategy=config.placement)
-    except PlacementError:
-        greedy = None
-    if greedy is not None and any(a.devices != b.devices for w, v in zip(greedy, best.placed)
-                                  for a, b in zip(w.slices, v.slices)):
-        hints.append(greedy)
-    options = [best.with_waves(placed, cluster, config) for placed in (place_on_islands(h, *args) for h in hints)
-               if placed is not None]
-    fastest = min((o for o in options if o is not None), key=lambda o: o.estimate(workload, cluster, metagraph),
-                  default=None)
+    placements = place_on_islands(best.placed, best.metagraph, workload, best.placed_on, best.cost_model,
+                                  best.memory_model_placed)
+    options = [o for o in (best.with_waves(placed, cluster, config) for placed in placements) if o is not None]
+    fastest = min(options, key=lambda o: o.estimate(workload, cluster, metagraph), default=None)
     if fastest is None or fastest.estimate(workload, cluster, metagraph) >= best.estimate(workload, cluster, metagraph):
         return best
     return fastest

@@ -126,17 +126,29 @@ def place(waves: Sequence[ScheduledWave], metagraph: MetaGraph, workload: Worklo
 
 def place_on_islands(waves: Sequence[ScheduledWave], metagraph: MetaGraph, workload: Workload,
                      cluster: ClusterSpec, cost_model: FlowCostModel, memory_model: ShardedNumbers,
-                     max_backtrack: int = DEFAULT_MAX_BACKTRACK) -> list[ScheduledWave] | None:
+                     max_backtrack: int = DEFAULT_MAX_BACKTRACK) -> list[list[ScheduledWave]]:
     """The placed ``waves`` placed again (the "spindle" strategy) inside the islands ``assign_islands`` chooses
-    for the whole schedule, hinted by their own; None where that choice is no cheaper than theirs, or does not
-    place, or places every slice where it was."""
+    for the whole schedule, once per hint: their own islands and, where it differs (a schedule placed
+    critical-first), the plain greedy placement's; the model is a short search from its hint. Empty where no
+    choice is cheaper than its hint, or places, or moves a slice."""
     if any(len(s.devices or ()) != s.n for w in waves for s in w.slices):
         raise PlacementError("place_on_islands needs a placed schedule: every slice's devices set")
     _check_schedule(waves, metagraph, workload, cluster)
     problem = _Problem.build(waves, metagraph, cluster, cost_model, memory_model)
     placed = {(wi, si): list(s.devices) for wi, w in enumerate(waves) for si, s in enumerate(w.slices)}
-    devices = _place_on_islands(problem, placed, max_backtrack)
-    return None if devices is None or devices == placed else _with_devices(waves, devices)
+    hints = [placed]
+    try:
+        greedy = _place_spindle(problem, max_backtrack)
+    except PlacementError:
+        greedy = placed
+    if greedy != placed:
+        hints.append(greedy)
+    out: list[dict[SliceKey, list[int]]] = []
+    for hint in hints:
+        devices = _place_on_islands(problem, hint, max_backtrack)
+        if devices is not None and devices not in (placed, hint) and devices not in out:
+            out.append(devices)
+    return [_with_devices(waves, devices) for devices in out]
 
 
 def _with_devices(waves: Sequence[ScheduledWave], devices: dict[SliceKey, list[int]]) -> list[ScheduledWave]:

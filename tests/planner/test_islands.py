@@ -99,7 +99,7 @@ def test_whole_schedule_islands_keep_the_flows_a_greedy_wave_cuts():
     plans = {}
     greedy = place(schedule, g, w, cluster, cost, memory)
     for whole in (False, True):
-        out = place_on_islands(greedy, g, w, cluster, cost, memory) if whole else greedy
+        out = place_on_islands(greedy, g, w, cluster, cost, memory)[0] if whole else greedy
         for wave in out:
             used = [d for s in wave.slices for d in s.devices]
             assert len(used) == len(set(used))
@@ -118,14 +118,14 @@ def test_one_node_or_islands_already_the_best_are_not_placed_again():
     w = hand_workload(list(g.metaops.values()))
     one_node = make_cluster(4, 4, "CPU")
     cost, memory = models(w, one_node)
-    assert place_on_islands(place(schedule, g, w, one_node, cost, memory), g, w, one_node, cost, memory) is None
+    assert place_on_islands(place(schedule, g, w, one_node, cost, memory), g, w, one_node, cost, memory) == []
     # without the third wave nothing forces a flow across nodes: the greedy islands are already the best
     two_nodes = make_cluster(4, 2, "CPU")
     cost, memory = models(w, two_nodes)
     assert place_on_islands(place(schedule[:2], g, w, two_nodes, cost, memory), g, w, two_nodes, cost,
-                            memory) is None
+                            memory) == []
     # the hint is the placement given, not a fresh greedy one: islands already chosen whole are not chosen again
     whole = place_on_islands(place(schedule, g, w, two_nodes, cost, memory), g, w, two_nodes, cost, memory)
-    assert whole is not None and place_on_islands(whole, g, w, two_nodes, cost, memory) is None
+    assert len(whole) == 1 and place_on_islands(whole[0], g, w, two_nodes, cost, memory) == []
     with pytest.raises(PlacementError, match="placed schedule"):
         place_on_islands(schedule, g, w, two_nodes, cost, memory)
