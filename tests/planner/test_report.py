@@ -119,7 +119,8 @@ def test_gantt_shades_and_names_the_predicted_iteration_after_the_waves():
     from megatron_spindle.autoplan import autoplan
     from megatron_spindle.plan.timeline import makespan
 
-    plan = autoplan(load_workload("clip-4"), make_cluster(32), PlannerConfig(planner="wavefront")).plan
+    # tiny-clip on 4 devices: its gradient sync hardly hides behind a backward this short (a 2.4 % tail, under a millisecond)
+    plan = autoplan(load_workload("tiny-clip"), make_cluster(4), PlannerConfig(planner="wavefront")).plan
     end, waves_end = plan.predicted["iteration_time"], makespan(plan)
     assert end > 1.02 * waves_end
     fig, ax = gantt_figure(plan)
@@ -130,7 +131,7 @@ def test_gantt_shades_and_names_the_predicted_iteration_after_the_waves():
             ([spans[0].get_x(), spans[0].get_x() + spans[0].get_width()] if isinstance(spans[0], Rectangle) else [])
         assert min(xs) == pytest.approx(waves_end * 1e3) and max(xs) == pytest.approx(end * 1e3)
         texts = [t.get_text() for t in ax.texts if t.get_text().startswith("after the waves: ")]
-        assert texts == [f"after the waves: {(end - waves_end) * 1e3:.2f} ms\n(exposed gradient sync, optimizer step)"]
+        assert texts == [f"after the waves: {(end - waves_end) * 1e6:.2f} us\n(exposed gradient sync, optimizer step)"]
     finally:
         plt.close(fig)
     plain = make_plan(load_workload("tiny-clip"), make_cluster(4), PlannerConfig(planner="wavefront"))
