@@ -534,7 +534,9 @@ def _validate_options(where: str, m: ModuleSpec) -> None:
     """The numerics options of a module: known values, and only where the module has the part they change."""
     if m.activation is not None:
         if m.activation not in ACTIVATIONS:
-            raise WorkloadError(f"{where}: unknown activation {m.activation!r} (expected one of {ACTIVATIONS})")
+            raise WorkloadError(f"{where}: unknown activation {m.activation!r} (expected one of "
+                                f"{', '.join(ACTIVATIONS)}; an llm module's MLP is gated, so silu there is "
+                                f"SwiGLU, Megatron's --swiglu)")
         if not m.has_layers:
             raise WorkloadError(f"{where}: activation applies to encoder/llm layers, not a {m.kind}")
     if not isinstance(m.qkv_bias, bool):

@@ -126,6 +126,8 @@ def test_unshared_module_gets_per_task_weights():
 
 @pytest.mark.parametrize("edits, message", [
     ({"modules.vision.activation": "relu"}, "module 'vision': unknown activation 'relu'"),
+    ({"modules.llm.activation": "swiglu"}, "unknown activation 'swiglu' (expected one of gelu, quick_gelu, silu; "
+                                           "an llm module's MLP is gated, so silu there is SwiGLU"),
     ({"modules.proj.activation": "silu"}, "module 'proj': activation applies to encoder/llm layers, not a projector"),
     ({"modules.vision.qkv_bias": True}, "module 'vision': qkv_bias is for llm modules"),
     ({"modules.llm.qkv_bias": "yes"}, "module 'llm': qkv_bias must be true or false, got 'yes'"),
