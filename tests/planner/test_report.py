@@ -119,7 +119,8 @@ def test_gantt_shades_and_names_the_predicted_iteration_after_the_waves():
     from megatron_spindle.autoplan import autoplan
     from megatron_spindle.plan.timeline import makespan
 
-    # tiny-clip on 4 devices: its gradient sync hardly hides behind a backward this short (a 2.4 % tail, under a millisecond)
+    # tiny-clip on 4 devices: its gradient sync hardly hides behind a backward this short (a 2.4 % tail, under
+    # a millisecond)
     plan = autoplan(load_workload("tiny-clip"), make_cluster(4), PlannerConfig(planner="wavefront")).plan
     end, waves_end = plan.predicted["iteration_time"], makespan(plan)
     assert end > 1.02 * waves_end
