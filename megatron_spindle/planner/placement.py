@@ -129,8 +129,9 @@ def place_on_islands(waves: Sequence[ScheduledWave], metagraph: MetaGraph, workl
                      max_backtrack: int = DEFAULT_MAX_BACKTRACK) -> list[list[ScheduledWave]]:
     """The placed ``waves`` placed again (the "spindle" strategy) inside the islands ``assign_islands`` chooses
     for the whole schedule, once per hint: their own islands and, where it differs (a schedule placed
-    critical-first), the plain greedy placement's; the model is a short search from its hint. Empty where no
-    choice is cheaper than its hint, or places, or moves a slice."""
+    critical-first), the plain greedy placement's; the model is a short search from its hint. Each re-placement
+    is returned once, where it places, is cheaper than its hint and differs from both the schedule and its hint;
+    empty where there is none."""
     if any(len(s.devices or ()) != s.n for w in waves for s in w.slices):
         raise PlacementError("place_on_islands needs a placed schedule: every slice's devices set")
     _check_schedule(waves, metagraph, workload, cluster)
