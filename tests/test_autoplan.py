@@ -245,7 +245,8 @@ def test_the_variants_a_planner_made_beside_its_plan_are_candidates_by_name():
     plain, tails_greedy = result(), result()
     tails = result(greedy_islands=tails_greedy)
     whole = result(settled=tails, greedy_islands=plain)
-    out = with_variants([("cpsat", whole, 3.0), ("wavefront", result(), 1.0)])
+    wavefront = result()
+    out = with_variants([("cpsat", whole, 3.0), ("wavefront", wavefront, 1.0)])
     assert [(name, r, secs) for name, r, secs in out] == [
         ("cpsat", whole, 3.0), ("cpsat+greedy-islands", plain, 3.0), ("cpsat+tails", tails, 3.0),
-        ("cpsat+tails+greedy-islands", tails_greedy, 3.0), ("wavefront", out[4][1], 1.0)]
+        ("cpsat+tails+greedy-islands", tails_greedy, 3.0), ("wavefront", wavefront, 1.0)]
