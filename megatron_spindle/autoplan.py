@@ -546,7 +546,8 @@ def _task_sequential(workload: Workload, cluster: ClusterSpec, config: PlannerCo
 
         started = time.perf_counter()
         try:
-            seq, _, cost, memory = with_memory_options(build, workload, cluster, metagraph=first.metagraph)
+            seq, _, cost, memory = with_memory_options(build, workload, cluster, config.micro_batches,
+                                                       metagraph=first.metagraph)
         except PlanError:
             return out
         seq.predicted.update(estimate_iteration(seq, first.metagraph, cluster, cost).as_predicted())

@@ -5,20 +5,22 @@ gives it the options Spindle's planner has: for each micro-batch count m it plan
 micro-batch's batch (every task's batch / m), takes that plan back to the workload with m micro-batches
 (``retarget``: the same waves, the workload's MetaOp records and whole-batch transfers), then gives every layer
 slice the cheapest recomputation whose memory fits, in the plan's own order (planner/memory_options.py), and
-keeps the fastest plan the simulator times that fits.
+keeps the fastest plan the simulator times that fits. The counts follow Spindle's rule
+(plan/layout.py micro_batch_choices): 1, 2 and 4 under auto, 1 alone where a task has a contrastive loss (whose
+negatives micro-batches would shrink), N as given.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.derive import derive_transfers, metaop_infos
-from megatron_spindle.plan.layout import micro_batch_metaop
+from megatron_spindle.plan.layout import micro_batch_choices, micro_batch_metaop
 from megatron_spindle.plan.memory import ZeroSharded, plan_memory
 from megatron_spindle.plan.order import slice_order
 from megatron_spindle.plan.schema import Plan, PlanError, Recompute
@@ -72,18 +74,20 @@ def with_cheapest_recompute(plan: Plan, metagraph: MetaGraph, cost_model, memory
 
 
 def with_memory_options(build: Callable, workload: Workload, cluster: ClusterSpec,
-                        micro_batches: Sequence[int] = MICRO_BATCHES, metagraph: MetaGraph | None = None,
+                        micro_batches: str = "auto", metagraph: MetaGraph | None = None,
                         ) -> tuple[Plan, SimResult, AnalyticCostModel, MemoryModel]:
     """The fastest simulated plan of ``build(workload, cluster, ctx)`` (a baseline planner) over the micro-batch
-    counts that divide every batch, each with the cheapest recomputation per slice that fits (module
-    docstring); with the models it was timed with. Raises PlanError when none fits."""
+    counts of ``--spindle-micro-batches micro_batches`` that divide every batch, each with the cheapest
+    recomputation per slice that fits (module docstring); with the models it was timed with. Raises PlanError
+    when none fits."""
     from megatron_spindle.baselines.systems import BaselineContext
 
     g = metagraph or build_metagraph(workload)
     cost = AnalyticCostModel(workload, cluster)
     memory = MemoryModel(workload, cluster, cost)
     best = None
-    for m in micro_batches:
+    counts = micro_batch_choices(micro_batches, g.metaops.values(), MICRO_BATCHES)
+    for m in counts:
         if any(t.batch_size % m for t in workload.tasks):
             continue
         small = micro_workload(workload, m)
@@ -97,5 +101,5 @@ def with_memory_options(build: Callable, workload: Workload, cluster: ClusterSpe
         if best is None or sim.iteration_time < best[1].iteration_time:
             best = (plan, sim)
     if best is None:
-        raise PlanError(f"no micro-batch count of {list(micro_batches)} and no recomputation fits device memory")
+        raise PlanError(f"no micro-batch count of {counts} and no recomputation fits device memory")
     return best[0], best[1], cost, memory

@@ -1,5 +1,5 @@
 """Where things live in a plan: a data-parallel rank's sample rows (and a device's rows of a task's batch over
-the micro-batches), the parameter units of a slice, the producer/consumer slice pairs a plan needs, and the
+the micro-batches, and which micro-batch counts a plan may use), the parameter units of a slice, the producer/consumer slice pairs a plan needs, and the
 parameter device groups.
 
 The functions take any slice with the plan's geometry (``metaop``, ``layer_start``, ``layer_end``, ``tp``,
@@ -10,7 +10,7 @@ simulator and the runtime apply the same rules to what they hold.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 from megatron_spindle.graph.opgraph import MetaGraph, MetaOp
@@ -42,6 +42,23 @@ def micro_batch_metaop(metaop: MetaOp, micro_batches: int) -> MetaOp:
     if b % micro_batches:
         raise ValueError(f"MetaOp '{metaop.id}': {micro_batches} micro-batches do not divide its batch {b}")
     return dataclasses.replace(metaop, input_shape=(b // micro_batches, *rest))
+
+
+def batch_coupled_tasks(metaops: Iterable) -> list[str]:
+    """Tasks whose loss couples the samples of a batch: a contrastive loss (its MetaOp of kind ``loss``) takes each
+    sample's negatives from the rest of the batch, so m micro-batches change the loss itself (a softmax over B/m
+    samples instead of B), where an LM loss, a sum over tokens, stays the same sum. Takes the MetaGraph's MetaOps
+    or a plan's MetaOp records."""
+    return sorted({m.task for m in metaops if m.kind == "loss"})
+
+
+def micro_batch_choices(setting: str, metaops: Iterable, auto_counts: Sequence[int]) -> list[int]:
+    """The micro-batch counts a plan may use under ``--spindle-micro-batches setting``: N as given; auto: the
+    planner's or baseline's ``auto_counts``, or 1 alone where a task's loss couples its batch
+    (``batch_coupled_tasks``): chosen for memory, micro-batches must not change what is trained."""
+    if setting != "auto":
+        return [int(setting)]
+    return [1] if batch_coupled_tasks(metaops) else list(auto_counts)
 
 
 def position_rows(position: int, tp: int, dp: int, batch: int) -> tuple[int, int]:

@@ -19,7 +19,7 @@ from megatron_spindle.estimator.profiled import planning_cost_model, profile_poi
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.layout import micro_batch_metaop
+from megatron_spindle.plan.layout import batch_coupled_tasks, micro_batch_choices, micro_batch_metaop
 from megatron_spindle.plan.memory import SliceMemory, ZeroSharded, slice_memory
 from megatron_spindle.plan.order import default_order, early_backward_order, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings, PlanError, Recompute, execution_choices
@@ -175,19 +175,19 @@ def memory_rungs(config: PlannerConfig, policy: RecomputePolicy) -> list[tuple[i
 
 def micro_batch_candidates(config: PlannerConfig, metagraph: MetaGraph) -> list[int]:
     """Micro-batch counts to try, smallest first: each divides every MetaOp's batch (auto: the divisors of
-    their gcd, thinned to roughly doubling steps, the gcd itself last)."""
+    their gcd, thinned to roughly doubling steps, the gcd itself last; 1 alone where a task's loss couples its
+    batch, plan/layout.py micro_batch_choices)."""
     common = math.gcd(*{m.batch for m in metagraph.metaops.values()})
     if config.micro_batches != "auto":
         n = int(config.micro_batches)
         if common % n:
             batches = sorted({m.batch for m in metagraph.metaops.values()})
             raise PlanError(f"--spindle-micro-batches {n} does not divide every task's batch {batches}")
-        return [n]
-    out = []
+    divisors = []
     for d in range(1, common + 1):
-        if common % d == 0 and (not out or d >= 2 * out[-1] or d == common):
-            out.append(d)
-    return out
+        if common % d == 0 and (not divisors or d >= 2 * divisors[-1] or d == common):
+            divisors.append(d)
+    return micro_batch_choices(config.micro_batches, metagraph.metaops.values(), divisors)
 
 
 def micro_metagraph(metagraph: MetaGraph, micro_batches: int) -> MetaGraph:
@@ -411,9 +411,13 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
             break
     if best is None:
         m = counts[-1]
+        coupled = batch_coupled_tasks(metagraph.metaops.values()) if config.micro_batches == "auto" else []
         raise PlanError(f"the plan does not fit device memory even with {m} micro-batch(es) (batches "
                         f"{sorted({op.batch // m for op in metagraph.metaops.values()})} per micro-batch), "
-                        f"{policy.lean().describe()} recomputation and ZeRO-{max(r[0] for r in rungs)}: {error}")
+                        f"{policy.lean().describe()} recomputation and ZeRO-{max(r[0] for r in rungs)}: {error}"
+                        + (f"; --spindle-micro-batches auto splits no batch of a contrastive loss (tasks "
+                           f"{', '.join(coupled)}: micro-batches would shrink its negatives): give "
+                           f"--spindle-micro-batches N to split them" if coupled else ""))
     best.memory_limited = limited
     return best
 

@@ -99,7 +99,10 @@ class PlannerConfig:
     micro_batches: str = field(default="auto", metadata=flag(
         "Split every task's batch into N micro-batches (gradient accumulation; N divides every batch, and each "
         "slice's data-parallel degree divides a micro-batch): auto trades the per-device efficiency of smaller "
-        "micro-batches against memory, 1 when memory allows.", metavar="auto|N"))
+        "micro-batches against memory, 1 when memory allows, and always 1 when a task has a contrastive loss "
+        "(its negatives are the rest of its micro-batch, so splitting the batch changes the loss; an LM loss "
+        "stays the same sum). A given N splits contrastive batches too, and the plan says so.",
+        metavar="auto|N"))
     early_backward: str = field(default="auto", metadata=flag(
         "Start a task's backward as soon as its loss is computed, one wave after each later forward wave "
         "(freeing its activations while other tasks' forward goes on): auto where the plan fits no other way; "

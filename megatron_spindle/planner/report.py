@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from megatron_spindle.plan.buckets import overlaps_param_gather
+from megatron_spindle.plan.layout import batch_coupled_tasks
 from megatron_spindle.plan.memory import memory_options
 from megatron_spindle.plan.schema import Plan
 from megatron_spindle.plan.timeline import plan_timeline
@@ -89,6 +90,11 @@ def plan_summary(plan: Plan) -> str:
            if overlaps_param_gather(plan.settings) else "")
         + (f"   {len(plan.settings.segments)} segments" if plan.settings.segments else ""),
     ]
+    coupled = batch_coupled_tasks(plan.metaops) if plan.settings.micro_batches > 1 else []
+    if coupled:
+        m = plan.settings.micro_batches
+        lines.append(f"  note: {m} micro-batches split the batches of contrastive losses (tasks {', '.join(coupled)}): "
+                     f"each loss takes its negatives from its micro-batch, 1/{m} of the task's batch, not the whole")
     if plan.memory_per_device:
         mem = plan.memory_per_device
         lines.append(f"  memory per device: max {_fmt_bytes(max(mem))}  min {_fmt_bytes(min(mem))}  "

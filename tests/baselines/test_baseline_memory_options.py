@@ -57,3 +57,20 @@ def test_spindle_seq_tunes_every_zero_stage_the_runtime_implements():
     megatron_stages = spindle_seq_plan(w, tight, tight_ctx, zero_stages=(0, 1))
     assert megatron_stages.settings.recompute.mode == "full"
     assert not any(k.startswith("zero2") for k in megatron_stages.planner["search"])
+
+
+def test_a_baseline_splits_a_contrastive_batch_only_when_told_to():
+    """Spindle's rule (plan/layout.py micro_batch_choices): under auto a baseline too keeps one micro-batch where a
+    task's loss is contrastive, and uses a given count; where it fits with several, the simulator times them."""
+    w, c = load_workload("tiny-clip"), make_cluster(2, 2, "CPU")
+    g = build_metagraph(w)
+    ctx = BaselineContext.build(w, c)
+    plain = deepspeed_plan(w, c, ctx)
+    worst = max(plan_breakdown(plain, g.metaops, ctx.memory_model), key=sum)
+    tight = dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, memory_bytes=worst[0] + 0.3 * worst[1]))
+    auto, _, _, memory = with_memory_options(deepspeed_plan, w, tight)
+    assert auto.settings.micro_batches == 1 and auto.recomputes()  # where 2 micro-batches would not recompute
+    assert max(plan_memory(auto, g.metaops, memory)) <= tight.gpu.memory_bytes
+    given, _, _, _ = with_memory_options(deepspeed_plan, w, tight, "2")
+    assert given.settings.micro_batches == 2 and not given.recomputes()
+    validate_plan(given, w, tight, g)

@@ -8,7 +8,7 @@ import copy
 import dataclasses
 
 import pytest
-from planner_workloads import HEAVY
+from planner_workloads import HEAVY, HEAVY_LM
 
 from megatron_spindle.arguments import add_spindle_args, build_parser, planner_config_from_args
 from megatron_spindle.baselines.memory_options import with_cheapest_recompute
@@ -36,6 +36,7 @@ from megatron_spindle.planner.memory_options import (
 )
 from megatron_spindle.planner.memory_search import memory_needs, micro_batch_candidates
 from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload
+from megatron_spindle.planner.report import plan_summary
 from megatron_spindle.planner.schedule import ScheduledSlice, ScheduledWave
 from megatron_spindle.simulator import simulate
 
@@ -126,7 +127,7 @@ def test_where_zero_1_needs_recomputation_the_gradients_are_sharded_too_and_noth
 
 
 def test_micro_batches_are_chosen_by_predicted_time_and_recorded():
-    w = workload_from_dict(HEAVY)
+    w = workload_from_dict(HEAVY_LM)
     tight = with_memory(4, 1.9 * GiB)
     auto, _ = planned(w, tight)
     for m in (1, 2, 4):
@@ -146,8 +147,31 @@ def test_micro_batches_are_chosen_by_predicted_time_and_recorded():
         plan_workload(w, tight, PlannerConfig(planner="wavefront", micro_batches="3"))
 
 
-def test_a_plan_that_cannot_fit_even_with_every_option_names_the_metaop_the_device_and_the_bytes():
+def test_auto_never_splits_the_batch_of_a_contrastive_loss():
+    """A contrastive loss takes its negatives from its micro-batch, so micro-batches change what is trained: auto
+    keeps one (and says how to ask for more where nothing fits), a given N is used and the plan says so."""
     w = workload_from_dict(HEAVY)
+    g = build_metagraph(w)
+    assert micro_batch_candidates(PlannerConfig(), g) == [1]
+    assert micro_batch_candidates(PlannerConfig(micro_batches="4"), g) == [4]
+    assert micro_batch_candidates(PlannerConfig(), build_metagraph(workload_from_dict(HEAVY_LM)))[:3] == [1, 2, 4]
+    tight = with_memory(4, 1.2 * GiB)
+    auto, _ = planned(w, tight)
+    assert auto.settings.micro_batches == 1 and "note: " not in plan_summary(auto)
+    given, _ = planned(w, tight, micro_batches="2")
+    assert given.settings.micro_batches == 2
+    assert ("note: 2 micro-batches split the batches of contrastive losses (tasks vt): each loss takes its negatives "
+            "from its micro-batch, 1/2 of the task's batch") in plan_summary(given)
+    with pytest.raises(PlanError) as e:
+        plan_workload(w, with_memory(4, 0.2 * GiB), PlannerConfig(planner="wavefront"))
+    assert "even with 1 micro-batch(es)" in str(e.value)
+    assert str(e.value).endswith("--spindle-micro-batches auto splits no batch of a contrastive loss (tasks vt: "
+                                 "micro-batches would shrink its negatives): give --spindle-micro-batches N to "
+                                 "split them")
+
+
+def test_a_plan_that_cannot_fit_even_with_every_option_names_the_metaop_the_device_and_the_bytes():
+    w = workload_from_dict(HEAVY_LM)
     with pytest.raises(PlanError) as e:
         plan_workload(w, with_memory(4, 0.2 * GiB), PlannerConfig(planner="wavefront"))
     msg = str(e.value)

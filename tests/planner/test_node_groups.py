@@ -221,3 +221,24 @@ def test_group_sizes_are_every_non_increasing_composition_and_coarsen_on_many_no
                 assert all(s % step == 0 for s in sizes[1:])
     partitions = node_group_partitions(load_workload("clip-20"), make_cluster(1024))
     assert partitions and all(sum(g.num_nodes for g in p) == 128 for p in partitions)
+
+
+@pytest.mark.parametrize("name,given", [("tiny-clip", "1"), ("tiny-vlm", "auto")])
+def test_groups_keep_one_micro_batch_where_the_workload_has_a_contrastive_loss(name, given, monkeypatch):
+    """The plan has one micro-batch count, and auto never splits a contrastive batch (plan/layout.py
+    micro_batch_choices): a group of LM tasks alone must not choose several for the whole plan."""
+    import megatron_spindle.planner.node_groups as node_groups
+
+    w, c = load_workload(name), make_cluster(4, gpus_per_node=2)
+    seen = []
+    planned = node_groups._plan_group
+
+    def spy(workload, cluster, group, config, *rest):
+        seen.append(config.micro_batches)
+        return planned(workload, cluster, group, config, *rest)
+
+    monkeypatch.setattr(node_groups, "_plan_group", spy)
+    partition = node_group_partitions(w, c)[0]
+    plan = plan_node_groups(w, c, partition, PlannerConfig(planner="wavefront")).plan
+    assert seen and set(seen) == {given}
+    assert plan.settings.micro_batches == 1
