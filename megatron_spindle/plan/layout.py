@@ -1,6 +1,6 @@
 """Where things live in a plan: a data-parallel rank's sample rows (and a device's rows of a task's batch over
-the micro-batches, and which micro-batch counts a plan may use), the parameter units of a slice, the producer/consumer slice pairs a plan needs, and the
-parameter device groups.
+the micro-batches, and which micro-batch counts a plan may use), the parameter units of a slice, the
+producer/consumer slice pairs a plan needs, and the parameter device groups.
 
 The functions take any slice with the plan's geometry (``metaop``, ``layer_start``, ``layer_end``, ``tp``,
 ``dp``, ``devices``): the plan's ``Slice`` and the planner's ``ScheduledSlice`` alike, so the planner, the
