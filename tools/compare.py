@@ -60,12 +60,7 @@ def describe(plan, sim, planning_seconds: float) -> dict:
     from megatron_spindle.plan.memory import memory_options
 
     st = plan.settings
-    options = memory_options(plan)
-    if st.micro_batches > 1:
-        options += f"+{st.micro_batches}mb"
-    recompute = sorted({r.mode for r in [st.recompute, *st.slice_recompute.values()]} - {"none"})
-    if recompute and "recompute" not in options:
-        options += "+" + "/".join(recompute)
+    options = memory_options(plan)  # the ZeRO stage, micro-batches, recomputation, early backward, in words
     breakdown = {k: v for k, v in sim.breakdown().items() if not k.startswith("transfer_")}
     return {"iteration_time": sim.iteration_time, "peak_memory_bytes": max(sim.peak_memory, default=0.0),
             "fits": max(plan.memory_per_device, default=0.0) <= plan.cluster["gpu"]["memory_bytes"],

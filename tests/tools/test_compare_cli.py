@@ -37,6 +37,19 @@ def test_json_on_tiny_clip_reports_every_system(capsys):
     assert 0 < doc["c_star"] <= min(systems[s]["breakdown"]["compute"] for s in compare.SPINDLE_SYSTEMS)
 
 
+def test_memory_options_name_the_micro_batches_once():
+    from megatron_spindle.graph.cluster import make_cluster
+    from megatron_spindle.graph.workload import load_workload
+    from megatron_spindle.planner.pipeline import PlannerConfig, plan_workload
+    from megatron_spindle.simulator import simulate
+
+    w, c = load_workload("tiny-clip"), make_cluster(2, 2, "CPU")
+    res = plan_workload(w, c, PlannerConfig(planner="wavefront", micro_batches="2"))
+    sim = simulate(res.plan, w, c, res.cost_model, res.memory_model, metagraph=res.metagraph)
+    d = compare.describe(res.plan, sim, 0.0)
+    assert d["micro_batches"] == 2 and d["memory_options"] == f"zero{d['zero_stage']}+mb2", d["memory_options"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--workload", "tiny-clip", "--num-gpus", "4", "--systems", "spindle,bogus"], "unknown system(s) bogus"),
     (["--workload", "no-such-workload", "--num-gpus", "4"], "no-such-workload"),
