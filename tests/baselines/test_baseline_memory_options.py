@@ -61,7 +61,7 @@ def test_spindle_seq_tunes_every_zero_stage_the_runtime_implements():
 
 def test_a_baseline_splits_a_contrastive_batch_only_when_told_to():
     """Spindle's rule (plan/layout.py micro_batch_choices): under auto a baseline too keeps one micro-batch where a
-    task's loss is contrastive, and uses a given count; where it fits with several, the simulator times them."""
+    task's loss is contrastive, recomputing where 2 micro-batches would not need to; a given count is used."""
     w, c = load_workload("tiny-clip"), make_cluster(2, 2, "CPU")
     g = build_metagraph(w)
     ctx = BaselineContext.build(w, c)
