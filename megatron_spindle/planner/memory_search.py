@@ -418,6 +418,11 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
                         + (f"; --spindle-micro-batches auto splits no batch of a contrastive loss (tasks "
                            f"{', '.join(coupled)}: micro-batches would shrink its negatives): give "
                            f"--spindle-micro-batches N to split them" if coupled else ""))
+    coupled = batch_coupled_tasks(metagraph.metaops.values()) if config.micro_batches == "auto" else []
+    if coupled and best.recomputes:
+        say(f"recomputing for memory where micro-batches might cost less: --spindle-micro-batches auto keeps the "
+            f"batches of contrastive tasks {', '.join(coupled)} whole (split, each loss would see fewer negatives); "
+            f"give --spindle-micro-batches N to plan with them")
     best.memory_limited = limited
     return best
 

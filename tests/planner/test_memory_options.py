@@ -158,6 +158,11 @@ def test_auto_never_splits_the_batch_of_a_contrastive_loss():
     tight = with_memory(4, 1.2 * GiB)
     auto, _ = planned(w, tight)
     assert auto.settings.micro_batches == 1 and "note: " not in plan_summary(auto)
+    said = []
+    plan_workload(w, tight, PlannerConfig(planner="wavefront"), progress=said.append)
+    assert auto.recomputes() and any(m.startswith("recomputing for memory where micro-batches might cost less: "
+                                                  "--spindle-micro-batches auto keeps the batches of contrastive "
+                                                  "tasks vt whole") for m in said), said
     given, _ = planned(w, tight, micro_batches="2")
     assert given.settings.micro_batches == 2
     assert ("note: 2 micro-batches split the batches of contrastive losses (tasks vt): each loss takes its negatives "
