@@ -52,13 +52,19 @@ def batch_coupled_tasks(metaops: Iterable) -> list[str]:
     return sorted({m.task for m in metaops if m.kind == "loss"})
 
 
+def whole_batch_tasks(setting: str, metaops: Iterable) -> list[str]:
+    """The tasks whose batches ``--spindle-micro-batches setting`` keeps whole: under auto the batch-coupled ones
+    (``batch_coupled_tasks``: chosen for memory, micro-batches must not change what is trained); none with a
+    given N."""
+    return batch_coupled_tasks(metaops) if setting == "auto" else []
+
+
 def micro_batch_choices(setting: str, metaops: Iterable, auto_counts: Sequence[int]) -> list[int]:
     """The micro-batch counts a plan may use under ``--spindle-micro-batches setting``: N as given; auto: the
-    planner's or baseline's ``auto_counts``, or 1 alone where a task's loss couples its batch
-    (``batch_coupled_tasks``): chosen for memory, micro-batches must not change what is trained."""
+    planner's or baseline's ``auto_counts``, or 1 alone where a task's batch stays whole (``whole_batch_tasks``)."""
     if setting != "auto":
         return [int(setting)]
-    return [1] if batch_coupled_tasks(metaops) else list(auto_counts)
+    return [1] if whole_batch_tasks(setting, metaops) else list(auto_counts)
 
 
 def position_rows(position: int, tp: int, dp: int, batch: int) -> tuple[int, int]:

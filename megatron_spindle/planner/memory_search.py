@@ -19,7 +19,7 @@ from megatron_spindle.estimator.profiled import planning_cost_model, profile_poi
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.layout import batch_coupled_tasks, micro_batch_choices, micro_batch_metaop
+from megatron_spindle.plan.layout import micro_batch_choices, micro_batch_metaop, whole_batch_tasks
 from megatron_spindle.plan.memory import SliceMemory, ZeroSharded, slice_memory
 from megatron_spindle.plan.order import default_order, early_backward_order, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings, PlanError, Recompute, execution_choices
@@ -409,19 +409,18 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
             best = found
         if free or (not found.recomputes and not improves):
             break
+    whole = whole_batch_tasks(config.micro_batches, metagraph.metaops.values())
     if best is None:
         m = counts[-1]
-        coupled = batch_coupled_tasks(metagraph.metaops.values()) if config.micro_batches == "auto" else []
         raise PlanError(f"the plan does not fit device memory even with {m} micro-batch(es) (batches "
                         f"{sorted({op.batch // m for op in metagraph.metaops.values()})} per micro-batch), "
                         f"{policy.lean().describe()} recomputation and ZeRO-{max(r[0] for r in rungs)}: {error}"
                         + (f"; --spindle-micro-batches auto splits no batch of a contrastive loss (tasks "
-                           f"{', '.join(coupled)}: micro-batches would shrink its negatives): give "
-                           f"--spindle-micro-batches N to split them" if coupled else ""))
-    coupled = batch_coupled_tasks(metagraph.metaops.values()) if config.micro_batches == "auto" else []
-    if coupled and best.recomputes:
+                           f"{', '.join(whole)}: micro-batches would shrink its negatives): give "
+                           f"--spindle-micro-batches N to split them" if whole else ""))
+    if whole and best.recomputes:
         say(f"recomputing for memory where micro-batches might cost less: --spindle-micro-batches auto keeps the "
-            f"batches of contrastive tasks {', '.join(coupled)} whole (split, each loss would see fewer negatives); "
+            f"batches of contrastive tasks {', '.join(whole)} whole (split, each loss would see fewer negatives); "
             f"give --spindle-micro-batches N to plan with them")
     best.memory_limited = limited
     return best

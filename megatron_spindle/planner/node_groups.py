@@ -27,7 +27,7 @@ from megatron_spindle.estimator.profiled import planning_cost_model, profile_for
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.layout import batch_coupled_tasks
+from megatron_spindle.plan.layout import whole_batch_tasks
 from megatron_spindle.plan.schema import ExecutionSettings, Plan, PlanError, Recompute
 from megatron_spindle.planner.assemble import assemble_plan, slice_id
 from megatron_spindle.planner.memory_search import run_settings
@@ -198,7 +198,7 @@ def plan_node_groups(workload: Workload, cluster: ClusterSpec, partition: list[N
     config = dataclasses.replace(config or PlannerConfig(), planner=planner, select="none")
     started = time.perf_counter()
     metagraph = build_metagraph(workload)
-    if config.micro_batches == "auto" and batch_coupled_tasks(metagraph.metaops.values()):
+    if whole_batch_tasks(config.micro_batches, metagraph.metaops.values()):
         config = dataclasses.replace(config, micro_batches="1")  # the whole plan's rule, not each group's own
     results = [_plan_group(workload, cluster, g, config, profile, plan_workload) for g in partition]
     counts = {r.plan.settings.micro_batches for r in results}
