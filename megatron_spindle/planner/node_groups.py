@@ -81,7 +81,7 @@ def group_sizes(nodes: int, groups: int):
         yield [sizes[0] * step + nodes - steps * step, *(s * step for s in sizes[1:])]
 
 
-def _assign(work: dict[str, float], sizes: list[int]) -> tuple[float, list[list[str]]] | None:
+def assign_tasks(work: dict[str, float], sizes: list[int]) -> tuple[float, list[list[str]]] | None:
     """Longest task first onto the group whose work per node stays lowest; (worst work per node, groups), or
     None when a group gets no task."""
     groups: list[list[str]] = [[] for _ in sizes]
@@ -164,7 +164,7 @@ def node_group_partitions(workload: Workload, cluster: ClusterSpec,
     for k in range(2, min(cluster.num_nodes, len(order), MAX_GROUPS) + 1):
         best = None
         for sizes in group_sizes(cluster.num_nodes, k):
-            found = _assign(work, sizes)
+            found = assign_tasks(work, sizes)
             if found is not None and (best is None or found[0] < best[0]):
                 best = (found[0], sizes, found[1])
         if best is None:
@@ -225,14 +225,14 @@ def plan_node_groups(workload: Workload, cluster: ClusterSpec, partition: list[N
             "memory_limited": any(r.plan.planner.get("memory_limited", False) for r in results)}
     plan = assemble_plan(workload, cluster, metagraph, waves, cost_model, memory_model, info, curves=curves,
                          settings=settings)
-    _keep_group_allocations(plan, [r.plan for r in results])
+    keep_group_allocations(plan, [r.plan for r in results])
     plan.predicted.update(estimate_iteration(plan, metagraph, cluster, cost_model).as_predicted())
     seconds = time.perf_counter() - started
     plan.planner["planning_seconds"] = seconds
     return PlanningResult(plan, metagraph, curves, [], waves, cost_model, memory_model, {"node_groups": seconds})
 
 
-def _keep_group_allocations(plan: Plan, group_plans: list[Plan]) -> None:
+def keep_group_allocations(plan: Plan, group_plans: list[Plan]) -> None:
     """Each MetaOp's allocation tuples and n* as its group's allocator made them (on the group's devices): the
     merged plan has no allocator of its own."""
     planned = {m.id: m for p in group_plans for m in p.metaops}

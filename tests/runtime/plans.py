@@ -143,6 +143,18 @@ def task_segments(plan: Plan) -> Plan:
     return with_settings(plan, segments=segments)
 
 
+def planner_task_segments(workload, world: int) -> Plan:
+    """The planner's task segments (planner/task_segments.py): the tasks in two segments of balanced work, each
+    segment's tasks planned together by the greedy wavefront planner on ``world`` CPU devices."""
+    from megatron_spindle.graph.cluster import make_cluster
+    from megatron_spindle.planner.pipeline import PlannerConfig
+    from megatron_spindle.planner.task_segments import plan_task_segments, segment_partitions
+
+    cluster = make_cluster(world, gpu_type_name="CPU")
+    two = segment_partitions(workload, cluster)[0]
+    return plan_task_segments(workload, cluster, two, PlannerConfig(planner="wavefront")).plan
+
+
 def unit_device_sets(plan: Plan, unit_prefix: str) -> set[tuple[int, ...]]:
     """Distinct device sets of the slices whose MetaOp's parameters include a unit starting with the prefix."""
     out = set()

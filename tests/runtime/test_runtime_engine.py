@@ -52,6 +52,7 @@ from plans import (
     build_plan,
     early_backward,
     module_kinds,
+    planner_task_segments,
     random_plan,
     recomputing,
     sequential_plan,
@@ -182,7 +183,8 @@ def plan_cases(world: int):
     real = {1: [("sequential", "tiny-clip", seq), ("sequential", "tiny-vlm", seq)],
             2: [("sequential-tp2", "tiny-clip", tp2), ("planner", "tiny-vlm", planned), ("spindle-2", "tiny-vlm", sp(2)),
                 ("spindle-1", "fanout", sp(1)), ("sequence-parallel-tp2", "tiny-vlm", seq_par(tp2)),
-                ("sequence-parallel-spindle-2", "tiny-vlm", seq_par(sp(2)))],
+                ("sequence-parallel-spindle-2", "tiny-vlm", seq_par(sp(2))),
+                ("planner-segments", "tiny-clip", lambda w: planner_task_segments(w, world))],
             4: [("planner", "tiny-clip", planned), ("sequential-tp2", "tiny-vlm", tp2), ("spindle-2", "tiny-vlm", sp(2)),
                 ("sequence-parallel-tp2", "tiny-vlm", seq_par(tp2))]}
     return cases + [("real", label, wn, make) for label, wn, make in real[world]]
@@ -204,6 +206,7 @@ def option_cases(world: int):
              ("standin", "early", "tiny-vlm", lambda w: early_backward(random_plan(w, world, 2))),
              ("standin", "early-micro2", "fanout", lambda w: early_backward(random_plan(w, world, 1, micro_batches=2))),
              ("standin", "segments", "tiny-vlm", lambda w: task_segments(sequential_plan(w, world))),
+             ("standin", "planner-segments", "tiny-clip", lambda w: planner_task_segments(w, world)),
              ("real", "selective", "tiny-vlm", selective), ("real", "block", "tiny-clip", block),
              ("real", "mix", "tiny-vlm", mix)]
     if world == 1:  # three micro-batches of real contrastive losses (each a mean over its micro-batch)
