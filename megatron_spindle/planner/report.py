@@ -87,9 +87,13 @@ def plan_summary(plan: Plan) -> str:
         + (f"   dropout hidden {plan.settings.hidden_dropout:g} attention {plan.settings.attention_dropout:g}"
            if plan.settings.hidden_dropout or plan.settings.attention_dropout else "")
         + ("   weight all-gather overlapped with the next forward"
-           if overlaps_param_gather(plan.settings) else "")
-        + (f"   {len(plan.settings.segments)} segments" if plan.settings.segments else ""),
+           if overlaps_param_gather(plan.settings) else ""),
     ]
+    if plan.settings.segments:
+        tasks = [" + ".join(dict.fromkeys(s.task for i in seg for s in plan.waves[i].slices))
+                 for seg in plan.settings.segments]
+        lines.append(f"  {len(tasks)} segments, one after another (each its forward then its backward, so a device "
+                     f"holds one segment's activations at a time): {' | '.join(tasks)}")
     coupled = batch_coupled_tasks(plan.metaops) if plan.settings.micro_batches > 1 else []
     if coupled:
         m = plan.settings.micro_batches

@@ -16,6 +16,7 @@ from megatron_spindle.plan.order import slice_order
 from megatron_spindle.plan.schema import PlanError
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.pipeline import PlannerConfig
+from megatron_spindle.planner.report import plan_summary
 from megatron_spindle.planner.task_segments import MAX_SEGMENTS, plan_task_segments, segment_partitions
 
 GiB = 2**30
@@ -57,6 +58,9 @@ def test_the_segments_run_one_after_another_and_hold_one_segments_activations():
     order = slice_order([[s.task for s in wave.slices] for wave in plan.waves], plan.settings)
     segment_of = {i: k for k, span in enumerate(spans) for i in span}
     assert [segment_of[w_] for w_, _, _ in order] == sorted(segment_of[w_] for w_, _, _ in order)
+    summary = plan_summary(plan)  # what tools/plan.py and pretrain_multitask.py print
+    assert "2 segments, one after another" in summary
+    assert " | ".join(" + ".join(seg) for seg in segments) in summary
     # the same waves as one segment hold every task's activations until the first backward
     whole = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, segments=None))
     assert max(plan_memory(plan, result.metagraph.metaops, result.memory_model)) \
