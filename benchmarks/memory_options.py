@@ -7,10 +7,10 @@ memory options of issue 14, all timed by the same simulator.
   ``--spindle-recompute none`` or else ``full``, ``--spindle-micro-batches 1``, ``--spindle-early-backward off``;
   baselines: as built in megatron_spindle/baselines);
 - **with**: Spindle as a user gets it (autoplan, every option auto: per-slice recomputation, micro-batches,
-  the early backward where simulation prefers it); the baselines with the same options applied to their own
-  plans (baselines/memory_options.py): for m in 1, 2, 4 micro-batches the baseline is planned at the
-  micro-batch's batch, then every layer slice gets the cheapest recomputation that fits (in the baseline's own
-  order), and the fastest simulated that fits is kept. On a workload with a contrastive loss (vla-mem has two
+  the early backward and the tasks in segments where simulation prefers them); the baselines with the same
+  options applied to their own plans (baselines/memory_options.py): for m in 1, 2, 4 micro-batches the
+  baseline is planned at the micro-batch's batch, then every layer slice gets the cheapest recomputation that
+  fits (in the baseline's own order), and the fastest simulated that fits is kept. On a workload with a contrastive loss (vla-mem has two
   such tasks) m stays 1 for every system, as --spindle-micro-batches auto keeps it: more would shrink the
   loss's negatives. A baseline that fits in no way gets its plan without the options (marked * as over memory).
 
@@ -58,7 +58,19 @@ def activation_pressure(workload: Workload, cluster: ClusterSpec) -> dict[str, f
 
 def entry(plan: Plan, sim, seconds: float) -> dict[str, Any]:
     return {"iteration_time": sim.iteration_time, "peak_memory_gib": max(sim.peak_memory) / GiB,
-            "memory_options": memory_options(plan), "planning_seconds": seconds, "breakdown": sim.breakdown()}
+            "memory_options": memory_options(plan), "planning_seconds": seconds, "breakdown": sim.breakdown(),
+            "selected": plan.planner.get("selection", {}).get("selected") or plan.planner.get("planner"),
+            "segments": [sorted({s.task for i in seg for s in plan.waves[i].slices})
+                         for seg in plan.settings.segments or []]}
+
+
+def spindle_plans(row: dict[str, Any]) -> str:
+    """Which candidate plan selection kept for Spindle, without and with the options, and its segments."""
+    def plan(e: dict) -> str:
+        segs = e.get("segments") or []
+        return (e.get("selected") or "-") + (f" ({len(segs)} segments: " + " | ".join("+".join(t) for t in segs) + ")"
+                                             if segs else "")
+    return f"spindle's plans: without {plan(row['without'])}; with {plan(row['with'])}"
 
 
 def spindle(workload: Workload, cluster: ClusterSpec, options: bool) -> tuple[Plan, Any, float]:
@@ -113,6 +125,8 @@ def table(rows: dict[str, dict[str, Any]], cap_gib: float) -> str:
                      f"{wo['memory_options']} | {wi['memory_options']}")
     lines.append(f"(* over the {cap_gib:.0f} GiB of a device; vs DS: the time with the options against DeepSpeed's "
                  f"without them)")
+    if "spindle" in rows:
+        lines.append(spindle_plans(rows["spindle"]))
     return "\n".join(lines)
 
 
