@@ -486,9 +486,9 @@ def _task_segment_candidates(workload: Workload, cluster: ClusterSpec, config: P
     activations at a time, so a plan can keep whole batches and its fastest configurations where the one-segment
     plans recompute (clip-10 / 8: 1647 ms against 1780). With the CP-SAT planner, the partition whose fitted plan
     simulates fastest again with each segment refined by CP-SAT (at most NODE_GROUP_SOLVER_LIMIT seconds a
-    segment). ``config``: the configured planner's, without memory options; ``fit_config``: the memory options the
-    user allows (``_fitted``)."""
-    if len(workload.tasks) < 2:
+    segment); none with ``--spindle-task-segments off``. ``config``: the configured planner's, without memory
+    options; ``fit_config``: the memory options the user allows (``_fitted``)."""
+    if len(workload.tasks) < 2 or config.task_segments == "off":
         return []
     roomy = cluster.with_memory_factor(UNLIMITED_MEMORY_FACTOR)
     workers = pool_size(config.planning_workers, cluster.num_devices)

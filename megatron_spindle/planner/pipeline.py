@@ -50,6 +50,7 @@ RECOMPUTE = ("auto", "none", "selective", "full")
 DISTRIBUTED_OPTIMIZER = ("auto", "off", "on")
 EARLY_BACKWARD = ("auto", "on", "off")
 SYNC_AWARE = ("auto", "on", "off")
+TASK_SEGMENTS = ("auto", "off")
 SELECTIONS = ("simulate", "none")
 LIGHT_FOLLOW_SLACK = 0.01
 
@@ -108,6 +109,12 @@ class PlannerConfig:
         "(freeing its activations while other tasks' forward goes on): auto where the plan fits no other way; "
         "plan selection (--spindle-select simulate) also times it where it would only save recomputation.",
         choices=EARLY_BACKWARD))
+    task_segments: str = field(default="auto", metadata=flag(
+        "auto: where memory binds the plans that run every task at once, plan selection (--spindle-select "
+        "simulate) also times the tasks split into 2-4 segments of balanced work that run one after another, each "
+        "its forward then its backward, each segment's tasks planned together (a device holds one segment's "
+        "activations at a time; every task still trains on its whole batch, with one optimizer step); off: "
+        "never.", choices=TASK_SEGMENTS))
     distributed_optimizer: str = field(default="auto", metadata=flag(
         "Shard each unit's optimizer state over the data-parallel ranks that run it (ZeRO-1, like "
         "--use-distributed-optimizer): on; off: never; auto switches it on only when memory requires it, and "

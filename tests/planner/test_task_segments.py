@@ -96,3 +96,6 @@ def test_where_every_task_together_must_recompute_selection_runs_the_tasks_in_se
     assert plan.planner["selection"]["selected"].startswith("task-segments-2-")
     assert len(plan.settings.segments) == 2 and plan.settings.micro_batches == 1 and not plan.recomputes()
     assert max(plan.memory_per_device) <= cluster.gpu.memory_bytes
+    off = autoplan(w, cluster, PlannerConfig(planner="wavefront", task_segments="off"))  # --spindle-task-segments off
+    assert not any(c.name.startswith("task-segments-") for c in off.candidates)
+    assert off.plan.settings.segments is None or off.plan.planner["selection"]["selected"].startswith("task-sequential")
