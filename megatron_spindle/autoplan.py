@@ -193,8 +193,13 @@ def autoplan(workload: Workload, cluster: ClusterSpec, config: PlannerConfig | N
     add("node groups", lambda: _node_group_candidates(workload, cluster, config, profile, planned, sim_cost_model))
     add("light levels pinned", lambda: _pinned_candidates(workload, cluster, config, planned))
     if config.select == "simulate" and not config.fixes_memory_options():
+        bound = any(memory_bound(result.plan) for _, result, _ in planned)
         add("memory unlimited, then fitted",
             lambda: _unlimited_candidates(workload, cluster, configs[0][1], profile, planned, sim_cost_model))
+        if bound:
+            add("task segments", lambda: _task_segment_candidates(
+                workload, cluster, unlimited_config(configs[0][1]), configs[0][1], profile, planned[0][1],
+                sim_cost_model))
         add("task-sequential", lambda: _task_sequential(workload, cluster, config, planned[0][1], sim_cost_model))
     out = select_fastest(workload, cluster, planned, config, say, sim_cost_model)
     out.seconds = time.perf_counter() - t0
@@ -457,8 +462,7 @@ def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: Plan
         return []  # memory bound nothing: the plans made without the limit are these
     first = planned[0][1]
     roomy = cluster.with_memory_factor(UNLIMITED_MEMORY_FACTOR)
-    configured = dataclasses.replace(config, distributed_optimizer="off", recompute="none", micro_batches="1",
-                                     early_backward="off")
+    configured = unlimited_config(config)
     unlimited = []
     for planner in dict.fromkeys((config.planner, "wavefront")):
         plain = dataclasses.replace(configured, planner=planner)
@@ -473,9 +477,14 @@ def _unlimited_candidates(workload: Workload, cluster: ClusterSpec, config: Plan
     unlimited += _node_group_candidates(workload, roomy, configured, profile, unlimited, sim_cost_model)
     unlimited = with_variants([(f"{name}-unlimited", result, secs) for name, result, secs in unlimited])
     unlimited += _pinned_candidates(workload, roomy, config, unlimited)  # pinned where the memory is there
-    fitted = [candidate for name, result, secs in unlimited
-              for candidate in _fitted(name, result.plan, workload, cluster, config, first, secs)]
-    return fitted + _task_segment_candidates(workload, cluster, configured, config, profile, first, sim_cost_model)
+    return [candidate for name, result, secs in unlimited
+            for candidate in _fitted(name, result.plan, workload, cluster, config, first, secs)]
+
+
+def unlimited_config(config: PlannerConfig) -> PlannerConfig:
+    """``config`` without memory options, for the plans made with memory unlimited (then ``_fitted``)."""
+    return dataclasses.replace(config, distributed_optimizer="off", recompute="none", micro_batches="1",
+                               early_backward="off")
 
 
 def _task_segment_candidates(workload: Workload, cluster: ClusterSpec, config: PlannerConfig,
@@ -483,11 +492,12 @@ def _task_segment_candidates(workload: Workload, cluster: ClusterSpec, config: P
     """The tasks in segments run one after another (planner/task_segments.py), each segment's tasks planned by
     the greedy wavefront planner with memory unlimited, one plan per partition proposed, each fitted to the real
     devices like the other plans made with memory unlimited (``_fitted``): a device holds one segment's
-    activations at a time, so a plan can keep whole batches and its fastest configurations where the one-segment
-    plans recompute (clip-10 / 8: 1647 ms against 1780). With the CP-SAT planner, the partition whose fitted plan
-    simulates fastest again with each segment refined by CP-SAT (at most NODE_GROUP_SOLVER_LIMIT seconds a
-    segment); none with ``--spindle-task-segments off``. ``config``: the configured planner's, without memory
-    options; ``fit_config``: the memory options the user allows (``_fitted``)."""
+    activations at a time, so a plan can keep whole batches and its fastest configurations where the plans of
+    every task at once recompute (clip-10 / 8: 1646 ms against 1780). With the CP-SAT planner, the partition
+    whose fitted plan simulates fastest again with each segment refined by CP-SAT (at most
+    NODE_GROUP_SOLVER_LIMIT seconds a segment). ``autoplan`` asks for them where memory bound some plan
+    (``memory_bound``); none with ``--spindle-task-segments off``. ``config``: the configured planner's, without
+    memory options (``unlimited_config``); ``fit_config``: the memory options the user allows (``_fitted``)."""
     if len(workload.tasks) < 2 or config.task_segments == "off":
         return []
     roomy = cluster.with_memory_factor(UNLIMITED_MEMORY_FACTOR)
