@@ -24,6 +24,13 @@ estimator's ``MemoryModel`` (``MemoryNumbers``); the rules are here:
   (runtime/weight_shards.py). They count as transient (``gathered_weight_bytes``); a slice's backward sees the
   same activations live as the end of its forward, so its transient covers both.
 
+- **Staged gradients (ZeRO 2 and 3).** A rank that keeps only gradient shards adds a unit's gradients into a
+  full-size staging buffer, released when the unit's collective has run after the backward that completes it
+  (runtime/grad_shards.py). Where a device's first backward accumulating a unit comes earlier in the order than
+  the plan's backward completing it (a tower shared by tasks of two segments, or of an early backward and a
+  later one), that buffer (the unit's gradient, the device's TP shard) is held in between, beside the next
+  forwards' activations (``staged_gradients``). The staging inside one backward, between a bucket's first
+  gradient and its collective, is not counted.
 - **bf16 main gradients** are copied into fp32 ones for the optimizer step (``step_cast_bytes``), after the
   backward: they count where they exceed the activation peak.
 
@@ -278,6 +285,59 @@ class DeviceMemory:
 RecomputeOf = Callable[[int, int], "Recompute | None"]  # (wave, slice) -> the slice's recomputation
 
 
+class StagedGradient(NamedTuple):
+    """A unit's full gradient held on a device from step ``start`` of the order (its first backward there that
+    accumulates it, counted from that backward's start) until after step ``end`` (the plan's backward
+    completing it), ``bytes`` large."""
+
+    unit: str
+    start: int
+    end: int
+    bytes: float
+
+
+def completion_steps(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
+                     order: Sequence[SliceStep]) -> dict[str, int]:
+    """unit -> the index in ``order`` of the last backward step accumulating its gradient."""
+    done: dict[str, int] = {}
+    for k, (wi, si, phase) in enumerate(order):
+        if phase != FWD:
+            s = waves[wi][si]
+            for u in held_units(metaops[s.metaop], s.layer_start, s.layer_end):
+                done[u] = k
+    return done
+
+
+def staged_gradients(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
+                     numbers: ShardedNumbers, order: Sequence[SliceStep], slices: Iterable[tuple[int, int]],
+                     done: Mapping[str, int] | None = None) -> list[StagedGradient]:
+    """The gradients a device running ``slices`` ((wave, slice) keys) stages across steps of ``order`` (module
+    docstring): at ZeRO 2 and 3, each trained unit whose first accumulating backward on the device comes before
+    the step completing it (``done``: ``completion_steps``, computed here when not given)."""
+    if getattr(numbers, "zero_stage", 0) < 2:
+        return []
+    done = completion_steps(waves, metaops, order) if done is None else done
+    mine = set(slices)
+    grad_bytes = grad_bytes_of(numbers)
+    whole = state_bytes_per_param(grad_bytes)
+    out: dict[str, StagedGradient] = {}
+    seen: set[str] = set()
+    for k, (wi, si, phase) in enumerate(order):
+        if phase == FWD or (wi, si) not in mine:
+            continue
+        s = waves[wi][si]
+        for u in held_units(metaops[s.metaop], s.layer_start, s.layer_end):
+            if u in seen or is_frozen_unit(numbers, u):
+                continue
+            if u not in out and done[u] <= k:  # its first backward here completes it: staged within that backward
+                seen.add(u)
+                continue
+            size = float(numbers.param_state_bytes(u, s.tp, 1)) / whole * grad_bytes  # dp 1: the whole TP shard
+            old = out.get(u)
+            out[u] = StagedGradient(u, k, done[u], size) if old is None else old._replace(bytes=max(old.bytes, size))
+    return list(out.values())
+
+
 def default_slice_order(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
                         settings: ExecutionSettings | None = None) -> list[SliceStep]:
     """plan/order.py's slice order of placed waves (default: one segment), tasks read from the MetaOps."""
@@ -298,22 +358,35 @@ def memory_breakdown(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
         order = default_slice_order(waves, metaops)
     cache: dict[tuple[int, int], SliceMemory] = {}
     out = [(0.0, 0.0)] * num_devices
+    done = completion_steps(waves, metaops, order) if getattr(numbers, "zero_stage", 0) >= 2 else {}
     for program, devices in device_programs(waves, num_devices).items():
         mine = set(program)
         memory = DeviceMemory(1)
-        for wi, si, phase in order:
-            if (wi, si) not in mine:
-                continue
-            sm = cache.get((wi, si))
-            if sm is None:
-                s = waves[wi][si]
-                sm = cache[(wi, si)] = slice_memory(metaops[s.metaop], s, numbers,
-                                                    recompute(wi, si) if recompute else None, micro_batches)
-            (memory.forward if phase == FWD else memory.backward)(0, sm)
+        staged, freed = _staging_changes(staged_gradients(waves, metaops, numbers, order, mine, done))
+        for k, (wi, si, phase) in enumerate(order):
+            memory.live[0] += staged.get(k, 0.0)  # from the backward that first adds to it (a backward of mine)
+            if (wi, si) in mine:
+                sm = cache.get((wi, si))
+                if sm is None:
+                    s = waves[wi][si]
+                    sm = cache[(wi, si)] = slice_memory(metaops[s.metaop], s, numbers,
+                                                        recompute(wi, si) if recompute else None, micro_batches)
+                (memory.forward if phase == FWD else memory.backward)(0, sm)
+            memory.live[0] -= freed.get(k, 0.0)
         cast = device_step_cast_bytes(waves, metaops, numbers, mine)
         for d in devices:
             out[d] = (memory.params[0], max(memory.peak[0], cast))
     return out
+
+
+def _staging_changes(staged: Iterable[StagedGradient]) -> tuple[dict[int, float], dict[int, float]]:
+    """Bytes staged from each step of the order on, and bytes released after each step."""
+    start: dict[int, float] = {}
+    end: dict[int, float] = {}
+    for g in staged:
+        start[g.start] = start.get(g.start, 0.0) + g.bytes
+        end[g.end] = end.get(g.end, 0.0) + g.bytes
+    return start, end
 
 
 def device_step_cast_bytes(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],

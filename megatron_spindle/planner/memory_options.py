@@ -32,8 +32,10 @@ from megatron_spindle.plan.layout import SliceGeometry, device_programs
 from megatron_spindle.plan.memory import (
     ShardedNumbers,
     activation_memory,
+    completion_steps,
     device_step_cast_bytes,
     memory_breakdown,
+    staged_gradients,
 )
 from megatron_spindle.plan.order import FWD, SliceStep
 from megatron_spindle.plan.schema import RECOMPUTE_MODULES, Recompute, fitted_recompute, recompute_fits
@@ -203,10 +205,13 @@ def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
                               lambda wi, si: ladders[(wi, si)][0].recompute)
     programs: list[_Program] = []
     of_slice: dict[SliceKey, list[_Program]] = {key: [] for key in ladders}
+    done = completion_steps(waves, metaops, order) if stage is not None and stage >= 2 else {}
     for program, devices in device_programs(waves, num_devices).items():
         mine = set(program)
-        events = [((wi, si), phase) for wi, si, phase in order if (wi, si) in mine]
-        p = _Program(devices, events, params[devices[0]][0])
+        steps = [k for k, (wi, si, _) in enumerate(order) if (wi, si) in mine]
+        p = _Program(devices, [((order[k][0], order[k][1]), order[k][2]) for k in steps], params[devices[0]][0])
+        for g in staged_gradients(waves, metaops, numbers, order, mine, done):  # no recomputation changes these
+            p.values[[e for e, k in enumerate(steps) if g.start <= k <= g.end]] += g.bytes
         cast = device_step_cast_bytes(waves, metaops, numbers, mine)  # after the backward: no recomputation helps
         if p.params + cast > capacity:
             gib = 2**30

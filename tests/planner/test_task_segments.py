@@ -11,7 +11,7 @@ from planner_workloads import HEAVY
 from megatron_spindle.autoplan import autoplan
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.workload import load_workload, workload_from_dict
-from megatron_spindle.plan.memory import plan_memory
+from megatron_spindle.plan.memory import ZeroSharded, plan_memory, staged_gradients
 from megatron_spindle.plan.order import slice_order
 from megatron_spindle.plan.schema import PlanError
 from megatron_spindle.plan.validate import validate_plan
@@ -61,6 +61,19 @@ def test_the_segments_run_one_after_another_and_hold_one_segments_activations():
     summary = plan_summary(plan)  # what tools/plan.py and pretrain_multitask.py print
     assert "2 segments, one after another" in summary
     assert " | ".join(" + ".join(seg) for seg in segments) in summary
+    # at ZeRO-2 a rank keeps gradient shards: towers shared by both segments stage their full gradients between
+    # (plan/memory.py staged_gradients; the runtime's buffers: tests/runtime/test_grad_sync.py); ZeRO-1 keeps them
+    zero = {z: dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, zero_stage=z)) for z in (1, 2)}
+    waves = [wv.slices for wv in plan.waves]
+    order = slice_order([[s.task for s in wv] for wv in waves], plan.settings)
+    every = {(wi, si) for wi, si, _ in order}
+    assert not staged_gradients(waves, result.metagraph.metaops, ZeroSharded.of(result.memory_model, zero[1].settings),
+                                order, every)
+    staged = staged_gradients(waves, result.metagraph.metaops, ZeroSharded.of(result.memory_model, zero[2].settings),
+                              order, every)
+    span = set(spans[0])
+    assert staged and all(g.start < g.end for g in staged)
+    assert all(order[g.start][0] in span and order[g.end][0] not in span for g in staged)  # across the segments
     # the same waves as one segment hold every task's activations until the first backward
     whole = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, segments=None))
     assert max(plan_memory(plan, result.metagraph.metaops, result.memory_model)) \
