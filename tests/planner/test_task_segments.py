@@ -9,12 +9,15 @@ import dataclasses
 from planner_workloads import HEAVY
 
 from megatron_spindle.autoplan import autoplan
+from megatron_spindle.estimator import AnalyticCostModel
 from megatron_spindle.graph.cluster import make_cluster
+from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload, workload_from_dict
 from megatron_spindle.plan.memory import ZeroSharded, plan_memory, staged_gradients
 from megatron_spindle.plan.order import slice_order
 from megatron_spindle.plan.schema import PlanError
 from megatron_spindle.plan.validate import validate_plan
+from megatron_spindle.planner.node_groups import task_work
 from megatron_spindle.planner.pipeline import PlannerConfig
 from megatron_spindle.planner.report import plan_summary
 from megatron_spindle.planner.task_segments import MAX_SEGMENTS, plan_task_segments, segment_partitions
@@ -37,9 +40,13 @@ def test_each_partition_holds_every_task_once_in_balanced_segments():
     partitions = segment_partitions(w, cluster)
     assert [len(p) for p in partitions] == list(range(2, MAX_SEGMENTS + 1))
     names = sorted(t.name for t in w.tasks)
+    work = task_work(build_metagraph(w), AnalyticCostModel(w, cluster))
     for segments in partitions:
         assert sorted(t for seg in segments for t in seg) == names
         assert all(seg for seg in segments)
+        # longest task first onto the lightest segment: no segment exceeds the mean by more than one task
+        loads = [sum(work[t] for t in seg) for seg in segments]
+        assert max(loads) <= sum(loads) / len(loads) + max(work.values())
     assert [len(p) for p in segment_partitions(w.subset(["vision_text", "text_audio"]), cluster)] == [2]
 
 
