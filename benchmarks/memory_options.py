@@ -10,9 +10,9 @@ memory options of issue 14, all timed by the same simulator.
   the early backward and the tasks in segments where simulation prefers them); the baselines with the same
   options applied to their own plans (baselines/memory_options.py): for m in 1, 2, 4 micro-batches the
   baseline is planned at the micro-batch's batch, then every layer slice gets the cheapest recomputation that
-  fits (in the baseline's own order), and the fastest simulated that fits is kept. On a workload with a contrastive loss (vla-mem has two
-  such tasks) m stays 1 for every system, as --spindle-micro-batches auto keeps it: more would shrink the
-  loss's negatives. A baseline that fits in no way gets its plan without the options (marked * as over memory).
+  fits (in the baseline's own order), and the fastest simulated that fits is kept. On a workload with a
+  contrastive loss (vla-mem has two such tasks) m stays 1 for every system, as --spindle-micro-batches auto keeps
+  it: more would shrink the loss's negatives. A baseline that fits in no way gets its plan without the options (marked * as over memory).
 
     python benchmarks/memory_options.py [--workload vla-mem] [--num-gpus 16] [--out-dir DIR | --update-snapshot]
 """
@@ -34,6 +34,7 @@ from megatron_spindle.graph.cluster import ClusterSpec, make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import Workload, load_workload
 from megatron_spindle.plan.memory import memory_options
+from megatron_spindle.plan.order import segment_tasks
 from megatron_spindle.plan.schema import Plan, PlanError
 from megatron_spindle.planner.pipeline import PlannerConfig
 from megatron_spindle.simulator import simulate
@@ -60,8 +61,7 @@ def entry(plan: Plan, sim, seconds: float) -> dict[str, Any]:
     return {"iteration_time": sim.iteration_time, "peak_memory_gib": max(sim.peak_memory) / GiB,
             "memory_options": memory_options(plan), "planning_seconds": seconds, "breakdown": sim.breakdown(),
             "selected": plan.planner.get("selection", {}).get("selected") or plan.planner.get("planner"),
-            "segments": [sorted({s.task for i in seg for s in plan.waves[i].slices})
-                         for seg in plan.settings.segments or []]}
+            "segments": [sorted(tasks) for tasks in segment_tasks(plan)]}
 
 
 def spindle_plans(row: dict[str, Any]) -> str:

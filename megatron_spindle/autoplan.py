@@ -509,15 +509,14 @@ def _task_segment_candidates(workload: Workload, cluster: ClusterSpec, config: P
     def fit(name, result, seconds):
         return _fitted(name, result.plan, workload, cluster, fit_config, first, seconds)
 
-    per_partition = [fit(f"task-segments-{len(p)}-unlimited", result, secs) if result is not None else []
-                     for p, (result, secs) in zip(proposed, planned)]
-    out = [c for fitted in per_partition for c in fitted]
+    fitted = [(p, c) for p, (result, secs) in zip(proposed, planned) if result is not None
+              for c in fit(f"task-segments-{len(p)}-unlimited", result, secs)]
+    out = [c for _, c in fitted]
     if config.planner != "cpsat" or not out:
         return out
     times = [sim.iteration_time for sim in parallel_map(
         _simulated, [_simulation(r.plan, r, workload, cluster, sim_cost_model) for _, r, _ in out], workers)]
-    fastest = out[min(range(len(out)), key=times.__getitem__)]
-    best = next(p for p, fitted in zip(proposed, per_partition) if any(c is fastest for c in fitted))
+    best = fitted[min(range(len(out)), key=times.__getitem__)][0]  # the partition of the fastest fitted plan
     started = time.perf_counter()
     limit = min(config.solver_time_limit, NODE_GROUP_SOLVER_LIMIT)
     try:

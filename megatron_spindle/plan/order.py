@@ -33,6 +33,12 @@ def segments_of(num_waves: int, settings: ExecutionSettings) -> list[list[int]]:
     return [sorted(seg) for seg in settings.segments]
 
 
+def segment_tasks(plan) -> list[list[str]]:
+    """The tasks each of a plan's ``settings.segments`` runs, in the order they first run; [] without segments."""
+    return [list(dict.fromkeys(s.task for i in seg for s in plan.waves[i].slices))
+            for seg in plan.settings.segments or []]
+
+
 def execution_steps(num_waves: int, settings: ExecutionSettings) -> list[Step]:
     """The plan's steps ``(wave, phase, task)`` in execution order."""
     if settings.order is not None:

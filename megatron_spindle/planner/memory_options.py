@@ -22,6 +22,7 @@ an earlier one unnecessary). ``RecomputePolicy`` restricts the options: the user
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -211,7 +212,7 @@ def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
         steps = [k for k, (wi, si, _) in enumerate(order) if (wi, si) in mine]
         p = _Program(devices, [((order[k][0], order[k][1]), order[k][2]) for k in steps], params[devices[0]][0])
         for g in staged_gradients(waves, metaops, numbers, order, mine, done):  # no recomputation changes these
-            p.values[[e for e, k in enumerate(steps) if g.start <= k <= g.end]] += g.bytes
+            p.values[bisect.bisect_left(steps, g.start):bisect.bisect_right(steps, g.end)] += g.bytes
         cast = device_step_cast_bytes(waves, metaops, numbers, mine)  # after the backward: no recomputation helps
         if p.params + cast > capacity:
             gib = 2**30

@@ -8,6 +8,7 @@ from pathlib import Path
 from megatron_spindle.plan.buckets import overlaps_param_gather
 from megatron_spindle.plan.layout import batch_coupled_tasks
 from megatron_spindle.plan.memory import memory_options
+from megatron_spindle.plan.order import segment_tasks
 from megatron_spindle.plan.schema import Plan
 from megatron_spindle.plan.timeline import plan_timeline
 
@@ -90,8 +91,7 @@ def plan_summary(plan: Plan) -> str:
            if overlaps_param_gather(plan.settings) else ""),
     ]
     if plan.settings.segments:
-        tasks = [" + ".join(dict.fromkeys(s.task for i in seg for s in plan.waves[i].slices))
-                 for seg in plan.settings.segments]
+        tasks = [" + ".join(seg) for seg in segment_tasks(plan)]
         lines.append(f"  {len(tasks)} segments, one after another (each its forward then its backward, so a device "
                      f"holds one segment's activations at a time): {' | '.join(tasks)}")
     coupled = batch_coupled_tasks(plan.metaops) if plan.settings.micro_batches > 1 else []

@@ -55,10 +55,6 @@ def segment_partitions(workload: Workload, cluster: ClusterSpec,
     return out
 
 
-def describe(segments: list[tuple[str, ...]]) -> str:
-    return " | ".join("+".join(tasks) for tasks in segments)
-
-
 def plan_task_segments(workload: Workload, cluster: ClusterSpec, segments: list[tuple[str, ...]], config=None,
                        profile=None, planner: str = "wavefront"):
     """One plan of ``workload`` on ``cluster`` whose segments run the tasks of ``segments`` one after another,
