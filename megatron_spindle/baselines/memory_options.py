@@ -19,6 +19,7 @@ from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
+from megatron_spindle.plan.buckets import wave_rounds
 from megatron_spindle.plan.derive import derive_transfers, metaop_infos
 from megatron_spindle.plan.layout import micro_batch_choices, micro_batch_metaop
 from megatron_spindle.plan.memory import ZeroSharded, plan_memory
@@ -66,7 +67,8 @@ def with_cheapest_recompute(plan: Plan, metagraph: MetaGraph, cost_model, memory
         numbers = ZeroSharded.of(memory_model, base)
         choices = choose_recompute(waves, micro, numbers, cost_model, cluster.gpu.memory_bytes, order,
                                    RecomputePolicy(), cluster.num_devices, cluster.gpu.name,
-                                   [w.duration / m for w in plan.waves])
+                                   [w.duration / m for w in plan.waves],
+                                   rounds=wave_rounds(len(plan.waves), base))
     except RecomputeError:
         return None
     per_slice = {plan.waves[wi].slices[si].id: rc for (wi, si), rc in choices.items() if rc.mode != "none"}

@@ -20,6 +20,13 @@ and the simulator times the same buckets, so both agree on what is reduced when:
   reduced once, after the last micro-batch's accumulations; under ZeRO-2 and 3 a rank keeps only its shard of
   the gradient, so every micro-batch's buckets are reduce-scattered after its backward (DeepSpeed's way),
   ``synced_micro_batches``.
+- **Rounds per segment.** Likewise under ZeRO-2 and 3, a plan with ``segments`` (plan/order.py) reduce-scatters
+  after each segment's backward (``sync_rounds``: one round per segment of each synced micro-batch), as
+  DeepSpeed does after every backward call: no rank holds a unit's full gradient from one segment to the next.
+  A round reduces the buckets holding a unit that its segment's slices accumulate, every member of the group
+  joining (a member that accumulates none of them there adds zeros), in the round's own launch order: the
+  order above with each bucket's completion taken among the round's slices (``round_buckets``). A unit shared
+  by k segments is reduced k times. Otherwise (ZeRO 0 and 1, or one segment) there is one round of every wave.
 - **Weight gathers after the step** (``regathered_groups``): at ZeRO 1 and 2 every group's, at ZeRO 3 only
   those whose slices do not keep their weights sharded as the masters are. Bucket by bucket (the gradient
   buckets, in ``gather_order``), in the weights' dtype, one after another: a rank holds one or two buckets'
@@ -34,12 +41,12 @@ and the simulator times the same buckets, so both agree on what is reduced when:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import NamedTuple, TypeVar
 
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.plan.layout import SliceGeometry, slice_units
-from megatron_spindle.plan.order import BWD, FWD, slice_order
+from megatron_spindle.plan.order import BWD, FWD, segments_of, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings
 
 _B = TypeVar("_B")
@@ -73,15 +80,17 @@ def bucket_limit(ddp_bucket_size: int | None, members: int) -> int:
 
 
 def unit_completion(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
-                    settings: ExecutionSettings) -> dict[str, Completion]:
+                    settings: ExecutionSettings, among: Container[int] | None = None) -> dict[str, Completion]:
     """unit -> (wave, position) of the slice whose backward completes it (module docstring): over the slices
-    holding it, the one whose backward runs last in the plan's order (plan/order.py ``slice_order``), and in
-    it the unit's position (the lowest, completed last). With the default order this is the smallest
-    (wave, position)."""
+    holding it (of the waves ``among``, default all), the one whose backward runs last in the plan's order
+    (plan/order.py ``slice_order``), and in it the unit's position (the lowest, completed last). With the
+    default order this is the smallest (wave, position)."""
     tasks = [[metaops[s.metaop].task for s in slices] for slices in waves]
     step = {(wi, si): k for k, (wi, si, phase) in enumerate(slice_order(tasks, settings)) if phase == BWD}
     last: dict[str, Completion] = {}
     for wi, slices in enumerate(waves):
+        if among is not None and wi not in among:
+            continue
         for si, s in enumerate(slices):
             for pos, u in enumerate(slice_units(metaops[s.metaop], s.layer_start, s.layer_end)):
                 done = Completion(wi, pos, step[(wi, si)])
@@ -119,6 +128,44 @@ def synced_micro_batches(zero_stage: int, micro_batches: int) -> range:
     """The micro-batches whose backward is followed by the gradient buckets' reduction (see the module's
     docstring): the last one, or every one when the ZeRO stage shards the gradients."""
     return range(micro_batches) if zero_stage >= 2 else range(micro_batches - 1, micro_batches)
+
+
+def sync_rounds(num_waves: int, settings: ExecutionSettings) -> list[list[int]]:
+    """The waves whose backward each gradient round of a synced micro-batch follows (module docstring): each
+    segment's under ZeRO 2 and 3, else one round of every wave."""
+    if settings.zero_stage >= 2:
+        return segments_of(num_waves, settings)
+    return [list(range(num_waves))]
+
+
+def wave_rounds(num_waves: int, settings: ExecutionSettings) -> list[int]:
+    """The gradient round (``sync_rounds``) of each wave."""
+    out = [0] * num_waves
+    for r, waves in enumerate(sync_rounds(num_waves, settings)):
+        for w in waves:
+            out[w] = r
+    return out
+
+
+def round_completions(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
+                      settings: ExecutionSettings) -> list[dict[str, Completion]]:
+    """Per gradient round (``sync_rounds``): unit -> its completion among the round's slices (only the units
+    they accumulate)."""
+    return [unit_completion(waves, metaops, settings, set(r)) for r in sync_rounds(len(waves), settings)]
+
+
+def round_done(units: Iterable[str], completion: Mapping[str, Completion]) -> Completion | None:
+    """When a round completes a bucket of ``units``: the completion of the last of them it accumulates (None:
+    it accumulates none)."""
+    done = [completion[u] for u in units if u in completion]
+    return max(done, key=completion_key) if done else None
+
+
+def round_buckets(buckets: Iterable[_B], completion: Mapping[str, Completion]) -> list[tuple[_B, Completion]]:
+    """The buckets (anything with ``units``, ``devices`` and ``index``: the runtime's and the simulator's) one
+    round reduces, each with its completion there (``round_done``), in the round's launch order."""
+    out = [(b, d) for b in buckets if (d := round_done(b.units, completion)) is not None]
+    return sorted(out, key=lambda bd: launch_key(bd[1], bd[0].devices, bd[0].index))
 
 
 def regathered_groups(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],

@@ -26,11 +26,12 @@ estimator's ``MemoryModel`` (``MemoryNumbers``); the rules are here:
 
 - **Staged gradients (ZeRO 2 and 3).** A rank that keeps only gradient shards adds a unit's gradients into a
   full-size staging buffer, released when the unit's collective has run after the backward that completes it
-  (runtime/grad_shards.py). Where a device's first backward accumulating a unit comes earlier in the order than
-  the plan's backward completing it (a tower shared by tasks of two segments, or of an early backward and a
-  later one), that buffer (the unit's gradient, the device's TP shard) is held in between, beside the next
-  forwards' activations (``staged_gradients``). The staging inside one backward, between a bucket's first
-  gradient and its collective, is not counted.
+  in its gradient round (runtime/grad_shards.py; a round per segment, plan/buckets.py ``sync_rounds``). Where a
+  device's first backward accumulating a unit comes earlier in the order than the round's backward completing
+  it (a tower shared by tasks of an early backward and a later one, or by two waves of one segment), that
+  buffer (the unit's gradient, the device's TP shard) is held in between, beside the next forwards'
+  activations (``staged_gradients``). The staging inside one backward, between a bucket's first gradient and
+  its collective, is not counted.
 - **bf16 main gradients** are copied into fp32 ones for the optimizer step (``step_cast_bytes``), after the
   backward: they count where they exceed the activation peak.
 
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from megatron_spindle.graph.opgraph import MetaOp
+from megatron_spindle.plan.buckets import wave_rounds
 from megatron_spindle.plan.layout import SliceGeometry, device_programs, held_units, micro_batch_metaop
 from megatron_spindle.plan.order import FWD, SliceStep, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings, Plan, Recompute
@@ -287,8 +289,8 @@ RecomputeOf = Callable[[int, int], "Recompute | None"]  # (wave, slice) -> the s
 
 class StagedGradient(NamedTuple):
     """A unit's full gradient held on a device from step ``start`` of the order (its first backward there that
-    accumulates it, counted from that backward's start) until after step ``end`` (the plan's backward
-    completing it), ``bytes`` large."""
+    accumulates it in a gradient round, counted from that backward's start) until after step ``end`` (the
+    round's backward completing it), ``bytes`` large."""
 
     unit: str
     start: int
@@ -296,45 +298,54 @@ class StagedGradient(NamedTuple):
     bytes: float
 
 
+Rounds = Sequence[int]  # the gradient round of each wave (plan/buckets.py ``wave_rounds``)
+
+
 def completion_steps(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
-                     order: Sequence[SliceStep]) -> dict[str, int]:
-    """unit -> the index in ``order`` of the last backward step accumulating its gradient."""
-    done: dict[str, int] = {}
+                     order: Sequence[SliceStep], rounds: Rounds | None = None) -> dict[tuple[int, str], int]:
+    """(gradient round, unit) -> the index in ``order`` of the round's last backward step accumulating the
+    unit's gradient (``rounds``: each wave's round, default one round)."""
+    done: dict[tuple[int, str], int] = {}
     for k, (wi, si, phase) in enumerate(order):
         if phase != FWD:
             s = waves[wi][si]
+            r = rounds[wi] if rounds else 0
             for u in held_units(metaops[s.metaop], s.layer_start, s.layer_end):
-                done[u] = k
+                done[r, u] = k
     return done
 
 
 def staged_gradients(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
                      numbers: ShardedNumbers, order: Sequence[SliceStep], slices: Iterable[tuple[int, int]],
-                     done: Mapping[str, int] | None = None) -> list[StagedGradient]:
+                     done: Mapping[tuple[int, str], int] | None = None,
+                     rounds: Rounds | None = None) -> list[StagedGradient]:
     """The gradients a device running ``slices`` ((wave, slice) keys) stages across steps of ``order`` (module
-    docstring): at ZeRO 2 and 3, each trained unit whose first accumulating backward on the device comes before
-    the step completing it (``done``: ``completion_steps``, computed here when not given)."""
+    docstring): at ZeRO 2 and 3, per gradient round (``rounds``: each wave's, default one), each trained unit
+    whose first accumulating backward on the device comes before the round's step completing it (``done``:
+    ``completion_steps``, computed here when not given)."""
     if getattr(numbers, "zero_stage", 0) < 2:
         return []
-    done = completion_steps(waves, metaops, order) if done is None else done
+    done = completion_steps(waves, metaops, order, rounds) if done is None else done
     mine = set(slices)
     grad_bytes = grad_bytes_of(numbers)
     whole = state_bytes_per_param(grad_bytes)
-    out: dict[str, StagedGradient] = {}
-    seen: set[str] = set()
+    out: dict[tuple[int, str], StagedGradient] = {}
+    seen: set[tuple[int, str]] = set()
     for k, (wi, si, phase) in enumerate(order):
         if phase == FWD or (wi, si) not in mine:
             continue
         s = waves[wi][si]
+        r = rounds[wi] if rounds else 0
         for u in held_units(metaops[s.metaop], s.layer_start, s.layer_end):
-            if u in seen or is_frozen_unit(numbers, u):
+            if (r, u) in seen or is_frozen_unit(numbers, u):
                 continue
-            if u not in out and done[u] <= k:  # its first backward here completes it: staged within that backward
-                seen.add(u)
+            if (r, u) not in out and done[r, u] <= k:  # its first backward here completes it: staged within it
+                seen.add((r, u))
                 continue
             size = float(numbers.param_state_bytes(u, s.tp, 1)) / whole * grad_bytes  # dp 1: the whole TP shard
-            old = out.get(u)
-            out[u] = StagedGradient(u, k, done[u], size) if old is None else old._replace(bytes=max(old.bytes, size))
+            old = out.get((r, u))
+            out[r, u] = StagedGradient(u, k, done[r, u], size) if old is None \
+                else old._replace(bytes=max(old.bytes, size))
     return list(out.values())
 
 
@@ -346,9 +357,11 @@ def default_slice_order(waves: Sequence[Sequence[SliceGeometry]], metaops: Mappi
 
 def memory_breakdown(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
                      numbers: ShardedNumbers, num_devices: int, order: Sequence[SliceStep] | None = None,
-                     recompute: RecomputeOf | None = None, micro_batches: int = 1) -> list[tuple[float, float]]:
+                     recompute: RecomputeOf | None = None, micro_batches: int = 1,
+                     rounds: Rounds | None = None) -> list[tuple[float, float]]:
     """(parameter state, activation peak) bytes per device of placed waves run in ``order`` ((wave, slice,
-    phase); default: one segment), each slice under ``recompute(wave, slice)`` (default: the numbers' own).
+    phase); default: one segment), each slice under ``recompute(wave, slice)`` (default: the numbers' own),
+    the gradients staged per gradient round (``rounds``: each wave's, default one).
     With bf16 main gradients the optimizer step's fp32 copies of them (``step_cast_bytes``) count in the peak
     where they exceed the activations' (they are made after every backward).
 
@@ -358,11 +371,11 @@ def memory_breakdown(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
         order = default_slice_order(waves, metaops)
     cache: dict[tuple[int, int], SliceMemory] = {}
     out = [(0.0, 0.0)] * num_devices
-    done = completion_steps(waves, metaops, order) if getattr(numbers, "zero_stage", 0) >= 2 else {}
+    done = completion_steps(waves, metaops, order, rounds) if getattr(numbers, "zero_stage", 0) >= 2 else {}
     for program, devices in device_programs(waves, num_devices).items():
         mine = set(program)
         memory = DeviceMemory(1)
-        staged, freed = _staging_changes(staged_gradients(waves, metaops, numbers, order, mine, done))
+        staged, freed = _staging_changes(staged_gradients(waves, metaops, numbers, order, mine, done, rounds))
         for k, (wi, si, phase) in enumerate(order):
             memory.live[0] += staged.get(k, 0.0)  # from the backward that first adds to it (a backward of mine)
             if (wi, si) in mine:
@@ -418,7 +431,8 @@ def plan_breakdown(plan: Plan, metaops: Mapping[str, MetaOp], numbers: MemoryNum
     return memory_breakdown(waves, metaops, ZeroSharded.of(numbers, settings),
                             plan.num_devices,
                             slice_order([[s.task for s in w] for w in waves], settings),
-                            lambda wi, si: settings.recompute_of(waves[wi][si].id), settings.micro_batches)
+                            lambda wi, si: settings.recompute_of(waves[wi][si].id), settings.micro_batches,
+                            wave_rounds(len(waves), settings))
 
 
 def plan_memory(plan: Plan, metaops: Mapping[str, MetaOp], numbers: MemoryNumbers) -> list[float]:

@@ -183,13 +183,15 @@ def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
                      numbers: ShardedNumbers, cost_model, capacity: float, order: Sequence[SliceStep],
                      policy: RecomputePolicy, num_devices: int, device_name: str = "device",
                      durations: Sequence[float] | None = None,
-                     ladder_cache: dict | None = None) -> dict[SliceKey, Recompute]:
+                     ladder_cache: dict | None = None,
+                     rounds: Sequence[int] | None = None) -> dict[SliceKey, Recompute]:
     """(wave, slice) -> Recompute for every layer slice of placed waves (``metaops``: as each micro-batch runs
     them) so that every device fits ``capacity``, as cheap in recomputation seconds as the greedy finds
     (``durations``: the waves' seconds, the slices' own in their ``time``; then as cheap in wave lengthening).
     Raises RecomputeError naming the device that cannot fit even with every slice at its leanest option.
     ``ladder_cache``: the slices' ladders, kept across calls that share the cost model, the memory numbers (but
-    for the ZeRO stage) and the policy, as the memory search's candidates do."""
+    for the ZeRO stage) and the policy, as the memory search's candidates do. ``rounds``: each wave's gradient
+    round (plan/buckets.py ``wave_rounds``; default one), by which ZeRO 2 and 3 stage gradients."""
     ladders: dict[SliceKey, list[Option]] = {}
     # slices of one MetaOp, batch, configuration and layer count share a ladder
     alike: dict[tuple, list[Option]] = {} if ladder_cache is None else ladder_cache
@@ -203,15 +205,15 @@ def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
             ladders[(wi, si)] = alike[shape]
     level = {key: 0 for key in ladders}
     params = memory_breakdown(waves, metaops, numbers, num_devices, order,
-                              lambda wi, si: ladders[(wi, si)][0].recompute)
+                              lambda wi, si: ladders[(wi, si)][0].recompute, rounds=rounds)
     programs: list[_Program] = []
     of_slice: dict[SliceKey, list[_Program]] = {key: [] for key in ladders}
-    done = completion_steps(waves, metaops, order) if stage is not None and stage >= 2 else {}
+    done = completion_steps(waves, metaops, order, rounds) if stage is not None and stage >= 2 else {}
     for program, devices in device_programs(waves, num_devices).items():
         mine = set(program)
         steps = [k for k, (wi, si, _) in enumerate(order) if (wi, si) in mine]
         p = _Program(devices, [((order[k][0], order[k][1]), order[k][2]) for k in steps], params[devices[0]][0])
-        for g in staged_gradients(waves, metaops, numbers, order, mine, done):  # no recomputation changes these
+        for g in staged_gradients(waves, metaops, numbers, order, mine, done, rounds):  # recomputation changes none
             p.values[bisect.bisect_left(steps, g.start):bisect.bisect_right(steps, g.end)] += g.bytes
         cast = device_step_cast_bytes(waves, metaops, numbers, mine)  # after the backward: no recomputation helps
         if p.params + cast > capacity:

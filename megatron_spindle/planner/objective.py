@@ -51,8 +51,10 @@ from megatron_spindle.plan.buckets import (
     overlaps_param_gather,
     regathered_groups,
     split_buckets,
+    sync_rounds,
     synced_micro_batches,
     unit_completion,
+    wave_rounds,
 )
 from megatron_spindle.plan.derive import plan_slice_pairs
 from megatron_spindle.plan.layout import device_programs, first_operators, stepped_elements
@@ -120,14 +122,15 @@ def estimate_iteration(plan: Plan, metagraph: MetaGraph, cluster: ClusterSpec, c
 
 
 class UnitTimes(NamedTuple):
-    """What ``_unit_ready`` times: the compute span without transfers, the span with them, per unit the time of
-    its last accumulation in the last micro-batch's backward, and per unit the time the first micro-batch's
-    forward first uses it (the operator of its first use starting at its share of the slice's phase, as the
-    simulator gates a slice's layers on their weight gathers)."""
+    """What ``_unit_ready`` times: the compute span without transfers, the span with them, per (gradient round,
+    unit) the time of its last accumulation in that round (plan/buckets.py ``sync_rounds``: one round but
+    under ZeRO 2 and 3 with segments) of the last micro-batch's backward, and per unit the time the first
+    micro-batch's forward first uses it (the operator of its first use starting at its share of the slice's
+    phase, as the simulator gates a slice's layers on their weight gathers)."""
 
     compute: float
     span: float
-    ready: dict[str, float]
+    ready: dict[tuple[int, str], float]
     first_use: dict[str, float]
 
 
@@ -204,7 +207,8 @@ def _unit_ready(plan: Plan, metaops, cost_model,
     alone: dict[int, float] = {}  # the devices' clocks as if every transfer were free
     arrival: dict[tuple[str, str], float] = {}  # (slice, phase) -> when its last input has arrived
     link_free: dict[int, float] = {}
-    ready: dict[str, tuple[float, int]] = {}  # unit -> (time in its component, component)
+    ready: dict[tuple[int, str], tuple[float, int]] = {}  # (round, unit) -> (time in its component, component)
+    rounds = wave_rounds(len(waves), plan.settings)
     first_use: dict[str, float] = {}  # unit -> its first forward use (the first micro-batch's)
     ends: dict[int, float] = {}  # component -> when its last phase ends
     for step in steps:
@@ -225,8 +229,8 @@ def _unit_ready(plan: Plan, metaops, cost_model,
                     first_use[u] = min(first_use.get(u, math.inf), t + own * i / ops)
                     continue
                 at = t + own * (ops - i) / ops
-                if u not in ready or at > ready[u][0]:
-                    ready[u] = (at, c)
+                if (rounds[wi], u) not in ready or at > ready[rounds[wi], u][0]:
+                    ready[rounds[wi], u] = (at, c)
         for key, end in sorted(done, key=lambda kv: kv[1]):  # the step's transfers leave as their senders end
             for receiver, (seconds, links, _) in sends.get(key, []):
                 start = max([end] + [link_free.get(d, 0.0) for d in links])
@@ -235,7 +239,7 @@ def _unit_ready(plan: Plan, metaops, cost_model,
                 arrival[receiver] = max(arrival.get(receiver, 0.0), start + seconds)
     span = max(clock.values(), default=0.0)
     return UnitTimes(max(alone.values(), default=0.0) * micro, span * micro,
-                     {u: r + ends[c] * (micro - 1) for u, (r, c) in ready.items()}, first_use)
+                     {key: r + ends[c] * (micro - 1) for key, (r, c) in ready.items()}, first_use)
 
 
 def _gathers_added(gathers: list[tuple[float, float]], span: float, slowdown: float, latency: float) -> float:
@@ -271,6 +275,10 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
     completion = unit_completion(waves, metaops, settings)
     micro = settings.micro_batches
     synced, per_micro_batch = synced_micro_batches(settings.zero_stage, micro), bwd_span / micro
+    rounds = len(sync_rounds(len(waves), settings))
+    # without --overlap-grad-reduce a round's buckets wait for its last accumulation (the last round's, the span)
+    round_end = [max((t for (q, _), t in ready.items() if q == r), default=bwd_span) for r in range(rounds - 1)]
+    round_end.append(bwd_span)
     op = "all_reduce" if settings.zero_stage == 0 else "reduce_scatter"
     regathered = regathered_groups(waves, metaops, [(g.devices, g.params) for g in plan.param_groups],
                                    settings.zero_stage)
@@ -289,10 +297,16 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
         for units in buckets:
             params = sum(cost_model.param_count(u) for u in units)
             seconds = comm.collective_seconds(op, grad_reduce_bytes(params, settings) * share, ring, sharing)
-            at = max(ready[u] for u in units)
-            for mb in synced:  # the last micro-batch's accumulations, or (ZeRO-2) every micro-batch's
-                for d in g.devices:
-                    per_device.setdefault(d, []).append((at - per_micro_batch * (micro - 1 - mb), seconds))
+            for r in range(rounds):  # one, or (ZeRO 2 and 3) each segment's: the buckets it accumulates
+                at = max((ready[r, u] for u in units if (r, u) in ready), default=None)
+                if at is None:
+                    continue
+                if not settings.overlap_grad_reduce:  # issued once the backward reaches the next round
+                    at = round_end[r]
+                for mb in synced:  # the last micro-batch's accumulations, or (ZeRO 2 and 3) every micro-batch's
+                    shift = per_micro_batch * (micro - 1 - mb) if settings.overlap_grad_reduce else 0.0
+                    for d in g.devices:
+                        per_device.setdefault(d, []).append((at - shift, seconds))
             if again:  # its updated weights gathered after the step
                 needed = min(unit_times.first_use.get(u, 0.0) for u in units) if overlapped else 0.0
                 gathered = comm.all_gather(params * WEIGHT_BYTES_PER_PARAM * share, ring, sharing)
@@ -306,8 +320,8 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
             continue
         if buckets not in done:
             fractions, running = [], 0.0
-            for at, _ in buckets:  # without --overlap-grad-reduce every bucket waits for the whole backward
-                running = max(running, min(1.0, at / bwd_span)) if settings.overlap_grad_reduce else 1.0
+            for at, _ in buckets:  # without --overlap-grad-reduce at its round's end (one round: the backward's)
+                running = max(running, min(1.0, at / bwd_span))
                 fractions.append(running)
             times = overlapped_backward_seconds(bwd_span, [s for _, s in buckets], fractions,
                                                 comm.overlap_slowdown, comm.overlap_latency)

@@ -78,7 +78,14 @@ from megatron_spindle.checkpointing.checkpoint import UnitState
 from megatron_spindle.compat.cpu import select_te_attention
 from megatron_spindle.graph.opgraph import MetaGraph, build_metagraph
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.buckets import overlaps_param_gather, regathered_groups, unit_first_use
+from megatron_spindle.plan.buckets import (
+    overlaps_param_gather,
+    regathered_groups,
+    round_buckets,
+    round_completions,
+    unit_first_use,
+    wave_rounds,
+)
 from megatron_spindle.plan.routing import gradient_returns
 from megatron_spindle.plan.schema import ParamGroup, Plan
 from megatron_spindle.plan.tp_shards import base_unit, runtime_groups, unit_rings
@@ -94,7 +101,7 @@ from megatron_spindle.runtime.clip import (
 )
 from megatron_spindle.runtime.direct import bind_direct_units
 from megatron_spindle.runtime.frozen import FrozenWeights
-from megatron_spindle.runtime.grad_buffers import GRAD_DTYPES, GradBuffers, backward_order
+from megatron_spindle.runtime.grad_buffers import GRAD_DTYPES, Bucket, GradBuffers, backward_order
 from megatron_spindle.runtime.grad_shards import ShardedGradBuffers, backend_reduces_scatter
 from megatron_spindle.runtime.grad_sync import GradSync
 from megatron_spindle.runtime.groups import PlanGroups
@@ -256,7 +263,8 @@ class RuntimeEngine:
                         self._gathered_keys.setdefault((sid, part), []).append(k)
         self.grad_sync = GradSync(self.grad_buffers, self.local, self.binding, self.key_unit, self.groups,
                                   overlap=settings.overlap_grad_reduce, micro_batches=settings.micro_batches,
-                                  zero_stage=self.zero_stage)
+                                  zero_stage=self.zero_stage, rounds=self._sync_rounds(),
+                                  wave_rounds=wave_rounds(len(plan.waves), settings))
         weights = {t.name: t.loss.weight if t.loss else 1.0 for t in workload.tasks}
         self.schedule = WaveSchedule(plan, workload, rank, self.local, activation_spec or default_activation_spec,
                                      weights, self.config.dtype, self.device, on_wave,
@@ -422,7 +430,7 @@ class RuntimeEngine:
         from megatron_spindle.models.dropout import draw_position  # models/ imports megatron-core (slow)
 
         self.grad_sync.start_step()
-        cues = (self._slice_done, self._micro_start, self._before_forward)
+        cues = (self._slice_done, self._micro_start, self._before_forward, self._segment_start)
         meter = SavedTensorMeter(p for ls in self.local.values() for p in ls.op.parameters()) \
             if self.config.measure_activations else contextlib.nullcontext()
         with draw_position(self.config.dropout_seed, step), meter:  # recomputation in the backward draws alike
@@ -495,6 +503,25 @@ class RuntimeEngine:
 
         set_micro_batch(index)
         self.grad_sync.micro_start(index)
+
+    def _segment_start(self, index: int) -> None:
+        """The schedule's cue before each segment of the order: the gradient sync's round (per segment at ZeRO 2
+        and 3)."""
+        self.grad_sync.segment_start(index)
+
+    def _sync_rounds(self) -> list[list[Bucket]] | None:
+        """The gradient rounds of a synced micro-batch (plan/buckets.py ``sync_rounds``), each the buckets it
+        reduces in its launch order, with their completion there (a TP shard completes with its unit); None for
+        one round (every bucket, in ``launch_order``)."""
+        waves = [w.slices for w in self.plan.waves]
+        rounds = round_completions(waves, self.metagraph.metaops, self.plan.settings)
+        if len(rounds) == 1:
+            return None
+        buckets = self.grad_buffers.buckets
+        return [[dataclasses.replace(b, done=done)
+                 for b, done in round_buckets(buckets, {u: c[base_unit(u)] for b in buckets for u in b.units
+                                                        if base_unit(u) in c})]
+                for c in rounds]
 
     def _before_forward(self, ls) -> None:
         """The schedule's cue before a local slice's forward: with --overlap-param-gather, load what of it no

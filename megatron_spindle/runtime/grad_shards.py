@@ -19,7 +19,9 @@ Micro-batches: a rank that keeps only shards cannot accumulate the full gradient
 buckets are reduce-scattered after its backward (DeepSpeed's way; plan/buckets.py ``synced_micro_batches``,
 which the simulator charges). Each micro-batch has its own staging buffers, so one micro-batch's collectives
 may still run while the next one adds its gradients; a completed collective adds its result to the shard row
-(a step's first reduce-scatter of a bucket writes into the zeroed row directly). ZeRO-1 (the distributed
+(a step's first reduce-scatter of a bucket writes into the zeroed row directly). Likewise with a round per
+segment (plan/buckets.py ``sync_rounds``): the ``micro`` key of ``add`` / ``reduce`` / ``settle`` is then the
+round's (micro-batch, segment), so no full gradient outlives its segment's round. ZeRO-1 (the distributed
 optimizer) uses the same buffers with the micro-batches accumulated in the operators, as at stage 0: one
 round per step, after the last micro-batch.
 """

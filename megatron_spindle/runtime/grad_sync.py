@@ -33,6 +33,12 @@ this rank, while the rest of the backward runs; ``finish`` waits on every handle
   (plan/buckets.py ``synced_micro_batches``): its buckets expect one accumulation per (slice, key), the
   operators' gradients are added after each micro-batch's backward, and the buckets are issued, in launch
   order, during that micro-batch's backward; the next micro-batch starts the launch order again.
+- **Rounds per segment.** Likewise at ZeRO 2 and 3 a plan with segments reduces after each segment's backward
+  (plan/buckets.py ``sync_rounds``): ``rounds`` lists each round's buckets in its launch order (each with its
+  completion in the round), the schedule says when a segment begins (``segment_start``), and a round's buckets
+  expect the accumulations of the local slices of its segment. A bucket this rank accumulates nothing of in a
+  round is complete at once: issued, in order, when the rank reaches the segment. Each round adds into its own
+  staging buffers (grad_shards.py), released once its collective has completed.
 - No barrier precedes the sync, and nothing waits on a handle before ``finish``.
 """
 
@@ -61,7 +67,8 @@ class GradSync:
 
     def __init__(self, buffers: GradBuffers | ShardedGradBuffers, local: dict[str, LocalSlice], binding: DirectBinding,
                  key_unit: dict[str, str], groups: PlanGroups, overlap: bool = True,
-                 on_launch: Callable[[Bucket], None] | None = None, micro_batches: int = 1, zero_stage: int = 0):
+                 on_launch: Callable[[Bucket], None] | None = None, micro_batches: int = 1, zero_stage: int = 0,
+                 rounds: list[list[Bucket]] | None = None, wave_rounds: list[int] | None = None):
         self.buffers, self.local, self.binding, self.groups = buffers, local, binding, groups
         self.overlap, self.on_launch = overlap, on_launch
         self.micro_batches = micro_batches
@@ -70,15 +77,22 @@ class GradSync:
         self._each_micro = len(synced_micro_batches(zero_stage, micro_batches)) == micro_batches
         self._per_round = 1 if self._each_micro else micro_batches
         self._micro = 0
-        position = {u: i for i, b in enumerate(buffers.buckets) for u in b.units}
+        # the rounds of a synced micro-batch (one, or one per segment), each its buckets in launch order
+        self.rounds = rounds or [list(buffers.buckets)]
+        position = {(b.devices, b.index): i for i, b in enumerate(buffers.buckets)}
+        self._order = [[position[b.devices, b.index] for b in r] for r in self.rounds]
+        at = {u: i for i, b in enumerate(buffers.buckets) for u in b.units}
         self._bucket_of: dict[tuple[str, str], int] = {}  # (slice id, key) -> bucket position
-        self._expected = [0] * len(buffers.buckets)
+        self._expected = [[0] * len(buffers.buckets) for _ in self.rounds]  # per round and bucket
         for sid, ls in local.items():
+            expected = self._expected[wave_rounds[ls.wave] if wave_rounds else 0]
             for k in ls.param_keys:
-                i = position[key_unit[k]]
+                i = at[key_unit[k]]
                 self._bucket_of[sid, k] = i
-                self._expected[i] += self._per_round
-        self._missing = list(self._expected)
+                expected[i] += self._per_round
+        self._round = 0
+        self._key = 0  # the round's key into the buffers' staging: micro-batch * rounds + round
+        self._missing = list(self._expected[0])
         # slice id -> its generic keys unit by unit (a unit's TP shard with its unit: runtime/tp_shards.py):
         # exported one unit at a time, so that a rank holds one unit's full-shape gradients at once, not its
         # whole operator's
@@ -91,7 +105,7 @@ class GradSync:
         # slice id -> its operator's parameters, listed once (their gradients are dropped after every export)
         self._op_params = {sid: list(ls.op.parameters()) for sid, ls in local.items()}
         self._counted: set[tuple[str, str, int]] = set()  # (slice id, key, micro-batch)
-        self._next = 0  # position of the first bucket not issued yet
+        self._next = 0  # position in the round's launch order of the first bucket not issued yet
         self._handles: list = []
         self._active = False
         self._groups_in_flight = sorted({tuple(b.devices) for b in buffers.buckets if len(b.devices) > 1})
@@ -117,15 +131,15 @@ class GradSync:
         self._missing[self._bucket_of[sid, key]] -= 1
 
     def _advance(self) -> None:
-        """Issue, in launch order, every bucket whose predecessors are issued and which is complete."""
-        buckets = self.buffers.buckets
-        while self._next < len(buckets) and self._missing[self._next] == 0:
-            self._launch(buckets[self._next])
+        """Issue, in the round's launch order, every bucket whose predecessors are issued and which is complete."""
+        order = self._order[self._round]
+        while self._next < len(order) and self._missing[order[self._next]] == 0:
+            self._launch(self.rounds[self._round][self._next])
             self._next += 1
 
     def _launch(self, b: Bucket) -> None:
         group = self.groups.param_group(b.devices) if len(b.devices) > 1 else None
-        self._handles.append((b, self._micro, self.buffers.reduce(b, group, self._micro)))
+        self._handles.append((b, self._key, self.buffers.reduce(b, group, self._key)))
         if self.on_launch is not None:
             self.on_launch(b)
 
@@ -150,7 +164,8 @@ class GradSync:
         for params in self.binding.free_params.values():
             for p in params:
                 p.grad = None
-        self._missing = list(self._expected)
+        self._round = self._key = 0
+        self._missing = list(self._expected[0])
         self._counted.clear()
         self._next = 0
         self._micro = 0
@@ -159,12 +174,29 @@ class GradSync:
     def micro_start(self, index: int) -> None:
         """Micro-batch ``index`` begins (the schedule says so before each). Under ZeRO-2 the previous one's
         buckets are all complete here (every local slice has run its backward): issue what is left of them and
-        start the launch order again."""
-        if self._each_micro and index > 0:
-            self._check_all_issued()
-            self._missing = list(self._expected)
-            self._next = 0
+        start the launch order again (with a round per segment, at the first segment's start)."""
         self._micro = index
+        if self._each_micro and index > 0 and len(self.rounds) == 1:
+            self._begin_round(0)
+
+    def segment_start(self, index: int) -> None:
+        """Segment ``index`` of the plan's order begins (the schedule says so before each, in every micro-batch).
+        With a round per segment, the previous round's buckets are all complete here: issue what is left of
+        them, and begin this segment's round."""
+        if len(self.rounds) > 1 and (index > 0 or self._micro > 0):
+            self._begin_round(index)
+
+    def _begin_round(self, index: int) -> None:
+        """Issue what is left of the round now running, then begin round ``index`` of the current micro-batch:
+        the buckets this rank accumulates nothing of there are issued at once (in order)."""
+        self._check_all_issued()
+        self._round, self._key = index, self._micro * len(self.rounds) + index
+        self._missing = list(self._expected[index])
+        self._next = 0
+        if self.overlap:
+            self._advance()
+        if self.buffers.sharded:
+            self._settle_completed()
 
     def slice_done(self, ls: LocalSlice) -> None:
         """After the slice's backward: add its generic gradients to the buffers, unit by unit, and count every
@@ -178,10 +210,10 @@ class GradSync:
         if export and generic and not hasattr(ls.op, "export_grad_contributions"):
             g = full_grads(ls.op, ls.keys.canonical)  # one export of the whole operator (stand-ins: never split)
             if ls.tp_leader:
-                self.buffers.add(ls.keys.to_runtime(g), generic, self._micro)
+                self.buffers.add(ls.keys.to_runtime(g), generic, self._key)
         elif export:
             for unit, keys in self._generic_units.get(sid, ()):  # every TP rank its part: the reduction sums them
-                self.buffers.add(ls.keys.runtime_grads(ls.op, [unit]), keys, self._micro)
+                self.buffers.add(ls.keys.runtime_grads(ls.op, [unit]), keys, self._key)
         if export and self.buffers.sharded:  # the operator's full gradients are in the buckets now
             for p in self._op_params[sid]:
                 p.grad = None
@@ -204,10 +236,11 @@ class GradSync:
     def _check_all_issued(self) -> None:
         """Issue the buckets left (in order); each must be complete after the (micro-batch's) backward."""
         self._advance()
-        if self._next != len(self.buffers.buckets):
-            b = self.buffers.buckets[self._next]
+        if self._next != len(self._order[self._round]):
+            b = self.rounds[self._round][self._next]
             raise RuntimeError(f"gradient bucket {b.index} of devices {list(b.devices)} misses "
-                               f"{self._missing[self._next]} accumulation(s) after the backward")
+                               f"{self._missing[self._order[self._round][self._next]]} accumulation(s) after the "
+                               f"backward")
 
     def _wait(self) -> None:
         for b, micro, h in self._handles:

@@ -14,6 +14,7 @@ dropped before the next starts. The per-task losses are the sum of every micro-b
 Nothing in it is a barrier: the loss all-reduce is issued after the last forward step and runs during the
 remaining backward, and a rank that only sends in a transfer does not wait for the receiver (its requests are
 waited on at the end; runtime/transfer.py). Before each micro-batch the schedule calls ``micro_start(j)``, before
+the first step of each segment of the order (plan/order.py; one without segments) ``segment_start(k)``, before
 each local slice's forward ``before_forward(slice)`` (the overlapped weight all-gather's cue), after each local
 slice's backward ``slice_done(slice)`` (the gradient sync's cues), and after each step
 ``on_wave(phase, wave_index, seconds)``. ``evaluate`` runs the forward steps alone (validation: no autograd
@@ -39,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_spindle.graph.workload import Workload
-from megatron_spindle.plan.order import FWD, execution_steps
+from megatron_spindle.plan.order import FWD, execution_steps, segments_of
 from megatron_spindle.plan.schema import Plan
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.layout import dp_rank, transfer_input_index
@@ -133,14 +134,18 @@ class WaveSchedule:
         self._receive_peers = sorted({m.src for t, d in self._remote_receives for m in t.remote_incoming(d, rank)})
         self._pending_sends: list = []
         self.steps = execution_steps(len(plan.waves), plan.settings)
+        segment = {w: k for k, seg in enumerate(segments_of(len(plan.waves), plan.settings)) for w in seg}
+        self._segment_starts = {i: segment[w] for i, (w, _, _) in enumerate(self.steps)
+                                if i == 0 or segment[w] != segment[self.steps[i - 1][0]]}  # step -> segment
         self.micro_batches = plan.settings.micro_batches
         self.loss_scale = 1.0
 
     def run(self, batches: dict[str, Any], slice_done: Callable[[LocalSlice], None],
             micro_start: Callable[[int], None] | None = None,
-            before_forward: Callable[[LocalSlice], None] | None = None) -> Callable[[], dict[str, float]]:
+            before_forward: Callable[[LocalSlice], None] | None = None,
+            segment_start: Callable[[int], None] | None = None) -> Callable[[], dict[str, float]]:
         """Forward and backward of one step; returns a function that waits for and reads the task losses."""
-        return self._run(batches, slice_done, micro_start, before_forward, backward=True)
+        return self._run(batches, slice_done, micro_start, before_forward, backward=True, segment_start=segment_start)
 
     def evaluate(self, batches: dict[str, Any],
                  before_forward: Callable[[LocalSlice], None] | None = None) -> Callable[[], dict[str, float]]:
@@ -149,7 +154,7 @@ class WaveSchedule:
 
     def _run(self, batches: dict[str, Any], slice_done: Callable[[LocalSlice], None] | None,
              micro_start: Callable[[int], None] | None, before_forward: Callable[[LocalSlice], None] | None,
-             backward: bool) -> Callable[[], dict[str, float]]:
+             backward: bool, segment_start: Callable[[int], None] | None = None) -> Callable[[], dict[str, float]]:
         mine = self._slice_of_wave
         names = [t.name for t in self.workload.tasks]
         losses = torch.zeros(len(names), dtype=torch.float64, device=self.device)
@@ -165,6 +170,8 @@ class WaveSchedule:
             early = self._post_receives(j, backward) if self.early_receives else {}
             posted: dict[tuple[int, int], PendingTransfer | None] = {}  # (transfer, direction) -> its receive
             for i, (wave, phase, task) in enumerate(steps):
+                if segment_start is not None and i in self._segment_starts:
+                    segment_start(self._segment_starts[i])
                 t0 = time.perf_counter()
                 ls = mine.get(wave)
                 if ls is not None and task is not None and ls.slice.task != task:

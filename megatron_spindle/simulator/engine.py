@@ -9,8 +9,8 @@ engine is timeline.py):
   order (or ``backward_order``); or an explicit ``order`` of (wave, phase, task) steps (early backward).
   Every device executes its own slices in that global order. With ``micro_batches`` m the order runs m times
   one after another, each slice on B/m samples (its costs and transfers at that batch), and the gradient
-  synchronisation (overlapped with the last micro-batch's backward; with every micro-batch's under ZeRO-2)
-  and the optimizer step follow.
+  synchronisation (overlapped with the last micro-batch's backward; with every micro-batch's, and every
+  segment's, under ZeRO 2 and 3: plan/buckets.py ``sync_rounds``) and the optimizer step follow.
 - **Dataflow, no global barrier.** A slice starts when all its devices are free and its inputs have arrived:
   a wave boundary is a point-to-point dependency, not a cluster-wide barrier (a device only waits for the
   devices it receives from). On wave-aligned Spindle plans this changes little; it lets the baselines whose
@@ -67,6 +67,7 @@ then writes this simulator's time into ``plan.predicted["iteration_time"]``.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 from dataclasses import dataclass, field
@@ -89,6 +90,7 @@ from megatron_spindle.plan.buckets import (
     overlaps_param_gather,
     synced_micro_batches,
     unit_first_use,
+    wave_rounds,
 )
 from megatron_spindle.plan.derive import plan_slice_pairs
 from megatron_spindle.plan.layout import first_operators, slice_units, stepped_elements
@@ -104,6 +106,7 @@ from megatron_spindle.simulator.grad_sync import (
     nodes_of,
     param_gathers,
     plan_buckets,
+    synced_buckets,
 )
 from megatron_spindle.simulator.result import GroupSync, Interval, SimResult
 from megatron_spindle.simulator.timeline import Collective, Flow, Task, TimelineResult, run_timeline
@@ -157,6 +160,8 @@ class _Context:
     groups: list[GroupInfo] = field(default_factory=list)
     buckets: list[BucketSync] = field(default_factory=list)
     settings: SimSettings = field(default_factory=SimSettings)
+    synced: list[BucketSync] = field(default_factory=list)  # a synced micro-batch's collectives (synced_buckets)
+    rounds: list[int] = field(default_factory=list)  # the gradient round of each wave (plan/buckets.py)
 
 
 def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=None, memory_model=None,
@@ -171,7 +176,7 @@ def simulate(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_model=No
     moved, _ = _timeline(ctx, timer, transfers=settings.transfers, sync=False)
     full = _timeline(ctx, timer, transfers=settings.transfers, sync=True)[0] if settings.grad_sync and ctx.buckets \
         else moved
-    buckets = ctx.buckets if full is not moved else []
+    buckets = ctx.synced if full is not moved else []
     # Megatron's --overlap-param-gather: the weights' all-gather of the last step runs during this forward
     overlapped = settings.grad_sync and overlaps_param_gather(plan.settings) and bool(
         param_gathers(plan, ctx.groups, ctx.metaops))
@@ -270,7 +275,8 @@ def _build_context(plan: Plan, cluster: ClusterSpec, metagraph: MetaGraph, cost_
     groups = group_infos(plan, metagraph.metaops, cost_model.param_count, cluster)
     buckets = plan_buckets(plan, metagraph.metaops, cost_model.param_count, groups)
     return _Context(plan, cluster, slices, metaops, _order(plan), fwd_time, bwd_time, in_edges, out_edges, zero,
-                    units, comm, groups, buckets, settings)
+                    units, comm, groups, buckets, settings, synced_buckets(plan, metagraph.metaops, buckets),
+                    wave_rounds(len(plan.waves), plan.settings))
 
 
 def _order(plan: Plan) -> list[tuple[str, str]]:
@@ -364,10 +370,11 @@ def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool
         milestones = list(_milestones(ctx, at, tasks))
         for mb in synced_micro_batches(ctx.zero_stage, micro):
             first = len(collectives)
-            shift = mb * len(ctx.order) if ctx.plan.settings.overlap_grad_reduce else 0
+            # without overlap the milestones are the devices' last tasks: those of the last micro-batch
+            shift = (mb if ctx.plan.settings.overlap_grad_reduce else micro - 1) * len(ctx.order)
             collectives += [Collective(b.devices, _collective_seconds(timer, b.op, b.nbytes, b.ring),
                                       nodes_of(b.devices, gpn), b.rings)
-                            for b in ctx.buckets]
+                            for b in ctx.synced]
             for c, (k, fraction, d) in milestones:
                 tasks[k + shift].milestones.append((fraction, first + c, d))
     slowdown = (ctx.settings.overlap_slowdown or ctx.comm.overlap_slowdown) if collectives else 1.0
@@ -429,19 +436,31 @@ def _collective_seconds(timer: CollectiveTimer, op: str, nbytes: float, ring):
 
 
 def _milestones(ctx: _Context, index: dict[tuple[str, str], int], tasks: list[Task]):
-    """(collective, (task, fraction of its work, device)): where each member's last accumulation of each
-    bucket happens (grad_sync.py); without overlap, the end of the device's last task."""
+    """(collective, (task, fraction of its work, device)) of one micro-batch's tasks: where each member's last
+    accumulation of each synced bucket happens in the bucket's round (grad_sync.py); a member accumulating none
+    there, where it reaches the round (the end of its last task before the round's first, else the start of its
+    first); without overlap, the end of the device's last task before the next round."""
+    wave_of = {s.id: wi for wi, w in enumerate(ctx.plan.waves) for s in w.slices}
+    round_of = [ctx.rounds[wave_of[sid]] if ctx.rounds else 0 for sid, _ in ctx.order]  # per task of micro 0
+    starts = [round_of.index(r) for r in range(max(round_of, default=0) + 1)] + [len(round_of)]
+    device_tasks: dict[int, list[int]] = {}
+    for k in range(len(ctx.order)):
+        for d in tasks[k].devices:
+            device_tasks.setdefault(d, []).append(k)
+
+    def reached(d: int, before: int) -> tuple[int, float]:
+        """Device d's last task before task index ``before`` ends, else its first task starts."""
+        mine = device_tasks[d]
+        i = bisect.bisect_left(mine, before)
+        return (mine[i - 1], 1.0) if i > 0 else (mine[0], 0.0)
+
     if not ctx.plan.settings.overlap_grad_reduce:
-        last = [-1] * ctx.plan.num_devices
-        for k, t in enumerate(tasks):
-            for d in t.devices:
-                last[d] = k
-        for c, b in enumerate(ctx.buckets):
+        for c, b in enumerate(ctx.synced):
             for d in b.devices:
-                yield c, (last[d], 1.0, d)
+                yield c, reached(d, starts[b.round + 1]) + (d,)
         return
-    # unit -> [(task, fraction)] over the backward tasks holding it, in execution order
-    holding: dict[str, list[tuple[int, float]]] = {}
+    # unit -> [(task, fraction, round)] over the backward tasks holding it, in execution order
+    holding: dict[str, list[tuple[int, float, int]]] = {}
     for sid, phase in ctx.order:
         if phase == FWD:
             continue
@@ -450,17 +469,19 @@ def _milestones(ctx: _Context, index: dict[tuple[str, str], int], tasks: list[Ta
         first = first_operators(ctx.metaops[ctx.slices[sid].metaop], ctx.slices[sid])
         ops = ctx.slices[sid].num_layers
         for u in units:
-            holding.setdefault(u, []).append((k, (ops - first[u]) / ops))
-    for c, b in enumerate(ctx.buckets):
+            holding.setdefault(u, []).append((k, (ops - first[u]) / ops, round_of[k]))
+    for c, b in enumerate(ctx.synced):
         best: dict[int, tuple[int, float]] = {}
         members = set(b.devices)
         for u in b.units:
-            for k, fraction in holding.get(u, ()):
+            for k, fraction, r in holding.get(u, ()):
+                if r != b.round:
+                    continue
                 for d in tasks[k].devices:
                     if d in members and (k, fraction) > best.get(d, (-1, 0.0)):
                         best[d] = (k, fraction)
         for d in b.devices:
-            k, fraction = best[d]
+            k, fraction = best[d] if d in best else reached(d, starts[b.round])
             yield c, (k, fraction, d)
 
 

@@ -8,6 +8,10 @@ collective of its parameter device group timed by the comm model.
   is done: in the device's last backward holding a unit of the bucket, at the unit's layer (a slice runs its
   layers' backward from last to first; a light operator's one unit is complete at the end of its backward).
   Without overlap (the plan's ``overlap_grad_reduce`` off) every bucket waits for the device's whole backward.
+- **Rounds.** Under ZeRO 2 and 3 a plan with segments reduces after each segment's backward (plan/buckets.py
+  ``sync_rounds``): each round's buckets, timed as above among that segment's backward tasks
+  (``synced_buckets``); a member accumulating none of a bucket in the round issues it when it reaches the
+  segment (the end of its last task before it).
 - **Volume.** The TP ranks of a group reduce their own shards, each over the ring of devices holding it
   (``tp`` rings at once, each ``1/tp`` of the bucket, sharing the network of the nodes they cross), timed on
   the widest ring plan/tp_shards.py ``group_rings`` names, the runtime's; where a device sits in several rings
@@ -23,6 +27,7 @@ collective of its parameter device group timed by the comm model.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +40,8 @@ from megatron_spindle.plan.buckets import (
     completion_sorted,
     launch_key,
     regathered_groups,
+    round_buckets,
+    round_completions,
     split_buckets,
     unit_completion,
 )
@@ -57,6 +64,7 @@ class BucketSync:
     nbytes: float  # per ring: the bucket's bytes of one TP shard
     ring: GroupPlacement  # the data-parallel ring of one TP rank
     rings: int  # TP rings running at once
+    round: int = 0  # the gradient round (plan/buckets.py sync_rounds) of a synced bucket; ``done`` is its there
 
     def launch_key(self) -> tuple:
         return launch_key(self.done, self.devices, self.index)
@@ -104,6 +112,16 @@ def plan_buckets(plan: Plan, metaops: Mapping[str, MetaOp], param_count, groups:
             out.append(BucketSync(gi, g.devices, index, tuple(units), params, completion[units[-1]], op, nbytes,
                                   g.ring, g.tp))
     return sorted(out, key=BucketSync.launch_key)
+
+
+def synced_buckets(plan: Plan, metaops: Mapping[str, MetaOp], buckets: list[BucketSync]) -> list[BucketSync]:
+    """The gradient collectives of one synced micro-batch in issue order: each round's buckets (plan/buckets.py
+    ``round_buckets``), each with its completion in its round. With one round, ``buckets`` themselves."""
+    rounds = round_completions([w.slices for w in plan.waves], metaops, plan.settings)
+    if len(rounds) == 1:
+        return buckets
+    return [dataclasses.replace(b, done=done, round=r)
+            for r, completion in enumerate(rounds) for b, done in round_buckets(buckets, completion)]
 
 
 def param_gathers(plan: Plan, groups: list[GroupInfo], metaops: Mapping[str, MetaOp]) -> list[tuple[int, float]]:

@@ -13,6 +13,7 @@ from megatron_spindle.estimator import AnalyticCostModel
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload, workload_from_dict
+from megatron_spindle.plan.buckets import wave_rounds
 from megatron_spindle.plan.memory import ZeroSharded, plan_memory, staged_gradients
 from megatron_spindle.plan.order import slice_order
 from megatron_spindle.plan.schema import PlanError
@@ -68,19 +69,20 @@ def test_the_segments_run_one_after_another_and_hold_one_segments_activations():
     summary = plan_summary(plan)  # what tools/plan.py and pretrain_multitask.py print
     assert "2 segments, one after another" in summary
     assert " | ".join(" + ".join(seg) for seg in segments) in summary
-    # at ZeRO-2 a rank keeps gradient shards: towers shared by both segments stage their full gradients between
-    # (plan/memory.py staged_gradients; the runtime's buffers: tests/runtime/test_grad_sync.py); ZeRO-1 keeps them
-    zero = {z: dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, zero_stage=z)) for z in (1, 2)}
+    # at ZeRO-2 a rank keeps gradient shards, and reduce-scatters after each segment (plan/buckets.py sync_rounds):
+    # nothing is staged from one segment to the next; in one round the towers both segments train would be
+    # (plan/memory.py staged_gradients; the runtime's buffers: tests/runtime/test_grad_sync.py)
+    zero2 = dataclasses.replace(plan.settings, zero_stage=2)
     waves = [wv.slices for wv in plan.waves]
     order = slice_order([[s.task for s in wv] for wv in waves], plan.settings)
     every = {(wi, si) for wi, si, _ in order}
-    assert not staged_gradients(waves, result.metagraph.metaops, ZeroSharded.of(result.memory_model, zero[1].settings),
-                                order, every)
-    staged = staged_gradients(waves, result.metagraph.metaops, ZeroSharded.of(result.memory_model, zero[2].settings),
-                              order, every)
+    numbers = ZeroSharded.of(result.memory_model, zero2)
+    rounds = wave_rounds(len(waves), zero2)
+    assert rounds == [0] * len(spans[0]) + [1] * len(spans[1])
+    assert not staged_gradients(waves, result.metagraph.metaops, numbers, order, every, rounds=rounds)
+    one_round = staged_gradients(waves, result.metagraph.metaops, numbers, order, every)
     span = set(spans[0])
-    assert staged and all(g.start < g.end for g in staged)
-    assert all(order[g.start][0] in span and order[g.end][0] not in span for g in staged)  # across the segments
+    assert one_round and all(order[g.start][0] in span and order[g.end][0] not in span for g in one_round)
     # the same waves as one segment hold every task's activations until the first backward
     whole = dataclasses.replace(plan, settings=dataclasses.replace(plan.settings, segments=None))
     assert max(plan_memory(plan, result.metagraph.metaops, result.memory_model)) \
@@ -101,7 +103,7 @@ def test_a_segment_with_an_order_of_its_own_is_refused():
 
 def test_where_every_task_together_must_recompute_selection_runs_the_tasks_in_segments_instead():
     """4 GiB a device: every plan of the three tasks at once recomputes (a contrastive loss keeps one
-    micro-batch); two segments fit without recomputation, and run faster."""
+    micro-batch); two segments fit without recomputation (at ZeRO-2), and run faster."""
     w = heavy_pairs()
     c = make_cluster(4, 4)
     cluster = dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, memory_bytes=4 * GiB))
@@ -114,7 +116,8 @@ def test_where_every_task_together_must_recompute_selection_runs_the_tasks_in_se
     assert min(c.sim.iteration_time for c in segmented) < min(c.sim.iteration_time for c in at_once)
     plan = chosen.plan
     assert plan.planner["selection"]["selected"].startswith("task-segments-2-")
-    assert len(plan.settings.segments) == 2 and plan.settings.micro_batches == 1 and not plan.recomputes()
+    assert len(plan.settings.segments) == 2 and plan.settings.micro_batches == 1
+    assert any(not c.plan.recomputes() and len(c.plan.settings.segments) == 2 for c in segmented)
     assert max(plan.memory_per_device) <= cluster.gpu.memory_bytes
     off = autoplan(w, cluster, PlannerConfig(planner="wavefront", task_segments="off"))  # --spindle-task-segments off
     assert not any(c.name.startswith("task-segments-") for c in off.candidates)

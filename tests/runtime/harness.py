@@ -190,19 +190,24 @@ class LaunchLog:
 
 
 def check_launches(log: LaunchLog, label: str, overlap: bool = True) -> None:
-    """Every step issues every bucket of this rank once, in the engine's fixed order, during its last
-    micro-batch (under ZeRO-2 during every micro-batch: plan/buckets.py ``synced_micro_batches``). With
-    overlap, a bucket is issued once the backward has done every step before the one of its last local
-    accumulation (a unit shared by several local slices waits for the last of them), and before the step that
-    completes its last unit plan-wide has ended; without overlap, after the whole (micro-batch's) backward."""
-    from megatron_spindle.plan.buckets import synced_micro_batches
+    """Every step issues, for each synced micro-batch (the last, or under ZeRO-2 every one: plan/buckets.py
+    ``synced_micro_batches``), each gradient round's buckets of this rank once, in the round's launch order (one
+    round, or under ZeRO-2 one per segment: ``sync_rounds``). With overlap, a bucket is issued once the backward
+    has done every step before the one of its last local accumulation in the round (a unit shared by several
+    local slices waits for the last of them; one with none there, once the rank has reached the round), and
+    before the round's step completing it plan-wide has ended; without overlap, after the round's last step
+    and before the next round's (or micro-batch's) first step has ended."""
+    from megatron_spindle.plan.buckets import synced_micro_batches, wave_rounds
     from megatron_spindle.plan.order import BWD
 
     engine = log.engine
-    buckets = engine.grad_buffers.buckets
+    rounds = engine.grad_sync.rounds
     order = engine.schedule.steps
-    m = engine.plan.settings.micro_batches
-    synced = list(synced_micro_batches(engine.plan.settings.zero_stage, m))
+    settings = engine.plan.settings
+    m = settings.micro_batches
+    synced = list(synced_micro_batches(settings.zero_stage, m))
+    wave_round = wave_rounds(len(engine.plan.waves), settings) if len(rounds) > 1 else [0] * len(engine.plan.waves)
+    step_round = [wave_round[w] for w, _, _ in order]
     backward_step = {}  # local slice id -> index of its backward step
     for k, (wave, phase, task) in enumerate(order):
         for ls in engine.local.values():
@@ -211,40 +216,49 @@ def check_launches(log: LaunchLog, label: str, overlap: bool = True) -> None:
     steps = log.steps()
     assert steps, f"{label}: no step recorded"
     for events in steps:
-        launched = [e[1] for e in events if e[0] == "launch"]
-        assert launched == buckets * len(synced), f"{label}: buckets issued out of order or not once each"
-        starts = [events.index(("micro", j)) for j in range(m)] + [len(events)]
-        for j in synced:
-            first, after = starts[j], starts[j + 1]
-            if not overlap and j < m - 1:  # issued at the next micro-batch's start, before its first step
-                after = next(i for i in range(after, len(events)) if events[i][0] in ("forward", "backward"))
-            window = events[first:after]
-            _check_micro_batch_launches(engine, window, buckets, order, backward_step, overlap,
-                                        f"{label} micro-batch {j}")
+        launches = [(i, e[1]) for i, e in enumerate(events) if e[0] == "launch"]
+        expected = [(j, r, b) for j in synced for r, buckets in enumerate(rounds) for b in buckets]
+        assert [b for _, b in launches] == [b for _, _, b in expected], \
+            f"{label}: buckets issued out of order or not once per round"
+        ends: dict[tuple[int, int], int] = {}  # (micro-batch, step of the order) -> its end's event index
+        j = k = 0
+        for i, e in enumerate(events):
+            if e[0] == "micro":
+                j, k = e[1], 0
+            elif e[0] in ("forward", "backward"):
+                ends[j, k] = i
+                k += 1
+        for mb in range(m):
+            assert (mb, len(order) - 1) in ends and (mb, len(order)) not in ends, \
+                f"{label}: micro-batch {mb} does not end every step of the order once"
+        for (i, b), (mb, r, _) in zip(launches, expected):
+            _check_launch(engine, i, b, ends, (mb, r), order, step_round, backward_step, overlap,
+                          f"{label} micro-batch {mb} round {r}: bucket {b}")
 
 
-def _check_micro_batch_launches(engine, events, buckets, order, backward_step, overlap, label) -> None:
+def _check_launch(engine, i, b, ends, at, order, step_round, backward_step, overlap, label) -> None:
     from megatron_spindle.plan.order import BWD
 
-    ends = [i for i, e in enumerate(events) if e[0] in ("forward", "backward")]
-    assert len(ends) == len(order), f"{label}: {len(ends)} step ends in the micro-batch, not {len(order)}"
-    issued = {(b.devices, b.index): i for i, e in enumerate(events) if e[0] == "launch" for b in [e[1]]}
-    assert len(issued) == len(buckets), f"{label}: {len(issued)} buckets issued, not {len(buckets)}"
-    for b in buckets:
-        i = issued[b.devices, b.index]
-        if not overlap:
-            assert i > ends[-1], f"{label}: bucket {b} issued during the backward"
-            continue
-        done_wave = engine.plan.waves[b.done[0]]
-        units = {base_unit(u) for u in b.units}  # a unit's TP shard (runtime/tp_shards.py) with its unit
-        tasks = {s.task for s in done_wave.slices if units & set(slice_units_of(engine, s))}
-        done = max(k for k, (w, p, t) in enumerate(order) if p == BWD and w == b.done[0]
-                   and (t is None or t in tasks))
-        assert i < ends[done], f"{label}: bucket {b} issued after the step completing it"
-        last = max(backward_step[ls.slice.id] for ls in engine.local.values()
-                   if {engine.key_unit[k] for k in ls.param_keys} & set(b.units))
-        if last > 0:
-            assert i > ends[last - 1], f"{label}: bucket {b} issued before its last accumulation"
+    mb, r = at
+    mine = [k for k in range(len(order)) if step_round[k] == r]
+    if not overlap:
+        assert i > ends[mb, mine[-1]], f"{label}: issued during the round's backward"
+        after = mine[-1] + 1
+        following = ends.get((mb, after)) if after < len(order) else ends.get((mb + 1, 0))
+        assert following is None or i < following, f"{label}: issued after the next round's first step"
+        return
+    units = {base_unit(u) for u in b.units}  # a unit's TP shard (runtime/tp_shards.py) with its unit
+    done_wave = engine.plan.waves[b.done[0]]
+    tasks = {s.task for s in done_wave.slices if units & set(slice_units_of(engine, s))}
+    done = max(k for k in mine if order[k][1] == BWD and order[k][0] == b.done[0]
+               and (order[k][2] is None or order[k][2] in tasks))
+    assert i < ends[mb, done], f"{label}: issued after the step completing it"
+    local = [backward_step[ls.slice.id] for ls in engine.local.values()
+             if step_round[backward_step[ls.slice.id]] == r
+             and {engine.key_unit[k] for k in ls.param_keys} & set(b.units)]
+    first = max(local) if local else mine[0]  # none here: issued when the rank reaches the round
+    if first > 0:
+        assert i > ends[mb, first - 1], f"{label}: issued before its last accumulation"
 
 
 def slice_units_of(engine, s) -> list[str]:

@@ -123,37 +123,74 @@ def test_generic_gradients_are_exported_one_unit_at_a_time():
     assert len(exported) == sum(len(ls.op.units()) for ls in engine.local.values())
 
 
-def test_gradients_staged_across_segments_are_what_the_memory_model_counts():
-    """ZeRO-2 on task segments (planner/task_segments.py): a tower shared by both segments keeps its full
-    gradient in a staging buffer from its first accumulation in the first segment until the second completes
-    it, beside the second segment's activations. After every step of the order, the storage the rank holds
-    beyond its shards is what plan/memory.py ``staged_gradients`` counts (within 1 % of its peak: a bucket
-    completed by a step is released at the next settle)."""
-    from plans import planner_task_segments
-
+def _held_and_staged(w, plan, rounds):
+    """The gradient bytes a one-rank ZeRO-2 engine holds beyond its shards after every step of one training
+    step, and what plan/memory.py ``staged_gradients`` counts there with the gradient rounds ``rounds``."""
     from megatron_spindle.estimator import AnalyticCostModel, MemoryModel
     from megatron_spindle.graph.cluster import make_cluster
     from megatron_spindle.graph.opgraph import build_metagraph
     from megatron_spindle.plan.memory import ZeroSharded, staged_gradients
-    from megatron_spindle.plan.order import FWD, slice_order
+    from megatron_spindle.plan.order import slice_order
 
-    w = load_workload("tiny-clip")
-    plan = planner_task_segments(w, 1)
-    plan.settings = dataclasses.replace(plan.settings, zero_stage=2, ddp_bucket_size=1)
     engine = RuntimeEngine(plan, w, 0, 1, EngineConfig(optimizer=OPT))
     held = []
-    engine.on_wave = lambda phase, wave, seconds: held.append(engine.held_grad_bytes())
+    log = LaunchLog(engine)
+    logged = engine.on_wave
+    engine.on_wave = lambda phase, wave, seconds: (logged(phase, wave, seconds), held.append(engine.held_grad_bytes()))
     engine.train_step(0)
     shards = 4 * sum(sh.size for sh in engine.shards.values())
-    assert held[-1] == shards
     cluster = make_cluster(1, gpu_type_name="CPU")
     numbers = ZeroSharded.of(MemoryModel(w, cluster, AnalyticCostModel(w, cluster)), plan.settings)
     waves = [wv.slices for wv in plan.waves]
     order = slice_order([[s.task for s in wv] for wv in waves], plan.settings)
-    staged = staged_gradients(waves, build_metagraph(w).metaops, numbers, order, {(wi, si) for wi, si, _ in order})
+    assert all(len(wv) == 1 for wv in waves) and len(held) == len(order)  # a step, a slice
+    staged = staged_gradients(waves, build_metagraph(w).metaops, numbers, order, {(wi, si) for wi, si, _ in order},
+                              rounds=rounds)
     model = [sum(g.bytes for g in staged if g.start <= k < g.end) for k in range(len(order))]
-    assert all(len(wv) == 1 for wv in waves) and len(held) == len(order) and max(model) > 0  # a step, a slice
-    segment_two = plan.settings.segments[1][0]
-    assert model[order.index((segment_two, 0, FWD))] == max(model)  # held through the second segment's forward
+    return [h - shards for h in held], model, order, log
+
+
+def test_gradients_staged_across_steps_are_what_the_memory_model_counts():
+    """ZeRO-2 with an early backward (one gradient round): a tower shared by tasks whose backward runs at
+    different points keeps its full gradient in a staging buffer from its first accumulation until the step
+    completing it, beside the forwards in between. After every step of the order, the storage the rank holds
+    beyond its shards is what plan/memory.py ``staged_gradients`` counts (within 1 % of its peak: a bucket
+    completed by a step is released at the next settle)."""
+    from plans import early_backward
+
+    w = load_workload("tiny-vlm")
+    plan = early_backward(sequential_plan(w, 1))
+    plan.settings = dataclasses.replace(plan.settings, zero_stage=2, ddp_bucket_size=1)
+    held, model, _, _ = _held_and_staged(w, plan, None)
+    assert max(model) > 0 and held[-1] == 0
     for k, (runtime, predicted) in enumerate(zip(held, model)):
-        assert abs(runtime - shards - predicted) <= 0.01 * max(model), (k, runtime - shards, predicted)
+        assert abs(runtime - predicted) <= 0.01 * max(model), (k, runtime, predicted)
+
+
+def test_segments_reduce_scatter_each_round_and_stage_nothing_across_segments():
+    """ZeRO-2 on task segments (planner/task_segments.py): a round of reduce-scatters follows each segment's
+    backward (plan/buckets.py ``sync_rounds``), so a tower shared by both segments is reduced in both and no
+    full gradient outlives its segment. The rank holds only its shards after every step, as the memory model
+    with the plan's rounds counts; with one round it would have staged the tower through the second segment's
+    forward. Every bucket is issued in each round that accumulates it, in that round's launch order."""
+    from plans import planner_task_segments
+
+    from megatron_spindle.graph.opgraph import build_metagraph
+    from megatron_spindle.plan.buckets import round_completions, sync_rounds, wave_rounds
+    from megatron_spindle.plan.order import FWD
+
+    w = load_workload("tiny-clip")
+    plan = planner_task_segments(w, 1)
+    plan.settings = dataclasses.replace(plan.settings, zero_stage=2, ddp_bucket_size=1)
+    assert len(sync_rounds(len(plan.waves), plan.settings)) == len(plan.settings.segments) == 2
+    held, model, order, log = _held_and_staged(w, plan, wave_rounds(len(plan.waves), plan.settings))
+    assert held == [0] * len(order) and model == [0.0] * len(order)
+    _, one_round, _, _ = _held_and_staged(w, plan, None)
+    assert one_round[order.index((plan.settings.segments[1][0], 0, FWD))] == max(one_round) > 0
+    rounds = round_completions([wv.slices for wv in plan.waves], build_metagraph(w).metaops, plan.settings)
+    shared = [u for u in rounds[0] if u in rounds[1]]
+    assert shared  # a tower both segments train
+    launched = [(b.devices, b.index, b.units) for e in log.events if e[0] == "launch" for b in [e[1]]]
+    expected = [(b.devices, b.index, b.units) for r in log.engine.grad_sync.rounds for b in r]
+    assert launched == expected
+    assert all(sum(u in units for _, _, units in launched) == 2 for u in shared)

@@ -673,11 +673,15 @@ def zeroed(plan, stage: int = 1, overlap_param_gather: bool = False):
 def zero_cases(world: int):
     """(operators, label, workload, plan factory) run again at zero_stage 1 and 2; the spindle plans put the
     shared towers on several device sets; micro2 accumulates two micro-batches before the sync at stage 1 and
-    reduce-scatters each at stage 2."""
+    reduce-scatters each at stage 2; segments-micro2 (the planner's task segments, towers shared across them on
+    other device sets) reduce-scatters after each segment of each micro-batch at stage 2 (plan/buckets.py
+    ``sync_rounds``), its members holding nothing in a segment joining with zeros."""
     sp = lambda s, m=1: (lambda w: random_plan(w, world, s, micro_batches=m))  # noqa: E731
     cases = [("standin", "spindle-1", "tiny-clip", sp(1)), ("standin", "spindle-2", "tiny-vlm", sp(2)),
              ("standin", "micro2", "tiny-vlm", sp(1, 2)), ("standin", "spindle-1", "fanout", sp(1)),
-             ("real", "spindle-2", "tiny-vlm", sp(2))]
+             ("real", "spindle-2", "tiny-vlm", sp(2)),
+             ("standin", "segments-micro2", "tiny-clip",
+              lambda w: with_settings(planner_task_segments(w, world), micro_batches=2))]
     if world > 1:
         cases.insert(2, ("standin", "sequential-tp2", "tiny-vlm", lambda w: sequential_plan(w, world, tp=2)))
     return cases

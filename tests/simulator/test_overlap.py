@@ -143,16 +143,22 @@ def test_concurrent_cross_node_groups_share_the_node_network():
     assert both.iteration_time - alone.iteration_time == pytest.approx(1.0)
 
 
+def _shared_tower():
+    """Tower a shared by t1 (wave 0) and t2 (wave 1), t2's own tower b in wave 2, each slice two layers on
+    devices 0-1, 2 s forward and 4 s backward; a bucket per layer all-reduces in 1 s."""
+    mods = {m: ModuleSpec(m, "encoder", hidden_size=8, num_layers=2, num_heads=2, ffn_hidden_size=16) for m in "ab"}
+    tasks = [SpindleTask("t1", batch_size=2).use("a", 3), SpindleTask("t2", batch_size=2).use("a", 3).use("b", 3)]
+    cost = StubCostModel({"a": 6.0, "b": 6.0}, activation=0.0, params_per_unit=250_000_000)
+    sl = lambda wi, mid: Slice(f"w{wi}:{mid}", mid, mid[-1], mid[:2], "layer", 0, 2, [0, 1], 1, 2, 0.0)  # noqa: E731
+    waves = [Wave(i, 0, float(i), 1.0, [sl(i, mid)]) for i, mid in enumerate(["t1/a", "t2/a", "t2/b"])]
+    return Workload("shared", mods, tasks), _cluster(), cost, waves
+
+
 def test_a_shared_unit_is_reduced_after_its_last_accumulation():
     """Tower a is shared by t1 (wave 0) and t2 (wave 1); t2's own tower b runs in wave 2. Backward: wave 2
     (b), wave 1 (a), wave 0 (a): a's buckets wait for wave 0's backward, its last accumulation, although wave
     1 already accumulated into them; b's overlap the backward."""
-    mods = {m: ModuleSpec(m, "encoder", hidden_size=8, num_layers=2, num_heads=2, ffn_hidden_size=16) for m in "ab"}
-    tasks = [SpindleTask("t1", batch_size=2).use("a", 3), SpindleTask("t2", batch_size=2).use("a", 3).use("b", 3)]
-    w, cluster = Workload("shared", mods, tasks), _cluster()
-    cost = StubCostModel({"a": 6.0, "b": 6.0}, activation=0.0, params_per_unit=250_000_000)  # 1 s per bucket
-    sl = lambda wi, mid: Slice(f"w{wi}:{mid}", mid, mid[-1], mid[:2], "layer", 0, 2, [0, 1], 1, 2, 0.0)  # noqa: E731
-    waves = [Wave(i, 0, float(i), 1.0, [sl(i, mid)]) for i, mid in enumerate(["t1/a", "t2/a", "t2/b"])]
+    w, cluster, cost, waves = _shared_tower()
     units = ["a.layers.0", "a.layers.1", "b.layers.0", "b.layers.1"]
     plan = _plan(w, cluster, waves, [ParamGroup([0, 1], units)])
     r = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0), SimSettings(overlap_slowdown=1.0))
@@ -209,6 +215,31 @@ def test_zero_2_reduces_every_micro_batch_s_gradients_zero_1_only_the_last():
     assert two.comm_seconds == pytest.approx(2 * one.comm_seconds)
     assert two.start < one.start  # the first micro-batch's buckets, during the second micro-batch
     assert runs[2].iteration_time >= runs[1].iteration_time - 1e-9
+
+
+def test_zero_2_reduces_after_each_segment_and_the_planner_charges_it_alike():
+    """Tower a shared by t1 (wave 0, segment 0) and t2 (wave 1, segment 1), t2's b in wave 2 (segment 1); one
+    group, a bucket per layer. ZeRO-1 reduces once, in the second segment's backward; ZeRO-2 keeps shards and
+    reduce-scatters after each segment (plan/buckets.py sync_rounds): a's buckets in both rounds, the first
+    during segment 0's backward (a1 done at 4 s: forward 0-2, backward 2-6), 6 buckets in all. The planner's
+    estimate charges the same, with and without overlap (without: the first round once segment 0 has ended)."""
+    from megatron_spindle.planner.objective import estimate_iteration
+
+    w, cluster, cost, waves = _shared_tower()  # a reduce-scatter of a bucket: 0.5 s
+    groups = [ParamGroup([0, 1], ["a.layers.0", "a.layers.1", "b.layers.0", "b.layers.1"])]
+    runs = {}
+    for stage in (1, 2):
+        for overlap in (True, False):
+            plan = _plan(w, cluster, waves, groups, {"zero_stage": stage, "segments": [[0], [1, 2]],
+                                                     "overlap_grad_reduce": overlap})
+            r = runs[stage, overlap] = simulate(plan, w, cluster, cost, StubMemoryModel(cost, 0.0))
+            assert estimate_iteration(plan, build_metagraph(w), cluster, cost).total == pytest.approx(r.iteration_time)
+    one, two = runs[1, True].grad_sync[0], runs[2, True].grad_sync[0]
+    assert (one.buckets, two.buckets) == (4, 6)
+    assert two.grad_bytes == pytest.approx(1.5 * one.grad_bytes)
+    assert one.start == pytest.approx(12.0) and two.start == pytest.approx(4.0)
+    assert runs[2, False].grad_sync[0].start == pytest.approx(6.0)  # without overlap: at segment 1's start
+    assert runs[1, False].grad_sync[0].start == pytest.approx(18.0)
 
 
 def test_an_overlapped_weight_gather_waits_only_for_its_own_bucket():
