@@ -172,18 +172,17 @@ class GradSync:
         self._active = True
 
     def micro_start(self, index: int) -> None:
-        """Micro-batch ``index`` begins (the schedule says so before each). Under ZeRO-2 the previous one's
-        buckets are all complete here (every local slice has run its backward): issue what is left of them and
-        start the launch order again (with a round per segment, at the first segment's start)."""
+        """Micro-batch ``index`` begins (the schedule says so before each, then ``segment_start(0)``)."""
         self._micro = index
-        if self._each_micro and index > 0 and len(self.rounds) == 1:
-            self._begin_round(0)
 
     def segment_start(self, index: int) -> None:
-        """Segment ``index`` of the plan's order begins (the schedule says so before each, in every micro-batch).
-        With a round per segment, the previous round's buckets are all complete here: issue what is left of
-        them, and begin this segment's round."""
-        if len(self.rounds) > 1 and (index > 0 or self._micro > 0):
+        """Segment ``index`` of the plan's order begins (the schedule says so before each, in every micro-batch;
+        one segment without them). Where it begins a round (under ZeRO-2 and 3 every micro-batch is one, and with
+        segments every segment), the previous round's buckets are all complete here (every local slice has run
+        its backward there): issue what is left of them, and begin this round."""
+        next_segment = index > 0 and len(self.rounds) > 1
+        next_micro_batch = index == 0 and self._micro > 0 and self._each_micro
+        if next_segment or next_micro_batch:
             self._begin_round(index)
 
     def _begin_round(self, index: int) -> None:

@@ -206,7 +206,7 @@ def check_launches(log: LaunchLog, label: str, overlap: bool = True) -> None:
     settings = engine.plan.settings
     m = settings.micro_batches
     synced = list(synced_micro_batches(settings.zero_stage, m))
-    wave_round = wave_rounds(len(engine.plan.waves), settings) if len(rounds) > 1 else [0] * len(engine.plan.waves)
+    wave_round = wave_rounds(len(engine.plan.waves), settings)
     step_round = [wave_round[w] for w, _, _ in order]
     backward_step = {}  # local slice id -> index of its backward step
     for k, (wave, phase, task) in enumerate(order):
