@@ -154,17 +154,19 @@ def round_completions(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping
     return [unit_completion(waves, metaops, settings, set(r)) for r in sync_rounds(len(waves), settings)]
 
 
-def round_done(units: Iterable[str], completion: Mapping[str, Completion]) -> Completion | None:
-    """When a round completes a bucket of ``units``: the completion of the last of them it accumulates (None:
-    it accumulates none)."""
-    done = [completion[u] for u in units if u in completion]
+def round_done(units: Iterable[str], completion: Mapping[str, Completion],
+               unit: Callable[[str], str] = str) -> Completion | None:
+    """When a round completes a bucket of ``units`` (each the plan's unit ``unit(u)``: the runtime's TP shard
+    completes with its unit): the completion of the last of them it accumulates (None: it accumulates none)."""
+    done = [completion[unit(u)] for u in units if unit(u) in completion]
     return max(done, key=completion_key) if done else None
 
 
-def round_buckets(buckets: Iterable[_B], completion: Mapping[str, Completion]) -> list[tuple[_B, Completion]]:
+def round_buckets(buckets: Iterable[_B], completion: Mapping[str, Completion],
+                  unit: Callable[[str], str] = str) -> list[tuple[_B, Completion]]:
     """The buckets (anything with ``units``, ``devices`` and ``index``: the runtime's and the simulator's) one
     round reduces, each with its completion there (``round_done``), in the round's launch order."""
-    out = [(b, d) for b in buckets if (d := round_done(b.units, completion)) is not None]
+    out = [(b, d) for b in buckets if (d := round_done(b.units, completion, unit)) is not None]
     return sorted(out, key=lambda bd: launch_key(bd[1], bd[0].devices, bd[0].index))
 
 

@@ -517,10 +517,7 @@ class RuntimeEngine:
         rounds = round_completions(waves, self.metagraph.metaops, self.plan.settings)
         if len(rounds) == 1:
             return None
-        buckets = self.grad_buffers.buckets
-        return [[dataclasses.replace(b, done=done)
-                 for b, done in round_buckets(buckets, {u: c[base_unit(u)] for b in buckets for u in b.units
-                                                        if base_unit(u) in c})]
+        return [[dataclasses.replace(b, done=done) for b, done in round_buckets(self.grad_buffers.buckets, c, base_unit)]
                 for c in rounds]
 
     def _before_forward(self, ls) -> None:
