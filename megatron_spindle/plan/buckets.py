@@ -170,6 +170,17 @@ def round_buckets(buckets: Iterable[_B], completion: Mapping[str, Completion],
     return sorted(out, key=lambda bd: launch_key(bd[1], bd[0].devices, bd[0].index))
 
 
+def synced_rounds(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
+                  settings: ExecutionSettings, buckets: Sequence[_B],
+                  unit: Callable[[str], str] = str) -> list[list[tuple[_B, Completion]]] | None:
+    """Each gradient round's buckets (``round_buckets``) of a synced micro-batch, in its launch order, each with
+    its completion in the round; None where the plan has one round (every bucket, completed as laid out)."""
+    rounds = round_completions(waves, metaops, settings)
+    if len(rounds) == 1:
+        return None
+    return [round_buckets(buckets, completion, unit) for completion in rounds]
+
+
 def regathered_groups(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
                       groups: Sequence[tuple[Sequence[int], Sequence[str]]], zero_stage: int) -> list[bool]:
     """Per parameter device group (devices, units): whether the optimizer step is followed by an all-gather of

@@ -81,8 +81,7 @@ from megatron_spindle.graph.workload import Workload
 from megatron_spindle.plan.buckets import (
     overlaps_param_gather,
     regathered_groups,
-    round_buckets,
-    round_completions,
+    synced_rounds,
     unit_first_use,
     wave_rounds,
 )
@@ -513,12 +512,11 @@ class RuntimeEngine:
         """The gradient rounds of a synced micro-batch (plan/buckets.py ``sync_rounds``), each the buckets it
         reduces in its launch order, with their completion there (a TP shard completes with its unit); None for
         one round (every bucket, in ``launch_order``)."""
-        waves = [w.slices for w in self.plan.waves]
-        rounds = round_completions(waves, self.metagraph.metaops, self.plan.settings)
-        if len(rounds) == 1:
+        rounds = synced_rounds([w.slices for w in self.plan.waves], self.metagraph.metaops, self.plan.settings,
+                               self.grad_buffers.buckets, base_unit)
+        if rounds is None:
             return None
-        return [[dataclasses.replace(b, done=done) for b, done in round_buckets(self.grad_buffers.buckets, c, base_unit)]
-                for c in rounds]
+        return [[dataclasses.replace(b, done=done) for b, done in r] for r in rounds]
 
     def _before_forward(self, ls) -> None:
         """The schedule's cue before a local slice's forward: with --overlap-param-gather, load what of it no

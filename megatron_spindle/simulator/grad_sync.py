@@ -40,9 +40,8 @@ from megatron_spindle.plan.buckets import (
     completion_sorted,
     launch_key,
     regathered_groups,
-    round_buckets,
-    round_completions,
     split_buckets,
+    synced_rounds,
     unit_completion,
 )
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, grad_reduce_bytes
@@ -117,11 +116,11 @@ def plan_buckets(plan: Plan, metaops: Mapping[str, MetaOp], param_count, groups:
 def synced_buckets(plan: Plan, metaops: Mapping[str, MetaOp], buckets: list[BucketSync]) -> list[BucketSync]:
     """The gradient collectives of one synced micro-batch in issue order: each round's buckets (plan/buckets.py
     ``round_buckets``), each with its completion in its round. With one round, ``buckets`` themselves."""
-    rounds = round_completions([w.slices for w in plan.waves], metaops, plan.settings)
-    if len(rounds) == 1:
+    rounds = synced_rounds([w.slices for w in plan.waves], metaops, plan.settings, buckets)
+    if rounds is None:
         return buckets
-    return [dataclasses.replace(b, done=done, round=r)
-            for r, completion in enumerate(rounds) for b, done in round_buckets(buckets, completion)]
+    return [dataclasses.replace(b, done=done, round=r) for r, bucket_dones in enumerate(rounds)
+            for b, done in bucket_dones]
 
 
 def param_gathers(plan: Plan, groups: list[GroupInfo], metaops: Mapping[str, MetaOp]) -> list[tuple[int, float]]:
