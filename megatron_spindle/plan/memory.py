@@ -358,10 +358,12 @@ def default_slice_order(waves: Sequence[Sequence[SliceGeometry]], metaops: Mappi
 def memory_breakdown(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
                      numbers: ShardedNumbers, num_devices: int, order: Sequence[SliceStep] | None = None,
                      recompute: RecomputeOf | None = None, micro_batches: int = 1,
-                     rounds: Rounds | None = None) -> list[tuple[float, float]]:
+                     rounds: Rounds | None = None,
+                     done: Mapping[tuple[int, str], int] | None = None) -> list[tuple[float, float]]:
     """(parameter state, activation peak) bytes per device of placed waves run in ``order`` ((wave, slice,
     phase); default: one segment), each slice under ``recompute(wave, slice)`` (default: the numbers' own),
-    the gradients staged per gradient round (``rounds``: each wave's, default one).
+    the gradients staged per gradient round (``rounds``: each wave's, default one; ``done``: their
+    ``completion_steps``, computed here when not given).
     With bf16 main gradients the optimizer step's fp32 copies of them (``step_cast_bytes``) count in the peak
     where they exceed the activations' (they are made after every backward).
 
@@ -371,7 +373,8 @@ def memory_breakdown(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
         order = default_slice_order(waves, metaops)
     cache: dict[tuple[int, int], SliceMemory] = {}
     out = [(0.0, 0.0)] * num_devices
-    done = completion_steps(waves, metaops, order, rounds) if getattr(numbers, "zero_stage", 0) >= 2 else {}
+    if done is None:
+        done = completion_steps(waves, metaops, order, rounds) if getattr(numbers, "zero_stage", 0) >= 2 else {}
     for program, devices in device_programs(waves, num_devices).items():
         mine = set(program)
         memory = DeviceMemory(1)

@@ -204,11 +204,11 @@ def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
                 alike[shape] = slice_options(m, s, numbers, cost_model, policy)
             ladders[(wi, si)] = alike[shape]
     level = {key: 0 for key in ladders}
+    done = completion_steps(waves, metaops, order, rounds) if stage is not None and stage >= 2 else {}
     params = memory_breakdown(waves, metaops, numbers, num_devices, order,
-                              lambda wi, si: ladders[(wi, si)][0].recompute, rounds=rounds)
+                              lambda wi, si: ladders[(wi, si)][0].recompute, rounds=rounds, done=done)
     programs: list[_Program] = []
     of_slice: dict[SliceKey, list[_Program]] = {key: [] for key in ladders}
-    done = completion_steps(waves, metaops, order, rounds) if stage is not None and stage >= 2 else {}
     for program, devices in device_programs(waves, num_devices).items():
         mine = set(program)
         steps = [k for k, (wi, si, _) in enumerate(order) if (wi, si) in mine]
