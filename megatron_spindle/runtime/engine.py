@@ -509,7 +509,7 @@ class RuntimeEngine:
         self.grad_sync.segment_start(index)
 
     def _sync_rounds(self) -> list[list[Bucket]] | None:
-        """The gradient rounds of a synced micro-batch (plan/buckets.py ``sync_rounds``), each the buckets it
+        """The gradient rounds of a synced micro-batch (plan/buckets.py ``synced_rounds``), each the buckets it
         reduces in its launch order, with their completion there (a TP shard completes with its unit); None for
         one round (every bucket, in ``launch_order``)."""
         rounds = synced_rounds([w.slices for w in self.plan.waves], self.metagraph.metaops, self.plan.settings,

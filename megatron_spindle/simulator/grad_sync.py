@@ -115,7 +115,7 @@ def plan_buckets(plan: Plan, metaops: Mapping[str, MetaOp], param_count, groups:
 
 def synced_buckets(plan: Plan, metaops: Mapping[str, MetaOp], buckets: list[BucketSync]) -> list[BucketSync]:
     """The gradient collectives of one synced micro-batch in issue order: each round's buckets (plan/buckets.py
-    ``round_buckets``), each with its completion in its round. With one round, ``buckets`` themselves."""
+    ``synced_rounds``), each with its completion in its round. With one round, ``buckets`` themselves."""
     rounds = synced_rounds([w.slices for w in plan.waves], metaops, plan.settings, buckets)
     if rounds is None:
         return buckets
