@@ -11,7 +11,8 @@ grad_reduce_dtype: runtime/grad_buffers.py ``GRAD_DTYPES``):
 - by TP shard: each of a unit's TP shards (1/t of it, counted here as 1/t of all of its parameters) over the ring
   of devices holding it; its replicated tensors (norms, biases: not counted) stay whole over the group;
 - weights after the step: the groups plan/buckets.py ``regathered_groups`` names, gathered in bf16 over the same
-  sets.
+  sets; at ZeRO-3 redistributed instead, each device receiving what its slices keep (plan/buckets.py
+  ``redistributed_params``), where the simulator charges every member what the busiest one receives.
 
 The simulator times each shard on the rings plan/tp_shards.py ``group_rings`` names. Where a device holds a
 unit at different TP ranks in different slices it reduces that unit's shards on several rings; the simulator
@@ -19,7 +20,8 @@ then charges every member what that busiest device moves, so its side is the lar
 assembled with their TP ranks ordered so that this does not happen where any order allows it (plan/tp_shards.py
 ``aligned_device_orders``).
 
-Bytes are nccl-tests bus bytes (all-reduce 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)/n), per
+Bytes are nccl-tests bus bytes (all-reduce 2(n-1)/n of the buffer, all-gather, reduce-scatter and all-to-all
+(n-1)/n), per
 gradient reduction round (ZeRO-2 and 3 reduce once per micro-batch, both sides alike).
 
     python benchmarks/comm_bytes.py                                   # qwen-val / 32 and qwen-val-70b / 256
@@ -38,10 +40,11 @@ from pathlib import Path
 from bench_output import Recording, add_output_args, cell, plan_cell
 
 from megatron_spindle.estimator import AnalyticCostModel
+from megatron_spindle.estimator.comm_model import bus_factor
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
-from megatron_spindle.plan.buckets import regathered_groups
+from megatron_spindle.plan.buckets import group_tp, redistributed_params, regathered_groups, unit_holders
 from megatron_spindle.plan.schema import Plan
 from megatron_spindle.plan.tp_shards import base_unit, runtime_groups, unit_rings
 from megatron_spindle.planner.pipeline import PLANNERS
@@ -51,13 +54,6 @@ from megatron_spindle.simulator.grad_sync import group_infos, param_gathers, pla
 DEFAULT_CELLS = (("qwen-val", 32), ("qwen-val-70b", 256))
 RUNTIME_WEIGHT_BYTES = 2  # the weights' all-gather in the model's dtype (bf16 on GPUs)
 GB = 1e9
-
-
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests bus bytes per buffer byte of a collective over n ranks."""
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
 
 
 def runtime_sets(plan: Plan, metaops, param_count) -> list[tuple[tuple[int, ...], float, bool]]:
@@ -81,20 +77,31 @@ def plan_bytes(plan: Plan, workload) -> dict:
     cluster = ClusterSpec.from_dict(plan.cluster)
     metagraph, cost = build_metagraph(workload), AnalyticCostModel(workload, cluster)
     groups = group_infos(plan, metagraph.metaops, cost.param_count, cluster)
+    waves = [w.slices for w in plan.waves]
+    holders = unit_holders(waves, metagraph.metaops)
     sums = {k: Counter() for k in ("model_grad", "runtime_grad", "model_weights", "runtime_weights")}
+    gathering = set(param_gathers(plan, groups, metagraph.metaops))
     for b in plan_buckets(plan, metagraph.metaops, cost.param_count, groups):
         for d in b.devices:
             sums["model_grad"][d] += bus_factor(b.op, b.ring.size) * b.nbytes
-    for gi, nbytes in param_gathers(plan, groups, metagraph.metaops):
-        for d in groups[gi].devices:
-            sums["model_weights"][d] += bus_factor("all_gather", groups[gi].ring.size) * nbytes
+            if b.group in gathering:
+                sums["model_weights"][d] += bus_factor(b.weight_op, b.ring.size) * b.weight_bytes
     op = "all_reduce" if plan.settings.zero_stage == 0 else "reduce_scatter"
     grad_bytes = GRAD_DTYPES[plan.settings.grad_reduce_dtype].itemsize  # the runtime's buffers
+    zero3 = plan.settings.zero_stage == 3
     for devices, params, regathered in runtime_sets(plan, metagraph.metaops, cost.param_count):
         for d in devices:
             sums["runtime_grad"][d] += bus_factor(op, len(devices)) * params * grad_bytes
-            if regathered:
+            if regathered and not zero3:
                 sums["runtime_weights"][d] += bus_factor("all_gather", len(devices)) * params * RUNTIME_WEIGHT_BYTES
+    if zero3:  # each device receives what its slices keep (runtime/weight_redistribution.py)
+        for g, degree, again in zip(groups, group_tp(waves, metagraph.metaops, [g.units for g in groups],
+                                                     plan.settings), regathered_groups(
+                waves, metagraph.metaops, [(g.devices, g.units) for g in groups], 3)):
+            if again and g.ranks > 1:
+                need = redistributed_params(holders, g.units, degree, cost.param_count)
+                for d, params in need.items():
+                    sums["runtime_weights"][d] += bus_factor("all_to_all", g.ring.size) * params * RUNTIME_WEIGHT_BYTES
     runtime_total = Counter()
     for k in ("runtime_grad", "runtime_weights"):
         runtime_total.update(sums[k])

@@ -229,16 +229,14 @@ def collective_group(args, cluster_of):
 
 
 def estimate_collective(args) -> dict:
-    from megatron_spindle.estimator.comm_model import CommModel
+    from megatron_spindle.estimator.comm_model import CommModel, bus_factor
     from megatron_spindle.graph.cluster import make_cluster
 
     cluster, group, concurrent = collective_group(
         args, lambda n, per_node: make_cluster(n, per_node, args.gpu_type))
     seconds = CommModel(cluster).collective_seconds(args.op, args.bytes, group, concurrent)
     n = group.size
-    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-              "send_recv": 1.0}[args.op]
-    busbw = factor * args.bytes / seconds if seconds > 0 else 0.0
+    busbw = bus_factor(args.op, n) * args.bytes / seconds if seconds > 0 else 0.0
     return {"seconds": seconds, "bus_bandwidth_gb_s": busbw / 1e9, "algorithm_bandwidth_gb_s":
             (args.bytes / seconds / 1e9 if seconds > 0 else 0.0), "op": args.op, "bytes": args.bytes,
             "num_gpus": n, "ranks_per_node": list(group.ranks_per_node), "concurrent_groups": concurrent,

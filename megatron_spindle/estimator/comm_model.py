@@ -3,14 +3,17 @@ synchronisation overlapped with the backward.
 
 A collective over a group costs a latency plus its bytes at a bus bandwidth (the nccl-tests convention:
 all-reduce moves 2(n-1)/n of its buffer over the slowest link, all-gather and reduce-scatter (n-1)/n of the
-gathered size, send/recv its buffer):
+gathered size, all-to-all (n-1)/n of a rank's buffer, send/recv its buffer, ``bus_factor``):
 
 - inside a node: the node's measured NVLink bus bandwidth (C8); NVLink SHARP all-reduces where the GPU has them;
 - across nodes: the least of (a) the network paths of the group's GPUs on its thinnest node (one per GPU,
   ``network_rail_bw``), (b) what one group's ring reaches (``inter_node_bw``), and (c) its share of the node's
   network (``node_network_bw``), which the cross-node groups running at the same time divide: strided groups
   (one or a few GPUs per node, e.g. the DP groups of a TP x DP layout) crossing the same nodes (C9);
-- latency: one small collective inside a node, plus the network's when it crosses nodes.
+- latency: one small collective inside a node, plus the network's when it crosses nodes;
+- all-to-all (ZeRO-3's weights redistributed after the step, runtime/weight_redistribution.py) at the bus
+  bandwidth of an all-gather over the same group: each rank's bytes leave on its own links, as a ring's do.
+  ``cost-model-data.md`` has no measured all-to-all point, so this is the model's assumption, not a fit.
 
 Gradients are reduced in the configured dtype (bf16: 2 bytes, fp32: 4 bytes per element). Megatron-core's DDP
 reduces them in buckets as the backward produces them; the bucket all-reduces run on their own stream and both
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from megatron_spindle.estimator.errors import EstimatorError
 from megatron_spindle.graph.cluster import HBM_STREAM_EFFICIENCY, NVLS_MIN_BYTES, ClusterSpec
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 # C10: compute (and communication) slow down by this factor while a gradient all-reduce overlaps the backward
 # (AFDWang/Hetu-Galvatron profile_hardware/hardware_configs/overlap_coefficient.json, measured by
 # profile_overlap.py on the Spindle authors' A800 cluster).
@@ -114,14 +117,13 @@ class CommModel:
 
     def collective_seconds(self, op: str, nbytes: float, group: GroupPlacement, concurrent: int = 1) -> float:
         """Seconds of one collective. ``nbytes`` as nccl-tests counts it: the per-rank buffer of an all-reduce,
-        the gathered (whole) buffer of an all-gather / reduce-scatter, the message of a send/recv."""
+        the gathered (whole) buffer of an all-gather / reduce-scatter, a rank's buffer of an all-to-all (for an
+        uneven one, the busiest rank's), the message of a send/recv."""
         _check_op(op)
         n = group.size
         if nbytes <= 0 or (n <= 1 and op != "send_recv"):
             return 0.0
-        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-                  "send_recv": 1.0}[op]
-        return self.latency(group) + factor * nbytes / self.bus_bandwidth(op, group, nbytes, concurrent)
+        return self.latency(group) + bus_factor(op, n) * nbytes / self.bus_bandwidth(op, group, nbytes, concurrent)
 
     def all_reduce(self, nbytes: float, group: GroupPlacement, concurrent: int = 1) -> float:
         return self.collective_seconds("all_reduce", nbytes, group, concurrent)
@@ -208,6 +210,13 @@ class CommModel:
         if tp <= 1:
             return 0.0
         return self.all_gather(nbytes, GroupPlacement.strided(tp, 1, self.cluster))
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests bus bytes per byte of a collective's buffer over ``n`` ranks (``collective_seconds``)."""
+    if op == "send_recv":
+        return 1.0
+    return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
 
 
 def _check_op(op: str) -> None:

@@ -31,6 +31,11 @@ and the simulator times the same buckets, so both agree on what is reduced when:
   those whose slices do not keep their weights sharded as the masters are. Bucket by bucket (the gradient
   buckets, in ``gather_order``), in the weights' dtype, one after another: a rank holds one or two buckets'
   gathered weights at a time, not every group's.
+- **ZeRO-3's weights redistributed** (``redistributed_params``): a regathered group's members do not all-gather
+  its updated weights at ZeRO-3; each receives, from the members whose master shards cover them, only the
+  weights its slices keep (runtime/weight_redistribution.py), one all-to-all per bucket: a slice's DP shard of
+  each unit, or the unit's whole TP shard where the slice has one DP rank or another TP degree than the
+  group's shards (a rank receives 1/d of what an all-gather moved it for a slice at DP d).
 - **Overlapped weight gathers** (ZeRO 1 and 2 with ``settings.overlap_param_gather``, Megatron's
   ``--overlap-param-gather``): after the optimizer step the updated weights are all-gathered bucket by bucket
   (the gradient buckets), issued at once in the order the next forward first uses them (``gather_order``: the
@@ -203,6 +208,38 @@ def regathered_groups(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping
         own = sorted(devices)
         out.append(any(s.tp != 1 or list(s.devices or ()) != own for u in units for s in holders.get(u, ())))
     return out
+
+
+def redistributed_params(holders: Mapping[str, Sequence[SliceGeometry]], units: Iterable[str], degree: int,
+                         param_count: Callable[[str], float]) -> dict[int, float]:
+    """ZeRO-3, one bucket ``units`` of a regathered group whose TP shards have degree ``degree`` (``group_tp``):
+    per member device, the parameters it receives when the updated weights are redistributed after the step
+    (module docstring; ``holders``: ``unit_holders``). A device keeps of a unit, per slice holding it there,
+    ``p / (tp * dp)`` where the slice's TP is the shards' degree (its DP shard of its TP part), else the whole
+    TP shard ``p / degree``; at most ``p / degree`` over its slices. The runtime's chunks are whole elements
+    (``ceil``) and it sends an operator it cannot map onto the masters (a stand-in without unit modules) whole;
+    this counts neither."""
+    need: dict[int, float] = {}
+    for u in units:
+        whole = param_count(u) / degree
+        mine: dict[int, float] = {}
+        for s in holders.get(u, ()):
+            part = whole / s.dp if s.tp == degree else whole
+            for d in s.devices or ():
+                mine[d] = mine.get(d, 0.0) + part
+        for d, elements in mine.items():
+            need[d] = need.get(d, 0.0) + min(whole, elements)
+    return need
+
+
+def regather_collective(zero_stage: int, holders: Mapping[str, Sequence[SliceGeometry]], units: Sequence[str],
+                        degree: int, share: float, param_count: Callable[[str], float]) -> tuple[str, float]:
+    """(collective, parameters on its busiest ring) of one regathered bucket's weights after the step: at ZeRO-3
+    an all-to-all of what its busiest member receives (``redistributed_params``), else an all-gather of the
+    bucket's TP shard (``share`` of its parameters: plan/tp_shards.py ``GroupRing.share``)."""
+    if zero_stage == 3:
+        return "all_to_all", max(redistributed_params(holders, units, degree, param_count).values(), default=0.0)
+    return "all_gather", sum(param_count(u) for u in units) * share
 
 
 def unit_holders(waves: Sequence[Sequence[SliceGeometry]],

@@ -17,7 +17,7 @@ weight gathers), and adds, from the estimator's models and plan/'s rules:
   overlap the rest of the backward (follow it, without ``overlap_grad_reduce``) at the cluster's overlap
   slowdown (C10 unless measured; ``overlapped_backward_seconds``), and what they add beyond the backward counts;
 - **optimizer**: the slowest device's AdamW step (plan/layout.py ``stepped_elements``), and with ZeRO 1 or 2
-  the all-gather of the updated weights (with ``settings.overlap_param_gather`` what it adds to the forward
+  the all-gather of the updated weights (ZeRO-3's regathered groups: their redistribution; with ``settings.overlap_param_gather`` what it adds to the forward
   beside which it runs: bucket by bucket in the order they are needed, a layer waiting for its own bucket, the
   compute beside a gather slowed as the backward beside a bucket's reduction is).
 
@@ -49,11 +49,13 @@ from megatron_spindle.plan.buckets import (
     bucket_limit,
     completion_sorted,
     overlaps_param_gather,
+    regather_collective,
     regathered_groups,
     split_buckets,
     sync_rounds,
     synced_micro_batches,
     unit_completion,
+    unit_holders,
     wave_rounds,
 )
 from megatron_spindle.plan.derive import plan_slice_pairs
@@ -288,6 +290,7 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
     per_device: dict[int, list[tuple[float, float]]] = {}
     gathers: dict[int, list[tuple[float, float]]] = {}  # device -> (needed by, seconds) of its buckets
     overlapped = overlaps_param_gather(settings)
+    holders = unit_holders(waves, metaops)
     for g, tp, share, ring, again in rings:
         if ring.size <= 1 or not g.params:
             continue
@@ -309,7 +312,9 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
                         per_device.setdefault(d, []).append((at - shift, seconds))
             if again:  # its updated weights gathered after the step
                 needed = min(unit_times.first_use.get(u, 0.0) for u in units) if overlapped else 0.0
-                gathered = comm.all_gather(params * WEIGHT_BYTES_PER_PARAM * share, ring, sharing)
+                weight_op, moved = regather_collective(settings.zero_stage, holders, units, tp, share,
+                                                       cost_model.param_count)
+                gathered = comm.collective_seconds(weight_op, moved * WEIGHT_BYTES_PER_PARAM, ring, sharing)
                 for d in g.devices:
                     gathers.setdefault(d, []).append((needed, gathered))
     extra = 0.0

@@ -66,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -111,6 +112,7 @@ from megatron_spindle.runtime.schedule import WaveSchedule
 from megatron_spindle.runtime.slices import build_local_slices, in_wave_order, initial_weights, unit_holders
 from megatron_spindle.runtime.tp_shards import KeyLayout
 from megatron_spindle.runtime.transfer import SpecFn, default_activation_spec, receives_early
+from megatron_spindle.runtime.weight_redistribution import WeightRedistribution, gather_unit_segments, merged
 from megatron_spindle.runtime.weight_shards import WeightShards
 
 __all__ = ["EngineConfig", "OptimizerConfig", "RuntimeEngine"]
@@ -260,6 +262,8 @@ class RuntimeEngine:
                     if self.key_unit[k] in gathered:
                         part = None if sid in whole else base_unit(self.key_unit[k])
                         self._gathered_keys.setdefault((sid, part), []).append(k)
+        # ZeRO-3: the regathered weights redistributed after the step, not all-gathered (weight_redistribution.py)
+        self._redistribution = self._weight_redistribution(gathered) if self.weight_shards is not None else None
         self.grad_sync = GradSync(self.grad_buffers, self.local, self.binding, self.key_unit, self.groups,
                                   overlap=settings.overlap_grad_reduce, micro_batches=settings.micro_batches,
                                   zero_stage=self.zero_stage, rounds=self._sync_rounds(),
@@ -558,19 +562,70 @@ class RuntimeEngine:
                 for ls, keys in self._holders.get(u, ()):
                     ls.keys.load(ls.op, {k: full[k] for k in keys}, strict=False)
 
+    def _weight_redistribution(self, gathered: set[str]) -> WeightRedistribution:
+        """ZeRO-3: the redistribution of the regathered units after the step (runtime/weight_redistribution.py).
+        Gather units whose parameters are master tensors as they are get their shards' pieces (their parts leave
+        ``_gathered_keys``); every other part's runtime units are needed whole. Every rank's needs are exchanged
+        here: collective over the world, on every rank at ZeRO-3."""
+        shards = self.master_optimizer.shards
+        fed = []
+        for sid, units in self.weight_shards.units.items():
+            ls = self.local[sid]
+            for g in units:
+                if g.unit is not None or g.keys is None or (sid, g.name) not in self._gathered_keys:
+                    continue  # aligned (stepped in place), not told apart, or not regathered
+                segments = gather_unit_segments(g.keys, g.params, *g.bounds,
+                                                functools.partial(self._master_place, ls, gathered))
+                if segments is not None:
+                    fed.append((g, segments))
+                    del self._gathered_keys[sid, g.name]
+        whole = {self.key_unit[k] for keys in self._gathered_keys.values() for k in keys}
+        needs: dict[str, list[tuple[int, int]]] = {u: [(0, shards[u].numel)] for u in whole}
+        for _, segments in fed:
+            for seg in segments:
+                needs.setdefault(seg.unit, []).append((seg.lo, seg.hi))
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, {u: merged(ranges) for u, ranges in needs.items()})
+        shared = [(d, units) for d, units in self._gathered_buckets if len(d) > 1]  # one device: its masters whole
+        return WeightRedistribution(shared, shards, every, self.rank, self.groups.param_group, fed, whole)
+
+    def _master_place(self, ls, gathered: set[str], key: str) -> tuple[str, int, torch.Size] | None:
+        """Where a slice's parameter ``key`` (canonical) lies in its runtime unit's flat master vector: (unit,
+        offset, shape); None where the operator's tensor is not that master tensor as it is (a TP part of
+        another degree than its unit's shards, a whole key of a TP-split tensor) or its unit is not regathered."""
+        keys = ls.keys
+        rk = keys.runtime_of.get(key, key)
+        if (rk in keys.split and key not in keys.own) or key in keys.placed:
+            return None
+        unit = self.key_unit.get(rk)
+        if unit not in gathered:
+            return None
+        sh = self.master_optimizer.shards[unit]
+        i = sh.keys.index(rk)
+        return unit, sum(shape.numel() for shape in sh.shapes[:i]), sh.shapes[i]
+
     def _push_weight_shards(self) -> None:
         """ZeRO-3 after the step: the aligned units' weight shards from their masters (no communication), the
-        others' weights all-gathered bucket by bucket (plan/buckets.py ``regathered_groups``; a one-device
-        group's master is whole) and loaded unit by unit, each slice keeping its shard: a rank holds one unit's
-        weights at full size at a time, as in the forward. A slice gathered whole (weight_shards.py ``whole``)
-        is loaded once all of its keys are in, and a unit once its TP shards and its replicated tensors are."""
+        others' redistributed bucket by bucket (plan/buckets.py ``regathered_groups``;
+        runtime/weight_redistribution.py; a one-device group's master is whole, loaded as it is): a fed gather
+        unit's shard written in place, any other
+        part loaded from its units' full weights unit by unit, each slice keeping its shard: a rank holds one
+        unit's weights at full size at a time, as in the forward. A slice gathered whole (weight_shards.py
+        ``whole``) is loaded once all of its keys are in, and a unit once its TP shards and its replicated
+        tensors are."""
         ws = self.weight_shards
         ws.update_from_masters(self.master_optimizer.masters)
+        self._redistribution.prepare()
         waiting: dict[tuple[str, str | None], dict[str, torch.Tensor]] = {}
-        for units, full in streamed_gathers(self.master_optimizer, self._gathered_buckets, self.config.dtype):
+        own = [(d, units) for d, units in self._gathered_buckets if len(d) == 1]  # views of the masters, no copy
+        for units, full in itertools.chain(
+                streamed_gathers(self.master_optimizer, own, self.config.dtype),
+                self._redistribution.stream(self.master_optimizer.masters, self.config.dtype)):
             for u in units:
                 for ls, keys in self._holders.get(u, ()):
                     part = (ls.slice.id, None if ls.slice.id in ws.whole else base_unit(u))
+                    if part not in self._gathered_keys:
+                        continue  # fed: its shard is written
                     tensors = waiting.setdefault(part, {})
                     tensors.update({k: full[k] for k in keys})
                     if len(tensors) == len(self._gathered_keys[part]):

@@ -10,7 +10,9 @@ After the optimizer step (plan/buckets.py ``regathered_groups``, the rule the co
 every slice runs with TP 1 on exactly its group's devices keeps its weights flattened as its master is (keys
 sorted by name) and chunked over the same members, so its weight shard *is* its master shard, cast
 (``update_from_masters``: no communication, as in DeepSpeed ZeRO-3). Other units (TP shards, a unit shared by
-slices on other device sets) are all-gathered in full and each slice keeps its shard of them (``loading``).
+slices on other device sets) are redistributed (runtime/weight_redistribution.py): each shard receives its
+pieces from the master shards holding them, or where a slice's parameters are not master tensors as they are,
+the slice keeps its shard of the full weights (``loading``).
 
 A *gather unit* is one parameter unit of a slice's operator (``unit_modules``: a transformer layer, a front
 end, a head; for an operator without them at TP 1, the unit's parameters found by ``identical_params``) or,
@@ -53,12 +55,13 @@ class GatherUnit:
     ``size = ceil(numel / members)`` elements each, the last shard zero-padded (runtime/shards.py's layout)."""
 
     def __init__(self, name: str, params: list[torch.nn.Parameter], group, members: int, index: int,
-                 unit: str | None = None):
+                 unit: str | None = None, keys: list[str] | None = None):
         for p in params:  # the storage is released and refilled whole: it must be the parameter's alone
             if p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():
                 raise RuntimeError(f"ZeRO-3: a parameter of '{name}' shares its storage; it cannot be sharded")
         self.name, self.params, self.group, self.members, self.index = name, params, group, members, index
         self.unit = unit
+        self.keys = keys  # the parameters' canonical keys (None: a whole operator's, not told apart)
         self.numel = sum(p.numel() for p in params)
         self.size = -(-self.numel // members)
         self.shard: torch.Tensor | None = None
@@ -73,14 +76,19 @@ class GatherUnit:
         self._data = [p.data for p in params]
 
     @property
+    def bounds(self) -> tuple[int, int]:
+        """Elements ``[lo, hi)`` of the flat parameters this member's shard holds (the rest of it is padding)."""
+        lo = min(self.index * self.size, self.numel)
+        return lo, min(lo + self.size, self.numel)
+
+    @property
     def full_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.params)
 
     def reshard(self) -> None:
         """Keep this member's part of the weights the parameters hold now; release the rest."""
         flat = _flatten_dense_tensors(self._data)  # one C++ call
-        lo = min(self.index * self.size, self.numel)
-        hi = min(lo + self.size, self.numel)
+        lo, hi = self.bounds
         self.shard = flat.new_zeros(self.size)
         self.shard[:hi - lo] = flat[lo:hi]
         self.free()
@@ -187,7 +195,8 @@ class WeightShards:
                 self.whole.add(sid)
             else:
                 units = [GatherUnit(u, [p for _, p in kps], group, ls.slice.dp, index,
-                                    unit=u if u in aligned else None) for u, kps in by_unit.items() if kps]
+                                    unit=u if u in aligned else None, keys=[k for k, _ in kps])
+                         for u, kps in by_unit.items() if kps]
                 hooked = [(modules.get(g.name, ls.op), g) for g in units]
             for module, g in hooked:
                 self._hook(module, g)

@@ -40,9 +40,9 @@ engine is timeline.py):
   thread waits for the scheduler). The buckets are cut at the plan's ``ddp_bucket_size``; with the plan's
   ``overlap_grad_reduce`` off every bucket is issued after the device's backward, as the runtime then does.
   ZeRO stage 0 all-reduces, stages 1-3 reduce-scatter; stages 1 and 2 all-gather the updated weights after the
-  optimizer step (``param_gather`` in the breakdown), and so does stage 3 for the groups whose weight shards
-  are not their master shards (plan/buckets.py ``regathered_groups``: a TP shard, or a unit on several device
-  sets). With ``settings.overlap_param_gather`` (Megatron's ``--overlap-param-gather``, stages 1 and 2) those
+  optimizer step (``param_gather`` in the breakdown), and stage 3 redistributes them (an all-to-all of what each
+  member keeps) for the groups whose weight shards are not their master shards (plan/buckets.py
+  ``regathered_groups``: a TP shard, or a unit on several device sets). With ``settings.overlap_param_gather`` (Megatron's ``--overlap-param-gather``, stages 1 and 2) those
   gathers belong to the next iteration: in the steady state each group's gather is issued at the iteration's
   start, on its members' channels ahead of the buckets, and overlaps the forward (slowed by C10's factor like
   the buckets); a slice's first forward waits for the gathers of the groups holding its units, and
@@ -94,7 +94,7 @@ from megatron_spindle.plan.buckets import (
 )
 from megatron_spindle.plan.derive import plan_slice_pairs
 from megatron_spindle.plan.layout import first_operators, slice_units, stepped_elements
-from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, plan_memory
+from megatron_spindle.plan.memory import plan_memory
 from megatron_spindle.plan.order import FWD, slice_order
 from megatron_spindle.plan.routing import Router, gradient_returns
 from megatron_spindle.plan.schema import TRANSFER_KINDS, Plan, Slice
@@ -392,14 +392,13 @@ def _gather_collectives(ctx: _Context, timer: CollectiveTimer, tasks: list[Task]
     for the buckets of its units (the slice's first layer before the slice starts, the others at the fraction
     of its work where they begin). Returns the collectives and each one's group."""
     gpn = ctx.cluster.gpus_per_node
-    gathering = {gi for gi, _ in param_gathers(ctx.plan, ctx.groups, ctx.metaops)}
+    gathering = set(param_gathers(ctx.plan, ctx.groups, ctx.metaops))
     waves = [w.slices for w in ctx.plan.waves]
     first_use = unit_first_use(waves, ctx.metaops, ctx.plan.settings)
     buckets = gather_order((b for b in ctx.buckets if b.group in gathering), first_use)
     out, bucket_of_unit = [], {}
     for b in buckets:
-        nbytes = b.params * WEIGHT_BYTES_PER_PARAM / ctx.groups[b.group].tp  # bf16 weights of one TP shard
-        out.append(Collective(b.devices, _collective_seconds(timer, "all_gather", nbytes, b.ring),
+        out.append(Collective(b.devices, _collective_seconds(timer, b.weight_op, b.weight_bytes, b.ring),
                               nodes_of(b.devices, gpn), b.rings, at_start=True))
         for u in b.units:
             bucket_of_unit[u] = len(out) - 1
@@ -547,21 +546,22 @@ def _optimizer_steps(ctx: _Context, ready: list[float], cost_model) -> list[tupl
 
 
 def _param_gathers(ctx: _Context, timer: CollectiveTimer, steps: list[tuple[float, float]]):
-    """Each group plan/buckets.py ``regathered_groups`` names all-gathers its updated weights once its members
-    have stepped, bucket by bucket (its gradient buckets, one after another, as the runtime streams them);
+    """Each group plan/buckets.py ``regathered_groups`` gathers its updated weights once its members have
+    stepped, bucket by bucket (its gradient buckets, one after another, as the runtime streams them; all-gathers,
+    or at ZeRO-3 all-to-alls: ``BucketSync.weight_op``);
     gathers sharing a device run one after another, and a cross-node gather shares its nodes' network with the
     cross-node gathers already running there when it starts. (group, start, end) each."""
     gathers = param_gathers(ctx.plan, ctx.groups, ctx.metaops)
     if not gathers:
         return []
-    bucket_bytes: dict[int, list[float]] = {}  # group -> its buckets' bf16 bytes of one TP shard
+    bucket_parts: dict[int, list[tuple[str, float]]] = {}  # group -> its buckets' (collective, bf16 bytes)
     for b in ctx.buckets:
-        bucket_bytes.setdefault(b.group, []).append(b.params * WEIGHT_BYTES_PER_PARAM * ctx.groups[b.group].share)
+        bucket_parts.setdefault(b.group, []).append((b.weight_op, b.weight_bytes))
     gpn = ctx.cluster.gpus_per_node
     free = [end for _, end in steps]
     out: list[tuple[int, float, float]] = []
     running: list[tuple[float, float, tuple[int, ...], int]] = []  # (start, end, nodes, rings) of cross-node ones
-    for gi, _ in sorted(gathers, key=lambda x: max(steps[d][1] for d in ctx.groups[x[0]].devices)):
+    for gi in sorted(gathers, key=lambda x: max(steps[d][1] for d in ctx.groups[x].devices)):
         g = ctx.groups[gi]
         start = max(free[d] for d in g.devices)
         nodes = nodes_of(g.devices, gpn)
@@ -569,7 +569,7 @@ def _param_gathers(ctx: _Context, timer: CollectiveTimer, steps: list[tuple[floa
         if nodes:
             for node in nodes:
                 sharing = max(sharing, g.tp + sum(r for a, b, ns, r in running if a <= start < b and node in ns))
-        end = start + sum(timer.seconds("all_gather", part, g.ring, sharing) for part in bucket_bytes[gi])
+        end = start + sum(timer.seconds(op, part, g.ring, sharing) for op, part in bucket_parts[gi])
         for d in g.devices:
             free[d] = end
         if nodes:

@@ -20,7 +20,8 @@ collective of its parameter device group timed by the comm model.
   optimizer shard it steps), and stages 1 and 2 all-gather the updated bf16 weights after the optimizer step,
   one collective per group (``param_gathers``); stage 3 gathers weights in every layer's forward and
   backward (the compute tasks carry those), and after the step only where a group's weight shards are not its
-  master shards (plan/buckets.py ``regathered_groups``).
+  master shards (plan/buckets.py ``regathered_groups``), as an all-to-all of what each member keeps
+  (``regather_collective``).
 - **Time.** ``CommModel.collective_seconds`` with the number of cross-node collectives sharing the busiest
   node at the moment (the timeline's fluid sharing), and the overlap slowdown while the members compute.
 """
@@ -39,10 +40,12 @@ from megatron_spindle.plan.buckets import (
     bucket_limit,
     completion_sorted,
     launch_key,
+    regather_collective,
     regathered_groups,
     split_buckets,
     synced_rounds,
     unit_completion,
+    unit_holders,
 )
 from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM, grad_reduce_bytes
 from megatron_spindle.plan.schema import Plan
@@ -64,6 +67,10 @@ class BucketSync:
     ring: GroupPlacement  # the data-parallel ring of one TP rank
     rings: int  # TP rings running at once
     round: int = 0  # the gradient round (plan/buckets.py sync_rounds) of a synced bucket; ``done`` is its there
+    # its weights after the optimizer step where its group regathers them (plan/buckets.py regather_collective):
+    # the collective and its bytes on the busiest ring
+    weight_op: str = "all_gather"
+    weight_bytes: float = 0.0
 
     def launch_key(self) -> tuple:
         return launch_key(self.done, self.devices, self.index)
@@ -97,7 +104,9 @@ def group_infos(plan: Plan, metaops: Mapping[str, MetaOp], param_count, cluster:
 def plan_buckets(plan: Plan, metaops: Mapping[str, MetaOp], param_count, groups: list[GroupInfo]) -> list[BucketSync]:
     """Every bucket that needs a collective (a group with more than one data-parallel rank), in launch order
     (cut at the plan's ``bucket_limit``)."""
-    completion = unit_completion([w.slices for w in plan.waves], metaops, plan.settings)
+    waves = [w.slices for w in plan.waves]
+    completion = unit_completion(waves, metaops, plan.settings)
+    holders = unit_holders(waves, metaops)
     op = "all_reduce" if plan.settings.zero_stage == 0 else "reduce_scatter"
     out = []
     for gi, g in enumerate(groups):
@@ -108,8 +117,11 @@ def plan_buckets(plan: Plan, metaops: Mapping[str, MetaOp], param_count, groups:
         for index, units in enumerate(split_buckets(ordered, param_count, limit)):
             params = sum(param_count(u) for u in units)
             nbytes = grad_reduce_bytes(params, plan.settings) * g.share
+            weight_op, weight_params = regather_collective(plan.settings.zero_stage, holders, units, g.tp, g.share,
+                                                           param_count)
             out.append(BucketSync(gi, g.devices, index, tuple(units), params, completion[units[-1]], op, nbytes,
-                                  g.ring, g.tp))
+                                  g.ring, g.tp, weight_op=weight_op,
+                                  weight_bytes=weight_params * WEIGHT_BYTES_PER_PARAM))
     return sorted(out, key=BucketSync.launch_key)
 
 
@@ -123,14 +135,13 @@ def synced_buckets(plan: Plan, metaops: Mapping[str, MetaOp], buckets: list[Buck
             for b, done in bucket_dones]
 
 
-def param_gathers(plan: Plan, groups: list[GroupInfo], metaops: Mapping[str, MetaOp]) -> list[tuple[int, float]]:
-    """(group index, bytes per ring) of the all-gather of its updated bf16 weights after the optimizer step, for
-    every group that gathers them (plan/buckets.py ``regathered_groups``: ZeRO 1 and 2, and 3 where the weights'
-    shards are not the masters')."""
+def param_gathers(plan: Plan, groups: list[GroupInfo], metaops: Mapping[str, MetaOp]) -> list[int]:
+    """The groups whose updated bf16 weights are gathered after the optimizer step (plan/buckets.py
+    ``regathered_groups``: ZeRO 1 and 2, and 3 where the weights' shards are not the masters'), bucket by bucket
+    (``BucketSync.weight_op`` and ``weight_bytes``: ZeRO-3 redistributes them)."""
     regathered = regathered_groups([w.slices for w in plan.waves], metaops,
                                    [(g.devices, g.units) for g in groups], plan.settings.zero_stage)
-    return [(gi, g.params * WEIGHT_BYTES_PER_PARAM * g.share) for gi, g in enumerate(groups)
-            if regathered[gi] and g.ranks > 1 and g.units]
+    return [gi for gi, g in enumerate(groups) if regathered[gi] and g.ranks > 1 and g.units]
 
 
 class CollectiveTimer:

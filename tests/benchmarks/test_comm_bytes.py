@@ -49,3 +49,17 @@ def test_tp2_plans_move_the_charged_bytes_in_both_layouts(wavefront_plan):
         totals[sharded] = row["total"]["runtime_grad"]
     assert totals[True] < totals[False]  # each TP shard over its ring, not the whole unit over every member
 
+
+
+def test_zero3_redistributes_fewer_weight_bytes_than_zero1_gathers(wavefront_plan):
+    """At ZeRO-3 the regathered groups' weights are redistributed (plan/buckets.py ``redistributed_params``): no
+    device receives more than the simulator charges (its busiest member's part, on every member), and every
+    device moves less than ZeRO-1's all-gather of the same groups."""
+    workload, _, result = wavefront_plan("clip-4", 16)
+    rows = {stage: bench.plan_bytes(dataclasses.replace(result.plan, settings=dataclasses.replace(
+        result.plan.settings, zero_stage=stage)), workload) for stage in (1, 3)}
+    three, one = rows[3], rows[1]
+    assert three["max"]["runtime_weights"] > 0
+    assert three["max"]["runtime_weights"] <= three["max"]["model_weights"] * (1 + 1e-9)
+    assert three["max"]["model_weights"] < one["max"]["model_weights"]
+    assert three["total"]["runtime_weights"] < one["total"]["runtime_weights"]

@@ -277,6 +277,20 @@ def test_bus_bandwidth_inside_a_node_and_across_nodes():
         comm.collective_seconds("broadcast", 1.0, GroupPlacement((2,)))
 
 
+def test_an_all_to_all_moves_a_ranks_buffer_at_the_all_gathers_bus_bandwidth():
+    """No measured all-to-all point exists (cost-model-data.md): the model's assumption is an all-gather's bus
+    bandwidth, the nccl-tests factor (n-1)/n of a rank's buffer, and one latency."""
+    cluster = make_cluster(16)
+    comm = CommModel(cluster)
+    nbytes = 2**30
+    t = comm.collective_seconds("all_to_all", nbytes, GroupPlacement((8, 8)))
+    assert t == pytest.approx(43.83e-6 + 19.9e-6 + 15 / 16 * nbytes / cluster.inter_node_bw)
+    assert t == comm.all_gather(nbytes, GroupPlacement((8, 8)))
+    inside = comm.collective_seconds("all_to_all", nbytes, GroupPlacement((4,)))
+    assert inside == pytest.approx(43.83e-6 + 3 / 4 * nbytes / cluster.intra_node_bw)
+    assert comm.collective_seconds("all_to_all", nbytes, GroupPlacement((1,))) == 0.0
+
+
 def test_concurrent_cross_node_groups_share_the_node_network():
     cluster = make_cluster(16, network_rail_bw=50e9, inter_node_bw=60e9, node_network_bw=80e9)
     comm = CommModel(cluster)

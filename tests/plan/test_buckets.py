@@ -6,9 +6,18 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
-from megatron_spindle.plan.buckets import group_tp, overlaps_param_gather, regathered_groups
+from megatron_spindle.plan.buckets import (
+    group_tp,
+    overlaps_param_gather,
+    redistributed_params,
+    regather_collective,
+    regathered_groups,
+    unit_holders,
+)
 from megatron_spindle.plan.layout import slice_units
 from megatron_spindle.plan.schema import ExecutionSettings
 
@@ -67,3 +76,36 @@ def test_group_tp_is_the_smallest_holder_tp_in_the_tp_sharded_layout():
     assert group_tp(waves, g.metaops, groups, sharded) == [1, 1, 2, 1]
     waves[1] = []
     assert group_tp(waves, g.metaops, [head, tail], sharded) == [4, 1]
+
+
+def test_zero3_redistribution_receives_what_each_member_keeps():
+    """A hand count of plan/buckets.py ``redistributed_params``: a unit of 1200 parameters held by a DP-4 slice on
+    devices 0-3 and a DP-2 slice on devices 2-3 and 4-5 (three holders in all), and one held at TP 2 x DP 2."""
+    s = lambda devices, tp=1: SimpleNamespace(devices=devices, tp=tp, dp=len(devices) // tp)  # noqa: E731
+    holders = {"a": [s([0, 1, 2, 3]), s([2, 3])], "b": [s([4, 5])], "c": [s([0, 1, 2, 3], tp=2)]}
+    count = {"a": 1200, "b": 600, "c": 800}.__getitem__
+    # devices 0 and 1 keep a quarter of a (300); 2 and 3 a quarter and a half of it (300 + 600); 4 and 5 half of b
+    assert redistributed_params(holders, ["a", "b"], 1, count) == {0: 300, 1: 300, 2: 900, 3: 900, 4: 300, 5: 300}
+    # a device holding a unit twice never receives more than the whole of it
+    twice = {"a": [s([0, 1]), s([0])]}
+    assert redistributed_params(twice, ["a"], 1, count) == {0: 1200, 1: 600}
+    # c at TP 2 in a group of degree 2: each device keeps half of its TP shard (800 / 2 / 2); in the whole-unit
+    # layout (degree 1) a TP-2 slice's part is not a master tensor as it is, so it receives the unit whole
+    assert redistributed_params(holders, ["c"], 2, count) == {d: 200 for d in range(4)}
+    assert redistributed_params(holders, ["c"], 1, count) == {d: 800 for d in range(4)}
+    # the collective a regathered bucket's weights take after the step: ZeRO-3 an all-to-all of the busiest
+    # member's part, ZeRO 1 and 2 an all-gather of the bucket's TP shard
+    assert regather_collective(3, holders, ["a", "b"], 1, 1.0, count) == ("all_to_all", 900)
+    assert regather_collective(1, holders, ["a", "b"], 1, 0.5, count) == ("all_gather", pytest.approx(900))
+
+
+def test_zero3_redistribution_of_a_plan_is_a_dp_fraction_of_the_all_gather():
+    g = build_metagraph(load_workload("tiny-vlm"))
+    vision = next(m for m in g.metaops.values() if m.kind == "layer" and m.module == "vision")
+    waves = [[_layer_slice(g.metaops, vision.id, [0, 1, 2, 3])], [_layer_slice(g.metaops, vision.id, [3, 2, 1, 0])]]
+    units = slice_units(vision, 0, vision.num_layers)
+    count = lambda u: 1000  # noqa: E731
+    # the same devices in another order: regathered, and each member receives its quarter of every unit twice
+    assert regathered_groups(waves, g.metaops, [((0, 1, 2, 3), units)], 3) == [True]
+    need = redistributed_params(unit_holders(waves, g.metaops), units, 1, count)
+    assert need == {d: pytest.approx(len(units) * 500) for d in range(4)}

@@ -69,7 +69,7 @@ from megatron_spindle.estimator import AnalyticCostModel
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload, workload_from_dict
-from megatron_spindle.plan.buckets import regathered_groups
+from megatron_spindle.plan.buckets import redistributed_params, regathered_groups, unit_holders
 from megatron_spindle.plan.layout import held_units
 from megatron_spindle.plan.memory import plan_breakdown
 from megatron_spindle.plan.schema import TRANSFER_KINDS, PlanError, Recompute, sequence_parallel_runs
@@ -332,6 +332,10 @@ def _worker(rank, world):
     if world > 1:
         check_weight_shards_with_options(rank, world, workloads, refs, cfg, cache)
         check_tp_sharded_grads(rank, world, workloads, refs, cfg, cache)
+    if world == 4:  # ZeRO-3's redistribution received less than the all-gathers did, as the rule counts, somewhere
+        everywhere = [None] * world  # (on 2 ranks no shard is smaller than what the other member holds)
+        dist.all_gather_object(everywhere, REDISTRIBUTION_SEEN)
+        assert all(any(seen[k] for seen in everywhere) for k in REDISTRIBUTION_SEEN), everywhere
     if world == 2:
         check_sequence_parallel_memory(rank, world, workloads, cache)
     check_clipping(rank, world, workloads, refs, cfg, cache, (0, 1, 2) if world == 2 else (2,))  # as above
@@ -1074,7 +1078,37 @@ def check_weight_shards(engine, label: str, one_at_a_time: bool) -> set[bool]:
     ws.peak_gathered = 0
     engine._push_weight_shards()
     assert ws.peak_gathered <= max(two) and ws.gathered_bytes == 0, (label, ws.peak_gathered, two)
+    check_redistribution(engine, label)
     return kinds
+
+
+REDISTRIBUTION_SEEN = {"fewer": False, "rule": False}  # what check_redistribution checked on this rank
+
+
+def check_redistribution(engine, label: str) -> None:
+    """ZeRO-3's regathered weights after the step (runtime/weight_redistribution.py): this rank receives no more
+    than the all-gathers moved it, less where it needs less than the other members hold, and what it needs is
+    plan/buckets.py ``redistributed_params`` (what the cost model charges) within the chunks' rounding, where
+    every slice holding a regathered unit runs at TP 1 and no operator is gathered whole."""
+    rd, shards = engine._redistribution, engine.shards
+    gathered = sum((len(d) - 1) * sum(shards[u].size for u in units) for d, units in engine._gathered_buckets)
+    assert rd.received <= gathered, (label, rd.received, gathered)
+    plan, rank = engine.plan, engine.rank
+    needed = sum(sum(b.recv_splits) for b in rd.buckets)
+    others = sum(shards[u].numel - shards[u].valid for _, units in engine._gathered_buckets for u in units)
+    if needed < others:  # it needs less than what the other members hold: it receives less than they gathered
+        assert rd.received <= needed < gathered, (label, rd.received, needed, gathered)
+        REDISTRIBUTION_SEEN["fewer"] = True
+    waves = [w.slices for w in plan.waves]
+    holders = unit_holders(waves, engine.metagraph.metaops)
+    held = [s for b in rd.buckets for u in b.units for s in holders.get(u, ())]
+    if engine.weight_shards.whole or any(s.tp != 1 for s in held):  # a stand-in gathered whole is loaded whole
+        return
+    rule = sum(redistributed_params(holders, b.units, 1, lambda u: shards[u].numel).get(rank, 0.0)
+               for b in rd.buckets)  # (a one-device group's weights are its masters, loaded as they are)
+    rounding = sum(s.dp for s in held if rank in s.devices)  # a chunk is ceil(p / dp) elements, the last shorter
+    assert abs(needed - rule) <= rounding, (label, needed, rule)
+    REDISTRIBUTION_SEEN["rule"] |= rule > 0
 
 
 def check_weight_shards_with_options(rank, world, workloads, refs, cfg, cache) -> None:

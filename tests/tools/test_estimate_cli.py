@@ -128,6 +128,11 @@ def test_collective_json_is_the_library_estimate_in_nccl_tests_units():
     p2p = json.loads(estimate("collective", "--op", "send_recv", "--bytes", "1G", "--num-gpus", "2",
                               "--gpus-per-node", "1", "--json").stdout)
     assert p2p["bus_bandwidth_gb_s"] == pytest.approx(2**30 / p2p["seconds"] / 1e9)
+    a2a = json.loads(estimate("collective", "--op", "all_to_all", "--bytes", "1G", "--num-gpus", "8",
+                              "--json").stdout)
+    seconds = CommModel(make_cluster(8)).collective_seconds("all_to_all", 2**30, GroupPlacement((8,)))
+    assert a2a["seconds"] == pytest.approx(seconds)
+    assert a2a["bus_bandwidth_gb_s"] == pytest.approx(7 / 8 * 2**30 / seconds / 1e9)
 
 
 def test_attention_backend_is_charged_as_the_planner_charges_it():
