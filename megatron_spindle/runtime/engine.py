@@ -608,11 +608,10 @@ class RuntimeEngine:
         """ZeRO-3 after the step: the aligned units' weight shards from their masters (no communication), the
         others' redistributed bucket by bucket (plan/buckets.py ``regathered_groups``;
         runtime/weight_redistribution.py; a one-device group's master is whole, loaded as it is): a fed gather
-        unit's shard written in place, any other
-        part loaded from its units' full weights unit by unit, each slice keeping its shard: a rank holds one
-        unit's weights at full size at a time, as in the forward. A slice gathered whole (weight_shards.py
-        ``whole``) is loaded once all of its keys are in, and a unit once its TP shards and its replicated
-        tensors are."""
+        unit's shard is written in place, any other part loaded from its units' full weights unit by unit, each
+        slice keeping its shard: a rank holds one unit's weights at full size at a time, as in the forward. A
+        slice gathered whole (weight_shards.py ``whole``) is loaded once all of its keys are in, and a unit once
+        its TP shards and its replicated tensors are."""
         ws = self.weight_shards
         ws.update_from_masters(self.master_optimizer.masters)
         self._redistribution.prepare()

@@ -111,8 +111,9 @@ def test_the_overlapped_weight_gather_is_recorded_and_estimated_as_waited_for():
 
 
 def test_sequence_parallel_plans_record_it_and_hold_less_where_it_applies():
-    """--sequence-parallel on QWen-VAL / 8 GPUs (its LLM at TP 2): the plan records it; the simulator's peak memory is the plan's
-    (both from plan/'s rule); the same plan without it holds more on the devices of its TP > 1 layer slices, and
+    """--sequence-parallel on QWen-VAL / 8 GPUs (its LLM at TP 2 with Megatron's distributed optimizer, ZeRO-1; at
+    ZeRO-3 it fits at TP 1 since the fifty-eighth session): the plan records it; the simulator's peak memory is the
+    plan's (both from plan/'s rule); the same plan without it holds more on the devices of its TP > 1 layer slices, and
     the baselines' plans made with that cost model record it too."""
     from megatron_spindle.baselines import BASELINES, BaselineContext
     from megatron_spindle.graph.workload import load_workload
@@ -121,7 +122,8 @@ def test_sequence_parallel_plans_record_it_and_hold_less_where_it_applies():
     from megatron_spindle.simulator import simulate
 
     w, c = load_workload("qwen-val"), make_cluster(8)
-    result = plan_workload(w, c, PlannerConfig(planner="wavefront", select="none", sequence_parallel=True))
+    result = plan_workload(w, c, PlannerConfig(planner="wavefront", select="none", sequence_parallel=True,
+                                               distributed_optimizer="on"))
     plan = result.plan
     assert plan.settings.sequence_parallel and result.cost_model.config.sequence_parallel
     assert any(s.tp > 1 and s.kind == "layer" for s in plan.slices())
