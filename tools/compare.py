@@ -130,7 +130,9 @@ def table(results: dict) -> str:
                      + "".join(f"{b[k] * 1e3:>{w}.1f}" for k, w in (("compute", 9), ("transfer", 9), ("grad_sync", 8),
                                                                    ("optimizer", 8), ("param_gather", 8)))
                      + f"  {d['selected'] or ''}")
-    lines.append("(ms; sync: gradient sync beyond the backward; gather: the ZeRO-1/2 weight all-gather after the step, or with --overlap-param-gather what the next forward waits for it)")
+    lines.append("(ms; sync: gradient sync beyond the backward; gather: the ZeRO-1/2 weight all-gather (ZeRO-3: the "
+                 "redistribution of shared weights) after the step, or with --overlap-param-gather what the next "
+                 "forward waits for it)")
     return "\n".join(lines)
 
 

@@ -19,9 +19,10 @@ layer (measured per kernel, benchmarks/host_floor.py) and whether it, not the GP
 collective: one collective over a group of --num-gpus GPUs: consecutive GPUs on nodes of --gpus-per-node, or with
 --strided spread over --num-nodes nodes (default: one GPU per node) while the other groups of that layout (one per
 local rank) communicate at the same time, as the data-parallel groups of a tensor-parallel layout do. --bytes as
-nccl-tests counts it (all-reduce: the buffer; all-gather / reduce-scatter: the gathered buffer; send_recv: the
-message), with K/M/G suffixes (2**10...). --json prints {"seconds", "bus_bandwidth_gb_s", ...}: the nccl-tests
-bus bandwidth, GB = 1e9 bytes.
+nccl-tests counts it (all-reduce: the buffer; all-gather / reduce-scatter: the gathered buffer; all-to-all: a
+rank's buffer, charged at an all-gather's bus bandwidth, no measured point; send_recv: the message), with K/M/G
+suffixes (2**10...). --json prints {"seconds", "bus_bandwidth_gb_s", ...}: the nccl-tests bus bandwidth, GB = 1e9
+bytes.
 
 optimizer: one optimizer step on one GPU, streaming at the HBM bandwidth: the gradient norm's read (unless
 --clip-grad 0), AdamW over the fp32 masters and, with --bf16, the bf16 weights written from them; over the GPU's

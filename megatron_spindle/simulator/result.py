@@ -53,7 +53,8 @@ class SimResult:
       not hidden behind the backward, and the backward's slowdown while they overlap it;
     - ``optimizer`` is what the devices' AdamW steps (``optimizer_steps``: per device (start, end)) add after
       that;
-    - ``param_gather`` is what the all-gathers of the updated weights add after the step (ZeRO 1 and 2).
+    - ``param_gather`` is what the all-gathers of the updated weights add after the step (ZeRO 1 and 2; at
+      ZeRO-3 the redistribution of the regathered groups' weights, plan/buckets.py ``regather_collective``).
     """
 
     iteration_time: float
