@@ -17,9 +17,10 @@ weight gathers), and adds, from the estimator's models and plan/'s rules:
   overlap the rest of the backward (follow it, without ``overlap_grad_reduce``) at the cluster's overlap
   slowdown (C10 unless measured; ``overlapped_backward_seconds``), and what they add beyond the backward counts;
 - **optimizer**: the slowest device's AdamW step (plan/layout.py ``stepped_elements``), and with ZeRO 1 or 2
-  the all-gather of the updated weights (ZeRO-3's regathered groups: their redistribution; with ``settings.overlap_param_gather`` what it adds to the forward
-  beside which it runs: bucket by bucket in the order they are needed, a layer waiting for its own bucket, the
-  compute beside a gather slowed as the backward beside a bucket's reduction is).
+  the all-gather of the updated weights (ZeRO-3's regathered groups: their redistribution; with
+  ``settings.overlap_param_gather`` what it adds to the forward beside which it runs: bucket by bucket in the
+  order they are needed, a layer waiting for its own bucket, the compute beside a gather slowed as the backward
+  beside a bucket's reduction is).
 
 It is an estimate: transfers leave in the order of the steps, links are taken first come, first served, a node's
 network is not shared, and a device's gathers do not wait for the other devices of their group; the simulator

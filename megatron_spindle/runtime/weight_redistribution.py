@@ -120,8 +120,9 @@ class WeightRedistribution:
     elements the last ``stream`` received from the other members."""
 
     def __init__(self, buckets: Sequence[tuple[tuple[int, ...], Sequence[str]]], shards: Mapping[str, UnitShard],
-                 needs: Sequence[Mapping[str, Sequence[Range]]], rank: int, group_of: Callable[[tuple[int, ...]], object],
-                 fed: Sequence[tuple[object, list[Segment]]], whole: set[str]):
+                 needs: Sequence[Mapping[str, Sequence[Range]]], rank: int,
+                 group_of: Callable[[tuple[int, ...]], object], fed: Sequence[tuple[object, list[Segment]]],
+                 whole: set[str]):
         self.shards, self.group_of, self.rank, self.whole = shards, group_of, rank, whole
         self.fed = list(fed)
         self.received = 0

@@ -42,11 +42,11 @@ engine is timeline.py):
   ZeRO stage 0 all-reduces, stages 1-3 reduce-scatter; stages 1 and 2 all-gather the updated weights after the
   optimizer step (``param_gather`` in the breakdown), and stage 3 redistributes them (an all-to-all of what each
   member keeps) for the groups whose weight shards are not their master shards (plan/buckets.py
-  ``regathered_groups``: a TP shard, or a unit on several device sets). With ``settings.overlap_param_gather`` (Megatron's ``--overlap-param-gather``, stages 1 and 2) those
-  gathers belong to the next iteration: in the steady state each group's gather is issued at the iteration's
-  start, on its members' channels ahead of the buckets, and overlaps the forward (slowed by C10's factor like
-  the buckets); a slice's first forward waits for the gathers of the groups holding its units, and
-  ``param_gather`` is what those waits add.
+  ``regathered_groups``: a TP shard, or a unit on several device sets). With ``settings.overlap_param_gather``
+  (Megatron's ``--overlap-param-gather``, stages 1 and 2) those gathers belong to the next iteration: in the
+  steady state each group's gather is issued at the iteration's start, on its members' channels ahead of the
+  buckets, and overlaps the forward (slowed by C10's factor like the buckets); a slice's first forward waits
+  for the gathers of the groups holding its units, and ``param_gather`` is what those waits add.
 - **Optimizer step.** After a device's last backward and the gradient synchronisation of every bucket it is
   in, it runs AdamW over the fp32 master elements it holds: per unit, the unit's TP shard (the smallest TP
   degree of its slices on the device, as the memory model counts it), divided over the slice's DP ranks
