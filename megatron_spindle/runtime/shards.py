@@ -21,6 +21,13 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
+def chunk_bounds(member: int, size: int, numel: int) -> tuple[int, int]:
+    """Elements ``[lo, hi)`` of a flat vector of ``numel`` elements that member ``member`` holds in chunks of
+    ``size`` (the rest of its chunk is padding; empty for the last members when ``numel`` is small)."""
+    lo = min(member * size, numel)
+    return lo, min(lo + size, numel)
+
+
 @dataclass
 class UnitShard:
     unit: str
@@ -66,10 +73,14 @@ class UnitShard:
                     for k, shape, v in zip(self.keys, self.shapes, _unflatten_dense_tensors(flat, self._templates))}
         return dict(zip(self.keys, _unflatten_dense_tensors(flat, self._templates)))
 
+    def bounds(self, member: int | None = None) -> tuple[int, int]:
+        """Elements ``[lo, hi)`` of the unit's flat vector that group member ``member`` (default: this one)
+        holds (``chunk_bounds``)."""
+        return chunk_bounds(self.index if member is None else member, self.size, self.numel)
+
     def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
         """A full flat vector -> this member's shard (a new tensor of ``size`` elements, zero-padded)."""
-        lo = min(self.index * self.size, self.numel)
-        hi = min(lo + self.size, self.numel)
+        lo, hi = self.bounds()
         out = flat.new_zeros(self.size)
         out[:hi - lo] = flat[lo:hi]
         return out

@@ -56,12 +56,6 @@ def merged(ranges: Iterable[Range]) -> list[Range]:
     return [(lo, hi) for lo, hi in out]
 
 
-def chunk(shard: UnitShard, member: int) -> Range:
-    """Elements of the unit's flat vector that group member ``member`` holds (runtime/shards.py's layout)."""
-    lo = min(member * shard.size, shard.numel)
-    return lo, min(lo + shard.size, shard.numel)
-
-
 def pieces_in(needs: Mapping[str, Sequence[Range]], units: Sequence[str],
               chunk_of: Callable[[str], Range]) -> list[tuple[str, int, int]]:
     """The pieces (unit, lo, hi) of ``needs`` inside one member's chunks (``chunk_of``), in the order they travel:
@@ -135,7 +129,7 @@ class WeightRedistribution:
     def _bucket(self, devices: tuple[int, ...], units: tuple[str, ...],
                 needs: Sequence[Mapping[str, Sequence[Range]]]) -> _Bucket:
         me = devices.index(self.rank)
-        chunks = [(lambda u, j=j: chunk(self.shards[u], j)) for j in range(len(devices))]
+        chunks = [(lambda u, j=j: self.shards[u].bounds(j)) for j in range(len(devices))]
         send = [pieces_in(needs[d], units, chunks[me]) for d in devices]
         recv = [pieces_in(needs[self.rank], units, chunks[j]) for j in range(len(devices))]
         # whether some member needs what another holds: then every member joins the all-to-all
@@ -168,7 +162,7 @@ class WeightRedistribution:
         me = b.devices.index(self.rank)
         parts = []
         for u, lo, hi in b.send:
-            start = chunk(self.shards[u], me)[0]
+            start = self.shards[u].bounds(me)[0]
             parts.append(masters[u].detach()[lo - start:hi - start])
         send = torch.cat(parts).to(dtype) if parts else torch.empty(0, dtype=dtype)
         if not b.moves:  # everything this rank needs of it is its own

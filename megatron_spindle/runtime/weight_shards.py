@@ -46,6 +46,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_spindle.runtime.groups import PlanGroups
 from megatron_spindle.runtime.opstate import identical_params
+from megatron_spindle.runtime.shards import chunk_bounds
 from megatron_spindle.runtime.slices import LocalSlice
 
 
@@ -78,8 +79,7 @@ class GatherUnit:
     @property
     def bounds(self) -> tuple[int, int]:
         """Elements ``[lo, hi)`` of the flat parameters this member's shard holds (the rest of it is padding)."""
-        lo = min(self.index * self.size, self.numel)
-        return lo, min(lo + self.size, self.numel)
+        return chunk_bounds(self.index, self.size, self.numel)
 
     @property
     def full_bytes(self) -> int:

@@ -8,7 +8,6 @@ import torch
 from megatron_spindle.runtime.shards import UnitShard
 from megatron_spindle.runtime.weight_redistribution import (
     Segment,
-    chunk,
     gather_unit_segments,
     merged,
     pieces_in,
@@ -18,9 +17,10 @@ from megatron_spindle.runtime.weight_redistribution import (
 def test_ranges_merge_and_chunks_follow_the_shards_layout():
     assert merged([(5, 9), (0, 3), (3, 4), (8, 12), (20, 20)]) == [(0, 4), (5, 12)]
     sh = UnitShard("u", ["u.w"], [torch.Size([10])], members=4, index=0)  # chunks of ceil(10 / 4) = 3
-    assert [chunk(sh, j) for j in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert [sh.bounds(j) for j in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
     tiny = UnitShard("t", ["t.w"], [torch.Size([2])], members=4, index=0)  # the last members hold padding only
-    assert [chunk(tiny, j) for j in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    assert [tiny.bounds(j) for j in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    assert tiny.bounds() == (0, 1)  # its own member's
 
 
 def test_pieces_are_the_needs_inside_one_members_chunks_in_bucket_order():
