@@ -67,8 +67,8 @@ class BucketSync:
     ring: GroupPlacement  # the data-parallel ring of one TP rank
     rings: int  # TP rings running at once
     round: int = 0  # the gradient round (plan/buckets.py sync_rounds) of a synced bucket; ``done`` is its there
-    # its weights after the optimizer step where its group regathers them (plan/buckets.py regather_collective):
-    # the collective and its bytes on the busiest ring
+    # its weights after the optimizer step where its group regathers them (``param_gathers``; plan/buckets.py
+    # regather_collective): the collective and its bytes on the busiest ring; else unset
     weight_op: str = "all_gather"
     weight_bytes: float = 0.0
 
@@ -107,6 +107,7 @@ def plan_buckets(plan: Plan, metaops: Mapping[str, MetaOp], param_count, groups:
     waves = [w.slices for w in plan.waves]
     completion = unit_completion(waves, metaops, plan.settings)
     holders = unit_holders(waves, metaops)
+    gathering = set(param_gathers(plan, groups, metaops))
     op = "all_reduce" if plan.settings.zero_stage == 0 else "reduce_scatter"
     out = []
     for gi, g in enumerate(groups):
@@ -117,11 +118,13 @@ def plan_buckets(plan: Plan, metaops: Mapping[str, MetaOp], param_count, groups:
         for index, units in enumerate(split_buckets(ordered, param_count, limit)):
             params = sum(param_count(u) for u in units)
             nbytes = grad_reduce_bytes(params, plan.settings) * g.share
-            weight_op, weight_params = regather_collective(plan.settings.zero_stage, holders, units, g.tp, g.share,
-                                                           param_count)
+            weight = {}  # only the gathering groups' buckets move weights after the step
+            if gi in gathering:
+                weight_op, moved = regather_collective(plan.settings.zero_stage, holders, units, g.tp, g.share,
+                                                       param_count)
+                weight = {"weight_op": weight_op, "weight_bytes": moved * WEIGHT_BYTES_PER_PARAM}
             out.append(BucketSync(gi, g.devices, index, tuple(units), params, completion[units[-1]], op, nbytes,
-                                  g.ring, g.tp, weight_op=weight_op,
-                                  weight_bytes=weight_params * WEIGHT_BYTES_PER_PARAM))
+                                  g.ring, g.tp, **weight))
     return sorted(out, key=BucketSync.launch_key)
 
 
