@@ -21,8 +21,7 @@ assembled with their TP ranks ordered so that this does not happen where any ord
 ``aligned_device_orders``).
 
 Bytes are nccl-tests bus bytes (all-reduce 2(n-1)/n of the buffer, all-gather, reduce-scatter and all-to-all
-(n-1)/n), per
-gradient reduction round (ZeRO-2 and 3 reduce once per micro-batch, both sides alike).
+(n-1)/n), per gradient reduction round (ZeRO-2 and 3 reduce once per micro-batch, both sides alike).
 
     python benchmarks/comm_bytes.py                                   # qwen-val / 32 and qwen-val-70b / 256
     python benchmarks/comm_bytes.py --cells clip-10:16 --planner cpsat
@@ -44,7 +43,7 @@ from megatron_spindle.estimator.comm_model import bus_factor
 from megatron_spindle.graph.cluster import ClusterSpec
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
-from megatron_spindle.plan.buckets import group_tp, redistributed_params, regathered_groups, unit_holders
+from megatron_spindle.plan.buckets import redistributed_params, regathered_groups, unit_holders
 from megatron_spindle.plan.schema import Plan
 from megatron_spindle.plan.tp_shards import base_unit, runtime_groups, unit_rings
 from megatron_spindle.planner.pipeline import PLANNERS
@@ -77,8 +76,7 @@ def plan_bytes(plan: Plan, workload) -> dict:
     cluster = ClusterSpec.from_dict(plan.cluster)
     metagraph, cost = build_metagraph(workload), AnalyticCostModel(workload, cluster)
     groups = group_infos(plan, metagraph.metaops, cost.param_count, cluster)
-    waves = [w.slices for w in plan.waves]
-    holders = unit_holders(waves, metagraph.metaops)
+    holders = unit_holders([w.slices for w in plan.waves], metagraph.metaops)
     sums = {k: Counter() for k in ("model_grad", "runtime_grad", "model_weights", "runtime_weights")}
     gathering = set(param_gathers(plan, groups, metagraph.metaops))
     for b in plan_buckets(plan, metagraph.metaops, cost.param_count, groups):
@@ -94,14 +92,10 @@ def plan_bytes(plan: Plan, workload) -> dict:
             sums["runtime_grad"][d] += bus_factor(op, len(devices)) * params * grad_bytes
             if regathered and not zero3:
                 sums["runtime_weights"][d] += bus_factor("all_gather", len(devices)) * params * RUNTIME_WEIGHT_BYTES
-    if zero3:  # each device receives what its slices keep (runtime/weight_redistribution.py)
-        for g, degree, again in zip(groups, group_tp(waves, metagraph.metaops, [g.units for g in groups],
-                                                     plan.settings), regathered_groups(
-                waves, metagraph.metaops, [(g.devices, g.units) for g in groups], 3)):
-            if again and g.ranks > 1:
-                need = redistributed_params(holders, g.units, degree, cost.param_count)
-                for d, params in need.items():
-                    sums["runtime_weights"][d] += bus_factor("all_to_all", g.ring.size) * params * RUNTIME_WEIGHT_BYTES
+    for gi in gathering if zero3 else ():  # each device receives what its slices keep (weight_redistribution.py)
+        g = groups[gi]
+        for d, params in redistributed_params(holders, g.units, g.tp, cost.param_count).items():
+            sums["runtime_weights"][d] += bus_factor("all_to_all", g.ring.size) * params * RUNTIME_WEIGHT_BYTES
     runtime_total = Counter()
     for k in ("runtime_grad", "runtime_weights"):
         runtime_total.update(sums[k])
