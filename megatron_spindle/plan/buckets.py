@@ -215,11 +215,10 @@ def redistributed_params(holders: Mapping[str, Sequence[SliceGeometry]], units: 
     """ZeRO-3, one bucket ``units`` of a regathered group whose TP shards have degree ``degree`` (``group_tp``):
     per member device, the parameters it needs when the updated weights are redistributed after the step (what
     it receives, counted with the part its own master chunk holds; module docstring; ``holders``:
-    ``unit_holders``). A device keeps of a unit, per slice holding it there,
-    ``p / (tp * dp)`` where the slice's TP is the shards' degree (its DP shard of its TP part), else the whole
-    TP shard ``p / degree``; at most ``p / degree`` over its slices. The runtime's chunks are whole elements
-    (``ceil``) and it sends an operator it cannot map onto the masters (a stand-in without unit modules) whole;
-    this counts neither."""
+    ``unit_holders``). A device keeps of a unit, per slice holding it there, ``p / (tp * dp)`` where the
+    slice's TP is the shards' degree (its DP shard of its TP part), else the whole TP shard ``p / degree``; at
+    most ``p / degree`` over its slices. The runtime's chunks are whole elements (``ceil``) and it sends an
+    operator it cannot map onto the masters (a stand-in without unit modules) whole; this counts neither."""
     need: dict[int, float] = {}
     for u in units:
         whole = param_count(u) / degree

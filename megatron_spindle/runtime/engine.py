@@ -579,14 +579,15 @@ class RuntimeEngine:
                 if segments is not None:
                     fed.append((g, segments))
                     del self._gathered_keys[sid, g.name]
-        whole = {self.key_unit[k] for keys in self._gathered_keys.values() for k in keys}
+        shared = [(d, units) for d, units in self._gathered_buckets if len(d) > 1]  # one device: its masters whole
+        moved = {u for _, units in shared for u in units}
+        whole = {self.key_unit[k] for keys in self._gathered_keys.values() for k in keys} & moved
         needs: dict[str, list[tuple[int, int]]] = {u: [(0, shards[u].numel)] for u in whole}
         for _, segments in fed:
             for seg in segments:
                 needs.setdefault(seg.unit, []).append((seg.lo, seg.hi))
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, {u: merged(ranges) for u, ranges in needs.items()})
-        shared = [(d, units) for d, units in self._gathered_buckets if len(d) > 1]  # one device: its masters whole
         return WeightRedistribution(shared, shards, every, self.rank, self.groups.param_group, fed, whole)
 
     def _master_place(self, ls, gathered: set[str], key: str) -> tuple[str, int, torch.Size] | None:
