@@ -36,11 +36,13 @@ and the simulator times the same buckets, so both agree on what is reduced when:
   weights its slices keep (runtime/weight_redistribution.py), one all-to-all per bucket: a slice's DP shard of
   each unit, or the unit's whole TP shard where the slice has one DP rank or another TP degree than the
   group's shards (a rank receives 1/d of what an all-gather moved it for a slice at DP d).
-- **Overlapped weight gathers** (ZeRO 1 and 2 with ``settings.overlap_param_gather``, Megatron's
-  ``--overlap-param-gather``): after the optimizer step the updated weights are all-gathered bucket by bucket
-  (the gradient buckets), issued at once in the order the next forward first uses them (``gather_order``: the
-  first forward step using one of the bucket's units, then that unit's position, then group and index), and
-  a layer's forward waits only for its own bucket.
+- **Overlapped weight gathers** (``settings.overlap_param_gather``, Megatron's ``--overlap-param-gather``, at
+  ZeRO 1, 2 and 3): after the optimizer step the updated weights are all-gathered (ZeRO-3: redistributed)
+  bucket by bucket (the gradient buckets), issued at once in the order the next forward first uses them
+  (``gather_order``: the first forward step using one of the bucket's units, then that unit's position, then
+  group and index). At ZeRO 1 and 2 a layer's forward waits only for its own bucket; at ZeRO-3 a slice's
+  forward waits for every bucket of its units before its first layer (``weights_wanted_at``), since a layer's
+  weight shard must be in before the gather that the layer ahead of it issues.
 """
 
 from __future__ import annotations
@@ -271,9 +273,16 @@ def group_tp(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, Met
 
 
 def overlaps_param_gather(settings: ExecutionSettings) -> bool:
-    """Whether the weights' all-gather after the step is deferred to the next forward (Megatron's
-    --overlap-param-gather): at ZeRO 1 and 2; ZeRO-3's regathered groups are gathered after the step."""
-    return settings.overlap_param_gather and settings.zero_stage in (1, 2)
+    """Whether the weights' all-gather (ZeRO-3: redistribution) after the step is deferred to the next forward
+    (Megatron's --overlap-param-gather): at ZeRO 1, 2 and 3 with the setting on."""
+    return settings.overlap_param_gather and settings.zero_stage in (1, 2, 3)
+
+
+def weights_wanted_at(zero_stage: int, operator: int) -> int:
+    """With the overlapped weight gathers: before which of a slice's operators (its index in the slice) the
+    forward waits for the bucket of a unit whose first operator there is ``operator`` (module docstring): that one
+    at ZeRO 1 and 2, the slice's first at ZeRO-3."""
+    return 0 if zero_stage == 3 else operator
 
 
 class FirstUse(NamedTuple):

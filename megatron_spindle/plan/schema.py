@@ -221,7 +221,8 @@ class ExecutionSettings:
       bf16 ones, cast to fp32 for the optimizer step; the memory model counts their bytes.
     - ``overlap_param_gather``: at ZeRO stages 1 and 2, the all-gather of the updated weights after the optimizer
       step is asynchronous, and the next iteration's forward waits for a parameter device group's gather only
-      before the first slice that uses its weights (Megatron's ``--overlap-param-gather``); False: every gather
+      before the first slice that uses its weights (Megatron's ``--overlap-param-gather``); at stage 3 the
+      redistribution of the regathered groups' weights likewise (plan/buckets.py); False: every gather
       completes within the step (DeepSpeed's ZeRO-1/2). Without the key (plans written before it): False.
     - ``sequence_parallel``: Megatron's sequence parallelism in the layer slices where ``sequence_parallel_runs``
       says it applies (``--sequence-parallel``). Without the key: False.

@@ -58,6 +58,7 @@ from megatron_spindle.plan.buckets import (
     unit_completion,
     unit_holders,
     wave_rounds,
+    weights_wanted_at,
 )
 from megatron_spindle.plan.derive import plan_slice_pairs
 from megatron_spindle.plan.layout import device_programs, first_operators, stepped_elements
@@ -229,7 +230,8 @@ def _unit_ready(plan: Plan, metaops, cost_model,
             ops = s.layer_end - s.layer_start
             for u, i in first_operators(metaops[s.metaop], s).items():
                 if phase != BWD:
-                    first_use[u] = min(first_use.get(u, math.inf), t + own * i / ops)
+                    wanted = weights_wanted_at(plan.settings.zero_stage, i)
+                    first_use[u] = min(first_use.get(u, math.inf), t + own * wanted / ops)
                     continue
                 at = t + own * (ops - i) / ops
                 if (rounds[wi], u) not in ready or at > ready[rounds[wi], u][0]:

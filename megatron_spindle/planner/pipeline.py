@@ -131,9 +131,10 @@ class PlannerConfig:
     overlap_param_gather: bool = field(default=True, metadata=flag(
         "Megatron's --overlap-param-gather, for plans with the distributed optimizer (ZeRO-1/2): the updated "
         "weights' all-gather after the optimizer step overlaps the next forward, which waits for a parameter "
-        "device group's weights only before the first slice using them (recorded in the plan, charged by the "
-        "planner and the simulator, done by the runtime); --no-overlap-param-gather: the gather ends within the "
-        "step.", name="--overlap-param-gather"))
+        "device group's weights only before the first layer using them; at ZeRO-3 the redistribution of "
+        "the shared weights' shards likewise, each slice's waited for before its forward (recorded in the "
+        "plan, charged by the planner and the simulator, done by the runtime); --no-overlap-param-gather: the "
+        "gather ends within the step.", name="--overlap-param-gather"))
     sequence_parallel: bool = field(default=False, metadata=flag(
         "Megatron's sequence parallelism in the transformer layers of slices with tensor parallelism: norms, "
         "residuals and dropouts on 1/TP of the sequence (their activations divided by TP), an all-gather and a "

@@ -24,8 +24,9 @@
    (weight_shards.py). With the plan's
    ``overlap_param_gather`` (Megatron's --overlap-param-gather) the all-gather of the updated shards is only
    issued by the step, and each slice waits for its groups' gathers just before its next forward
-   (param_gather.py); every reader of weights or masters (``full_state``, ``export_units``, ``load_*``,
-   ``close``) finishes them first (``flush_param_gather``).
+   (param_gather.py; at ZeRO-3 the redistribution's all-to-alls, each slice's landed before its forward:
+   weight_redistribution.py); every reader of weights or masters (``full_state``, ``export_units``,
+   ``load_*``, ``close``) finishes them first (``flush_param_gather``).
    With ``settings.tp_sharded_grads`` (the default) a parameter device group held at TP t > 1 keeps, reduces
    and steps each unit's TP-split tensors by TP shard (tp_shards.py, plan/tp_shards.py): shard p of degree t is a
    sub-unit of its own, reduced over the ring of devices holding it, so a device moves and stores 1/t of such a
@@ -66,7 +67,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -230,7 +230,7 @@ class RuntimeEngine:
                                          self.device)
         # --overlap-param-gather (ZeRO-1/2): the weights' all-gather after the step waits for the next forward
         self.param_gather = None
-        if overlaps_param_gather(settings):
+        if overlaps_param_gather(settings) and self.zero_stage < 3:  # ZeRO-3's: _push_weight_shards defers
             self.param_gather = ParamGather(opt, self.local, self.key_unit, self.config.dtype,
                                             gather_buckets(self.grad_buffers.buckets, self._first_use()),
                                             self._timed_gather)
@@ -264,6 +264,9 @@ class RuntimeEngine:
                         self._gathered_keys.setdefault((sid, part), []).append(k)
         # ZeRO-3: the regathered weights redistributed after the step, not all-gathered (weight_redistribution.py)
         self._redistribution = self._weight_redistribution(gathered) if self.weight_shards is not None else None
+        self._defer_redistribution = self.weight_shards is not None and overlaps_param_gather(settings)
+        self._slice_runtime_units = {sid: {self.key_unit[k] for k in ls.param_keys} for sid, ls in self.local.items()}
+        self._waiting: dict[tuple[str, str | None], dict[str, torch.Tensor]] = {}  # parts' tensors landed so far
         self.grad_sync = GradSync(self.grad_buffers, self.local, self.binding, self.key_unit, self.groups,
                                   overlap=settings.overlap_grad_reduce, micro_batches=settings.micro_batches,
                                   zero_stage=self.zero_stage, rounds=self._sync_rounds(),
@@ -527,6 +530,8 @@ class RuntimeEngine:
         layer hook loads (each layer waits for its own bucket: runtime/param_gather.py); otherwise nothing."""
         if self.param_gather is not None:
             self.param_gather.before_forward(ls)
+        elif self._redistribution is not None and self._redistribution.pending:
+            self._land_redistributed(self._redistribution.pending_for(self._slice_runtime_units[ls.slice.id]))
 
     def _slice_done(self, ls) -> None:
         """The schedule's cue after a local slice's backward: at ZeRO-3 its weights are released (what the layers'
@@ -546,6 +551,8 @@ class RuntimeEngine:
         nothing is pending. Never communicates beyond waiting for gathers every member issued at its step."""
         if self.param_gather is not None and self.param_gather.pending:
             self.param_gather.flush()
+        if self._redistribution is not None and self._redistribution.pending:
+            self._land_redistributed(self._redistribution.pending_buckets)
 
     def _push_weights(self, full: dict[str, torch.Tensor]) -> None:
         """Load the masters into the operators that hold generic units (direct ones alias their masters)."""
@@ -612,25 +619,43 @@ class RuntimeEngine:
         unit's shard is written in place, any other part loaded from its units' full weights unit by unit, each
         slice keeping its shard: a rank holds one unit's weights at full size at a time, as in the forward. A
         slice gathered whole (weight_shards.py ``whole``) is loaded once all of its keys are in, and a unit once
-        its TP shards and its replicated tensors are."""
-        ws = self.weight_shards
-        ws.update_from_masters(self.master_optimizer.masters)
-        self._redistribution.prepare()
-        waiting: dict[tuple[str, str | None], dict[str, torch.Tensor]] = {}
+        its TP shards and its replicated tensors are. With --overlap-param-gather the all-to-alls are only issued
+        here; each local slice's buckets are landed just before its next forward (``_before_forward``)."""
+        self.weight_shards.update_from_masters(self.master_optimizer.masters)
+        redistribution = self._redistribution
+        redistribution.prepare()
+        self._waiting = {}
         own = [(d, units) for d, units in self._gathered_buckets if len(d) == 1]  # views of the masters, no copy
-        for units, full in itertools.chain(
-                streamed_gathers(self.master_optimizer, own, self.config.dtype),
-                self._redistribution.stream(self.master_optimizer.masters, self.config.dtype)):
-            for u in units:
-                for ls, keys in self._holders.get(u, ()):
-                    part = (ls.slice.id, None if ls.slice.id in ws.whole else base_unit(u))
-                    if part not in self._gathered_keys:
-                        continue  # fed: its shard is written
-                    tensors = waiting.setdefault(part, {})
-                    tensors.update({k: full[k] for k in keys})
-                    if len(tensors) == len(self._gathered_keys[part]):
-                        with ws.loading(ls, aligned_too=False, unit=part[1]):
-                            ls.keys.load(ls.op, waiting.pop(part), strict=False)
+        for units, full in streamed_gathers(self.master_optimizer, own, self.config.dtype):
+            self._load_regathered(units, full)
+        if self._defer_redistribution:  # --overlap-param-gather: each slice's buckets landed before its forward
+            redistribution.start(self.master_optimizer.masters, self.config.dtype)
+            return
+        for units, full in redistribution.stream(self.master_optimizer.masters, self.config.dtype):
+            self._load_regathered(units, full)
+
+    def _land_redistributed(self, buckets: list[int]) -> None:
+        """ZeRO-3 with --overlap-param-gather: wait for these pending buckets of the redistribution and load what
+        they bring (``_load_regathered``), under the engine's params-all-gather timer."""
+        def land() -> None:
+            for i in buckets:
+                self._load_regathered(*self._redistribution.land(i))
+        self._timed_gather(land)
+
+    def _load_regathered(self, units, full: dict[str, torch.Tensor]) -> None:
+        """ZeRO-3: one bucket's regathered weights into the parts that load them whole (``full``; a fed gather
+        unit's shard is written already), each part once all of its keys are in."""
+        ws = self.weight_shards
+        for u in units:
+            for ls, keys in self._holders.get(u, ()):
+                part = (ls.slice.id, None if ls.slice.id in ws.whole else base_unit(u))
+                if part not in self._gathered_keys:
+                    continue  # fed: its shard is written
+                tensors = self._waiting.setdefault(part, {})
+                tensors.update({k: full[k] for k in keys})
+                if len(tensors) == len(self._gathered_keys[part]):
+                    with ws.loading(ls, aligned_too=False, unit=part[1]):
+                        ls.keys.load(ls.op, self._waiting.pop(part), strict=False)
 
     def _loading(self, ls):
         """Around writing full weights into a slice's operator: at ZeRO-3 it keeps its shards of them."""

@@ -1,5 +1,5 @@
 """The overlapped weight all-gather of ZeRO-1 and 2 (``ExecutionSettings.overlap_param_gather``; Megatron's
---overlap-param-gather).
+--overlap-param-gather; ZeRO-3's overlapped redistribution: weight_redistribution.py).
 
 Without it, the engine all-gathers every parameter device group's updated master shards right after the
 optimizer step and loads the full weights into the operators before the step returns. With it, ``start``

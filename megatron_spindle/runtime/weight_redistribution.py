@@ -17,6 +17,12 @@ master chunk holds, cast to the weights' dtype; the next bucket's is issued befo
 rank of a slice at DP d so receives about 1/d of what an all-gather moved it (plan/buckets.py
 ``redistributed_params``, what the cost model charges). Deadlock-free as the all-gathers were: every rank issues
 its buckets in the one gather order, and a bucket that moves nothing anywhere is skipped by every member alike.
+
+With --overlap-param-gather (plan/buckets.py ``overlaps_param_gather``) ``start`` issues every bucket's
+all-to-all right after the step and returns; the engine lands a bucket (``land``) before the forward of the
+first local slice holding one of its units (``pending_for``), and every pending one before anything reads the
+weights. Deadlock-free as runtime/param_gather.py: every rank issues all of its buckets before it waits for
+any, and waits depend on nothing but those issues.
 """
 
 from __future__ import annotations
@@ -125,6 +131,8 @@ class WeightRedistribution:
             for s in segments:
                 self._landing.setdefault(s.unit, []).append((g, s))
         self.buckets = [self._bucket(tuple(sorted(devices)), tuple(units), needs) for devices, units in buckets]
+        self.bucket_of = {u: i for i, b in enumerate(self.buckets) for u in b.units}
+        self._pending: dict[int, tuple] = {}  # bucket index -> (received, work) of an all-to-all ``start`` issued
 
     def _bucket(self, devices: tuple[int, ...], units: tuple[str, ...],
                 needs: Sequence[Mapping[str, Sequence[Range]]]) -> _Bucket:
@@ -154,6 +162,34 @@ class WeightRedistribution:
             pending, following = following, self._issue(i + 1, masters, dtype)
             progress.point("the weight redistribution after the optimizer step of", [list(b.devices)])
             yield b.units, self._land(b, *pending)
+
+    @property
+    def pending(self) -> bool:
+        """Whether some bucket ``start`` issued is not landed yet."""
+        return bool(self._pending)
+
+    def start(self, masters: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+        """Issue every bucket's all-to-all at once (module docstring); ``land`` each before its pieces are used."""
+        if self._pending:
+            raise RuntimeError("ZeRO-3: a weight redistribution is still pending; land it before the next one")
+        self.received = 0
+        self._pending = {i: self._issue(i, masters, dtype) for i in range(len(self.buckets))}
+
+    @property
+    def pending_buckets(self) -> list[int]:
+        """Every pending bucket, in issue order."""
+        return sorted(self._pending)
+
+    def pending_for(self, units: Iterable[str]) -> list[int]:
+        """The pending buckets holding any of ``units``, in issue order."""
+        return sorted({i for u in units if (i := self.bucket_of.get(u)) is not None and i in self._pending})
+
+    def land(self, index: int) -> tuple[tuple[str, ...], dict[str, torch.Tensor]]:
+        """Wait for pending bucket ``index`` and write its pieces (``stream``'s yield for that bucket)."""
+        b = self.buckets[index]
+        out, work = self._pending.pop(index)
+        progress.point("the overlapped weight redistribution (params-all-gather) of", [list(b.devices)])
+        return b.units, self._land(b, out, work)
 
     def _issue(self, index: int, masters: Mapping[str, torch.Tensor], dtype: torch.dtype):
         if index >= len(self.buckets):

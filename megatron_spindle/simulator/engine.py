@@ -43,10 +43,12 @@ engine is timeline.py):
   optimizer step (``param_gather`` in the breakdown), and stage 3 redistributes them (an all-to-all of what each
   member keeps) for the groups whose weight shards are not their master shards (plan/buckets.py
   ``regathered_groups``: a TP shard, or a unit on several device sets). With ``settings.overlap_param_gather``
-  (Megatron's ``--overlap-param-gather``, stages 1 and 2) those gathers belong to the next iteration: in the
+  (Megatron's ``--overlap-param-gather``, stages 1 to 3) those gathers belong to the next iteration: in the
   steady state each group's gather is issued at the iteration's start, on its members' channels ahead of the
   buckets, and overlaps the forward (slowed by C10's factor like the buckets); a slice's first forward waits
-  for the gathers of the groups holding its units, and ``param_gather`` is what those waits add.
+  for the gathers of the groups holding its units (at ZeRO 1 and 2 each layer for its own bucket, at ZeRO-3
+  the slice for all of its buckets before it starts: plan/buckets.py ``weights_wanted_at``), and
+  ``param_gather`` is what those waits add.
 - **Optimizer step.** After a device's last backward and the gradient synchronisation of every bucket it is
   in, it runs AdamW over the fp32 master elements it holds: per unit, the unit's TP shard (the smallest TP
   degree of its slices on the device, as the memory model counts it), divided over the slice's DP ranks
@@ -91,6 +93,7 @@ from megatron_spindle.plan.buckets import (
     synced_micro_batches,
     unit_first_use,
     wave_rounds,
+    weights_wanted_at,
 )
 from megatron_spindle.plan.derive import plan_slice_pairs
 from megatron_spindle.plan.layout import first_operators, slice_units, stepped_elements
@@ -387,10 +390,11 @@ def _timeline(ctx: _Context, timer: CollectiveTimer, transfers: bool, sync: bool
 
 def _gather_collectives(ctx: _Context, timer: CollectiveTimer, tasks: list[Task],
                         index) -> tuple[list[Collective], list[int]]:
-    """The weights' all-gather of every bucket of the gathering groups (plan/buckets.py: the gradient buckets,
-    in ``gather_order``), issued at time 0; in the first micro-batch's forward of a slice each layer waits
-    for the buckets of its units (the slice's first layer before the slice starts, the others at the fraction
-    of its work where they begin). Returns the collectives and each one's group."""
+    """The weights' all-gather (ZeRO-3: redistribution) of every bucket of the gathering groups (plan/buckets.py:
+    the gradient buckets, in ``gather_order``), issued at time 0; in the first micro-batch's forward of a slice
+    each layer waits for the buckets of its units (the slice's first layer before the slice starts, the others
+    at the fraction of its work where they begin; at ZeRO-3 all before the slice starts: ``weights_wanted_at``).
+    Returns the collectives and each one's group."""
     gpn = ctx.cluster.gpus_per_node
     gathering = set(param_gathers(ctx.plan, ctx.groups, ctx.metaops))
     waves = [w.slices for w in ctx.plan.waves]
@@ -405,8 +409,9 @@ def _gather_collectives(ctx: _Context, timer: CollectiveTimer, tasks: list[Task]
     for sid, s in ctx.slices.items():
         k = index[((sid, FWD), 0)]
         ops = s.num_layers
-        for u, i in first_operators(ctx.metaops[s.metaop], s).items():
+        for u, first in first_operators(ctx.metaops[s.metaop], s).items():
             if u in bucket_of_unit:
+                i = weights_wanted_at(ctx.plan.settings.zero_stage, first)
                 if i == 0:
                     tasks[k].after.append(bucket_of_unit[u])
                 else:

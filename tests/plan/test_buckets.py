@@ -17,6 +17,7 @@ from megatron_spindle.plan.buckets import (
     regather_collective,
     regathered_groups,
     unit_holders,
+    weights_wanted_at,
 )
 from megatron_spindle.plan.layout import slice_units
 from megatron_spindle.plan.schema import ExecutionSettings
@@ -50,10 +51,18 @@ def test_regathered_groups_by_stage_and_layout():
     assert rule([([0, 1], 1), ([0], 1)], [([2, 3], 1)]) == [True, False]
 
 
-def test_overlapped_param_gather_only_at_zero_1_and_2():
-    for stage, expected in ((0, False), (1, True), (2, True), (3, False)):
+def test_overlapped_param_gather_with_the_distributed_optimizer_and_at_zero_3():
+    for stage, expected in ((0, False), (1, True), (2, True), (3, True)):
         assert overlaps_param_gather(ExecutionSettings(zero_stage=stage, overlap_param_gather=True)) is expected
     assert not overlaps_param_gather(ExecutionSettings(zero_stage=1, overlap_param_gather=False))
+    assert not overlaps_param_gather(ExecutionSettings(zero_stage=3, overlap_param_gather=False))
+
+
+def test_zero3_slices_wait_for_their_weights_before_their_first_layer():
+    """ZeRO 1 and 2: a layer waits for its own bucket; ZeRO-3: every bucket before the slice's first layer (the
+    layer ahead of a layer issues its gather, from its shard)."""
+    assert [weights_wanted_at(stage, 5) for stage in (1, 2, 3)] == [5, 5, 0]
+    assert weights_wanted_at(3, 0) == weights_wanted_at(1, 0) == 0
 
 
 def test_group_tp_is_the_smallest_holder_tp_in_the_tp_sharded_layout():

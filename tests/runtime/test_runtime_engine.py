@@ -918,6 +918,7 @@ def check_distributed_optimizer(rank, world, workloads, refs, cfg, cache, stage:
         engine = RuntimeEngine(plan, w, rank, world, cfg, groups=cache, **kw)
         assert engine.direct_units == []  # the fast path is for the replicated optimizer only
         assert (engine.param_gather is not None) == (overlap and stage < 3)  # stage 3 gathers per layer
+        assert engine._defer_redistribution == (overlap and stage == 3)  # ...and redistributes after the step
         label = f"rank {rank} {ops} {wname} {case} zero{stage}" + (" overlapped-gather" if overlap else "")
         if stage >= 1:
             assert engine.grad_buffers.reduce_scatter  # gloo reduce-scatters (torch 2.13)
@@ -1077,6 +1078,11 @@ def check_weight_shards(engine, label: str, one_at_a_time: bool) -> set[bool]:
     # weights loaded one module's at a time, never a whole slice's
     ws.peak_gathered = 0
     engine._push_weight_shards()
+    rd = engine._redistribution
+    if engine._defer_redistribution:  # --overlap-param-gather: only issued; landed before each slice's forward
+        assert rd.pending == bool(rd.buckets), label
+        engine.flush_param_gather()
+    assert not rd.pending, label
     assert ws.peak_gathered <= max(two) and ws.gathered_bytes == 0, (label, ws.peak_gathered, two)
     check_redistribution(engine, label)
     return kinds

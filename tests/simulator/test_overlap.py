@@ -284,6 +284,29 @@ def test_an_overlapped_weight_gather_waits_only_for_its_own_bucket():
     assert plain[0] == pytest.approx(plain[1])
 
 
+def test_an_overlapped_zero3_redistribution_is_waited_for_before_the_slice():
+    """ZeRO-3, the same towers at TP 2 x DP 2 on devices 0-3 (TP shards: their groups are redistributed after the
+    step, an all-to-all per bucket of r seconds). Without --overlap-param-gather the four run after the step. With it
+    they are issued as the iteration starts, in the forward's order (a0 a1 b0 b1), and a slice waits for every
+    bucket of its units before its first layer (the runtime lands them before the layer ahead issues a layer's
+    gather: plan/buckets.py ``weights_wanted_at``): a starts at 2r, not r as at ZeRO-1; b's are in by then."""
+    w, cluster = _workload(), _cluster()
+    devices = [0, 1, 2, 3]
+    groups = [ParamGroup(devices, ["a.layers.0", "a.layers.1"]), ParamGroup(devices, ["b.layers.0", "b.layers.1"])]
+    waves = [Wave(0, 0, 0.0, 1.0, [_slice(0, "t/a", devices, tp=2)]),
+             Wave(1, 1, 1.0, 1.0, [_slice(1, "t/b", devices, tp=2)])]
+    cost = StubCostModel({"a": 6.0, "b": 6.0}, activation=0.0, params_per_unit=250_000_000)
+    off, on = (simulate(_plan(w, cluster, waves, groups, {"zero_stage": 3, "overlap_param_gather": x}), w, cluster,
+                        cost, StubMemoryModel(cost, 0.0), SimSettings(overlap_slowdown=1.0)) for x in (False, True))
+    r = (off.extras["param_gathers"][0][2] - off.extras["param_gathers"][0][1]) / 2  # a group: two buckets
+    assert 0 < r < 1.0 and off.param_gather_time == pytest.approx(4 * r)
+    assert [x for _, s, e in on.extras["param_gathers"] for x in (s, e)] == pytest.approx(
+        [i * r for i in (0, 1, 1, 2, 2, 3, 3, 4)])
+    assert on.busy[0][0].start == pytest.approx(2 * r)  # both of a's buckets, before its first layer
+    assert on.param_gather_time == pytest.approx(2 * r)
+    assert on.iteration_time == pytest.approx(off.iteration_time - 2 * r)
+
+
 def test_the_gather_after_the_step_is_charged_bucket_by_bucket():
     """Without --overlap-param-gather a group's updated weights are all-gathered one bucket after another (as
     the runtime streams them, plan/buckets.py): each bucket's collective, its latency included, and not one
