@@ -60,7 +60,7 @@ def runtime_sets(plan: Plan, metaops, param_count) -> list[tuple[tuple[int, ...]
     waves = [w.slices for w in plan.waves]
     plan_groups = [(tuple(sorted(g.devices)), list(g.params)) for g in plan.param_groups]
     rings = unit_rings(waves, metaops, [units for _, units in plan_groups], plan.settings)
-    again = regathered_groups(waves, metaops, plan_groups, plan.settings.zero_stage)
+    again = regathered_groups(waves, metaops, plan_groups, plan.settings.zero_stage, plan.weight_scope)
     regathered = {u for (_, units), a in zip(plan_groups, again) if a for u in units}
     out = []
     for devices, units in runtime_groups(plan_groups, rings):
@@ -94,7 +94,7 @@ def plan_bytes(plan: Plan, workload) -> dict:
                 sums["runtime_weights"][d] += bus_factor("all_gather", len(devices)) * params * RUNTIME_WEIGHT_BYTES
     for gi in gathering if zero3 else ():  # each device receives what its slices keep (weight_redistribution.py)
         g = groups[gi]
-        for d, params in redistributed_params(holders, g.units, g.tp, cost.param_count).items():
+        for d, params in redistributed_params(holders, g.units, g.tp, cost.param_count, plan.weight_scope).items():
             sums["runtime_weights"][d] += bus_factor("all_to_all", g.ring.size) * params * RUNTIME_WEIGHT_BYTES
     runtime_total = Counter()
     for k in ("runtime_grad", "runtime_weights"):

@@ -549,19 +549,24 @@ def memory_bound(plan: Plan) -> bool:
 
 def _fitted(name: str, unlimited: Plan, workload: Workload, cluster: ClusterSpec, config: PlannerConfig,
             first: PlanningResult, seconds: float):
-    """A plan made for more memory as candidates on ``cluster``: with ZeRO-3, ZeRO-2, then ZeRO-1 (those
-    ``config`` allows; ZeRO-0 where it allows none), each layer slice at the cheapest recomputation that fits
-    (none where nothing does), timed on ``first``'s models."""
+    """A plan made for more memory as candidates on ``cluster``: with ZeRO-3, ZeRO-3 with node-local weight
+    shards (on several nodes: ZeRO++'s hierarchical partitioning, plan/layout.py ``weight_shard_group``), ZeRO-2,
+    then ZeRO-1 (those ``config`` allows; ZeRO-0 where it allows none), each layer slice at the cheapest
+    recomputation that fits (none where nothing does), timed on ``first``'s models."""
     from megatron_spindle.baselines.memory_options import with_cheapest_recompute
     from megatron_spindle.estimator import MemoryModel
 
     cost_model, metagraph = first.cost_model, first.metagraph
     memory_model = MemoryModel(workload, cluster, cost_model)  # no ZeRO of its own: the plan's settings shard
     out = []
-    for stage in sorted((z for z in config.zero_stages() if z), reverse=True) or [0]:
+    stages = [(z, False) for z in sorted((z for z in config.zero_stages() if z), reverse=True)] or [(0, False)]
+    if stages[0][0] == 3 and cluster.num_nodes > 1:
+        stages.insert(1, (3, True))
+    for stage, node_local in stages:
         staged = dataclasses.replace(unlimited, cluster=cluster.to_dict(), cluster_digest=cluster.digest(),
                                      planner=dict(unlimited.planner), predicted=dict(unlimited.predicted),
-                                     settings=dataclasses.replace(unlimited.settings, zero_stage=stage))
+                                     settings=dataclasses.replace(unlimited.settings, zero_stage=stage,
+                                                                  node_local_weights=node_local))
         plan = with_cheapest_recompute(staged, metagraph, cost_model, memory_model, cluster)
         if plan is None:
             continue
@@ -569,8 +574,9 @@ def _fitted(name: str, unlimited: Plan, workload: Workload, cluster: ClusterSpec
         plan.planner["memory_options"] = memory_options(plan)
         plan.predicted.update(estimate_iteration(plan, metagraph, cluster, cost_model).as_predicted())
         validate_plan(plan, workload, cluster, metagraph)
-        out.append((f"{name}+zero{stage}", dataclasses.replace(first, plan=plan, memory_model=memory_model,
-                                                                 solver=None, timings={}), seconds))
+        label = f"{name}+zero{stage}" + ("-hpz" if node_local else "")
+        out.append((label, dataclasses.replace(first, plan=plan, memory_model=memory_model, solver=None, timings={}),
+                    seconds))
     return out
 
 

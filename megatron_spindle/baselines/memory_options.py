@@ -64,7 +64,7 @@ def with_cheapest_recompute(plan: Plan, metagraph: MetaGraph, cost_model, memory
     waves = [[dataclasses.replace(scheduled_slice(s), time=s.predicted_time / m) for s in w.slices]
              for w in plan.waves]
     try:
-        numbers = ZeroSharded.of(memory_model, base)
+        numbers = ZeroSharded.of(memory_model, base, plan.gpus_per_node)
         choices = choose_recompute(waves, micro, numbers, cost_model, cluster.gpu.memory_bytes, order,
                                    RecomputePolicy(), cluster.num_devices, cluster.gpu.name,
                                    [w.duration / m for w in plan.waves],

@@ -135,20 +135,22 @@ class MemoryModel:
 
     # ---------------------------------------------------------------------------------------- parameters
 
-    def param_state_bytes(self, param_name: str, tp: int, dp: int | None = None) -> float:
+    def param_state_bytes(self, param_name: str, tp: int, dp: int | None = None,
+                          weight_dp: int | None = None) -> float:
         """Weights + gradients + Adam state of one parameter unit on each of its tp ranks. Without ``dp``: the
         unsharded state of a TP rank (plan/memory.py ``MemoryNumbers``, which ``ZeroSharded`` shards); with it,
         one device's share under this model's ZeRO stage and gradient layout (plan/memory.py
         ``zero_sharded_bytes``). Norms and some biases are replicated rather than split by TP; they are tiny, so
         we divide everything by tp. A frozen module's unit holds its weights alone (plan/memory.py
-        ``unit_state_bytes``)."""
+        ``unit_state_bytes``). ``weight_dp``: ZeRO-3's weights sharded over that many devices, not ``dp``."""
         _check_positive("tp", tp)
         frozen = self.is_frozen_unit(param_name)
         state = unit_state_bytes(self.cost_model.param_count(param_name) / tp, frozen, self.grad_bytes)
         if dp is None:
             return state
         _check_positive("dp", dp)
-        return zero_sharded_bytes(state, self.zero_stage, dp, tp, self.tp_sharded_grads, frozen, self.grad_bytes)
+        return zero_sharded_bytes(state, self.zero_stage, dp, tp, self.tp_sharded_grads, frozen, self.grad_bytes,
+                                  weight_dp)
 
     def is_frozen_unit(self, param_name: str) -> bool:
         return self.workload.is_frozen_unit(param_name)

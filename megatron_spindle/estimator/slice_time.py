@@ -4,13 +4,13 @@ estimate (planner/objective.py) both charge.
 Per layer, the cost model's ``step_phases``, plus the sharded runtime's host copies at ZeRO 1 and 2
 (``sharded_phases``); the backward adds the slice's recomputation (``recompute_seconds``).
 
-At ZeRO stage 3 a layer's weights live sharded over the slice's data-parallel ranks and are all-gathered before
-the layer's forward and again before its backward, as DeepSpeed ZeRO-3 and FSDP do. Both prefetch: the next
-layer's gather is issued when a layer's compute starts, so only the first layer's gather of a phase waits alone,
-and every later one runs beside the previous layer's compute. While they overlap, the collective model's rule
-applies (estimator/comm_model.py, ``overlapped_backward_seconds``): the compute runs ``slowdown`` times slower
-(C10, or the profile's measured factor) and the gather takes ``slowdown`` times its time alone plus ``latency``
-(0 on GPUs). ``prefetched_phase_seconds`` is that timeline, layer by layer.
+At ZeRO stage 3 a layer's weights live sharded over the slice's data-parallel ranks (with node-local weight shards,
+those on its node) and are all-gathered before the layer's forward and again before its backward, as DeepSpeed
+ZeRO-3 and FSDP do. Both prefetch: the next layer's gather is issued when a layer's compute starts, so only the
+first layer's gather of a phase waits alone, and every later one runs beside the previous layer's compute. While
+they overlap, the collective model's rule applies (estimator/comm_model.py, ``overlapped_backward_seconds``): the
+compute runs ``slowdown`` times slower (C10, or the profile's measured factor) and the gather takes ``slowdown``
+times its time alone plus ``latency`` (0 on GPUs). ``prefetched_phase_seconds`` is that timeline, layer by layer.
 """
 
 from __future__ import annotations
@@ -23,13 +23,18 @@ from megatron_spindle.plan.memory import WEIGHT_BYTES_PER_PARAM
 from megatron_spindle.plan.schema import ExecutionSettings, Slice
 
 
-def layer_gather_seconds(cost_model, comm: CommModel, metaop: MetaOp, s: Slice) -> float:
+def layer_gather_seconds(cost_model, comm: CommModel, metaop: MetaOp, s: Slice, node_local: bool = False) -> float:
     """Seconds, alone, of the all-gather of one layer's bf16 weights (its TP shard) over the slice's
-    data-parallel ring at ZeRO-3; 0 without weights or data parallelism."""
+    data-parallel ring at ZeRO-3 (``node_local``: the ring of its members on one node, the widest such:
+    plan/layout.py ``weight_shard_group``); 0 without weights or data parallelism."""
     if s.dp == 1 or not metaop.params:
         return 0.0
     layer_params = sum(cost_model.param_count(p) for p in metaop.params[0])
     ring = GroupPlacement.dp_ring(s.devices, s.tp, comm.cluster)
+    if node_local:
+        ring = GroupPlacement((max(ring.ranks_per_node),))
+    if ring.size <= 1:
+        return 0.0
     return comm.all_gather(layer_params * WEIGHT_BYTES_PER_PARAM / s.tp, ring, s.tp if ring.crosses_nodes else 1)
 
 
@@ -73,7 +78,8 @@ def slice_phase_seconds(cost_model, comm: CommModel, metaop: MetaOp, s: Slice, s
     load, stage = sharded_phases(cost_model, metaop, s.tp, s.dp, settings.zero_stage, micro)
     fwd, bwd = fwd + load, bwd + stage
     recompute = recomputation_seconds(cost_model, run, s, settings, fwd)
-    gather = layer_gather_seconds(cost_model, comm, metaop, s) if settings.zero_stage == 3 else 0.0
+    gather = layer_gather_seconds(cost_model, comm, metaop, s, settings.node_local_weights) \
+        if settings.zero_stage == 3 else 0.0
     if gather <= 0.0:
         return fwd * s.num_layers, bwd * s.num_layers + recompute
     slowdown, latency = comm.overlap_slowdown, comm.overlap_latency

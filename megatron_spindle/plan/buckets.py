@@ -52,7 +52,7 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import NamedTuple, TypeVar
 
 from megatron_spindle.graph.opgraph import MetaOp
-from megatron_spindle.plan.layout import SliceGeometry, slice_units
+from megatron_spindle.plan.layout import SliceGeometry, slice_units, weight_shard_degree, weight_shard_group
 from megatron_spindle.plan.order import BWD, FWD, segments_of, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings
 
@@ -189,7 +189,8 @@ def synced_rounds(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str
 
 
 def regathered_groups(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[str, MetaOp],
-                      groups: Sequence[tuple[Sequence[int], Sequence[str]]], zero_stage: int) -> list[bool]:
+                      groups: Sequence[tuple[Sequence[int], Sequence[str]]], zero_stage: int,
+                      scope: int | None = None) -> list[bool]:
     """Per parameter device group (devices, units): whether the optimizer step is followed by an all-gather of
     the group's updated weights over its devices.
 
@@ -198,8 +199,9 @@ def regathered_groups(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping
     - ZeRO 3 (runtime/weight_shards.py): each slice keeps its DP shard of its weights. Where every slice holding
       the group's units runs with TP 1 on exactly the group's devices, that shard is the member's master shard
       (same units, same flat layout, same members), cast: nothing to gather, as in DeepSpeed ZeRO-3. Elsewhere
-      (a TP shard, or a unit shared by slices on other device sets) the full weights are gathered and each
-      slice keeps its shard of them."""
+      (a TP shard, or a unit shared by slices on other device sets, or weight shards confined to a node,
+      ``scope``: plan/layout.py ``weight_scope``) the updated weights are redistributed and each slice keeps
+      its shard of them."""
     if zero_stage not in (1, 2, 3):
         return [False] * len(groups)
     if zero_stage in (1, 2):
@@ -208,39 +210,44 @@ def regathered_groups(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping
     out = []
     for devices, units in groups:  # the slice's DP ranks in the group's (sorted) member order
         own = sorted(devices)
-        out.append(any(s.tp != 1 or list(s.devices or ()) != own for u in units for s in holders.get(u, ())))
+        out.append(any(s.tp != 1 or list(s.devices or ()) != own or weight_shard_degree(s, scope) != s.dp
+                       for u in units for s in holders.get(u, ())))
     return out
 
 
 def redistributed_params(holders: Mapping[str, Sequence[SliceGeometry]], units: Iterable[str], degree: int,
-                         param_count: Callable[[str], float]) -> dict[int, float]:
+                         param_count: Callable[[str], float], scope: int | None = None) -> dict[int, float]:
     """ZeRO-3, one bucket ``units`` of a regathered group whose TP shards have degree ``degree`` (``group_tp``):
     per member device, the parameters it needs when the updated weights are redistributed after the step (what
     it receives, counted with the part its own master chunk holds; module docstring; ``holders``:
-    ``unit_holders``). A device keeps of a unit, per slice holding it there, ``p / (tp * dp)`` where the
-    slice's TP is the shards' degree (its DP shard of its TP part), else the whole TP shard ``p / degree``; at
-    most ``p / degree`` over its slices. The runtime's chunks are whole elements (``ceil``) and it sends an
+    ``unit_holders``). Of a unit ``p`` a device keeps, per slice holding it there, its chunk of its TP part
+    ``p / degree`` over the ``n`` devices of its weight shard group (the slice's DP ranks, or with a ``scope``
+    those on its node: plan/layout.py ``weight_shard_group``) where the slice's TP is the shards' degree, else
+    the whole TP part. Slices whose chunks are the same (the same ``n`` and position in it) count once, and a
+    device needs at most ``p / degree``. The runtime's chunks are whole elements (``ceil``) and it sends an
     operator it cannot map onto the masters (a stand-in without unit modules) whole; this counts neither."""
     need: dict[int, float] = {}
     for u in units:
         whole = param_count(u) / degree
-        mine: dict[int, float] = {}
+        chunks: dict[int, set[tuple[int, int]]] = {}  # device -> (n, position) of its chunks; (1, 0): whole
         for s in holders.get(u, ()):
-            part = whole / s.dp if s.tp == degree else whole
             for d in s.devices or ():
-                mine[d] = mine.get(d, 0.0) + part
-        for d, elements in mine.items():
-            need[d] = need.get(d, 0.0) + min(whole, elements)
+                group = weight_shard_group(s.devices, s.tp, d, scope) if s.tp == degree else (d,)
+                chunks.setdefault(d, set()).add((len(group), group.index(d)))
+        for d, mine in chunks.items():
+            need[d] = need.get(d, 0.0) + min(whole, sum(whole / n for n, _ in mine))
     return need
 
 
 def regather_collective(zero_stage: int, holders: Mapping[str, Sequence[SliceGeometry]], units: Sequence[str],
-                        degree: int, share: float, param_count: Callable[[str], float]) -> tuple[str, float]:
+                        degree: int, share: float, param_count: Callable[[str], float],
+                        scope: int | None = None) -> tuple[str, float]:
     """(collective, parameters on its busiest ring) of one regathered bucket's weights after the step: at ZeRO-3
     an all-to-all of what its busiest member receives (``redistributed_params``), else an all-gather of the
     bucket's TP shard (``share`` of its parameters: plan/tp_shards.py ``GroupRing.share``)."""
     if zero_stage == 3:
-        return "all_to_all", max(redistributed_params(holders, units, degree, param_count).values(), default=0.0)
+        return "all_to_all", max(redistributed_params(holders, units, degree, param_count, scope).values(),
+                                 default=0.0)
     return "all_gather", sum(param_count(u) for u in units) * share
 
 

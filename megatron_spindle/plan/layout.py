@@ -27,6 +27,31 @@ class SliceGeometry(Protocol):
     devices: Sequence[int] | None
 
 
+def weight_scope(node_local_weights: bool, gpus_per_node: int) -> int | None:
+    """The node size a ZeRO-3 slice's weight shards are confined to (``ExecutionSettings.node_local_weights``,
+    ZeRO++'s hierarchical partitioning), or None: sharded over the slice's whole data-parallel group."""
+    return gpus_per_node if node_local_weights else None
+
+
+def weight_shard_group(devices: Sequence[int], tp: int, device: int, scope: int | None) -> tuple[int, ...]:
+    """ZeRO-3: the devices over which ``device``, in a slice on ``devices`` at ``tp``, shards that slice's weights
+    and gathers a layer of them: its data-parallel group (``devices[r % tp::tp]``, the TP rank's), and with a
+    ``scope`` (``weight_scope``) only the group's members on ``device``'s node."""
+    r = list(devices).index(device)
+    group = tuple(devices[r % tp::tp])
+    if scope is None:
+        return group
+    return tuple(d for d in group if d // scope == device // scope)
+
+
+def weight_shard_degree(s: SliceGeometry, scope: int | None) -> int:
+    """The members of slice ``s``'s smallest weight shard group (``weight_shard_group``): what its device with
+    the largest share divides its weights by; ``s.dp`` without a scope."""
+    if scope is None or not s.devices:
+        return s.dp
+    return min(len(weight_shard_group(s.devices, s.tp, d, scope)) for d in s.devices)
+
+
 def dp_rows(rank: int, dp: int, batch: int) -> tuple[int, int]:
     """Samples ``[lo, hi)`` of data-parallel rank ``rank`` of ``dp``: rank k holds ``[k*B/dp, (k+1)*B/dp)``."""
     per_rank = batch // dp

@@ -47,7 +47,14 @@ from typing import NamedTuple, Protocol
 
 from megatron_spindle.graph.opgraph import MetaOp
 from megatron_spindle.plan.buckets import wave_rounds
-from megatron_spindle.plan.layout import SliceGeometry, device_programs, held_units, micro_batch_metaop
+from megatron_spindle.plan.layout import (
+    SliceGeometry,
+    device_programs,
+    held_units,
+    micro_batch_metaop,
+    weight_scope,
+    weight_shard_degree,
+)
 from megatron_spindle.plan.order import FWD, SliceStep, slice_order
 from megatron_spindle.plan.schema import ExecutionSettings, Plan, Recompute
 
@@ -88,13 +95,14 @@ def state_bytes_per_param(grad_bytes: int = GRAD_BYTES_PER_PARAM) -> int:
 
 
 def zero_state_bytes_per_param(stage: int, dp: int, tp: int = 1, tp_sharded: bool = True,
-                               grad_bytes: int = GRAD_BYTES_PER_PARAM) -> float:
+                               grad_bytes: int = GRAD_BYTES_PER_PARAM, weight_dp: int | None = None) -> float:
     """Training-state bytes per parameter of a TP shard on one device under ZeRO ``stage`` with ``dp``
     data-parallel ranks, main gradients of ``grad_bytes``. ``tp_sharded`` False (plan/schema.py
     ``ExecutionSettings.tp_sharded_grads``: our runtime's canonical layout): a device holds the whole unit's
     gradient at stages 0 and 1, and its whole optimizer state at stage 0, t times a shard's at TP t; the ZeRO
     shards of the whole unit span the group's members, at least tp x dp, so they weigh no more than a shard's
-    over dp."""
+    over dp. ``weight_dp``: at stage 3, the devices the weights are sharded over where that is not ``dp``
+    (plan/layout.py ``weight_shard_degree``: node-local weight shards)."""
     w, g, o = WEIGHT_BYTES_PER_PARAM, grad_bytes, OPTIMIZER_BYTES_PER_PARAM
     whole = 1 if tp_sharded else tp
     if stage == 0:
@@ -103,18 +111,19 @@ def zero_state_bytes_per_param(stage: int, dp: int, tp: int = 1, tp_sharded: boo
         return w + g * whole + o / dp
     if stage == 2:
         return w + (g + o) / dp
-    return (w + g + o) / dp
+    return w / (weight_dp or dp) + (g + o) / dp
 
 
 def zero_sharded_bytes(state: float, stage: int, dp: int, tp: int = 1, tp_sharded: bool = True,
-                       frozen: bool = False, grad_bytes: int = GRAD_BYTES_PER_PARAM) -> float:
+                       frozen: bool = False, grad_bytes: int = GRAD_BYTES_PER_PARAM,
+                       weight_dp: int | None = None) -> float:
     """One device's share of ``state`` (a unit's unsharded training state on a TP rank of ``tp``, main gradients
     of ``grad_bytes``) under ZeRO and the gradients' layout (``zero_state_bytes_per_param``). A ``frozen`` unit's
     state is its weights alone (``unit_state_bytes``), which every slice holding it keeps whole
     (runtime/frozen.py): nothing to shard."""
     if frozen:
         return state
-    per_param = zero_state_bytes_per_param(stage, dp, tp, tp_sharded, grad_bytes)
+    per_param = zero_state_bytes_per_param(stage, dp, tp, tp_sharded, grad_bytes, weight_dp)
     whole = state_bytes_per_param(grad_bytes)
     if per_param == whole:  # nothing sharded, nothing whole: the state as it is, to the bit
         return state
@@ -142,10 +151,15 @@ class ZeroSharded:
     zero_stage: int
     sequence_parallel: bool | None = None
     tp_sharded: bool = True  # ExecutionSettings.tp_sharded_grads
+    weight_scope: int | None = None  # plan/layout.py ``weight_scope``: node-local ZeRO-3 weight shards
 
     @classmethod
-    def of(cls, numbers: MemoryNumbers, settings: ExecutionSettings) -> ZeroSharded:
-        return cls(numbers, settings.zero_stage, settings.sequence_parallel, settings.tp_sharded_grads)
+    def of(cls, numbers: MemoryNumbers, settings: ExecutionSettings, gpus_per_node: int = 0) -> ZeroSharded:
+        """``gpus_per_node``: the plan's, where ``settings.node_local_weights`` confines the weights' shards."""
+        scope = weight_scope(settings.node_local_weights, gpus_per_node) if gpus_per_node else None
+        if settings.node_local_weights and scope is None:
+            raise ValueError("node-local weight shards: the plan's gpus_per_node is needed")
+        return cls(numbers, settings.zero_stage, settings.sequence_parallel, settings.tp_sharded_grads, scope)
 
     @property
     def grad_bytes(self) -> int:
@@ -155,9 +169,9 @@ class ZeroSharded:
     def is_frozen_unit(self, unit: str) -> bool:
         return is_frozen_unit(self.numbers, unit)
 
-    def param_state_bytes(self, unit: str, tp: int, dp: int = 1) -> float:
+    def param_state_bytes(self, unit: str, tp: int, dp: int = 1, weight_dp: int | None = None) -> float:
         return zero_sharded_bytes(float(self.numbers.param_state_bytes(unit, tp)), self.zero_stage, dp, tp,
-                                  self.tp_sharded, self.is_frozen_unit(unit), self.grad_bytes)
+                                  self.tp_sharded, self.is_frozen_unit(unit), self.grad_bytes, weight_dp)
 
     def activation_bytes(self, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> float:
         return self.numbers.activation_bytes(metaop, tp, dp, num_layers)
@@ -185,10 +199,18 @@ class SliceMemory(NamedTuple):
     transient: float = 0.0  # bytes beyond those its backward needs at once (a layer being recomputed)
 
 
-def gathered_weight_bytes(numbers: ShardedNumbers, metaop: MetaOp, tp: int, dp: int, num_layers: int) -> float:
-    """Bytes of gathered full weights a device of a slice holds while it runs: at ZeRO-3 with several DP ranks,
-    ``GATHERED_LAYERS`` of its layers' (one layer's, for a one-layer slice); 0 otherwise."""
-    if getattr(numbers, "zero_stage", 0) != 3 or dp == 1 or not metaop.params:
+def slice_weight_dp(numbers: ShardedNumbers, s: SliceGeometry) -> int:
+    """The devices slice ``s`` shards its weights over at ZeRO-3 under ``numbers`` (their ``weight_scope``:
+    node-local shards; plan/layout.py ``weight_shard_degree``): its DP degree without a scope."""
+    return weight_shard_degree(s, getattr(numbers, "weight_scope", None))
+
+
+def gathered_weight_bytes(numbers: ShardedNumbers, metaop: MetaOp, tp: int, dp: int, num_layers: int,
+                          weight_dp: int | None = None) -> float:
+    """Bytes of gathered full weights a device of a slice holds while it runs: at ZeRO-3 with its weights
+    sharded over several devices (``weight_dp``, default ``dp``: ``slice_weight_dp``), ``GATHERED_LAYERS`` of
+    its layers' (one layer's, for a one-layer slice); 0 otherwise."""
+    if getattr(numbers, "zero_stage", 0) != 3 or (weight_dp or dp) == 1 or not metaop.params:
         return 0.0
     layer = sum(float(numbers.param_state_bytes(u, tp, 1)) for u in metaop.params[0])  # dp 1: unsharded
     whole = state_bytes_per_param(grad_bytes_of(numbers))
@@ -196,10 +218,10 @@ def gathered_weight_bytes(numbers: ShardedNumbers, metaop: MetaOp, tp: int, dp: 
 
 
 def activation_memory(numbers: ShardedNumbers, metaop: MetaOp, tp: int, dp: int, num_layers: int,
-                      recompute: Recompute | None = None) -> tuple[float, float]:
+                      recompute: Recompute | None = None, weight_dp: int | None = None) -> tuple[float, float]:
     """(held, transient) bytes of ``num_layers`` operators of the MetaOp under ``recompute`` (None: the numbers'
     own default); the transient includes ZeRO-3's gathered weights (``gathered_weight_bytes``)."""
-    gathered = gathered_weight_bytes(numbers, metaop, tp, dp, num_layers)
+    gathered = gathered_weight_bytes(numbers, metaop, tp, dp, num_layers, weight_dp)
     memory = getattr(numbers, "activation_memory", None)
     if memory is None:
         return float(numbers.activation_bytes(metaop, tp, dp, num_layers)), gathered
@@ -209,9 +231,12 @@ def activation_memory(numbers: ShardedNumbers, metaop: MetaOp, tp: int, dp: int,
 
 def slice_memory(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers, recompute: Recompute | None = None,
                  micro_batches: int = 1) -> SliceMemory:
-    units = {u: float(numbers.param_state_bytes(u, s.tp, s.dp)) for u in held_units(metaop, s.layer_start, s.layer_end)}
+    weight_dp = slice_weight_dp(numbers, s)
+    shards = {} if weight_dp == s.dp else {"weight_dp": weight_dp}  # node-local ZeRO-3 weight shards
+    units = {u: float(numbers.param_state_bytes(u, s.tp, s.dp, **shards))
+             for u in held_units(metaop, s.layer_start, s.layer_end)}
     held, transient = activation_memory(numbers, micro_batch_metaop(metaop, micro_batches), s.tp, s.dp,
-                                        s.layer_end - s.layer_start, recompute)
+                                        s.layer_end - s.layer_start, recompute, weight_dp)
     return SliceMemory(units, held, transient)
 
 
@@ -431,7 +456,7 @@ def plan_breakdown(plan: Plan, metaops: Mapping[str, MetaOp], numbers: MemoryNum
     recomputation per slice, micro-batches)."""
     settings = plan.settings
     waves = [w.slices for w in plan.waves]
-    return memory_breakdown(waves, metaops, ZeroSharded.of(numbers, settings),
+    return memory_breakdown(waves, metaops, ZeroSharded.of(numbers, settings, plan.gpus_per_node),
                             plan.num_devices,
                             slice_order([[s.task for s in w] for w in waves], settings),
                             lambda wi, si: settings.recompute_of(waves[wi][si].id), settings.micro_batches,
@@ -447,7 +472,8 @@ def memory_options(plan: Plan) -> str:
     """A plan's memory options in words: 'zero1+recompute' (full recomputation of every layer), 'zero0',
     'zero1+mb2+recompute[full (3 layers) x2, selective x1]+early-backward', ..."""
     st = plan.settings
-    parts = [f"zero{st.zero_stage}"] + ([f"mb{st.micro_batches}"] if st.micro_batches > 1 else [])
+    parts = [f"zero{st.zero_stage}" + ("-hpz" if st.node_local_weights else "")] + (
+        [f"mb{st.micro_batches}"] if st.micro_batches > 1 else [])
     layers = [s for s in plan.slices() if s.kind == "layer"]
     counts: dict[str, int] = {}
     for s in layers:

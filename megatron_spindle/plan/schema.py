@@ -253,6 +253,10 @@ class ExecutionSettings:
     - ``ddp_bucket_size``: elements per gradient bucket (Megatron-LM's ``--ddp-bucket-size``); None:
       megatron-core's default for the parameter device group's size (plan/buckets.py ``bucket_limit``).
       Without the key: None, as those plans were run.
+    - ``node_local_weights`` (ZeRO-3 only): a slice shards its weights over its data-parallel ranks on each
+      node, not over all of them (ZeRO++'s hierarchical partitioning, hpZ), so that a layer's gathers stay inside
+      the node, at the price of a larger weight shard; masters, moments and gradients are sharded as before
+      (plan/layout.py ``weight_shard_group``). Without the key: False.
     """
 
     recompute: Recompute = Recompute()
@@ -272,6 +276,7 @@ class ExecutionSettings:
     attention_dropout: float = 0.0
     overlap_grad_reduce: bool = True
     ddp_bucket_size: int | None = None
+    node_local_weights: bool = False
 
     def __post_init__(self):
         if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
@@ -279,9 +284,11 @@ class ExecutionSettings:
         if not _is_count(self.micro_batches) or self.micro_batches < 1:
             raise PlanError(f"micro_batches must be a positive integer, got {self.micro_batches!r}")
         for name in ("overlap_param_gather", "sequence_parallel", "tp_sharded_grads", "grad_norm",
-                     "overlap_grad_reduce"):
+                     "overlap_grad_reduce", "node_local_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.node_local_weights and self.zero_stage != 3:
+            raise PlanError(f"node_local_weights shards the weights of ZeRO stage 3, not {self.zero_stage}")
         if self.ddp_bucket_size is not None and (not _is_count(self.ddp_bucket_size) or self.ddp_bucket_size < 1):
             raise PlanError(f"ddp_bucket_size must be a positive integer or null, got {self.ddp_bucket_size!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -336,6 +343,7 @@ class ExecutionSettings:
             "attention_dropout": self.attention_dropout,
             "overlap_grad_reduce": self.overlap_grad_reduce,
             "ddp_bucket_size": self.ddp_bucket_size,
+            "node_local_weights": self.node_local_weights,
         }
 
     @classmethod
@@ -534,6 +542,14 @@ class Plan:
     def gpus_per_node(self) -> int:
         """Devices per island: device d lives on island d // gpus_per_node."""
         return int(self.cluster["gpus_per_node"])
+
+    @property
+    def weight_scope(self) -> int | None:
+        """ZeRO-3's weight shards confined to a node of this many devices (``settings.node_local_weights``), or
+        None (plan/layout.py ``weight_scope``)."""
+        from megatron_spindle.plan.layout import weight_scope
+
+        return weight_scope(self.settings.node_local_weights, self.gpus_per_node)
 
     @property
     def iteration_time(self) -> float:

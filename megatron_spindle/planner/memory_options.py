@@ -36,6 +36,7 @@ from megatron_spindle.plan.memory import (
     completion_steps,
     device_step_cast_bytes,
     memory_breakdown,
+    slice_weight_dp,
     staged_gradients,
 )
 from megatron_spindle.plan.order import FWD, SliceStep
@@ -95,7 +96,7 @@ def slice_options(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers, cos
 
 def _option(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers, cost_model, rc: Recompute) -> Option:
     layers = s.layer_end - s.layer_start
-    held, transient = activation_memory(numbers, metaop, s.tp, s.dp, layers, rc)
+    held, transient = activation_memory(numbers, metaop, s.tp, s.dp, layers, rc, slice_weight_dp(numbers, s))
     seconds = cost_model.recompute_seconds(metaop, s.tp, s.dp, rc, layers) if rc.mode != "none" else 0.0
     return Option(rc, seconds, held, transient)
 
@@ -199,7 +200,8 @@ def choose_recompute(waves: Sequence[Sequence[SliceGeometry]], metaops: Mapping[
     for wi, slices in enumerate(waves):
         for si, s in enumerate(slices):
             m = metaops[s.metaop]
-            shape = (s.metaop, m.input_shape, s.tp, s.dp, s.layer_end - s.layer_start, stage)
+            shape = (s.metaop, m.input_shape, s.tp, s.dp, s.layer_end - s.layer_start, stage,
+                     slice_weight_dp(numbers, s))
             if shape not in alike:
                 alike[shape] = slice_options(m, s, numbers, cost_model, policy)
             ladders[(wi, si)] = alike[shape]

@@ -286,7 +286,7 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
     round_end.append(bwd_span)
     op = "all_reduce" if settings.zero_stage == 0 else "reduce_scatter"
     regathered = regathered_groups(waves, metaops, [(g.devices, g.params) for g in plan.param_groups],
-                                   settings.zero_stage)
+                                   settings.zero_stage, plan.weight_scope)
     shards = group_rings(waves, metaops, [(g.devices, g.params) for g in plan.param_groups], settings)
     rings = [(g, r.degree, r.share, GroupPlacement.of_devices(r.devices, cluster), again)
              for g, r, again in zip(plan.param_groups, shards, regathered)]
@@ -316,7 +316,7 @@ def _sync_seconds(plan: Plan, metaops, cluster: ClusterSpec, cost_model, comm: C
             if again:  # its updated weights gathered after the step
                 needed = min(unit_times.first_use.get(u, 0.0) for u in units) if overlapped else 0.0
                 weight_op, moved = regather_collective(settings.zero_stage, holders, units, tp, share,
-                                                       cost_model.param_count)
+                                                       cost_model.param_count, plan.weight_scope)
                 gathered = comm.collective_seconds(weight_op, moved * WEIGHT_BYTES_PER_PARAM, ring, sharing)
                 for d in g.devices:
                     gathers.setdefault(d, []).append((needed, gathered))

@@ -119,7 +119,9 @@ class PlannerConfig:
         "Shard each unit's optimizer state over the data-parallel ranks that run it (ZeRO-1, like "
         "--use-distributed-optimizer): on; off: never; auto switches it on only when memory requires it, and "
         "shards the gradients too (ZeRO-2), or the gradients and the weights (ZeRO-3, each layer gathered over "
-        "its slice's data-parallel ranks around its use), where ZeRO-1 needs recomputation or binds placement.",
+        "its slice's data-parallel ranks around its use; on several nodes plan selection also times the weights "
+        "sharded over a slice's ranks on each node, ZeRO++'s hpZ, so that the gathers stay inside it), where "
+        "ZeRO-1 needs recomputation or binds placement.",
         choices=DISTRIBUTED_OPTIMIZER))
     sync_aware: str = field(default="auto", metadata=flag(
         "Scaling curves whose configurations carry the gradient sync they cannot hide behind their backward "

@@ -237,7 +237,8 @@ class RuntimeEngine:
         # ZeRO-3: each slice keeps its DP shard of its weights, a layer gathered around its use (weight_shards.py)
         self.weight_shards, self._regathered = None, set()
         if self.zero_stage == 3:
-            again = regathered_groups([w.slices for w in plan.waves], self.metagraph.metaops, plan_groups, 3)
+            again = regathered_groups([w.slices for w in plan.waves], self.metagraph.metaops, plan_groups, 3,
+                                      plan.weight_scope)
             self._regathered = {u for (_, units), a in zip(plan_groups, again) if a for u in units}
             aligned = {u for (d, units), a in zip(plan_groups, again) if not a and len(d) > 1 for u in units}
             self.weight_shards = WeightShards(self.local, self.groups, self.key_unit, aligned, opt.masters,

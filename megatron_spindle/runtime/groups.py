@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_spindle.plan.layout import weight_shard_group
 from megatron_spindle.plan.schema import Plan, Slice
 from megatron_spindle.runtime.distributed import group_timeout
 
@@ -95,8 +96,9 @@ class PlanGroups:
     ``slice_pgs(slice_id)`` -> megatron-core ``ProcessGroupCollection`` with ``tp``, ``dp``, ``cp`` and ``pp``
     for this rank's position in that slice (``cp``/``pp`` are this rank alone: Spindle uses neither);
     ``param_group(devices)`` -> the group of one parameter device group (sorted devices);
-    ``weight_group(slice_id)`` -> at ZeRO-3, a group of this rank's DP ranks in that slice for the weights'
-    all-gathers alone (runtime/weight_shards.py): they run inside the slice's forward and backward, while the
+    ``weight_group(slice_id)`` -> at ZeRO-3, a group of this rank's DP ranks in that slice (with node-local
+    weight shards, those on its node: ``weight_group_devices``) for the weights' all-gathers alone
+    (runtime/weight_shards.py): they run inside the slice's forward and backward, while the
     gradient buckets of a parameter group on the same devices are issued wherever each rank completes them.
     """
 
@@ -124,8 +126,10 @@ class PlanGroups:
         for devices in self.extra:
             self.cache.get(tuple(sorted(devices)))
         if self.plan.settings.zero_stage == 3:
+            scope = self.plan.weight_scope
             for s in self.plan.slices():
-                for devs in all_dp_groups(s):
+                for d in s.devices:
+                    devs = weight_shard_group(s.devices, s.tp, d, scope)
                     if len(devs) > 1:
                         self.cache.get(devs, WEIGHT_GATHERS)
         me = singletons[self.rank]
@@ -142,6 +146,11 @@ class PlanGroups:
     def param_group(self, devices) -> object:
         return self.cache.get(tuple(sorted(devices)))
 
+    def weight_group_devices(self, slice_id: str) -> tuple[int, ...]:
+        """At ZeRO-3, the devices this rank shards slice ``slice_id``'s weights over and gathers its layers from
+        (plan/layout.py ``weight_shard_group``: its DP ranks, or those on its node), in group-rank order."""
+        s = self.plan.slice(slice_id)
+        return weight_shard_group(s.devices, s.tp, self.rank, self.plan.weight_scope)
+
     def weight_group(self, slice_id: str) -> object:
-        s = next(x for x in self.plan.slices() if x.id == slice_id)
-        return self.cache.get(dp_group_devices(s, self.rank), WEIGHT_GATHERS)
+        return self.cache.get(self.weight_group_devices(slice_id), WEIGHT_GATHERS)

@@ -4,7 +4,9 @@ The plan's rule (plan/memory.py ``zero_state_bytes_per_param``, estimator/slice_
 weights live sharded over its data-parallel ranks (each TP rank's part over the ranks that share its TP rank),
 and a layer's weights are all-gathered over the slice's DP group before the layer's forward, and again before
 its backward, as DeepSpeed ZeRO-3 and PyTorch FSDP do. Masters, moments and gradients are sharded as at stage 2
-(over the parameter device group: optimizer.py, grad_shards.py).
+(over the parameter device group: optimizer.py, grad_shards.py). With ``settings.node_local_weights`` (ZeRO++'s
+hierarchical partitioning) the weights are sharded, and a layer gathered, over the slice's DP ranks on this
+rank's node only (groups.py ``weight_group_devices``, plan/layout.py ``weight_shard_group``).
 
 After the optimizer step (plan/buckets.py ``regathered_groups``, the rule the cost model charges): a unit whose
 every slice runs with TP 1 on exactly its group's devices keeps its weights flattened as its master is (keys
@@ -166,7 +168,8 @@ def _unit_params(ls: LocalSlice, modules: dict[str, torch.nn.Module], key_unit: 
 
 
 class WeightShards:
-    """The gather units of every local slice with more than one DP rank (one DP rank: nothing to shard).
+    """The gather units of every local slice with more than one DP rank in its weight shard group (groups.py
+    ``weight_group_devices``; one: nothing to shard).
     ``aligned``: the units whose weight shards are their master shards (plan/buckets.py ``regathered_groups``).
     ``peak_gathered`` is the most bytes of weights gathered at once on this rank (for tests)."""
 
@@ -179,9 +182,10 @@ class WeightShards:
         self._next: dict[int, GatherUnit] = {}
         self._previous: dict[int, GatherUnit] = {}
         for sid, ls in local.items():
-            if ls.slice.dp == 1 or ls.frozen_keys:  # frozen weights stay whole in the operator (runtime/frozen.py)
+            members = len(groups.weight_group_devices(sid))  # its DP ranks (with node-local shards: on this node)
+            if members == 1 or ls.frozen_keys:  # frozen weights stay whole in the operator (runtime/frozen.py)
                 continue
-            group = groups.weight_group(sid)  # the slice's DP ranks, a group for these gathers alone
+            group = groups.weight_group(sid)  # a group for these gathers alone
             index = dist.get_rank(group)
             modules = ls.op.unit_modules() if hasattr(ls.op, "unit_modules") else {}
             by_unit = _unit_params(ls, modules, key_unit, device)
@@ -190,11 +194,11 @@ class WeightShards:
                 if mixed:
                     raise RuntimeError(f"ZeRO-3: slice '{sid}' cannot tell its units' parameters apart, but the "
                                        f"plan keeps {mixed} sharded as their masters are")
-                units = [GatherUnit(sid, list(ls.op.parameters()), group, ls.slice.dp, index)]
+                units = [GatherUnit(sid, list(ls.op.parameters()), group, members, index)]
                 hooked = [(ls.op, units[0])]
                 self.whole.add(sid)
             else:
-                units = [GatherUnit(u, [p for _, p in kps], group, ls.slice.dp, index,
+                units = [GatherUnit(u, [p for _, p in kps], group, members, index,
                                     unit=u if u in aligned else None, keys=[k for k, _ in kps])
                          for u, kps in by_unit.items() if kps]
                 hooked = [(modules.get(g.name, ls.op), g) for g in units]

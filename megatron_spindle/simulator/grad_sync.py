@@ -121,7 +121,7 @@ def plan_buckets(plan: Plan, metaops: Mapping[str, MetaOp], param_count, groups:
             weight = {}  # only the gathering groups' buckets move weights after the step
             if gi in gathering:
                 weight_op, moved = regather_collective(plan.settings.zero_stage, holders, units, g.tp, g.share,
-                                                       param_count)
+                                                       param_count, plan.weight_scope)
                 weight = {"weight_op": weight_op, "weight_bytes": moved * WEIGHT_BYTES_PER_PARAM}
             out.append(BucketSync(gi, g.devices, index, tuple(units), params, completion[units[-1]], op, nbytes,
                                   g.ring, g.tp, **weight))
@@ -143,7 +143,8 @@ def param_gathers(plan: Plan, groups: list[GroupInfo], metaops: Mapping[str, Met
     ``regathered_groups``: ZeRO 1 and 2, and 3 where the weights' shards are not the masters'), bucket by bucket
     (``BucketSync.weight_op`` and ``weight_bytes``: ZeRO-3 redistributes them)."""
     regathered = regathered_groups([w.slices for w in plan.waves], metaops,
-                                   [(g.devices, g.units) for g in groups], plan.settings.zero_stage)
+                                   [(g.devices, g.units) for g in groups], plan.settings.zero_stage,
+                                   plan.weight_scope)
     return [gi for gi, g in enumerate(groups) if regathered[gi] and g.ranks > 1 and g.units]
 
 

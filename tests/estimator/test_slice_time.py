@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from megatron_spindle.baselines import BASELINES, BaselineContext
-from megatron_spindle.estimator.comm_model import CommModel
+from megatron_spindle.estimator.comm_model import CommModel, GroupPlacement
 from megatron_spindle.estimator.slice_time import layer_gather_seconds, prefetched_phase_seconds
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.workload import load_workload
@@ -64,3 +64,20 @@ def test_zero3_gathers_are_charged_alike_by_simulator_and_planner(zero3_plan):
     est = estimate_iteration(plans[3], ctx.metagraph, c, ctx.cost_model)
     simulated = simulate(plans[3], w, c, ctx.cost_model, ctx.memory_model, metagraph=ctx.metagraph).iteration_time
     assert est.total == pytest.approx(simulated, rel=0.05)
+
+
+def test_node_local_weight_shards_gather_a_layer_inside_the_node():
+    """A TP-2 slice on two 8-GPU nodes: its layer gathers cross the nodes (each TP rank's 8 DP ranks, 4 per node,
+    two rings sharing the network); with node-local weight shards they run over the 4 ranks on one node."""
+    w, c = load_workload("clip-4"), make_cluster(16)
+    ctx = BaselineContext.build(w, c)
+    comm = CommModel(c)
+    metaop = next(m for m in ctx.metagraph.metaops.values() if m.kind == "layer" and m.params)
+    s = dataclasses.replace(next(iter(BASELINES["deepspeed"](w, c, ctx).slices())), devices=list(range(16)), tp=2,
+                            dp=8)
+    layer = sum(ctx.cost_model.param_count(p) for p in metaop.params[0]) * 2 / 2  # bf16, a TP shard
+    across = layer_gather_seconds(ctx.cost_model, comm, metaop, s)
+    inside = layer_gather_seconds(ctx.cost_model, comm, metaop, s, node_local=True)
+    assert across == pytest.approx(comm.all_gather(layer, GroupPlacement((4, 4)), 2))
+    assert inside == pytest.approx(comm.all_gather(layer, GroupPlacement((4,))))
+    assert 0 < inside < across

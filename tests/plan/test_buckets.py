@@ -19,7 +19,7 @@ from megatron_spindle.plan.buckets import (
     unit_holders,
     weights_wanted_at,
 )
-from megatron_spindle.plan.layout import slice_units
+from megatron_spindle.plan.layout import slice_units, weight_shard_group
 from megatron_spindle.plan.schema import ExecutionSettings
 
 
@@ -106,6 +106,28 @@ def test_zero3_redistribution_receives_what_each_member_keeps():
     # member's part, ZeRO 1 and 2 an all-gather of the bucket's TP shard
     assert regather_collective(3, holders, ["a", "b"], 1, 1.0, count) == ("all_to_all", 900)
     assert regather_collective(1, holders, ["a", "b"], 1, 0.5, count) == ("all_gather", pytest.approx(900))
+    # two slices with the same chunks on a device need them once
+    same = {"a": [s([0, 1, 2, 3]), s([0, 1, 2, 3])]}
+    assert redistributed_params(same, ["a"], 1, count) == {d: 300 for d in range(4)}
+
+
+def test_node_local_weight_shards():
+    """ZeRO-3 with the weights sharded over a slice's DP ranks on each node (``scope`` 2: nodes {0, 1}, {2, 3},
+    ...): a device keeps half of a unit held on four devices, so the group is redistributed even where the slice
+    runs at TP 1 on exactly its group's devices (plan/layout.py ``weight_shard_group``)."""
+    assert weight_shard_group([0, 1, 2, 3, 4, 5, 6, 7], 2, 5, None) == (1, 3, 5, 7)  # TP rank 1's DP group
+    assert weight_shard_group([0, 1, 2, 3, 4, 5, 6, 7], 2, 5, 4) == (5, 7)  # ... on device 5's node
+    assert weight_shard_group([4, 0, 5, 1], 1, 5, 4) == (4, 5)  # in the slice's order
+    s = lambda devices, tp=1: SimpleNamespace(devices=devices, tp=tp, dp=len(devices) // tp)  # noqa: E731
+    count = {"a": 1200}.__getitem__
+    assert redistributed_params({"a": [s([0, 1, 2, 3])]}, ["a"], 1, count, scope=2) == {d: 600 for d in range(4)}
+    assert regather_collective(3, {"a": [s([0, 1, 2, 3])]}, ["a"], 1, 1.0, count, 2) == ("all_to_all", 600)
+    g = build_metagraph(load_workload("tiny-vlm"))
+    vision = next(m for m in g.metaops.values() if m.kind == "layer" and m.module == "vision")
+    waves = [[_layer_slice(g.metaops, vision.id, [0, 1, 2, 3])]]
+    units = slice_units(vision, 0, vision.num_layers)
+    assert [regathered_groups(waves, g.metaops, [((0, 1, 2, 3), units)], 3, scope)
+            for scope in (None, 2, 4)] == [[False], [True], [False]]
 
 
 def test_zero3_redistribution_of_a_plan_is_a_dp_fraction_of_the_all_gather():

@@ -11,7 +11,7 @@ from megatron_spindle.estimator import AnalyticCostModel, CostModelConfig, Memor
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import MetaOp, build_metagraph
 from megatron_spindle.graph.workload import load_workload
-from megatron_spindle.plan.layout import device_programs
+from megatron_spindle.plan.layout import device_programs, weight_shard_degree
 from megatron_spindle.plan.memory import (
     STATE_BYTES_PER_PARAM,
     WEIGHT_BYTES_PER_PARAM,
@@ -97,6 +97,26 @@ def test_zero_shards_the_state_over_the_slice_s_data_parallel_ranks():
         assert held == pytest.approx(2 * 1000 * per_param / STATE_BYTES_PER_PARAM)
     one = peak_memory([[S("c", [0])]], METAOPS, ZeroSharded(Numbers(), 3), 1)[0]
     assert one == pytest.approx(2 * 1000 + 10 * 2 * 4)
+
+
+def test_node_local_weight_shards_divide_the_weights_by_the_slice_s_ranks_on_a_node():
+    """ZeRO-3 with node-local weight shards (hpZ): masters, moments and gradients over the 4 DP ranks, the bf16
+    weights over the 2 of them on each 2-device node: 2 / 2 + 16 / 4 bytes per parameter; with 4 per node, as
+    ZeRO-3. The weight shard degree is the slice's smallest node group."""
+    assert zero_state_bytes_per_param(3, 4, weight_dp=2) == pytest.approx(2 / 2 + 16 / 4)
+    assert zero_state_bytes_per_param(3, 4, weight_dp=4) == zero_state_bytes_per_param(3, 4)
+    waves = [[S("c", [0, 1, 2, 3])]]
+    settings = ExecutionSettings(zero_stage=3, node_local_weights=True)
+    for per_node, weight_dp in ((2, 2), (4, 4), (1, 1)):
+        numbers = ZeroSharded.of(Numbers(), settings, per_node)
+        assert numbers.weight_scope == per_node
+        gathered = 2 * 1000 * WEIGHT_BYTES_PER_PARAM / STATE_BYTES_PER_PARAM if weight_dp > 1 else 0.0
+        held = peak_memory(waves, METAOPS, numbers, 4)[0] - 10 * 2 * 4 / 4 - gathered
+        per_param = zero_state_bytes_per_param(3, 4, weight_dp=weight_dp)
+        assert held == pytest.approx(2 * 1000 * per_param / STATE_BYTES_PER_PARAM), per_node
+    assert weight_shard_degree(S("c", [0, 1, 2, 3, 4, 5]), 4) == 2  # nodes {0-3} and {4, 5}: the smaller
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        ZeroSharded.of(Numbers(), settings)
 
 
 def test_the_estimator_s_distributed_optimizer_is_the_same_rule_exactly():

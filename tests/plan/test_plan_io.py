@@ -59,6 +59,10 @@ def test_version_2_round_trip_keeps_every_setting(tmp_path, baseline):
     odd.save(tmp_path / "plan.json")
     assert json.loads((tmp_path / "plan.json").read_text())["schema_version"] == 2
     assert Plan.load(tmp_path / "plan.json") == odd
+    hpz = dataclasses.replace(odd, settings=dataclasses.replace(odd.settings, zero_stage=3, node_local_weights=True))
+    hpz.save(tmp_path / "hpz.json")
+    assert Plan.load(tmp_path / "hpz.json") == hpz and hpz.weight_scope == hpz.gpus_per_node
+    assert odd.weight_scope is None
 
 
 def test_version_1_file_converts_to_the_typed_settings_and_today_s_routing(tmp_path, baseline):
@@ -110,6 +114,8 @@ def test_settings_reject_values_they_cannot_mean():
         ExecutionSettings(micro_batches=0)
     with pytest.raises(PlanError, match="grad_reduce_dtype"):
         ExecutionSettings(grad_reduce_dtype="fp8")
+    with pytest.raises(PlanError, match="node_local_weights shards the weights of ZeRO stage 3, not 2"):
+        ExecutionSettings(zero_stage=2, node_local_weights=True)
     with pytest.raises(PlanError, match="recompute mode 'some'"):
         Recompute("some")
     with pytest.raises(PlanError, match="only 'full' takes a count"):

@@ -1030,9 +1030,14 @@ def check_tp_sharded_grads(rank, world, workloads, refs, cfg, cache) -> None:
 
 def zero3_cases(world: int):
     """ZeRO-3 only: every MetaOp on all devices at TP 1 (DeepSpeed's layout), where each unit's weight shard is
-    its master shard (plan/buckets.py regathered_groups), with the stand-ins and the real operators."""
+    its master shard (plan/buckets.py regathered_groups), with the stand-ins and the real operators; and the same
+    with the weights sharded over each node's devices (``node_local_weights``, nodes of half the world), where
+    they are redistributed after the step (on 2 ranks a node's one device keeps the weights whole)."""
     seq = lambda w: sequential_plan(w, world)  # noqa: E731
-    return [("standin", "sequential", "tiny-vlm", seq), ("real", "sequential", "tiny-clip", seq)]
+    hpz = lambda w: with_settings(sequential_plan(w, world, gpus_per_node=max(1, world // 2)),  # noqa: E731
+                                  zero_stage=3, node_local_weights=True)
+    return [("standin", "sequential", "tiny-vlm", seq), ("real", "sequential", "tiny-clip", seq),
+            ("standin", "sequential-hpz", "tiny-vlm", hpz), ("real", "sequential-hpz", "tiny-clip", hpz)]
 
 
 def check_weight_shards(engine, label: str, one_at_a_time: bool) -> set[bool]:
@@ -1043,15 +1048,15 @@ def check_weight_shards(engine, label: str, one_at_a_time: bool) -> set[bool]:
     a stand-in operator's, which has no modules of its own) and the next one's, prefetched. Returns the kinds seen
     (True: an aligned unit, False: one regathered after the step)."""
     ws, plan = engine.weight_shards, engine.plan
-    assert set(ws.units) == {sid for sid, ls in engine.local.items() if ls.slice.dp > 1}, label
+    members = {sid: len(engine.groups.weight_group_devices(sid)) for sid in engine.local}  # its DP ranks or node's
+    assert set(ws.units) == {sid for sid, ls in engine.local.items() if members[sid] > 1}, label
     rule = regathered_groups([w.slices for w in plan.waves], engine.metagraph.metaops,
-                             [(g.devices, g.params) for g in plan.param_groups], 3)
+                             [(g.devices, g.params) for g in plan.param_groups], 3, plan.weight_scope)
     aligned = {u for g, again in zip(plan.param_groups, rule) if not again for u in g.params}
     kinds = set()
     for sid, units in ws.units.items():
-        dp = engine.local[sid].slice.dp
         for u in units:
-            assert not u.gathered and u.shard.numel() == math.ceil(u.numel / dp), (label, u.name)
+            assert not u.gathered and u.shard.numel() == math.ceil(u.numel / members[sid]), (label, u.name)
             assert all(p.untyped_storage().nbytes() == 0 for p in u.params), (label, u.name)
             assert u.gathers > 0, (label, u.name, "never gathered")
             if u is not units[0]:  # issued by the unit before it, beside that one's forward
@@ -1110,7 +1115,7 @@ def check_redistribution(engine, label: str) -> None:
     held = [s for b in rd.buckets for u in b.units for s in holders.get(u, ())]
     if engine.weight_shards.whole or any(s.tp != 1 for s in held):  # a stand-in gathered whole is loaded whole
         return
-    rule = sum(redistributed_params(holders, b.units, 1, lambda u: shards[u].numel).get(rank, 0.0)
+    rule = sum(redistributed_params(holders, b.units, 1, lambda u: shards[u].numel, plan.weight_scope).get(rank, 0.0)
                for b in rd.buckets)  # (a one-device group's weights are its masters, loaded as they are)
     rounding = sum(s.dp for s in held if rank in s.devices)  # a chunk is ceil(p / dp) elements, the last shorter
     assert abs(needed - rule) <= rounding, (label, needed, rule)
