@@ -960,7 +960,7 @@ def tp_sharded_cases(world: int):
     seq_par = lambda w: with_settings(two(w), sequence_parallel=True)  # noqa: E731
     if world == 2:
         return [("tp2", "tiny-vlm", two, 0, False), ("turns", "tiny-vlm", turns, 1, True),
-                ("sequence-parallel", "tiny-vlm", seq_par, 2, False), ("turns", "tiny-vlm", turns, 3, False)]
+                ("sequence-parallel", "tiny-vlm", seq_par, 2, False), ("turns", "tiny-vlm", turns, 3, True)]
     return [("mixed", "tiny-clip", mixed, 0, False), ("turns", "tiny-vlm", turns, 2, True),
             ("mixed", "tiny-clip", mixed, 3, False)]
 
