@@ -33,12 +33,18 @@ def weight_scope(node_local_weights: bool, gpus_per_node: int) -> int | None:
     return gpus_per_node if node_local_weights else None
 
 
+def dp_group(devices: Sequence[int], tp: int, device: int) -> tuple[int, ...]:
+    """The data-parallel group of ``device`` in a slice on ``devices`` at ``tp``: the devices of its TP rank,
+    ``devices[r % tp::tp]``, in DP rank order (plan/schema.py's layout)."""
+    r = list(devices).index(device)
+    return tuple(devices[r % tp::tp])
+
+
 def weight_shard_group(devices: Sequence[int], tp: int, device: int, scope: int | None) -> tuple[int, ...]:
     """ZeRO-3: the devices over which ``device``, in a slice on ``devices`` at ``tp``, shards that slice's weights
-    and gathers a layer of them: its data-parallel group (``devices[r % tp::tp]``, the TP rank's), and with a
-    ``scope`` (``weight_scope``) only the group's members on ``device``'s node."""
-    r = list(devices).index(device)
-    group = tuple(devices[r % tp::tp])
+    and gathers a layer of them: its data-parallel group (``dp_group``), and with a ``scope`` (``weight_scope``)
+    only the group's members on ``device``'s node."""
+    group = dp_group(devices, tp, device)
     if scope is None:
         return group
     return tuple(d for d in group if d // scope == device // scope)

@@ -266,7 +266,9 @@ class RuntimeEngine:
         # ZeRO-3: the regathered weights redistributed after the step, not all-gathered (weight_redistribution.py)
         self._redistribution = self._weight_redistribution(gathered) if self.weight_shards is not None else None
         self._defer_redistribution = self.weight_shards is not None and overlaps_param_gather(settings)
-        self._slice_runtime_units = {sid: {self.key_unit[k] for k in ls.param_keys} for sid, ls in self.local.items()}
+        # the runtime units whose buckets each local slice's forward waits for (only where they are deferred)
+        self._slice_runtime_units = {sid: {self.key_unit[k] for k in ls.param_keys}
+                                     for sid, ls in self.local.items()} if self._defer_redistribution else {}
         self._waiting: dict[tuple[str, str | None], dict[str, torch.Tensor]] = {}  # parts' tensors landed so far
         self.grad_sync = GradSync(self.grad_buffers, self.local, self.binding, self.key_unit, self.groups,
                                   overlap=settings.overlap_grad_reduce, micro_batches=settings.micro_batches,

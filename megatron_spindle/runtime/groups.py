@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_spindle.plan.layout import weight_shard_group
+from megatron_spindle.plan.layout import dp_group, weight_shard_group
 from megatron_spindle.plan.schema import Plan, Slice
 from megatron_spindle.runtime.distributed import group_timeout
 
@@ -37,8 +37,7 @@ def tp_group_devices(s: Slice, device: int) -> tuple[int, ...]:
 
 def dp_group_devices(s: Slice, device: int) -> tuple[int, ...]:
     """Devices of the DP group of ``device`` inside slice ``s`` (plan order = DP rank order)."""
-    r = s.devices.index(device)
-    return tuple(s.devices[r % s.tp::s.tp])
+    return dp_group(s.devices, s.tp, device)
 
 
 def all_tp_groups(s: Slice) -> list[tuple[int, ...]]:
