@@ -109,7 +109,13 @@ from megatron_spindle.runtime.layout import batch_needs, check_runnable
 from megatron_spindle.runtime.optimizer import MasterOptimizer, OptimizerConfig
 from megatron_spindle.runtime.param_gather import ParamGather, gather_buckets, streamed_gathers
 from megatron_spindle.runtime.schedule import WaveSchedule
-from megatron_spindle.runtime.slices import build_local_slices, in_wave_order, initial_weights, unit_holders
+from megatron_spindle.runtime.slices import (
+    build_local_slices,
+    in_wave_order,
+    initial_weights,
+    local_slice_units,
+    unit_holders,
+)
 from megatron_spindle.runtime.tp_shards import KeyLayout
 from megatron_spindle.runtime.transfer import SpecFn, default_activation_spec, receives_early
 from megatron_spindle.runtime.weight_redistribution import WeightRedistribution, gather_unit_segments, merged
@@ -267,8 +273,7 @@ class RuntimeEngine:
         self._redistribution = self._weight_redistribution(gathered) if self.weight_shards is not None else None
         self._defer_redistribution = self.weight_shards is not None and overlaps_param_gather(settings)
         # the runtime units whose buckets each local slice's forward waits for (only where they are deferred)
-        self._slice_runtime_units = {sid: {self.key_unit[k] for k in ls.param_keys}
-                                     for sid, ls in self.local.items()} if self._defer_redistribution else {}
+        self._slice_runtime_units = local_slice_units(self.local, self.key_unit) if self._defer_redistribution else {}
         self._waiting: dict[tuple[str, str | None], dict[str, torch.Tensor]] = {}  # parts' tensors landed so far
         self.grad_sync = GradSync(self.grad_buffers, self.local, self.binding, self.key_unit, self.groups,
                                   overlap=settings.overlap_grad_reduce, micro_batches=settings.micro_batches,

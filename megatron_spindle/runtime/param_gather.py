@@ -30,7 +30,7 @@ from megatron_spindle.plan.tp_shards import base_unit
 from megatron_spindle.runtime import progress
 from megatron_spindle.runtime.optimizer import MasterOptimizer
 from megatron_spindle.runtime.shards import PendingGather
-from megatron_spindle.runtime.slices import LocalSlice, unit_holders
+from megatron_spindle.runtime.slices import LocalSlice, local_slice_units, unit_holders
 
 
 class ParamGather:
@@ -46,7 +46,7 @@ class ParamGather:
         self.buckets = list(buckets)
         self.bucket_of = {u: i for i, (_, units) in enumerate(self.buckets) for u in units}
         self.holders = unit_holders(local, key_unit)  # unit -> the local slices holding it, their keys of it
-        self.slice_units = {sid: sorted({key_unit[k] for k in ls.param_keys}) for sid, ls in local.items()}
+        self.slice_units = local_slice_units(local, key_unit)
         self._hooks = []
         self.unhooked: dict[str, list[str]] = {}  # slice id -> its gathered units no layer hook loads
         for sid, ls in local.items():

@@ -104,6 +104,11 @@ def unit_holders(local: dict[str, LocalSlice],
     return holders
 
 
+def local_slice_units(local: dict[str, LocalSlice], key_unit: dict[str, str]) -> dict[str, list[str]]:
+    """slice id -> the runtime units its parameter keys belong to (a unit's TP shards are units of their own)."""
+    return {sid: sorted({key_unit[k] for k in ls.param_keys}) for sid, ls in local.items()}
+
+
 def initial_weights(local: dict[str, LocalSlice], rank: int,
                     device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(runtime key -> full fp32 weight, runtime key -> its unit) from the operators' own deterministic
