@@ -426,6 +426,27 @@ def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: Clu
     return best
 
 
+def fastest_zero_stage(cand: _Candidate, workload: Workload, cluster: ClusterSpec, metagraph: MetaGraph,
+                       config: PlannerConfig) -> _Candidate:
+    """``cand``'s waves at the ZeRO stage (of those ``config`` allows) the planner's estimate times fastest, each
+    with the cheapest recomputation that fits: the search chose the stage on the waves as first placed, and the
+    CP-SAT model, settled tails or islands change them, so a near-tie there can turn (OFASys-7 / 16: ZeRO-3 ahead
+    by 2 ms on the greedy waves, 38 ms behind ZeRO-2 on the refined ones). ``cand`` itself on a tie. Only among
+    the sharded stages, where the search sharded: unsharded, it stays so (auto shards only where memory needs it)."""
+    options = [cand]
+    if cand.memory_model.zero_stage == 0:
+        return cand
+    for stage in config.zero_stages():
+        if stage in (0, cand.memory_model.zero_stage):
+            continue
+        other = dataclasses.replace(cand, memory_model=MemoryModel(workload, cluster, cand.cost_model,
+                                                                   zero_stage=stage))
+        option = other.with_waves(cand.placed, cluster, config)
+        if option is not None:
+            options.append(option)
+    return min(options, key=lambda o: o.estimate(workload, cluster, metagraph))
+
+
 def _place_rung(micro, workload, cluster, config, profile, stage, assumed, over, say, cost_model, curve_cache):
     """One rung's placement: (cost model, memory model placed with, cluster placed on, curves, allocations,
     placed waves, whether memory bound it, whether it narrowed it). ``cost_model`` and ``curve_cache``: the

@@ -37,7 +37,7 @@ from megatron_spindle.plan.schema import (
 from megatron_spindle.plan.validate import validate_plan
 from megatron_spindle.planner.assemble import assemble_plan
 from megatron_spindle.planner.light_levels import follow_neighbours
-from megatron_spindle.planner.memory_search import search_memory_options
+from megatron_spindle.planner.memory_search import fastest_zero_stage, search_memory_options
 from megatron_spindle.planner.objective import estimate_iteration
 from megatron_spindle.planner.placement import PlacementError, place, place_on_islands
 from megatron_spindle.planner.schedule import LevelAllocation, ScheduledWave
@@ -359,6 +359,7 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
             info["memory_options"] = best.describe()
         else:
             info.setdefault("notes", ["the CP-SAT plan fits no recomputation choice; the greedy plan is kept"])
+        best = fastest_zero_stage(best, workload, cluster, metagraph, config)
         lap("cpsat")
     if config.light_follow:
         relaid = _light_levels_follow(best.placed, best.metagraph, workload, best.placed_on, best.curves,
@@ -374,9 +375,11 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
     lap("tails")
 
     def finish(chosen, notes: dict) -> PlanningResult:
+        # the islands and tails placed the waves again: their ZeRO stage is chosen once more
+        chosen = fastest_zero_stage(chosen, workload, cluster, metagraph, config)
         # plan selection (megatron_spindle/autoplan.py ``memory_bound``) plans again with memory unlimited where
         # this or the plan's memory options say memory shaped it
-        planner_info = {**info, **notes, "memory_limited": chosen.memory_limited}
+        planner_info = {**info, **notes, "memory_options": chosen.describe(), "memory_limited": chosen.memory_limited}
         plan = assemble_plan(workload, cluster, metagraph, chosen.charged_waves(), chosen.cost_model,
                              chosen.memory_model, planner_info, level_allocs=chosen.level_allocs, curves=chosen.curves,
                              settings=chosen.settings())  # the user's run settings included (run_settings)
