@@ -433,9 +433,9 @@ def fastest_zero_stage(cand: _Candidate, workload: Workload, cluster: ClusterSpe
     CP-SAT model, settled tails or islands change them, so a near-tie there can turn (OFASys-7 / 16: ZeRO-3 ahead
     by 2 ms on the greedy waves, 38 ms behind ZeRO-2 on the refined ones). ``cand`` itself on a tie. Only among
     the sharded stages, where the search sharded: unsharded, it stays so (auto shards only where memory needs it)."""
-    options = [cand]
     if cand.memory_model.zero_stage == 0:
         return cand
+    options = [cand]
     for stage in config.zero_stages():
         if stage in (0, cand.memory_model.zero_stage):
             continue

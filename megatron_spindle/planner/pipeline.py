@@ -332,7 +332,7 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
     lap("estimate+allocate+schedule+place")
     say(f"scaling curves: {len(best.curves)} ({sum(c.source == 'profiled' for c in best.curves.values())} profiled)")
     say(f"wavefront: {len(best.waves)} waves; memory: {best.describe()}")
-    info: dict[str, Any] = {"planner": "wavefront", "requested": asdict(config), "memory_options": best.describe()}
+    info: dict[str, Any] = {"planner": "wavefront", "requested": asdict(config)}  # + the finished plan's memory_options
     solver, greedy = None, best.placed
     if config.planner == "cpsat":
         from megatron_spindle.planner.cpsat import solve_cpsat
@@ -356,7 +356,6 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
                 info["notes"] = ["the CP-SAT plan needs more recomputation than it saves; the greedy plan is kept"]
         if refined is not None:
             best = refined
-            info["memory_options"] = best.describe()
         else:
             info.setdefault("notes", ["the CP-SAT plan fits no recomputation choice; the greedy plan is kept"])
         best = fastest_zero_stage(best, workload, cluster, metagraph, config)
@@ -397,8 +396,7 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
 
     result = finish_both(best, best_greedy_islands, {})
     if settled is not best:
-        result.settled = finish_both(settled, settled_greedy_islands,
-                                     {"memory_options": settled.describe(), "settled_tails": True})
+        result.settled = finish_both(settled, settled_greedy_islands, {"settled_tails": True})
     lap("assemble")
     for r in (result, result.greedy_islands, result.settled, result.settled and result.settled.greedy_islands):
         if r is not None:
