@@ -317,8 +317,8 @@ class _Candidate:
                 f"{recompute}{', early backward' if self.order is not None else ''}")
 
 
-def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec, config: PlannerConfig, profile,
-                   say, placements: dict | None = None) -> _Candidate:
+def search_memory_options(metagraph: MetaGraph, workload: Workload, cluster: ClusterSpec, config: PlannerConfig,
+                          profile, say, placements: dict | None = None) -> _Candidate:
     """The memory options of the plan (``profile``: a ``Profile``, whose measurements then time the candidates,
     or curve points alone): for each micro-batch count (fewest first), every rung of
     ``memory_rungs`` that places and fits is a candidate, and the one the planner's estimate times fastest

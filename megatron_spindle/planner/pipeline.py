@@ -185,7 +185,8 @@ class PlannerConfig:
         f"run on, at most {MAX_AUTO_WORKERS}; 1: all in this process."))
     select: str = field(default="simulate", metadata=flag(
         "simulate: plan a few candidates (the configured planner, the greedy wavefront plan, node-bounded "
-        "slices, the tasks partitioned over groups of nodes, with and without the distributed optimizer) and keep the one the simulator times fastest "
+        "slices, the tasks partitioned over groups of nodes, with and without the distributed optimizer) and keep "
+        "the one the simulator times fastest "
         "(megatron_spindle/autoplan.py); none: the configured planner's plan.", choices=SELECTIONS))
     # Not flags: variants plan selection (megatron_spindle/autoplan.py) asks for. At most this many devices per
     # slice (0: no limit), for MetaOps that have a configuration that small: a node (gpus_per_node) keeps every
