@@ -335,6 +335,16 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
     say(f"wavefront: {len(best.waves)} waves; memory: {best.describe()}")
     info: dict[str, Any] = {"planner": "wavefront", "requested": asdict(config)}  # + the finished plan's memory_options
     solver, greedy = None, best.placed
+    staged: dict[int, tuple[Any, Any]] = {}  # id(candidate) -> (it, it at its fastest ZeRO stage)
+
+    def restaged(cand):
+        """``fastest_zero_stage`` once per candidate (and none again for its result): finish meets the CP-SAT
+        plan again wherever the islands and tails left it as it was."""
+        if id(cand) not in staged:
+            out = fastest_zero_stage(cand, workload, cluster, metagraph, config)
+            staged[id(cand)], staged[id(out)] = (cand, out), (out, out)
+        return staged[id(cand)][1]
+
     if config.planner == "cpsat":
         from megatron_spindle.planner.cpsat import solve_cpsat
 
@@ -359,7 +369,7 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
             best = refined
         else:
             info.setdefault("notes", ["the CP-SAT plan fits no recomputation choice; the greedy plan is kept"])
-        best = fastest_zero_stage(best, workload, cluster, metagraph, config)
+        best = restaged(best)
         lap("cpsat")
     if config.light_follow:
         relaid = _light_levels_follow(best.placed, best.metagraph, workload, best.placed_on, best.curves,
@@ -376,7 +386,7 @@ def plan_workload(workload: Workload, cluster: ClusterSpec, config: PlannerConfi
 
     def finish(chosen, notes: dict) -> PlanningResult:
         # the islands and tails placed the waves again: their ZeRO stage is chosen once more
-        chosen = fastest_zero_stage(chosen, workload, cluster, metagraph, config)
+        chosen = restaged(chosen)
         # plan selection (megatron_spindle/autoplan.py ``memory_bound``) plans again with memory unlimited where
         # this or the plan's memory options say memory shaped it
         planner_info = {**info, **notes, "memory_options": chosen.describe(), "memory_limited": chosen.memory_limited}
