@@ -23,6 +23,7 @@ profiles (estimator.estimate_curves(profile=...)) override the model where measu
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -306,6 +307,15 @@ class AnalyticCostModel:
         self.host_forward_weight = host.host_forward_kernel_weight(cluster.gpu)
         self._param_counts: dict[str, int] = {}
         self._times: dict[tuple, LayerTime] = {}
+        self._reruns: dict[tuple, float] = {}  # one operator's recomputation seconds (_block_recompute_seconds)
+
+    def without_recompute(self) -> AnalyticCostModel:
+        """A copy whose config does not add recomputation to every layer (a profiled model keeps its
+        measurements), with its own memos."""
+        out = copy.copy(self)
+        out.config = dataclasses.replace(self.config, recompute=False)
+        out._times, out._reruns = {}, {}
+        return out
 
     # ------------------------------------------------------------------------------------------ shapes
 
@@ -691,15 +701,21 @@ class AnalyticCostModel:
         if rc.mode == "none":
             return 0.0
         self._check_config(metaop, tp, dp)
-        kernels = self._kernel_time(metaop, tp, dp, recompute=False)
-        if rc.mode == "selective":
-            modules = rc.recompute_modules
-            seconds, launches = rerun_kernels(kernels.kernels, modules)
-            allreduces = 1 if "mlp" in modules and tp > 1 else 0
-            return num_layers * self._rerun_seconds(metaop, tp, dp, kernels, seconds, launches, allreduces)
-        rerun = self._rerun_seconds(metaop, tp, dp, kernels, kernels.forward, kernels.forward_kernels,
-                                    self._tp_collectives(metaop, tp))
-        return rc.recomputed_layers(num_layers) * rerun
+        modules = rc.recompute_modules if rc.mode == "selective" else None
+        # memoised per operator: the planner's ladders ask for every k of full recomputation of a slice
+        key = (metaop.id, metaop.kind, metaop.module, tuple(metaop.input_shape), tp, dp, metaop.backward, modules)
+        rerun = self._reruns.get(key)
+        if rerun is None:
+            kernels = self._kernel_time(metaop, tp, dp, recompute=False)
+            if modules is not None:
+                seconds, launches = rerun_kernels(kernels.kernels, modules)
+                allreduces = 1 if "mlp" in modules and tp > 1 else 0
+                rerun = self._rerun_seconds(metaop, tp, dp, kernels, seconds, launches, allreduces)
+            else:
+                rerun = self._rerun_seconds(metaop, tp, dp, kernels, kernels.forward, kernels.forward_kernels,
+                                            self._tp_collectives(metaop, tp))
+            self._reruns[key] = rerun
+        return (num_layers if modules is not None else rc.recomputed_layers(num_layers)) * rerun
 
     def _rerun_seconds(self, metaop: MetaOp, tp: int, dp: int, kernels: LayerTime, seconds: float, launches: int,
                        allreduces: int) -> float:

@@ -10,6 +10,7 @@ simulator and the runtime apply the same rules to what they hold.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
@@ -55,7 +56,10 @@ def weight_shard_degree(s: SliceGeometry, scope: int | None) -> int:
     the largest share divides its weights by; ``s.dp`` without a scope."""
     if scope is None or not s.devices:
         return s.dp
-    return min(len(weight_shard_group(s.devices, s.tp, d, scope)) for d in s.devices)
+    # a device's group on its node is the devices of its TP rank there: count each (TP rank, node) once
+    # (weight_shard_group per device is quadratic in the slice's size, and the planner asks for every option)
+    members = Counter((i % s.tp, d // scope) for i, d in enumerate(s.devices))
+    return min(members.values())
 
 
 def dp_rows(rank: int, dp: int, batch: int) -> tuple[int, int]:

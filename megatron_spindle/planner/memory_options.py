@@ -23,6 +23,7 @@ an earlier one unnecessary). ``RecomputePolicy`` restricts the options: the user
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -80,23 +81,28 @@ def slice_options(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers, cos
     """The slice's ladder, cheapest first, each option holding less from forward to backward, or needing less
     at its most (held + transient), than every cheaper one."""
     layers = s.layer_end - s.layer_start
+    weight_dp = slice_weight_dp(numbers, s)  # the slice's, whatever its recomputation
+
+    def option(rc: Recompute) -> Option:
+        return _option(metaop, s, numbers, cost_model, rc, weight_dp)
+
     if metaop.kind != "layer":
-        return [_option(metaop, s, numbers, cost_model, Recompute())]
+        return [option(Recompute())]
     if policy.fixed is not None:
-        fixed = fitted_recompute(policy.fixed.for_layers(layers), _module_kind(metaop, cost_model))
-        return [_option(metaop, s, numbers, cost_model, fixed)]
+        return [option(fitted_recompute(policy.fixed.for_layers(layers), _module_kind(metaop, cost_model)))]
     selective = selective_choices(_module_kind(metaop, cost_model)) if policy.allow_selective else []
-    plain = [_option(metaop, s, numbers, cost_model, rc) for rc in [Recompute(), *selective]]
+    plain = [option(rc) for rc in [Recompute(), *selective]]
     # beside full recomputation of k layers, the others rerun nothing or a module set on selective's own ladder
     rests = [None] + [o.recompute.recompute_modules for o in _ladder(plain) if o.recompute.mode == "selective"]
     full = dict.fromkeys(Recompute("full", k, modules=m).for_layers(layers)
                          for m in rests for k in range(1, layers + 1))
-    return _ladder(plain + [_option(metaop, s, numbers, cost_model, rc) for rc in full])
+    return _ladder(plain + [option(rc) for rc in full])
 
 
-def _option(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers, cost_model, rc: Recompute) -> Option:
+def _option(metaop: MetaOp, s: SliceGeometry, numbers: ShardedNumbers, cost_model, rc: Recompute,
+            weight_dp: int) -> Option:
     layers = s.layer_end - s.layer_start
-    held, transient = activation_memory(numbers, metaop, s.tp, s.dp, layers, rc, slice_weight_dp(numbers, s))
+    held, transient = activation_memory(numbers, metaop, s.tp, s.dp, layers, rc, weight_dp)
     seconds = cost_model.recompute_seconds(metaop, s.tp, s.dp, rc, layers) if rc.mode != "none" else 0.0
     return Option(rc, seconds, held, transient)
 
@@ -105,10 +111,11 @@ def _ladder(options: list[Option]) -> list[Option]:
     """The options cheapest first, each holding less, or needing less at its most, than every cheaper one."""
     options = sorted(options, key=lambda o: (o.seconds, o.held + o.transient))
     ladder: list[Option] = []
+    least_held = least_most = math.inf  # over the ladder so far
     for o in options:
-        if not ladder or o.held < min(x.held for x in ladder) or \
-                o.held + o.transient < min(x.held + x.transient for x in ladder):
+        if o.held < least_held or o.held + o.transient < least_most:
             ladder.append(o)
+            least_held, least_most = min(least_held, o.held), min(least_most, o.held + o.transient)
     return ladder
 
 

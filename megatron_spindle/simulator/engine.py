@@ -70,7 +70,6 @@ then writes this simulator's time into ``plan.predicted["iteration_time"]``.
 from __future__ import annotations
 
 import bisect
-import copy
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -250,9 +249,7 @@ def matching_models(plan: Plan, workload: Workload, cluster: ClusterSpec, cost_m
         cost_model = AnalyticCostModel(workload, cluster, config=execution_cost_config(plan.settings))
         memory_model = None
     elif getattr(getattr(cost_model, "config", None), "recompute", False):
-        cost_model = copy.copy(cost_model)  # keeps a profiled model's measurements
-        cost_model.config = dataclasses.replace(cost_model.config, recompute=False)
-        cost_model._times = {}
+        cost_model = cost_model.without_recompute()
         memory_model = None
     if memory_model is None:
         memory_model = MemoryModel(workload, cluster, cost_model)

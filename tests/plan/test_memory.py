@@ -11,7 +11,7 @@ from megatron_spindle.estimator import AnalyticCostModel, CostModelConfig, Memor
 from megatron_spindle.graph.cluster import make_cluster
 from megatron_spindle.graph.opgraph import MetaOp, build_metagraph
 from megatron_spindle.graph.workload import load_workload
-from megatron_spindle.plan.layout import device_programs, weight_shard_degree
+from megatron_spindle.plan.layout import device_programs, weight_shard_degree, weight_shard_group
 from megatron_spindle.plan.memory import (
     STATE_BYTES_PER_PARAM,
     WEIGHT_BYTES_PER_PARAM,
@@ -117,6 +117,19 @@ def test_node_local_weight_shards_divide_the_weights_by_the_slice_s_ranks_on_a_n
     assert weight_shard_degree(S("c", [0, 1, 2, 3, 4, 5]), 4) == 2  # nodes {0-3} and {4, 5}: the smaller
     with pytest.raises(ValueError, match="gpus_per_node"):
         ZeroSharded.of(Numbers(), settings)
+
+
+def test_the_weight_shard_degree_is_the_smallest_group_any_device_of_the_slice_gathers_from():
+    """``weight_shard_degree`` counts (TP rank, node) pairs; it is the definition over every device's
+    ``weight_shard_group``, on strided and compact TP groups and nodes the slice covers unevenly."""
+    slices = [S("c", [0, 1, 2, 3, 4, 5]), S("c", [0, 4, 1, 5, 2, 6, 3, 7], tp=2),
+              S("c", [0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15], tp=4), S("c", [3, 2, 9, 8, 17, 16], tp=2),
+              S("c", list(range(0, 24, 3)), tp=2), S("c", [5])]
+    expected = {4: [2, 4, 1, 1, 1, 1], 8: [6, 4, 1, 1, 1, 1]}
+    for scope, want in expected.items():
+        got = [weight_shard_degree(s, scope) for s in slices]
+        assert got == [min(len(weight_shard_group(s.devices, s.tp, d, scope)) for d in s.devices) for s in slices]
+        assert got == want, scope
 
 
 def test_the_estimator_s_distributed_optimizer_is_the_same_rule_exactly():
