@@ -21,6 +21,7 @@ together: the plan's groups, then per group the rings (sub-units with the same r
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -164,6 +165,17 @@ def _shard_labels(waves, held, planned, effort: float) -> dict[tuple[int, int], 
     """(degree, device) -> shard, from CP-SAT: each TP group of each holder slice holds each shard ``tp / t``
     times (softly: the model minimises the shortfall), a slice's smaller degrees nest in its largest; hinted
     with the planned orders' first shards. None when no solution is found within ``effort``."""
+    holders = tuple((degrees, waves[wi][si].tp, tuple(planned[wi][si])) for (wi, si), degrees in held.items())
+    return _solved_shard_labels(holders, effort)
+
+
+# Plan selection assembles many candidates on the same placements (ZeRO stages, buckets, recomputation), and
+# the model is deterministic (one worker, a seed, deterministic time): the same holders, the same labels.
+@functools.lru_cache(maxsize=256)
+def _solved_shard_labels(holders: tuple[tuple[tuple[int, ...], int, tuple[int, ...]], ...],
+                         effort: float) -> dict[tuple[int, int], int] | None:
+    """``_shard_labels`` of the holder slices' (shard degrees, TP, planned device order), in the plan's order
+    (the model's variables and constraints are made in it). The caller must not change the labels."""
     from ortools.sat.python import cp_model  # planning-time only: the runtime never builds this model
 
     model = cp_model.CpModel()
@@ -179,22 +191,21 @@ def _shard_labels(waves, held, planned, effort: float) -> dict[tuple[int, int], 
     shortfall = []
     hinted: set[tuple[int, int]] = set()
     nested: set[tuple[int, int, int]] = set()
-    for (wi, si), degrees in held.items():
-        s, top = waves[wi][si], max(degrees)
-        order = planned[wi][si]
-        for k in range(0, len(order), s.tp):
-            group = order[k:k + s.tp]
+    for degrees, tp, order in holders:
+        top = max(degrees)
+        for k in range(0, len(order), tp):
+            group = order[k:k + tp]
             for t in degrees:
                 for p in range(t):
-                    miss = model.new_int_var(0, s.tp // t, "")
-                    model.add(sum(label(t, d)[p] for d in group) + miss >= s.tp // t)
+                    miss = model.new_int_var(0, tp // t, "")
+                    model.add(sum(label(t, d)[p] for d in group) + miss >= tp // t)
                     shortfall.append(miss)
             for r, d in enumerate(group):
                 for t in degrees:
                     if (t, d) not in hinted:
                         hinted.add((t, d))
                         for p, var in enumerate(label(t, d)):
-                            model.add_hint(var, p == r // (s.tp // t))
+                            model.add_hint(var, p == r // (tp // t))
                     if t != top and top % t == 0 and (t, top, d) not in nested:
                         nested.add((t, top, d))  # TP rank r of top lies in shard r // (top / t) of t
                         for p, var in enumerate(label(t, d)):

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 from megatron_spindle.graph.opgraph import build_metagraph
 from megatron_spindle.graph.workload import load_workload
+from megatron_spindle.plan import tp_shards
 from megatron_spindle.plan.layout import slice_units
 from megatron_spindle.plan.schema import ExecutionSettings
 from megatron_spindle.plan.tp_shards import (
@@ -84,6 +85,24 @@ def test_crossing_tp_groups_are_ordered_so_each_device_holds_one_shard():
     aligned = _reordered(waves, orders)
     assert ring_surplus(aligned, g.metaops, units, SHARDED) == 0
     assert all(len(r) == 2 for r in unit_rings(aligned, g.metaops, units, SHARDED)[units[0][0]].rings)
+
+
+def test_the_shard_labels_of_the_same_holders_are_solved_once():
+    """Plan selection assembles many candidates on one placement: the labels' CP-SAT model, deterministic,
+    is solved once per holders (their degrees, TP and planned orders); another planned order is another
+    model."""
+    g, (a, b) = _clip_towers()
+    units = [slice_units(a, 0, a.num_layers)]
+    waves = [[_slice(a, [0, 4, 2, 3, 1, 6, 5, 7], 4)], [_slice(b, list(range(8)), 4)]]
+    tp_shards._solved_shard_labels.cache_clear()
+    first = aligned_device_orders(waves, g.metaops, units, SHARDED)
+    assert tp_shards._solved_shard_labels.cache_info().misses == 1
+    assert aligned_device_orders(waves, g.metaops, units, SHARDED) == first
+    assert tp_shards._solved_shard_labels.cache_info().hits == 1
+    other = [[_slice(a, [0, 4, 2, 3, 1, 6, 7, 5], 4)], [_slice(b, list(range(8)), 4)]]
+    assert _tp_groups(aligned_device_orders(other, g.metaops, units, SHARDED)[0][0], 4) == _tp_groups(
+        other[0][0].devices, 4)
+    assert tp_shards._solved_shard_labels.cache_info().misses == 2
 
 
 def test_nested_degrees_in_one_slice_are_ordered_together():
