@@ -126,6 +126,7 @@ class MemoryModel:
         # the plan setting (None: the cost model's); where it applies: plan/schema.py sequence_parallel_runs
         self.sequence_parallel = self.cost_model.config.sequence_parallel if sequence_parallel is None \
             else sequence_parallel
+        self._activations: dict[tuple, tuple[float, float]] = {}  # activation_memory's answers
 
     @property
     def zero_stage(self) -> int:
@@ -303,6 +304,18 @@ class MemoryModel:
         what they keep from forward to backward (each DP rank its B/dp samples), and what their backward needs
         beyond that while it recomputes (``recompute``; None: the model's own), in a plan with sequence
         parallelism enabled or not (``sequence_parallel``; None: the model's own)."""
+        # memoised: the planner's recomputation ladders ask for every option of every slice (about a million
+        # questions in a 256-GPU selection), most of them about the same layers
+        key = (metaop.id, metaop.kind, metaop.module, tuple(metaop.input_shape), len(metaop.ops), metaop.backward,
+               metaop.frozen, tp, dp, num_layers, recompute, sequence_parallel)
+        known = self._activations.get(key)
+        if known is None:
+            known = self._activations[key] = self._activation_memory(metaop, tp, dp, num_layers, recompute,
+                                                                     sequence_parallel)
+        return known
+
+    def _activation_memory(self, metaop: MetaOp, tp: int, dp: int, num_layers: int, recompute: Recompute | None,
+                           sequence_parallel: bool | None) -> tuple[float, float]:
         self._check(metaop, tp, dp, num_layers)
         micro_batch = metaop.batch / dp
         if metaop.backward == "none":  # a frozen module with nothing trainable upstream: no autograd graph
