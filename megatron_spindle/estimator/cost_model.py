@@ -285,6 +285,11 @@ def _parse_unit(param_name: str) -> tuple[str, str]:
     return owner, unit
 
 
+def _operator_key(metaop: MetaOp, tp: int, dp: int) -> tuple:
+    """What one operator's times depend on, for the cost model's memos."""
+    return metaop.id, metaop.kind, metaop.module, tuple(metaop.input_shape), metaop.backward, tp, dp
+
+
 class AnalyticCostModel:
     """Per-operator FLOPs, bytes and seconds of the MetaOps of ``workload`` on ``cluster``."""
 
@@ -603,7 +608,7 @@ class AnalyticCostModel:
         return self._kernel_time(metaop, tp, dp, self.config.recompute)
 
     def _kernel_time(self, metaop: MetaOp, tp: int, dp: int, recompute: bool) -> LayerTime:
-        key = (metaop.id, metaop.kind, metaop.module, tuple(metaop.input_shape), tp, dp, recompute, metaop.backward)
+        key = (*_operator_key(metaop, tp, dp), recompute)
         cached = self._times.get(key)
         if cached is not None:
             return cached
@@ -703,7 +708,7 @@ class AnalyticCostModel:
         self._check_config(metaop, tp, dp)
         modules = rc.recompute_modules if rc.mode == "selective" else None
         # memoised per operator: the planner's ladders ask for every k of full recomputation of a slice
-        key = (metaop.id, metaop.kind, metaop.module, tuple(metaop.input_shape), tp, dp, metaop.backward, modules)
+        key = (*_operator_key(metaop, tp, dp), modules)
         rerun = self._reruns.get(key)
         if rerun is None:
             kernels = self._kernel_time(metaop, tp, dp, recompute=False)
